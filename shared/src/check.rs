@@ -1,0 +1,118 @@
+//! Correctness before speed: compare a stage's output with the fp32 reference.
+
+use crate::error::SpeedkitError;
+use crate::stage::Precision;
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// Largest accepted ||y − ref||₂ / ||ref||₂ for a stage running at `p`. Starting points from
+/// DESIGN.md, to be tuned from measurement and kept documented here.
+pub fn tolerance(p: Precision) -> f64 {
+    match p {
+        // Same arithmetic as the reference up to summation order: ~1e-7 is typical, 1e-5
+        // leaves room for different GEMM blockings and reduction trees.
+        Precision::Fp32 => 1e-5,
+        // TF32 keeps 10 mantissa bits of the GEMM inputs (unit roundoff 2^-11 ≈ 4.9e-4);
+        // errors of several GEMMs compound to ~1e-3.
+        Precision::Tf32 => 5e-3,
+        // bf16 has 7 mantissa bits (unit roundoff 2^-8 ≈ 3.9e-3) for weights and activations.
+        Precision::Bf16 => 2e-2,
+        // f16 has 10 mantissa bits (2^-11) but less range; activations stay inside it here.
+        Precision::F16 => 1e-2,
+        // E4M3 has 3 mantissa bits (2^-4 = 6.25e-2 relative step at worst); per-tensor scaling
+        // keeps values in range, rounding errors partly average out across a dot product.
+        Precision::Fp8 => 8e-2,
+    }
+}
+
+/// Result of comparing a stage's output with the reference.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CheckResult {
+    /// ||y − ref||₂ / ||ref||₂
+    pub rel_err: f64,
+    /// max |y − ref|
+    pub max_abs_err: f64,
+    pub tolerance: f64,
+    /// Count of NaN/inf values in y.
+    pub non_finite: usize,
+    pub passed: bool,
+}
+
+/// Compare `y` against `reference` (any devices, any float dtypes), in f64 on the host.
+pub fn compare(y: &Tensor, reference: &Tensor, precision: Precision) -> candle_core::Result<CheckResult> {
+    if y.dims() != reference.dims() {
+        candle_core::bail!("output shape {:?} differs from the reference's {:?}", y.dims(), reference.dims());
+    }
+    let host = |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+    let (y, r) = (host(y)?, host(reference)?);
+    let (mut diff2, mut ref2, mut max_abs, mut non_finite) = (0f64, 0f64, 0f64, 0usize);
+    for (&a, &b) in y.iter().zip(&r) {
+        if !a.is_finite() {
+            non_finite += 1;
+            continue;
+        }
+        let d = a as f64 - b as f64;
+        diff2 += d * d;
+        ref2 += b as f64 * b as f64;
+        max_abs = max_abs.max(d.abs());
+    }
+    let rel_err = if ref2 > 0.0 { (diff2 / ref2).sqrt() } else { diff2.sqrt() };
+    let tolerance = tolerance(precision);
+    Ok(CheckResult { rel_err, max_abs_err: max_abs, tolerance, non_finite, passed: non_finite == 0 && rel_err <= tolerance })
+}
+
+impl CheckResult {
+    /// The error to stop with when the check failed: what, by how much, and what to do.
+    pub fn to_error(&self, stage: &str, precision: Precision) -> Option<SpeedkitError> {
+        if self.passed {
+            return None;
+        }
+        let what = if self.non_finite > 0 {
+            format!("{} output values are NaN or infinite", self.non_finite)
+        } else {
+            format!(
+                "relative error {:.3e} exceeds the {precision} tolerance {:.1e} (max abs error {:.3e})",
+                self.rel_err, self.tolerance, self.max_abs_err
+            )
+        };
+        Some(SpeedkitError::CheckFailed(format!(
+            "{stage} does not compute the block's function: {what} against the fp32 stage-0 reference \
+             on the same weights and input. Nothing was timed. This is a bug in the stage (or, with \
+             --weights/--input, values outside the precision's range). Fix: report it with this \
+             command line; --no-check skips the check but the timing would then measure a wrong block."
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tolerances_order_by_mantissa_bits() {
+        use Precision::*;
+        assert!(tolerance(Fp32) < tolerance(Tf32));
+        assert!(tolerance(Tf32) < tolerance(F16));
+        assert!(tolerance(F16) < tolerance(Bf16));
+        assert!(tolerance(Bf16) < tolerance(Fp8));
+    }
+
+    #[test]
+    fn compare_measures_and_fails() {
+        let r = Tensor::new(&[3f32, 4.0], &Device::Cpu).unwrap();
+        let same = compare(&r, &r, Precision::Fp32).unwrap();
+        assert_eq!(same.rel_err, 0.0);
+        assert!(same.passed);
+        // y − ref = (0, 0.05): ||·|| = 0.05, ||ref|| = 5 → 1e-2
+        let y = Tensor::new(&[3f32, 4.05], &Device::Cpu).unwrap();
+        let c = compare(&y, &r, Precision::Fp32).unwrap();
+        assert!((c.rel_err - 1e-2).abs() < 1e-6 && (c.max_abs_err - 0.05).abs() < 1e-6);
+        assert!(!c.passed);
+        assert!(c.to_error("s", Precision::Fp32).unwrap().to_string().contains("exceeds the fp32 tolerance"));
+        assert!(compare(&y, &r, Precision::Bf16).unwrap().passed);
+        let nan = Tensor::new(&[f32::NAN, 4.0], &Device::Cpu).unwrap();
+        let c = compare(&nan, &r, Precision::Fp8).unwrap();
+        assert_eq!(c.non_finite, 1);
+        assert!(!c.passed);
+    }
+}

@@ -1,0 +1,128 @@
+//! Flags shared by every stage binary and the ladder. Each flag can also come from a
+//! `SPEEDKIT_*` environment variable (the flag wins when both are given).
+
+use crate::device::DeviceRequest;
+use crate::error::{classify, SpeedkitError};
+use crate::preset::Preset;
+use crate::stage::{Precision, PrecisionRequest};
+use clap::ValueEnum;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+impl std::str::FromStr for PrecisionRequest {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(PrecisionRequest::Auto);
+        }
+        Precision::from_str(s, true)
+            .map(PrecisionRequest::Exactly)
+            .map_err(|_| format!("'{s}' is not a precision; use auto, fp32, tf32, bf16, f16 or fp8"))
+    }
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct RunArgs {
+    /// auto (first GPU if this build has CUDA and one is present, else CPU), cpu, cuda or cuda:N
+    #[arg(long, env = "SPEEDKIT_DEVICE", default_value = "auto")]
+    pub device: DeviceRequest,
+    /// Named shape [default: small on CPU, te on GPU]
+    #[arg(long, env = "SPEEDKIT_PRESET", value_enum)]
+    pub preset: Option<Preset>,
+    /// B: sequences per forward (overrides the preset)
+    #[arg(long, env = "SPEEDKIT_BATCH")]
+    pub batch: Option<usize>,
+    /// T: tokens per sequence (overrides the preset)
+    #[arg(long, env = "SPEEDKIT_SEQ")]
+    pub seq: Option<usize>,
+    /// C: model width (overrides the preset)
+    #[arg(long, env = "SPEEDKIT_D_MODEL")]
+    pub d_model: Option<usize>,
+    /// n_head: attention heads, must divide C (overrides the preset)
+    #[arg(long, env = "SPEEDKIT_HEADS")]
+    pub heads: Option<usize>,
+    /// FF: MLP hidden width (overrides the preset)
+    #[arg(long, env = "SPEEDKIT_FF")]
+    pub ff: Option<usize>,
+    /// auto (each stage's policy decides), fp32, tf32, bf16, f16 or fp8
+    #[arg(long, env = "SPEEDKIT_PRECISION", default_value = "auto")]
+    pub precision: PrecisionRequest,
+    /// Untimed iterations before timing [default: 2 on CPU, 10 on GPU]
+    #[arg(long, env = "SPEEDKIT_WARMUP")]
+    pub warmup: Option<usize>,
+    /// Timed iterations, at least 1 [default: 10 on CPU, 50 on GPU]
+    #[arg(long, env = "SPEEDKIT_ITERS")]
+    pub iters: Option<usize>,
+    /// Seed for the weights and the input (same seed, same block, on every device)
+    #[arg(long, env = "SPEEDKIT_SEED", default_value_t = 0)]
+    pub seed: u64,
+    /// Also write the measurements as JSON to this path
+    #[arg(long, env = "SPEEDKIT_JSON")]
+    pub json: Option<PathBuf>,
+    /// Skip the check against the fp32 reference (the timing then vouches for nothing)
+    #[arg(long, env = "SPEEDKIT_NO_CHECK")]
+    pub no_check: bool,
+    /// Peak TFLOP/s to compute % of peak against (for devices not in the built-in table)
+    #[arg(long, env = "SPEEDKIT_PEAK_TFLOPS")]
+    pub peak_tflops: Option<f64>,
+    /// Read the block's weights from a safetensors file in GPT-2 naming (h.N.ln_1.weight, ...)
+    #[arg(long, env = "SPEEDKIT_WEIGHTS")]
+    pub weights: Option<PathBuf>,
+    /// Which layer N of the --weights file to use (needed when it holds several)
+    #[arg(long, env = "SPEEDKIT_LAYER")]
+    pub layer: Option<usize>,
+    /// Write the weights used as a GPT-2-named safetensors file (layer --layer, default 0)
+    #[arg(long, env = "SPEEDKIT_SAVE_WEIGHTS")]
+    pub save_weights: Option<PathBuf>,
+    /// Read the input x (B, T, C) from a safetensors file (tensor "x"); sets B and T
+    #[arg(long, env = "SPEEDKIT_INPUT")]
+    pub input: Option<PathBuf>,
+    /// Write x and the block's output as safetensors, to compare with another framework
+    #[arg(long, env = "SPEEDKIT_SAVE_OUTPUT")]
+    pub save_output: Option<PathBuf>,
+}
+
+/// Run `body` and turn its error into a message on stderr and the exit code it deserves
+/// (see `error`). Panics are not caught: they are bugs, and should look like bugs.
+pub fn exit_with(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
+    match body() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let (code, msg) = classify(&e);
+            eprintln!("error: {msg}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+/// Validate flags that clap cannot check by type.
+pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
+    if args.iters == Some(0) {
+        return Err(SpeedkitError::usage(
+            "--iters is 0: at least one timed iteration is needed to report a time. Fix: pass --iters 1 or more (or drop it for the default).",
+        ));
+    }
+    if let Some(p) = args.peak_tflops {
+        if !(p.is_finite() && p > 0.0) {
+            return Err(SpeedkitError::usage(format!(
+                "--peak-tflops {p} is not a positive number. Fix: give the device's peak in TFLOP/s, e.g. 989."
+            )));
+        }
+    }
+    if args.layer.is_some() && args.weights.is_none() && args.save_weights.is_none() {
+        return Err(SpeedkitError::usage("--layer picks a layer of --weights (or names the one --save-weights writes), but neither was given. Fix: add --weights PATH or drop --layer."));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precision_flag() {
+        assert_eq!("auto".parse::<PrecisionRequest>().unwrap(), PrecisionRequest::Auto);
+        assert_eq!("BF16".parse::<PrecisionRequest>().unwrap(), PrecisionRequest::Exactly(Precision::Bf16));
+        assert!("fp4".parse::<PrecisionRequest>().is_err());
+    }
+}

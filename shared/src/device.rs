@@ -1,0 +1,395 @@
+//! Device selection, what the device can do, candle's global GEMM switches, and memory probes.
+
+use crate::error::SpeedkitError;
+use candle_core::Device;
+use serde::{Deserialize, Serialize};
+
+/// `--device auto|cpu|cuda[:N]`
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceRequest {
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceRequest {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(DeviceRequest::Auto),
+            "cpu" => Ok(DeviceRequest::Cpu),
+            "cuda" | "gpu" => Ok(DeviceRequest::Cuda(0)),
+            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(DeviceRequest::Cuda(n)),
+                _ => Err(format!("'{s}' is not a device; use auto, cpu, cuda or cuda:N (N = GPU index)")),
+            },
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+}
+
+/// What the stages need to know about the hardware to choose a precision, and what the report
+/// prints. `sm` is the CUDA compute capability (major, minor); `None` on CPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    pub kind: DeviceKind,
+    pub ordinal: usize,
+    pub name: String,
+    pub sm: Option<(u32, u32)>,
+    pub memory_bytes: Option<u64>,
+    /// Worker threads candle uses on CPU; SM count is not needed anywhere yet.
+    pub threads: usize,
+    /// Why this device: "requested", or what `auto` found.
+    pub why: String,
+}
+
+impl DeviceInfo {
+    /// Simulated capabilities, for tests and for the precision policy's exhaustive table.
+    pub fn simulated_cuda(name: &str, sm: (u32, u32)) -> Self {
+        DeviceInfo {
+            kind: DeviceKind::Cuda,
+            ordinal: 0,
+            name: name.to_string(),
+            sm: Some(sm),
+            memory_bytes: None,
+            threads: 1,
+            why: "simulated".into(),
+        }
+    }
+
+    pub fn is_cuda(&self) -> bool {
+        self.kind == DeviceKind::Cuda
+    }
+
+    fn sm_at_least(&self, major: u32, minor: u32) -> bool {
+        self.sm.is_some_and(|sm| sm >= (major, minor))
+    }
+
+    /// bf16 tensor cores and TF32 arrived together with Ampere (SM 8.0).
+    pub fn has_bf16_tensor_cores(&self) -> bool {
+        self.sm_at_least(8, 0)
+    }
+
+    pub fn has_tf32(&self) -> bool {
+        self.sm_at_least(8, 0)
+    }
+
+    /// f16 tensor cores: Volta (SM 7.0) onwards.
+    pub fn has_f16_tensor_cores(&self) -> bool {
+        self.sm_at_least(7, 0)
+    }
+
+    /// FP8 (E4M3/E5M2) tensor cores: Ada (SM 8.9) and Hopper (SM 9.0) onwards.
+    pub fn has_fp8_tensor_cores(&self) -> bool {
+        self.sm_at_least(8, 9)
+    }
+
+    /// One line for the top of every run: device, SM, memory, and what it supports.
+    pub fn describe(&self) -> String {
+        let mem = self.memory_bytes.map(|b| format!(", {:.1} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_default();
+        match self.sm {
+            Some((ma, mi)) => format!(
+                "cuda:{} {} (SM {ma}.{mi}{mem}; bf16 tensor cores: {}, TF32: {}, FP8: {}) [{}]",
+                self.ordinal,
+                self.name,
+                yes_no(self.has_bf16_tensor_cores()),
+                yes_no(self.has_tf32()),
+                yes_no(self.has_fp8_tensor_cores()),
+                self.why
+            ),
+            None => format!(
+                "cpu {} ({} threads{mem}; no tensor cores: every precision runs on the SIMD units) [{}]",
+                self.name, self.threads, self.why
+            ),
+        }
+    }
+}
+
+fn yes_no(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+/// Open the requested device. `auto` takes GPU 0 when this build has CUDA and a GPU answers,
+/// else the CPU, and says which and why.
+pub fn select(req: DeviceRequest) -> Result<(Device, DeviceInfo), SpeedkitError> {
+    match req {
+        DeviceRequest::Cpu => Ok((Device::Cpu, cpu_info("requested with --device cpu"))),
+        DeviceRequest::Cuda(n) => open_cuda(n, format!("requested with --device cuda:{n}")),
+        DeviceRequest::Auto => {
+            if !cfg!(feature = "cuda") {
+                return Ok((Device::Cpu, cpu_info("auto: this build has no CUDA support (build with --features cuda for the GPU)")));
+            }
+            match cuda_device_count() {
+                Ok(n) if n > 0 => open_cuda(0, format!("auto: first of {n} CUDA device(s)")),
+                Ok(_) => Ok((Device::Cpu, cpu_info("auto: CUDA build, but the driver reports no GPU"))),
+                Err(e) => Ok((Device::Cpu, cpu_info(&format!("auto: CUDA build, but no usable driver/GPU ({e})")))),
+            }
+        }
+    }
+}
+
+fn cpu_info(why: &str) -> DeviceInfo {
+    DeviceInfo {
+        kind: DeviceKind::Cpu,
+        ordinal: 0,
+        name: cpu_model_name(),
+        sm: None,
+        memory_bytes: meminfo_kib("MemTotal:").map(|k| k * 1024),
+        threads: candle_core::utils::get_num_threads(),
+        why: why.to_string(),
+    }
+}
+
+fn cpu_model_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|n| n.trim().to_string()))
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+fn meminfo_kib(key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    s.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device_count() -> Result<usize, String> {
+    Ok(0)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device_count() -> Result<usize, String> {
+    candle_core::cuda::cudarc::driver::CudaContext::device_count().map(|n| n as usize).map_err(|e| format!("{e:?}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(n: usize, _why: String) -> Result<(Device, DeviceInfo), SpeedkitError> {
+    Err(SpeedkitError::usage(format!(
+        "--device cuda:{n} was requested, but this binary was built without CUDA support. \
+         Fix: rebuild with the cuda feature, e.g. `cargo run --release --features cuda -p ladder -- --device cuda` \
+         (needs the CUDA toolkit's nvcc at build time and an NVIDIA GPU with its driver at run time), \
+         or run on the CPU with --device cpu."
+    )))
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(n: usize, why: String) -> Result<(Device, DeviceInfo), SpeedkitError> {
+    let count = cuda_device_count().map_err(|e| {
+        SpeedkitError::usage(format!(
+            "--device cuda:{n} was requested, but the CUDA driver did not answer ({e}). \
+             Fix: check that an NVIDIA GPU and its driver (CUDA 13 / driver 580+) are visible \
+             (nvidia-smi), or run with --device cpu."
+        ))
+    })?;
+    if n >= count {
+        return Err(SpeedkitError::usage(format!(
+            "--device cuda:{n} was requested, but the driver sees {count} GPU(s) (indices 0..{}). \
+             Fix: pick an index below {count}, or --device cpu.",
+            count.saturating_sub(1)
+        )));
+    }
+    let device = Device::new_cuda(n).map_err(|e| {
+        SpeedkitError::usage(format!("could not open cuda:{n} ({e}). Fix: check the GPU with nvidia-smi, or run with --device cpu."))
+    })?;
+    let ctx = device.as_cuda_device().expect("just created as CUDA").cuda_stream().context().clone();
+    let sm = ctx.compute_capability().map(|(a, b)| (a as u32, b as u32)).ok();
+    let info = DeviceInfo {
+        kind: DeviceKind::Cuda,
+        ordinal: n,
+        name: ctx.name().unwrap_or_else(|_| "unknown NVIDIA GPU".into()),
+        sm,
+        memory_bytes: ctx.total_mem().ok().map(|b| b as u64),
+        threads: 1,
+        why,
+    };
+    Ok((device, info))
+}
+
+/// Last switches applied, as bits (tf32, f16, bf16), for builds without CUDA.
+static APPLIED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// candle's process-wide GEMM switches. They are global, so every stage's `build` sets all
+/// three explicitly — stage 0 turns them off — and stages can run one after another in one
+/// process without inheriting each other's numerics. On CPU they exist but change nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GemmSwitches {
+    /// f32 GEMMs may use TF32 tensor cores (10-bit mantissa inputs, f32 accumulate).
+    pub tf32: bool,
+    /// f16 GEMMs may accumulate in reduced precision.
+    pub reduced_f16: bool,
+    /// bf16 GEMMs may accumulate in reduced precision.
+    pub reduced_bf16: bool,
+}
+
+impl GemmSwitches {
+    /// Exact fp32 everywhere: what the reference and stage 0 run with.
+    pub const OFF: GemmSwitches = GemmSwitches { tf32: false, reduced_f16: false, reduced_bf16: false };
+
+    pub fn apply(self) {
+        candle_core::cuda::set_gemm_reduced_precision_f32(self.tf32);
+        candle_core::cuda::set_gemm_reduced_precision_f16(self.reduced_f16);
+        candle_core::cuda::set_gemm_reduced_precision_bf16(self.reduced_bf16);
+        let bits = self.tf32 as u8 | (self.reduced_f16 as u8) << 1 | (self.reduced_bf16 as u8) << 2;
+        APPLIED.store(bits, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The switches in force. With CUDA built, read back from candle. Without it candle's
+    /// stand-in getters always answer `true` and its setters do nothing, so we report what was
+    /// last applied (it has no effect on CPU GEMMs either way).
+    pub fn current() -> GemmSwitches {
+        if cfg!(feature = "cuda") {
+            GemmSwitches {
+                tf32: candle_core::cuda::gemm_reduced_precision_f32(),
+                reduced_f16: candle_core::cuda::gemm_reduced_precision_f16(),
+                reduced_bf16: candle_core::cuda::gemm_reduced_precision_bf16(),
+            }
+        } else {
+            let bits = APPLIED.load(std::sync::atomic::Ordering::Relaxed);
+            GemmSwitches { tf32: bits & 1 != 0, reduced_f16: bits & 2 != 0, reduced_bf16: bits & 4 != 0 }
+        }
+    }
+}
+
+/// Memory available for a new allocation, in bytes: MemAvailable on CPU (Linux), free device
+/// memory on CUDA. `None` where the platform does not say.
+pub fn available_bytes(device: &Device) -> Option<u64> {
+    match device {
+        Device::Cpu => meminfo_kib("MemAvailable:").map(|k| k * 1024),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => d.cuda_stream().context().mem_get_info().ok().map(|(free, _)| free as u64),
+        _ => None,
+    }
+}
+
+/// Measures the peak memory a stage needs over a stretch of work.
+///
+/// CPU (Linux): the kernel's resident-set high-water mark (VmHWM) is reset by writing "5" to
+/// /proc/self/clear_refs, so peak growth = VmHWM after − VmRSS before. CUDA: device memory in
+/// use (total − free, which includes the allocator's cached pool) sampled by `sample()` at
+/// points the caller chooses, minus what was in use at the start.
+pub struct MemProbe {
+    start: u64,
+    peak: u64,
+    method: &'static str,
+    ok: bool,
+}
+
+impl MemProbe {
+    pub fn start(device: &Device) -> MemProbe {
+        match device {
+            Device::Cpu => {
+                let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+                let rss = status_kib("VmRSS:").map(|k| k * 1024);
+                MemProbe {
+                    start: rss.unwrap_or(0),
+                    peak: rss.unwrap_or(0),
+                    method: if reset {
+                        "cpu: peak RSS growth (VmHWM reset)"
+                    } else {
+                        "cpu: peak RSS growth (VmHWM not resettable: upper bound)"
+                    },
+                    ok: rss.is_some(),
+                }
+            }
+            _ => {
+                let used = device_used(device);
+                MemProbe {
+                    start: used.unwrap_or(0),
+                    peak: used.unwrap_or(0),
+                    method: "cuda: device memory in use (total - free), sampled",
+                    ok: used.is_some(),
+                }
+            }
+        }
+    }
+
+    /// Record the current usage (needed on CUDA, where there is no high-water mark).
+    pub fn sample(&mut self, device: &Device) {
+        if let Some(u) = device_used(device) {
+            self.peak = self.peak.max(u);
+        }
+    }
+
+    /// Peak growth since `start`, in bytes, and how it was measured.
+    pub fn finish(mut self, device: &Device) -> (Option<u64>, &'static str) {
+        match device {
+            Device::Cpu => {
+                if let Some(hwm) = status_kib("VmHWM:") {
+                    self.peak = self.peak.max(hwm * 1024);
+                }
+            }
+            _ => self.sample(device),
+        }
+        (self.ok.then(|| self.peak.saturating_sub(self.start)), self.method)
+    }
+}
+
+fn status_kib(key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    s.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn device_used(device: &Device) -> Option<u64> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => d.cuda_stream().context().mem_get_info().ok().map(|(free, total)| (total - free) as u64),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_device_flags() {
+        assert_eq!("auto".parse::<DeviceRequest>().unwrap(), DeviceRequest::Auto);
+        assert_eq!("CPU".parse::<DeviceRequest>().unwrap(), DeviceRequest::Cpu);
+        assert_eq!("cuda".parse::<DeviceRequest>().unwrap(), DeviceRequest::Cuda(0));
+        assert_eq!("cuda:3".parse::<DeviceRequest>().unwrap(), DeviceRequest::Cuda(3));
+        assert!("cuda:x".parse::<DeviceRequest>().is_err());
+        assert!("tpu".parse::<DeviceRequest>().is_err());
+    }
+
+    #[test]
+    fn capabilities_by_sm() {
+        let h100 = DeviceInfo::simulated_cuda("H100", (9, 0));
+        assert!(h100.has_fp8_tensor_cores() && h100.has_bf16_tensor_cores() && h100.has_tf32());
+        let a100 = DeviceInfo::simulated_cuda("A100", (8, 0));
+        assert!(a100.has_bf16_tensor_cores() && !a100.has_fp8_tensor_cores());
+        assert!(DeviceInfo::simulated_cuda("L40S", (8, 9)).has_fp8_tensor_cores());
+        let t4 = DeviceInfo::simulated_cuda("T4", (7, 5));
+        assert!(t4.has_f16_tensor_cores() && !t4.has_bf16_tensor_cores() && !t4.has_tf32());
+        let cpu = cpu_info("test");
+        assert!(!cpu.has_f16_tensor_cores() && !cpu.has_fp8_tensor_cores());
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_in_cpu_build_names_the_feature() {
+        let e = select(DeviceRequest::Cuda(0)).unwrap_err().to_string();
+        assert!(e.contains("--features cuda"), "{e}");
+        let (d, info) = select(DeviceRequest::Auto).unwrap();
+        assert!(d.is_cpu() && info.why.contains("no CUDA support"));
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn cpu_probe_sees_an_allocation() {
+        let probe = MemProbe::start(&Device::Cpu);
+        let v = vec![1u8; 64 << 20];
+        std::hint::black_box(&v);
+        let (peak, _) = probe.finish(&Device::Cpu);
+        assert!(peak.unwrap() >= 60 << 20, "{peak:?}");
+    }
+}

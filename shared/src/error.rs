@@ -1,0 +1,71 @@
+//! Errors a user can act on, and the exit codes they map to.
+//!
+//! Exit codes: 0 ran and matched the reference · 1 unexpected failure (a bug, I/O) ·
+//! 2 bad input or unsupported configuration (shape, flag, device, feature, memory) ·
+//! 3 the output did not match the fp32 reference (non-finite or above tolerance).
+
+use thiserror::Error;
+
+pub const EXIT_FAILURE: u8 = 1;
+pub const EXIT_USAGE: u8 = 2;
+pub const EXIT_CHECK_FAILED: u8 = 3;
+
+#[derive(Debug, Error)]
+pub enum SpeedkitError {
+    /// Impossible shapes, unsupported hardware, a feature not built, input that will not fit:
+    /// one paragraph naming the cause and the fix.
+    #[error("{0}")]
+    Usage(String),
+    /// The stage ran but its output is not the block's function within tolerance.
+    #[error("{0}")]
+    CheckFailed(String),
+}
+
+impl SpeedkitError {
+    pub fn usage(msg: impl Into<String>) -> Self {
+        SpeedkitError::Usage(msg.into())
+    }
+}
+
+/// The exit code for an error that reached `main`, and the message to print for it.
+/// Device out-of-memory errors come from deep inside candle/cudarc as strings; they are bad
+/// input (a shape too large for this device), so they get the usage code and a fix.
+pub fn classify(err: &anyhow::Error) -> (u8, String) {
+    if let Some(e) = err.downcast_ref::<SpeedkitError>() {
+        let code = match e {
+            SpeedkitError::Usage(_) => EXIT_USAGE,
+            SpeedkitError::CheckFailed(_) => EXIT_CHECK_FAILED,
+        };
+        return (code, e.to_string());
+    }
+    let text = format!("{err:#}");
+    if text.contains("OUT_OF_MEMORY") || text.contains("out of memory") {
+        return (
+            EXIT_USAGE,
+            format!(
+                "the device ran out of memory ({text}). The chosen shape does not fit next to \
+                 what else is on this device. Fix: lower --batch or --seq, pick a smaller \
+                 --preset, or free the device."
+            ),
+        );
+    }
+    (EXIT_FAILURE, text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes() {
+        let e: anyhow::Error = SpeedkitError::usage("bad").into();
+        assert_eq!(classify(&e), (EXIT_USAGE, "bad".into()));
+        let e: anyhow::Error = SpeedkitError::CheckFailed("off".into()).into();
+        assert_eq!(classify(&e).0, EXIT_CHECK_FAILED);
+        let e = anyhow::anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")");
+        let (code, msg) = classify(&e);
+        assert_eq!(code, EXIT_USAGE);
+        assert!(msg.contains("lower --batch"));
+        assert_eq!(classify(&anyhow::anyhow!("disk on fire")).0, EXIT_FAILURE);
+    }
+}

@@ -1,0 +1,26 @@
+//! Everything the stages share and nothing they teach: the block's shapes and weights, the
+//! stage contract, device handling, the reference check, timing, performance arithmetic and
+//! reporting, and the runner every binary calls.
+//!
+//! Module map: `preset` (shapes) · `weights` (seeded init, GPT-2 safetensors) · `stage`
+//! (trait, Plan, precision) · `device` (selection, capabilities, global switches, memory) ·
+//! `check` (comparison, tolerances) · `timing` (warm-up, sync, stats) · `perf` (FLOPs, peaks) ·
+//! `report` (records, table, JSON) · `cli` (flags, env, exit codes) · `runner` (the one
+//! function a stage's main calls) · `error` (what a user can act on).
+
+pub mod check;
+pub mod cli;
+pub mod device;
+pub mod error;
+pub mod perf;
+pub mod preset;
+pub mod report;
+pub mod runner;
+pub mod stage;
+pub mod timing;
+pub mod weights;
+
+pub use error::SpeedkitError;
+pub use preset::{Preset, Shape};
+pub use stage::{Plan, Precision, PrecisionRequest, Stage, StageSpec};
+pub use weights::BlockWeights;

@@ -1,0 +1,72 @@
+//! Work per forward and the hardware's peak, to turn a time into TFLOP/s and % of peak.
+
+use crate::preset::Shape;
+use crate::stage::Precision;
+
+/// Useful floating-point operations of one block forward (DESIGN.md):
+/// linears 2·B·T·(4C² + 2·C·FF) — qkv (3C²), proj (C²) and the two MLP matrices (2·C·FF);
+/// attention 2·B·T²·C — QKᵀ and PV are 2·B·T²·C each, and causality halves both.
+/// Stage 0 computes the full T×T anyway; counting only useful work is what makes stages
+/// comparable.
+pub fn block_flops(s: &Shape) -> f64 {
+    let (b, t, c, ff) = (s.batch as f64, s.seq as f64, s.d_model as f64, s.ff as f64);
+    2.0 * b * t * (4.0 * c * c + 2.0 * c * ff) + 2.0 * b * t * t * c
+}
+
+/// Dense (no sparsity) tensor/vector peak of known GPUs in TFLOP/s, from the vendors'
+/// datasheets: (name fragment, fp32 non-tensor, tf32, bf16/f16 with f32 accumulate, fp8).
+/// Matching is by substring of the driver's device name, most specific first. Measured GEMM
+/// ceilings are lower (about 790 of 989 bf16 TFLOP/s on H100/H200 SXM), so 80 % of peak is
+/// excellent for a whole block.
+const PEAKS: &[(&str, f64, f64, f64, Option<f64>)] = &[
+    ("H200", 67.0, 494.7, 989.4, Some(1978.9)),
+    ("H100 NVL", 60.0, 417.5, 835.0, Some(1670.5)),
+    ("H100 PCIe", 51.2, 378.0, 756.0, Some(1513.0)),
+    ("H100", 67.0, 494.7, 989.4, Some(1978.9)), // SXM5 (HBM3)
+    ("GH200", 67.0, 494.7, 989.4, Some(1978.9)),
+    ("A100", 19.5, 156.0, 312.0, None),
+    ("L40S", 91.6, 183.0, 362.1, Some(733.0)),
+    ("L40", 90.5, 90.5, 181.0, Some(362.0)),
+    ("L4", 30.3, 60.0, 121.0, Some(242.0)),
+    ("RTX 4090", 82.6, 82.6, 165.2, Some(330.3)),
+    ("RTX 3090", 35.6, 35.6, 71.0, None),
+    ("A10", 31.2, 62.5, 125.0, None),
+    ("V100", 15.7, 15.7, 125.0, None), // no TF32/bf16: the f16 figure is in the bf16 column
+    ("T4", 8.1, 8.1, 65.0, None),
+];
+
+/// The datasheet peak for `precision` on the device called `name`, if we know it.
+/// fp32 means plain CUDA cores; f16 shares the bf16 column (same tensor-core rate on these parts).
+pub fn peak_tflops(name: &str, precision: Precision) -> Option<f64> {
+    let &(_, fp32, tf32, half, fp8) = PEAKS.iter().find(|(frag, ..)| name.contains(frag))?;
+    match precision {
+        Precision::Fp32 => Some(fp32),
+        Precision::Tf32 => Some(tf32),
+        Precision::Bf16 | Precision::F16 => Some(half),
+        Precision::Fp8 => fp8,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::preset::Preset;
+
+    #[test]
+    fn flops_by_hand() {
+        // tiny: B=2 T=64 C=128 FF=512
+        // linears 2·128·(4·16384 + 2·128·512) = 256·196608 = 50_331_648
+        // attention 2·2·4096·128 = 2_097_152
+        assert_eq!(block_flops(&Preset::Tiny.shape()), 52_428_800.0);
+    }
+
+    #[test]
+    fn peaks() {
+        assert_eq!(peak_tflops("NVIDIA H100 80GB HBM3", Precision::Bf16), Some(989.4));
+        assert_eq!(peak_tflops("NVIDIA H100 PCIe", Precision::Fp8), Some(1513.0));
+        assert_eq!(peak_tflops("NVIDIA H200", Precision::Tf32), Some(494.7));
+        assert_eq!(peak_tflops("NVIDIA A100-SXM4-80GB", Precision::Fp8), None);
+        assert_eq!(peak_tflops("NVIDIA L40S", Precision::Bf16), Some(362.1));
+        assert_eq!(peak_tflops("AMD EPYC 7B13", Precision::Fp32), None);
+    }
+}

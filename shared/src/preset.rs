@@ -1,0 +1,182 @@
+//! Block shapes: the named presets from DESIGN.md, per-dimension overrides, and the checks that
+//! turn an impossible or overflowing shape into a clear error before anything is allocated.
+
+use crate::error::SpeedkitError;
+use serde::{Deserialize, Serialize};
+
+/// The named shapes. `tiny` keeps the test suite fast, `small` is one GPT-2 small layer,
+/// `gpt2` is the seed tutorial's shape and `te` is TransformerEngine's getting-started shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preset {
+    Tiny,
+    Small,
+    Gpt2,
+    Te,
+}
+
+impl Preset {
+    pub fn shape(self) -> Shape {
+        let (batch, seq, d_model, n_head, ff) = match self {
+            Preset::Tiny => (2, 64, 128, 4, 512),
+            Preset::Small => (4, 512, 768, 12, 3072),
+            Preset::Gpt2 => (8, 512, 768, 12, 3072),
+            Preset::Te => (8, 2048, 4096, 32, 16384),
+        };
+        Shape { batch, seq, d_model, n_head, ff }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Tiny => "tiny",
+            Preset::Small => "small",
+            Preset::Gpt2 => "gpt2",
+            Preset::Te => "te",
+        }
+    }
+}
+
+/// The block's dimensions in the literature's names: B, T, C, n_head and the MLP width FF.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shape {
+    /// B
+    pub batch: usize,
+    /// T
+    pub seq: usize,
+    /// C
+    pub d_model: usize,
+    pub n_head: usize,
+    /// FF (4·C in GPT-2)
+    pub ff: usize,
+}
+
+/// Largest element count of one tensor we accept. cuBLAS takes sizes and strides as 32-bit
+/// ints and most element-wise kernels index with them too, so a tensor past 2^31 elements
+/// would fail (or worse, wrap) deep inside a library; refuse it up front instead.
+pub const MAX_TENSOR_ELEMENTS: usize = i32::MAX as usize;
+
+impl Shape {
+    /// d_head = C / n_head
+    pub fn d_head(&self) -> usize {
+        self.d_model / self.n_head
+    }
+
+    /// Tokens per forward: B·T.
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    /// Reject shapes the block cannot compute, with the reason and the fix in one sentence.
+    pub fn validate(&self) -> Result<(), SpeedkitError> {
+        let dims = [
+            ("--batch (B)", self.batch),
+            ("--seq (T)", self.seq),
+            ("--d-model (C)", self.d_model),
+            ("--heads (n_head)", self.n_head),
+            ("--ff (FF)", self.ff),
+        ];
+        for (flag, v) in dims {
+            if v == 0 {
+                return Err(SpeedkitError::usage(format!(
+                    "{flag} is 0; every dimension of the block must be at least 1. \
+                     Fix: pass a positive value or drop the flag to use the preset's."
+                )));
+            }
+        }
+        if self.d_model % self.n_head != 0 {
+            let near: Vec<usize> = (1..=self.d_model).filter(|h| self.d_model % h == 0 && h.abs_diff(self.n_head) <= 4).collect();
+            return Err(SpeedkitError::usage(format!(
+                "C = {} is not divisible by n_head = {}: attention splits C into n_head heads of \
+                 d_head = C / n_head channels each. Fix: choose --heads among {:?} or change --d-model.",
+                self.d_model, self.n_head, near
+            )));
+        }
+        // Every intermediate tensor of the naive block, as element counts. The (B, n_head, T, T)
+        // score tensor of stage 0 is usually the largest; checked_mul catches usize overflow.
+        let tensors = [
+            ("the activations (B, T, C)", [self.batch, self.seq, self.d_model, 1]),
+            ("the q/k/v projections (B, T, 3C)", [self.batch, self.seq, 3 * self.d_model, 1]),
+            ("the MLP hidden state (B, T, FF)", [self.batch, self.seq, self.ff, 1]),
+            ("the attention scores (B, n_head, T, T)", [self.batch, self.n_head, self.seq, self.seq]),
+            ("W_fc1 (FF, C)", [self.ff, self.d_model, 1, 1]),
+        ];
+        for (what, dims) in tensors {
+            let n = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+            match n {
+                Some(n) if n <= MAX_TENSOR_ELEMENTS => {}
+                _ => {
+                    return Err(SpeedkitError::usage(format!(
+                        "{what} would hold {} elements for B={} T={} C={} n_head={} FF={}, past the \
+                         2^31 - 1 limit of 32-bit GEMM and kernel indexing. Fix: lower --batch or \
+                         --seq (the T x T scores grow with T squared).",
+                        n.map_or("more than 2^64".to_string(), |n| n.to_string()),
+                        self.batch,
+                        self.seq,
+                        self.d_model,
+                        self.n_head,
+                        self.ff
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Working-set estimate of the naive fp32 block (stage 0, the reference), in bytes: weights,
+    /// plus the live activations at the widest point. Stage 0's peak is the attention step, where
+    /// scores, their exponentials and the probabilities — three (B, n_head, T, T) tensors — are
+    /// alive at once beside a handful of (B, T, C) tensors; the MLP keeps ~4 (B, T, FF) ones.
+    /// Used to refuse runs that obviously cannot fit, not to predict memory exactly.
+    pub fn estimate_naive_bytes(&self) -> u128 {
+        let (b, t, c, h, ff) = (self.batch as u128, self.seq as u128, self.d_model as u128, self.n_head as u128, self.ff as u128);
+        let weights = 4 * c * c + 2 * c * ff + 9 * c + ff;
+        let attention = 3 * b * h * t * t + 8 * b * t * c;
+        let mlp = 4 * b * t * ff + 4 * b * t * c;
+        4 * (weights + attention.max(mlp))
+    }
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "B={} T={} C={} n_head={} d_head={} FF={}", self.batch, self.seq, self.d_model, self.n_head, self.d_head(), self.ff)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_match_design_table() {
+        assert_eq!(Preset::Small.shape(), Shape { batch: 4, seq: 512, d_model: 768, n_head: 12, ff: 3072 });
+        assert_eq!(Preset::Te.shape().d_head(), 128);
+        for p in [Preset::Tiny, Preset::Small, Preset::Gpt2, Preset::Te] {
+            p.shape().validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn rejects_bad_shapes_with_reason() {
+        let mut s = Preset::Tiny.shape();
+        s.n_head = 3;
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("not divisible by n_head = 3"), "{e}");
+        let mut s = Preset::Tiny.shape();
+        s.seq = 0;
+        assert!(s.validate().unwrap_err().to_string().contains("--seq (T) is 0"));
+        let mut s = Preset::Tiny.shape();
+        s.seq = 1 << 20;
+        assert!(s.validate().unwrap_err().to_string().contains("attention scores"));
+        let mut s = Preset::Tiny.shape();
+        s.batch = usize::MAX / 2;
+        assert!(s.validate().unwrap_err().to_string().contains("2^64"));
+    }
+
+    #[test]
+    fn naive_estimate_is_dominated_by_scores_at_long_t() {
+        let mut s = Preset::Small.shape();
+        s.seq = 4096;
+        let scores = 4 * (s.batch * s.n_head * s.seq * s.seq) as u128;
+        assert!(s.estimate_naive_bytes() > 3 * scores);
+    }
+}

@@ -1,0 +1,209 @@
+//! What a run reports: one record per stage (versioned JSON), and the human table.
+
+use crate::check::CheckResult;
+use crate::device::{DeviceInfo, GemmSwitches};
+use crate::preset::Shape;
+use crate::stage::Precision;
+use crate::timing::Stats;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Bump when a field changes meaning or disappears; adding fields keeps the version.
+pub const RECORD_SCHEMA: &str = "candle-speedkit/record/v1";
+pub const LADDER_SCHEMA: &str = "candle-speedkit/ladder/v1";
+
+/// One stage, measured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    pub schema: String,
+    pub stage: String,
+    pub technique: String,
+    pub precision: Precision,
+    pub precision_reason: String,
+    pub device: DeviceInfo,
+    pub shape: Shape,
+    pub seed: u64,
+    /// "seed" or the weights file's path and layer.
+    pub weights: String,
+    pub gemm_switches: GemmSwitches,
+    pub warmup: usize,
+    pub iters: usize,
+    pub timing: Stats,
+    pub tokens_per_s: f64,
+    pub flops_per_forward: f64,
+    pub tflops: f64,
+    pub peak_tflops: Option<f64>,
+    pub pct_of_peak: Option<f64>,
+    /// `None` with --no-check.
+    pub check: Option<CheckResult>,
+    pub peak_mem_bytes: Option<u64>,
+    pub mem_method: String,
+    /// Median speedups, filled in by the ladder.
+    pub speedup_vs_stage0: Option<f64>,
+    pub speedup_vs_prev: Option<f64>,
+    /// Things the reader should know about this number (e.g. "no tensor cores on CPU").
+    pub notes: Vec<String>,
+}
+
+/// A stage the ladder did not measure: it cannot run here (`failed: false`), or it ran and
+/// failed its check against the reference (`failed: true`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Skipped {
+    pub stage: String,
+    pub technique: String,
+    pub reason: String,
+    pub failed: bool,
+}
+
+/// The ladder's JSON: every record, plus where and what it ran on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LadderReport {
+    pub schema: String,
+    pub device: DeviceInfo,
+    pub shape: Shape,
+    pub commit: String,
+    pub candle_version: String,
+    pub cuda_build: bool,
+    pub unix_time: u64,
+    pub records: Vec<Record>,
+    pub skipped: Vec<Skipped>,
+}
+
+/// candle-core's version as locked in this workspace (kept in step with Cargo.toml).
+pub const CANDLE_VERSION: &str = "0.11";
+
+fn fmt_bytes(b: Option<u64>) -> String {
+    match b {
+        None => "n/a".into(),
+        Some(b) if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+        Some(b) => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+    }
+}
+
+fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
+    v.map(f).unwrap_or_else(|| "-".into())
+}
+
+/// The human table: one row per record, then one per skipped stage.
+pub fn table(records: &[Record], skipped: &[Skipped]) -> String {
+    let header = [
+        "stage",
+        "technique",
+        "prec",
+        "median ms",
+        "p10-p90 ms",
+        "vs s0",
+        "vs prev",
+        "TFLOP/s",
+        "% peak",
+        "rel err",
+        "max abs",
+        "peak mem",
+    ];
+    let mut rows: Vec<Vec<String>> = records
+        .iter()
+        .map(|r| {
+            vec![
+                r.stage.clone(),
+                r.technique.clone(),
+                r.precision.to_string(),
+                format!("{:.3}", r.timing.median_ms),
+                format!("{:.3}-{:.3}", r.timing.p10_ms, r.timing.p90_ms),
+                opt(r.speedup_vs_stage0, |v| format!("{v:.2}x")),
+                opt(r.speedup_vs_prev, |v| format!("{v:.2}x")),
+                format!("{:.4}", r.tflops),
+                opt(r.pct_of_peak, |v| format!("{v:.1}%")),
+                r.check.as_ref().map_or("unchecked".into(), |c| format!("{:.2e}", c.rel_err)),
+                r.check.as_ref().map_or("-".into(), |c| format!("{:.2e}", c.max_abs_err)),
+                fmt_bytes(r.peak_mem_bytes),
+            ]
+        })
+        .collect();
+    for s in skipped {
+        let mut row = vec![s.stage.clone(), s.technique.clone()];
+        row.push(format!("{}: {}", if s.failed { "FAILED" } else { "skipped" }, s.reason));
+        rows.push(row);
+    }
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in &rows {
+        // A skipped row's reason runs across the remaining columns; it does not widen them.
+        for (w, cell) in widths.iter_mut().zip(row.iter().take(if row.len() == header.len() { header.len() } else { 2 })) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &[String]| -> String {
+        let mut out = String::new();
+        for (i, cell) in cells.iter().enumerate() {
+            if i > 0 {
+                out.push_str("  ");
+            }
+            match widths.get(i) {
+                Some(&w) if i + 1 < cells.len() || cells.len() == header.len() => out.push_str(&format!("{cell:<w$}")),
+                _ => out.push_str(cell),
+            }
+        }
+        out.trim_end().to_string() + "\n"
+    };
+    let mut out = line(&header.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    out.push_str(&line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>()));
+    for row in &rows {
+        out.push_str(&line(row));
+    }
+    out
+}
+
+/// `path` with a hidden temporary name beside it (same directory, so rename is atomic).
+pub fn temp_path(path: &Path) -> PathBuf {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+}
+
+/// Write `bytes` to a temporary file beside `path`, then rename it over `path`: a reader never
+/// sees a half-written file, and an interrupted run leaves the old one intact.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = temp_path(path);
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
+    let mut bytes = serde_json::to_vec_pretty(value)?;
+    bytes.push(b'\n');
+    write_atomic(path, &bytes).map_err(|e| {
+        anyhow::Error::new(crate::error::SpeedkitError::usage(format!(
+            "cannot write the JSON record to {} ({e}). Fix: point --json at a writable path.",
+            path.display()
+        )))
+    })
+}
+
+/// The git commit of the source tree this binary was built from, if it is a git checkout.
+pub fn commit() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_write_replaces_whole_file() {
+        let dir = std::env::temp_dir().join(format!("speedkit-r-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("a.json");
+        write_atomic(&p, b"first, long content").unwrap();
+        write_atomic(&p, b"2nd").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"2nd");
+        assert!(!temp_path(&p).exists());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

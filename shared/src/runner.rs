@@ -1,0 +1,317 @@
+//! The one path every stage binary and the ladder take: resolve flags into a device, shape,
+//! weights and input; compute the fp32 reference; then per stage plan, build, check, time
+//! and report.
+
+use crate::check::{compare, CheckResult};
+use crate::cli::{exit_with, validate, RunArgs};
+use crate::device::{self, DeviceInfo, DeviceKind, GemmSwitches, MemProbe};
+use crate::error::SpeedkitError;
+use crate::perf::{block_flops, peak_tflops};
+use crate::preset::{Preset, Shape};
+use crate::report::{table, write_json, Record, RECORD_SCHEMA};
+use crate::stage::{Precision, PrecisionRequest, Stage, StageSpec};
+use crate::timing::time_forward;
+use crate::weights::{load_input, random_input, save_tensors, BlockWeights};
+use candle_core::{Device, Tensor};
+use clap::{Args, FromArgMatches};
+use std::process::ExitCode;
+
+/// Everything the stages share in one run: same device, same weights, same input, and the
+/// reference output they are checked against.
+pub struct Session {
+    pub args: RunArgs,
+    pub device: Device,
+    pub info: DeviceInfo,
+    pub shape: Shape,
+    pub preset: Option<Preset>,
+    /// On `device`, f32.
+    pub weights: BlockWeights,
+    /// "seed 0" or "path (layer N)".
+    pub weights_source: String,
+    /// (B, T, C) on `device`, f32.
+    pub x: Tensor,
+    pub warmup: usize,
+    pub iters: usize,
+    /// The fp32 stage-0 output for `x`; `None` with --no-check.
+    pub reference: Option<Tensor>,
+}
+
+/// Bytes as GiB for messages.
+fn gib(b: u128) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+impl Session {
+    /// Resolve the flags, print what will run, and compute the reference with `reference`.
+    pub fn open(args: RunArgs, reference: &StageSpec) -> anyhow::Result<Session> {
+        validate(&args)?;
+        let (device, info) = device::select(args.device)?;
+        let preset = args.preset.or(Some(if info.is_cuda() { Preset::Te } else { Preset::Small }));
+        let mut shape = preset.expect("set above").shape();
+
+        // Weights from a file fix C and FF; n_head comes from --heads, then the file's
+        // metadata, then GPT-2's convention of d_head = 64.
+        let mut loaded = None;
+        if let Some(path) = &args.weights {
+            let (w, meta_heads) = BlockWeights::load_gpt2(path, args.layer)?;
+            let (c, ff) = w.dims();
+            for (flag, given, file) in [("--d-model", args.d_model, c), ("--ff", args.ff, ff)] {
+                if given.is_some_and(|g| g != file) {
+                    return Err(SpeedkitError::usage(format!(
+                        "{flag} {} contradicts the weights file {}, whose tensors have {file}. Fix: drop {flag}; it is read from the file.",
+                        given.unwrap(),
+                        path.display()
+                    ))
+                    .into());
+                }
+            }
+            shape.d_model = c;
+            shape.ff = ff;
+            shape.n_head = args.heads.or(meta_heads).unwrap_or(if c % 64 == 0 { c / 64 } else { shape.n_head });
+            loaded = Some(w);
+        }
+        let x_file = match &args.input {
+            Some(path) => {
+                let x = load_input(path)?;
+                let (b, t, c) = x.dims3()?;
+                let c_model = loaded.as_ref().map(|w| w.dims().0).or(args.d_model).unwrap_or(shape.d_model);
+                if c != c_model {
+                    return Err(SpeedkitError::usage(format!(
+                        "the input file {} has C = {c} channels but the block has C = {c_model}. Fix: give an input of shape (B, T, {c_model}) or a matching --d-model / --weights.",
+                        path.display()
+                    ))
+                    .into());
+                }
+                for (flag, given, file) in [("--batch", args.batch, b), ("--seq", args.seq, t)] {
+                    if given.is_some_and(|g| g != file) {
+                        return Err(SpeedkitError::usage(format!(
+                            "{flag} {} contradicts the input file {}, which has {file}. Fix: drop {flag}; it is read from the file.",
+                            given.unwrap(),
+                            path.display()
+                        ))
+                        .into());
+                    }
+                }
+                (shape.batch, shape.seq, shape.d_model) = (b, t, c);
+                Some(x)
+            }
+            None => None,
+        };
+        shape.batch = args.batch.unwrap_or(shape.batch);
+        shape.seq = args.seq.unwrap_or(shape.seq);
+        if loaded.is_none() {
+            shape.d_model = args.d_model.unwrap_or(shape.d_model);
+            shape.ff = args.ff.unwrap_or(shape.ff);
+            shape.n_head = args.heads.unwrap_or(shape.n_head);
+        }
+        shape.validate()?;
+
+        let (weights, weights_source) = match loaded {
+            Some(w) => {
+                (w, format!("{} (layer {})", args.weights.as_ref().unwrap().display(), args.layer.map_or("only".into(), |l| l.to_string())))
+            }
+            None => (BlockWeights::from_seed(&shape, args.seed)?, format!("seed {}", args.seed)),
+        };
+        if let Some(path) = &args.save_weights {
+            weights.save_gpt2(path, args.layer.unwrap_or(0), shape.n_head)?;
+        }
+        let x = match x_file {
+            Some(x) => x,
+            None => random_input(&shape, args.seed)?,
+        };
+        let (warmup, iters) = match info.kind {
+            DeviceKind::Cpu => (args.warmup.unwrap_or(2), args.iters.unwrap_or(10)),
+            DeviceKind::Cuda => (args.warmup.unwrap_or(10), args.iters.unwrap_or(50)),
+        };
+
+        println!("device    {}", info.describe());
+        println!(
+            "shape     {}{} · {:.2} GFLOP per forward",
+            args.preset.map_or_else(|| format!("{} (default) ", preset.unwrap().name()), |p| format!("{} ", p.name())),
+            shape,
+            block_flops(&shape) / 1e9
+        );
+        println!(
+            "data      weights: {weights_source} · input: {}",
+            args.input.as_ref().map_or(format!("N(0,1), seed {}", args.seed), |p| p.display().to_string())
+        );
+        println!("timing    {warmup} warm-up + {iters} timed iterations, device synchronized after each");
+
+        let mut session = Session {
+            device: device.clone(),
+            info,
+            shape,
+            preset,
+            weights: weights.to_device(&device)?,
+            weights_source,
+            x: x.to_device(&device)?,
+            warmup,
+            iters,
+            reference: None,
+            args,
+        };
+        if !session.args.no_check {
+            session.fits(reference)?;
+            let plan = reference.plan(&session.device, &session.info, session.shape, PrecisionRequest::Exactly(Precision::Fp32))?;
+            let stage = (reference.build)(&session.weights, &plan)?;
+            let y = stage.forward(&session.x)?;
+            session.device.synchronize()?;
+            session.reference = Some(y);
+        } else {
+            println!("check     skipped (--no-check): these timings vouch for nothing");
+        }
+        Ok(session)
+    }
+
+    /// Refuse a stage whose working set obviously exceeds what the device has free.
+    pub fn fits(&self, spec: &StageSpec) -> Result<(), SpeedkitError> {
+        let need = (spec.estimate_bytes)(&self.shape);
+        if let Some(avail) = device::available_bytes(&self.device) {
+            if need > avail as u128 * 9 / 10 {
+                let s = &self.shape;
+                let scores = 4 * (s.batch * s.n_head) as u128 * (s.seq * s.seq) as u128;
+                return Err(SpeedkitError::usage(format!(
+                    "{} needs about {} at its widest for {} (the (B, n_head, T, T) scores alone are {} in f32), \
+                     but the device has {} available. Fix: lower --batch or --seq, or pick a smaller --preset.",
+                    spec.name,
+                    gib(need),
+                    s,
+                    gib(scores),
+                    gib(avail as u128)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Plan, build, check and time one stage. Errors of kind `Usage` mean "cannot run here";
+    /// `CheckFailed` means it ran and is wrong.
+    pub fn run(&self, spec: &StageSpec, requested: PrecisionRequest) -> anyhow::Result<(Record, Tensor)> {
+        let plan = spec.plan(&self.device, &self.info, self.shape, requested)?;
+        self.fits(spec)?;
+        let mut probe = MemProbe::start(&self.device);
+        let stage = (spec.build)(&self.weights, &plan)?;
+        let switches = GemmSwitches::current();
+        if switches != (spec.switches)(&plan) {
+            anyhow::bail!(
+                "{}'s build left candle's GEMM switches at {switches:?}, not the {:?} it declares",
+                spec.name,
+                (spec.switches)(&plan)
+            );
+        }
+
+        // Check before timing: nothing is timed until it matched the reference.
+        let y = stage.forward(&self.x)?;
+        self.device.synchronize()?;
+        probe.sample(&self.device);
+        let check: Option<CheckResult> = match &self.reference {
+            Some(r) => {
+                let c = compare(&y, r, plan.precision)?;
+                if let Some(e) = c.to_error(spec.name, plan.precision) {
+                    return Err(e.into());
+                }
+                Some(c)
+            }
+            None => None,
+        };
+
+        let device = &self.device;
+        let stats = time_forward(spec.name, device, self.warmup, self.iters, || stage.forward(&self.x), || probe.sample(device))?;
+        drop(stage);
+        let (peak_mem_bytes, mem_method) = probe.finish(device);
+
+        let flops = block_flops(&self.shape);
+        let secs = stats.median_ms / 1e3;
+        let tflops = flops / secs / 1e12;
+        let peak = self.args.peak_tflops.or_else(|| if self.info.is_cuda() { peak_tflops(&self.info.name, plan.precision) } else { None });
+        let mut notes = Vec::new();
+        if peak.is_none() {
+            notes.push(format!("no {} peak known for this device: pass --peak-tflops for % of peak", plan.precision));
+        }
+        let record = Record {
+            schema: RECORD_SCHEMA.into(),
+            stage: spec.name.into(),
+            technique: spec.technique.into(),
+            precision: plan.precision,
+            precision_reason: plan.precision_reason.clone(),
+            device: self.info.clone(),
+            shape: self.shape,
+            seed: self.args.seed,
+            weights: self.weights_source.clone(),
+            gemm_switches: switches,
+            warmup: self.warmup,
+            iters: self.iters,
+            tokens_per_s: self.shape.tokens() as f64 / secs,
+            flops_per_forward: flops,
+            tflops,
+            peak_tflops: peak,
+            pct_of_peak: peak.map(|p| 100.0 * tflops / p),
+            timing: stats,
+            check,
+            peak_mem_bytes,
+            mem_method: mem_method.into(),
+            speedup_vs_stage0: None,
+            speedup_vs_prev: None,
+            notes,
+        };
+        Ok((record, y))
+    }
+}
+
+/// Print one record's details that do not fit the table.
+pub fn print_details(r: &Record) {
+    println!("precision {} ({}) — {}", r.precision, r.stage, r.precision_reason);
+    let s = r.gemm_switches;
+    println!("switches  TF32 {} · reduced-precision f16 {} · bf16 {}", on_off(s.tf32), on_off(s.reduced_f16), on_off(s.reduced_bf16));
+    match &r.check {
+        Some(c) => println!(
+            "check     rel err {:.3e}, max abs {:.3e} vs fp32 reference (tolerance {:.0e}): passed",
+            c.rel_err, c.max_abs_err, c.tolerance
+        ),
+        None => println!("check     skipped"),
+    }
+    println!(
+        "speed     median {:.3} ms (p10 {:.3}, p90 {:.3}) · {:.0} tokens/s · {:.1} GFLOP/s",
+        r.timing.median_ms,
+        r.timing.p10_ms,
+        r.timing.p90_ms,
+        r.tokens_per_s,
+        r.tflops * 1e3
+    );
+    for n in &r.notes {
+        println!("note      {n}");
+    }
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+/// The whole of a stage binary: `fn main() -> ExitCode { shared::runner::main::<Stage, Reference>() }`.
+/// `R` is the fp32 stage-0 block the output is checked against.
+pub fn main<S: Stage + 'static, R: Stage + 'static>() -> ExitCode {
+    let cmd = RunArgs::augment_args(clap::Command::new(S::NAME).about(S::TECHNIQUE));
+    let matches = cmd.get_matches();
+    exit_with(|| {
+        let args = RunArgs::from_arg_matches(&matches)?;
+        let spec = StageSpec::of::<S>();
+        let session = Session::open(args, &StageSpec::of::<R>())?;
+        let (record, y) = session.run(&spec, session.args.precision)?;
+        print_details(&record);
+        println!();
+        print!("{}", table(std::slice::from_ref(&record), &[]));
+        if let Some(path) = &session.args.save_output {
+            save_tensors(path, &[("x", &session.x), ("y", &y)])?;
+            println!("saved     x and y to {}", path.display());
+        }
+        if let Some(path) = &session.args.json {
+            write_json(path, &record)?;
+            println!("saved     JSON record to {}", path.display());
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,126 @@
+//! The stage contract: every stage turns the same weights into the same function; what differs
+//! is how (precision, kernels, fusion). The runner and the ladder only see this trait.
+
+use crate::device::{DeviceInfo, GemmSwitches};
+use crate::error::SpeedkitError;
+use crate::preset::Shape;
+use crate::weights::BlockWeights;
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// The number format the block's matrix multiplications run in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    Fp32,
+    Tf32,
+    Bf16,
+    F16,
+    Fp8,
+}
+
+impl Precision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Tf32 => "tf32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "f16",
+            Precision::Fp8 => "fp8",
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `--precision auto|fp32|tf32|bf16|f16|fp8`: `Auto` lets the stage's policy decide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PrecisionRequest {
+    Auto,
+    Exactly(Precision),
+}
+
+/// Everything a stage's `build` may depend on, decided before it runs.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub device: Device,
+    pub info: DeviceInfo,
+    pub precision: Precision,
+    /// One sentence: why this precision (the policy's decision or the user's override).
+    pub precision_reason: String,
+    pub shape: Shape,
+}
+
+/// One rung of the ladder. `build` runs once, outside timing (convert, fuse, quantize the
+/// weights; set candle's global switches); `forward` is what gets timed.
+pub trait Stage: Sized {
+    /// Crate name, e.g. "stage2_sdpa".
+    const NAME: &'static str;
+    /// One line: the technique this stage adds.
+    const TECHNIQUE: &'static str;
+
+    /// The precision this stage runs at on this device for this request, and why; an error
+    /// (exit 2) when the request is something this stage or device cannot do.
+    fn choose_precision(info: &DeviceInfo, requested: PrecisionRequest) -> Result<(Precision, String), SpeedkitError>;
+
+    /// candle's global GEMM switches this stage runs with; `build` must apply them.
+    fn switches(plan: &Plan) -> GemmSwitches;
+
+    /// Bytes this stage needs at its widest point, to refuse runs that cannot fit. The default
+    /// is the naive block's (the T x T scores dominate at long T).
+    fn estimate_bytes(shape: &Shape) -> u128 {
+        shape.estimate_naive_bytes()
+    }
+
+    fn build(weights: &BlockWeights, plan: &Plan) -> anyhow::Result<Self>;
+
+    /// (B, T, C) -> (B, T, C)
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor>;
+}
+
+/// A built stage behind a pointer, so the ladder can hold different stages in one list.
+pub trait Forward {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor>;
+}
+
+struct Built<S: Stage>(S);
+
+impl<S: Stage> Forward for Built<S> {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.0.forward(x)
+    }
+}
+
+/// A stage type turned into values: what the runner and the ladder iterate over.
+#[derive(Clone, Copy)]
+pub struct StageSpec {
+    pub name: &'static str,
+    pub technique: &'static str,
+    pub choose_precision: fn(&DeviceInfo, PrecisionRequest) -> Result<(Precision, String), SpeedkitError>,
+    pub switches: fn(&Plan) -> GemmSwitches,
+    pub estimate_bytes: fn(&Shape) -> u128,
+    pub build: fn(&BlockWeights, &Plan) -> anyhow::Result<Box<dyn Forward>>,
+}
+
+impl StageSpec {
+    pub fn of<S: Stage + 'static>() -> StageSpec {
+        StageSpec {
+            name: S::NAME,
+            technique: S::TECHNIQUE,
+            choose_precision: S::choose_precision,
+            switches: S::switches,
+            estimate_bytes: S::estimate_bytes,
+            build: |w, p| Ok(Box::new(Built(S::build(w, p)?)) as Box<dyn Forward>),
+        }
+    }
+
+    /// Choose the precision and assemble the plan for this stage.
+    pub fn plan(&self, device: &Device, info: &DeviceInfo, shape: Shape, requested: PrecisionRequest) -> Result<Plan, SpeedkitError> {
+        let (precision, precision_reason) = (self.choose_precision)(info, requested)?;
+        Ok(Plan { device: device.clone(), info: info.clone(), precision, precision_reason, shape })
+    }
+}

@@ -1,0 +1,415 @@
+//! The block's parameters: made from a seed on the host (so every device computes the same
+//! function), or read from / written to a safetensors file in GPT-2's layer naming.
+//!
+//! Recipe (fixed, so a seed names one block forever): each tensor draws from its own
+//! SplitMix64 stream seeded by `mix(seed, name)`, turned into N(0, 1) by Box–Muller in f64,
+//! then scaled: matrices and biases N(0, 0.02²); LayerNorm gains 1 + N(0, 0.02²) and
+//! LayerNorm biases N(0, 0.02²). The input x is N(0, 1) from the stream named "x".
+//! Per-tensor streams mean changing FF leaves W_qkv as it was.
+
+use crate::error::SpeedkitError;
+use crate::preset::Shape;
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Parameters in the block's own orientation (out_features, in_features), f32.
+#[derive(Clone, Debug)]
+pub struct BlockWeights {
+    pub ln1_g: Tensor,  // (C)
+    pub ln1_b: Tensor,  // (C)
+    pub w_qkv: Tensor,  // (3C, C): rows 0..C make q, C..2C k, 2C..3C v
+    pub b_qkv: Tensor,  // (3C)
+    pub w_proj: Tensor, // (C, C)
+    pub b_proj: Tensor, // (C)
+    pub ln2_g: Tensor,  // (C)
+    pub ln2_b: Tensor,  // (C)
+    pub w_fc1: Tensor,  // (FF, C)
+    pub b_fc1: Tensor,  // (FF)
+    pub w_fc2: Tensor,  // (C, FF)
+    pub b_fc2: Tensor,  // (C)
+}
+
+/// A deterministic, platform-independent generator (SplitMix64, Steele et al. 2014).
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1], from the top 53 bits.
+    fn next_unit(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    /// `n` samples of N(0, 1) (Box–Muller; both outputs of each pair are used).
+    pub fn normals(&mut self, n: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(n + 1);
+        while out.len() < n {
+            let (u1, u2) = (self.next_unit(), self.next_unit());
+            let r = (-2.0 * u1.ln()).sqrt();
+            let theta = 2.0 * std::f64::consts::PI * u2;
+            out.push((r * theta.cos()) as f32);
+            out.push((r * theta.sin()) as f32);
+        }
+        out.truncate(n);
+        out
+    }
+}
+
+/// The stream seed for one named tensor: FNV-1a of the name, mixed with the user's seed.
+fn stream(seed: u64, name: &str) -> SplitMix64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    let mut mix = SplitMix64::new(seed ^ h);
+    SplitMix64::new(mix.next_u64())
+}
+
+fn normal_tensor(seed: u64, name: &str, dims: &[usize], mean: f32, std: f32) -> candle_core::Result<Tensor> {
+    let n = dims.iter().product();
+    let v: Vec<f32> = stream(seed, name).normals(n).into_iter().map(|z| mean + std * z).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu)
+}
+
+/// The block's input x: (B, T, C), N(0, 1), on the host.
+pub fn random_input(shape: &Shape, seed: u64) -> candle_core::Result<Tensor> {
+    normal_tensor(seed, "x", &[shape.batch, shape.seq, shape.d_model], 0.0, 1.0)
+}
+
+/// GPT-2 names of one layer's tensors, in this order: the file stores the four matrices as
+/// Conv1D weights (in_features, out_features), i.e. transposed relative to ours.
+const GPT2_NAMES: [(&str, bool); 12] = [
+    ("ln_1.weight", false),
+    ("ln_1.bias", false),
+    ("attn.c_attn.weight", true),
+    ("attn.c_attn.bias", false),
+    ("attn.c_proj.weight", true),
+    ("attn.c_proj.bias", false),
+    ("ln_2.weight", false),
+    ("ln_2.bias", false),
+    ("mlp.c_fc.weight", true),
+    ("mlp.c_fc.bias", false),
+    ("mlp.c_proj.weight", true),
+    ("mlp.c_proj.bias", false),
+];
+
+/// Safetensors metadata key under which we record n_head (GPT-2 files do not carry it).
+pub const META_N_HEAD: &str = "n_head";
+
+impl BlockWeights {
+    /// The documented recipe above, on the host. C and FF come from `shape`.
+    pub fn from_seed(shape: &Shape, seed: u64) -> candle_core::Result<Self> {
+        let (c, ff) = (shape.d_model, shape.ff);
+        let w = |name: &str, dims: &[usize]| normal_tensor(seed, name, dims, 0.0, 0.02);
+        Ok(BlockWeights {
+            ln1_g: normal_tensor(seed, "ln1_g", &[c], 1.0, 0.02)?,
+            ln1_b: w("ln1_b", &[c])?,
+            w_qkv: w("w_qkv", &[3 * c, c])?,
+            b_qkv: w("b_qkv", &[3 * c])?,
+            w_proj: w("w_proj", &[c, c])?,
+            b_proj: w("b_proj", &[c])?,
+            ln2_g: normal_tensor(seed, "ln2_g", &[c], 1.0, 0.02)?,
+            ln2_b: w("ln2_b", &[c])?,
+            w_fc1: w("w_fc1", &[ff, c])?,
+            b_fc1: w("b_fc1", &[ff])?,
+            w_fc2: w("w_fc2", &[c, ff])?,
+            b_fc2: w("b_fc2", &[c])?,
+        })
+    }
+
+    /// C (d_model) and FF, read off the tensors.
+    pub fn dims(&self) -> (usize, usize) {
+        let (ff, c) = self.w_fc1.dims2().expect("w_fc1 is (FF, C)");
+        (c, ff)
+    }
+
+    fn tensors(&self) -> [&Tensor; 12] {
+        [
+            &self.ln1_g,
+            &self.ln1_b,
+            &self.w_qkv,
+            &self.b_qkv,
+            &self.w_proj,
+            &self.b_proj,
+            &self.ln2_g,
+            &self.ln2_b,
+            &self.w_fc1,
+            &self.b_fc1,
+            &self.w_fc2,
+            &self.b_fc2,
+        ]
+    }
+
+    fn from_tensors(t: Vec<Tensor>) -> Self {
+        let mut it = t.into_iter();
+        let mut next = || it.next().expect("twelve tensors");
+        BlockWeights {
+            ln1_g: next(),
+            ln1_b: next(),
+            w_qkv: next(),
+            b_qkv: next(),
+            w_proj: next(),
+            b_proj: next(),
+            ln2_g: next(),
+            ln2_b: next(),
+            w_fc1: next(),
+            b_fc1: next(),
+            w_fc2: next(),
+            b_fc2: next(),
+        }
+    }
+
+    /// Copy every tensor to `device`, once, before any stage builds.
+    pub fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
+        let t = self.tensors().iter().map(|t| t.to_device(device)).collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self::from_tensors(t))
+    }
+
+    /// Write as layer `layer` of a GPT-2 checkpoint (`h.{layer}.ln_1.weight`, ..., matrices
+    /// transposed to Conv1D layout), with n_head in the file's metadata.
+    pub fn save_gpt2(&self, path: &Path, layer: usize, n_head: usize) -> anyhow::Result<()> {
+        let mut data: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+        for (t, (name, transposed)) in self.tensors().into_iter().zip(GPT2_NAMES) {
+            let t = if transposed { t.t()?.contiguous()? } else { t.clone() };
+            let t = t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+            let bytes: Vec<u8> = t.flatten_all()?.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect();
+            data.push((format!("h.{layer}.{name}"), bytes, t.dims().to_vec()));
+        }
+        let views = data
+            .iter()
+            .map(|(n, b, d)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, d.clone(), b)?)))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let meta = HashMap::from([(META_N_HEAD.to_string(), n_head.to_string())]);
+        let bytes = safetensors::serialize(views, Some(meta))?;
+        crate::report::write_atomic(path, &bytes)?;
+        Ok(())
+    }
+
+    /// Read one layer of a GPT-2-named safetensors file (keys `h.N.*`, optionally prefixed,
+    /// e.g. `transformer.h.N.*`). Returns the weights and n_head if the file records it.
+    /// `layer: None` picks the file's only layer, and is an error if it holds several.
+    pub fn load_gpt2(path: &Path, layer: Option<usize>) -> Result<(Self, Option<usize>), SpeedkitError> {
+        let bad = |why: String| {
+            SpeedkitError::usage(format!(
+                "cannot use weights file {}: {why}. Fix: pass a safetensors file holding one GPT-2 layer \
+                 (h.N.ln_1.weight, h.N.attn.c_attn.weight, ...; e.g. one written by --save-weights) \
+                 and pick the layer with --layer N.",
+                path.display()
+            ))
+        };
+        let bytes = std::fs::read(path).map_err(|e| bad(format!("it cannot be read ({e})")))?;
+        let (_, header) =
+            safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
+        let n_head = header.metadata().as_ref().and_then(|m| m.get(META_N_HEAD)).and_then(|v| v.parse().ok());
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
+        let names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
+
+        // Layers present: the N of every key containing "h.N.ln_1.weight".
+        let mut layers: Vec<usize> = names.iter().filter_map(|k| layer_of(k)).collect();
+        layers.sort_unstable();
+        layers.dedup();
+        let layer = match (layer, layers.as_slice()) {
+            (_, []) => return Err(bad("it holds no GPT-2 layer (no key like h.0.ln_1.weight)".into())),
+            (Some(l), ls) if !ls.contains(&l) => return Err(bad(format!("it has no layer {l} (layers present: {ls:?})"))),
+            (Some(l), _) => l,
+            (None, [only]) => *only,
+            (None, ls) => return Err(bad(format!("it holds {} layers ({ls:?}) and --layer was not given", ls.len()))),
+        };
+
+        let mut tensors = Vec::with_capacity(12);
+        for (name, transposed) in GPT2_NAMES {
+            let suffix = format!("h.{layer}.{name}");
+            let key = names
+                .iter()
+                .find(|k| *k == &suffix || k.ends_with(&format!(".{suffix}")))
+                .ok_or_else(|| bad(format!("tensor {suffix} is missing")))?;
+            let view = st.tensor(key).map_err(|e| bad(format!("tensor {key}: {e}")))?;
+            let t = view_to_f32(&view).map_err(|e| bad(format!("tensor {key}: {e}")))?;
+            let t = if transposed { t.t().and_then(|t| t.contiguous()).map_err(|e| bad(e.to_string()))? } else { t };
+            tensors.push(t);
+        }
+        let w = Self::from_tensors(tensors);
+        w.check_shapes().map_err(bad)?;
+        Ok((w, n_head))
+    }
+
+    /// Every tensor has the shape the block needs for its C and FF.
+    fn check_shapes(&self) -> Result<(), String> {
+        let c = self.ln1_g.dims().first().copied().unwrap_or(0);
+        let ff = self.b_fc1.dims().first().copied().unwrap_or(0);
+        let expect: [(&str, &Tensor, Vec<usize>); 12] = [
+            ("ln_1.weight", &self.ln1_g, vec![c]),
+            ("ln_1.bias", &self.ln1_b, vec![c]),
+            ("attn.c_attn.weight", &self.w_qkv, vec![3 * c, c]),
+            ("attn.c_attn.bias", &self.b_qkv, vec![3 * c]),
+            ("attn.c_proj.weight", &self.w_proj, vec![c, c]),
+            ("attn.c_proj.bias", &self.b_proj, vec![c]),
+            ("ln_2.weight", &self.ln2_g, vec![c]),
+            ("ln_2.bias", &self.ln2_b, vec![c]),
+            ("mlp.c_fc.weight", &self.w_fc1, vec![ff, c]),
+            ("mlp.c_fc.bias", &self.b_fc1, vec![ff]),
+            ("mlp.c_proj.weight", &self.w_fc2, vec![c, ff]),
+            ("mlp.c_proj.bias", &self.b_fc2, vec![c]),
+        ];
+        if c == 0 || ff == 0 {
+            return Err("ln_1.weight or mlp.c_fc.bias is empty".into());
+        }
+        for (name, t, want) in expect {
+            if t.dims() != want.as_slice() {
+                let mut shown = t.dims().to_vec();
+                if shown.len() == 2 {
+                    shown.reverse(); // report in the file's (Conv1D) orientation
+                }
+                let mut want_file = want.clone();
+                if want_file.len() == 2 {
+                    want_file.reverse();
+                }
+                return Err(format!("{name} has shape {shown:?}, but C = {c} and FF = {ff} need {want_file:?}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn layer_of(key: &str) -> Option<usize> {
+    let rest = key.strip_suffix(".ln_1.weight")?;
+    let idx = rest.rfind("h.")?;
+    if idx > 0 && !rest[..idx].ends_with('.') {
+        return None;
+    }
+    rest[idx + 2..].parse().ok()
+}
+
+fn view_to_f32(view: &safetensors::tensor::TensorView<'_>) -> Result<Tensor, String> {
+    let dims = view.shape().to_vec();
+    let data = view.data();
+    let v: Vec<f32> = match view.dtype() {
+        safetensors::Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        safetensors::Dtype::F64 => data.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap()) as f32).collect(),
+        safetensors::Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        safetensors::Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        other => return Err(format!("dtype {other:?} is not a float type (need F32, F16, BF16 or F64)")),
+    };
+    Tensor::from_vec(v, dims, &Device::Cpu).map_err(|e| e.to_string())
+}
+
+/// Read the input x (B, T, C) from a safetensors file: the tensor named "x", or the file's
+/// only tensor. Any float dtype; converted to f32.
+pub fn load_input(path: &Path) -> Result<Tensor, SpeedkitError> {
+    let bad = |why: String| {
+        SpeedkitError::usage(format!(
+            "cannot use input file {}: {why}. Fix: pass a safetensors file with one tensor \"x\" of shape (B, T, C).",
+            path.display()
+        ))
+    };
+    let bytes = std::fs::read(path).map_err(|e| bad(format!("it cannot be read ({e})")))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
+    let names = st.names();
+    let key = if names.contains(&"x") {
+        "x".to_string()
+    } else if names.len() == 1 {
+        names[0].to_string()
+    } else {
+        return Err(bad(format!("it has no tensor named \"x\" and {} tensors", names.len())));
+    };
+    let t = view_to_f32(&st.tensor(&key).map_err(|e| bad(e.to_string()))?).map_err(bad)?;
+    if t.rank() != 3 {
+        return Err(bad(format!("tensor {key} has shape {:?}, not (B, T, C)", t.dims())));
+    }
+    Ok(t)
+}
+
+/// Save named tensors (converted to f32, on the host) to a safetensors file, atomically.
+pub fn save_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> anyhow::Result<()> {
+    let map: HashMap<String, Tensor> = tensors
+        .iter()
+        .map(|(n, t)| Ok((n.to_string(), t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.contiguous()?)))
+        .collect::<candle_core::Result<_>>()?;
+    let tmp = crate::report::temp_path(path);
+    candle_core::safetensors::save(&map, &tmp)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::preset::Preset;
+
+    fn flat(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    #[test]
+    fn same_seed_same_weights_other_seed_other_weights() {
+        let s = Preset::Tiny.shape();
+        let (a, b, c) =
+            (BlockWeights::from_seed(&s, 7).unwrap(), BlockWeights::from_seed(&s, 7).unwrap(), BlockWeights::from_seed(&s, 8).unwrap());
+        for ((x, y), z) in a.tensors().iter().zip(b.tensors()).zip(c.tensors()) {
+            assert_eq!(flat(x), flat(y));
+            assert_ne!(flat(x), flat(z));
+        }
+    }
+
+    #[test]
+    fn recipe_statistics() {
+        let s = Preset::Small.shape();
+        let w = BlockWeights::from_seed(&s, 0).unwrap();
+        let v = flat(&w.w_fc1);
+        let mean = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
+        let std = (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / v.len() as f64).sqrt();
+        assert!(mean.abs() < 1e-4 && (std - 0.02).abs() < 2e-4, "mean {mean} std {std}");
+        let g = flat(&w.ln1_g);
+        let gm = g.iter().sum::<f32>() / g.len() as f32;
+        assert!((gm - 1.0).abs() < 0.005, "{gm}");
+    }
+
+    #[test]
+    fn per_tensor_streams_make_qkv_independent_of_ff() {
+        let mut s = Preset::Tiny.shape();
+        let a = BlockWeights::from_seed(&s, 3).unwrap();
+        s.ff = 256;
+        let b = BlockWeights::from_seed(&s, 3).unwrap();
+        assert_eq!(flat(&a.w_qkv), flat(&b.w_qkv));
+    }
+
+    #[test]
+    fn gpt2_round_trip_and_layout() {
+        let s = Preset::Tiny.shape();
+        let w = BlockWeights::from_seed(&s, 1).unwrap();
+        let dir = std::env::temp_dir().join(format!("speedkit-w-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("layer.safetensors");
+        w.save_gpt2(&p, 5, 4).unwrap();
+        // GPT-2 stores c_attn.weight as (C, 3C): our (3C, C) transposed.
+        let raw = candle_core::safetensors::load(&p, &Device::Cpu).unwrap();
+        assert_eq!(raw["h.5.attn.c_attn.weight"].dims(), &[128, 384]);
+        assert_eq!(raw["h.5.mlp.c_proj.weight"].dims(), &[512, 128]);
+        let (back, n_head) = BlockWeights::load_gpt2(&p, None).unwrap();
+        assert_eq!(n_head, Some(4));
+        for (x, y) in w.tensors().iter().zip(back.tensors()) {
+            assert_eq!(flat(x), flat(y));
+        }
+        assert!(BlockWeights::load_gpt2(&p, Some(0)).unwrap_err().to_string().contains("no layer 0"));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn layer_keys() {
+        assert_eq!(layer_of("h.11.ln_1.weight"), Some(11));
+        assert_eq!(layer_of("transformer.h.3.ln_1.weight"), Some(3));
+        assert_eq!(layer_of("transformer.h.3.ln_2.weight"), None);
+        assert_eq!(layer_of("xh.3.ln_1.weight"), None);
+    }
+}
