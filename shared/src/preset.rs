@@ -83,43 +83,30 @@ impl Shape {
                 )));
             }
         }
-        if self.d_model % self.n_head != 0 {
-            let near: Vec<usize> = (1..=self.d_model).filter(|h| self.d_model % h == 0 && h.abs_diff(self.n_head) <= 4).collect();
+        if !self.d_model.is_multiple_of(self.n_head) {
+            let near: Vec<usize> = (1..=self.d_model).filter(|h| self.d_model.is_multiple_of(*h) && h.abs_diff(self.n_head) <= 4).collect();
             return Err(SpeedkitError::usage(format!(
                 "C = {} is not divisible by n_head = {}: attention splits C into n_head heads of \
                  d_head = C / n_head channels each. Fix: choose --heads among {:?} or change --d-model.",
                 self.d_model, self.n_head, near
             )));
         }
-        // Every intermediate tensor of the naive block, as element counts. The (B, n_head, T, T)
-        // score tensor of stage 0 is usually the largest; checked_mul catches usize overflow.
-        let tensors = [
-            ("the activations (B, T, C)", [self.batch, self.seq, self.d_model, 1]),
-            ("the q/k/v projections (B, T, 3C)", [self.batch, self.seq, 3 * self.d_model, 1]),
-            ("the MLP hidden state (B, T, FF)", [self.batch, self.seq, self.ff, 1]),
-            ("the attention scores (B, n_head, T, T)", [self.batch, self.n_head, self.seq, self.seq]),
-            ("W_fc1 (FF, C)", [self.ff, self.d_model, 1, 1]),
-        ];
-        for (what, dims) in tensors {
-            let n = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
-            match n {
-                Some(n) if n <= MAX_TENSOR_ELEMENTS => {}
-                _ => {
-                    return Err(SpeedkitError::usage(format!(
-                        "{what} would hold {} elements for B={} T={} C={} n_head={} FF={}, past the \
-                         2^31 - 1 limit of 32-bit GEMM and kernel indexing. Fix: lower --batch or \
-                         --seq (the T x T scores grow with T squared).",
-                        n.map_or("more than 2^64".to_string(), |n| n.to_string()),
-                        self.batch,
-                        self.seq,
-                        self.d_model,
-                        self.n_head,
-                        self.ff
-                    )));
-                }
-            }
-        }
-        Ok(())
+        // Tensors every stage materialises, as element counts; checked_mul catches usize overflow.
+        check_elements(
+            self,
+            &[
+                ("the activations (B, T, C)", [self.batch, self.seq, self.d_model, 1]),
+                ("the q/k/v projections (B, T, 3C)", [self.batch, self.seq, 3 * self.d_model, 1]),
+                ("the MLP hidden state (B, T, FF)", [self.batch, self.seq, self.ff, 1]),
+                ("W_fc1 (FF, C)", [self.ff, self.d_model, 1, 1]),
+            ],
+        )
+    }
+
+    /// The (B, n_head, T, T) score matrix of naive attention (stages 0 and 1) must be
+    /// addressable too; fused attention never materialises it and skips this check.
+    pub fn validate_score_matrix(&self) -> Result<(), SpeedkitError> {
+        check_elements(self, &[("the attention scores (B, n_head, T, T)", [self.batch, self.n_head, self.seq, self.seq])])
     }
 
     /// Working-set estimate of the naive fp32 block (stage 0, the reference), in bytes: weights,
@@ -134,6 +121,33 @@ impl Shape {
         let mlp = 4 * b * t * ff + 4 * b * t * c;
         4 * (weights + attention.max(mlp))
     }
+}
+
+fn check_elements(s: &Shape, tensors: &[(&str, [usize; 4])]) -> Result<(), SpeedkitError> {
+    for (what, dims) in tensors {
+        match dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) {
+            Some(n) if n <= MAX_TENSOR_ELEMENTS => {}
+            n => {
+                return Err(SpeedkitError::usage(format!(
+                    "{what} would hold {} elements for B={} T={} C={} n_head={} FF={}, past the \
+                     2^31 - 1 limit of 32-bit GEMM and kernel indexing. Fix: lower --batch or \
+                     --seq{}.",
+                    n.map_or("more than 2^64".to_string(), |n| n.to_string()),
+                    s.batch,
+                    s.seq,
+                    s.d_model,
+                    s.n_head,
+                    s.ff,
+                    if what.contains("T, T") {
+                        " (the T x T scores grow with T squared; fused attention in stage 2+ never stores them)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl std::fmt::Display for Shape {
@@ -166,7 +180,8 @@ mod tests {
         assert!(s.validate().unwrap_err().to_string().contains("--seq (T) is 0"));
         let mut s = Preset::Tiny.shape();
         s.seq = 1 << 20;
-        assert!(s.validate().unwrap_err().to_string().contains("attention scores"));
+        s.validate().unwrap();
+        assert!(s.validate_score_matrix().unwrap_err().to_string().contains("attention scores"));
         let mut s = Preset::Tiny.shape();
         s.batch = usize::MAX / 2;
         assert!(s.validate().unwrap_err().to_string().contains("2^64"));

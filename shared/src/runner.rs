@@ -67,7 +67,7 @@ impl Session {
             }
             shape.d_model = c;
             shape.ff = ff;
-            shape.n_head = args.heads.or(meta_heads).unwrap_or(if c % 64 == 0 { c / 64 } else { shape.n_head });
+            shape.n_head = args.heads.or(meta_heads).unwrap_or(if c.is_multiple_of(64) { c / 64 } else { shape.n_head });
             loaded = Some(w);
         }
         let x_file = match &args.input {
@@ -163,25 +163,14 @@ impl Session {
         Ok(session)
     }
 
-    /// Refuse a stage whose working set obviously exceeds what the device has free.
+    /// Refuse a stage whose shape it cannot address or whose working set obviously exceeds
+    /// what the device has free.
     pub fn fits(&self, spec: &StageSpec) -> Result<(), SpeedkitError> {
-        let need = (spec.estimate_bytes)(&self.shape);
-        if let Some(avail) = device::available_bytes(&self.device) {
-            if need > avail as u128 * 9 / 10 {
-                let s = &self.shape;
-                let scores = 4 * (s.batch * s.n_head) as u128 * (s.seq * s.seq) as u128;
-                return Err(SpeedkitError::usage(format!(
-                    "{} needs about {} at its widest for {} (the (B, n_head, T, T) scores alone are {} in f32), \
-                     but the device has {} available. Fix: lower --batch or --seq, or pick a smaller --preset.",
-                    spec.name,
-                    gib(need),
-                    s,
-                    gib(scores),
-                    gib(avail as u128)
-                )));
-            }
+        (spec.check_shape)(&self.shape)?;
+        match device::available_bytes(&self.device) {
+            Some(avail) => check_fits(spec.name, &self.shape, (spec.estimate_bytes)(&self.shape), avail),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Plan, build, check and time one stage. Errors of kind `Usage` mean "cannot run here";
@@ -258,6 +247,22 @@ impl Session {
     }
 }
 
+/// `need` bytes against `avail` free, with 10 % headroom for the allocator and the runtime.
+pub fn check_fits(stage: &str, s: &Shape, need: u128, avail: u64) -> Result<(), SpeedkitError> {
+    if need <= avail as u128 * 9 / 10 {
+        return Ok(());
+    }
+    let scores = 4 * (s.batch * s.n_head) as u128 * (s.seq * s.seq) as u128;
+    Err(SpeedkitError::usage(format!(
+        "{stage} needs about {} at its widest for {s} (naive attention's (B, n_head, T, T) scores alone \
+         would be {} in f32), but the device has {} available. Fix: lower --batch or --seq, or pick a \
+         smaller --preset.",
+        gib(need),
+        gib(scores),
+        gib(avail as u128)
+    )))
+}
+
 /// Print one record's details that do not fit the table.
 pub fn print_details(r: &Record) {
     println!("precision {} ({}) — {}", r.precision, r.stage, r.precision_reason);
@@ -314,4 +319,20 @@ pub fn main<S: Stage + 'static, R: Stage + 'static>() -> ExitCode {
         }
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_what_cannot_fit() {
+        let s = Preset::Te.shape();
+        let need = s.estimate_naive_bytes();
+        assert!(check_fits("stage0_baseline", &s, need, (need * 2) as u64).is_ok());
+        let e = check_fits("stage0_baseline", &s, need, (need / 2) as u64).unwrap_err().to_string();
+        assert!(e.contains("available") && e.contains("lower --batch"), "{e}");
+        // te on a 24 GiB CPU box: the naive block needs ~14 GiB of scores alone.
+        assert!(check_fits("stage0_baseline", &s, need, 8 << 30).is_err());
+    }
 }

@@ -44,6 +44,9 @@ pub enum PrecisionRequest {
     Exactly(Precision),
 }
 
+/// A stage's precision decision: the precision, and one sentence saying why.
+pub type PrecisionChoice = (Precision, String);
+
 /// Everything a stage's `build` may depend on, decided before it runs.
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -65,10 +68,16 @@ pub trait Stage: Sized {
 
     /// The precision this stage runs at on this device for this request, and why; an error
     /// (exit 2) when the request is something this stage or device cannot do.
-    fn choose_precision(info: &DeviceInfo, requested: PrecisionRequest) -> Result<(Precision, String), SpeedkitError>;
+    fn choose_precision(info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError>;
 
     /// candle's global GEMM switches this stage runs with; `build` must apply them.
     fn switches(plan: &Plan) -> GemmSwitches;
+
+    /// Shape limits beyond `Shape::validate` (the default: the naive (B, n_head, T, T) score
+    /// matrix must be addressable).
+    fn check_shape(shape: &Shape) -> Result<(), SpeedkitError> {
+        shape.validate_score_matrix()
+    }
 
     /// Bytes this stage needs at its widest point, to refuse runs that cannot fit. The default
     /// is the naive block's (the T x T scores dominate at long T).
@@ -100,8 +109,9 @@ impl<S: Stage> Forward for Built<S> {
 pub struct StageSpec {
     pub name: &'static str,
     pub technique: &'static str,
-    pub choose_precision: fn(&DeviceInfo, PrecisionRequest) -> Result<(Precision, String), SpeedkitError>,
+    pub choose_precision: fn(&DeviceInfo, PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError>,
     pub switches: fn(&Plan) -> GemmSwitches,
+    pub check_shape: fn(&Shape) -> Result<(), SpeedkitError>,
     pub estimate_bytes: fn(&Shape) -> u128,
     pub build: fn(&BlockWeights, &Plan) -> anyhow::Result<Box<dyn Forward>>,
 }
@@ -113,6 +123,7 @@ impl StageSpec {
             technique: S::TECHNIQUE,
             choose_precision: S::choose_precision,
             switches: S::switches,
+            check_shape: S::check_shape,
             estimate_bytes: S::estimate_bytes,
             build: |w, p| Ok(Box::new(Built(S::build(w, p)?)) as Box<dyn Forward>),
         }

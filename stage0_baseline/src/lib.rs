@@ -19,6 +19,7 @@
 
 use candle_core::{Tensor, D};
 use shared::device::{DeviceInfo, GemmSwitches};
+use shared::stage::PrecisionChoice;
 use shared::{BlockWeights, Plan, Precision, PrecisionRequest, SpeedkitError, Stage};
 
 const LN_EPS: f64 = 1e-5;
@@ -48,7 +49,7 @@ impl Stage for Baseline {
     const NAME: &'static str = "stage0_baseline";
     const TECHNIQUE: &'static str = "fp32, every op spelled out, full T x T attention";
 
-    fn choose_precision(_info: &DeviceInfo, requested: PrecisionRequest) -> Result<(Precision, String), SpeedkitError> {
+    fn choose_precision(_info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
         match requested {
             PrecisionRequest::Auto | PrecisionRequest::Exactly(Precision::Fp32) => {
                 Ok((Precision::Fp32, "the baseline is fp32 by definition (TF32 off)".into()))
