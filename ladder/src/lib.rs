@@ -8,6 +8,7 @@ use clap::{Args, FromArgMatches};
 use shared::cli::{exit_with, RunArgs};
 use shared::report::{table, write_json, LadderReport, Record, Skipped, CANDLE_VERSION, LADDER_SCHEMA};
 use shared::runner::Session;
+use shared::weights::save_tensors;
 use shared::{PrecisionRequest, SpeedkitError, StageSpec};
 use std::process::ExitCode;
 
@@ -29,10 +30,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<(LadderReport, Option<anyhow::Error>
     let mut records: Vec<Record> = Vec::new();
     let mut skipped = Vec::new();
     let mut failure = None;
+    let mut outputs: Vec<(String, candle_core::Tensor)> = Vec::new();
     for (i, spec) in stages().iter().enumerate() {
         let requested = if i == 0 { PrecisionRequest::Auto } else { session.args.precision };
         match session.run(spec, requested) {
-            Ok((mut record, _)) => {
+            Ok((mut record, y)) => {
+                if session.args.save_output.is_some() {
+                    outputs.push((format!("y_{}", spec.name), y));
+                }
                 record.speedup_vs_stage0 =
                     records.first().filter(|r| r.stage == stages()[0].name).map(|r0| r0.timing.median_ms / record.timing.median_ms);
                 if i == 0 {
@@ -67,6 +72,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<(LadderReport, Option<anyhow::Error>
     };
     if let Some(path) = &session.args.json {
         write_json(path, &report)?;
+    }
+    if let Some(path) = &session.args.save_output {
+        // x, then each stage's output as y_<stage>, for comparison outside the program.
+        let mut named: Vec<(&str, &candle_core::Tensor)> = vec![("x", &session.x)];
+        named.extend(outputs.iter().map(|(n, t)| (n.as_str(), t)));
+        save_tensors(path, &named)?;
     }
     Ok((report, failure))
 }

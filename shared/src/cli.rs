@@ -60,7 +60,7 @@ pub struct RunArgs {
     #[arg(long, env = "SPEEDKIT_JSON")]
     pub json: Option<PathBuf>,
     /// Skip the check against the fp32 reference (the timing then vouches for nothing)
-    #[arg(long, env = "SPEEDKIT_NO_CHECK")]
+    #[arg(long, env = "SPEEDKIT_NO_CHECK", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub no_check: bool,
     /// Peak TFLOP/s to compute % of peak against (for devices not in the built-in table)
     #[arg(long, env = "SPEEDKIT_PEAK_TFLOPS")]
