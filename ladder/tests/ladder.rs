@@ -28,3 +28,20 @@ fn ladder_end_to_end_on_tiny() {
     assert_eq!(report.shape, shared::Preset::Tiny.shape());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn report_lists_every_stage_with_its_reason() {
+    let o = Command::new(env!("CARGO_BIN_EXE_ladder")).args(["report", "--preset", "tiny"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{stdout}{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.contains("switches  now: TF32 off"), "{stdout}");
+    for spec in ladder::stages() {
+        assert!(stdout.contains(spec.name), "{} missing:\n{stdout}", spec.name);
+    }
+    assert!(stdout.contains("auto on CPU: no tensor cores"), "{stdout}");
+    // An override the device cannot do is reported per stage, not a crash.
+    let o = Command::new(env!("CARGO_BIN_EXE_ladder")).args(["report", "--preset", "tiny", "--precision", "tf32"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{stdout}");
+    assert!(stdout.contains("stage1_tensorcore  skipped: --precision tf32 cannot run"), "{stdout}");
+}

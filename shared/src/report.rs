@@ -179,10 +179,10 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
     })
 }
 
-/// The git commit of the source tree this binary was built from, if it is a git checkout.
+/// The git commit of the source tree ("-dirty" with uncommitted changes), if it is a git checkout.
 pub fn commit() -> String {
     std::process::Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
+        .args(["describe", "--always", "--dirty", "--abbrev=12"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .ok()

@@ -23,7 +23,7 @@ pub struct Session {
     pub device: Device,
     pub info: DeviceInfo,
     pub shape: Shape,
-    pub preset: Option<Preset>,
+    pub preset: Preset,
     /// On `device`, f32.
     pub weights: BlockWeights,
     /// "seed 0" or "path (layer N)".
@@ -36,76 +36,97 @@ pub struct Session {
     pub reference: Option<Tensor>,
 }
 
+/// A dimension given both by a flag and by a file must agree; the file wins, so say so.
+fn agree_with_file(what: &str, path: &std::path::Path, dims: &[(&str, Option<usize>, usize)]) -> Result<(), SpeedkitError> {
+    for &(flag, given, file) in dims {
+        if let Some(g) = given.filter(|&g| g != file) {
+            return Err(SpeedkitError::usage(format!(
+                "{flag} {g} contradicts the {what} file {}, which has {file}. Fix: drop {flag}; it is read from the file.",
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Bytes as GiB for messages.
 fn gib(b: u128) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
+/// What the flags and files resolve to before anything runs: the device, the shape, and the
+/// weights and input if they came from files. Shared by runs and by `ladder report`.
+pub struct Resolved {
+    pub device: Device,
+    pub info: DeviceInfo,
+    pub preset: Preset,
+    pub shape: Shape,
+    pub weights: Option<BlockWeights>,
+    pub x: Option<Tensor>,
+}
+
+/// The preset used when `--preset` is not given: `small` on CPU, `te` on a GPU.
+pub fn default_preset(info: &DeviceInfo) -> Preset {
+    if info.is_cuda() {
+        Preset::Te
+    } else {
+        Preset::Small
+    }
+}
+
+/// Resolve device and shape: the preset, then the files (weights fix C and FF, the input B
+/// and T), then the flags; then validate the shape.
+pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
+    validate(args)?;
+    let (device, info) = device::select(args.device)?;
+    let preset = args.preset.unwrap_or_else(|| default_preset(&info));
+    let mut shape = preset.shape();
+
+    // Weights from a file fix C and FF; n_head comes from --heads, then the file's
+    // metadata, then GPT-2's convention of d_head = 64.
+    let mut loaded = None;
+    if let Some(path) = &args.weights {
+        let (w, meta_heads) = BlockWeights::load_gpt2(path, args.layer)?;
+        let (c, ff) = w.dims();
+        agree_with_file("weights", path, &[("--d-model", args.d_model, c), ("--ff", args.ff, ff)])?;
+        shape.d_model = c;
+        shape.ff = ff;
+        shape.n_head = args.heads.or(meta_heads).unwrap_or(if c.is_multiple_of(64) { c / 64 } else { shape.n_head });
+        loaded = Some(w);
+    }
+    let x_file = match &args.input {
+        Some(path) => {
+            let x = load_input(path)?;
+            let (b, t, c) = x.dims3()?;
+            let c_model = loaded.as_ref().map(|w| w.dims().0).or(args.d_model).unwrap_or(shape.d_model);
+            if c != c_model {
+                return Err(SpeedkitError::usage(format!(
+                    "the input file {} has C = {c} channels but the block has C = {c_model}. Fix: give an input of shape (B, T, {c_model}) or a matching --d-model / --weights.",
+                    path.display()
+                ))
+                .into());
+            }
+            agree_with_file("input", path, &[("--batch", args.batch, b), ("--seq", args.seq, t)])?;
+            (shape.batch, shape.seq, shape.d_model) = (b, t, c);
+            Some(x)
+        }
+        None => None,
+    };
+    shape.batch = args.batch.unwrap_or(shape.batch);
+    shape.seq = args.seq.unwrap_or(shape.seq);
+    if loaded.is_none() {
+        shape.d_model = args.d_model.unwrap_or(shape.d_model);
+        shape.ff = args.ff.unwrap_or(shape.ff);
+        shape.n_head = args.heads.unwrap_or(shape.n_head);
+    }
+    shape.validate()?;
+    Ok(Resolved { device, info, preset, shape, weights: loaded, x: x_file })
+}
+
 impl Session {
     /// Resolve the flags, print what will run, and compute the reference with `reference`.
     pub fn open(args: RunArgs, reference: &StageSpec) -> anyhow::Result<Session> {
-        validate(&args)?;
-        let (device, info) = device::select(args.device)?;
-        let preset = args.preset.or(Some(if info.is_cuda() { Preset::Te } else { Preset::Small }));
-        let mut shape = preset.expect("set above").shape();
-
-        // Weights from a file fix C and FF; n_head comes from --heads, then the file's
-        // metadata, then GPT-2's convention of d_head = 64.
-        let mut loaded = None;
-        if let Some(path) = &args.weights {
-            let (w, meta_heads) = BlockWeights::load_gpt2(path, args.layer)?;
-            let (c, ff) = w.dims();
-            for (flag, given, file) in [("--d-model", args.d_model, c), ("--ff", args.ff, ff)] {
-                if given.is_some_and(|g| g != file) {
-                    return Err(SpeedkitError::usage(format!(
-                        "{flag} {} contradicts the weights file {}, whose tensors have {file}. Fix: drop {flag}; it is read from the file.",
-                        given.unwrap(),
-                        path.display()
-                    ))
-                    .into());
-                }
-            }
-            shape.d_model = c;
-            shape.ff = ff;
-            shape.n_head = args.heads.or(meta_heads).unwrap_or(if c.is_multiple_of(64) { c / 64 } else { shape.n_head });
-            loaded = Some(w);
-        }
-        let x_file = match &args.input {
-            Some(path) => {
-                let x = load_input(path)?;
-                let (b, t, c) = x.dims3()?;
-                let c_model = loaded.as_ref().map(|w| w.dims().0).or(args.d_model).unwrap_or(shape.d_model);
-                if c != c_model {
-                    return Err(SpeedkitError::usage(format!(
-                        "the input file {} has C = {c} channels but the block has C = {c_model}. Fix: give an input of shape (B, T, {c_model}) or a matching --d-model / --weights.",
-                        path.display()
-                    ))
-                    .into());
-                }
-                for (flag, given, file) in [("--batch", args.batch, b), ("--seq", args.seq, t)] {
-                    if given.is_some_and(|g| g != file) {
-                        return Err(SpeedkitError::usage(format!(
-                            "{flag} {} contradicts the input file {}, which has {file}. Fix: drop {flag}; it is read from the file.",
-                            given.unwrap(),
-                            path.display()
-                        ))
-                        .into());
-                    }
-                }
-                (shape.batch, shape.seq, shape.d_model) = (b, t, c);
-                Some(x)
-            }
-            None => None,
-        };
-        shape.batch = args.batch.unwrap_or(shape.batch);
-        shape.seq = args.seq.unwrap_or(shape.seq);
-        if loaded.is_none() {
-            shape.d_model = args.d_model.unwrap_or(shape.d_model);
-            shape.ff = args.ff.unwrap_or(shape.ff);
-            shape.n_head = args.heads.unwrap_or(shape.n_head);
-        }
-        shape.validate()?;
-
+        let Resolved { device, info, preset, shape, weights: loaded, x: x_file } = resolve(&args)?;
         let (weights, weights_source) = match loaded {
             Some(w) => {
                 (w, format!("{} (layer {})", args.weights.as_ref().unwrap().display(), args.layer.map_or("only".into(), |l| l.to_string())))
@@ -127,7 +148,7 @@ impl Session {
         println!("device    {}", info.describe());
         println!(
             "shape     {}{} · {:.2} GFLOP per forward",
-            args.preset.map_or_else(|| format!("{} (default) ", preset.unwrap().name()), |p| format!("{} ", p.name())),
+            if args.preset.is_some() { format!("{} ", preset.name()) } else { format!("{} (default) ", preset.name()) },
             shape,
             block_flops(&shape) / 1e9
         );
@@ -213,7 +234,7 @@ impl Session {
         let secs = stats.median_ms / 1e3;
         let tflops = flops / secs / 1e12;
         let peak = self.args.peak_tflops.or_else(|| if self.info.is_cuda() { peak_tflops(&self.info.name, plan.precision) } else { None });
-        let mut notes = Vec::new();
+        let mut notes = (spec.notes)(&plan);
         if peak.is_none() {
             notes.push(format!("no {} peak known for this device: pass --peak-tflops for % of peak", plan.precision));
         }

@@ -85,6 +85,12 @@ pub trait Stage: Sized {
         shape.estimate_naive_bytes()
     }
 
+    /// What the reader should know about running this plan (misaligned dimensions, a
+    /// precision that is slow on this device, ...). Printed and stored with the record.
+    fn notes(_plan: &Plan) -> Vec<String> {
+        Vec::new()
+    }
+
     fn build(weights: &BlockWeights, plan: &Plan) -> anyhow::Result<Self>;
 
     /// (B, T, C) -> (B, T, C)
@@ -113,6 +119,7 @@ pub struct StageSpec {
     pub switches: fn(&Plan) -> GemmSwitches,
     pub check_shape: fn(&Shape) -> Result<(), SpeedkitError>,
     pub estimate_bytes: fn(&Shape) -> u128,
+    pub notes: fn(&Plan) -> Vec<String>,
     pub build: fn(&BlockWeights, &Plan) -> anyhow::Result<Box<dyn Forward>>,
 }
 
@@ -125,6 +132,7 @@ impl StageSpec {
             switches: S::switches,
             check_shape: S::check_shape,
             estimate_bytes: S::estimate_bytes,
+            notes: S::notes,
             build: |w, p| Ok(Box::new(Built(S::build(w, p)?)) as Box<dyn Forward>),
         }
     }

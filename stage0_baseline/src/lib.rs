@@ -24,7 +24,7 @@ use shared::{BlockWeights, Plan, Precision, PrecisionRequest, SpeedkitError, Sta
 
 const LN_EPS: f64 = 1e-5;
 
-pub struct Baseline {
+pub struct Block {
     ln1_g: Tensor,  // (C)
     ln1_b: Tensor,  // (C)
     w_q: Tensor,    // (C, C)
@@ -45,7 +45,7 @@ pub struct Baseline {
     mask: Tensor, // (T, T): 0 on and below the diagonal, -inf above
 }
 
-impl Stage for Baseline {
+impl Stage for Block {
     const NAME: &'static str = "stage0_baseline";
     const TECHNIQUE: &'static str = "fp32, every op spelled out, full T x T attention";
 
@@ -71,7 +71,7 @@ impl Stage for Baseline {
         // Three separate projections, as a first implementation would write them.
         let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| t.contiguous()); // (C, C)
         let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.contiguous()); // (C)
-        Ok(Baseline {
+        Ok(Block {
             ln1_g: w.ln1_g.clone(),
             ln1_b: w.ln1_b.clone(),
             w_q: rows(0)?,

@@ -149,3 +149,28 @@ fn output_and_input_files_round_trip() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("C = 128 channels"), "{}", text(&o));
 }
+
+#[test]
+fn flags_come_from_the_environment_too() {
+    let path = tmp("env.json");
+    let o = run(
+        &[],
+        &[
+            ("SPEEDKIT_PRESET", "tiny"),
+            ("SPEEDKIT_WARMUP", "0"),
+            ("SPEEDKIT_ITERS", "3"),
+            ("SPEEDKIT_SEQ", "16"),
+            ("SPEEDKIT_NO_CHECK", "1"),
+            ("SPEEDKIT_JSON", path.to_str().unwrap()),
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("check     skipped"), "{}", text(&o));
+    let j: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert_eq!(j["shape"]["seq"], 16);
+    assert_eq!(j["iters"], 3);
+    assert!(j["check"].is_null());
+    // A flag beats its variable.
+    let o = run(&["--iters", "1", "--json", path.to_str().unwrap()], &[("SPEEDKIT_PRESET", "tiny"), ("SPEEDKIT_ITERS", "0")]);
+    assert!(o.status.success(), "{}", text(&o));
+}

@@ -1,0 +1,3 @@
+fn main() -> std::process::ExitCode {
+    shared::runner::main::<stage1_tensorcore::Block, stage0_baseline::Block>()
+}

@@ -1,0 +1,187 @@
+//! The precision policy: which number format the block's matrix multiplications use on a
+//! given device, and why. A pure function of the device's capabilities and the user's request,
+//! so it can be tested for every GPU generation without owning one. Later stages import it.
+//!
+//! | device                | auto  | why                                                        |
+//! |-----------------------|-------|------------------------------------------------------------|
+//! | CPU                   | fp32  | no tensor cores: bf16/f16 GEMMs convert and run slower     |
+//! | SM < 7.0 (Pascal)     | fp32  | no tensor cores, no TF32                                   |
+//! | SM 7.x (Volta/Turing) | f16   | f16 tensor cores; bf16 and TF32 do not exist before Ampere |
+//! | SM >= 8.0 (Ampere+)   | bf16  | bf16 tensor cores, fp32's exponent range: no loss scaling  |
+//!
+//! Overrides that the hardware cannot do (bf16 or TF32 below SM 8.0, TF32 on CPU) are errors;
+//! fp8 is stage 4's technique and is refused here.
+
+use shared::device::{DeviceInfo, GemmSwitches};
+use shared::preset::Shape;
+use shared::stage::PrecisionChoice;
+use shared::{Precision, PrecisionRequest, SpeedkitError};
+
+/// Decide the GEMM precision for `info` and `requested` (see the module table).
+pub fn choose(info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
+    let sm = info.sm.map(|(a, b)| format!("SM {a}.{b}")).unwrap_or_else(|| "the CPU".into());
+    let refuse = |p: Precision, why: &str, fix: &str| {
+        Err(SpeedkitError::usage(format!("--precision {p} cannot run on {} ({sm}): {why}. Fix: {fix}.", info.name)))
+    };
+    match requested {
+        PrecisionRequest::Auto => Ok(if !info.is_cuda() {
+            (Precision::Fp32, "auto on CPU: no tensor cores, so fp32 is fastest (bf16/f16 GEMMs convert every tile and run slower)".into())
+        } else if info.has_bf16_tensor_cores() {
+            (Precision::Bf16, format!("auto on {sm}: bf16 tensor cores, f32 accumulate; bf16 keeps fp32's exponent range"))
+        } else if info.has_f16_tensor_cores() {
+            (Precision::F16, format!("auto on {sm}: f16 tensor cores (bf16 and TF32 need SM 8.0), f32 accumulate"))
+        } else {
+            (Precision::Fp32, format!("auto on {sm}: no tensor cores and no TF32 before SM 7.0/8.0"))
+        }),
+        PrecisionRequest::Exactly(p) => match p {
+            Precision::Fp32 => Ok((p, "requested: fp32, TF32 off".into())),
+            Precision::Tf32 if !info.is_cuda() => {
+                refuse(p, "TF32 is a tensor-core input format and the CPU has none", "use --precision fp32 on the CPU, or run on an SM 8.0+ GPU")
+            }
+            Precision::Tf32 if !info.has_tf32() => {
+                refuse(p, "TF32 tensor cores arrived with Ampere (SM 8.0)", "use --precision f16 or fp32 on this GPU")
+            }
+            Precision::Tf32 => Ok((p, format!("requested: f32 storage, GEMMs on TF32 tensor cores ({sm})"))),
+            Precision::Bf16 if info.is_cuda() && !info.has_bf16_tensor_cores() => {
+                refuse(p, "bf16 arrived with Ampere (SM 8.0)", "use --precision f16 on this GPU")
+            }
+            Precision::Bf16 | Precision::F16 if !info.is_cuda() => {
+                Ok((p, format!("requested: {p} on CPU — numerics as on a GPU, but slower than fp32 here (no {p} matrix units; every GEMM tile is converted)")))
+            }
+            Precision::Bf16 | Precision::F16 => Ok((p, format!("requested: {p} GEMMs on tensor cores, f32 accumulate ({sm})"))),
+            Precision::Fp8 => Err(SpeedkitError::usage(
+                "--precision fp8 is stage 4's technique (stage4_fp8); this stage does fp32, tf32, bf16 and f16. \
+                 Fix: pick one of those, or run stage4_fp8."
+                    .to_string(),
+            )),
+        },
+    }
+}
+
+/// candle's global GEMM switches for each precision, set deliberately:
+/// - tf32: `set_gemm_reduced_precision_f32(true)` is *the* TF32 switch (cuBLAS compute type
+///   32F_FAST_TF32): f32 tensors, inputs rounded to 10 mantissa bits inside the tensor core.
+/// - bf16, f16: all off. For f16, candle's "reduced precision" means COMPUTE_16F — accumulating
+///   in f16, which over K = 3072 loses ~3 digits and can overflow at 65504; we keep f32
+///   accumulation. For bf16 it selects 32F_FAST_16BF, which for bf16 operands is the same f32
+///   accumulation; we leave it off so the setting says plainly what runs.
+/// - fp32: all off, like stage 0.
+pub fn switches(p: Precision) -> GemmSwitches {
+    GemmSwitches { tf32: p == Precision::Tf32, ..GemmSwitches::OFF }
+}
+
+/// candle dtype that GEMM operands are stored in for `p` (TF32 keeps f32 storage).
+pub fn gemm_dtype(p: Precision) -> candle_core::DType {
+    match p {
+        Precision::Bf16 => candle_core::DType::BF16,
+        Precision::F16 => candle_core::DType::F16,
+        Precision::Fp32 | Precision::Tf32 | Precision::Fp8 => candle_core::DType::F32,
+    }
+}
+
+/// Tensor cores work on tiles whose inner dimensions are multiples of 8 elements (16 bytes of
+/// bf16/f16; 16 elements for FP8). A GEMM dimension that is not gets padded internally or
+/// falls back to slower kernels. One warning per misaligned dimension, with the padded size.
+pub fn alignment_advice(shape: &Shape, p: Precision) -> Vec<String> {
+    let multiple = match p {
+        Precision::Fp32 => return Vec::new(),
+        Precision::Fp8 => 16,
+        Precision::Tf32 | Precision::Bf16 | Precision::F16 => 8,
+    };
+    [("C (--d-model)", shape.d_model), ("FF (--ff)", shape.ff), ("d_head (C / n_head)", shape.d_head())]
+        .into_iter()
+        .filter(|(_, v)| !v.is_multiple_of(multiple))
+        .map(|(what, v)| {
+            let padded = v.div_ceil(multiple) * multiple;
+            format!("{what} = {v} is not a multiple of {multiple}: {p} tensor cores will be underused; pad it to {padded}")
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shared::device::DeviceKind;
+    use Precision::*;
+
+    fn cpu() -> DeviceInfo {
+        DeviceInfo { kind: DeviceKind::Cpu, ordinal: 0, name: "cpu".into(), sm: None, memory_bytes: None, threads: 2, why: "test".into() }
+    }
+
+    /// A device name, its SM (None = CPU), and the outcome for each of the six requests.
+    type Row = (&'static str, Option<(u32, u32)>, [Option<Precision>; 6]);
+
+    /// Expected outcome for every device × request: Some(precision) or None (= refused).
+    #[test]
+    fn policy_table_is_exhaustive() {
+        let requests = [
+            PrecisionRequest::Auto,
+            PrecisionRequest::Exactly(Fp32),
+            PrecisionRequest::Exactly(Tf32),
+            PrecisionRequest::Exactly(Bf16),
+            PrecisionRequest::Exactly(F16),
+            PrecisionRequest::Exactly(Fp8),
+        ];
+        #[rustfmt::skip]
+        let table: [Row; 8] = [
+            //            device   SM            auto        fp32        tf32        bf16        f16        fp8
+            ("CPU",       None,         [Some(Fp32), Some(Fp32), None,       Some(Bf16), Some(F16), None]),
+            ("GTX 1080",  Some((6, 1)), [Some(Fp32), Some(Fp32), None,       None,       Some(F16), None]),
+            ("V100",      Some((7, 0)), [Some(F16),  Some(Fp32), None,       None,       Some(F16), None]),
+            ("T4",        Some((7, 5)), [Some(F16),  Some(Fp32), None,       None,       Some(F16), None]),
+            ("A100",      Some((8, 0)), [Some(Bf16), Some(Fp32), Some(Tf32), Some(Bf16), Some(F16), None]),
+            ("RTX 3090",  Some((8, 6)), [Some(Bf16), Some(Fp32), Some(Tf32), Some(Bf16), Some(F16), None]),
+            ("L40S",      Some((8, 9)), [Some(Bf16), Some(Fp32), Some(Tf32), Some(Bf16), Some(F16), None]),
+            ("H100",      Some((9, 0)), [Some(Bf16), Some(Fp32), Some(Tf32), Some(Bf16), Some(F16), None]),
+        ];
+        for (name, sm, expected) in table {
+            let info = match sm {
+                None => cpu(),
+                Some(sm) => DeviceInfo::simulated_cuda(name, sm),
+            };
+            for (req, want) in requests.iter().zip(expected) {
+                let got = choose(&info, *req);
+                match (want, got) {
+                    (Some(p), Ok((q, why))) => {
+                        assert_eq!(p, q, "{name} {req:?}");
+                        assert!(!why.is_empty());
+                    }
+                    (None, Err(e)) => assert!(e.to_string().contains("Fix:"), "{name} {req:?}: {e}"),
+                    (want, got) => panic!("{name} {req:?}: expected {want:?}, got {got:?}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn refusals_name_the_cause() {
+        let t4 = DeviceInfo::simulated_cuda("T4", (7, 5));
+        let e = choose(&t4, PrecisionRequest::Exactly(Bf16)).unwrap_err().to_string();
+        assert!(e.contains("SM 7.5") && e.contains("Ampere"), "{e}");
+        let e = choose(&cpu(), PrecisionRequest::Exactly(Tf32)).unwrap_err().to_string();
+        assert!(e.contains("CPU has none"), "{e}");
+        let (_, why) = choose(&cpu(), PrecisionRequest::Exactly(Bf16)).unwrap();
+        assert!(why.contains("slower than fp32"), "{why}");
+    }
+
+    #[test]
+    fn switches_per_precision() {
+        assert_eq!(switches(Tf32), GemmSwitches { tf32: true, reduced_f16: false, reduced_bf16: false });
+        for p in [Fp32, Bf16, F16] {
+            assert_eq!(switches(p), GemmSwitches::OFF);
+        }
+    }
+
+    #[test]
+    fn alignment() {
+        let s = Shape { batch: 1, seq: 8, d_model: 100, n_head: 4, ff: 400 };
+        let a = alignment_advice(&s, Bf16);
+        // C = 100 → 104; FF = 400 is fine; d_head = 25 → 32
+        assert_eq!(a.len(), 2, "{a:?}");
+        assert!(a[0].contains("pad it to 104") && a[1].contains("pad it to 32"), "{a:?}");
+        assert!(alignment_advice(&s, Fp32).is_empty());
+        assert!(alignment_advice(&shared::Preset::Small.shape(), Bf16).is_empty());
+        let s = Shape { batch: 1, seq: 8, d_model: 24, n_head: 1, ff: 96 };
+        assert_eq!(alignment_advice(&s, Fp8).len(), 2); // 24 → 32, d_head 24 → 32; 96 is fine
+    }
+}
