@@ -179,16 +179,25 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
     })
 }
 
-/// The git commit of the source tree ("-dirty" with uncommitted changes), if it is a git checkout.
+/// The git commit of the source tree, with "-dirty" when source files differ from it (changes
+/// to recorded results and Markdown do not count: recording a run must not make it dirty).
 pub fn commit() -> String {
-    std::process::Command::new("git")
-        .args(["describe", "--always", "--dirty", "--abbrev=12"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
+    let git = |args: &[&str]| std::process::Command::new("git").args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().ok();
+    let Some(head) = git(&["rev-parse", "--short=12", "HEAD"]).filter(|o| o.status.success()) else {
+        return "unknown".into();
+    };
+    let head = String::from_utf8_lossy(&head.stdout).trim().to_string();
+    let top = git(&["rev-parse", "--show-toplevel"]).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+    let clean = std::process::Command::new("git")
+        .args(["diff", "--quiet", "HEAD", "--", ".", ":(exclude)results", ":(exclude)*.md"])
+        .current_dir(top)
+        .status()
+        .is_ok_and(|s| s.success());
+    if clean {
+        head
+    } else {
+        head + "-dirty"
+    }
 }
 
 #[cfg(test)]
