@@ -22,7 +22,7 @@
 //!
 //! **What it costs.** TF32: ~1e-3 relative error. bf16: ~3e-3–1e-2 (7 mantissa bits); f16:
 //! less error but 5 exponent bits. On a CPU there are no tensor cores: bf16/f16 run (so the
-//! numerics can be studied anywhere) but every GEMM converts its tiles, so it is *slower*.
+//! numerics can be studied anywhere) but every GEMM converts its operands, so it is *slower*.
 //!
 //! **Run it.** `cargo run --release -p stage1_tensorcore` (CPU: fp32, says why) ·
 //! `cargo run --release -p stage1_tensorcore -- --precision bf16` (CPU, bf16 numerics) ·

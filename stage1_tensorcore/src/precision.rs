@@ -25,7 +25,7 @@ pub fn choose(info: &DeviceInfo, requested: PrecisionRequest) -> Result<Precisio
     };
     match requested {
         PrecisionRequest::Auto => Ok(if !info.is_cuda() {
-            (Precision::Fp32, "auto on CPU: no tensor cores, so fp32 is fastest (bf16/f16 GEMMs convert every tile and run slower)".into())
+            (Precision::Fp32, "auto on CPU: no tensor cores, so fp32 is fastest (bf16/f16 GEMMs convert their operands and run slower)".into())
         } else if info.has_bf16_tensor_cores() {
             (Precision::Bf16, format!("auto on {sm}: bf16 tensor cores, f32 accumulate; bf16 keeps fp32's exponent range"))
         } else if info.has_f16_tensor_cores() {
@@ -46,7 +46,7 @@ pub fn choose(info: &DeviceInfo, requested: PrecisionRequest) -> Result<Precisio
                 refuse(p, "bf16 arrived with Ampere (SM 8.0)", "use --precision f16 on this GPU")
             }
             Precision::Bf16 | Precision::F16 if !info.is_cuda() => {
-                Ok((p, format!("requested: {p} on CPU — numerics as on a GPU, but slower than fp32 here (no {p} matrix units; every GEMM tile is converted)")))
+                Ok((p, format!("requested: {p} on CPU — numerics as on a GPU, but slower than fp32 here (no {p} matrix units; every GEMM converts its operands)")))
             }
             Precision::Bf16 | Precision::F16 => Ok((p, format!("requested: {p} GEMMs on tensor cores, f32 accumulate ({sm})"))),
             Precision::Fp8 => Err(SpeedkitError::usage(
