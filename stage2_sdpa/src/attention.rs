@@ -1,0 +1,412 @@
+//! Fused attention: `attention(q, k, v, causal)` computes softmax(q kᵀ / √d_head [+ mask]) v
+//! without ever writing the (B, n_head, T, T) score matrix to memory.
+//!
+//! Layout: q, k, v and the output are (B, T, n_head, d_head) — what a linear layer's (B, T, C)
+//! output already is after a free reshape, and what candle-flash-attn expects. No transposes.
+//!
+//! - CPU: our kernel below (FlashAttention-2's tiled online softmax; f32, bf16 and f16 inputs,
+//!   f32 accumulation), a candle `CustomOp3`, rayon over batch × heads.
+//! - CUDA with the `flash-attn` feature: candle-flash-attn (bf16/f16, sm80+).
+//! - CUDA without it: an error that names the feature (no silent fallback to the slow path).
+//!
+//! The slow twin is stage 1's `attention`, which materialises the scores; tests assert the two
+//! agree on random shapes.
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
+use rayon::prelude::*;
+use shared::device::DeviceInfo;
+use shared::{Precision, SpeedkitError};
+
+/// Query rows per tile (B_r in the paper).
+pub const BR: usize = 32;
+/// Key/value rows per tile (B_c in the paper).
+///
+/// Tile sizes are chosen for the caches: one worker holds a Q tile (B_r × d), K and V tiles
+/// (B_c × d each) and the O accumulator (B_r × d) in f32 — 4·(2·32 + 2·64)·d bytes = 48 KiB at
+/// d = 64, 96 KiB at d = 128 — so they stay in L2 (≥ 512 KiB per core on current x86 and Arm
+/// server parts), while the inner loops stream one K or V row (256–512 B) through L1.
+pub const BC: usize = 64;
+
+/// Which implementation `attention` runs on `device`, for the report and the table.
+pub fn implementation(device: &candle_core::Device) -> &'static str {
+    if device.is_cuda() {
+        if cfg!(feature = "flash-attn") {
+            "candle-flash-attn (FlashAttention-2, CUDA)"
+        } else {
+            "none: CUDA needs the flash-attn feature"
+        }
+    } else {
+        "speedkit tiled online-softmax kernel (CPU, rayon)"
+    }
+}
+
+/// Can this device run fused attention at precision `p`? On CUDA that takes candle-flash-attn:
+/// the feature built, SM 8.0+, bf16 or f16. The CPU kernel takes any precision stage 1 allows.
+pub fn check_device(info: &DeviceInfo, p: Precision) -> Result<(), SpeedkitError> {
+    if !info.is_cuda() {
+        return Ok(());
+    }
+    if !cfg!(feature = "flash-attn") {
+        return Err(SpeedkitError::usage(
+            "stage 2+ fused attention on CUDA uses candle-flash-attn, and this binary was built without it. \
+             Fix: rebuild with --features cuda,flash-attn (its build fetches CUTLASS, so it needs network \
+             access; the Dockerfile does this), or run this stage with --device cpu.",
+        ));
+    }
+    if !info.has_bf16_tensor_cores() {
+        return Err(SpeedkitError::usage(format!(
+            "candle-flash-attn needs SM 8.0+ (Ampere or newer), and {} is SM {}. Fix: run stage 2 with --device cpu; stages 0-1 run on this GPU.",
+            info.name,
+            info.sm.map_or("?".into(), |(a, b)| format!("{a}.{b}"))
+        )));
+    }
+    if !matches!(p, Precision::Bf16 | Precision::F16) {
+        return Err(SpeedkitError::usage(format!(
+            "candle-flash-attn computes in bf16 or f16, so stage 2 cannot run --precision {p} on CUDA. \
+             Fix: use --precision bf16 (the auto choice on this GPU) or f16."
+        )));
+    }
+    Ok(())
+}
+
+/// candle-flash-attn supports d_head that is a multiple of 8, up to 256.
+pub fn check_head_size(device: &candle_core::Device, d_head: usize) -> Result<(), SpeedkitError> {
+    if device.is_cuda() && (!d_head.is_multiple_of(8) || d_head > 256) {
+        return Err(SpeedkitError::usage(format!(
+            "candle-flash-attn supports d_head = C / n_head up to 256 in multiples of 8, and this shape has d_head = {d_head}. \
+             Fix: pick --heads so that C / n_head is one of 64, 128 (the common sizes), or run with --device cpu."
+        )));
+    }
+    Ok(())
+}
+
+/// Working set of a block with fused attention, in bytes: weights, a handful of (B, T, C)
+/// activations and the MLP's (B, T, FF) ones — and no (B, n_head, T, T) term.
+pub fn estimate_fused_bytes(s: &shared::Shape) -> u128 {
+    let (b, t, c, ff) = (s.batch as u128, s.seq as u128, s.d_model as u128, s.ff as u128);
+    4 * (4 * c * c + 2 * c * ff + 9 * c + ff + 10 * b * t * c + 4 * b * t * ff)
+}
+
+/// Fused scaled-dot-product attention.
+///
+/// q, k, v: (B, T, n_head, d_head), same shape and dtype (f32, bf16 or f16 on CPU; bf16 or f16
+/// on CUDA). `causal`: query t attends to keys 0..=t only. Returns (B, T, n_head, d_head) in the
+/// input dtype; softmax statistics and accumulation are f32.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_core::Result<Tensor> {
+    let (b, t, h, d) = q.dims4()?;
+    if k.dims() != q.dims() || v.dims() != q.dims() {
+        candle_core::bail!(
+            "attention: q, k, v must share one (B, T, n_head, d_head) shape, got {:?}, {:?}, {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        candle_core::bail!("attention: q, k, v must share one dtype, got {:?}, {:?}, {:?}", q.dtype(), k.dtype(), v.dtype());
+    }
+    if b * t * h * d == 0 {
+        candle_core::bail!("attention: empty input {:?}", q.dims());
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    if q.device().is_cuda() {
+        return cuda_attention(q, k, v, scale, causal);
+    }
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    q.apply_op3_no_bwd(&k, &v, &FlashAttnCpu { scale, causal })
+}
+
+#[cfg(feature = "flash-attn")]
+fn cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> candle_core::Result<Tensor> {
+    candle_flash_attn::flash_attn(q, k, v, scale, causal)
+}
+
+#[cfg(not(feature = "flash-attn"))]
+fn cuda_attention(_q: &Tensor, _k: &Tensor, _v: &Tensor, _scale: f32, _causal: bool) -> candle_core::Result<Tensor> {
+    candle_core::bail!(
+        "fused attention on CUDA needs candle-flash-attn: rebuild with --features flash-attn \
+         (needs network access at build time to fetch CUTLASS), or run this stage with --device cpu"
+    )
+}
+
+/// The CPU kernel as a candle op: three inputs, one output, no backward.
+struct FlashAttnCpu {
+    scale: f32,
+    causal: bool,
+}
+
+impl CustomOp3 for FlashAttnCpu {
+    fn name(&self) -> &'static str {
+        "speedkit-flash-attention-cpu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims: [usize; 4] = l1.shape().dims().try_into().map_err(|_| candle_core::Error::Msg("attention: q must be 4-d".into()))?;
+        let shape = l1.shape().clone();
+        fn slice<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
+            match l.contiguous_offsets() {
+                Some((start, end)) => Ok(&s[start..end]),
+                None => candle_core::bail!("attention: inputs must be contiguous"),
+            }
+        }
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                CpuStorage::F32(self.run(slice(q, l1)?, slice(k, l2)?, slice(v, l3)?, dims))
+            }
+            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                CpuStorage::BF16(self.run(slice(q, l1)?, slice(k, l2)?, slice(v, l3)?, dims))
+            }
+            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                CpuStorage::F16(self.run(slice(q, l1)?, slice(k, l2)?, slice(v, l3)?, dims))
+            }
+            _ => candle_core::bail!(
+                "attention: CPU kernel takes f32, bf16 or f16 (all three alike), got {:?}",
+                candle_core::backend::BackendStorage::dtype(s1)
+            ),
+        };
+        Ok((out, shape))
+    }
+}
+
+impl FlashAttnCpu {
+    /// One task per (batch, head): each writes its (T, d_head) result, then the results are
+    /// scattered into the (B, T, n_head, d_head) output (one extra pass over B·T·C values,
+    /// small next to the O(T²·d) attention work, and it keeps every task's writes disjoint).
+    fn run<T: WithDType>(&self, q: &[T], k: &[T], v: &[T], [b, t, h, d]: [usize; 4]) -> Vec<T> {
+        let heads: Vec<Vec<T>> = (0..b * h)
+            .into_par_iter()
+            .map(|bh| {
+                // Row r of this head starts at ((b·T + r)·n_head + h)·d; rows are n_head·d apart.
+                let base = (bh / h) * t * h * d + (bh % h) * d;
+                let rows = Rows { base, stride: h * d, d };
+                attend_one_head(q, k, v, rows, t, self.scale, self.causal)
+            })
+            .collect();
+        let mut out = vec![T::zero(); b * t * h * d];
+        for (bh, o) in heads.iter().enumerate() {
+            let base = (bh / h) * t * h * d + (bh % h) * d;
+            for (r, row) in o.chunks_exact(d).enumerate() {
+                out[base + r * h * d..][..d].copy_from_slice(row);
+            }
+        }
+        out
+    }
+}
+
+/// Where one head's rows live inside a (B, T, n_head, d_head) buffer.
+#[derive(Clone, Copy)]
+struct Rows {
+    base: usize,
+    stride: usize,
+    d: usize,
+}
+
+impl Rows {
+    /// Copy rows r0..r0+n into `dst` (n × d, f32): the tile load.
+    fn load<T: WithDType>(&self, src: &[T], r0: usize, n: usize, dst: &mut [f32]) {
+        for (i, out) in dst.chunks_exact_mut(self.d).take(n).enumerate() {
+            let row = &src[self.base + (r0 + i) * self.stride..][..self.d];
+            for (o, x) in out.iter_mut().zip(row) {
+                *o = x.to_f64() as f32;
+            }
+        }
+    }
+}
+
+/// FlashAttention-2's forward pass for one (batch, head), in the paper's notation (Dao 2023,
+/// Algorithm 1): for each query tile Q_i, stream the key/value tiles K_j, V_j and keep per
+/// query row a running max m, a running softmax denominator l and an unnormalised output
+/// accumulator O, rescaling both whenever the max grows. Scratch is O(T·d) for the result
+/// plus the O((B_r + B_c)·d) tiles — never O(T²).
+///
+/// The CPU's vector width is decided at run time: the same body is compiled twice, once for the
+/// x86-64 baseline (SSE2: 4 lanes, separate multiply and add) and once with AVX2 + FMA (8 lanes,
+/// fused multiply-add), and the fastest one this CPU supports runs. Release builds for the
+/// baseline target would otherwise leave half the vector units idle.
+fn attend_one_head<T: WithDType>(q: &[T], k: &[T], v: &[T], rows: Rows, t: usize, scale: f32, causal: bool) -> Vec<T> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: this CPU supports AVX2 and FMA, checked on the line above.
+        return unsafe { attend_one_head_avx2_fma(q, k, v, rows, t, scale, causal) };
+    }
+    // aarch64 always has fused multiply-add (NEON); elsewhere use separate multiply and add.
+    attend_one_head_impl::<T, { cfg!(target_arch = "aarch64") }>(q, k, v, rows, t, scale, causal)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_one_head_avx2_fma<T: WithDType>(q: &[T], k: &[T], v: &[T], rows: Rows, t: usize, scale: f32, causal: bool) -> Vec<T> {
+    attend_one_head_impl::<T, true>(q, k, v, rows, t, scale, causal)
+}
+
+#[inline(always)]
+fn attend_one_head_impl<T: WithDType, const FMA: bool>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    rows: Rows,
+    t: usize,
+    scale: f32,
+    causal: bool,
+) -> Vec<T> {
+    let d = rows.d;
+    let mut out = vec![T::zero(); t * d];
+    let (mut q_tile, mut o_tile) = (vec![0f32; BR * d], vec![0f32; BR * d]);
+    let (mut k_tile, mut v_tile) = (vec![0f32; BC * d], vec![0f32; BC * d]);
+    let (mut m, mut l, mut s) = ([0f32; BR], [0f32; BR], [0f32; BC]);
+
+    for i0 in (0..t).step_by(BR) {
+        let br = BR.min(t - i0);
+        rows.load(q, i0, br, &mut q_tile);
+        o_tile.fill(0.0); // O_i = 0
+        m.fill(f32::NEG_INFINITY); // m_i = −∞
+        l.fill(0.0); // l_i = 0
+                     // Causal: keys after this tile's last query are masked for every row in it, so those
+                     // K/V tiles are skipped entirely — about half the work at long T.
+        let kv_end = if causal { i0 + br } else { t };
+        for j0 in (0..kv_end).step_by(BC) {
+            let bc = BC.min(kv_end - j0);
+            rows.load(k, j0, bc, &mut k_tile);
+            rows.load(v, j0, bc, &mut v_tile);
+            for r in 0..br {
+                // Keys this row may see in this tile: all, or up to its own position.
+                let n = if causal { bc.min((i0 + r + 1).saturating_sub(j0)) } else { bc };
+                if n == 0 {
+                    continue;
+                }
+                let q_r = &q_tile[r * d..][..d];
+                // S_rj = q_r · k_j / √d
+                let mut m_new = m[r];
+                for (j, s_j) in s[..n].iter_mut().enumerate() {
+                    *s_j = dot::<FMA>(q_r, &k_tile[j * d..][..d]) * scale;
+                    m_new = m_new.max(*s_j); // m_new = max(m, rowmax(S))
+                }
+                // Rescale what was accumulated under the old max: α = exp(m − m_new)
+                // (m = −∞ on the first tile gives α = 0).
+                let alpha = (m[r] - m_new).exp();
+                let o_r = &mut o_tile[r * d..][..d];
+                o_r.iter_mut().for_each(|o| *o *= alpha); // O = α·O
+                l[r] *= alpha; // l = α·l
+                for (j, &s_j) in s[..n].iter().enumerate() {
+                    let p = (s_j - m_new).exp(); // P_rj = exp(S_rj − m_new)
+                    l[r] += p; // l += rowsum(P)
+                    axpy::<FMA>(p, &v_tile[j * d..][..d], o_r); // O += P_rj · v_j
+                }
+                m[r] = m_new;
+            }
+        }
+        // O_i = diag(l)⁻¹ · O_i, written out in the input dtype.
+        for r in 0..br {
+            let inv_l = 1.0 / l[r];
+            let dst = &mut out[(i0 + r) * d..][..d];
+            for (o, &acc) in dst.iter_mut().zip(&o_tile[r * d..][..d]) {
+                *o = T::from_f64((acc * inv_l) as f64);
+            }
+        }
+    }
+    out
+}
+
+/// a·b + c, as one fused instruction where the CPU has it (and exact rounding either way).
+#[inline(always)]
+fn fma<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// Σ a_i·b_i with eight independent partial sums, so the compiler can keep them in SIMD lanes
+/// (a single running sum would serialise every add on the previous one).
+#[inline(always)]
+fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ac.zip(bc) {
+        for lane in 0..8 {
+            acc[lane] = fma::<FMA>(x[lane], y[lane], acc[lane]);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// y += a·x
+#[inline(always)]
+fn axpy<const FMA: bool>(a: f32, x: &[f32], y: &mut [f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi = fma::<FMA>(a, *xi, *yi);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+
+    #[test]
+    fn dot_and_axpy() {
+        let a: Vec<f32> = (0..19).map(|i| i as f32).collect();
+        let b: Vec<f32> = (0..19).map(|i| 1.0 - i as f32 * 0.5).collect();
+        let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        assert!((dot::<false>(&a, &b) - want).abs() < 1e-3);
+        assert!((dot::<true>(&a, &b) - want).abs() < 1e-3);
+        for fused in [false, true] {
+            let mut y = b.clone();
+            if fused {
+                axpy::<true>(2.0, &a, &mut y);
+            } else {
+                axpy::<false>(2.0, &a, &mut y);
+            }
+            assert_eq!(y[3], b[3] + 6.0);
+        }
+    }
+
+    #[test]
+    fn baseline_and_fma_bodies_agree() {
+        // Whichever body this CPU dispatches to, the other one is checked here too.
+        let (t, h, d) = (77, 2, 64);
+        let n = t * h * d;
+        let data = shared::weights::SplitMix64::new(3).normals(3 * n);
+        let (q, k, v) = (&data[..n], &data[n..2 * n], &data[2 * n..]);
+        let rows = Rows { base: d, stride: h * d, d }; // the second head
+        for causal in [true, false] {
+            let a = attend_one_head_impl::<f32, false>(q, k, v, rows, t, 0.125, causal);
+            let b = attend_one_head_impl::<f32, true>(q, k, v, rows, t, 0.125, causal);
+            let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(worst < 1e-5, "causal={causal}: {worst}");
+        }
+    }
+
+    #[test]
+    fn single_key_returns_its_value() {
+        // T = 1: softmax over one key is 1, so the output is v exactly.
+        let dev = candle_core::Device::Cpu;
+        let q = Tensor::new(&[[[[0.3f32, -1.0]]]], &dev).unwrap();
+        let k = Tensor::new(&[[[[2.0f32, 0.5]]]], &dev).unwrap();
+        let v = Tensor::new(&[[[[7.0f32, -3.0]]]], &dev).unwrap();
+        for causal in [false, true] {
+            let o = attention(&q, &k, &v, causal).unwrap();
+            assert_eq!(o.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![7.0, -3.0]);
+        }
+    }
+
+    #[test]
+    fn rejects_mismatched_inputs() {
+        let dev = candle_core::Device::Cpu;
+        let q = Tensor::zeros((1, 4, 2, 8), DType::F32, &dev).unwrap();
+        let k = Tensor::zeros((1, 5, 2, 8), DType::F32, &dev).unwrap();
+        assert!(attention(&q, &k, &q, true).unwrap_err().to_string().contains("share one"));
+        let kb = q.to_dtype(DType::BF16).unwrap();
+        assert!(attention(&q, &kb, &q, true).unwrap_err().to_string().contains("dtype"));
+    }
+}

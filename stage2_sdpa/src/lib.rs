@@ -1,0 +1,130 @@
+//! # Stage 2 — fused attention (scaled dot-product attention in one kernel)
+//!
+//! **What changed.** Attention becomes one fused operation, `attention::attention`, that never
+//! writes the (B, n_head, T, T) score matrix to memory; everything else is stage 1 (same
+//! precision policy, same GEMMs, same LayerNorm). q, k and v stay in the (B, T, n_head, d_head)
+//! layout the projections produce, so the head split and merge copies disappear too.
+//!
+//! **Why it is faster on the hardware.** Stages 0–1 write the scores, read them back for the
+//! mask, the max, the exponentials, the sum and the division, and write the probabilities:
+//! O(B·n_head·T²) bytes several times over — at T = 2048 on `small` that is 200 M floats
+//! (800 MB) per pass, far more than the weights. The fused kernel keeps each tile of scores in
+//! registers/cache and rescales a running result as it goes (FlashAttention's online softmax),
+//! so attention moves O(B·T·C) bytes: q, k, v once in, the output once out. It also skips the
+//! tiles above the causal diagonal instead of computing and masking them (half the FLOPs).
+//! Expect little at T = 512 (the scores are small next to the MLP) and a clear win from
+//! T ≈ 2048 up, in time and in peak memory.
+//!
+//! **What it costs.** Nothing in accuracy: the same softmax, in f32, summed in another order
+//! (relative error ~1e-7 against stage 1 at fp32). On CUDA it needs candle-flash-attn (the
+//! `flash-attn` feature, bf16/f16, SM 8.0+); CPU runs our own kernel at any precision.
+//!
+//! **Run it.** `cargo run --release -p stage2_sdpa` (CPU) ·
+//! `cargo run --release -p ladder -- --seq 2048` (stages side by side where it pays) ·
+//! `cargo run --release --features cuda,flash-attn -p stage2_sdpa -- --device cuda` (GPU).
+
+pub mod attention;
+
+pub use attention::attention;
+
+use candle_core::{DType, Tensor};
+use shared::device::{DeviceInfo, GemmSwitches};
+use shared::stage::PrecisionChoice;
+use shared::Shape;
+use shared::{BlockWeights, Plan, PrecisionRequest, SpeedkitError, Stage};
+use stage0_baseline::{gelu_tanh, layer_norm, linear};
+use stage1_tensorcore::precision;
+
+pub struct Block {
+    ln1_g: Tensor,  // (C) f32
+    ln1_b: Tensor,  // (C) f32
+    w_q: Tensor,    // (C, C) GEMM dtype
+    b_q: Tensor,    // (C) GEMM dtype
+    w_k: Tensor,    // (C, C)
+    b_k: Tensor,    // (C)
+    w_v: Tensor,    // (C, C)
+    b_v: Tensor,    // (C)
+    w_proj: Tensor, // (C, C)
+    b_proj: Tensor, // (C)
+    ln2_g: Tensor,  // (C) f32
+    ln2_b: Tensor,  // (C) f32
+    w_fc1: Tensor,  // (FF, C)
+    b_fc1: Tensor,  // (FF)
+    w_fc2: Tensor,  // (C, FF)
+    b_fc2: Tensor,  // (C)
+    n_head: usize,
+    dtype: DType, // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
+}
+
+impl Stage for Block {
+    const NAME: &'static str = "stage2_sdpa";
+    const TECHNIQUE: &'static str = "fused attention: online softmax, no T x T matrix in memory";
+
+    fn choose_precision(info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
+        let (p, why) = precision::choose(info, requested)?;
+        attention::check_device(info, p)?;
+        Ok((p, why))
+    }
+
+    fn check_shape(_shape: &Shape) -> Result<(), SpeedkitError> {
+        Ok(()) // no (B, n_head, T, T) tensor exists, so no limit on it
+    }
+
+    fn estimate_bytes(shape: &Shape) -> u128 {
+        attention::estimate_fused_bytes(shape)
+    }
+
+    fn switches(plan: &Plan) -> GemmSwitches {
+        precision::switches(plan.precision)
+    }
+
+    fn notes(plan: &Plan) -> Vec<String> {
+        let mut notes = stage1_tensorcore::Block::notes(plan); // alignment advice
+        notes.push(format!("attention: {}", attention::implementation(&plan.device)));
+        notes
+    }
+
+    fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
+        Self::switches(plan).apply();
+        attention::check_head_size(&plan.device, plan.shape.d_head())?;
+        let c = plan.shape.d_model;
+        let dt = precision::gemm_dtype(plan.precision);
+        // Three separate projections, as in stages 0 and 1 (stage 3 fuses them).
+        let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(dt)?.contiguous()); // (C, C)
+        let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(dt)?.contiguous()); // (C)
+        Ok(Block {
+            ln1_g: w.ln1_g.clone(),
+            ln1_b: w.ln1_b.clone(),
+            w_q: rows(0)?,
+            b_q: bias(0)?,
+            w_k: rows(1)?,
+            b_k: bias(1)?,
+            w_v: rows(2)?,
+            b_v: bias(2)?,
+            w_proj: w.w_proj.to_dtype(dt)?,
+            b_proj: w.b_proj.to_dtype(dt)?,
+            ln2_g: w.ln2_g.clone(),
+            ln2_b: w.ln2_b.clone(),
+            w_fc1: w.w_fc1.to_dtype(dt)?,
+            b_fc1: w.b_fc1.to_dtype(dt)?,
+            w_fc2: w.w_fc2.to_dtype(dt)?,
+            b_fc2: w.b_fc2.to_dtype(dt)?,
+            n_head: plan.shape.n_head,
+            dtype: dt,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let heads = (b, t, self.n_head, c / self.n_head); // (B, T, n_head, d_head): a view of (B, T, C), no copy
+        let h = layer_norm(x, &self.ln1_g, &self.ln1_b)?.to_dtype(self.dtype)?; // (B, T, C): f32 statistics, GEMM dtype out
+        let q = linear(&h, &self.w_q, &self.b_q)?.reshape(heads)?; // (B, T, n_head, d_head)
+        let k = linear(&h, &self.w_k, &self.b_k)?.reshape(heads)?;
+        let v = linear(&h, &self.w_v, &self.b_v)?.reshape(heads)?;
+        let a = attention(&q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
+        let x = (x + linear(&a, &self.w_proj, &self.b_proj)?.to_dtype(DType::F32)?)?; // residual stream stays f32
+        let h = layer_norm(&x, &self.ln2_g, &self.ln2_b)?.to_dtype(self.dtype)?;
+        let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1)?)?; // (B, T, FF)
+        x + linear(&m, &self.w_fc2, &self.b_fc2)?.to_dtype(DType::F32)?
+    }
+}

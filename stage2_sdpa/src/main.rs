@@ -1,0 +1,3 @@
+fn main() -> std::process::ExitCode {
+    shared::runner::main::<stage2_sdpa::Block, stage0_baseline::Block>()
+}
