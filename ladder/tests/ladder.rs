@@ -45,3 +45,21 @@ fn report_lists_every_stage_with_its_reason() {
     assert!(o.status.success(), "{stdout}");
     assert!(stdout.contains("stage1_tensorcore  skipped: --precision tf32 cannot run"), "{stdout}");
 }
+
+#[test]
+fn report_knows_which_stages_need_the_score_matrix() {
+    // T = 100 000: a 4·10¹⁰-element score matrix. Stages 0-1 cannot run it; stage 2 never
+    // builds that matrix, so the report must not refuse it for that.
+    let o = Command::new(env!("CARGO_BIN_EXE_ladder")).args(["report", "--preset", "tiny", "--seq", "100000"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{stdout}");
+    let block = |stage: &str| -> String {
+        let start = stdout.find(stage).unwrap();
+        let rest = &stdout[start + stage.len()..];
+        let end = rest.find("\n  stage").unwrap_or(rest.len());
+        rest[..end].to_string()
+    };
+    assert!(block("stage0_baseline").contains("cannot run this shape"), "{stdout}");
+    assert!(block("stage1_tensorcore").contains("cannot run this shape"), "{stdout}");
+    assert!(!block("stage2_sdpa").contains("cannot run this shape"), "{stdout}");
+}

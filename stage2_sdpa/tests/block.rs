@@ -1,0 +1,39 @@
+//! Stage 2 as a whole block: within tolerance of the fp32 stage-0 reference on `tiny` at every
+//! precision the CPU runs, and the binary's refusals.
+
+use shared::check::compare;
+use shared::device::{select, DeviceRequest};
+use shared::weights::random_input;
+use shared::{BlockWeights, Precision, PrecisionRequest, Preset, StageSpec};
+use std::process::Command;
+
+#[test]
+fn block_matches_reference_on_tiny() {
+    let shape = Preset::Tiny.shape();
+    let (device, info) = select(DeviceRequest::Cpu).unwrap();
+    let w = BlockWeights::from_seed(&shape, 4).unwrap();
+    let x = random_input(&shape, 4).unwrap();
+    let run = |spec: StageSpec, req| {
+        let plan = spec.plan(&device, &info, shape, req).unwrap();
+        ((spec.build)(&w, &plan).unwrap().forward(&x).unwrap(), plan.precision)
+    };
+    let (reference, _) = run(StageSpec::of::<stage0_baseline::Block>(), PrecisionRequest::Auto);
+    for p in [Precision::Fp32, Precision::Bf16, Precision::F16] {
+        let (y, got) = run(StageSpec::of::<stage2_sdpa::Block>(), PrecisionRequest::Exactly(p));
+        assert_eq!(got, p);
+        let c = compare(&y, &reference, p).unwrap();
+        assert!(c.passed, "{p}: {c:?}");
+        if p == Precision::Fp32 {
+            // Same math as stage 1 at fp32, only the softmax summation order differs.
+            assert!(c.rel_err > 0.0 && c.rel_err < 1e-6, "{c:?}");
+        }
+    }
+}
+
+#[test]
+fn binary_runs_and_names_its_attention() {
+    let o = Command::new(env!("CARGO_BIN_EXE_stage2_sdpa")).args(["--preset", "tiny", "--warmup", "0", "--iters", "1"]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("attention: speedkit tiled online-softmax kernel (CPU"), "{out}");
+}
