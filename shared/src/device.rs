@@ -273,7 +273,8 @@ pub fn available_bytes(device: &Device) -> Option<u64> {
 
 /// Measures the peak memory a stage needs over a stretch of work.
 ///
-/// CPU (Linux): the kernel's resident-set high-water mark (VmHWM) is reset by writing "5" to
+/// CPU (Linux): free heap memory is first returned to the OS (glibc `malloc_trim`), then the
+/// kernel's resident-set high-water mark (VmHWM) is reset by writing "5" to
 /// /proc/self/clear_refs, so peak growth = VmHWM after − VmRSS before. CUDA: device memory in
 /// use (total − free, which includes the allocator's cached pool) sampled by `sample()` at
 /// points the caller chooses, minus what was in use at the start.
@@ -288,6 +289,7 @@ impl MemProbe {
     pub fn start(device: &Device) -> MemProbe {
         match device {
             Device::Cpu => {
+                release_free_heap();
                 let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
                 let rss = status_kib("VmRSS:").map(|k| k * 1024);
                 MemProbe {
@@ -331,6 +333,22 @@ impl MemProbe {
             _ => self.sample(device),
         }
         (self.ok.then(|| self.peak.saturating_sub(self.start)), self.method)
+    }
+}
+
+/// Hand memory that is free but still held by the C allocator back to the OS, so that the
+/// RSS a probe starts from is live data only. Without this, an earlier stage's freed buffers
+/// stay resident, a later stage reuses them without growing RSS, and its peak would read low.
+fn release_free_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn malloc_trim(pad: usize) -> i32;
+        }
+        // SAFETY: glibc's malloc_trim takes no pointers and may be called at any time.
+        unsafe {
+            malloc_trim(0);
+        }
     }
 }
 
