@@ -69,11 +69,11 @@ pub fn check_device(info: &DeviceInfo, p: Precision) -> Result<(), SpeedkitError
     Ok(())
 }
 
-/// candle-flash-attn supports d_head that is a multiple of 8, up to 256.
+/// candle-flash-attn (0.11) supports d_head that is a multiple of 8, up to 512.
 pub fn check_head_size(device: &candle_core::Device, d_head: usize) -> Result<(), SpeedkitError> {
-    if device.is_cuda() && (!d_head.is_multiple_of(8) || d_head > 256) {
+    if device.is_cuda() && (!d_head.is_multiple_of(8) || d_head > 512) {
         return Err(SpeedkitError::usage(format!(
-            "candle-flash-attn supports d_head = C / n_head up to 256 in multiples of 8, and this shape has d_head = {d_head}. \
+            "candle-flash-attn supports d_head = C / n_head up to 512 in multiples of 8, and this shape has d_head = {d_head}. \
              Fix: pick --heads so that C / n_head is one of 64, 128 (the common sizes), or run with --device cpu."
         )));
     }
@@ -382,6 +382,24 @@ mod tests {
             let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             assert!(worst < 1e-5, "causal={causal}: {worst}");
         }
+    }
+
+    #[test]
+    fn cuda_refusals_name_the_fix() {
+        let h100 = DeviceInfo::simulated_cuda("H100", (9, 0));
+        let t4 = DeviceInfo::simulated_cuda("T4", (7, 5));
+        let cpu = DeviceInfo { kind: shared::device::DeviceKind::Cpu, ..DeviceInfo::simulated_cuda("cpu", (0, 0)) };
+        assert!(check_device(&cpu, Precision::Fp32).is_ok());
+        let e = check_device(&h100, Precision::Bf16);
+        if cfg!(feature = "flash-attn") {
+            assert!(e.is_ok());
+            assert!(check_device(&t4, Precision::F16).unwrap_err().to_string().contains("SM 8.0+"));
+            assert!(check_device(&h100, Precision::Fp32).unwrap_err().to_string().contains("--precision bf16"));
+        } else {
+            assert!(e.unwrap_err().to_string().contains("--features cuda,flash-attn"));
+        }
+        // Head sizes only matter on CUDA.
+        assert!(check_head_size(&candle_core::Device::Cpu, 20).is_ok());
     }
 
     #[test]
