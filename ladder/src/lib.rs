@@ -16,7 +16,12 @@ use std::process::ExitCode;
 /// The stages, in order. The first is the baseline: speedups are against it, and it always
 /// runs at fp32 (`--precision` applies to the stages after it).
 pub fn stages() -> Vec<StageSpec> {
-    vec![StageSpec::of::<stage0_baseline::Block>(), StageSpec::of::<stage1_tensorcore::Block>(), StageSpec::of::<stage2_sdpa::Block>()]
+    vec![
+        StageSpec::of::<stage0_baseline::Block>(),
+        StageSpec::of::<stage1_tensorcore::Block>(),
+        StageSpec::of::<stage2_sdpa::Block>(),
+        StageSpec::of::<stage3_fused::Block>(),
+    ]
 }
 
 /// The fp32 block every stage is checked against.

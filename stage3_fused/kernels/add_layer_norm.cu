@@ -1,0 +1,105 @@
+// Fused residual add + LayerNorm: the worked example of writing your own kernel for candle.
+//
+//   x_out[r, :] = x[r, :] + branch[r, :]                  (the residual stream, f32)
+//   h_out[r, :] = (x_out[r, :] - mu_r) / sqrt(var_r + eps) * g + b   (its normalised copy)
+//
+// Unfused (stage 2) this is: cast branch to f32 (read C·2 B, write C·4 B), add (read 8 B, write
+// 4 B per element), then LayerNorm's ~9 element-wise kernels, then a cast — about a dozen
+// launches and ~15 passes over a (B, T, C) tensor. Here: one launch; x and branch are read
+// once, x_out and h_out written once; x_out is re-read twice from L1/L2 by the thread that wrote
+// it (variance about the mean, then normalising) — two-pass variance, no cancellation.
+//
+// Thread layout: one thread block per row (B·T blocks), THREADS threads striding over the C
+// channels of that row, so consecutive threads touch consecutive addresses (coalesced). The
+// row's sum and sum of squares are reduced first within each warp (shuffles), then across the
+// warps through shared memory.
+//
+// No headers, so NVRTC compiles it without a CUDA include path: bf16 and f16 are handled as
+// their 16-bit patterns and converted with explicit instructions.
+
+#define THREADS 256
+#define WARPS (THREADS / 32)
+
+__device__ __forceinline__ float load_f(const unsigned short* p, int i, int bf16) {
+    unsigned short v = p[i];
+    if (bf16) {
+        return __uint_as_float(((unsigned int)v) << 16);  // bf16 is the top half of an f32
+    }
+    float f;
+    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(v));
+    return f;
+}
+__device__ __forceinline__ unsigned short store_16(float f, int bf16) {
+    if (bf16) {
+        // Round to nearest even on the 16 bits that are dropped (NaN stays NaN).
+        unsigned int u = __float_as_uint(f);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+        u += 0x7fffu + ((u >> 16) & 1u);
+        return (unsigned short)(u >> 16);
+    }
+    unsigned short h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Sum `v` over the block; every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();  // every warp's partial is in shared memory before anyone reads them
+    v = lane < WARPS ? shared[lane] : 0.0f;
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    __syncthreads();  // all reads of `shared` are done before the caller reuses it
+    return v;
+}
+
+// branch and h_out hold 16-bit values (bf16 if `bf16`, else f16); x, x_out, g, b are f32.
+extern "C" __global__ void add_layer_norm_16(const float* x, const unsigned short* branch, const float* g,
+                                             const float* b, float* x_out, unsigned short* h_out, int C,
+                                             float eps, int bf16) {
+    __shared__ float shared[WARPS];
+    const long row = (long)blockIdx.x * C;
+    // Pass 1: x_out = x + branch, and the row sum. Each thread later re-reads only the x_out
+    // values it wrote itself, so no barrier is needed between the passes for them.
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < C; c += THREADS) {
+        float v = x[row + c] + load_f(branch, row + c, bf16);
+        x_out[row + c] = v;
+        s += v;
+    }
+    const float mean = block_sum(s, shared) / C;
+    // Pass 2: variance about the mean (biased, as PyTorch).
+    float s2 = 0.0f;
+    for (int c = threadIdx.x; c < C; c += THREADS) {
+        float d = x_out[row + c] - mean;
+        s2 += d * d;
+    }
+    const float inv = rsqrtf(block_sum(s2, shared) / C + eps);
+    // Pass 3: normalise, scale, shift, round to 16 bits.
+    for (int c = threadIdx.x; c < C; c += THREADS) {
+        h_out[row + c] = store_16((x_out[row + c] - mean) * inv * g[c] + b[c], bf16);
+    }
+}
+
+extern "C" __global__ void add_layer_norm_f32(const float* x, const float* branch, const float* g, const float* b,
+                                              float* x_out, float* h_out, int C, float eps) {
+    __shared__ float shared[WARPS];
+    const long row = (long)blockIdx.x * C;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < C; c += THREADS) {
+        float v = x[row + c] + branch[row + c];
+        x_out[row + c] = v;
+        s += v;
+    }
+    const float mean = block_sum(s, shared) / C;
+    float s2 = 0.0f;
+    for (int c = threadIdx.x; c < C; c += THREADS) {
+        float d = x_out[row + c] - mean;
+        s2 += d * d;
+    }
+    const float inv = rsqrtf(block_sum(s2, shared) / C + eps);
+    for (int c = threadIdx.x; c < C; c += THREADS) {
+        h_out[row + c] = (x_out[row + c] - mean) * inv * g[c] + b[c];
+    }
+}

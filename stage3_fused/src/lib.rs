@@ -1,0 +1,138 @@
+//! # Stage 3 — kernel fusion: fewer passes over memory, fewer launches
+//!
+//! **What changed.** The element-wise work around the matrix multiplications is fused into
+//! them or into single-pass kernels, the way a graph compiler (torch.compile, XLA) would, but
+//! written out (`ops`, each op beside its slow twin); everything else is stage 2:
+//! - LayerNorm in one kernel (candle's on CUDA, one pass per row on CPU), the cast included;
+//! - GEMM epilogues: bias (q/k/v, proj), bias + GELU (fc1), bias + residual (fc2) applied by the
+//!   GEMM before it stores (cuBLASLt on CUDA; on CPU the GEMM accumulates onto a destination
+//!   that already holds bias and residual, and GELU runs on each block of rows while it is hot);
+//! - horizontal fusion: q, k and v come from ONE GEMM against the (3C, C) weight;
+//! - the worked example of a hand-written kernel: residual add + LayerNorm in one pass
+//!   (`kernels/add_layer_norm.cu`, compiled at run time by NVRTC, wrapped for candle).
+//!
+//! **Why it is faster on the hardware.** Element-wise ops do almost no arithmetic per byte, so
+//! each one costs a full trip through memory (and, on a GPU, a kernel launch of a few µs).
+//! Counted on paper for one block forward at bf16 on CUDA (full passes = element-wise kernels
+//! that read and/or write a whole (B, T, C) or (B, T, FF) activation; GEMMs not counted):
+//!
+//! | part of the block          | stage 2 launches | stage 3 launches | stage 2 passes | stage 3 passes |
+//! |----------------------------|------------------|------------------|----------------|----------------|
+//! | LayerNorm 1 (+ cast)       | 10               | 2                | 8              | 2              |
+//! | q, k, v projections        | 3 GEMM + 3 bias  | 1 GEMM           | 3              | 0              |
+//! | attention                  | 1                | 1                | 0              | 0              |
+//! | proj + residual + LN 2     | GEMM + 3 + 10    | GEMM + 1         | 11             | 1              |
+//! | fc1 + GELU                 | GEMM + 1 + 9     | 1 GEMM           | 10             | 0              |
+//! | fc2 + residual             | GEMM + 3         | GEMM + 2         | 3              | 2              |
+//! | **total**                  | **46**           | **10**           | **35**         | **5**          |
+//!
+//! (fc2's residual stays two launches on CUDA at bf16/f16: the f32 residual stream cannot ride
+//! in through cuBLASLt's C operand when C and D share the GEMM's 16-bit dtype in cudarc's
+//! wrapper; at TF32 it does, with β = 1.) Expect the gain to be largest where the block is
+//! memory- or launch-bound: small shapes on a GPU, and everything on a CPU, where stage 2's
+//! element-wise ops run single-threaded passes over DRAM.
+//!
+//! **What it costs.** Nothing in accuracy — the same arithmetic in another order (LayerNorm
+//! statistics in f64 on CPU, f32 on CUDA). On CUDA, stage 3 needs bf16, f16 or TF32: cudarc's
+//! cuBLASLt f32 GEMM always computes in TF32, so plain fp32 is refused rather than mislabelled.
+//!
+//! **Run it.** `cargo run --release -p stage3_fused` (CPU) ·
+//! `cargo run --release --features cuda,flash-attn -p stage3_fused -- --device cuda` (GPU).
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod ops;
+
+use candle_core::{DType, IndexOp, Tensor};
+use ops::{add_layer_norm, layer_norm, linear_bias, linear_bias_gelu, linear_bias_residual};
+use shared::device::{DeviceInfo, GemmSwitches};
+use shared::stage::PrecisionChoice;
+use shared::Precision;
+use shared::Shape;
+use shared::{BlockWeights, Plan, PrecisionRequest, SpeedkitError, Stage};
+use stage1_tensorcore::precision;
+use stage2_sdpa::attention;
+
+pub struct Block {
+    ln1_g: Tensor,  // (C) f32
+    ln1_b: Tensor,  // (C) f32
+    w_qkv: Tensor,  // (3C, C) GEMM dtype: q, k and v weights stacked, one GEMM
+    b_qkv: Tensor,  // (3C) GEMM dtype
+    w_proj: Tensor, // (C, C)
+    b_proj: Tensor, // (C)
+    ln2_g: Tensor,  // (C) f32
+    ln2_b: Tensor,  // (C) f32
+    w_fc1: Tensor,  // (FF, C)
+    b_fc1: Tensor,  // (FF)
+    w_fc2: Tensor,  // (C, FF)
+    b_fc2: Tensor,  // (C)
+    n_head: usize,
+    dtype: DType, // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
+}
+
+impl Stage for Block {
+    const NAME: &'static str = "stage3_fused";
+    const TECHNIQUE: &'static str = "kernel fusion: fused LayerNorm, GEMM epilogues, one QKV GEMM";
+
+    fn choose_precision(info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
+        let (p, why) = stage2_sdpa::Block::choose_precision(info, requested)?;
+        if info.is_cuda() && p == Precision::Fp32 {
+            return Err(SpeedkitError::usage(
+                "stage 3's cuBLASLt GEMMs (through cudarc) compute f32 matrices in TF32, so stage 3 cannot run \
+                 --precision fp32 on CUDA without mislabelling it. Fix: --precision tf32 (same f32 storage, TF32 \
+                 tensor cores) or bf16 (the auto choice).",
+            ));
+        }
+        Ok((p, why))
+    }
+
+    fn check_shape(_shape: &Shape) -> Result<(), SpeedkitError> {
+        Ok(()) // no (B, n_head, T, T) tensor exists, so no limit on it
+    }
+
+    fn estimate_bytes(shape: &Shape) -> u128 {
+        stage2_sdpa::attention::estimate_fused_bytes(shape)
+    }
+
+    fn switches(plan: &Plan) -> GemmSwitches {
+        precision::switches(plan.precision)
+    }
+
+    fn notes(plan: &Plan) -> Vec<String> {
+        stage2_sdpa::Block::notes(plan) // alignment advice, which attention runs
+    }
+
+    fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
+        Self::switches(plan).apply();
+        stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head())?;
+        let dt = precision::gemm_dtype(plan.precision);
+        Ok(Block {
+            ln1_g: w.ln1_g.clone(),
+            ln1_b: w.ln1_b.clone(),
+            w_qkv: w.w_qkv.to_dtype(dt)?, // one (3C, C) GEMM instead of three (C, C) ones
+            b_qkv: w.b_qkv.to_dtype(dt)?,
+            w_proj: w.w_proj.to_dtype(dt)?,
+            b_proj: w.b_proj.to_dtype(dt)?,
+            ln2_g: w.ln2_g.clone(),
+            ln2_b: w.ln2_b.clone(),
+            w_fc1: w.w_fc1.to_dtype(dt)?,
+            b_fc1: w.b_fc1.to_dtype(dt)?,
+            w_fc2: w.w_fc2.to_dtype(dt)?,
+            b_fc2: w.b_fc2.to_dtype(dt)?,
+            n_head: plan.shape.n_head,
+            dtype: dt,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy
+        let h = layer_norm(x, &self.ln1_g, &self.ln1_b, self.dtype)?; // (B, T, C): one kernel, GEMM dtype out
+        let qkv = linear_bias(&h, &self.w_qkv, &self.b_qkv)?.reshape(heads)?; // one GEMM, bias in its epilogue
+        let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
+        let a = attention(&q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
+        let (x, h) = add_layer_norm(x, &linear_bias(&a, &self.w_proj, &self.b_proj)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
+        let m = linear_bias_gelu(&h, &self.w_fc1, &self.b_fc1)?; // (B, T, FF): GELU in the GEMM's epilogue
+        linear_bias_residual(&m, &self.w_fc2, &self.b_fc2, &x) // x + m W_fc2ᵀ + b_fc2, f32
+    }
+}

@@ -1,0 +1,232 @@
+//! Fused operations, each next to the slow twin it replaces (the twins are stage 0's primitive
+//! ops; tests assert each pair agrees on random shapes).
+//!
+//! | fused op                        | replaces (stage 2)                                   |
+//! |---------------------------------|------------------------------------------------------|
+//! | `layer_norm(x, g, b, dtype)`    | mean, sub, sqr, mean, add, sqrt, div, mul, add, cast |
+//! | `linear_bias(x, w, b)`          | GEMM, then a bias add                                |
+//! | `linear_bias_gelu(x, w, b)`     | GEMM, bias add, then GELU's 7 element-wise ops       |
+//! | `linear_bias_residual(x,w,b,r)` | GEMM, bias add, cast to f32, residual add            |
+//! | `add_layer_norm(x, br, g, b)`   | cast, residual add, then LayerNorm's nine ops, cast  |
+//!
+//! CPU: single passes over rows (LayerNorm) and a GEMM whose destination starts out holding the
+//! bias (and the residual), so `dst = 1·dst + 1·x·Wᵀ` adds them for free; GELU runs on each block
+//! of output rows right after the GEMM wrote it, while it is still in cache.
+//! CUDA: candle's fused LayerNorm kernel, and cuBLASLt GEMMs with epilogues (`cuda` module):
+//! bias and bias+GELU applied by the GEMM kernel before it stores, the residual read through the
+//! C operand with β = 1.
+
+use candle_core::{CpuStorage, DType, Storage, Tensor};
+use rayon::prelude::*;
+
+/// LayerNorm's ε, as in GPT-2.
+pub const LN_EPS: f32 = 1e-5;
+
+/// Output rows per GEMM call when GELU follows, so GELU reads each block right after the GEMM
+/// wrote it: 256 rows × FF = 3072 f32 is 3 MiB, within a server CPU's L2+L3 share. Smaller
+/// blocks make the GEMM repack W more often (it packs the right-hand side once per call). On
+/// the 2-core development VM, blocks of 64/128/256 rows and one unblocked GEMM followed by one
+/// GELU pass measured within noise of each other (61–74 ms for `small`'s fc1): the win over
+/// stage 2 comes from one GELU pass instead of nine, not from the blocking.
+pub const GELU_ROWS: usize = 256;
+
+/// LayerNorm over the last dimension, output cast to `dtype` in the same pass.
+/// x: (…, C) f32; g, b: (C) f32. Per row: a sum, a variance about the mean, then normalise and
+/// write — three reads of a row that stays in L1 (C = 768 floats is 3 KiB), instead of the
+/// nine full passes over (B, T, C) that stage 0's primitive ops make.
+/// Slow twin: `stage0_baseline::layer_norm` then `to_dtype`.
+pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    if x.device().is_cuda() {
+        // candle's own fused LayerNorm kernel (one launch); the cast is a second launch.
+        return candle_nn::ops::layer_norm(&x.contiguous()?, g, b, LN_EPS)?.to_dtype(dtype);
+    }
+    let c = x.dim(candle_core::D::Minus1)?;
+    let (x32, g32, b32) = (host_f32(x)?, host_f32(g)?, host_f32(b)?);
+    let ((xg, xl), (gg, gl), (bg, bl)) = (x32.storage_and_layout(), g32.storage_and_layout(), b32.storage_and_layout());
+    let (xs, gs, bs) = (f32_slice(&xg, xl)?, f32_slice(&gg, gl)?, f32_slice(&bg, bl)?);
+    let mut out = vec![0f32; xs.len()];
+    out.par_chunks_mut(c).zip(xs.par_chunks(c)).for_each(|(o, row)| {
+        let s: f64 = row.iter().map(|&v| v as f64).sum();
+        normalise_row(row, s, gs, bs, o);
+    });
+    Tensor::from_vec(out, x.shape(), x.device())?.to_dtype(dtype)
+}
+
+/// The worked example: residual add and LayerNorm in one pass, returning the new residual
+/// stream x + branch (f32) and its normalised copy h (in branch's dtype, ready for the next GEMM).
+/// CUDA: our NVRTC kernel `kernels/add_layer_norm.cu` (one launch). CPU: one pass per row.
+/// Slow twin: `x + branch.to_dtype(f32)`, then `stage0_baseline::layer_norm`, then `to_dtype`.
+pub fn add_layer_norm(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    if x.dims() != branch.dims() || x.dtype() != DType::F32 {
+        candle_core::bail!("add_layer_norm: x {:?} ({:?}) and branch {:?} must match, x in f32", x.dims(), x.dtype(), branch.dims());
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::cuda::add_layer_norm(x, branch, g, b);
+    }
+    let c = x.dim(candle_core::D::Minus1)?;
+    let (x32, br32, g32, b32) = (host_f32(x)?, host_f32(branch)?, host_f32(g)?, host_f32(b)?);
+    let ((xg, xl), (brg, brl)) = (x32.storage_and_layout(), br32.storage_and_layout());
+    let ((gg, gl), (bg, bl)) = (g32.storage_and_layout(), b32.storage_and_layout());
+    let (xs, brs, gs, bs) = (f32_slice(&xg, xl)?, f32_slice(&brg, brl)?, f32_slice(&gg, gl)?, f32_slice(&bg, bl)?);
+    let (mut x_out, mut h_out) = (vec![0f32; xs.len()], vec![0f32; xs.len()]);
+    x_out.par_chunks_mut(c).zip(h_out.par_chunks_mut(c)).zip(xs.par_chunks(c).zip(brs.par_chunks(c))).for_each(|((xo, ho), (xr, br))| {
+        let mut s = 0f64;
+        for ((o, &a), &d) in xo.iter_mut().zip(xr).zip(br) {
+            *o = a + d; // the new residual stream
+            s += *o as f64;
+        }
+        normalise_row(xo, s, gs, bs, ho);
+    });
+    let x_new = Tensor::from_vec(x_out, x.shape(), x.device())?;
+    let h = Tensor::from_vec(h_out, x.shape(), x.device())?.to_dtype(branch.dtype())?;
+    Ok((x_new, h))
+}
+
+/// h = (row − mean) / √(var + ε) · g + b, given Σrow; variance about the mean (two-pass, so it
+/// does not cancel when the mean is large). The row is in L1 from the caller's pass.
+#[inline]
+fn normalise_row(row: &[f32], sum: f64, g: &[f32], b: &[f32], h: &mut [f32]) {
+    let n = row.len() as f64;
+    let mean = sum / n;
+    let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n; // biased, as PyTorch
+    let (mean, inv) = (mean as f32, (1.0 / (var + LN_EPS as f64).sqrt()) as f32);
+    for (((h, &v), &g), &b) in h.iter_mut().zip(row).zip(g).zip(b) {
+        *h = (v - mean) * inv * g + b;
+    }
+}
+
+/// y = x Wᵀ + b. x: (B, T, K); W: (N, K); b: (N). Output in x's dtype.
+/// Slow twin: `stage0_baseline::linear`.
+pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    linear(x, w, b, Epilogue::Bias)
+}
+
+/// y = gelu_tanh(x Wᵀ + b). Slow twin: `stage0_baseline::gelu_tanh(&linear(x, w, b))`.
+pub fn linear_bias_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    linear(x, w, b, Epilogue::BiasGelu)
+}
+
+/// y = r + x Wᵀ + b, in r's dtype (the f32 residual stream).
+/// Slow twin: `r + stage0_baseline::linear(x, w, b).to_dtype(r.dtype())`.
+pub fn linear_bias_residual(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> candle_core::Result<Tensor> {
+    linear(x, w, b, Epilogue::BiasResidual(r))
+}
+
+/// What the GEMM adds or applies before its result is stored.
+#[derive(Clone, Copy)]
+pub enum Epilogue<'a> {
+    Bias,
+    BiasGelu,
+    BiasResidual(&'a Tensor),
+}
+
+fn linear(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue) -> candle_core::Result<Tensor> {
+    let (bsz, t, k) = x.dims3()?;
+    let (n, k_w) = w.dims2()?;
+    if k != k_w || b.dims() != [n] {
+        candle_core::bail!("linear: x {:?}, W {:?}, b {:?} do not fit y = x Wᵀ + b", x.dims(), w.dims(), b.dims());
+    }
+    if let Epilogue::BiasResidual(r) = epilogue {
+        if r.dims() != [bsz, t, n] {
+            candle_core::bail!("linear: residual {:?} is not the output shape ({bsz}, {t}, {n})", r.dims());
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::cuda::linear(x, w, b, epilogue);
+    }
+    linear_cpu(x, w, b, epilogue, (bsz * t, n, k))
+}
+
+/// The CPU path: the destination is filled with the bias (plus the residual) row by row, then
+/// the GEMM accumulates into it: dst = 1·dst + 1·x·Wᵀ. bf16/f16 operands are widened to f32
+/// first, as candle's own CPU matmul does (there is no bf16 GEMM kernel on CPU).
+fn linear_cpu(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, (m, n, k): (usize, usize, usize)) -> candle_core::Result<Tensor> {
+    let (x32, w32, b32) = (host_f32(x)?, host_f32(w)?, host_f32(b)?);
+    let ((xg, xl), (wg, wl), (bg, bl)) = (x32.storage_and_layout(), w32.storage_and_layout(), b32.storage_and_layout());
+    let (xs, ws, bs) = (f32_slice(&xg, xl)?, f32_slice(&wg, wl)?, f32_slice(&bg, bl)?);
+    let mut out = vec![0f32; m * n];
+    match epilogue {
+        Epilogue::BiasResidual(r) => {
+            let r32 = host_f32(r)?;
+            let (rg, rl) = r32.storage_and_layout();
+            let rs = f32_slice(&rg, rl)?;
+            out.par_chunks_mut(n)
+                .zip(rs.par_chunks(n))
+                .for_each(|(o, r)| o.iter_mut().zip(r).zip(bs.iter()).for_each(|((o, r), b)| *o = r + b));
+        }
+        _ => out.par_chunks_mut(n).for_each(|o| o.copy_from_slice(bs)),
+    }
+    let rows = if matches!(epilogue, Epilogue::BiasGelu) { GELU_ROWS } else { m };
+    for r0 in (0..m).step_by(rows) {
+        let mb = rows.min(m - r0);
+        let dst = &mut out[r0 * n..(r0 + mb) * n];
+        gemm_accumulate(dst, &xs[r0 * k..(r0 + mb) * k], ws, (mb, n, k));
+        if matches!(epilogue, Epilogue::BiasGelu) {
+            dst.par_chunks_mut(n).for_each(|row| row.iter_mut().for_each(|v| *v = gelu_tanh(*v)));
+        }
+    }
+    let out_dtype = match epilogue {
+        Epilogue::BiasResidual(r) => r.dtype(),
+        _ => x.dtype(),
+    };
+    Tensor::from_vec(out, (m / x.dim(1)?, x.dim(1)?, n), x.device())?.to_dtype(out_dtype)
+}
+
+/// dst (m × n, row-major) += x (m × k, row-major) · Wᵀ, W (n × k, row-major), via the gemm crate
+/// (candle's own CPU GEMM): W is read as the k × n right-hand side with column stride k.
+fn gemm_accumulate(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize)) {
+    let threads = candle_core::utils::get_num_threads();
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    assert!(dst.len() == m * n && x.len() == m * k && w.len() == n * k, "gemm operands sized by the caller");
+    // SAFETY: the three slices hold exactly m·n, m·k and n·k elements (asserted above) and the
+    // strides below address them row-major, so every access is in bounds; dst is unique.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,          // dst column stride
+            n as isize, // dst row stride
+            true,       // read dst: it holds the bias (and residual) to accumulate onto
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize, // rhs[kk][j] = W[j][kk]: next column is the next row of W
+            1,
+            1.0, // alpha: dst keeps its value
+            1.0, // beta: + x·Wᵀ
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+/// GPT-2's GELU, tanh approximation: 0.5·v·(1 + tanh(u)), u = √(2/π)·(v + 0.044715·v³).
+/// Since 1 + tanh(u) = 2·sigmoid(2u), this is v / (1 + e^(−2u)): one exp and one division,
+/// about three times cheaper than libm's tanhf, and exact in the limits (v→±∞ gives v or −0).
+#[inline]
+pub fn gelu_tanh(v: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let u = SQRT_2_OVER_PI * (v + 0.044715 * v * v * v);
+    v / (1.0 + (-2.0 * u).exp())
+}
+
+/// `t` as contiguous f32 on the host: the same tensor when it already is (no copy), else a
+/// widened/compacted copy. Borrow its values with `f32_slice`.
+pub(crate) fn host_f32(t: &Tensor) -> candle_core::Result<Tensor> {
+    t.to_dtype(DType::F32)?.contiguous()
+}
+
+/// The values of a contiguous f32 CPU tensor's storage, borrowed from its read guard.
+pub(crate) fn f32_slice<'a>(storage: &'a Storage, layout: &candle_core::Layout) -> candle_core::Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) => Ok(&v[start..end]),
+        _ => candle_core::bail!("expected a contiguous f32 CPU tensor"),
+    }
+}

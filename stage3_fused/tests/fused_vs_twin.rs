@@ -1,0 +1,92 @@
+//! Every fused op against its slow twin (stage 0's primitive ops) on random shapes, including
+//! widths that are not multiples of a SIMD vector or of the GELU row block.
+
+use candle_core::{DType, Device, Tensor};
+use proptest::prelude::*;
+use shared::weights::SplitMix64;
+use stage3_fused::ops;
+
+fn randn(dims: &[usize], seed: u64, std: f32) -> Tensor {
+    let n = dims.iter().product();
+    let v: Vec<f32> = SplitMix64::new(seed).normals(n).into_iter().map(|z| z * std).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+}
+
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.dims(), b.dims());
+    let h = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (a, b) = (h(a), h(b));
+    let d: f64 = a.iter().zip(&b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (d / n.max(1e-30)).sqrt()
+}
+
+fn check_all(bsz: usize, t: usize, k: usize, n: usize, seed: u64) {
+    let x = randn(&[bsz, t, k], seed, 1.0);
+    let w = randn(&[n, k], seed + 1, 0.05);
+    let b = randn(&[n], seed + 2, 0.05);
+    let r = randn(&[bsz, t, n], seed + 3, 1.0);
+    let (g, beta) = (randn(&[k], seed + 4, 0.1).affine(1.0, 1.0).unwrap(), randn(&[k], seed + 5, 0.1));
+    let slow_linear = stage0_baseline::linear(&x, &w, &b).unwrap();
+
+    let e = rel_err(&ops::linear_bias(&x, &w, &b).unwrap(), &slow_linear);
+    assert!(e < 1e-5, "linear_bias {bsz}x{t}x{k}->{n}: {e}");
+    let e = rel_err(&ops::linear_bias_gelu(&x, &w, &b).unwrap(), &stage0_baseline::gelu_tanh(&slow_linear).unwrap());
+    assert!(e < 1e-5, "linear_bias_gelu {bsz}x{t}x{k}->{n}: {e}");
+    let e = rel_err(&ops::linear_bias_residual(&x, &w, &b, &r).unwrap(), &(&r + &slow_linear).unwrap());
+    assert!(e < 1e-5, "linear_bias_residual {bsz}x{t}x{k}->{n}: {e}");
+
+    let slow_ln = stage0_baseline::layer_norm(&x, &g, &beta).unwrap();
+    let e = rel_err(&ops::layer_norm(&x, &g, &beta, DType::F32).unwrap(), &slow_ln);
+    assert!(e < 1e-5, "layer_norm C={k}: {e}");
+    let ln_bf16 = ops::layer_norm(&x, &g, &beta, DType::BF16).unwrap();
+    assert_eq!(ln_bf16.dtype(), DType::BF16);
+    assert!(rel_err(&ln_bf16, &slow_ln) < 4e-3, "layer_norm cast to bf16");
+
+    let branch = randn(&[bsz, t, k], seed + 6, 0.5);
+    let (x_new, h) = ops::add_layer_norm(&x, &branch, &g, &beta).unwrap();
+    let slow_x = (&x + &branch).unwrap();
+    assert_eq!(rel_err(&x_new, &slow_x), 0.0, "the residual add is exact");
+    let e = rel_err(&h, &stage0_baseline::layer_norm(&slow_x, &g, &beta).unwrap());
+    assert!(e < 1e-5, "add_layer_norm C={k}: {e}");
+    // A bf16 branch: h comes out in bf16, x_new stays f32.
+    let (x16, h16) = ops::add_layer_norm(&x, &branch.to_dtype(DType::BF16).unwrap(), &g, &beta).unwrap();
+    assert_eq!((x16.dtype(), h16.dtype()), (DType::F32, DType::BF16));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    #[test]
+    fn fused_ops_match_slow_twins(
+        bsz in 1usize..3,
+        t in prop_oneof![Just(1usize), 2usize..40, 250usize..300],
+        k in prop_oneof![Just(1usize), 2usize..20, Just(64), 65usize..140],
+        n in prop_oneof![Just(1usize), 2usize..20, Just(96), 97usize..200],
+        seed in 0u64..1000,
+    ) {
+        check_all(bsz, t, k, n, seed);
+    }
+}
+
+#[test]
+fn gelu_rewrite_matches_tanh_form() {
+    // v / (1 + e^(−2u)) against 0.5·v·(1 + tanh(u)) over a wide range, including the tails.
+    for i in -2000..=2000 {
+        let v = i as f32 * 0.01;
+        let u = 0.797_884_6f32 * (v + 0.044715 * v * v * v);
+        let reference = 0.5 * v * (1.0 + u.tanh());
+        let got = ops::gelu_tanh(v);
+        assert!((got - reference).abs() <= 1e-6 * (1.0 + reference.abs()), "v={v}: {got} vs {reference}");
+    }
+    assert_eq!(ops::gelu_tanh(-100.0), 0.0);
+    assert_eq!(ops::gelu_tanh(100.0), 100.0);
+}
+
+#[test]
+fn shapes_that_do_not_fit_are_errors() {
+    let x = randn(&[1, 2, 8], 1, 1.0);
+    let w = randn(&[4, 7], 2, 1.0);
+    let b = randn(&[4], 3, 1.0);
+    assert!(ops::linear_bias(&x, &w, &b).unwrap_err().to_string().contains("do not fit"));
+}
