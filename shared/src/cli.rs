@@ -65,6 +65,9 @@ pub struct RunArgs {
     /// Peak TFLOP/s to compute % of peak against (for devices not in the built-in table)
     #[arg(long, env = "SPEEDKIT_PEAK_TFLOPS")]
     pub peak_tflops: Option<f64>,
+    /// Capture each stage's forward once as a CUDA graph and time its replays (GPU only)
+    #[arg(long, env = "SPEEDKIT_CUDA_GRAPH", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
+    pub cuda_graph: bool,
     /// Read the block's weights from a safetensors file in GPT-2 naming (h.N.ln_1.weight, ...)
     #[arg(long, env = "SPEEDKIT_WEIGHTS")]
     pub weights: Option<PathBuf>,

@@ -12,6 +12,7 @@ pub mod check;
 pub mod cli;
 pub mod device;
 pub mod error;
+pub mod graph;
 pub mod perf;
 pub mod preset;
 pub mod report;

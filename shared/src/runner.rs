@@ -127,6 +127,20 @@ impl Session {
     /// Resolve the flags, print what will run, and compute the reference with `reference`.
     pub fn open(args: RunArgs, reference: &StageSpec) -> anyhow::Result<Session> {
         let Resolved { device, info, preset, shape, weights: loaded, x: x_file } = resolve(&args)?;
+        if args.cuda_graph && !device.is_cuda() {
+            return Err(SpeedkitError::usage(
+                "--cuda-graph replays captured GPU work, and this run is on the CPU, where there is no launch overhead to save. \
+                 Fix: drop --cuda-graph, or run on a GPU with --device cuda (a --features cuda build).",
+            )
+            .into());
+        }
+        #[cfg(feature = "cuda")]
+        if args.cuda_graph {
+            // One stream, no cross-stream hazards: without per-tensor events, nothing records
+            // events inside a capture that would later be waited on outside it.
+            // SAFETY: every tensor of this run lives on this device's single stream.
+            unsafe { device.as_cuda_device()?.disable_event_tracking() };
+        }
         let (weights, weights_source) = match loaded {
             Some(w) => {
                 (w, format!("{} (layer {})", args.weights.as_ref().unwrap().display(), args.layer.map_or("only".into(), |l| l.to_string())))
@@ -201,6 +215,7 @@ impl Session {
         self.fits(spec)?;
         let mut probe = MemProbe::start(&self.device);
         let stage = (spec.build)(&self.weights, &plan)?;
+        let stage = if self.args.cuda_graph { crate::graph::capture(spec.name, stage, &self.x)? } else { stage };
         let switches = GemmSwitches::current();
         if switches != (spec.switches)(&plan) {
             anyhow::bail!(
@@ -235,6 +250,9 @@ impl Session {
         let tflops = flops / secs / 1e12;
         let peak = self.args.peak_tflops.or_else(|| if self.info.is_cuda() { peak_tflops(&self.info.name, plan.precision) } else { None });
         let mut notes = (spec.notes)(&plan);
+        if self.args.cuda_graph {
+            notes.push("timed as CUDA graph replays of one captured forward (--cuda-graph)".into());
+        }
         if peak.is_none() {
             notes.push(format!("no {} peak known for this device: pass --peak-tflops for % of peak", plan.precision));
         }

@@ -44,6 +44,7 @@ fn bad_inputs_exit_2_with_the_reason() {
     expect_usage_error(&["--preset", "tiny", "--iters", "0"], &[], "--iters is 0");
     expect_usage_error(&["--preset", "tiny", "--device", "tpu"], &[], "not a device");
     expect_usage_error(&["--preset", "tiny", "--precision", "bf16"], &[], "fp32 only");
+    expect_usage_error(&["--preset", "tiny", "--device", "cpu", "--cuda-graph"], &[], "--cuda-graph replays captured GPU work");
     // The same checks apply to values from the environment.
     expect_usage_error(&[], &[("SPEEDKIT_PRESET", "tiny"), ("SPEEDKIT_ITERS", "0")], "--iters is 0");
 }
