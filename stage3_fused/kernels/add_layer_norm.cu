@@ -20,7 +20,7 @@
 #define THREADS 256
 #define WARPS (THREADS / 32)
 
-__device__ __forceinline__ float load_f(const unsigned short* p, int i, int bf16) {
+__device__ __forceinline__ float load_f(const unsigned short* p, long i, int bf16) {
     unsigned short v = p[i];
     if (bf16) {
         return __uint_as_float(((unsigned int)v) << 16);  // bf16 is the top half of an f32
@@ -54,10 +54,15 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
     return v;
 }
 
-// branch and h_out hold 16-bit values (bf16 if `bf16`, else f16); x, x_out, g, b are f32.
-extern "C" __global__ void add_layer_norm_16(const float* x, const unsigned short* branch, const float* g,
-                                             const float* b, float* x_out, unsigned short* h_out, int C,
-                                             float eps, int bf16) {
+__device__ __forceinline__ float load_f(const float* p, long i, int) { return p[i]; }
+__device__ __forceinline__ void store_f(float* p, long i, float f, int) { p[i] = f; }
+__device__ __forceinline__ void store_f(unsigned short* p, long i, float f, int bf16) { p[i] = store_16(f, bf16); }
+
+// One row per thread block. T is float, or unsigned short for 16-bit values (bf16 if `bf16`,
+// else f16); x, x_out, g and b are always f32.
+template <typename T>
+__device__ __forceinline__ void add_layer_norm_row(const float* x, const T* branch, const float* g, const float* b,
+                                                   float* x_out, T* h_out, int C, float eps, int bf16) {
     __shared__ float shared[WARPS];
     const long row = (long)blockIdx.x * C;
     // Pass 1: x_out = x + branch, and the row sum. Each thread later re-reads only the x_out
@@ -76,30 +81,19 @@ extern "C" __global__ void add_layer_norm_16(const float* x, const unsigned shor
         s2 += d * d;
     }
     const float inv = rsqrtf(block_sum(s2, shared) / C + eps);
-    // Pass 3: normalise, scale, shift, round to 16 bits.
+    // Pass 3: normalise, scale, shift, store (rounded to 16 bits for the 16-bit variant).
     for (int c = threadIdx.x; c < C; c += THREADS) {
-        h_out[row + c] = store_16((x_out[row + c] - mean) * inv * g[c] + b[c], bf16);
+        store_f(h_out, row + c, (x_out[row + c] - mean) * inv * g[c] + b[c], bf16);
     }
+}
+
+extern "C" __global__ void add_layer_norm_16(const float* x, const unsigned short* branch, const float* g,
+                                             const float* b, float* x_out, unsigned short* h_out, int C,
+                                             float eps, int bf16) {
+    add_layer_norm_row(x, branch, g, b, x_out, h_out, C, eps, bf16);
 }
 
 extern "C" __global__ void add_layer_norm_f32(const float* x, const float* branch, const float* g, const float* b,
                                               float* x_out, float* h_out, int C, float eps) {
-    __shared__ float shared[WARPS];
-    const long row = (long)blockIdx.x * C;
-    float s = 0.0f;
-    for (int c = threadIdx.x; c < C; c += THREADS) {
-        float v = x[row + c] + branch[row + c];
-        x_out[row + c] = v;
-        s += v;
-    }
-    const float mean = block_sum(s, shared) / C;
-    float s2 = 0.0f;
-    for (int c = threadIdx.x; c < C; c += THREADS) {
-        float d = x_out[row + c] - mean;
-        s2 += d * d;
-    }
-    const float inv = rsqrtf(block_sum(s2, shared) / C + eps);
-    for (int c = threadIdx.x; c < C; c += THREADS) {
-        h_out[row + c] = (x_out[row + c] - mean) * inv * g[c] + b[c];
-    }
+    add_layer_norm_row(x, branch, g, b, x_out, h_out, C, eps, 0);
 }
