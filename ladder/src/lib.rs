@@ -37,6 +37,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<(LadderReport, Option<anyhow::Error>
     let mut skipped = Vec::new();
     let mut failure = None;
     let mut outputs: Vec<(String, candle_core::Tensor)> = Vec::new();
+    let mut baseline_ms = None; // stage 0's median, if it ran
     for (i, spec) in stages().iter().enumerate() {
         let requested = if i == 0 { PrecisionRequest::Auto } else { session.args.precision };
         match session.run(spec, requested) {
@@ -45,11 +46,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<(LadderReport, Option<anyhow::Error>
                 if session.args.save_output.is_some() {
                     outputs.push((format!("y_{}", spec.name), y));
                 }
-                record.speedup_vs_stage0 =
-                    records.first().filter(|r| r.stage == stages()[0].name).map(|r0| r0.timing.median_ms / record.timing.median_ms);
                 if i == 0 {
-                    record.speedup_vs_stage0 = Some(1.0);
+                    baseline_ms = Some(record.timing.median_ms);
                 }
+                record.speedup_vs_stage0 = baseline_ms.map(|b| b / record.timing.median_ms);
                 record.speedup_vs_prev = records.last().map(|p| p.timing.median_ms / record.timing.median_ms);
                 records.push(record);
             }

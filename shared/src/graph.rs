@@ -14,16 +14,29 @@ use crate::error::SpeedkitError;
 use crate::stage::Forward;
 use candle_core::Tensor;
 
-/// Capture `stage` on `x`; errors (exit 2) if this build or device cannot, or if the stage's
-/// forward does something a capture does not allow (the message says which stage and why).
-pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Result<Box<dyn Forward>> {
-    if !x.device().is_cuda() {
-        return Err(SpeedkitError::usage(format!(
-            "--cuda-graph replays captured GPU work, and {name} runs on the CPU here, where there is no launch overhead to \
-             save. Fix: drop --cuda-graph, or run on a GPU with --device cuda (a --features cuda build)."
-        ))
-        .into());
+/// Call once, before any tensor of the run exists on `device`: refuses the CPU (exit 2), and on
+/// CUDA turns off candle's per-tensor event tracking. Everything runs on one stream, so the
+/// events guard no cross-stream hazard, and recorded inside a capture they would later be
+/// waited on outside it.
+pub fn prepare(device: &candle_core::Device) -> Result<(), SpeedkitError> {
+    if !device.is_cuda() {
+        return Err(SpeedkitError::usage(
+            "--cuda-graph replays captured GPU work, and this run is on the CPU, where there is no launch overhead to save. \
+             Fix: drop --cuda-graph, or run on a GPU with --device cuda (a --features cuda build).",
+        ));
     }
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        // SAFETY: every tensor of this run lives on this device's single stream.
+        unsafe { d.disable_event_tracking() };
+    }
+    Ok(())
+}
+
+/// Capture `stage` on `x` (after `prepare`); errors (exit 2) if the stage's forward does
+/// something a capture does not allow (the message says which stage and why).
+pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Result<Box<dyn Forward>> {
+    prepare(x.device())?;
     imp::capture(name, stage, x)
 }
 

@@ -127,19 +127,8 @@ impl Session {
     /// Resolve the flags, print what will run, and compute the reference with `reference`.
     pub fn open(args: RunArgs, reference: &StageSpec) -> anyhow::Result<Session> {
         let Resolved { device, info, preset, shape, weights: loaded, x: x_file } = resolve(&args)?;
-        if args.cuda_graph && !device.is_cuda() {
-            return Err(SpeedkitError::usage(
-                "--cuda-graph replays captured GPU work, and this run is on the CPU, where there is no launch overhead to save. \
-                 Fix: drop --cuda-graph, or run on a GPU with --device cuda (a --features cuda build).",
-            )
-            .into());
-        }
-        #[cfg(feature = "cuda")]
         if args.cuda_graph {
-            // One stream, no cross-stream hazards: without per-tensor events, nothing records
-            // events inside a capture that would later be waited on outside it.
-            // SAFETY: every tensor of this run lives on this device's single stream.
-            unsafe { device.as_cuda_device()?.disable_event_tracking() };
+            crate::graph::prepare(&device)?;
         }
         let (weights, weights_source) = match loaded {
             Some(w) => {

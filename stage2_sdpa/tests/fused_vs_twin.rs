@@ -12,12 +12,9 @@ fn randn(dims: (usize, usize, usize, usize), seed: u64) -> Tensor {
     Tensor::from_vec(SplitMix64::new(seed).normals(n), dims, &Device::Cpu).unwrap()
 }
 
+/// ||a − b|| / ||b||, as the runner's check computes it.
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let h = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let (a, b) = (h(a), h(b));
-    let d: f64 = a.iter().zip(&b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
-    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (d / n).sqrt()
+    shared::check::compare(a, b, shared::Precision::Fp32).unwrap().rel_err
 }
 
 /// The slow twin on (B, T, n_head, d_head) inputs: stage 1's attention takes (B, T, C) and a
