@@ -20,6 +20,9 @@ pub struct Record {
     pub technique: String,
     pub precision: Precision,
     pub precision_reason: String,
+    /// Which implementation ran, for stages with more than one (e.g. "emulated" FP8).
+    #[serde(default)]
+    pub implementation: Option<String>,
     pub device: DeviceInfo,
     pub shape: Shape,
     pub seed: u64,
@@ -106,7 +109,10 @@ pub fn table(records: &[Record], skipped: &[Skipped]) -> String {
             vec![
                 r.stage.clone(),
                 r.technique.clone(),
-                r.precision.to_string(),
+                match &r.implementation {
+                    Some(i) => format!("{} ({i})", r.precision),
+                    None => r.precision.to_string(),
+                },
                 format!("{:.3}", r.timing.median_ms),
                 format!("{:.3}-{:.3}", r.timing.p10_ms, r.timing.p90_ms),
                 opt(r.speedup_vs_stage0, |v| format!("{v:.2}x")),

@@ -251,6 +251,7 @@ impl Session {
             technique: spec.technique.into(),
             precision: plan.precision,
             precision_reason: plan.precision_reason.clone(),
+            implementation: (spec.implementation)(&plan),
             device: self.info.clone(),
             shape: self.shape,
             seed: self.args.seed,
@@ -294,6 +295,9 @@ pub fn check_fits(stage: &str, s: &Shape, need: u128, avail: u64) -> Result<(), 
 /// Print one record's details that do not fit the table.
 pub fn print_details(r: &Record) {
     println!("precision {} ({}) — {}", r.precision, r.stage, r.precision_reason);
+    if let Some(i) = &r.implementation {
+        println!("runs      {i}");
+    }
     let s = r.gemm_switches;
     println!("switches  TF32 {} · reduced-precision f16 {} · bf16 {}", on_off(s.tf32), on_off(s.reduced_f16), on_off(s.reduced_bf16));
     match &r.check {

@@ -91,6 +91,13 @@ pub trait Stage: Sized {
         Vec::new()
     }
 
+    /// Which implementation runs this plan, when a stage has more than one (stage 2's attention
+    /// kernel, stage 4's real or emulated FP8). Shown in the table beside the precision and
+    /// stored in the record, so a number is never read as something else than what ran.
+    fn implementation(_plan: &Plan) -> Option<String> {
+        None
+    }
+
     fn build(weights: &BlockWeights, plan: &Plan) -> anyhow::Result<Self>;
 
     /// (B, T, C) -> (B, T, C)
@@ -120,6 +127,7 @@ pub struct StageSpec {
     pub check_shape: fn(&Shape) -> Result<(), SpeedkitError>,
     pub estimate_bytes: fn(&Shape) -> u128,
     pub notes: fn(&Plan) -> Vec<String>,
+    pub implementation: fn(&Plan) -> Option<String>,
     pub build: fn(&BlockWeights, &Plan) -> anyhow::Result<Box<dyn Forward>>,
 }
 
@@ -133,6 +141,7 @@ impl StageSpec {
             check_shape: S::check_shape,
             estimate_bytes: S::estimate_bytes,
             notes: S::notes,
+            implementation: S::implementation,
             build: |w, p| Ok(Box::new(Built(S::build(w, p)?)) as Box<dyn Forward>),
         }
     }
