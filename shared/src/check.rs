@@ -38,8 +38,23 @@ pub struct CheckResult {
     pub passed: bool,
 }
 
+/// A stage's own check (`Stage::self_check`): what was compared with what, and the result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NamedCheck {
+    /// Short name, e.g. "fp8-rounded fp32 twin".
+    pub name: String,
+    /// One sentence: what a pass rules out and what a failure would mean.
+    pub meaning: String,
+    pub result: CheckResult,
+}
+
 /// Compare `y` against `reference` (any devices, any float dtypes), in f64 on the host.
 pub fn compare(y: &Tensor, reference: &Tensor, precision: Precision) -> candle_core::Result<CheckResult> {
+    compare_within(y, reference, tolerance(precision))
+}
+
+/// `compare` with an explicit tolerance on the relative error.
+pub fn compare_within(y: &Tensor, reference: &Tensor, tolerance: f64) -> candle_core::Result<CheckResult> {
     if y.dims() != reference.dims() {
         candle_core::bail!("output shape {:?} differs from the reference's {:?}", y.dims(), reference.dims());
     }
@@ -57,7 +72,6 @@ pub fn compare(y: &Tensor, reference: &Tensor, precision: Precision) -> candle_c
         max_abs = max_abs.max(d.abs());
     }
     let rel_err = if ref2 > 0.0 { (diff2 / ref2).sqrt() } else { diff2.sqrt() };
-    let tolerance = tolerance(precision);
     Ok(CheckResult { rel_err, max_abs_err: max_abs, tolerance, non_finite, passed: non_finite == 0 && rel_err <= tolerance })
 }
 

@@ -4,7 +4,7 @@
 use crate::device::DeviceRequest;
 use crate::error::{classify, SpeedkitError};
 use crate::preset::Preset;
-use crate::stage::{Precision, PrecisionRequest};
+use crate::stage::{Fp8Recipe, Precision, PrecisionRequest, StageOptions};
 use clap::ValueEnum;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -83,6 +83,19 @@ pub struct RunArgs {
     /// Write x and the block's output as safetensors, to compare with another framework
     #[arg(long, env = "SPEEDKIT_SAVE_OUTPUT")]
     pub save_output: Option<PathBuf>,
+    /// Stage 4: how activation scales are chosen — delayed (amax history) or current (this tensor's amax)
+    #[arg(long, env = "SPEEDKIT_FP8_RECIPE", value_enum, default_value_t = Fp8Recipe::Delayed)]
+    pub fp8_recipe: Fp8Recipe,
+    /// Stage 4: on a GPU without FP8 tensor cores (SM < 8.9), emulate FP8 instead of refusing
+    #[arg(long, env = "SPEEDKIT_FP8_EMULATE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
+    pub fp8_emulate: bool,
+}
+
+impl RunArgs {
+    /// The options every stage's plan carries.
+    pub fn stage_options(&self) -> StageOptions {
+        StageOptions { fp8_recipe: self.fp8_recipe, fp8_emulate: self.fp8_emulate }
+    }
 }
 
 /// Run `body` and turn its error into a message on stderr and the exit code it deserves

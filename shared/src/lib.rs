@@ -23,5 +23,5 @@ pub mod weights;
 
 pub use error::SpeedkitError;
 pub use preset::{Preset, Shape};
-pub use stage::{Plan, Precision, PrecisionRequest, Stage, StageSpec};
+pub use stage::{Fp8Recipe, Plan, Precision, PrecisionRequest, Stage, StageOptions, StageSpec};
 pub use weights::BlockWeights;

@@ -1,6 +1,6 @@
 //! What a run reports: one record per stage (versioned JSON), and the human table.
 
-use crate::check::CheckResult;
+use crate::check::{CheckResult, NamedCheck};
 use crate::device::{DeviceInfo, GemmSwitches};
 use crate::preset::Shape;
 use crate::stage::Precision;
@@ -39,6 +39,9 @@ pub struct Record {
     pub pct_of_peak: Option<f64>,
     /// `None` with --no-check.
     pub check: Option<CheckResult>,
+    /// The stage's own checks (`Stage::self_check`), e.g. stage 4's fp8-rounded fp32 twin.
+    #[serde(default)]
+    pub extra_checks: Vec<NamedCheck>,
     pub peak_mem_bytes: Option<u64>,
     pub mem_method: String,
     /// Median speedups, filled in by the ladder.

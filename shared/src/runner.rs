@@ -9,7 +9,7 @@ use crate::error::SpeedkitError;
 use crate::perf::{block_flops, peak_tflops};
 use crate::preset::{Preset, Shape};
 use crate::report::{table, write_json, Record, RECORD_SCHEMA};
-use crate::stage::{Precision, PrecisionRequest, Stage, StageSpec};
+use crate::stage::{Precision, PrecisionRequest, Stage, StageSpec, EMULATED};
 use crate::timing::time_forward;
 use crate::weights::{load_input, random_input, save_tensors, BlockWeights};
 use candle_core::{Device, Tensor};
@@ -200,7 +200,7 @@ impl Session {
     /// Plan, build, check and time one stage. Errors of kind `Usage` mean "cannot run here";
     /// `CheckFailed` means it ran and is wrong.
     pub fn run(&self, spec: &StageSpec, requested: PrecisionRequest) -> anyhow::Result<(Record, Tensor)> {
-        let plan = spec.plan(&self.device, &self.info, self.shape, requested)?;
+        let plan = spec.plan_with(&self.device, &self.info, self.shape, requested, self.args.stage_options())?;
         self.fits(spec)?;
         let mut probe = MemProbe::start(&self.device);
         let stage = (spec.build)(&self.weights, &plan)?;
@@ -228,6 +228,27 @@ impl Session {
             }
             None => None,
         };
+        // The stage's own check, on the same output (skipped with --no-check like the first).
+        let extra_checks = match (&self.reference, stage.self_check(&self.x, &y)?) {
+            (Some(_), Some(c)) => {
+                if !c.result.passed {
+                    return Err(SpeedkitError::CheckFailed(format!(
+                        "{} failed its own check \"{}\": relative error {:.3e} above {:.1e}{}. {} \
+                         Nothing was timed. Fix: report it with this command line.",
+                        spec.name,
+                        c.name,
+                        c.result.rel_err,
+                        c.result.tolerance,
+                        if c.result.non_finite > 0 { format!(" ({} values NaN or infinite)", c.result.non_finite) } else { String::new() },
+                        c.meaning
+                    ))
+                    .into());
+                }
+                vec![c]
+            }
+            _ => Vec::new(),
+        };
+        probe.sample(&self.device);
 
         let device = &self.device;
         let stats = time_forward(spec.name, device, self.warmup, self.iters, || stage.forward(&self.x), || probe.sample(device))?;
@@ -237,12 +258,21 @@ impl Session {
         let flops = block_flops(&self.shape);
         let secs = stats.median_ms / 1e3;
         let tflops = flops / secs / 1e12;
-        let peak = self.args.peak_tflops.or_else(|| if self.info.is_cuda() { peak_tflops(&self.info.name, plan.precision) } else { None });
+        let implementation = (spec.implementation)(&plan);
+        let emulated = implementation.as_deref().is_some_and(|i| i.starts_with(EMULATED));
+        let peak = match self.args.peak_tflops {
+            _ if emulated => None, // an emulation's speed is not the number format's: no % of its peak
+            Some(p) => Some(p),
+            None if self.info.is_cuda() => peak_tflops(&self.info.name, plan.precision),
+            None => None,
+        };
         let mut notes = (spec.notes)(&plan);
         if self.args.cuda_graph {
             notes.push("timed as CUDA graph replays of one captured forward (--cuda-graph)".into());
         }
-        if peak.is_none() {
+        if emulated {
+            notes.push(format!("{} is emulated here: the time measures the emulation, not {} hardware (no % of peak)", plan.precision, plan.precision));
+        } else if peak.is_none() {
             notes.push(format!("no {} peak known for this device: pass --peak-tflops for % of peak", plan.precision));
         }
         let record = Record {
@@ -251,7 +281,7 @@ impl Session {
             technique: spec.technique.into(),
             precision: plan.precision,
             precision_reason: plan.precision_reason.clone(),
-            implementation: (spec.implementation)(&plan),
+            implementation,
             device: self.info.clone(),
             shape: self.shape,
             seed: self.args.seed,
@@ -266,6 +296,7 @@ impl Session {
             pct_of_peak: peak.map(|p| 100.0 * tflops / p),
             timing: stats,
             check,
+            extra_checks,
             peak_mem_bytes,
             mem_method: mem_method.into(),
             speedup_vs_stage0: None,
@@ -306,6 +337,9 @@ pub fn print_details(r: &Record) {
             c.rel_err, c.max_abs_err, c.tolerance
         ),
         None => println!("check     skipped"),
+    }
+    for c in &r.extra_checks {
+        println!("check     {}: rel err {:.3e} (tolerance {:.0e}): passed — {}", c.name, c.result.rel_err, c.result.tolerance, c.meaning);
     }
     println!(
         "speed     median {:.3} ms (p10 {:.3}, p90 {:.3}) · {:.0} tokens/s · {:.1} GFLOP/s",

@@ -1,6 +1,7 @@
 //! The stage contract: every stage turns the same weights into the same function; what differs
 //! is how (precision, kernels, fusion). The runner and the ladder only see this trait.
 
+use crate::check::NamedCheck;
 use crate::device::{DeviceInfo, GemmSwitches};
 use crate::error::SpeedkitError;
 use crate::preset::Shape;
@@ -47,6 +48,40 @@ pub enum PrecisionRequest {
 /// A stage's precision decision: the precision, and one sentence saying why.
 pub type PrecisionChoice = (Precision, String);
 
+/// How stage 4 picks the scale of each activation it quantises to FP8 (`--fp8-recipe`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8Recipe {
+    /// From the amax of the last calls (a rolling history), TransformerEngine's default.
+    #[default]
+    Delayed,
+    /// From the amax of the very tensor being quantised: one extra reduction per GEMM.
+    Current,
+}
+
+impl Fp8Recipe {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Recipe::Delayed => "delayed",
+            Fp8Recipe::Current => "current",
+        }
+    }
+}
+
+/// Run options that only some stages read (today: stage 4's FP8 flags); every stage gets them
+/// in its `Plan` so the runner and the ladder pass one thing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StageOptions {
+    /// `--fp8-recipe`
+    pub fp8_recipe: Fp8Recipe,
+    /// `--fp8-emulate`: run FP8 as quantise-dequantise on a GPU without FP8 tensor cores.
+    pub fp8_emulate: bool,
+}
+
+/// What `Stage::implementation` starts with when the stage imitates a number format instead of
+/// running it on hardware; the runner then reports no % of peak for it.
+pub const EMULATED: &str = "emulated";
+
 /// Everything a stage's `build` may depend on, decided before it runs.
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -56,6 +91,7 @@ pub struct Plan {
     /// One sentence: why this precision (the policy's decision or the user's override).
     pub precision_reason: String,
     pub shape: Shape,
+    pub options: StageOptions,
 }
 
 /// One rung of the ladder. `build` runs once, outside timing (convert, fuse, quantize the
@@ -98,15 +134,32 @@ pub trait Stage: Sized {
         None
     }
 
+    /// Refusals that depend on the whole plan (device, precision, shape and options together),
+    /// checked when the plan is made, so `ladder report` shows them too. Default: none.
+    fn check_plan(_plan: &Plan) -> Result<(), SpeedkitError> {
+        Ok(())
+    }
+
     fn build(weights: &BlockWeights, plan: &Plan) -> anyhow::Result<Self>;
 
     /// (B, T, C) -> (B, T, C)
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor>;
+
+    /// A check of this stage's own, beyond the fp32 reference, run on the output `y` of the
+    /// forward just made on `x` (stage 4: the fp32 twin on FP8-rounded operands). Default: none.
+    fn self_check(&self, _x: &Tensor, _y: &Tensor) -> anyhow::Result<Option<NamedCheck>> {
+        Ok(None)
+    }
 }
 
 /// A built stage behind a pointer, so the ladder can hold different stages in one list.
 pub trait Forward {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor>;
+
+    /// `Stage::self_check` of the stage behind the pointer.
+    fn self_check(&self, _x: &Tensor, _y: &Tensor) -> anyhow::Result<Option<NamedCheck>> {
+        Ok(None)
+    }
 }
 
 struct Built<S: Stage>(S);
@@ -114,6 +167,10 @@ struct Built<S: Stage>(S);
 impl<S: Stage> Forward for Built<S> {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.0.forward(x)
+    }
+
+    fn self_check(&self, x: &Tensor, y: &Tensor) -> anyhow::Result<Option<NamedCheck>> {
+        self.0.self_check(x, y)
     }
 }
 
@@ -128,6 +185,7 @@ pub struct StageSpec {
     pub estimate_bytes: fn(&Shape) -> u128,
     pub notes: fn(&Plan) -> Vec<String>,
     pub implementation: fn(&Plan) -> Option<String>,
+    pub check_plan: fn(&Plan) -> Result<(), SpeedkitError>,
     pub build: fn(&BlockWeights, &Plan) -> anyhow::Result<Box<dyn Forward>>,
 }
 
@@ -142,13 +200,28 @@ impl StageSpec {
             estimate_bytes: S::estimate_bytes,
             notes: S::notes,
             implementation: S::implementation,
+            check_plan: S::check_plan,
             build: |w, p| Ok(Box::new(Built(S::build(w, p)?)) as Box<dyn Forward>),
         }
     }
 
-    /// Choose the precision and assemble the plan for this stage.
+    /// Choose the precision and assemble the plan for this stage, with default options.
     pub fn plan(&self, device: &Device, info: &DeviceInfo, shape: Shape, requested: PrecisionRequest) -> Result<Plan, SpeedkitError> {
+        self.plan_with(device, info, shape, requested, StageOptions::default())
+    }
+
+    /// Choose the precision, assemble the plan and run the stage's plan-level refusals.
+    pub fn plan_with(
+        &self,
+        device: &Device,
+        info: &DeviceInfo,
+        shape: Shape,
+        requested: PrecisionRequest,
+        options: StageOptions,
+    ) -> Result<Plan, SpeedkitError> {
         let (precision, precision_reason) = (self.choose_precision)(info, requested)?;
-        Ok(Plan { device: device.clone(), info: info.clone(), precision, precision_reason, shape })
+        let plan = Plan { device: device.clone(), info: info.clone(), precision, precision_reason, shape, options };
+        (self.check_plan)(&plan)?;
+        Ok(plan)
     }
 }

@@ -72,7 +72,7 @@ fn block_f64(s: &Shape, w: &BlockWeights, x: &[f64]) -> Vec<f64> {
 fn plan(shape: Shape) -> Plan {
     let info =
         DeviceInfo { kind: DeviceKind::Cpu, ordinal: 0, name: "cpu".into(), sm: None, memory_bytes: None, threads: 1, why: "test".into() };
-    Plan { device: Device::Cpu, info, precision: Precision::Fp32, precision_reason: "test".into(), shape }
+    Plan { device: Device::Cpu, info, precision: Precision::Fp32, precision_reason: "test".into(), shape, options: Default::default() }
 }
 
 fn rel_err(y: &[f64], r: &[f64]) -> f64 {
