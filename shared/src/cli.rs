@@ -94,7 +94,7 @@ pub struct RunArgs {
 impl RunArgs {
     /// The options every stage's plan carries.
     pub fn stage_options(&self) -> StageOptions {
-        StageOptions { fp8_recipe: self.fp8_recipe, fp8_emulate: self.fp8_emulate }
+        StageOptions { fp8_recipe: self.fp8_recipe, fp8_emulate: self.fp8_emulate, cuda_graph: self.cuda_graph }
     }
 }
 

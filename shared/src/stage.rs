@@ -68,7 +68,7 @@ impl Fp8Recipe {
     }
 }
 
-/// Run options that only some stages read (today: stage 4's FP8 flags); every stage gets them
+/// Run options that only some stages read (today: stage 4's FP8 flags and --cuda-graph); every stage gets them
 /// in its `Plan` so the runner and the ladder pass one thing.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StageOptions {
@@ -76,6 +76,8 @@ pub struct StageOptions {
     pub fp8_recipe: Fp8Recipe,
     /// `--fp8-emulate`: run FP8 as quantise-dequantise on a GPU without FP8 tensor cores.
     pub fp8_emulate: bool,
+    /// `--cuda-graph`: the forward will be captured once and replayed (stateful stages refuse).
+    pub cuda_graph: bool,
 }
 
 /// What `Stage::implementation` starts with when the stage imitates a number format instead of

@@ -21,7 +21,8 @@ thread_local! {
     static LT: RefCell<HashMap<usize, Arc<CudaBlasLT>>> = RefCell::new(HashMap::new());
 }
 
-fn lt(dev: &CudaDevice) -> candle_core::Result<Arc<CudaBlasLT>> {
+/// The cuBLASLt handle (with its workspace) bound to `dev`'s stream; stage 4 shares it.
+pub fn lt(dev: &CudaDevice) -> candle_core::Result<Arc<CudaBlasLT>> {
     let stream = dev.cuda_stream();
     let key = stream.context().ordinal();
     LT.with(|m| {
@@ -36,13 +37,14 @@ fn lt(dev: &CudaDevice) -> candle_core::Result<Arc<CudaBlasLT>> {
 
 /// The device memory behind a contiguous CUDA tensor, as a typed view borrowed from its
 /// storage guard (`Tensor::storage_and_layout`).
-fn cuda_view<'a, T: CudaDType>(storage: &'a Storage, layout: &Layout) -> candle_core::Result<CudaView<'a, T>> {
+pub fn cuda_view<'a, T: CudaDType>(storage: &'a Storage, layout: &Layout) -> candle_core::Result<CudaView<'a, T>> {
     let Storage::Cuda(cs) = storage else { candle_core::bail!("expected a CUDA tensor") };
     let (start, end) = layout.contiguous_offsets().ok_or_else(|| err("cuda_view", "expected a contiguous tensor"))?;
     Ok(cs.as_cuda_slice::<T>()?.slice(start..end))
 }
 
-fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<candle_core::Shape>) -> Tensor {
+/// A CUDA allocation, written by our own launch on candle's stream, as a candle tensor.
+pub fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<candle_core::Shape>) -> Tensor {
     Tensor::from_storage(Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())), shape, BackpropOp::none(), false)
 }
 

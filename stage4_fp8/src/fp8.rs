@@ -1,0 +1,317 @@
+//! FP8 E4M3 with per-tensor scaling: the number format, the quantiser, the two scaling recipes,
+//! and `Fp8Linear` — a linear layer you can lift into your own candle model.
+//!
+//! **E4M3** (1 sign, 4 exponent, 3 mantissa bits): largest finite ±448, smallest normal 2⁻⁶,
+//! smallest subnormal 2⁻⁹, no infinities. Its sibling E5M2 trades a mantissa bit for range
+//! (±57344) and is what gradients use; forward activations and weights need the precision more
+//! than the range, so the forward pass is E4M3 throughout (TransformerEngine's "HYBRID" recipe).
+//!
+//! **Per-tensor scale** (cuBLASLt's convention): a tensor x is stored as q = sat(x / s) in E4M3
+//! and stands for s·q. s is the *dequantisation* factor, s = amax · 2^margin / 448, so the
+//! largest |x| lands at 448 / 2^margin: the format's whole range is used whatever x's magnitude
+//! (activations of 1e-2 would otherwise sit in E4M3's subnormals, weights of 1e3 would saturate).
+//! The GEMM takes s_x and s_w and computes y = s_x·s_w·(q_x q_wᵀ) with f32 accumulation.
+//!
+//! **Recipes** for an activation's scale (`--fp8-recipe`):
+//! - `current`: s from this very tensor's amax — one extra reduction over x before the cast.
+//! - `delayed` (TransformerEngine's default): s from the largest amax of the last `history_len`
+//!   calls; this call's amax only joins the history. A fused cast kernel can then quantise and
+//!   take the amax in one pass, since s is known before x is read. The price: a tensor whose
+//!   amax jumps above the history's saturates at ±448 until the history catches up. The first
+//!   call has no history and uses current scaling.
+//!
+//! Everything here is candle ops, so it runs on the tensor's device (no trip through the host)
+//! and the CPU tests exercise the very code the GPU runs. With candle ops the amax is its own
+//! reduction in both recipes, so they cost the same passes here; the one-pass saving delayed
+//! scaling allows needs the amax fused into the cast kernel (TransformerEngine does this).
+//!
+//! **Non-finite values.** The casts saturate finite values at ±448 and keep NaN as NaN (an
+//! explicit clamp would turn NaN into ±448 silently). `Fp8Tensor::quantize` and every CPU call
+//! of `Fp8Linear` reject NaN/inf with an error; on CUDA the hot path does not read back to the
+//! host, so a NaN travels to the output, where the runner's check reports it.
+
+use candle_core::{DType, Tensor};
+use shared::{Fp8Recipe, SpeedkitError};
+use std::sync::Mutex;
+
+/// Largest finite E4M3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// amax = max |x| over the whole tensor, as a rank-0 f32 tensor on x's device.
+pub fn amax(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.flatten_all()?.abs()?.max(0)?.to_dtype(DType::F32)
+}
+
+/// s = amax · 2^margin / 448 (rank 0, f32). An all-zero tensor gets a tiny positive s rather
+/// than 0, so that x / s stays 0 instead of NaN.
+pub fn scale_from_amax(amax: &Tensor, margin: i32) -> candle_core::Result<Tensor> {
+    amax.maximum(f32::MIN_POSITIVE)?.affine(2f64.powi(margin) / E4M3_MAX as f64, 0.0)
+}
+
+/// q = sat(x / s) in E4M3, same shape as x; s is rank 0. Round to nearest even; the cast
+/// saturates at ±448 and keeps NaN (candle's CPU cast and CUDA's `__nv_fp8_e4m3` both do).
+pub fn quantize(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
+    x.to_dtype(DType::F32)?.broadcast_div(scale)?.to_dtype(DType::F8E4M3)
+}
+
+/// s·q in `dtype`.
+pub fn dequantize(q: &Tensor, scale: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    q.to_dtype(DType::F32)?.broadcast_mul(scale)?.to_dtype(dtype)
+}
+
+/// Refuse a tensor holding NaN or ±inf: its amax, and so its scale, would not be a number.
+/// Reads the tensor on the host (build time, CPU, tests — not the CUDA hot path).
+pub fn check_finite(x: &Tensor, what: &str) -> Result<(), SpeedkitError> {
+    let values: Vec<f32> = x
+        .to_dtype(DType::F32)
+        .and_then(|t| t.flatten_all()?.to_vec1())
+        .map_err(|e| SpeedkitError::usage(format!("cannot read {what} to check it for FP8: {e}")))?;
+    let bad = values.iter().filter(|v| !v.is_finite()).count();
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(first) => Err(SpeedkitError::usage(format!(
+            "{what} holds {bad} NaN or infinite values (the first at flat index {first}, {}), so it cannot be \
+             quantised to FP8: its per-tensor scale is amax / 448, and the amax of a tensor with NaN or inf is \
+             not a finite number. Fix: find where the non-finite values come from (an overflow upstream, or a \
+             --weights/--input file that holds them); FP8 needs finite inputs.",
+            values[first]
+        ))),
+    }
+}
+
+/// A tensor in E4M3 with its per-tensor dequantisation scale: it stands for `scale · data`.
+#[derive(Clone, Debug)]
+pub struct Fp8Tensor {
+    /// E4M3 values, x's shape.
+    pub data: Tensor,
+    /// Rank-0 f32 on the same device.
+    pub scale: Tensor,
+}
+
+impl Fp8Tensor {
+    /// Current scaling, checked: what a weight gets, once, when a model is built.
+    pub fn quantize(x: &Tensor, margin: i32, what: &str) -> Result<Fp8Tensor, SpeedkitError> {
+        check_finite(x, what)?;
+        let q = || -> candle_core::Result<Fp8Tensor> {
+            let scale = scale_from_amax(&amax(x)?, margin)?;
+            Ok(Fp8Tensor { data: quantize(x, &scale)?, scale })
+        };
+        q().map_err(|e| SpeedkitError::usage(format!("cannot quantise {what} to FP8: {e}")))
+    }
+
+    pub fn dequantize(&self, dtype: DType) -> candle_core::Result<Tensor> {
+        dequantize(&self.data, &self.scale, dtype)
+    }
+}
+
+/// How an `Fp8Linear` scales its input: the recipe, the amax history length (delayed) and the
+/// margin (s gets 2^margin of headroom above the amax).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScalingConfig {
+    pub recipe: Fp8Recipe,
+    pub history_len: usize,
+    pub margin: i32,
+}
+
+impl Default for ScalingConfig {
+    /// Delayed scaling over the last 16 calls, no margin. (TransformerEngine defaults to a
+    /// 1024-long history for training; a forward benchmark sees fewer calls than that.)
+    fn default() -> Self {
+        ScalingConfig { recipe: Fp8Recipe::Delayed, history_len: 16, margin: 0 }
+    }
+}
+
+/// The scale state of one activation: the amax history (a rank-1 f32 tensor on the device,
+/// oldest first) and the scale the last call used.
+#[derive(Debug)]
+pub struct ScaleState {
+    config: ScalingConfig,
+    history: Option<Tensor>,
+    last_scale: Option<Tensor>,
+}
+
+impl ScaleState {
+    pub fn new(config: ScalingConfig) -> Result<ScaleState, SpeedkitError> {
+        if config.history_len == 0 {
+            return Err(SpeedkitError::usage(
+                "an FP8 amax history of length 0 holds nothing to scale from. Fix: use a history_len of 1 or more.",
+            ));
+        }
+        Ok(ScaleState { config, history: None, last_scale: None })
+    }
+
+    /// The scale to quantise `x` with, per the recipe; records x's amax in the history.
+    pub fn scale_for(&mut self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let a = amax(x)?; // rank 0
+        let scale = match (&self.history, self.config.recipe) {
+            // The last calls' largest amax, not this one's: s is known before x is read.
+            (Some(h), Fp8Recipe::Delayed) => scale_from_amax(&h.max(0)?, self.config.margin)?,
+            // current scaling, and the first delayed call (no history yet)
+            _ => scale_from_amax(&a, self.config.margin)?,
+        };
+        if self.config.recipe == Fp8Recipe::Delayed {
+            let a = a.reshape(1)?; // (1)
+            let n = self.config.history_len;
+            self.history = Some(match &self.history {
+                None => a.broadcast_as(n)?.contiguous()?, // the first amax fills the window
+                Some(_) if n == 1 => a,
+                Some(h) => Tensor::cat(&[&h.narrow(0, 1, n - 1)?, &a], 0)?, // drop the oldest, append the newest
+            });
+        }
+        self.last_scale = Some(scale.clone());
+        Ok(scale)
+    }
+
+    /// The amax history, oldest first (empty before the first delayed call; always empty for
+    /// current scaling). Reads it on the host: for tests and reports.
+    pub fn history(&self) -> candle_core::Result<Vec<f32>> {
+        self.history.as_ref().map_or(Ok(Vec::new()), |h| h.to_vec1())
+    }
+
+    /// The scale the last call used.
+    pub fn last_scale(&self) -> Option<Tensor> {
+        self.last_scale.clone()
+    }
+}
+
+/// How `Fp8Linear` runs its GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Mode {
+    /// E4M3 tensor cores through cuBLASLt (CUDA, SM 8.9+).
+    Cublaslt,
+    /// Quantise and dequantise, then an f32 GEMM: FP8's numerics anywhere, not its speed.
+    Emulated,
+}
+
+/// y = act(x Wᵀ + b) with x and W in E4M3, output bf16. W is quantised once (current scaling);
+/// x is quantised on every call with the scale its `ScalingConfig` picks. The bias (bf16) and
+/// GELU are applied to the f32 accumulator before the bf16 store: in cuBLASLt's epilogue on
+/// CUDA, in the f32 GEMM's pass when emulated.
+///
+/// ```no_run
+/// # use stage4_fp8::fp8::{Fp8Linear, Fp8Mode, ScalingConfig};
+/// # fn f(w: &candle_core::Tensor, b: &candle_core::Tensor, x: &candle_core::Tensor) -> anyhow::Result<()> {
+/// let fc1 = Fp8Linear::new(w, b, true, Fp8Mode::Cublaslt, ScalingConfig::default(), "fc1")?; // W: (FF, C)
+/// let m = fc1.forward(x)?; // x: (B, T, C) bf16 → (B, T, FF) bf16, GELU applied
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Fp8Linear {
+    weight: Fp8Tensor,          // (N, K) E4M3, its scale
+    weight_f32: Option<Tensor>, // (N, K) s_w·q_w in f32, emulation only: dequantised once, not per call
+    bias: Tensor,               // (N) bf16, as cuBLASLt's epilogue reads it
+    gelu: bool,
+    mode: Fp8Mode,
+    name: String,
+    state: Mutex<ScaleState>,
+}
+
+impl Fp8Linear {
+    /// W: (N, K) and b: (N), any float dtype, on the device the layer runs on.
+    pub fn new(w: &Tensor, b: &Tensor, gelu: bool, mode: Fp8Mode, scaling: ScalingConfig, name: &str) -> anyhow::Result<Fp8Linear> {
+        let (n, k) = w.dims2()?;
+        if b.dims() != [n] {
+            anyhow::bail!("{name}: bias {:?} does not match W {:?}", b.dims(), w.dims());
+        }
+        if mode == Fp8Mode::Cublaslt {
+            if !w.device().is_cuda() {
+                return Err(SpeedkitError::usage(format!(
+                    "{name}: FP8 GEMMs through cuBLASLt run on a CUDA device, and W is on the CPU. Fix: move W to the \
+                     GPU, or use Fp8Mode::Emulated to study FP8's numerics on the CPU."
+                ))
+                .into());
+            }
+            crate::gemm::check_dims(16, k, n)?; // the token count is checked per call
+        }
+        let weight = Fp8Tensor::quantize(w, 0, &format!("{name}'s weight"))?;
+        let weight_f32 = match mode {
+            Fp8Mode::Emulated => Some(weight.dequantize(DType::F32)?),
+            Fp8Mode::Cublaslt => None,
+        };
+        Ok(Fp8Linear {
+            weight,
+            weight_f32,
+            bias: b.to_dtype(DType::BF16)?,
+            gelu,
+            mode,
+            name: name.into(),
+            state: Mutex::new(ScaleState::new(scaling)?),
+        })
+    }
+
+    /// x: (B, T, K), any float dtype (bf16 in stage 4) → (B, T, N) bf16.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (bsz, t, k) = x.dims3()?;
+        let n = self.bias.dim(0)?;
+        if self.weight.data.dim(1)? != k {
+            candle_core::bail!("{}: x {:?} does not fit W {:?}", self.name, x.dims(), self.weight.data.dims());
+        }
+        if x.device().is_cpu() {
+            // Free to check on the CPU (the data is already host memory); see the module notes.
+            check_finite(x, &format!("the input of {}", self.name)).map_err(candle_core::Error::wrap)?;
+        }
+        let scale = self.state.lock().map_err(|_| candle_core::Error::Msg(format!("{}: scale state poisoned", self.name)))?.scale_for(x)?;
+        let xq = quantize(x, &scale)?; // (B, T, K) E4M3
+        match self.mode {
+            Fp8Mode::Cublaslt => self.forward_cublaslt(&xq, &scale, (bsz, t, n)),
+            Fp8Mode::Emulated => {
+                let xd = dequantize(&xq, &scale, DType::F32)?; // (B, T, K): s_x·q_x, exact in f32
+                let (w, b) = (self.weight_f32.as_ref().expect("emulated layers keep W in f32"), self.bias.to_dtype(DType::F32)?);
+                let y = if x.device().is_cpu() {
+                    // stage 3's fused f32 GEMM + epilogue (the CPU has no FP8 to be faster with)
+                    if self.gelu {
+                        stage3_fused::ops::linear_bias_gelu(&xd, w, &b)?
+                    } else {
+                        stage3_fused::ops::linear_bias(&xd, w, &b)?
+                    }
+                } else {
+                    // Plain ops on a GPU: stage 3's cuBLASLt f32 GEMM would compute in TF32.
+                    let y = stage0_baseline::linear(&xd, w, &b)?;
+                    if self.gelu {
+                        stage0_baseline::gelu_tanh(&y)?
+                    } else {
+                        y
+                    }
+                };
+                y.to_dtype(DType::BF16) // the store cuBLASLt makes
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn forward_cublaslt(&self, xq: &Tensor, scale: &Tensor, (bsz, t, n): (usize, usize, usize)) -> candle_core::Result<Tensor> {
+        let m = bsz * t;
+        let y =
+            crate::cuda::fp8_linear(&xq.reshape((m, xq.dim(2)?))?, scale, &self.weight.data, &self.weight.scale, &self.bias, self.gelu)?;
+        y.reshape((bsz, t, n))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn forward_cublaslt(&self, _xq: &Tensor, _scale: &Tensor, _dims: (usize, usize, usize)) -> candle_core::Result<Tensor> {
+        candle_core::bail!("{}: FP8 GEMMs through cuBLASLt need a build with --features cuda", self.name)
+    }
+
+    /// The weight in E4M3 with its scale.
+    pub fn weight(&self) -> &Fp8Tensor {
+        &self.weight
+    }
+
+    /// The bias as the GEMM reads it (bf16).
+    pub fn bias(&self) -> &Tensor {
+        &self.bias
+    }
+
+    pub fn gelu(&self) -> bool {
+        self.gelu
+    }
+
+    /// The input scale the last forward used (None before the first).
+    pub fn last_input_scale(&self) -> Option<Tensor> {
+        self.state.lock().ok()?.last_scale()
+    }
+
+    /// The input amax history, oldest first (see `ScaleState::history`).
+    pub fn input_amax_history(&self) -> candle_core::Result<Vec<f32>> {
+        self.state.lock().map_err(|_| candle_core::Error::Msg("scale state poisoned".into()))?.history()
+    }
+}

@@ -1,0 +1,230 @@
+//! # Stage 4 — FP8: the four GEMMs in E4M3 with per-tensor scaling
+//!
+//! **What changed.** The four matrix multiplications (qkv, proj, fc1, fc2) take E4M3 inputs —
+//! weights quantised once at build, activations on every call with a per-tensor scale from
+//! `--fp8-recipe` (delayed: an amax history; current: this tensor's amax) — and write bf16
+//! with bias (and fc1's GELU) in cuBLASLt's epilogue (`fp8::Fp8Linear`). Everything else is
+//! stage 3: its fused LayerNorm and residual kernels, stage 2's attention in bf16, LayerNorm
+//! statistics and the residual stream in f32.
+//!
+//! **Why it is faster on the hardware.** Hopper's tensor cores do twice as many E4M3 FLOPs per
+//! clock as bf16 (1979 vs 989 dense TFLOP/s on H100 SXM), and E4M3 operands are half the bytes.
+//! What FP8 cannot speed up — attention, LayerNorm, the quantisation itself (an amax reduction
+//! and a cast per activation, a few µs each) — stays the same or grows, so the gain depends on
+//! how much of the block the GEMMs are: on `te` (C = 4096, FF = 16384, 16 k tokens) they are
+//! ~90 % of the FLOPs and the block should gain ~1.3–1.5x over stage 3; at GPT-2 sizes
+//! (C = 768) the GEMMs are too small to leave the launch- and memory-bound regime, and the
+//! quantisation overhead eats the gain (expect ~1.0x).
+//!
+//! **What it costs.** E4M3 keeps 3 mantissa bits: each operand is off by up to 1/16 of its
+//! value, so the block's relative error grows to ~1e-2 (fp8 tolerance 8e-2). Two checks:
+//! against the fp32 reference, and against the fp32 block on operands pre-rounded to E4M3 with
+//! the same scales (`twin`), which must agree to ~0 — rounding is expected, anything else is a
+//! bug. FP8 tensor cores need SM 8.9+ (Ada, Hopper) and dimensions that are multiples of 16.
+//! Elsewhere the stage is *emulated* (quantise to E4M3 and back, then an f32 GEMM): FP8's
+//! numerics on any machine, labelled "emulated", and its time is not an FP8 speed. On a GPU
+//! without FP8 it refuses unless asked (`--fp8-emulate`).
+//!
+//! **Run it.** `cargo run --release -p stage4_fp8` (CPU, emulated) ·
+//! `cargo run --release --features cuda -p stage4_fp8 -- --device cuda --preset te` (Hopper/Ada).
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod fp8;
+pub mod gemm;
+pub mod twin;
+
+use candle_core::{DType, IndexOp, Tensor};
+use fp8::{Fp8Linear, Fp8Mode, ScalingConfig};
+use shared::check::{compare_within, NamedCheck};
+use shared::device::{DeviceInfo, GemmSwitches};
+use shared::stage::{PrecisionChoice, EMULATED};
+use shared::Shape;
+use shared::{BlockWeights, Fp8Recipe, Plan, Precision, PrecisionRequest, SpeedkitError, Stage};
+use stage2_sdpa::attention;
+use stage3_fused::ops::{add_layer_norm, layer_norm};
+
+pub struct Block {
+    ln1_g: Tensor,   // (C) f32
+    ln1_b: Tensor,   // (C) f32
+    qkv: Fp8Linear,  // (3C, C) E4M3: q, k and v weights stacked, one GEMM
+    proj: Fp8Linear, // (C, C) E4M3
+    ln2_g: Tensor,   // (C) f32
+    ln2_b: Tensor,   // (C) f32
+    fc1: Fp8Linear,  // (FF, C) E4M3, GELU in the epilogue
+    fc2: Fp8Linear,  // (C, FF) E4M3
+    n_head: usize,
+    dtype: DType, // what the GEMMs write and attention reads: bf16
+}
+
+/// Tolerance of the pre-rounded twin check (`twin`): measured ~1e-4 on CPU (emulated). On a GPU
+/// the fused attention rounds its probabilities to bf16 before P·V and the twin does not, so
+/// bf16-sized differences (a few 1e-3) are expected there; a wrong scale or layout is O(1).
+pub const TWIN_TOLERANCE: f64 = 1e-2;
+
+/// Does `plan` run FP8 on tensor cores, or emulate it?
+pub fn mode(plan: &Plan) -> Fp8Mode {
+    if plan.info.is_cuda() && plan.info.has_fp8_tensor_cores() {
+        Fp8Mode::Cublaslt
+    } else {
+        Fp8Mode::Emulated
+    }
+}
+
+impl Stage for Block {
+    const NAME: &'static str = "stage4_fp8";
+    const TECHNIQUE: &'static str = "FP8 E4M3 GEMMs with per-tensor scaling (delayed or current)";
+
+    fn choose_precision(info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
+        let sm = info.sm.map(|(a, b)| format!("SM {a}.{b}")).unwrap_or_else(|| "the CPU".into());
+        match requested {
+            PrecisionRequest::Auto | PrecisionRequest::Exactly(Precision::Fp8) => Ok((
+                Precision::Fp8,
+                if !info.is_cuda() {
+                    "FP8 is this stage's technique; the CPU has no FP8 units, so it is emulated (E4M3 rounding, f32 GEMMs): FP8's numerics, not its speed".into()
+                } else if info.has_fp8_tensor_cores() {
+                    format!("FP8 is this stage's technique: E4M3 GEMMs on {sm}'s FP8 tensor cores, f32 accumulate, bf16 out")
+                } else {
+                    format!("FP8 is this stage's technique; {sm} has no FP8 tensor cores (SM 8.9+), so it can only be emulated")
+                },
+            )),
+            PrecisionRequest::Exactly(p) => Err(SpeedkitError::usage(format!(
+                "stage 4's technique is FP8 GEMMs, so it runs --precision fp8 (or auto) only, not {p}. \
+                 Fix: drop --precision or pass fp8; {p} is what stages 1-3 run (in the ladder, --precision \
+                 applies to them and stage 4 stays fp8)."
+            ))),
+        }
+    }
+
+    fn check_plan(plan: &Plan) -> Result<(), SpeedkitError> {
+        let info = &plan.info;
+        if !info.is_cuda() {
+            return Ok(()); // emulated, any shape
+        }
+        let sm = info.sm.map_or("?".into(), |(a, b)| format!("{a}.{b}"));
+        if !info.has_fp8_tensor_cores() && !plan.options.fp8_emulate {
+            return Err(SpeedkitError::usage(format!(
+                "{} (SM {sm}) has no FP8 tensor cores: they arrived with Ada and Hopper (SM 8.9 and 9.0). Running \
+                 stage 4 here would only emulate FP8 (round to E4M3 and back, then bf16/f32 GEMMs) — its numerics, \
+                 not its speed. Fix: pass --fp8-emulate to study the numerics on this GPU, or run stage 4 on an \
+                 SM 8.9+ GPU (L4, L40, RTX 4090, H100, H200).",
+                info.name
+            )));
+        }
+        // Stage 2's attention on CUDA, in bf16.
+        stage2_sdpa::attention::check_device(info, Precision::Bf16)?;
+        if plan.options.fp8_recipe == Fp8Recipe::Delayed && plan.options.cuda_graph {
+            return Err(SpeedkitError::usage(
+                "--cuda-graph cannot capture stage 4 with delayed scaling: the amax history is rolled by a new \
+                 tensor on every call, bookkeeping that a graph replay does not repeat, so every replay would \
+                 reuse the scales of the captured call. Fix: add --fp8-recipe current (no state between calls) \
+                 or drop --cuda-graph.",
+            ));
+        }
+        if mode(plan) == Fp8Mode::Cublaslt {
+            let s = plan.shape;
+            gemm::check_dims(16, s.d_model, s.ff)?;
+            gemm::fp8_gemm_args(s.batch * s.seq, s.d_model, s.d_model, false)?; // the token count
+        }
+        Ok(())
+    }
+
+    fn implementation(plan: &Plan) -> Option<String> {
+        let recipe = plan.options.fp8_recipe.name();
+        Some(match mode(plan) {
+            Fp8Mode::Cublaslt => format!("cuBLASLt E4M3, {recipe} scaling"),
+            Fp8Mode::Emulated => format!("{EMULATED}, {recipe} scaling"),
+        })
+    }
+
+    fn check_shape(_shape: &Shape) -> Result<(), SpeedkitError> {
+        Ok(()) // fused attention: no (B, n_head, T, T) tensor exists
+    }
+
+    fn estimate_bytes(shape: &Shape) -> u128 {
+        stage2_sdpa::attention::estimate_fused_bytes(shape)
+    }
+
+    fn switches(_plan: &Plan) -> GemmSwitches {
+        // TF32 off: the emulated GEMMs and the twin check must be true f32.
+        GemmSwitches::OFF
+    }
+
+    fn notes(plan: &Plan) -> Vec<String> {
+        let mut notes = stage2_sdpa::Block::notes(plan); // alignment advice, which attention runs
+        if mode(plan) == Fp8Mode::Emulated {
+            notes.push("FP8 emulated: activations and weights rounded to E4M3 with per-tensor scales, then f32 GEMMs".into());
+        }
+        notes
+    }
+
+    fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
+        Self::switches(plan).apply();
+        stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head())?;
+        let (mode, scaling) = (mode(plan), ScalingConfig { recipe: plan.options.fp8_recipe, ..ScalingConfig::default() });
+        let linear = |w: &Tensor, b: &Tensor, gelu: bool, name: &str| Fp8Linear::new(w, b, gelu, mode, scaling, name);
+        Ok(Block {
+            ln1_g: w.ln1_g.clone(),
+            ln1_b: w.ln1_b.clone(),
+            qkv: linear(&w.w_qkv, &w.b_qkv, false, "qkv")?, // one (3C, C) GEMM, as in stage 3
+            proj: linear(&w.w_proj, &w.b_proj, false, "proj")?,
+            ln2_g: w.ln2_g.clone(),
+            ln2_b: w.ln2_b.clone(),
+            fc1: linear(&w.w_fc1, &w.b_fc1, true, "fc1")?,
+            fc2: linear(&w.w_fc2, &w.b_fc2, false, "fc2")?,
+            n_head: plan.shape.n_head,
+            dtype: DType::BF16,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy
+        let h = layer_norm(x, &self.ln1_g, &self.ln1_b, self.dtype)?; // (B, T, C): one kernel, bf16 out
+        let qkv = self.qkv.forward(&h)?.reshape(heads)?; // one FP8 GEMM, bias in its epilogue, bf16 out
+        let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
+        let a = attention(&q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C) bf16
+        let (x, h) = add_layer_norm(x, &self.proj.forward(&a)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
+        let m = self.fc1.forward(&h)?; // (B, T, FF) bf16: GELU in the FP8 GEMM's epilogue
+        x + self.fc2.forward(&m)?.to_dtype(DType::F32)? // the f32 residual stream
+    }
+
+    fn self_check(&self, x: &Tensor, y: &Tensor) -> anyhow::Result<Option<NamedCheck>> {
+        let result = compare_within(y, &self.twin()?.forward(x)?, TWIN_TOLERANCE)?;
+        Ok(Some(NamedCheck {
+            name: "fp8-rounded fp32 twin".into(),
+            meaning: "the fp32 block on operands rounded to E4M3 with the same scales: rounding error is excluded, so \
+                      what remains must be ~0 (a failure means a scaling, layout or epilogue bug, not FP8's precision)"
+                .into(),
+            result,
+        }))
+    }
+}
+
+impl Block {
+    /// The fp8-rounded fp32 twin of this block, with the input scales of the last forward.
+    pub fn twin(&self) -> anyhow::Result<twin::TwinBlock> {
+        Ok(twin::TwinBlock {
+            ln1_g: self.ln1_g.clone(),
+            ln1_b: self.ln1_b.clone(),
+            qkv: twin_linear(&self.qkv)?,
+            proj: twin_linear(&self.proj)?,
+            ln2_g: self.ln2_g.clone(),
+            ln2_b: self.ln2_b.clone(),
+            fc1: twin_linear(&self.fc1)?,
+            fc2: twin_linear(&self.fc2)?,
+            n_head: self.n_head,
+        })
+    }
+
+    /// The four FP8 layers, in forward order (qkv, proj, fc1, fc2).
+    pub fn layers(&self) -> [&Fp8Linear; 4] {
+        [&self.qkv, &self.proj, &self.fc1, &self.fc2]
+    }
+}
+
+/// What the twin needs of one layer after a forward: W̃ = s_w·q_w, the bias as read, s_x.
+fn twin_linear(l: &Fp8Linear) -> anyhow::Result<twin::TwinLinear> {
+    let x_scale = l.last_input_scale().ok_or_else(|| anyhow::anyhow!("the twin check needs one forward first"))?;
+    Ok(twin::TwinLinear { w: l.weight().dequantize(DType::F32)?, b: l.bias().to_dtype(DType::F32)?, x_scale })
+}

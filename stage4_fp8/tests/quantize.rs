@@ -1,0 +1,137 @@
+//! The FP8 primitives on the CPU: the E4M3 grid, saturation, scales, round-trip bounds, the
+//! amax history, and refusals of non-finite input.
+
+use candle_core::{DType, Device, Tensor};
+use proptest::prelude::*;
+use shared::Fp8Recipe;
+use stage4_fp8::fp8::{amax, dequantize, quantize, scale_from_amax, Fp8Linear, Fp8Mode, Fp8Tensor, ScaleState, ScalingConfig, E4M3_MAX};
+
+fn t(v: &[f32]) -> Tensor {
+    Tensor::new(v, &Device::Cpu).unwrap()
+}
+
+fn scalar(v: f32) -> Tensor {
+    Tensor::new(v, &Device::Cpu).unwrap()
+}
+
+/// x rounded to E4M3 with scale s, back in f32.
+fn round_trip(x: &[f32], s: f32) -> Vec<f32> {
+    let s = scalar(s);
+    dequantize(&quantize(&t(x), &s).unwrap(), &s, DType::F32).unwrap().to_vec1().unwrap()
+}
+
+#[test]
+fn e4m3_grid_round_to_nearest_even_and_saturate() {
+    // In [1, 2) E4M3 steps by 1/8: 1.0625 is halfway between 1 and 1.125 and goes to the even
+    // mantissa (1.0); 1.1875 is halfway between 1.125 and 1.25 and goes to 1.25.
+    assert_eq!(round_trip(&[1.0625, 1.1875, 1.2, -3.3], 1.0), vec![1.0, 1.25, 1.25, -3.25]);
+    // Largest finite is 448; beyond it the cast saturates (no infinities in E4M3).
+    assert_eq!(round_trip(&[448.0, 449.0, 1000.0, -1e6], 1.0), vec![448.0, 448.0, 448.0, -448.0]);
+    // Subnormals step by 2^-9; half of that rounds to 0 (ties to even).
+    let sub = 2f32.powi(-9);
+    assert_eq!(round_trip(&[sub, sub / 2.0, 3.0 * sub], 1.0), vec![sub, 0.0, 3.0 * sub]);
+}
+
+#[test]
+fn scale_maps_amax_to_448() {
+    let s = scale_from_amax(&scalar(2.0), 0).unwrap().to_scalar::<f32>().unwrap();
+    assert!((s - 2.0 / 448.0).abs() < 1e-9);
+    // margin m leaves 2^m of headroom: amax lands at 448 / 2^m
+    let s1 = scale_from_amax(&scalar(2.0), 1).unwrap().to_scalar::<f32>().unwrap();
+    assert!((s1 / s - 2.0).abs() < 1e-6);
+    // an all-zero tensor: a positive scale, and zeros stay zeros (not NaN)
+    let z = scale_from_amax(&scalar(0.0), 0).unwrap().to_scalar::<f32>().unwrap();
+    assert!(z > 0.0 && z.is_finite());
+    assert_eq!(round_trip(&[0.0, 0.0], z), vec![0.0, 0.0]);
+    // quantised with its own amax, the largest value is exactly 448 in E4M3
+    let x = t(&[0.01, -0.3, 0.25, 0.07]);
+    let q = Fp8Tensor::quantize(&x, 0, "x").unwrap();
+    let qmax = amax(&q.data.to_dtype(DType::F32).unwrap()).unwrap().to_scalar::<f32>().unwrap();
+    assert_eq!(qmax, E4M3_MAX);
+    assert_eq!(q.data.dtype(), DType::F8E4M3);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// |x − x̃| ≤ 2⁻⁴·|x| in E4M3's normal range (3 mantissa bits: half a step is 1/16 of the
+    /// value at worst), and ≤ 2⁻¹⁰·s below it (half the subnormal step 2⁻⁹, in units of s).
+    #[test]
+    fn round_trip_error_is_bounded(values in prop::collection::vec(-1.0f32..1.0, 1..200), log_mag in -3.0f32..3.0) {
+        let mag = 10f32.powf(log_mag);
+        let x: Vec<f32> = values.iter().map(|v| v * mag).collect();
+        let q = Fp8Tensor::quantize(&t(&x), 0, "x").unwrap();
+        let s = q.scale.to_scalar::<f32>().unwrap();
+        let back: Vec<f32> = q.dequantize(DType::F32).unwrap().to_vec1().unwrap();
+        for (&a, &b) in x.iter().zip(&back) {
+            let bound = if (a / s).abs() >= 2f32.powi(-6) { a.abs() / 16.0 } else { s * 2f32.powi(-10) };
+            prop_assert!((a - b).abs() <= bound * (1.0 + 1e-5) + 1e-30, "x {a} → {b}, scale {s}");
+        }
+    }
+}
+
+fn feed(state: &mut ScaleState, amaxes: &[f32]) -> Vec<f32> {
+    amaxes.iter().map(|&a| state.scale_for(&t(&[a, -a / 2.0])).unwrap().to_scalar::<f32>().unwrap() * E4M3_MAX).collect()
+}
+
+#[test]
+fn delayed_scaling_rolls_a_history_window() {
+    let mut s = ScaleState::new(ScalingConfig { recipe: Fp8Recipe::Delayed, history_len: 3, margin: 0 }).unwrap();
+    assert!(s.history().unwrap().is_empty());
+    // amax·2^0 per call: the 1st has no history (its own amax); each later call the largest of
+    // the last three *earlier* amaxes: a spike (8) is seen one call late and for three calls.
+    let scales = feed(&mut s, &[1.0, 2.0, 8.0, 4.0, 0.5, 0.5, 0.5]);
+    let want = [1.0, 1.0, 2.0, 8.0, 8.0, 8.0, 4.0];
+    for (got, want) in scales.iter().zip(want) {
+        assert!((got - want).abs() < 1e-5, "{scales:?} vs {want:?}");
+    }
+    assert_eq!(s.history().unwrap(), vec![0.5, 0.5, 0.5]);
+}
+
+#[test]
+fn margin_and_current_scaling() {
+    let mut m = ScaleState::new(ScalingConfig { recipe: Fp8Recipe::Delayed, history_len: 2, margin: 2 }).unwrap();
+    let scales = feed(&mut m, &[1.0, 3.0]);
+    assert!((scales[0] - 4.0).abs() < 1e-5 && (scales[1] - 4.0).abs() < 1e-5, "{scales:?}"); // 2^2 · (1, then max(1, 1))
+    let mut c = ScaleState::new(ScalingConfig { recipe: Fp8Recipe::Current, history_len: 16, margin: 0 }).unwrap();
+    let scales = feed(&mut c, &[1.0, 8.0, 0.5]);
+    for (got, want) in scales.iter().zip([1.0, 8.0, 0.5]) {
+        assert!((got - want).abs() < 1e-5, "{scales:?}");
+    }
+    assert!(c.history().unwrap().is_empty(), "current scaling keeps no history");
+    assert!(ScaleState::new(ScalingConfig { history_len: 0, ..ScalingConfig::default() }).is_err());
+}
+
+#[test]
+fn delayed_scaling_saturates_a_spike() {
+    // The trade-off: a value 10x above the history's amax saturates at 448·s.
+    let mut s = ScaleState::new(ScalingConfig { recipe: Fp8Recipe::Delayed, history_len: 4, margin: 0 }).unwrap();
+    feed(&mut s, &[1.0]);
+    let x = t(&[10.0, 0.5]);
+    let scale = s.scale_for(&x).unwrap();
+    let back: Vec<f32> = dequantize(&quantize(&x, &scale).unwrap(), &scale, DType::F32).unwrap().to_vec1().unwrap();
+    assert!((back[0] - 1.0).abs() < 1e-6, "10 saturates at amax 1: {back:?}");
+    assert!((back[1] - 0.5).abs() < 1e-6);
+}
+
+#[test]
+fn non_finite_input_is_refused() {
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let e = Fp8Tensor::quantize(&t(&[1.0, bad, 2.0]), 0, "the test tensor").unwrap_err().to_string();
+        assert!(e.contains("the test tensor holds 1 NaN or infinite") && e.contains("flat index 1") && e.contains("Fix:"), "{e}");
+    }
+    let w = Tensor::ones((16, 16), DType::F32, &Device::Cpu).unwrap();
+    let b = Tensor::zeros(16, DType::F32, &Device::Cpu).unwrap();
+    let l = Fp8Linear::new(&w, &b, false, Fp8Mode::Emulated, ScalingConfig::default(), "fc").unwrap();
+    let mut x = vec![0.5f32; 2 * 16];
+    x[7] = f32::NAN;
+    let x = Tensor::from_vec(x, (1, 2, 16), &Device::Cpu).unwrap();
+    let e = l.forward(&x).unwrap_err().to_string();
+    assert!(e.contains("the input of fc holds 1 NaN"), "{e}");
+    // a weight with inf is refused when the layer is built
+    let w_bad = Tensor::new(&[[1f32, f32::INFINITY]], &Device::Cpu).unwrap();
+    let e = Fp8Linear::new(&w_bad, &t(&[0.0]), false, Fp8Mode::Emulated, ScalingConfig::default(), "proj").unwrap_err().to_string();
+    assert!(e.contains("proj's weight holds 1 NaN or infinite"), "{e}");
+    // the cuBLASLt mode refuses a CPU weight with a sentence, not a panic
+    let e = Fp8Linear::new(&w, &b, false, Fp8Mode::Cublaslt, ScalingConfig::default(), "fc").unwrap_err().to_string();
+    assert!(e.contains("CUDA device") && e.contains("Fix:"), "{e}");
+}
