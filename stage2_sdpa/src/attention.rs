@@ -5,14 +5,19 @@
 //! output already is after a free reshape, and what candle-flash-attn expects. No transposes.
 //!
 //! - CPU: our kernel below (FlashAttention-2's tiled online softmax; f32, bf16 and f16 inputs,
-//!   f32 accumulation), a candle `CustomOp3`, rayon over batch × heads.
-//! - CUDA with the `flash-attn` feature: candle-flash-attn (bf16/f16, sm80+).
-//! - CUDA without it: an error that names the feature (no silent fallback to the slow path).
+//!   f32 accumulation), the `cpu_fwd` of a candle `CustomOp3`, rayon over batch × heads.
+//! - CUDA: our FlashAttention-2 kernel, `kernels/flash_attn.cu` (host side in
+//!   `attention_cuda.rs`), the same op's `cuda_fwd`: bf16/f16 on tensor cores (WMMA), f32
+//!   softmax and accumulation, SM 8.0+, d_head 32, 64 or 128.
+//! - CUDA with the `flash-attn` feature: candle-flash-attn instead (bf16/f16, SM 8.0+, d_head a
+//!   multiple of 8 up to 512).
 //!
-//! The slow twin is stage 1's `attention`, which materialises the scores; tests assert the two
+//! `implementation` names the one that runs; the report, the table and the JSON carry it. The
+//! slow twin is stage 1's `attention`, which materialises the scores; tests assert the two
 //! agree on random shapes.
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
+use crate::attention_cuda;
+use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 use shared::device::DeviceInfo;
 use shared::{Precision, SpeedkitError};
@@ -27,57 +32,126 @@ pub const BR: usize = 32;
 /// server parts), while the inner loops stream one K or V row (256–512 B) through L1.
 pub const BC: usize = 64;
 
-/// Which implementation `attention` runs on `device`, for the report and the table.
-pub fn implementation(device: &candle_core::Device) -> &'static str {
-    if device.is_cuda() {
-        if cfg!(feature = "flash-attn") {
-            "candle-flash-attn (FlashAttention-2, CUDA)"
+/// The attention kernels behind `attention`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Implementation {
+    /// The tiled online-softmax kernel in this file (CPU, rayon).
+    Cpu,
+    /// Our FlashAttention-2 kernel, `kernels/flash_attn.cu` (CUDA, WMMA tensor cores).
+    SpeedkitCuda,
+    /// candle-flash-attn (CUDA, the `flash-attn` feature).
+    FlashAttn,
+}
+
+impl Implementation {
+    /// What `attention` runs on `device` in this build.
+    pub fn on(device: &Device) -> Self {
+        if device.is_cuda() {
+            Self::cuda()
         } else {
-            "none: CUDA needs the flash-attn feature"
+            Implementation::Cpu
         }
-    } else {
-        "speedkit tiled online-softmax kernel (CPU, rayon)"
+    }
+
+    /// What runs on a GPU in this build: candle-flash-attn when the feature is built, else ours.
+    pub fn cuda() -> Self {
+        if cfg!(feature = "flash-attn") {
+            Implementation::FlashAttn
+        } else {
+            Implementation::SpeedkitCuda
+        }
+    }
+
+    /// A short name, for the table's precision cell: "bf16 (speedkit cuda attn)".
+    pub fn name(self) -> &'static str {
+        match self {
+            Implementation::Cpu => "speedkit cpu attn",
+            Implementation::SpeedkitCuda => "speedkit cuda attn",
+            Implementation::FlashAttn => "flash-attn",
+        }
+    }
+
+    /// One line, for the run's notes.
+    pub fn description(self) -> &'static str {
+        match self {
+            Implementation::Cpu => "speedkit tiled online-softmax kernel (CPU, rayon)",
+            Implementation::SpeedkitCuda => "speedkit FlashAttention-2 kernel (stage2_sdpa/kernels/flash_attn.cu, WMMA tensor cores)",
+            Implementation::FlashAttn => "candle-flash-attn (FlashAttention-2, CUDA)",
+        }
+    }
+
+    /// The head sizes this implementation takes: any on the CPU; 32, 64 or 128 for our CUDA
+    /// kernel (one compiled instance each); multiples of 8 up to 512 for candle-flash-attn 0.11.
+    pub fn check_head_size(self, d_head: usize) -> Result<(), SpeedkitError> {
+        match self {
+            Implementation::Cpu => Ok(()),
+            Implementation::SpeedkitCuda => attention_cuda::check_head_size(d_head),
+            Implementation::FlashAttn if !d_head.is_multiple_of(8) || d_head > 512 => Err(SpeedkitError::usage(format!(
+                "candle-flash-attn supports d_head = C / n_head up to 512 in multiples of 8, and this shape has d_head = {d_head}. \
+                 Fix: pick --heads so that C / n_head is one of 64, 128 (the common sizes), or run with --device cpu."
+            ))),
+            Implementation::FlashAttn => Ok(()),
+        }
     }
 }
 
-/// Can this device run fused attention at precision `p`? On CUDA that takes candle-flash-attn:
-/// the feature built, SM 8.0+, bf16 or f16. The CPU kernel takes any precision stage 1 allows.
+/// Which implementation `attention` runs on `device` (short name, for the report and the table).
+pub fn implementation(device: &Device) -> &'static str {
+    Implementation::on(device).name()
+}
+
+/// Can this device run fused attention at precision `p`? On CUDA both kernels (ours and
+/// candle-flash-attn) take bf16 or f16 on SM 8.0+. The CPU kernel takes any precision stage 1
+/// allows.
 pub fn check_device(info: &DeviceInfo, p: Precision) -> Result<(), SpeedkitError> {
     if !info.is_cuda() {
         return Ok(());
     }
-    if !cfg!(feature = "flash-attn") {
-        return Err(SpeedkitError::usage(
-            "stage 2+ fused attention on CUDA uses candle-flash-attn, and this binary was built without it. \
-             Fix: rebuild with --features cuda,flash-attn (its build fetches CUTLASS, so it needs network \
-             access; the Dockerfile does this), or run this stage with --device cpu.",
-        ));
-    }
+    check_cuda(Implementation::cuda(), built_arch(), info, p)
+}
+
+/// The SM our kernel's PTX was compiled for (build.rs, from CUDA_COMPUTE_CAP): (9, 0) for sm_90.
+/// `None` in a build without the `cuda` feature.
+fn built_arch() -> Option<(u32, u32)> {
+    option_env!("SPEEDKIT_ATTN_ARCH").and_then(|a| a.parse::<u32>().ok()).map(|n| (n / 10, n % 10))
+}
+
+fn check_cuda(imp: Implementation, built: Option<(u32, u32)>, info: &DeviceInfo, p: Precision) -> Result<(), SpeedkitError> {
+    let who = match imp {
+        Implementation::FlashAttn => "candle-flash-attn",
+        _ => "stage 2's CUDA attention kernel (kernels/flash_attn.cu)",
+    };
+    let sm = info.sm.map_or("?".into(), |(a, b)| format!("{a}.{b}"));
     if !info.has_bf16_tensor_cores() {
         return Err(SpeedkitError::usage(format!(
-            "candle-flash-attn needs SM 8.0+ (Ampere or newer), and {} is SM {}. Fix: run stage 2 with --device cpu; stages 0-1 run on this GPU.",
-            info.name,
-            info.sm.map_or("?".into(), |(a, b)| format!("{a}.{b}"))
+            "{who} needs SM 8.0+ (Ampere or newer: bf16 tensor cores), and {} is SM {sm}. \
+             Fix: run stage 2 with --device cpu; stages 0-1 run on this GPU.",
+            info.name
         )));
+    }
+    if let (Implementation::SpeedkitCuda, Some((ma, mi)), Some(have)) = (imp, built, info.sm) {
+        if have < (ma, mi) {
+            let (a, b) = have;
+            return Err(SpeedkitError::usage(format!(
+                "{who} was compiled to PTX for sm_{ma}{mi} (CUDA_COMPUTE_CAP at build time), which {} (SM {sm}) cannot load. \
+                 Fix: rebuild with CUDA_COMPUTE_CAP={a}{b} (PTX for an SM also runs on every newer one), or run stage 2 \
+                 with --device cpu.",
+                info.name
+            )));
+        }
     }
     if !matches!(p, Precision::Bf16 | Precision::F16) {
         return Err(SpeedkitError::usage(format!(
-            "candle-flash-attn computes in bf16 or f16, so stage 2 cannot run --precision {p} on CUDA. \
+            "{who} computes in bf16 or f16, so stage 2 cannot run --precision {p} on CUDA. \
              Fix: use --precision bf16 (the auto choice on this GPU) or f16."
         )));
     }
     Ok(())
 }
 
-/// candle-flash-attn (0.11) supports d_head that is a multiple of 8, up to 512.
-pub fn check_head_size(device: &candle_core::Device, d_head: usize) -> Result<(), SpeedkitError> {
-    if device.is_cuda() && (!d_head.is_multiple_of(8) || d_head > 512) {
-        return Err(SpeedkitError::usage(format!(
-            "candle-flash-attn supports d_head = C / n_head up to 512 in multiples of 8, and this shape has d_head = {d_head}. \
-             Fix: pick --heads so that C / n_head is one of 64, 128 (the common sizes), or run with --device cpu."
-        )));
-    }
-    Ok(())
+/// The head sizes the implementation that runs on `device` takes.
+pub fn check_head_size(device: &Device, d_head: usize) -> Result<(), SpeedkitError> {
+    Implementation::on(device).check_head_size(d_head)
 }
 
 /// Working set of a block with fused attention, in bytes: weights, a handful of (B, T, C)
@@ -93,6 +167,12 @@ pub fn estimate_fused_bytes(s: &shared::Shape) -> u128 {
 /// on CUDA). `causal`: query t attends to keys 0..=t only. Returns (B, T, n_head, d_head) in the
 /// input dtype; softmax statistics and accumulation are f32.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_core::Result<Tensor> {
+    attention_with(Implementation::on(q.device()), q, k, v, causal)
+}
+
+/// `attention` through a chosen implementation, to compare them (benches, GPU tests); an error,
+/// never a substitute, when this build or q's device cannot run it.
+pub fn attention_with(imp: Implementation, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_core::Result<Tensor> {
     let (b, t, h, d) = q.dims4()?;
     if k.dims() != q.dims() || v.dims() != q.dims() {
         candle_core::bail!(
@@ -108,36 +188,66 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_cor
     if b * t * h * d == 0 {
         candle_core::bail!("attention: empty input {:?}", q.dims());
     }
-    let scale = 1.0 / (d as f32).sqrt();
-    if q.device().is_cuda() {
-        return cuda_attention(q, k, v, scale, causal);
+    if (imp == Implementation::Cpu) == q.device().is_cuda() {
+        candle_core::bail!("attention: {} cannot run on {:?}", imp.name(), q.device().location());
     }
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    q.apply_op3_no_bwd(&k, &v, &FlashAttnCpu { scale, causal })
+    let scale = 1.0 / (d as f32).sqrt();
+    match imp {
+        Implementation::Cpu => {
+            let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+            q.apply_op3_no_bwd(&k, &v, &FlashAttn { scale, causal })
+        }
+        Implementation::SpeedkitCuda => {
+            // Views go in as they are when the kernel can read them in place (stage 2's
+            // reshapes, stage 3's slices of the QKV output); anything else is copied first.
+            if attention_cuda::kernel_strides(q.layout(), k.layout(), v.layout()).is_some() {
+                q.apply_op3_no_bwd(k, v, &FlashAttn { scale, causal })
+            } else {
+                let (q, k, v) = (q.force_contiguous()?, k.force_contiguous()?, v.force_contiguous()?);
+                q.apply_op3_no_bwd(&k, &v, &FlashAttn { scale, causal })
+            }
+        }
+        Implementation::FlashAttn => flash_attn(q, k, v, scale, causal),
+    }
 }
 
 #[cfg(feature = "flash-attn")]
-fn cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> candle_core::Result<Tensor> {
+fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> candle_core::Result<Tensor> {
     candle_flash_attn::flash_attn(q, k, v, scale, causal)
 }
 
 #[cfg(not(feature = "flash-attn"))]
-fn cuda_attention(_q: &Tensor, _k: &Tensor, _v: &Tensor, _scale: f32, _causal: bool) -> candle_core::Result<Tensor> {
+fn flash_attn(_q: &Tensor, _k: &Tensor, _v: &Tensor, _scale: f32, _causal: bool) -> candle_core::Result<Tensor> {
     candle_core::bail!(
-        "fused attention on CUDA needs candle-flash-attn: rebuild with --features flash-attn \
-         (needs network access at build time to fetch CUTLASS), or run this stage with --device cpu"
+        "candle-flash-attn is not in this build: rebuild with --features flash-attn \
+         (needs network access at build time to fetch CUTLASS)"
     )
 }
 
-/// The CPU kernel as a candle op: three inputs, one output, no backward.
-struct FlashAttnCpu {
+/// Both kernels as one candle op (three inputs, one output, no backward): candle calls
+/// `cpu_fwd` for CPU tensors and `cuda_fwd` for CUDA ones.
+struct FlashAttn {
     scale: f32,
     causal: bool,
 }
 
-impl CustomOp3 for FlashAttnCpu {
+impl CustomOp3 for FlashAttn {
     fn name(&self) -> &'static str {
-        "speedkit-flash-attention-cpu"
+        "speedkit-flash-attention"
+    }
+
+    /// Our CUDA kernel (`kernels/flash_attn.cu`), launched by `attention_cuda`.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        attention_cuda::cuda_fwd(self.scale, self.causal, (s1, l1), (s2, l2), (s3, l3))
     }
 
     fn cpu_fwd(
@@ -176,7 +286,7 @@ impl CustomOp3 for FlashAttnCpu {
     }
 }
 
-impl FlashAttnCpu {
+impl FlashAttn {
     /// One task per (batch, head): each writes its (T, d_head) result, then the results are
     /// scattered into the (B, T, n_head, d_head) output (one extra pass over B·T·C values,
     /// small next to the O(T²·d) attention work, and it keeps every task's writes disjoint).
@@ -387,19 +497,67 @@ mod tests {
     #[test]
     fn cuda_refusals_name_the_fix() {
         let h100 = DeviceInfo::simulated_cuda("H100", (9, 0));
+        let a100 = DeviceInfo::simulated_cuda("A100", (8, 0));
         let t4 = DeviceInfo::simulated_cuda("T4", (7, 5));
         let cpu = DeviceInfo { kind: shared::device::DeviceKind::Cpu, ..DeviceInfo::simulated_cuda("cpu", (0, 0)) };
         assert!(check_device(&cpu, Precision::Fp32).is_ok());
-        let e = check_device(&h100, Precision::Bf16);
-        if cfg!(feature = "flash-attn") {
-            assert!(e.is_ok());
-            assert!(check_device(&t4, Precision::F16).unwrap_err().to_string().contains("SM 8.0+"));
-            assert!(check_device(&h100, Precision::Fp32).unwrap_err().to_string().contains("--precision bf16"));
-        } else {
-            assert!(e.unwrap_err().to_string().contains("--features cuda,flash-attn"));
+        // A CUDA GPU no longer needs the flash-attn feature: ours runs when it is not built.
+        assert!(check_device(&h100, Precision::Bf16).is_ok());
+        assert!(check_device(&h100, Precision::F16).is_ok());
+        for imp in [Implementation::SpeedkitCuda, Implementation::FlashAttn] {
+            let who = if imp == Implementation::FlashAttn { "candle-flash-attn" } else { "kernels/flash_attn.cu" };
+            assert!(check_cuda(imp, None, &a100, Precision::Bf16).is_ok());
+            let e = check_cuda(imp, None, &t4, Precision::F16).unwrap_err().to_string();
+            assert!(e.contains(who) && e.contains("SM 8.0+") && e.contains("SM 7.5") && e.contains("--device cpu"), "{e}");
+            for p in [Precision::Fp32, Precision::Tf32] {
+                let e = check_cuda(imp, None, &h100, p).unwrap_err().to_string();
+                assert!(e.contains(who) && e.contains(&format!("--precision {p}")) && e.contains("--precision bf16"), "{e}");
+            }
         }
-        // Head sizes only matter on CUDA.
+        // PTX built for sm_90 cannot load on an A100: say so, and how to rebuild.
+        let e = check_cuda(Implementation::SpeedkitCuda, Some((9, 0)), &a100, Precision::Bf16).unwrap_err().to_string();
+        assert!(e.contains("sm_90") && e.contains("CUDA_COMPUTE_CAP=80"), "{e}");
+        assert!(check_cuda(Implementation::SpeedkitCuda, Some((8, 0)), &h100, Precision::Bf16).is_ok());
+        assert!(check_cuda(Implementation::FlashAttn, Some((9, 0)), &a100, Precision::Bf16).is_ok());
+    }
+
+    #[test]
+    fn head_sizes_follow_the_implementation() {
+        // Head sizes only matter on CUDA, and there they depend on which kernel runs.
         assert!(check_head_size(&candle_core::Device::Cpu, 20).is_ok());
+        for d in [32, 64, 128] {
+            assert!(Implementation::SpeedkitCuda.check_head_size(d).is_ok());
+        }
+        for d in [20, 80, 256] {
+            let e = Implementation::SpeedkitCuda.check_head_size(d).unwrap_err().to_string();
+            assert!(e.contains(&format!("d_head = {d}")) && e.contains("Fix:"), "{e}");
+        }
+        assert!(Implementation::FlashAttn.check_head_size(80).is_ok());
+        assert!(Implementation::FlashAttn.check_head_size(256).is_ok());
+        for d in [20, 520] {
+            assert!(Implementation::FlashAttn.check_head_size(d).unwrap_err().to_string().contains("multiples of 8"));
+        }
+    }
+
+    #[test]
+    fn implementation_names() {
+        assert_eq!(implementation(&candle_core::Device::Cpu), "speedkit cpu attn");
+        let cuda = if cfg!(feature = "flash-attn") { "flash-attn" } else { "speedkit cuda attn" };
+        assert_eq!(Implementation::cuda().name(), cuda);
+        for imp in [Implementation::Cpu, Implementation::SpeedkitCuda, Implementation::FlashAttn] {
+            assert!(imp.name().len() <= 18, "a table cell: {}", imp.name());
+        }
+    }
+
+    #[test]
+    fn a_cuda_implementation_on_cpu_tensors_is_an_error_not_a_fallback() {
+        let dev = candle_core::Device::Cpu;
+        let q = Tensor::zeros((1, 4, 2, 64), DType::BF16, &dev).unwrap();
+        for imp in [Implementation::SpeedkitCuda, Implementation::FlashAttn] {
+            let e = attention_with(imp, &q, &q, &q, true).unwrap_err().to_string();
+            assert!(e.contains(imp.name()) && e.contains("cannot run"), "{e}");
+        }
+        assert!(attention_with(Implementation::Cpu, &q, &q, &q, true).is_ok());
     }
 
     #[test]

@@ -16,14 +16,17 @@
 //! T ≈ 2048 up, in time and in peak memory.
 //!
 //! **What it costs.** Nothing in accuracy: the same softmax, in f32, summed in another order
-//! (relative error ~1e-7 against stage 1 at fp32). On CUDA it needs candle-flash-attn (the
-//! `flash-attn` feature, bf16/f16, SM 8.0+); CPU runs our own kernel at any precision.
+//! (relative error ~1e-7 against stage 1 at fp32). The CPU runs our kernel at any precision;
+//! on CUDA our FlashAttention-2 kernel (`kernels/flash_attn.cu`, tensor cores) takes bf16/f16
+//! on SM 8.0+ with d_head 32, 64 or 128 — or, built with the `flash-attn` feature,
+//! candle-flash-attn does (d_head any multiple of 8 up to 512).
 //!
 //! **Run it.** `cargo run --release -p stage2_sdpa` (CPU) ·
 //! `cargo run --release -p ladder -- --seq 2048` (stages side by side where it pays) ·
-//! `cargo run --release --features cuda,flash-attn -p stage2_sdpa -- --device cuda` (GPU).
+//! `cargo run --release --features cuda -p stage2_sdpa -- --device cuda` (GPU).
 
 pub mod attention;
+pub mod attention_cuda;
 
 pub use attention::attention;
 
@@ -80,8 +83,12 @@ impl Stage for Block {
 
     fn notes(plan: &Plan) -> Vec<String> {
         let mut notes = stage1_tensorcore::Block::notes(plan); // alignment advice
-        notes.push(format!("attention: {}", attention::implementation(&plan.device)));
+        notes.push(format!("attention: {}", attention::Implementation::on(&plan.device).description()));
         notes
+    }
+
+    fn implementation(plan: &Plan) -> Option<String> {
+        Some(attention::implementation(&plan.device).into())
     }
 
     fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {

@@ -32,8 +32,18 @@ fn block_matches_reference_on_tiny() {
 
 #[test]
 fn binary_runs_and_names_its_attention() {
-    let o = Command::new(env!("CARGO_BIN_EXE_stage2_sdpa")).args(["--preset", "tiny", "--warmup", "0", "--iters", "1"]).output().unwrap();
+    let json = std::env::temp_dir().join(format!("stage2-implementation-{}.json", std::process::id()));
+    let o = Command::new(env!("CARGO_BIN_EXE_stage2_sdpa"))
+        .args(["--preset", "tiny", "--warmup", "0", "--iters", "1", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.contains("attention: speedkit tiled online-softmax kernel (CPU"), "{out}");
+    // The table's precision cell and the JSON record say which attention ran.
+    assert!(out.contains("fp32 (speedkit cpu attn)"), "{out}");
+    let record = std::fs::read_to_string(&json).unwrap();
+    std::fs::remove_file(&json).ok();
+    assert!(record.contains(r#""implementation": "speedkit cpu attn""#), "{record}");
 }

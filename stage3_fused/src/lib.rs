@@ -102,6 +102,10 @@ impl Stage for Block {
         stage2_sdpa::Block::notes(plan) // alignment advice, which attention runs
     }
 
+    fn implementation(plan: &Plan) -> Option<String> {
+        stage2_sdpa::Block::implementation(plan) // stage 2's attention
+    }
+
     fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
         Self::switches(plan).apply();
         stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head())?;

@@ -1,0 +1,394 @@
+//! Stage 2's attention on CUDA without candle-flash-attn: our FlashAttention-2 kernel,
+//! `kernels/flash_attn.cu` (read it beside the CPU kernel in `attention.rs`: same algorithm,
+//! same m, l, O notation).
+//!
+//! This file holds the host side: the launch arithmetic — grid, threads, shared memory, tiles
+//! skipped, occupancy — as pure functions tested on any machine, and, with the `cuda` feature,
+//! the launch itself: the PTX that `build.rs` compiled with nvcc, loaded through candle's
+//! `CudaDevice::get_or_load_custom_func` and launched on candle's stream as the `cuda_fwd` of
+//! the same candle op (`attention::FlashAttn`) whose `cpu_fwd` is the CPU kernel.
+//!
+//! Layout: (B, T, n_head, d_head), read through strides, so a view costs nothing: stage 2's
+//! q, k, v (free reshapes of (B, T, C)) and stage 3's (strided slices of one (B, T, 3, n_head,
+//! d_head) QKV output) go to the kernel as they are. Each row's d_head values must be
+//! contiguous and 16-byte aligned (the kernel loads 8 values per instruction); `attention()`
+//! copies anything else first (`kernel_strides`).
+
+use shared::SpeedkitError;
+
+/// Query rows per thread block (B_r); `BR` in the kernel.
+pub const BR: usize = 64;
+/// Key/value rows per tile (B_c); `BC` in the kernel.
+pub const BC: usize = 64;
+/// Warps per block: each owns BR / WARPS = 16 query rows, one WMMA tile tall.
+pub const WARPS: usize = 4;
+/// Threads per block.
+pub const THREADS: usize = WARPS * 32;
+/// d_head values the kernel is instantiated for (one entry point per dtype and size).
+pub const HEAD_SIZES: [usize; 3] = [32, 64, 128];
+/// Dynamic shared memory a block may use without opting in (cuFuncSetAttribute).
+pub const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
+/// Longest sequence: T and every query position of the last, padded tile are `int`s in the
+/// kernel (2³¹ is a multiple of B_r, so T ≤ i32::MAX keeps them all in range), and the grid's
+/// x dimension (⌈T / B_r⌉ ≤ 2²⁵) stays far below its 2³¹ − 1 limit.
+pub const MAX_T: usize = i32::MAX as usize;
+/// Limit of the grid's y and z dimensions, which carry n_head and B.
+pub const MAX_GRID_YZ: usize = 65_535;
+/// Registers per thread the occupancy arithmetic assumes. `nvcc -cubin -Xptxas -v` (CUDA 13.0)
+/// reports 94–128 for sm_80 and sm_90, no spills at d_head 64 and 128: at most
+/// 128 × THREADS = 16 K registers a block, so four blocks fit one SM's 64 K and shared memory,
+/// not registers, is what limits blocks per SM (`blocks_per_sm`).
+pub const REGISTERS_PER_THREAD: usize = 128;
+
+/// Dynamic shared memory a block needs for 16-bit inputs, in bytes: K_j and V_j (B_c × d,
+/// 16-bit; Q_i passes through K_j's buffer first), S_ij (B_r × B_c, f32), P̃_ij (B_r × B_c,
+/// 16-bit) and O_i (B_r × d, f32). 40 KiB at d_head 32, 56 KiB at 64, 88 KiB at 128 — under
+/// the 99 KiB a block may opt into on every SM 8.x/9.x part (sm_86/89 have the least).
+pub fn shared_mem_bytes(d_head: usize) -> usize {
+    2 * BC * d_head * 2 + BR * BC * 4 + BR * BC * 2 + BR * d_head * 4
+}
+
+/// The kernel has one compiled instance per head size in `HEAD_SIZES`.
+pub fn check_head_size(d_head: usize) -> Result<(), SpeedkitError> {
+    if HEAD_SIZES.contains(&d_head) {
+        return Ok(());
+    }
+    Err(SpeedkitError::usage(format!(
+        "stage 2's CUDA attention kernel is built for d_head = C / n_head of 32, 64 or 128, and this shape has \
+         d_head = {d_head}. Fix: pick --heads so that C / n_head is 64 or 128, build with --features flash-attn \
+         (candle-flash-attn: any multiple of 8 up to 512), or run with --device cpu."
+    )))
+}
+
+/// How one call is launched, and what it computes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchPlan {
+    /// (⌈T / B_r⌉ query tiles, n_head, B): one block per (Q_i, head, batch).
+    pub grid: (u32, u32, u32),
+    pub threads: u32,
+    pub shared_mem_bytes: u32,
+    /// Above the 48 KiB default: the launch must raise the function's
+    /// MAX_DYNAMIC_SHARED_SIZE_BYTES first.
+    pub needs_opt_in: bool,
+    /// Query tiles per head (B_r rows; the last one padded when B_r does not divide T).
+    pub q_tiles: usize,
+    /// Key/value tiles per head (B_c rows).
+    pub kv_tiles: usize,
+    /// (Q_i, K_j) tile pairs one head computes: q_tiles · kv_tiles, or the lower triangle with
+    /// its diagonal when causal.
+    pub tile_pairs: usize,
+    /// Tile pairs above the causal diagonal, never loaded nor computed.
+    pub tile_pairs_skipped: usize,
+}
+
+/// The launch for q, k, v of shape (B, T, n_head, d_head) on a device that lets a block opt
+/// into `max_shared_bytes` of shared memory; an error naming the limit for shapes the kernel
+/// cannot take.
+pub fn launch_config(
+    b: usize,
+    t: usize,
+    n_head: usize,
+    d_head: usize,
+    causal: bool,
+    max_shared_bytes: usize,
+) -> Result<LaunchPlan, SpeedkitError> {
+    check_head_size(d_head)?;
+    if b == 0 || t == 0 || n_head == 0 {
+        return Err(SpeedkitError::usage(format!("attention: empty input (B = {b}, T = {t}, n_head = {n_head})")));
+    }
+    if t > MAX_T {
+        return Err(SpeedkitError::usage(format!(
+            "stage 2's CUDA attention kernel indexes positions with 32-bit ints, so T may be at most {MAX_T}, and it is {t}. \
+             Fix: a shorter --seq."
+        )));
+    }
+    if n_head > MAX_GRID_YZ || b > MAX_GRID_YZ {
+        return Err(SpeedkitError::usage(format!(
+            "stage 2's CUDA attention kernel puts n_head and B on the grid's y and z axes (at most {MAX_GRID_YZ} each), \
+             and this call has n_head = {n_head}, B = {b}. Fix: split the batch."
+        )));
+    }
+    let bytes = shared_mem_bytes(d_head);
+    if bytes > max_shared_bytes {
+        return Err(SpeedkitError::usage(format!(
+            "stage 2's CUDA attention kernel needs {} KiB of shared memory per block at d_head = {d_head}, and this \
+             device allows {} KiB. Fix: a smaller d_head (more --heads), or run with --device cpu.",
+            bytes / 1024,
+            max_shared_bytes / 1024
+        )));
+    }
+    let (q_tiles, kv_tiles) = (t.div_ceil(BR), t.div_ceil(BC));
+    // B_r = B_c, so query tile i needs key tiles 0..=i when causal: the triangle with its diagonal.
+    let tile_pairs = if causal { (0..q_tiles).map(|i| (i + 1).min(kv_tiles)).sum() } else { q_tiles * kv_tiles };
+    Ok(LaunchPlan {
+        grid: (q_tiles as u32, n_head as u32, b as u32),
+        threads: THREADS as u32,
+        shared_mem_bytes: bytes as u32,
+        needs_opt_in: bytes > DEFAULT_SHARED_BYTES,
+        q_tiles,
+        kv_tiles,
+        tile_pairs,
+        tile_pairs_skipped: q_tiles * kv_tiles - tile_pairs,
+    })
+}
+
+/// Blocks resident per SM with `shared_per_sm` bytes of shared memory (228 KiB on H100, 164 on
+/// A100, 100 on sm_86/89): the smallest of the shared-memory, register (64 K per SM) and thread
+/// (2048 per SM) limits. The driver reserves 1 KiB of shared memory per block.
+pub fn blocks_per_sm(d_head: usize, shared_per_sm: usize) -> usize {
+    let by_shared = shared_per_sm / (shared_mem_bytes(d_head) + 1024);
+    let by_registers = 65_536 / (REGISTERS_PER_THREAD * THREADS);
+    let by_threads = 2048 / THREADS;
+    by_shared.min(by_registers).min(by_threads)
+}
+
+/// The kernel's entry point for a dtype ("bf16" or "f16") and d_head: `flash_attn_fwd_bf16_d64`.
+pub fn kernel_name(dtype: &str, d_head: usize) -> String {
+    format!("flash_attn_fwd_{dtype}_d{d_head}")
+}
+
+/// The (batch, row, head) strides in elements shared by q, k and v, when the kernel can read
+/// them in place: all three (B, T, n_head, d_head) with one set of strides, each row's d_head
+/// values contiguous, and every row starting on a 16-byte boundary (start offset and strides
+/// multiples of 8 16-bit values) for the kernel's 16-byte loads. `None`: copy them first.
+pub fn kernel_strides(q: &candle_core::Layout, k: &candle_core::Layout, v: &candle_core::Layout) -> Option<[usize; 3]> {
+    let s = q.stride();
+    let same = [k, v].iter().all(|l| l.dims() == q.dims() && l.stride() == s);
+    let aligned = [q, k, v].iter().all(|l| l.start_offset() % 8 == 0) && s.len() == 4 && s[3] == 1 && s[..3].iter().all(|x| x % 8 == 0);
+    (same && aligned).then(|| [s[0], s[1], s[2]])
+}
+
+#[cfg(feature = "cuda")]
+pub use launch::cuda_fwd;
+
+#[cfg(feature = "cuda")]
+mod launch {
+    use super::{kernel_name, kernel_strides, launch_config};
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+    use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda::{CudaDType, CudaStorage};
+    use candle_core::{DType, Layout, Shape};
+
+    /// `kernels/flash_attn.cu`, compiled to PTX by build.rs for sm_$CUDA_COMPUTE_CAP.
+    pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
+    const MODULE: &str = "speedkit_flash_attn";
+
+    fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
+        candle_core::Error::Msg(format!("{what}: {e:?}"))
+    }
+
+    /// The kernel on q, k, v (B, T, n_head, d_head), bf16 or f16, laid out as `kernel_strides`
+    /// accepts. Returns a new contiguous (B, T, n_head, d_head) tensor's storage.
+    pub fn cuda_fwd(
+        scale: f32,
+        causal: bool,
+        (q, q_l): (&CudaStorage, &Layout),
+        (k, k_l): (&CudaStorage, &Layout),
+        (v, v_l): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        match q.dtype() {
+            DType::BF16 => launch::<half::bf16>("bf16", scale, causal, (q, q_l), (k, k_l), (v, v_l)),
+            DType::F16 => launch::<half::f16>("f16", scale, causal, (q, q_l), (k, k_l), (v, v_l)),
+            dt => candle_core::bail!(
+                "stage 2's CUDA attention kernel takes bf16 or f16 (tensor-core inputs), got {dt:?}: \
+                 cast q, k, v first, or use --precision bf16"
+            ),
+        }
+    }
+
+    fn launch<T: CudaDType + DeviceRepr>(
+        dtype: &str,
+        scale: f32,
+        causal: bool,
+        (q, q_l): (&CudaStorage, &Layout),
+        (k, k_l): (&CudaStorage, &Layout),
+        (v, v_l): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = &q.device;
+        let (b, t, h, d) = q_l.shape().dims4()?;
+        let Some([stride_b, stride_t, stride_h]) = kernel_strides(q_l, k_l, v_l) else {
+            candle_core::bail!(
+                "stage 2's CUDA attention kernel needs q, k, v with one shape and one set of strides, rows of d_head \
+                 contiguous values starting on 16-byte boundaries; got {q_l:?}, {k_l:?}, {v_l:?} (attention() copies such inputs first)"
+            )
+        };
+        let ctx = dev.cuda_stream().context().clone();
+        let max_shared = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| err("shared memory per block", e))?;
+        let plan = launch_config(b, t, h, d, causal, max_shared as usize).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let func = dev.get_or_load_custom_func(&kernel_name(dtype, d), MODULE, PTX)?;
+        if plan.needs_opt_in {
+            // Above 48 KiB of dynamic shared memory a kernel must opt in, per function.
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, plan.shared_mem_bytes as i32)
+                .map_err(|e| err("opt into shared memory", e))?;
+        }
+        // Views from each tensor's first element; the kernel walks them with the strides.
+        let qv = q.as_cuda_slice::<T>()?.slice(q_l.start_offset()..);
+        let kv = k.as_cuda_slice::<T>()?.slice(k_l.start_offset()..);
+        let vv = v.as_cuda_slice::<T>()?.slice(v_l.start_offset()..);
+        // SAFETY: the kernel writes every element of `out`: all d_head values of every row t < T
+        // of every (batch, head).
+        let mut out = unsafe { dev.alloc::<T>(b * t * h * d)? };
+        let (t_i32, causal_i32) = (t as i32, causal as i32);
+        let [sb, st, sh] = [stride_b, stride_t, stride_h].map(|s| s as i64);
+        let [osb, ost, osh] = [t * h * d, h * d, d].map(|s| s as i64); // contiguous (B, T, n_head, d_head)
+        let cfg = LaunchConfig { grid_dim: plan.grid, block_dim: (plan.threads, 1, 1), shared_mem_bytes: plan.shared_mem_bytes };
+        let mut args = func.builder();
+        args.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&t_i32);
+        args.arg(&sb).arg(&st).arg(&sh).arg(&osb).arg(&ost).arg(&osh).arg(&scale).arg(&causal_i32);
+        // SAFETY: argument order and types match FLASH_ATTN_ENTRY's signature; the grid and
+        // shared memory come from launch_config for this shape, checked against the device.
+        unsafe { args.launch(cfg) }.map_err(|e| err(&kernel_name(dtype, d), e))?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), q_l.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, IndexOp, Layout, Tensor};
+
+    const H100_OPT_IN: usize = 227 * 1024;
+    const SM86_OPT_IN: usize = 99 * 1024;
+    /// The kernel source, to check that its constants are the ones this file computes with.
+    const KERNEL: &str = include_str!("../kernels/flash_attn.cu");
+
+    #[test]
+    fn constants_match_the_kernel_source() {
+        for (name, value) in [("BR", BR), ("BC", BC), ("WARPS", WARPS)] {
+            assert!(KERNEL.contains(&format!("constexpr int {name} = {value};")), "{name} = {value} not in flash_attn.cu");
+        }
+        for d in HEAD_SIZES {
+            let line = format!("static_assert(smem_bytes<{d}>() == {}", shared_mem_bytes(d));
+            assert!(KERNEL.contains(&line), "flash_attn.cu lacks `{line}`");
+            for (ty, name) in [("__nv_bfloat16", "bf16"), ("__half", "f16")] {
+                let entry = format!("FLASH_ATTN_ENTRY({ty}, {name}, {d})");
+                assert!(KERNEL.contains(&entry), "flash_attn.cu lacks `{entry}`");
+            }
+        }
+        // The macro pastes the entry-point name together the way kernel_name spells it.
+        assert!(KERNEL.contains("flash_attn_fwd_##TNAME##_d##D("));
+        assert_eq!(kernel_name("bf16", 64), "flash_attn_fwd_bf16_d64");
+    }
+
+    #[test]
+    fn shared_memory_per_head_size() {
+        assert_eq!(shared_mem_bytes(32), 40 * 1024);
+        assert_eq!(shared_mem_bytes(64), 56 * 1024);
+        assert_eq!(shared_mem_bytes(128), 88 * 1024);
+        // d = 32 fits the default; 64 and 128 must opt in, and fit every SM 8.x/9.x limit.
+        assert!(!launch_config(1, 64, 1, 32, true, SM86_OPT_IN).unwrap().needs_opt_in);
+        for d in [64, 128] {
+            let p = launch_config(1, 64, 1, d, true, SM86_OPT_IN).unwrap();
+            assert!(p.needs_opt_in && p.shared_mem_bytes as usize <= SM86_OPT_IN, "{p:?}");
+        }
+        // A device that only allows the 48 KiB default cannot take d = 64.
+        let e = launch_config(1, 64, 1, 64, true, DEFAULT_SHARED_BYTES).unwrap_err().to_string();
+        assert!(e.contains("56 KiB") && e.contains("48 KiB") && e.contains("Fix:"), "{e}");
+    }
+
+    #[test]
+    fn grid_for_the_presets() {
+        // te: B = 8, T = 2048, n_head = 32, d_head = 128.
+        let p = launch_config(8, 2048, 32, 128, true, H100_OPT_IN).unwrap();
+        assert_eq!(p.grid, (32, 32, 8));
+        assert_eq!(p.threads, 128);
+        assert_eq!((p.q_tiles, p.kv_tiles), (32, 32));
+        // Causal: 32·33/2 = 528 of the 1024 tile pairs, 496 skipped.
+        assert_eq!((p.tile_pairs, p.tile_pairs_skipped), (528, 496));
+        let p = launch_config(8, 2048, 32, 128, false, H100_OPT_IN).unwrap();
+        assert_eq!((p.tile_pairs, p.tile_pairs_skipped), (1024, 0));
+        // small: B = 4, T = 512, n_head = 12, d_head = 64.
+        let p = launch_config(4, 512, 12, 64, true, H100_OPT_IN).unwrap();
+        assert_eq!(p.grid, (8, 12, 4));
+        assert_eq!((p.tile_pairs, p.tile_pairs_skipped), (36, 28));
+    }
+
+    #[test]
+    fn t_of_one_is_one_padded_tile() {
+        for causal in [true, false] {
+            let p = launch_config(2, 1, 4, 64, causal, H100_OPT_IN).unwrap();
+            assert_eq!(p.grid, (1, 4, 2));
+            assert_eq!((p.q_tiles, p.kv_tiles, p.tile_pairs, p.tile_pairs_skipped), (1, 1, 1, 0));
+        }
+    }
+
+    #[test]
+    fn t_not_a_multiple_of_the_tile() {
+        // 65 = one full tile and one tile of a single row: both axes round up.
+        let p = launch_config(1, 65, 1, 64, true, H100_OPT_IN).unwrap();
+        assert_eq!((p.q_tiles, p.kv_tiles, p.tile_pairs, p.tile_pairs_skipped), (2, 2, 3, 1));
+        let p = launch_config(1, 63, 1, 64, false, H100_OPT_IN).unwrap();
+        assert_eq!((p.q_tiles, p.tile_pairs), (1, 1));
+        let p = launch_config(1, 2 * BC + 3, 1, 128, true, H100_OPT_IN).unwrap();
+        assert_eq!((p.q_tiles, p.tile_pairs, p.tile_pairs_skipped), (3, 6, 3));
+    }
+
+    #[test]
+    fn largest_t_and_grid_limits() {
+        // T = i32::MAX: 2²⁵ query tiles, well inside grid.x's 2³¹ − 1, and the padded last tile
+        // ends exactly at 2³¹ − 1, so every position the kernel forms fits its int.
+        let p = launch_config(1, MAX_T, 1, 64, false, H100_OPT_IN).unwrap();
+        assert_eq!(p.grid.0, 1 << 25);
+        assert_eq!(p.q_tiles * BR - 1, i32::MAX as usize);
+        let e = launch_config(1, MAX_T + 1, 1, 64, false, H100_OPT_IN).unwrap_err().to_string();
+        assert!(e.contains("at most 2147483647") && e.contains("Fix:"), "{e}");
+        // Causal at T = i32::MAX: the triangle, counted without overflow.
+        let p = launch_config(1, MAX_T, 1, 64, true, H100_OPT_IN).unwrap();
+        let n = 1usize << 25;
+        assert_eq!((p.tile_pairs, p.tile_pairs_skipped), (n * (n + 1) / 2, n * (n - 1) / 2));
+        // n_head and B ride on grid.y and grid.z: 65 535 each.
+        assert_eq!(launch_config(MAX_GRID_YZ, 64, MAX_GRID_YZ, 64, true, H100_OPT_IN).unwrap().grid, (1, 65_535, 65_535));
+        for (b, h) in [(MAX_GRID_YZ + 1, 1), (1, MAX_GRID_YZ + 1)] {
+            let e = launch_config(b, 64, h, 64, true, H100_OPT_IN).unwrap_err().to_string();
+            assert!(e.contains("65535") && e.contains("Fix:"), "{e}");
+        }
+    }
+
+    #[test]
+    fn unsupported_head_sizes_and_empty_inputs() {
+        for d in [8, 16, 48, 80, 96, 256] {
+            let e = launch_config(1, 64, 1, d, true, H100_OPT_IN).unwrap_err().to_string();
+            assert!(e.contains(&format!("d_head = {d}")) && e.contains("--features flash-attn"), "{e}");
+        }
+        assert!(launch_config(1, 0, 1, 64, true, H100_OPT_IN).unwrap_err().to_string().contains("empty"));
+    }
+
+    #[test]
+    fn occupancy_is_limited_by_shared_memory() {
+        assert_eq!(blocks_per_sm(64, 228 * 1024), 4); // H100: 4 × 57 KiB
+        assert_eq!(blocks_per_sm(128, 228 * 1024), 2);
+        assert_eq!(blocks_per_sm(64, 164 * 1024), 2); // A100
+        assert_eq!(blocks_per_sm(128, 164 * 1024), 1);
+        assert_eq!(blocks_per_sm(128, 100 * 1024), 1); // sm_86 / sm_89
+        assert_eq!(blocks_per_sm(32, 228 * 1024), 4); // registers cap it at 4 (16 K each)
+    }
+
+    #[test]
+    fn strided_views_are_read_in_place_when_aligned() {
+        let (b, t, h, d) = (2, 10, 3, 64);
+        // Stage 2: (B, T, C) reshaped to heads — contiguous.
+        let c = Layout::contiguous((b, t, h, d));
+        assert_eq!(kernel_strides(&c, &c, &c), Some([t * h * d, h * d, d]));
+        // Stage 3: q, k, v = qkv.i((.., .., i)) of a contiguous (B, T, 3, n_head, d_head), exactly
+        // as stage3_fused's forward takes them.
+        let qkv = Tensor::zeros((b, t, 3, h, d), DType::BF16, &Device::Cpu).unwrap();
+        let (q, k, v) = (qkv.i((.., .., 0)).unwrap(), qkv.i((.., .., 1)).unwrap(), qkv.i((.., .., 2)).unwrap());
+        assert!(!q.is_contiguous());
+        assert_eq!((k.layout().start_offset(), v.layout().start_offset()), (h * d, 2 * h * d));
+        assert_eq!(kernel_strides(q.layout(), k.layout(), v.layout()), Some([t * 3 * h * d, 3 * h * d, d]));
+        // Heads-first (B, n_head, T, d_head) transposed to (B, T, n_head, d_head): still rows of
+        // contiguous values, other strides — fine as long as all three agree.
+        let hf = Layout::contiguous((b, h, t, d)).transpose(1, 2).unwrap();
+        assert_eq!(kernel_strides(&hf, &hf, &hf), Some([h * t * d, d, t * d]));
+        // Strides that differ between q, k and v, d_head not contiguous, or rows off a 16-byte
+        // boundary: copy first.
+        assert_eq!(kernel_strides(&hf, &c, &c), None);
+        let td = Layout::contiguous((b, t, d, h)).transpose(2, 3).unwrap();
+        assert_eq!(kernel_strides(&td, &td, &td), None);
+        let off = Layout::contiguous_with_offset((b, t, h, d), 4);
+        assert_eq!(kernel_strides(&off, &c, &c), None);
+    }
+}
