@@ -122,8 +122,10 @@ fn launch(args: &Fp8GemmArgs, handle: sys::cublasLtHandle_t, ptrs: [u64; 7], str
     let desc = result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, T::CUDA_R_32F)
         .map(Desc)
         .map_err(|e| err("matmul desc", e))?;
-    let op = |t: bool| if t { sys::cublasOperation_t::CUBLAS_OP_T } else { sys::cublasOperation_t::CUBLAS_OP_N };
-    set(&desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &op(args.transa))?; // cublasOperation_t
+    // cublasOperation_t (a C enum, int32): CUBLAS_OP_N = 0, CUBLAS_OP_T = 1; cudarc's cuBLASLt
+    // bindings do not export the type.
+    let op = |t: bool| -> i32 { t as i32 };
+    set(&desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &op(args.transa))?;
     set(&desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &op(args.transb))?;
     // Device pointers to the per-tensor scales (A = W's, B = x's; see gemm.rs): D = s_A·s_B·A·B.
     set(&desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a)?; // const float*
