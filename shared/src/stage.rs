@@ -103,6 +103,9 @@ pub trait Stage: Sized {
     const NAME: &'static str;
     /// One line: the technique this stage adds.
     const TECHNIQUE: &'static str;
+    /// The precision this stage *is*, when it is one (stage 0: fp32, stage 4: fp8): the ladder
+    /// asks it for that, whatever `--precision` says for the stages in between.
+    const OWN_PRECISION: Option<Precision> = None;
 
     /// The precision this stage runs at on this device for this request, and why; an error
     /// (exit 2) when the request is something this stage or device cannot do.
@@ -181,6 +184,7 @@ impl<S: Stage> Forward for Built<S> {
 pub struct StageSpec {
     pub name: &'static str,
     pub technique: &'static str,
+    pub own_precision: Option<Precision>,
     pub choose_precision: fn(&DeviceInfo, PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError>,
     pub switches: fn(&Plan) -> GemmSwitches,
     pub check_shape: fn(&Shape) -> Result<(), SpeedkitError>,
@@ -196,6 +200,7 @@ impl StageSpec {
         StageSpec {
             name: S::NAME,
             technique: S::TECHNIQUE,
+            own_precision: S::OWN_PRECISION,
             choose_precision: S::choose_precision,
             switches: S::switches,
             check_shape: S::check_shape,
@@ -205,6 +210,12 @@ impl StageSpec {
             check_plan: S::check_plan,
             build: |w, p| Ok(Box::new(Built(S::build(w, p)?)) as Box<dyn Forward>),
         }
+    }
+
+    /// What the ladder asks this stage for, given the run's `--precision`: its own precision if
+    /// it has one, else the request.
+    pub fn ladder_request(&self, requested: PrecisionRequest) -> PrecisionRequest {
+        self.own_precision.map_or(requested, PrecisionRequest::Exactly)
     }
 
     /// Choose the precision and assemble the plan for this stage, with default options.

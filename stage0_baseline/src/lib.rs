@@ -48,6 +48,7 @@ pub struct Block {
 impl Stage for Block {
     const NAME: &'static str = "stage0_baseline";
     const TECHNIQUE: &'static str = "fp32, every op spelled out, full T x T attention";
+    const OWN_PRECISION: Option<Precision> = Some(Precision::Fp32);
 
     fn choose_precision(_info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
         match requested {

@@ -74,6 +74,7 @@ pub fn mode(plan: &Plan) -> Fp8Mode {
 impl Stage for Block {
     const NAME: &'static str = "stage4_fp8";
     const TECHNIQUE: &'static str = "FP8 E4M3 GEMMs with per-tensor scaling (delayed or current)";
+    const OWN_PRECISION: Option<Precision> = Some(Precision::Fp8);
 
     fn choose_precision(info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
         let sm = info.sm.map(|(a, b)| format!("SM {a}.{b}")).unwrap_or_else(|| "the CPU".into());
