@@ -1,20 +1,29 @@
 //! The ladder: every stage in one process, on the same device, weights and input, checked
-//! against the same fp32 reference and timed the same way, in one table.
+//! against the same fp32 reference and timed the same way, in one table — and, for readers,
+//! the same run as GitHub markdown, an SVG chart, the README's results region, or a sweep.
 //!
 //! Run it: `cargo run --release -p ladder` (CPU) ·
 //! `cargo run --release --features cuda -p ladder -- --device cuda` (GPU).
 
+pub mod chart;
+pub mod provenance;
+pub mod render;
+pub mod sweep;
+
 use clap::{Args, FromArgMatches};
 use shared::cli::{exit_with, RunArgs};
-use shared::device::GemmSwitches;
-use shared::report::{table, write_json, LadderReport, Record, Skipped, CANDLE_VERSION, LADDER_SCHEMA};
+use shared::device::{DeviceInfo, GemmSwitches};
+use shared::report::{commit, write_atomic, write_json, LadderReport, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA};
 use shared::runner::Session;
 use shared::weights::save_tensors;
-use shared::{PrecisionRequest, SpeedkitError, StageSpec};
+use shared::{PrecisionRequest, Shape, SpeedkitError, StageSpec};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use sweep::Sweep;
 
 /// The stages, in order. The first is the baseline: speedups are against it, and it always
-/// runs at fp32 (`--precision` applies to the stages after it).
+/// runs at fp32 (`--precision` applies to the stages without a precision of their own; see
+/// `StageSpec::ladder_request`).
 pub fn stages() -> Vec<StageSpec> {
     vec![
         StageSpec::of::<stage0_baseline::Block>(),
@@ -29,29 +38,84 @@ pub fn reference() -> StageSpec {
     StageSpec::of::<stage0_baseline::Block>()
 }
 
-/// Run every stage; a stage that cannot run here becomes a "skipped: why" row, one that fails
-/// its check a "FAILED" row (and the run's error, after the table is printed).
-pub fn run(args: RunArgs) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
+/// `--stages 0,2,4` as indices into `stages()`, in ladder order whatever order they were given
+/// in; all stages when `None`.
+pub fn select(requested: Option<&[usize]>) -> Result<Vec<usize>, SpeedkitError> {
+    let all = stages();
+    let Some(requested) = requested else {
+        return Ok((0..all.len()).collect());
+    };
+    let valid = || all.iter().enumerate().map(|(i, s)| format!("{i} {}", s.name)).collect::<Vec<_>>().join(", ");
+    if requested.is_empty() {
+        return Err(SpeedkitError::usage(format!(
+            "--stages is empty. Fix: list stage numbers, e.g. --stages 0,2; the stages are {}.",
+            valid()
+        )));
+    }
+    if let Some(bad) = requested.iter().find(|&&i| i >= all.len()) {
+        return Err(SpeedkitError::usage(format!(
+            "--stages names stage {bad}, but the ladder has {} stages. Fix: pick among {}.",
+            all.len(),
+            valid()
+        )));
+    }
+    let mut which = requested.to_vec();
+    which.sort_unstable();
+    which.dedup();
+    Ok(which)
+}
+
+/// A ladder report with no rows yet: where, what, when, and which stages were asked for.
+pub fn new_report(info: &DeviceInfo, shape: Shape, which: &[usize]) -> LadderReport {
+    let all = stages();
+    let versions = provenance::versions();
+    LadderReport {
+        schema: LADDER_SCHEMA.into(),
+        device: info.clone(),
+        shape,
+        commit: commit(),
+        candle_version: versions["candle-core"].clone(),
+        cuda_build: cfg!(feature = "cuda"),
+        unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        records: Vec::new(),
+        skipped: Vec::new(),
+        stages: which.iter().map(|&i| all[i].name.to_string()).collect(),
+        args: Vec::new(),
+        versions,
+        cuda_driver_version: provenance::cuda_driver_version(info),
+        nvidia_driver: provenance::nvidia_driver(info),
+    }
+}
+
+/// Run the stages `which` (indices into `stages()`), each after the one before it, in one
+/// process. A stage that cannot run here becomes a "skipped: why" row, one that fails its check
+/// a "FAILED" row (and the run's error, returned beside the report).
+pub fn run(args: RunArgs, which: &[usize]) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
     let session = Session::open(args, &reference())?;
-    let mut records: Vec<Record> = Vec::new();
-    let mut skipped = Vec::new();
+    let mut report = new_report(&session.info, session.shape, which);
     let mut failure = None;
     let mut outputs: Vec<(String, candle_core::Tensor)> = Vec::new();
     let mut baseline_ms = None; // stage 0's median, if it ran
-    for (i, spec) in stages().iter().enumerate() {
-        let requested = if i == 0 { PrecisionRequest::Auto } else { session.args.precision };
-        match session.run(spec, requested) {
+    let mut previous: Option<(usize, f64)> = None; // the last measured stage and its median
+    let all = stages();
+    for &i in which {
+        let spec = &all[i];
+        match session.run(spec, spec.ladder_request(session.args.precision)) {
             Ok((mut record, y)) => {
                 println!("ran       {} at {}: {}", spec.name, record.precision, record.precision_reason);
                 if session.args.save_output.is_some() {
                     outputs.push((format!("y_{}", spec.name), y));
                 }
+                let ms = record.timing.median_ms;
                 if i == 0 {
-                    baseline_ms = Some(record.timing.median_ms);
+                    baseline_ms = Some(ms);
                 }
-                record.speedup_vs_stage0 = baseline_ms.map(|b| b / record.timing.median_ms);
-                record.speedup_vs_prev = records.last().map(|p| p.timing.median_ms / record.timing.median_ms);
-                records.push(record);
+                // Against stage 0 only, and "vs previous" only against stage N-1: never against
+                // whichever stage happens to come before in a --stages selection.
+                record.speedup_vs_stage0 = baseline_ms.map(|b| b / ms);
+                record.speedup_vs_prev = previous.filter(|&(p, _)| p + 1 == i).map(|(_, p)| p / ms);
+                previous = Some((i, ms));
+                report.records.push(record);
             }
             Err(e) => {
                 let (reason, failed) = match e.downcast_ref::<SpeedkitError>() {
@@ -60,26 +124,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<(LadderReport, Option<anyhow::Error>
                     None => return Err(e),
                 };
                 println!("{}    {}: {reason}", if failed { "FAILED" } else { "skipped" }, spec.name);
-                skipped.push(Skipped { stage: spec.name.into(), technique: spec.technique.into(), reason, failed });
+                report.skipped.push(Skipped { stage: spec.name.into(), technique: spec.technique.into(), reason, failed });
                 if failed && failure.is_none() {
                     failure = Some(e);
                 }
             }
         }
     }
-    let report = LadderReport {
-        schema: LADDER_SCHEMA.into(),
-        device: session.info.clone(),
-        shape: session.shape,
-        commit: shared::report::commit(),
-        candle_version: CANDLE_VERSION.into(),
-        cuda_build: cfg!(feature = "cuda"),
-        unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-        records,
-        skipped,
-    };
-    if let Some(path) = &session.args.json {
-        write_json(path, &report)?;
+    if !which.contains(&0) {
+        println!("note      stage 0 was not selected: no speedups over it");
     }
     if let Some(path) = &session.args.save_output {
         // x, then each stage's output as y_<stage>, for comparison outside the program.
@@ -97,18 +150,19 @@ pub fn report(args: &RunArgs) -> anyhow::Result<String> {
     let shared::runner::Resolved { device, info, shape, .. } = shared::runner::resolve(args)?;
     let mut out = String::new();
     writeln!(out, "device    {}", info.describe())?;
+    let versions = provenance::versions();
     writeln!(
         out,
-        "build     cuda feature {} · candle {CANDLE_VERSION} · commit {}",
+        "build     cuda feature {} · candle-core {} · commit {}",
         if cfg!(feature = "cuda") { "on" } else { "off (CPU only; build with --features cuda for the GPU)" },
-        shared::report::commit()
+        versions["candle-core"],
+        commit()
     )?;
     writeln!(out, "switches  now: {} (process-wide; every stage's build sets all three)", switches_text(GemmSwitches::current()))?;
     writeln!(out, "shape     {shape}")?;
     writeln!(out, "\nwhat each stage would run (--precision {}):", precision_text(args.precision))?;
-    for (i, spec) in stages().iter().enumerate() {
-        let requested = if i == 0 { PrecisionRequest::Auto } else { args.precision };
-        match spec.plan(&device, &info, shape, requested) {
+    for spec in stages() {
+        match spec.plan_with(&device, &info, shape, spec.ladder_request(args.precision), args.stage_options()) {
             Ok(plan) => {
                 writeln!(out, "  {:<18} {:<5} {}", spec.name, plan.precision.name(), plan.precision_reason)?;
                 writeln!(out, "  {:<18} {:<5} applies: {}", "", "", switches_text((spec.switches)(&plan)))?;
@@ -137,29 +191,265 @@ fn precision_text(p: PrecisionRequest) -> String {
     }
 }
 
+/// What to make of a run, or of a recorded one (`ladder render`).
+#[derive(Args, Clone, Debug)]
+pub struct OutputArgs {
+    /// Print the table as GitHub markdown instead of the terminal table
+    #[arg(long, env = "SPEEDKIT_MARKDOWN", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
+    pub markdown: bool,
+    /// Write a chart as SVG: median ms per stage with the speedup over stage 0 on each bar and the error under it (a sweep: ms and speedup over the swept values)
+    #[arg(long, env = "SPEEDKIT_SVG")]
+    pub svg: Option<PathBuf>,
+    /// Rewrite the results region of --readme (between its results markers) from this run, and write the chart and the JSON it links [default: results/ladder-<cpu|cuda>.svg and .json beside the README]
+    #[arg(long, env = "SPEEDKIT_UPDATE_README", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
+    pub update_readme: bool,
+    /// The README that --update-readme rewrites
+    #[arg(long, env = "SPEEDKIT_README", default_value = "README.md")]
+    pub readme: PathBuf,
+}
+
+/// The ladder's own flags, beside every runner flag.
+#[derive(Args, Clone, Debug)]
+pub struct LadderArgs {
+    /// Run only these stages, by number, e.g. 0,2,4 [default: all]. Speedups are over stage 0 and "vs previous" over stage N-1, so each needs that stage in the run
+    #[arg(long, env = "SPEEDKIT_STAGES", value_delimiter = ',')]
+    pub stages: Option<Vec<usize>>,
+    /// Run the ladder once per value of one dimension, e.g. seq=512,1024,2048 (also batch=..., d_model=... with FF = 4·C and d_head kept); one table per value, one summary table, one chart with --svg
+    #[arg(long, env = "SPEEDKIT_SWEEP")]
+    pub sweep: Option<Sweep>,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// `ladder render`: a recorded run, rendered again without running anything.
+#[derive(Args, Clone, Debug)]
+pub struct RenderArgs {
+    /// A JSON file written by `ladder --json` (one run or a sweep)
+    #[arg(long, env = "SPEEDKIT_FROM")]
+    pub from: PathBuf,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// A ladder run or a sweep: what the outputs are made from.
+pub enum Results {
+    Ladder(Box<LadderReport>),
+    Sweep(SweepReport),
+}
+
+/// Read a JSON file written by `ladder --json`.
+pub fn load(path: &Path) -> anyhow::Result<Results> {
+    let bytes = std::fs::read(path).map_err(|e| {
+        SpeedkitError::usage(format!("cannot read {} ({e}). Fix: pass --from the JSON a `ladder --json PATH` run wrote.", path.display()))
+    })?;
+    let bad = |e: serde_json::Error| {
+        SpeedkitError::usage(format!(
+            "{} is not a ladder JSON file ({e}). Fix: pass --from the JSON a `ladder --json PATH` run wrote.",
+            path.display()
+        ))
+    };
+    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(bad)?;
+    match value.get("schema").and_then(|s| s.as_str()) {
+        Some(LADDER_SCHEMA) => Ok(Results::Ladder(Box::new(serde_json::from_value(value).map_err(bad)?))),
+        Some(SWEEP_SCHEMA) => Ok(Results::Sweep(serde_json::from_value(value).map_err(bad)?)),
+        Some(RECORD_SCHEMA) => Err(SpeedkitError::usage(format!(
+            "{} is one stage's record (a stage binary's --json), not a ladder's. Fix: render the JSON of `ladder --json PATH`.",
+            path.display()
+        ))
+        .into()),
+        other => Err(SpeedkitError::usage(format!(
+            "{} has schema {other:?}; this ladder reads {LADDER_SCHEMA} and {SWEEP_SCHEMA}. Fix: pass --from the JSON a `ladder --json PATH` run wrote.",
+            path.display()
+        ))
+        .into()),
+    }
+}
+
+/// The README's folder ("." for a bare file name).
+fn readme_dir(readme: &Path) -> PathBuf {
+    match readme.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// Where --update-readme puts a file it was not given a path for: results/ladder-<kind>.<ext>
+/// beside the README.
+fn default_beside_readme(readme: &Path, report: &DeviceInfo, ext: &str) -> PathBuf {
+    let kind = if report.is_cuda() { "cuda" } else { "cpu" };
+    readme_dir(readme).join("results").join(format!("ladder-{kind}.{ext}"))
+}
+
+/// `path` as a link from the README: relative to its folder, with forward slashes. Refused
+/// when `path` is outside that folder, where the link would not work on GitHub.
+fn link_from_readme(readme: &Path, path: &Path) -> Result<String, SpeedkitError> {
+    let canon = |p: &Path| std::fs::canonicalize(p).map_err(|e| SpeedkitError::usage(format!("cannot resolve {} ({e}).", p.display())));
+    let (dir, file) = (canon(&readme_dir(readme))?, canon(path)?);
+    let rel = file.strip_prefix(&dir).map_err(|_| {
+        SpeedkitError::usage(format!(
+            "{} is outside {}, the README's folder, so the README could not link to it. Fix: write it under that folder (or drop --svg for the default results/ path).",
+            path.display(),
+            dir.display()
+        ))
+    })?;
+    Ok(rel.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect::<Vec<_>>().join("/"))
+}
+
+/// Read the README and check its markers before a run, so a long run does not end in a refusal.
+fn read_readme(readme: &Path) -> Result<String, SpeedkitError> {
+    let text = std::fs::read_to_string(readme).map_err(|e| {
+        SpeedkitError::usage(format!(
+            "--update-readme: cannot read {} ({e}). Fix: run from the repository root, or pass --readme PATH.",
+            readme.display()
+        ))
+    })?;
+    render::splice_readme(&text, "").map_err(|e| SpeedkitError::usage(format!("{}: {e}", readme.display())))?;
+    Ok(text)
+}
+
+fn create_parent(path: &Path) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| SpeedkitError::usage(format!("cannot create {} ({e}). Fix: pick a writable path.", dir.display())))?;
+    }
+    Ok(())
+}
+
+fn write_text(path: &Path, text: &str, what: &str) -> anyhow::Result<()> {
+    create_parent(path)?;
+    write_atomic(path, text.as_bytes())
+        .map_err(|e| SpeedkitError::usage(format!("cannot write the {what} to {} ({e}). Fix: pick a writable path.", path.display())))?;
+    Ok(())
+}
+
+/// Print the table, write the chart, and rewrite the README's results region, as asked.
+/// `json` is where the run's JSON is (or was just written), for the README's data link.
+pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow::Result<()> {
+    if out.update_readme && matches!(results, Results::Sweep(_)) {
+        return Err(sweep_and_readme().into());
+    }
+    println!();
+    match (results, out.markdown) {
+        (Results::Ladder(r), false) => print!("{}", r.table()),
+        (Results::Ladder(r), true) => print!("{}", render::markdown_table(r)),
+        (Results::Sweep(s), false) => print!("{}", render::sweep_text(s)),
+        (Results::Sweep(s), true) => print!("{}", render::sweep_markdown(s)),
+    }
+    let svg_path = match (results, &out.svg, out.update_readme) {
+        (_, Some(p), _) => Some(p.clone()),
+        (Results::Ladder(r), None, true) => Some(default_beside_readme(&out.readme, &r.device, "svg")),
+        _ => None,
+    };
+    if let Some(path) = &svg_path {
+        let svg = match results {
+            Results::Ladder(r) => chart::ladder_svg(r)?,
+            Results::Sweep(s) => chart::sweep_svg(s)?,
+        };
+        write_text(path, &svg, "chart")?;
+        println!("\nsaved     chart to {}", path.display());
+    }
+    if out.update_readme {
+        let Results::Ladder(report) = results else {
+            return Err(sweep_and_readme().into());
+        };
+        let (Some(json), Some(svg)) = (json, &svg_path) else {
+            anyhow::bail!("--update-readme needs the run's JSON and chart paths");
+        };
+        let text = read_readme(&out.readme)?;
+        let region = render::readme_region(report, &link_from_readme(&out.readme, json)?, &link_from_readme(&out.readme, svg)?);
+        let updated = render::splice_readme(&text, &region)?;
+        if updated == text {
+            println!("unchanged {}: its results region already shows this run", out.readme.display());
+        } else {
+            write_text(&out.readme, &updated, "README")?;
+            println!("updated   {}: results region rewritten from {}", out.readme.display(), json.display());
+        }
+    }
+    Ok(())
+}
+
+fn sweep_and_readme() -> SpeedkitError {
+    SpeedkitError::usage(
+        "--update-readme writes one ladder run into the README's results region, and a sweep is several. \
+         Fix: drop --update-readme and use --markdown and --svg for the sweep's tables and chart.",
+    )
+}
+
+/// The ladder command: run (or sweep), then print, chart and record as asked.
+fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
+    let which = select(ladder.stages.as_deref())?;
+    let out = &ladder.output;
+    if out.update_readme {
+        if ladder.sweep.is_some() {
+            return Err(sweep_and_readme().into());
+        }
+        read_readme(&out.readme)?;
+    }
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let (results, failure) = match &ladder.sweep {
+        Some(s) => {
+            let (report, failure) = sweep::run(&args, s, &which, &argv)?;
+            (Results::Sweep(report), failure)
+        }
+        None => {
+            let (mut report, failure) = run(args.clone(), &which)?;
+            report.args = argv;
+            (Results::Ladder(Box::new(report)), failure)
+        }
+    };
+    let json = match (&results, &args.json, out.update_readme) {
+        (_, Some(p), _) => Some(p.clone()),
+        (Results::Ladder(r), None, true) => Some(default_beside_readme(&out.readme, &r.device, "json")),
+        _ => None,
+    };
+    if let Some(path) = &json {
+        create_parent(path)?;
+        match &results {
+            Results::Ladder(r) => write_json(path, r)?,
+            Results::Sweep(s) => write_json(path, s)?,
+        }
+    }
+    // A failed check is reported in the table and the files, but never becomes the README's.
+    let out = OutputArgs { update_readme: out.update_readme && failure.is_none(), ..out.clone() };
+    emit(&results, &out, json.as_deref())?;
+    if let Some(path) = &json {
+        println!("saved     JSON to {}", path.display());
+    }
+    match failure {
+        Some(e) => {
+            if ladder.output.update_readme {
+                println!("not updating {}: a stage failed its check", ladder.output.readme.display());
+            }
+            Err(e)
+        }
+        None => Ok(()),
+    }
+}
+
 pub fn main() -> ExitCode {
     let about = "Every stage of the transformer block side by side: same weights, same input, checked, timed";
-    let cmd = RunArgs::augment_args(clap::Command::new("ladder").about(about)).subcommand(RunArgs::augment_args(
-        clap::Command::new("report").about("Print the device, candle's global switches, and what every stage would run and why"),
-    ));
+    let cmd = LadderArgs::augment_args(RunArgs::augment_args(clap::Command::new("ladder").about(about)))
+        .subcommand(RunArgs::augment_args(
+            clap::Command::new("report").about("Print the device, candle's global switches, and what every stage would run and why"),
+        ))
+        .subcommand(RenderArgs::augment_args(
+            clap::Command::new("render")
+                .about("Print, chart or put in the README a run recorded with --json, without running anything again"),
+        ));
     let matches = cmd.get_matches();
-    exit_with(|| {
-        if let Some(sub) = matches.subcommand_matches("report") {
-            let args = RunArgs::from_arg_matches(sub)?;
-            print!("{}", report(&args)?);
-            return Ok(());
+    exit_with(|| match matches.subcommand() {
+        Some(("report", sub)) => {
+            print!("{}", report(&RunArgs::from_arg_matches(sub)?)?);
+            Ok(())
         }
-        let args = RunArgs::from_arg_matches(&matches)?;
-        let json = args.json.clone();
-        let (report, failure) = run(args)?;
-        println!();
-        print!("{}", table(&report.records, &report.skipped));
-        if let Some(path) = json {
-            println!("\nsaved     JSON records to {}", path.display());
+        Some(("render", sub)) => {
+            let args = RenderArgs::from_arg_matches(sub)?;
+            let results = load(&args.from)?;
+            if args.output.update_readme {
+                read_readme(&args.output.readme)?;
+            }
+            emit(&results, &args.output, Some(&args.from))
         }
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        _ => run_command(RunArgs::from_arg_matches(&matches)?, LadderArgs::from_arg_matches(&matches)?),
     })
 }

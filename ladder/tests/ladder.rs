@@ -1,58 +1,363 @@
-//! The ladder binary end to end on `tiny`: table on stdout, JSON that parses into the report.
+//! The ladder binary end to end on `tiny`: every stage a row, JSON that parses into the report,
+//! an SVG chart that is well-formed XML, a markdown table that parses, --update-readme that
+//! rewrites only its region and is idempotent, sweeps, --stages, and `ladder report`.
 
-use shared::report::{LadderReport, LADDER_SCHEMA};
+use shared::report::{LadderReport, SweepReport, LADDER_SCHEMA, SWEEP_SCHEMA};
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+/// A fresh temporary folder per test.
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("speedkit-ladder-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+struct Out {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Out {
+    fn ok(&self) -> &Self {
+        assert_eq!(self.code, Some(0), "{}{}", self.stdout, self.stderr);
+        self
+    }
+}
+
+fn ladder(args: &[&str]) -> Out {
+    let o = Command::new(env!("CARGO_BIN_EXE_ladder")).args(args).output().unwrap();
+    Out { code: o.status.code(), stdout: String::from_utf8_lossy(&o.stdout).into(), stderr: String::from_utf8_lossy(&o.stderr).into() }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+const TINY: [&str; 6] = ["--preset", "tiny", "--warmup", "1", "--iters", "2"];
+
+fn tiny(extra: &[&str]) -> Vec<String> {
+    TINY.iter().chain(extra).map(|a| a.to_string()).collect()
+}
+
+fn run_tiny(extra: &[&str]) -> Out {
+    let args = tiny(extra);
+    ladder(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// The stages of a report's rows, in order.
+fn row_names(r: &LadderReport) -> Vec<String> {
+    r.rows().iter().map(|row| row.stage().to_string()).collect()
+}
+
+fn all_stage_names() -> Vec<String> {
+    ladder::stages().iter().map(|s| s.name.to_string()).collect()
+}
+
+/// The markdown tables in `text`: each a list of rows of cells, header first, separator
+/// checked and dropped. Panics when a table is malformed (ragged rows, no separator).
+fn markdown_tables(text: &str) -> Vec<Vec<Vec<String>>> {
+    let mut tables = Vec::new();
+    let mut current: Vec<&str> = Vec::new();
+    for line in text.lines().chain(std::iter::once("")) {
+        if line.starts_with('|') {
+            current.push(line);
+            continue;
+        }
+        if current.is_empty() {
+            continue;
+        }
+        let cells = |l: &str| -> Vec<String> {
+            assert!(l.ends_with('|'), "row does not end with |: {l}");
+            // Split on unescaped pipes.
+            let inner = &l[1..l.len() - 1];
+            let mut out = vec![String::new()];
+            let mut prev = ' ';
+            for c in inner.chars() {
+                if c == '|' && prev != '\\' {
+                    out.push(String::new());
+                } else {
+                    out.last_mut().unwrap().push(c);
+                }
+                prev = c;
+            }
+            out.iter().map(|c| c.trim().to_string()).collect()
+        };
+        let header = cells(current[0]);
+        let sep = cells(current[1]);
+        assert!(sep.iter().all(|c| c.len() >= 3 && c.chars().all(|ch| ch == '-' || ch == ':')), "separator: {}", current[1]);
+        assert_eq!(sep.len(), header.len(), "separator width");
+        let mut table = vec![header.clone()];
+        for l in &current[2..] {
+            let row = cells(l);
+            assert_eq!(row.len(), header.len(), "ragged row: {l}");
+            table.push(row);
+        }
+        tables.push(table);
+        current.clear();
+    }
+    tables
+}
+
+/// Parse an SVG as XML and return the text of its <text> elements.
+fn svg_texts(path: &Path) -> Vec<String> {
+    let svg = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let doc = roxmltree::Document::parse(&svg).unwrap_or_else(|e| panic!("{} is not well-formed XML: {e}", path.display()));
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    doc.descendants().filter(|n| n.has_tag_name("text")).filter_map(|n| n.text()).map(|t| t.trim().to_string()).collect()
+}
 
 #[test]
 fn ladder_end_to_end_on_tiny() {
-    let dir = std::env::temp_dir().join(format!("speedkit-ladder-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("ladder.json");
-    let o = Command::new(env!("CARGO_BIN_EXE_ladder"))
-        .args(["--preset", "tiny", "--warmup", "1", "--iters", "3", "--json", json.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{stdout}{}", String::from_utf8_lossy(&o.stderr));
-    assert!(stdout.contains("vs s0") && stdout.contains("stage0_baseline"), "{stdout}");
+    let dir = temp_dir("e2e");
+    let (json, svg) = (dir.join("ladder.json"), dir.join("ladder.svg"));
+    let o = run_tiny(&["--json", s(&json), "--svg", s(&svg)]);
+    o.ok();
+    assert!(o.stdout.contains("vs s0") && o.stdout.contains("stage0_baseline"), "{}", o.stdout);
 
+    // JSON: the report, every stage a row (run or skipped), and where it ran.
     let report: LadderReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(report.schema, LADDER_SCHEMA);
-    let names: Vec<&str> = report.records.iter().map(|r| r.stage.as_str()).chain(report.skipped.iter().map(|s| s.stage.as_str())).collect();
-    let expected: Vec<&str> = ladder::stages().iter().map(|s| s.name).collect();
-    assert_eq!(names, expected, "every stage is a row, run or skipped");
-    let s0 = &report.records[0];
-    assert_eq!(s0.speedup_vs_stage0, Some(1.0));
-    assert_eq!(s0.timing.samples_ms.len(), 3);
-    assert!(s0.check.as_ref().unwrap().passed);
+    assert_eq!(row_names(&report), all_stage_names(), "every stage in stages() is a row, run or skipped");
+    assert_eq!(report.stages, all_stage_names());
+    assert_eq!(report.args, tiny(&["--json", s(&json), "--svg", s(&svg)]));
     assert_eq!(report.shape, shared::Preset::Tiny.shape());
+    assert!(report.versions["candle-core"].starts_with("0.11."), "{:?}", report.versions);
+    assert_eq!(report.versions["candle-speedkit"], env!("CARGO_PKG_VERSION"));
+    assert!(!report.commit.is_empty());
+    // A CPU run says nothing about a GPU driver, rather than inventing one.
+    assert_eq!((report.cuda_driver_version.as_deref(), report.nvidia_driver.as_deref()), (None, None));
+    let s0 = &report.records[0];
+    assert_eq!(s0.stage, "stage0_baseline");
+    assert_eq!(s0.speedup_vs_stage0, Some(1.0));
+    assert_eq!(s0.timing.samples_ms.len(), 2);
+    assert!(s0.check.as_ref().unwrap().passed);
+    for r in &report.records[1..] {
+        assert!(r.speedup_vs_stage0.is_some(), "{}", r.stage);
+    }
+
+    // SVG: well-formed, one slot per stage with its name, a speedup on every measured bar, and
+    // the error (or why not measured) under every slot.
+    let texts = svg_texts(&svg);
+    for name in all_stage_names() {
+        assert!(texts.contains(&name), "{name} not labelled in the chart: {texts:?}");
+    }
+    let speedups = texts.iter().filter(|t| t.ends_with('x') && t[..t.len() - 1].parse::<f64>().is_ok()).count();
+    assert_eq!(speedups, report.records.len(), "{texts:?}");
+    let errors = texts.iter().filter(|t| t.starts_with("rel err ") || *t == "not measured" || *t == "failed its check").count();
+    assert_eq!(errors, all_stage_names().len(), "{texts:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn markdown_table_parses_with_a_row_per_stage() {
+    let o = run_tiny(&["--markdown"]);
+    o.ok();
+    let tables = markdown_tables(&o.stdout);
+    assert_eq!(tables.len(), 1, "{}", o.stdout);
+    let t = &tables[0];
+    assert_eq!(t[0][..4], ["stage", "precision", "median ms (p10–p90)", "vs stage 0"]);
+    let names: Vec<String> = t[1..].iter().map(|r| r[0].clone()).collect();
+    assert_eq!(names, all_stage_names());
+    assert_eq!(t[1][3], "1.00x", "stage 0 against itself");
+    for row in &t[1..] {
+        let measured = !row[1].starts_with("skipped") && !row[1].starts_with("FAILED");
+        if measured {
+            let median: f64 = row[2].split(' ').next().unwrap().parse().unwrap();
+            assert!(median > 0.0, "{row:?}");
+        }
+    }
+}
+
+#[test]
+fn stages_selects_rows_and_speedups_need_stage_0() {
+    let dir = temp_dir("stages");
+    let json = dir.join("l.json");
+    let o = run_tiny(&["--stages", "3,1", "--json", s(&json)]);
+    o.ok();
+    let report: LadderReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(row_names(&report), ["stage1_tensorcore", "stage3_fused"], "ladder order, whatever order given");
+    for r in &report.records {
+        assert_eq!(r.speedup_vs_stage0, None, "no stage 0, no speedup over it: {}", r.stage);
+        assert_eq!(r.speedup_vs_prev, None, "stage 2 did not run, so stage 3 has no 'previous': {}", r.stage);
+    }
+    assert!(o.stdout.contains("stage 0 was not selected"), "{}", o.stdout);
+
+    let o = run_tiny(&["--stages", "0,1", "--json", s(&json)]);
+    o.ok();
+    let report: LadderReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert!(report.records[1].speedup_vs_prev.is_some());
+
+    let n = ladder::stages().len();
+    let o = run_tiny(&["--stages", &format!("0,{n}")]);
+    assert_eq!(o.code, Some(2), "{}{}", o.stdout, o.stderr);
+    assert!(o.stderr.contains(&format!("names stage {n}")) && o.stderr.contains("0 stage0_baseline"), "{}", o.stderr);
+    assert!(!o.stdout.contains("ran "), "refused before running anything: {}", o.stdout);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A README with text before, between and after the markers.
+fn fixture_readme() -> (String, String) {
+    let before = "# Title\n\nSome text | with a pipe.\n\n## Results\n\n<!-- results:begin -->\n";
+    let after = "<!-- results:end -->\n\nReading it: notes a person wrote.\n\n## Later\n\nmore\n";
+    (before.into(), after.into())
+}
+
+#[test]
+fn update_readme_rewrites_only_its_region_and_is_idempotent() {
+    let dir = temp_dir("readme");
+    let readme = dir.join("README.md");
+    let (before, after) = fixture_readme();
+    std::fs::write(&readme, format!("{before}hand-made table\n{after}")).unwrap();
+
+    let o = run_tiny(&["--update-readme", "--readme", s(&readme)]);
+    o.ok();
+    let text = std::fs::read_to_string(&readme).unwrap();
+    assert!(text.starts_with(&before) && text.ends_with(&after), "outside the markers untouched:\n{text}");
+    let region = &text[before.len()..text.len() - after.len()];
+    assert!(!region.contains("hand-made"), "{region}");
+    assert!(region.contains("**CPU: ") && region.contains("preset `tiny`") && region.contains("commit `"), "{region}");
+    assert!(region.contains("data: [results/ladder-cpu.json](results/ladder-cpu.json)"), "{region}");
+    assert!(region.contains("](results/ladder-cpu.svg)"), "{region}");
+    let tables = markdown_tables(region);
+    assert_eq!(tables.len(), 1);
+    assert_eq!(tables[0].len() - 1, ladder::stages().len());
+    let (json, svg) = (dir.join("results/ladder-cpu.json"), dir.join("results/ladder-cpu.svg"));
+    let report: LadderReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(row_names(&report), all_stage_names());
+    svg_texts(&svg);
+    let svg_bytes = std::fs::read(&svg).unwrap();
+
+    // Rendering the recorded run again changes nothing: not the README, not the chart.
+    let o = ladder(&["render", "--from", s(&json), "--update-readme", "--readme", s(&readme)]);
+    o.ok();
+    assert!(o.stdout.contains("unchanged"), "{}", o.stdout);
+    assert_eq!(std::fs::read_to_string(&readme).unwrap(), text, "idempotent");
+    assert_eq!(std::fs::read(&svg).unwrap(), svg_bytes, "the chart is a function of the JSON");
+
+    // From a README whose region holds something else, render restores the same bytes.
+    std::fs::write(&readme, format!("{before}stale\n{after}")).unwrap();
+    ladder(&["render", "--from", s(&json), "--update-readme", "--readme", s(&readme)]).ok();
+    assert_eq!(std::fs::read_to_string(&readme).unwrap(), text);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn update_readme_refuses_bad_markers_before_running() {
+    let dir = temp_dir("markers");
+    let readme = dir.join("README.md");
+    for bad in ["# no markers\n", "<!-- results:begin -->\na\n<!-- results:end -->\n<!-- results:begin -->\n<!-- results:end -->\n"] {
+        std::fs::write(&readme, bad).unwrap();
+        let o = run_tiny(&["--update-readme", "--readme", s(&readme)]);
+        assert_eq!(o.code, Some(2), "{}{}", o.stdout, o.stderr);
+        assert!(o.stderr.contains("exactly one") && o.stderr.contains("Fix:"), "{}", o.stderr);
+        assert!(!o.stdout.contains("ran "), "refused before running: {}", o.stdout);
+        assert_eq!(std::fs::read_to_string(&readme).unwrap(), bad, "untouched");
+    }
+    let o = run_tiny(&["--update-readme", "--readme", s(&dir.join("missing.md"))]);
+    assert_eq!(o.code, Some(2));
+    assert!(o.stderr.contains("cannot read"), "{}", o.stderr);
+    // A sweep is several runs; the README region holds one.
+    std::fs::write(&readme, "<!-- results:begin -->\n<!-- results:end -->\n").unwrap();
+    let o = run_tiny(&["--update-readme", "--readme", s(&readme), "--sweep", "seq=8,16"]);
+    assert_eq!(o.code, Some(2));
+    assert!(o.stderr.contains("a sweep is several"), "{}", o.stderr);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn sweep_gives_a_table_per_value_a_summary_and_a_chart() {
+    let dir = temp_dir("sweep");
+    let (json, svg) = (dir.join("sweep.json"), dir.join("sweep.svg"));
+    let o = run_tiny(&["--sweep", "seq=8,16", "--markdown", "--json", s(&json), "--svg", s(&svg)]);
+    o.ok();
+    let sweep: SweepReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(sweep.schema, SWEEP_SCHEMA);
+    assert_eq!((sweep.axis.as_str(), sweep.values.clone()), ("seq", vec![8, 16]));
+    for (run, t) in sweep.runs.iter().zip([8, 16]) {
+        assert_eq!(run.shape.seq, t);
+        assert_eq!(row_names(run), all_stage_names());
+    }
+    let tables = markdown_tables(&o.stdout);
+    assert_eq!(tables.len(), 3, "one per value and the summary: {}", o.stdout);
+    let summary = &tables[2];
+    assert_eq!(summary[0], ["stage", "T = 8", "T = 16"]);
+    assert_eq!(summary.len() - 1, ladder::stages().len());
+    assert!(summary[1][1].ends_with("1.00x"), "{:?}", summary[1]);
+    let texts = svg_texts(&svg);
+    assert!(texts.iter().any(|t| t.starts_with("Sweep over T")), "{texts:?}");
+    assert!(texts.contains(&"8".to_string()) && texts.contains(&"16".to_string()), "{texts:?}");
+
+    // `render` reproduces the sweep's tables from its JSON.
+    let r = ladder(&["render", "--from", s(&json), "--markdown"]);
+    r.ok();
+    assert_eq!(markdown_tables(&r.stdout), tables);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn sweep_value_that_cannot_run_is_skipped_rows_not_a_crash() {
+    let dir = temp_dir("sweep-skip");
+    let json = dir.join("sweep.json");
+    // tiny has d_head = 32: C = 100 cannot keep it; C = 64 can (n_head 2, FF 256).
+    let o = run_tiny(&["--sweep", "d_model=100,64", "--json", s(&json)]);
+    o.ok();
+    let sweep: SweepReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let (bad, good) = (&sweep.runs[0], &sweep.runs[1]);
+    assert!(bad.records.is_empty());
+    assert_eq!(row_names(bad), all_stage_names());
+    assert!(bad.skipped.iter().all(|s| !s.failed && s.reason.contains("C = 100") && s.reason.contains("d_head = 32")), "{:?}", bad.skipped);
+    assert_eq!((good.shape.d_model, good.shape.n_head, good.shape.ff), (64, 2, 256));
+    assert!(!good.records.is_empty());
+    assert!(o.stdout.contains("skipped"), "{}", o.stdout);
+
+    let o = run_tiny(&["--sweep", "seq=8", "--seq", "8"]);
+    assert_eq!(o.code, Some(2));
+    assert!(o.stderr.contains("both set the same dimension"), "{}", o.stderr);
+    let o = run_tiny(&["--sweep", "heads=2"]);
+    assert_eq!(o.code, Some(2), "a clap error is exit 2 too");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn render_refuses_what_is_not_a_ladder_json() {
+    let dir = temp_dir("render");
+    let record = dir.join("record.json");
+    std::fs::write(&record, r#"{"schema": "candle-speedkit/record/v1"}"#).unwrap();
+    let o = ladder(&["render", "--from", s(&record)]);
+    assert_eq!(o.code, Some(2));
+    assert!(o.stderr.contains("one stage's record"), "{}", o.stderr);
+    std::fs::write(&record, "not json").unwrap();
+    let o = ladder(&["render", "--from", s(&record)]);
+    assert_eq!(o.code, Some(2));
+    assert!(o.stderr.contains("is not a ladder JSON file"), "{}", o.stderr);
     std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
 fn report_lists_every_stage_with_its_reason() {
-    let o = Command::new(env!("CARGO_BIN_EXE_ladder")).args(["report", "--preset", "tiny"]).output().unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{stdout}{}", String::from_utf8_lossy(&o.stderr));
-    assert!(stdout.contains("switches  now: TF32 off"), "{stdout}");
+    let o = ladder(&["report", "--preset", "tiny"]);
+    o.ok();
+    assert!(o.stdout.contains("switches  now: TF32 off"), "{}", o.stdout);
     for spec in ladder::stages() {
-        assert!(stdout.contains(spec.name), "{} missing:\n{stdout}", spec.name);
+        assert!(o.stdout.contains(spec.name), "{} missing:\n{}", spec.name, o.stdout);
     }
-    assert!(stdout.contains("auto on CPU: no tensor cores"), "{stdout}");
+    assert!(o.stdout.contains("auto on CPU: no tensor cores"), "{}", o.stdout);
     // An override the device cannot do is reported per stage, not a crash.
-    let o = Command::new(env!("CARGO_BIN_EXE_ladder")).args(["report", "--preset", "tiny", "--precision", "tf32"]).output().unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{stdout}");
-    assert!(stdout.contains("stage1_tensorcore  skipped: --precision tf32 cannot run"), "{stdout}");
+    let o = ladder(&["report", "--preset", "tiny", "--precision", "tf32"]);
+    o.ok();
+    assert!(o.stdout.contains("stage1_tensorcore  skipped: --precision tf32 cannot run"), "{}", o.stdout);
 }
 
 #[test]
 fn report_knows_which_stages_need_the_score_matrix() {
     // T = 100 000: a 4·10¹⁰-element score matrix. Stages 0-1 cannot run it; stage 2 never
     // builds that matrix, so the report must not refuse it for that.
-    let o = Command::new(env!("CARGO_BIN_EXE_ladder")).args(["report", "--preset", "tiny", "--seq", "100000"]).output().unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{stdout}");
+    let o = ladder(&["report", "--preset", "tiny", "--seq", "100000"]);
+    o.ok();
+    let stdout = &o.stdout;
     let block = |stage: &str| -> String {
         let start = stdout.find(stage).unwrap();
         let rest = &stdout[start + stage.len()..];

@@ -6,6 +6,7 @@ use crate::preset::Shape;
 use crate::stage::Precision;
 use crate::timing::Stats;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// Bump when a field changes meaning or disappears; adding fields keeps the version.
@@ -61,24 +62,90 @@ pub struct Skipped {
     pub failed: bool,
 }
 
-/// The ladder's JSON: every record, plus where and what it ran on.
+/// The ladder's JSON: every record, plus where and what it ran on. Fields added after v1 was
+/// first written are `#[serde(default)]`, so older files still load.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LadderReport {
     pub schema: String,
     pub device: DeviceInfo,
     pub shape: Shape,
     pub commit: String,
+    /// candle-core as locked when the binary was built, e.g. "0.11.1" (older files: "0.11").
     pub candle_version: String,
     pub cuda_build: bool,
     pub unix_time: u64,
     pub records: Vec<Record>,
     pub skipped: Vec<Skipped>,
+    /// The stages this run was asked for, in ladder order; rows follow it (older files: empty,
+    /// rows are then the records followed by the skipped stages).
+    #[serde(default)]
+    pub stages: Vec<String>,
+    /// The command-line arguments after the program name, so a reader can rerun it.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Exact versions of what ran: candle-core, speedkit, rustc, and cudarc (and
+    /// candle-flash-attn) in CUDA builds.
+    #[serde(default)]
+    pub versions: BTreeMap<String, String>,
+    /// The CUDA version the driver supports (cuDriverGetVersion), e.g. "13.0"; `None` when the
+    /// run was not on a GPU.
+    #[serde(default)]
+    pub cuda_driver_version: Option<String>,
+    /// The NVIDIA kernel driver's version (/proc/driver/nvidia/version), e.g. "580.65.06";
+    /// `None` when the run was not on a GPU or the file is absent.
+    #[serde(default)]
+    pub nvidia_driver: Option<String>,
 }
 
-/// candle-core's version as locked in this workspace (kept in step with Cargo.toml).
-pub const CANDLE_VERSION: &str = "0.11";
+/// One row of the ladder: a measured stage or one that was not measured.
+#[derive(Clone, Copy, Debug)]
+pub enum Row<'a> {
+    Ran(&'a Record),
+    Skipped(&'a Skipped),
+}
 
-fn fmt_bytes(b: Option<u64>) -> String {
+impl Row<'_> {
+    pub fn stage(&self) -> &str {
+        match self {
+            Row::Ran(r) => &r.stage,
+            Row::Skipped(s) => &s.stage,
+        }
+    }
+}
+
+impl LadderReport {
+    /// Every row, measured or not, in ladder order.
+    pub fn rows(&self) -> Vec<Row<'_>> {
+        let mut rows: Vec<Row> = self.records.iter().map(Row::Ran).chain(self.skipped.iter().map(Row::Skipped)).collect();
+        if !self.stages.is_empty() {
+            rows.sort_by_key(|r| self.stages.iter().position(|s| s == r.stage()).unwrap_or(usize::MAX));
+        }
+        rows
+    }
+
+    /// The human table, rows in ladder order.
+    pub fn table(&self) -> String {
+        table_rows(&self.rows())
+    }
+}
+
+pub const SWEEP_SCHEMA: &str = "candle-speedkit/sweep/v1";
+
+/// `ladder --sweep`: one ladder run per value of one dimension, same flags otherwise.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SweepReport {
+    pub schema: String,
+    /// The swept dimension as its flag is spelled: "seq", "batch" or "d_model".
+    pub axis: String,
+    pub values: Vec<usize>,
+    /// One ladder per value, in the order of `values`. A value whose shape cannot run has a
+    /// ladder with every stage skipped and the reason.
+    pub runs: Vec<LadderReport>,
+}
+
+
+/// Bytes as "280.0 MiB" or "3.25 GiB"; "n/a" when not measured.
+pub fn fmt_bytes(b: Option<u64>) -> String {
     match b {
         None => "n/a".into(),
         Some(b) if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
@@ -92,6 +159,12 @@ fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
 
 /// The human table: one row per record, then one per skipped stage.
 pub fn table(records: &[Record], skipped: &[Skipped]) -> String {
+    let rows: Vec<Row> = records.iter().map(Row::Ran).chain(skipped.iter().map(Row::Skipped)).collect();
+    table_rows(&rows)
+}
+
+/// The human table, one line per row in the order given.
+pub fn table_rows(rows: &[Row]) -> String {
     let header = [
         "stage",
         "technique",
@@ -106,10 +179,10 @@ pub fn table(records: &[Record], skipped: &[Skipped]) -> String {
         "max abs",
         "peak mem",
     ];
-    let mut rows: Vec<Vec<String>> = records
+    let rows: Vec<Vec<String>> = rows
         .iter()
-        .map(|r| {
-            vec![
+        .map(|row| match row {
+            Row::Ran(r) => vec![
                 r.stage.clone(),
                 r.technique.clone(),
                 match &r.implementation {
@@ -125,14 +198,12 @@ pub fn table(records: &[Record], skipped: &[Skipped]) -> String {
                 r.check.as_ref().map_or("unchecked".into(), |c| format!("{:.2e}", c.rel_err)),
                 r.check.as_ref().map_or("-".into(), |c| format!("{:.2e}", c.max_abs_err)),
                 fmt_bytes(r.peak_mem_bytes),
-            ]
+            ],
+            Row::Skipped(s) => {
+                vec![s.stage.clone(), s.technique.clone(), format!("{}: {}", if s.failed { "FAILED" } else { "skipped" }, s.reason)]
+            }
         })
         .collect();
-    for s in skipped {
-        let mut row = vec![s.stage.clone(), s.technique.clone()];
-        row.push(format!("{}: {}", if s.failed { "FAILED" } else { "skipped" }, s.reason));
-        rows.push(row);
-    }
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in &rows {
         // A skipped row's reason runs across the remaining columns; it does not widen them.

@@ -1,0 +1,283 @@
+//! Charts for the README and for sweeps, drawn with plotters' SVG backend. Text is written as
+//! SVG `<text>` elements (plotters built without its `ttf` feature), so neither building nor
+//! drawing needs font files; the viewer's sans-serif font renders it.
+
+use crate::provenance::date_utc;
+use crate::render::{axis_symbol, describe_device, fmt_ms, fmt_rel_err, fmt_speedup, precision_label};
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use shared::report::{LadderReport, Row, SweepReport};
+
+/// One colour per stage number, the same in every chart (stage 0, the baseline, is grey).
+static COLOURS: [RGBColor; 6] = [
+    RGBColor(0x88, 0x88, 0x88),
+    RGBColor(0x1f, 0x77, 0xb4),
+    RGBColor(0xff, 0x7f, 0x0e),
+    RGBColor(0x2c, 0xa0, 0x2c),
+    RGBColor(0x94, 0x67, 0xbd),
+    RGBColor(0xd6, 0x27, 0x28),
+];
+const INK: RGBColor = RGBColor(0x22, 0x22, 0x22);
+const MUTED: RGBColor = RGBColor(0x66, 0x66, 0x66);
+const FAIL: RGBColor = RGBColor(0xb0, 0x00, 0x20);
+
+/// The stage's colour, by the number in its name ("stage2_sdpa" → 2), else by its position.
+fn colour(stage: &str, position: usize) -> RGBColor {
+    let n = stage.strip_prefix("stage").and_then(|s| s.split('_').next()).and_then(|n| n.parse().ok()).unwrap_or(position);
+    COLOURS[n % COLOURS.len()]
+}
+
+/// Text of `size` px. (plotters' SVG backend writes font-size = size / 1.24, hence the factor.)
+fn text(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
+    TextStyle { font: ("sans-serif", size * 1.24).into_font(), color: colour.to_backend_color(), pos: Pos::new(h, v) }
+}
+
+/// Axis tick labels with as many decimals as the axis' scale needs.
+fn axis_ms(v: f64, top: f64) -> String {
+    match top {
+        t if t >= 20.0 => format!("{v:.0}"),
+        t if t >= 2.0 => format!("{v:.1}"),
+        _ => format!("{v:.2}"),
+    }
+}
+
+fn bold(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
+    let plain = text(size, colour, h, v);
+    TextStyle { font: plain.font.clone().style(FontStyle::Bold), ..plain }
+}
+
+/// The ladder chart: one bar per stage (median ms, p10–p90 whisker), the speedup over stage 0
+/// and the median written on each bar, and under each bar its precision and relative error
+/// against the fp32 reference. A stage that did not run keeps its slot, labelled "skipped".
+pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
+    let rows = report.rows();
+    let n = rows.len().max(1);
+    let (w, h) = ((150 * n as u32 + 150).max(800), 540u32);
+    let has_baseline = report.records.iter().any(|r| r.speedup_vs_stage0.is_some());
+    let top = report.records.iter().map(|r| r.timing.p90_ms.max(r.timing.median_ms)).fold(0.0, f64::max);
+    let y_max = if top > 0.0 { top * 1.3 } else { 1.0 };
+
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let title = if has_baseline {
+            "Median ms per forward (lower is better); speedup over stage 0 on each bar"
+        } else {
+            "Median ms per forward (lower is better); stage 0 did not run, so no speedups"
+        };
+        root.draw(&Text::new(title, (20, 12), bold(16.0, INK, HPos::Left, VPos::Top)))?;
+        root.draw(&Text::new(describe_device(report), (20, 36), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
+        let facts = format!("{} · commit {} · {}", report.shape, report.commit, date_utc(report.unix_time));
+        root.draw(&Text::new(facts, (20, 53), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
+        let body = root.margin(74, 8, 8, 20);
+
+        let mut chart =
+            ChartBuilder::on(&body).x_label_area_size(62).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .y_labels(6)
+            .y_desc("median ms per forward (whisker: p10–p90)")
+            .y_label_formatter(&|v| axis_ms(*v, y_max))
+            .axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
+            .label_style(text(12.0, INK, HPos::Center, VPos::Center))
+            .bold_line_style(RGBColor(0xe6, 0xe6, 0xe6))
+            .light_line_style(TRANSPARENT)
+            .draw()?;
+
+        for (i, row) in rows.iter().enumerate() {
+            let x = i as f64 + 0.5;
+            let c = colour(row.stage(), i);
+            match row {
+                Row::Ran(r) => {
+                    let t = &r.timing;
+                    chart.draw_series([Rectangle::new([(x - 0.32, 0.0), (x + 0.32, t.median_ms)], c.filled())])?;
+                    let whisker = [(x, t.p10_ms), (x, t.p90_ms)];
+                    let caps = [[(x - 0.06, t.p10_ms), (x + 0.06, t.p10_ms)], [(x - 0.06, t.p90_ms), (x + 0.06, t.p90_ms)]];
+                    chart.draw_series([PathElement::new(whisker.to_vec(), INK.stroke_width(1))])?;
+                    chart.draw_series(caps.iter().map(|cap| PathElement::new(cap.to_vec(), INK.stroke_width(1))))?;
+                    let at = (x, t.p90_ms.max(t.median_ms));
+                    let ms = EmptyElement::at(at)
+                        + Text::new(format!("{} ms", fmt_ms(t.median_ms)), (0, -5), text(12.0, MUTED, HPos::Center, VPos::Bottom));
+                    chart.draw_series([ms])?;
+                    if let Some(s) = r.speedup_vs_stage0 {
+                        chart
+                            .draw_series([EmptyElement::at(at)
+                                + Text::new(fmt_speedup(Some(s)), (0, -22), bold(15.0, INK, HPos::Center, VPos::Bottom))])?;
+                    }
+                }
+                Row::Skipped(s) => {
+                    let (word, ink) = if s.failed { ("FAILED check", FAIL) } else { ("skipped", MUTED) };
+                    let frame = [(x - 0.32, 0.0), (x - 0.32, y_max * 0.25), (x + 0.32, y_max * 0.25), (x + 0.32, 0.0)];
+                    chart.draw_series([PathElement::new(frame.to_vec(), ink.stroke_width(1))])?;
+                    chart.draw_series([
+                        EmptyElement::at((x, y_max * 0.125)) + Text::new(word, (0, 0), text(13.0, ink, HPos::Center, VPos::Center))
+                    ])?;
+                }
+            }
+            // Under the axis: which stage, at what precision, how far from the reference.
+            let (px, py) = chart.backend_coord(&(x, 0.0));
+            let (precision, error) = match row {
+                Row::Ran(r) => (precision_label(r), format!("rel err {}", fmt_rel_err(r))),
+                Row::Skipped(s) => ("–".into(), if s.failed { "failed its check".into() } else { "not measured".into() }),
+            };
+            root.draw(&Text::new(row.stage().to_string(), (px, py + 8), bold(12.0, INK, HPos::Center, VPos::Top)))?;
+            root.draw(&Text::new(precision, (px, py + 25), text(12.0, INK, HPos::Center, VPos::Top)))?;
+            root.draw(&Text::new(error, (px, py + 41), text(12.0, MUTED, HPos::Center, VPos::Top)))?;
+        }
+        root.present()?;
+    }
+    Ok(svg)
+}
+
+/// The shape's dimensions other than the swept one (and those that follow it in a d_model sweep).
+fn shape_without(s: &shared::Shape, axis: &str) -> String {
+    let dims = [
+        ("B", s.batch, "batch"),
+        ("T", s.seq, "seq"),
+        ("C", s.d_model, "d_model"),
+        ("n_head", s.n_head, "d_model"),
+        ("FF", s.ff, "d_model"),
+    ];
+    dims.iter().filter(|(_, _, a)| *a != axis).map(|(n, v, _)| format!("{n}={v}")).collect::<Vec<_>>().join(" ")
+}
+
+/// 1, 2, 5 × 10^n within [lo, hi].
+fn ticks_125(lo: f64, hi: f64) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut decade = 10f64.powf(lo.log10().floor());
+    while decade <= hi {
+        for m in [1.0, 2.0, 5.0] {
+            let t = m * decade;
+            if t >= lo && t <= hi {
+                out.push(t);
+            }
+        }
+        decade *= 10.0;
+    }
+    out
+}
+
+/// The swept values under a panel's x axis; `at` maps a value's position to pixels on the axis.
+fn value_labels(
+    root: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    values: &[usize],
+    at: impl Fn(f64) -> (i32, i32),
+) -> anyhow::Result<()> {
+    for (j, v) in values.iter().enumerate() {
+        let (px, py) = at(j as f64);
+        root.draw(&Text::new(v.to_string(), (px, py + 6), text(12.0, INK, HPos::Center, VPos::Top)))?;
+    }
+    Ok(())
+}
+
+/// The sweep chart, two panels over the swept values: median ms per stage (log scale), and
+/// each stage's speedup over stage 0 at the same value — where a technique starts to pay is
+/// where its line crosses 1.
+pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
+    let k = sweep.values.len().max(1);
+    let (w, h) = ((110 * k as u32 + 300).max(800), 760u32);
+    let stages: Vec<String> = sweep.runs.first().map(|r| r.rows().iter().map(|row| row.stage().to_string()).collect()).unwrap_or_default();
+    // (value index, record) per stage, for the runs where it was measured.
+    let series: Vec<Vec<(usize, &shared::report::Record)>> = stages
+        .iter()
+        .map(|stage| {
+            sweep.runs.iter().enumerate().filter_map(|(j, run)| run.records.iter().find(|r| &r.stage == stage).map(|r| (j, r))).collect()
+        })
+        .collect();
+    let all = series.iter().flatten();
+    let (lo, hi) = all.clone().map(|(_, r)| r.timing.median_ms).fold((f64::INFINITY, 0.0f64), |(lo, hi), m| (lo.min(m), hi.max(m)));
+    let (lo, hi) = if hi > 0.0 { (lo * 0.6, hi * 1.8) } else { (0.1, 1.0) };
+    let s_max = all.filter_map(|(_, r)| r.speedup_vs_stage0).fold(1.0f64, f64::max) * 1.2;
+    let x_range = || -0.5f64..k as f64 - 0.5;
+    let x_desc = match sweep.axis.as_str() {
+        "seq" => "T (tokens per sequence)".to_string(),
+        "batch" => "B (sequences per forward)".to_string(),
+        "d_model" => "C (model width)".to_string(),
+        other => other.to_string(),
+    };
+
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let title = format!("Sweep over {}: median ms per stage, and its speedup over stage 0", axis_symbol(&sweep.axis));
+        root.draw(&Text::new(title, (20, 12), bold(16.0, INK, HPos::Left, VPos::Top)))?;
+        if let Some(first) = sweep.runs.first() {
+            root.draw(&Text::new(describe_device(first), (20, 36), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
+            let facts = format!("{} · commit {} · {}", shape_without(&first.shape, &sweep.axis), first.commit, date_utc(first.unix_time));
+            root.draw(&Text::new(facts, (20, 53), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
+        }
+        let body = root.margin(74, 8, 8, 20);
+        let (upper, lower) = body.split_vertically(h / 2 - 40);
+
+        let mut ms =
+            ChartBuilder::on(&upper).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(x_range(), (lo..hi).log_scale())?;
+        ms.configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .x_desc(x_desc.clone())
+            .y_desc("median ms (log scale)")
+            .y_label_formatter(&|_| String::new())
+            .axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
+            .label_style(text(12.0, INK, HPos::Center, VPos::Center))
+            .bold_line_style(TRANSPARENT)
+            .light_line_style(TRANSPARENT)
+            .draw()?;
+        for (i, (stage, points)) in stages.iter().zip(&series).enumerate() {
+            let c = colour(stage, i);
+            let line: Vec<(f64, f64)> = points.iter().map(|(j, r)| (*j as f64, r.timing.median_ms)).collect();
+            ms.draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))?
+                .label(stage.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(3)));
+            ms.draw_series(line.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
+        }
+        value_labels(&root, &sweep.values, |x| ms.backend_coord(&(x, lo)))?;
+        // Ticks at 1, 2, 5 × 10^n: plotters' own log ticks are decades only, too few for one decade.
+        for t in ticks_125(lo, hi) {
+            ms.draw_series([PathElement::new(vec![(-0.5, t), (k as f64 - 0.5, t)], RGBColor(0xe6, 0xe6, 0xe6).stroke_width(1))])?;
+            let (px, py) = ms.backend_coord(&(-0.5, t));
+            root.draw(&Text::new(format!("{}", (t * 1e6).round() / 1e6), (px - 6, py), text(12.0, INK, HPos::Right, VPos::Center)))?;
+        }
+        ms.configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(0xcc, 0xcc, 0xcc))
+            .label_font(text(12.0, INK, HPos::Left, VPos::Center))
+            .draw()?;
+
+        let mut up = ChartBuilder::on(&lower).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(x_range(), 0f64..s_max)?;
+        up.configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .x_desc(x_desc)
+            .y_desc("speedup over stage 0 (above 1 pays)")
+            .y_label_formatter(&|v| format!("{v:.1}x"))
+            .axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
+            .label_style(text(12.0, INK, HPos::Center, VPos::Center))
+            .bold_line_style(RGBColor(0xe6, 0xe6, 0xe6))
+            .light_line_style(TRANSPARENT)
+            .draw()?;
+        value_labels(&root, &sweep.values, |x| up.backend_coord(&(x, 0.0)))?;
+        up.draw_series([PathElement::new(vec![(-0.5, 1.0), (k as f64 - 0.5, 1.0)], COLOURS[0].stroke_width(2))])?;
+        for (i, (stage, points)) in stages.iter().zip(&series).enumerate() {
+            let c = colour(stage, i);
+            let line: Vec<(f64, f64)> = points.iter().filter_map(|(j, r)| r.speedup_vs_stage0.map(|s| (*j as f64, s))).collect();
+            if c == COLOURS[0] {
+                continue; // stage 0 is the line at 1
+            }
+            up.draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))?;
+            up.draw_series(line.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
+            // The last value's speedup, written at the line's end (every value's is in the table).
+            if let Some(&(x, s)) = line.last() {
+                up.draw_series(
+                    [EmptyElement::at((x, s)) + Text::new(format!("{s:.2}x"), (7, 0), text(12.0, c, HPos::Left, VPos::Center))],
+                )?;
+            }
+        }
+        root.present()?;
+    }
+    Ok(svg)
+}

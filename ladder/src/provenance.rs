@@ -1,0 +1,106 @@
+//! Where a run's numbers come from, beyond the device: exact crate and compiler versions, the
+//! GPU driver, and the date — what the JSON carries and the README prints above a table.
+
+use shared::device::DeviceInfo;
+use std::collections::BTreeMap;
+
+/// Exact versions this binary was built from (see build.rs): candle-core, candle-speedkit and
+/// rustc always; cudarc in CUDA builds; candle-flash-attn in flash-attn builds.
+pub fn versions() -> BTreeMap<String, String> {
+    let mut v = BTreeMap::new();
+    v.insert("candle-core".into(), env!("SPEEDKIT_LOCKED_CANDLE_CORE").into());
+    v.insert("candle-speedkit".into(), env!("CARGO_PKG_VERSION").into());
+    v.insert("rustc".into(), env!("SPEEDKIT_RUSTC_VERSION").into());
+    if cfg!(feature = "cuda") {
+        v.insert("cudarc".into(), env!("SPEEDKIT_LOCKED_CUDARC").into());
+    }
+    if cfg!(feature = "flash-attn") {
+        v.insert("candle-flash-attn".into(), env!("SPEEDKIT_LOCKED_CANDLE_FLASH_ATTN").into());
+    }
+    v
+}
+
+/// The CUDA version the driver supports, e.g. "13.0", asked of the driver the run just used.
+/// `None` when the run was not on a GPU (a CPU run says nothing about a driver).
+pub fn cuda_driver_version(info: &DeviceInfo) -> Option<String> {
+    if !info.is_cuda() {
+        return None;
+    }
+    driver_api_version().map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10))
+}
+
+#[cfg(feature = "cuda")]
+fn driver_api_version() -> Option<i32> {
+    use candle_core::cuda::cudarc::driver::sys;
+    let mut version: std::ffi::c_int = 0;
+    // SAFETY: cuDriverGetVersion writes one int through the pointer and needs no context; the
+    // driver library is already loaded, since the run opened a device through it.
+    let status = unsafe { sys::cuDriverGetVersion(&mut version) };
+    (status == sys::CUresult::CUDA_SUCCESS).then_some(version)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn driver_api_version() -> Option<i32> {
+    None
+}
+
+/// The NVIDIA kernel module's version from /proc/driver/nvidia/version (Linux), e.g.
+/// "580.65.06"; `None` when the run was not on a GPU or the file is absent (containers may hide it).
+pub fn nvidia_driver(info: &DeviceInfo) -> Option<String> {
+    if !info.is_cuda() {
+        return None;
+    }
+    parse_nvidia_version(&std::fs::read_to_string("/proc/driver/nvidia/version").ok()?)
+}
+
+/// "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 ..." → "580.65.06".
+fn parse_nvidia_version(text: &str) -> Option<String> {
+    let line = text.lines().find(|l| l.starts_with("NVRM version"))?;
+    let rest = line.split("Kernel Module").nth(1)?;
+    let is_version = |w: &&str| w.contains('.') && w.chars().all(|c| c.is_ascii_digit() || c == '.');
+    rest.split_whitespace().find(is_version).map(str::to_string)
+}
+
+/// A Unix time as a UTC calendar date, "YYYY-MM-DD" (Howard Hinnant's days-to-civil).
+pub fn date_utc(unix: u64) -> String {
+    let z = (unix / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates() {
+        assert_eq!(date_utc(0), "1970-01-01");
+        assert_eq!(date_utc(951_782_400), "2000-02-29");
+        assert_eq!(date_utc(1_795_265_999), "2026-11-21");
+    }
+
+    #[test]
+    fn versions_are_exact() {
+        let v = versions();
+        let candle = &v["candle-core"];
+        assert!(candle.starts_with("0.11.") && candle.split('.').count() == 3, "{candle}");
+        assert!(v["rustc"].starts_with("rustc "), "{v:?}");
+        assert_eq!(v.contains_key("cudarc"), cfg!(feature = "cuda"));
+    }
+
+    #[test]
+    fn driver_line() {
+        let text = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder@U16-I3-B03-4-3)  Sun Jul 27 07:09:50 UTC 2025\nGCC version:  gcc version 13.3.0\n";
+        assert_eq!(parse_nvidia_version(text).as_deref(), Some("580.65.06"));
+        let text = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n";
+        assert_eq!(parse_nvidia_version(text).as_deref(), Some("550.54.15"));
+        assert_eq!(parse_nvidia_version("nothing"), None);
+    }
+}

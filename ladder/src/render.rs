@@ -1,0 +1,358 @@
+//! The ladder as text for readers: the GitHub-markdown table, the README's results region, the
+//! splice that puts that region between the README's markers, and the sweep tables.
+
+use crate::provenance::date_utc;
+use shared::report::{fmt_bytes, LadderReport, Record, Row, SweepReport};
+use shared::{Preset, Shape, SpeedkitError};
+
+/// The README's results region lies between these two lines; `--update-readme` rewrites what
+/// is between them and nothing else.
+pub const BEGIN: &str = "<!-- results:begin -->";
+pub const END: &str = "<!-- results:end -->";
+
+/// Milliseconds to about three significant digits: "452", "21.3", "1.23", "0.052".
+pub fn fmt_ms(ms: f64) -> String {
+    match ms {
+        m if m >= 100.0 => format!("{m:.0}"),
+        m if m >= 10.0 => format!("{m:.1}"),
+        m if m >= 1.0 => format!("{m:.2}"),
+        m => format!("{m:.3}"),
+    }
+}
+
+/// "2.13x", or "–" when there is nothing to compare with.
+pub fn fmt_speedup(v: Option<f64>) -> String {
+    v.map_or("–".into(), |v| format!("{v:.2}x"))
+}
+
+/// The precision as the tables show it: "bf16", or "fp8 (emulated)" when the stage says which
+/// implementation ran.
+pub fn precision_label(r: &Record) -> String {
+    match &r.implementation {
+        Some(i) => format!("{} ({i})", r.precision),
+        None => r.precision.to_string(),
+    }
+}
+
+/// Relative error against the fp32 reference, or "unchecked" (--no-check).
+pub fn fmt_rel_err(r: &Record) -> String {
+    match &r.check {
+        None => "unchecked".into(),
+        Some(c) if c.rel_err == 0.0 => "0".into(),
+        Some(c) => format!("{:.1e}", c.rel_err),
+    }
+}
+
+/// "skipped: why" or "FAILED: why", on one line.
+fn not_measured(failed: bool, reason: &str) -> String {
+    format!("{}: {}", if failed { "FAILED" } else { "skipped" }, reason.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+/// GFLOP/s on a CPU (a few hundred at most), TFLOP/s on a GPU.
+fn throughput(report: &LadderReport) -> (&'static str, f64) {
+    if report.device.is_cuda() {
+        ("TFLOP/s", 1.0)
+    } else {
+        ("GFLOP/s", 1e3)
+    }
+}
+
+fn md_row(cells: &[String]) -> String {
+    let cells: Vec<String> = cells.iter().map(|c| c.replace('|', "\\|").replace('\n', " ")).collect();
+    format!("| {} |\n", cells.join(" | "))
+}
+
+fn md_table(header: &[String], rows: &[Vec<String>]) -> String {
+    let mut out = md_row(header);
+    out.push_str(&format!("|{}\n", "---|".repeat(header.len())));
+    for row in rows {
+        out.push_str(&md_row(row));
+    }
+    out
+}
+
+/// The ladder's table as GitHub markdown: one row per stage in ladder order, skipped and failed
+/// stages included, with the reason in the precision column.
+pub fn markdown_table(report: &LadderReport) -> String {
+    let (unit, scale) = throughput(report);
+    let header: Vec<String> =
+        ["stage", "precision", "median ms (p10–p90)", "vs stage 0", "vs previous", unit, "% of peak", "rel. error", "peak mem"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    let rows: Vec<Vec<String>> = report
+        .rows()
+        .iter()
+        .map(|row| match row {
+            Row::Ran(r) => vec![
+                r.stage.clone(),
+                precision_label(r),
+                format!("{} ({}–{})", fmt_ms(r.timing.median_ms), fmt_ms(r.timing.p10_ms), fmt_ms(r.timing.p90_ms)),
+                fmt_speedup(r.speedup_vs_stage0),
+                fmt_speedup(r.speedup_vs_prev),
+                format!("{:.1}", r.tflops * scale),
+                r.pct_of_peak.map_or("–".into(), |p| format!("{p:.1}%")),
+                fmt_rel_err(r),
+                fmt_bytes(r.peak_mem_bytes),
+            ],
+            Row::Skipped(s) => {
+                let mut cells = vec![s.stage.clone(), not_measured(s.failed, &s.reason)];
+                cells.resize(header.len(), "–".into());
+                cells
+            }
+        })
+        .collect();
+    md_table(&header, &rows)
+}
+
+/// "CPU: AMD EPYC, 2 threads" or "GPU: NVIDIA H100 80GB HBM3 (SM 9.0), driver 580.65.06, CUDA 13.0".
+pub fn describe_device(report: &LadderReport) -> String {
+    let d = &report.device;
+    match d.sm {
+        Some((ma, mi)) => {
+            let mut s = format!("GPU: {} (SM {ma}.{mi})", d.name);
+            if let Some(v) = &report.nvidia_driver {
+                s.push_str(&format!(", driver {v}"));
+            }
+            if let Some(v) = &report.cuda_driver_version {
+                s.push_str(&format!(", CUDA {v}"));
+            }
+            s
+        }
+        None => format!("CPU: {}, {} threads", d.name, d.threads),
+    }
+}
+
+/// The preset's name when the shape is one, and the dimensions.
+pub fn describe_shape(shape: &Shape) -> String {
+    let preset = [Preset::Tiny, Preset::Small, Preset::Gpt2, Preset::Te].into_iter().find(|p| p.shape() == *shape);
+    match preset {
+        Some(p) => format!("preset `{}` ({shape})", p.name()),
+        None => format!("{shape}"),
+    }
+}
+
+/// "2 warm-up + 10 timed iterations", from the records (several when they differ).
+fn iterations(report: &LadderReport) -> Option<String> {
+    let mut seen: Vec<(usize, usize)> = Vec::new();
+    for r in &report.records {
+        if !seen.contains(&(r.warmup, r.iters)) {
+            seen.push((r.warmup, r.iters));
+        }
+    }
+    (!seen.is_empty()).then(|| seen.iter().map(|(w, i)| format!("{w} warm-up + {i} timed iterations")).collect::<Vec<_>>().join(" / "))
+}
+
+/// What goes between the README's markers: where and when the run was made, the table, and the
+/// chart. A pure function of the report and the two links, so re-rendering the same JSON gives
+/// the same bytes.
+pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> String {
+    let mut facts = vec![
+        format!("**{}**", describe_device(report)),
+        describe_shape(&report.shape),
+        format!("commit `{}`", report.commit),
+        date_utc(report.unix_time),
+    ];
+    if let Some(v) = report.versions.get("candle-core") {
+        facts.push(format!("candle-core {v}"));
+    }
+    if let Some(it) = iterations(report) {
+        facts.push(it);
+    }
+    if !report.args.is_empty() {
+        facts.push(format!("`ladder {}`", report.args.join(" ")));
+    }
+    facts.push(format!("data: [{json_link}]({json_link})"));
+    let mut out = format!("<!-- Written by `ladder --update-readme` from {json_link}: rerun it rather than editing by hand. -->\n");
+    out.push_str(&facts.join(" · "));
+    out.push_str("\n\n");
+    out.push_str(&markdown_table(report));
+    if !report.records.iter().any(|r| r.speedup_vs_stage0.is_some()) {
+        out.push_str("\nStage 0 did not run, so there are no speedups over it.\n");
+    }
+    out.push_str(&format!("\n![median ms per stage, with the speedup over stage 0 on each bar]({svg_link})\n"));
+    out
+}
+
+/// `readme` with everything between the results markers replaced by `region`; every byte
+/// outside the markers is kept. Refuses (exit 2) when the markers are missing, repeated or in
+/// the wrong order, rather than guessing where the table goes.
+pub fn splice_readme(readme: &str, region: &str) -> Result<String, SpeedkitError> {
+    let (begins, ends) = (readme.matches(BEGIN).count(), readme.matches(END).count());
+    if begins != 1 || ends != 1 {
+        return Err(SpeedkitError::usage(format!(
+            "the README must hold exactly one `{BEGIN}` and one `{END}` line around its results, \
+             but it has {begins} and {ends}; --update-readme rewrites only what lies between them \
+             and will not guess. Fix: put the two markers, each on its own line, around the \
+             results table (once), or point --readme at the right file."
+        )));
+    }
+    let (b, e) = (readme.find(BEGIN).unwrap() + BEGIN.len(), readme.find(END).unwrap());
+    if e < b {
+        return Err(SpeedkitError::usage(format!(
+            "the README's `{END}` marker comes before `{BEGIN}`. Fix: put the begin marker above \
+             the results and the end marker below them."
+        )));
+    }
+    let mut out = String::with_capacity(readme.len() + region.len());
+    out.push_str(&readme[..b]);
+    out.push('\n');
+    out.push_str(region);
+    if !region.ends_with('\n') {
+        out.push('\n');
+    }
+    out.push_str(&readme[e..]);
+    Ok(out)
+}
+
+/// The literature's letter for a swept dimension: T, B or C.
+pub fn axis_symbol(axis: &str) -> &str {
+    match axis {
+        "seq" => "T",
+        "batch" => "B",
+        "d_model" => "C",
+        other => other,
+    }
+}
+
+/// How a swept value is written: "T = 512", "B = 8", "C = 1024".
+pub fn axis_label(axis: &str, value: usize) -> String {
+    format!("{} = {value}", axis_symbol(axis))
+}
+
+/// Stage × value: median ms and the speedup over stage 0 at that value, or why it did not run.
+fn sweep_grid(sweep: &SweepReport) -> (Vec<String>, Vec<Vec<String>>) {
+    let mut header = vec!["stage".to_string()];
+    header.extend(sweep.values.iter().map(|&v| axis_label(&sweep.axis, v)));
+    let stages: Vec<String> = sweep.runs.first().map(|r| r.rows().iter().map(|row| row.stage().to_string()).collect()).unwrap_or_default();
+    let rows = stages
+        .iter()
+        .map(|stage| {
+            let mut cells = vec![stage.clone()];
+            for run in &sweep.runs {
+                let cell = match run.rows().into_iter().find(|r| r.stage() == stage) {
+                    Some(Row::Ran(r)) => format!("{} ms · {}", fmt_ms(r.timing.median_ms), fmt_speedup(r.speedup_vs_stage0)),
+                    Some(Row::Skipped(s)) if s.failed => "FAILED".into(),
+                    Some(Row::Skipped(_)) => "skipped".into(),
+                    None => "–".into(),
+                };
+                cells.push(cell);
+            }
+            cells
+        })
+        .collect();
+    (header, rows)
+}
+
+/// Columns padded to their widest cell, for the terminal.
+fn aligned(header: &[String], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let line = |cells: &[String]| -> String {
+        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect();
+        padded.join("  ").trim_end().to_string() + "\n"
+    };
+    let mut out = line(header);
+    out.push_str(&line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>()));
+    for row in rows {
+        out.push_str(&line(row));
+    }
+    out
+}
+
+fn sweep_note(sweep: &SweepReport) -> String {
+    let mut note = format!("cells: median ms · speedup over stage 0 at the same {}", axis_symbol(&sweep.axis));
+    if sweep.axis == "d_model" {
+        note.push_str(" (FF = 4·C and d_head fixed unless --ff / --heads were given)");
+    }
+    note
+}
+
+/// Every value's ladder as a terminal table, then the stage × value summary.
+pub fn sweep_text(sweep: &SweepReport) -> String {
+    let mut out = String::new();
+    for (v, run) in sweep.values.iter().zip(&sweep.runs) {
+        out.push_str(&format!("\n{} · {}\n", axis_label(&sweep.axis, *v), run.shape));
+        out.push_str(&run.table());
+    }
+    let (header, rows) = sweep_grid(sweep);
+    out.push_str(&format!("\nsweep over {} ({})\n", sweep.axis, sweep_note(sweep)));
+    out.push_str(&aligned(&header, &rows));
+    out
+}
+
+/// The same as `sweep_text`, in GitHub markdown.
+pub fn sweep_markdown(sweep: &SweepReport) -> String {
+    let mut out = String::new();
+    for (v, run) in sweep.values.iter().zip(&sweep.runs) {
+        out.push_str(&format!("\n#### {} · {}\n\n", axis_label(&sweep.axis, *v), describe_shape(&run.shape)));
+        out.push_str(&markdown_table(run));
+    }
+    let (header, rows) = sweep_grid(sweep);
+    out.push_str(&format!("\n#### Sweep over {}: {}\n\n", sweep.axis, sweep_note(sweep)));
+    out.push_str(&md_table(&header, &rows));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splice_touches_only_the_region() {
+        let readme = format!("# Title\n\nintro\n\n{BEGIN}\nold table\nold notes\n{END}\n\n## After\ntext\n");
+        let out = splice_readme(&readme, "new table\n").unwrap();
+        assert_eq!(out, format!("# Title\n\nintro\n\n{BEGIN}\nnew table\n{END}\n\n## After\ntext\n"));
+        assert_eq!(splice_readme(&out, "new table\n").unwrap(), out, "idempotent");
+        // A region without its final newline still leaves the end marker on its own line.
+        assert_eq!(splice_readme(&readme, "new table").unwrap(), out);
+        // An empty region is allowed and keeps the markers.
+        assert_eq!(splice_readme(&readme, "").unwrap(), format!("# Title\n\nintro\n\n{BEGIN}\n\n{END}\n\n## After\ntext\n"));
+    }
+
+    #[test]
+    fn splice_refuses_missing_duplicated_or_reversed_markers() {
+        let cases = [
+            ("no markers\n".to_string(), "has 0 and 0"),
+            (format!("{BEGIN}\nonly begin\n"), "has 1 and 0"),
+            (format!("{BEGIN}\na\n{END}\n{BEGIN}\nb\n{END}\n"), "has 2 and 2"),
+            (format!("{END}\na\n{BEGIN}\n"), "comes before"),
+        ];
+        for (readme, why) in cases {
+            let e = splice_readme(&readme, "x\n").unwrap_err();
+            assert!(matches!(e, SpeedkitError::Usage(_)), "exit 2");
+            let msg = e.to_string();
+            assert!(msg.contains(why) && msg.contains("Fix:"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn milliseconds_keep_three_digits() {
+        assert_eq!(fmt_ms(451.93), "452");
+        assert_eq!(fmt_ms(21.349), "21.3");
+        assert_eq!(fmt_ms(1.2345), "1.23");
+        assert_eq!(fmt_ms(0.05213), "0.052");
+        assert_eq!(fmt_speedup(None), "–");
+        assert_eq!(fmt_speedup(Some(2.126)), "2.13x");
+        assert_eq!(axis_label("seq", 512), "T = 512");
+    }
+
+    #[test]
+    fn recorded_cpu_run_renders() {
+        // A run recorded before the report gained its provenance fields still renders.
+        let json = include_str!("../../results/cpu-dev-small.json");
+        let report: LadderReport = serde_json::from_str(json).unwrap();
+        let md = markdown_table(&report);
+        assert!(md.starts_with("| stage | precision | median ms (p10–p90) |"), "{md}");
+        assert!(md.contains("| stage0_baseline | fp32 | 452 (429–465) | 1.00x | – |"), "{md}");
+        let region = readme_region(&report, "results/cpu-dev-small.json", "results/x.svg");
+        assert!(region.contains("**CPU: AMD EPYC, 2 threads** · preset `small` (B=4 T=512"), "{region}");
+        assert!(region.contains("commit `8c37a4920778` · 2026-11-21"), "{region}");
+        assert!(region.contains("2 warm-up + 20 timed iterations"), "{region}");
+        assert!(region.ends_with("(results/x.svg)\n"), "{region}");
+    }
+}

@@ -1,0 +1,229 @@
+//! `ladder --sweep seq=512,1024,2048`: the ladder once per value of one dimension, every other
+//! flag the same, so a reader sees where each technique starts to pay (fused attention as T
+//! grows, lower precision as the GEMMs grow).
+
+use shared::cli::RunArgs;
+use shared::report::{Skipped, SweepReport, SWEEP_SCHEMA};
+use shared::SpeedkitError;
+
+/// The dimension a sweep varies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Axis {
+    /// T
+    Seq,
+    /// B
+    Batch,
+    /// C, with FF = 4·C and d_head kept (unless --ff / --heads are given)
+    DModel,
+}
+
+impl Axis {
+    /// As the flag spells it, and as the JSON stores it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Axis::Seq => "seq",
+            Axis::Batch => "batch",
+            Axis::DModel => "d_model",
+        }
+    }
+
+    fn flag(self) -> &'static str {
+        match self {
+            Axis::Seq => "--seq",
+            Axis::Batch => "--batch",
+            Axis::DModel => "--d-model",
+        }
+    }
+}
+
+/// `--sweep AXIS=V1,V2,...`
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sweep {
+    pub axis: Axis,
+    pub values: Vec<usize>,
+}
+
+impl std::str::FromStr for Sweep {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let usage = || format!("'{s}' is not a sweep; write AXIS=V1,V2,... with AXIS seq, batch or d_model, e.g. seq=512,1024,2048");
+        let (axis, values) = s.split_once('=').ok_or_else(usage)?;
+        let axis = match axis.trim().to_ascii_lowercase().replace('-', "_").as_str() {
+            "seq" | "t" => Axis::Seq,
+            "batch" | "b" => Axis::Batch,
+            "d_model" | "c" => Axis::DModel,
+            _ => return Err(usage()),
+        };
+        let values = values.split(',').map(|v| v.trim().parse::<usize>()).collect::<Result<Vec<_>, _>>().map_err(|_| usage())?;
+        if values.is_empty() {
+            return Err(usage());
+        }
+        Ok(Sweep { axis, values })
+    }
+}
+
+/// Flags that fix the swept dimension, or that would write one file per value over each other.
+fn check_flags(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
+    let axis = sweep.axis;
+    let given = match axis {
+        Axis::Seq => args.seq.is_some(),
+        Axis::Batch => args.batch.is_some(),
+        Axis::DModel => args.d_model.is_some(),
+    };
+    if given {
+        return Err(SpeedkitError::usage(format!(
+            "{} and --sweep {}=... both set the same dimension. Fix: drop {}; the sweep sets it for each run.",
+            axis.flag(),
+            axis.name(),
+            axis.flag()
+        )));
+    }
+    if args.input.is_some() && axis != Axis::DModel {
+        return Err(SpeedkitError::usage(format!(
+            "--input fixes B and T from its file, so it cannot be swept over {}. Fix: drop --input, or sweep d_model.",
+            axis.name()
+        )));
+    }
+    if (args.weights.is_some() || args.input.is_some()) && axis == Axis::DModel {
+        return Err(SpeedkitError::usage(
+            "--weights and --input fix C from their files, so a sweep cannot vary d_model. Fix: drop them, or sweep seq or batch.",
+        ));
+    }
+    for (flag, set) in [("--save-output", args.save_output.is_some()), ("--save-weights", args.save_weights.is_some())] {
+        if set {
+            return Err(SpeedkitError::usage(format!(
+                "{flag} writes one file per run, and a sweep's runs would overwrite each other. Fix: drop {flag}, or run the one shape you want without --sweep."
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The flags for one value, or why that value cannot run (it becomes skipped rows).
+fn args_for(args: &RunArgs, axis: Axis, value: usize, d_head: usize) -> Result<RunArgs, SpeedkitError> {
+    let mut a = args.clone();
+    a.json = None;
+    match axis {
+        Axis::Seq => a.seq = Some(value),
+        Axis::Batch => a.batch = Some(value),
+        Axis::DModel => {
+            a.d_model = Some(value);
+            a.ff = args.ff.or(Some(4 * value));
+            if args.heads.is_none() {
+                if value == 0 || !value.is_multiple_of(d_head) {
+                    return Err(SpeedkitError::usage(format!(
+                        "C = {value} is not a positive multiple of d_head = {d_head}, which the sweep keeps fixed (n_head = C / d_head). \
+                         Fix: sweep multiples of {d_head}, or pass --heads to fix n_head instead."
+                    )));
+                }
+                a.heads = Some(value / d_head);
+            }
+        }
+    }
+    Ok(a)
+}
+
+/// Run the ladder once per value. A value whose shape cannot run here (invalid, too large for
+/// the device) becomes a ladder whose every stage is skipped with the reason, not a crash.
+/// Returns the first check failure, if any, after every value has run.
+pub fn run(args: &RunArgs, sweep: &Sweep, which: &[usize], argv: &[String]) -> anyhow::Result<(SweepReport, Option<anyhow::Error>)> {
+    check_flags(args, sweep)?;
+    let base = shared::runner::resolve(args)?;
+    let mut runs = Vec::new();
+    let mut failure = None;
+    for &value in &sweep.values {
+        let label = crate::render::axis_label(sweep.axis.name(), value);
+        println!("\n=== sweep {label}");
+        let mut shape = base.shape;
+        match sweep.axis {
+            Axis::Seq => shape.seq = value,
+            Axis::Batch => shape.batch = value,
+            Axis::DModel => {
+                shape.d_model = value;
+                shape.ff = args.ff.unwrap_or(4 * value);
+                shape.n_head = args.heads.unwrap_or(if base.shape.d_head() > 0 { value / base.shape.d_head() } else { 0 });
+            }
+        }
+        let outcome =
+            args_for(args, sweep.axis, value, base.shape.d_head()).map_err(anyhow::Error::from).and_then(|a| crate::run(a, which));
+        let mut report = match outcome {
+            Ok((report, f)) => {
+                if failure.is_none() {
+                    failure = f;
+                }
+                report
+            }
+            Err(e) => match e.downcast_ref::<SpeedkitError>() {
+                Some(SpeedkitError::Usage(reason)) => {
+                    println!("skipped   {label}: {reason}");
+                    let mut report = crate::new_report(&base.info, shape, which);
+                    report.skipped = which
+                        .iter()
+                        .map(|&i| {
+                            let spec = &crate::stages()[i];
+                            Skipped {
+                                stage: spec.name.into(),
+                                technique: spec.technique.into(),
+                                reason: format!("{label}: {reason}"),
+                                failed: false,
+                            }
+                        })
+                        .collect();
+                    report
+                }
+                _ => return Err(e),
+            },
+        };
+        report.args = argv.to_vec();
+        runs.push(report);
+    }
+    let report = SweepReport { schema: SWEEP_SCHEMA.into(), axis: sweep.axis.name().into(), values: sweep.values.clone(), runs };
+    Ok((report, failure))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sweeps() {
+        assert_eq!("seq=512,1024".parse::<Sweep>().unwrap(), Sweep { axis: Axis::Seq, values: vec![512, 1024] });
+        assert_eq!("d-model=256".parse::<Sweep>().unwrap().axis, Axis::DModel);
+        assert_eq!("d_model=256, 512".parse::<Sweep>().unwrap().values, vec![256, 512]);
+        assert_eq!("batch=1".parse::<Sweep>().unwrap().axis, Axis::Batch);
+        for bad in ["seq", "seq=", "seq=1,x", "heads=4", "=4"] {
+            let e = bad.parse::<Sweep>().unwrap_err();
+            assert!(e.contains("seq=512,1024,2048"), "{bad}: {e}");
+        }
+    }
+
+    fn flags(flags: &[&str]) -> RunArgs {
+        use clap::{Args, FromArgMatches};
+        let m =
+            RunArgs::augment_args(clap::Command::new("t")).try_get_matches_from(std::iter::once("t").chain(flags.iter().copied())).unwrap();
+        RunArgs::from_arg_matches(&m).unwrap()
+    }
+
+    #[test]
+    fn d_model_keeps_d_head_and_scales_ff() {
+        let a = args_for(&flags(&["--preset", "tiny", "--json", "x.json"]), Axis::DModel, 256, 32).unwrap();
+        assert_eq!((a.d_model, a.ff, a.heads, a.json), (Some(256), Some(1024), Some(8), None));
+        let a = args_for(&flags(&["--ff", "100", "--heads", "2"]), Axis::DModel, 256, 32).unwrap();
+        assert_eq!((a.ff, a.heads), (Some(100), Some(2)));
+        let e = args_for(&flags(&[]), Axis::DModel, 48, 32).unwrap_err().to_string();
+        assert!(e.contains("d_head = 32") && e.contains("Fix:"), "{e}");
+        assert_eq!(args_for(&flags(&[]), Axis::Seq, 16, 32).unwrap().seq, Some(16));
+    }
+
+    #[test]
+    fn refuses_flags_that_fight_the_sweep() {
+        let seq = Sweep { axis: Axis::Seq, values: vec![8] };
+        let e = check_flags(&flags(&["--seq", "8"]), &seq).unwrap_err().to_string();
+        assert!(e.contains("--seq and --sweep seq=... both set"), "{e}");
+        let e = check_flags(&flags(&["--save-output", "y.safetensors"]), &seq).unwrap_err().to_string();
+        assert!(e.contains("overwrite"), "{e}");
+        let c = Sweep { axis: Axis::DModel, values: vec![256] };
+        assert!(check_flags(&flags(&["--weights", "w.safetensors"]), &c).is_err());
+        assert!(check_flags(&flags(&["--seq", "8"]), &c).is_ok());
+    }
+}
