@@ -143,7 +143,6 @@ pub struct SweepReport {
     pub runs: Vec<LadderReport>,
 }
 
-
 /// Bytes as "280.0 MiB" or "3.25 GiB"; "n/a" when not measured.
 pub fn fmt_bytes(b: Option<u64>) -> String {
     match b {
