@@ -38,7 +38,9 @@
 // folded into the scale. The arithmetic is the CPU kernel's, so they check against each other.
 //
 // Compiled to PTX by build.rs (nvcc --ptx, -arch=sm_$CUDA_COMPUTE_CAP, SM 8.0+: bf16 WMMA)
-// and loaded through candle's CudaDevice::get_or_load_custom_func.
+// and loaded through candle's CudaDevice::get_or_load_custom_func. Without a GPU, this same
+// source also runs on the CPU under host_emulation/ (bash stage2_sdpa/kernels/host_emulation/run.sh),
+// which checks its indexing, masking and online softmax against an f64 reference.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -152,10 +154,14 @@ __device__ __forceinline__ void flash_attn_fwd(const T* __restrict__ q, const T*
         for (int c = lane; c < D; c += 32) o_w[r * D + c] = 0.0f;  // O_i = 0
     }
 
-    // Causal: keys after this tile's last query are masked for every row in it, so those K/V
-    // tiles are skipped entirely — about half the work at long T.
-    const int kv_end = causal ? min(i0 + BR, T_len) : T_len;
-    for (int j0 = 0; j0 < kv_end; j0 += BC) {
+    // T_c = ⌈T / B_c⌉ key/value tiles (written so that T near INT_MAX cannot overflow). Causal:
+    // tiles after the diagonal (j > i) are masked for every row of Q_i, so they are skipped
+    // entirely — about half the work at long T. Counting tiles rather than positions keeps every
+    // position below in int range (launch_config allows T up to INT_MAX).
+    const int T_c = T_len / BC + (T_len % BC != 0);
+    const int kv_tiles = causal ? min(i_tile + 1, T_c) : T_c;
+    for (int j_tile = 0; j_tile < kv_tiles; ++j_tile) {
+        const int j0 = j_tile * BC;  // first key of K_j
         __syncthreads();  // every warp is done with the buffers (Q_i on the first pass, K_j−1
                           // and V_j−1 after) before they are overwritten
         load_tile<T, D, BC>(k_tile, k, j0, T_len, stride_t);

@@ -35,7 +35,7 @@ pub const MAX_T: usize = i32::MAX as usize;
 /// Limit of the grid's y and z dimensions, which carry n_head and B.
 pub const MAX_GRID_YZ: usize = 65_535;
 /// Registers per thread the occupancy arithmetic assumes. `nvcc -cubin -Xptxas -v` (CUDA 13.0)
-/// reports 94–128 for sm_80 and sm_90, no spills at d_head 64 and 128: at most
+/// reports 80–128 for the six entry points on sm_80 and sm_90, no spills: at most
 /// 128 × THREADS = 16 K registers a block, so four blocks fit one SM's 64 K and shared memory,
 /// not registers, is what limits blocks per SM (`blocks_per_sm`).
 pub const REGISTERS_PER_THREAD: usize = 128;
