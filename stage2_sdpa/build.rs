@@ -16,6 +16,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/flash_attn.cu");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
