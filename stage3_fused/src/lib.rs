@@ -37,7 +37,7 @@
 //! cuBLASLt f32 GEMM always computes in TF32, so plain fp32 is refused rather than mislabelled.
 //!
 //! **Run it.** `cargo run --release -p stage3_fused` (CPU) ·
-//! `cargo run --release --features cuda,flash-attn -p stage3_fused -- --device cuda` (GPU).
+//! `cargo run --release --features cuda -p stage3_fused -- --device cuda` (GPU).
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

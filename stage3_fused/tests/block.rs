@@ -35,7 +35,7 @@ fn block_matches_reference_on_tiny() {
 #[test]
 fn fp32_on_cuda_is_refused_not_mislabelled() {
     // Simulated Hopper: cudarc's cuBLASLt f32 GEMM computes in TF32, so fp32 must be refused.
-    // (Without the flash-attn feature stage 2's check refuses first; either way: exit 2, a fix.)
+    // (Stage 2's fused attention, bf16/f16 only on CUDA, may refuse first; either way: exit 2, a fix.)
     let h100 = shared::device::DeviceInfo::simulated_cuda("NVIDIA H100 80GB HBM3", (9, 0));
     let e = <stage3_fused::Block as shared::Stage>::choose_precision(&h100, PrecisionRequest::Exactly(Precision::Fp32)).unwrap_err();
     assert!(e.to_string().contains("Fix:"), "{e}");
