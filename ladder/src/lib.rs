@@ -206,6 +206,9 @@ pub struct OutputArgs {
     /// The README that --update-readme rewrites
     #[arg(long, env = "SPEEDKIT_README", default_value = "README.md")]
     pub readme: PathBuf,
+    /// Which region of the README --update-readme rewrites: the lines between `<!-- NAME:begin -->` and `<!-- NAME:end -->`
+    #[arg(long, env = "SPEEDKIT_README_REGION", default_value = "results", value_parser = render::region_name)]
+    pub readme_region: String,
 }
 
 /// The ladder's own flags, beside every runner flag.
@@ -296,14 +299,14 @@ fn link_from_readme(readme: &Path, path: &Path) -> Result<String, SpeedkitError>
 }
 
 /// Read the README and check its markers before a run, so a long run does not end in a refusal.
-fn read_readme(readme: &Path) -> Result<String, SpeedkitError> {
+fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
     let text = std::fs::read_to_string(readme).map_err(|e| {
         SpeedkitError::usage(format!(
             "--update-readme: cannot read {} ({e}). Fix: run from the repository root, or pass --readme PATH.",
             readme.display()
         ))
     })?;
-    render::splice_readme(&text, "").map_err(|e| SpeedkitError::usage(format!("{}: {e}", readme.display())))?;
+    render::splice_readme(&text, region, "").map_err(|e| SpeedkitError::usage(format!("{}: {e}", readme.display())))?;
     Ok(text)
 }
 
@@ -355,14 +358,14 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         let (Some(json), Some(svg)) = (json, &svg_path) else {
             anyhow::bail!("--update-readme needs the run's JSON and chart paths");
         };
-        let text = read_readme(&out.readme)?;
+        let text = read_readme(&out.readme, &out.readme_region)?;
         let region = render::readme_region(report, &link_from_readme(&out.readme, json)?, &link_from_readme(&out.readme, svg)?);
-        let updated = render::splice_readme(&text, &region)?;
+        let updated = render::splice_readme(&text, &out.readme_region, &region)?;
         if updated == text {
-            println!("unchanged {}: its results region already shows this run", out.readme.display());
+            println!("unchanged {}: its {} region already shows this run", out.readme.display(), out.readme_region);
         } else {
             write_text(&out.readme, &updated, "README")?;
-            println!("updated   {}: results region rewritten from {}", out.readme.display(), json.display());
+            println!("updated   {}: {} region rewritten from {}", out.readme.display(), out.readme_region, json.display());
         }
     }
     Ok(())
@@ -383,7 +386,7 @@ fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
         if ladder.sweep.is_some() {
             return Err(sweep_and_readme().into());
         }
-        read_readme(&out.readme)?;
+        read_readme(&out.readme, &out.readme_region)?;
     }
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let (results, failure) = match &ladder.sweep {
@@ -446,7 +449,7 @@ pub fn main() -> ExitCode {
             let args = RenderArgs::from_arg_matches(sub)?;
             let results = load(&args.from)?;
             if args.output.update_readme {
-                read_readme(&args.output.readme)?;
+                read_readme(&args.output.readme, &args.output.readme_region)?;
             }
             emit(&results, &args.output, Some(&args.from))
         }

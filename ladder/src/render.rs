@@ -5,10 +5,21 @@ use crate::provenance::date_utc;
 use shared::report::{fmt_bytes, LadderReport, Record, Row, SweepReport};
 use shared::{Preset, Shape, SpeedkitError};
 
-/// The README's results region lies between these two lines; `--update-readme` rewrites what
-/// is between them and nothing else.
-pub const BEGIN: &str = "<!-- results:begin -->";
-pub const END: &str = "<!-- results:end -->";
+/// The two lines a README region named `name` lies between (`<!-- results:begin -->` and
+/// `<!-- results:end -->` for the default region); `--update-readme` rewrites what is between
+/// them and nothing else.
+pub fn markers(name: &str) -> (String, String) {
+    (format!("<!-- {name}:begin -->"), format!("<!-- {name}:end -->"))
+}
+
+/// `--readme-region`: letters, digits, '-' and '_', so the name cannot break the comment.
+pub fn region_name(s: &str) -> Result<String, String> {
+    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        Ok(s.to_string())
+    } else {
+        Err(format!("'{s}' is not a region name; use letters, digits, '-' and '_', e.g. results-gpu"))
+    }
+}
 
 /// Milliseconds to about three significant digits: "452", "21.3", "1.23", "0.052".
 pub fn fmt_ms(ms: f64) -> String {
@@ -174,23 +185,24 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
     out
 }
 
-/// `readme` with everything between the results markers replaced by `region`; every byte
-/// outside the markers is kept. Refuses (exit 2) when the markers are missing, repeated or in
-/// the wrong order, rather than guessing where the table goes.
-pub fn splice_readme(readme: &str, region: &str) -> Result<String, SpeedkitError> {
-    let (begins, ends) = (readme.matches(BEGIN).count(), readme.matches(END).count());
+/// `readme` with everything between the markers of region `name` replaced by `region`; every
+/// byte outside the markers is kept. Refuses (exit 2) when the markers are missing, repeated or
+/// in the wrong order, rather than guessing where the table goes.
+pub fn splice_readme(readme: &str, name: &str, region: &str) -> Result<String, SpeedkitError> {
+    let (begin, end) = markers(name);
+    let (begins, ends) = (readme.matches(&begin).count(), readme.matches(&end).count());
     if begins != 1 || ends != 1 {
         return Err(SpeedkitError::usage(format!(
-            "the README must hold exactly one `{BEGIN}` and one `{END}` line around its results, \
+            "the README must hold exactly one `{begin}` and one `{end}` line around its results, \
              but it has {begins} and {ends}; --update-readme rewrites only what lies between them \
              and will not guess. Fix: put the two markers, each on its own line, around the \
-             results table (once), or point --readme at the right file."
+             results table (once), or point --readme / --readme-region at the right file and region."
         )));
     }
-    let (b, e) = (readme.find(BEGIN).unwrap() + BEGIN.len(), readme.find(END).unwrap());
+    let (b, e) = (readme.find(&begin).unwrap() + begin.len(), readme.find(&end).unwrap());
     if e < b {
         return Err(SpeedkitError::usage(format!(
-            "the README's `{END}` marker comes before `{BEGIN}`. Fix: put the begin marker above \
+            "the README's `{end}` marker comes before `{begin}`. Fix: put the begin marker above \
              the results and the end marker below them."
         )));
     }
@@ -304,26 +316,41 @@ mod tests {
 
     #[test]
     fn splice_touches_only_the_region() {
-        let readme = format!("# Title\n\nintro\n\n{BEGIN}\nold table\nold notes\n{END}\n\n## After\ntext\n");
-        let out = splice_readme(&readme, "new table\n").unwrap();
-        assert_eq!(out, format!("# Title\n\nintro\n\n{BEGIN}\nnew table\n{END}\n\n## After\ntext\n"));
-        assert_eq!(splice_readme(&out, "new table\n").unwrap(), out, "idempotent");
+        let (begin, end) = markers("results");
+        assert_eq!(begin, "<!-- results:begin -->");
+        let readme = format!("# Title\n\nintro\n\n{begin}\nold table\nold notes\n{end}\n\n## After\ntext\n");
+        let out = splice_readme(&readme, "results", "new table\n").unwrap();
+        assert_eq!(out, format!("# Title\n\nintro\n\n{begin}\nnew table\n{end}\n\n## After\ntext\n"));
+        assert_eq!(splice_readme(&out, "results", "new table\n").unwrap(), out, "idempotent");
         // A region without its final newline still leaves the end marker on its own line.
-        assert_eq!(splice_readme(&readme, "new table").unwrap(), out);
+        assert_eq!(splice_readme(&readme, "results", "new table").unwrap(), out);
         // An empty region is allowed and keeps the markers.
-        assert_eq!(splice_readme(&readme, "").unwrap(), format!("# Title\n\nintro\n\n{BEGIN}\n\n{END}\n\n## After\ntext\n"));
+        assert_eq!(splice_readme(&readme, "results", "").unwrap(), format!("# Title\n\nintro\n\n{begin}\n\n{end}\n\n## After\ntext\n"));
+    }
+
+    #[test]
+    fn regions_are_independent() {
+        let (b, e) = markers("results");
+        let (gb, ge) = markers("results-gpu");
+        let readme = format!("{b}\ncpu\n{e}\n\n{gb}\nno GPU run yet\n{ge}\n");
+        let out = splice_readme(&readme, "results-gpu", "gpu table\n").unwrap();
+        assert_eq!(out, format!("{b}\ncpu\n{e}\n\n{gb}\ngpu table\n{ge}\n"));
+        assert_eq!(splice_readme(&out, "results", "cpu 2\n").unwrap(), format!("{b}\ncpu 2\n{e}\n\n{gb}\ngpu table\n{ge}\n"));
+        assert!(region_name("results-gpu").is_ok());
+        assert!(region_name("a -->").is_err() && region_name("").is_err());
     }
 
     #[test]
     fn splice_refuses_missing_duplicated_or_reversed_markers() {
+        let (begin, end) = markers("results");
         let cases = [
             ("no markers\n".to_string(), "has 0 and 0"),
-            (format!("{BEGIN}\nonly begin\n"), "has 1 and 0"),
-            (format!("{BEGIN}\na\n{END}\n{BEGIN}\nb\n{END}\n"), "has 2 and 2"),
-            (format!("{END}\na\n{BEGIN}\n"), "comes before"),
+            (format!("{begin}\nonly begin\n"), "has 1 and 0"),
+            (format!("{begin}\na\n{end}\n{begin}\nb\n{end}\n"), "has 2 and 2"),
+            (format!("{end}\na\n{begin}\n"), "comes before"),
         ];
         for (readme, why) in cases {
-            let e = splice_readme(&readme, "x\n").unwrap_err();
+            let e = splice_readme(&readme, "results", "x\n").unwrap_err();
             assert!(matches!(e, SpeedkitError::Usage(_)), "exit 2");
             let msg = e.to_string();
             assert!(msg.contains(why) && msg.contains("Fix:"), "{msg}");

@@ -241,6 +241,14 @@ fn update_readme_rewrites_only_its_region_and_is_idempotent() {
     std::fs::write(&readme, format!("{before}stale\n{after}")).unwrap();
     ladder(&["render", "--from", s(&json), "--update-readme", "--readme", s(&readme)]).ok();
     assert_eq!(std::fs::read_to_string(&readme).unwrap(), text);
+
+    // Another named region (a GPU run's, say) is written without touching this one.
+    let gpu = "<!-- results-gpu:begin -->\nNo GPU run recorded yet.\n<!-- results-gpu:end -->\n";
+    std::fs::write(&readme, format!("{text}{gpu}")).unwrap();
+    ladder(&["render", "--from", s(&json), "--update-readme", "--readme", s(&readme), "--readme-region", "results-gpu"]).ok();
+    let both = std::fs::read_to_string(&readme).unwrap();
+    assert!(both.starts_with(&text) && !both.contains("No GPU run"), "{both}");
+    assert_eq!(markdown_tables(&both).len(), 2);
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -1,0 +1,138 @@
+//! Every command the README shows is run by CI: each command in its `sh` blocks and each inline
+//! `cargo …`/`docker …` span must appear in .ci/run (possibly with extra flags, e.g. CI adds
+//! `--preset tiny` to keep a run short), unless it is listed below as one CI cannot run, with
+//! the reason. A README command nobody runs is how tutorials rot.
+
+use std::path::Path;
+
+/// Commands CI cannot run on its GPU-less, Docker-less machine: which, and what covers them.
+struct NotRunByCi {
+    rule: &'static str,
+    applies: fn(&[String]) -> bool,
+    instead: &'static str,
+}
+
+const NOT_RUN_BY_CI: &[NotRunByCi] = &[
+    NotRunByCi {
+        rule: "cargo run/test/bench with a cuda feature",
+        applies: |w| {
+            w.first().is_some_and(|c| c == "cargo")
+                && w.get(1).is_some_and(|c| ["run", "test", "bench"].contains(&c.as_str()))
+                && w.windows(2).any(|p| p[0] == "--features" && p[1].split(',').any(|f| f == "cuda" || f == "flash-attn"))
+        },
+        instead: "needs an NVIDIA GPU to run; CI compiles every target with --features cuda (cargo check and clippy --all-targets)",
+    },
+    NotRunByCi {
+        rule: "docker build / docker run",
+        applies: |w| w.first().is_some_and(|c| c == "docker"),
+        instead: "needs Docker (and a GPU to run); CI lints the Dockerfile with hadolint",
+    },
+];
+
+fn root() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+/// The words of a command: without a trailing comment, leading `VAR=value` assignments, and
+/// the subshell and `cd` scaffolding CI uses to run a command in a scratch folder.
+fn words(cmd: &str) -> Vec<String> {
+    let cmd = cmd.split(" #").next().unwrap_or("");
+    let mut w: Vec<String> =
+        cmd.split_whitespace().map(|w| w.trim_matches(|c| c == '(' || c == ')').to_string()).filter(|w| !w.is_empty()).collect();
+    while w.first().is_some_and(|t| t.contains('=') && !t.starts_with('-')) {
+        w.remove(0);
+    }
+    w
+}
+
+/// `needle` appears in `hay` in order, other words allowed in between.
+fn subsequence(needle: &[String], hay: &[String]) -> bool {
+    let mut it = hay.iter();
+    needle.iter().all(|n| it.any(|h| h == n))
+}
+
+/// The commands the README shows: lines of its `sh` blocks (split at `&&`) and inline code
+/// spans that start with `cargo ` or `docker ` (templates with `…` or `[flag]` excluded).
+fn readme_commands(readme: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut in_sh = false;
+    let mut pending = String::new();
+    for line in readme.lines() {
+        if line.trim_start().starts_with("```") {
+            in_sh = !in_sh && line.trim() == "```sh";
+            continue;
+        }
+        if in_sh {
+            let line = line.trim();
+            if let Some(cont) = line.strip_suffix('\\') {
+                pending.push_str(cont);
+                pending.push(' ');
+                continue;
+            }
+            pending.push_str(line);
+            for part in pending.split("&&") {
+                if !words(part).is_empty() {
+                    out.push(part.trim().to_string());
+                }
+            }
+            pending.clear();
+            continue;
+        }
+        for (i, span) in line.split('`').enumerate() {
+            let is_code = i % 2 == 1;
+            if is_code && (span.starts_with("cargo ") || span.starts_with("docker ")) && !span.contains('…') && !span.contains('[') {
+                out.push(span.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// .ci/run as commands: continuation lines joined, split at `&&` and `;`.
+fn ci_commands(ci: &str) -> Vec<Vec<String>> {
+    ci.replace("\\\n", " ")
+        .lines()
+        .flat_map(|l| l.split("&&").flat_map(|p| p.split(';')).map(words).collect::<Vec<_>>())
+        .filter(|w| !w.is_empty())
+        .collect()
+}
+
+#[test]
+fn every_readme_command_is_run_by_ci() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let ci = ci_commands(&std::fs::read_to_string(root().join(".ci/run")).unwrap());
+    let commands = readme_commands(&readme);
+    assert!(commands.iter().any(|c| words(c) == words("cargo run --release -p ladder")), "the quick start is found: {commands:?}");
+    let mut missing = Vec::new();
+    for cmd in &commands {
+        let w = words(cmd);
+        let exempt = NOT_RUN_BY_CI.iter().any(|e| (e.applies)(&w));
+        if !exempt && !ci.iter().any(|line| subsequence(&w, line)) {
+            missing.push(cmd.clone());
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "README commands that .ci/run never runs (add them to .ci/run, or to NOT_RUN_BY_CI with the reason):\n{}",
+        missing.join("\n")
+    );
+    // No stale exemptions: each still covers a README command.
+    for e in NOT_RUN_BY_CI {
+        assert!(commands.iter().any(|c| (e.applies)(&words(c))), "exemption \"{}\" ({}) covers no README command", e.rule, e.instead);
+    }
+}
+
+#[test]
+fn command_matching() {
+    let ci = ci_commands("set -e\n(cd target/ci && SPEEDKIT_PRESET=tiny cargo run --release --manifest-path ../../Cargo.toml -p ladder -- --update-readme)\ncargo check --workspace \\\n  --all-targets --features cuda # compile only\n");
+    let w = |s: &str| words(s);
+    assert!(ci.iter().any(|l| subsequence(&w("cargo run --release -p ladder -- --update-readme"), l)), "{ci:?}");
+    assert!(ci.iter().any(|l| subsequence(&w("cargo check --workspace --features cuda"), l)), "{ci:?}");
+    assert!(!ci.iter().any(|l| subsequence(&w("cargo run --release -p ladder -- --sweep seq=8"), l)));
+    let gpu = |c: &str| NOT_RUN_BY_CI.iter().any(|e| (e.applies)(&w(c)));
+    assert!(gpu("cargo run --release --features cuda -p ladder -- --device cuda"));
+    assert!(gpu("cargo bench -p stage2_sdpa --features cuda,flash-attn") && gpu("docker run --rm x"));
+    assert!(!gpu("cargo check --workspace --features cuda") && !gpu("cargo run --release -p ladder"));
+    let readme = "text `cargo bench -p x` and `cargo run -- [flag] …`\n```sh\nsource a.sh && cargo check # why\ncargo run \\\n  -p ladder\n```\n```\nnot sh\n```\n";
+    assert_eq!(readme_commands(readme), ["cargo bench -p x", "source a.sh", "cargo check # why", "cargo run  -p ladder"]);
+}
