@@ -271,7 +271,10 @@ impl Session {
             notes.push("timed as CUDA graph replays of one captured forward (--cuda-graph)".into());
         }
         if emulated {
-            notes.push(format!("{} is emulated here: the time measures the emulation, not {} hardware (no % of peak)", plan.precision, plan.precision));
+            notes.push(format!(
+                "{} is emulated here: the time measures the emulation, not {} hardware (no % of peak)",
+                plan.precision, plan.precision
+            ));
         } else if peak.is_none() {
             notes.push(format!("no {} peak known for this device: pass --peak-tflops for % of peak", plan.precision));
         }
