@@ -200,7 +200,7 @@ pub struct OutputArgs {
     /// Write a chart as SVG: median ms per stage with the speedup over stage 0 on each bar and the error under it (a sweep: ms and speedup over the swept values)
     #[arg(long, env = "SPEEDKIT_SVG")]
     pub svg: Option<PathBuf>,
-    /// Rewrite the results region of --readme (between its results markers) from this run, and write the chart and the JSON it links [default: results/ladder-<cpu|cuda>.svg and .json beside the README]
+    /// Rewrite one region of --readme (between its markers) from this run, and write the chart it links, and a run's JSON [default: results/ladder-<cpu|cuda>.svg and .json beside the README]
     #[arg(long, env = "SPEEDKIT_UPDATE_README", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub update_readme: bool,
     /// The README that --update-readme rewrites
@@ -431,14 +431,17 @@ fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
 
 pub fn main() -> ExitCode {
     let about = "Every stage of the transformer block side by side: same weights, same input, checked, timed";
-    let cmd = LadderArgs::augment_args(RunArgs::augment_args(clap::Command::new("ladder").about(about)))
-        .subcommand(RunArgs::augment_args(
-            clap::Command::new("report").about("Print the device, candle's global switches, and what every stage would run and why"),
-        ))
-        .subcommand(RenderArgs::augment_args(
-            clap::Command::new("render")
+    // `about` after `augment_args`: the flag structs' doc comments would otherwise replace it.
+    let cmd = LadderArgs::augment_args(RunArgs::augment_args(clap::Command::new("ladder")))
+        .about(about)
+        .subcommand(
+            RunArgs::augment_args(clap::Command::new("report"))
+                .about("Print the device, candle's global switches, and what every stage would run and why"),
+        )
+        .subcommand(
+            RenderArgs::augment_args(clap::Command::new("render"))
                 .about("Print, chart or put in the README a run recorded with --json, without running anything again"),
-        ));
+        );
     let matches = cmd.get_matches();
     exit_with(|| match matches.subcommand() {
         Some(("report", sub)) => {
