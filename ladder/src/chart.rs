@@ -3,7 +3,7 @@
 //! drawing needs font files; the viewer's sans-serif font renders it.
 
 use crate::provenance::date_utc;
-use crate::render::{axis_symbol, describe_device, fmt_ms, fmt_rel_err, fmt_speedup, precision_label};
+use crate::render::{axis_symbol, describe_device, fmt_ms, fmt_rel_err, fmt_speedup};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use shared::report::{LadderReport, Row, SweepReport};
@@ -52,7 +52,7 @@ fn bold(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
 pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
     let rows = report.rows();
     let n = rows.len().max(1);
-    let (w, h) = ((150 * n as u32 + 150).max(800), 540u32);
+    let (w, h) = ((175 * n as u32 + 130).max(800), 560u32);
     let has_baseline = report.records.iter().any(|r| r.speedup_vs_stage0.is_some());
     let top = report.records.iter().map(|r| r.timing.p90_ms.max(r.timing.median_ms)).fold(0.0, f64::max);
     let y_max = if top > 0.0 { top * 1.3 } else { 1.0 };
@@ -70,10 +70,10 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
         root.draw(&Text::new(describe_device(report), (20, 36), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
         let facts = format!("{} · commit {} · {}", report.shape, report.commit, date_utc(report.unix_time));
         root.draw(&Text::new(facts, (20, 53), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
-        let body = root.margin(74, 8, 8, 20);
+        let body = root.margin(74, 14, 8, 20);
 
         let mut chart =
-            ChartBuilder::on(&body).x_label_area_size(62).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
+            ChartBuilder::on(&body).x_label_area_size(78).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
         chart
             .configure_mesh()
             .disable_x_mesh()
@@ -119,13 +119,16 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
             }
             // Under the axis: which stage, at what precision, how far from the reference.
             let (px, py) = chart.backend_coord(&(x, 0.0));
-            let (precision, error) = match row {
-                Row::Ran(r) => (precision_label(r), format!("rel err {}", fmt_rel_err(r))),
-                Row::Skipped(s) => ("–".into(), if s.failed { "failed its check".into() } else { "not measured".into() }),
+            let (precision, implementation, error) = match row {
+                Row::Ran(r) => (r.precision.to_string(), r.implementation.clone(), format!("rel err {}", fmt_rel_err(r))),
+                Row::Skipped(s) => ("–".into(), None, if s.failed { "failed its check".into() } else { "not measured".into() }),
             };
             root.draw(&Text::new(row.stage().to_string(), (px, py + 8), bold(12.0, INK, HPos::Center, VPos::Top)))?;
             root.draw(&Text::new(precision, (px, py + 25), text(12.0, INK, HPos::Center, VPos::Top)))?;
-            root.draw(&Text::new(error, (px, py + 41), text(12.0, MUTED, HPos::Center, VPos::Top)))?;
+            if let Some(i) = implementation {
+                root.draw(&Text::new(format!("({i})"), (px, py + 41), text(11.0, INK, HPos::Center, VPos::Top)))?;
+            }
+            root.draw(&Text::new(error, (px, py + 57), text(12.0, MUTED, HPos::Center, VPos::Top)))?;
         }
         root.present()?;
     }
