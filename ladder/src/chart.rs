@@ -147,6 +147,19 @@ fn shape_without(s: &shared::Shape, axis: &str) -> String {
     dims.iter().filter(|(_, _, a)| *a != axis).map(|(n, v, _)| format!("{n}={v}")).collect::<Vec<_>>().join(" ")
 }
 
+/// A line through `points` (x = value index), broken where a value is missing, so it never
+/// bridges a value at which the stage did not run.
+fn segments(points: &[(f64, f64)]) -> Vec<Vec<(f64, f64)>> {
+    let mut out: Vec<Vec<(f64, f64)>> = Vec::new();
+    for &p in points {
+        match out.last_mut() {
+            Some(seg) if seg.last().is_some_and(|q| p.0 - q.0 == 1.0) => seg.push(p),
+            _ => out.push(vec![p]),
+        }
+    }
+    out
+}
+
 /// 1, 2, 5 × 10^n within [lo, hi].
 fn ticks_125(lo: f64, hi: f64) -> Vec<f64> {
     let mut out = Vec::new();
@@ -232,12 +245,17 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
         for (i, (stage, points)) in stages.iter().zip(&series).enumerate() {
             let c = colour(stage, i);
             let line: Vec<(f64, f64)> = points.iter().map(|(j, r)| (*j as f64, r.timing.median_ms)).collect();
-            ms.draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))?
+            ms.draw_series(segments(&line).into_iter().map(|seg| PathElement::new(seg, c.stroke_width(2))))?
                 .label(stage.clone())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(3)));
             ms.draw_series(line.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
         }
         value_labels(&root, &sweep.values, |x| ms.backend_coord(&(x, lo)))?;
+        // A value at which nothing ran (its shape cannot run here) says so where its points would be.
+        for (j, _) in sweep.runs.iter().enumerate().filter(|(_, r)| r.records.is_empty()) {
+            let (px, py) = ms.backend_coord(&(j as f64, lo));
+            root.draw(&Text::new("not run (see table)", (px, py - 10), text(12.0, MUTED, HPos::Center, VPos::Bottom)))?;
+        }
         // Ticks at 1, 2, 5 × 10^n: plotters' own log ticks are decades only, too few for one decade.
         for t in ticks_125(lo, hi) {
             ms.draw_series([PathElement::new(vec![(-0.5, t), (k as f64 - 0.5, t)], RGBColor(0xe6, 0xe6, 0xe6).stroke_width(1))])?;
@@ -271,7 +289,7 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
             if c == COLOURS[0] {
                 continue; // stage 0 is the line at 1
             }
-            up.draw_series(LineSeries::new(line.clone(), c.stroke_width(2)))?;
+            up.draw_series(segments(&line).into_iter().map(|seg| PathElement::new(seg, c.stroke_width(2))))?;
             up.draw_series(line.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
             // The last value's speedup, written at the line's end (every value's is in the table).
             if let Some(&(x, s)) = line.last() {
@@ -283,4 +301,28 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
         root.present()?;
     }
     Ok(svg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_break_at_missing_values() {
+        let pts = [(0.0, 1.0), (1.0, 2.0), (3.0, 4.0)];
+        assert_eq!(segments(&pts), vec![vec![(0.0, 1.0), (1.0, 2.0)], vec![(3.0, 4.0)]]);
+        assert!(segments(&[]).is_empty());
+    }
+
+    #[test]
+    fn log_ticks() {
+        assert_eq!(ticks_125(0.3, 7.0), vec![0.5, 1.0, 2.0, 5.0]);
+        assert_eq!(ticks_125(15.0, 300.0), vec![20.0, 50.0, 100.0, 200.0]);
+    }
+
+    #[test]
+    fn stage_colours_follow_the_stage_number() {
+        assert_eq!(colour("stage4_fp8", 0), COLOURS[4]);
+        assert_eq!(colour("custom", 2), COLOURS[2]);
+    }
 }
