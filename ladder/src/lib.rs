@@ -30,6 +30,7 @@ pub fn stages() -> Vec<StageSpec> {
         StageSpec::of::<stage1_tensorcore::Block>(),
         StageSpec::of::<stage2_sdpa::Block>(),
         StageSpec::of::<stage3_fused::Block>(),
+        StageSpec::of::<stage4_fp8::Block>(),
     ]
 }
 
