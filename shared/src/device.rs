@@ -322,6 +322,27 @@ impl MemProbe {
         }
     }
 
+    /// Run `f` without counting what it allocates (a stage's own check, which may build a
+    /// bigger twin of the stage): the peak so far is kept, and on the CPU the high-water mark
+    /// restarts from the usage after `f`. On CUDA nothing is sampled while `f` runs.
+    pub fn exclude<T>(&mut self, device: &Device, f: impl FnOnce() -> T) -> T {
+        match device {
+            Device::Cpu => {
+                if let Some(hwm) = status_kib("VmHWM:") {
+                    self.peak = self.peak.max(hwm * 1024);
+                }
+                let out = f();
+                release_free_heap();
+                let _ = std::fs::write("/proc/self/clear_refs", "5");
+                out
+            }
+            _ => {
+                self.sample(device);
+                f()
+            }
+        }
+    }
+
     /// Peak growth since `start`, in bytes, and how it was measured.
     pub fn finish(mut self, device: &Device) -> (Option<u64>, &'static str) {
         match device {

@@ -228,9 +228,14 @@ impl Session {
             }
             None => None,
         };
-        // The stage's own check, on the same output (skipped with --no-check like the first).
-        let extra_checks = match (&self.reference, stage.self_check(&self.x, &y)?) {
-            (Some(_), Some(c)) => {
+        // The stage's own check, on the same output (skipped with --no-check like the first);
+        // what it allocates is not the stage's memory.
+        let own_check = match &self.reference {
+            Some(_) => probe.exclude(&self.device, || stage.self_check(&self.x, &y))?,
+            None => None,
+        };
+        let extra_checks = match own_check {
+            Some(c) => {
                 if !c.result.passed {
                     return Err(SpeedkitError::CheckFailed(format!(
                         "{} failed its own check \"{}\": relative error {:.3e} above {:.1e}{}. {} \
@@ -246,9 +251,8 @@ impl Session {
                 }
                 vec![c]
             }
-            _ => Vec::new(),
+            None => Vec::new(),
         };
-        probe.sample(&self.device);
 
         let device = &self.device;
         let stats = time_forward(spec.name, device, self.warmup, self.iters, || stage.forward(&self.x), || probe.sample(device))?;

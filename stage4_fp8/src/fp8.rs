@@ -197,11 +197,10 @@ pub enum Fp8Mode {
 /// ```
 #[derive(Debug)]
 pub struct Fp8Linear {
-    weight: Fp8Tensor,          // (N, K) E4M3, its scale
-    weight_f32: Option<Tensor>, // (N, K) s_w·q_w in f32, emulation only: dequantised once, not per call
-    bias: Tensor,               // (N) bf16, as cuBLASLt's epilogue reads it
+    weight: Fp8Tensor,                  // (N, K) E4M3, its scale
+    emulated: Option<(Tensor, Tensor)>, // emulation only: (N, K) s_w·q_w and (N) bias in f32, made once, not per call
+    bias: Tensor,                       // (N) bf16, as cuBLASLt's epilogue reads it
     gelu: bool,
-    mode: Fp8Mode,
     name: String,
     state: Mutex<ScaleState>,
 }
@@ -224,19 +223,12 @@ impl Fp8Linear {
             crate::gemm::check_dims(16, k, n)?; // the token count is checked per call
         }
         let weight = Fp8Tensor::quantize(w, 0, &format!("{name}'s weight"))?;
-        let weight_f32 = match mode {
-            Fp8Mode::Emulated => Some(weight.dequantize(DType::F32)?),
+        let bias = b.to_dtype(DType::BF16)?;
+        let emulated = match mode {
+            Fp8Mode::Emulated => Some((weight.dequantize(DType::F32)?, bias.to_dtype(DType::F32)?)),
             Fp8Mode::Cublaslt => None,
         };
-        Ok(Fp8Linear {
-            weight,
-            weight_f32,
-            bias: b.to_dtype(DType::BF16)?,
-            gelu,
-            mode,
-            name: name.into(),
-            state: Mutex::new(ScaleState::new(scaling)?),
-        })
+        Ok(Fp8Linear { weight, emulated, bias, gelu, name: name.into(), state: Mutex::new(ScaleState::new(scaling)?) })
     }
 
     /// x: (B, T, K), any float dtype (bf16 in stage 4) → (B, T, N) bf16.
@@ -252,21 +244,20 @@ impl Fp8Linear {
         }
         let scale = self.state.lock().map_err(|_| candle_core::Error::Msg(format!("{}: scale state poisoned", self.name)))?.scale_for(x)?;
         let xq = quantize(x, &scale)?; // (B, T, K) E4M3
-        match self.mode {
-            Fp8Mode::Cublaslt => self.forward_cublaslt(&xq, &scale, (bsz, t, n)),
-            Fp8Mode::Emulated => {
+        match &self.emulated {
+            None => self.forward_cublaslt(&xq, &scale, (bsz, t, n)),
+            Some((w, b)) => {
                 let xd = dequantize(&xq, &scale, DType::F32)?; // (B, T, K): s_x·q_x, exact in f32
-                let (w, b) = (self.weight_f32.as_ref().expect("emulated layers keep W in f32"), self.bias.to_dtype(DType::F32)?);
                 let y = if x.device().is_cpu() {
                     // stage 3's fused f32 GEMM + epilogue (the CPU has no FP8 to be faster with)
                     if self.gelu {
-                        stage3_fused::ops::linear_bias_gelu(&xd, w, &b)?
+                        stage3_fused::ops::linear_bias_gelu(&xd, w, b)?
                     } else {
-                        stage3_fused::ops::linear_bias(&xd, w, &b)?
+                        stage3_fused::ops::linear_bias(&xd, w, b)?
                     }
                 } else {
                     // Plain ops on a GPU: stage 3's cuBLASLt f32 GEMM would compute in TF32.
-                    let y = stage0_baseline::linear(&xd, w, &b)?;
+                    let y = stage0_baseline::linear(&xd, w, b)?;
                     if self.gelu {
                         stage0_baseline::gelu_tanh(&y)?
                     } else {
