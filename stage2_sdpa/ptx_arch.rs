@@ -13,9 +13,7 @@
 pub fn ptx_arch(requested: Option<&str>) -> Result<(u32, Option<String>), String> {
     let requested = requested.unwrap_or("80");
     let digits: String = requested.chars().filter(char::is_ascii_digit).collect();
-    let cap: u32 = digits
-        .parse()
-        .map_err(|_| format!("CUDA_COMPUTE_CAP={requested:?} is not a compute capability such as 80 or 90"))?;
+    let cap: u32 = digits.parse().map_err(|_| format!("CUDA_COMPUTE_CAP={requested:?} is not a compute capability such as 80 or 90"))?;
     if cap < 80 {
         return Ok((
             80,

@@ -8,6 +8,7 @@
 pub mod chart;
 pub mod provenance;
 pub mod render;
+pub mod selftest;
 pub mod sweep;
 
 use clap::{Args, FromArgMatches};
@@ -440,6 +441,11 @@ pub fn main() -> ExitCode {
                 .about("Print the device, candle's global switches, and what every stage would run and why"),
         )
         .subcommand(
+            selftest::SelftestArgs::augment_args(clap::Command::new("selftest")).about(
+                "Run each GPU building block alone against its CPU twin; print a pass/fail table and write a JSON to send back (on the CPU: the emulations and models)",
+            ),
+        )
+        .subcommand(
             RenderArgs::augment_args(clap::Command::new("render"))
                 .about("Print, chart or put in the README a run recorded with --json, without running anything again"),
         );
@@ -449,6 +455,7 @@ pub fn main() -> ExitCode {
             print!("{}", report(&RunArgs::from_arg_matches(sub)?)?);
             Ok(())
         }
+        Some(("selftest", sub)) => selftest::command(&selftest::SelftestArgs::from_arg_matches(sub)?),
         Some(("render", sub)) => {
             let args = RenderArgs::from_arg_matches(sub)?;
             let results = load(&args.from)?;

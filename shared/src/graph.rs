@@ -162,10 +162,13 @@ mod imp {
     pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Result<Box<dyn Forward>> {
         let dev = x.device().as_cuda_device()?.clone();
         let stream = dev.cuda_stream();
-        let mut real = Real { dev, stream, stage: stage.as_ref(), x, guard: None, out: None, graph: None };
-        run_capture(&mut real).map_err(|e| refuse(name, e.to_string()))?;
-        drop(real.guard.take());
-        let (graph, out) = (real.graph.take(), real.out.take());
+        let (graph, out) = {
+            let mut real = Real { dev, stream, stage: stage.as_ref(), x, guard: None, out: None, graph: None };
+            let done = run_capture(&mut real);
+            drop(real.guard.take()); // the h2d cache off again, whatever happened
+            done.map_err(|e| refuse(name, e.to_string()))?;
+            (real.graph.take(), real.out.take())
+        };
         let (Some(graph), Some(out)) = (graph, out) else { return Err(refuse(name, "the capture produced no graph".into())) };
         graph.upload().map_err(|e| refuse(name, format!("{e:?}")))?;
         Ok(Box::new(Graphed::new(graph, x, out, stage)))

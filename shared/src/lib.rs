@@ -6,10 +6,12 @@
 //! (trait, Plan, precision) · `device` (selection, capabilities, global switches, memory) ·
 //! `check` (comparison, tolerances) · `timing` (warm-up, sync, stats) · `perf` (FLOPs, peaks) ·
 //! `report` (records, table, JSON) · `cli` (flags, env, exit codes) · `runner` (the one
-//! function a stage's main calls) · `error` (what a user can act on).
+//! function a stage's main calls) · `error` (what a user can act on) · `cublaslt_model`
+//! (cuBLASLt's matmul contract on the CPU, for the GPU paths' tests).
 
 pub mod check;
 pub mod cli;
+pub mod cublaslt_model;
 pub mod device;
 pub mod error;
 pub mod graph;
