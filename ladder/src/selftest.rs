@@ -411,7 +411,12 @@ fn memory(r: &mut Rows, device: &Device) {
         device.synchronize()?;
         let (peak, method) = probe.finish(device);
         let peak = peak.ok_or_else(|| anyhow::anyhow!("the probe could not measure ({method})"))?;
-        anyhow::ensure!(peak >= BYTES, "a transient 64 MiB allocation showed as {:.1} MiB ({method})", peak as f64 / (1u64 << 20) as f64);
+        // 60 of 64 MiB: the CPU's RSS counts pages, and a few of them may already be resident.
+        anyhow::ensure!(
+            peak >= BYTES / 16 * 15,
+            "a transient 64 MiB allocation showed as {:.1} MiB ({method})",
+            peak as f64 / (1u64 << 20) as f64
+        );
         Ok(format!("{:.1} MiB seen for 64 MiB ({method})", peak as f64 / (1u64 << 20) as f64))
     })();
     r.outcome("memory probe", "transient 64 MiB allocation".into(), res);
@@ -467,4 +472,26 @@ pub fn command(args: &SelftestArgs) -> anyhow::Result<()> {
         .into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU side of the list passes, covers every block, and the JSON carries what a bug
+    /// report needs.
+    #[test]
+    fn cpu_selftest_passes_and_covers_every_block() {
+        let (device, info) = shared::device::select(shared::device::DeviceRequest::Cpu).unwrap();
+        let rep = run(&device, &info);
+        assert_eq!(rep.failed, 0, "{}", table(&rep));
+        for block in ["attention", "cuBLASLt epilogue", "FP8 GEMM", "NVRTC kernel", "CUDA graph", "memory probe"] {
+            assert!(rep.results.iter().any(|c| c.block == block && c.status == "pass"), "{block} missing");
+        }
+        assert_eq!(rep.results.iter().filter(|c| c.block == "attention").count(), 12, "3 d_head × 2 dtypes × causal or not");
+        let json = serde_json::to_value(&rep).unwrap();
+        for key in ["device", "nvidia_driver", "cuda_driver_version", "commit", "versions", "results"] {
+            assert!(json.get(key).is_some(), "{key}");
+        }
+    }
 }
