@@ -317,13 +317,17 @@ fn check_sweep(s: &SweepReport) -> Result<(), String> {
 }
 
 fn load_unchecked(path: &Path) -> anyhow::Result<Results> {
-    let too_big = std::fs::metadata(path).map(|m| m.len() > 256 << 20).unwrap_or(false);
-    if too_big {
-        return Err(SpeedkitError::usage(format!(
-            "{} is larger than 256 MiB; a ladder JSON is a few kB. Fix: pass --from the JSON a `ladder --json PATH` run wrote.",
-            path.display()
-        ))
-        .into());
+    // Read whole, so refused when it could not be a ladder JSON: larger than 256 MiB (they are
+    // a few kB), or not a regular file (a device such as /dev/zero reads forever).
+    if let Ok(m) = std::fs::metadata(path) {
+        if !m.is_file() || m.len() > 256 << 20 {
+            return Err(SpeedkitError::usage(format!(
+                "{} is {}, not a ladder JSON file (a few kB). Fix: pass --from the JSON a `ladder --json PATH` run wrote.",
+                path.display(),
+                if m.is_file() { format!("{} bytes", m.len()) } else { "not a regular file".into() }
+            ))
+            .into());
+        }
     }
     let bytes = std::fs::read(path).map_err(|e| {
         SpeedkitError::usage(format!("cannot read {} ({e}). Fix: pass --from the JSON a `ladder --json PATH` run wrote.", path.display()))
@@ -387,6 +391,12 @@ fn link_from_readme(readme: &Path, path: &Path) -> Result<String, SpeedkitError>
 
 /// Read the README and check its markers before a run, so a long run does not end in a refusal.
 fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
+    if std::fs::metadata(readme).is_ok_and(|m| !m.is_file()) {
+        return Err(SpeedkitError::usage(format!(
+            "--update-readme: {} is not a regular file. Fix: pass --readme the Markdown file to rewrite.",
+            readme.display()
+        )));
+    }
     let text = std::fs::read_to_string(readme).map_err(|e| {
         SpeedkitError::usage(format!(
             "--update-readme: cannot read {} ({e}). Fix: run from the repository root, or pass --readme PATH.",

@@ -308,8 +308,9 @@ fn layer_of(key: &str) -> Option<usize> {
 /// Read a file we were given, refusing one larger than the memory available (it is read whole).
 fn read_file(path: &Path) -> Result<Vec<u8>, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("it cannot be read ({e})"))?;
-    if meta.is_dir() {
-        return Err("it is a directory".into());
+    if !meta.is_file() {
+        // A device (/dev/zero, /dev/full) reads forever; a directory does not read at all.
+        return Err(format!("it is {}, not a regular file", if meta.is_dir() { "a directory" } else { "a device, FIFO or socket" }));
     }
     if let Some(avail) = crate::device::available_bytes(&Device::Cpu) {
         if meta.len() > avail / 2 {
