@@ -299,7 +299,7 @@ fn check_report(r: &LadderReport) -> Result<(), String> {
                 return Err(format!("{}'s {name} is {v}, not a finite number >= 0", rec.stage));
             }
         }
-        if !(t.median_ms > 0.0) {
+        if t.median_ms <= 0.0 {
             return Err(format!("{}'s median_ms is {}, not a time > 0", rec.stage, t.median_ms));
         }
     }

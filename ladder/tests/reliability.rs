@@ -70,7 +70,7 @@ fn class4_failed_run_keeps_recorded_results() {
     // x with a NaN: refused as bad input before any stage runs.
     let mut header =
         serde_json::to_vec(&serde_json::json!({"x": {"dtype": "F32", "shape": [1, 1, 128], "data_offsets": [0, 512]}})).unwrap();
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(b' ');
     }
     let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
@@ -234,4 +234,53 @@ fn mutated_truncated_and_oversized_json_never_panics() {
         ran.set(ran.get() + 1);
     }
     eprintln!("reliability: {} generated JSON files read", ran.get());
+}
+
+/// Ladder-only flags with hostile values: --stages, --sweep, the render/report subcommands and
+/// their paths. Each case exits 0, 2 or 3 and never panics.
+#[test]
+fn generated_ladder_flags_exit_0_2_or_3_and_never_panic() {
+    let d = scratch("cli");
+    // Outputs aimed at a FIFO in the scratch folder, never at /dev/full: against buggy code run
+    // as root, that would replace the machine's device node.
+    assert!(Command::new("mkfifo").arg(d.join("fifo")).status().unwrap().success());
+    let json = Path::new(env!("CARGO_MANIFEST_DIR")).join("../results/ladder-cpu.json");
+    let json = json.to_str().unwrap().to_string();
+    let value = prop_oneof![
+        Just("0".to_string()),
+        Just("".to_string()),
+        Just("18446744073709551615".to_string()),
+        Just("4611686018427387904".to_string()),
+        Just("-1".to_string()),
+        (1usize..40).prop_map(|v| v.to_string()),
+    ];
+    let flag = prop_oneof![
+        value.clone().prop_map(|v| vec![format!("--stages={v}")]),
+        value.clone().prop_map(|v| vec![format!("--stages=0,{v}")]),
+        (prop_oneof![Just("seq"), Just("batch"), Just("d_model"), Just("heads"), Just("")], value.clone())
+            .prop_map(|(a, v)| vec![format!("--sweep={a}={v}")]),
+        prop_oneof![Just("fifo"), Just("."), Just(""), Just("x.svg"), Just("/dev/null")].prop_map(|p| vec![format!("--svg={p}")]),
+        prop_oneof![Just("fifo"), Just("."), Just(""), Just("x.svg"), Just("/dev/stdout")].prop_map(|p| vec![format!("--json={p}")]),
+        prop_oneof![Just("--markdown"), Just("--update-readme")].prop_map(|f| vec![f.to_string()]),
+        prop_oneof![Just("nope.md"), Just("/dev/zero"), Just("")].prop_map(|p| vec![format!("--readme={p}")]),
+    ];
+    let sub = prop_oneof![Just(0u8), Just(1), Just(2)];
+    let ran = std::cell::Cell::new(0u32);
+    let config = ProptestConfig { cases: (cases() / 4).max(8), failure_persistence: None, ..ProptestConfig::default() };
+    proptest!(config, |(which in sub, flags in prop::collection::vec(flag, 0..3), from in prop_oneof![Just(json.clone()), Just("/dev/zero".to_string()), Just("".to_string()), Just(".".to_string())])| {
+        let mut args: Vec<String> = match which {
+            0 => ["--preset", "tiny", "--iters", "1", "--warmup", "0", "--stages", "0"].iter().map(|s| s.to_string()).collect(),
+            1 => vec!["render".into(), format!("--from={from}")],
+            _ => vec!["report".into(), "--preset".into(), "tiny".into()],
+        };
+        args.extend(flags.into_iter().flatten());
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = ladder_in(&d, &argv);
+        ran.set(ran.get() + 1);
+        prop_assert!(matches!(o.code, Some(0) | Some(2) | Some(3)), "exit {:?} for {:?}:\n{}", o.code, args, o.text);
+        prop_assert!(!o.text.contains("panicked"), "panic for {:?}:\n{}", args, o.text);
+    });
+    eprintln!("ladder cli: {} generated cases ran", ran.get());
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::metadata(d.join("fifo")).unwrap().file_type().is_fifo(), "an output replaced the FIFO");
 }

@@ -90,7 +90,11 @@ impl Shape {
             }
         }
         if !self.d_model.is_multiple_of(self.n_head) {
-            let near: Vec<usize> = (1..=self.d_model).filter(|h| self.d_model.is_multiple_of(*h) && h.abs_diff(self.n_head) <= 4).collect();
+            // Only the 9 candidates around n_head: C can be huge here (validate runs before the
+            // size checks), and a scan over 1..=C would hang.
+            let near: Vec<usize> = (self.n_head.saturating_sub(4).max(1)..=self.n_head.saturating_add(4))
+                .filter(|h| self.d_model.is_multiple_of(*h))
+                .collect();
             return Err(SpeedkitError::usage(format!(
                 "C = {} is not divisible by n_head = {}: attention splits C into n_head heads of \
                  d_head = C / n_head channels each. Fix: choose --heads among {:?} or change --d-model.",
@@ -229,6 +233,9 @@ mod tests {
         let s = Shape { batch: 1, seq: 1, d_model: usize::MAX / 2, n_head: 1, ff: 1 };
         assert!(s.validate().is_err());
         assert_eq!(Shape { n_head: 0, ..s }.d_head(), 0);
+        // A huge C that n_head does not divide: answered at once (no scan over 1..=C).
+        let s = Shape { batch: 1, seq: 1, d_model: 1 << 40, n_head: 3, ff: 1 };
+        assert!(s.validate().unwrap_err().to_string().contains("[1, 2, 4]"));
         // B from an input file is named as such, not as --batch.
         let s = Shape { batch: 1 << 40, ..Preset::Tiny.shape() };
         let e = s.validate_as(&Sources::input_file(std::path::Path::new("x.st"))).unwrap_err().to_string();

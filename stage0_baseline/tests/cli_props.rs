@@ -60,7 +60,7 @@ fn write_safetensors(path: &Path, tensors: &[(&str, Vec<usize>, Vec<f32>)]) {
         header.insert(name.to_string(), serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [start, data.len()]}));
     }
     let mut h = serde_json::to_vec(&header).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
@@ -73,8 +73,12 @@ fn write_safetensors(path: &Path, tensors: &[(&str, Vec<usize>, Vec<f32>)]) {
 #[test]
 fn class1_outputs_never_replace_devices_fifos_or_symlinks() {
     let d = scratch("c1");
-    refused(&stage0_in(&d, &with_s(&["--json", "/dev/full"]), &[]));
-    assert!(std::fs::metadata("/dev/full").unwrap().file_type().is_char_device_like());
+    // A FIFO in a scratch folder, not /dev/full: run against the old code as root, this test
+    // would otherwise replace the machine's /dev/full with a file (it did, once).
+    let fifo = make_fifo(&d);
+    refused(&stage0_in(&d, &with_s(&["--json", "fifo"]), &[]));
+    refused(&stage0_in(&d, &with_s(&["--save-output", "fifo"]), &[]));
+    assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo_like(), "the FIFO was replaced");
     let real = d.join("real.json");
     std::fs::write(&real, "old").unwrap();
     std::os::unix::fs::symlink(&real, d.join("link.json")).unwrap();
@@ -85,14 +89,23 @@ fn class1_outputs_never_replace_devices_fifos_or_symlinks() {
     assert!(temp_files(&d).is_empty());
 }
 
-trait CharDevice {
-    fn is_char_device_like(&self) -> bool;
+trait Fifo {
+    fn is_fifo_like(&self) -> bool;
 }
-impl CharDevice for std::fs::FileType {
-    fn is_char_device_like(&self) -> bool {
+impl Fifo for std::fs::FileType {
+    fn is_fifo_like(&self) -> bool {
         use std::os::unix::fs::FileTypeExt;
-        self.is_char_device()
+        self.is_fifo()
     }
+}
+
+/// A FIFO named "fifo" in `dir` (mkfifo(1), present wherever coreutils are).
+fn make_fifo(dir: &Path) -> PathBuf {
+    let p = dir.join("fifo");
+    if !p.exists() {
+        assert!(Command::new("mkfifo").arg(&p).status().unwrap().success());
+    }
+    p
 }
 
 // Class 2: counts that overflowed or allocated terabytes are refused with exit 2.
@@ -242,7 +255,7 @@ fn garbage() -> impl Strategy<Value = String> {
     prop_oneof![
         Just("".to_string()),
         Just("garbage".to_string()),
-        Just("/dev/full".to_string()),
+        Just("fifo".to_string()), // a FIFO in the scratch folder (never /dev/full: see class 1)
         Just("/dev/null".to_string()),
         Just(".".to_string()),
         Just("-".to_string()),
@@ -312,6 +325,7 @@ fn cases() -> u32 {
 #[test]
 fn generated_flags_and_env_exit_0_2_or_3_and_never_panic() {
     let d = scratch("prop");
+    let fifo = make_fifo(&d);
     let ran = std::sync::atomic::AtomicU32::new(0);
     let config = ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() };
     proptest!(config, |((args, envs) in case())| {
@@ -326,5 +340,5 @@ fn generated_flags_and_env_exit_0_2_or_3_and_never_panic() {
         prop_assert!(!o.text.contains("memory allocation"), "abort for {:?} {:?}:\n{}", args, envs, o.text);
     });
     eprintln!("cli_props: {} generated cases ran", ran.load(std::sync::atomic::Ordering::Relaxed));
-    assert!(std::fs::metadata("/dev/full").map(|m| m.file_type().is_char_device_like()).unwrap_or(true));
+    assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo_like(), "an output replaced the FIFO");
 }
