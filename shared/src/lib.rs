@@ -5,12 +5,15 @@
 //! Module map: `preset` (shapes) · `weights` (seeded init, GPT-2 safetensors) · `stage`
 //! (trait, Plan, precision) · `device` (selection, capabilities, global switches, memory) ·
 //! `check` (comparison, tolerances) · `timing` (warm-up, sync, stats) · `perf` (FLOPs, peaks) ·
-//! `report` (records, table, JSON) · `cli` (flags, env, exit codes) · `runner` (the one
+//! `ceiling` (the CPU's measured GEMM rate and bandwidth) · `elementwise` (parallel, vectorised CPU
+//! element-wise ops for stages 2–4) · `report` (records, table, JSON) · `cli` (flags, env, exit codes) · `runner` (the one
 //! function a stage's main calls) · `error` (what a user can act on).
 
+pub mod ceiling;
 pub mod check;
 pub mod cli;
 pub mod device;
+pub mod elementwise;
 pub mod error;
 pub mod graph;
 pub mod perf;
