@@ -193,8 +193,61 @@ fn linear_cpu(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, (m, n, k):
     cast(Tensor::from_vec(out, (m / x.dim(1)?, x.dim(1)?, n), x.device())?, out_dtype)
 }
 
+/// dst (m × n, row-major) += x (m × k, row-major) · Wᵀ, W (n × k, row-major). With the `mkl`
+/// feature: MKL's sgemm (β = 1 accumulates onto dst), the library candle's matmul uses in that
+/// build, so stage 3 runs the same GEMM as stages 0–2. (MKL could also pre-pack W once in
+/// `build` with cblas_sgemm_pack; not done here, see docs/cpu.md.)
+#[cfg(feature = "mkl")]
+fn gemm_accumulate(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize)) {
+    extern "C" {
+        // MKL's CBLAS, linked by intel-mkl-src through candle-core's `mkl` feature.
+        fn cblas_sgemm(
+            layout: i32,
+            transa: i32,
+            transb: i32,
+            m: i32,
+            n: i32,
+            k: i32,
+            alpha: f32,
+            a: *const f32,
+            lda: i32,
+            b: *const f32,
+            ldb: i32,
+            beta: f32,
+            c: *mut f32,
+            ldc: i32,
+        );
+    }
+    const ROW_MAJOR: i32 = 101;
+    const NO_TRANS: i32 = 111;
+    const TRANS: i32 = 112;
+    assert!(dst.len() == m * n && x.len() == m * k && w.len() == n * k, "gemm operands sized by the caller");
+    let dim = |v: usize| i32::try_from(v).expect("GEMM dimension fits MKL's 32-bit (LP64) interface");
+    // SAFETY: the slices hold exactly m·n, m·k and n·k elements (asserted above), row-major with
+    // leading dimensions k (x), k (W, read transposed) and n (dst); dst is unique.
+    unsafe {
+        cblas_sgemm(
+            ROW_MAJOR,
+            NO_TRANS,
+            TRANS,
+            dim(m),
+            dim(n),
+            dim(k),
+            1.0,
+            x.as_ptr(),
+            dim(k),
+            w.as_ptr(),
+            dim(k),
+            1.0,
+            dst.as_mut_ptr(),
+            dim(n),
+        )
+    }
+}
+
 /// dst (m × n, row-major) += x (m × k, row-major) · Wᵀ, W (n × k, row-major), via the gemm crate
 /// (candle's own CPU GEMM): W is read as the k × n right-hand side with column stride k.
+#[cfg(not(feature = "mkl"))]
 fn gemm_accumulate(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize)) {
     let threads = candle_core::utils::get_num_threads();
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
