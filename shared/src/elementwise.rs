@@ -331,7 +331,7 @@ pub fn exp_f32(x: f32) -> f32 {
     let p = p * r + 8.333_452e-3;
     let p = p * r + 4.166_579_6e-2;
     let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 5.000_000_1e-1;
+    let p = p * r + 0.5; // Cephes: 5.0000001201e-1, which is 0.5 in f32
     let er = p * r * r + r + 1.0;
     let y = er * f32::from_bits(((n as i32 + 126) as u32) << 23) * 2.0; // 2^(n−1)·2: n = 128 stays finite
     if x < -86.6 {

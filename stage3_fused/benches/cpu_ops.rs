@@ -15,7 +15,6 @@ use shared::elementwise::{self as ew, Elementwise};
 use shared::weights::SplitMix64;
 use std::time::Duration;
 
-const M: usize = 2048; // B·T on `small`
 const C: usize = 768;
 const FF: usize = 3072;
 
@@ -28,7 +27,7 @@ fn randn(dims: &[usize], seed: u64, std: f32) -> Tensor {
 fn gemm(c: &mut Criterion) {
     let mut group = c.benchmark_group(format!("gemm/{}", shared::ceiling::gemm_backend()));
     group.sample_size(10).measurement_time(Duration::from_secs(5));
-    let shape = shared::Shape { batch: 4, seq: 512, d_model: C, n_head: 12, ff: FF };
+    let shape = shared::Shape { batch: 4, seq: 512, d_model: C, n_head: 12, ff: FF }; // small: B·T = 2048
     for (name, m, n, k) in shared::ceiling::block_gemms(&shape) {
         let (x, w) = (randn(&[m, k], 1, 1.0), randn(&[n, k], 2, 0.02));
         let wt = w.t().unwrap();
