@@ -86,6 +86,7 @@ pub fn new_report(info: &DeviceInfo, shape: Shape, which: &[usize]) -> LadderRep
         versions,
         cuda_driver_version: provenance::cuda_driver_version(info),
         nvidia_driver: provenance::nvidia_driver(info),
+        ceiling: None,
     }
 }
 
@@ -95,6 +96,7 @@ pub fn new_report(info: &DeviceInfo, shape: Shape, which: &[usize]) -> LadderRep
 pub fn run(args: RunArgs, which: &[usize]) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
     let session = Session::open(args, &reference())?;
     let mut report = new_report(&session.info, session.shape, which);
+    report.ceiling = session.ceiling.clone();
     let mut failure = None;
     let mut outputs: Vec<(String, candle_core::Tensor)> = Vec::new();
     let mut baseline_ms = None; // stage 0's median, if it ran
@@ -172,6 +174,11 @@ pub fn report(args: &RunArgs) -> anyhow::Result<String> {
     )?;
     writeln!(out, "switches  now: {} (process-wide; every stage's build sets all three)", switches_text(GemmSwitches::current()))?;
     writeln!(out, "shape     {shape}")?;
+    if !info.is_cuda() {
+        // The ceiling a CPU row's % of peak is against, measured now (under a second on `small`).
+        let c = shared::ceiling::measure(&shape)?;
+        writeln!(out, "ceiling   {}", c.describe())?;
+    }
     writeln!(out, "\nwhat each stage would run (--precision {}):", precision_text(args.precision))?;
     for spec in stages() {
         match spec.plan_with(&device, &info, shape, spec.ladder_request(args.precision), args.stage_options()) {

@@ -2,6 +2,7 @@
 //! `SPEEDKIT_*` environment variable (the flag wins when both are given).
 
 use crate::device::DeviceRequest;
+use crate::elementwise::Elementwise;
 use crate::error::{classify, SpeedkitError};
 use crate::preset::Preset;
 use crate::stage::{Fp8Recipe, Precision, PrecisionRequest, StageOptions};
@@ -89,12 +90,20 @@ pub struct RunArgs {
     /// Stage 4: on a GPU without FP8 tensor cores (SM < 8.9), emulate FP8 instead of refusing
     #[arg(long, env = "SPEEDKIT_FP8_EMULATE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub fp8_emulate: bool,
+    /// Stages 2–4 on the CPU: element-wise ops (LayerNorm, GELU, bias, residual, casts) multi-threaded and vectorised (parallel), or candle's single-threaded ones (candle), to measure what that buys
+    #[arg(long, env = "SPEEDKIT_ELEMENTWISE", value_enum, default_value_t = Elementwise::Parallel)]
+    pub elementwise: Elementwise,
 }
 
 impl RunArgs {
     /// The options every stage's plan carries.
     pub fn stage_options(&self) -> StageOptions {
-        StageOptions { fp8_recipe: self.fp8_recipe, fp8_emulate: self.fp8_emulate, cuda_graph: self.cuda_graph }
+        StageOptions {
+            fp8_recipe: self.fp8_recipe,
+            fp8_emulate: self.fp8_emulate,
+            cuda_graph: self.cuda_graph,
+            elementwise: self.elementwise,
+        }
     }
 }
 

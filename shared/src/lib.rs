@@ -5,15 +5,18 @@
 //! Module map: `preset` (shapes) · `weights` (seeded init, GPT-2 safetensors) · `stage`
 //! (trait, Plan, precision) · `device` (selection, capabilities, global switches, memory) ·
 //! `check` (comparison, tolerances) · `timing` (warm-up, sync, stats) · `perf` (FLOPs, peaks) ·
-//! `report` (records, table, JSON) · `cli` (flags, env, exit codes) · `runner` (the one
-//! function a stage's main calls) · `error` (what a user can act on) · `output` (how every
-//! file is written: checked up front, temp file + rename, never over a device) ·
-//! `cublaslt_model` (cuBLASLt's matmul contract on the CPU, for the GPU paths' tests).
+//! `ceiling` (the CPU's measured GEMM rate and bandwidth) · `elementwise` (parallel, vectorised
+//! CPU element-wise ops for stages 2–4) · `report` (records, table, JSON) · `cli` (flags, env,
+//! exit codes) · `runner` (the one function a stage's main calls) · `error` (what a user can act
+//! on) · `output` (how every file is written: checked up front, temp file + rename, never over a
+//! device) · `cublaslt_model` (cuBLASLt's matmul contract on the CPU, for the GPU paths' tests).
 
+pub mod ceiling;
 pub mod check;
 pub mod cli;
 pub mod cublaslt_model;
 pub mod device;
+pub mod elementwise;
 pub mod error;
 pub mod graph;
 pub mod output;

@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
 
+/// `Record::peak_source` of a CPU row whose % of peak is against the measured GEMM ceiling.
+pub const MEASURED_PEAK: &str = "measured GEMM ceiling";
+
 /// Bump when a field changes meaning or disappears; adding fields keeps the version.
 pub const RECORD_SCHEMA: &str = "candle-speedkit/record/v1";
 pub const LADDER_SCHEMA: &str = "candle-speedkit/ladder/v1";
@@ -38,6 +41,20 @@ pub struct Record {
     pub tflops: f64,
     pub peak_tflops: Option<f64>,
     pub pct_of_peak: Option<f64>,
+    /// Where `peak_tflops` comes from: "datasheet", "--peak-tflops" or "measured GEMM ceiling"
+    /// (the CPU probe, `ceiling`); `None` in older files.
+    #[serde(default)]
+    pub peak_source: Option<String>,
+    /// The GEMM library and kernels that ran, detected at run time, e.g. "gemm x86-v4 (AVX-512)",
+    /// "MKL (mkl feature)", "cuBLAS"; `None` in older files.
+    #[serde(default)]
+    pub gemm_backend: Option<String>,
+    /// The CPU's SIMD level detected at run time ("AVX-512", "AVX2+FMA", ...); `None` on a GPU.
+    #[serde(default)]
+    pub simd: Option<String>,
+    /// The CPU ceiling this record's % of peak is relative to; `None` on a GPU and in older files.
+    #[serde(default)]
+    pub ceiling: Option<crate::ceiling::CpuCeiling>,
     /// `None` with --no-check.
     pub check: Option<CheckResult>,
     /// The stage's own checks (`Stage::self_check`), e.g. stage 4's fp8-rounded fp32 twin.
@@ -95,6 +112,10 @@ pub struct LadderReport {
     /// `None` when the run was not on a GPU or the file is absent.
     #[serde(default)]
     pub nvidia_driver: Option<String>,
+    /// The CPU's measured GEMM ceiling and memory bandwidth (`ceiling`); `None` on a GPU and in
+    /// older files.
+    #[serde(default)]
+    pub ceiling: Option<crate::ceiling::CpuCeiling>,
 }
 
 /// One row of the ladder: a measured stage or one that was not measured.
@@ -164,6 +185,11 @@ pub fn table(records: &[Record], skipped: &[Skipped]) -> String {
 
 /// The human table, one line per row in the order given.
 pub fn table_rows(rows: &[Row]) -> String {
+    let ran: Vec<&Record> = rows.iter().filter_map(|r| if let Row::Ran(r) = r { Some(*r) } else { None }).collect();
+    // "% peak" is against the measured GEMM ceiling when every row that has one says so (CPU).
+    let measured = ran.iter().any(|r| r.pct_of_peak.is_some())
+        && ran.iter().filter(|r| r.pct_of_peak.is_some()).all(|r| r.peak_source.as_deref() == Some(MEASURED_PEAK));
+    let pct_header = if measured { "% of measured GEMM" } else { "% peak" };
     let header = [
         "stage",
         "technique",
@@ -173,7 +199,7 @@ pub fn table_rows(rows: &[Row]) -> String {
         "vs s0",
         "vs prev",
         "TFLOP/s",
-        "% peak",
+        pct_header,
         "rel err",
         "max abs",
         "peak mem",
@@ -223,7 +249,24 @@ pub fn table_rows(rows: &[Row]) -> String {
         }
         out.trim_end().to_string() + "\n"
     };
-    let mut out = line(&header.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    let mut out = String::new();
+    // Which GEMM backend and SIMD level ran, above the table (recorded per row in the JSON).
+    let mut backends: Vec<String> = Vec::new();
+    for r in &ran {
+        if let Some(b) = &r.gemm_backend {
+            let b = match &r.simd {
+                Some(s) => format!("{b} · SIMD {s}"),
+                None => b.clone(),
+            };
+            if !backends.contains(&b) {
+                backends.push(b);
+            }
+        }
+    }
+    if !backends.is_empty() {
+        out.push_str(&format!("GEMM backend: {}\n", backends.join("; ")));
+    }
+    out.push_str(&line(&header.iter().map(|s| s.to_string()).collect::<Vec<_>>()));
     out.push_str(&line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>()));
     for row in &rows {
         out.push_str(&line(row));

@@ -2,13 +2,14 @@
 //! weights and input; compute the fp32 reference; then per stage plan, build, check, time
 //! and report.
 
+use crate::ceiling::CpuCeiling;
 use crate::check::{compare, CheckResult};
 use crate::cli::{exit_with, validate, RunArgs};
 use crate::device::{self, DeviceInfo, DeviceKind, GemmSwitches, MemProbe};
 use crate::error::SpeedkitError;
 use crate::perf::{block_flops, peak_tflops};
 use crate::preset::{Preset, Shape};
-use crate::report::{table, write_json, Record, RECORD_SCHEMA};
+use crate::report::{table, write_json, Record, MEASURED_PEAK, RECORD_SCHEMA};
 use crate::stage::{Precision, PrecisionRequest, Stage, StageSpec, EMULATED};
 use crate::timing::time_forward;
 use crate::weights::{load_input, random_input, save_tensors, BlockWeights};
@@ -34,6 +35,9 @@ pub struct Session {
     pub iters: usize,
     /// The fp32 stage-0 output for `x`; `None` with --no-check.
     pub reference: Option<Tensor>,
+    /// On the CPU: this machine's GEMM rate at the block's shapes and its memory bandwidth,
+    /// measured once when the session opens; each CPU row's % of peak is against it.
+    pub ceiling: Option<CpuCeiling>,
 }
 
 /// A dimension given both by a flag and by a file must agree; the file wins, so say so.
@@ -187,6 +191,14 @@ impl Session {
             args.input.as_ref().map_or(format!("N(0,1), seed {}", args.seed), |p| p.display().to_string())
         );
         println!("timing    {warmup} warm-up + {iters} timed iterations, device synchronized after each");
+        let ceiling = match info.kind {
+            DeviceKind::Cpu => {
+                let c = crate::ceiling::measure(&shape)?;
+                println!("ceiling   {} (measured now; % of peak is against it)", c.describe());
+                Some(c)
+            }
+            DeviceKind::Cuda => None,
+        };
 
         let mut session = Session {
             device: device.clone(),
@@ -199,6 +211,7 @@ impl Session {
             warmup,
             iters,
             reference: None,
+            ceiling,
             args,
         };
         if !session.args.no_check {
@@ -291,11 +304,15 @@ impl Session {
         let tflops = flops / secs / 1e12;
         let implementation = (spec.implementation)(&plan);
         let emulated = implementation.as_deref().is_some_and(|i| i.starts_with(EMULATED));
-        let peak = match self.args.peak_tflops {
-            _ if emulated => None, // an emulation's speed is not the number format's: no % of its peak
-            Some(p) => Some(p),
-            None if self.info.is_cuda() => peak_tflops(&self.info.name, plan.precision),
-            None => None,
+        let (peak, peak_source) = match (self.args.peak_tflops, &self.ceiling) {
+            _ if emulated => (None, None), // an emulation's speed is not the number format's: no % of its peak
+            (Some(p), _) => (Some(p), Some("--peak-tflops")),
+            (None, _) if self.info.is_cuda() => {
+                let p = peak_tflops(&self.info.name, plan.precision);
+                (p, p.map(|_| "datasheet"))
+            }
+            (None, Some(c)) => (Some(c.peak_tflops()), Some(MEASURED_PEAK)),
+            (None, None) => (None, None),
         };
         let mut notes = (spec.notes)(&plan);
         if self.args.cuda_graph {
@@ -328,6 +345,10 @@ impl Session {
             tflops,
             peak_tflops: peak,
             pct_of_peak: peak.map(|p| 100.0 * tflops / p),
+            peak_source: peak_source.map(String::from),
+            gemm_backend: Some(if self.info.is_cuda() { "cuBLAS/cuBLASLt".into() } else { crate::ceiling::gemm_backend() }),
+            simd: (!self.info.is_cuda()).then(|| crate::ceiling::simd_level().to_string()),
+            ceiling: self.ceiling.clone(),
             timing: stats,
             check,
             extra_checks,

@@ -78,6 +78,8 @@ pub struct StageOptions {
     pub fp8_emulate: bool,
     /// `--cuda-graph`: the forward will be captured once and replayed (stateful stages refuse).
     pub cuda_graph: bool,
+    /// `--elementwise`: stages 2–4's CPU element-wise ops, parallel (default) or candle's.
+    pub elementwise: crate::elementwise::Elementwise,
 }
 
 /// What `Stage::implementation` starts with when the stage imitates a number format instead of

@@ -35,7 +35,10 @@ use shared::device::{DeviceInfo, GemmSwitches};
 use shared::stage::PrecisionChoice;
 use shared::Shape;
 use shared::{BlockWeights, Plan, PrecisionRequest, SpeedkitError, Stage};
-use stage0_baseline::{gelu_tanh, layer_norm, linear};
+// Element-wise ops: stage 0's primitives, one pass each, but multi-threaded and vectorised on the
+// CPU (`shared::elementwise`, `--elementwise`); candle's own ops on a GPU. Infrastructure, not
+// this stage's technique: without it, single-threaded GELU and LayerNorm passes hide attention.
+use shared::elementwise::{self as ew, gelu_tanh, layer_norm, linear, Elementwise, LN_EPS};
 use stage1_tensorcore::precision;
 
 pub struct Block {
@@ -56,7 +59,8 @@ pub struct Block {
     w_fc2: Tensor,  // (C, FF)
     b_fc2: Tensor,  // (C)
     n_head: usize,
-    dtype: DType, // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
+    dtype: DType,    // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
+    ew: Elementwise, // --elementwise
 }
 
 impl Stage for Block {
@@ -118,20 +122,22 @@ impl Stage for Block {
             b_fc2: w.b_fc2.to_dtype(dt)?,
             n_head: plan.shape.n_head,
             dtype: dt,
+            ew: plan.options.elementwise,
         })
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, self.n_head, c / self.n_head); // (B, T, n_head, d_head): a view of (B, T, C), no copy
-        let h = layer_norm(x, &self.ln1_g, &self.ln1_b)?.to_dtype(self.dtype)?; // (B, T, C): f32 statistics, GEMM dtype out
-        let q = linear(&h, &self.w_q, &self.b_q)?.reshape(heads)?; // (B, T, n_head, d_head)
-        let k = linear(&h, &self.w_k, &self.b_k)?.reshape(heads)?;
-        let v = linear(&h, &self.w_v, &self.b_v)?.reshape(heads)?;
+        let e = self.ew;
+        let h = ew::to_dtype(&layer_norm(x, &self.ln1_g, &self.ln1_b, LN_EPS, e)?, self.dtype, e)?; // (B, T, C): f32 statistics, GEMM dtype out
+        let q = linear(&h, &self.w_q, &self.b_q, e)?.reshape(heads)?; // (B, T, n_head, d_head)
+        let k = linear(&h, &self.w_k, &self.b_k, e)?.reshape(heads)?;
+        let v = linear(&h, &self.w_v, &self.b_v, e)?.reshape(heads)?;
         let a = attention(&q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
-        let x = (x + linear(&a, &self.w_proj, &self.b_proj)?.to_dtype(DType::F32)?)?; // residual stream stays f32
-        let h = layer_norm(&x, &self.ln2_g, &self.ln2_b)?.to_dtype(self.dtype)?;
-        let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1)?)?; // (B, T, FF)
-        x + linear(&m, &self.w_fc2, &self.b_fc2)?.to_dtype(DType::F32)?
+        let x = ew::add(x, &ew::to_dtype(&linear(&a, &self.w_proj, &self.b_proj, e)?, DType::F32, e)?, e)?; // residual stream stays f32
+        let h = ew::to_dtype(&layer_norm(&x, &self.ln2_g, &self.ln2_b, LN_EPS, e)?, self.dtype, e)?;
+        let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1, e)?, e)?; // (B, T, FF)
+        ew::add(&x, &ew::to_dtype(&linear(&m, &self.w_fc2, &self.b_fc2, e)?, DType::F32, e)?, e)
     }
 }

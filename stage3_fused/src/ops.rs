@@ -18,6 +18,7 @@
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use rayon::prelude::*;
+use shared::elementwise::{exp_f32, map_in_place, map_slice, Elementwise};
 
 /// LayerNorm's ε, as in GPT-2.
 pub const LN_EPS: f32 = 1e-5;
@@ -49,10 +50,9 @@ pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_co
     let (xs, gs, bs) = (f32_slice(&xg, xl)?, f32_slice(&gg, gl)?, f32_slice(&bg, bl)?);
     let mut out = vec![0f32; xs.len()];
     out.par_chunks_mut(c).zip(xs.par_chunks(c)).for_each(|(o, row)| {
-        let s: f64 = row.iter().map(|&v| v as f64).sum();
-        normalise_row(row, s, gs, bs, o);
+        normalise_row(row, sum_f64(row), gs, bs, o);
     });
-    Tensor::from_vec(out, x.shape(), x.device())?.to_dtype(dtype)
+    cast(Tensor::from_vec(out, x.shape(), x.device())?, dtype)
 }
 
 /// The worked example: residual add and LayerNorm in one pass, returning the new residual
@@ -74,29 +74,50 @@ pub fn add_layer_norm(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> ca
     let (xs, brs, gs, bs) = (f32_slice(&xg, xl)?, f32_slice(&brg, brl)?, f32_slice(&gg, gl)?, f32_slice(&bg, bl)?);
     let (mut x_out, mut h_out) = (vec![0f32; xs.len()], vec![0f32; xs.len()]);
     x_out.par_chunks_mut(c).zip(h_out.par_chunks_mut(c)).zip(xs.par_chunks(c).zip(brs.par_chunks(c))).for_each(|((xo, ho), (xr, br))| {
-        let mut s = 0f64;
-        for ((o, &a), &d) in xo.iter_mut().zip(xr).zip(br) {
-            *o = a + d; // the new residual stream
-            s += *o as f64;
-        }
-        normalise_row(xo, s, gs, bs, ho);
+        map_slice(xo, xr, &|i, a| a + br[i]); // the new residual stream
+        normalise_row(xo, sum_f64(xo), gs, bs, ho);
     });
     let x_new = Tensor::from_vec(x_out, x.shape(), x.device())?;
-    let h = Tensor::from_vec(h_out, x.shape(), x.device())?.to_dtype(branch.dtype())?;
+    let h = cast(Tensor::from_vec(h_out, x.shape(), x.device())?, branch.dtype())?;
     Ok((x_new, h))
 }
 
 /// h = (row − mean) / √(var + ε) · g + b, given Σrow; variance about the mean (two-pass, so it
 /// does not cancel when the mean is large). The row is in L1 from the caller's pass.
+/// Both loops run in the CPU's widest SIMD (8 f64 partial sums vectorise; `map_slice` dispatches).
 #[inline]
 fn normalise_row(row: &[f32], sum: f64, g: &[f32], b: &[f32], h: &mut [f32]) {
     let n = row.len() as f64;
     let mean = sum / n;
-    let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n; // biased, as PyTorch
-    let (mean, inv) = (mean as f32, (1.0 / (var + LN_EPS as f64).sqrt()) as f32);
-    for (((h, &v), &g), &b) in h.iter_mut().zip(row).zip(g).zip(b) {
-        *h = (v - mean) * inv * g + b;
+    let mut acc = [0f64; 8];
+    let mut chunks = row.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += (v as f64 - mean) * (v as f64 - mean);
+        }
     }
+    let tail: f64 = chunks.remainder().iter().map(|&v| (v as f64 - mean).powi(2)).sum();
+    let var = (acc.iter().sum::<f64>() + tail) / n; // biased, as PyTorch
+    let (mean, inv) = (mean as f32, (1.0 / (var + LN_EPS as f64).sqrt()) as f32);
+    map_slice(h, row, &|i, v| (v - mean) * inv * g[i] + b[i]);
+}
+
+/// Σ row in f64 with 8 partial sums (vectorises; one f64 accumulator could not be reordered).
+#[inline]
+fn sum_f64(row: &[f32]) -> f64 {
+    let mut acc = [0f64; 8];
+    let mut chunks = row.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v as f64;
+        }
+    }
+    acc.iter().sum::<f64>() + chunks.remainder().iter().map(|&v| v as f64).sum::<f64>()
+}
+
+/// A cast in parallel on the CPU (candle's is one thread); a no-op when the dtype is already right.
+fn cast(t: Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    shared::elementwise::to_dtype(&t, dtype, Elementwise::Parallel)
 }
 
 /// y = x Wᵀ + b. x: (B, T, K); W: (N, K); b: (N). Output in x's dtype.
@@ -155,9 +176,7 @@ fn linear_cpu(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, (m, n, k):
             let r32 = host_f32(r)?;
             let (rg, rl) = r32.storage_and_layout();
             let rs = f32_slice(&rg, rl)?;
-            out.par_chunks_mut(n)
-                .zip(rs.par_chunks(n))
-                .for_each(|(o, r)| o.iter_mut().zip(r).zip(bs.iter()).for_each(|((o, r), b)| *o = r + b));
+            out.par_chunks_mut(n).zip(rs.par_chunks(n)).for_each(|(o, r)| map_slice(o, r, &|i, r| r + bs[i]));
         }
         _ => out.par_chunks_mut(n).for_each(|o| o.copy_from_slice(bs)),
     }
@@ -167,18 +186,71 @@ fn linear_cpu(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, (m, n, k):
         let dst = &mut out[r0 * n..(r0 + mb) * n];
         gemm_accumulate(dst, &xs[r0 * k..(r0 + mb) * k], ws, (mb, n, k));
         if matches!(epilogue, Epilogue::BiasGelu) {
-            dst.par_chunks_mut(n).for_each(|row| row.iter_mut().for_each(|v| *v = gelu_tanh(*v)));
+            map_in_place(dst, gelu_tanh); // all threads, SIMD (gelu_tanh has no libm call)
         }
     }
     let out_dtype = match epilogue {
         Epilogue::BiasResidual(r) => r.dtype(),
         _ => x.dtype(),
     };
-    Tensor::from_vec(out, (m / x.dim(1)?, x.dim(1)?, n), x.device())?.to_dtype(out_dtype)
+    cast(Tensor::from_vec(out, (m / x.dim(1)?, x.dim(1)?, n), x.device())?, out_dtype)
+}
+
+/// dst (m × n, row-major) += x (m × k, row-major) · Wᵀ, W (n × k, row-major). With the `mkl`
+/// feature: MKL's sgemm (β = 1 accumulates onto dst), the library candle's matmul uses in that
+/// build, so stage 3 runs the same GEMM as stages 0–2. (MKL could also pre-pack W once in
+/// `build` with cblas_sgemm_pack; not done here, see docs/cpu.md.)
+#[cfg(feature = "mkl")]
+fn gemm_accumulate(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize)) {
+    extern "C" {
+        // MKL's CBLAS, linked by intel-mkl-src through candle-core's `mkl` feature.
+        fn cblas_sgemm(
+            layout: i32,
+            transa: i32,
+            transb: i32,
+            m: i32,
+            n: i32,
+            k: i32,
+            alpha: f32,
+            a: *const f32,
+            lda: i32,
+            b: *const f32,
+            ldb: i32,
+            beta: f32,
+            c: *mut f32,
+            ldc: i32,
+        );
+    }
+    const ROW_MAJOR: i32 = 101;
+    const NO_TRANS: i32 = 111;
+    const TRANS: i32 = 112;
+    assert!(dst.len() == m * n && x.len() == m * k && w.len() == n * k, "gemm operands sized by the caller");
+    let dim = |v: usize| i32::try_from(v).expect("GEMM dimension fits MKL's 32-bit (LP64) interface");
+    // SAFETY: the slices hold exactly m·n, m·k and n·k elements (asserted above), row-major with
+    // leading dimensions k (x), k (W, read transposed) and n (dst); dst is unique.
+    unsafe {
+        cblas_sgemm(
+            ROW_MAJOR,
+            NO_TRANS,
+            TRANS,
+            dim(m),
+            dim(n),
+            dim(k),
+            1.0,
+            x.as_ptr(),
+            dim(k),
+            w.as_ptr(),
+            dim(k),
+            1.0,
+            dst.as_mut_ptr(),
+            dim(n),
+        )
+    }
 }
 
 /// dst (m × n, row-major) += x (m × k, row-major) · Wᵀ, W (n × k, row-major), via the gemm crate
 /// (candle's own CPU GEMM): W is read as the k × n right-hand side with column stride k.
+#[cfg(not(feature = "mkl"))]
 fn gemm_accumulate(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize)) {
     let threads = candle_core::utils::get_num_threads();
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
@@ -213,17 +285,18 @@ fn gemm_accumulate(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usi
 /// GPT-2's GELU, tanh approximation: 0.5·v·(1 + tanh(u)), u = √(2/π)·(v + 0.044715·v³).
 /// Since 1 + tanh(u) = 2·sigmoid(2u), this is v / (1 + e^(−2u)): one exp and one division,
 /// about three times cheaper than libm's tanhf, and exact in the limits (v→±∞ gives v or −0).
-#[inline]
+/// The exp is `shared::elementwise::exp_f32` (no libm call), so loops over GELU vectorise.
+#[inline(always)]
 pub fn gelu_tanh(v: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     let u = SQRT_2_OVER_PI * (v + 0.044715 * v * v * v);
-    v / (1.0 + (-2.0 * u).exp())
+    v / (1.0 + exp_f32(-2.0 * u))
 }
 
 /// `t` as contiguous f32 on the host: the same tensor when it already is (no copy), else a
 /// widened/compacted copy. Borrow its values with `f32_slice`.
 pub(crate) fn host_f32(t: &Tensor) -> candle_core::Result<Tensor> {
-    t.to_dtype(DType::F32)?.contiguous()
+    cast(t.contiguous()?, DType::F32)
 }
 
 /// The values of a contiguous f32 CPU tensor's storage, borrowed from its read guard.

@@ -30,16 +30,75 @@
 //! of `Fp8Linear` reject NaN/inf with an error; on CUDA the hot path does not read back to the
 //! host, so a NaN travels to the output, where the runner's check reports it.
 
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, DType, Storage, Tensor};
+use rayon::prelude::*;
+use shared::elementwise::Elementwise;
 use shared::{Fp8Recipe, SpeedkitError};
 use std::sync::Mutex;
 
 /// Largest finite E4M3 value.
 pub const E4M3_MAX: f32 = 448.0;
 
-/// amax = max |x| over the whole tensor, as a rank-0 f32 tensor on x's device.
+/// amax = max |x| over the whole tensor, as a rank-0 f32 tensor on x's device. On the CPU one
+/// parallel pass (candle's abs then max are two single-threaded ones).
+/// Slow twin: `x.flatten_all()?.abs()?.max(0)?.to_dtype(F32)`.
 pub fn amax(x: &Tensor) -> candle_core::Result<Tensor> {
+    if x.device().is_cpu() {
+        let x32 = cpu_f32(x)?;
+        let v = with_host(&x32, |v| v.par_chunks(CHUNK).map(|c| c.iter().fold(0f32, |m, &a| m.max(a.abs()))).reduce(|| 0.0, f32::max))?;
+        return Tensor::new(v, x.device());
+    }
     x.flatten_all()?.abs()?.max(0)?.to_dtype(DType::F32)
+}
+
+/// Elements per rayon task (64 KiB of f32).
+const CHUNK: usize = 16 * 1024;
+
+/// x as contiguous f32 on the CPU, cast in parallel when it is bf16/f16.
+fn cpu_f32(x: &Tensor) -> candle_core::Result<Tensor> {
+    shared::elementwise::to_dtype(&x.contiguous()?, DType::F32, Elementwise::Parallel)
+}
+
+fn with_host<R>(x32: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+    let (storage, layout) = x32.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(f(&v[a..b])),
+        _ => candle_core::bail!("expected a contiguous f32 CPU tensor"),
+    }
+}
+
+/// Round an f32 to the nearest E4M3 value (ties to even), saturating at ±448, NaN kept, and
+/// return it as f32 (every E4M3 value is exact in f32). Branch-free arithmetic on the bits, so a
+/// loop over it vectorises — unlike a per-element conversion to the 8-bit type and back.
+/// Normals (|y| ≥ 2⁻⁶): keep 3 mantissa bits, round-to-nearest-even on the 20 dropped ones.
+/// Subnormals (|y| < 2⁻⁶): multiples of 2⁻⁹, rounded with the 1.5·2²³ trick.
+/// Slow twin: `Tensor::to_dtype(F8E4M3)` then back to f32 (float8's conversion, as candle's).
+#[inline(always)]
+pub fn round_e4m3(y: f32) -> f32 {
+    let a = y.abs();
+    let bits = a.to_bits();
+    let normal = f32::from_bits((bits + 0x7_FFFF + ((bits >> 20) & 1)) & 0xFFF0_0000);
+    let sub = ((a * 512.0 + 12_582_912.0) - 12_582_912.0) * (1.0 / 512.0);
+    let r = if a < 1.0 / 64.0 { sub } else { normal };
+    let r = if r > E4M3_MAX { E4M3_MAX } else { r }; // saturate (NaN compares false and stays NaN)
+    let r = if y.is_nan() { y } else { r };
+    r.copysign(y)
+}
+
+/// CPU, emulated FP8: s·e4m3(x / s) in f32, one parallel vectorised pass — what
+/// `dequantize(&quantize(x, s)?, s, F32)` computes with two casts and three passes.
+pub fn quantize_dequantize_cpu(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
+    let s = scale.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    let x32 = cpu_f32(x)?;
+    let out = with_host(&x32, |v| {
+        let mut out = vec![0f32; v.len()];
+        out.par_chunks_mut(CHUNK).zip(v.par_chunks(CHUNK)).for_each(|(o, v)| {
+            shared::elementwise::map_slice(o, v, &|_, x| round_e4m3(x / s) * s);
+            // x / s as quantize divides
+        });
+        out
+    })?;
+    Tensor::from_vec(out, x.shape(), x.device())
 }
 
 /// s = amax · 2^margin / 448 (rank 0, f32). An all-zero tensor gets a tiny positive s rather
@@ -62,6 +121,16 @@ pub fn dequantize(q: &Tensor, scale: &Tensor, dtype: DType) -> candle_core::Resu
 /// Refuse a tensor holding NaN or ±inf: its amax, and so its scale, would not be a number.
 /// Reads the tensor on the host (build time, CPU, tests — not the CUDA hot path).
 pub fn check_finite(x: &Tensor, what: &str) -> Result<(), SpeedkitError> {
+    if x.device().is_cpu() {
+        // The common case, all finite, in one parallel pass without a copy; the slow path
+        // below only runs to describe what it found.
+        let all_finite = cpu_f32(x)
+            .and_then(|x32| with_host(&x32, |v| v.par_chunks(CHUNK).all(|c| c.iter().all(|v| v.is_finite()))))
+            .map_err(|e| SpeedkitError::usage(format!("cannot read {what} to check it for FP8: {e}")))?;
+        if all_finite {
+            return Ok(());
+        }
+    }
     let values: Vec<f32> = x
         .to_dtype(DType::F32)
         .and_then(|t| t.flatten_all()?.to_vec1())
@@ -260,11 +329,14 @@ impl Fp8Linear {
             check_finite(x, &format!("the input of {}", self.name)).map_err(candle_core::Error::wrap)?;
         }
         let scale = self.state.lock().map_err(|_| candle_core::Error::Msg(format!("{}: scale state poisoned", self.name)))?.scale_for(x)?;
-        let xq = quantize(x, &scale)?; // (B, T, K) E4M3
         match &self.emulated {
-            None => self.forward_cublaslt(&xq, &scale, (bsz, t, n)),
+            None => self.forward_cublaslt(&quantize(x, &scale)?, &scale, (bsz, t, n)), // (B, T, K) E4M3
             Some((w, b)) => {
-                let xd = dequantize(&xq, &scale, DType::F32)?; // (B, T, K): s_x·q_x, exact in f32
+                let xd = if x.device().is_cpu() {
+                    quantize_dequantize_cpu(x, &scale)? // one parallel pass, same values
+                } else {
+                    dequantize(&quantize(x, &scale)?, &scale, DType::F32)?
+                }; // (B, T, K): s_x·q_x, exact in f32
                 let y = if x.device().is_cpu() {
                     // stage 3's fused f32 GEMM + epilogue (the CPU has no FP8 to be faster with)
                     if self.gelu {
@@ -281,7 +353,8 @@ impl Fp8Linear {
                         y
                     }
                 };
-                y.to_dtype(DType::BF16) // the store cuBLASLt makes
+                shared::elementwise::to_dtype(&y, DType::BF16, Elementwise::Parallel)
+                // the store cuBLASLt makes
             }
         }
     }

@@ -38,6 +38,7 @@ use candle_core::{DType, IndexOp, Tensor};
 use fp8::{Fp8Linear, Fp8Mode, ScalingConfig};
 use shared::check::{compare_within, NamedCheck};
 use shared::device::{DeviceInfo, GemmSwitches};
+use shared::elementwise::{self as ew, Elementwise};
 use shared::stage::{PrecisionChoice, EMULATED};
 use shared::Shape;
 use shared::{BlockWeights, Fp8Recipe, Plan, Precision, PrecisionRequest, SpeedkitError, Stage};
@@ -187,7 +188,8 @@ impl Stage for Block {
         let a = attention(&q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C) bf16
         let (x, h) = add_layer_norm(x, &self.proj.forward(&a)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
         let m = self.fc1.forward(&h)?; // (B, T, FF) bf16: GELU in the FP8 GEMM's epilogue
-        x + self.fc2.forward(&m)?.to_dtype(DType::F32)? // the f32 residual stream
+        let fc2 = ew::to_dtype(&self.fc2.forward(&m)?, DType::F32, Elementwise::Parallel)?;
+        ew::add(&x, &fc2, Elementwise::Parallel) // the f32 residual stream (one parallel pass on the CPU)
     }
 
     fn self_check(&self, x: &Tensor, y: &Tensor) -> anyhow::Result<Option<NamedCheck>> {

@@ -135,3 +135,53 @@ fn non_finite_input_is_refused() {
     let e = Fp8Linear::new(&w, &b, false, Fp8Mode::Cublaslt, ScalingConfig::default(), "fc").unwrap_err().to_string();
     assert!(e.contains("CUDA device") && e.contains("Fix:"), "{e}");
 }
+
+// The CPU's fast quantisation (issue 15): one parallel, vectorised pass against its slow twin,
+// candle's casts through the 8-bit type.
+mod fast_cpu_quantisation {
+    use candle_core::{DType, Device, Tensor};
+    use proptest::prelude::*;
+    use stage4_fp8::fp8::{amax, dequantize, quantize, quantize_dequantize_cpu, round_e4m3, scale_from_amax};
+
+    /// Every f32 bit pattern's neighbourhood that matters: all E4M3 values, the midpoints between
+    /// them (ties), and one ulp either side, both signs, plus saturation, zero and NaN.
+    #[test]
+    fn round_e4m3_matches_the_cast_on_every_edge() {
+        let mut xs = vec![0.0f32, -0.0, 447.9, 448.0, 449.0, 463.9, 464.0, 465.0, 1e6, f32::MAX, 1e-30, f32::MIN_POSITIVE];
+        for code in 0u8..0x7E {
+            // 0x7E is 448, the largest; 0x7F is NaN in E4M3 (no infinities)
+            let v = float8::F8E4M3::from_bits(code).to_f32();
+            let next = float8::F8E4M3::from_bits(code + 1).to_f32();
+            let mid = (v + next) / 2.0;
+            for x in [v, mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1)] {
+                xs.extend([x, -x]);
+            }
+        }
+        let t = Tensor::new(xs.as_slice(), &Device::Cpu).unwrap();
+        let want: Vec<f32> = t.to_dtype(DType::F8E4M3).unwrap().to_dtype(DType::F32).unwrap().to_vec1().unwrap();
+        for (x, w) in xs.iter().zip(&want) {
+            assert_eq!(round_e4m3(*x).to_bits(), w.to_bits(), "x = {x:e}: fast {} vs cast {w}", round_e4m3(*x));
+        }
+        assert!(round_e4m3(f32::NAN).is_nan());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+
+        #[test]
+        fn quantize_dequantize_cpu_is_the_slow_twin(n in 1usize..40_000, seed in 0u64..10_000, log_mag in -12i32..12) {
+            let x = (Tensor::randn(0f32, 1.0, n, &Device::Cpu).unwrap() * 2f64.powi(log_mag)).unwrap();
+            let _ = seed;
+            let s = scale_from_amax(&amax(&x).unwrap(), 0).unwrap();
+            let fast: Vec<f32> = quantize_dequantize_cpu(&x, &s).unwrap().to_vec1().unwrap();
+            let slow: Vec<f32> = dequantize(&quantize(&x, &s).unwrap(), &s, DType::F32).unwrap().to_vec1().unwrap();
+            prop_assert_eq!(fast, slow);
+            let slow_amax: f32 = x.abs().unwrap().max(0).unwrap().to_scalar().unwrap();
+            prop_assert_eq!(amax(&x).unwrap().to_scalar::<f32>().unwrap(), slow_amax);
+            let xb = x.to_dtype(DType::BF16).unwrap(); // stage 4's activations are bf16
+            let fast: Vec<f32> = quantize_dequantize_cpu(&xb, &s).unwrap().to_vec1().unwrap();
+            let slow: Vec<f32> = dequantize(&quantize(&xb, &s).unwrap(), &s, DType::F32).unwrap().to_vec1().unwrap();
+            prop_assert_eq!(fast, slow);
+        }
+    }
+}

@@ -1,0 +1,461 @@
+//! Element-wise ops for the CPU, multi-threaded (rayon) and vectorised (AVX-512 or AVX2+FMA
+//! bodies chosen at run time, as stage 2's attention kernel does), UNFUSED: one op is one pass
+//! over memory, the same op sequence as stage 0's candle primitives. Stages 2–4 use them on the
+//! CPU (`--elementwise parallel`, the default) so that their time measures their technique and
+//! not candle's CPU element-wise kernels, which run single-threaded and, for `tanh`, scalar
+//! (106–122 ms for a (2048, 3072) tensor on a 2-core Xeon, against ~10 ms here).
+//!
+//! This is infrastructure, not a technique: on a GPU every candle kernel is parallel already,
+//! so these ops change nothing there (non-CPU tensors go to candle's op). Because the passes are
+//! the same as candle's, stage 3's fusion still shows its gain as fewer passes over memory.
+//! `--elementwise candle` runs candle's own ops instead, to measure what this buys.
+//!
+//! Each op has its slow twin (the candle expression named in its doc) and a property test.
+
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::sync::OnceLock;
+
+/// `--elementwise`: which element-wise ops stages 2–4 use on the CPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Elementwise {
+    /// This module: multi-threaded, vectorised, one pass per op.
+    #[default]
+    Parallel,
+    /// candle's CPU ops (single-threaded), as stages 0–1 use.
+    Candle,
+}
+
+/// LayerNorm's ε, as in GPT-2 (and stage 0).
+pub const LN_EPS: f64 = 1e-5;
+
+/// Elements per rayon task: 16 Ki floats = 64 KiB, enough work to amortise a task (~1 µs) and
+/// small enough to spread a (2048, 768) activation over many cores.
+const CHUNK: usize = 16 * 1024;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Level {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+fn level() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::ceiling::has_avx512() {
+                return Level::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                return Level::Avx2;
+            }
+        }
+        Level::Scalar
+    })
+}
+
+/// The loop every op runs, written so the compiler vectorises it: `f` is inlined into a body
+/// compiled for the CPU's widest SIMD (the `#[target_feature]` twins below).
+#[inline(always)]
+fn body<F: Fn(usize, f32) -> f32>(dst: &mut [f32], src: &[f32], f: &F) {
+    for (i, (d, &s)) in dst.iter_mut().zip(src).enumerate() {
+        *d = f(i, s);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+unsafe fn body_avx512<F: Fn(usize, f32) -> f32>(dst: &mut [f32], src: &[f32], f: &F) {
+    body(dst, src, f)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn body_avx2<F: Fn(usize, f32) -> f32>(dst: &mut [f32], src: &[f32], f: &F) {
+    body(dst, src, f)
+}
+
+/// dst[i] = f(i, src[i]) with the widest SIMD body this CPU has (i is the index within the slice).
+#[inline]
+pub fn map_slice<F: Fn(usize, f32) -> f32>(dst: &mut [f32], src: &[f32], f: &F) {
+    match level() {
+        // SAFETY: the CPU has the features these bodies are compiled for (checked in `level`).
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe { body_avx512(dst, src, f) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { body_avx2(dst, src, f) },
+        Level::Scalar => body(dst, src, f),
+    }
+}
+
+#[inline(always)]
+fn body_mut<F: Fn(f32) -> f32>(v: &mut [f32], f: &F) {
+    for x in v.iter_mut() {
+        *x = f(*x);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+unsafe fn body_mut_avx512<F: Fn(f32) -> f32>(v: &mut [f32], f: &F) {
+    body_mut(v, f)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn body_mut_avx2<F: Fn(f32) -> f32>(v: &mut [f32], f: &F) {
+    body_mut(v, f)
+}
+
+/// v[i] = f(v[i]) on one slice, with the widest SIMD body this CPU has (no threads: for callers
+/// that already run in parallel, e.g. per block of rows).
+#[inline]
+pub fn map_slice_in_place<F: Fn(f32) -> f32>(v: &mut [f32], f: &F) {
+    match level() {
+        // SAFETY: the CPU has the features these bodies are compiled for (checked in `level`).
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe { body_mut_avx512(v, f) },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { body_mut_avx2(v, f) },
+        Level::Scalar => body_mut(v, f),
+    }
+}
+
+/// v[i] = f(v[i]) in place, in parallel over chunks, SIMD inside.
+pub fn map_in_place<F: Fn(f32) -> f32 + Sync>(v: &mut [f32], f: F) {
+    v.par_chunks_mut(CHUNK).for_each(|c| map_slice_in_place(c, &f));
+}
+
+/// A contiguous f32 CPU tensor's values, copied out only when the tensor is not already one.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> candle_core::Result<R>) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => f(&v[a..b]),
+        _ => candle_core::bail!("elementwise: expected a contiguous f32 CPU tensor, got {:?} on {:?}", t.dtype(), t.device()),
+    }
+}
+
+/// Whether the parallel path applies: f32 tensors on the CPU.
+fn fast(ts: &[&Tensor]) -> bool {
+    ts.iter().all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+}
+
+/// y = f(x) element-wise, one parallel pass.
+fn unary(x: &Tensor, f: impl Fn(f32) -> f32 + Sync) -> candle_core::Result<Tensor> {
+    let out = with_f32(x, |xs| {
+        let mut out = vec![0f32; xs.len()];
+        out.par_chunks_mut(CHUNK).zip(xs.par_chunks(CHUNK)).for_each(|(o, s)| map_slice(o, s, &|_, v| f(v)));
+        Ok(out)
+    })?;
+    Tensor::from_vec(out, x.shape(), &Device::Cpu)
+}
+
+/// y = f(a, b) element-wise where b is a's shape, or a's last dimension (broadcast over rows).
+fn binary(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> candle_core::Result<Tensor> {
+    let out = with_f32(a, |xs| {
+        with_f32(b, |bs| {
+            let mut out = vec![0f32; xs.len()];
+            if bs.len() == xs.len() {
+                out.par_chunks_mut(CHUNK).zip(xs.par_chunks(CHUNK).zip(bs.par_chunks(CHUNK))).for_each(|(o, (s, r))| {
+                    map_slice(o, s, &|i, v| f(v, r[i]));
+                });
+            } else {
+                // b is one row (the last dimension): rows in parallel, a few rows per task.
+                let n = bs.len();
+                let rows = (CHUNK / n).max(1) * n;
+                out.par_chunks_mut(rows).zip(xs.par_chunks(rows)).for_each(|(o, s)| {
+                    for (o, s) in o.chunks_mut(n).zip(s.chunks(n)) {
+                        map_slice(o, s, &|i, v| f(v, bs[i]));
+                    }
+                });
+            }
+            Ok(out)
+        })
+    })?;
+    Tensor::from_vec(out, a.shape(), &Device::Cpu)
+}
+
+/// One value per row of x (…, C): reduce(row), rows in parallel. Returns shape (…, 1).
+fn per_row(x: &Tensor, reduce: impl Fn(&[f32]) -> f32 + Sync) -> candle_core::Result<Tensor> {
+    let c = x.dim(candle_core::D::Minus1)?;
+    let out = with_f32(x, |xs| Ok(xs.par_chunks(c).map(&reduce).collect::<Vec<f32>>()))?;
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().unwrap() = 1;
+    Tensor::from_vec(out, dims, &Device::Cpu)
+}
+
+/// a + b, b of a's shape or a's last dimension. Slow twin: `a.broadcast_add(b)`.
+pub fn add(a: &Tensor, b: &Tensor, mode: Elementwise) -> candle_core::Result<Tensor> {
+    if mode == Elementwise::Candle || !fast(&[a, b]) || !fits(a, b) {
+        return a.broadcast_add(b);
+    }
+    binary(a, b, |x, y| x + y)
+}
+
+/// b has a's shape, or is one row of a's last dimension.
+fn fits(a: &Tensor, b: &Tensor) -> bool {
+    b.dims() == a.dims() || (b.rank() == 1 && a.dims().last() == b.dims().first())
+}
+
+/// y = x Wᵀ + b for x (B, T, in), W (out, in): candle's GEMM (the backend in use), then the bias
+/// add as one parallel pass. Slow twin: `stage0_baseline::linear`.
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, mode: Elementwise) -> candle_core::Result<Tensor> {
+    let (bsz, t, c_in) = x.dims3()?;
+    let c_out = w.dim(0)?;
+    let y = x.reshape((bsz * t, c_in))?.matmul(&w.t()?)?; // (B·T, out)
+    add(&y, b, mode)?.reshape((bsz, t, c_out))
+}
+
+/// The cast, in parallel where it is between f32 and bf16/f16 on the CPU (candle's is a
+/// single-threaded loop). Slow twin: `x.to_dtype(dtype)`.
+pub fn to_dtype(x: &Tensor, dtype: DType, mode: Elementwise) -> candle_core::Result<Tensor> {
+    if mode == Elementwise::Candle || !x.device().is_cpu() || x.dtype() == dtype {
+        return x.to_dtype(dtype);
+    }
+    let x = x.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    let Some((a, b)) = layout.contiguous_offsets() else { return x.to_dtype(dtype) };
+    let shape = x.shape().clone();
+    match (&*storage, dtype) {
+        (Storage::Cpu(CpuStorage::F32(v)), DType::BF16) => {
+            Tensor::from_vec(par_convert(&v[a..b], half::bf16::from_f32), shape, &Device::Cpu)
+        }
+        (Storage::Cpu(CpuStorage::F32(v)), DType::F16) => Tensor::from_vec(par_convert(&v[a..b], half::f16::from_f32), shape, &Device::Cpu),
+        (Storage::Cpu(CpuStorage::BF16(v)), DType::F32) => Tensor::from_vec(par_convert(&v[a..b], half::bf16::to_f32), shape, &Device::Cpu),
+        (Storage::Cpu(CpuStorage::F16(v)), DType::F32) => Tensor::from_vec(par_convert(&v[a..b], half::f16::to_f32), shape, &Device::Cpu),
+        _ => x.to_dtype(dtype),
+    }
+}
+
+fn par_convert<S: Copy + Sync, D: Copy + Send + Default>(src: &[S], f: impl Fn(S) -> D + Sync) -> Vec<D> {
+    let mut out = vec![D::default(); src.len()];
+    out.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, &s)| *o = f(s)));
+    out
+}
+
+/// LayerNorm over the last dimension from the same nine primitives as
+/// `stage0_baseline::layer_norm` (mean, sub, sqr, mean, +ε, sqrt, div, ·g, +b), each one parallel
+/// pass. Slow twin: `stage0_baseline::layer_norm` (spelled out again in the test).
+pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64, mode: Elementwise) -> candle_core::Result<Tensor> {
+    if mode == Elementwise::Candle || !fast(&[x, g, b]) {
+        let mean = x.mean_keepdim(candle_core::D::Minus1)?; // (B, T, 1)
+        let xc = x.broadcast_sub(&mean)?;
+        let var = xc.sqr()?.mean_keepdim(candle_core::D::Minus1)?;
+        let xhat = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+        return xhat.broadcast_mul(g)?.broadcast_add(b);
+    }
+    let c = x.dim(candle_core::D::Minus1)?;
+    let mean_of = |row: &[f32]| sum_f32(row) / c as f32;
+    let mean = per_row(x, mean_of)?; // (B, T, 1)
+    let xc = per_row_apply(x, &mean, |v, m| v - m)?;
+    let var = per_row(&unary(&xc, |v| v * v)?, mean_of)?; // biased variance, as in PyTorch
+    let std = (var + eps)?.sqrt()?; // (B, T, 1): one value per row, negligible next to (B, T, C)
+    let xhat = per_row_apply(&xc, &std, |v, s| v / s)?;
+    binary(&binary(&xhat, g, |v, g| v * g)?, b, |v, b| v + b)
+}
+
+/// Σ row with 16 partial sums, so the loop vectorises (a single f32 accumulator cannot be
+/// reordered by the compiler).
+#[inline]
+pub fn sum_f32(row: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
+/// y[r, i] = f(x[r, i], s[r]) for a per-row value s (…, 1): one parallel pass.
+fn per_row_apply(x: &Tensor, s: &Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> candle_core::Result<Tensor> {
+    let c = x.dim(candle_core::D::Minus1)?;
+    let out = with_f32(x, |xs| {
+        with_f32(s, |ss| {
+            let mut out = vec![0f32; xs.len()];
+            let rows = (CHUNK / c).max(1);
+            out.par_chunks_mut(rows * c).zip(xs.par_chunks(rows * c)).zip(ss.par_chunks(rows)).for_each(|((o, x), s)| {
+                for ((o, x), &s) in o.chunks_mut(c).zip(x.chunks(c)).zip(s) {
+                    map_slice(o, x, &|_, v| f(v, s));
+                }
+            });
+            Ok(out)
+        })
+    })?;
+    Tensor::from_vec(out, x.shape(), &Device::Cpu)
+}
+
+/// GELU, tanh approximation, from the same nine primitives as `stage0_baseline::gelu_tanh`
+/// (x², ·x, ·0.044715, +x, ·√(2/π), tanh, +1, ·x, ·0.5), each one parallel pass; `tanh` is
+/// `tanh_f32` (vectorised) instead of libm's. Slow twin: `stage0_baseline::gelu_tanh`.
+pub fn gelu_tanh(x: &Tensor, mode: Elementwise) -> candle_core::Result<Tensor> {
+    if mode == Elementwise::Candle || !fast(&[x]) {
+        let x3 = (x.sqr()? * x)?;
+        let inner = ((x + (x3 * 0.044715)?)? * (2.0 / std::f64::consts::PI).sqrt())?;
+        return ((inner.tanh()? + 1.0)? * x)? * 0.5;
+    }
+    let k = (2.0 / std::f64::consts::PI).sqrt() as f32;
+    let x2 = unary(x, |v| v * v)?;
+    let x3 = binary(&x2, x, |a, b| a * b)?;
+    let x3 = unary(&x3, |v| v * 0.044715)?;
+    let inner = binary(x, &x3, |a, b| a + b)?;
+    let inner = unary(&inner, |v| v * k)?;
+    let th = unary(&inner, tanh_f32)?;
+    let th = unary(&th, |v| v + 1.0)?;
+    let y = binary(&th, x, |a, b| a * b)?;
+    unary(&y, |v| v * 0.5)
+}
+
+/// e^x in f32 without libm, so loops over it vectorise (Cephes' expf: x = n·ln2 + r, |r| ≤ ln2/2,
+/// a degree-5 polynomial for e^r, 2^n by building the exponent bits). Within 2 ulp of libm on
+/// [−86.6, 88.7]; 0 below (no subnormal results), +∞ above 88.72 (as libm); NaN stays NaN.
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5·2²³: adding and subtracting it rounds to an integer
+    let xc = x.clamp(-86.6, 88.7);
+    let n = (xc * LOG2E + ROUND) - ROUND; // round(x / ln2), in [−125, 128]
+    let r = xc - n * LN2_HI - n * LN2_LO;
+    let p = 1.987_569_1e-4;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 1.666_666_5e-1;
+    let p = p * r + 0.5; // Cephes: 5.0000001201e-1, which is 0.5 in f32
+    let er = p * r * r + r + 1.0;
+    let y = er * f32::from_bits(((n as i32 + 126) as u32) << 23) * 2.0; // 2^(n−1)·2: n = 128 stays finite
+    if x < -86.6 {
+        0.0
+    } else if x > 88.72 {
+        f32::INFINITY
+    } else {
+        y
+    }
+}
+
+/// tanh without libm (vectorises): (e^{2u} − 1)/(e^{2u} + 1), and its Taylor series near 0 where
+/// that form cancels; ±1 beyond |u| = 9 (tanh(9) rounds to 1 in f32). Absolute error < 2e-7.
+#[inline(always)]
+pub fn tanh_f32(u: f32) -> f32 {
+    let uc = u.clamp(-9.0, 9.0);
+    let e = exp_f32(2.0 * uc);
+    let big = (e - 1.0) / (e + 1.0);
+    let u2 = u * u;
+    let small = u * (1.0 + u2 * (-1.0 / 3.0 + u2 * (2.0 / 15.0 + u2 * (-17.0 / 315.0))));
+    if u.abs() < 0.04 {
+        small
+    } else {
+        big
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    fn rand(dims: &[usize], seed: u64, scale: f64) -> Tensor {
+        // A seeded host RNG (splitmix), so a failing case reproduces.
+        let n: usize = dims.iter().product();
+        let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = s;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                (((z >> 40) as f64 / (1u64 << 24) as f64 - 0.5) * 2.0 * scale) as f32
+            })
+            .collect();
+        Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn exp_and_tanh_match_libm() {
+        let mut worst = (0f32, 0f32);
+        for i in -200_000..=200_000 {
+            let x = i as f32 * 4.3e-4; // [−86, 86]
+            let rel = (exp_f32(x) - x.exp()).abs() / x.exp();
+            worst.0 = worst.0.max(rel);
+            let u = i as f32 * 5e-5; // [−10, 10]
+            worst.1 = worst.1.max((tanh_f32(u) - u.tanh()).abs());
+        }
+        assert!(worst.0 < 3e-7, "exp relative error {}", worst.0);
+        assert!(worst.1 < 2e-7, "tanh absolute error {}", worst.1);
+        assert!(exp_f32(f32::NAN).is_nan() && tanh_f32(f32::NAN).is_nan());
+        assert_eq!((tanh_f32(50.0), tanh_f32(-50.0)), (1.0, -1.0));
+        assert_eq!((exp_f32(-1000.0), exp_f32(1000.0)), (0.0, f32::INFINITY));
+        assert!((exp_f32(88.7) - 88.7f32.exp()).abs() / 88.7f32.exp() < 3e-7);
+    }
+
+    #[test]
+    fn every_simd_body_agrees_with_the_scalar_one() {
+        let src: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.013).collect();
+        let f = |i: usize, v: f32| tanh_f32(v) + i as f32;
+        let (mut a, mut b) = (vec![0f32; 1000], vec![0f32; 1000]);
+        body(&mut a, &src, &f);
+        map_slice(&mut b, &src, &f);
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{x} vs {y}");
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        #[test]
+        fn layer_norm_matches_primitives(rows in 1usize..40, c in 1usize..300, seed in 0u64..1000, scale in 0.1f64..20.0) {
+            let x = (rand(&[rows, c], seed, scale) + 3.0).unwrap(); // a non-zero mean
+            let g = (rand(&[c], seed + 1, 0.1) + 1.0).unwrap();
+            let b = rand(&[c], seed + 2, 0.1);
+            let fast = layer_norm(&x, &g, &b, 1e-5, Elementwise::Parallel).unwrap();
+            let slow = layer_norm(&x, &g, &b, 1e-5, Elementwise::Candle).unwrap();
+            prop_assert!(max_abs_diff(&fast, &slow) < 2e-4, "diff {}", max_abs_diff(&fast, &slow));
+        }
+
+        #[test]
+        fn gelu_matches_primitives(n in 1usize..70_000, seed in 0u64..1000, scale in 0.01f64..12.0) {
+            let x = rand(&[n], seed, scale);
+            let fast = gelu_tanh(&x, Elementwise::Parallel).unwrap();
+            let slow = gelu_tanh(&x, Elementwise::Candle).unwrap();
+            prop_assert!(max_abs_diff(&fast, &slow) < 2e-6 * scale.max(1.0) as f32, "diff {}", max_abs_diff(&fast, &slow));
+        }
+
+        #[test]
+        fn add_linear_and_casts_match_candle(rows in 1usize..50, k in 1usize..64, n in 1usize..90, seed in 0u64..1000) {
+            let x = rand(&[2, rows, k], seed, 1.0);
+            let w = rand(&[n, k], seed + 1, 0.5);
+            let b = rand(&[n], seed + 2, 0.5);
+            let fast = linear(&x, &w, &b, Elementwise::Parallel).unwrap();
+            let slow = linear(&x, &w, &b, Elementwise::Candle).unwrap();
+            prop_assert_eq!(fast.to_vec3::<f32>().unwrap(), slow.to_vec3::<f32>().unwrap()); // same GEMM, same add
+            let r = rand(&[2, rows, n], seed + 3, 1.0);
+            prop_assert_eq!(add(&fast, &r, Elementwise::Parallel).unwrap().to_vec3::<f32>().unwrap(),
+                            (&fast + &r).unwrap().to_vec3::<f32>().unwrap());
+            for dt in [DType::BF16, DType::F16] {
+                let fast = to_dtype(&r, dt, Elementwise::Parallel).unwrap();
+                let slow = r.to_dtype(dt).unwrap();
+                prop_assert_eq!(fast.dtype(), dt);
+                let (f, s) = (fast.to_dtype(DType::F32).unwrap(), slow.to_dtype(DType::F32).unwrap());
+                prop_assert_eq!(f.to_vec3::<f32>().unwrap(), s.to_vec3::<f32>().unwrap()); // same rounding (RNE)
+                let back = to_dtype(&slow, DType::F32, Elementwise::Parallel).unwrap();
+                prop_assert_eq!(back.to_vec3::<f32>().unwrap(), s.to_vec3::<f32>().unwrap());
+            }
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! criterion, CPU (issue 15): what the block's time is made of on the `small` preset
+//! (B·T = 2048 rows, C = 768, FF = 3072).
+//! - `gemm`: the block's four GEMMs through candle's matmul, i.e. the GEMM backend this build
+//!   uses (`gemm` x86-v4 by default; MKL with `--features mkl`, after `eval "$(scripts/mkl.sh)"`).
+//!   Throughput is in FLOPs, so criterion prints GFLOP/s as "Gelem/s".
+//! - `elementwise`: `shared::elementwise` (parallel, vectorised, one pass per op) against its
+//!   slow twin, candle's own ops (`Elementwise::Candle`): LayerNorm, GELU, bias add, cast.
+//! - `fused`: stage 3's fused ops against their slow twins (stage 0's primitives).
+//!
+//! `cargo bench -p stage3_fused --bench cpu_ops` (add `-- gemm` for one group).
+
+use candle_core::{DType, Device, Tensor};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use shared::elementwise::{self as ew, Elementwise};
+use shared::weights::SplitMix64;
+use std::time::Duration;
+
+const C: usize = 768;
+const FF: usize = 3072;
+
+fn randn(dims: &[usize], seed: u64, std: f32) -> Tensor {
+    let n = dims.iter().product();
+    let v: Vec<f32> = SplitMix64::new(seed).normals(n).into_iter().map(|x| x * std).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+}
+
+fn gemm(c: &mut Criterion) {
+    let mut group = c.benchmark_group(format!("gemm/{}", shared::ceiling::gemm_backend()));
+    group.sample_size(10).measurement_time(Duration::from_secs(5));
+    let shape = shared::Shape { batch: 4, seq: 512, d_model: C, n_head: 12, ff: FF }; // small: B·T = 2048
+    for (name, m, n, k) in shared::ceiling::block_gemms(&shape) {
+        let (x, w) = (randn(&[m, k], 1, 1.0), randn(&[n, k], 2, 0.02));
+        let wt = w.t().unwrap();
+        group.throughput(Throughput::Elements((2 * m * n * k) as u64));
+        group.bench_function(BenchmarkId::new(name, format!("{m}x{n}x{k}")), |b| b.iter(|| x.matmul(&wt).unwrap()));
+    }
+    group.finish();
+}
+
+fn elementwise(c: &mut Criterion) {
+    let mut group = c.benchmark_group("elementwise");
+    group.sample_size(10).measurement_time(Duration::from_secs(3));
+    let (x, h) = (randn(&[4, 512, C], 3, 1.0), randn(&[4, 512, FF], 4, 1.0));
+    let (g, b, bff) = (randn(&[C], 5, 0.02), randn(&[C], 6, 0.02), randn(&[FF], 7, 0.02));
+    for (label, mode) in [("parallel", Elementwise::Parallel), ("candle", Elementwise::Candle)] {
+        group.bench_function(BenchmarkId::new("layer_norm", label), |bn| bn.iter(|| ew::layer_norm(&x, &g, &b, ew::LN_EPS, mode).unwrap()));
+        group.bench_function(BenchmarkId::new("gelu_tanh", label), |bn| bn.iter(|| ew::gelu_tanh(&h, mode).unwrap()));
+        group.bench_function(BenchmarkId::new("bias_add", label), |bn| bn.iter(|| ew::add(&h, &bff, mode).unwrap()));
+        group.bench_function(BenchmarkId::new("cast_bf16", label), |bn| bn.iter(|| ew::to_dtype(&h, DType::BF16, mode).unwrap()));
+    }
+    group.finish();
+}
+
+fn fused(c: &mut Criterion) {
+    use stage3_fused::ops;
+    let mut group = c.benchmark_group("fused");
+    group.sample_size(10).measurement_time(Duration::from_secs(5));
+    let x = randn(&[4, 512, C], 8, 1.0);
+    let (g, b) = (randn(&[C], 9, 0.02), randn(&[C], 10, 0.02));
+    let (w1, b1) = (randn(&[FF, C], 11, 0.02), randn(&[FF], 12, 0.02));
+    group.bench_function("layer_norm/fused", |bn| bn.iter(|| ops::layer_norm(&x, &g, &b, DType::F32).unwrap()));
+    group.bench_function("layer_norm/slow_twin", |bn| bn.iter(|| stage0_baseline::layer_norm(&x, &g, &b).unwrap()));
+    group.bench_function("linear_bias_gelu/fused", |bn| bn.iter(|| ops::linear_bias_gelu(&x, &w1, &b1).unwrap()));
+    group.bench_function("linear_bias_gelu/slow_twin", |bn| {
+        bn.iter(|| stage0_baseline::gelu_tanh(&stage0_baseline::linear(&x, &w1, &b1).unwrap()).unwrap())
+    });
+    group.finish();
+}
+
+criterion_group!(benches, gemm, elementwise, fused);
+criterion_main!(benches);
