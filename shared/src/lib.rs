@@ -6,8 +6,10 @@
 //! (trait, Plan, precision) · `device` (selection, capabilities, global switches, memory) ·
 //! `check` (comparison, tolerances) · `timing` (warm-up, sync, stats) · `perf` (FLOPs, peaks) ·
 //! `report` (records, table, JSON) · `cli` (flags, env, exit codes) · `runner` (the one
-//! function a stage's main calls) · `error` (what a user can act on).
+//! function a stage's main calls) · `error` (what a user can act on) · `breakdown` (per-part
+//! times of one forward).
 
+pub mod breakdown;
 pub mod check;
 pub mod cli;
 pub mod device;
@@ -23,5 +25,5 @@ pub mod weights;
 
 pub use error::SpeedkitError;
 pub use preset::{Preset, Shape};
-pub use stage::{Fp8Recipe, Plan, Precision, PrecisionRequest, Stage, StageOptions, StageSpec};
+pub use stage::{Fp8Recipe, Fusions, Plan, Precision, PrecisionRequest, Stage, StageOptions, StageSpec};
 pub use weights::BlockWeights;
