@@ -94,13 +94,12 @@ impl Recorder {
     fn boundary(&mut self, next: Option<&'static str>) -> candle_core::Result<()> {
         let clock = self.clock()?;
         #[cfg(feature = "cuda")]
-        if self.nvtx {
-            use candle_core::cuda::cudarc::nvtx::result as nvtx;
+        if let (true, Some(nvtx)) = (self.nvtx, nvtx::get()) {
             if !self.marks.is_empty() {
-                nvtx::range_pop();
+                nvtx.pop();
             }
             if let Some(n) = next {
-                nvtx::range_push(n);
+                nvtx.push(n);
             }
         }
         self.marks.push((next.unwrap_or(""), clock));
@@ -128,8 +127,52 @@ impl Recorder {
 /// Is libnvToolsExt loadable? (NVTX ranges are then emitted; without it, events only.)
 #[cfg(feature = "cuda")]
 fn nvtx_present() -> bool {
-    // SAFETY: only tries to dlopen the library by its usual names.
-    unsafe { candle_core::cuda::cudarc::nvtx::sys::is_culib_present() }
+    nvtx::get().is_some()
+}
+
+/// NVTX v2's two range calls, from libnvToolsExt loaded at run time (CUDA 12.x ships it; NVTX 3
+/// is header-only and CUDA 13 no longer ships the library, so its absence is normal: the
+/// breakdown then has CUDA events only). `nsys` intercepts these calls by this library's name.
+#[cfg(feature = "cuda")]
+mod nvtx {
+    use std::ffi::{c_char, c_int, CString};
+    use std::sync::OnceLock;
+
+    pub struct Nvtx {
+        _lib: libloading::Library,
+        push: unsafe extern "C" fn(*const c_char) -> c_int,
+        pop: unsafe extern "C" fn() -> c_int,
+    }
+
+    impl Nvtx {
+        pub fn push(&self, name: &str) {
+            let name = CString::new(name).unwrap_or_default();
+            // SAFETY: nvtxRangePushA copies a NUL-terminated string; `name` lives across the call.
+            unsafe { (self.push)(name.as_ptr()) };
+        }
+
+        pub fn pop(&self) {
+            // SAFETY: nvtxRangePop takes no arguments; a pop without a push is ignored by NVTX.
+            unsafe { (self.pop)() };
+        }
+    }
+
+    /// The library, loaded once; `None` when it is not installed.
+    pub fn get() -> Option<&'static Nvtx> {
+        static NVTX: OnceLock<Option<Nvtx>> = OnceLock::new();
+        NVTX.get_or_init(|| {
+            ["libnvToolsExt.so.1", "libnvToolsExt.so"].iter().find_map(|name| {
+                // SAFETY: loading a shared library runs its initialisers; libnvToolsExt's only
+                // set up NVTX's injection hooks.
+                let lib = unsafe { libloading::Library::new(name) }.ok()?;
+                // SAFETY: the symbols have these C signatures in nvToolsExt.h (NVTX v2).
+                let push = unsafe { *lib.get::<unsafe extern "C" fn(*const c_char) -> c_int>(b"nvtxRangePushA\0").ok()? };
+                let pop = unsafe { *lib.get::<unsafe extern "C" fn() -> c_int>(b"nvtxRangePop\0").ok()? };
+                Some(Nvtx { _lib: lib, push, pop })
+            })
+        })
+        .as_ref()
+    }
 }
 
 /// How a breakdown on `device` times its boundaries, in words.
