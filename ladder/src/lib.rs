@@ -526,10 +526,12 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         let region = render::readme_region(report, &json_link, &link_from_readme(&out.readme, svg)?);
         let updated = render::splice_readme(&text, &out.readme_region, &region)?;
         // The prose's numbers cited from this JSON (`cite`), rewritten from it too.
-        let (updated, stale) = cite::update(&updated, &json_link, &serde_json::to_value(report)?);
+        let value = serde_json::to_value(report)?;
+        let (updated, stale) = cite::update(&updated, &json_link, &value);
         for s in &stale {
             println!("note      not updated in {} (this run lacks it): {s}", out.readme.display());
         }
+        update_doc_citations(&readme_dir(&out.readme).join("docs"), &format!("../{json_link}"), &value)?;
         if updated == text {
             println!("unchanged {}: its {} region already shows this run", out.readme.display(), out.readme_region);
         } else {
@@ -550,6 +552,27 @@ fn print_extras(r: &LadderReport, ablation: fn(&LadderReport) -> String, breakdo
         println!("\nwhere the time goes (--breakdown, instrumented: a sync at each part boundary)");
         print!("{}", breakdown(r));
     }
+}
+
+/// The numbers docs/*.md cite from the JSON just written or rendered (`cite`), rewritten from it:
+/// the pages beside the README follow a re-recording as the README does.
+fn update_doc_citations(docs: &Path, json_link: &str, value: &serde_json::Value) -> anyhow::Result<()> {
+    let Ok(entries) = std::fs::read_dir(docs) else { return Ok(()) };
+    let mut pages: Vec<PathBuf> =
+        entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "md")).collect();
+    pages.sort();
+    for page in pages {
+        let text = std::fs::read_to_string(&page)?;
+        let (updated, stale) = cite::update(&text, json_link, value);
+        for s in &stale {
+            println!("note      not updated in {} (this run lacks it): {s}", page.display());
+        }
+        if updated != text {
+            write_text(&page, &updated, "page")?;
+            println!("updated   {}: numbers cited from {json_link}", page.display());
+        }
+    }
+    Ok(())
 }
 
 fn sweep_and_readme() -> SpeedkitError {
