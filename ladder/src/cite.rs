@@ -29,12 +29,32 @@ pub struct Citation {
     pub path: String,
 }
 
-/// Every `[text](results/*.json "path")` link in `doc`.
+/// Byte ranges of fenced code blocks (``` lines): examples there are not citations.
+fn fences(doc: &str) -> Vec<std::ops::Range<usize>> {
+    let (mut out, mut start, mut at) = (Vec::new(), None, 0);
+    for line in doc.split_inclusive('\n') {
+        if line.trim_start().starts_with("```") {
+            match start.take() {
+                None => start = Some(at),
+                Some(s) => out.push(s..at + line.len()),
+            }
+        }
+        at += line.len();
+    }
+    out
+}
+
+/// Every `[text](results/*.json "path")` link in `doc`, outside fenced code blocks.
 pub fn find(doc: &str) -> Vec<Citation> {
     let mut out = Vec::new();
+    let fenced = fences(doc);
     let mut from = 0;
     while let Some(open) = doc[from..].find('[').map(|i| i + from) {
         from = open + 1;
+        if let Some(f) = fenced.iter().find(|f| f.contains(&open)) {
+            from = f.end;
+            continue;
+        }
         let Some(close) = doc[open..].find("](").map(|i| i + open) else { break };
         let text = &doc[open + 1..close];
         if text.contains('[') || text.contains('\n') {
@@ -163,6 +183,8 @@ mod tests {
                    [1.8e-2](results/a.json \"records[1].check.rel_err\"). A [plain link](results/a.json) is not a citation.";
         let cites = find(doc);
         assert_eq!(cites.len(), 4);
+        let fenced = format!("```text\n{doc}\n```\n");
+        assert!(find(&fenced).is_empty(), "an example in a code block is not a citation");
         assert_eq!(cites[0].text, "1.44x");
         let j = json();
         let bad = check(doc, |_| Ok(j.clone()));

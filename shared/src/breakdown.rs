@@ -164,7 +164,7 @@ mod nvtx {
             ["libnvToolsExt.so.1", "libnvToolsExt.so"].iter().find_map(|name| {
                 // SAFETY: loading a shared library runs its initialisers; libnvToolsExt's only
                 // set up NVTX's injection hooks.
-                let lib = unsafe { libloading::Library::new(name) }.ok()?;
+                let lib = unsafe { libloading::Library::new(*name) }.ok()?;
                 // SAFETY: the symbols have these C signatures in nvToolsExt.h (NVTX v2).
                 let push = unsafe { *lib.get::<unsafe extern "C" fn(*const c_char) -> c_int>(b"nvtxRangePushA\0").ok()? };
                 let pop = unsafe { *lib.get::<unsafe extern "C" fn() -> c_int>(b"nvtxRangePop\0").ok()? };
