@@ -2,9 +2,10 @@
 //! PTX with nvcc — the compiler the feature already needs for candle's own kernels — into
 //! OUT_DIR, where `src/attention_cuda.rs` includes it. CPU builds do nothing here and need no nvcc.
 //!
-//! Target: `-arch=sm_$CUDA_COMPUTE_CAP` (candle's variable; 80 when unset). PTX for an
-//! architecture runs on that SM and newer ones (the driver compiles it on first load), so the
-//! default sm_80 runs on every Ampere, Ada and Hopper part. The kernel's bf16 tensor-core ops need
+//! Target: `-arch=sm_$CUDA_COMPUTE_CAP` (candle's variable; 80 when unset), always plain PTX
+//! (`ptx_arch.rs`: an `a` suffix is dropped). PTX for an architecture runs on that SM and newer
+//! ones (the driver compiles it on first load), so the default sm_80 runs on every Ampere, Ada,
+//! Hopper and Blackwell part. The kernel's bf16 tensor-core ops need
 //! SM 8.0, so a lower CUDA_COMPUTE_CAP still builds it for sm_80 (with a warning); stage 2 then
 //! refuses such a GPU at run time with the reason.
 
@@ -12,28 +13,24 @@ use std::env;
 use std::path::PathBuf;
 use std::process::Command;
 
+#[path = "ptx_arch.rs"]
+mod ptx_arch;
+
 fn main() {
     println!("cargo:rerun-if-changed=kernels/flash_attn.cu");
+    println!("cargo:rerun-if-changed=ptx_arch.rs");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    let requested = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
-    // "90", "90a", "8.9" and "sm_90" all name an architecture; its number decides.
-    let digits: String = requested.chars().filter(char::is_ascii_digit).collect();
-    let cap: u32 = digits.parse().unwrap_or_else(|_| panic!("CUDA_COMPUTE_CAP={requested:?} is not a compute capability such as 80 or 90"));
-    let arch = if cap < 80 {
-        println!(
-            "cargo:warning=stage2_sdpa: CUDA_COMPUTE_CAP={requested} is below 80; the attention kernel (bf16 tensor cores) is built for sm_80 and stage 2 will refuse this GPU at run time"
-        );
-        "80".to_string()
-    } else if requested.ends_with('a') {
-        format!("{cap}a") // arch-specific features (sm_90a); the kernel uses none, but follow the request
-    } else {
-        cap.to_string()
-    };
+    let requested = env::var("CUDA_COMPUTE_CAP").ok();
+    let (cap, warning) = ptx_arch::ptx_arch(requested.as_deref()).unwrap_or_else(|e| panic!("{e}"));
+    if let Some(w) = warning {
+        println!("cargo:warning={w}");
+    }
+    let arch = cap.to_string();
     let nvcc = env::var_os("NVCC")
         .map(PathBuf::from)
         .or_else(|| env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("bin/nvcc")).filter(|p| p.exists()))
@@ -59,5 +56,5 @@ fn main() {
         Ok(_) => {}
     }
     // The architecture the PTX was built for: stage 2 refuses older GPUs with the reason.
-    println!("cargo:rustc-env=SPEEDKIT_ATTN_ARCH={}", arch.trim_end_matches('a'));
+    println!("cargo:rustc-env=SPEEDKIT_ATTN_ARCH={arch}");
 }

@@ -10,6 +10,7 @@ pub mod cite;
 pub mod provenance;
 pub mod render;
 pub mod roofline;
+pub mod selftest;
 pub mod sweep;
 
 use clap::{Args, FromArgMatches};
@@ -208,11 +209,15 @@ pub fn run_measured(args: RunArgs, which: &[usize], m: Measure) -> anyhow::Resul
                     e.records.push(record);
                 }
                 Err(err) => {
+                    // Every error is a row, the ladder's promise: "skipped" when the stage cannot
+                    // run here, "FAILED" when it ran and is wrong or broke (the run then exits with
+                    // that error's code, after the table and files).
                     let (reason, failed) = match err.downcast_ref::<SpeedkitError>() {
                         Some(SpeedkitError::Usage(m)) => (m.clone(), false),
                         Some(SpeedkitError::CheckFailed(m)) => (m.clone(), true),
-                        None => return Err(err),
+                        None => (format!("error: {}", shared::error::classify(&err).1), true),
                     };
+                    let reason = shared::error::strip_backtrace(&reason).replace('\n', " ");
                     println!("{}    {label}: {reason}", if failed { "FAILED" } else { "skipped" });
                     e.out = true;
                     e.records.clear();
@@ -286,6 +291,12 @@ pub fn run_measured(args: RunArgs, which: &[usize], m: Measure) -> anyhow::Resul
 /// precision, switches and notes it would run with, and why — without running anything.
 pub fn report(args: &RunArgs) -> anyhow::Result<String> {
     use std::fmt::Write;
+    if let Some((flag, _)) = shared::cli::output_flags(args).first() {
+        return Err(SpeedkitError::usage(format!(
+            "`ladder report` runs nothing, so there is nothing for {flag} to write. Fix: drop {flag}, or run `ladder {flag} PATH` (without `report`)."
+        ))
+        .into());
+    }
     let shared::runner::Resolved { device, info, shape, .. } = shared::runner::resolve(args)?;
     let mut out = String::new();
     writeln!(out, "device    {}", info.describe())?;
@@ -387,6 +398,82 @@ pub enum Results {
 
 /// Read a JSON file written by `ladder --json`.
 pub fn load(path: &Path) -> anyhow::Result<Results> {
+    let results = load_unchecked(path)?;
+    let checked = match &results {
+        Results::Ladder(r) => check_report(r),
+        Results::Sweep(s) => check_sweep(s),
+    };
+    checked.map_err(|why| {
+        SpeedkitError::usage(format!(
+            "{} cannot be rendered: {why}. A ladder run never writes that, so the file was edited or damaged. Fix: pass --from the JSON a `ladder --json PATH` run wrote (or run it again).",
+            path.display()
+        ))
+    })?;
+    Ok(results)
+}
+
+/// Most rows (stages) and sweep values a file may hold: the ladder has five stages, and a chart
+/// of thousands of bars is no chart (its width would overflow).
+const MAX_ROWS: usize = 64;
+
+/// A file read back is untrusted input: every shape valid (n_head 0 would divide by zero), every
+/// number the table and chart use finite, and no more rows than a chart can draw.
+fn check_report(r: &LadderReport) -> Result<(), String> {
+    r.shape.validate().map_err(|e| format!("its shape {:?} is invalid ({e})", r.shape))?;
+    if r.records.len() + r.skipped.len() > MAX_ROWS || r.stages.len() > MAX_ROWS {
+        return Err(format!("it holds {} rows, more than {MAX_ROWS}", r.records.len() + r.skipped.len()));
+    }
+    for rec in &r.records {
+        rec.shape.validate().map_err(|e| format!("{}'s shape is invalid ({e})", rec.stage))?;
+        let t = &rec.timing;
+        let positive = [("median_ms", t.median_ms), ("p10_ms", t.p10_ms), ("p90_ms", t.p90_ms), ("min_ms", t.min_ms), ("max_ms", t.max_ms)];
+        let mut numbers: Vec<(&str, Option<f64>)> = positive.iter().map(|&(n, v)| (n, Some(v))).collect();
+        numbers.extend([
+            ("tokens_per_s", Some(rec.tokens_per_s)),
+            ("flops_per_forward", Some(rec.flops_per_forward)),
+            ("tflops", Some(rec.tflops)),
+            ("peak_tflops", rec.peak_tflops),
+            ("pct_of_peak", rec.pct_of_peak),
+            ("speedup_vs_stage0", rec.speedup_vs_stage0),
+            ("speedup_vs_prev", rec.speedup_vs_prev),
+            ("check.rel_err", rec.check.as_ref().map(|c| c.rel_err)),
+            ("check.max_abs_err", rec.check.as_ref().map(|c| c.max_abs_err)),
+        ]);
+        for (name, v) in numbers {
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v >= 0.0)) {
+                return Err(format!("{}'s {name} is {v}, not a finite number >= 0", rec.stage));
+            }
+        }
+        if t.median_ms <= 0.0 {
+            return Err(format!("{}'s median_ms is {}, not a time > 0", rec.stage, t.median_ms));
+        }
+    }
+    Ok(())
+}
+
+fn check_sweep(s: &SweepReport) -> Result<(), String> {
+    if s.values.len() != s.runs.len() || s.values.is_empty() || s.values.len() > MAX_ROWS {
+        return Err(format!("it has {} values and {} runs (need the same number, 1 to {MAX_ROWS})", s.values.len(), s.runs.len()));
+    }
+    if !["seq", "batch", "d_model"].contains(&s.axis.as_str()) {
+        return Err(format!("its axis {:?} is not seq, batch or d_model", s.axis));
+    }
+    s.runs.iter().try_for_each(check_report)
+}
+
+fn load_unchecked(path: &Path) -> anyhow::Result<Results> {
+    // Read whole, so refused when it could not be a ladder JSON: larger than 256 MiB (they are
+    // a few kB), or not a regular file (a device such as /dev/zero reads forever).
+    if let Ok(m) = std::fs::metadata(path) {
+        if !m.is_file() || m.len() > 256 << 20 {
+            return Err(SpeedkitError::usage(format!(
+                "{} is {}, not a ladder JSON file (a few kB). Fix: pass --from the JSON a `ladder --json PATH` run wrote.",
+                path.display(),
+                if m.is_file() { format!("{} bytes", m.len()) } else { "not a regular file".into() }
+            ))
+            .into());
+        }
+    }
     let bytes = std::fs::read(path).map_err(|e| {
         SpeedkitError::usage(format!("cannot read {} ({e}). Fix: pass --from the JSON a `ladder --json PATH` run wrote.", path.display()))
     })?;
@@ -431,7 +518,11 @@ fn default_beside_readme(readme: &Path, report: &DeviceInfo, ext: &str) -> PathB
 /// `path` as a link from the README: relative to its folder, with forward slashes. Refused
 /// when `path` is outside that folder, where the link would not work on GitHub.
 fn link_from_readme(readme: &Path, path: &Path) -> Result<String, SpeedkitError> {
-    let canon = |p: &Path| std::fs::canonicalize(p).map_err(|e| SpeedkitError::usage(format!("cannot resolve {} ({e}).", p.display())));
+    // Resolved as the output policy does, so this works before the file exists (checked up front).
+    let canon = |p: &Path| {
+        shared::output::resolve(p)
+            .map_err(|e| SpeedkitError::usage(format!("cannot resolve {} ({e}). Fix: pick a path under the README's folder.", p.display())))
+    };
     let (dir, file) = (canon(&readme_dir(readme))?, canon(path)?);
     let rel = file.strip_prefix(&dir).map_err(|_| {
         SpeedkitError::usage(format!(
@@ -445,6 +536,12 @@ fn link_from_readme(readme: &Path, path: &Path) -> Result<String, SpeedkitError>
 
 /// Read the README and check its markers before a run, so a long run does not end in a refusal.
 fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
+    if std::fs::metadata(readme).is_ok_and(|m| !m.is_file()) {
+        return Err(SpeedkitError::usage(format!(
+            "--update-readme: {} is not a regular file. Fix: pass --readme the Markdown file to rewrite.",
+            readme.display()
+        )));
+    }
     let text = std::fs::read_to_string(readme).map_err(|e| {
         SpeedkitError::usage(format!(
             "--update-readme: cannot read {} ({e}). Fix: run from the repository root, or pass --readme PATH.",
@@ -582,6 +679,26 @@ fn sweep_and_readme() -> SpeedkitError {
     )
 }
 
+/// Every file a run or render will write, checked before anything runs: each path alone
+/// (`shared::output::check`), no two on one file, and with --update-readme the JSON and chart
+/// under the README's folder so it can link them. `json` and `svg` are the paths after defaults.
+fn check_outputs(args: Option<&RunArgs>, out: &OutputArgs, json: Option<&Path>, svg: Option<&Path>) -> Result<(), SpeedkitError> {
+    let mut list = args.map(shared::cli::output_flags).unwrap_or_default();
+    list.retain(|(flag, _)| *flag != "--json");
+    list.extend(json.map(|p| ("--json", p)));
+    list.extend(svg.map(|p| ("--svg", p)));
+    if out.update_readme {
+        list.push(("--readme", out.readme.as_path()));
+    }
+    shared::output::check_all(&list)?;
+    if out.update_readme {
+        for p in json.into_iter().chain(svg) {
+            link_from_readme(&out.readme, p)?;
+        }
+    }
+    Ok(())
+}
+
 /// The ladder command: run (or sweep), then print, chart and record as asked.
 fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
     let which = select(ladder.stages.as_deref())?;
@@ -599,6 +716,15 @@ fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
         }
         read_readme(&out.readme, &out.readme_region)?;
     }
+    shared::cli::validate(&args)?;
+    if let Some(s) = &ladder.sweep {
+        sweep::check_values(&args, s)?;
+    }
+    // The default results paths depend on the device kind (results/ladder-cpu.* or -cuda.*).
+    let default_kind = if out.update_readme { Some(shared::device::select(args.device)?.1) } else { None };
+    let planned_json = args.json.clone().or_else(|| default_kind.as_ref().map(|i| default_beside_readme(&out.readme, i, "json")));
+    let planned_svg = out.svg.clone().or_else(|| default_kind.as_ref().map(|i| default_beside_readme(&out.readme, i, "svg")));
+    check_outputs(Some(&args), out, planned_json.as_deref(), planned_svg.as_deref())?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let (results, failure) = match &ladder.sweep {
         Some(s) => {
@@ -612,7 +738,9 @@ fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
             (Results::Ladder(Box::new(report)), failure)
         }
     };
-    let json = match (&results, &args.json, out.update_readme) {
+    // A failed run never replaces the recorded results: the default files beside the README
+    // are written only when every stage passed (paths the user named are written either way).
+    let json = match (&results, &args.json, out.update_readme && failure.is_none()) {
         (_, Some(p), _) => Some(p.clone()),
         (Results::Ladder(r), None, true) => Some(default_beside_readme(&out.readme, &r.device, "json")),
         _ => None,
@@ -633,7 +761,10 @@ fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
     match failure {
         Some(e) => {
             if ladder.output.update_readme {
-                println!("not updating {}: a stage failed its check", ladder.output.readme.display());
+                println!(
+                    "not updating {} or its results files: a stage failed (the recorded results stay as they were)",
+                    ladder.output.readme.display()
+                );
             }
             Err(e)
         }
@@ -651,6 +782,11 @@ pub fn main() -> ExitCode {
                 .about("Print the device, candle's global switches, and what every stage would run and why"),
         )
         .subcommand(
+            selftest::SelftestArgs::augment_args(clap::Command::new("selftest")).about(
+                "Run each GPU building block alone against its CPU twin; print a pass/fail table and write a JSON to send back (on the CPU: the emulations and models)",
+            ),
+        )
+        .subcommand(
             RenderArgs::augment_args(clap::Command::new("render"))
                 .about("Print, chart or put in the README a run recorded with --json, without running anything again"),
         );
@@ -660,11 +796,41 @@ pub fn main() -> ExitCode {
             print!("{}", report(&RunArgs::from_arg_matches(sub)?)?);
             Ok(())
         }
+        Some(("selftest", sub)) => selftest::command(&selftest::SelftestArgs::from_arg_matches(sub)?),
         Some(("render", sub)) => {
             let args = RenderArgs::from_arg_matches(sub)?;
             let results = load(&args.from)?;
             if args.output.update_readme {
                 read_readme(&args.output.readme, &args.output.readme_region)?;
+                if let Results::Ladder(r) = &results {
+                    if let Some(bad) = r.skipped.iter().find(|s| s.failed) {
+                        return Err(SpeedkitError::usage(format!(
+                            "{} records a run in which {} FAILED, and the README only shows runs that passed. Fix: render it with --markdown or --svg, or run the ladder again.",
+                            args.from.display(),
+                            bad.stage
+                        ))
+                        .into());
+                    }
+                }
+            }
+            let svg = match (&results, &args.output.svg, args.output.update_readme) {
+                (_, Some(p), _) => Some(p.clone()),
+                (Results::Ladder(r), None, true) => Some(default_beside_readme(&args.output.readme, &r.device, "svg")),
+                _ => None,
+            };
+            if let Some(svg) = &svg {
+                if shared::output::resolve(svg).ok() == shared::output::resolve(&args.from).ok() {
+                    return Err(SpeedkitError::usage(format!(
+                        "--svg {} is the --from file itself, so the chart would replace the run it is drawn from. Fix: give --svg another path.",
+                        svg.display()
+                    ))
+                    .into());
+                }
+            }
+            let json_link = if args.output.update_readme { Some(args.from.as_path()) } else { None };
+            check_outputs(None, &args.output, None, svg.as_deref())?;
+            if let Some(j) = json_link {
+                link_from_readme(&args.output.readme, j)?;
             }
             emit(&results, &args.output, Some(&args.from))
         }

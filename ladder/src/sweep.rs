@@ -62,6 +62,21 @@ impl std::str::FromStr for Sweep {
     }
 }
 
+/// Most values one sweep takes, and the largest value: each value is a whole ladder run, and
+/// the shapes are checked again per value (a value that cannot run becomes skipped rows).
+pub const MAX_VALUES: usize = 64;
+
+/// Refuse a sweep whose values cannot all be valid numbers for their dimension, before any run.
+pub fn check_values(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
+    if sweep.values.len() > MAX_VALUES {
+        return Err(SpeedkitError::usage(format!(
+            "--sweep has {} values; each is a whole ladder run. Fix: sweep at most {MAX_VALUES} values.",
+            sweep.values.len()
+        )));
+    }
+    check_flags(args, sweep)
+}
+
 /// Flags that fix the swept dimension, or that would write one file per value over each other.
 fn check_flags(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
     let axis = sweep.axis;
@@ -108,7 +123,10 @@ fn args_for(args: &RunArgs, axis: Axis, value: usize, d_head: usize) -> Result<R
         Axis::Batch => a.batch = Some(value),
         Axis::DModel => {
             a.d_model = Some(value);
-            a.ff = args.ff.or(Some(4 * value));
+            let ff = value.checked_mul(4).ok_or_else(|| {
+                SpeedkitError::usage(format!("C = {value} is too large: FF = 4·C overflows. Fix: sweep d_model values below 2^31."))
+            })?;
+            a.ff = args.ff.or(Some(ff));
             if args.heads.is_none() {
                 if value == 0 || !value.is_multiple_of(d_head) {
                     return Err(SpeedkitError::usage(format!(
@@ -140,7 +158,7 @@ pub fn run(args: &RunArgs, sweep: &Sweep, which: &[usize], argv: &[String]) -> a
             Axis::Batch => shape.batch = value,
             Axis::DModel => {
                 shape.d_model = value;
-                shape.ff = args.ff.unwrap_or(4 * value);
+                shape.ff = args.ff.unwrap_or(value.saturating_mul(4));
                 shape.n_head = args.heads.unwrap_or(if base.shape.d_head() > 0 { value / base.shape.d_head() } else { 0 });
             }
         }

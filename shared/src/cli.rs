@@ -127,6 +127,14 @@ pub fn exit_with(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     }
 }
 
+/// Most timed (or warm-up) iterations a run takes: each sample is kept, and a million of the
+/// tiny preset's forwards already take minutes; a larger count is a typo, not a measurement.
+pub const MAX_ITERS: usize = 1_000_000;
+
+/// The range `--peak-tflops` must lie in: from 1 GFLOP/s (a slow CPU core) to 100 PFLOP/s,
+/// far above any device today. Outside it the % of peak would be noise or overflow.
+pub const PEAK_TFLOPS_RANGE: (f64, f64) = (1e-3, 1e5);
+
 /// Validate flags that clap cannot check by type.
 pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
     if args.iters == Some(0) {
@@ -134,10 +142,21 @@ pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
             "--iters is 0: at least one timed iteration is needed to report a time. Fix: pass --iters 1 or more (or drop it for the default).",
         ));
     }
-    if let Some(p) = args.peak_tflops {
-        if !(p.is_finite() && p > 0.0) {
+    for (flag, v) in [("--iters", args.iters), ("--warmup", args.warmup)] {
+        if let Some(v) = v.filter(|&v| v > MAX_ITERS) {
             return Err(SpeedkitError::usage(format!(
-                "--peak-tflops {p} is not a positive number. Fix: give the device's peak in TFLOP/s, e.g. 989."
+                "{flag} {v} is more than {MAX_ITERS} iterations, which would run for hours and hold a sample per iteration. \
+                 Fix: pass {flag} between {} and {MAX_ITERS} (10 to 100 is plenty for a stable median).",
+                if flag == "--iters" { 1 } else { 0 }
+            )));
+        }
+    }
+    if let Some(p) = args.peak_tflops {
+        let (lo, hi) = PEAK_TFLOPS_RANGE;
+        if !(p.is_finite() && (lo..=hi).contains(&p)) {
+            return Err(SpeedkitError::usage(format!(
+                "--peak-tflops {p:e} is not a device peak in TFLOP/s (it must be a finite number from {lo} to {hi:e}). \
+                 Fix: give the device's datasheet peak for the precision, e.g. 989 for an H100 SXM at bf16."
             )));
         }
     }
@@ -160,9 +179,36 @@ pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
     Ok(())
 }
 
+/// The output paths among the runner's flags, by flag, for `output::check_all`.
+pub fn output_flags(args: &RunArgs) -> Vec<(&'static str, &std::path::Path)> {
+    [("--json", &args.json), ("--save-output", &args.save_output), ("--save-weights", &args.save_weights)]
+        .into_iter()
+        .filter_map(|(f, p)| p.as_deref().map(|p| (f, p)))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn flags(flags: &[&str]) -> RunArgs {
+        use clap::{Args, FromArgMatches};
+        let m =
+            RunArgs::augment_args(clap::Command::new("t")).try_get_matches_from(std::iter::once("t").chain(flags.iter().copied())).unwrap();
+        RunArgs::from_arg_matches(&m).unwrap()
+    }
+
+    #[test]
+    fn counts_and_peaks_are_bounded() {
+        assert!(validate(&flags(&["--iters", "1000000"])).is_ok());
+        let e = validate(&flags(&["--iters", "18446744073709551615"])).unwrap_err().to_string();
+        assert!(e.contains("--iters") && e.contains("Fix:"), "{e}");
+        assert!(validate(&flags(&["--warmup", "1000000000000"])).is_err());
+        for bad in ["1e-300", "0", "-5", "inf", "NaN", "1e300"] {
+            assert!(validate(&flags(&[&format!("--peak-tflops={bad}")])).is_err(), "{bad}");
+        }
+        assert!(validate(&flags(&["--peak-tflops", "989"])).is_ok());
+    }
 
     #[test]
     fn precision_flag() {

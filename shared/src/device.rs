@@ -275,14 +275,33 @@ pub fn available_bytes(device: &Device) -> Option<u64> {
 ///
 /// CPU (Linux): free heap memory is first returned to the OS (glibc `malloc_trim`), then the
 /// kernel's resident-set high-water mark (VmHWM) is reset by writing "5" to
-/// /proc/self/clear_refs, so peak growth = VmHWM after − VmRSS before. CUDA: device memory in
-/// use (total − free, which includes the allocator's cached pool) sampled by `sample()` at
-/// points the caller chooses, minus what was in use at the start.
+/// /proc/self/clear_refs, so peak growth = VmHWM after − VmRSS before.
+///
+/// CUDA: the high-water mark of the stream-ordered allocator's default pool, which is where
+/// cudarc allocates (`cuMemAllocAsync`). Free memory (total − free) cannot see a transient
+/// activation such as stage 0's T×T scores: the pool's release threshold is 0, so freed blocks
+/// go back to the driver at the next synchronize, before anyone samples. So: synchronize (let
+/// pending frees land), read the pool's memory in use, reset its `USED_MEM_HIGH`, and at the end
+/// read it (plus the graph pool's `USED_MEM_HIGH` for `--cuda-graph`, whose allocations are
+/// separate). The logic sits behind `MemCounters` so a fake can test it without a GPU.
 pub struct MemProbe {
     start: u64,
     peak: u64,
     method: &'static str,
     ok: bool,
+    counters: Option<Box<dyn MemCounters>>,
+}
+
+/// A device's memory counters, as the CUDA probe needs them.
+pub trait MemCounters {
+    /// Wait for queued work, and so for queued frees.
+    fn synchronize(&mut self);
+    /// Bytes in use now (allocated and not freed).
+    fn used(&mut self) -> Option<u64>;
+    /// Restart the high-water mark(s) from the usage now.
+    fn reset_high(&mut self);
+    /// The largest usage since the last reset.
+    fn high(&mut self) -> Option<u64>;
 }
 
 impl MemProbe {
@@ -301,31 +320,47 @@ impl MemProbe {
                         "cpu: peak RSS growth (VmHWM not resettable: upper bound)"
                     },
                     ok: rss.is_some(),
+                    counters: None,
                 }
             }
-            _ => {
-                let used = device_used(device);
-                MemProbe {
-                    start: used.unwrap_or(0),
-                    peak: used.unwrap_or(0),
-                    method: "cuda: device memory in use (total - free), sampled",
-                    ok: used.is_some(),
-                }
-            }
+            _ => match cuda_counters(device) {
+                Some(c) => MemProbe::with_counters(c, "cuda: high-water mark of the default memory pool (+ graph pool)"),
+                None => MemProbe { start: 0, peak: 0, method: "cuda: no memory pool counters", ok: false, counters: None },
+            },
         }
     }
 
-    /// Record the current usage (needed on CUDA, where there is no high-water mark).
-    pub fn sample(&mut self, device: &Device) {
-        if let Some(u) = device_used(device) {
-            self.peak = self.peak.max(u);
+    /// The CUDA probe over any counters (the real pool, or a fake in tests).
+    pub fn with_counters(mut counters: Box<dyn MemCounters>, method: &'static str) -> MemProbe {
+        counters.synchronize(); // frees still queued from earlier work must not count as in use
+        let used = counters.used();
+        counters.reset_high();
+        MemProbe { start: used.unwrap_or(0), peak: used.unwrap_or(0), method, ok: used.is_some(), counters: Some(counters) }
+    }
+
+    /// Fold the high-water mark so far into the peak (the CPU and the pool keep their own
+    /// marks, so this is only needed around `exclude`; kept for callers that sample).
+    pub fn sample(&mut self, _device: &Device) {
+        if let Some(h) = self.counters.as_mut().and_then(|c| c.high()) {
+            self.peak = self.peak.max(h);
         }
     }
 
     /// Run `f` without counting what it allocates (a stage's own check, which may build a
-    /// bigger twin of the stage): the peak so far is kept, and on the CPU the high-water mark
-    /// restarts from the usage after `f`. On CUDA nothing is sampled while `f` runs.
+    /// bigger twin of the stage): the peak so far is kept, and the high-water mark restarts from
+    /// the usage after `f`.
     pub fn exclude<T>(&mut self, device: &Device, f: impl FnOnce() -> T) -> T {
+        if let Some(c) = self.counters.as_mut() {
+            c.synchronize();
+            if let Some(h) = c.high() {
+                self.peak = self.peak.max(h);
+            }
+            let out = f();
+            let c = self.counters.as_mut().expect("checked above");
+            c.synchronize();
+            c.reset_high();
+            return out;
+        }
         match device {
             Device::Cpu => {
                 if let Some(hwm) = status_kib("VmHWM:") {
@@ -336,24 +371,118 @@ impl MemProbe {
                 let _ = std::fs::write("/proc/self/clear_refs", "5");
                 out
             }
-            _ => {
-                self.sample(device);
-                f()
-            }
+            _ => f(),
         }
     }
 
     /// Peak growth since `start`, in bytes, and how it was measured.
     pub fn finish(mut self, device: &Device) -> (Option<u64>, &'static str) {
-        match device {
-            Device::Cpu => {
-                if let Some(hwm) = status_kib("VmHWM:") {
-                    self.peak = self.peak.max(hwm * 1024);
-                }
+        if let Some(mut c) = self.counters.take() {
+            c.synchronize();
+            if let Some(h) = c.high() {
+                self.peak = self.peak.max(h);
             }
-            _ => self.sample(device),
+        } else if device.is_cpu() {
+            if let Some(hwm) = status_kib("VmHWM:") {
+                self.peak = self.peak.max(hwm * 1024);
+            }
         }
         (self.ok.then(|| self.peak.saturating_sub(self.start)), self.method)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_counters(_device: &Device) -> Option<Box<dyn MemCounters>> {
+    None
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_counters(device: &Device) -> Option<Box<dyn MemCounters>> {
+    let Device::Cuda(d) = device else { return None };
+    cuda_pool::PoolCounters::new(d).ok().map(|c| Box::new(c) as Box<dyn MemCounters>)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda_pool {
+    use super::MemCounters;
+    use candle_core::cuda::cudarc::driver::{sys, CudaStream};
+    use std::ffi::c_void;
+    use std::sync::Arc;
+
+    /// The device's default memory pool (cudarc's `cuMemAllocAsync` allocates from it) and the
+    /// device's graph memory (what `--cuda-graph`'s instantiated graphs allocate).
+    pub struct PoolCounters {
+        stream: Arc<CudaStream>,
+        pool: sys::CUmemoryPool,
+        dev: sys::CUdevice,
+    }
+
+    fn ok(r: sys::CUresult) -> Result<(), sys::CUresult> {
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(r)
+        }
+    }
+
+    impl PoolCounters {
+        pub fn new(d: &candle_core::cuda::CudaDevice) -> Result<Self, sys::CUresult> {
+            let stream = d.cuda_stream();
+            let ctx = stream.context();
+            ctx.bind_to_thread().map_err(|e| e.0)?;
+            let dev = ctx.cu_device();
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            // SAFETY: `pool` is a valid out-pointer; `dev` is this context's device.
+            ok(unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, dev) })?;
+            Ok(PoolCounters { stream, pool, dev })
+        }
+
+        fn pool_attr(&self, attr: sys::CUmemPool_attribute) -> Option<u64> {
+            let mut v: u64 = 0; // cuuint64_t for the memory attributes
+                                // SAFETY: USED_MEM_* attributes are cuuint64_t; `v` outlives the call.
+            ok(unsafe { sys::cuMemPoolGetAttribute(self.pool, attr, &mut v as *mut u64 as *mut c_void) }).ok().map(|_| v)
+        }
+
+        fn graph_attr(&self, attr: sys::CUgraphMem_attribute) -> Option<u64> {
+            let mut v: u64 = 0;
+            // SAFETY: as above, cuuint64_t.
+            ok(unsafe { sys::cuDeviceGetGraphMemAttribute(self.dev, attr, &mut v as *mut u64 as *mut c_void) }).ok().map(|_| v)
+        }
+    }
+
+    impl MemCounters for PoolCounters {
+        fn synchronize(&mut self) {
+            let _ = self.stream.synchronize();
+        }
+        fn used(&mut self) -> Option<u64> {
+            let _ = self.stream.context().bind_to_thread();
+            self.pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+        }
+        fn reset_high(&mut self) {
+            let _ = self.stream.context().bind_to_thread();
+            let mut zero: u64 = 0; // the only value these resets accept: "from now"
+                                   // SAFETY: documented resets; cuuint64_t value 0.
+            unsafe {
+                let _ = sys::cuMemPoolSetAttribute(
+                    self.pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    &mut zero as *mut u64 as *mut c_void,
+                );
+                let _ = sys::cuDeviceSetGraphMemAttribute(
+                    self.dev,
+                    sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH,
+                    &mut zero as *mut u64 as *mut c_void,
+                );
+            }
+        }
+        fn high(&mut self) -> Option<u64> {
+            let _ = self.stream.context().bind_to_thread();
+            let pool = self.pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?;
+            // Graph allocations live outside the default pool; their high mark adds (an upper
+            // bound if the two peaks did not coincide).
+            let graph = self.graph_attr(sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH).unwrap_or(0);
+            Some(pool + graph)
+        }
     }
 }
 
@@ -376,14 +505,6 @@ fn release_free_heap() {
 fn status_kib(key: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
     s.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()
-}
-
-fn device_used(device: &Device) -> Option<u64> {
-    match device {
-        #[cfg(feature = "cuda")]
-        Device::Cuda(d) => d.cuda_stream().context().mem_get_info().ok().map(|(free, total)| (total - free) as u64),
-        _ => None,
-    }
 }
 
 #[cfg(test)]
@@ -420,6 +541,59 @@ mod tests {
         assert!(e.contains("--features cuda"), "{e}");
         let (d, info) = select(DeviceRequest::Auto).unwrap();
         assert!(d.is_cpu() && info.why.contains("no CUDA support"));
+    }
+
+    /// A pool whose frees land only at `synchronize`, like the stream-ordered allocator.
+    #[derive(Default)]
+    struct FakePool {
+        used: u64,
+        high: u64,
+        queued_free: u64,
+    }
+    impl FakePool {
+        fn alloc(&mut self, n: u64) {
+            self.used += n;
+            self.high = self.high.max(self.used);
+        }
+    }
+    struct Shared(std::rc::Rc<std::cell::RefCell<FakePool>>);
+    impl MemCounters for Shared {
+        fn synchronize(&mut self) {
+            let mut p = self.0.borrow_mut();
+            p.used -= std::mem::take(&mut p.queued_free);
+        }
+        fn used(&mut self) -> Option<u64> {
+            Some(self.0.borrow().used)
+        }
+        fn reset_high(&mut self) {
+            let mut p = self.0.borrow_mut();
+            p.high = p.used;
+        }
+        fn high(&mut self) -> Option<u64> {
+            Some(self.0.borrow().high)
+        }
+    }
+
+    /// Regression (issue 13, finding 2): a transient allocation (stage 0's T×T scores), freed
+    /// before the end, was invisible to total − free read after a synchronize; a previous
+    /// stage's queued free was counted as in use at the start.
+    #[test]
+    fn cuda_probe_sees_a_transient_allocation() {
+        let pool = std::rc::Rc::new(std::cell::RefCell::new(FakePool::default()));
+        pool.borrow_mut().alloc(500); // an earlier stage's memory, freed but not yet synchronized
+        pool.borrow_mut().queued_free = 500;
+        let mut probe = MemProbe::with_counters(Box::new(Shared(pool.clone())), "fake");
+        pool.borrow_mut().alloc(100); // weights, kept
+        pool.borrow_mut().alloc(1000); // scores, freed at once
+        pool.borrow_mut().queued_free = 1000;
+        probe.sample(&Device::Cpu);
+        // the stage's own check: a bigger twin, not counted
+        probe.exclude(&Device::Cpu, || {
+            pool.borrow_mut().alloc(5000);
+            pool.borrow_mut().queued_free = 5000;
+        });
+        let (peak, _) = probe.finish(&Device::Cpu);
+        assert_eq!(peak, Some(1100));
     }
 
     #[cfg(target_os = "linux")]

@@ -36,9 +36,9 @@ pub fn classify(err: &anyhow::Error) -> (u8, String) {
             SpeedkitError::Usage(_) => EXIT_USAGE,
             SpeedkitError::CheckFailed(_) => EXIT_CHECK_FAILED,
         };
-        return (code, e.to_string());
+        return (code, strip_backtrace(&e.to_string()));
     }
-    let text = format!("{err:#}");
+    let text = strip_backtrace(&format!("{err:#}"));
     if text.contains("OUT_OF_MEMORY") || text.contains("out of memory") {
         return (
             EXIT_USAGE,
@@ -52,9 +52,32 @@ pub fn classify(err: &anyhow::Error) -> (u8, String) {
     (EXIT_FAILURE, text)
 }
 
+/// `text` without a backtrace: candle appends one to its errors' text when RUST_BACKTRACE is
+/// set ("   0: candle_core::error::Error::bt" and so on), and a user's message is one paragraph.
+pub fn strip_backtrace(text: &str) -> String {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let t = line.trim_start();
+        if t.starts_with("0: ") || t == "stack backtrace:" || t.starts_with("disabled backtrace") {
+            break;
+        }
+        out.push(line);
+    }
+    out.join("\n").trim_end().to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backtraces_are_not_part_of_a_message() {
+        let t = "shape mismatch in matmul, lhs: [2, 3]\n   0: candle_core::error::Error::bt\n             at src/error.rs:1\n   1: main";
+        assert_eq!(strip_backtrace(t), "shape mismatch in matmul, lhs: [2, 3]");
+        let e: anyhow::Error = SpeedkitError::usage(format!("cannot use weights file w: {t}. Fix: x")).into();
+        assert!(!classify(&e).1.contains("candle_core::error"));
+        assert_eq!(strip_backtrace("two\nlines"), "two\nlines");
+    }
 
     #[test]
     fn codes() {

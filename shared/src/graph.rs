@@ -3,10 +3,11 @@
 //! saves is launch overhead — a few µs per kernel — which matters when kernels are short:
 //! small shapes, or a fused stage whose kernels are few and fast.
 //!
-//! How: one ordinary forward first (loads every kernel module, compiles NVRTC code, creates
-//! library handles — none of which may happen inside a capture), then the forward again with
-//! the stream in capture mode (candle's small host-to-device copies go through its graph-safe
-//! cache meanwhile), then instantiate with AUTO_FREE_ON_LAUNCH so the graph's own allocations
+//! How (`run_capture`, the order tested with a recording fake): turn on candle's graph-safe
+//! host-to-device cache first, then one ordinary forward (loads every kernel module, compiles
+//! NVRTC code, creates library handles, and fills that cache with every small parameter upload
+//! — reduce dims, broadcast strides — none of which may happen inside a capture), then the
+//! forward again with the stream in capture mode (each upload is now a cache hit), then instantiate with AUTO_FREE_ON_LAUNCH so the graph's own allocations
 //! (its output) are released before each replay. A replay computes the captured input: the
 //! runner always times the same x, and a different x is an error, not a silent stale result.
 
@@ -40,6 +41,67 @@ pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Resul
     imp::capture(name, stage, x)
 }
 
+/// The steps of a capture, one method each, so their order can be checked without a GPU.
+pub trait CaptureSteps {
+    /// candle's h2d parameter cache on (kept on until the captured forward has run).
+    fn enable_htod_cache(&mut self);
+    /// One forward of the stage (the warm-up, or the captured one).
+    fn forward(&mut self) -> anyhow::Result<()>;
+    fn synchronize(&mut self) -> anyhow::Result<()>;
+    fn begin_capture(&mut self) -> anyhow::Result<()>;
+    fn end_capture(&mut self) -> anyhow::Result<()>;
+}
+
+/// The capture sequence. The cache must be on *before* the warm-up: candle fills it only while
+/// it is on (`SlicePtrOrNull::params_from_vec`, `cached_htod_slice`), and a miss during the
+/// capture is an error — taking it after the warm-up let only stage 3 (whose kernels need no
+/// parameter uploads) be captured. The capture is ended whatever the forward did.
+pub fn run_capture(steps: &mut dyn CaptureSteps) -> anyhow::Result<()> {
+    steps.enable_htod_cache();
+    steps.forward()?; // warm: module loads, NVRTC, handles, and the h2d cache's entries
+    steps.synchronize()?;
+    steps.begin_capture()?;
+    let out = steps.forward();
+    let end = steps.end_capture(); // end it whatever happened, so the stream is usable again
+    out.and(end)
+}
+
+/// Something that replays captured work: a CUDA graph, or a fake in the tests.
+pub trait Replay {
+    fn replay(&self) -> candle_core::Result<()>;
+}
+
+/// A captured stage: `forward` replays the graph, `self_check` asks the stage itself (stage 4's
+/// FP8 twin check must run under --cuda-graph too; it runs outside the graph).
+pub struct Graphed<G: Replay> {
+    graph: G,
+    input: candle_core::TensorId,
+    out: Tensor,
+    // The stage owns the weights the graph reads: it must outlive the graph (fields drop in
+    // declaration order, so the graph goes first).
+    stage: Box<dyn Forward>,
+}
+
+impl<G: Replay> Graphed<G> {
+    pub fn new(graph: G, input: &Tensor, out: Tensor, stage: Box<dyn Forward>) -> Self {
+        Graphed { graph, input: input.id(), out, stage }
+    }
+}
+
+impl<G: Replay> Forward for Graphed<G> {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if x.id() != self.input {
+            candle_core::bail!("a CUDA graph replays the input it captured; build it again for another input");
+        }
+        self.graph.replay()?;
+        Ok(self.out.clone())
+    }
+
+    fn self_check(&self, x: &Tensor, y: &Tensor) -> anyhow::Result<Option<crate::check::NamedCheck>> {
+        self.stage.self_check(x, y)
+    }
+}
+
 #[cfg(not(feature = "cuda"))]
 mod imp {
     use super::*;
@@ -51,41 +113,65 @@ mod imp {
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
-    use candle_core::cuda::cudarc::driver::{sys, CudaGraph};
+    use candle_core::cuda::cudarc::driver::{sys, CudaGraph, CudaStream};
+    use std::sync::Arc;
 
-    struct Graphed {
-        graph: CudaGraph,
-        input: candle_core::TensorId,
-        out: Tensor,
-        // The stage owns the weights the graph reads: it must outlive the graph.
-        _stage: Box<dyn Forward>,
+    impl Replay for CudaGraph {
+        fn replay(&self) -> candle_core::Result<()> {
+            self.launch().map_err(|e| candle_core::Error::Msg(format!("CUDA graph launch: {e:?}")))
+        }
     }
 
-    impl Forward for Graphed {
-        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-            if x.id() != self.input {
-                candle_core::bail!("a CUDA graph replays the input it captured; build it again for another input");
-            }
-            self.graph.launch().map_err(|e| candle_core::Error::Msg(format!("CUDA graph launch: {e:?}")))?;
-            Ok(self.out.clone())
+    /// The real steps: candle's stream, its cache guard, cudarc's capture.
+    struct Real<'a> {
+        dev: candle_core::cuda::CudaDevice,
+        stream: Arc<CudaStream>,
+        stage: &'a dyn Forward,
+        x: &'a Tensor,
+        // candle's cache guard (its type is not exported): the cache is on while it lives.
+        guard: Option<Box<dyn std::any::Any>>,
+        out: Option<Tensor>,
+        graph: Option<CudaGraph>,
+    }
+
+    impl CaptureSteps for Real<'_> {
+        fn enable_htod_cache(&mut self) {
+            self.guard = Some(Box::new(self.dev.enable_cuda_graph_htod_cache()));
+        }
+        fn forward(&mut self) -> anyhow::Result<()> {
+            self.out = Some(self.stage.forward(self.x)?);
+            Ok(())
+        }
+        fn synchronize(&mut self) -> anyhow::Result<()> {
+            self.out = None; // the warm-up's output is freed before the capture, not inside it
+            Ok(self.x.device().synchronize()?)
+        }
+        fn begin_capture(&mut self) -> anyhow::Result<()> {
+            self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| anyhow::anyhow!("{e:?}"))
+        }
+        fn end_capture(&mut self) -> anyhow::Result<()> {
+            let graph = self
+                .stream
+                .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+                .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+            self.graph = Some(graph.ok_or_else(|| anyhow::anyhow!("the capture recorded no work"))?);
+            Ok(())
         }
     }
 
     pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Result<Box<dyn Forward>> {
         let dev = x.device().as_cuda_device()?.clone();
         let stream = dev.cuda_stream();
-        drop(stage.forward(x)?); // warm: module loads, NVRTC, handles — not capturable
-        x.device().synchronize()?;
-        let _htod = dev.enable_cuda_graph_htod_cache();
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| refuse(name, format!("{e:?}")))?;
-        let out = stage.forward(x);
-        // End the capture whatever happened, so the stream is usable again.
-        let graph = stream.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
-        let out = out.map_err(|e| refuse(name, e.to_string()))?;
-        let graph =
-            graph.map_err(|e| refuse(name, format!("{e:?}")))?.ok_or_else(|| refuse(name, "the capture recorded no work".into()))?;
+        let (graph, out) = {
+            let mut real = Real { dev, stream, stage: stage.as_ref(), x, guard: None, out: None, graph: None };
+            let done = run_capture(&mut real);
+            drop(real.guard.take()); // the h2d cache off again, whatever happened
+            done.map_err(|e| refuse(name, e.to_string()))?;
+            (real.graph.take(), real.out.take())
+        };
+        let (Some(graph), Some(out)) = (graph, out) else { return Err(refuse(name, "the capture produced no graph".into())) };
         graph.upload().map_err(|e| refuse(name, format!("{e:?}")))?;
-        Ok(Box::new(Graphed { graph, input: x.id(), out, _stage: stage }))
+        Ok(Box::new(Graphed::new(graph, x, out, stage)))
     }
 
     fn refuse(name: &str, why: String) -> anyhow::Error {
@@ -94,5 +180,95 @@ mod imp {
              capturable (a synchronous copy or allocation, a host read of device data). Fix: run {name} without --cuda-graph."
         ))
         .into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records the order of the steps; `fail_captured_forward` makes the captured forward fail.
+    #[derive(Default)]
+    struct Recorder {
+        calls: Vec<&'static str>,
+        cache_on: bool,
+        fail_captured_forward: bool,
+    }
+
+    impl CaptureSteps for Recorder {
+        fn enable_htod_cache(&mut self) {
+            self.cache_on = true;
+            self.calls.push("cache on");
+        }
+        fn forward(&mut self) -> anyhow::Result<()> {
+            let captured = self.calls.contains(&"begin");
+            self.calls.push(match (captured, self.cache_on) {
+                (false, true) => "warm-up (cache on)",
+                (false, false) => "warm-up (cache off)",
+                (true, _) => "captured forward",
+            });
+            if captured && self.fail_captured_forward {
+                anyhow::bail!("h2d param cache miss during CUDA graph capture");
+            }
+            Ok(())
+        }
+        fn synchronize(&mut self) -> anyhow::Result<()> {
+            self.calls.push("sync");
+            Ok(())
+        }
+        fn begin_capture(&mut self) -> anyhow::Result<()> {
+            self.calls.push("begin");
+            Ok(())
+        }
+        fn end_capture(&mut self) -> anyhow::Result<()> {
+            self.calls.push("end");
+            Ok(())
+        }
+    }
+
+    /// Regression (issue 13, finding 1): the warm-up ran before the h2d cache was on, so the
+    /// cache was empty when the capture needed it and every stage but 3 failed to capture.
+    #[test]
+    fn the_warm_up_fills_the_htod_cache_before_the_capture() {
+        let mut r = Recorder::default();
+        run_capture(&mut r).unwrap();
+        assert_eq!(r.calls, ["cache on", "warm-up (cache on)", "sync", "begin", "captured forward", "end"]);
+    }
+
+    struct FakeGraph;
+    impl Replay for FakeGraph {
+        fn replay(&self) -> candle_core::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A stage with its own check, as stage 4 has.
+    struct Checked;
+    impl Forward for Checked {
+        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+            Ok(x.clone())
+        }
+        fn self_check(&self, _x: &Tensor, _y: &Tensor) -> anyhow::Result<Option<crate::check::NamedCheck>> {
+            anyhow::bail!("the stage's own check ran")
+        }
+    }
+
+    /// Regression (issue 13, finding 4): the graphed stage answered `self_check` with the
+    /// trait's default (no check), so stage 4's FP8 twin check was skipped under --cuda-graph.
+    #[test]
+    fn a_graphed_stage_forwards_its_own_check() {
+        let x = Tensor::zeros(4, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        let g = Graphed::new(FakeGraph, &x, x.clone(), Box::new(Checked));
+        let y = g.forward(&x).unwrap();
+        assert_eq!(g.self_check(&x, &y).unwrap_err().to_string(), "the stage's own check ran");
+        assert!(g.forward(&x.clone().contiguous().unwrap().affine(1.0, 0.0).unwrap()).is_err(), "another input is refused");
+    }
+
+    #[test]
+    fn a_failed_capture_still_ends_the_capture() {
+        let mut r = Recorder { fail_captured_forward: true, ..Default::default() };
+        let e = run_capture(&mut r).unwrap_err();
+        assert!(e.to_string().contains("cache miss"), "{e}");
+        assert_eq!(r.calls.last(), Some(&"end"));
     }
 }

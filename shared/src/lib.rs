@@ -6,15 +6,19 @@
 //! (trait, Plan, precision) · `device` (selection, capabilities, global switches, memory) ·
 //! `check` (comparison, tolerances) · `timing` (warm-up, sync, stats) · `perf` (FLOPs, peaks) ·
 //! `report` (records, table, JSON) · `cli` (flags, env, exit codes) · `runner` (the one
-//! function a stage's main calls) · `error` (what a user can act on) · `breakdown` (per-part
-//! times of one forward).
+//! function a stage's main calls) · `error` (what a user can act on) · `output` (how every
+//! file is written: checked up front, temp file + rename, never over a device) ·
+//! `cublaslt_model` (cuBLASLt's matmul contract on the CPU, for the GPU paths' tests) ·
+//! `breakdown` (per-part times of one forward).
 
 pub mod breakdown;
 pub mod check;
 pub mod cli;
+pub mod cublaslt_model;
 pub mod device;
 pub mod error;
 pub mod graph;
+pub mod output;
 pub mod perf;
 pub mod preset;
 pub mod report;

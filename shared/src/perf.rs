@@ -15,15 +15,19 @@ pub fn block_flops(s: &Shape) -> f64 {
 
 /// Dense (no sparsity) tensor/vector peak of known GPUs in TFLOP/s, from the vendors'
 /// datasheets: (name fragment, fp32 non-tensor, tf32, bf16/f16 with f32 accumulate, fp8).
-/// Matching is by substring of the driver's device name, most specific first. Measured GEMM
+/// Matching is by substring of the driver's device name, most specific first (every fragment
+/// that contains another must come before it: "H200 NVL" before "H200"; a test checks the
+/// order). Measured GEMM
 /// ceilings are lower (about 790 of 989 bf16 TFLOP/s on H100/H200 SXM), so 80 % of peak is
 /// excellent for a whole block.
 const PEAKS: &[(&str, f64, f64, f64, Option<f64>)] = &[
-    ("H200", 67.0, 494.7, 989.4, Some(1978.9)),
+    ("GH200", 67.0, 494.7, 989.4, Some(1978.9)),
+    // H200 NVL (PCIe card, 600 W): NVIDIA's H200 datasheet, NVL column.
+    ("H200 NVL", 60.0, 417.5, 835.0, Some(1670.5)),
+    ("H200", 67.0, 494.7, 989.4, Some(1978.9)), // SXM (HBM3e)
     ("H100 NVL", 60.0, 417.5, 835.0, Some(1670.5)),
     ("H100 PCIe", 51.2, 378.0, 756.0, Some(1513.0)),
     ("H100", 67.0, 494.7, 989.4, Some(1978.9)), // SXM5 (HBM3)
-    ("GH200", 67.0, 494.7, 989.4, Some(1978.9)),
     ("A100", 19.5, 156.0, 312.0, None),
     ("L40S", 91.6, 183.0, 362.1, Some(733.0)),
     ("L40", 90.5, 90.5, 181.0, Some(362.0)),
@@ -104,5 +108,23 @@ mod tests {
         assert_eq!(peak_bandwidth_gbs("NVIDIA A100-SXM4-80GB"), Some(2039.0));
         assert_eq!(peak_bandwidth_gbs("NVIDIA L40S"), Some(864.0));
         assert_eq!(peak_bandwidth_gbs("AMD EPYC 7B13"), None);
+    }
+
+    /// Regression (issue 13, finding 8): "NVIDIA H200 NVL" matched the H200 SXM row.
+    #[test]
+    fn h200_nvl_is_not_the_sxm_part() {
+        assert_eq!(peak_tflops("NVIDIA H200 NVL", Precision::Bf16), Some(835.0));
+        assert_eq!(peak_tflops("NVIDIA H200 NVL", Precision::Fp8), Some(1670.5));
+        assert_eq!(peak_tflops("NVIDIA H200", Precision::Bf16), Some(989.4));
+    }
+
+    /// First match wins, so a fragment must never be shadowed by an earlier one it contains.
+    #[test]
+    fn no_row_is_shadowed_by_an_earlier_one() {
+        for (i, (later, ..)) in PEAKS.iter().enumerate() {
+            for (earlier, ..) in &PEAKS[..i] {
+                assert!(!later.contains(earlier), "{later:?} is unreachable: {earlier:?} comes first and matches it");
+            }
+        }
     }
 }

@@ -57,20 +57,26 @@ pub const MAX_TENSOR_ELEMENTS: usize = i32::MAX as usize;
 
 impl Shape {
     /// d_head = C / n_head
+    /// 0 when n_head is 0 (a shape `validate` refuses; a JSON file read back may hold one).
     pub fn d_head(&self) -> usize {
-        self.d_model / self.n_head
+        self.d_model.checked_div(self.n_head).unwrap_or(0)
     }
 
-    /// Tokens per forward: B·T.
+    /// Tokens per forward: B·T (saturating: `validate` refuses shapes where it would overflow).
     pub fn tokens(&self) -> usize {
-        self.batch * self.seq
+        self.batch.saturating_mul(self.seq)
     }
 
     /// Reject shapes the block cannot compute, with the reason and the fix in one sentence.
     pub fn validate(&self) -> Result<(), SpeedkitError> {
+        self.validate_as(&Sources::FLAGS)
+    }
+
+    /// `validate`, naming each dimension by where it came from (a flag, or a file).
+    pub fn validate_as(&self, from: &Sources) -> Result<(), SpeedkitError> {
         let dims = [
-            ("--batch (B)", self.batch),
-            ("--seq (T)", self.seq),
+            (&*from.batch, self.batch),
+            (&*from.seq, self.seq),
             ("--d-model (C)", self.d_model),
             ("--heads (n_head)", self.n_head),
             ("--ff (FF)", self.ff),
@@ -84,7 +90,11 @@ impl Shape {
             }
         }
         if !self.d_model.is_multiple_of(self.n_head) {
-            let near: Vec<usize> = (1..=self.d_model).filter(|h| self.d_model.is_multiple_of(*h) && h.abs_diff(self.n_head) <= 4).collect();
+            // Only the 9 candidates around n_head: C can be huge here (validate runs before the
+            // size checks), and a scan over 1..=C would hang.
+            let near: Vec<usize> = (self.n_head.saturating_sub(4).max(1)..=self.n_head.saturating_add(4))
+                .filter(|h| self.d_model.is_multiple_of(*h))
+                .collect();
             return Err(SpeedkitError::usage(format!(
                 "C = {} is not divisible by n_head = {}: attention splits C into n_head heads of \
                  d_head = C / n_head channels each. Fix: choose --heads among {:?} or change --d-model.",
@@ -92,12 +102,15 @@ impl Shape {
             )));
         }
         // Tensors every stage materialises, as element counts; checked_mul catches usize overflow.
+        // W_qkv (3C, C) is the largest weight whenever FF < 3C.
         check_elements(
             self,
+            from,
             &[
                 ("the activations (B, T, C)", [self.batch, self.seq, self.d_model, 1]),
-                ("the q/k/v projections (B, T, 3C)", [self.batch, self.seq, 3 * self.d_model, 1]),
+                ("the q/k/v projections (B, T, 3C)", [self.batch, self.seq, 3, self.d_model]),
                 ("the MLP hidden state (B, T, FF)", [self.batch, self.seq, self.ff, 1]),
+                ("W_qkv (3C, C)", [3, self.d_model, self.d_model, 1]),
                 ("W_fc1 (FF, C)", [self.ff, self.d_model, 1, 1]),
             ],
         )
@@ -106,7 +119,7 @@ impl Shape {
     /// The (B, n_head, T, T) score matrix of naive attention (stages 0 and 1) must be
     /// addressable too; fused attention never materialises it and skips this check.
     pub fn validate_score_matrix(&self) -> Result<(), SpeedkitError> {
-        check_elements(self, &[("the attention scores (B, n_head, T, T)", [self.batch, self.n_head, self.seq, self.seq])])
+        check_elements(self, &Sources::FLAGS, &[("the attention scores (B, n_head, T, T)", [self.batch, self.n_head, self.seq, self.seq])])
     }
 
     /// Working-set estimate of the naive fp32 block (stage 0, the reference), in bytes: weights,
@@ -116,28 +129,56 @@ impl Shape {
     /// Used to refuse runs that obviously cannot fit, not to predict memory exactly.
     pub fn estimate_naive_bytes(&self) -> u128 {
         let (b, t, c, h, ff) = (self.batch as u128, self.seq as u128, self.d_model as u128, self.n_head as u128, self.ff as u128);
+        // u128 holds every product of validated dims; saturating keeps unvalidated ones sane.
+        let weights = (4 * c * c).saturating_add(2 * c * ff).saturating_add(9 * c + ff);
+        let attention = (3 * b * h).saturating_mul(t * t).saturating_add(8 * b * t * c);
+        let mlp = (4 * b * t).saturating_mul(ff).saturating_add(4 * b * t * c);
+        weights.saturating_add(attention.max(mlp)).saturating_mul(4)
+    }
+
+    /// The weights (f32, W_qkv (3C, C) included), the input x and the fp32 reference output —
+    /// what a run holds for its whole length, beside each stage's own working set.
+    pub fn estimate_session_bytes(&self) -> u128 {
+        let (b, t, c, ff) = (self.batch as u128, self.seq as u128, self.d_model as u128, self.ff as u128);
         let weights = 4 * c * c + 2 * c * ff + 9 * c + ff;
-        let attention = 3 * b * h * t * t + 8 * b * t * c;
-        let mlp = 4 * b * t * ff + 4 * b * t * c;
-        4 * (weights + attention.max(mlp))
+        4 * (weights + 2 * b * t * c)
     }
 }
 
-fn check_elements(s: &Shape, tensors: &[(&str, [usize; 4])]) -> Result<(), SpeedkitError> {
+/// Where B and T came from, for messages: their flags, or the --input file that fixed them.
+#[derive(Clone, Debug)]
+pub struct Sources {
+    pub batch: std::borrow::Cow<'static, str>,
+    pub seq: std::borrow::Cow<'static, str>,
+}
+
+impl Sources {
+    pub const FLAGS: Sources = Sources { batch: std::borrow::Cow::Borrowed("--batch (B)"), seq: std::borrow::Cow::Borrowed("--seq (T)") };
+
+    /// B and T read from the input file `path`.
+    pub fn input_file(path: &std::path::Path) -> Sources {
+        Sources {
+            batch: format!("B (from the input file {})", path.display()).into(),
+            seq: format!("T (from the input file {})", path.display()).into(),
+        }
+    }
+}
+
+fn check_elements(s: &Shape, from: &Sources, tensors: &[(&str, [usize; 4])]) -> Result<(), SpeedkitError> {
     for (what, dims) in tensors {
         match dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) {
             Some(n) if n <= MAX_TENSOR_ELEMENTS => {}
             n => {
                 return Err(SpeedkitError::usage(format!(
                     "{what} would hold {} elements for B={} T={} C={} n_head={} FF={}, past the \
-                     2^31 - 1 limit of 32-bit GEMM and kernel indexing. Fix: lower --batch or \
-                     --seq{}.",
+                     2^31 - 1 limit of 32-bit GEMM and kernel indexing. Fix: lower {}{}.",
                     n.map_or("more than 2^64".to_string(), |n| n.to_string()),
                     s.batch,
                     s.seq,
                     s.d_model,
                     s.n_head,
                     s.ff,
+                    if what.starts_with('W') { "--d-model or --ff".to_string() } else { format!("{} or {}", from.batch, from.seq) },
                     if what.contains("T, T") {
                         " (the T x T scores grow with T squared; fused attention in stage 2+ never stores them)"
                     } else {
@@ -185,6 +226,20 @@ mod tests {
         let mut s = Preset::Tiny.shape();
         s.batch = usize::MAX / 2;
         assert!(s.validate().unwrap_err().to_string().contains("2^64"));
+        // W_qkv (3C, C) counts: C = 30000 is 2.7e9 elements even with FF = 1.
+        let s = Shape { batch: 1, seq: 1, d_model: 30000, n_head: 1, ff: 1 };
+        assert!(s.validate().unwrap_err().to_string().contains("W_qkv"));
+        // 3C overflowing usize is refused, not wrapped.
+        let s = Shape { batch: 1, seq: 1, d_model: usize::MAX / 2, n_head: 1, ff: 1 };
+        assert!(s.validate().is_err());
+        assert_eq!(Shape { n_head: 0, ..s }.d_head(), 0);
+        // A huge C that n_head does not divide: answered at once (no scan over 1..=C).
+        let s = Shape { batch: 1, seq: 1, d_model: 1 << 40, n_head: 3, ff: 1 };
+        assert!(s.validate().unwrap_err().to_string().contains("[1, 2, 4]"));
+        // B from an input file is named as such, not as --batch.
+        let s = Shape { batch: 1 << 40, ..Preset::Tiny.shape() };
+        let e = s.validate_as(&Sources::input_file(std::path::Path::new("x.st"))).unwrap_err().to_string();
+        assert!(e.contains("input file x.st") && !e.contains("--batch"), "{e}");
     }
 
     #[test]

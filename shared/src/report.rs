@@ -8,7 +8,7 @@ use crate::stage::Precision;
 use crate::timing::Stats;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Bump when a field changes meaning or disappears; adding fields keeps the version.
 pub const RECORD_SCHEMA: &str = "candle-speedkit/record/v1";
@@ -296,31 +296,19 @@ pub fn table_rows(rows: &[Row]) -> String {
     out
 }
 
-/// `path` with a hidden temporary name beside it (same directory, so rename is atomic).
-pub fn temp_path(path: &Path) -> PathBuf {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
-    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
-}
-
-/// Write `bytes` to a temporary file beside `path`, then rename it over `path`: a reader never
-/// sees a half-written file, and an interrupted run leaves the old one intact.
+/// Write `bytes` to `path` by the output policy (`crate::output`): temp file beside it, then
+/// renamed over a regular file or a new path; a symlink's target is written; a device or FIFO
+/// is refused, never replaced; the temp file is removed on every failure.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = temp_path(path);
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
+    crate::output::write("output", path, bytes).map_err(std::io::Error::other)
 }
 
+/// Serialize `value` and write it to `path` by the output policy (exit 2 naming path and fix).
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
     let mut bytes = serde_json::to_vec_pretty(value)?;
     bytes.push(b'\n');
-    write_atomic(path, &bytes).map_err(|e| {
-        anyhow::Error::new(crate::error::SpeedkitError::usage(format!(
-            "cannot write the JSON record to {} ({e}). Fix: point --json at a writable path.",
-            path.display()
-        )))
-    })
+    crate::output::write("--json", path, &bytes)?;
+    Ok(())
 }
 
 /// The git commit of the source tree, with "-dirty" when source files differ from it (changes
@@ -360,14 +348,10 @@ mod tests {
     }
 
     #[test]
-    fn atomic_write_replaces_whole_file() {
-        let dir = std::env::temp_dir().join(format!("speedkit-r-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("a.json");
-        write_atomic(&p, b"first, long content").unwrap();
-        write_atomic(&p, b"2nd").unwrap();
-        assert_eq!(std::fs::read(&p).unwrap(), b"2nd");
-        assert!(!temp_path(&p).exists());
-        std::fs::remove_dir_all(&dir).ok();
+    fn json_write_to_a_directory_is_usage_error_naming_the_path() {
+        let e = write_json(&std::env::temp_dir(), &1).unwrap_err();
+        let (code, msg) = crate::error::classify(&e);
+        assert_eq!(code, crate::error::EXIT_USAGE);
+        assert!(msg.contains("is a directory") && msg.contains("Fix:"), "{msg}");
     }
 }

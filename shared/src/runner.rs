@@ -112,6 +112,10 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
         }
         None => None,
     };
+    let sources = match &args.input {
+        Some(path) => crate::preset::Sources::input_file(path),
+        None => crate::preset::Sources::FLAGS,
+    };
     shape.batch = args.batch.unwrap_or(shape.batch);
     shape.seq = args.seq.unwrap_or(shape.seq);
     if loaded.is_none() {
@@ -119,14 +123,37 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
         shape.ff = args.ff.unwrap_or(shape.ff);
         shape.n_head = args.heads.unwrap_or(shape.n_head);
     }
-    shape.validate()?;
+    shape.validate_as(&sources)?;
     Ok(Resolved { device, info, preset, shape, weights: loaded, x: x_file })
 }
 
 impl Session {
     /// Resolve the flags, print what will run, and compute the reference with `reference`.
     pub fn open(args: RunArgs, reference: &StageSpec) -> anyhow::Result<Session> {
+        Self::open_for(args, reference, &[])
+    }
+
+    /// `open`, after refusing up front — before any weights are made or anything runs — every
+    /// stage in `must_run` whose plan this device refuses (e.g. `--precision tf32` on a CPU),
+    /// and a run whose memory cannot fit: the session's weights, x and reference, plus the
+    /// widest of the reference and `must_run` stages. (The ladder passes none: a stage that
+    /// cannot run there is a row.)
+    pub fn open_for(args: RunArgs, reference: &StageSpec, must_run: &[(StageSpec, PrecisionRequest)]) -> anyhow::Result<Session> {
         let Resolved { device, info, preset, shape, weights: loaded, x: x_file } = resolve(&args)?;
+        let mut widest: u128 = 0;
+        for (spec, requested) in must_run {
+            spec.plan_with(&device, &info, shape, *requested, args.stage_options())?;
+            (spec.check_shape)(&shape)?;
+            widest = widest.max((spec.estimate_bytes)(&shape));
+        }
+        if !args.no_check {
+            (reference.check_shape)(&shape)?;
+            widest = widest.max((reference.estimate_bytes)(&shape));
+        }
+        if let Some(avail) = device::available_bytes(&device) {
+            let name = must_run.first().map_or(reference.name, |(s, _)| s.name);
+            check_fits(name, &shape, shape.estimate_session_bytes().saturating_add(widest), avail)?;
+        }
         if args.cuda_graph {
             crate::graph::prepare(&device)?;
         }
@@ -402,7 +429,10 @@ pub fn main<S: Stage + 'static, R: Stage + 'static>() -> ExitCode {
     exit_with(|| {
         let args = RunArgs::from_arg_matches(&matches)?;
         let spec = StageSpec::of::<S>();
-        let session = Session::open(args, &StageSpec::of::<R>())?;
+        // Every output path is checked before any work (writable, not a directory or device,
+        // no two on one file), so a run never ends in a refusal to save it.
+        crate::output::check_all(&crate::cli::output_flags(&args))?;
+        let session = Session::open_for(args.clone(), &StageSpec::of::<R>(), &[(spec, args.precision)])?;
         let (record, y) = session.run(&spec, session.args.precision)?;
         print_details(&record);
         println!();

@@ -130,8 +130,11 @@ impl BlockWeights {
 
     /// C (d_model) and FF, read off the tensors.
     pub fn dims(&self) -> (usize, usize) {
-        let (ff, c) = self.w_fc1.dims2().expect("w_fc1 is (FF, C)");
-        (c, ff)
+        // (FF, C); from_seed and load_gpt2 (check_shapes) guarantee rank 2.
+        match self.w_fc1.dims() {
+            [ff, c] => (*c, *ff),
+            _ => (0, 0),
+        }
     }
 
     fn tensors(&self) -> [&Tensor; 12] {
@@ -192,7 +195,7 @@ impl BlockWeights {
             .collect::<anyhow::Result<Vec<_>>>()?;
         let meta = HashMap::from([(META_N_HEAD.to_string(), n_head.to_string())]);
         let bytes = safetensors::serialize(views, Some(meta))?;
-        crate::report::write_atomic(path, &bytes)?;
+        crate::output::write("--save-weights", path, &bytes)?;
         Ok(())
     }
 
@@ -208,10 +211,17 @@ impl BlockWeights {
                 path.display()
             ))
         };
-        let bytes = std::fs::read(path).map_err(|e| bad(format!("it cannot be read ({e})")))?;
+        let bytes = read_file(path).map_err(&bad)?;
         let (_, header) =
             safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
-        let n_head = header.metadata().as_ref().and_then(|m| m.get(META_N_HEAD)).and_then(|v| v.parse().ok());
+        // n_head is ours (--save-weights writes it): when present it must be a positive integer.
+        let n_head = match header.metadata().as_ref().and_then(|m| m.get(META_N_HEAD)) {
+            None => None,
+            Some(v) => match v.trim().parse::<usize>() {
+                Ok(n) if n > 0 => Some(n),
+                _ => return Err(bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer (correct or drop the key)"))),
+            },
+        };
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
         let names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
 
@@ -240,7 +250,11 @@ impl BlockWeights {
             tensors.push(t);
         }
         let w = Self::from_tensors(tensors);
-        w.check_shapes().map_err(bad)?;
+        w.check_shapes().map_err(&bad)?;
+        let (c, _) = w.dims();
+        if let Some(h) = n_head.filter(|h| c % h != 0) {
+            return Err(bad(format!("its metadata {META_N_HEAD} = {h} does not divide C = {c} (correct or drop the key)")));
+        }
         Ok((w, n_head))
     }
 
@@ -291,16 +305,53 @@ fn layer_of(key: &str) -> Option<usize> {
     rest[idx + 2..].parse().ok()
 }
 
+/// Read a file we were given, refusing one larger than the memory available (it is read whole).
+fn read_file(path: &Path) -> Result<Vec<u8>, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("it cannot be read ({e})"))?;
+    if !meta.is_file() {
+        // A device (/dev/zero, /dev/full) reads forever; a directory does not read at all.
+        return Err(format!("it is {}, not a regular file", if meta.is_dir() { "a directory" } else { "a device, FIFO or socket" }));
+    }
+    if let Some(avail) = crate::device::available_bytes(&Device::Cpu) {
+        if meta.len() > avail / 2 {
+            return Err(format!("it is {} bytes, more than half the {avail} bytes of memory available to read it into", meta.len()));
+        }
+    }
+    std::fs::read(path).map_err(|e| format!("it cannot be read ({e})"))
+}
+
+/// A tensor of the file as f32, refusing a value that is NaN or infinite (or an f64 past f32's
+/// range): a bad number in a user's file is bad input, not a failed check of ours. The first
+/// such index is named in the file's own layout (a Conv1D matrix: (in, out)).
 fn view_to_f32(view: &safetensors::tensor::TensorView<'_>) -> Result<Tensor, String> {
     let dims = view.shape().to_vec();
     let data = view.data();
     let v: Vec<f32> = match view.dtype() {
         safetensors::Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        safetensors::Dtype::F64 => data.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap()) as f32).collect(),
+        safetensors::Dtype::F64 => {
+            data.chunks_exact(8).map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32).collect()
+        }
         safetensors::Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
         safetensors::Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
         other => return Err(format!("dtype {other:?} is not a float type (need F32, F16, BF16 or F64)")),
     };
+    if let Some(flat) = v.iter().position(|x| !x.is_finite()) {
+        // Flat position -> index in the file's dims, e.g. [3, 17].
+        let mut rest = flat;
+        let mut index = vec![0; dims.len()];
+        for (i, d) in dims.iter().enumerate().rev() {
+            if *d > 0 {
+                index[i] = rest % d;
+                rest /= d;
+            }
+        }
+        let count = v.iter().filter(|x| !x.is_finite()).count();
+        return Err(format!(
+            "holds {} at index {index:?} (the first of {count} NaN or infinite values; the block needs finite \
+             numbers, so replace them)",
+            v[flat]
+        ));
+    }
     Tensor::from_vec(v, dims, &Device::Cpu).map_err(|e| e.to_string())
 }
 
@@ -313,7 +364,7 @@ pub fn load_input(path: &Path) -> Result<Tensor, SpeedkitError> {
             path.display()
         ))
     };
-    let bytes = std::fs::read(path).map_err(|e| bad(format!("it cannot be read ({e})")))?;
+    let bytes = read_file(path).map_err(&bad)?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
     let names = st.names();
     let key = if names.contains(&"x") {
@@ -323,22 +374,28 @@ pub fn load_input(path: &Path) -> Result<Tensor, SpeedkitError> {
     } else {
         return Err(bad(format!("it has no tensor named \"x\" and {} tensors", names.len())));
     };
-    let t = view_to_f32(&st.tensor(&key).map_err(|e| bad(e.to_string()))?).map_err(bad)?;
-    if t.rank() != 3 {
-        return Err(bad(format!("tensor {key} has shape {:?}, not (B, T, C)", t.dims())));
+    let view = st.tensor(&key).map_err(|e| bad(e.to_string()))?;
+    if view.shape().len() != 3 || view.shape().contains(&0) {
+        return Err(bad(format!("tensor {key} has shape {:?}, not (B, T, C) with every dimension at least 1", view.shape())));
     }
-    Ok(t)
+    view_to_f32(&view).map_err(|e| bad(format!("tensor {key} {e}")))
 }
 
-/// Save named tensors (converted to f32, on the host) to a safetensors file, atomically.
+/// Save named tensors (converted to f32, on the host) to a safetensors file, by the output
+/// policy (`crate::output`: temp file + rename, mode 0666 less the umask like every output).
 pub fn save_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> anyhow::Result<()> {
-    let map: HashMap<String, Tensor> = tensors
+    let mut data: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+    for (name, t) in tensors {
+        let t = t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+        let bytes: Vec<u8> = t.flatten_all()?.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect();
+        data.push((name.to_string(), bytes, t.dims().to_vec()));
+    }
+    let views = data
         .iter()
-        .map(|(n, t)| Ok((n.to_string(), t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.contiguous()?)))
-        .collect::<candle_core::Result<_>>()?;
-    let tmp = crate::report::temp_path(path);
-    candle_core::safetensors::save(&map, &tmp)?;
-    std::fs::rename(&tmp, path)?;
+        .map(|(n, b, d)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, d.clone(), b)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let bytes = safetensors::serialize(views, None)?;
+    crate::output::write("--save-output", path, &bytes)?;
     Ok(())
 }
 

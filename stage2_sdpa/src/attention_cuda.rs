@@ -218,7 +218,17 @@ mod launch {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(|e| err("shared memory per block", e))?;
         let plan = launch_config(b, t, h, d, causal, max_shared as usize).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        let func = dev.get_or_load_custom_func(&kernel_name(dtype, d), MODULE, PTX)?;
+        let func = dev.get_or_load_custom_func(&kernel_name(dtype, d), MODULE, PTX).map_err(|e| {
+            // The usual causes: a driver older than the CUDA toolkit that wrote the PTX, or a GPU
+            // below the architecture it was built for. Say so instead of a bare driver code.
+            candle_core::Error::Msg(format!(
+                "stage 2's attention kernel (plain sm_{} PTX, built by build.rs) did not load on this GPU ({e}). \
+                 Fix: update the NVIDIA driver to one that supports the CUDA toolkit this binary was built with \
+                 (CUDA 13 needs driver 580+), or rebuild with CUDA_COMPUTE_CAP set to this GPU's compute capability; \
+                 `ladder selftest` checks each GPU piece alone.",
+                option_env!("SPEEDKIT_ATTN_ARCH").unwrap_or("?")
+            ))
+        })?;
         if plan.needs_opt_in {
             // Above 48 KiB of dynamic shared memory a kernel must opt in, per function.
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, plan.shared_mem_bytes as i32)

@@ -16,18 +16,38 @@
 //
 // No headers, so NVRTC compiles it without a CUDA include path: bf16 and f16 are handled as
 // their 16-bit patterns and converted with explicit instructions.
+//
+// The same file holds `layer_norm_*`: the first LayerNorm of the block, which has no residual
+// to add. Same three passes, reading x where the fused kernel reads x + branch. It replaces
+// candle's LayerNorm kernel, which takes var = E[x²] − mean² in f32: for a row whose mean is
+// large next to its spread (a real GPT-2 residual stream) that difference cancels, and var + eps
+// can even come out negative (NaN).
+//
+// Host emulation (kernels/host_emulation/check.cpp) compiles this file unchanged with g++; only
+// the two f16 conversion instructions (inline PTX) come from the emulation's header there.
 
 #define THREADS 256
 #define WARPS (THREADS / 32)
+
+#ifndef SPEEDKIT_HOST_EMULATION
+__device__ __forceinline__ float f16_to_f32(unsigned short v) {
+    float f;
+    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(v));
+    return f;
+}
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));  // round to nearest even
+    return h;
+}
+#endif
 
 __device__ __forceinline__ float load_f(const unsigned short* p, long i, int bf16) {
     unsigned short v = p[i];
     if (bf16) {
         return __uint_as_float(((unsigned int)v) << 16);  // bf16 is the top half of an f32
     }
-    float f;
-    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(v));
-    return f;
+    return f16_to_f32(v);
 }
 __device__ __forceinline__ unsigned short store_16(float f, int bf16) {
     if (bf16) {
@@ -37,9 +57,7 @@ __device__ __forceinline__ unsigned short store_16(float f, int bf16) {
         u += 0x7fffu + ((u >> 16) & 1u);
         return (unsigned short)(u >> 16);
     }
-    unsigned short h;
-    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
-    return h;
+    return f32_to_f16(f);
 }
 
 // Sum `v` over the block; every thread gets the result.
@@ -59,41 +77,57 @@ __device__ __forceinline__ void store_f(float* p, long i, float f, int) { p[i] =
 __device__ __forceinline__ void store_f(unsigned short* p, long i, float f, int bf16) { p[i] = store_16(f, bf16); }
 
 // One row per thread block. T is float, or unsigned short for 16-bit values (bf16 if `bf16`,
-// else f16); x, x_out, g and b are always f32.
-template <typename T>
-__device__ __forceinline__ void add_layer_norm_row(const float* x, const T* branch, const float* g, const float* b,
-                                                   float* x_out, T* h_out, int C, float eps, int bf16) {
+// else f16); x, x_out, g and b are always f32. Without `branch` (ADD = false) the row is x
+// itself and x_out is not written: plain LayerNorm.
+template <bool ADD, typename T>
+__device__ __forceinline__ void layer_norm_row(const float* x, const T* branch, const float* g, const float* b,
+                                               float* x_out, T* h_out, int C, float eps, int bf16) {
     __shared__ float shared[WARPS];
     const long row = (long)blockIdx.x * C;
     // Pass 1: x_out = x + branch, and the row sum. Each thread later re-reads only the x_out
     // values it wrote itself, so no barrier is needed between the passes for them.
     float s = 0.0f;
     for (int c = threadIdx.x; c < C; c += THREADS) {
-        float v = x[row + c] + load_f(branch, row + c, bf16);
-        x_out[row + c] = v;
+        float v = x[row + c];
+        if (ADD) {
+            v += load_f(branch, row + c, bf16);
+            x_out[row + c] = v;
+        }
         s += v;
     }
+    const float* src = ADD ? x_out : x;  // the row the next two passes read
     const float mean = block_sum(s, shared) / C;
-    // Pass 2: variance about the mean (biased, as PyTorch).
+    // Pass 2: variance about the mean (biased, as PyTorch): Σ(v − mean)², never E[v²] − mean².
     float s2 = 0.0f;
     for (int c = threadIdx.x; c < C; c += THREADS) {
-        float d = x_out[row + c] - mean;
+        float d = src[row + c] - mean;
         s2 += d * d;
     }
     const float inv = rsqrtf(block_sum(s2, shared) / C + eps);
     // Pass 3: normalise, scale, shift, store (rounded to 16 bits for the 16-bit variant).
     for (int c = threadIdx.x; c < C; c += THREADS) {
-        store_f(h_out, row + c, (x_out[row + c] - mean) * inv * g[c] + b[c], bf16);
+        store_f(h_out, row + c, (src[row + c] - mean) * inv * g[c] + b[c], bf16);
     }
 }
 
 extern "C" __global__ void add_layer_norm_16(const float* x, const unsigned short* branch, const float* g,
                                              const float* b, float* x_out, unsigned short* h_out, int C,
                                              float eps, int bf16) {
-    add_layer_norm_row(x, branch, g, b, x_out, h_out, C, eps, bf16);
+    layer_norm_row<true>(x, branch, g, b, x_out, h_out, C, eps, bf16);
 }
 
 extern "C" __global__ void add_layer_norm_f32(const float* x, const float* branch, const float* g, const float* b,
                                               float* x_out, float* h_out, int C, float eps) {
-    add_layer_norm_row(x, branch, g, b, x_out, h_out, C, eps, 0);
+    layer_norm_row<true>(x, branch, g, b, x_out, h_out, C, eps, 0);
+}
+
+// h = LayerNorm(x), h in bf16/f16 (the cast fused into the store).
+extern "C" __global__ void layer_norm_16(const float* x, const float* g, const float* b, unsigned short* h_out, int C,
+                                         float eps, int bf16) {
+    layer_norm_row<false, unsigned short>(x, nullptr, g, b, nullptr, h_out, C, eps, bf16);
+}
+
+extern "C" __global__ void layer_norm_f32(const float* x, const float* g, const float* b, float* h_out, int C,
+                                          float eps) {
+    layer_norm_row<false, float>(x, nullptr, g, b, nullptr, h_out, C, eps, 0);
 }

@@ -1,14 +1,15 @@
 //! The CUDA side of the fused ops: cuBLASLt GEMMs with epilogues, and the NVRTC-compiled
 //! residual-add + LayerNorm kernel (`kernels/add_layer_norm.cu`) wrapped for candle.
 
+use crate::device_cache::{Cache, DeviceKey};
+use crate::gemm_args::{linear_args, LinearKind};
 use crate::ops::{Epilogue, LN_EPS};
 use candle_core::cuda::cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
+use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, DeviceId};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Storage, Tensor};
-use std::cell::RefCell;
-use std::collections::HashMap;
+use shared::cublaslt_model::{DataType, Epilogue as ModelEpilogue};
 use std::sync::Arc;
 
 fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
@@ -17,22 +18,23 @@ fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
 
 thread_local! {
     /// One cuBLASLt handle (and its workspace) per device, made on first use: creating them
-    /// per call would cost an allocation and a handle setup every GEMM.
-    static LT: RefCell<HashMap<usize, Arc<CudaBlasLT>>> = RefCell::new(HashMap::new());
+    /// per call would cost an allocation and a handle setup every GEMM. Keyed by the device
+    /// (its stream) and its compute capability, not the GPU ordinal (`device_cache`).
+    static LT: Cache<DeviceKey<DeviceId>, Arc<CudaBlasLT>> = Cache::new();
+    /// NVRTC's PTX of kernels/add_layer_norm.cu, per architecture.
+    static PTX: Cache<(u32, u32), String> = Cache::new();
+}
+
+/// The cache key of `dev`: candle's id for it (one per stream) and its compute capability.
+pub fn device_key(dev: &CudaDevice) -> candle_core::Result<DeviceKey<DeviceId>> {
+    let (major, minor) = dev.cuda_stream().context().compute_capability().map_err(|e| err("compute capability", e))?;
+    Ok(DeviceKey { id: dev.id(), sm: (major as u32, minor as u32) })
 }
 
 /// The cuBLASLt handle (with its workspace) bound to `dev`'s stream; stage 4 shares it.
 pub fn lt(dev: &CudaDevice) -> candle_core::Result<Arc<CudaBlasLT>> {
-    let stream = dev.cuda_stream();
-    let key = stream.context().ordinal();
-    LT.with(|m| {
-        if let Some(h) = m.borrow().get(&key) {
-            return Ok(h.clone());
-        }
-        let h = Arc::new(CudaBlasLT::new(stream).map_err(|e| err("cuBLASLt handle", e))?);
-        m.borrow_mut().insert(key, h.clone());
-        Ok(h)
-    })
+    let key = device_key(dev)?;
+    LT.with(|c| c.get_or_try_insert(key, || Ok(Arc::new(CudaBlasLT::new(dev.cuda_stream()).map_err(|e| err("cuBLASLt handle", e))?))))
 }
 
 /// The device memory behind a contiguous CUDA tensor, as a typed view borrowed from its
@@ -88,25 +90,39 @@ where
         let (rs, rl) = r.storage_and_layout();
         dev.memcpy_dtod(&cuda_view::<T>(&rs, rl)?, &mut out)?;
     }
+    let dtype = match x.dtype() {
+        DType::BF16 => DataType::Bf16,
+        DType::F16 => DataType::F16,
+        _ => DataType::F32,
+    };
+    let kind = match epilogue {
+        Epilogue::Bias => LinearKind::Bias,
+        Epilogue::BiasGelu => LinearKind::BiasGelu,
+        Epilogue::BiasResidual(_) if fused_residual.is_some() => LinearKind::BiasResidualInC,
+        Epilogue::BiasResidual(_) => LinearKind::Bias, // residual added after, in f32 (below)
+    };
+    // The pure argument builder (gemm_args.rs), executed on the CPU by the tests' cuBLASLt model.
+    let args = linear_args(m, k, n, dtype, kind);
     let cfg = MatmulConfig {
-        transa: true,
-        transb: false,
+        transa: args.transa,
+        transb: args.transb,
         transc: false,
-        m: n as u64,
-        n: m as u64,
-        k: k as u64,
-        alpha: 1.0,
-        lda: k as i64,
-        ldb: k as i64,
-        beta: if fused_residual.is_some() { 1.0 } else { 0.0 },
-        ldc: n as i64,
+        m: args.m,
+        n: args.n,
+        k: args.k,
+        alpha: args.alpha,
+        lda: args.a.ld,
+        ldb: args.b.ld,
+        beta: args.beta,
+        ldc: args.c.ld, // cudarc gives D the same layout as C (and we pass one buffer for both)
         stride_a: None,
         stride_b: None,
         stride_c: None,
         stride_bias: None,
         batch_size: None,
     };
-    let act = matches!(epilogue, Epilogue::BiasGelu).then_some(Activation::Gelu);
+    // cudarc picks the epilogue from (bias, activation): BIAS, or GELU_BIAS with Gelu.
+    let act = matches!(args.epilogue, ModelEpilogue::GeluBias).then_some(Activation::Gelu);
     // SAFETY: A holds n·k, B k·m, C/D n·m values and the bias n, as the config describes.
     unsafe { lt(&dev)?.matmul(cfg, &wv, &xv, &mut out, Some(&bv), act.as_ref()) }.map_err(|e| err("cuBLASLt matmul", e))?;
     let y = wrap(out, &dev, (bsz, t, n));
@@ -122,16 +138,17 @@ pub const ADD_LAYER_NORM_CU: &str = include_str!("../kernels/add_layer_norm.cu")
 const MODULE: &str = "speedkit_add_layer_norm";
 
 fn add_layer_norm_ptx(dev: &CudaDevice) -> candle_core::Result<String> {
-    static PTX: std::sync::OnceLock<Result<String, String>> = std::sync::OnceLock::new();
-    PTX.get_or_init(|| {
-        let (major, minor) = dev.cuda_stream().context().compute_capability().map_err(|e| format!("{e:?}"))?;
-        // CompileOptions wants a 'static str; one leaked string per process.
-        let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-        let opts = candle_core::cuda::cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
-        candle_core::cuda::cudarc::nvrtc::compile_ptx_with_opts(ADD_LAYER_NORM_CU, opts).map(|p| p.to_src()).map_err(|e| format!("{e:?}"))
+    let sm = device_key(dev)?.sm;
+    PTX.with(|c| {
+        c.get_or_try_insert(sm, || {
+            // CompileOptions wants a 'static str; one leaked string per architecture.
+            let arch: &'static str = Box::leak(format!("compute_{}{}", sm.0, sm.1).into_boxed_str());
+            let opts = candle_core::cuda::cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
+            candle_core::cuda::cudarc::nvrtc::compile_ptx_with_opts(ADD_LAYER_NORM_CU, opts)
+                .map(|p| p.to_src())
+                .map_err(|e| err("NVRTC could not compile kernels/add_layer_norm.cu", e))
+        })
     })
-    .clone()
-    .map_err(|e| err("NVRTC could not compile kernels/add_layer_norm.cu", e))
 }
 
 /// (x + branch, LayerNorm(x + branch)) in one launch. x: (…, C) f32; branch: same shape, f32,
@@ -168,6 +185,60 @@ pub fn add_layer_norm(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> ca
         dt => candle_core::bail!("add_layer_norm: unsupported branch dtype {dt:?}"),
     };
     Ok((wrap(x_out, &dev, shape), h))
+}
+
+/// h = LayerNorm(x) in `dtype`, one launch of `layer_norm_*` (two-pass variance, cast fused
+/// into the store). x: (…, C) f32 contiguous; g, b: (C) f32.
+pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    let c = x.dim(candle_core::D::Minus1)?;
+    let rows = x.elem_count() / c;
+    let dev = x.device().as_cuda_device()?.clone();
+    let ptx = add_layer_norm_ptx(&dev)?;
+    let (x, g, b) = (x.to_dtype(DType::F32)?.contiguous()?, g.to_dtype(DType::F32)?.contiguous()?, b.to_dtype(DType::F32)?.contiguous()?);
+    let ((xs, xl), (gs, gl), (bs, bl)) = (x.storage_and_layout(), g.storage_and_layout(), b.storage_and_layout());
+    let (xv, gv, bv) = (cuda_view::<f32>(&xs, xl)?, cuda_view::<f32>(&gs, gl)?, cuda_view::<f32>(&bs, bl)?);
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (c_i32, eps) = (c as i32, LN_EPS);
+    let shape = x.shape().clone();
+    let n = rows * c;
+    match dtype {
+        DType::F32 => {
+            // SAFETY (allocation): the kernel writes every element of h_out.
+            let mut h_out = unsafe { dev.alloc::<f32>(n)? };
+            let func = dev.get_or_load_custom_func("layer_norm_f32", MODULE, &ptx)?;
+            let mut launch = func.builder();
+            launch.arg(&xv).arg(&gv).arg(&bv).arg(&mut h_out).arg(&c_i32).arg(&eps);
+            // SAFETY: argument order and types match layer_norm_f32; one block per row.
+            unsafe { launch.launch(cfg) }.map_err(|e| err("layer_norm_f32", e))?;
+            Ok(wrap(h_out, &dev, shape))
+        }
+        DType::BF16 => layer_norm_16::<half::bf16>(&dev, &ptx, cfg, (&xv, &gv, &bv), (c_i32, eps, 1), &shape),
+        DType::F16 => layer_norm_16::<half::f16>(&dev, &ptx, cfg, (&xv, &gv, &bv), (c_i32, eps, 0), &shape),
+        dt => candle_core::bail!("layer_norm: unsupported output dtype {dt:?}"),
+    }
+}
+
+fn layer_norm_16<H: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    ptx: &str,
+    cfg: LaunchConfig,
+    (xv, gv, bv): (&CudaView<f32>, &CudaView<f32>, &CudaView<f32>),
+    (c, eps, bf16): (i32, f32, i32),
+    shape: &candle_core::Shape,
+) -> candle_core::Result<Tensor> {
+    let n = shape.elem_count();
+    // SAFETY (allocation): the kernel writes every element of h_out.
+    let mut h_out = unsafe { dev.alloc::<H>(n)? };
+    {
+        // SAFETY: bf16 and f16 are 2-byte types, so n of them are n u16 bit patterns.
+        let mut h16 = unsafe { h_out.transmute_mut::<u16>(n) }.ok_or_else(|| err("layer_norm", "h is not 2-byte"))?;
+        let func = dev.get_or_load_custom_func("layer_norm_16", MODULE, ptx)?;
+        let mut launch = func.builder();
+        launch.arg(xv).arg(gv).arg(bv).arg(&mut h16).arg(&c).arg(&eps).arg(&bf16);
+        // SAFETY: argument order and types match layer_norm_16; one block per row.
+        unsafe { launch.launch(cfg) }.map_err(|e| err("layer_norm_16", e))?;
+    }
+    Ok(wrap(h_out, dev, shape.clone()))
 }
 
 /// The 16-bit variant: branch and h travel as their bit patterns (u16); the kernel converts.

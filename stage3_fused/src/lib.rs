@@ -3,7 +3,8 @@
 //! **What changed.** The element-wise work around the matrix multiplications is fused into
 //! them or into single-pass kernels, the way a graph compiler (torch.compile, XLA) would, but
 //! written out (`ops`, each op beside its slow twin); everything else is stage 2:
-//! - LayerNorm in one kernel (candle's on CUDA, one pass per row on CPU), the cast included;
+//! - LayerNorm in one kernel (on CUDA our two-pass `layer_norm_*` in `kernels/add_layer_norm.cu`,
+//!   one pass per row on CPU), the cast included;
 //! - GEMM epilogues: bias (q/k/v, proj), bias + GELU (fc1), bias + residual (fc2) applied by the
 //!   GEMM before it stores (cuBLASLt on CUDA; on CPU the GEMM accumulates onto a destination
 //!   that already holds bias and residual, and GELU runs on each block of rows while it is hot);
@@ -18,13 +19,13 @@
 //!
 //! | part of the block          | stage 2 launches | stage 3 launches | stage 2 passes | stage 3 passes |
 //! |----------------------------|------------------|------------------|----------------|----------------|
-//! | LayerNorm 1 (+ cast)       | 10               | 2                | 8              | 2              |
+//! | LayerNorm 1 (+ cast)       | 10               | 1                | 8              | 1              |
 //! | q, k, v projections        | 3 GEMM + 3 bias  | 1 GEMM           | 3              | 0              |
 //! | attention                  | 1                | 1                | 0              | 0              |
 //! | proj + residual + LN 2     | GEMM + 3 + 10    | GEMM + 1         | 11             | 1              |
 //! | fc1 + GELU                 | GEMM + 1 + 9     | 1 GEMM           | 10             | 0              |
 //! | fc2 + residual             | GEMM + 3         | GEMM + 2         | 3              | 2              |
-//! | **total**                  | **46**           | **10**           | **35**         | **5**          |
+//! | **total**                  | **46**           | **9**            | **35**         | **4**          |
 //!
 //! (fc2's residual stays two launches on CUDA at bf16/f16: the f32 residual stream cannot ride
 //! in through cuBLASLt's C operand when C and D share the GEMM's 16-bit dtype in cudarc's
@@ -46,6 +47,8 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device_cache;
+pub mod gemm_args;
 pub mod ops;
 
 use candle_core::{DType, IndexOp, Tensor};

@@ -12,7 +12,7 @@
 //! CPU: single passes over rows (LayerNorm) and a GEMM whose destination starts out holding the
 //! bias (and the residual), so `dst = 1·dst + 1·x·Wᵀ` adds them for free; GELU runs on each block
 //! of output rows right after the GEMM wrote it, while it is still in cache.
-//! CUDA: candle's fused LayerNorm kernel, and cuBLASLt GEMMs with epilogues (`cuda` module):
+//! CUDA: our two-pass LayerNorm kernel (`kernels/add_layer_norm.cu`), and cuBLASLt GEMMs with epilogues (`cuda` module):
 //! bias and bias+GELU applied by the GEMM kernel before it stores, the residual read through the
 //! C operand with β = 1.
 
@@ -37,9 +37,12 @@ pub const GELU_ROWS: usize = 256;
 /// on the (B, T, 1) statistics).
 /// Slow twin: `stage0_baseline::layer_norm` then `to_dtype`.
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        // candle's own fused LayerNorm kernel (one launch); the cast is a second launch.
-        return candle_nn::ops::layer_norm(&x.contiguous()?, g, b, LN_EPS)?.to_dtype(dtype);
+        // Our two-pass kernel (kernels/add_layer_norm.cu, `layer_norm_*`), cast fused into the
+        // store: candle's LayerNorm kernel takes var = E[x²] − mean² in f32, which cancels for
+        // rows with a large mean.
+        return crate::cuda::layer_norm(x, g, b, dtype);
     }
     let c = x.dim(candle_core::D::Minus1)?;
     let (x32, g32, b32) = (host_f32(x)?, host_f32(g)?, host_f32(b)?);

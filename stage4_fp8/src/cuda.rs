@@ -6,11 +6,10 @@
 use crate::gemm::{check_pointers, fp8_gemm_args, Fp8Epilogue, Fp8GemmArgs};
 use candle_core::cuda::cudarc::cublaslt::{result, sys, MatmulShared};
 use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use candle_core::cuda::CudaDevice;
+use candle_core::cuda::{CudaDevice, DeviceId};
 use candle_core::Tensor;
-use stage3_fused::cuda::{cuda_view, lt, wrap};
-use std::cell::RefCell;
-use std::collections::HashMap;
+use stage3_fused::cuda::{cuda_view, device_key, lt, wrap};
+use stage3_fused::device_cache::{Cache, DeviceKey};
 use std::ffi::c_void;
 use std::rc::Rc;
 
@@ -19,8 +18,9 @@ use std::rc::Rc;
 const WORKSPACE_BYTES: usize = 32 << 20;
 
 thread_local! {
-    /// One workspace per device, made on first use (cudarc keeps its own private).
-    static WORKSPACE: RefCell<HashMap<usize, Rc<CudaSlice<u8>>>> = RefCell::new(HashMap::new());
+    /// One workspace per device (its stream) and architecture, made on first use (cudarc keeps
+    /// its own private); keyed as stage 3's handles are (`stage3_fused::device_cache`).
+    static WORKSPACE: Cache<DeviceKey<DeviceId>, Rc<CudaSlice<u8>>> = Cache::new();
 }
 
 fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
@@ -28,16 +28,9 @@ fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
 }
 
 fn workspace(dev: &CudaDevice) -> candle_core::Result<Rc<CudaSlice<u8>>> {
-    let key = dev.cuda_stream().context().ordinal();
-    WORKSPACE.with(|m| {
-        if let Some(w) = m.borrow().get(&key) {
-            return Ok(w.clone());
-        }
-        // SAFETY: cuBLASLt uses the workspace as scratch; nothing reads it before writing.
-        let w = Rc::new(unsafe { dev.alloc::<u8>(WORKSPACE_BYTES)? });
-        m.borrow_mut().insert(key, w.clone());
-        Ok(w)
-    })
+    let key = device_key(dev)?;
+    // SAFETY: cuBLASLt uses the workspace as scratch; nothing reads it before writing.
+    WORKSPACE.with(|c| c.get_or_try_insert(key, || Ok(Rc::new(unsafe { dev.alloc::<u8>(WORKSPACE_BYTES)? }))))
 }
 
 /// cuBLASLt descriptors, destroyed when dropped.
@@ -163,7 +156,8 @@ fn launch(args: &Fp8GemmArgs, handle: sys::cublasLtHandle_t, ptrs: [u64; 7], str
                 e,
             )
         })?;
-    let (alpha, beta) = (1f32, 0f32);
+    let contract = args.contract(); // α = 1, β = 0: what the CPU model executes in the tests
+    let (alpha, beta) = (contract.alpha, contract.beta);
     // SAFETY: A, B are k·m and k·n E4M3 values, D m·n bf16, bias m bf16, the scales one f32
     // each, the workspace WORKSPACE_BYTES — as the layouts say; all on `stream`'s device.
     unsafe {

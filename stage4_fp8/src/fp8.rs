@@ -122,7 +122,12 @@ impl Default for ScalingConfig {
 }
 
 /// The scale state of one activation: the amax history (a rank-1 f32 tensor on the device,
-/// oldest first) and the scale the last call used.
+/// oldest first) and the scale the last call used (shape (1)).
+///
+/// Both are buffers allocated by the first call and then overwritten in place (`slice_set`),
+/// never replaced: under `--cuda-graph` the second call runs inside a capture, and dropping the
+/// first call's tensor there would be a `cuMemFreeAsync` of memory the graph did not allocate,
+/// which invalidates the capture. A replay then updates the same buffers.
 #[derive(Debug)]
 pub struct ScaleState {
     config: ScalingConfig,
@@ -152,13 +157,20 @@ impl ScaleState {
         if self.config.recipe == Fp8Recipe::Delayed {
             let a = a.reshape(1)?; // (1)
             let n = self.config.history_len;
-            self.history = Some(match &self.history {
-                None => a.broadcast_as(n)?.contiguous()?, // the first amax fills the window
-                Some(_) if n == 1 => a,
-                Some(h) => Tensor::cat(&[&h.narrow(0, 1, n - 1)?, &a], 0)?, // drop the oldest, append the newest
-            });
+            match &self.history {
+                None => self.history = Some(a.broadcast_as(n)?.contiguous()?), // the first amax fills the window
+                Some(h) => {
+                    // drop the oldest, append the newest: into the same buffer
+                    let rolled = if n == 1 { a.contiguous()? } else { Tensor::cat(&[&h.narrow(0, 1, n - 1)?, &a], 0)? };
+                    h.slice_set(&rolled, 0, 0)?;
+                }
+            }
         }
-        self.last_scale = Some(scale.clone());
+        let s1 = scale.reshape(1)?.contiguous()?; // (1)
+        match &self.last_scale {
+            None => self.last_scale = Some(s1.copy()?), // its own buffer, not the returned tensor's
+            Some(last) => last.slice_set(&s1, 0, 0)?,
+        }
         Ok(scale)
     }
 
@@ -168,9 +180,14 @@ impl ScaleState {
         self.history.as_ref().map_or(Ok(Vec::new()), |h| h.to_vec1())
     }
 
-    /// The scale the last call used.
+    /// The scale the last call used (rank 0): a copy, since the buffer changes with each call.
     pub fn last_scale(&self) -> Option<Tensor> {
-        self.last_scale.clone()
+        self.last_scale.as_ref().and_then(|s| s.reshape(()).and_then(|s| s.copy()).ok())
+    }
+
+    /// The state's buffers (history, last scale): the same tensors from the first call on.
+    pub fn buffer_ids(&self) -> (Option<candle_core::TensorId>, Option<candle_core::TensorId>) {
+        (self.history.as_ref().map(Tensor::id), self.last_scale.as_ref().map(Tensor::id))
     }
 }
 
@@ -349,5 +366,40 @@ impl Fp8Linear {
     /// The input amax history, oldest first (see `ScaleState::history`).
     pub fn input_amax_history(&self) -> candle_core::Result<Vec<f32>> {
         self.state.lock().map_err(|_| candle_core::Error::Msg("scale state poisoned".into()))?.history()
+    }
+}
+
+#[cfg(test)]
+mod state_tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Regression (issue 13, finding 3): each call replaced the state tensors, so the call
+    /// captured by --cuda-graph freed the warm-up's scale inside the capture. Now the buffers
+    /// are made once and overwritten; the history still rolls and the scale is still right.
+    #[test]
+    fn state_buffers_are_allocated_once_and_updated_in_place() {
+        for recipe in [Fp8Recipe::Delayed, Fp8Recipe::Current] {
+            let mut st = ScaleState::new(ScalingConfig { recipe, history_len: 3, margin: 0 }).unwrap();
+            let x = |a: f32| Tensor::new(&[a, -a / 2.0], &Device::Cpu).unwrap();
+            st.scale_for(&x(448.0)).unwrap();
+            let ids = st.buffer_ids();
+            assert!(ids.1.is_some() && ids.0.is_some() == (recipe == Fp8Recipe::Delayed));
+            let mut scales = Vec::new();
+            for a in [896.0, 224.0, 1792.0] {
+                let s = st.scale_for(&x(a)).unwrap().to_scalar::<f32>().unwrap();
+                assert_eq!(st.last_scale().unwrap().to_scalar::<f32>().unwrap(), s);
+                assert_eq!(st.buffer_ids(), ids, "{recipe:?}: a state tensor was replaced");
+                scales.push(s);
+            }
+            match recipe {
+                // amax of the previous calls (window of 3): 448 | 448,448,896 | 448,896,224
+                Fp8Recipe::Delayed => {
+                    assert_eq!(scales, [1.0, 2.0, 2.0]);
+                    assert_eq!(st.history().unwrap(), [896.0, 224.0, 1792.0]);
+                }
+                Fp8Recipe::Current => assert_eq!(scales, [2.0, 0.5, 4.0]),
+            }
+        }
     }
 }

@@ -17,6 +17,7 @@
 //! reading scale_A and scale_B from device pointers (A_SCALE_POINTER = W's scale, B_SCALE_POINTER
 //! = x's) — the scales never visit the host. D is bf16, so no D scale (that is for FP8 outputs).
 
+use shared::cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
 use shared::SpeedkitError;
 
 /// Whose per-tensor scale a scale pointer carries.
@@ -113,6 +114,34 @@ pub fn fp8_gemm_args(tokens: usize, in_features: usize, out_features: usize, gel
         epilogue: if gelu { Fp8Epilogue::GeluBias } else { Fp8Epilogue::Bias },
         bias_len: m,
     })
+}
+
+impl Fp8GemmArgs {
+    /// The same call in the terms of `shared::cublaslt_model` (the CPU model of cuBLASLt's
+    /// contract), so the tests can execute exactly these arguments: E4M3 A and B, bf16 C/D
+    /// (one layout, β = 0), α = 1, both scale pointers set.
+    pub fn contract(&self) -> MatmulArgs {
+        let d = MatrixLayout { dtype: DataType::Bf16, rows: self.d_rows, cols: self.d_cols, ld: self.ldd };
+        MatmulArgs {
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            transa: self.transa,
+            transb: self.transb,
+            a: MatrixLayout { dtype: DataType::E4m3, rows: self.a_rows, cols: self.a_cols, ld: self.lda },
+            b: MatrixLayout { dtype: DataType::E4m3, rows: self.b_rows, cols: self.b_cols, ld: self.ldb },
+            c: d,
+            d,
+            alpha: 1.0,
+            beta: 0.0,
+            epilogue: match self.epilogue {
+                Fp8Epilogue::Bias => Epilogue::Bias,
+                Fp8Epilogue::GeluBias => Epilogue::GeluBias,
+            },
+            bias_len: self.bias_len,
+            scaled: true,
+        }
+    }
 }
 
 /// cuBLASLt requires 16-byte-aligned A, B, C, D and bias pointers for FP8. candle's allocations

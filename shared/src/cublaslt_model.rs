@@ -1,0 +1,200 @@
+//! A CPU model of cuBLASLt's matmul contract, written from NVIDIA's cuBLASLt documentation
+//! (`cublasLtMatmul`, `cublasLtMatrixLayout_t`, `cublasLtEpilogue_t`, the A/B scale pointers),
+//! so the arguments the project passes to cuBLASLt can be executed — and checked against each
+//! op's slow twin — on a machine with no GPU.
+//!
+//! The contract, column-major throughout (element (i, j) of a matrix with leading dimension ld
+//! lives at `i + j·ld`):
+//!
+//! ```text
+//! D = α·(scale_A·scale_B)·op(A)·op(B) + β·C          op(X) = X or Xᵀ per TRANSA / TRANSB
+//! D = epilogue(D): BIAS adds bias[i] to row i of D; GELU_BIAS then applies GELU (tanh form)
+//! ```
+//!
+//! with op(A) m × k, op(B) k × n, C and D m × n. A layout states its type, rows, columns and
+//! leading dimension (≥ rows); the stored A is k × m when transposed, m × k when not (B: n × k,
+//! k × n). The model refuses what cuBLASLt would refuse (a shape that does not fit, ld < rows,
+//! a bias not m long) and rounds D to D's type at the end (the accumulation is f32 in cuBLASLt,
+//! f64 here: the difference is far below the bf16/f16 roundings the tests compare through).
+//!
+//! Not modelled: algorithm choice, workspace, split-K order of summation, FP8 fast accumulation
+//! (Hopper's reduced-precision partial sums), alignment rules. Those need a GPU.
+
+/// The element types the project's GEMMs use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataType {
+    F32,
+    Bf16,
+    F16,
+    /// FP8 E4M3 (inputs only).
+    E4m3,
+}
+
+impl DataType {
+    /// `v` rounded to this type (round to nearest even, saturating for E4M3 as the cast does).
+    pub fn round(self, v: f64) -> f64 {
+        match self {
+            DataType::F32 => v as f32 as f64,
+            DataType::Bf16 => half::bf16::from_f64(v).to_f64(),
+            DataType::F16 => half::f16::from_f64(v).to_f64(),
+            DataType::E4m3 => v, // inputs arrive already quantised; D is never E4M3 here
+        }
+    }
+}
+
+/// `cublasLtMatrixLayout_t`: type, rows × cols of the stored (column-major) matrix, ld.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatrixLayout {
+    pub dtype: DataType,
+    pub rows: u64,
+    pub cols: u64,
+    pub ld: i64,
+}
+
+/// `CUBLASLT_MATMUL_DESC_EPILOGUE`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    Default,
+    Bias,
+    GeluBias,
+}
+
+/// Everything a `cublasLtMatmul` call states: the descriptor (transposes, epilogue, scales)
+/// and the four layouts, plus α and β.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MatmulArgs {
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    pub transa: bool,
+    pub transb: bool,
+    pub a: MatrixLayout,
+    pub b: MatrixLayout,
+    pub c: MatrixLayout,
+    pub d: MatrixLayout,
+    pub alpha: f32,
+    pub beta: f32,
+    pub epilogue: Epilogue,
+    /// Length of the bias vector (must be m: one per row of D) when the epilogue has one.
+    pub bias_len: u64,
+    /// Whether A_SCALE_POINTER / B_SCALE_POINTER are set (FP8): D gets scale_A·scale_B.
+    pub scaled: bool,
+}
+
+/// GELU, tanh approximation, as cuBLASLt's GELU epilogues compute it.
+pub fn gelu_tanh(v: f64) -> f64 {
+    0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh())
+}
+
+fn check_layout(what: &str, l: &MatrixLayout, rows: u64, cols: u64, len: usize) -> Result<(), String> {
+    if (l.rows, l.cols) != (rows, cols) {
+        return Err(format!("{what}: layout is {}×{}, the operation needs {rows}×{cols}", l.rows, l.cols));
+    }
+    if l.ld < l.rows.max(1) as i64 {
+        return Err(format!("{what}: leading dimension {} below its {} rows", l.ld, l.rows));
+    }
+    let need = if cols == 0 { 0 } else { l.ld as u64 * (cols - 1) + rows };
+    if (len as u64) < need {
+        return Err(format!("{what}: {len} values given, the layout addresses {need}"));
+    }
+    Ok(())
+}
+
+/// Execute `args` on column-major buffers (values already in their types). `c` is read only
+/// when β ≠ 0, `bias` only with a bias epilogue. Returns D (ld = args.d.ld), rounded to D's type.
+pub fn matmul(
+    args: &MatmulArgs,
+    a: &[f32],
+    b: &[f32],
+    c: Option<&[f32]>,
+    bias: Option<&[f32]>,
+    (scale_a, scale_b): (f32, f32),
+) -> Result<Vec<f32>, String> {
+    let (m, n, k) = (args.m, args.n, args.k);
+    let (ar, ac) = if args.transa { (k, m) } else { (m, k) };
+    let (br, bc) = if args.transb { (n, k) } else { (k, n) };
+    check_layout("A", &args.a, ar, ac, a.len())?;
+    check_layout("B", &args.b, br, bc, b.len())?;
+    let d_len = (args.d.ld as u64 * n.saturating_sub(1) + m) as usize;
+    check_layout("D", &args.d, m, n, d_len)?;
+    let c = if args.beta != 0.0 {
+        let c = c.ok_or("β ≠ 0 reads C, and none was given")?;
+        check_layout("C", &args.c, m, n, c.len())?;
+        Some(c)
+    } else {
+        None
+    };
+    let bias = match args.epilogue {
+        Epilogue::Default => None,
+        Epilogue::Bias | Epilogue::GeluBias => {
+            let bias = bias.ok_or("the epilogue adds a bias, and none was given")?;
+            if args.bias_len != m || bias.len() as u64 != m {
+                return Err(format!("the bias has one value per row of D (m = {m}); bias_len is {} ({} given)", args.bias_len, bias.len()));
+            }
+            Some(bias)
+        }
+    };
+    let (lda, ldb, ldc, ldd) = (args.a.ld as usize, args.b.ld as usize, args.c.ld as usize, args.d.ld as usize);
+    let op_a = |i: usize, l: usize| if args.transa { a[l + i * lda] } else { a[i + l * lda] } as f64;
+    let op_b = |l: usize, j: usize| if args.transb { b[j + l * ldb] } else { b[l + j * ldb] } as f64;
+    let scale = args.alpha as f64 * if args.scaled { scale_a as f64 * scale_b as f64 } else { 1.0 };
+    let mut d = vec![0f32; d_len];
+    for j in 0..n as usize {
+        for i in 0..m as usize {
+            let acc: f64 = (0..k as usize).map(|l| op_a(i, l) * op_b(l, j)).sum();
+            let mut v = scale * acc;
+            if let Some(c) = c {
+                v += args.beta as f64 * c[i + j * ldc] as f64;
+            }
+            if let Some(bias) = bias {
+                v += bias[i] as f64;
+            }
+            if args.epilogue == Epilogue::GeluBias {
+                v = gelu_tanh(v);
+            }
+            d[i + j * ldd] = args.d.dtype.round(v) as f32;
+        }
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(rows: u64, cols: u64) -> MatrixLayout {
+        MatrixLayout { dtype: DataType::F32, rows, cols, ld: rows as i64 }
+    }
+
+    /// A 2×3 · 3×2 product worked by hand, with the transposes, β, bias and scales.
+    #[test]
+    fn by_hand() {
+        // op(A) = [[1,2,3],[4,5,6]] stored transposed: A is 3×2 column-major = [1,2,3 | 4,5,6]
+        let a = [1., 2., 3., 4., 5., 6.];
+        // op(B) = [[1,0],[0,1],[1,1]] stored as is: 3×2 column-major = [1,0,1 | 0,1,1]
+        let b = [1., 0., 1., 0., 1., 1.];
+        let args = MatmulArgs {
+            m: 2,
+            n: 2,
+            k: 3,
+            transa: true,
+            transb: false,
+            a: layout(3, 2),
+            b: layout(3, 2),
+            c: layout(2, 2),
+            d: layout(2, 2),
+            alpha: 1.0,
+            beta: 1.0,
+            epilogue: Epilogue::Bias,
+            bias_len: 2,
+            scaled: true,
+        };
+        // A·B = [[4,5],[10,11]]; ×(0.5·4) = [[8,10],[20,22]]; + C = 1; + bias per row (10, 20)
+        let d = matmul(&args, &a, &b, Some(&[1.; 4]), Some(&[10., 20.]), (0.5, 4.0)).unwrap();
+        assert_eq!(d, [19., 41., 21., 43.]); // column-major: column 0 = (19, 41)
+        let bad = MatmulArgs { bias_len: 3, ..args };
+        assert!(matmul(&bad, &a, &b, Some(&[1.; 4]), Some(&[1., 2., 3.]), (1., 1.)).unwrap_err().contains("per row of D"));
+        let bad = MatmulArgs { a: MatrixLayout { ld: 2, ..layout(3, 2) }, ..args };
+        assert!(matmul(&bad, &a, &b, Some(&[1.; 4]), Some(&[10., 20.]), (1., 1.)).unwrap_err().contains("leading dimension"));
+    }
+}
