@@ -3,7 +3,7 @@
 //! drawing needs font files; the viewer's sans-serif font renders it.
 
 use crate::provenance::date_utc;
-use crate::render::{axis_symbol, describe_device, fmt_ms, fmt_rel_err, fmt_speedup};
+use crate::render::{axis_symbol, describe_device, fmt_ms, fmt_rel_err};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use shared::report::{LadderReport, Row, SweepReport};
@@ -25,6 +25,11 @@ const FAIL: RGBColor = RGBColor(0xb0, 0x00, 0x20);
 fn colour(stage: &str, position: usize) -> RGBColor {
     let n = stage.strip_prefix("stage").and_then(|s| s.split('_').next()).and_then(|n| n.parse().ok()).unwrap_or(position);
     COLOURS[n % COLOURS.len()]
+}
+
+/// The stage's colour in every chart (the roofline's points too).
+pub fn stage_colour(stage: &str, position: usize) -> RGBColor {
+    colour(stage, position)
 }
 
 /// Text of `size` px. (plotters' SVG backend writes font-size = size / 1.24, hence the factor.)
@@ -103,9 +108,11 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
                         + Text::new(format!("{} ms", fmt_ms(t.median_ms)), (0, -5), text(12.0, MUTED, HPos::Center, VPos::Bottom));
                     chart.draw_series([ms])?;
                     if let Some(s) = r.speedup_vs_stage0 {
-                        chart
-                            .draw_series([EmptyElement::at(at)
-                                + Text::new(fmt_speedup(Some(s)), (0, -22), bold(15.0, INK, HPos::Center, VPos::Bottom))])?;
+                        // "≈1.0x" when the p10–p90 intervals overlap stage 0's: within noise.
+                        let label = shared::report::speedup_text(Some(s), r.noise_vs_stage0);
+                        chart.draw_series([
+                            EmptyElement::at(at) + Text::new(label, (0, -22), bold(15.0, INK, HPos::Center, VPos::Bottom))
+                        ])?;
                     }
                 }
                 Row::Skipped(s) => {
@@ -297,6 +304,84 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
                     [EmptyElement::at((x, s)) + Text::new(format!("{s:.2}x"), (7, 0), text(12.0, c, HPos::Left, VPos::Center))],
                 )?;
             }
+        }
+        root.present()?;
+    }
+    Ok(svg)
+}
+
+/// One colour per part of the block; a fused part takes the colour of the first part it holds.
+fn part_colour(part: &str) -> RGBColor {
+    const PART_COLOURS: [RGBColor; 7] = [
+        RGBColor(0x8d, 0xa0, 0xcb),
+        RGBColor(0x66, 0xc2, 0xa5),
+        RGBColor(0xfc, 0x8d, 0x62),
+        RGBColor(0xe7, 0x8a, 0xc3),
+        RGBColor(0xa6, 0xd8, 0x54),
+        RGBColor(0xff, 0xd9, 0x2f),
+        RGBColor(0xe5, 0xc4, 0x94),
+    ];
+    let first = shared::breakdown::PARTS.iter().position(|p| part.starts_with(p)).unwrap_or(6);
+    PART_COLOURS[first]
+}
+
+/// `--breakdown`'s chart: one stacked bar per stage (the instrumented parts, bottom to top in
+/// forward order) with a tick at the uninstrumented median beside it.
+pub fn breakdown_svg(report: &LadderReport) -> anyhow::Result<String> {
+    let rows: Vec<&shared::report::Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
+    let n = rows.len().max(1);
+    let (w, h) = ((175 * n as u32 + 330).max(800), 560u32);
+    let top = rows.iter().filter_map(|r| r.breakdown.as_ref().map(|b| b.total_ms.max(r.timing.median_ms))).fold(0.0, f64::max);
+    let y_max = if top > 0.0 { top * 1.15 } else { 1.0 };
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let title = "Where the time goes: ms per part of the block, instrumented (a sync at each part boundary)";
+        root.draw(&Text::new(title, (20, 12), bold(16.0, INK, HPos::Left, VPos::Top)))?;
+        root.draw(&Text::new(describe_device(report), (20, 36), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
+        let facts =
+            format!("{} · commit {} · {} · black tick: the uninstrumented median", report.shape, report.commit, date_utc(report.unix_time));
+        root.draw(&Text::new(facts, (20, 53), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
+        let (body, legend) = root.margin(74, 14, 8, 20).split_horizontally(w as i32 - 230);
+        let mut chart =
+            ChartBuilder::on(&body).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .y_labels(6)
+            .y_desc("ms per forward (instrumented)")
+            .y_label_formatter(&|v| axis_ms(*v, y_max))
+            .axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
+            .label_style(text(12.0, INK, HPos::Center, VPos::Center))
+            .bold_line_style(RGBColor(0xe6, 0xe6, 0xe6))
+            .light_line_style(TRANSPARENT)
+            .draw()?;
+        let mut names: Vec<String> = Vec::new();
+        for (i, r) in rows.iter().enumerate() {
+            let b = r.breakdown.as_ref().expect("filtered above");
+            let x = i as f64 + 0.5;
+            let mut y = 0.0;
+            for p in &b.parts {
+                chart.draw_series([Rectangle::new([(x - 0.32, y), (x + 0.32, y + p.median_ms)], part_colour(&p.name).filled())])?;
+                y += p.median_ms;
+                if !names.contains(&p.name) {
+                    names.push(p.name.clone());
+                }
+            }
+            let m = r.timing.median_ms;
+            chart.draw_series([PathElement::new(vec![(x + 0.32, m), (x + 0.42, m)], INK.stroke_width(3))])?;
+            let label = format!("{} ms ({} ms)", fmt_ms(b.total_ms), fmt_ms(m));
+            chart.draw_series([EmptyElement::at((x, y)) + Text::new(label, (0, -5), text(12.0, MUTED, HPos::Center, VPos::Bottom))])?;
+            let (px, py) = chart.backend_coord(&(x, 0.0));
+            root.draw(&Text::new(r.stage.clone(), (px, py + 8), bold(12.0, INK, HPos::Center, VPos::Top)))?;
+            root.draw(&Text::new(r.precision.to_string(), (px, py + 25), text(12.0, INK, HPos::Center, VPos::Top)))?;
+        }
+        for (j, name) in names.iter().enumerate() {
+            let y = 20 + 22 * j as i32;
+            legend.draw(&Rectangle::new([(10, y), (26, y + 14)], part_colour(name).filled()))?;
+            legend.draw(&Text::new(name.clone(), (32, y + 7), text(12.0, INK, HPos::Left, VPos::Center)))?;
         }
         root.present()?;
     }

@@ -6,17 +6,23 @@
 //! `cargo run --release --features cuda -p ladder -- --device cuda` (GPU).
 
 pub mod chart;
+pub mod cite;
 pub mod provenance;
 pub mod render;
+pub mod roofline;
 pub mod selftest;
 pub mod sweep;
 
 use clap::{Args, FromArgMatches};
 use shared::cli::{exit_with, RunArgs};
 use shared::device::{DeviceInfo, GemmSwitches};
-use shared::report::{commit, write_atomic, write_json, LadderReport, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA};
+use shared::report::{
+    commit, write_atomic, write_json, Ablation, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA,
+};
 use shared::runner::Session;
+use shared::timing::Stats;
 use shared::weights::save_tensors;
+use shared::StageOptions;
 use shared::{PrecisionRequest, Shape, SpeedkitError, StageSpec};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -87,58 +93,190 @@ pub fn new_report(info: &DeviceInfo, shape: Shape, which: &[usize]) -> LadderRep
         cuda_driver_version: provenance::cuda_driver_version(info),
         nvidia_driver: provenance::nvidia_driver(info),
         ceiling: None,
+        ablation: Vec::new(),
+        ceilings: None,
+        rounds: None,
     }
 }
 
-/// Run the stages `which` (indices into `stages()`), each after the one before it, in one
-/// process. A stage that cannot run here becomes a "skipped: why" row, one that fails its check
-/// a "FAILED" row (and the run's error, returned beside the report).
+/// How the ladder measures: the timed iterations split into interleaved rounds, and whether to
+/// add the ablation rows.
+#[derive(Clone, Copy, Debug)]
+pub struct Measure {
+    /// Each round runs every stage (and variant) once with its share of `--iters`, the order
+    /// rotated by one each round, so drift in the machine's speed (other work, heat) is spread
+    /// over every row instead of landing on whichever ran last.
+    pub rounds: usize,
+    /// Also run stage 3 with each fusion removed in turn and stage 2 with the head copies kept.
+    pub ablate: bool,
+}
+
+impl Default for Measure {
+    fn default() -> Self {
+        Measure { rounds: 3, ablate: false }
+    }
+}
+
+/// One thing the rounds time: a stage as written (`change: None`) or an ablation variant.
+struct Entry {
+    stage: usize,
+    options: StageOptions,
+    change: Option<String>,
+    records: Vec<Record>,
+    y: Option<candle_core::Tensor>,
+    out: bool, // skipped or failed: not run again
+}
+
+/// The records of one stage's rounds as one: samples pooled, percentiles and rates recomputed,
+/// the largest peak memory kept.
+fn merge_rounds(mut records: Vec<Record>) -> Option<Record> {
+    let mut first = records.drain(..1).next()?;
+    let mut samples = std::mem::take(&mut first.timing.samples_ms);
+    for r in &records {
+        samples.extend(&r.timing.samples_ms);
+        first.iters += r.iters;
+        first.peak_mem_bytes = first.peak_mem_bytes.max(r.peak_mem_bytes);
+        first.breakdown = match (&first.breakdown, &r.breakdown) {
+            (Some(a), Some(b)) => shared::breakdown::merge(a, b),
+            _ => None,
+        };
+    }
+    first.timing = Stats::from_samples(samples);
+    let secs = first.timing.median_ms / 1e3;
+    first.tokens_per_s = first.shape.tokens() as f64 / secs;
+    first.tflops = first.flops_per_forward / secs / 1e12;
+    first.pct_of_peak = first.peak_tflops.map(|p| 100.0 * first.tflops / p);
+    Some(first)
+}
+
+/// Run the stages `which` (indices into `stages()`) in one process, in interleaved rounds
+/// (`Measure::default()`). A stage that cannot run here becomes a "skipped: why" row, one that
+/// fails its check a "FAILED" row (and the run's error, returned beside the report).
 pub fn run(args: RunArgs, which: &[usize]) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
+    run_measured(args, which, Measure::default())
+}
+
+/// `run`, measured as `m` says.
+pub fn run_measured(args: RunArgs, which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
     let session = Session::open(args, &reference())?;
     let mut report = new_report(&session.info, session.shape, which);
     report.ceiling = session.ceiling.clone();
     let mut failure = None;
-    let mut outputs: Vec<(String, candle_core::Tensor)> = Vec::new();
-    let mut baseline_ms = None; // stage 0's median, if it ran
-    let mut previous: Option<(usize, f64)> = None; // the last measured stage and its median
     let all = stages();
-    for &i in which {
-        let spec = &all[i];
-        match session.run(spec, spec.ladder_request(session.args.precision)) {
-            Ok((mut record, y)) => {
-                println!("ran       {} at {}: {}", spec.name, record.precision, record.precision_reason);
-                if session.args.save_output.is_some() {
-                    outputs.push((format!("y_{}", spec.name), y));
-                }
-                let ms = record.timing.median_ms;
-                if i == 0 {
-                    baseline_ms = Some(ms);
-                }
-                // Against stage 0 only, and "vs previous" only against stage N-1: never against
-                // whichever stage happens to come before in a --stages selection.
-                record.speedup_vs_stage0 = baseline_ms.map(|b| b / ms);
-                record.speedup_vs_prev = previous.filter(|&(p, _)| p + 1 == i).map(|(_, p)| p / ms);
-                previous = Some((i, ms));
-                report.records.push(record);
+    let base = session.args.stage_options();
+    let entry = |stage: usize, options: StageOptions, change: Option<String>| Entry {
+        stage,
+        options,
+        change,
+        records: Vec::new(),
+        y: None,
+        out: false,
+    };
+    let mut entries: Vec<Entry> = which.iter().map(|&i| entry(i, base, None)).collect();
+    if m.ablate {
+        let stage_index = |name: &str| all.iter().position(|s| s.name == name);
+        if let Some(i) = stage_index("stage2_sdpa").filter(|i| which.contains(i)) {
+            entries.push(entry(i, StageOptions { attention_copies: true, ..base }, Some("head split/merge copies kept".into())));
+        }
+        if let Some(i) = stage_index("stage3_fused").filter(|i| which.contains(i)) {
+            for name in base.fusions.on() {
+                entries.push(entry(i, StageOptions { fusions: base.fusions.without(name), ..base }, Some(format!("without {name}"))));
             }
-            Err(e) => {
-                // Every error is a row, the ladder's promise: "skipped" when the stage cannot
-                // run here, "FAILED" when it ran and is wrong or broke (the run then exits with
-                // that error's code, after the table and files).
-                let (reason, failed) = match e.downcast_ref::<SpeedkitError>() {
-                    Some(SpeedkitError::Usage(m)) => (m.clone(), false),
-                    Some(SpeedkitError::CheckFailed(m)) => (m.clone(), true),
-                    None => (format!("error: {}", shared::error::classify(&e).1), true),
-                };
-                let reason = shared::error::strip_backtrace(&reason).replace('\n', " ");
-                println!("{}    {}: {reason}", if failed { "FAILED" } else { "skipped" }, spec.name);
-                report.skipped.push(Skipped { stage: spec.name.into(), technique: spec.technique.into(), reason, failed });
-                if failed && failure.is_none() {
-                    failure = Some(e);
+        }
+    }
+    let rounds = m.rounds.clamp(1, session.iters);
+    report.rounds = Some(rounds);
+    for round in 0..rounds {
+        let iters = session.iters / rounds + usize::from(round < session.iters % rounds);
+        let n = entries.len();
+        for j in 0..n {
+            let e = &mut entries[(j + round) % n];
+            if e.out {
+                continue;
+            }
+            let spec = &all[e.stage];
+            let label = match &e.change {
+                Some(c) => format!("{} ({c})", spec.name),
+                None => spec.name.to_string(),
+            };
+            match session.run_with(spec, spec.ladder_request(session.args.precision), e.options, iters) {
+                Ok((mut record, y)) => {
+                    if round == 0 {
+                        println!("ran       {label} at {}: {}", record.precision, record.precision_reason);
+                    }
+                    if session.args.save_output.is_some() && e.change.is_none() && e.y.is_none() {
+                        e.y = Some(y);
+                    }
+                    record.variant = e.change.clone();
+                    e.records.push(record);
+                }
+                Err(err) => {
+                    // Every error is a row, the ladder's promise: "skipped" when the stage cannot
+                    // run here, "FAILED" when it ran and is wrong or broke (the run then exits with
+                    // that error's code, after the table and files).
+                    let (reason, failed) = match err.downcast_ref::<SpeedkitError>() {
+                        Some(SpeedkitError::Usage(m)) => (m.clone(), false),
+                        Some(SpeedkitError::CheckFailed(m)) => (m.clone(), true),
+                        None => (format!("error: {}", shared::error::classify(&err).1), true),
+                    };
+                    let reason = shared::error::strip_backtrace(&reason).replace('\n', " ");
+                    println!("{}    {label}: {reason}", if failed { "FAILED" } else { "skipped" });
+                    e.out = true;
+                    e.records.clear();
+                    if e.change.is_none() {
+                        report.skipped.push(Skipped { stage: spec.name.into(), technique: spec.technique.into(), reason, failed });
+                    }
+                    if failed && failure.is_none() {
+                        failure = Some(err);
+                    }
                 }
             }
         }
     }
+
+    // The rows: speedups against stage 0 only, and "vs previous" only against stage N-1 —
+    // never against whichever stage happens to come before in a --stages selection.
+    let mut outputs: Vec<(String, candle_core::Tensor)> = Vec::new();
+    let mut measured: Vec<(usize, Record)> = Vec::new();
+    let mut variants: Vec<(usize, Record)> = Vec::new();
+    for e in entries {
+        let Some(record) = merge_rounds(e.records) else { continue };
+        match e.change {
+            None => {
+                if let Some(y) = e.y {
+                    outputs.push((format!("y_{}", all[e.stage].name), y));
+                }
+                measured.push((e.stage, record));
+            }
+            Some(_) => variants.push((e.stage, record)),
+        }
+    }
+    let timing_of = |i: usize, measured: &[(usize, Record)]| measured.iter().find(|(s, _)| *s == i).map(|(_, r)| r.timing.clone());
+    let (stage0, timings): (Option<Stats>, Vec<(usize, Stats)>) =
+        (timing_of(0, &measured), measured.iter().map(|(i, r)| (*i, r.timing.clone())).collect());
+    for (i, record) in &mut measured {
+        let t = record.timing.clone();
+        if let Some(b) = &stage0 {
+            record.speedup_vs_stage0 = Some(b.median_ms / t.median_ms);
+            record.noise_vs_stage0 = *i != 0 && shared::report::overlaps(b, &t);
+        }
+        if let Some((_, p)) = timings.iter().find(|(j, _)| j + 1 == *i) {
+            record.speedup_vs_prev = Some(p.median_ms / t.median_ms);
+            record.noise_vs_prev = shared::report::overlaps(p, &t);
+        }
+    }
+    for (i, record) in variants {
+        let full = timing_of(i, &measured);
+        report.ablation.push(Ablation {
+            against: all[i].name.into(),
+            change: record.variant.clone().unwrap_or_default(),
+            buys: full.as_ref().map(|f| record.timing.median_ms / f.median_ms),
+            buys_within_noise: full.as_ref().is_some_and(|f| shared::report::overlaps(f, &record.timing)),
+            record,
+        });
+    }
+    report.records = measured.into_iter().map(|(_, r)| r).collect();
+    report.ceilings = roofline::ceilings(&session.info, &session.args, report.records.iter().map(|r| r.precision));
     if !which.contains(&0) {
         println!("note      stage 0 was not selected: no speedups over it");
     }
@@ -239,6 +377,12 @@ pub struct LadderArgs {
     /// Run the ladder once per value of one dimension, e.g. seq=512,1024,2048 (also batch=..., d_model=... with FF = 4·C and d_head kept); one table per value, one summary table, one chart with --svg
     #[arg(long, env = "SPEEDKIT_SWEEP")]
     pub sweep: Option<Sweep>,
+    /// Also run stage 3 with each of its fusions removed in turn, and stage 2 with the head split/merge copies kept: what each part buys
+    #[arg(long, env = "SPEEDKIT_ABLATE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
+    pub ablate: bool,
+    /// Split the timed iterations into this many interleaved rounds (every stage once per round, order rotated), so drift does not favour a row
+    #[arg(long, env = "SPEEDKIT_ROUNDS", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    pub rounds: u64,
     #[command(flatten)]
     pub output: OutputArgs,
 }
@@ -438,8 +582,14 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
     }
     println!();
     match (results, out.markdown) {
-        (Results::Ladder(r), false) => print!("{}", r.table()),
-        (Results::Ladder(r), true) => print!("{}", render::markdown_table(r)),
+        (Results::Ladder(r), false) => {
+            print!("{}", r.table());
+            print_extras(r, render::ablation_text, render::breakdown_text);
+        }
+        (Results::Ladder(r), true) => {
+            print!("{}", render::markdown_table(r));
+            print_extras(r, render::ablation_markdown, render::breakdown_markdown);
+        }
         (Results::Sweep(s), false) => print!("{}", render::sweep_text(s)),
         (Results::Sweep(s), true) => print!("{}", render::sweep_markdown(s)),
     }
@@ -455,6 +605,18 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         };
         write_text(path, &svg, "chart")?;
         println!("\nsaved     chart to {}", path.display());
+        if let Results::Ladder(r) = results {
+            // Beside the bar chart, from the same report: the roofline, and the breakdown if recorded.
+            let beside = |what: &str| PathBuf::from(render::sibling(&path.to_string_lossy(), what));
+            let roofline = beside("roofline");
+            write_text(&roofline, &roofline::roofline_svg(r)?, "roofline chart")?;
+            println!("saved     roofline to {}", roofline.display());
+            if r.records.iter().any(|rec| rec.breakdown.is_some()) {
+                let b = beside("breakdown");
+                write_text(&b, &chart::breakdown_svg(r)?, "breakdown chart")?;
+                println!("saved     breakdown chart to {}", b.display());
+            }
+        }
     }
     if out.update_readme {
         let Results::Ladder(report) = results else {
@@ -464,13 +626,54 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
             anyhow::bail!("--update-readme needs the run's JSON and chart paths");
         };
         let text = read_readme(&out.readme, &out.readme_region)?;
-        let region = render::readme_region(report, &link_from_readme(&out.readme, json)?, &link_from_readme(&out.readme, svg)?);
+        let json_link = link_from_readme(&out.readme, json)?;
+        let region = render::readme_region(report, &json_link, &link_from_readme(&out.readme, svg)?);
         let updated = render::splice_readme(&text, &out.readme_region, &region)?;
+        // The prose's numbers cited from this JSON (`cite`), rewritten from it too.
+        let value = serde_json::to_value(report)?;
+        let (updated, stale) = cite::update(&updated, &json_link, &value);
+        for s in &stale {
+            println!("note      not updated in {} (this run lacks it): {s}", out.readme.display());
+        }
+        update_doc_citations(&readme_dir(&out.readme).join("docs"), &format!("../{json_link}"), &value)?;
         if updated == text {
             println!("unchanged {}: its {} region already shows this run", out.readme.display(), out.readme_region);
         } else {
             write_text(&out.readme, &updated, "README")?;
             println!("updated   {}: {} region rewritten from {}", out.readme.display(), out.readme_region, json.display());
+        }
+    }
+    Ok(())
+}
+
+/// The ablation and breakdown tables under the main one, when the run has them.
+fn print_extras(r: &LadderReport, ablation: fn(&LadderReport) -> String, breakdown: fn(&LadderReport) -> String) {
+    if !r.ablation.is_empty() {
+        println!("\none change at a time (--ablate): \"what it buys\" = variant median / stage median, ≈1.0x within p10-p90 noise");
+        print!("{}", ablation(r));
+    }
+    if r.records.iter().any(|rec| rec.breakdown.is_some()) {
+        println!("\nwhere the time goes (--breakdown, instrumented: a sync at each part boundary)");
+        print!("{}", breakdown(r));
+    }
+}
+
+/// The numbers docs/*.md cite from the JSON just written or rendered (`cite`), rewritten from it:
+/// the pages beside the README follow a re-recording as the README does.
+fn update_doc_citations(docs: &Path, json_link: &str, value: &serde_json::Value) -> anyhow::Result<()> {
+    let Ok(entries) = std::fs::read_dir(docs) else { return Ok(()) };
+    let mut pages: Vec<PathBuf> =
+        entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "md")).collect();
+    pages.sort();
+    for page in pages {
+        let text = std::fs::read_to_string(&page)?;
+        let (updated, stale) = cite::update(&text, json_link, value);
+        for s in &stale {
+            println!("note      not updated in {} (this run lacks it): {s}", page.display());
+        }
+        if updated != text {
+            write_text(&page, &updated, "page")?;
+            println!("updated   {}: numbers cited from {json_link}", page.display());
         }
     }
     Ok(())
@@ -506,6 +709,13 @@ fn check_outputs(args: Option<&RunArgs>, out: &OutputArgs, json: Option<&Path>, 
 /// The ladder command: run (or sweep), then print, chart and record as asked.
 fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
     let which = select(ladder.stages.as_deref())?;
+    if ladder.ablate && ladder.sweep.is_some() {
+        return Err(SpeedkitError::usage(
+            "--ablate adds rows to one ladder run, and a sweep is several runs. Fix: drop --ablate, or run the ablation \
+             at one shape (e.g. --seq 2048) without --sweep.",
+        )
+        .into());
+    }
     let out = &ladder.output;
     if out.update_readme {
         if ladder.sweep.is_some() {
@@ -529,7 +739,8 @@ fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
             (Results::Sweep(report), failure)
         }
         None => {
-            let (mut report, failure) = run(args.clone(), &which)?;
+            let measure = Measure { rounds: ladder.rounds as usize, ablate: ladder.ablate };
+            let (mut report, failure) = run_measured(args.clone(), &which, measure)?;
             report.args = argv;
             (Results::Ladder(Box::new(report)), failure)
         }

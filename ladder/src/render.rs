@@ -36,6 +36,91 @@ pub fn fmt_speedup(v: Option<f64>) -> String {
     v.map_or("–".into(), |v| format!("{v:.2}x"))
 }
 
+/// A speedup, or "≈1.0x" when its p10–p90 interval overlaps the compared row's (the measured
+/// ratio stays in the JSON).
+pub fn fmt_speedup_noise(v: Option<f64>, within_noise: bool) -> String {
+    match v {
+        Some(_) if within_noise => "≈1.0x".into(),
+        v => fmt_speedup(v),
+    }
+}
+
+/// `ladder --ablate`'s table: each variant, its time, and what the undone technique buys
+/// (variant median over the stage's; "≈1.0x" within noise).
+pub fn ablation_markdown(report: &LadderReport) -> String {
+    let header: Vec<String> =
+        ["stage", "undone", "median ms (p10–p90)", "stage as written", "what it buys"].iter().map(|s| s.to_string()).collect();
+    let rows: Vec<Vec<String>> = report
+        .ablation
+        .iter()
+        .map(|a| {
+            let t = &a.record.timing;
+            let full = report.records.iter().find(|r| r.stage == a.against);
+            vec![
+                a.against.clone(),
+                a.change.clone(),
+                format!("{} ({}–{})", fmt_ms(t.median_ms), fmt_ms(t.p10_ms), fmt_ms(t.p90_ms)),
+                full.map_or("–".into(), |r| format!("{} ms", fmt_ms(r.timing.median_ms))),
+                fmt_speedup_noise(a.buys, a.buys_within_noise),
+            ]
+        })
+        .collect();
+    md_table(&header, &rows)
+}
+
+/// `--breakdown`'s table: one row per stage, one column per part name (in forward order, fused
+/// parts where their first part is), then the instrumented total and the uninstrumented median.
+pub fn breakdown_markdown(report: &LadderReport) -> String {
+    let (header, rows) = breakdown_grid(report);
+    md_table(&header, &rows)
+}
+
+/// The breakdown table for the terminal.
+pub fn breakdown_text(report: &LadderReport) -> String {
+    let (header, rows) = breakdown_grid(report);
+    aligned(&header, &rows)
+}
+
+/// The ablation table for the terminal.
+pub fn ablation_text(report: &LadderReport) -> String {
+    let md = ablation_markdown(report);
+    let mut lines = md.lines().filter(|l| !l.starts_with("|-") && !l.starts_with("| -") && !l.starts_with("|--"));
+    let parse = |l: &str| l.trim().trim_matches('|').split('|').map(|c| c.trim().to_string()).collect::<Vec<_>>();
+    let header = lines.next().map(parse).unwrap_or_default();
+    let rows: Vec<Vec<String>> = lines.map(parse).collect();
+    aligned(&header, &rows)
+}
+
+fn breakdown_grid(report: &LadderReport) -> (Vec<String>, Vec<Vec<String>>) {
+    let with: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
+    let mut parts: Vec<String> = Vec::new();
+    for r in &with {
+        for p in &r.breakdown.as_ref().expect("filtered").parts {
+            if !parts.contains(&p.name) {
+                parts.push(p.name.clone());
+            }
+        }
+    }
+    let order = |name: &str| shared::breakdown::PARTS.iter().position(|p| name.starts_with(p)).unwrap_or(usize::MAX);
+    parts.sort_by_key(|p| order(p)); // stable: a fused part sits after its first part's own column
+    let mut header = vec!["stage".to_string()];
+    header.extend(parts.iter().map(|p| format!("{p} ms")));
+    header.push("total (instrumented)".into());
+    header.push("median (uninstrumented)".into());
+    let rows = with
+        .iter()
+        .map(|r| {
+            let b = r.breakdown.as_ref().expect("filtered");
+            let mut row = vec![r.stage.clone()];
+            row.extend(parts.iter().map(|name| b.parts.iter().find(|p| &p.name == name).map_or("–".into(), |p| fmt_ms(p.median_ms))));
+            row.push(format!("{} ms", fmt_ms(b.total_ms)));
+            row.push(format!("{} ms", fmt_ms(r.timing.median_ms)));
+            row
+        })
+        .collect();
+    (header, rows)
+}
+
 /// The precision as the tables show it: "bf16", or "fp8 (emulated)" when the stage says which
 /// implementation ran.
 pub fn precision_label(r: &Record) -> String {
@@ -99,8 +184,8 @@ pub fn markdown_table(report: &LadderReport) -> String {
                 r.stage.clone(),
                 precision_label(r),
                 format!("{} ({}–{})", fmt_ms(r.timing.median_ms), fmt_ms(r.timing.p10_ms), fmt_ms(r.timing.p90_ms)),
-                fmt_speedup(r.speedup_vs_stage0),
-                fmt_speedup(r.speedup_vs_prev),
+                fmt_speedup_noise(r.speedup_vs_stage0, r.noise_vs_stage0),
+                fmt_speedup_noise(r.speedup_vs_prev, r.noise_vs_prev),
                 format!("{:.1}", r.tflops * scale),
                 r.pct_of_peak.map_or("–".into(), |p| format!("{p:.1}%")),
                 fmt_rel_err(r),
@@ -182,7 +267,25 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
         out.push_str("\nStage 0 did not run, so there are no speedups over it.\n");
     }
     out.push_str(&format!("\n![median ms per stage, with the speedup over stage 0 on each bar]({svg_link})\n"));
+    if !report.ablation.is_empty() {
+        out.push_str("\n**One change at a time** (`--ablate`): each technique undone alone; \"what it buys\" is the variant's median over the stage's.\n\n");
+        out.push_str(&ablation_markdown(report));
+    }
+    if report.records.iter().any(|r| r.breakdown.is_some()) {
+        out.push_str("\n**Where the time goes** (`--breakdown`, instrumented: a sync at each part boundary, so its total is a little above the median).\n\n");
+        out.push_str(&breakdown_markdown(report));
+        out.push_str(&format!("\n![ms per part of the block, per stage]({})\n", sibling(svg_link, "breakdown")));
+    }
+    out.push_str(&format!("\n![roofline: achieved GFLOP/s against FLOPs per byte]({})\n", sibling(svg_link, "roofline")));
     out
+}
+
+/// "results/ladder-cpu.svg" → "results/ladder-cpu-roofline.svg": the charts written beside the bar chart.
+pub fn sibling(svg: &str, what: &str) -> String {
+    match svg.strip_suffix(".svg") {
+        Some(stem) => format!("{stem}-{what}.svg"),
+        None => format!("{svg}-{what}.svg"),
+    }
 }
 
 /// `readme` with everything between the markers of region `name` replaced by `region`; every
@@ -380,6 +483,7 @@ mod tests {
         assert!(region.contains("**CPU: AMD EPYC, 2 threads** · preset `small` (B=4 T=512"), "{region}");
         assert!(region.contains("commit `8c37a4920778` · 2026-11-21"), "{region}");
         assert!(region.contains("2 warm-up + 20 timed iterations"), "{region}");
-        assert!(region.ends_with("(results/x.svg)\n"), "{region}");
+        assert!(region.contains("(results/x.svg)\n"), "{region}");
+        assert!(region.ends_with("(results/x-roofline.svg)\n"), "{region}");
     }
 }

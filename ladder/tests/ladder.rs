@@ -144,11 +144,96 @@ fn ladder_end_to_end_on_tiny() {
     for name in all_stage_names() {
         assert!(texts.contains(&name), "{name} not labelled in the chart: {texts:?}");
     }
-    let speedups = texts.iter().filter(|t| t.ends_with('x') && t[..t.len() - 1].parse::<f64>().is_ok()).count();
+    // A speedup is "1.49x", or "≈1.0x" when within noise.
+    let speedups = texts
+        .iter()
+        .filter(|t| t.ends_with('x') && t.trim_start_matches('≈')[..t.trim_start_matches('≈').len() - 1].parse::<f64>().is_ok())
+        .count();
     assert_eq!(speedups, report.records.len(), "{texts:?}");
     let errors = texts.iter().filter(|t| t.starts_with("rel err ") || *t == "not measured" || *t == "failed its check").count();
     assert_eq!(errors, all_stage_names().len(), "{texts:?}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn breakdown_ablation_noise_and_roofline_end_to_end_on_tiny() {
+    let dir = temp_dir("attrib");
+    let (json, svg) = (dir.join("ladder.json"), dir.join("ladder.svg"));
+    let o = run_tiny(&["--breakdown", "--ablate", "--rounds", "2", "--bandwidth-gbs", "20", "--json", s(&json), "--svg", s(&svg)]);
+    o.ok();
+    assert!(o.stdout.contains("where the time goes") && o.stdout.contains("one change at a time"), "{}", o.stdout);
+    let report: LadderReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(report.rounds, Some(2));
+
+    // Breakdown: every stage, its parts in forward order, named as the stage fuses them.
+    for r in &report.records {
+        let b = r.breakdown.as_ref().unwrap_or_else(|| panic!("{} has no breakdown", r.stage));
+        let names: Vec<&str> = b.parts.iter().map(|p| p.name.as_str()).collect();
+        let expected: Vec<&str> = match r.stage.as_str() {
+            "stage3_fused" | "stage4_fp8" => vec!["ln1", "qkv", "attention", "proj+residual+ln2", "fc1+gelu", "fc2+residual"],
+            _ => shared::breakdown::PARTS.to_vec(),
+        };
+        assert_eq!(names, expected, "{}", r.stage);
+        assert_eq!(b.iters, 2, "one instrumented iteration per timed one, over both rounds: {}", r.stage);
+        assert!(b.total_ms > 0.0 && b.method.starts_with("instrumented"), "{b:?}");
+        // Two rounds of one iteration each, pooled.
+        assert_eq!(r.timing.samples_ms.len(), 2, "{}", r.stage);
+    }
+
+    // Ablation: stage 2 with its copies kept, stage 3 without each fusion, each measured and
+    // checked, each priced against the stage as written.
+    let changes: Vec<(&str, &str)> = report.ablation.iter().map(|a| (a.against.as_str(), a.change.as_str())).collect();
+    assert_eq!(
+        changes,
+        [
+            ("stage2_sdpa", "head split/merge copies kept"),
+            ("stage3_fused", "without ln"),
+            ("stage3_fused", "without qkv"),
+            ("stage3_fused", "without epilogue"),
+            ("stage3_fused", "without add-ln"),
+        ]
+    );
+    for a in &report.ablation {
+        assert!(a.record.check.as_ref().unwrap().passed, "{}", a.change);
+        let full = report.records.iter().find(|r| r.stage == a.against).unwrap();
+        let ratio = a.record.timing.median_ms / full.timing.median_ms;
+        assert!(a.buys.is_some_and(|b| (b - ratio).abs() < 1e-9 * ratio), "{:?} vs {ratio}", a.buys);
+        assert_eq!(a.buys_within_noise, shared::report::overlaps(&a.record.timing, &full.timing));
+        assert_eq!(a.record.variant.as_deref(), Some(a.change.as_str()));
+    }
+
+    // Noise: a flag exactly when the p10–p90 intervals overlap, and "≈1.0x" in the markdown then.
+    let s0 = &report.records[0];
+    for r in &report.records[1..] {
+        assert_eq!(r.noise_vs_stage0, shared::report::overlaps(&s0.timing, &r.timing), "{}", r.stage);
+    }
+    let md = ladder(&["render", "--from", s(&json), "--markdown"]);
+    md.ok();
+    let tables = markdown_tables(&md.stdout);
+    assert_eq!(tables.len(), 3, "rows, ablation, breakdown: {}", md.stdout);
+    for (row, r) in tables[0][1..].iter().zip(&report.records) {
+        assert_eq!(row[3] == "≈1.0x", r.noise_vs_stage0, "{row:?}");
+    }
+    assert_eq!(tables[1].len(), 1 + report.ablation.len());
+    assert_eq!(tables[2].len(), 1 + report.records.len());
+
+    // The charts beside the bar chart: roofline (a point per stage, the bandwidth ceiling) and
+    // the stacked breakdown, both from the same JSON.
+    let roof = svg_texts(&dir.join("ladder-roofline.svg"));
+    for r in &report.records {
+        assert!(roof.iter().any(|t| t.starts_with(&r.stage)), "{} not on the roofline: {roof:?}", r.stage);
+    }
+    assert!(roof.iter().any(|t| t == "memory 20 GB/s"), "{roof:?}");
+    let bars = svg_texts(&dir.join("ladder-breakdown.svg"));
+    assert!(bars.iter().any(|t| t == "proj+residual+ln2") && bars.iter().any(|t| t == "attention"), "{bars:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn ablate_with_sweep_is_refused() {
+    let o = run_tiny(&["--ablate", "--sweep", "seq=32,64"]);
+    assert_eq!(o.code, Some(2), "{}{}", o.stdout, o.stderr);
+    assert!(o.stderr.contains("--ablate") && o.stderr.contains("Fix"), "{}", o.stderr);
 }
 
 #[test]

@@ -136,3 +136,33 @@ fn command_matching() {
     let readme = "text `cargo bench -p x` and `cargo run -- [flag] …`\n```sh\nsource a.sh && cargo check # why\ncargo run \\\n  -p ladder\n```\n```\nnot sh\n```\n";
     assert_eq!(readme_commands(readme), ["cargo bench -p x", "source a.sh", "cargo check # why", "cargo run  -p ladder"]);
 }
+
+/// Every number README.md and docs/*.md cite from a recorded run (`ladder::cite`) is what that
+/// JSON holds, and the README's stage sections cite at least one each.
+#[test]
+fn every_cited_number_is_in_the_json_it_names() {
+    let mut docs = vec![root().join("README.md")];
+    for e in std::fs::read_dir(root().join("docs")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "md") {
+            docs.push(p);
+        }
+    }
+    let mut total = 0;
+    for doc in &docs {
+        let text = std::fs::read_to_string(doc).unwrap();
+        let dir = doc.parent().unwrap().to_path_buf();
+        total += ladder::cite::find(&text).len();
+        let bad = ladder::cite::check(&text, |link| {
+            let bytes = std::fs::read(dir.join(link)).map_err(|e| format!("{link}: {e}"))?;
+            serde_json::from_slice(&bytes).map_err(|e| format!("{link}: {e}"))
+        });
+        let report: Vec<String> = bad.iter().map(|(c, why)| format!("[{}]({} \"{}\"): {why}", c.text, c.json, c.path)).collect();
+        assert!(report.is_empty(), "{}: citations that do not match their JSON:\n{}", doc.display(), report.join("\n"));
+    }
+    assert!(total > 0, "no citations found: the README's numbers should link to their JSON");
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    for section in readme.split("\n### ").skip(1).filter(|s| s.starts_with("Stage ")) {
+        assert!(!ladder::cite::find(section).is_empty(), "README's \"{}\" cites no measured number", section.lines().next().unwrap());
+    }
+}

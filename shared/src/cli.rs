@@ -5,7 +5,7 @@ use crate::device::DeviceRequest;
 use crate::elementwise::Elementwise;
 use crate::error::{classify, SpeedkitError};
 use crate::preset::Preset;
-use crate::stage::{Fp8Recipe, Precision, PrecisionRequest, StageOptions};
+use crate::stage::{Fp8Recipe, Fusions, Precision, PrecisionRequest, StageOptions};
 use clap::ValueEnum;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -93,6 +93,15 @@ pub struct RunArgs {
     /// Stages 2–4 on the CPU: element-wise ops (LayerNorm, GELU, bias, residual, casts) multi-threaded and vectorised (parallel), or candle's single-threaded ones (candle), to measure what that buys
     #[arg(long, env = "SPEEDKIT_ELEMENTWISE", value_enum, default_value_t = Elementwise::Parallel)]
     pub elementwise: Elementwise,
+    /// Also time the block's named parts (ln1, qkv, attention, ...) in an instrumented forward: a sync (CPU) or CUDA event + NVTX range (GPU) at each boundary
+    #[arg(long, env = "SPEEDKIT_BREAKDOWN", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
+    pub breakdown: bool,
+    /// Stage 3: which fusions to keep on, e.g. ln,qkv,epilogue,add-ln (or all, none); the others run their slow twins
+    #[arg(long, env = "SPEEDKIT_FUSIONS", default_value = "all")]
+    pub fusions: Fusions,
+    /// Memory bandwidth in GB/s for the roofline's memory ceiling (for devices not in the built-in table, e.g. a CPU's STREAM figure)
+    #[arg(long, env = "SPEEDKIT_BANDWIDTH_GBS")]
+    pub bandwidth_gbs: Option<f64>,
 }
 
 impl RunArgs {
@@ -103,6 +112,9 @@ impl RunArgs {
             fp8_emulate: self.fp8_emulate,
             cuda_graph: self.cuda_graph,
             elementwise: self.elementwise,
+            fusions: self.fusions,
+            attention_copies: false,
+            requested: self.precision,
         }
     }
 }
@@ -153,6 +165,19 @@ pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
             )));
         }
     }
+    if let Some(bw) = args.bandwidth_gbs {
+        if !(bw.is_finite() && bw > 0.0) {
+            return Err(SpeedkitError::usage(format!(
+                "--bandwidth-gbs {bw} is not a positive number. Fix: give the memory bandwidth in GB/s, e.g. 20 for a laptop's STREAM triad."
+            )));
+        }
+    }
+    if args.breakdown && args.cuda_graph {
+        return Err(SpeedkitError::usage(
+            "--breakdown times each part of a forward as it runs, and a CUDA graph replays the whole forward as one \
+             launch, so there is no part boundary to time. Fix: drop one of --breakdown and --cuda-graph.",
+        ));
+    }
     if args.layer.is_some() && args.weights.is_none() && args.save_weights.is_none() {
         return Err(SpeedkitError::usage("--layer picks a layer of --weights (or names the one --save-weights writes), but neither was given. Fix: add --weights PATH or drop --layer."));
     }
@@ -195,5 +220,17 @@ mod tests {
         assert_eq!("auto".parse::<PrecisionRequest>().unwrap(), PrecisionRequest::Auto);
         assert_eq!("BF16".parse::<PrecisionRequest>().unwrap(), PrecisionRequest::Exactly(Precision::Bf16));
         assert!("fp4".parse::<PrecisionRequest>().is_err());
+    }
+
+    #[test]
+    fn fusions_flag() {
+        assert_eq!("all".parse::<Fusions>().unwrap(), Fusions::ALL);
+        assert_eq!("none".parse::<Fusions>().unwrap(), Fusions::NONE);
+        let f: Fusions = "ln,add-ln".parse().unwrap();
+        assert_eq!((f.ln, f.qkv, f.epilogue, f.add_ln), (true, false, false, true));
+        assert_eq!(f.describe(), "ln,add-ln");
+        assert_eq!(Fusions::ALL.without("qkv").on(), ["ln", "epilogue", "add-ln"]);
+        let e = "ln,gelu".parse::<Fusions>().unwrap_err();
+        assert!(e.contains("'gelu'") && e.contains("Fix"), "{e}");
     }
 }

@@ -9,8 +9,10 @@
 //! CPU element-wise ops for stages 2–4) · `report` (records, table, JSON) · `cli` (flags, env,
 //! exit codes) · `runner` (the one function a stage's main calls) · `error` (what a user can act
 //! on) · `output` (how every file is written: checked up front, temp file + rename, never over a
-//! device) · `cublaslt_model` (cuBLASLt's matmul contract on the CPU, for the GPU paths' tests).
+//! device) · `cublaslt_model` (cuBLASLt's matmul contract on the CPU, for the GPU paths' tests) ·
+//! `breakdown` (per-part times of one forward).
 
+pub mod breakdown;
 pub mod ceiling;
 pub mod check;
 pub mod cli;
@@ -30,5 +32,5 @@ pub mod weights;
 
 pub use error::SpeedkitError;
 pub use preset::{Preset, Shape};
-pub use stage::{Fp8Recipe, Plan, Precision, PrecisionRequest, Stage, StageOptions, StageSpec};
+pub use stage::{Fp8Recipe, Fusions, Plan, Precision, PrecisionRequest, Stage, StageOptions, StageSpec};
 pub use weights::BlockWeights;

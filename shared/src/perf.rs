@@ -39,6 +39,32 @@ const PEAKS: &[(&str, f64, f64, f64, Option<f64>)] = &[
     ("T4", 8.1, 8.1, 65.0, None),
 ];
 
+/// Datasheet memory bandwidth of known GPUs in GB/s (the roofline's memory ceiling), matched
+/// like `PEAKS`: by substring of the device name, most specific first.
+const BANDWIDTH_GBS: &[(&str, f64)] = &[
+    ("GH200", 4000.0), // before "H200", which its name contains
+    ("H200", 4800.0),  // H200 SXM and NVL: HBM3e
+    ("H100 NVL", 3900.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0), // SXM5 (HBM3)
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0), // 40 GB
+    ("L40S", 864.0),
+    ("L40", 864.0),
+    ("L4", 300.0),
+    ("RTX 4090", 1008.0),
+    ("RTX 3090", 936.0),
+    ("A10", 600.0),
+    ("V100", 900.0),
+    ("T4", 320.0),
+];
+
+/// The datasheet memory bandwidth of the device called `name` in GB/s, if we know it.
+pub fn peak_bandwidth_gbs(name: &str) -> Option<f64> {
+    BANDWIDTH_GBS.iter().find(|(frag, _)| name.contains(frag)).map(|&(_, bw)| bw)
+}
+
 /// The datasheet peak for `precision` on the device called `name`, if we know it.
 /// fp32 means plain CUDA cores; f16 shares the bf16 column (same tensor-core rate on these parts).
 pub fn peak_tflops(name: &str, precision: Precision) -> Option<f64> {
@@ -72,6 +98,16 @@ mod tests {
         assert_eq!(peak_tflops("NVIDIA A100-SXM4-80GB", Precision::Fp8), None);
         assert_eq!(peak_tflops("NVIDIA L40S", Precision::Bf16), Some(362.1));
         assert_eq!(peak_tflops("AMD EPYC 7B13", Precision::Fp32), None);
+    }
+
+    #[test]
+    fn bandwidths() {
+        assert_eq!(peak_bandwidth_gbs("NVIDIA H100 80GB HBM3"), Some(3350.0));
+        assert_eq!(peak_bandwidth_gbs("NVIDIA H100 PCIe"), Some(2000.0));
+        assert_eq!(peak_bandwidth_gbs("NVIDIA GH200 480GB"), Some(4000.0));
+        assert_eq!(peak_bandwidth_gbs("NVIDIA A100-SXM4-80GB"), Some(2039.0));
+        assert_eq!(peak_bandwidth_gbs("NVIDIA L40S"), Some(864.0));
+        assert_eq!(peak_bandwidth_gbs("AMD EPYC 7B13"), None);
     }
 
     /// Regression (issue 13, finding 8): "NVIDIA H200 NVL" matched the H200 SXM row.

@@ -1,5 +1,6 @@
 //! What a run reports: one record per stage (versioned JSON), and the human table.
 
+use crate::breakdown::Breakdown;
 use crate::check::{CheckResult, NamedCheck};
 use crate::device::{DeviceInfo, GemmSwitches};
 use crate::preset::Shape;
@@ -67,6 +68,19 @@ pub struct Record {
     pub speedup_vs_prev: Option<f64>,
     /// Things the reader should know about this number (e.g. "no tensor cores on CPU").
     pub notes: Vec<String>,
+    /// The speedup's p10–p90 interval overlaps the compared row's: shown as "≈1.0x" (the
+    /// measured ratio stays in `speedup_vs_*`). Filled in by the ladder.
+    #[serde(default)]
+    pub noise_vs_stage0: bool,
+    #[serde(default)]
+    pub noise_vs_prev: bool,
+    /// `--breakdown`: per-part times of an instrumented forward (see `breakdown`).
+    #[serde(default)]
+    pub breakdown: Option<Breakdown>,
+    /// An ablation row (`ladder --ablate`): what this run changed against the stage, e.g.
+    /// "without ln"; `None` for the stage as written.
+    #[serde(default)]
+    pub variant: Option<String>,
 }
 
 /// A stage the ladder did not measure: it cannot run here (`failed: false`), or it ran and
@@ -116,6 +130,57 @@ pub struct LadderReport {
     /// older files.
     #[serde(default)]
     pub ceiling: Option<crate::ceiling::CpuCeiling>,
+    /// `ladder --ablate`: each stage-3 fusion removed in turn, and stage 2 with the head
+    /// split/merge copies kept, measured in the same interleaved rounds as the rows.
+    #[serde(default)]
+    pub ablation: Vec<Ablation>,
+    /// The roofline's ceilings (compute and memory), and where they come from.
+    #[serde(default)]
+    pub ceilings: Option<Ceilings>,
+    /// How many interleaved rounds the timed iterations were split into (older files: 1).
+    #[serde(default)]
+    pub rounds: Option<usize>,
+}
+
+/// One ablation row: a stage with one of its sub-techniques undone.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Ablation {
+    /// The stage as written, e.g. "stage3_fused".
+    pub against: String,
+    /// What was undone, e.g. "without qkv" (one fusion) or "head split/merge copies kept".
+    pub change: String,
+    pub record: Record,
+    /// Variant median over the stage's median: what the undone technique buys (>1: it helps).
+    pub buys: Option<f64>,
+    /// `buys`' p10–p90 intervals overlap: shown as "≈1.0x".
+    #[serde(default)]
+    pub buys_within_noise: bool,
+}
+
+/// The roofline's ceilings. Each is `None` when unknown (no % of peak, no line).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Ceilings {
+    /// Peak compute per precision name ("fp32", "bf16", ...) in TFLOP/s.
+    pub tflops: BTreeMap<String, f64>,
+    /// Memory bandwidth in GB/s.
+    pub bandwidth_gbs: Option<f64>,
+    /// Where the figures come from, e.g. "datasheet (NVIDIA H100 80GB HBM3)", "--peak-tflops / --bandwidth-gbs", "measured".
+    pub source: String,
+}
+
+/// Do two timings' p10–p90 intervals overlap? Then their ratio is within run-to-run noise.
+pub fn overlaps(a: &Stats, b: &Stats) -> bool {
+    a.p10_ms <= b.p90_ms && b.p10_ms <= a.p90_ms
+}
+
+/// A speedup as the tables show it: "1.49x", or "≈1.0x" when within noise (the measured ratio
+/// stays in the JSON).
+pub fn speedup_text(v: Option<f64>, within_noise: bool) -> String {
+    match v {
+        None => "-".into(),
+        Some(_) if within_noise => "≈1.0x".into(),
+        Some(v) => format!("{v:.2}x"),
+    }
 }
 
 /// One row of the ladder: a measured stage or one that was not measured.
@@ -216,8 +281,8 @@ pub fn table_rows(rows: &[Row]) -> String {
                 },
                 format!("{:.3}", r.timing.median_ms),
                 format!("{:.3}-{:.3}", r.timing.p10_ms, r.timing.p90_ms),
-                opt(r.speedup_vs_stage0, |v| format!("{v:.2}x")),
-                opt(r.speedup_vs_prev, |v| format!("{v:.2}x")),
+                speedup_text(r.speedup_vs_stage0, r.noise_vs_stage0),
+                speedup_text(r.speedup_vs_prev, r.noise_vs_prev),
                 format!("{:.4}", r.tflops),
                 opt(r.pct_of_peak, |v| format!("{v:.1}%")),
                 r.check.as_ref().map_or("unchecked".into(), |c| format!("{:.2e}", c.rel_err)),
@@ -313,6 +378,17 @@ pub fn commit() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn noise_is_overlapping_p10_p90_intervals() {
+        let st =
+            |p10: f64, med: f64, p90: f64| Stats { median_ms: med, p10_ms: p10, p90_ms: p90, min_ms: p10, max_ms: p90, samples_ms: vec![] };
+        assert!(overlaps(&st(10.0, 11.0, 12.0), &st(11.5, 13.0, 14.0)));
+        assert!(!overlaps(&st(10.0, 11.0, 12.0), &st(12.5, 13.0, 14.0)));
+        assert_eq!(speedup_text(Some(1.18), true), "≈1.0x");
+        assert_eq!(speedup_text(Some(1.18), false), "1.18x");
+        assert_eq!(speedup_text(None, false), "-");
+    }
 
     #[test]
     fn json_write_to_a_directory_is_usage_error_naming_the_path() {

@@ -10,7 +10,7 @@ use crate::error::SpeedkitError;
 use crate::perf::{block_flops, peak_tflops};
 use crate::preset::{Preset, Shape};
 use crate::report::{table, write_json, Record, MEASURED_PEAK, RECORD_SCHEMA};
-use crate::stage::{Precision, PrecisionRequest, Stage, StageSpec, EMULATED};
+use crate::stage::{Precision, PrecisionRequest, Stage, StageOptions, StageSpec, EMULATED};
 use crate::timing::time_forward;
 use crate::weights::{load_input, random_input, save_tensors, BlockWeights};
 use candle_core::{Device, Tensor};
@@ -240,7 +240,19 @@ impl Session {
     /// Plan, build, check and time one stage. Errors of kind `Usage` mean "cannot run here";
     /// `CheckFailed` means it ran and is wrong.
     pub fn run(&self, spec: &StageSpec, requested: PrecisionRequest) -> anyhow::Result<(Record, Tensor)> {
-        let plan = spec.plan_with(&self.device, &self.info, self.shape, requested, self.args.stage_options())?;
+        self.run_with(spec, requested, self.args.stage_options(), self.iters)
+    }
+
+    /// `run` with the stage's options and the number of timed iterations given: the ladder's
+    /// interleaved rounds (a share of `--iters` each) and its ablation variants.
+    pub fn run_with(
+        &self,
+        spec: &StageSpec,
+        requested: PrecisionRequest,
+        options: StageOptions,
+        iters: usize,
+    ) -> anyhow::Result<(Record, Tensor)> {
+        let plan = spec.plan_with(&self.device, &self.info, self.shape, requested, options)?;
         self.fits(spec)?;
         let mut probe = MemProbe::start(&self.device);
         let stage = (spec.build)(&self.weights, &plan)?;
@@ -295,7 +307,13 @@ impl Session {
         };
 
         let device = &self.device;
-        let stats = time_forward(spec.name, device, self.warmup, self.iters, || stage.forward(&self.x), || probe.sample(device))?;
+        let stats = time_forward(spec.name, device, self.warmup, iters, || stage.forward(&self.x), || probe.sample(device))?;
+        // After the uninstrumented timing, never mixed into it: the same forward with a clock
+        // read at each part boundary.
+        let breakdown = match self.args.breakdown {
+            true => Some(crate::breakdown::record(device, self.warmup.min(1), iters, || stage.forward(&self.x))?),
+            false => None,
+        };
         drop(stage);
         let (peak_mem_bytes, mem_method) = probe.finish(device);
 
@@ -339,7 +357,7 @@ impl Session {
             weights: self.weights_source.clone(),
             gemm_switches: switches,
             warmup: self.warmup,
-            iters: self.iters,
+            iters,
             tokens_per_s: self.shape.tokens() as f64 / secs,
             flops_per_forward: flops,
             tflops,
@@ -357,6 +375,10 @@ impl Session {
             speedup_vs_stage0: None,
             speedup_vs_prev: None,
             notes,
+            noise_vs_stage0: false,
+            noise_vs_prev: false,
+            breakdown,
+            variant: None,
         };
         Ok((record, y))
     }
@@ -406,6 +428,9 @@ pub fn print_details(r: &Record) {
     );
     for n in &r.notes {
         println!("note      {n}");
+    }
+    if let Some(b) = &r.breakdown {
+        print!("{}", crate::breakdown::text(b, r.timing.median_ms));
     }
 }
 

@@ -39,8 +39,9 @@ impl std::fmt::Display for Precision {
 }
 
 /// `--precision auto|fp32|tf32|bf16|f16|fp8`: `Auto` lets the stage's policy decide.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PrecisionRequest {
+    #[default]
     Auto,
     Exactly(Precision),
 }
@@ -80,6 +81,100 @@ pub struct StageOptions {
     pub cuda_graph: bool,
     /// `--elementwise`: stages 2–4's CPU element-wise ops, parallel (default) or candle's.
     pub elementwise: crate::elementwise::Elementwise,
+    /// `--fusions`: which of stage 3's fusions are on (all by default; `ladder --ablate` removes
+    /// one at a time).
+    pub fusions: Fusions,
+    /// Stage 2 ablation: keep stages 0–1's head split/merge copies around the fused kernel, so
+    /// the kernel's gain and the copies' are measured apart.
+    pub attention_copies: bool,
+    /// The run's `--precision` for the stages without a precision of their own: stage 4 keeps
+    /// stage 3's activation precision at the same request, so FP8 is its only change.
+    pub requested: PrecisionRequest,
+}
+
+/// Stage 3's four fusions, each switchable on its own (`--fusions ln,qkv,epilogue,add-ln`).
+/// A fusion that is off runs its slow twin, the way stage 2 computes that part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Fusions {
+    /// LayerNorm in one pass per row, the cast to the GEMM dtype included (off: stage 0's LayerNorm from primitive ops).
+    pub ln: bool,
+    /// q, k and v from one (3C, C) GEMM (off: three (C, C) GEMMs).
+    pub qkv: bool,
+    /// Bias, bias + GELU and bias + residual applied inside the GEMM (off: separate element-wise passes).
+    pub epilogue: bool,
+    /// proj's residual add and LayerNorm 2 in one pass (off: the add, then LayerNorm).
+    pub add_ln: bool,
+}
+
+impl Default for Fusions {
+    fn default() -> Self {
+        Fusions::ALL
+    }
+}
+
+impl Fusions {
+    pub const ALL: Fusions = Fusions { ln: true, qkv: true, epilogue: true, add_ln: true };
+    pub const NONE: Fusions = Fusions { ln: false, qkv: false, epilogue: false, add_ln: false };
+    /// The names `--fusions` takes, in forward order.
+    pub const NAMES: [&'static str; 4] = ["ln", "qkv", "epilogue", "add-ln"];
+
+    fn slot(&mut self, name: &str) -> Option<&mut bool> {
+        match name {
+            "ln" => Some(&mut self.ln),
+            "qkv" => Some(&mut self.qkv),
+            "epilogue" => Some(&mut self.epilogue),
+            "add-ln" => Some(&mut self.add_ln),
+            _ => None,
+        }
+    }
+
+    /// These fusions with `name` (one of `NAMES`) off.
+    pub fn without(mut self, name: &str) -> Fusions {
+        if let Some(on) = self.slot(name) {
+            *on = false;
+        }
+        self
+    }
+
+    /// The names of the fusions that are on, in `NAMES` order.
+    pub fn on(&self) -> Vec<&'static str> {
+        let flags = [self.ln, self.qkv, self.epilogue, self.add_ln];
+        Fusions::NAMES.iter().zip(flags).filter(|(_, on)| *on).map(|(n, _)| *n).collect()
+    }
+
+    /// "all", "none", or the list of those on, as `--fusions` takes it.
+    pub fn describe(&self) -> String {
+        match *self {
+            Fusions::ALL => "all".into(),
+            Fusions::NONE => "none".into(),
+            _ => self.on().join(","),
+        }
+    }
+}
+
+impl std::str::FromStr for Fusions {
+    type Err = String;
+    /// "all", "none", or a comma-separated list of the fusions to keep on.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "all" => return Ok(Fusions::ALL),
+            "none" | "" => return Ok(Fusions::NONE),
+            _ => {}
+        }
+        let mut f = Fusions::NONE;
+        for name in s.split(',').map(str::trim) {
+            match f.slot(name) {
+                Some(on) => *on = true,
+                None => {
+                    return Err(format!(
+                        "'{name}' is not one of stage 3's fusions. Fix: list some of {} (or all, or none)",
+                        Fusions::NAMES.join(", ")
+                    ))
+                }
+            }
+        }
+        Ok(f)
+    }
 }
 
 /// What `Stage::implementation` starts with when the stage imitates a number format instead of

@@ -6,7 +6,8 @@
 //! attention that materialises the full (B, n_head, T, T) score matrix with a causal mask.
 //!
 //! **Why it is slow on the hardware.** Every primitive op is its own pass over memory (a
-//! kernel launch on GPU): LayerNorm alone is ~8 passes over (B, T, C), GELU ~7 over (B, T, FF).
+//! kernel launch on GPU): LayerNorm alone is 7 passes over (B, T, C) (plus two over the (B, T, 1)
+//! statistics), GELU 9 over (B, T, FF) — count the ops in `layer_norm` and `gelu_tanh` below.
 //! The attention scores cost B·n_head·T² floats written and read several times — at T = 2048
 //! that is more memory traffic than all the weights. fp32 GEMMs run on the CUDA cores, not the
 //! tensor cores (on an H100: ~67 TFLOP/s instead of ~989 for bf16).
@@ -18,6 +19,7 @@
 //! `cargo run --release --features cuda -p stage0_baseline -- --device cuda` (GPU).
 
 use candle_core::{Tensor, D};
+use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::stage::PrecisionChoice;
 use shared::{BlockWeights, Plan, Precision, PrecisionRequest, SpeedkitError, Stage};
@@ -95,14 +97,21 @@ impl Stage for Block {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
         let h = layer_norm(x, &self.ln1_g, &self.ln1_b)?; // (B, T, C)
+        part("qkv")?;
         let q = linear(&h, &self.w_q, &self.b_q)?; // (B, T, C)
         let k = linear(&h, &self.w_k, &self.b_k)?;
         let v = linear(&h, &self.w_v, &self.b_v)?;
+        part("attention")?;
         let a = attention(&q, &k, &v, self.n_head, &self.mask)?; // (B, T, C)
+        part("proj+residual")?;
         let x = (x + linear(&a, &self.w_proj, &self.b_proj)?)?;
+        part("ln2")?;
         let h = layer_norm(&x, &self.ln2_g, &self.ln2_b)?;
+        part("fc1+gelu")?;
         let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1)?)?; // (B, T, FF)
+        part("fc2+residual")?;
         x + linear(&m, &self.w_fc2, &self.b_fc2)?
     }
 }

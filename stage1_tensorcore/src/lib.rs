@@ -31,6 +31,7 @@
 pub mod precision;
 
 use candle_core::{DType, Tensor};
+use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::stage::PrecisionChoice;
 use shared::{BlockWeights, Plan, PrecisionRequest, SpeedkitError, Stage};
@@ -107,14 +108,21 @@ impl Stage for Block {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
         let h = layer_norm(x, &self.ln1_g, &self.ln1_b)?.to_dtype(self.dtype)?; // (B, T, C): f32 statistics, GEMM dtype out
+        part("qkv")?;
         let q = linear(&h, &self.w_q, &self.b_q)?; // (B, T, C)
         let k = linear(&h, &self.w_k, &self.b_k)?;
         let v = linear(&h, &self.w_v, &self.b_v)?;
+        part("attention")?;
         let a = attention(&q, &k, &v, self.n_head, &self.mask)?; // (B, T, C)
+        part("proj+residual")?;
         let x = (x + linear(&a, &self.w_proj, &self.b_proj)?.to_dtype(DType::F32)?)?; // residual stream stays f32
+        part("ln2")?;
         let h = layer_norm(&x, &self.ln2_g, &self.ln2_b)?.to_dtype(self.dtype)?;
+        part("fc1+gelu")?;
         let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1)?)?; // (B, T, FF)
+        part("fc2+residual")?;
         x + linear(&m, &self.w_fc2, &self.b_fc2)?.to_dtype(DType::F32)?
     }
 }

@@ -12,8 +12,9 @@
 //! registers/cache and rescales a running result as it goes (FlashAttention's online softmax),
 //! so attention moves O(B·T·C) bytes: q, k, v once in, the output once out. It also skips the
 //! tiles above the causal diagonal instead of computing and masking them (half the FLOPs).
-//! Expect little at T = 512 (the scores are small next to the MLP) and a clear win from
-//! T ≈ 2048 up, in time and in peak memory.
+//! The gain grows with T, in time and in peak memory: on a GPU expect little at T = 512 (the
+//! scores are small next to the MLP's GEMMs) and a clear win from T ≈ 2048 up; the recorded CPU
+//! run already shows a gain at T = 512 (README's results give the number, from its JSON).
 //!
 //! **What it costs.** Nothing in accuracy: the same softmax, in f32, summed in another order
 //! (relative error ~1e-7 against stage 1 at fp32). The CPU runs our kernel at any precision;
@@ -31,6 +32,7 @@ pub mod attention_cuda;
 pub use attention::attention;
 
 use candle_core::{DType, Tensor};
+use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::stage::PrecisionChoice;
 use shared::Shape;
@@ -61,6 +63,7 @@ pub struct Block {
     n_head: usize,
     dtype: DType,    // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
     ew: Elementwise, // --elementwise
+    copies: bool,    // ablation only (`ladder --ablate`): keep stages 0-1's head split/merge copies
 }
 
 impl Stage for Block {
@@ -92,7 +95,8 @@ impl Stage for Block {
     }
 
     fn implementation(plan: &Plan) -> Option<String> {
-        Some(attention::implementation(&plan.device).into())
+        let imp = attention::implementation(&plan.device);
+        Some(if plan.options.attention_copies { format!("{imp}, head split/merge copies kept") } else { imp.into() })
     }
 
     fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
@@ -123,6 +127,7 @@ impl Stage for Block {
             n_head: plan.shape.n_head,
             dtype: dt,
             ew: plan.options.elementwise,
+            copies: plan.options.attention_copies,
         })
     }
 
@@ -130,14 +135,35 @@ impl Stage for Block {
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, self.n_head, c / self.n_head); // (B, T, n_head, d_head): a view of (B, T, C), no copy
         let e = self.ew;
+        part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
         let h = ew::to_dtype(&layer_norm(x, &self.ln1_g, &self.ln1_b, LN_EPS, e)?, self.dtype, e)?; // (B, T, C): f32 statistics, GEMM dtype out
+        part("qkv")?;
         let q = linear(&h, &self.w_q, &self.b_q, e)?.reshape(heads)?; // (B, T, n_head, d_head)
         let k = linear(&h, &self.w_k, &self.b_k, e)?.reshape(heads)?;
         let v = linear(&h, &self.w_v, &self.b_v, e)?.reshape(heads)?;
-        let a = attention(&q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
+        part("attention")?;
+        let a = if self.copies { attention_with_copies(&q, &k, &v)? } else { attention(&q, &k, &v, true)? }.reshape((b, t, c))?; // (B, T, C)
+        part("proj+residual")?;
         let x = ew::add(x, &ew::to_dtype(&linear(&a, &self.w_proj, &self.b_proj, e)?, DType::F32, e)?, e)?; // residual stream stays f32
+        part("ln2")?;
         let h = ew::to_dtype(&layer_norm(&x, &self.ln2_g, &self.ln2_b, LN_EPS, e)?, self.dtype, e)?;
+        part("fc1+gelu")?;
         let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1, e)?, e)?; // (B, T, FF)
+        part("fc2+residual")?;
         ew::add(&x, &ew::to_dtype(&linear(&m, &self.w_fc2, &self.b_fc2, e)?, DType::F32, e)?, e)
     }
+}
+
+/// The ablation of this stage's second change (`ladder --ablate`): the fused kernel, with the
+/// head split and merge copies of stages 0-1 kept, so the table shows the kernel's gain and the
+/// copies' apart. q, k, v: (B, T, n_head, d_head) views of the projections' (B, T, C) outputs.
+/// Each is copied into (B, n_head, T, d_head) as `split_heads` does; the CPU kernel reads
+/// (B, T, n_head, d_head) rows and copies it back (so on the CPU each input pays two copies,
+/// an upper bound on stage 1's one; the CUDA kernel reads the head-major view in place). The
+/// output is copied out to (B, n_head, T, d_head), as stage 1's attention returns it, and back
+/// into (B, T, C) rows, as `merge_heads` does.
+pub fn attention_with_copies(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+    let split = |t: &Tensor| t.transpose(1, 2)?.contiguous()?.transpose(1, 2); // copy to (B, n_head, T, d_head), viewed back
+    let a = attention(&split(q)?, &split(k)?, &split(v)?, true)?; // (B, T, n_head, d_head)
+    a.transpose(1, 2)?.contiguous()?.transpose(1, 2)?.contiguous() // the merge: (B, n_head, T, d_head) copy, then (B, T, n_head, d_head) rows
 }

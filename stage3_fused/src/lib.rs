@@ -37,6 +37,11 @@
 //! statistics in f64 on CPU, f32 on CUDA). On CUDA, stage 3 needs bf16, f16 or TF32: cudarc's
 //! cuBLASLt f32 GEMM always computes in TF32, so plain fp32 is refused rather than mislabelled.
 //!
+//! **One change at a time.** Each of the four fusions can be switched off on its own
+//! (`--fusions ln,qkv,epilogue,add-ln`, `StageOptions::fusions`); one that is off runs its slow
+//! twin, the way stage 2 computes that part, and `ladder --ablate` times stage 3 with each
+//! removed in turn, so the table shows what each one buys on this machine.
+//!
 //! **Run it.** `cargo run --release -p stage3_fused` (CPU) ·
 //! `cargo run --release --features cuda -p stage3_fused -- --device cuda` (GPU).
 
@@ -48,11 +53,12 @@ pub mod ops;
 
 use candle_core::{DType, IndexOp, Tensor};
 use ops::{add_layer_norm, layer_norm, linear_bias, linear_bias_gelu, linear_bias_residual};
+use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::stage::PrecisionChoice;
-use shared::Precision;
 use shared::Shape;
 use shared::{BlockWeights, Plan, PrecisionRequest, SpeedkitError, Stage};
+use shared::{Fusions, Precision};
 use stage1_tensorcore::precision;
 use stage2_sdpa::attention;
 
@@ -70,7 +76,9 @@ pub struct Block {
     w_fc2: Tensor,  // (C, FF)
     b_fc2: Tensor,  // (C)
     n_head: usize,
-    dtype: DType, // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
+    dtype: DType,                             // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
+    fusions: Fusions,                         // all on unless ablated (--fusions)
+    split_qkv: Option<[(Tensor, Tensor); 3]>, // qkv fusion off only: (C, C) weights and (C) biases of q, k, v
 }
 
 impl Stage for Block {
@@ -102,17 +110,37 @@ impl Stage for Block {
     }
 
     fn notes(plan: &Plan) -> Vec<String> {
-        stage2_sdpa::Block::notes(plan) // alignment advice, which attention runs
+        let mut notes = stage2_sdpa::Block::notes(plan); // alignment advice, which attention runs
+        if plan.options.fusions != Fusions::ALL {
+            notes.push(format!("fusions on: {} (the others run their slow twins, as in stage 2)", plan.options.fusions.describe()));
+        }
+        notes
     }
 
     fn implementation(plan: &Plan) -> Option<String> {
-        stage2_sdpa::Block::implementation(plan) // stage 2's attention
+        let attention = stage2_sdpa::Block::implementation(plan)?; // stage 2's attention
+        Some(match plan.options.fusions {
+            Fusions::ALL => attention,
+            f => format!("{attention}, fusions {}", f.describe()),
+        })
     }
 
     fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
         Self::switches(plan).apply();
         stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head())?;
         let dt = precision::gemm_dtype(plan.precision);
+        let c = plan.shape.d_model;
+        let split_qkv = match plan.options.fusions.qkv {
+            true => None,
+            false => {
+                let part = |i: usize| -> candle_core::Result<(Tensor, Tensor)> {
+                    let w_i = w.w_qkv.narrow(0, i * c, c)?.to_dtype(dt)?.contiguous()?; // (C, C)
+                    Ok((w_i, w.b_qkv.narrow(0, i * c, c)?.to_dtype(dt)?.contiguous()?))
+                    // (C)
+                };
+                Some([part(0)?, part(1)?, part(2)?])
+            }
+        };
         Ok(Block {
             ln1_g: w.ln1_g.clone(),
             ln1_b: w.ln1_b.clone(),
@@ -128,18 +156,84 @@ impl Stage for Block {
             b_fc2: w.b_fc2.to_dtype(dt)?,
             n_head: plan.shape.n_head,
             dtype: dt,
+            fusions: plan.options.fusions,
+            split_qkv,
         })
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy
-        let h = layer_norm(x, &self.ln1_g, &self.ln1_b, self.dtype)?; // (B, T, C): one kernel, GEMM dtype out
-        let qkv = linear_bias(&h, &self.w_qkv, &self.b_qkv)?.reshape(heads)?; // one GEMM, bias in its epilogue
-        let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
+        part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
+        let h = self.layer_norm(x, &self.ln1_g, &self.ln1_b)?; // (B, T, C): one kernel, GEMM dtype out
+        part("qkv")?;
+        let (q, k, v) = match &self.split_qkv {
+            None => {
+                let qkv = self.linear(&h, &self.w_qkv, &self.b_qkv)?.reshape(heads)?; // one GEMM, bias in its epilogue
+                (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?) // (B, T, n_head, d_head) views
+            }
+            Some([q, k, v]) => self.three_projections(&h, [q, k, v])?, // ablation: stage 2's three GEMMs
+        };
+        part("attention")?;
         let a = attention(&q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
-        let (x, h) = add_layer_norm(x, &linear_bias(&a, &self.w_proj, &self.b_proj)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
-        let m = linear_bias_gelu(&h, &self.w_fc1, &self.b_fc1)?; // (B, T, FF): GELU in the GEMM's epilogue
-        linear_bias_residual(&m, &self.w_fc2, &self.b_fc2, &x) // x + m W_fc2ᵀ + b_fc2, f32
+        part(if self.fusions.add_ln { "proj+residual+ln2" } else { "proj+residual" })?;
+        let (x, h) = self.add_layer_norm(x, &self.linear(&a, &self.w_proj, &self.b_proj)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
+        part("fc1+gelu")?;
+        let m = self.linear_gelu(&h, &self.w_fc1, &self.b_fc1)?; // (B, T, FF): GELU in the GEMM's epilogue
+        part("fc2+residual")?;
+        self.linear_residual(&m, &self.w_fc2, &self.b_fc2, &x) // x + m W_fc2ᵀ + b_fc2, f32
+    }
+}
+
+/// Each fusion, or (switched off with `--fusions`) its slow twin: the way stage 2 computes that
+/// part. The fused op comes first in each; the twins exist so `ladder --ablate` can price one
+/// fusion at a time.
+impl Block {
+    fn layer_norm(&self, x: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+        match self.fusions.ln {
+            true => layer_norm(x, g, b, self.dtype),
+            false => stage0_baseline::layer_norm(x, g, b)?.to_dtype(self.dtype), // primitive ops, then a cast pass
+        }
+    }
+
+    fn linear(&self, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+        match self.fusions.epilogue {
+            true => linear_bias(x, w, b),
+            false => stage0_baseline::linear(x, w, b), // GEMM, then a bias pass
+        }
+    }
+
+    fn linear_gelu(&self, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+        match self.fusions.epilogue {
+            true => linear_bias_gelu(x, w, b),
+            false => stage0_baseline::gelu_tanh(&stage0_baseline::linear(x, w, b)?), // GEMM, bias pass, GELU passes
+        }
+    }
+
+    /// r + x Wᵀ + b, f32 (r: the residual stream).
+    fn linear_residual(&self, x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> candle_core::Result<Tensor> {
+        match self.fusions.epilogue {
+            true => linear_bias_residual(x, w, b, r),
+            false => r + stage0_baseline::linear(x, w, b)?.to_dtype(DType::F32)?, // GEMM, bias pass, cast pass, add pass
+        }
+    }
+
+    /// (x + branch in f32, LayerNorm of it in the GEMM dtype).
+    fn add_layer_norm(&self, x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        if self.fusions.add_ln {
+            return add_layer_norm(x, branch, g, b);
+        }
+        let x = (x + branch.to_dtype(DType::F32)?)?; // the add, a pass of its own
+        part("ln2")?;
+        let h = self.layer_norm(&x, g, b)?;
+        Ok((x, h))
+    }
+
+    /// The qkv fusion off: three (C, C) GEMMs, as in stage 2. h: (B, T, C) → three (B, T, n_head, d_head).
+    fn three_projections(&self, h: &Tensor, [q, k, v]: [&(Tensor, Tensor); 3]) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, c) = h.dims3()?;
+        let heads = (b, t, self.n_head, c / self.n_head);
+        let one = |(w, bias): &(Tensor, Tensor)| self.linear(h, w, bias)?.reshape(heads);
+        Ok((one(q)?, one(k)?, one(v)?))
     }
 }

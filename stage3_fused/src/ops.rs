@@ -27,14 +27,15 @@ pub const LN_EPS: f32 = 1e-5;
 /// wrote it: 256 rows × FF = 3072 f32 is 3 MiB, within a server CPU's L2+L3 share. Smaller
 /// blocks make the GEMM repack W more often (it packs the right-hand side once per call). On
 /// the 2-core development VM, blocks of 64/128/256 rows and one unblocked GEMM followed by one
-/// GELU pass measured within noise of each other (61–74 ms for `small`'s fc1): the win over
+/// GELU pass measured within noise of each other (an unrecorded development run): the win over
 /// stage 2 comes from one GELU pass instead of nine, not from the blocking.
 pub const GELU_ROWS: usize = 256;
 
 /// LayerNorm over the last dimension, output cast to `dtype` in the same pass.
 /// x: (…, C) f32; g, b: (C) f32. Per row: a sum, a variance about the mean, then normalise and
 /// write — three reads of a row that stays in L1 (C = 768 floats is 3 KiB), instead of the
-/// nine full passes over (B, T, C) that stage 0's primitive ops make.
+/// seven full passes over (B, T, C) that stage 0's primitive ops make (nine ops, two of them
+/// on the (B, T, 1) statistics).
 /// Slow twin: `stage0_baseline::layer_norm` then `to_dtype`.
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]

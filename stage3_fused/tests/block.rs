@@ -40,3 +40,58 @@ fn fp32_on_cuda_is_refused_not_mislabelled() {
     let e = <stage3_fused::Block as shared::Stage>::choose_precision(&h100, PrecisionRequest::Exactly(Precision::Fp32)).unwrap_err();
     assert!(e.to_string().contains("Fix:"), "{e}");
 }
+
+#[test]
+fn each_fusion_switched_off_alone_computes_the_same_block() {
+    // --fusions / ladder --ablate: every combination of one fusion off (and all off) matches the
+    // reference and the block with every fusion on, at fp32 and bf16.
+    use shared::{Fusions, StageOptions};
+    let shape = Preset::Tiny.shape();
+    let (device, info) = select(DeviceRequest::Cpu).unwrap();
+    let w = BlockWeights::from_seed(&shape, 9).unwrap();
+    let x = random_input(&shape, 9).unwrap();
+    let spec = StageSpec::of::<stage3_fused::Block>();
+    let run = |p: Precision, fusions: Fusions| {
+        let options = StageOptions { fusions, ..StageOptions::default() };
+        let plan = spec.plan_with(&device, &info, shape, PrecisionRequest::Exactly(p), options).unwrap();
+        let label = (spec.implementation)(&plan).unwrap();
+        ((spec.build)(&w, &plan).unwrap().forward(&x).unwrap(), label)
+    };
+    let reference = {
+        let s0 = StageSpec::of::<stage0_baseline::Block>();
+        (s0.build)(&w, &s0.plan(&device, &info, shape, PrecisionRequest::Auto).unwrap()).unwrap().forward(&x).unwrap()
+    };
+    for p in [Precision::Fp32, Precision::Bf16] {
+        let (all, label) = run(p, Fusions::ALL);
+        assert!(!label.contains("fusions"), "{label}");
+        let variants = Fusions::NAMES.iter().map(|n| (n.to_string(), Fusions::ALL.without(n))).chain([("none".into(), Fusions::NONE)]);
+        for (name, fusions) in variants {
+            let (y, label) = run(p, fusions);
+            assert!(label.contains(&format!("fusions {}", fusions.describe())), "{label}");
+            let c = compare(&y, &reference, p).unwrap();
+            assert!(c.passed, "{p} without {name}: {c:?}");
+            let c = compare(&y, &all, p).unwrap();
+            assert!(c.passed, "{p} without {name} vs all fusions: {c:?}");
+        }
+    }
+}
+
+#[test]
+fn the_copies_kept_variant_of_stage_2_computes_the_same_block() {
+    use shared::StageOptions;
+    let shape = Preset::Tiny.shape();
+    let (device, info) = select(DeviceRequest::Cpu).unwrap();
+    let w = BlockWeights::from_seed(&shape, 10).unwrap();
+    let x = random_input(&shape, 10).unwrap();
+    let spec = StageSpec::of::<stage2_sdpa::Block>();
+    let run = |copies: bool| {
+        let options = StageOptions { attention_copies: copies, ..StageOptions::default() };
+        let plan = spec.plan_with(&device, &info, shape, PrecisionRequest::Auto, options).unwrap();
+        ((spec.build)(&w, &plan).unwrap().forward(&x).unwrap(), (spec.implementation)(&plan).unwrap())
+    };
+    let ((y, plain), (y_copies, label)) = (run(false), run(true));
+    assert!(label.ends_with("head split/merge copies kept") && !plain.contains("copies"), "{label}");
+    // The same arithmetic on the same values, only moved around: bit-identical.
+    let d = (y - y_copies).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    assert_eq!(d, 0.0);
+}

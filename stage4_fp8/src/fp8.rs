@@ -285,7 +285,8 @@ pub enum Fp8Mode {
 pub struct Fp8Linear {
     weight: Fp8Tensor,                  // (N, K) E4M3, its scale
     emulated: Option<(Tensor, Tensor)>, // emulation only: (N, K) s_w·q_w and (N) bias in f32, made once, not per call
-    bias: Tensor,                       // (N) bf16, as cuBLASLt's epilogue reads it
+    bias: Tensor,                       // (N) in the output dtype (bf16 for cuBLASLt), as the epilogue reads it
+    out: DType,                         // what the GEMM stores: bf16 (cuBLASLt); emulated, stage 3's activation dtype
     gelu: bool,
     name: String,
     state: Mutex<ScaleState>,
@@ -294,6 +295,23 @@ pub struct Fp8Linear {
 impl Fp8Linear {
     /// W: (N, K) and b: (N), any float dtype, on the device the layer runs on.
     pub fn new(w: &Tensor, b: &Tensor, gelu: bool, mode: Fp8Mode, scaling: ScalingConfig, name: &str) -> anyhow::Result<Fp8Linear> {
+        Self::with_output(w, b, gelu, mode, scaling, name, DType::BF16)
+    }
+
+    /// `new`, storing `out` instead of bf16: emulated only (stage 4 on the CPU keeps stage 3's
+    /// activation dtype, so the GEMMs' number format is its one change); cuBLASLt writes bf16.
+    pub fn with_output(
+        w: &Tensor,
+        b: &Tensor,
+        gelu: bool,
+        mode: Fp8Mode,
+        scaling: ScalingConfig,
+        name: &str,
+        out: DType,
+    ) -> anyhow::Result<Fp8Linear> {
+        if mode == Fp8Mode::Cublaslt && out != DType::BF16 {
+            anyhow::bail!("{name}: the cuBLASLt FP8 GEMM stores bf16 here, not {out:?}");
+        }
         let (n, k) = w.dims2()?;
         if b.dims() != [n] {
             anyhow::bail!("{name}: bias {:?} does not match W {:?}", b.dims(), w.dims());
@@ -309,16 +327,27 @@ impl Fp8Linear {
             crate::gemm::check_dims(16, k, n)?; // the token count is checked per call
         }
         let weight = Fp8Tensor::quantize(w, 0, &format!("{name}'s weight"))?;
-        let bias = b.to_dtype(DType::BF16)?;
+        let bias = b.to_dtype(out)?;
         let emulated = match mode {
             Fp8Mode::Emulated => Some((weight.dequantize(DType::F32)?, bias.to_dtype(DType::F32)?)),
             Fp8Mode::Cublaslt => None,
         };
-        Ok(Fp8Linear { weight, emulated, bias, gelu, name: name.into(), state: Mutex::new(ScaleState::new(scaling)?) })
+        Ok(Fp8Linear { weight, emulated, bias, out, gelu, name: name.into(), state: Mutex::new(ScaleState::new(scaling)?) })
     }
 
-    /// x: (B, T, K), any float dtype (bf16 in stage 4) → (B, T, N) bf16.
+    /// x: (B, T, K), any float dtype (bf16 in stage 4) → (B, T, N) in the output dtype (bf16).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_into(x, None)
+    }
+
+    /// r + x Wᵀ + b in r's dtype (the f32 residual stream). Emulated on the CPU the residual
+    /// rides in the f32 GEMM's epilogue, as in stage 3 (`linear_bias_residual`); through cuBLASLt
+    /// the bf16 output is added to r afterwards (stage 3's two launches at bf16 on CUDA).
+    pub fn forward_residual(&self, x: &Tensor, r: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_into(x, Some(r))
+    }
+
+    fn forward_into(&self, x: &Tensor, residual: Option<&Tensor>) -> candle_core::Result<Tensor> {
         let (bsz, t, k) = x.dims3()?;
         let n = self.bias.dim(0)?;
         if self.weight.data.dim(1)? != k {
@@ -330,13 +359,23 @@ impl Fp8Linear {
         }
         let scale = self.state.lock().map_err(|_| candle_core::Error::Msg(format!("{}: scale state poisoned", self.name)))?.scale_for(x)?;
         match &self.emulated {
-            None => self.forward_cublaslt(&quantize(x, &scale)?, &scale, (bsz, t, n)), // (B, T, K) E4M3
+            None => {
+                let xq = quantize(x, &scale)?; // (B, T, K) E4M3
+                match residual {
+                    None => self.forward_cublaslt(&xq, &scale, (bsz, t, n)),
+                    Some(r) => r + self.forward_cublaslt(&xq, &scale, (bsz, t, n))?.to_dtype(r.dtype())?,
+                }
+            }
             Some((w, b)) => {
                 let xd = if x.device().is_cpu() {
                     quantize_dequantize_cpu(x, &scale)? // one parallel pass, same values
                 } else {
                     dequantize(&quantize(x, &scale)?, &scale, DType::F32)?
                 }; // (B, T, K): s_x·q_x, exact in f32
+                if let (Some(r), true, false) = (residual, x.device().is_cpu(), self.gelu) {
+                    return stage3_fused::ops::linear_bias_residual(&xd, w, b, r);
+                    // stage 3's fused residual epilogue
+                }
                 let y = if x.device().is_cpu() {
                     // stage 3's fused f32 GEMM + epilogue (the CPU has no FP8 to be faster with)
                     if self.gelu {
@@ -353,10 +392,19 @@ impl Fp8Linear {
                         y
                     }
                 };
-                shared::elementwise::to_dtype(&y, DType::BF16, Elementwise::Parallel)
-                // the store cuBLASLt makes
+                // the store cuBLASLt makes (bf16), or stage 3's dtype on the CPU
+                let y = shared::elementwise::to_dtype(&y, self.out, Elementwise::Parallel)?;
+                match residual {
+                    None => Ok(y),
+                    Some(r) => r + y.to_dtype(r.dtype())?,
+                }
             }
         }
+    }
+
+    /// What the GEMM stores.
+    pub fn out_dtype(&self) -> DType {
+        self.out
     }
 
     #[cfg(feature = "cuda")]
@@ -377,7 +425,7 @@ impl Fp8Linear {
         &self.weight
     }
 
-    /// The bias as the GEMM reads it (bf16).
+    /// The bias as the GEMM reads it (in the output dtype: bf16 for cuBLASLt).
     pub fn bias(&self) -> &Tensor {
         &self.bias
     }

@@ -4,8 +4,11 @@
 //! weights quantised once at build, activations on every call with a per-tensor scale from
 //! `--fp8-recipe` (delayed: an amax history; current: this tensor's amax) — and write bf16
 //! with bias (and fc1's GELU) in cuBLASLt's epilogue (`fp8::Fp8Linear`). Everything else is
-//! stage 3: its fused LayerNorm and residual kernels, stage 2's attention in bf16, LayerNorm
-//! statistics and the residual stream in f32.
+//! stage 3: its fused LayerNorm and residual kernels, stage 2's attention, LayerNorm
+//! statistics and the residual stream in f32. The activations stay in the dtype stage 3 uses
+//! at the same `--precision` (`activation_dtype`): on the CPU, f32 by default, so the GEMMs'
+//! number format is the one change; on CUDA, bf16 (what cuBLASLt's FP8 GEMMs store), and a
+//! note says so when stage 3 would run something else.
 //!
 //! **Why it is faster on the hardware.** Hopper's tensor cores do twice as many E4M3 FLOPs per
 //! clock as bf16 (1979 vs 989 dense TFLOP/s on H100 SXM), and E4M3 operands are half the bytes.
@@ -36,12 +39,13 @@ pub mod twin;
 
 use candle_core::{DType, IndexOp, Tensor};
 use fp8::{Fp8Linear, Fp8Mode, ScalingConfig};
+use shared::breakdown::part;
 use shared::check::{compare_within, NamedCheck};
 use shared::device::{DeviceInfo, GemmSwitches};
-use shared::elementwise::{self as ew, Elementwise};
 use shared::stage::{PrecisionChoice, EMULATED};
 use shared::Shape;
 use shared::{BlockWeights, Fp8Recipe, Plan, Precision, PrecisionRequest, SpeedkitError, Stage};
+use stage1_tensorcore::precision;
 use stage2_sdpa::attention;
 use stage3_fused::ops::{add_layer_norm, layer_norm};
 
@@ -55,7 +59,7 @@ pub struct Block {
     fc1: Fp8Linear,  // (FF, C) E4M3, GELU in the epilogue
     fc2: Fp8Linear,  // (C, FF) E4M3
     n_head: usize,
-    dtype: DType, // what the GEMMs write and attention reads: bf16
+    dtype: DType, // what the GEMMs write and attention reads: stage 3's activation dtype (`activation_dtype`)
 }
 
 /// Tolerance of the pre-rounded twin check (`twin`): measured ~1e-4 on CPU (emulated). On a GPU
@@ -69,6 +73,32 @@ pub fn mode(plan: &Plan) -> Fp8Mode {
         Fp8Mode::Cublaslt
     } else {
         Fp8Mode::Emulated
+    }
+}
+
+/// The activation dtype stage 4 runs with, and a note when it must differ from stage 3's at
+/// the same `--precision` (`StageOptions::requested`). Stage 3 is asked as the ladder asks it:
+/// fp8 (this stage's own precision) means stage 3's auto choice.
+pub fn activation_dtype(plan: &Plan) -> (DType, Option<String>) {
+    let request = match plan.options.requested {
+        PrecisionRequest::Exactly(Precision::Fp8) => PrecisionRequest::Auto,
+        r => r,
+    };
+    let stage3 = stage3_fused::Block::choose_precision(&plan.info, request).ok().map(|(p, _)| precision::gemm_dtype(p));
+    if plan.info.is_cuda() {
+        // cuBLASLt's FP8 GEMMs store bf16 (and stage 2's CUDA attention reads bf16 or f16).
+        let note = match stage3 {
+            Some(DType::BF16) => None,
+            other => Some(format!(
+                "activations in bf16, not stage 3's {}: cuBLASLt's FP8 GEMMs store bf16, so stage 4 differs from stage 3 in that too",
+                other.map_or("choice (it cannot run this request)".into(), |d| dtype_name(d).to_string())
+            )),
+        };
+        return (DType::BF16, note);
+    }
+    match stage3 {
+        Some(dt) => (dt, None),
+        None => (DType::F32, Some("activations in f32: stage 3 cannot run this --precision, so stage 4 keeps the CPU's default".into())),
     }
 }
 
@@ -157,6 +187,10 @@ impl Stage for Block {
         if mode(plan) == Fp8Mode::Emulated {
             notes.push("FP8 emulated: activations and weights rounded to E4M3 with per-tensor scales, then f32 GEMMs".into());
         }
+        let (dt, forced) = activation_dtype(plan);
+        notes.push(forced.unwrap_or_else(|| {
+            format!("activations in {}, as stage 3 at this --precision: only the GEMMs' format differs", dtype_name(dt))
+        }));
         notes
     }
 
@@ -164,7 +198,8 @@ impl Stage for Block {
         Self::switches(plan).apply();
         stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head())?;
         let (mode, scaling) = (mode(plan), ScalingConfig { recipe: plan.options.fp8_recipe, ..ScalingConfig::default() });
-        let linear = |w: &Tensor, b: &Tensor, gelu: bool, name: &str| Fp8Linear::new(w, b, gelu, mode, scaling, name);
+        let dtype = activation_dtype(plan).0;
+        let linear = |w: &Tensor, b: &Tensor, gelu: bool, name: &str| Fp8Linear::with_output(w, b, gelu, mode, scaling, name, dtype);
         Ok(Block {
             ln1_g: w.ln1_g.clone(),
             ln1_b: w.ln1_b.clone(),
@@ -175,21 +210,26 @@ impl Stage for Block {
             fc1: linear(&w.w_fc1, &w.b_fc1, true, "fc1")?,
             fc2: linear(&w.w_fc2, &w.b_fc2, false, "fc2")?,
             n_head: plan.shape.n_head,
-            dtype: DType::BF16,
+            dtype,
         })
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy
-        let h = layer_norm(x, &self.ln1_g, &self.ln1_b, self.dtype)?; // (B, T, C): one kernel, bf16 out
-        let qkv = self.qkv.forward(&h)?.reshape(heads)?; // one FP8 GEMM, bias in its epilogue, bf16 out
+        part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
+        let h = layer_norm(x, &self.ln1_g, &self.ln1_b, self.dtype)?; // (B, T, C): one kernel, activation dtype out
+        part("qkv")?;
+        let qkv = self.qkv.forward(&h)?.reshape(heads)?; // one FP8 GEMM, bias in its epilogue
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
-        let a = attention(&q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C) bf16
+        part("attention")?;
+        let a = attention(&q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
+        part("proj+residual+ln2")?;
         let (x, h) = add_layer_norm(x, &self.proj.forward(&a)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
-        let m = self.fc1.forward(&h)?; // (B, T, FF) bf16: GELU in the FP8 GEMM's epilogue
-        let fc2 = ew::to_dtype(&self.fc2.forward(&m)?, DType::F32, Elementwise::Parallel)?;
-        ew::add(&x, &fc2, Elementwise::Parallel) // the f32 residual stream (one parallel pass on the CPU)
+        part("fc1+gelu")?;
+        let m = self.fc1.forward(&h)?; // (B, T, FF): GELU in the FP8 GEMM's epilogue
+        part("fc2+residual")?;
+        self.fc2.forward_residual(&m, &x) // x + m W_fc2ᵀ + b_fc2, f32: the residual in the epilogue, as in stage 3
     }
 
     fn self_check(&self, x: &Tensor, y: &Tensor) -> anyhow::Result<Option<NamedCheck>> {
@@ -217,6 +257,8 @@ impl Block {
             fc1: twin_linear(&self.fc1)?,
             fc2: twin_linear(&self.fc2)?,
             n_head: self.n_head,
+            act: self.dtype,
+            fc2_stored: self.fc2.weight().data.device().is_cuda(), // cuBLASLt and GPU emulation store fc2's output first
         })
     }
 
@@ -230,4 +272,13 @@ impl Block {
 fn twin_linear(l: &Fp8Linear) -> anyhow::Result<twin::TwinLinear> {
     let x_scale = l.last_input_scale().ok_or_else(|| anyhow::anyhow!("the twin check needs one forward first"))?;
     Ok(twin::TwinLinear { w: l.weight().dequantize(DType::F32)?, b: l.bias().to_dtype(DType::F32)?, x_scale })
+}
+
+fn dtype_name(dt: DType) -> &'static str {
+    match dt {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => "another dtype",
+    }
 }

@@ -38,16 +38,18 @@ pub struct TwinBlock {
     pub fc1: TwinLinear,
     pub fc2: TwinLinear,
     pub n_head: usize,
-}
-
-/// bf16 rounding, kept in f32: where stage 4 stores a tensor in bf16.
-fn bf16(t: &Tensor) -> candle_core::Result<Tensor> {
-    t.to_dtype(DType::BF16)?.to_dtype(DType::F32)
+    /// The activation dtype stage 4 stores (bf16 on CUDA; stage 3's on the CPU): every stored
+    /// activation is rounded to it here too.
+    pub act: DType,
+    /// fc2's output is stored (rounded to `act`) before the residual add (cuBLASLt), rather
+    /// than added in the f32 epilogue (the CPU emulation, as stage 3).
+    pub fc2_stored: bool,
 }
 
 impl TwinBlock {
     /// x: (B, T, C) f32 → (B, T, C) f32, stage 4's dataflow in stage 0's operations.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let bf16 = |t: &Tensor| t.to_dtype(self.act)?.to_dtype(DType::F32); // where stage 4 stores a tensor: its rounding (none at f32)
         let (_, t, c) = x.dims3()?;
         let h = bf16(&layer_norm(x, &self.ln1_g, &self.ln1_b)?)?; // (B, T, C)
         let qkv = bf16(&self.qkv.forward(&h)?)?; // (B, T, 3C)
@@ -56,6 +58,9 @@ impl TwinBlock {
         let x = (x + bf16(&self.proj.forward(&a)?)?)?;
         let h = bf16(&layer_norm(&x, &self.ln2_g, &self.ln2_b)?)?;
         let m = bf16(&gelu_tanh(&self.fc1.forward(&h)?)?)?; // (B, T, FF)
-        x + bf16(&self.fc2.forward(&m)?)?
+        match self.fc2_stored {
+            true => x + bf16(&self.fc2.forward(&m)?)?,
+            false => x + self.fc2.forward(&m)?,
+        }
     }
 }

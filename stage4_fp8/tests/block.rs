@@ -138,3 +138,36 @@ fn refusals_name_cause_and_fix() {
     let e = Block::choose_precision(&h100, PrecisionRequest::Exactly(Precision::Bf16)).unwrap_err().to_string();
     assert!(e.contains("fp8") && e.contains("Fix:"), "{e}");
 }
+
+#[test]
+fn on_the_cpu_stage_4_differs_from_stage_3_only_in_the_gemms() {
+    // Activations in stage 3's dtype at the same --precision (f32 by default on the CPU, bf16
+    // when asked), and no note of a forced difference; on a GPU, bf16 with a note when stage 3
+    // would run something else.
+    let (device, info) = select(DeviceRequest::Cpu).unwrap();
+    let shape = Preset::Tiny.shape();
+    for (requested, dtype) in [
+        (PrecisionRequest::Auto, DType::F32),
+        (PrecisionRequest::Exactly(Precision::Fp8), DType::F32),
+        (PrecisionRequest::Exactly(Precision::Bf16), DType::BF16),
+    ] {
+        let options = StageOptions { requested, ..StageOptions::default() };
+        let plan = StageSpec::of::<Block>().plan_with(&device, &info, shape, PrecisionRequest::Auto, options).unwrap();
+        assert_eq!(stage4_fp8::activation_dtype(&plan), (dtype, None), "{requested:?}");
+        let notes = (StageSpec::of::<Block>().notes)(&plan);
+        assert!(notes.iter().any(|n| n.contains("only the GEMMs' format differs")), "{notes:?}");
+        // It runs, within the fp8 tolerance, and its twin (same dtype, same fused residual) agrees.
+        let w = BlockWeights::from_seed(&shape, 6).unwrap();
+        let x = random_input(&shape, 6).unwrap();
+        let block = Block::build(&w, &plan).unwrap();
+        let y = block.forward(&x).unwrap();
+        let twin = block.self_check(&x, &y).unwrap().unwrap();
+        assert!(twin.result.passed, "{requested:?}: {twin:?}");
+    }
+    let h100 = DeviceInfo::simulated_cuda("NVIDIA H100 80GB HBM3", (9, 0));
+    let options = StageOptions { requested: PrecisionRequest::Exactly(Precision::F16), ..StageOptions::default() };
+    let plan = shared::Plan { device: Device::Cpu, info: h100, precision: Precision::Fp8, precision_reason: String::new(), shape, options };
+    let (dt, note) = stage4_fp8::activation_dtype(&plan);
+    assert_eq!(dt, DType::BF16);
+    assert!(note.as_deref().is_some_and(|n| n.contains("not stage 3's f16")), "{note:?}");
+}

@@ -1,0 +1,323 @@
+//! `--breakdown`: where the milliseconds go inside one forward.
+//!
+//! Each stage's `forward` calls `part("ln1")?`, `part("qkv")?`, ... where a named part of the
+//! block begins. Outside a breakdown run that call reads one thread-local and returns: the timed
+//! forward is the stage's own. Inside one (`record`), a part boundary:
+//! - on the CPU, synchronizes the device and reads the clock (candle's CPU ops are synchronous,
+//!   so the clock alone would do; the synchronize keeps the two paths the same code);
+//! - on a GPU, records a CUDA event on candle's stream (no synchronize: the GPU keeps its queue)
+//!   and opens an NVTX range with the part's name, so `nsys`/`ncu` show the same names as the
+//!   table. The times are the event pairs' elapsed times, read after the forward.
+//!
+//! The breakdown is *instrumented*: the synchronizes (CPU) or events (GPU) cost a little and
+//! stop work from overlapping across a boundary, so its total is shown next to the
+//! uninstrumented median, never instead of it.
+//!
+//! Part names are the block's: ln1, qkv, attention, proj+residual, ln2, fc1+gelu,
+//! fc2+residual. A stage that fuses two parts names them as one (stage 3's
+//! "proj+residual+ln2").
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
+use std::time::Instant;
+
+/// The block's parts in forward order, as stages 0–2 name them.
+pub const PARTS: [&str; 7] = ["ln1", "qkv", "attention", "proj+residual", "ln2", "fc1+gelu", "fc2+residual"];
+
+/// One part's time over the instrumented iterations.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PartTime {
+    pub name: String,
+    pub median_ms: f64,
+    pub p10_ms: f64,
+    pub p90_ms: f64,
+    /// One per instrumented iteration, so runs in rounds can be merged (`merge`).
+    #[serde(default)]
+    pub samples_ms: Vec<f64>,
+}
+
+/// What `--breakdown` stores in a record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Breakdown {
+    /// In forward order.
+    pub parts: Vec<PartTime>,
+    /// Median over iterations of the per-iteration sum of the parts.
+    pub total_ms: f64,
+    /// The per-iteration sums.
+    #[serde(default)]
+    pub total_samples_ms: Vec<f64>,
+    pub iters: usize,
+    /// How the boundaries were timed, e.g. "instrumented: device synchronize at each part boundary".
+    pub method: String,
+}
+
+/// Where a part boundary's time comes from.
+enum Clock {
+    Host(Instant),
+    #[cfg(feature = "cuda")]
+    Event(candle_core::cuda::cudarc::driver::CudaEvent),
+}
+
+struct Recorder {
+    device: Device,
+    /// (part, when it began), in order, for the forward being recorded.
+    marks: Vec<(&'static str, Clock)>,
+    #[cfg(feature = "cuda")]
+    nvtx: bool,
+}
+
+thread_local! {
+    static RECORDER: RefCell<Option<Recorder>> = const { RefCell::new(None) };
+}
+
+/// A part of the block begins here. A no-op unless a breakdown is being recorded on this thread.
+pub fn part(name: &'static str) -> candle_core::Result<()> {
+    RECORDER.with(|r| match r.borrow_mut().as_mut() {
+        None => Ok(()),
+        Some(rec) => rec.boundary(Some(name)),
+    })
+}
+
+impl Recorder {
+    fn clock(&self) -> candle_core::Result<Clock> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = &self.device {
+            let event = d.cuda_stream().record_event(None).map_err(candle_core::Error::wrap)?;
+            return Ok(Clock::Event(event));
+        }
+        self.device.synchronize()?;
+        Ok(Clock::Host(Instant::now()))
+    }
+
+    /// Close the open part (if any) and open `next` (if any).
+    fn boundary(&mut self, next: Option<&'static str>) -> candle_core::Result<()> {
+        let clock = self.clock()?;
+        #[cfg(feature = "cuda")]
+        if let (true, Some(nvtx)) = (self.nvtx, nvtx::get()) {
+            if !self.marks.is_empty() {
+                nvtx.pop();
+            }
+            if let Some(n) = next {
+                nvtx.push(n);
+            }
+        }
+        self.marks.push((next.unwrap_or(""), clock));
+        Ok(())
+    }
+
+    /// (part, ms) for the forward just recorded; waits for the GPU first.
+    fn times(&self) -> candle_core::Result<Vec<(&'static str, f64)>> {
+        self.device.synchronize()?;
+        let mut out = Vec::with_capacity(self.marks.len());
+        for w in self.marks.windows(2) {
+            let ms = match (&w[0].1, &w[1].1) {
+                (Clock::Host(a), Clock::Host(b)) => (*b - *a).as_secs_f64() * 1e3,
+                #[cfg(feature = "cuda")]
+                (Clock::Event(a), Clock::Event(b)) => a.elapsed_ms(b).map_err(candle_core::Error::wrap)? as f64,
+                #[cfg(feature = "cuda")]
+                _ => candle_core::bail!("breakdown: host and CUDA clocks mixed in one forward"),
+            };
+            out.push((w[0].0, ms));
+        }
+        Ok(out)
+    }
+}
+
+/// Is libnvToolsExt loadable? (NVTX ranges are then emitted; without it, events only.)
+#[cfg(feature = "cuda")]
+fn nvtx_present() -> bool {
+    nvtx::get().is_some()
+}
+
+/// NVTX v2's two range calls, from libnvToolsExt loaded at run time (CUDA 12.x ships it; NVTX 3
+/// is header-only and CUDA 13 no longer ships the library, so its absence is normal: the
+/// breakdown then has CUDA events only). `nsys` intercepts these calls by this library's name.
+#[cfg(feature = "cuda")]
+mod nvtx {
+    use std::ffi::{c_char, c_int, CString};
+    use std::sync::OnceLock;
+
+    pub struct Nvtx {
+        _lib: libloading::Library,
+        push: unsafe extern "C" fn(*const c_char) -> c_int,
+        pop: unsafe extern "C" fn() -> c_int,
+    }
+
+    impl Nvtx {
+        pub fn push(&self, name: &str) {
+            let name = CString::new(name).unwrap_or_default();
+            // SAFETY: nvtxRangePushA copies a NUL-terminated string; `name` lives across the call.
+            unsafe { (self.push)(name.as_ptr()) };
+        }
+
+        pub fn pop(&self) {
+            // SAFETY: nvtxRangePop takes no arguments; a pop without a push is ignored by NVTX.
+            unsafe { (self.pop)() };
+        }
+    }
+
+    /// The library, loaded once; `None` when it is not installed.
+    pub fn get() -> Option<&'static Nvtx> {
+        static NVTX: OnceLock<Option<Nvtx>> = OnceLock::new();
+        NVTX.get_or_init(|| {
+            ["libnvToolsExt.so.1", "libnvToolsExt.so"].iter().find_map(|name| {
+                // SAFETY: loading a shared library runs its initialisers; libnvToolsExt's only
+                // set up NVTX's injection hooks.
+                let lib = unsafe { libloading::Library::new(*name) }.ok()?;
+                // SAFETY: the symbols have these C signatures in nvToolsExt.h (NVTX v2).
+                let push = unsafe { *lib.get::<unsafe extern "C" fn(*const c_char) -> c_int>(b"nvtxRangePushA\0").ok()? };
+                let pop = unsafe { *lib.get::<unsafe extern "C" fn() -> c_int>(b"nvtxRangePop\0").ok()? };
+                Some(Nvtx { _lib: lib, push, pop })
+            })
+        })
+        .as_ref()
+    }
+}
+
+/// How a breakdown on `device` times its boundaries, in words.
+pub fn method(device: &Device) -> String {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => format!(
+            "instrumented: a CUDA event at each part boundary{}",
+            if nvtx_present() { " and an NVTX range per part" } else { " (libnvToolsExt not found: no NVTX ranges)" }
+        ),
+        _ => "instrumented: device synchronize at each part boundary".into(),
+    }
+}
+
+/// Run `forward` `warmup` + `iters` times with the part boundaries recorded, and summarise the
+/// timed iterations. A forward that marks no part is an error: the stage is not instrumented.
+pub fn record(
+    device: &Device,
+    warmup: usize,
+    iters: usize,
+    mut forward: impl FnMut() -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Breakdown> {
+    let mut samples: Vec<Vec<(&'static str, f64)>> = Vec::with_capacity(iters);
+    for i in 0..warmup + iters {
+        let rec = Recorder {
+            device: device.clone(),
+            marks: Vec::new(),
+            #[cfg(feature = "cuda")]
+            nvtx: device.is_cuda() && nvtx_present(),
+        };
+        RECORDER.with(|r| *r.borrow_mut() = Some(rec));
+        let y = forward();
+        // The forward's end closes the last part, whatever happened.
+        let rec = RECORDER.with(|r| r.borrow_mut().take());
+        let (y, mut rec) = (y?, rec.expect("the recorder installed above"));
+        rec.boundary(None)?;
+        drop(y);
+        let times = rec.times()?;
+        if times.is_empty() {
+            candle_core::bail!("breakdown: the forward marked no part (it does not call shared::breakdown::part)");
+        }
+        if i >= warmup {
+            samples.push(times);
+        }
+    }
+    summarise(&samples, iters, method(device))
+}
+
+/// Per-part percentiles and the median total, from per-iteration (part, ms) lists that name the
+/// same parts in the same order.
+pub fn summarise(samples: &[Vec<(&'static str, f64)>], iters: usize, method: String) -> candle_core::Result<Breakdown> {
+    let Some(first) = samples.first() else { candle_core::bail!("breakdown: no timed iteration") };
+    let names: Vec<&str> = first.iter().map(|p| p.0).collect();
+    if samples.iter().any(|s| s.iter().map(|p| p.0).ne(names.iter().copied())) {
+        candle_core::bail!("breakdown: the forward marked different parts on different iterations");
+    }
+    let parts = names
+        .iter()
+        .enumerate()
+        .map(|(j, name)| {
+            let st = crate::timing::Stats::from_samples(samples.iter().map(|s| s[j].1).collect());
+            PartTime { name: name.to_string(), median_ms: st.median_ms, p10_ms: st.p10_ms, p90_ms: st.p90_ms, samples_ms: st.samples_ms }
+        })
+        .collect();
+    let total = crate::timing::Stats::from_samples(samples.iter().map(|s| s.iter().map(|p| p.1).sum()).collect());
+    Ok(Breakdown { parts, total_ms: total.median_ms, total_samples_ms: total.samples_ms, iters, method })
+}
+
+/// Two breakdowns of the same stage (the ladder's rounds) as one: samples pooled, percentiles
+/// recomputed. `None` when they name different parts.
+pub fn merge(a: &Breakdown, b: &Breakdown) -> Option<Breakdown> {
+    if a.parts.iter().map(|p| &p.name).ne(b.parts.iter().map(|p| &p.name)) {
+        return None;
+    }
+    let pooled = |x: &[f64], y: &[f64]| crate::timing::Stats::from_samples(x.iter().chain(y).copied().collect());
+    let parts = a
+        .parts
+        .iter()
+        .zip(&b.parts)
+        .map(|(p, q)| {
+            let st = pooled(&p.samples_ms, &q.samples_ms);
+            PartTime { name: p.name.clone(), median_ms: st.median_ms, p10_ms: st.p10_ms, p90_ms: st.p90_ms, samples_ms: st.samples_ms }
+        })
+        .collect();
+    let total = pooled(&a.total_samples_ms, &b.total_samples_ms);
+    Some(Breakdown {
+        parts,
+        total_ms: total.median_ms,
+        total_samples_ms: total.samples_ms,
+        iters: a.iters + b.iters,
+        method: a.method.clone(),
+    })
+}
+
+/// The breakdown as text lines under a record's details: one line per part, then the total
+/// beside the uninstrumented median.
+pub fn text(b: &Breakdown, median_ms: f64) -> String {
+    let mut out = format!("breakdown ({}, {} iterations)\n", b.method, b.iters);
+    let width = b.parts.iter().map(|p| p.name.len()).max().unwrap_or(0);
+    for p in &b.parts {
+        out += &format!(
+            "  {:<width$}  {:>9.3} ms  ({:>5.1} %)  p10-p90 {:.3}-{:.3}\n",
+            p.name,
+            p.median_ms,
+            100.0 * p.median_ms / b.total_ms.max(f64::MIN_POSITIVE),
+            p.p10_ms,
+            p.p90_ms
+        );
+    }
+    out += &format!("  {:<width$}  {:>9.3} ms  (uninstrumented median {:.3} ms)\n", "total", b.total_ms, median_ms);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_are_timed_in_order_and_a_noop_outside_a_recording() {
+        // Outside `record`, `part` does nothing (and needs no device).
+        part("ln1").unwrap();
+        let b = record(&Device::Cpu, 1, 3, || {
+            part("a")?;
+            std::thread::sleep(std::time::Duration::from_millis(3));
+            part("b")?;
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)
+        })
+        .unwrap();
+        let names: Vec<&str> = b.parts.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert!(b.parts[0].median_ms >= 3.0 && b.parts[1].median_ms >= 1.0, "{b:?}");
+        for (i, total) in b.total_samples_ms.iter().enumerate() {
+            assert_eq!(*total, b.parts[0].samples_ms[i] + b.parts[1].samples_ms[i], "each iteration's total is its parts' sum");
+        }
+        assert_eq!(b.iters, 3);
+        assert!(text(&b, 4.0).contains("uninstrumented median 4.000 ms"));
+        let m = merge(&b, &b).unwrap();
+        assert_eq!((m.iters, m.parts[0].samples_ms.len(), m.total_samples_ms.len()), (6, 6, 6));
+        assert_eq!(m.parts[1].median_ms, b.parts[1].median_ms);
+    }
+
+    #[test]
+    fn an_uninstrumented_forward_is_an_error() {
+        let e = record(&Device::Cpu, 0, 1, || Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)).unwrap_err();
+        assert!(e.to_string().contains("marked no part"), "{e}");
+    }
+}
