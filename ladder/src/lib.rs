@@ -16,6 +16,7 @@ pub mod sweep;
 use clap::{Args, FromArgMatches};
 use shared::cli::{exit_with, RunArgs};
 use shared::device::{DeviceInfo, GemmSwitches};
+use shared::elementwise::Elementwise;
 use shared::report::{
     commit, write_atomic, write_json, Ablation, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA,
 };
@@ -177,6 +178,11 @@ pub fn run_measured(args: RunArgs, which: &[usize], m: Measure) -> anyhow::Resul
         let stage_index = |name: &str| all.iter().position(|s| s.name == name);
         if let Some(i) = stage_index("stage2_sdpa").filter(|i| which.contains(i)) {
             entries.push(entry(i, StageOptions { attention_copies: true, ..base }, Some("head split/merge copies kept".into())));
+            if !session.info.is_cuda() && base.elementwise == Elementwise::Parallel {
+                // Not a technique but what the CPU needs to show one: stage 2's unfused
+                // element-wise passes on candle's single-threaded ops (shared::elementwise).
+                entries.push(entry(i, StageOptions { elementwise: Elementwise::Candle, ..base }, Some("candle's element-wise ops".into())));
+            }
         }
         if let Some(i) = stage_index("stage3_fused").filter(|i| which.contains(i)) {
             for name in base.fusions.on() {
@@ -276,7 +282,8 @@ pub fn run_measured(args: RunArgs, which: &[usize], m: Measure) -> anyhow::Resul
         });
     }
     report.records = measured.into_iter().map(|(_, r)| r).collect();
-    report.ceilings = roofline::ceilings(&session.info, &session.args, report.records.iter().map(|r| r.precision));
+    report.ceilings =
+        roofline::ceilings(&session.info, &session.args, session.ceiling.as_ref(), report.records.iter().map(|r| r.precision));
     if !which.contains(&0) {
         println!("note      stage 0 was not selected: no speedups over it");
     }
@@ -694,6 +701,10 @@ fn check_outputs(args: Option<&RunArgs>, out: &OutputArgs, json: Option<&Path>, 
     list.retain(|(flag, _)| *flag != "--json");
     list.extend(json.map(|p| ("--json", p)));
     list.extend(svg.map(|p| ("--svg", p)));
+    // The roofline and breakdown charts are written beside the bar chart (`render::sibling`).
+    let beside: Vec<PathBuf> =
+        svg.iter().flat_map(|p| ["roofline", "breakdown"].map(|w| PathBuf::from(render::sibling(&p.to_string_lossy(), w)))).collect();
+    list.extend(beside.iter().map(|p| ("--svg (the chart beside it)", p.as_path())));
     if out.update_readme {
         list.push(("--readme", out.readme.as_path()));
     }

@@ -25,6 +25,7 @@ use crate::provenance::date_utc;
 use crate::render::describe_device;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+use shared::ceiling::CpuCeiling;
 use shared::cli::RunArgs;
 use shared::device::DeviceInfo;
 use shared::perf::{peak_bandwidth_gbs, peak_tflops};
@@ -119,16 +120,28 @@ pub fn points(report: &LadderReport) -> Vec<Point> {
 
 /// The ceilings for a run: the datasheet's on a known GPU, the flags' otherwise (a flag
 /// overrides the datasheet). `None` when nothing is known.
-pub fn ceilings(info: &DeviceInfo, args: &RunArgs, precisions: impl Iterator<Item = Precision>) -> Option<Ceilings> {
+/// On a CPU with a measured ceiling (`shared::ceiling`, probed when the session opened), that
+/// ceiling's GEMM rate is the compute roof for every precision and its STREAM triad the memory
+/// slope, unless a flag gives another figure.
+pub fn ceilings(
+    info: &DeviceInfo,
+    args: &RunArgs,
+    measured: Option<&CpuCeiling>,
+    precisions: impl Iterator<Item = Precision>,
+) -> Option<Ceilings> {
     let mut tflops = BTreeMap::new();
     for p in precisions {
-        let peak = args.peak_tflops.or_else(|| if info.is_cuda() { peak_tflops(&info.name, p) } else { None });
+        let peak = args.peak_tflops.or_else(|| match measured {
+            Some(c) if !info.is_cuda() => Some(c.peak_tflops()),
+            _ if info.is_cuda() => peak_tflops(&info.name, p),
+            _ => None,
+        });
         if let Some(v) = peak {
             tflops.insert(p.name().to_string(), v);
         }
     }
     let datasheet_bw = if info.is_cuda() { peak_bandwidth_gbs(&info.name) } else { None };
-    let bandwidth_gbs = args.bandwidth_gbs.or(datasheet_bw);
+    let bandwidth_gbs = args.bandwidth_gbs.or(datasheet_bw).or(measured.filter(|_| !info.is_cuda()).map(|c| c.bandwidth_gbs));
     if tflops.is_empty() && bandwidth_gbs.is_none() {
         return None;
     }
@@ -141,6 +154,9 @@ pub fn ceilings(info: &DeviceInfo, args: &RunArgs, precisions: impl Iterator<Ite
     }
     if info.is_cuda() && (args.peak_tflops.is_none() || args.bandwidth_gbs.is_none()) {
         sources.push("datasheet");
+    }
+    if !info.is_cuda() && measured.is_some() && (args.peak_tflops.is_none() || args.bandwidth_gbs.is_none()) {
+        sources.push("measured: GEMM at the block's shapes + STREAM triad");
     }
     Some(Ceilings { tflops, bandwidth_gbs, source: format!("{} ({})", sources.join(" + "), info.name) })
 }
