@@ -599,6 +599,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn cpu_probe_sees_an_allocation() {
+        let _alone = crate::BIG_ALLOCATION_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let probe = MemProbe::start(&Device::Cpu);
         let v = vec![1u8; 64 << 20];
         std::hint::black_box(&v);
