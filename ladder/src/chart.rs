@@ -46,6 +46,31 @@ fn axis_ms(v: f64, top: f64) -> String {
     }
 }
 
+/// The y axis and grid every bar chart here shares: ms from 0 to `y_max`, no x labels (each bar
+/// labels itself), light horizontal lines.
+fn draw_bar_axes<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>,
+    y_desc: &str,
+    y_max: f64,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        .y_labels(6)
+        .y_desc(y_desc)
+        .y_label_formatter(&|v| axis_ms(*v, y_max))
+        .axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
+        .label_style(text(12.0, INK, HPos::Center, VPos::Center))
+        .bold_line_style(RGBColor(0xe6, 0xe6, 0xe6))
+        .light_line_style(TRANSPARENT)
+        .draw()?;
+    Ok(())
+}
+
 fn bold(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
     let plain = text(size, colour, h, v);
     TextStyle { font: plain.font.clone().style(FontStyle::Bold), ..plain }
@@ -79,18 +104,7 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
 
         let mut chart =
             ChartBuilder::on(&body).x_label_area_size(78).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(0)
-            .y_labels(6)
-            .y_desc("median ms per forward (whisker: p10–p90)")
-            .y_label_formatter(&|v| axis_ms(*v, y_max))
-            .axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
-            .label_style(text(12.0, INK, HPos::Center, VPos::Center))
-            .bold_line_style(RGBColor(0xe6, 0xe6, 0xe6))
-            .light_line_style(TRANSPARENT)
-            .draw()?;
+        draw_bar_axes(&mut chart, "median ms per forward (whisker: p10–p90)", y_max)?;
 
         for (i, row) in rows.iter().enumerate() {
             let x = i as f64 + 0.5;
@@ -346,18 +360,7 @@ pub fn breakdown_svg(report: &LadderReport) -> anyhow::Result<String> {
         let (body, legend) = root.margin(74, 14, 8, 20).split_horizontally(w as i32 - 230);
         let mut chart =
             ChartBuilder::on(&body).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(0)
-            .y_labels(6)
-            .y_desc("ms per forward (instrumented)")
-            .y_label_formatter(&|v| axis_ms(*v, y_max))
-            .axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
-            .label_style(text(12.0, INK, HPos::Center, VPos::Center))
-            .bold_line_style(RGBColor(0xe6, 0xe6, 0xe6))
-            .light_line_style(TRANSPARENT)
-            .draw()?;
+        draw_bar_axes(&mut chart, "ms per forward (instrumented)", y_max)?;
         let mut names: Vec<String> = Vec::new();
         for (i, r) in rows.iter().enumerate() {
             let b = r.breakdown.as_ref().expect("filtered above");
