@@ -1,11 +1,11 @@
-// Runs kernels/flash_attn.cu — the real source, unchanged — on the CPU through the emulation in
+// Runs stage2_sdpa/kernels/flash_attn.cu — the real source, unchanged — on the CPU through the emulation in
 // mma.h, and checks every entry point against an f64 reference on the same 16-bit inputs: T = 1,
 // T not a multiple of the tile, several tiles, several heads and batches, causal and not, in
 // stage 3's strided layout (q, k, v slices of one (B, T, 3, n_head, d_head) tensor) and stage 2's
 // contiguous one. Each block runs as 128 threads. Exit 0 when all are within tolerance.
 //
-//   bash stage2_sdpa/kernels/host_emulation/run.sh      (needs a C++20 compiler; ~30 s on 2 cores)
-#include "../flash_attn.cu"
+//   bash host_emulation/run.sh      (needs a C++20 compiler; ~30 s on 2 cores)
+#include "../stage2_sdpa/kernels/flash_attn.cu"
 
 #include <cstdio>
 #include <memory>

@@ -1,7 +1,7 @@
-// Host emulation of the CUDA features kernels/flash_attn.cu uses, so its source can run on a CPU
-// (check.cpp): one std::thread per CUDA thread, std::barrier for __syncthreads and __syncwarp, a
+// Host emulation of the CUDA features stage2_sdpa/kernels/flash_attn.cu uses, so its source can run on a CPU
+// (attention_check.cpp): one std::thread per CUDA thread, std::barrier for __syncthreads and __syncwarp, a
 // warp shuffle through a per-warp buffer, WMMA fragments as whole 16 × 16 float tiles, bf16 and
-// f16 as rounded 16-bit values. This file stands in for CUDA's <mma.h> (check.cpp's include path
+// f16 as rounded 16-bit values. This file stands in for CUDA's <mma.h> (attention_check.cpp's include path
 // puts this folder first); cuda_bf16.h and cuda_fp16.h here are empty for the same reason.
 //
 // What it checks: the kernel's indexing, strides, tile loop, causal skipping and masking, padding

@@ -5,9 +5,9 @@
 // their spread (a real residual stream), where candle's one-pass E[x²] − mean² in f32 breaks.
 // Exit 0 when all are within tolerance.
 //
-//   bash stage2_sdpa/kernels/host_emulation/run.sh      (also runs check.cpp)
+//   bash host_emulation/run.sh      (also runs attention_check.cpp)
 #include "ln_host.h"
-#include "../../../stage3_fused/kernels/add_layer_norm.cu"
+#include "../stage3_fused/kernels/add_layer_norm.cu"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Host emulation of every hand-written CUDA kernel in the workspace: each check compiles a
+# kernel's real source for the CPU with the stand-ins in this folder (threads, barriers, warp
+# shuffles, tensor-core fragments, 16-bit types) and compares every entry point with an f64
+# reference. attention_check.cpp runs stage2_sdpa/kernels/flash_attn.cu; ln_check.cpp runs
+# stage3_fused/kernels/add_layer_norm.cu. Needs a C++20 compiler ($CXX, default c++); no GPU.
+# Prints one line per kernel call; exit 1 if any is out of tolerance.
+#
+#   bash host_emulation/run.sh             every check
+#   bash host_emulation/run.sh ln_check    only the named ones
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${TMPDIR:-/tmp}/speedkit-host-check.$$"
+trap 'rm -f "$out".*' EXIT
+checks=("$@")
+if [ ${#checks[@]} -eq 0 ]; then
+    checks=()
+    for f in "$here"/*_check.cpp; do checks+=("$(basename "$f" .cpp)"); done
+fi
+status=0
+for check in "${checks[@]}"; do
+    "${CXX:-c++}" -std=c++20 -O2 -pthread -I"$here" -x c++ "$here/$check.cpp" -o "$out.$check"
+    "$out.$check" || status=1
+done
+exit $status
