@@ -76,6 +76,42 @@ fn bold(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
     TextStyle { font: plain.font.clone().style(FontStyle::Bold), ..plain }
 }
 
+/// Whether a record ran an emulation (stage 4 on a CPU): its bar is drawn hatched, not solid.
+fn is_emulated(r: &shared::report::Record) -> bool {
+    r.implementation.as_deref().is_some_and(|i| i.starts_with(shared::stage::EMULATED))
+}
+
+/// A light grey bar from 0 to `median`, outlined in the stage's colour and hatched with
+/// diagonal lines (each clipped to the bar), for a time that measures an emulation.
+fn draw_hatched_bar<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>,
+    x: f64,
+    median: f64,
+    c: RGBColor,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let (l, r) = (x - 0.32, x + 0.32);
+    chart.draw_series([Rectangle::new([(l, 0.0), (r, median)], RGBColor(0xe4, 0xe4, 0xe4).filled())])?;
+    // Lines rising left to right, `step` apart in y, each rising `rise` across the bar.
+    let (y_range, rise) = (chart.y_range(), median.max(f64::MIN_POSITIVE));
+    let step = (y_range.end - y_range.start) / 40.0;
+    let rise = step * 3.0f64.min(rise / step);
+    let mut y0 = -rise;
+    while y0 < median {
+        // Clip the segment (l, y0)–(r, y0 + rise) to 0 ≤ y ≤ median.
+        let at = |y: f64| l + (r - l) * (y - y0) / rise;
+        let (ya, yb) = (y0.max(0.0), (y0 + rise).min(median));
+        if yb > ya {
+            chart.draw_series([PathElement::new(vec![(at(ya), ya), (at(yb), yb)], c.stroke_width(1))])?;
+        }
+        y0 += step;
+    }
+    chart.draw_series([PathElement::new(vec![(l, 0.0), (l, median), (r, median), (r, 0.0)], c.stroke_width(2))])?;
+    Ok(())
+}
+
 /// The ladder chart: one bar per stage (median ms, p10–p90 whisker), the speedup over stage 0
 /// and the median written on each bar, and under each bar its precision and relative error
 /// against the fp32 reference. A stage that did not run keeps its slot, labelled "skipped".
@@ -112,7 +148,12 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
             match row {
                 Row::Ran(r) => {
                     let t = &r.timing;
-                    chart.draw_series([Rectangle::new([(x - 0.32, 0.0), (x + 0.32, t.median_ms)], c.filled())])?;
+                    if is_emulated(r) {
+                        // An emulation's time is not the technique's speed: a grey, hatched bar.
+                        draw_hatched_bar(&mut chart, x, t.median_ms, c)?;
+                    } else {
+                        chart.draw_series([Rectangle::new([(x - 0.32, 0.0), (x + 0.32, t.median_ms)], c.filled())])?;
+                    }
                     let whisker = [(x, t.p10_ms), (x, t.p90_ms)];
                     let caps = [[(x - 0.06, t.p10_ms), (x + 0.06, t.p10_ms)], [(x - 0.06, t.p90_ms), (x + 0.06, t.p90_ms)]];
                     chart.draw_series([PathElement::new(whisker.to_vec(), INK.stroke_width(1))])?;
@@ -127,6 +168,10 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
                         chart.draw_series([
                             EmptyElement::at(at) + Text::new(label, (0, -22), bold(15.0, INK, HPos::Center, VPos::Bottom))
                         ])?;
+                    }
+                    if is_emulated(r) {
+                        let note = Text::new("emulated: not its speed", (0, -42), text(11.0, MUTED, HPos::Center, VPos::Bottom));
+                        chart.draw_series([EmptyElement::at(at) + note])?;
                     }
                 }
                 Row::Skipped(s) => {
@@ -324,20 +369,26 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     Ok(svg)
 }
 
-/// One colour per part of the block; a fused part takes the colour of the first part it holds.
+/// One colour per part of the block, each distinct (a fused part such as stage 3's
+/// "proj+residual+ln2" has a colour of its own, so it never reads as the part it absorbed).
+/// The LayerNorms are the two blues; the GEMM-heavy parts are warm or green.
 fn part_colour(part: &str) -> RGBColor {
-    const PART_COLOURS: [RGBColor; 7] = [
-        RGBColor(0x8d, 0xa0, 0xcb),
-        RGBColor(0x66, 0xc2, 0xa5),
-        RGBColor(0xfc, 0x8d, 0x62),
-        RGBColor(0xe7, 0x8a, 0xc3),
-        RGBColor(0xa6, 0xd8, 0x54),
-        RGBColor(0xff, 0xd9, 0x2f),
-        RGBColor(0xe5, 0xc4, 0x94),
+    const PART_COLOURS: [(&str, RGBColor); 8] = [
+        ("ln1", RGBColor(0x9e, 0xc9, 0xe2)),
+        ("qkv", RGBColor(0x2c, 0xa0, 0x2c)),
+        ("attention", RGBColor(0xff, 0x7f, 0x0e)),
+        ("proj+residual+ln2", RGBColor(0x94, 0x67, 0xbd)),
+        ("proj+residual", RGBColor(0xd6, 0x27, 0x28)),
+        ("ln2", RGBColor(0x1f, 0x77, 0xb4)),
+        ("fc1+gelu", RGBColor(0xbc, 0xbd, 0x22)),
+        ("fc2+residual", RGBColor(0x8c, 0x56, 0x4b)),
     ];
-    let first = shared::breakdown::PARTS.iter().position(|p| part.starts_with(p)).unwrap_or(6);
-    PART_COLOURS[first]
+    // Longest name first in the table, so "proj+residual+ln2" is not taken for "proj+residual".
+    PART_COLOURS.iter().find(|(name, _)| part.starts_with(name)).map_or(RGBColor(0x7f, 0x7f, 0x7f), |(_, c)| *c)
 }
+
+/// Pixel height under which a LayerNorm's segment is a sliver: its name goes beside the bar.
+const SLIVER_PX: i32 = 14;
 
 /// `--breakdown`'s chart: one stacked bar per stage (the instrumented parts, bottom to top in
 /// forward order) with a tick at the uninstrumented median beside it.
@@ -368,6 +419,13 @@ pub fn breakdown_svg(report: &LadderReport) -> anyhow::Result<String> {
             let mut y = 0.0;
             for p in &b.parts {
                 chart.draw_series([Rectangle::new([(x - 0.32, y), (x + 0.32, y + p.median_ms)], part_colour(&p.name).filled())])?;
+                // A LayerNorm is often too thin to see: it is named beside the bar, at its height.
+                let (_, bottom) = chart.backend_coord(&(x, y));
+                let (_, top) = chart.backend_coord(&(x, y + p.median_ms));
+                if p.name.starts_with("ln") && bottom - top < SLIVER_PX {
+                    let (left, mid) = chart.backend_coord(&(x - 0.32, y + p.median_ms / 2.0));
+                    root.draw(&Text::new(p.name.clone(), (left - 4, mid), text(10.0, INK, HPos::Right, VPos::Center)))?;
+                }
                 y += p.median_ms;
                 if !names.contains(&p.name) {
                     names.push(p.name.clone());

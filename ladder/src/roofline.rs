@@ -61,9 +61,11 @@ pub fn traffic(stage: usize, s: &Shape, p: Precision, act: f64) -> f64 {
     let gemms = gemm(c, 3.0 * c) + gemm(c, c) + gemm(c, ff) + gemm(ff, c);
     let pass_c = 2.0 * n * c * act; // read + write one (N, C) activation
     let pass_ff = 2.0 * n * ff * act;
-    let fused_attention = 4.0 * n * c * act; // q, k, v in, output out
-                                             // Element-wise passes (stage 3's header table): LayerNorm 1 with its cast 8, q/k/v bias 3,
-                                             // proj's bias + residual + LayerNorm 2 11, fc2's bias + residual 3 over (N, C); bias + GELU 10 over (N, FF).
+    // Fused attention reads q, k, v and writes its output.
+    let fused_attention = 4.0 * n * c * act;
+    // Element-wise passes (stage 3's header table): LayerNorm 1 with its cast 8, q/k/v bias 3,
+    // proj's bias + residual + LayerNorm 2 11, fc2's bias + residual 3 over (N, C); bias + GELU
+    // 10 over (N, FF).
     let unfused = 25.0 * pass_c + 10.0 * pass_ff;
     match stage {
         0 | 1 => {
@@ -178,6 +180,18 @@ fn pow10(v: f64) -> String {
     }
 }
 
+/// How many of the points before `i` lie within a marker's width of point `i` (pixels).
+fn overlapping_before(pixels: &[(i32, i32)], i: usize) -> usize {
+    let (x, y) = pixels[i];
+    pixels[..i].iter().filter(|(a, b)| (a - x).abs() < 12 && (b - y).abs() < 12).count()
+}
+
+/// How many of the points after `i` lie within a marker's width of point `i` (pixels).
+fn overlapping_after(pixels: &[(i32, i32)], i: usize) -> usize {
+    let (x, y) = pixels[i];
+    pixels[i + 1..].iter().filter(|(a, b)| (a - x).abs() < 12 && (b - y).abs() < 12).count()
+}
+
 /// The roofline SVG: log-log, one point per measured stage, the ceilings as lines.
 pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
     let pts = points(report);
@@ -232,7 +246,9 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
         let facts = format!("{} · commit {} · {}", report.shape, report.commit, date_utc(report.unix_time));
         root.draw(&Text::new(facts, (20, 53), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
         root.draw(&Text::new(ceiling_text, (20, 70), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
-        let body = root.margin(90, 14, 8, 20);
+        let x_axis = "x: the block's FLOPs / the bytes its ops must read and write with nothing cached between ops";
+        root.draw(&Text::new(x_axis, (20, 87), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
+        let body = root.margin(106, 14, 8, 20);
         let mut chart = ChartBuilder::on(&body).x_label_area_size(50).y_label_area_size(64).build_cartesian_2d(x0..x1, y0..y1)?;
         chart
             .configure_mesh()
@@ -271,14 +287,19 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
             chart.draw_series([EmptyElement::at((x, (bw * 10f64.powf(x)).log10()))
                 + Text::new(format!("memory {bw:.0} GB/s"), (4, -6), text(12.0, INK, HPos::Left, VPos::Bottom))])?;
         }
+        // Points that land on (nearly) the same pixel, such as stages 0 and 1 at fp32 on a CPU,
+        // are fanned out sideways and their labels stacked, so each stays visible.
+        let pixels: Vec<(i32, i32)> = pts.iter().map(|p| chart.backend_coord(&(p.intensity.log10(), p.gflops.log10()))).collect();
         for (i, p) in pts.iter().enumerate() {
             let c = crate::chart::stage_colour(&p.stage, i);
-            let at = (p.intensity.log10(), p.gflops.log10());
-            chart.draw_series([Circle::new(at, 6, c.filled())])?;
+            let (before, after) = (overlapping_before(&pixels, i) as i32, overlapping_after(&pixels, i) as i32);
+            let (px, py) = pixels[i];
+            let at = (px + 10 * before, py);
+            let marker = if p.emulated { c.stroke_width(2) } else { c.filled() };
+            root.draw(&Circle::new(at, 6, marker))?;
+            // Labels start right of the cluster's last marker, one line per point.
             let label = format!("{} {}{}", p.stage, p.precision, if p.emulated { " (emulated)" } else { "" });
-            chart.draw_series([
-                EmptyElement::at(at) + Text::new(label, (9, 4 + 14 * (i as i32 % 2)), text(12.0, INK, HPos::Left, VPos::Center))
-            ])?;
+            root.draw(&Text::new(label, (at.0 + 10 * after + 9, py + 16 * before), text(12.0, INK, HPos::Left, VPos::Center)))?;
         }
         root.present()?;
     }
@@ -301,6 +322,15 @@ mod tests {
         // FP8 operands: 1 byte; with f32 activations the quantising pass (read f32, write E4M3)
         // costs more than the operands save, so stage 4 moves more bytes than stage 3 on a CPU.
         assert!(traffic(4, &s, Precision::Fp8, 4.0) > t[3]);
+    }
+
+    #[test]
+    fn points_on_one_pixel_are_fanned_out() {
+        let px = [(100, 100), (105, 96), (300, 100), (101, 101)];
+        let k: Vec<usize> = (0..px.len()).map(|i| overlapping_before(&px, i)).collect();
+        assert_eq!(k, vec![0, 1, 0, 2]);
+        let k: Vec<usize> = (0..px.len()).map(|i| overlapping_after(&px, i)).collect();
+        assert_eq!(k, vec![2, 1, 0, 0]);
     }
 
     #[test]
