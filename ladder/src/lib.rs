@@ -284,6 +284,11 @@ pub fn run_measured(args: RunArgs, which: &[usize], m: Measure) -> anyhow::Resul
     report.records = measured.into_iter().map(|(_, r)| r).collect();
     report.ceilings =
         roofline::ceilings(&session.info, &session.args, session.ceiling.as_ref(), report.records.iter().map(|r| r.precision));
+    // Each breakdown part's FLOPs, minimum bytes and regime against these ceilings.
+    let bandwidth = report.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
+    for r in report.records.iter_mut().chain(report.ablation.iter_mut().map(|a| &mut a.record)) {
+        shared::regime::annotate(r, bandwidth);
+    }
     if !which.contains(&0) {
         println!("note      stage 0 was not selected: no speedups over it");
     }
@@ -662,6 +667,7 @@ fn print_extras(r: &LadderReport, ablation: fn(&LadderReport) -> String, breakdo
     if r.records.iter().any(|rec| rec.breakdown.is_some()) {
         println!("\nwhere the time goes (--breakdown, instrumented: a sync at each part boundary)");
         print!("{}", breakdown(r));
+        println!("{}", render::REGIME_LEGEND.replace("**", ""));
     }
 }
 

@@ -68,6 +68,12 @@ pub fn ablation_markdown(report: &LadderReport) -> String {
     md_table(&header, &rows)
 }
 
+/// What the tags in the breakdown's cells mean (`shared::regime`).
+pub const REGIME_LEGEND: &str = "Each cell: ms · regime. **C** compute-bound (% of the measured GEMM rate), **M** memory-bound \
+(% of the memory roof, counting the bytes the part must move at least), **O** overhead: under 30 % of the roof its \
+FLOPs per byte put it under, so neither roof explains the time (extra passes, launches, scalar code). The JSON holds each \
+part's FLOPs, minimum bytes, GFLOP/s and GB/s.";
+
 /// `--breakdown`'s table: one row per stage, one column per part name (in forward order, fused
 /// parts where their first part is), then the instrumented total and the uninstrumented median.
 pub fn breakdown_markdown(report: &LadderReport) -> String {
@@ -107,12 +113,22 @@ fn breakdown_grid(report: &LadderReport) -> (Vec<String>, Vec<Vec<String>>) {
     header.extend(parts.iter().map(|p| format!("{p} ms")));
     header.push("total (instrumented)".into());
     header.push("median (uninstrumented)".into());
+    let bandwidth = report.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
     let rows = with
         .iter()
         .map(|r| {
+            // A file recorded before parts carried their regime gets it computed here, the same way.
+            let mut r = (*r).clone();
+            if r.breakdown.as_ref().is_some_and(|b| b.parts.iter().any(|p| p.regime.is_none())) {
+                shared::regime::annotate(&mut r, bandwidth);
+            }
             let b = r.breakdown.as_ref().expect("filtered");
+            let cell = |p: &shared::breakdown::PartTime| match &p.regime {
+                Some(g) => format!("{} · {}", fmt_ms(p.median_ms), shared::regime::tag(g)),
+                None => fmt_ms(p.median_ms),
+            };
             let mut row = vec![r.stage.clone()];
-            row.extend(parts.iter().map(|name| b.parts.iter().find(|p| &p.name == name).map_or("–".into(), |p| fmt_ms(p.median_ms))));
+            row.extend(parts.iter().map(|name| b.parts.iter().find(|p| &p.name == name).map_or("–".into(), cell)));
             row.push(format!("{} ms", fmt_ms(b.total_ms)));
             row.push(format!("{} ms", fmt_ms(r.timing.median_ms)));
             row
@@ -272,8 +288,9 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
         out.push_str(&ablation_markdown(report));
     }
     if report.records.iter().any(|r| r.breakdown.is_some()) {
-        out.push_str("\n**Where the time goes** (`--breakdown`, instrumented: a sync at each part boundary, so its total is a little above the median).\n\n");
+        out.push_str("\n**Where the time goes** (`--breakdown`, instrumented: a sync at each part boundary, so its total differs a little from the median).\n\n");
         out.push_str(&breakdown_markdown(report));
+        out.push_str(&format!("\n{}\n", REGIME_LEGEND));
         out.push_str(&format!("\n![ms per part of the block, per stage]({})\n", sibling(svg_link, "breakdown")));
     }
     out.push_str(&format!("\n![roofline: achieved GFLOP/s against FLOPs per byte]({})\n", sibling(svg_link, "roofline")));

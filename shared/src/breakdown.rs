@@ -35,6 +35,10 @@ pub struct PartTime {
     /// One per instrumented iteration, so runs in rounds can be merged (`merge`).
     #[serde(default)]
     pub samples_ms: Vec<f64>,
+    /// FLOPs, minimum bytes, achieved rates against the ceilings, and the label
+    /// (`regime::annotate`, filled when the run's ceilings are known).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub regime: Option<crate::regime::PartRegime>,
 }
 
 /// What `--breakdown` stores in a record.
@@ -234,7 +238,14 @@ pub fn summarise(samples: &[Vec<(&'static str, f64)>], iters: usize, method: Str
         .enumerate()
         .map(|(j, name)| {
             let st = crate::timing::Stats::from_samples(samples.iter().map(|s| s[j].1).collect());
-            PartTime { name: name.to_string(), median_ms: st.median_ms, p10_ms: st.p10_ms, p90_ms: st.p90_ms, samples_ms: st.samples_ms }
+            PartTime {
+                name: name.to_string(),
+                median_ms: st.median_ms,
+                p10_ms: st.p10_ms,
+                p90_ms: st.p90_ms,
+                samples_ms: st.samples_ms,
+                regime: None,
+            }
         })
         .collect();
     let total = crate::timing::Stats::from_samples(samples.iter().map(|s| s.iter().map(|p| p.1).sum()).collect());
@@ -254,7 +265,14 @@ pub fn merge(a: &Breakdown, b: &Breakdown) -> Option<Breakdown> {
         .zip(&b.parts)
         .map(|(p, q)| {
             let st = pooled(&p.samples_ms, &q.samples_ms);
-            PartTime { name: p.name.clone(), median_ms: st.median_ms, p10_ms: st.p10_ms, p90_ms: st.p90_ms, samples_ms: st.samples_ms }
+            PartTime {
+                name: p.name.clone(),
+                median_ms: st.median_ms,
+                p10_ms: st.p10_ms,
+                p90_ms: st.p90_ms,
+                samples_ms: st.samples_ms,
+                regime: None,
+            }
         })
         .collect();
     let total = pooled(&a.total_samples_ms, &b.total_samples_ms);

@@ -24,6 +24,7 @@ pub mod graph;
 pub mod output;
 pub mod perf;
 pub mod preset;
+pub mod regime;
 pub mod report;
 pub mod runner;
 pub mod stage;
