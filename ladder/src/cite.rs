@@ -74,6 +74,112 @@ pub fn find(doc: &str) -> Vec<Citation> {
     out
 }
 
+/// Units that mark a number as a measurement (a time, a rate, a ratio, a size, an error).
+const MEASURED_UNITS: [&str; 14] = ["ms", "µs", "s", "x", "GFLOP/s", "TFLOP/s", "GB/s", "TB/s", "%", "MiB", "GiB", "MB", "GB", "KB"];
+
+/// Measured-looking numbers in `doc`'s prose that are not citations: a number followed by a
+/// unit of `MEASURED_UNITS`, or one in e-notation with a decimal (an error like `2.8e-2`; a
+/// tolerance such as `1e-2` is a constant), outside fenced and
+/// inline code, links (a citation, or a link to the file it comes from), HTML comments, and
+/// the generated regions between `<!-- NAME:begin -->` and `<!-- NAME:end -->`. A target or bound
+/// written with ≥, ≤, < or > before it is not a measurement. Returns (line number, the text).
+pub fn bare_numbers(doc: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    let (mut fenced, mut generated) = (false, false);
+    for (i, line) in doc.lines().enumerate() {
+        let t = line.trim_start();
+        if t.starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if t.starts_with("<!--") && t.contains(":begin") {
+            generated = true;
+        }
+        if t.starts_with("<!--") && t.contains(":end") {
+            generated = false;
+            continue;
+        }
+        if fenced || generated {
+            continue;
+        }
+        for n in numbers_in(&prose_only(line)) {
+            out.push((i + 1, n));
+        }
+    }
+    out
+}
+
+/// `line` with inline code, links' text and targets, and HTML comments blanked out.
+fn prose_only(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut rest = line;
+    while let Some(c) = rest.chars().next() {
+        let skip_to =
+            |from: &str, open: &str, close: &str| from.strip_prefix(open).and_then(|r| r.find(close).map(|e| open.len() + e + close.len()));
+        let skip = match c {
+            '`' => skip_to(rest, "`", "`"),
+            '<' => skip_to(rest, "<!--", "-->"),
+            '[' => rest.find("](").filter(|&m| !rest[1..m].contains('[')).and_then(|m| rest[m..].find(')').map(|e| m + e + 1)),
+            _ => None,
+        };
+        match skip {
+            Some(n) => {
+                out.push(' ');
+                rest = &rest[n..];
+            }
+            None => {
+                out.push(c);
+                rest = &rest[c.len_utf8()..];
+            }
+        }
+    }
+    out
+}
+
+/// The measured-looking numbers of a prose line (see `bare_numbers`).
+fn numbers_in(prose: &str) -> Vec<String> {
+    let chars: Vec<char> = prose.chars().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let starts = chars[i].is_ascii_digit() && (i == 0 || !(chars[i - 1].is_alphanumeric() || "._-/".contains(chars[i - 1])));
+        if !starts {
+            i += 1;
+            continue;
+        }
+        let mut j = i;
+        while j < chars.len() && (chars[j].is_ascii_digit() || (chars[j] == '.' && chars.get(j + 1).is_some_and(|c| c.is_ascii_digit()))) {
+            j += 1;
+        }
+        let mut number: String = chars[i..j].iter().collect();
+        let mut e_notation = false;
+        if chars.get(j) == Some(&'e') && chars.get(j + 1).is_some_and(|c| *c == '-' || c.is_ascii_digit()) {
+            let mut k = j + 1 + usize::from(chars[j + 1] == '-');
+            while k < chars.len() && chars[k].is_ascii_digit() {
+                k += 1;
+            }
+            // A measured error prints with a decimal (1.8e-2, as `fmt_rel_err` writes it); a
+            // tolerance or bound is a round power (1e-2) and is a constant, not a measurement.
+            e_notation = number.contains('.') && k > j + 1;
+            number = chars[i..k].iter().collect();
+            j = k;
+        }
+        // The unit: right after the number or after one space, ending at a word boundary.
+        let after: String = chars[j..].iter().collect();
+        let unit = after.strip_prefix(' ').unwrap_or(&after);
+        let has_unit = MEASURED_UNITS
+            .iter()
+            .any(|u| unit.starts_with(u) && !unit[u.len()..].chars().next().is_some_and(|c| c.is_alphanumeric() || c == '/'));
+        let before: String = chars[..i].iter().rev().take(3).collect::<String>().chars().rev().collect();
+        let bound = ["≥", "≤", "<", ">"].iter().any(|b| before.trim_end().ends_with(b));
+        if (has_unit || e_notation) && !bound {
+            out.push(number);
+        }
+        i = j.max(i + 1);
+    }
+    out
+}
+
 /// The value at `path` in `v`.
 pub fn lookup<'a>(v: &'a Value, path: &str) -> Result<&'a Value, String> {
     let mut cur = v;
@@ -164,6 +270,23 @@ pub fn update(doc: &str, json_link: &str, json: &Value) -> (String, Vec<String>)
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn bare_measured_numbers_are_found_and_cited_ones_are_not() {
+        let doc = "Stage 3 takes 300 ms and buys 1.31x; [93.0 ms](results/a.json \"x\") is cited.\n\
+                   Error 2.8e-2 at te (tolerance 1e-2), 58.8% of the ceiling, 12 GB/s.\n\
+                   Targets: ≥ 80 % and ≥ 1.4x. d_head 64, sm_90, 16 bytes, 2 cores, step 3, h100-98cd396.\n\
+                   `cargo run -- --iters 10` and <!-- 5 ms --> are not prose.\n\
+                   ```\n12 ms in a code block\n```\n\
+                   <!-- results:begin -->\n| 550 ms |\n<!-- results:end -->\n\
+                   After: 1.2x.";
+        let found: Vec<(usize, String)> = bare_numbers(doc);
+        let want: Vec<(usize, String)> = [(1, "300"), (1, "1.31"), (2, "2.8e-2"), (2, "58.8"), (2, "12"), (11, "1.2")]
+            .iter()
+            .map(|(l, n)| (*l, n.to_string()))
+            .collect();
+        assert_eq!(found, want);
+    }
+
     use super::*;
 
     fn json() -> Value {
