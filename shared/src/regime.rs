@@ -189,7 +189,7 @@ pub fn annotate(r: &mut Record, bandwidth_gbs: Option<f64>) {
         Precision::Fp8 => 4.0,
         p => operand_bytes(p),
     };
-    let shape = r.shape.clone();
+    let shape = r.shape;
     if let Some(b) = r.breakdown.as_mut() {
         for p in &mut b.parts {
             p.regime = part_work(&p.name, &shape, operand, act).and_then(|w| classify(w, p.median_ms, &roofs));
