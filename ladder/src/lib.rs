@@ -179,8 +179,8 @@ pub fn run_measured(args: RunArgs, which: &[usize], m: Measure) -> anyhow::Resul
         if let Some(i) = stage_index("stage2_sdpa").filter(|i| which.contains(i)) {
             entries.push(entry(i, StageOptions { attention_copies: true, ..base }, Some("head split/merge copies kept".into())));
             if !session.info.is_cuda() && base.elementwise == Elementwise::Parallel {
-                // Not a technique but what the CPU needs to show one: stage 2's unfused
-                // element-wise passes on candle's single-threaded ops (shared::elementwise).
+                // Asked to run stage 2's unfused passes multi-threaded (`--elementwise parallel`):
+                // also the stage as written, on candle's single-threaded ops, to show what that buys.
                 entries.push(entry(i, StageOptions { elementwise: Elementwise::Candle, ..base }, Some("candle's element-wise ops".into())));
             }
         }

@@ -90,8 +90,8 @@ pub struct RunArgs {
     /// Stage 4: on a GPU without FP8 tensor cores (SM < 8.9), emulate FP8 instead of refusing
     #[arg(long, env = "SPEEDKIT_FP8_EMULATE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub fp8_emulate: bool,
-    /// Stages 2–4 on the CPU: element-wise ops (LayerNorm, GELU, bias, residual, casts) multi-threaded and vectorised (parallel), or candle's single-threaded ones (candle), to measure what that buys
-    #[arg(long, env = "SPEEDKIT_ELEMENTWISE", value_enum, default_value_t = Elementwise::Parallel)]
+    /// Stage 2 on the CPU: its unfused element-wise ops (LayerNorm, GELU, bias, residual) from candle, as stages 0–1 run them (candle, the default: the step from stage 1 is attention alone), or multi-threaded and vectorised (parallel), to measure what threading them buys
+    #[arg(long, env = "SPEEDKIT_ELEMENTWISE", value_enum, default_value_t = Elementwise::Candle)]
     pub elementwise: Elementwise,
     /// Also time the block's named parts (ln1, qkv, attention, ...) in an instrumented forward: a sync (CPU) or CUDA event + NVTX range (GPU) at each boundary
     #[arg(long, env = "SPEEDKIT_BREAKDOWN", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]

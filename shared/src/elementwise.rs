@@ -17,14 +17,15 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::sync::OnceLock;
 
-/// `--elementwise`: which element-wise ops stages 2–4 use on the CPU.
+/// `--elementwise`: which unfused element-wise ops stage 2 uses on the CPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Elementwise {
     /// This module: multi-threaded, vectorised, one pass per op.
-    #[default]
     Parallel,
-    /// candle's CPU ops (single-threaded), as stages 0–1 use.
+    /// candle's CPU ops (single-threaded), as stages 0–1 use: the default, so that stage 2
+    /// differs from stage 1 in its attention only.
+    #[default]
     Candle,
 }
 

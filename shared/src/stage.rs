@@ -79,7 +79,7 @@ pub struct StageOptions {
     pub fp8_emulate: bool,
     /// `--cuda-graph`: the forward will be captured once and replayed (stateful stages refuse).
     pub cuda_graph: bool,
-    /// `--elementwise`: stages 2–4's CPU element-wise ops, parallel (default) or candle's.
+    /// `--elementwise`: stage 2's unfused CPU element-wise ops, candle's (default) or parallel.
     pub elementwise: crate::elementwise::Elementwise,
     /// `--fusions`: which of stage 3's fusions are on (all by default; `ladder --ablate` removes
     /// one at a time).

@@ -37,9 +37,10 @@ use shared::device::{DeviceInfo, GemmSwitches};
 use shared::stage::PrecisionChoice;
 use shared::Shape;
 use shared::{BlockWeights, Plan, PrecisionRequest, SpeedkitError, Stage};
-// Element-wise ops: stage 0's primitives, one pass each, but multi-threaded and vectorised on the
-// CPU (`shared::elementwise`, `--elementwise`); candle's own ops on a GPU. Infrastructure, not
-// this stage's technique: without it, single-threaded GELU and LayerNorm passes hide attention.
+// Element-wise ops: stage 0's primitives, one pass each, as stages 0–1 run them (candle's ops),
+// so this stage differs from stage 1 in its attention only. `--elementwise parallel` runs the
+// same passes multi-threaded and vectorised on the CPU (`shared::elementwise`), to measure what
+// threading alone buys; stage 3 then fuses them.
 use shared::elementwise::{self as ew, gelu_tanh, layer_norm, linear, Elementwise, LN_EPS};
 use stage1_tensorcore::precision;
 
