@@ -19,7 +19,7 @@ if [ ${#checks[@]} -eq 0 ]; then
 fi
 status=0
 for check in "${checks[@]}"; do
-    "${CXX:-c++}" -std=c++20 -O2 -pthread -I"$here" -x c++ "$here/$check.cpp" -o "$out.$check"
+    "${CXX:-c++}" -std=c++20 -O2 -fno-strict-aliasing -pthread -I"$here" -x c++ "$here/$check.cpp" -o "$out.$check"
     "$out.$check" || status=1
 done
 exit $status
