@@ -42,7 +42,12 @@ struct WarpScratch {
     float b[16][8];
     const unsigned char* rows[32];
 };
-extern WarpScratch warp_scratch[4];
+// Two per warp, used in turn by consecutive mma/ldmatrix calls, so one barrier per call is
+// enough: a lane can only write a scratch again (call k+2) after every lane passed the barrier of
+// call k+1, that is, after every lane finished reading it in call k.
+extern WarpScratch warp_scratch[4][2];
+extern thread_local unsigned scratch_turn;  // per lane: calls so far, the same in every lane of a warp
+inline WarpScratch& next_scratch() { return warp_scratch[threadIdx.x / 32][scratch_turn++ % 2]; }
 
 template <typename T>
 inline T emu_round(float x) {
@@ -69,7 +74,7 @@ inline uint32_t pack2(float lo, float hi) {
 template <typename T>
 inline void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    WarpScratch& s = warp_scratch[threadIdx.x / 32];
+    WarpScratch& s = next_scratch();
     const bool swap_a = emu_mutation == EMU_A_ROWS_COLS_SWAPPED, swap_b = emu_mutation == EMU_B_REGS_SWAPPED;
     for (int e = 0; e < 2; ++e) {  // e: the register's low and high halves, columns (or rows of B) 2t, 2t+1
         s.a[g][2 * t + e] = half_of<T>(a[0], e);
@@ -87,13 +92,12 @@ inline void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
         for (int kk = 0; kk < 16; ++kk) acc += s.a[row][kk] * s.b[kk][col];
         out[i] = acc;
     }
-    __syncwarp();  // every lane has read the scratch before the next mma overwrites it
     for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
 inline void emu_ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
     const int lane = threadIdx.x % 32;
-    WarpScratch& s = warp_scratch[threadIdx.x / 32];
+    WarpScratch& s = next_scratch();
     s.rows[lane] = static_cast<const unsigned char*>(row);
     __syncwarp();  // all 32 row addresses are in
     if (lane == 0) {
@@ -121,7 +125,6 @@ inline void emu_ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
         }
         r[m] = uint32_t(lo) | (uint32_t(hi) << 16);
     }
-    __syncwarp();  // every lane has read the addresses before the next ldmatrix overwrites them
 }
 inline void ldmatrix_x4(uint32_t r[4], const void* row) { emu_ldmatrix_x4(r, row, false); }
 inline void ldmatrix_x4_trans(uint32_t r[4], const void* row) {
