@@ -5,7 +5,7 @@ use crate::device::DeviceRequest;
 use crate::elementwise::Elementwise;
 use crate::error::{classify, SpeedkitError};
 use crate::preset::Preset;
-use crate::stage::{Fp8Recipe, Fusions, Precision, PrecisionRequest, StageOptions};
+use crate::stage::{AttentionKernel, Fp8Recipe, Fusions, Precision, PrecisionRequest, StageOptions};
 use clap::ValueEnum;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -99,6 +99,9 @@ pub struct RunArgs {
     /// Stage 3: which fusions to keep on, e.g. ln,qkv,epilogue,add-ln (or all, none); the others run their slow twins
     #[arg(long, env = "SPEEDKIT_FUSIONS", default_value = "all")]
     pub fusions: Fusions,
+    /// Stages 2–4 on CUDA: which of our attention kernels runs, v1 (WMMA, the teaching kernel) or v2 (mma.sync, S and P in registers; the default). CUDA only
+    #[arg(long, env = "SPEEDKIT_ATTENTION_KERNEL", value_enum)]
+    pub attention_kernel: Option<AttentionKernel>,
     /// Memory bandwidth in GB/s for the roofline's memory ceiling (for devices not in the built-in table, e.g. a CPU's STREAM figure)
     #[arg(long, env = "SPEEDKIT_BANDWIDTH_GBS")]
     pub bandwidth_gbs: Option<f64>,
@@ -114,6 +117,7 @@ impl RunArgs {
             elementwise: self.elementwise,
             fusions: self.fusions,
             attention_copies: false,
+            attention_kernel: self.attention_kernel,
             requested: self.precision,
         }
     }
