@@ -18,7 +18,8 @@
 //!
 //! **What it costs.** Nothing in accuracy: the same softmax, in f32, summed in another order
 //! (relative error ~1e-7 against stage 1 at fp32). The CPU runs our kernel at any precision;
-//! on CUDA our FlashAttention-2 kernel (`kernels/flash_attn.cu`, tensor cores) takes bf16/f16
+//! on CUDA our FlashAttention-2 kernel (`kernels/flash_attn_v2.cu`, tensor cores; v1,
+//! `kernels/flash_attn.cu`, with `--attention-kernel v1`) takes bf16/f16
 //! on SM 8.0+ with d_head 32, 64 or 128 — or, built with the `flash-attn` feature,
 //! candle-flash-attn does (d_head any multiple of 8 up to 512).
 //!
