@@ -237,4 +237,15 @@ mod tests {
         let e = "ln,gelu".parse::<Fusions>().unwrap_err();
         assert!(e.contains("'gelu'") && e.contains("Fix"), "{e}");
     }
+
+    #[test]
+    fn attention_kernel_flag() {
+        // Unset means "the default" (v2 on CUDA), so a stage can tell a request from no request.
+        assert_eq!(flags(&[]).stage_options().attention_kernel, None);
+        assert_eq!(flags(&["--attention-kernel", "v1"]).stage_options().attention_kernel, Some(AttentionKernel::V1));
+        assert_eq!(flags(&["--attention-kernel=v2"]).stage_options().attention_kernel, Some(AttentionKernel::V2));
+        use clap::Args;
+        let bad = RunArgs::augment_args(clap::Command::new("t")).try_get_matches_from(["t", "--attention-kernel", "v3"]);
+        assert!(bad.unwrap_err().to_string().contains("v1, v2"));
+    }
 }
