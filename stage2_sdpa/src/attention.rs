@@ -69,7 +69,9 @@ impl Implementation {
             (Some(AttentionKernel::V2), Implementation::SpeedkitCuda) => Ok(Implementation::SpeedkitCuda),
             (Some(AttentionKernel::V1), Implementation::SpeedkitCuda) => Ok(Implementation::SpeedkitCudaV1),
             (Some(k), imp) => Err(SpeedkitError::usage(format!(
-                "--attention-kernel {} chooses between stage 2's two CUDA kernels (v1: WMMA, v2: mma.sync), and                  this run's attention is {} instead. Fix: drop --attention-kernel (and SPEEDKIT_ATTENTION_KERNEL),                  or run on a GPU (--device cuda) with a build without the flash-attn feature.",
+                "--attention-kernel {} chooses between stage 2's two CUDA kernels (v1: WMMA, v2: mma.sync), and \
+                 this run's attention is {} instead. Fix: drop --attention-kernel (and SPEEDKIT_ATTENTION_KERNEL), \
+                 or run on a GPU (--device cuda) with a build without the flash-attn feature.",
                 k.name(),
                 imp.description()
             ))),
@@ -640,6 +642,7 @@ mod tests {
         for k in [AttentionKernel::V1, AttentionKernel::V2] {
             let e = Implementation::for_run(&cpu, Some(k)).unwrap_err().to_string();
             assert!(e.contains(&format!("--attention-kernel {}", k.name())) && e.contains("Fix:"), "{e}");
+            assert!(!e.contains("  "), "one paragraph, no source indentation: {e}");
         }
     }
 
