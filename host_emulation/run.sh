@@ -2,8 +2,13 @@
 # Host emulation of every hand-written CUDA kernel in the workspace: each check compiles a
 # kernel's real source for the CPU with the stand-ins in this folder (threads, barriers, warp
 # shuffles, tensor-core fragments, 16-bit types) and compares every entry point with an f64
-# reference. attention_check.cpp runs stage2_sdpa/kernels/flash_attn.cu; ln_check.cpp runs
-# stage3_fused/kernels/add_layer_norm.cu. Needs a C++20 compiler ($CXX, default c++); no GPU.
+# reference. attention_check.cpp runs stage2_sdpa/kernels/flash_attn.cu; attention_v2_check.cpp
+# runs flash_attn_v2.cu through this folder's ptx_warp.h (mma.sync, ldmatrix, cp.async: the
+# kernel's `#include <ptx_warp.h>` finds it, as only this folder is on the include path) and
+# requires its wrong-layout mutations to fail; ln_check.cpp runs
+# stage3_fused/kernels/add_layer_norm.cu. -fno-strict-aliasing: the kernels pun 16-bit pairs and
+# 16-byte chunks through integer types, as CUDA code does. Needs a C++20 compiler ($CXX, default
+# c++); no GPU.
 # Prints one line per kernel call; exit 1 if any is out of tolerance.
 #
 #   bash host_emulation/run.sh             every check
@@ -19,7 +24,7 @@ if [ ${#checks[@]} -eq 0 ]; then
 fi
 status=0
 for check in "${checks[@]}"; do
-    "${CXX:-c++}" -std=c++20 -O2 -pthread -I"$here" -x c++ "$here/$check.cpp" -o "$out.$check"
+    "${CXX:-c++}" -std=c++20 -O2 -fno-strict-aliasing -pthread -I"$here" -x c++ "$here/$check.cpp" -o "$out.$check"
     "$out.$check" || status=1
 done
 exit $status

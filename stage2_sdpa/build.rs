@@ -1,5 +1,5 @@
-//! With the `cuda` feature: compile `kernels/flash_attn.cu` (stage 2's FlashAttention-2 kernel) to
-//! PTX with nvcc — the compiler the feature already needs for candle's own kernels — into
+//! With the `cuda` feature: compile `kernels/flash_attn.cu` and `kernels/flash_attn_v2.cu` (stage
+//! 2's FlashAttention-2 kernels, v1 and v2) to PTX with nvcc — the compiler the feature already needs for candle's own kernels — into
 //! OUT_DIR, where `src/attention_cuda.rs` includes it. CPU builds do nothing here and need no nvcc.
 //!
 //! Target: `-arch=sm_$CUDA_COMPUTE_CAP` (candle's variable; 80 when unset), always plain PTX
@@ -18,6 +18,8 @@ mod ptx_arch;
 
 fn main() {
     println!("cargo:rerun-if-changed=kernels/flash_attn.cu");
+    println!("cargo:rerun-if-changed=kernels/flash_attn_v2.cu");
+    println!("cargo:rerun-if-changed=kernels/ptx_warp.h");
     println!("cargo:rerun-if-changed=ptx_arch.rs");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
@@ -35,25 +37,30 @@ fn main() {
         .map(PathBuf::from)
         .or_else(|| env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("bin/nvcc")).filter(|p| p.exists()))
         .unwrap_or_else(|| PathBuf::from("nvcc"));
-    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("flash_attn.ptx");
-    let result = Command::new(&nvcc)
-        .args(["--ptx", &format!("-arch=sm_{arch}"), "-std=c++17", "-O3", "-o"])
-        .arg(&out)
-        .arg("kernels/flash_attn.cu")
-        .output();
-    match result {
-        Err(e) => panic!(
-            "\nstage2_sdpa: the `cuda` feature compiles kernels/flash_attn.cu with nvcc, and running `{}` failed: {e}.\n\
-             Fix: install a CUDA toolkit (nvcc on PATH, or CUDA_HOME / NVCC set), or, with no toolkit, \
-             `source scripts/cuda-toolchain.sh` (CUDA 13.0 from PyPI wheels), then rebuild.\n",
-            nvcc.display()
-        ),
-        Ok(o) if !o.status.success() => panic!(
-            "\nstage2_sdpa: nvcc could not compile kernels/flash_attn.cu for sm_{arch}:\n{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        ),
-        Ok(_) => {}
+    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    // -I kernels: flash_attn_v2.cu includes <ptx_warp.h>, the inline PTX (the host emulation
+    // puts its CPU twin of that header first on its own include path instead).
+    for name in ["flash_attn", "flash_attn_v2"] {
+        let src = format!("kernels/{name}.cu");
+        let result = Command::new(&nvcc)
+            .args(["--ptx", &format!("-arch=sm_{arch}"), "-std=c++17", "-O3", "-I", "kernels", "-o"])
+            .arg(out_dir.join(format!("{name}.ptx")))
+            .arg(&src)
+            .output();
+        match result {
+            Err(e) => panic!(
+                "\nstage2_sdpa: the `cuda` feature compiles {src} with nvcc, and running `{}` failed: {e}.\n\
+                 Fix: install a CUDA toolkit (nvcc on PATH, or CUDA_HOME / NVCC set), or, with no toolkit, \
+                 `source scripts/cuda-toolchain.sh` (CUDA 13.0 from PyPI wheels), then rebuild.\n",
+                nvcc.display()
+            ),
+            Ok(o) if !o.status.success() => panic!(
+                "\nstage2_sdpa: nvcc could not compile {src} for sm_{arch}:\n{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+            Ok(_) => {}
+        }
     }
     // The architecture the PTX was built for: stage 2 refuses older GPUs with the reason.
     println!("cargo:rustc-env=SPEEDKIT_ATTN_ARCH={arch}");

@@ -178,6 +178,12 @@ pub fn run_measured(args: RunArgs, which: &[usize], m: Measure) -> anyhow::Resul
         let stage_index = |name: &str| all.iter().position(|s| s.name == name);
         if let Some(i) = stage_index("stage2_sdpa").filter(|i| which.contains(i)) {
             entries.push(entry(i, StageOptions { attention_copies: true, ..base }, Some("head split/merge copies kept".into())));
+            // Our attention kernel's second step undone: v1 (WMMA) where v2 runs by default.
+            use stage2_sdpa::attention::Implementation;
+            if matches!(Implementation::for_run(&session.device, base.attention_kernel), Ok(Implementation::SpeedkitCuda)) {
+                let v1 = Some(shared::AttentionKernel::V1);
+                entries.push(entry(i, StageOptions { attention_kernel: v1, ..base }, Some("v1 instead of v2".into())));
+            }
             if !session.info.is_cuda() && base.elementwise == Elementwise::Parallel {
                 // Asked to run stage 2's unfused passes multi-threaded (`--elementwise parallel`):
                 // also the stage as written, on candle's single-threaded ops, to show what that buys.

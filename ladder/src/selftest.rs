@@ -7,7 +7,7 @@
 //!
 //! | block | on CUDA | on the CPU |
 //! |---|---|---|
-//! | attention (d_head 32/64/128, bf16/f16, causal or not, T = 67) | kernels/flash_attn.cu vs the CPU kernel | the CPU kernel vs plain ops |
+//! | attention (d_head 32/64/128, bf16/f16, causal or not, T = 67) | kernels/flash_attn.cu (v1) and flash_attn_v2.cu (v2), each vs the CPU kernel | the CPU kernel vs plain ops |
 //! | cuBLASLt epilogues (bias, bias+GELU, residual in C, residual after) | stage 3's GEMMs vs stage 0's ops | `linear_args` run by `cublaslt_model` vs stage 0's ops |
 //! | FP8 GEMM (delayed, current; bias, GELU) | cuBLASLt E4M3 vs the emulated layer | `fp8_gemm_args` run by `cublaslt_model` vs the emulated layer |
 //! | NVRTC kernels (layer_norm, add_layer_norm; f32/bf16/f16; a row of mean 10⁴) | add_layer_norm.cu vs plain ops | the CPU fused ops vs plain ops |
@@ -155,23 +155,32 @@ fn attention(r: &mut Rows, device: &Device) {
     if !device.is_cuda() {
         r.ran = "cpu kernel (the .cu: host emulation, run.sh)".into();
     }
-    // T = 67: not a multiple of the kernel's 64-row tile, so the last tile is partial.
-    for dtype in [DType::BF16, DType::F16] {
-        for d in [32, 64, 128] {
-            for causal in [false, true] {
-                let case = format!("{dtype:?} d_head={d} causal={causal} B=2 T=67 n_head=2");
-                r.compare("attention", case, || {
-                    let mk = |seed| -> anyhow::Result<Tensor> { Ok(randn(&[2, 67, 2, d], seed, 1.0, 0.0)?.to_dtype(dtype)?) };
-                    let (q, k, v) = (mk(1)?, mk(2)?, mk(3)?);
-                    let tol = if dtype == DType::BF16 { 1e-2 } else { 2e-3 };
-                    if device.is_cuda() {
-                        let on = |x: &Tensor| x.to_device(device);
-                        let got = attention_with(Implementation::SpeedkitCuda, &on(&q)?, &on(&k)?, &on(&v)?, causal)?;
-                        Ok((got, attention_with(Implementation::Cpu, &q, &k, &v, causal)?, tol))
-                    } else {
-                        Ok((attention_with(Implementation::Cpu, &q, &k, &v, causal)?, attention_twin(&q, &k, &v, causal)?, tol))
-                    }
-                });
+    // On CUDA both of our kernels, v1 (WMMA) and v2 (mma.sync); on the CPU its one kernel (the
+    // .cu sources run under the host emulation instead: host_emulation/run.sh).
+    let kernels: &[(&str, Implementation)] = if device.is_cuda() {
+        &[("v1 ", Implementation::SpeedkitCudaV1), ("v2 ", Implementation::SpeedkitCuda)]
+    } else {
+        &[("", Implementation::Cpu)]
+    };
+    // T = 67: not a multiple of the kernels' 64-row tile, so the last tile is partial.
+    for &(label, imp) in kernels {
+        for dtype in [DType::BF16, DType::F16] {
+            for d in [32, 64, 128] {
+                for causal in [false, true] {
+                    let case = format!("{label}{dtype:?} d_head={d} causal={causal} B=2 T=67 n_head=2");
+                    r.compare("attention", case, || {
+                        let mk = |seed| -> anyhow::Result<Tensor> { Ok(randn(&[2, 67, 2, d], seed, 1.0, 0.0)?.to_dtype(dtype)?) };
+                        let (q, k, v) = (mk(1)?, mk(2)?, mk(3)?);
+                        let tol = if dtype == DType::BF16 { 1e-2 } else { 2e-3 };
+                        if device.is_cuda() {
+                            let on = |x: &Tensor| x.to_device(device);
+                            let got = attention_with(imp, &on(&q)?, &on(&k)?, &on(&v)?, causal)?;
+                            Ok((got, attention_with(Implementation::Cpu, &q, &k, &v, causal)?, tol))
+                        } else {
+                            Ok((attention_with(imp, &q, &k, &v, causal)?, attention_twin(&q, &k, &v, causal)?, tol))
+                        }
+                    });
+                }
             }
         }
     }

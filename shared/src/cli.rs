@@ -5,7 +5,7 @@ use crate::device::DeviceRequest;
 use crate::elementwise::Elementwise;
 use crate::error::{classify, SpeedkitError};
 use crate::preset::Preset;
-use crate::stage::{Fp8Recipe, Fusions, Precision, PrecisionRequest, StageOptions};
+use crate::stage::{AttentionKernel, Fp8Recipe, Fusions, Precision, PrecisionRequest, StageOptions};
 use clap::ValueEnum;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -99,6 +99,9 @@ pub struct RunArgs {
     /// Stage 3: which fusions to keep on, e.g. ln,qkv,epilogue,add-ln (or all, none); the others run their slow twins
     #[arg(long, env = "SPEEDKIT_FUSIONS", default_value = "all")]
     pub fusions: Fusions,
+    /// Stages 2–4 on CUDA: which of our attention kernels runs, v1 (WMMA, the teaching kernel) or v2 (mma.sync, S and P in registers; the default). CUDA only
+    #[arg(long, env = "SPEEDKIT_ATTENTION_KERNEL", value_enum)]
+    pub attention_kernel: Option<AttentionKernel>,
     /// Memory bandwidth in GB/s for the roofline's memory ceiling (for devices not in the built-in table, e.g. a CPU's STREAM figure)
     #[arg(long, env = "SPEEDKIT_BANDWIDTH_GBS")]
     pub bandwidth_gbs: Option<f64>,
@@ -114,6 +117,7 @@ impl RunArgs {
             elementwise: self.elementwise,
             fusions: self.fusions,
             attention_copies: false,
+            attention_kernel: self.attention_kernel,
             requested: self.precision,
         }
     }
@@ -232,5 +236,16 @@ mod tests {
         assert_eq!(Fusions::ALL.without("qkv").on(), ["ln", "epilogue", "add-ln"]);
         let e = "ln,gelu".parse::<Fusions>().unwrap_err();
         assert!(e.contains("'gelu'") && e.contains("Fix"), "{e}");
+    }
+
+    #[test]
+    fn attention_kernel_flag() {
+        // Unset means "the default" (v2 on CUDA), so a stage can tell a request from no request.
+        assert_eq!(flags(&[]).stage_options().attention_kernel, None);
+        assert_eq!(flags(&["--attention-kernel", "v1"]).stage_options().attention_kernel, Some(AttentionKernel::V1));
+        assert_eq!(flags(&["--attention-kernel=v2"]).stage_options().attention_kernel, Some(AttentionKernel::V2));
+        use clap::Args;
+        let bad = RunArgs::augment_args(clap::Command::new("t")).try_get_matches_from(["t", "--attention-kernel", "v3"]);
+        assert!(bad.unwrap_err().to_string().contains("v1, v2"));
     }
 }

@@ -69,6 +69,26 @@ impl Fp8Recipe {
     }
 }
 
+/// `--attention-kernel v1|v2`: which of stage 2's own CUDA attention kernels stages 2–4 run
+/// (`stage2_sdpa/kernels/flash_attn.cu` = v1, the WMMA teaching kernel; `flash_attn_v2.cu` =
+/// v2, register-resident mma.sync). CUDA only: the CPU has one attention kernel, and a build
+/// with `flash-attn` runs candle-flash-attn; both refuse the flag rather than ignore it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionKernel {
+    V1,
+    V2,
+}
+
+impl AttentionKernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKernel::V1 => "v1",
+            AttentionKernel::V2 => "v2",
+        }
+    }
+}
+
 /// Run options that only some stages read (today: stage 4's FP8 flags and --cuda-graph); every stage gets them
 /// in its `Plan` so the runner and the ladder pass one thing.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -87,6 +107,9 @@ pub struct StageOptions {
     /// Stage 2 ablation: keep stages 0–1's head split/merge copies around the fused kernel, so
     /// the kernel's gain and the copies' are measured apart.
     pub attention_copies: bool,
+    /// `--attention-kernel`: None = the default (v2 on CUDA); Some only when asked for, so a
+    /// request the device cannot honour is refused, not ignored.
+    pub attention_kernel: Option<AttentionKernel>,
     /// The run's `--precision` for the stages without a precision of their own: stage 4 keeps
     /// stage 3's activation precision at the same request, so FP8 is its only change.
     pub requested: PrecisionRequest,

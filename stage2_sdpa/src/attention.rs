@@ -6,9 +6,10 @@
 //!
 //! - CPU: our kernel below (FlashAttention-2's tiled online softmax; f32, bf16 and f16 inputs,
 //!   f32 accumulation), the `cpu_fwd` of a candle `CustomOp3`, rayon over batch × heads.
-//! - CUDA: our FlashAttention-2 kernel, `kernels/flash_attn.cu` (host side in
-//!   `attention_cuda.rs`), the same op's `cuda_fwd`: bf16/f16 on tensor cores (WMMA), f32
-//!   softmax and accumulation, SM 8.0+, d_head 32, 64 or 128.
+//! - CUDA: our FlashAttention-2 kernels (host side in `attention_cuda.rs`), the same op's
+//!   `cuda_fwd`: bf16/f16 on tensor cores, f32 softmax and accumulation, SM 8.0+, d_head 32, 64
+//!   or 128. v2, `kernels/flash_attn_v2.cu` (mma.sync, S and P in registers), by default; v1,
+//!   `kernels/flash_attn.cu` (WMMA, the teaching kernel), with `--attention-kernel v1`.
 //! - CUDA with the `flash-attn` feature: candle-flash-attn instead (bf16/f16, SM 8.0+, d_head a
 //!   multiple of 8 up to 512).
 //!
@@ -21,7 +22,7 @@ use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, WithDTyp
 use rayon::prelude::*;
 use shared::device::DeviceInfo;
 use shared::elementwise::exp_f32;
-use shared::{Precision, SpeedkitError};
+use shared::{AttentionKernel, Precision, SpeedkitError};
 
 /// Query rows per tile (B_r in the paper).
 pub const BR: usize = 32;
@@ -38,8 +39,12 @@ pub const BC: usize = 64;
 pub enum Implementation {
     /// The tiled online-softmax kernel in this file (CPU, rayon).
     Cpu,
-    /// Our FlashAttention-2 kernel, `kernels/flash_attn.cu` (CUDA, WMMA tensor cores).
+    /// Our FlashAttention-2 kernel v2, `kernels/flash_attn_v2.cu` (CUDA, mma.sync tensor cores,
+    /// S and P in registers): the default on CUDA.
     SpeedkitCuda,
+    /// Our v1 kernel, `kernels/flash_attn.cu` (CUDA, WMMA tensor cores): the lesson's first
+    /// step, `--attention-kernel v1`.
+    SpeedkitCudaV1,
     /// candle-flash-attn (CUDA, the `flash-attn` feature).
     FlashAttn,
 }
@@ -51,6 +56,25 @@ impl Implementation {
             Self::cuda()
         } else {
             Implementation::Cpu
+        }
+    }
+
+    /// What a stage runs on `device` with `--attention-kernel` = `kernel` (None: the default).
+    /// The flag picks between our two CUDA kernels; where neither runs (the CPU, a build with
+    /// candle-flash-attn) asking for one is an error, not a request quietly ignored.
+    pub fn for_run(device: &Device, kernel: Option<AttentionKernel>) -> Result<Self, SpeedkitError> {
+        let default = Self::on(device);
+        match (kernel, default) {
+            (None, imp) => Ok(imp),
+            (Some(AttentionKernel::V2), Implementation::SpeedkitCuda) => Ok(Implementation::SpeedkitCuda),
+            (Some(AttentionKernel::V1), Implementation::SpeedkitCuda) => Ok(Implementation::SpeedkitCudaV1),
+            (Some(k), imp) => Err(SpeedkitError::usage(format!(
+                "--attention-kernel {} chooses between stage 2's two CUDA kernels (v1: WMMA, v2: mma.sync), and \
+                 this run's attention is {} instead. Fix: drop --attention-kernel (and SPEEDKIT_ATTENTION_KERNEL), \
+                 or run on a GPU (--device cuda) with a build without the flash-attn feature.",
+                k.name(),
+                imp.description()
+            ))),
         }
     }
 
@@ -67,7 +91,8 @@ impl Implementation {
     pub fn name(self) -> &'static str {
         match self {
             Implementation::Cpu => "speedkit cpu attn",
-            Implementation::SpeedkitCuda => "speedkit cuda attn",
+            Implementation::SpeedkitCuda => "speedkit cuda v2",
+            Implementation::SpeedkitCudaV1 => "speedkit cuda v1",
             Implementation::FlashAttn => "flash-attn",
         }
     }
@@ -76,7 +101,10 @@ impl Implementation {
     pub fn description(self) -> &'static str {
         match self {
             Implementation::Cpu => "speedkit tiled online-softmax kernel (CPU, rayon)",
-            Implementation::SpeedkitCuda => "speedkit FlashAttention-2 kernel (stage2_sdpa/kernels/flash_attn.cu, WMMA tensor cores)",
+            Implementation::SpeedkitCuda => {
+                "speedkit FlashAttention-2 kernel v2 (stage2_sdpa/kernels/flash_attn_v2.cu, mma.sync tensor cores, S and P in registers)"
+            }
+            Implementation::SpeedkitCudaV1 => "speedkit FlashAttention-2 kernel v1 (stage2_sdpa/kernels/flash_attn.cu, WMMA tensor cores)",
             Implementation::FlashAttn => "candle-flash-attn (FlashAttention-2, CUDA)",
         }
     }
@@ -86,7 +114,7 @@ impl Implementation {
     pub fn check_head_size(self, d_head: usize) -> Result<(), SpeedkitError> {
         match self {
             Implementation::Cpu => Ok(()),
-            Implementation::SpeedkitCuda => attention_cuda::check_head_size(d_head),
+            Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1 => attention_cuda::check_head_size(d_head),
             Implementation::FlashAttn if !d_head.is_multiple_of(8) || d_head > 512 => Err(SpeedkitError::usage(format!(
                 "candle-flash-attn supports d_head = C / n_head up to 512 in multiples of 8, and this shape has d_head = {d_head}. \
                  Fix: pick --heads so that C / n_head is one of 64, 128 (the common sizes), or run with --device cpu."
@@ -120,7 +148,7 @@ fn built_arch() -> Option<(u32, u32)> {
 fn check_cuda(imp: Implementation, built: Option<(u32, u32)>, info: &DeviceInfo, p: Precision) -> Result<(), SpeedkitError> {
     let who = match imp {
         Implementation::FlashAttn => "candle-flash-attn",
-        _ => "stage 2's CUDA attention kernel (kernels/flash_attn.cu)",
+        _ => "stage 2's CUDA attention kernels (kernels/flash_attn.cu, flash_attn_v2.cu)",
     };
     let sm = info.sm.map_or("?".into(), |(a, b)| format!("{a}.{b}"));
     if !info.has_bf16_tensor_cores() {
@@ -130,7 +158,7 @@ fn check_cuda(imp: Implementation, built: Option<(u32, u32)>, info: &DeviceInfo,
             info.name
         )));
     }
-    if let (Implementation::SpeedkitCuda, Some((ma, mi)), Some(have)) = (imp, built, info.sm) {
+    if let (Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1, Some((ma, mi)), Some(have)) = (imp, built, info.sm) {
         if have < (ma, mi) {
             let (a, b) = have;
             return Err(SpeedkitError::usage(format!(
@@ -193,19 +221,23 @@ pub fn attention_with(imp: Implementation, q: &Tensor, k: &Tensor, v: &Tensor, c
         candle_core::bail!("attention: {} cannot run on {:?}", imp.name(), q.device().location());
     }
     let scale = 1.0 / (d as f32).sqrt();
+    // The CUDA kernel the op launches (the CPU kernel ignores it).
+    let kernel = if imp == Implementation::SpeedkitCudaV1 { AttentionKernel::V1 } else { AttentionKernel::V2 };
+    let op = FlashAttn { scale, causal, kernel };
     match imp {
         Implementation::Cpu => {
             let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-            q.apply_op3_no_bwd(&k, &v, &FlashAttn { scale, causal })
+            q.apply_op3_no_bwd(&k, &v, &op)
         }
-        Implementation::SpeedkitCuda => {
+        Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1 => {
             // Views go in as they are when the kernel can read them in place (stage 2's
             // reshapes, stage 3's slices of the QKV output); anything else is copied first.
+            // Both kernels share the layout rules.
             if attention_cuda::kernel_strides(q.layout(), k.layout(), v.layout()).is_some() {
-                q.apply_op3_no_bwd(k, v, &FlashAttn { scale, causal })
+                q.apply_op3_no_bwd(k, v, &op)
             } else {
                 let (q, k, v) = (q.force_contiguous()?, k.force_contiguous()?, v.force_contiguous()?);
-                q.apply_op3_no_bwd(&k, &v, &FlashAttn { scale, causal })
+                q.apply_op3_no_bwd(&k, &v, &op)
             }
         }
         Implementation::FlashAttn => flash_attn(q, k, v, scale, causal),
@@ -230,6 +262,8 @@ fn flash_attn(_q: &Tensor, _k: &Tensor, _v: &Tensor, _scale: f32, _causal: bool)
 struct FlashAttn {
     scale: f32,
     causal: bool,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd only
+    kernel: AttentionKernel,
 }
 
 impl CustomOp3 for FlashAttn {
@@ -237,7 +271,7 @@ impl CustomOp3 for FlashAttn {
         "speedkit-flash-attention"
     }
 
-    /// Our CUDA kernel (`kernels/flash_attn.cu`), launched by `attention_cuda`.
+    /// Our CUDA kernel (`kernels/flash_attn_v2.cu`, or v1's `flash_attn.cu`), launched by `attention_cuda`.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
@@ -248,7 +282,7 @@ impl CustomOp3 for FlashAttn {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        attention_cuda::cuda_fwd(self.scale, self.causal, (s1, l1), (s2, l2), (s3, l3))
+        attention_cuda::cuda_fwd(self.kernel, self.scale, self.causal, (s1, l1), (s2, l2), (s3, l3))
     }
 
     fn cpu_fwd(
@@ -582,9 +616,9 @@ mod tests {
     #[test]
     fn implementation_names() {
         assert_eq!(implementation(&candle_core::Device::Cpu), "speedkit cpu attn");
-        let cuda = if cfg!(feature = "flash-attn") { "flash-attn" } else { "speedkit cuda attn" };
+        let cuda = if cfg!(feature = "flash-attn") { "flash-attn" } else { "speedkit cuda v2" };
         assert_eq!(Implementation::cuda().name(), cuda);
-        for imp in [Implementation::Cpu, Implementation::SpeedkitCuda, Implementation::FlashAttn] {
+        for imp in [Implementation::Cpu, Implementation::SpeedkitCuda, Implementation::SpeedkitCudaV1, Implementation::FlashAttn] {
             assert!(imp.name().len() <= 18, "a table cell: {}", imp.name());
         }
     }
@@ -593,11 +627,23 @@ mod tests {
     fn a_cuda_implementation_on_cpu_tensors_is_an_error_not_a_fallback() {
         let dev = candle_core::Device::Cpu;
         let q = Tensor::zeros((1, 4, 2, 64), DType::BF16, &dev).unwrap();
-        for imp in [Implementation::SpeedkitCuda, Implementation::FlashAttn] {
+        for imp in [Implementation::SpeedkitCuda, Implementation::SpeedkitCudaV1, Implementation::FlashAttn] {
             let e = attention_with(imp, &q, &q, &q, true).unwrap_err().to_string();
             assert!(e.contains(imp.name()) && e.contains("cannot run"), "{e}");
         }
         assert!(attention_with(Implementation::Cpu, &q, &q, &q, true).is_ok());
+    }
+
+    #[test]
+    fn attention_kernel_flag_is_refused_where_it_cannot_apply() {
+        // The CPU has one attention kernel: asking for v1 or v2 there is an error naming the fix.
+        let cpu = candle_core::Device::Cpu;
+        assert_eq!(Implementation::for_run(&cpu, None).unwrap(), Implementation::Cpu);
+        for k in [AttentionKernel::V1, AttentionKernel::V2] {
+            let e = Implementation::for_run(&cpu, Some(k)).unwrap_err().to_string();
+            assert!(e.contains(&format!("--attention-kernel {}", k.name())) && e.contains("Fix:"), "{e}");
+            assert!(!e.contains("  "), "one paragraph, no source indentation: {e}");
+        }
     }
 
     #[test]

@@ -1,6 +1,9 @@
-//! Stage 2's attention on CUDA without candle-flash-attn: our FlashAttention-2 kernel,
-//! `kernels/flash_attn.cu` (read it beside the CPU kernel in `attention.rs`: same algorithm,
-//! same m, l, O notation).
+//! Stage 2's attention on CUDA without candle-flash-attn: our FlashAttention-2 kernels, v1
+//! `kernels/flash_attn.cu` (WMMA; read it beside the CPU kernel in `attention.rs`: same
+//! algorithm, same m, l, O notation) and v2 `kernels/flash_attn_v2.cu` (mma.sync, S, P and O in
+//! registers, cp.async double buffering, swizzled shared memory; the default). Both take the
+//! same arguments, tiles (B_r = B_c = 64, 4 warps) and layouts; they differ in shared memory,
+//! registers, and so occupancy.
 //!
 //! This file holds the host side: the launch arithmetic — grid, threads, shared memory, tiles
 //! skipped, occupancy — as pure functions tested on any machine, and, with the `cuda` feature,
@@ -14,7 +17,7 @@
 //! contiguous and 16-byte aligned (the kernel loads 8 values per instruction); `attention()`
 //! copies anything else first (`kernel_strides`).
 
-use shared::SpeedkitError;
+use shared::{AttentionKernel, SpeedkitError};
 
 /// Query rows per thread block (B_r); `BR` in the kernel.
 pub const BR: usize = 64;
@@ -34,7 +37,12 @@ pub const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
 pub const MAX_T: usize = i32::MAX as usize;
 /// Limit of the grid's y and z dimensions, which carry n_head and B.
 pub const MAX_GRID_YZ: usize = 65_535;
-/// Registers per thread the occupancy arithmetic assumes. `nvcc -cubin -Xptxas -v` (CUDA 13.0)
+/// Registers per thread for v2: `nvcc -cubin -arch=sm_90 -Xptxas -v` (CUDA 13.0) reports 168 at
+/// d_head 128 (36 bytes of spills, under `__launch_bounds__(128, 3)`: without it, 176 and no
+/// spills, which fits only two blocks), 150 at 64 and 108 at 32; sm_80: 168, 144, 107. The
+/// largest, 168 × 128 threads = 21 K a block, fits three blocks in 64 K registers.
+pub const REGISTERS_PER_THREAD_V2: usize = 168;
+/// Registers per thread the occupancy arithmetic assumes for v1. `nvcc -cubin -Xptxas -v` (CUDA 13.0)
 /// reports 80–128 for the six entry points on sm_80 and sm_90, no spills: at most
 /// 128 × THREADS = 16 K registers a block, so four blocks fit one SM's 64 K and shared memory,
 /// not registers, is what limits blocks per SM (`blocks_per_sm`).
@@ -48,7 +56,22 @@ pub fn shared_mem_bytes(d_head: usize) -> usize {
     2 * BC * d_head * 2 + BR * BC * 4 + BR * BC * 2 + BR * d_head * 4
 }
 
-/// The kernel has one compiled instance per head size in `HEAD_SIZES`.
+/// v2's dynamic shared memory per block: K_j and V_j (B_c × d, 16-bit), two stages each for
+/// the cp.async double buffering — nothing else, as S, P and O live in registers (Q_i passes
+/// through a K buffer first). 16 KiB at d_head 32, 32 KiB at 64, 64 KiB at 128.
+pub fn shared_mem_bytes_v2(d_head: usize) -> usize {
+    2 * 2 * BC * d_head * 2
+}
+
+/// Shared memory per block of `kernel` at `d_head`.
+pub fn shared_mem_bytes_of(kernel: AttentionKernel, d_head: usize) -> usize {
+    match kernel {
+        AttentionKernel::V1 => shared_mem_bytes(d_head),
+        AttentionKernel::V2 => shared_mem_bytes_v2(d_head),
+    }
+}
+
+/// The kernels have one compiled instance per head size in `HEAD_SIZES`.
 pub fn check_head_size(d_head: usize) -> Result<(), SpeedkitError> {
     if HEAD_SIZES.contains(&d_head) {
         return Ok(());
@@ -85,6 +108,7 @@ pub struct LaunchPlan {
 /// into `max_shared_bytes` of shared memory; an error naming the limit for shapes the kernel
 /// cannot take.
 pub fn launch_config(
+    kernel: AttentionKernel,
     b: usize,
     t: usize,
     n_head: usize,
@@ -108,7 +132,7 @@ pub fn launch_config(
              and this call has n_head = {n_head}, B = {b}. Fix: split the batch."
         )));
     }
-    let bytes = shared_mem_bytes(d_head);
+    let bytes = shared_mem_bytes_of(kernel, d_head);
     if bytes > max_shared_bytes {
         return Err(SpeedkitError::usage(format!(
             "stage 2's CUDA attention kernel needs {} KiB of shared memory per block at d_head = {d_head}, and this \
@@ -135,16 +159,24 @@ pub fn launch_config(
 /// Blocks resident per SM with `shared_per_sm` bytes of shared memory (228 KiB on H100, 164 on
 /// A100, 100 on sm_86/89): the smallest of the shared-memory, register (64 K per SM) and thread
 /// (2048 per SM) limits. The driver reserves 1 KiB of shared memory per block.
-pub fn blocks_per_sm(d_head: usize, shared_per_sm: usize) -> usize {
-    let by_shared = shared_per_sm / (shared_mem_bytes(d_head) + 1024);
-    let by_registers = 65_536 / (REGISTERS_PER_THREAD * THREADS);
+pub fn blocks_per_sm(kernel: AttentionKernel, d_head: usize, shared_per_sm: usize) -> usize {
+    let by_shared = shared_per_sm / (shared_mem_bytes_of(kernel, d_head) + 1024);
+    let registers = match kernel {
+        AttentionKernel::V1 => REGISTERS_PER_THREAD,
+        AttentionKernel::V2 => REGISTERS_PER_THREAD_V2,
+    };
+    let by_registers = 65_536 / (registers * THREADS);
     let by_threads = 2048 / THREADS;
     by_shared.min(by_registers).min(by_threads)
 }
 
-/// The kernel's entry point for a dtype ("bf16" or "f16") and d_head: `flash_attn_fwd_bf16_d64`.
-pub fn kernel_name(dtype: &str, d_head: usize) -> String {
-    format!("flash_attn_fwd_{dtype}_d{d_head}")
+/// The kernel's entry point for a dtype ("bf16" or "f16") and d_head: `flash_attn_fwd_bf16_d64`
+/// (v1), `flash_attn_v2_fwd_bf16_d64` (v2).
+pub fn kernel_name(kernel: AttentionKernel, dtype: &str, d_head: usize) -> String {
+    match kernel {
+        AttentionKernel::V1 => format!("flash_attn_fwd_{dtype}_d{d_head}"),
+        AttentionKernel::V2 => format!("flash_attn_v2_fwd_{dtype}_d{d_head}"),
+    }
 }
 
 /// The (batch, row, head) strides in elements shared by q, k and v, when the kernel can read
@@ -169,10 +201,18 @@ mod launch {
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda::{CudaDType, CudaStorage};
     use candle_core::{DType, Layout, Shape};
+    use shared::AttentionKernel;
 
-    /// `kernels/flash_attn.cu`, compiled to PTX by build.rs for sm_$CUDA_COMPUTE_CAP.
+    /// `kernels/flash_attn.cu` (v1) and `kernels/flash_attn_v2.cu`, compiled to PTX by build.rs
+    /// for sm_$CUDA_COMPUTE_CAP; one module each.
     pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
-    const MODULE: &str = "speedkit_flash_attn";
+    pub const PTX_V2: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_v2.ptx"));
+    fn module(kernel: AttentionKernel) -> (&'static str, &'static str) {
+        match kernel {
+            AttentionKernel::V1 => ("speedkit_flash_attn", PTX),
+            AttentionKernel::V2 => ("speedkit_flash_attn_v2", PTX_V2),
+        }
+    }
 
     fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
         candle_core::Error::Msg(format!("{what}: {e:?}"))
@@ -181,6 +221,7 @@ mod launch {
     /// The kernel on q, k, v (B, T, n_head, d_head), bf16 or f16, laid out as `kernel_strides`
     /// accepts. Returns a new contiguous (B, T, n_head, d_head) tensor's storage.
     pub fn cuda_fwd(
+        kernel: AttentionKernel,
         scale: f32,
         causal: bool,
         (q, q_l): (&CudaStorage, &Layout),
@@ -188,8 +229,8 @@ mod launch {
         (v, v_l): (&CudaStorage, &Layout),
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         match q.dtype() {
-            DType::BF16 => launch::<half::bf16>("bf16", scale, causal, (q, q_l), (k, k_l), (v, v_l)),
-            DType::F16 => launch::<half::f16>("f16", scale, causal, (q, q_l), (k, k_l), (v, v_l)),
+            DType::BF16 => launch::<half::bf16>(kernel, "bf16", scale, causal, (q, q_l), (k, k_l), (v, v_l)),
+            DType::F16 => launch::<half::f16>(kernel, "f16", scale, causal, (q, q_l), (k, k_l), (v, v_l)),
             dt => candle_core::bail!(
                 "stage 2's CUDA attention kernel takes bf16 or f16 (tensor-core inputs), got {dt:?}: \
                  cast q, k, v first, or use --precision bf16"
@@ -198,6 +239,7 @@ mod launch {
     }
 
     fn launch<T: CudaDType + DeviceRepr>(
+        kernel: AttentionKernel,
         dtype: &str,
         scale: f32,
         causal: bool,
@@ -217,12 +259,14 @@ mod launch {
         let max_shared = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(|e| err("shared memory per block", e))?;
-        let plan = launch_config(b, t, h, d, causal, max_shared as usize).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        let func = dev.get_or_load_custom_func(&kernel_name(dtype, d), MODULE, PTX).map_err(|e| {
+        let plan = launch_config(kernel, b, t, h, d, causal, max_shared as usize).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let (module, ptx) = module(kernel);
+        let name = kernel_name(kernel, dtype, d);
+        let func = dev.get_or_load_custom_func(&name, module, ptx).map_err(|e| {
             // The usual causes: a driver older than the CUDA toolkit that wrote the PTX, or a GPU
             // below the architecture it was built for. Say so instead of a bare driver code.
             candle_core::Error::Msg(format!(
-                "stage 2's attention kernel (plain sm_{} PTX, built by build.rs) did not load on this GPU ({e}). \
+                "stage 2's attention kernel {name} (plain sm_{} PTX, built by build.rs) did not load on this GPU ({e}). \
                  Fix: update the NVIDIA driver to one that supports the CUDA toolkit this binary was built with \
                  (CUDA 13 needs driver 580+), or rebuild with CUDA_COMPUTE_CAP set to this GPU's compute capability; \
                  `ladder selftest` checks each GPU piece alone.",
@@ -248,9 +292,10 @@ mod launch {
         let mut args = func.builder();
         args.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&t_i32);
         args.arg(&sb).arg(&st).arg(&sh).arg(&osb).arg(&ost).arg(&osh).arg(&scale).arg(&causal_i32);
-        // SAFETY: argument order and types match FLASH_ATTN_ENTRY's signature; the grid and
+        // SAFETY: argument order and types match FLASH_ATTN_ENTRY's (and FLASH_ATTN_V2_ENTRY's,
+        // the same) signature; the grid and
         // shared memory come from launch_config for this shape, checked against the device.
-        unsafe { args.launch(cfg) }.map_err(|e| err(&kernel_name(dtype, d), e))?;
+        unsafe { args.launch(cfg) }.map_err(|e| err(&name, e))?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), q_l.shape().clone()))
     }
 }
@@ -259,11 +304,13 @@ mod launch {
 mod tests {
     use super::*;
     use candle_core::{DType, Device, IndexOp, Layout, Tensor};
+    use AttentionKernel::{V1, V2};
 
     const H100_OPT_IN: usize = 227 * 1024;
     const SM86_OPT_IN: usize = 99 * 1024;
     /// The kernel source, to check that its constants are the ones this file computes with.
     const KERNEL: &str = include_str!("../kernels/flash_attn.cu");
+    const KERNEL_V2: &str = include_str!("../kernels/flash_attn_v2.cu");
 
     #[test]
     fn constants_match_the_kernel_source() {
@@ -280,7 +327,56 @@ mod tests {
         }
         // The macro pastes the entry-point name together the way kernel_name spells it.
         assert!(KERNEL.contains("flash_attn_fwd_##TNAME##_d##D("));
-        assert_eq!(kernel_name("bf16", 64), "flash_attn_fwd_bf16_d64");
+        assert_eq!(kernel_name(V1, "bf16", 64), "flash_attn_fwd_bf16_d64");
+        assert_eq!(kernel_name(V2, "f16", 128), "flash_attn_v2_fwd_f16_d128");
+    }
+
+    #[test]
+    fn constants_match_the_v2_kernel_source() {
+        for (name, value) in [("BR", BR), ("BC", BC), ("WARPS", WARPS)] {
+            assert!(KERNEL_V2.contains(&format!("constexpr int {name} = {value};")), "{name} = {value} not in flash_attn_v2.cu");
+        }
+        for d in HEAD_SIZES {
+            let line = format!("static_assert(smem_bytes_v2<{d}>() == {}", shared_mem_bytes_v2(d));
+            assert!(KERNEL_V2.contains(&line), "flash_attn_v2.cu lacks `{line}`");
+            for (ty, name) in [("__nv_bfloat16", "bf16"), ("__half", "f16")] {
+                let entry = format!("FLASH_ATTN_V2_ENTRY({ty}, {name}, {d})");
+                assert!(KERNEL_V2.contains(&entry), "flash_attn_v2.cu lacks `{entry}`");
+            }
+        }
+        assert!(KERNEL_V2.contains("flash_attn_v2_fwd_##TNAME##_d##D("));
+        // The same argument list as v1, so one launch serves both.
+        let args = |src: &str| {
+            let start = src.find("const T* q, const T* k, const T* v, T* o, int T_len").expect("entry arguments");
+            src[start..start + 200].split(')').next().unwrap().split_whitespace().collect::<Vec<_>>().join(" ")
+        };
+        assert_eq!(args(KERNEL), args(KERNEL_V2));
+        // The occupancy arithmetic's register count is the __launch_bounds__ the kernel asks for.
+        assert!(KERNEL_V2.contains("__launch_bounds__(THREADS, 3)"));
+        const { assert!(REGISTERS_PER_THREAD_V2 * THREADS * 3 <= 65_536) };
+    }
+
+    #[test]
+    fn v2_shared_memory_and_occupancy() {
+        assert_eq!(shared_mem_bytes_v2(32), 16 * 1024);
+        assert_eq!(shared_mem_bytes_v2(64), 32 * 1024);
+        assert_eq!(shared_mem_bytes_v2(128), 64 * 1024);
+        // d = 32 fits the 48 KiB default; 64 and 128 opt in on the same SMs v1 does.
+        assert!(!launch_config(V2, 1, 64, 1, 32, true, SM86_OPT_IN).unwrap().needs_opt_in);
+        assert!(!launch_config(V2, 1, 64, 1, 64, true, DEFAULT_SHARED_BYTES).unwrap().needs_opt_in);
+        assert!(launch_config(V2, 1, 64, 1, 128, true, SM86_OPT_IN).unwrap().needs_opt_in);
+        // H100 at te (d = 128): three blocks (12 warps, 18.75 % occupancy) where v1 fits two
+        // (12.5 %, what ncu measured); registers and shared memory both allow exactly three.
+        assert_eq!(blocks_per_sm(V2, 128, 228 * 1024), 3);
+        assert_eq!(blocks_per_sm(V1, 128, 228 * 1024), 2);
+        assert_eq!(blocks_per_sm(V2, 64, 228 * 1024), 3); // registers: 3 × 21 K
+        assert_eq!(blocks_per_sm(V2, 128, 164 * 1024), 2); // A100: shared memory, 2 × 65 KiB
+        assert_eq!(blocks_per_sm(V2, 128, 100 * 1024), 1); // sm_86 / sm_89
+                                                           // The grid and the causal tile count are v1's (same tiles).
+        assert_eq!(
+            launch_config(V2, 8, 2048, 32, 128, true, H100_OPT_IN).unwrap(),
+            LaunchPlan { shared_mem_bytes: 65_536, ..launch_config(V1, 8, 2048, 32, 128, true, H100_OPT_IN).unwrap() }
+        );
     }
 
     #[test]
@@ -289,29 +385,29 @@ mod tests {
         assert_eq!(shared_mem_bytes(64), 56 * 1024);
         assert_eq!(shared_mem_bytes(128), 88 * 1024);
         // d = 32 fits the default; 64 and 128 must opt in, and fit every SM 8.x/9.x limit.
-        assert!(!launch_config(1, 64, 1, 32, true, SM86_OPT_IN).unwrap().needs_opt_in);
+        assert!(!launch_config(V1, 1, 64, 1, 32, true, SM86_OPT_IN).unwrap().needs_opt_in);
         for d in [64, 128] {
-            let p = launch_config(1, 64, 1, d, true, SM86_OPT_IN).unwrap();
+            let p = launch_config(V1, 1, 64, 1, d, true, SM86_OPT_IN).unwrap();
             assert!(p.needs_opt_in && p.shared_mem_bytes as usize <= SM86_OPT_IN, "{p:?}");
         }
         // A device that only allows the 48 KiB default cannot take d = 64.
-        let e = launch_config(1, 64, 1, 64, true, DEFAULT_SHARED_BYTES).unwrap_err().to_string();
+        let e = launch_config(V1, 1, 64, 1, 64, true, DEFAULT_SHARED_BYTES).unwrap_err().to_string();
         assert!(e.contains("56 KiB") && e.contains("48 KiB") && e.contains("Fix:"), "{e}");
     }
 
     #[test]
     fn grid_for_the_presets() {
         // te: B = 8, T = 2048, n_head = 32, d_head = 128.
-        let p = launch_config(8, 2048, 32, 128, true, H100_OPT_IN).unwrap();
+        let p = launch_config(V1, 8, 2048, 32, 128, true, H100_OPT_IN).unwrap();
         assert_eq!(p.grid, (32, 32, 8));
         assert_eq!(p.threads, 128);
         assert_eq!((p.q_tiles, p.kv_tiles), (32, 32));
         // Causal: 32·33/2 = 528 of the 1024 tile pairs, 496 skipped.
         assert_eq!((p.tile_pairs, p.tile_pairs_skipped), (528, 496));
-        let p = launch_config(8, 2048, 32, 128, false, H100_OPT_IN).unwrap();
+        let p = launch_config(V1, 8, 2048, 32, 128, false, H100_OPT_IN).unwrap();
         assert_eq!((p.tile_pairs, p.tile_pairs_skipped), (1024, 0));
         // small: B = 4, T = 512, n_head = 12, d_head = 64.
-        let p = launch_config(4, 512, 12, 64, true, H100_OPT_IN).unwrap();
+        let p = launch_config(V1, 4, 512, 12, 64, true, H100_OPT_IN).unwrap();
         assert_eq!(p.grid, (8, 12, 4));
         assert_eq!((p.tile_pairs, p.tile_pairs_skipped), (36, 28));
     }
@@ -319,7 +415,7 @@ mod tests {
     #[test]
     fn t_of_one_is_one_padded_tile() {
         for causal in [true, false] {
-            let p = launch_config(2, 1, 4, 64, causal, H100_OPT_IN).unwrap();
+            let p = launch_config(V1, 2, 1, 4, 64, causal, H100_OPT_IN).unwrap();
             assert_eq!(p.grid, (1, 4, 2));
             assert_eq!((p.q_tiles, p.kv_tiles, p.tile_pairs, p.tile_pairs_skipped), (1, 1, 1, 0));
         }
@@ -328,11 +424,11 @@ mod tests {
     #[test]
     fn t_not_a_multiple_of_the_tile() {
         // 65 = one full tile and one tile of a single row: both axes round up.
-        let p = launch_config(1, 65, 1, 64, true, H100_OPT_IN).unwrap();
+        let p = launch_config(V1, 1, 65, 1, 64, true, H100_OPT_IN).unwrap();
         assert_eq!((p.q_tiles, p.kv_tiles, p.tile_pairs, p.tile_pairs_skipped), (2, 2, 3, 1));
-        let p = launch_config(1, 63, 1, 64, false, H100_OPT_IN).unwrap();
+        let p = launch_config(V1, 1, 63, 1, 64, false, H100_OPT_IN).unwrap();
         assert_eq!((p.q_tiles, p.tile_pairs), (1, 1));
-        let p = launch_config(1, 2 * BC + 3, 1, 128, true, H100_OPT_IN).unwrap();
+        let p = launch_config(V1, 1, 2 * BC + 3, 1, 128, true, H100_OPT_IN).unwrap();
         assert_eq!((p.q_tiles, p.tile_pairs, p.tile_pairs_skipped), (3, 6, 3));
     }
 
@@ -340,19 +436,19 @@ mod tests {
     fn largest_t_and_grid_limits() {
         // T = i32::MAX: 2²⁵ query tiles, well inside grid.x's 2³¹ − 1, and the padded last tile
         // ends exactly at 2³¹ − 1, so every position the kernel forms fits its int.
-        let p = launch_config(1, MAX_T, 1, 64, false, H100_OPT_IN).unwrap();
+        let p = launch_config(V1, 1, MAX_T, 1, 64, false, H100_OPT_IN).unwrap();
         assert_eq!(p.grid.0, 1 << 25);
         assert_eq!(p.q_tiles * BR - 1, i32::MAX as usize);
-        let e = launch_config(1, MAX_T + 1, 1, 64, false, H100_OPT_IN).unwrap_err().to_string();
+        let e = launch_config(V1, 1, MAX_T + 1, 1, 64, false, H100_OPT_IN).unwrap_err().to_string();
         assert!(e.contains("at most 2147483647") && e.contains("Fix:"), "{e}");
         // Causal at T = i32::MAX: the triangle, counted without overflow.
-        let p = launch_config(1, MAX_T, 1, 64, true, H100_OPT_IN).unwrap();
+        let p = launch_config(V1, 1, MAX_T, 1, 64, true, H100_OPT_IN).unwrap();
         let n = 1usize << 25;
         assert_eq!((p.tile_pairs, p.tile_pairs_skipped), (n * (n + 1) / 2, n * (n - 1) / 2));
         // n_head and B ride on grid.y and grid.z: 65 535 each.
-        assert_eq!(launch_config(MAX_GRID_YZ, 64, MAX_GRID_YZ, 64, true, H100_OPT_IN).unwrap().grid, (1, 65_535, 65_535));
+        assert_eq!(launch_config(V1, MAX_GRID_YZ, 64, MAX_GRID_YZ, 64, true, H100_OPT_IN).unwrap().grid, (1, 65_535, 65_535));
         for (b, h) in [(MAX_GRID_YZ + 1, 1), (1, MAX_GRID_YZ + 1)] {
-            let e = launch_config(b, 64, h, 64, true, H100_OPT_IN).unwrap_err().to_string();
+            let e = launch_config(V1, b, 64, h, 64, true, H100_OPT_IN).unwrap_err().to_string();
             assert!(e.contains("65535") && e.contains("Fix:"), "{e}");
         }
     }
@@ -360,20 +456,20 @@ mod tests {
     #[test]
     fn unsupported_head_sizes_and_empty_inputs() {
         for d in [8, 16, 48, 80, 96, 256] {
-            let e = launch_config(1, 64, 1, d, true, H100_OPT_IN).unwrap_err().to_string();
+            let e = launch_config(V1, 1, 64, 1, d, true, H100_OPT_IN).unwrap_err().to_string();
             assert!(e.contains(&format!("d_head = {d}")) && e.contains("--features flash-attn"), "{e}");
         }
-        assert!(launch_config(1, 0, 1, 64, true, H100_OPT_IN).unwrap_err().to_string().contains("empty"));
+        assert!(launch_config(V1, 1, 0, 1, 64, true, H100_OPT_IN).unwrap_err().to_string().contains("empty"));
     }
 
     #[test]
     fn occupancy_is_limited_by_shared_memory() {
-        assert_eq!(blocks_per_sm(64, 228 * 1024), 4); // H100: 4 × 57 KiB
-        assert_eq!(blocks_per_sm(128, 228 * 1024), 2);
-        assert_eq!(blocks_per_sm(64, 164 * 1024), 2); // A100
-        assert_eq!(blocks_per_sm(128, 164 * 1024), 1);
-        assert_eq!(blocks_per_sm(128, 100 * 1024), 1); // sm_86 / sm_89
-        assert_eq!(blocks_per_sm(32, 228 * 1024), 4); // registers cap it at 4 (16 K each)
+        assert_eq!(blocks_per_sm(V1, 64, 228 * 1024), 4); // H100: 4 × 57 KiB
+        assert_eq!(blocks_per_sm(V1, 128, 228 * 1024), 2);
+        assert_eq!(blocks_per_sm(V1, 64, 164 * 1024), 2); // A100
+        assert_eq!(blocks_per_sm(V1, 128, 164 * 1024), 1);
+        assert_eq!(blocks_per_sm(V1, 128, 100 * 1024), 1); // sm_86 / sm_89
+        assert_eq!(blocks_per_sm(V1, 32, 228 * 1024), 4); // registers cap it at 4 (16 K each)
     }
 
     #[test]

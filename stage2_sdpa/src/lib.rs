@@ -18,7 +18,8 @@
 //!
 //! **What it costs.** Nothing in accuracy: the same softmax, in f32, summed in another order
 //! (relative error ~1e-7 against stage 1 at fp32). The CPU runs our kernel at any precision;
-//! on CUDA our FlashAttention-2 kernel (`kernels/flash_attn.cu`, tensor cores) takes bf16/f16
+//! on CUDA our FlashAttention-2 kernel (`kernels/flash_attn_v2.cu`, tensor cores; v1,
+//! `kernels/flash_attn.cu`, with `--attention-kernel v1`) takes bf16/f16
 //! on SM 8.0+ with d_head 32, 64 or 128 — or, built with the `flash-attn` feature,
 //! candle-flash-attn does (d_head any multiple of 8 up to 512).
 //!
@@ -29,7 +30,7 @@
 pub mod attention;
 pub mod attention_cuda;
 
-pub use attention::attention;
+pub use attention::{attention, attention_with};
 
 use candle_core::{DType, Tensor};
 use shared::breakdown::part;
@@ -62,9 +63,10 @@ pub struct Block {
     w_fc2: Tensor,  // (C, FF)
     b_fc2: Tensor,  // (C)
     n_head: usize,
-    dtype: DType,    // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
-    ew: Elementwise, // --elementwise
-    copies: bool,    // ablation only (`ladder --ablate`): keep stages 0-1's head split/merge copies
+    dtype: DType,                    // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
+    ew: Elementwise,                 // --elementwise
+    copies: bool,                    // ablation only (`ladder --ablate`): keep stages 0-1's head split/merge copies
+    attn: attention::Implementation, // which attention kernel runs (`--attention-kernel` on CUDA)
 }
 
 impl Stage for Block {
@@ -91,18 +93,19 @@ impl Stage for Block {
 
     fn notes(plan: &Plan) -> Vec<String> {
         let mut notes = stage1_tensorcore::Block::notes(plan); // alignment advice
-        notes.push(format!("attention: {}", attention::Implementation::on(&plan.device).description()));
+        notes.push(format!("attention: {}", attention_of(plan).description()));
         notes
     }
 
     fn implementation(plan: &Plan) -> Option<String> {
-        let imp = attention::implementation(&plan.device);
+        let imp = attention_of(plan).name();
         Some(if plan.options.attention_copies { format!("{imp}, head split/merge copies kept") } else { imp.into() })
     }
 
     fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
         Self::switches(plan).apply();
         attention::check_head_size(&plan.device, plan.shape.d_head())?;
+        let attn = attention::Implementation::for_run(&plan.device, plan.options.attention_kernel)?;
         let c = plan.shape.d_model;
         let dt = precision::gemm_dtype(plan.precision);
         // Three separate projections, as in stages 0 and 1 (stage 3 fuses them).
@@ -129,6 +132,7 @@ impl Stage for Block {
             dtype: dt,
             ew: plan.options.elementwise,
             copies: plan.options.attention_copies,
+            attn,
         })
     }
 
@@ -143,7 +147,8 @@ impl Stage for Block {
         let k = linear(&h, &self.w_k, &self.b_k, e)?.reshape(heads)?;
         let v = linear(&h, &self.w_v, &self.b_v, e)?.reshape(heads)?;
         part("attention")?;
-        let a = if self.copies { attention_with_copies(&q, &k, &v)? } else { attention(&q, &k, &v, true)? }.reshape((b, t, c))?; // (B, T, C)
+        let a = if self.copies { attention_with_copies(self.attn, &q, &k, &v)? } else { attention_with(self.attn, &q, &k, &v, true)? }
+            .reshape((b, t, c))?; // (B, T, C)
         part("proj+residual")?;
         let x = ew::add(x, &ew::to_dtype(&linear(&a, &self.w_proj, &self.b_proj, e)?, DType::F32, e)?, e)?; // residual stream stays f32
         part("ln2")?;
@@ -163,8 +168,14 @@ impl Stage for Block {
 /// an upper bound on stage 1's one; the CUDA kernel reads the head-major view in place). The
 /// output is copied out to (B, n_head, T, d_head), as stage 1's attention returns it, and back
 /// into (B, T, C) rows, as `merge_heads` does.
-pub fn attention_with_copies(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+pub fn attention_with_copies(imp: attention::Implementation, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
     let split = |t: &Tensor| t.transpose(1, 2)?.contiguous()?.transpose(1, 2); // copy to (B, n_head, T, d_head), viewed back
-    let a = attention(&split(q)?, &split(k)?, &split(v)?, true)?; // (B, T, n_head, d_head)
+    let a = attention_with(imp, &split(q)?, &split(k)?, &split(v)?, true)?; // (B, T, n_head, d_head)
     a.transpose(1, 2)?.contiguous()?.transpose(1, 2)?.contiguous() // the merge: (B, n_head, T, d_head) copy, then (B, T, n_head, d_head) rows
+}
+
+/// The attention implementation a run of this plan uses, for its label and notes (`build`
+/// refuses a `--attention-kernel` this device cannot honour; the label then shows the default).
+pub fn attention_of(plan: &Plan) -> attention::Implementation {
+    attention::Implementation::for_run(&plan.device, plan.options.attention_kernel).unwrap_or(attention::Implementation::on(&plan.device))
 }

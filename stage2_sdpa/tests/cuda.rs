@@ -1,5 +1,5 @@
-//! Stage 2's CUDA attention kernel (`kernels/flash_attn.cu`) on a GPU, against the CPU kernel on
-//! the same 16-bit inputs, and the block against the fp32 reference. Built only with the `cuda`
+//! Stage 2's CUDA attention kernels (`kernels/flash_attn.cu` = v1, `kernels/flash_attn_v2.cu` =
+//! v2) on a GPU, each against the CPU kernel on the same 16-bit inputs, and the block against the fp32 reference. Built only with the `cuda`
 //! feature, so `cargo test` passes on machines without a GPU; with the feature, these need one
 //! (SM 8.0+): `cargo test --release --features cuda -p stage2_sdpa --test cuda`.
 #![cfg(feature = "cuda")]
@@ -21,18 +21,23 @@ fn randn(dims: &[usize], seed: u64, dtype: DType, dev: &Device) -> Tensor {
     Tensor::from_vec(SplitMix64::new(seed).normals(n), dims, &Device::Cpu).unwrap().to_dtype(dtype).unwrap().to_device(dev).unwrap()
 }
 
-/// Our CUDA kernel against the CPU kernel on the same rounded inputs. Both accumulate in f32;
+/// Our two CUDA kernels.
+const KERNELS: [Implementation; 2] = [Implementation::SpeedkitCudaV1, Implementation::SpeedkitCuda];
+
+/// Each of our CUDA kernels against the CPU kernel on the same rounded inputs. Both accumulate in f32;
 /// the GPU also rounds P̃ to 16 bits before P̃ V (tensor-core operand), so the two differ by about
 /// one 16-bit rounding: ~2e-3 relative at bf16, ~3e-4 at f16.
 fn check(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) {
     let cpu = |x: &Tensor| x.to_device(&Device::Cpu).unwrap();
-    let got = attention_with(Implementation::SpeedkitCuda, q, k, v, causal).unwrap();
-    assert_eq!((got.dims(), got.dtype()), (q.dims(), q.dtype()));
     let want = attention_with(Implementation::Cpu, &cpu(q), &cpu(k), &cpu(v), causal).unwrap();
     let tol = if q.dtype() == DType::BF16 { 1e-2 } else { 2e-3 };
-    let c = compare_within(&got, &want, tol).unwrap();
-    assert!(c.passed, "{:?} {:?} causal={causal}: {c:?}", q.dims(), q.dtype());
-    assert!(c.rel_err > 0.0, "not vacuous: 16-bit rounding shows");
+    for imp in KERNELS {
+        let got = attention_with(imp, q, k, v, causal).unwrap();
+        assert_eq!((got.dims(), got.dtype()), (q.dims(), q.dtype()));
+        let c = compare_within(&got, &want, tol).unwrap();
+        assert!(c.passed, "{} {:?} {:?} causal={causal}: {c:?}", imp.name(), q.dims(), q.dtype());
+        assert!(c.rel_err > 0.0, "not vacuous: 16-bit rounding shows");
+    }
 }
 
 #[test]
@@ -83,10 +88,12 @@ fn causal_row_sees_only_the_past() {
         let last = (x.narrow(1, 129, 1).unwrap() + 5.0).unwrap();
         Tensor::cat(&[&x.narrow(1, 0, 129).unwrap(), &last], 1).unwrap()
     };
-    let a = attention_with(Implementation::SpeedkitCuda, &q, &k, &v, true).unwrap();
-    let b = attention_with(Implementation::SpeedkitCuda, &q, &bump(&k), &bump(&v), true).unwrap();
     let rows = |x: &Tensor| x.narrow(1, 0, 129).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    assert_eq!(rows(&a), rows(&b));
+    for imp in KERNELS {
+        let a = attention_with(imp, &q, &k, &v, true).unwrap();
+        let b = attention_with(imp, &q, &bump(&k), &bump(&v), true).unwrap();
+        assert_eq!(rows(&a), rows(&b), "{}", imp.name());
+    }
 }
 
 #[test]

@@ -79,6 +79,7 @@ pub struct Block {
     dtype: DType,                             // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
     fusions: Fusions,                         // all on unless ablated (--fusions)
     split_qkv: Option<[(Tensor, Tensor); 3]>, // qkv fusion off only: (C, C) weights and (C) biases of q, k, v
+    attn: attention::Implementation,          // stage 2's attention kernel (`--attention-kernel` on CUDA)
 }
 
 impl Stage for Block {
@@ -128,6 +129,7 @@ impl Stage for Block {
     fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
         Self::switches(plan).apply();
         stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head())?;
+        let attn = attention::Implementation::for_run(&plan.device, plan.options.attention_kernel)?;
         let dt = precision::gemm_dtype(plan.precision);
         let c = plan.shape.d_model;
         let split_qkv = match plan.options.fusions.qkv {
@@ -158,6 +160,7 @@ impl Stage for Block {
             dtype: dt,
             fusions: plan.options.fusions,
             split_qkv,
+            attn,
         })
     }
 
@@ -175,7 +178,7 @@ impl Stage for Block {
             Some([q, k, v]) => self.three_projections(&h, [q, k, v])?, // ablation: stage 2's three GEMMs
         };
         part("attention")?;
-        let a = attention(&q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
+        let a = attention::attention_with(self.attn, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
         part(if self.fusions.add_ln { "proj+residual+ln2" } else { "proj+residual" })?;
         let (x, h) = self.add_layer_norm(x, &self.linear(&a, &self.w_proj, &self.b_proj)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
         part("fc1+gelu")?;

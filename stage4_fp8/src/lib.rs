@@ -59,7 +59,8 @@ pub struct Block {
     fc1: Fp8Linear,  // (FF, C) E4M3, GELU in the epilogue
     fc2: Fp8Linear,  // (C, FF) E4M3
     n_head: usize,
-    dtype: DType, // what the GEMMs write and attention reads: stage 3's activation dtype (`activation_dtype`)
+    dtype: DType,                    // what the GEMMs write and attention reads: stage 3's activation dtype (`activation_dtype`)
+    attn: attention::Implementation, // stage 2's attention kernel (`--attention-kernel` on CUDA)
 }
 
 /// Tolerance of the pre-rounded twin check (`twin`): measured ~1e-4 on CPU (emulated). On a GPU
@@ -197,6 +198,7 @@ impl Stage for Block {
     fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
         Self::switches(plan).apply();
         stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head())?;
+        let attn = attention::Implementation::for_run(&plan.device, plan.options.attention_kernel)?;
         let (mode, scaling) = (mode(plan), ScalingConfig { recipe: plan.options.fp8_recipe, ..ScalingConfig::default() });
         let dtype = activation_dtype(plan).0;
         let linear = |w: &Tensor, b: &Tensor, gelu: bool, name: &str| Fp8Linear::with_output(w, b, gelu, mode, scaling, name, dtype);
@@ -211,6 +213,7 @@ impl Stage for Block {
             fc2: linear(&w.w_fc2, &w.b_fc2, false, "fc2")?,
             n_head: plan.shape.n_head,
             dtype,
+            attn,
         })
     }
 
@@ -223,7 +226,7 @@ impl Stage for Block {
         let qkv = self.qkv.forward(&h)?.reshape(heads)?; // one FP8 GEMM, bias in its epilogue
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
         part("attention")?;
-        let a = attention(&q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
+        let a = attention::attention_with(self.attn, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
         part("proj+residual+ln2")?;
         let (x, h) = add_layer_norm(x, &self.proj.forward(&a)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
         part("fc1+gelu")?;

@@ -1,0 +1,174 @@
+// Runs stage2_sdpa/kernels/flash_attn_v2.cu — the real source, unchanged — on the CPU through the
+// emulation of its PTX in ptx_warp.h (mma.sync m16n8k16, ldmatrix .x4 and .x4.trans, cp.async
+// groups; threads and shuffles from mma.h), and checks every entry point (bf16, f16; d_head 32,
+// 64, 128) against an f64 reference on the same 16-bit inputs: T = 1, 15, 64, 67, 128 and 1000
+// (one tile, ragged tiles, exact tiles, many tiles), causal and not, in stage 3's strided layout
+// (q, k, v slices of one (B, T, 3, n_head, d_head) tensor) and stage 2's contiguous one, over
+// several heads and batches. Also requires: no ldmatrix bank conflicts (the swizzle) and no
+// misaligned ldmatrix row.
+//
+// Then the wrong-mapping tests: the same kernel under an emulation with one fragment layout,
+// the .trans or the cp.async wait deliberately wrong (EmuMutation in ptx_warp.h) must fail the
+// check; a mutation that passes means the check could not tell the ISA's layout from another.
+// Exit 0 when every kernel call is within tolerance and every mutation is caught.
+//
+//   bash host_emulation/run.sh attention_v2_check      (~1 min on 2 cores)
+#include "../stage2_sdpa/kernels/flash_attn_v2.cu"
+
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <thread>
+
+thread_local dim3 threadIdx;
+dim3 blockIdx, gridDim;
+std::barrier<>* block_barrier;
+std::barrier<>* warp_barrier[4];
+float shfl_buf[4][32];
+WarpScratch warp_scratch[4][2];
+thread_local unsigned scratch_turn = 0;
+EmuMutation emu_mutation = EMU_EXACT;
+std::atomic<long> ldmatrix_conflicts{0}, ldmatrix_misaligned{0};
+thread_local std::vector<PendingCopy> cp_open;
+thread_local std::vector<std::vector<PendingCopy>> cp_groups;
+__attribute__((aligned(128))) unsigned char smem[smem_bytes_v2<128>()];
+
+// The signature every FLASH_ATTN_V2_ENTRY has (v1's), with the element pointers type-erased.
+using Entry = void (*)(const void*, const void*, const void*, void*, int, long long, long long, long long, long long,
+                       long long, long long, float, int);
+
+// Relative error ||o − ref|| / ||ref|| of one kernel call; infinity if any output is not finite.
+template <typename T>
+double check(Entry entry, int B, int Tn, int H, int D, bool causal, bool strided, unsigned seed) {
+    const int parts = strided ? 3 : 1;  // strided: q, k, v interleaved in one (B, T, 3, H, D) buffer
+    const long long sb = (long long)Tn * parts * H * D, st = (long long)parts * H * D, sh = D;
+    std::vector<std::vector<T>> buf(strided ? 1 : 3, std::vector<T>((size_t)B * Tn * parts * H * D));
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    for (auto& b : buf)
+        for (auto& x : b) x = emu_round<T>(normal(rng));
+    const T* qkv[3];
+    for (int p = 0; p < 3; ++p) qkv[p] = strided ? buf[0].data() + p * H * D : buf[p].data();
+    std::vector<T> o((size_t)B * Tn * H * D);
+    std::memset(o.data(), 0xff, o.size() * sizeof(T));  // NaN: every element must be written
+    const float scale = 1.0f / std::sqrt((float)D);
+
+    gridDim = {(unsigned)((Tn + BR - 1) / BR), (unsigned)H, (unsigned)B};
+    for (unsigned z = 0; z < gridDim.z; ++z)
+        for (unsigned y = 0; y < gridDim.y; ++y)
+            for (unsigned x = 0; x < gridDim.x; ++x) {
+                blockIdx = {x, y, z};
+                std::memset(smem, 0xff, sizeof smem);  // shared memory starts as garbage (NaN)
+                std::barrier<> block(THREADS);
+                std::unique_ptr<std::barrier<>> warps[WARPS];
+                for (int w = 0; w < WARPS; ++w) warp_barrier[w] = (warps[w] = std::make_unique<std::barrier<>>(32)).get();
+                block_barrier = &block;
+                std::vector<std::thread> threads;
+                for (int t = 0; t < THREADS; ++t)
+                    threads.emplace_back([&, t] {
+                        threadIdx = {(unsigned)t, 0, 0};
+                        entry(qkv[0], qkv[1], qkv[2], o.data(), Tn, sb, st, sh, (long long)Tn * H * D, (long long)H * D, D,
+                              scale, causal);
+                    });
+                for (auto& th : threads) th.join();
+            }
+
+    double num = 0, den = 0;
+    for (int b = 0; b < B; ++b)
+        for (int h = 0; h < H; ++h)
+            for (int i = 0; i < Tn; ++i) {
+                auto at = [&](int p, int t, int c) { return (double)to_f(qkv[p][b * sb + t * st + h * sh + c]); };
+                const int n = causal ? i + 1 : Tn;  // keys row i may see
+                std::vector<double> p(n);
+                double m = -INFINITY, l = 0;
+                for (int j = 0; j < n; ++j) {
+                    double s = 0;
+                    for (int c = 0; c < D; ++c) s += at(0, i, c) * at(1, j, c);
+                    m = std::max(m, p[j] = s * scale);
+                }
+                for (int j = 0; j < n; ++j) l += (p[j] = std::exp(p[j] - m));
+                for (int c = 0; c < D; ++c) {
+                    double ref = 0;
+                    for (int j = 0; j < n; ++j) ref += p[j] * at(2, j, c);
+                    ref /= l;
+                    const double got = to_f(o[((size_t)b * Tn + i) * H * D + h * D + c]);
+                    if (!std::isfinite(got)) return INFINITY;
+                    num += (got - ref) * (got - ref);
+                    den += ref * ref;
+                }
+            }
+    return std::sqrt(num / den);
+}
+
+#define ENTRY(name) reinterpret_cast<Entry>(&name)
+struct Case {
+    const char* name;
+    Entry entry;
+    bool bf16;
+    int d;
+};
+const Case cases[] = {
+    {"bf16 d32", ENTRY(flash_attn_v2_fwd_bf16_d32), true, 32},  {"bf16 d64", ENTRY(flash_attn_v2_fwd_bf16_d64), true, 64},
+    {"bf16 d128", ENTRY(flash_attn_v2_fwd_bf16_d128), true, 128}, {"f16 d32", ENTRY(flash_attn_v2_fwd_f16_d32), false, 32},
+    {"f16 d64", ENTRY(flash_attn_v2_fwd_f16_d64), false, 64},     {"f16 d128", ENTRY(flash_attn_v2_fwd_f16_d128), false, 128},
+};
+struct Shape {
+    int B, T, H;
+};
+// T = 1000 runs one head: the f64 reference and the emulation are O(T²·d) per head.
+const Shape shapes[] = {{1, 1, 2}, {2, 15, 3}, {1, 64, 2}, {2, 67, 1}, {1, 128, 2}, {1, 1000, 1}};
+
+// One kernel call, printed; true when within tolerance. The output is rounded to 16 bits, and so
+// is P̃ before P̃ V: bf16 keeps 8 significant bits (rel. error ~2e-3), f16 11 (~3e-4).
+bool run(const Case& c, const Shape& s, bool causal, bool strided, unsigned seed, bool quiet) {
+    const double e = c.bf16 ? check<__nv_bfloat16>(c.entry, s.B, s.T, s.H, c.d, causal, strided, seed)
+                            : check<__half>(c.entry, s.B, s.T, s.H, c.d, causal, strided, seed);
+    const double tol = c.bf16 ? 1e-2 : 2e-3;
+    const bool ok = e < tol;
+    if (!quiet)
+        printf("v2 %-9s B=%d T=%-4d n_head=%d causal=%d %-10s rel err %.2e %s\n", c.name, s.B, s.T, s.H, causal,
+               strided ? "strided" : "contiguous", e, ok ? "ok" : "FAILED");
+    return ok;
+}
+
+int main() {
+    int failed = 0, n = 0;
+    for (int ci = 0; ci < 6; ++ci)
+        for (int si = 0; si < 6; ++si)
+            for (int causal = 0; causal < 2; ++causal) {
+                const bool strided = (ci + si) % 2 == 0;  // each shape in both layouts, over the cases
+                ++n;
+                failed += !run(cases[ci], shapes[si], causal, strided, n, false);
+            }
+    printf("v2: %d of %d kernel calls within tolerance\n", n - failed, n);
+    printf("v2: ldmatrix bank conflicts %ld, misaligned rows %ld (both must be 0)\n", ldmatrix_conflicts.load(),
+           ldmatrix_misaligned.load());
+    bool ok = failed == 0 && ldmatrix_conflicts == 0 && ldmatrix_misaligned == 0;
+
+    // Wrong-mapping tests: each mutation must make at least one of these calls fail.
+    const struct {
+        EmuMutation m;
+        const char* what;
+    } mutations[] = {
+        {EMU_A_ROWS_COLS_SWAPPED, "A fragment: a1 and a2 swapped"},
+        {EMU_B_REGS_SWAPPED, "B fragment: b0 and b1 swapped"},
+        {EMU_D_ROWS_SWAPPED, "C/D fragment: rows g and g+8 swapped"},
+        {EMU_LDMATRIX_NO_TRANS, "ldmatrix .trans ignored"},
+        {EMU_WAIT_ONE_GROUP_LESS, "cp.async.wait_group waits for one group less"},
+    };
+    const struct {
+        int ci, si;
+        bool causal, strided;
+    } probes[] = {{1, 3, true, true}, {5, 4, false, false}, {0, 1, true, false}};
+    for (const auto& mu : mutations) {
+        emu_mutation = mu.m;
+        int caught = 0;
+        for (const auto& p : probes) caught += !run(cases[p.ci], shapes[p.si], p.causal, p.strided, 7, true);
+        const bool good = caught > 0;
+        printf("wrong mapping (%s): %d of 3 probe calls fail — %s\n", mu.what, caught,
+               good ? "caught, as it must be" : "NOT CAUGHT: the check cannot see this layout");
+        ok &= good;
+    }
+    emu_mutation = EMU_EXACT;
+    return ok ? 0 : 1;
+}
