@@ -38,5 +38,5 @@ pub(crate) static BIG_ALLOCATION_TESTS: std::sync::Mutex<()> = std::sync::Mutex:
 
 pub use error::SpeedkitError;
 pub use preset::{Preset, Shape};
-pub use stage::{Fp8Recipe, Fusions, Plan, Precision, PrecisionRequest, Stage, StageOptions, StageSpec};
+pub use stage::{Fp8FastAccum, Fp8Recipe, Fusions, Plan, Precision, PrecisionRequest, Stage, StageOptions, StageSpec};
 pub use weights::BlockWeights;
