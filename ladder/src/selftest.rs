@@ -557,7 +557,11 @@ mod tests {
         for block in ["attention", "cuBLASLt epilogue", "FP8 GEMM", "FP8 kernel", "NVRTC kernel", "CUDA graph", "memory probe"] {
             assert!(rep.results.iter().any(|c| c.block == block && c.status == "pass"), "{block} missing");
         }
-        assert_eq!(rep.results.iter().filter(|c| c.block == "FP8 kernel" && c.status == "pass").count(), 4, "amax, 2 casts, delayed update");
+        assert_eq!(
+            rep.results.iter().filter(|c| c.block == "FP8 kernel" && c.status == "pass").count(),
+            4,
+            "amax, 2 casts, delayed update"
+        );
         assert_eq!(rep.results.iter().filter(|c| c.block == "attention").count(), 12, "3 d_head × 2 dtypes × causal or not");
         let json = serde_json::to_value(&rep).unwrap();
         for key in ["device", "nvidia_driver", "cuda_driver_version", "commit", "versions", "results"] {

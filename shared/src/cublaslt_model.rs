@@ -261,7 +261,15 @@ mod tests {
     /// The model's E4M3 rounding on hand-picked values: ties to even, subnormals, saturation.
     #[test]
     fn e4m3_rounding() {
-        for (v, want) in [(1.0625, 1.0), (1.1875, 1.25), (17.0, 16.0), (464.0, 448.0), (1e9, 448.0), (2f64.powi(-10), 0.0), (3.0 * 2f64.powi(-10), 2f64.powi(-8))] {
+        for (v, want) in [
+            (1.0625, 1.0),
+            (1.1875, 1.25),
+            (17.0, 16.0),
+            (464.0, 448.0),
+            (1e9, 448.0),
+            (2f64.powi(-10), 0.0),
+            (3.0 * 2f64.powi(-10), 2f64.powi(-8)),
+        ] {
             assert_eq!(e4m3(v), want, "{v}");
             assert_eq!(e4m3(-v), -want, "{v}");
         }

@@ -20,10 +20,11 @@
 //!   amax jumps above the history's saturates at ±448 until the history catches up. The first
 //!   call has no history and uses current scaling.
 //!
-//! Everything here is candle ops, so it runs on the tensor's device (no trip through the host)
-//! and the CPU tests exercise the very code the GPU runs. With candle ops the amax is its own
-//! reduction in both recipes, so they cost the same passes here; the one-pass saving delayed
-//! scaling allows needs the amax fused into the cast kernel (TransformerEngine does this).
+//! On the CPU the quantiser is one parallel pass (`quantize_dequantize_cpu`, bit-identical to
+//! candle's F8E4M3 cast). On CUDA it is our own kernels (`kernels/fp8.cu` via `quant_cuda`):
+//! candle 0.11.1's CUDA F8 casts cannot be loaded (huggingface/candle#3886), so none is called.
+//! There, delayed scaling takes its amax in the cast's own pass (the scale is known before x
+//! is read), and the history is updated on the device: no host round trip, graph-safe.
 //!
 //! **Non-finite values.** The casts saturate finite values at ±448 and keep NaN as NaN (an
 //! explicit clamp would turn NaN into ±448 silently). `Fp8Tensor::quantize` and every CPU call
@@ -363,7 +364,6 @@ pub struct Fp8Linear {
     state: Mutex<ScaleState>,
 }
 
-
 impl Fp8Linear {
     /// W: (N, K) and b: (N), any float dtype, on the device the layer runs on.
     pub fn new(w: &Tensor, b: &Tensor, gelu: bool, mode: Fp8Mode, scaling: ScalingConfig, name: &str) -> anyhow::Result<Fp8Linear> {
@@ -530,7 +530,9 @@ impl Fp8Linear {
     pub fn gemm_twin(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let (bsz, t, _) = x.dims3()?;
         let n = self.bias.dim(0)?;
-        let scale = self.last_input_scale().ok_or_else(|| candle_core::Error::Msg(format!("{}: the GEMM twin needs one forward first", self.name)))?;
+        let scale = self
+            .last_input_scale()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{}: the GEMM twin needs one forward first", self.name)))?;
         let xq = quantize(x, &scale)?; // the E4M3 operand the forward used
         let xd = dequantize(&xq, &scale, DType::F32)?; // s_x·q_x, exact in f32
         let got = self.gemm(Some(&xq), Some(&xd).filter(|_| self.emulated.is_some()), &scale, (bsz, t, n), None)?;

@@ -21,9 +21,12 @@
 //!
 //! **What it costs.** E4M3 keeps 3 mantissa bits: each operand is off by up to 1/16 of its
 //! value, so the block's relative error grows to ~1e-2 (fp8 tolerance 8e-2). Two checks:
-//! against the fp32 reference, and against the fp32 block on operands pre-rounded to E4M3 with
-//! the same scales (`twin`), which must agree to ~0 — rounding is expected, anything else is a
-//! bug. FP8 tensor cores need SM 8.9+ (Ada, Hopper) and dimensions that are multiples of 16.
+//! against the fp32 reference, and each FP8 GEMM against the f32 GEMM of the very same E4M3
+//! operands and scales (the GEMM twins, `twin::gemm_twin_tolerance`): only the accumulation
+//! differs there, so the tolerance follows from K and from whether Hopper's fast accumulation
+//! is on (`--fp8-fast-accum`); anything beyond it is a bug. FP8 tensor cores need SM 8.9+
+//! (Ada, Hopper) and dimensions that are multiples of 16. The quantisation on CUDA is our own
+//! NVRTC kernels (`kernels/fp8.cu`).
 //! Elsewhere the stage is *emulated* (quantise to E4M3 and back, then an f32 GEMM): FP8's
 //! numerics on any machine, labelled "emulated", and its time is not an FP8 speed. On a GPU
 //! without FP8 it refuses unless asked (`--fp8-emulate`).

@@ -87,7 +87,8 @@ fn fc1_writing_e4m3_for_fc2_matches_its_slow_twin() {
     let scales = (layer.weight().scale.to_scalar::<f32>().unwrap(), s_x.to_scalar::<f32>().unwrap());
     let s = s_next.to_scalar::<f32>().unwrap();
     let (d, amax_d) =
-        matmul_fp8_out(&args, &host(&layer.weight().data), &host(&quantize(&x, &s_x).unwrap()), Some(&host(layer.bias())), scales, 1.0 / s).unwrap();
+        matmul_fp8_out(&args, &host(&layer.weight().data), &host(&quantize(&x, &s_x).unwrap()), Some(&host(layer.bias())), scales, 1.0 / s)
+            .unwrap();
     let got: Vec<f32> = d.iter().map(|q| q * s).collect(); // fc2 reads D with scale s
     let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
     assert!(differ * 100 <= want.len(), "{differ} of {} E4M3 values differ", want.len());

@@ -70,7 +70,7 @@ fn tensor_core_dot(a: &[f32], b: &[f32], fast: bool) -> f32 {
     for (j, (ca, cb)) in a.chunks(MMA_K).zip(b.chunks(MMA_K)).enumerate() {
         let mma: f64 = ca.iter().zip(cb).map(|(x, y)| *x as f64 * *y as f64).sum();
         part = truncate((part as f64 + mma) as f32, TENSOR_CORE_ACCUM_BITS);
-        if !fast && (j + 1) * MMA_K % PROMOTION_K == 0 {
+        if !fast && ((j + 1) * MMA_K).is_multiple_of(PROMOTION_K) {
             acc += part;
             part = 0.0;
         }
@@ -108,7 +108,11 @@ fn tensor_core_accumulation_model_within_the_derived_tolerances_at_te() {
     let (fast, promoted) = (rel(true), rel(false));
     let tol = |a| gemm_twin_tolerance(k, a, DType::BF16);
     assert!(fast < tol(Accumulation::TensorCoreFast), "fast {fast:e} vs {:e}", tol(Accumulation::TensorCoreFast));
-    assert!(fast > tol(Accumulation::TensorCorePromoted), "fast {fast:e} should exceed the promoted tolerance {:e}", tol(Accumulation::TensorCorePromoted));
+    assert!(
+        fast > tol(Accumulation::TensorCorePromoted),
+        "fast {fast:e} should exceed the promoted tolerance {:e}",
+        tol(Accumulation::TensorCorePromoted)
+    );
     assert!(promoted < tol(Accumulation::TensorCorePromoted), "promoted {promoted:e} vs {:e}", tol(Accumulation::TensorCorePromoted));
     eprintln!("te fc2 (K = {k}) tensor-core model: fast accumulation {fast:.2e}, promoted {promoted:.2e}");
 }
