@@ -12,6 +12,7 @@ use candle_core::cuda::CudaDevice;
 use candle_core::{DType, Storage, Tensor};
 use stage3_fused::cuda::{device_key, wrap};
 use stage3_fused::device_cache::Cache;
+use Arg::{Null, Tensor as T, F32, I32, I64};
 
 /// The kernel source. CI compiles it with `nvcc --ptx` and runs it under the host emulation
 /// (`host_emulation/fp8_check.cpp`); at run time NVRTC compiles it for the device.
@@ -44,16 +45,20 @@ fn ptx(dev: &CudaDevice) -> candle_core::Result<String> {
     })
 }
 
-/// Launch `name` with `args` (device pointers of `tensors` first, in order, then `scalars`
-/// pushed by `push`). Every tensor must be contiguous and on `dev`.
-fn launch(
-    dev: &CudaDevice,
-    name: &str,
-    blocks: u32,
-    threads: u32,
-    tensors: &[&Tensor],
-    push: impl FnOnce(&mut candle_core::cuda::cudarc::driver::LaunchArgs<'_>, &[u64]),
-) -> candle_core::Result<()> {
+/// One kernel parameter: the device pointer of the i-th tensor passed to `launch`, a null
+/// pointer, or a scalar (`long` is i64, `int` i32, `float` f32 in the kernel's signature).
+#[derive(Clone, Copy, Debug)]
+enum Arg {
+    Tensor(usize),
+    Null,
+    I64(i64),
+    I32(i32),
+    F32(f32),
+}
+
+/// Launch `name` with `args`, in the kernel's parameter order. Every tensor must be contiguous
+/// and on `dev`.
+fn launch(dev: &CudaDevice, name: &str, blocks: u32, threads: u32, tensors: &[&Tensor], args: &[Arg]) -> candle_core::Result<()> {
     let ptx = ptx(dev)?;
     let func = dev.get_or_load_custom_func(name, MODULE, &ptx)?;
     let stream = dev.cuda_stream();
@@ -73,13 +78,28 @@ fn launch(
         ptrs.push(p + (start * size) as u64);
         syncs.push(g);
     }
-    let mut args = func.builder();
-    push(&mut args, &ptrs);
+    // The values, kept alive until the launch (the builder holds references to them).
+    let pointers: Vec<u64> = args
+        .iter()
+        .map(|a| match a {
+            Arg::Tensor(i) => ptrs[*i],
+            _ => 0, // Null; unused for scalars
+        })
+        .collect();
+    let mut builder = func.builder();
+    for (a, p) in args.iter().zip(&pointers) {
+        match a {
+            Arg::Tensor(_) | Arg::Null => builder.arg(p),
+            Arg::I64(v) => builder.arg(v),
+            Arg::I32(v) => builder.arg(v),
+            Arg::F32(v) => builder.arg(v),
+        };
+    }
     let cfg = LaunchConfig { grid_dim: (blocks.max(1), 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: each call site pushes the kernel's parameters in its order and types (raw device
+    // SAFETY: each call site lists the kernel's parameters in its order and types (raw device
     // pointers as u64, `long` as i64, `int` as i32, `float` as f32), and the pointers come from
     // live, contiguous tensors of the dtypes the kernel reads and writes.
-    unsafe { args.launch(cfg) }.map_err(|e| err(name, e))?;
+    unsafe { builder.launch(cfg) }.map_err(|e| err(name, e))?;
     drop(syncs);
     Ok(())
 }
@@ -109,9 +129,7 @@ fn amax_into(x: &Tensor, amax_bits: &Tensor) -> candle_core::Result<()> {
     let dev = x.device().as_cuda_device()?;
     let x = readable(x)?;
     let n = x.elem_count() as i64;
-    launch(dev, &format!("fp8_amax_{}", suffix(&x)), blocks(x.elem_count())?, THREADS, &[&x, amax_bits], |a, p| {
-        a.arg(&p[0]).arg(&n).arg(&p[1]);
-    })
+    launch(dev, &format!("fp8_amax_{}", suffix(&x)), blocks(x.elem_count())?, THREADS, &[&x, amax_bits], &[T(0), I64(n), T(1)])
 }
 
 /// amax = max|x| as a rank-0 f32 tensor (one pass, one atomic per block).
@@ -120,11 +138,9 @@ pub fn amax(x: &Tensor) -> candle_core::Result<Tensor> {
     amax_into(x, &bits)?;
     // The bits are an f32's: reinterpret on the device (a one-element copy).
     let out = Tensor::zeros(1, DType::F32, x.device())?;
-    launch(x.device().as_cuda_device()?, "fp8_scale_from_amax", 1, 1, &[&bits, &out], |a, p| {
-        // scale_from_amax with pow2_margin = 448 gives s = max(amax, FLT_MIN): the amax itself
-        // (FLT_MIN only for an all-zero x, where amax is then reported as FLT_MIN, not 0).
-        a.arg(&p[0]).arg(&p[1]).arg(&448f32);
-    })?;
+    // scale_from_amax with pow2_margin = 448 gives s = max(amax, FLT_MIN): the amax itself
+    // (FLT_MIN only for an all-zero x, where amax is then reported as FLT_MIN, not 0).
+    launch(x.device().as_cuda_device()?, "fp8_scale_from_amax", 1, 1, &[&bits, &out], &[T(0), T(1), F32(448.0)])?;
     out.reshape(())
 }
 
@@ -140,12 +156,9 @@ fn quantize_into(x: &Tensor, scale: &Tensor, amax_bits: Option<&Tensor>) -> cand
     let n64 = n as i64;
     let name = format!("fp8_quantize_{}", suffix(&x));
     match amax_bits {
-        Some(bits) => launch(&dev, &name, blocks(n)?, THREADS, &[&x, &scale, &q, bits], |a, p| {
-            a.arg(&p[0]).arg(&n64).arg(&p[1]).arg(&p[2]).arg(&p[3]);
-        })?,
-        None => launch(&dev, &name, blocks(n)?, THREADS, &[&x, &scale, &q], |a, p| {
-            a.arg(&p[0]).arg(&n64).arg(&p[1]).arg(&p[2]).arg(&0u64); // amax_bits = nullptr
-        })?,
+        Some(bits) => launch(&dev, &name, blocks(n)?, THREADS, &[&x, &scale, &q, bits], &[T(0), I64(n64), T(1), T(2), T(3)])?,
+        // amax_bits = nullptr: no amax in this pass
+        None => launch(&dev, &name, blocks(n)?, THREADS, &[&x, &scale, &q], &[T(0), I64(n64), T(1), T(2), Null])?,
     }
     Ok(q)
 }
@@ -163,9 +176,7 @@ pub fn dequantize_f32(q: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor>
     // SAFETY: the kernel writes every one of the n elements.
     let y = wrap(unsafe { dev.alloc::<f32>(n)? }, &dev, q.shape().clone());
     let n64 = n as i64;
-    launch(&dev, "fp8_dequantize_f32", blocks(n)?, THREADS, &[&q, &scale, &y], |a, p| {
-        a.arg(&p[0]).arg(&n64).arg(&p[1]).arg(&p[2]);
-    })?;
+    launch(&dev, "fp8_dequantize_f32", blocks(n)?, THREADS, &[&q, &scale, &y], &[T(0), I64(n64), T(1), T(2)])?;
     Ok(y)
 }
 
@@ -193,9 +204,7 @@ impl DeviceScale {
     pub fn quantize_current(&self, x: &Tensor, pow2_margin: f32) -> candle_core::Result<Tensor> {
         let dev = x.device().as_cuda_device()?;
         amax_into(x, &self.amax_bits)?;
-        launch(dev, "fp8_scale_from_amax", 1, 1, &[&self.amax_bits, &self.scale], |a, p| {
-            a.arg(&p[0]).arg(&p[1]).arg(&pow2_margin);
-        })?;
+        launch(dev, "fp8_scale_from_amax", 1, 1, &[&self.amax_bits, &self.scale], &[T(0), T(1), F32(pow2_margin)])?;
         quantize_into(x, &self.scale, None)
     }
 
@@ -205,18 +214,12 @@ impl DeviceScale {
     pub fn quantize_delayed(&self, x: &Tensor, pow2_margin: f32, first: bool) -> candle_core::Result<Tensor> {
         let dev = x.device().as_cuda_device()?;
         let len = self.history.elem_count() as i32;
-        let push = |fill: i32| {
-            launch(dev, "fp8_history_push", 1, 1, &[&self.amax_bits, &self.history], |a, p| {
-                a.arg(&p[0]).arg(&p[1]).arg(&len).arg(&fill);
-            })
-        };
+        let push = |fill: i32| launch(dev, "fp8_history_push", 1, 1, &[&self.amax_bits, &self.history], &[T(0), T(1), I32(len), I32(fill)]);
         if first {
             amax_into(x, &self.amax_bits)?;
             push(1)?;
         }
-        launch(dev, "fp8_scale_from_history", 1, 1, &[&self.history, &self.scale], |a, p| {
-            a.arg(&p[0]).arg(&len).arg(&p[1]).arg(&pow2_margin);
-        })?;
+        launch(dev, "fp8_scale_from_history", 1, 1, &[&self.history, &self.scale], &[T(0), I32(len), T(1), F32(pow2_margin)])?;
         if first {
             return quantize_into(x, &self.scale, None); // this amax is already in the history
         }
