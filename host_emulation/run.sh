@@ -3,7 +3,8 @@
 # kernel's real source for the CPU with the stand-ins in this folder (threads, barriers, warp
 # shuffles, tensor-core fragments, 16-bit types) and compares every entry point with an f64
 # reference. attention_check.cpp runs stage2_sdpa/kernels/flash_attn.cu; ln_check.cpp runs
-# stage3_fused/kernels/add_layer_norm.cu. Needs a C++20 compiler ($CXX, default c++); no GPU.
+# stage3_fused/kernels/add_layer_norm.cu; fp8_check.cpp runs stage4_fp8/kernels/fp8.cu (and its
+# E4M3 cast on every f32 bit pattern). Needs a C++20 compiler ($CXX, default c++); no GPU.
 # Prints one line per kernel call; exit 1 if any is out of tolerance.
 #
 #   bash host_emulation/run.sh             every check
