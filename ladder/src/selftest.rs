@@ -427,7 +427,7 @@ fn graphs(r: &mut Rows, device: &Device, info: &DeviceInfo) {
     let shape = shared::Preset::Tiny.shape();
     for spec in crate::stages() {
         r.compare("CUDA graph", format!("{} capture + replay (tiny)", spec.name), || {
-            // Current scaling: stage 4 refuses --cuda-graph with delayed scaling.
+            // Current scaling here; delayed scaling has its own row below.
             let opts = shared::StageOptions { cuda_graph: true, fp8_recipe: shared::Fp8Recipe::Current, ..Default::default() };
             let plan = spec.plan_with(device, info, shape, spec.ladder_request(shared::PrecisionRequest::Auto), opts)?;
             let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
