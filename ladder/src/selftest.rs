@@ -11,7 +11,8 @@
 //! | cuBLASLt epilogues (bias, bias+GELU, residual in C, residual after) | stage 3's GEMMs vs stage 0's ops | `linear_args` run by `cublaslt_model` vs stage 0's ops |
 //! | FP8 GEMM (delayed, current; bias, GELU) | cuBLASLt E4M3 vs the emulated layer | `fp8_gemm_args` run by `cublaslt_model` vs the emulated layer |
 //! | NVRTC kernels (layer_norm, add_layer_norm; f32/bf16/f16; a row of mean 10⁴) | add_layer_norm.cu vs plain ops | the CPU fused ops vs plain ops |
-//! | graph capture + replay, each stage (tiny) | replay vs an uncaptured forward | the capture's order of steps |
+//! | FP8 kernels (amax; quantise + dequantise from f32 and bf16; the delayed scale update) | stage4_fp8/kernels/fp8.cu vs the CPU quantiser (candle's CPU cast) | the CPU quantiser vs candle's cast; the recipe on hand-worked amaxes |
+//! | graph capture + replay, each stage (tiny); stage 4 with delayed scaling and a ×4 input after capture | replay vs an uncaptured forward | the capture's order of steps |
 //! | memory probe | a 64 MiB allocation must show up | same, CPU probe |
 
 use candle_core::{DType, Device, Tensor};
@@ -122,6 +123,7 @@ pub fn run(device: &Device, info: &DeviceInfo) -> SelftestReport {
     attention(&mut r, device);
     epilogues(&mut r, device);
     fp8(&mut r, device, info);
+    fp8_kernels(&mut r, device);
     layer_norms(&mut r, device);
     memory(&mut r, device);
     let count = |s: &str| r.rows.iter().filter(|c| c.status == s).count();
@@ -312,6 +314,51 @@ fn fp8(r: &mut Rows, device: &Device, info: &DeviceInfo) {
     }
 }
 
+/// Our FP8 kernels (stage4_fp8/kernels/fp8.cu) alone: on CUDA against the CPU quantiser, which
+/// must agree bit for bit (rel. error 0: the tolerance only admits float noise in the norm).
+fn fp8_kernels(r: &mut Rows, device: &Device) {
+    use stage4_fp8::fp8::{amax, dequantize, quantize, quantize_dequantize_cpu, scale_from_amax, ScaleState, ScalingConfig};
+    if !device.is_cuda() {
+        r.ran = "cpu quantiser (the .cu: host emulation, run.sh)".into();
+    }
+    // 5000 values: one whole 4096-value chunk of the kernel and a partial one; magnitudes over
+    // E4M3's whole range, so subnormals and the top binade both occur.
+    let x = || randn(&[5000], 16, 1.0, 0.0).and_then(|t| t * 3.0);
+    r.compare("FP8 kernel", "amax f32 n=5000".into(), || {
+        let x = x()?;
+        let want = x.abs()?.max(0)?;
+        Ok((amax(&x.to_device(device)?)?.to_device(&Device::Cpu)?, want, 1e-7))
+    });
+    for dtype in [DType::F32, DType::BF16] {
+        r.compare("FP8 kernel", format!("quantise + dequantise {dtype:?} n=5000"), || {
+            let x = x()?.to_dtype(dtype)?;
+            let s = scale_from_amax(&amax(&x)?, 0)?;
+            let want = quantize_dequantize_cpu(&x, &s)?; // = candle's CPU cast, tested bit for bit
+            let got = if device.is_cuda() {
+                let (xd, sd) = (x.to_device(device)?, s.to_device(device)?);
+                dequantize(&quantize(&xd, &sd)?, &sd, DType::F32)?
+            } else {
+                dequantize(&quantize(&x, &s)?, &s, DType::F32)?
+            };
+            Ok((got, want, 1e-7))
+        });
+    }
+    r.compare("FP8 kernel", "delayed scale update (history 3; amax 448, 896, 224, 1792)".into(), || {
+        let mut st = ScaleState::new(ScalingConfig { recipe: shared::Fp8Recipe::Delayed, history_len: 3, margin: 0 })?;
+        let mut scales = Vec::new();
+        for a in [448f32, 896.0, 224.0, 1792.0] {
+            let x = Tensor::new(&[a, -a / 2.0, 1.0, 0.0], &Device::Cpu)?.to_device(device)?;
+            st.quantize(&x)?;
+            scales.push(st.last_scale().ok_or_else(|| anyhow::anyhow!("no scale recorded"))?.to_device(&Device::Cpu)?.to_scalar::<f32>()?);
+        }
+        // the window before each call: (first: its own) 448 | 448·3 | 448,448,896 | 448,896,224
+        let mut got = scales;
+        got.extend(st.history()?);
+        let want = [1.0f32, 1.0, 2.0, 2.0, 896.0, 224.0, 1792.0];
+        Ok((Tensor::new(got.as_slice(), &Device::Cpu)?, Tensor::new(&want, &Device::Cpu)?, 1e-7))
+    });
+}
+
 fn layer_norms(r: &mut Rows, device: &Device) {
     if !device.is_cuda() {
         r.ran = "cpu fused ops (the .cu: host emulation, run.sh)".into();
@@ -389,7 +436,7 @@ fn graphs(r: &mut Rows, device: &Device, info: &DeviceInfo) {
     let shape = shared::Preset::Tiny.shape();
     for spec in crate::stages() {
         r.compare("CUDA graph", format!("{} capture + replay (tiny)", spec.name), || {
-            // Current scaling: stage 4 refuses --cuda-graph with delayed scaling.
+            // Current scaling here; delayed scaling has its own row below.
             let opts = shared::StageOptions { cuda_graph: true, fp8_recipe: shared::Fp8Recipe::Current, ..Default::default() };
             let plan = spec.plan_with(device, info, shape, spec.ladder_request(shared::PrecisionRequest::Auto), opts)?;
             let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
@@ -402,6 +449,28 @@ fn graphs(r: &mut Rows, device: &Device, info: &DeviceInfo) {
             Ok((replayed, plain, 1e-3))
         });
     }
+    // Stage 4 with delayed scaling: the scale update runs inside the graph, so replays must
+    // advance the amax history. The input grows ×4 after the capture; a history frozen at the
+    // captured call would saturate the top of every activation (a large error).
+    r.compare("CUDA graph", "stage4_fp8 delayed scaling, replays on a ×4 input (tiny)".into(), || {
+        let spec = crate::stages().into_iter().find(|s| s.name == "stage4_fp8").ok_or_else(|| anyhow::anyhow!("no stage 4"))?;
+        let opts = shared::StageOptions { cuda_graph: true, fp8_recipe: shared::Fp8Recipe::Delayed, ..Default::default() };
+        let plan = spec.plan_with(device, info, shape, spec.ladder_request(shared::PrecisionRequest::Auto), opts)?;
+        let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
+        let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
+        let x4 = (&x * 4.0)?;
+        let plain = (spec.build)(&weights, &plan)?;
+        for input in [&x, &x, &x4, &x4] {
+            plain.forward(input)?;
+        }
+        let want = plain.forward(&x4)?;
+        let graphed = shared::graph::capture(spec.name, (spec.build)(&weights, &plan)?, &x)?; // calls 1, 2
+        x.slice_set(&x4, 0, 0)?; // the captured input buffer now holds 4x
+        for _ in 0..2 {
+            graphed.forward(&x)?; // calls 3, 4
+        }
+        Ok((graphed.forward(&x)?.copy()?, want, 1e-3))
+    });
 }
 
 fn memory(r: &mut Rows, device: &Device) {
@@ -494,9 +563,14 @@ mod tests {
         let (device, info) = shared::device::select(shared::device::DeviceRequest::Cpu).unwrap();
         let rep = run(&device, &info);
         assert_eq!(rep.failed, 0, "{}", table(&rep));
-        for block in ["attention", "cuBLASLt epilogue", "FP8 GEMM", "NVRTC kernel", "CUDA graph", "memory probe"] {
+        for block in ["attention", "cuBLASLt epilogue", "FP8 GEMM", "FP8 kernel", "NVRTC kernel", "CUDA graph", "memory probe"] {
             assert!(rep.results.iter().any(|c| c.block == block && c.status == "pass"), "{block} missing");
         }
+        assert_eq!(
+            rep.results.iter().filter(|c| c.block == "FP8 kernel" && c.status == "pass").count(),
+            4,
+            "amax, 2 casts, delayed update"
+        );
         assert_eq!(rep.results.iter().filter(|c| c.block == "attention").count(), 12, "3 d_head × 2 dtypes × causal or not");
         let json = serde_json::to_value(&rep).unwrap();
         for key in ["device", "nvidia_driver", "cuda_driver_version", "commit", "versions", "results"] {

@@ -5,7 +5,7 @@ use crate::device::DeviceRequest;
 use crate::elementwise::Elementwise;
 use crate::error::{classify, SpeedkitError};
 use crate::preset::Preset;
-use crate::stage::{AttentionKernel, Fp8Recipe, Fusions, Precision, PrecisionRequest, StageOptions};
+use crate::stage::{AttentionKernel, Fp8FastAccum, Fp8Recipe, Fusions, Precision, PrecisionRequest, StageOptions};
 use clap::ValueEnum;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -90,6 +90,9 @@ pub struct RunArgs {
     /// Stage 4: on a GPU without FP8 tensor cores (SM < 8.9), emulate FP8 instead of refusing
     #[arg(long, env = "SPEEDKIT_FP8_EMULATE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub fp8_emulate: bool,
+    /// Stage 4 on Hopper/Ada: cuBLASLt's FP8 fast accumulation (on: faster, partial sums kept in the tensor cores' ~14-bit accumulator; off: promoted to f32 every few k-steps); the twin check's tolerance follows it
+    #[arg(long, env = "SPEEDKIT_FP8_FAST_ACCUM", value_enum, default_value_t = Fp8FastAccum::On)]
+    pub fp8_fast_accum: Fp8FastAccum,
     /// Stage 2 on the CPU: its unfused element-wise ops (LayerNorm, GELU, bias, residual) from candle, as stages 0–1 run them (candle, the default: the step from stage 1 is attention alone), or multi-threaded and vectorised (parallel), to measure what threading them buys
     #[arg(long, env = "SPEEDKIT_ELEMENTWISE", value_enum, default_value_t = Elementwise::Candle)]
     pub elementwise: Elementwise,
@@ -113,6 +116,7 @@ impl RunArgs {
         StageOptions {
             fp8_recipe: self.fp8_recipe,
             fp8_emulate: self.fp8_emulate,
+            fp8_fast_accum: self.fp8_fast_accum,
             cuda_graph: self.cuda_graph,
             elementwise: self.elementwise,
             fusions: self.fusions,

@@ -17,6 +17,18 @@
 //! a bias not m long) and rounds D to D's type at the end (the accumulation is f32 in cuBLASLt,
 //! f64 here: the difference is far below the bf16/f16 roundings the tests compare through).
 //!
+//! FP8 output (`matmul_fp8_out`): with D in E4M3, cuBLASLt's documented FP8 contract adds a D
+//! scale and an amax of the result (CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, AMAX_D_POINTER):
+//!
+//! ```text
+//! D_temp = epilogue(α·scale_A·scale_B·op(A)·op(B) + β·scale_C·C)
+//! amax_D = max |D_temp|              (before the D scale: the value a delayed recipe records)
+//! D      = E4M3(scale_D · D_temp)    (scale_D multiplies: it is the *quantisation* scale, 1/s)
+//! ```
+//!
+//! C (not read at β = 0) is typed bf16 or f16 with an E4M3 D, as cuBLAS's table of FP8 type
+//! combinations asks. The cast is modelled saturating (±448), as TransformerEngine relies on.
+//!
 //! Not modelled: algorithm choice, workspace, split-K order of summation, FP8 fast accumulation
 //! (Hopper's reduced-precision partial sums), alignment rules. Those need a GPU.
 
@@ -37,9 +49,23 @@ impl DataType {
             DataType::F32 => v as f32 as f64,
             DataType::Bf16 => half::bf16::from_f64(v).to_f64(),
             DataType::F16 => half::f16::from_f64(v).to_f64(),
-            DataType::E4m3 => v, // inputs arrive already quantised; D is never E4M3 here
+            DataType::E4m3 => e4m3(v),
         }
     }
+}
+
+/// v rounded to E4M3: 3 mantissa bits, round to nearest even, subnormals below 2⁻⁶ in steps of
+/// 2⁻⁹, saturating at ±448, NaN kept. (Inputs arrive already quantised: exact for them.)
+pub fn e4m3(v: f64) -> f64 {
+    if v.is_nan() {
+        return v;
+    }
+    let a = v.abs();
+    if a.is_infinite() {
+        return 448f64.copysign(v);
+    }
+    let quantum = 2f64.powf(a.log2().floor().max(-6.0) - 3.0); // one unit in the last place
+    ((a / quantum).round_ties_even() * quantum).min(448.0).copysign(v)
 }
 
 /// `cublasLtMatrixLayout_t`: type, rows × cols of the stored (column-major) matrix, ld.
@@ -158,6 +184,29 @@ pub fn matmul(
     Ok(d)
 }
 
+/// `matmul` with an E4M3 D, D scale and amax_D (see the module notes): returns D (E4M3 values,
+/// as f32) and amax_D. `args.d` must be E4M3 and `args.c` bf16 or f16.
+pub fn matmul_fp8_out(
+    args: &MatmulArgs,
+    a: &[f32],
+    b: &[f32],
+    bias: Option<&[f32]>,
+    scales: (f32, f32),
+    scale_d: f32,
+) -> Result<(Vec<f32>, f32), String> {
+    if args.d.dtype != DataType::E4m3 {
+        return Err("an FP8 output needs D typed E4M3".into());
+    }
+    if !matches!(args.c.dtype, DataType::Bf16 | DataType::F16) {
+        return Err("with an E4M3 D, cuBLASLt takes C as bf16 or f16".into());
+    }
+    let unrounded = MatmulArgs { d: MatrixLayout { dtype: DataType::F32, ..args.d }, ..*args };
+    // D_temp in f32 (the compute type), as `matmul` leaves it with an f32 D
+    let d_temp = matmul(&unrounded, a, b, None, bias, scales)?;
+    let amax = d_temp.iter().fold(0f32, |m, v| if v.is_nan() || v.abs() > m { v.abs() } else { m });
+    Ok((d_temp.iter().map(|v| e4m3(scale_d as f64 * *v as f64) as f32).collect(), amax))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,5 +245,35 @@ mod tests {
         assert!(matmul(&bad, &a, &b, Some(&[1.; 4]), Some(&[1., 2., 3.]), (1., 1.)).unwrap_err().contains("per row of D"));
         let bad = MatmulArgs { a: MatrixLayout { ld: 2, ..layout(3, 2) }, ..args };
         assert!(matmul(&bad, &a, &b, Some(&[1.; 4]), Some(&[10., 20.]), (1., 1.)).unwrap_err().contains("leading dimension"));
+        // FP8 out: D_temp = A·B·2 + bias = [[18, 20], [40, 42]]; amax 42; D = E4M3(D_temp / 4):
+        // 4.5, 10 and 5 are E4M3 values; 10.5 lies halfway between 10 and 11: to even, 10
+        let fp8 = MatmulArgs {
+            beta: 0.0,
+            c: MatrixLayout { dtype: DataType::Bf16, ..layout(2, 2) },
+            d: MatrixLayout { dtype: DataType::E4m3, ..layout(2, 2) },
+            ..args
+        };
+        let (d, amax) = matmul_fp8_out(&fp8, &a, &b, Some(&[10., 20.]), (0.5, 4.0), 0.25).unwrap();
+        assert_eq!((d, amax), (vec![4.5, 10.0, 5.0, 10.0], 42.0)); // column-major
+        assert!(matmul_fp8_out(&args, &a, &b, None, (1., 1.), 1.).unwrap_err().contains("E4M3"));
+    }
+
+    /// The model's E4M3 rounding on hand-picked values: ties to even, subnormals, saturation.
+    #[test]
+    fn e4m3_rounding() {
+        for (v, want) in [
+            (1.0625, 1.0),
+            (1.1875, 1.25),
+            (17.0, 16.0),
+            (464.0, 448.0),
+            (1e9, 448.0),
+            (2f64.powi(-10), 0.0),
+            (3.0 * 2f64.powi(-10), 2f64.powi(-8)),
+        ] {
+            assert_eq!(e4m3(v), want, "{v}");
+            assert_eq!(e4m3(-v), -want, "{v}");
+        }
+        assert!(e4m3(f64::NAN).is_nan());
+        assert_eq!(e4m3(f64::INFINITY), 448.0);
     }
 }

@@ -89,6 +89,18 @@ impl AttentionKernel {
     }
 }
 
+/// Stage 4 on Hopper/Ada: whether cuBLASLt's FP8 GEMMs use fast accumulation
+/// (`CUBLASLT_MATMUL_DESC_FAST_ACCUM`: partial sums stay in the tensor cores' reduced-precision
+/// accumulator instead of being promoted to f32 every few k-steps). On by default, as
+/// TransformerEngine runs its forward GEMMs; the twin check's tolerance depends on it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8FastAccum {
+    #[default]
+    On,
+    Off,
+}
+
 /// Run options that only some stages read (today: stage 4's FP8 flags and --cuda-graph); every stage gets them
 /// in its `Plan` so the runner and the ladder pass one thing.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -97,6 +109,8 @@ pub struct StageOptions {
     pub fp8_recipe: Fp8Recipe,
     /// `--fp8-emulate`: run FP8 as quantise-dequantise on a GPU without FP8 tensor cores.
     pub fp8_emulate: bool,
+    /// `--fp8-fast-accum on|off`
+    pub fp8_fast_accum: Fp8FastAccum,
     /// `--cuda-graph`: the forward will be captured once and replayed (stateful stages refuse).
     pub cuda_graph: bool,
     /// `--elementwise`: stage 2's unfused CPU element-wise ops, candle's (default) or parallel.

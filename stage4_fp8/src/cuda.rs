@@ -69,8 +69,17 @@ fn set<T>(desc: &Desc, attr: sys::cublasLtMatmulDescAttributes_t, value: &T) -> 
 }
 
 /// y (M, N) bf16 = s_x·s_w·(x_q W_qᵀ) + b, GELU'd if `gelu`. x_q: (M, K) E4M3; W_q: (N, K) E4M3;
-/// s_x, s_w: rank-0 f32; b: (N) bf16. All on one CUDA device.
-pub fn fp8_linear(xq: &Tensor, x_scale: &Tensor, wq: &Tensor, w_scale: &Tensor, bias: &Tensor, gelu: bool) -> candle_core::Result<Tensor> {
+/// s_x, s_w: one f32 each (rank 0 or (1)); b: (N) bf16. All on one CUDA device. `fast_accum`:
+/// CUBLASLT_MATMUL_DESC_FAST_ACCUM (see `launch`).
+pub fn fp8_linear(
+    xq: &Tensor,
+    x_scale: &Tensor,
+    wq: &Tensor,
+    w_scale: &Tensor,
+    bias: &Tensor,
+    gelu: bool,
+    fast_accum: bool,
+) -> candle_core::Result<Tensor> {
     let (tokens, k) = xq.dims2()?;
     let n = wq.dim(0)?;
     let args = fp8_gemm_args(tokens, k, n, gelu).map_err(candle_core::Error::wrap)?;
@@ -97,14 +106,20 @@ pub fn fp8_linear(xq: &Tensor, x_scale: &Tensor, wq: &Tensor, w_scale: &Tensor, 
         let (sb, _gsb) = sxv.device_ptr(&stream);
         let (w, _gw) = ws_buf.device_ptr(&stream);
         check_pointers(&[("A (W)", a), ("B (x)", b), ("D (y)", d), ("bias", bias_ptr)]).map_err(|e| err("alignment", e))?;
-        launch(&args, *handle.handle(), [a, b, d, bias_ptr, sa, sb, w], stream.cu_stream() as sys::cudaStream_t)?;
+        launch(&args, fast_accum, *handle.handle(), [a, b, d, bias_ptr, sa, sb, w], stream.cu_stream() as sys::cudaStream_t)?;
     }
     drop((xs, ws, bs, sxs, sws));
     Ok(wrap(out, &dev, (tokens, n)))
 }
 
 /// Descriptors from `args`, then cublasLtMatmul. ptrs: A, B, D, bias, scale_A, scale_B, workspace.
-fn launch(args: &Fp8GemmArgs, handle: sys::cublasLtHandle_t, ptrs: [u64; 7], stream: sys::cudaStream_t) -> candle_core::Result<()> {
+fn launch(
+    args: &Fp8GemmArgs,
+    fast_accum: bool,
+    handle: sys::cublasLtHandle_t,
+    ptrs: [u64; 7],
+    stream: sys::cudaStream_t,
+) -> candle_core::Result<()> {
     use sys::cublasLtMatmulDescAttributes_t as A;
     use sys::cudaDataType_t as T;
     let [a, b, d, bias, scale_a, scale_b, workspace] = ptrs;
@@ -123,10 +138,11 @@ fn launch(args: &Fp8GemmArgs, handle: sys::cublasLtHandle_t, ptrs: [u64; 7], str
     // Device pointers to the per-tensor scales (A = W's, B = x's; see gemm.rs): D = s_A·s_B·A·B.
     set(&desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a)?; // const float*
     set(&desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b)?;
-    // Hopper's FP8 tensor cores accumulate in reduced precision unless the kernel promotes
-    // partial sums to f32 every few steps; fast accumulation skips that promotion.
-    // TransformerEngine runs the forward pass this way (and the backward without it).
-    set(&desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &1i8)?; // int8_t
+    // Hopper's FP8 tensor cores accumulate in reduced precision (a ~14-bit truncating
+    // accumulator: twin.rs) unless the kernel promotes partial sums to f32 every few k-steps;
+    // fast accumulation skips that promotion. TransformerEngine runs the forward pass this way
+    // (and the backward without it); `--fp8-fast-accum off` measures what it costs.
+    set(&desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &(fast_accum as i8))?; // int8_t
     let epilogue = match args.epilogue {
         Fp8Epilogue::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
         Fp8Epilogue::GeluBias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,

@@ -20,10 +20,11 @@
 //!   amax jumps above the history's saturates at ±448 until the history catches up. The first
 //!   call has no history and uses current scaling.
 //!
-//! Everything here is candle ops, so it runs on the tensor's device (no trip through the host)
-//! and the CPU tests exercise the very code the GPU runs. With candle ops the amax is its own
-//! reduction in both recipes, so they cost the same passes here; the one-pass saving delayed
-//! scaling allows needs the amax fused into the cast kernel (TransformerEngine does this).
+//! On the CPU the quantiser is one parallel pass (`quantize_dequantize_cpu`, bit-identical to
+//! candle's F8E4M3 cast). On CUDA it is our own kernels (`kernels/fp8.cu` via `quant_cuda`):
+//! candle 0.11.1's CUDA F8 casts cannot be loaded (huggingface/candle#3886), so none is called.
+//! There, delayed scaling takes its amax in the cast's own pass (the scale is known before x
+//! is read), and the history is updated on the device: no host round trip, graph-safe.
 //!
 //! **Non-finite values.** The casts saturate finite values at ±448 and keep NaN as NaN (an
 //! explicit clamp would turn NaN into ±448 silently). `Fp8Tensor::quantize` and every CPU call
@@ -47,6 +48,10 @@ pub fn amax(x: &Tensor) -> candle_core::Result<Tensor> {
         let x32 = cpu_f32(x)?;
         let v = with_host(&x32, |v| v.par_chunks(CHUNK).map(|c| c.iter().fold(0f32, |m, &a| m.max(a.abs()))).reduce(|| 0.0, f32::max))?;
         return Tensor::new(v, x.device());
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::quant_cuda::amax(x); // our kernel (kernels/fp8.cu): one pass, one atomic per block
     }
     x.flatten_all()?.abs()?.max(0)?.to_dtype(DType::F32)
 }
@@ -107,14 +112,31 @@ pub fn scale_from_amax(amax: &Tensor, margin: i32) -> candle_core::Result<Tensor
     amax.maximum(f32::MIN_POSITIVE)?.affine(2f64.powi(margin) / E4M3_MAX as f64, 0.0)
 }
 
-/// q = sat(x / s) in E4M3, same shape as x; s is rank 0. Round to nearest even; the cast
-/// saturates at ±448 and keeps NaN (candle's CPU cast and CUDA's `__nv_fp8_e4m3` both do).
+/// q = sat(x / s) in E4M3, same shape as x; s is rank 0 (or (1) on CUDA). Round to nearest
+/// even; the cast saturates at ±448 and keeps NaN. On the CPU, candle's cast (the float8
+/// crate's conversion); on CUDA, our kernel (`kernels/fp8.cu`), which agrees with it on every
+/// f32 bit pattern (host_emulation/fp8_check.cpp) — candle 0.11.1's own CUDA F8 cast cannot be
+/// loaded (huggingface/candle#3886), so it is never called.
 pub fn quantize(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::quant_cuda::quantize(x, scale);
+    }
+    if !x.device().is_cpu() {
+        candle_core::bail!("FP8 quantisation runs on the CPU or on CUDA (our kernels), not on {:?}", x.device());
+    }
     x.to_dtype(DType::F32)?.broadcast_div(scale)?.to_dtype(DType::F8E4M3)
 }
 
-/// s·q in `dtype`.
+/// s·q in `dtype` (CUDA: our kernel to f32, then candle's f32 → `dtype` cast).
 pub fn dequantize(q: &Tensor, scale: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return crate::quant_cuda::dequantize_f32(q, scale)?.to_dtype(dtype);
+    }
+    if !q.device().is_cpu() {
+        candle_core::bail!("FP8 dequantisation runs on the CPU or on CUDA (our kernels), not on {:?}", q.device());
+    }
     q.to_dtype(DType::F32)?.broadcast_mul(scale)?.to_dtype(dtype)
 }
 
@@ -197,11 +219,19 @@ impl Default for ScalingConfig {
 /// never replaced: under `--cuda-graph` the second call runs inside a capture, and dropping the
 /// first call's tensor there would be a `cuMemFreeAsync` of memory the graph did not allocate,
 /// which invalidates the capture. A replay then updates the same buffers.
+///
+/// On CUDA the state is `quant_cuda::DeviceScale` instead: amax, scale and history buffers that
+/// our kernels update in place, the delayed recipe's whole update on the device (graph-safe).
 #[derive(Debug)]
 pub struct ScaleState {
     config: ScalingConfig,
     history: Option<Tensor>,
     last_scale: Option<Tensor>,
+    #[cfg(feature = "cuda")]
+    device: Option<crate::quant_cuda::DeviceScale>,
+    /// Calls so far on CUDA (the first delayed call fills the history from its own amax).
+    #[cfg(feature = "cuda")]
+    calls: usize,
 }
 
 impl ScaleState {
@@ -211,7 +241,36 @@ impl ScaleState {
                 "an FP8 amax history of length 0 holds nothing to scale from. Fix: use a history_len of 1 or more.",
             ));
         }
-        Ok(ScaleState { config, history: None, last_scale: None })
+        Ok(ScaleState {
+            config,
+            history: None,
+            last_scale: None,
+            #[cfg(feature = "cuda")]
+            device: None,
+            #[cfg(feature = "cuda")]
+            calls: 0,
+        })
+    }
+
+    /// x in E4M3 with the recipe's scale: (q, the scale used). On the CPU, `scale_for` then the
+    /// cast; on CUDA, our kernels (`quant_cuda`), the scale staying on the device.
+    pub fn quantize(&mut self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let pow2_margin = 2f32.powi(self.config.margin);
+            if self.device.is_none() {
+                self.device = Some(crate::quant_cuda::DeviceScale::new(x.device(), self.config.history_len)?);
+            }
+            let Some(d) = self.device.as_ref() else { unreachable!("set above") };
+            let q = match self.config.recipe {
+                Fp8Recipe::Current => d.quantize_current(x, pow2_margin)?,
+                Fp8Recipe::Delayed => d.quantize_delayed(x, pow2_margin, self.calls == 0)?,
+            };
+            self.calls += 1;
+            return Ok((q, d.scale.clone()));
+        }
+        let scale = self.scale_for(x)?;
+        Ok((quantize(x, &scale)?, scale))
     }
 
     /// The scale to quantise `x` with, per the recipe; records x's amax in the history.
@@ -246,16 +305,28 @@ impl ScaleState {
     /// The amax history, oldest first (empty before the first delayed call; always empty for
     /// current scaling). Reads it on the host: for tests and reports.
     pub fn history(&self) -> candle_core::Result<Vec<f32>> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            return if self.config.recipe == Fp8Recipe::Delayed && self.calls > 0 { d.history.to_vec1() } else { Ok(Vec::new()) };
+        }
         self.history.as_ref().map_or(Ok(Vec::new()), |h| h.to_vec1())
     }
 
     /// The scale the last call used (rank 0): a copy, since the buffer changes with each call.
     pub fn last_scale(&self) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            return (self.calls > 0).then(|| d.scale.reshape(()).and_then(|s| s.copy()).ok()).flatten();
+        }
         self.last_scale.as_ref().and_then(|s| s.reshape(()).and_then(|s| s.copy()).ok())
     }
 
     /// The state's buffers (history, last scale): the same tensors from the first call on.
     pub fn buffer_ids(&self) -> (Option<candle_core::TensorId>, Option<candle_core::TensorId>) {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            return ((self.config.recipe == Fp8Recipe::Delayed).then(|| d.history.id()), Some(d.scale.id()));
+        }
         (self.history.as_ref().map(Tensor::id), self.last_scale.as_ref().map(Tensor::id))
     }
 }
@@ -288,6 +359,7 @@ pub struct Fp8Linear {
     bias: Tensor,                       // (N) in the output dtype (bf16 for cuBLASLt), as the epilogue reads it
     out: DType,                         // what the GEMM stores: bf16 (cuBLASLt); emulated, stage 3's activation dtype
     gelu: bool,
+    fast_accum: bool, // cuBLASLt's FP8 fast accumulation (`--fp8-fast-accum`); on by default
     name: String,
     state: Mutex<ScaleState>,
 }
@@ -332,7 +404,41 @@ impl Fp8Linear {
             Fp8Mode::Emulated => Some((weight.dequantize(DType::F32)?, bias.to_dtype(DType::F32)?)),
             Fp8Mode::Cublaslt => None,
         };
-        Ok(Fp8Linear { weight, emulated, bias, out, gelu, name: name.into(), state: Mutex::new(ScaleState::new(scaling)?) })
+        Ok(Fp8Linear {
+            weight,
+            emulated,
+            bias,
+            out,
+            gelu,
+            fast_accum: true,
+            name: name.into(),
+            state: Mutex::new(ScaleState::new(scaling)?),
+        })
+    }
+
+    /// Turn cuBLASLt's FP8 fast accumulation on (the default) or off (`--fp8-fast-accum`).
+    pub fn with_fast_accum(mut self, on: bool) -> Fp8Linear {
+        self.fast_accum = on;
+        self
+    }
+
+    /// How the GEMM runs.
+    pub fn mode(&self) -> Fp8Mode {
+        if self.emulated.is_some() {
+            Fp8Mode::Emulated
+        } else {
+            Fp8Mode::Cublaslt
+        }
+    }
+
+    /// The layer's name (qkv, proj, fc1, fc2 in stage 4).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether cuBLASLt's fast accumulation is on.
+    pub fn fast_accum(&self) -> bool {
+        self.fast_accum
     }
 
     /// x: (B, T, K), any float dtype (bf16 in stage 4) → (B, T, N) in the output dtype (bf16).
@@ -356,50 +462,84 @@ impl Fp8Linear {
         if x.device().is_cpu() {
             // Free to check on the CPU (the data is already host memory); see the module notes.
             check_finite(x, &format!("the input of {}", self.name)).map_err(candle_core::Error::wrap)?;
+            let scale = self.state()?.scale_for(x)?;
+            // s_x·q_x in f32 in one parallel pass (`quantize_dequantize_cpu`), never the 8-bit type
+            let xd = quantize_dequantize_cpu(x, &scale)?;
+            return self.gemm(None, Some(&xd), &scale, (bsz, t, n), residual);
         }
-        let scale = self.state.lock().map_err(|_| candle_core::Error::Msg(format!("{}: scale state poisoned", self.name)))?.scale_for(x)?;
-        match &self.emulated {
-            None => {
-                let xq = quantize(x, &scale)?; // (B, T, K) E4M3
-                match residual {
-                    None => self.forward_cublaslt(&xq, &scale, (bsz, t, n)),
-                    Some(r) => r + self.forward_cublaslt(&xq, &scale, (bsz, t, n))?.to_dtype(r.dtype())?,
-                }
-            }
-            Some((w, b)) => {
-                let xd = if x.device().is_cpu() {
-                    quantize_dequantize_cpu(x, &scale)? // one parallel pass, same values
-                } else {
-                    dequantize(&quantize(x, &scale)?, &scale, DType::F32)?
-                }; // (B, T, K): s_x·q_x, exact in f32
-                if let (Some(r), true, false) = (residual, x.device().is_cpu(), self.gelu) {
-                    return stage3_fused::ops::linear_bias_residual(&xd, w, b, r);
-                    // stage 3's fused residual epilogue
-                }
-                let y = if x.device().is_cpu() {
-                    // stage 3's fused f32 GEMM + epilogue (the CPU has no FP8 to be faster with)
-                    if self.gelu {
-                        stage3_fused::ops::linear_bias_gelu(&xd, w, b)?
-                    } else {
-                        stage3_fused::ops::linear_bias(&xd, w, b)?
-                    }
-                } else {
-                    // Plain ops on a GPU: stage 3's cuBLASLt f32 GEMM would compute in TF32.
-                    let y = stage0_baseline::linear(&xd, w, b)?;
-                    if self.gelu {
-                        stage0_baseline::gelu_tanh(&y)?
-                    } else {
-                        y
-                    }
-                };
-                // the store cuBLASLt makes (bf16), or stage 3's dtype on the CPU
-                let y = shared::elementwise::to_dtype(&y, self.out, Elementwise::Parallel)?;
-                match residual {
-                    None => Ok(y),
-                    Some(r) => r + y.to_dtype(r.dtype())?,
-                }
-            }
+        // CUDA: our kernels quantise (kernels/fp8.cu), the scale stays on the device.
+        let (xq, scale) = self.state()?.quantize(x)?;
+        // emulated on a GPU without FP8 (--fp8-emulate): its f32 GEMM reads s_x·q_x
+        let xd = if self.emulated.is_some() { Some(dequantize(&xq, &scale, DType::F32)?) } else { None };
+        self.gemm(Some(&xq), xd.as_ref(), &scale, (bsz, t, n), residual)
+    }
+
+    fn state(&self) -> candle_core::Result<std::sync::MutexGuard<'_, ScaleState>> {
+        self.state.lock().map_err(|_| candle_core::Error::Msg(format!("{}: scale state poisoned", self.name)))
+    }
+
+    /// The GEMM on the quantised input: cuBLASLt on q_x (`xq`), or, emulated, the f32 GEMM on
+    /// s_x·q_x (`xd`), then the store in the output dtype and the residual.
+    fn gemm(
+        &self,
+        xq: Option<&Tensor>,
+        xd: Option<&Tensor>,
+        scale: &Tensor,
+        (bsz, t, n): (usize, usize, usize),
+        residual: Option<&Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let (Some((w, b)), Some(xd)) = (&self.emulated, xd) else {
+            let xq = xq.ok_or_else(|| candle_core::Error::Msg(format!("{}: no E4M3 input for cuBLASLt", self.name)))?;
+            return match residual {
+                None => self.forward_cublaslt(xq, scale, (bsz, t, n)),
+                Some(r) => r + self.forward_cublaslt(xq, scale, (bsz, t, n))?.to_dtype(r.dtype())?,
+            };
+        };
+        if let (Some(r), true, false) = (residual, xd.device().is_cpu(), self.gelu) {
+            return stage3_fused::ops::linear_bias_residual(xd, w, b, r); // stage 3's fused residual epilogue
         }
+        let y = if xd.device().is_cpu() {
+            // stage 3's fused f32 GEMM + epilogue (the CPU has no FP8 to be faster with)
+            if self.gelu {
+                stage3_fused::ops::linear_bias_gelu(xd, w, b)?
+            } else {
+                stage3_fused::ops::linear_bias(xd, w, b)?
+            }
+        } else {
+            // Plain ops on a GPU: stage 3's cuBLASLt f32 GEMM would compute in TF32.
+            let y = stage0_baseline::linear(xd, w, b)?;
+            if self.gelu {
+                stage0_baseline::gelu_tanh(&y)?
+            } else {
+                y
+            }
+        };
+        // the store cuBLASLt makes (bf16), or stage 3's dtype on the CPU
+        let y = shared::elementwise::to_dtype(&y, self.out, Elementwise::Parallel)?;
+        match residual {
+            None => Ok(y),
+            Some(r) => r + y.to_dtype(r.dtype())?,
+        }
+    }
+
+    /// The GEMM twin (the twin check, `twin::gemm_twin_tolerance`): this layer's GEMM run again
+    /// on x quantised with the scale of the last forward, and the f32 GEMM of the very same
+    /// E4M3 operands with the same scales (+ bias, GELU) — only the accumulation (order and
+    /// precision) and the output's store differ. Returns (fp8 GEMM, f32 twin), both (B, T, N).
+    /// The scale state is not touched.
+    pub fn gemm_twin(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let (bsz, t, _) = x.dims3()?;
+        let n = self.bias.dim(0)?;
+        let scale = self
+            .last_input_scale()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{}: the GEMM twin needs one forward first", self.name)))?;
+        let xq = quantize(x, &scale)?; // the E4M3 operand the forward used
+        let xd = dequantize(&xq, &scale, DType::F32)?; // s_x·q_x, exact in f32
+        let got = self.gemm(Some(&xq), Some(&xd).filter(|_| self.emulated.is_some()), &scale, (bsz, t, n), None)?;
+        let (w, b) = (self.weight.dequantize(DType::F32)?, self.bias.to_dtype(DType::F32)?);
+        let want = stage0_baseline::linear(&xd, &w, &b)?; // f32 GEMM (TF32 off: `Stage::switches`)
+        let want = if self.gelu { stage0_baseline::gelu_tanh(&want)? } else { want };
+        Ok((got, want))
     }
 
     /// What the GEMM stores.
@@ -410,8 +550,8 @@ impl Fp8Linear {
     #[cfg(feature = "cuda")]
     fn forward_cublaslt(&self, xq: &Tensor, scale: &Tensor, (bsz, t, n): (usize, usize, usize)) -> candle_core::Result<Tensor> {
         let m = bsz * t;
-        let y =
-            crate::cuda::fp8_linear(&xq.reshape((m, xq.dim(2)?))?, scale, &self.weight.data, &self.weight.scale, &self.bias, self.gelu)?;
+        let (w, b) = (&self.weight.data, &self.bias);
+        let y = crate::cuda::fp8_linear(&xq.reshape((m, xq.dim(2)?))?, scale, w, &self.weight.scale, b, self.gelu, self.fast_accum)?;
         y.reshape((bsz, t, n))
     }
 

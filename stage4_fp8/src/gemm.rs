@@ -63,6 +63,9 @@ pub struct Fp8GemmArgs {
     pub epilogue: Fp8Epilogue,
     /// Length of the bias vector (one per output feature, i.e. per row of D).
     pub bias_len: u64,
+    /// D in E4M3 instead of bf16, with a D scale (the next GEMM's 1/s) and amax_D: fc1 writing
+    /// the operand fc2 reads (`fp8_gemm_args_e4m3_out`).
+    pub out_e4m3: bool,
 }
 
 /// cuBLASLt's FP8 kernels need 16-byte-aligned leading dimensions — 16 E4M3 elements — and
@@ -113,15 +116,26 @@ pub fn fp8_gemm_args(tokens: usize, in_features: usize, out_features: usize, gel
         b_scale: ScaleOf::Input,
         epilogue: if gelu { Fp8Epilogue::GeluBias } else { Fp8Epilogue::Bias },
         bias_len: m,
+        out_e4m3: false,
     })
+}
+
+/// `fp8_gemm_args` with an E4M3 output: D = E4M3(scale_D · epilogue(s_w·s_x·W_q x_qᵀ + b)) with
+/// scale_D = 1/s_next (CUBLASLT_MATMUL_DESC_D_SCALE_POINTER) and amax_D = max|epilogue(…)|
+/// written to the next layer's amax buffer (CUBLASLT_MATMUL_DESC_AMAX_D_POINTER). Same layouts:
+/// D (N × M column-major, ld N) is the next GEMM's B (K' × M, ld K') exactly, K' = N.
+pub fn fp8_gemm_args_e4m3_out(tokens: usize, in_features: usize, out_features: usize, gelu: bool) -> Result<Fp8GemmArgs, SpeedkitError> {
+    Ok(Fp8GemmArgs { out_e4m3: true, ..fp8_gemm_args(tokens, in_features, out_features, gelu)? })
 }
 
 impl Fp8GemmArgs {
     /// The same call in the terms of `shared::cublaslt_model` (the CPU model of cuBLASLt's
     /// contract), so the tests can execute exactly these arguments: E4M3 A and B, bf16 C/D
-    /// (one layout, β = 0), α = 1, both scale pointers set.
+    /// (one layout, β = 0), α = 1, both scale pointers set. With `out_e4m3`, D is E4M3 and C
+    /// stays bf16 (`cublaslt_model::matmul_fp8_out` executes it).
     pub fn contract(&self) -> MatmulArgs {
-        let d = MatrixLayout { dtype: DataType::Bf16, rows: self.d_rows, cols: self.d_cols, ld: self.ldd };
+        let c = MatrixLayout { dtype: DataType::Bf16, rows: self.d_rows, cols: self.d_cols, ld: self.ldd };
+        let d = MatrixLayout { dtype: if self.out_e4m3 { DataType::E4m3 } else { DataType::Bf16 }, ..c };
         MatmulArgs {
             m: self.m,
             n: self.n,
@@ -130,7 +144,7 @@ impl Fp8GemmArgs {
             transb: self.transb,
             a: MatrixLayout { dtype: DataType::E4m3, rows: self.a_rows, cols: self.a_cols, ld: self.lda },
             b: MatrixLayout { dtype: DataType::E4m3, rows: self.b_rows, cols: self.b_cols, ld: self.ldb },
-            c: d,
+            c,
             d,
             alpha: 1.0,
             beta: 0.0,

@@ -64,3 +64,75 @@ impl TwinBlock {
         }
     }
 }
+
+/// How an FP8 GEMM accumulates its K products (what the GEMM twin's tolerance depends on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accumulation {
+    /// f32 multiply-adds: the emulation (CPU, or a GPU without FP8, TF32 off).
+    F32,
+    /// Hopper/Ada FP8 tensor cores, partial sums promoted to f32 every few k-steps
+    /// (`--fp8-fast-accum off`).
+    TensorCorePromoted,
+    /// FP8 tensor cores with CUBLASLT_MATMUL_DESC_FAST_ACCUM: never promoted (`--fp8-fast-accum on`).
+    TensorCoreFast,
+}
+
+/// Significant bits the FP8 tensor cores' accumulator keeps: partial sums are truncated to
+/// 14 (an "FP22" with 13 explicit mantissa bits). Not documented by NVIDIA; measured by
+/// DeepSeek (DeepSeek-V3 technical report §3.5.2, also deepseek-ai/DeepGEMM#37: "only uses the
+/// highest 14 bits … and truncates bits exceeding this range") and by SageAttention 2's authors
+/// (thu-ml/SageAttention#287: mma f32.e4m3.e4m3.f32 zeroes D's 10 lowest mantissa bits).
+pub const TENSOR_CORE_ACCUM_BITS: i32 = 14;
+/// K consumed by one FP8 MMA instruction (Hopper wgmma and Ada mma.sync take k = 32 for E4M3):
+/// one truncation of the running sum per 32 products.
+pub const MMA_K: usize = 32;
+/// K between two promotions to f32 without fast accumulation. cuBLAS documents only that
+/// fast accumulation skips the periodic promotion ("intermediate results will not periodically
+/// be promoted to a higher precision", CUBLASLT_MATMUL_DESC_FAST_ACCUM); CUTLASS's Hopper FP8
+/// GEMM promotes every 4 MMAs (`mma_promotion_interval` = 4, 128 along K), as DeepGEMM does.
+pub const PROMOTION_K: usize = 128;
+
+/// Tolerance of one GEMM twin — ||y_fp8 − y_f32|| / ||y_f32|| where both GEMMs read the same
+/// E4M3 operands with the same scales — derived from K, the accumulation and the output dtype.
+///
+/// Derivation. The operands are identical, so the difference is (1) how the K products are
+/// summed and (2) the rounding of the stored output.
+/// (2) A store to `out` rounds to nearest: relative error ≤ u_out = 2⁻⁹ (bf16), 2⁻¹² (f16),
+///     2⁻²⁴ (f32); we allow 2·u_out (the GELU epilogue's own last-bit differences).
+/// (1a) f32 accumulation: the probabilistic bound of Higham & Mary (SIAM J. Sci. Comput. 2019,
+///     "A new approach to probabilistic rounding error analysis"): |Δy| ≤ λ·√K·u·Σ|a||b| with
+///     high probability; for products of random sign Σ|a||b| is within a small factor of |y|'s
+///     scale column-norm-wise, so λ = 4 gives 4·√K·2⁻²⁴ (3e-5 at K = 16384).
+/// (1b) Tensor cores: after each MMA (MMA_K products) the running partial sum s_j is truncated
+///     to 14 significant bits, an error below one unit in its last place: |δ_j| < 2⁻¹³·|s_j|.
+///     Over n truncations |Δy| ≤ 2⁻¹³·Σ_j |s_j| ≤ 2⁻¹³·n·max_j |s_j|, and because the weights'
+///     products have mean ~0 the partial sums grow like a random walk, so max_j |s_j| stays
+///     near |s_n| norm-wise: relative error ≲ n·2⁻¹³. Truncation is biased (toward zero), so
+///     the n errors add up rather than cancel: n, not √n.
+///     - fast accumulation: n = ⌈K / MMA_K⌉ — 512 at te's fc2 (K = 16384): 6.3e-2; 24 at
+///       C = 768: 2.9e-3. This is why the whole-block twin with a fixed 1e-2 failed at te on the
+///       H100 (2.80e-2) while it passed at small.
+///     - promoted every PROMOTION_K: n = PROMOTION_K / MMA_K = 4 within each chunk, relative to
+///       the chunk's sum; the chunks' errors are independent and add in f32: ≈ 4·2⁻¹³ = 4.9e-4
+///       for any K, plus (1a) for the f32 sum of the ⌈K / 128⌉ chunks.
+/// What the check still catches: a wrong scale (factor ≥ 1.25: rel. error ≥ 0.2), a transposed
+/// or misaligned operand, a wrong epilogue — all O(1). The tolerance stays below 0.1 while
+/// K ≤ 24 576 with fast accumulation (`tolerance_stays_discriminating`); beyond that, turn
+/// fast accumulation off for a sharp check.
+pub fn gemm_twin_tolerance(k: usize, acc: Accumulation, out: candle_core::DType) -> f64 {
+    use candle_core::DType;
+    let store = 2.0
+        * match out {
+            DType::BF16 => 2f64.powi(-9),
+            DType::F16 => 2f64.powi(-12),
+            _ => 2f64.powi(-24),
+        };
+    let f32_sum = |terms: usize| 4.0 * (terms.max(1) as f64).sqrt() * 2f64.powi(-24);
+    let truncations = |n: usize| n as f64 * 2f64.powi(1 - TENSOR_CORE_ACCUM_BITS);
+    store
+        + match acc {
+            Accumulation::F32 => f32_sum(k),
+            Accumulation::TensorCorePromoted => truncations(PROMOTION_K / MMA_K) + f32_sum(k.div_ceil(PROMOTION_K)),
+            Accumulation::TensorCoreFast => truncations(k.div_ceil(MMA_K)),
+        }
+}

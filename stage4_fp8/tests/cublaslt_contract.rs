@@ -64,3 +64,35 @@ proptest! {
         prop_assert!(e < 1e-2, "{recipe:?} gelu={gelu} M={tokens} K={k} N={n}: rel err {e:.2e}");
     }
 }
+
+/// The fc1 → fc2 fusion's arguments (`fp8_gemm_args_e4m3_out`): fc1 writes E4M3 with fc2's
+/// input scale as D scale (1/s) and amax_D, per cuBLASLt's FP8 contract as modelled. Executed
+/// by the model, D must be the emulated fc1's f32 output quantised with that scale, bit for bit
+/// up to the f32 sum order (a value on a rounding boundary may land on the neighbour), and
+/// amax_D its max |·|.
+#[test]
+fn fc1_writing_e4m3_for_fc2_matches_its_slow_twin() {
+    use shared::cublaslt_model::matmul_fp8_out;
+    use stage4_fp8::fp8::{amax, dequantize, scale_from_amax};
+    use stage4_fp8::gemm::fp8_gemm_args_e4m3_out;
+    let (tokens, k, n) = (32, 64, 256); // fc1: C → FF
+    let (w, b) = (uniform(&[n, k], 0.1, 40), uniform(&[n], 0.1, 41));
+    let layer = Fp8Linear::with_output(&w, &b, true, Fp8Mode::Emulated, ScalingConfig::default(), "fc1", DType::F32).unwrap();
+    let x = uniform(&[1, tokens, k], 2.0, 42);
+    let y = layer.forward(&x).unwrap(); // (1, tokens, n) f32: GELU(x̃ W̃ᵀ + b), not rounded to bf16
+    let s_next = scale_from_amax(&(amax(&y).unwrap() * 0.9).unwrap(), 0).unwrap(); // fc2's delayed scale: a little small, so the top saturates
+    let want = host(&dequantize(&quantize(&y, &s_next).unwrap(), &s_next, DType::F32).unwrap());
+    let s_x = layer.last_input_scale().unwrap();
+    let args = fp8_gemm_args_e4m3_out(tokens, k, n, true).unwrap().contract();
+    let scales = (layer.weight().scale.to_scalar::<f32>().unwrap(), s_x.to_scalar::<f32>().unwrap());
+    let s = s_next.to_scalar::<f32>().unwrap();
+    let (d, amax_d) =
+        matmul_fp8_out(&args, &host(&layer.weight().data), &host(&quantize(&x, &s_x).unwrap()), Some(&host(layer.bias())), scales, 1.0 / s)
+            .unwrap();
+    let got: Vec<f32> = d.iter().map(|q| q * s).collect(); // fc2 reads D with scale s
+    let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+    assert!(differ * 100 <= want.len(), "{differ} of {} E4M3 values differ", want.len());
+    let max_y = host(&y).iter().fold(0f32, |m, v| m.max(v.abs()));
+    assert!((amax_d - max_y).abs() <= 1e-5 * max_y, "amax_D {amax_d} vs {max_y}");
+    assert!(got.iter().any(|v| (v - 448.0 * s).abs() < 1e-6 * s), "nothing saturated: the test would not see a wrong D scale");
+}

@@ -1,0 +1,230 @@
+//! FP8 quantisation on CUDA with our own kernels (`kernels/fp8.cu`, compiled by NVRTC once per
+//! architecture, like stage 3's `add_layer_norm.cu`): amax, the scale (current, or delayed from
+//! a history kept on the device), the cast to E4M3 and back. candle's own F8E4M3 casts are never
+//! called on CUDA: in candle 0.11.1 their kernels cannot be found (huggingface/candle#3886).
+//!
+//! The scale state's buffers (amax bits, scale, history) are tensors made once and written in
+//! place by the kernels through their device pointers, so a CUDA graph captures the whole
+//! update — no host round trip, no allocation — and every replay advances the history.
+
+use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop};
+use candle_core::cuda::CudaDevice;
+use candle_core::{DType, Storage, Tensor};
+use stage3_fused::cuda::{device_key, wrap};
+use stage3_fused::device_cache::Cache;
+use Arg::{Null, Tensor as T, F32, I32, I64};
+
+/// The kernel source. CI compiles it with `nvcc --ptx` and runs it under the host emulation
+/// (`host_emulation/fp8_check.cpp`); at run time NVRTC compiles it for the device.
+pub const FP8_CU: &str = include_str!("../kernels/fp8.cu");
+const MODULE: &str = "speedkit_fp8";
+/// THREADS and CHUNK (= THREADS · ITEMS) of fp8.cu: each block owns CHUNK elements.
+const THREADS: u32 = 256;
+const CHUNK: usize = 256 * 16;
+
+thread_local! {
+    /// NVRTC's PTX of kernels/fp8.cu, per architecture (`stage3_fused::device_cache`).
+    static PTX: Cache<(u32, u32), String> = Cache::new();
+}
+
+fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
+    candle_core::Error::Msg(format!("FP8 kernel: {what}: {e:?}"))
+}
+
+fn ptx(dev: &CudaDevice) -> candle_core::Result<String> {
+    let sm = device_key(dev)?.sm;
+    PTX.with(|c| {
+        c.get_or_try_insert(sm, || {
+            // CompileOptions wants a 'static str; one leaked string per architecture.
+            let arch: &'static str = Box::leak(format!("compute_{}{}", sm.0, sm.1).into_boxed_str());
+            let opts = candle_core::cuda::cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
+            candle_core::cuda::cudarc::nvrtc::compile_ptx_with_opts(FP8_CU, opts)
+                .map(|p| p.to_src())
+                .map_err(|e| err("NVRTC could not compile kernels/fp8.cu", e))
+        })
+    })
+}
+
+/// One kernel parameter: the device pointer of the i-th tensor passed to `launch`, a null
+/// pointer, or a scalar (`long` is i64, `int` i32, `float` f32 in the kernel's signature).
+#[derive(Clone, Copy, Debug)]
+enum Arg {
+    Tensor(usize),
+    Null,
+    I64(i64),
+    I32(i32),
+    F32(f32),
+}
+
+/// Launch `name` with `args`, in the kernel's parameter order. Every tensor must be contiguous
+/// and on `dev`.
+fn launch(dev: &CudaDevice, name: &str, blocks: u32, threads: u32, tensors: &[&Tensor], args: &[Arg]) -> candle_core::Result<()> {
+    let ptx = ptx(dev)?;
+    let func = dev.get_or_load_custom_func(name, MODULE, &ptx)?;
+    let stream = dev.cuda_stream();
+    let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+    let mut ptrs = Vec::with_capacity(tensors.len());
+    let mut syncs: Vec<SyncOnDrop<'_>> = Vec::with_capacity(tensors.len());
+    for ((s, l), t) in guards.iter().zip(tensors) {
+        let Storage::Cuda(cs) = &**s else { candle_core::bail!("{name}: expected a CUDA tensor") };
+        let (start, _) = l.contiguous_offsets().ok_or_else(|| err(name, "expected a contiguous tensor"))?;
+        let ((p, g), size) = match t.dtype() {
+            DType::F32 => (cs.as_cuda_slice::<f32>()?.device_ptr(&stream), 4),
+            DType::U32 => (cs.as_cuda_slice::<u32>()?.device_ptr(&stream), 4),
+            DType::BF16 => (cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream), 2),
+            DType::F8E4M3 => (cs.as_cuda_slice::<float8::F8E4M3>()?.device_ptr(&stream), 1),
+            dt => candle_core::bail!("{name}: unsupported dtype {dt:?}"),
+        };
+        ptrs.push(p + (start * size) as u64);
+        syncs.push(g);
+    }
+    // The values, kept alive until the launch (the builder holds references to them).
+    let pointers: Vec<u64> = args
+        .iter()
+        .map(|a| match a {
+            Arg::Tensor(i) => ptrs[*i],
+            _ => 0, // Null; unused for scalars
+        })
+        .collect();
+    let mut builder = func.builder();
+    for (a, p) in args.iter().zip(&pointers) {
+        match a {
+            Arg::Tensor(_) | Arg::Null => builder.arg(p),
+            Arg::I64(v) => builder.arg(v),
+            Arg::I32(v) => builder.arg(v),
+            Arg::F32(v) => builder.arg(v),
+        };
+    }
+    let cfg = LaunchConfig { grid_dim: (blocks.max(1), 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: each call site lists the kernel's parameters in its order and types (raw device
+    // pointers as u64, `long` as i64, `int` as i32, `float` as f32), and the pointers come from
+    // live, contiguous tensors of the dtypes the kernel reads and writes.
+    unsafe { builder.launch(cfg) }.map_err(|e| err(name, e))?;
+    drop(syncs);
+    Ok(())
+}
+
+fn blocks(n: usize) -> candle_core::Result<u32> {
+    u32::try_from(n.div_ceil(CHUNK)).map_err(|_| err("grid", format!("{n} elements need more than 2^32 blocks")))
+}
+
+/// x as the kernels read it: contiguous f32 or bf16 (f16 is converted to f32 first).
+fn readable(x: &Tensor) -> candle_core::Result<Tensor> {
+    match x.dtype() {
+        DType::F32 | DType::BF16 => x.contiguous(),
+        _ => x.to_dtype(DType::F32)?.contiguous(),
+    }
+}
+
+fn suffix(x: &Tensor) -> &'static str {
+    if x.dtype() == DType::BF16 {
+        "bf16"
+    } else {
+        "f32"
+    }
+}
+
+/// amax_bits (a (1) u32 buffer, zero on entry) ← max(amax_bits, max|x|) as f32 bits.
+fn amax_into(x: &Tensor, amax_bits: &Tensor) -> candle_core::Result<()> {
+    let dev = x.device().as_cuda_device()?;
+    let x = readable(x)?;
+    let n = x.elem_count() as i64;
+    launch(dev, &format!("fp8_amax_{}", suffix(&x)), blocks(x.elem_count())?, THREADS, &[&x, amax_bits], &[T(0), I64(n), T(1)])
+}
+
+/// amax = max|x| as a rank-0 f32 tensor (one pass, one atomic per block).
+pub fn amax(x: &Tensor) -> candle_core::Result<Tensor> {
+    let bits = Tensor::zeros(1, DType::U32, x.device())?;
+    amax_into(x, &bits)?;
+    // The bits are an f32's: reinterpret on the device (a one-element copy).
+    let out = Tensor::zeros(1, DType::F32, x.device())?;
+    // scale_from_amax with pow2_margin = 448 gives s = max(amax, FLT_MIN): the amax itself
+    // (FLT_MIN only for an all-zero x, where amax is then reported as FLT_MIN, not 0).
+    launch(x.device().as_cuda_device()?, "fp8_scale_from_amax", 1, 1, &[&bits, &out], &[T(0), T(1), F32(448.0)])?;
+    out.reshape(())
+}
+
+/// q = E4M3(x / s) (`s`: (1) or rank-0 f32 on x's device), with amax_bits also updated in the
+/// same pass when given.
+fn quantize_into(x: &Tensor, scale: &Tensor, amax_bits: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    let dev = x.device().as_cuda_device()?.clone();
+    let x = readable(x)?;
+    let n = x.elem_count();
+    // SAFETY: the kernel writes every one of the n elements before anything reads them.
+    let q = wrap(unsafe { dev.alloc::<float8::F8E4M3>(n)? }, &dev, x.shape().clone());
+    let scale = scale.contiguous()?;
+    let n64 = n as i64;
+    let name = format!("fp8_quantize_{}", suffix(&x));
+    match amax_bits {
+        Some(bits) => launch(&dev, &name, blocks(n)?, THREADS, &[&x, &scale, &q, bits], &[T(0), I64(n64), T(1), T(2), T(3)])?,
+        // amax_bits = nullptr: no amax in this pass
+        None => launch(&dev, &name, blocks(n)?, THREADS, &[&x, &scale, &q], &[T(0), I64(n64), T(1), T(2), Null])?,
+    }
+    Ok(q)
+}
+
+/// q = sat(x / s) in E4M3 (round to nearest even, ±448, NaN kept).
+pub fn quantize(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
+    quantize_into(x, scale, None)
+}
+
+/// s·q in f32.
+pub fn dequantize_f32(q: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
+    let dev = q.device().as_cuda_device()?.clone();
+    let (q, scale) = (q.contiguous()?, scale.contiguous()?);
+    let n = q.elem_count();
+    // SAFETY: the kernel writes every one of the n elements.
+    let y = wrap(unsafe { dev.alloc::<f32>(n)? }, &dev, q.shape().clone());
+    let n64 = n as i64;
+    launch(&dev, "fp8_dequantize_f32", blocks(n)?, THREADS, &[&q, &scale, &y], &[T(0), I64(n64), T(1), T(2)])?;
+    Ok(y)
+}
+
+/// One activation's scale state on the device: what `ScaleState` holds on CUDA.
+#[derive(Debug)]
+pub struct DeviceScale {
+    /// (1) u32: the running amax's f32 bits; zero between calls (the kernels clear it).
+    pub amax_bits: Tensor,
+    /// (1) f32: the scale of the last call, read by the GEMM through its pointer.
+    pub scale: Tensor,
+    /// (history_len) f32, oldest first (delayed scaling).
+    pub history: Tensor,
+}
+
+impl DeviceScale {
+    pub fn new(dev: &candle_core::Device, history_len: usize) -> candle_core::Result<DeviceScale> {
+        Ok(DeviceScale {
+            amax_bits: Tensor::zeros(1, DType::U32, dev)?,
+            scale: Tensor::zeros(1, DType::F32, dev)?,
+            history: Tensor::zeros(history_len, DType::F32, dev)?,
+        })
+    }
+
+    /// Current scaling: amax pass, scale, cast pass (3 launches, x read twice).
+    pub fn quantize_current(&self, x: &Tensor, pow2_margin: f32) -> candle_core::Result<Tensor> {
+        let dev = x.device().as_cuda_device()?;
+        amax_into(x, &self.amax_bits)?;
+        launch(dev, "fp8_scale_from_amax", 1, 1, &[&self.amax_bits, &self.scale], &[T(0), T(1), F32(pow2_margin)])?;
+        quantize_into(x, &self.scale, None)
+    }
+
+    /// Delayed scaling: the scale from the history, then the cast with this call's amax fused
+    /// into the same pass, then the amax joins the history (3 launches, x read once). The first
+    /// call (`first`) has no history: its own amax fills it first.
+    pub fn quantize_delayed(&self, x: &Tensor, pow2_margin: f32, first: bool) -> candle_core::Result<Tensor> {
+        let dev = x.device().as_cuda_device()?;
+        let len = self.history.elem_count() as i32;
+        let push = |fill: i32| launch(dev, "fp8_history_push", 1, 1, &[&self.amax_bits, &self.history], &[T(0), T(1), I32(len), I32(fill)]);
+        if first {
+            amax_into(x, &self.amax_bits)?;
+            push(1)?;
+        }
+        launch(dev, "fp8_scale_from_history", 1, 1, &[&self.history, &self.scale], &[T(0), I32(len), T(1), F32(pow2_margin)])?;
+        if first {
+            return quantize_into(x, &self.scale, None); // this amax is already in the history
+        }
+        let q = quantize_into(x, &self.scale, Some(&self.amax_bits))?;
+        push(0)?;
+        Ok(q)
+    }
+}
