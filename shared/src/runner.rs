@@ -156,6 +156,11 @@ impl Session {
         }
         if let Some(avail) = device::available_bytes(&device) {
             let name = must_run.first().map_or(reference.name, |(s, _)| s.name);
+            // On a CPU the ceiling probe runs beside the session (and before any stage), so its
+            // own buffers count too.
+            if info.kind == DeviceKind::Cpu {
+                widest = widest.max(crate::ceiling::probe_bytes(&shape));
+            }
             check_fits(name, &shape, shape.estimate_session_bytes().saturating_add(widest), avail)?;
         }
         if args.cuda_graph {
@@ -193,6 +198,7 @@ impl Session {
         println!("timing    {warmup} warm-up + {iters} timed iterations, device synchronized after each");
         let ceiling = match info.kind {
             DeviceKind::Cpu => {
+                crate::ceiling::check_fit(&shape)?;
                 let c = crate::ceiling::measure(&shape)?;
                 println!("ceiling   {} (measured now; % of peak is against it)", c.describe());
                 Some(c)
@@ -446,13 +452,19 @@ fn on_off(b: bool) -> &'static str {
 /// `R` is the fp32 stage-0 block the output is checked against.
 pub fn main<S: Stage + 'static, R: Stage + 'static>() -> ExitCode {
     let cmd = RunArgs::augment_args(clap::Command::new(S::NAME).about(S::TECHNIQUE));
+    if let Err(e) = crate::cli::check_env(&cmd) {
+        return exit_with(|| Err(e.into()));
+    }
     let matches = cmd.get_matches();
     exit_with(|| {
         let args = RunArgs::from_arg_matches(&matches)?;
         let spec = StageSpec::of::<S>();
         // Every output path is checked before any work (writable, not a directory or device,
         // no two on one file), so a run never ends in a refusal to save it.
-        crate::output::check_all(&crate::cli::output_flags(&args))?;
+        let outputs = crate::output::check_all(&crate::cli::output_flags(&args))?;
+        let inputs: Vec<(&str, &std::path::Path)> =
+            [("--weights", &args.weights), ("--input", &args.input)].into_iter().filter_map(|(f, p)| p.as_deref().map(|p| (f, p))).collect();
+        crate::output::check_not_inputs(&outputs, &inputs)?;
         let session = Session::open_for(args.clone(), &StageSpec::of::<R>(), &[(spec, args.precision)])?;
         let (record, y) = session.run(&spec, session.args.precision)?;
         print_details(&record);
