@@ -243,6 +243,21 @@ mod tests {
         assert_eq!(linears + attention, crate::perf::block_flops(&s));
     }
 
+    // Issue 19, class B: the probe's bytes come from the shapes it measures, and a probe that
+    // cannot fit is exit 2 before it allocates anything.
+    #[test]
+    fn probe_bytes_count_its_widest_gemm_and_refuse_before_allocating() {
+        let s = Preset::Small.shape();
+        let widest = block_gemms(&s).iter().map(|&(_, m, n, k)| 4 * (m * k + n * k + m * n) as u128).max().unwrap();
+        assert_eq!(widest, 4 * (2048 * 768 + 3072 * 768 + 2048 * 3072), "fc1 (and fc2) on small");
+        assert_eq!(probe_bytes(&s), widest.max(3 * TRIAD_ARRAY_BYTES as u128));
+        // ~42 GB for fc1 alone: more than this process has, refused at once (not an abort).
+        let huge = Shape { batch: 1, seq: 80_000, d_model: 26_000, n_head: 1000, ff: 80_000 };
+        let e = check_fit(&huge).unwrap_err().to_string();
+        assert!(e.contains("ceiling probe") && e.contains("memory") && e.contains("Fix:"), "{e}");
+        assert!(check_fit(&Preset::Tiny.shape()).is_ok());
+    }
+
     #[test]
     fn tiny_probe_measures_something_finite() {
         let _alone = crate::BIG_ALLOCATION_TESTS.lock().unwrap_or_else(|e| e.into_inner());

@@ -267,6 +267,12 @@ mod tests {
             assert!(validate(&flags(&[&format!("--peak-tflops={bad}")])).is_err(), "{bad}");
         }
         assert!(validate(&flags(&["--peak-tflops", "989"])).is_ok());
+        // Issue 19, class G: --bandwidth-gbs is bounded like --peak-tflops.
+        for bad in ["1e-300", "0", "-5", "inf", "NaN", "1e300", "1.7976931348623157e308"] {
+            let e = validate(&flags(&[&format!("--bandwidth-gbs={bad}")])).unwrap_err().to_string();
+            assert!(e.contains("--bandwidth-gbs") && e.contains("Fix:"), "{e}");
+        }
+        assert!(validate(&flags(&["--bandwidth-gbs", "3350"])).is_ok());
     }
 
     #[test]
@@ -284,6 +290,8 @@ mod tests {
         assert_eq!((f.ln, f.qkv, f.epilogue, f.add_ln), (true, false, false, true));
         assert_eq!(f.describe(), "ln,add-ln");
         assert_eq!(Fusions::ALL.without("qkv").on(), ["ln", "epilogue", "add-ln"]);
+        // Issue 19, class H: empty is refused, not "none".
+        assert!("".parse::<Fusions>().is_err() && " ".parse::<Fusions>().is_err());
         let e = "ln,gelu".parse::<Fusions>().unwrap_err();
         assert!(e.contains("'gelu'") && e.contains("Fix"), "{e}");
     }

@@ -575,6 +575,61 @@ mod tests {
         std::fs::remove_dir_all(&d).ok();
     }
 
+    // Issue 19, class E: a legal long name's temp file stays within NAME_MAX, and the check
+    // probes the folder the way the write will (a closed /dev/fd/N, /proc).
+    #[test]
+    fn long_names_fit_and_checks_probe_the_real_write() {
+        let d = scratch("long");
+        for len in [1, 200, 250, 255] {
+            let p = d.join("é".repeat(len / 2) + &"a".repeat(len % 2));
+            let tmp = temp_name(&p);
+            assert!(tmp.file_name().unwrap().len() <= NAME_MAX, "{len}: {}", tmp.display());
+            assert!(std::str::from_utf8(tmp.file_name().unwrap().as_bytes()).is_ok(), "cut at a character boundary");
+        }
+        let p = d.join("b".repeat(250));
+        write("--json", &p, b"x").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"x");
+        assert!(leftovers(&d).is_empty());
+        let e = check("--json", &d.join("c".repeat(256))).unwrap_err().to_string();
+        assert!(e.contains("256 bytes") && e.contains("Fix: use a shorter"), "{e}");
+        if Path::new("/proc/self").exists() {
+            let e = check("--json", Path::new("/proc/speedkit-x.json")).unwrap_err().to_string();
+            assert!(e.contains("/proc") && !e.contains("free space"), "{e}");
+        }
+        // fd 987 is not open in a test process.
+        let e = check("--json", Path::new("/dev/fd/987")).unwrap_err().to_string();
+        assert!(e.contains("file descriptor is not open"), "{e}");
+        // A trailing '/' names a folder (class H): never a file called "newname".
+        let e = check("--json", &d.join("newname/")).unwrap_err().to_string();
+        assert!(e.contains("ends in '/'"), "{e}");
+        assert!(leftovers(&d).is_empty(), "the probe's file is removed");
+        std::fs::remove_dir_all(&d).ok();
+    }
+
+    #[test]
+    fn fixes_match_the_cause() {
+        let fix = |code| fix_for(&std::io::Error::from_raw_os_error(code));
+        assert!(fix(libc::ENOSPC).contains("free space"));
+        for code in [libc::EROFS, libc::EACCES, libc::EBADF, libc::ENAMETOOLONG] {
+            assert!(!fix(code).contains("free space"), "{code}");
+        }
+    }
+
+    // Issue 19, class C: an output that is an input is refused, through links and "..".
+    #[test]
+    fn outputs_are_compared_with_inputs() {
+        let d = scratch("inputs");
+        let input = d.join("run.json");
+        std::fs::write(&input, b"{}").unwrap();
+        let outs = check_all(&[("--svg (the chart beside it)", &d.join("sub/../run.json"))]).unwrap();
+        let e = check_not_inputs(&outs, &[("--from", &input)]).unwrap_err().to_string();
+        assert!(e.contains("--from") && e.contains("Fix: give --svg another path"), "{e}");
+        let outs = check_all(&[("--svg", &d.join("other.svg")), ("--json", Path::new("/dev/null"))]).unwrap();
+        assert!(check_not_inputs(&outs, &[("--from", &input), ("--input", Path::new("/dev/null"))]).is_ok());
+        assert!(is_stream_target(Path::new("/dev/stdout")) && !is_stream_target(&input));
+        std::fs::remove_dir_all(&d).ok();
+    }
+
     /// SIGTERM while a temp file exists: the child process (this test binary, re-run) is killed
     /// by the signal and its temp file is gone.
     #[test]

@@ -225,6 +225,17 @@ impl std::fmt::Display for Shape {
 mod tests {
     use super::*;
 
+    // Issue 19, class I: the suggestion is never empty, and near n_head on both sides.
+    #[test]
+    fn heads_suggestion_is_never_empty() {
+        assert_eq!(near_divisors(128, 256), [64, 128]);
+        assert_eq!(near_divisors(768, 10), [6, 8, 12, 16]);
+        assert_eq!(near_divisors(7, 3), [1, 7]);
+        assert!(!near_divisors(usize::MAX, 1 << 40).is_empty());
+        let e = Shape { batch: 1, seq: 1, d_model: 128, n_head: 256, ff: 1 }.validate().unwrap_err().to_string();
+        assert!(e.contains("among [64, 128]") && !e.contains("[]"), "{e}");
+    }
+
     #[test]
     fn presets_match_design_table() {
         assert_eq!(Preset::Small.shape(), Shape { batch: 4, seq: 512, d_model: 768, n_head: 12, ff: 3072 });
@@ -259,7 +270,7 @@ mod tests {
         assert_eq!(Shape { n_head: 0, ..s }.d_head(), 0);
         // A huge C that n_head does not divide: answered at once (no scan over 1..=C).
         let s = Shape { batch: 1, seq: 1, d_model: 1 << 40, n_head: 3, ff: 1 };
-        assert!(s.validate().unwrap_err().to_string().contains("[1, 2, 4]"));
+        assert!(s.validate().unwrap_err().to_string().contains("[1, 2, 4, 8]"));
         // B from an input file is named as such, not as --batch.
         let s = Shape { batch: 1 << 40, ..Preset::Tiny.shape() };
         let e = s.validate_as(&Sources::input_file(std::path::Path::new("x.st"))).unwrap_err().to_string();

@@ -398,8 +398,8 @@ pub fn check_fits(stage: &str, s: &Shape, need: u128, avail: u64) -> Result<(), 
     let scores = 4 * (s.batch * s.n_head) as u128 * (s.seq * s.seq) as u128;
     Err(SpeedkitError::usage(format!(
         "{stage} needs about {} at its widest for {s} (naive attention's (B, n_head, T, T) scores alone \
-         would be {} in f32), but the device has {} available. Fix: lower --batch or --seq, or pick a \
-         smaller --preset.",
+         would be {} in f32), but the device has {} available. Fix: lower --batch or --seq (or --d-model / \
+         --ff, which size the weights), or pick a smaller --preset.",
         gib(need),
         gib(scores),
         gib(avail as u128)

@@ -338,21 +338,23 @@ fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
             f.write_str("a JSON object")
         }
         fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Keys, A::Error> {
-            let mut seen = std::collections::HashSet::new();
+            // The whole map is read (serde_json refuses a map left half-read); the first
+            // repeated key is kept.
+            let (mut seen, mut first) = (std::collections::HashSet::new(), None);
             while let Some(k) = map.next_key::<String>()? {
                 if k == "__metadata__" {
                     // Its own keys are a map too: a repeated n_head would hide the first.
                     if let Keys(Some(dup)) = map.next_value::<Keys>()? {
-                        return Ok(Keys(Some(format!("__metadata__.{dup}"))));
+                        first = first.or(Some(format!("__metadata__.{dup}")));
                     }
                 } else {
                     map.next_value::<IgnoredAny>()?;
                 }
                 if !seen.insert(k.clone()) {
-                    return Ok(Keys(Some(k)));
+                    first = first.or(Some(k));
                 }
             }
-            Ok(Keys(None))
+            Ok(Keys(first))
         }
     }
     impl<'de> serde::Deserialize<'de> for Keys {
@@ -514,6 +516,23 @@ mod tests {
         }
         assert!(BlockWeights::load_gpt2(&p, Some(0)).unwrap_err().to_string().contains("no layer 0"));
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn duplicated_header_keys_are_named() {
+        let file = |header: &str| {
+            let mut b = (header.len() as u64).to_le_bytes().to_vec();
+            b.extend(header.as_bytes());
+            b.extend([0u8; 8]);
+            b
+        };
+        let t = r#"{"dtype":"F32","shape":[2],"data_offsets":[0,8]}"#;
+        let e = duplicate_key(&file(&format!(r#"{{"x":{t},"y":{t},"x":{t}}}"#))).unwrap_err();
+        assert!(e.contains("\"x\" twice"), "{e}");
+        let e = duplicate_key(&file(&format!(r#"{{"__metadata__":{{"n_head":"4","n_head":"0"}},"x":{t}}}"#))).unwrap_err();
+        assert!(e.contains("__metadata__.n_head"), "{e}");
+        assert!(duplicate_key(&file(&format!(r#"{{"x":{t},"y":{t}}}"#))).is_ok());
+        assert!(duplicate_key(b"short").is_ok() && duplicate_key(&file("{not json")).is_ok(), "left to the reader");
     }
 
     #[test]
