@@ -18,7 +18,7 @@ use shared::cli::{exit_with, RunArgs};
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::elementwise::Elementwise;
 use shared::report::{
-    commit, write_atomic, write_json, Ablation, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA,
+    commit, write_json, Ablation, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA,
 };
 use shared::runner::Session;
 use shared::timing::Stats;
@@ -695,10 +695,10 @@ fn create_parent(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn write_text(path: &Path, text: &str, what: &str) -> anyhow::Result<()> {
+/// Write by the output policy; the error names `flag`, the path and the fix for its cause.
+fn write_text(path: &Path, text: &str, flag: &str) -> anyhow::Result<()> {
     create_parent(path)?;
-    write_atomic(path, text.as_bytes())
-        .map_err(|e| SpeedkitError::usage(format!("cannot write the {what} to {} ({e}). Fix: pick a writable path.", path.display())))?;
+    shared::output::write(flag, path, text.as_bytes())?;
     Ok(())
 }
 
@@ -731,19 +731,22 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
             Results::Ladder(r) => chart::ladder_svg(r)?,
             Results::Sweep(s) => chart::sweep_svg(s)?,
         };
-        write_text(path, &svg, "chart")?;
+        write_text(path, &svg, "--svg")?;
         println!("\nsaved     chart to {}", path.display());
         if shared::output::is_stream_target(path) {
-            println!("note      no roofline or breakdown chart: --svg {} is a stream, and a stream gets no files beside it", path.display());
+            println!(
+                "note      no roofline or breakdown chart: --svg {} is a stream, and a stream gets no files beside it",
+                path.display()
+            );
         } else if let Results::Ladder(r) = results {
             // Beside the bar chart, from the same report: the roofline, and the breakdown if recorded.
             let beside = |what: &str| PathBuf::from(render::sibling(&path.to_string_lossy(), what));
             let roofline = beside("roofline");
-            write_text(&roofline, &roofline::roofline_svg(r)?, "roofline chart")?;
+            write_text(&roofline, &roofline::roofline_svg(r)?, "--svg (the roofline chart beside it)")?;
             println!("saved     roofline to {}", roofline.display());
             if r.records.iter().any(|rec| rec.breakdown.is_some()) {
                 let b = beside("breakdown");
-                write_text(&b, &chart::breakdown_svg(r)?, "breakdown chart")?;
+                write_text(&b, &chart::breakdown_svg(r)?, "--svg (the breakdown chart beside it)")?;
                 println!("saved     breakdown chart to {}", b.display());
             }
         }
@@ -769,7 +772,7 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         if updated == text {
             println!("unchanged {}: its {} region already shows this run", out.readme.display(), out.readme_region);
         } else {
-            write_text(&out.readme, &updated, "README")?;
+            write_text(&out.readme, &updated, "--readme")?;
             println!("updated   {}: {} region rewritten from {}", out.readme.display(), out.readme_region, json.display());
         }
     }
@@ -797,7 +800,7 @@ fn update_doc_citations(readme: &Path, json_link: &str, value: &serde_json::Valu
             println!("note      not updated in {} (this run lacks it): {s}", page.display());
         }
         if updated != text {
-            write_text(&page, &updated, "page")?;
+            write_text(&page, &updated, "--update-readme (a docs page)")?;
             println!("updated   {}: numbers cited from {json_link}", page.display());
         }
     }
@@ -900,7 +903,8 @@ fn doc_pages(readme: &Path, notes: bool) -> Result<Vec<(PathBuf, String)>, Speed
 fn check_ablate(args: &RunArgs, ladder: &LadderArgs, which: &[usize]) -> Result<(), SpeedkitError> {
     let stage_index = |name: &str| stages().iter().position(|s| s.name == name);
     let has = |name: &str| stage_index(name).is_some_and(|i| which.contains(&i));
-    if ladder.ablate && !has("stage2_sdpa") && !(has("stage3_fused") && !args.fusions.on().is_empty()) {
+    let undoable = has("stage2_sdpa") || (has("stage3_fused") && !args.fusions.on().is_empty());
+    if ladder.ablate && !undoable {
         return Err(SpeedkitError::usage(format!(
             "--ablate undoes stage 2's head split/merge and stage 3's fusions one at a time, but this run has {}, so there \
              is nothing to undo and it would add no rows. Fix: include stage 2 or 3 in --stages (with some --fusions on), or drop --ablate.",

@@ -140,7 +140,9 @@ fn class_a_long_strings_in_render_are_refused() {
     for field in [&["records", "0", "stage"][..], &["skipped"], &["versions"]] {
         let mut v = recorded();
         match field {
-            ["skipped"] => v["skipped"] = serde_json::json!([{"stage": "s".repeat(70_000), "technique": "t", "reason": "r", "failed": false}]),
+            ["skipped"] => {
+                v["skipped"] = serde_json::json!([{"stage": "s".repeat(70_000), "technique": "t", "reason": "r", "failed": false}])
+            }
             ["versions"] => v["versions"] = serde_json::json!({"k".repeat(70_000): "1"}),
             path => set(&mut v, &path.iter().map(|s| s.to_string()).collect::<Vec<_>>(), Value::from("x".repeat(70_000))),
         }
@@ -223,7 +225,11 @@ fn class_e_selftest_json_and_fix_text() {
     for bad in ["adir", "/dev/fd/99", "newname/"] {
         let o = ladder_in(&d, &["selftest", "--device", "cpu", "--json", bad]);
         refused(&o);
-        assert!(o.text.contains("--json") && !o.text.contains("pass") && !o.text.contains("free space"), "ran before refusing:\n{}", o.text);
+        assert!(
+            o.text.contains("--json") && !o.text.contains("pass") && !o.text.contains("free space"),
+            "ran before refusing:\n{}",
+            o.text
+        );
     }
     std::fs::create_dir_all(d.join("repo")).unwrap();
     std::fs::write(d.join("repo/README.md"), "<!-- results:begin -->\n<!-- results:end -->\n").unwrap();
@@ -238,22 +244,32 @@ fn class_f_render_bounds_every_number_and_count() {
     let d = scratch("r3f");
     let base = recorded();
     let bad_part = "1".repeat(300);
-    let edits: Vec<(&str, Box<dyn Fn(&mut Value)>)> = vec![
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let edits: Vec<(&str, Edit)> = vec![
         ("ceiling", Box::new(|v: &mut Value| v["ceiling"]["gemm_gflops"] = Value::from(-1.0))),
         ("ceilings", Box::new(|v: &mut Value| v["ceilings"]["tflops"]["fp32"] = Value::from(-3.0))),
         ("ceilings", Box::new(|v: &mut Value| v["ceilings"]["bandwidth_gbs"] = Value::from(1e300))),
         ("breakdown", Box::new(|v: &mut Value| v["records"][0]["breakdown"]["parts"][0]["median_ms"] = Value::from(-2.0))),
-        ("breakdown", Box::new(move |v: &mut Value| v["records"][0]["breakdown"]["parts"][0]["median_ms"] = serde_json::from_str(&bad_part).unwrap())),
+        (
+            "breakdown",
+            Box::new(move |v: &mut Value| v["records"][0]["breakdown"]["parts"][0]["median_ms"] = serde_json::from_str(&bad_part).unwrap()),
+        ),
         ("ablation", Box::new(|v: &mut Value| v["ablation"][0]["record"]["timing"]["median_ms"] = Value::from(-5.0))),
         ("ablation", Box::new(|v: &mut Value| v["ablation"][0]["buys"] = Value::from(-1.0))),
-        ("parts", Box::new(|v: &mut Value| {
-            let p = v["records"][0]["breakdown"]["parts"][0].clone();
-            v["records"][0]["breakdown"]["parts"] = Value::Array(vec![p; 5000]);
-        })),
-        ("ablation rows", Box::new(|v: &mut Value| {
-            let a = v["ablation"][0].clone();
-            v["ablation"] = Value::Array(vec![a; 5000]);
-        })),
+        (
+            "parts",
+            Box::new(|v: &mut Value| {
+                let p = v["records"][0]["breakdown"]["parts"][0].clone();
+                v["records"][0]["breakdown"]["parts"] = Value::Array(vec![p; 5000]);
+            }),
+        ),
+        (
+            "ablation rows",
+            Box::new(|v: &mut Value| {
+                let a = v["ablation"][0].clone();
+                v["ablation"] = Value::Array(vec![a; 5000]);
+            }),
+        ),
     ];
     for (what, edit) in edits {
         let mut v = base.clone();
@@ -474,7 +490,8 @@ fn generated_ladder_flags_exit_0_2_or_3_and_never_panic() {
         path.clone().prop_map(|p| vec![format!("--svg={p}")]),
         path.clone().prop_map(|p| vec![format!("--json={p}")]),
         prop_oneof![Just("--markdown"), Just("--update-readme"), Just("--ablate")].prop_map(|f| vec![f.to_string()]),
-        prop_oneof![Just("nope.md"), Just("/dev/zero"), Just(""), Just("fifo"), Just("README.md")].prop_map(|p| vec![format!("--readme={p}")]),
+        prop_oneof![Just("nope.md"), Just("/dev/zero"), Just(""), Just("fifo"), Just("README.md")]
+            .prop_map(|p| vec![format!("--readme={p}")]),
         (prop_oneof![Just("--bandwidth-gbs"), Just("--peak-tflops")], float).prop_map(|(f, v)| vec![format!("{f}={v}")]),
         prop_oneof![Just(""), Just("none"), Just("ln"), Just("all")].prop_map(|v| vec![format!("--fusions={v}")]),
     ];

@@ -129,7 +129,8 @@ pub const TRIAD_ARRAY_BYTES: usize = 32 << 20;
 /// added there is counted here: each GEMM's x (m × k), W (n × k) and y (m × n) in f32 are alive
 /// together and freed before the next; the triad's three arrays come after.
 pub fn probe_bytes(shape: &Shape) -> u128 {
-    let gemm = block_gemms(shape).iter().map(|&(_, m, n, k)| 4 * (m as u128 * k as u128 + n as u128 * k as u128 + m as u128 * n as u128)).max();
+    let gemm =
+        block_gemms(shape).iter().map(|&(_, m, n, k)| 4 * (m as u128 * k as u128 + n as u128 * k as u128 + m as u128 * n as u128)).max();
     gemm.unwrap_or(0).max(3 * TRIAD_ARRAY_BYTES as u128)
 }
 

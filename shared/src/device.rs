@@ -166,7 +166,7 @@ fn address_space_left() -> Option<u64> {
     }
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let vm_kib: u64 = status.lines().find(|l| l.starts_with("VmSize:"))?.split_whitespace().nth(1)?.parse().ok()?;
-    Some((lim.rlim_cur as u64).saturating_sub(vm_kib.saturating_mul(1024)))
+    Some(lim.rlim_cur.saturating_sub(vm_kib.saturating_mul(1024)))
 }
 
 fn meminfo_kib(key: &str) -> Option<u64> {

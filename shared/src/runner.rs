@@ -462,8 +462,10 @@ pub fn main<S: Stage + 'static, R: Stage + 'static>() -> ExitCode {
         // Every output path is checked before any work (writable, not a directory or device,
         // no two on one file), so a run never ends in a refusal to save it.
         let outputs = crate::output::check_all(&crate::cli::output_flags(&args))?;
-        let inputs: Vec<(&str, &std::path::Path)> =
-            [("--weights", &args.weights), ("--input", &args.input)].into_iter().filter_map(|(f, p)| p.as_deref().map(|p| (f, p))).collect();
+        let inputs: Vec<(&str, &std::path::Path)> = [("--weights", &args.weights), ("--input", &args.input)]
+            .into_iter()
+            .filter_map(|(f, p)| p.as_deref().map(|p| (f, p)))
+            .collect();
         crate::output::check_not_inputs(&outputs, &inputs)?;
         let session = Session::open_for(args.clone(), &StageSpec::of::<R>(), &[(spec, args.precision)])?;
         let (record, y) = session.run(&spec, session.args.precision)?;

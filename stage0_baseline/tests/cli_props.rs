@@ -234,7 +234,11 @@ fn class9_smaller_ones() {
 /// Run stage 0 under `ulimit -v KIB` (a subprocess shell, so the limit binds only it).
 fn stage0_ulimit(dir: &Path, kib: u64, args: &[&str]) -> Out {
     let mut c = Command::new("sh");
-    c.current_dir(dir).arg("-c").arg(format!("ulimit -v {kib} && exec \"$0\" \"$@\"")).arg(env!("CARGO_BIN_EXE_stage0_baseline")).args(args);
+    c.current_dir(dir)
+        .arg("-c")
+        .arg(format!("ulimit -v {kib} && exec \"$0\" \"$@\""))
+        .arg(env!("CARGO_BIN_EXE_stage0_baseline"))
+        .args(args);
     for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("SPEEDKIT_")) {
         c.env_remove(k);
     }
@@ -252,13 +256,48 @@ fn nothing_ran(o: &Out) {
 #[test]
 fn class_b_memory_limit_is_exit_2_never_an_abort() {
     let d = scratch("r3b");
-    let big = ["--preset", "tiny", "--d-model", "12288", "--heads", "96", "--ff", "49152", "--batch", "1", "--seq", "1", "--iters", "1", "--warmup", "0"];
+    let big = [
+        "--preset",
+        "tiny",
+        "--d-model",
+        "12288",
+        "--heads",
+        "96",
+        "--ff",
+        "49152",
+        "--batch",
+        "1",
+        "--seq",
+        "1",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+    ];
     let o = stage0_ulimit(&d, 8_000_000, &big);
     refused(&o);
     assert!(o.text.contains("available") && !o.text.contains("memory allocation"), "{}", o.text);
     // The session (2.4 GB of weights) fits in 3 GB but not beside the probe (fc1: x, W, y at
     // C = 4096, FF = 65536, 1 GiB more): refused up front, where it used to abort in the probe.
-    let probe = ["--preset", "tiny", "--d-model", "4096", "--heads", "32", "--ff", "65536", "--batch", "1", "--seq", "1", "--iters", "1", "--warmup", "0", "--no-check"];
+    let probe = [
+        "--preset",
+        "tiny",
+        "--d-model",
+        "4096",
+        "--heads",
+        "32",
+        "--ff",
+        "65536",
+        "--batch",
+        "1",
+        "--seq",
+        "1",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--no-check",
+    ];
     let o = stage0_ulimit(&d, 3_200_000, &probe);
     refused(&o);
     assert!(!o.text.contains("memory allocation"), "{}", o.text);
@@ -423,7 +462,7 @@ fn garbage() -> impl Strategy<Value = String> {
     prop_oneof![
         Just("".to_string()),
         Just("garbage".to_string()),
-        Just("fifo".to_string()), // a FIFO in the scratch folder (never /dev/full: see class 1)
+        Just("fifo".to_string()),  // a FIFO in the scratch folder (never /dev/full: see class 1)
         Just("lfifo".to_string()), // a symlink to it
         Just("sock".to_string()),  // a UNIX socket
         Just("adir".to_string()),  // a directory
