@@ -220,7 +220,10 @@ impl BlockWeights {
             None => None,
             Some(v) => match v.trim().parse::<usize>() {
                 Ok(n) if n > 0 => Some(n),
-                _ => return Err(bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer (correct or drop the key)"))),
+                _ => {
+                    let v: String = v.chars().take(100).collect(); // a file's string, shown bounded
+                    return Err(bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer (correct or drop the key)")));
+                }
             },
         };
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
