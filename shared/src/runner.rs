@@ -395,13 +395,20 @@ pub fn check_fits(stage: &str, s: &Shape, need: u128, avail: u64) -> Result<(), 
     if need <= avail as u128 * 9 / 10 {
         return Ok(());
     }
-    let scores = 4 * (s.batch * s.n_head) as u128 * (s.seq * s.seq) as u128;
+    let scores = 4 * (s.batch as u128 * s.n_head as u128).saturating_mul(s.seq as u128 * s.seq as u128);
+    // Name the larger of the two usual culprits: the T × T scores or the weights (C and FF).
+    let (c, ff) = (s.d_model as u128, s.ff as u128);
+    let weights = c.saturating_mul(c).saturating_mul(16).saturating_add(c.saturating_mul(ff).saturating_mul(8));
+    let why = if scores >= weights {
+        format!("naive attention's (B, n_head, T, T) scores alone would be {} in f32", gib(scores))
+    } else {
+        format!("the block's weights alone are {} in f32", gib(weights))
+    };
     Err(SpeedkitError::usage(format!(
-        "{stage} needs about {} at its widest for {s} (naive attention's (B, n_head, T, T) scores alone \
-         would be {} in f32), but the device has {} available. Fix: lower --batch or --seq (or --d-model / \
-         --ff, which size the weights), or pick a smaller --preset.",
+        "{stage} needs about {} at its widest for {s} ({why}), but {} is available to this process (free memory, \
+         or the address-space limit `ulimit -v` leaves). Fix: lower --batch or --seq (or --d-model / --ff, which size \
+         the weights), or pick a smaller --preset.",
         gib(need),
-        gib(scores),
         gib(avail as u128)
     )))
 }
