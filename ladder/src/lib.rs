@@ -18,7 +18,7 @@ use shared::cli::{exit_with, RunArgs};
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::elementwise::Elementwise;
 use shared::report::{
-    commit, write_atomic, write_json, Ablation, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA,
+    commit, write_json, Ablation, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA,
 };
 use shared::runner::Session;
 use shared::timing::Stats;
@@ -332,6 +332,7 @@ pub fn report(args: &RunArgs) -> anyhow::Result<String> {
     writeln!(out, "shape     {shape}")?;
     if !info.is_cuda() {
         // The ceiling a CPU row's % of peak is against, measured now (under a second on `small`).
+        shared::ceiling::check_fit(&shape)?;
         let c = shared::ceiling::measure(&shape)?;
         writeln!(out, "ceiling   {}", c.describe())?;
     }
@@ -438,42 +439,152 @@ pub fn load(path: &Path) -> anyhow::Result<Results> {
 }
 
 /// Most rows (stages) and sweep values a file may hold: the ladder has five stages, and a chart
-/// of thousands of bars is no chart (its width would overflow).
+/// of thousands of bars is no chart (its width would overflow). Ablation rows count alike.
 const MAX_ROWS: usize = 64;
 
+/// Most parts one breakdown may hold (the block has a dozen), GEMM shapes one ceiling, and
+/// precisions the roofline draws a roof for.
+const MAX_PARTS: usize = 32;
+
+/// Longest string (in characters) the file may hold anywhere, keys included: a stage name or a
+/// reason is a line, a path at most 4096 bytes. Longer ones overflowed the table's padding
+/// ("Formatting argument out of range" at 70,000 characters).
+pub const MAX_TEXT: usize = 4096;
+
+/// `v` must be finite, in `lo..=hi`: every number a table or chart uses is bounded, so no axis
+/// spans hundreds of decades and no label hundreds of digits.
+fn bounded(what: &str, v: f64, lo: f64, hi: f64) -> Result<(), String> {
+    if v.is_finite() && (lo..=hi).contains(&v) {
+        Ok(())
+    } else {
+        Err(format!("{what} is {v:e}, not a finite number from {lo:e} to {hi:e}"))
+    }
+}
+
 /// A file read back is untrusted input: every shape valid (n_head 0 would divide by zero), every
-/// number the table and chart use finite, and no more rows than a chart can draw.
+/// number the table and chart use finite, non-negative and bounded, and no more rows, parts or
+/// roofs than a chart can draw.
 fn check_report(r: &LadderReport) -> Result<(), String> {
     r.shape.validate().map_err(|e| format!("its shape {:?} is invalid ({e})", r.shape))?;
     if r.records.len() + r.skipped.len() > MAX_ROWS || r.stages.len() > MAX_ROWS {
         return Err(format!("it holds {} rows, more than {MAX_ROWS}", r.records.len() + r.skipped.len()));
     }
+    if r.ablation.len() > MAX_ROWS {
+        return Err(format!("it holds {} ablation rows, more than {MAX_ROWS}", r.ablation.len()));
+    }
     for rec in &r.records {
-        rec.shape.validate().map_err(|e| format!("{}'s shape is invalid ({e})", rec.stage))?;
-        let t = &rec.timing;
-        let positive = [("median_ms", t.median_ms), ("p10_ms", t.p10_ms), ("p90_ms", t.p90_ms), ("min_ms", t.min_ms), ("max_ms", t.max_ms)];
-        let mut numbers: Vec<(&str, Option<f64>)> = positive.iter().map(|&(n, v)| (n, Some(v))).collect();
-        numbers.extend([
-            ("tokens_per_s", Some(rec.tokens_per_s)),
-            ("flops_per_forward", Some(rec.flops_per_forward)),
-            ("tflops", Some(rec.tflops)),
-            ("peak_tflops", rec.peak_tflops),
-            ("pct_of_peak", rec.pct_of_peak),
-            ("speedup_vs_stage0", rec.speedup_vs_stage0),
-            ("speedup_vs_prev", rec.speedup_vs_prev),
-            ("check.rel_err", rec.check.as_ref().map(|c| c.rel_err)),
-            ("check.max_abs_err", rec.check.as_ref().map(|c| c.max_abs_err)),
-        ]);
-        for (name, v) in numbers {
-            if let Some(v) = v.filter(|v| !(v.is_finite() && *v >= 0.0)) {
-                return Err(format!("{}'s {name} is {v}, not a finite number >= 0", rec.stage));
-            }
+        check_record(&rec.stage, rec)?;
+    }
+    for a in &r.ablation {
+        let what = format!("the ablation row {:?} of {}", a.change, a.against);
+        check_record(&what, &a.record)?;
+        if let Some(b) = a.buys {
+            bounded(&format!("{what}'s buys"), b, 0.0, 1e9)?;
         }
-        if t.median_ms <= 0.0 {
-            return Err(format!("{}'s median_ms is {}, not a time > 0", rec.stage, t.median_ms));
+    }
+    if let Some(c) = &r.ceiling {
+        check_ceiling("its ceiling", c)?;
+    }
+    if let Some(c) = &r.ceilings {
+        if c.tflops.len() > MAX_PARTS {
+            return Err(format!("its ceilings list {} precisions, more than {MAX_PARTS}", c.tflops.len()));
+        }
+        let (lo, hi) = shared::cli::PEAK_TFLOPS_RANGE;
+        for (name, v) in &c.tflops {
+            bounded(&format!("its ceilings' {name} TFLOP/s"), *v, lo.min(1e-6), hi)?;
+        }
+        if let Some(bw) = c.bandwidth_gbs {
+            let (lo, hi) = shared::cli::BANDWIDTH_GBS_RANGE;
+            bounded("its ceilings' bandwidth_gbs", bw, lo, hi)?;
         }
     }
     Ok(())
+}
+
+/// One measured row (a stage or an ablation variant): its shape and every number drawn.
+fn check_record(what: &str, rec: &Record) -> Result<(), String> {
+    rec.shape.validate().map_err(|e| format!("{what}'s shape is invalid ({e})"))?;
+    let t = &rec.timing;
+    // Times up to 10^12 ms (31 years); rates and FLOPs above anything a device does.
+    let numbers = [
+        ("median_ms", Some(t.median_ms), 0.0, 1e12),
+        ("p10_ms", Some(t.p10_ms), 0.0, 1e12),
+        ("p90_ms", Some(t.p90_ms), 0.0, 1e12),
+        ("min_ms", Some(t.min_ms), 0.0, 1e12),
+        ("max_ms", Some(t.max_ms), 0.0, 1e12),
+        ("tokens_per_s", Some(rec.tokens_per_s), 0.0, 1e15),
+        // Drawn on the roofline's log axes: > 0.
+        ("flops_per_forward", Some(rec.flops_per_forward), 1.0, 1e21),
+        ("tflops", Some(rec.tflops), 1e-12, 1e5),
+        ("peak_tflops", rec.peak_tflops, 1e-9, 1e5),
+        ("pct_of_peak", rec.pct_of_peak, 0.0, 1e9),
+        ("speedup_vs_stage0", rec.speedup_vs_stage0, 0.0, 1e9),
+        ("speedup_vs_prev", rec.speedup_vs_prev, 0.0, 1e9),
+        ("check.rel_err", rec.check.as_ref().map(|c| c.rel_err), 0.0, 1e30),
+        ("check.max_abs_err", rec.check.as_ref().map(|c| c.max_abs_err), 0.0, 1e30),
+    ];
+    for (name, v, lo, hi) in numbers {
+        if let Some(v) = v {
+            bounded(&format!("{what}'s {name}"), v, lo, hi)?;
+        }
+    }
+    if t.median_ms <= 0.0 {
+        return Err(format!("{what}'s median_ms is {}, not a time > 0", t.median_ms));
+    }
+    if let Some(b) = &rec.breakdown {
+        if b.parts.len() > MAX_PARTS {
+            return Err(format!("{what}'s breakdown has {} parts, more than {MAX_PARTS}", b.parts.len()));
+        }
+        bounded(&format!("{what}'s breakdown total_ms"), b.total_ms, 0.0, 1e12)?;
+        for p in &b.parts {
+            for (name, v) in [("median_ms", p.median_ms), ("p10_ms", p.p10_ms), ("p90_ms", p.p90_ms)] {
+                bounded(&format!("{what}'s breakdown part {:?} {name}", p.name), v, 0.0, 1e12)?;
+            }
+        }
+    }
+    if let Some(c) = &rec.ceiling {
+        check_ceiling(&format!("{what}'s ceiling"), c)?;
+    }
+    Ok(())
+}
+
+fn check_ceiling(what: &str, c: &shared::ceiling::CpuCeiling) -> Result<(), String> {
+    if c.gemms.len() > MAX_PARTS {
+        return Err(format!("{what} lists {} GEMMs, more than {MAX_PARTS}", c.gemms.len()));
+    }
+    // GFLOP/s from 1 kFLOP/s to 100 PFLOP/s; GB/s as --bandwidth-gbs (0: not measured).
+    bounded(&format!("{what}'s gemm_gflops"), c.gemm_gflops, 1e-6, 1e8)?;
+    for g in &c.gemms {
+        bounded(&format!("{what}'s {} gflops", g.name), g.gflops, 1e-6, 1e8)?;
+    }
+    bounded(&format!("{what}'s bandwidth_gbs"), c.bandwidth_gbs, 0.0, shared::cli::BANDWIDTH_GBS_RANGE.1)
+}
+
+/// Every string in the file (keys too) at most `MAX_TEXT` characters; the error names where.
+fn check_strings(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String> {
+    let long = |s: &str| s.len() > MAX_TEXT && s.chars().count() > MAX_TEXT;
+    let place = |at: &[String]| if at.is_empty() { "the top level".to_string() } else { at.join(".") };
+    match v {
+        serde_json::Value::String(s) if long(s) => {
+            Err(format!("the string at {} is {} characters long, more than {MAX_TEXT}", place(at), s.chars().count()))
+        }
+        serde_json::Value::Array(a) => a.iter().enumerate().try_for_each(|(i, x)| {
+            at.push(i.to_string());
+            let r = check_strings(x, at);
+            at.pop();
+            r
+        }),
+        serde_json::Value::Object(m) => m.iter().try_for_each(|(k, x)| {
+            if long(k) {
+                return Err(format!("a key in {} is {} characters long, more than {MAX_TEXT}", place(at), k.chars().count()));
+            }
+            at.push(k.clone());
+            let r = check_strings(x, at);
+            at.pop();
+            r
+        }),
+        _ => Ok(()),
+    }
 }
 
 fn check_sweep(s: &SweepReport) -> Result<(), String> {
@@ -509,6 +620,12 @@ fn load_unchecked(path: &Path) -> anyhow::Result<Results> {
         ))
     };
     let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(bad)?;
+    check_strings(&value, &mut Vec::new()).map_err(|why| {
+        SpeedkitError::usage(format!(
+            "{} cannot be rendered: {why}. A ladder run never writes that, so the file was edited or damaged. Fix: pass --from the JSON a `ladder --json PATH` run wrote (or run it again).",
+            path.display()
+        ))
+    })?;
     match value.get("schema").and_then(|s| s.as_str()) {
         Some(LADDER_SCHEMA) => Ok(Results::Ladder(Box::new(serde_json::from_value(value).map_err(bad)?))),
         Some(SWEEP_SCHEMA) => Ok(Results::Sweep(serde_json::from_value(value).map_err(bad)?)),
@@ -542,7 +659,7 @@ fn default_beside_readme(readme: &Path, report: &DeviceInfo, ext: &str) -> PathB
 
 /// `path` as a link from the README: relative to its folder, with forward slashes. Refused
 /// when `path` is outside that folder, where the link would not work on GitHub.
-fn link_from_readme(readme: &Path, path: &Path) -> Result<String, SpeedkitError> {
+fn link_from_readme(readme: &Path, flag: &str, path: &Path) -> Result<String, SpeedkitError> {
     // Resolved as the output policy does, so this works before the file exists (checked up front).
     let canon = |p: &Path| {
         shared::output::resolve(p)
@@ -551,9 +668,13 @@ fn link_from_readme(readme: &Path, path: &Path) -> Result<String, SpeedkitError>
     let (dir, file) = (canon(&readme_dir(readme))?, canon(path)?);
     let rel = file.strip_prefix(&dir).map_err(|_| {
         SpeedkitError::usage(format!(
-            "{} is outside {}, the README's folder, so the README could not link to it. Fix: write it under that folder (or drop --svg for the default results/ path).",
+            "{flag} {} is outside {}, the README's folder, so the README could not link to it. Fix: {}.",
             path.display(),
-            dir.display()
+            dir.display(),
+            match flag {
+                "--from" => "copy the JSON under the README's folder and render that copy, or drop --update-readme".to_string(),
+                f => format!("give {f} a path under that folder (or drop {f} for the default results/ path)"),
+            }
         ))
     })?;
     Ok(rel.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect::<Vec<_>>().join("/"))
@@ -585,10 +706,10 @@ fn create_parent(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn write_text(path: &Path, text: &str, what: &str) -> anyhow::Result<()> {
+/// Write by the output policy; the error names `flag`, the path and the fix for its cause.
+fn write_text(path: &Path, text: &str, flag: &str) -> anyhow::Result<()> {
     create_parent(path)?;
-    write_atomic(path, text.as_bytes())
-        .map_err(|e| SpeedkitError::usage(format!("cannot write the {what} to {} ({e}). Fix: pick a writable path.", path.display())))?;
+    shared::output::write(flag, path, text.as_bytes())?;
     Ok(())
 }
 
@@ -621,17 +742,22 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
             Results::Ladder(r) => chart::ladder_svg(r)?,
             Results::Sweep(s) => chart::sweep_svg(s)?,
         };
-        write_text(path, &svg, "chart")?;
+        write_text(path, &svg, "--svg")?;
         println!("\nsaved     chart to {}", path.display());
-        if let Results::Ladder(r) = results {
+        if shared::output::is_stream_target(path) {
+            println!(
+                "note      no roofline or breakdown chart: --svg {} is a stream, and a stream gets no files beside it",
+                path.display()
+            );
+        } else if let Results::Ladder(r) = results {
             // Beside the bar chart, from the same report: the roofline, and the breakdown if recorded.
             let beside = |what: &str| PathBuf::from(render::sibling(&path.to_string_lossy(), what));
             let roofline = beside("roofline");
-            write_text(&roofline, &roofline::roofline_svg(r)?, "roofline chart")?;
+            write_text(&roofline, &roofline::roofline_svg(r)?, "--svg (the roofline chart beside it)")?;
             println!("saved     roofline to {}", roofline.display());
             if r.records.iter().any(|rec| rec.breakdown.is_some()) {
                 let b = beside("breakdown");
-                write_text(&b, &chart::breakdown_svg(r)?, "breakdown chart")?;
+                write_text(&b, &chart::breakdown_svg(r)?, "--svg (the breakdown chart beside it)")?;
                 println!("saved     breakdown chart to {}", b.display());
             }
         }
@@ -644,8 +770,8 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
             anyhow::bail!("--update-readme needs the run's JSON and chart paths");
         };
         let text = read_readme(&out.readme, &out.readme_region)?;
-        let json_link = link_from_readme(&out.readme, json)?;
-        let region = render::readme_region(report, &json_link, &link_from_readme(&out.readme, svg)?);
+        let json_link = link_from_readme(&out.readme, "--json", json)?;
+        let region = render::readme_region(report, &json_link, &link_from_readme(&out.readme, "--svg", svg)?);
         let updated = render::splice_readme(&text, &out.readme_region, &region)?;
         // The prose's numbers cited from this JSON (`cite`), rewritten from it too.
         let value = serde_json::to_value(report)?;
@@ -653,11 +779,11 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         for s in &stale {
             println!("note      not updated in {} (this run lacks it): {s}", out.readme.display());
         }
-        update_doc_citations(&readme_dir(&out.readme).join("docs"), &format!("../{json_link}"), &value)?;
+        update_doc_citations(&out.readme, &format!("../{json_link}"), &value)?;
         if updated == text {
             println!("unchanged {}: its {} region already shows this run", out.readme.display(), out.readme_region);
         } else {
-            write_text(&out.readme, &updated, "README")?;
+            write_text(&out.readme, &updated, "--readme")?;
             println!("updated   {}: {} region rewritten from {}", out.readme.display(), out.readme_region, json.display());
         }
     }
@@ -679,19 +805,14 @@ fn print_extras(r: &LadderReport, ablation: fn(&LadderReport) -> String, breakdo
 
 /// The numbers docs/*.md cite from the JSON just written or rendered (`cite`), rewritten from it:
 /// the pages beside the README follow a re-recording as the README does.
-fn update_doc_citations(docs: &Path, json_link: &str, value: &serde_json::Value) -> anyhow::Result<()> {
-    let Ok(entries) = std::fs::read_dir(docs) else { return Ok(()) };
-    let mut pages: Vec<PathBuf> =
-        entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "md")).collect();
-    pages.sort();
-    for page in pages {
-        let text = std::fs::read_to_string(&page)?;
+fn update_doc_citations(readme: &Path, json_link: &str, value: &serde_json::Value) -> anyhow::Result<()> {
+    for (page, text) in doc_pages(readme, false)? {
         let (updated, stale) = cite::update(&text, json_link, value);
         for s in &stale {
             println!("note      not updated in {} (this run lacks it): {s}", page.display());
         }
         if updated != text {
-            write_text(&page, &updated, "page")?;
+            write_text(&page, &updated, "--update-readme (a docs page)")?;
             println!("updated   {}: numbers cited from {json_link}", page.display());
         }
     }
@@ -708,23 +829,99 @@ fn sweep_and_readme() -> SpeedkitError {
 /// Every file a run or render will write, checked before anything runs: each path alone
 /// (`shared::output::check`), no two on one file, and with --update-readme the JSON and chart
 /// under the README's folder so it can link them. `json` and `svg` are the paths after defaults.
-fn check_outputs(args: Option<&RunArgs>, out: &OutputArgs, json: Option<&Path>, svg: Option<&Path>) -> Result<(), SpeedkitError> {
+fn check_outputs(
+    args: Option<&RunArgs>,
+    out: &OutputArgs,
+    json: Option<&Path>,
+    svg: Option<&Path>,
+    inputs: &[(&str, &Path)],
+) -> Result<(), SpeedkitError> {
     let mut list = args.map(shared::cli::output_flags).unwrap_or_default();
+    // With --update-readme and no --json, the JSON goes to the default path beside the README.
+    let json_flag = if args.is_some_and(|a| a.json.is_some()) || !out.update_readme { "--json" } else { "--update-readme (its JSON)" };
     list.retain(|(flag, _)| *flag != "--json");
-    list.extend(json.map(|p| ("--json", p)));
+    list.extend(json.map(|p| (json_flag, p)));
     list.extend(svg.map(|p| ("--svg", p)));
-    // The roofline and breakdown charts are written beside the bar chart (`render::sibling`).
-    let beside: Vec<PathBuf> =
-        svg.iter().flat_map(|p| ["roofline", "breakdown"].map(|w| PathBuf::from(render::sibling(&p.to_string_lossy(), w)))).collect();
+    // The roofline and breakdown charts are written beside the bar chart (`render::sibling`),
+    // unless it goes to a stream (/dev/stdout), which gets no sibling files.
+    let beside: Vec<PathBuf> = svg.iter().flat_map(|p| chart_siblings(p)).collect();
     list.extend(beside.iter().map(|p| ("--svg (the chart beside it)", p.as_path())));
+    let pages = if out.update_readme { doc_pages(&out.readme, true)? } else { Vec::new() };
     if out.update_readme {
         list.push(("--readme", out.readme.as_path()));
+        list.extend(pages.iter().map(|(p, _)| ("--update-readme (a docs page)", p.as_path())));
     }
-    shared::output::check_all(&list)?;
+    let checked = shared::output::check_all(&list)?;
+    shared::output::check_not_inputs(&checked, inputs)?;
     if out.update_readme {
-        for p in json.into_iter().chain(svg) {
-            link_from_readme(&out.readme, p)?;
+        if let Some(p) = json {
+            link_from_readme(&out.readme, json_flag, p)?;
         }
+        if let Some(p) = svg {
+            link_from_readme(&out.readme, "--svg", p)?;
+        }
+    }
+    Ok(())
+}
+
+/// The charts written beside the bar chart at `svg`: none beside a stream such as /dev/stdout.
+fn chart_siblings(svg: &Path) -> Vec<PathBuf> {
+    if shared::output::is_stream_target(svg) {
+        return Vec::new();
+    }
+    ["roofline", "breakdown"].map(|w| PathBuf::from(render::sibling(&svg.to_string_lossy(), w))).to_vec()
+}
+
+/// The docs/*.md pages beside the README whose cited numbers --update-readme rewrites, read and
+/// checked up front so a bad page is found before anything is written: one that is not a
+/// regular file (a FIFO would hang the read, a directory cannot be read) is skipped with a
+/// note; one that cannot be read or is not UTF-8 is exit 2 naming it.
+fn doc_pages(readme: &Path, notes: bool) -> Result<Vec<(PathBuf, String)>, SpeedkitError> {
+    let docs = readme_dir(readme).join("docs");
+    let Ok(entries) = std::fs::read_dir(&docs) else { return Ok(Vec::new()) };
+    let mut paths: Vec<PathBuf> =
+        entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "md")).collect();
+    paths.sort();
+    let mut pages = Vec::new();
+    for page in paths {
+        // metadata follows a symlink: a link to a FIFO is a FIFO.
+        if !std::fs::metadata(&page).is_ok_and(|m| m.is_file()) {
+            if notes {
+                println!("note      skipping {}: not a regular file, so its cited numbers are not updated", page.display());
+            }
+            continue;
+        }
+        let bytes = std::fs::read(&page).map_err(|e| {
+            SpeedkitError::usage(format!(
+                "--update-readme: cannot read {} ({e}), a page whose cited numbers it rewrites. Fix: make it readable, or move it out of {}.",
+                page.display(),
+                docs.display()
+            ))
+        })?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            SpeedkitError::usage(format!(
+                "--update-readme: {} is not UTF-8 text (invalid byte at offset {}), so its cited numbers cannot be rewritten. Fix: save it as UTF-8, or move it out of {}.",
+                page.display(),
+                e.utf8_error().valid_up_to(),
+                docs.display()
+            ))
+        })?;
+        pages.push((page, text));
+    }
+    Ok(pages)
+}
+
+/// `--ablate` with nothing to undo: no stage 2 in the run, and stage 3 absent or with no fusion on.
+fn check_ablate(args: &RunArgs, ladder: &LadderArgs, which: &[usize]) -> Result<(), SpeedkitError> {
+    let stage_index = |name: &str| stages().iter().position(|s| s.name == name);
+    let has = |name: &str| stage_index(name).is_some_and(|i| which.contains(&i));
+    let undoable = has("stage2_sdpa") || (has("stage3_fused") && !args.fusions.on().is_empty());
+    if ladder.ablate && !undoable {
+        return Err(SpeedkitError::usage(format!(
+            "--ablate undoes stage 2's head split/merge and stage 3's fusions one at a time, but this run has {}, so there \
+             is nothing to undo and it would add no rows. Fix: include stage 2 or 3 in --stages (with some --fusions on), or drop --ablate.",
+            if has("stage3_fused") { "stage 3 with every fusion off (--fusions none) and no stage 2" } else { "neither stage 2 nor stage 3" }
+        )));
     }
     Ok(())
 }
@@ -754,7 +951,10 @@ fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
     let default_kind = if out.update_readme { Some(shared::device::select(args.device)?.1) } else { None };
     let planned_json = args.json.clone().or_else(|| default_kind.as_ref().map(|i| default_beside_readme(&out.readme, i, "json")));
     let planned_svg = out.svg.clone().or_else(|| default_kind.as_ref().map(|i| default_beside_readme(&out.readme, i, "svg")));
-    check_outputs(Some(&args), out, planned_json.as_deref(), planned_svg.as_deref())?;
+    check_ablate(&args, &ladder, &which)?;
+    let inputs: Vec<(&str, &Path)> =
+        [("--weights", &args.weights), ("--input", &args.input)].into_iter().filter_map(|(f, p)| p.as_deref().map(|p| (f, p))).collect();
+    check_outputs(Some(&args), out, planned_json.as_deref(), planned_svg.as_deref(), &inputs)?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let (results, failure) = match &ladder.sweep {
         Some(s) => {
@@ -820,6 +1020,9 @@ pub fn main() -> ExitCode {
             RenderArgs::augment_args(clap::Command::new("render"))
                 .about("Print, chart or put in the README a run recorded with --json, without running anything again"),
         );
+    if let Err(e) = shared::cli::check_env(&cmd) {
+        return exit_with(|| Err(e.into()));
+    }
     let matches = cmd.get_matches();
     exit_with(|| match matches.subcommand() {
         Some(("report", sub)) => {
@@ -848,19 +1051,11 @@ pub fn main() -> ExitCode {
                 (Results::Ladder(r), None, true) => Some(default_beside_readme(&args.output.readme, &r.device, "svg")),
                 _ => None,
             };
-            if let Some(svg) = &svg {
-                if shared::output::resolve(svg).ok() == shared::output::resolve(&args.from).ok() {
-                    return Err(SpeedkitError::usage(format!(
-                        "--svg {} is the --from file itself, so the chart would replace the run it is drawn from. Fix: give --svg another path.",
-                        svg.display()
-                    ))
-                    .into());
-                }
-            }
             let json_link = if args.output.update_readme { Some(args.from.as_path()) } else { None };
-            check_outputs(None, &args.output, None, svg.as_deref())?;
+            // Every output, the charts beside --svg and the README included, against the file read.
+            check_outputs(None, &args.output, None, svg.as_deref(), &[("--from", args.from.as_path())])?;
             if let Some(j) = json_link {
-                link_from_readme(&args.output.readme, j)?;
+                link_from_readme(&args.output.readme, "--from", j)?;
             }
             emit(&results, &args.output, Some(&args.from))
         }

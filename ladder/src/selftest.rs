@@ -528,17 +528,15 @@ pub struct SelftestArgs {
 /// The subcommand: run, print the table, write the JSON; an error (exit 1) if anything failed.
 pub fn command(args: &SelftestArgs) -> anyhow::Result<()> {
     let req: shared::device::DeviceRequest = args.device.parse().map_err(shared::SpeedkitError::usage)?;
-    if args.json.is_dir() {
-        return Err(shared::SpeedkitError::usage(format!(
-            "--json {} is a directory. Fix: name a file, e.g. --json selftest.json.",
-            args.json.display()
-        ))
-        .into());
-    }
+    // Checked by the output policy before anything runs (a directory, a device, a folder that
+    // cannot take a new file, a closed /dev/fd/N), so a run never ends in a refusal to save it.
+    let out = shared::output::check("--json", &args.json)?;
     let (device, info) = shared::device::select(req)?;
     let rep = run(&device, &info);
     print!("{}", table(&rep));
-    shared::report::write_json(&args.json, &rep)?;
+    let mut bytes = serde_json::to_vec_pretty(&rep)?;
+    bytes.push(b'\n');
+    out.write(&bytes)?;
     println!("wrote {} — attach it to a bug report (docs/gpu.md)", args.json.display());
     if rep.failed > 0 {
         return Err(shared::SpeedkitError::CheckFailed(format!(

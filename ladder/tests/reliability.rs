@@ -21,11 +21,18 @@ struct Out {
 }
 
 fn ladder_in(dir: &Path, args: &[&str]) -> Out {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ladder"));
-    c.current_dir(dir).args(args);
+    ladder_env(dir, args, &[])
+}
+
+/// The ladder in `dir` with every SPEEDKIT_* variable cleared and `env` set, killed after 120 s
+/// (`timeout`), so a regression that hangs (a FIFO read) fails instead of stalling CI.
+fn ladder_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Out {
+    let mut c = Command::new("timeout");
+    c.current_dir(dir).arg("120").arg(env!("CARGO_BIN_EXE_ladder")).args(args);
     for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("SPEEDKIT_")) {
         c.env_remove(k);
     }
+    c.envs(env.iter().copied());
     let o = c.output().unwrap();
     Out { code: o.status.code(), text: format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)) }
 }
@@ -121,6 +128,175 @@ fn class9_report_flags_peak_and_sweep_overflow() {
     assert!(o.code == Some(0) && o.text.contains("overflows") && !o.text.contains("panicked"), "{}", o.text);
 }
 
+fn write_json(path: &Path, v: &Value) {
+    std::fs::write(path, serde_json::to_vec(v).unwrap()).unwrap();
+}
+
+// Issue 19, class A: a 70,000-character stage name panicked in the table's padding; every
+// string read from the file is bounded.
+#[test]
+fn class_a_long_strings_in_render_are_refused() {
+    let d = scratch("r3a");
+    for field in [&["records", "0", "stage"][..], &["skipped"], &["versions"]] {
+        let mut v = recorded();
+        match field {
+            ["skipped"] => {
+                v["skipped"] = serde_json::json!([{"stage": "s".repeat(70_000), "technique": "t", "reason": "r", "failed": false}])
+            }
+            ["versions"] => v["versions"] = serde_json::json!({"k".repeat(70_000): "1"}),
+            path => set(&mut v, &path.iter().map(|s| s.to_string()).collect::<Vec<_>>(), Value::from("x".repeat(70_000))),
+        }
+        write_json(&d.join("long.json"), &v);
+        let o = ladder_in(&d, &["render", "--from", "long.json", "--markdown"]);
+        refused(&o);
+        assert!(o.text.contains("characters long"), "{}", o.text);
+    }
+}
+
+// Issue 19, class B: `ladder report` checks the probe's fit before probing; a failed
+// allocation is exit 2 with the memory message, never an abort.
+#[test]
+fn class_b_report_fit_checks_before_probing() {
+    let d = scratch("r3b");
+    let o = Command::new("sh")
+        .current_dir(&d)
+        .arg("-c")
+        .arg("ulimit -v 4000000 && exec \"$0\" report --preset tiny --d-model 26000 --heads 1000 --ff 80000 --batch 1 --seq 1")
+        .arg(env!("CARGO_BIN_EXE_ladder"))
+        .output()
+        .unwrap();
+    let o = Out { code: o.status.code(), text: format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)) };
+    refused(&o);
+    assert!(o.text.contains("ceiling probe") && o.text.contains("memory") && !o.text.contains("memory allocation"), "{}", o.text);
+}
+
+// Issue 19, class C: a JSON named like a sibling chart is an input, never overwritten; a
+// stream --svg gets no sibling files.
+#[test]
+fn class_c_outputs_never_overwrite_the_from_file() {
+    let d = scratch("r3c");
+    let json = serde_json::to_vec(&recorded()).unwrap();
+    std::fs::write(d.join("run-roofline.svg"), &json).unwrap();
+    let o = ladder_in(&d, &["render", "--from", "run-roofline.svg", "--svg", "run.svg"]);
+    refused(&o);
+    assert!(o.text.contains("--from"), "{}", o.text);
+    assert_eq!(std::fs::read(d.join("run-roofline.svg")).unwrap(), json, "the input was overwritten");
+    assert!(!d.join("run.svg").exists(), "written before the refusal");
+    std::fs::write(d.join("run.json"), &json).unwrap();
+    let stray = Path::new("/dev/stdout-roofline.svg");
+    let existed = stray.exists();
+    let o = ladder_in(&d, &["render", "--from", "run.json", "--svg", "/dev/stdout"]);
+    assert_eq!(o.code, Some(0), "{}", o.text);
+    assert!(o.text.contains("<svg") && o.text.contains("a stream gets no files beside it"), "{}", o.text);
+    assert!(existed || !stray.exists(), "a sibling chart was written beside /dev/stdout");
+}
+
+// Issue 19, class D: every docs page --update-readme touches is checked before anything is
+// written: a FIFO or a folder is skipped with a note, a non-UTF-8 page is exit 2 naming it.
+#[test]
+fn class_d_docs_pages_checked_up_front() {
+    let d = scratch("r3d");
+    std::fs::create_dir_all(d.join("docs/folder.md")).unwrap();
+    let readme = "# t\n<!-- results:begin -->\nold\n<!-- results:end -->\n";
+    std::fs::write(d.join("README.md"), readme).unwrap();
+    assert!(Command::new("mkfifo").arg(d.join("docs/fifo.md")).status().unwrap().success());
+    std::fs::write(d.join("docs/bad.md"), b"\xff\xfe not utf-8\n").unwrap();
+    std::fs::write(d.join("run.json"), serde_json::to_vec(&recorded()).unwrap()).unwrap();
+    for args in [&with_s(&["--stages", "0", "--update-readme"])[..], &["render", "--from", "run.json", "--update-readme"]] {
+        let o = ladder_in(&d, args);
+        refused(&o);
+        assert!(o.text.contains("bad.md") && o.text.contains("UTF-8") && !o.text.contains("ran "), "{}", o.text);
+        assert!(!d.join("results").exists(), "results written before the refusal");
+        assert_eq!(std::fs::read_to_string(d.join("README.md")).unwrap(), readme);
+    }
+    std::fs::remove_file(d.join("docs/bad.md")).unwrap();
+    let o = ladder_in(&d, &["render", "--from", "run.json", "--update-readme"]);
+    assert_eq!(o.code, Some(0), "{}", o.text);
+    assert!(o.text.contains("skipping") && o.text.contains("fifo.md") && o.text.contains("folder.md"), "{}", o.text);
+    assert!(d.join("results/ladder-cpu.svg").exists());
+}
+
+// Issue 19, class E: selftest's --json is checked before it runs; a refused --json gets a fix
+// that names --json, not --svg.
+#[test]
+fn class_e_selftest_json_and_fix_text() {
+    let d = scratch("r3e");
+    std::fs::create_dir(d.join("adir")).unwrap();
+    for bad in ["adir", "/dev/fd/99", "newname/"] {
+        let o = ladder_in(&d, &["selftest", "--device", "cpu", "--json", bad]);
+        refused(&o);
+        assert!(
+            o.text.contains("--json") && !o.text.contains("pass") && !o.text.contains("free space"),
+            "ran before refusing:\n{}",
+            o.text
+        );
+    }
+    std::fs::create_dir_all(d.join("repo")).unwrap();
+    std::fs::write(d.join("repo/README.md"), "<!-- results:begin -->\n<!-- results:end -->\n").unwrap();
+    let o = ladder_in(&d, &with_s(&["--stages", "0", "--update-readme", "--readme", "repo/README.md", "--json", "out.json"]));
+    refused(&o);
+    assert!(o.text.contains("--json out.json") && !o.text.contains("drop --svg"), "{}", o.text);
+}
+
+// Issue 19, class F: numbers outside the per-stage records are bounded too, with row and part limits.
+#[test]
+fn class_f_render_bounds_every_number_and_count() {
+    let d = scratch("r3f");
+    let base = recorded();
+    let bad_part = "1".repeat(300);
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let edits: Vec<(&str, Edit)> = vec![
+        ("ceiling", Box::new(|v: &mut Value| v["ceiling"]["gemm_gflops"] = Value::from(-1.0))),
+        ("ceilings", Box::new(|v: &mut Value| v["ceilings"]["tflops"]["fp32"] = Value::from(-3.0))),
+        ("ceilings", Box::new(|v: &mut Value| v["ceilings"]["bandwidth_gbs"] = Value::from(1e300))),
+        ("breakdown", Box::new(|v: &mut Value| v["records"][0]["breakdown"]["parts"][0]["median_ms"] = Value::from(-2.0))),
+        (
+            "breakdown",
+            Box::new(move |v: &mut Value| v["records"][0]["breakdown"]["parts"][0]["median_ms"] = serde_json::from_str(&bad_part).unwrap()),
+        ),
+        ("ablation", Box::new(|v: &mut Value| v["ablation"][0]["record"]["timing"]["median_ms"] = Value::from(-5.0))),
+        ("ablation", Box::new(|v: &mut Value| v["ablation"][0]["buys"] = Value::from(-1.0))),
+        (
+            "parts",
+            Box::new(|v: &mut Value| {
+                let p = v["records"][0]["breakdown"]["parts"][0].clone();
+                v["records"][0]["breakdown"]["parts"] = Value::Array(vec![p; 5000]);
+            }),
+        ),
+        (
+            "ablation rows",
+            Box::new(|v: &mut Value| {
+                let a = v["ablation"][0].clone();
+                v["ablation"] = Value::Array(vec![a; 5000]);
+            }),
+        ),
+    ];
+    for (what, edit) in edits {
+        let mut v = base.clone();
+        edit(&mut v);
+        write_json(&d.join("f.json"), &v);
+        let o = ladder_in(&d, &["render", "--from", "f.json", "--svg", "f.svg"]);
+        refused(&o);
+        assert!(!d.join("f.svg").exists(), "{what}: drawn before the refusal\n{}", o.text);
+    }
+}
+
+// Issue 19, class H: --ablate with nothing to undo is refused, not silently empty.
+#[test]
+fn class_h_ablate_with_nothing_to_undo() {
+    let d = scratch("r3h");
+    for extra in [&["--stages", "0"][..], &["--stages", "3", "--fusions", "none"]] {
+        let mut args = with_s(&["--ablate"]);
+        args.extend_from_slice(extra);
+        let o = ladder_in(&d, &args);
+        refused(&o);
+        assert!(o.text.contains("--ablate") && !o.text.contains("ran "), "{}", o.text);
+    }
+    let o = ladder_env(&d, &with_s(&["--stages", "3"]), &[("SPEEDKIT_FUSIONS", "")]);
+    refused(&o);
+    assert!(o.text.contains("SPEEDKIT_FUSIONS"), "{}", o.text);
+}
+
 /// Replacement leaves: extremes a damaged or hand-edited file might hold.
 fn leaf() -> impl Strategy<Value = Value> {
     prop_oneof![
@@ -135,6 +311,16 @@ fn leaf() -> impl Strategy<Value = Value> {
         Just(Value::from("candle-speedkit/ladder/v1")),
         Just(Value::Array(vec![])),
         any::<i64>().prop_map(Value::from),
+        // issue 19: numbers at the float limits, and strings far past any a run writes
+        Just(Value::from(f64::MAX)),
+        Just(Value::from(f64::MIN_POSITIVE)),
+        Just(Value::from(5e-324)),
+        Just(Value::from(-0.0)),
+        Just(serde_json::from_str::<Value>(&"9".repeat(300)).unwrap()),
+        any::<f64>().prop_map(Value::from),
+        Just(Value::from("x".repeat(70_000))),
+        Just(Value::from("é".repeat(5000))),
+        (0usize..5000).prop_map(|n| Value::from("s".repeat(n))),
     ]
 }
 
@@ -176,6 +362,12 @@ fn render_all(path: &Path) {
                 let _ = ladder::render::markdown_table(&r);
                 let _ = ladder::render::readme_region(&r, "a.json", "a.svg");
                 let _ = ladder::chart::ladder_svg(&r);
+                let _ = ladder::chart::breakdown_svg(&r);
+                let _ = ladder::roofline::roofline_svg(&r);
+                let _ = ladder::render::ablation_text(&r);
+                let _ = ladder::render::ablation_markdown(&r);
+                let _ = ladder::render::breakdown_text(&r);
+                let _ = ladder::render::breakdown_markdown(&r);
             }
             Results::Sweep(s) => {
                 let _ = ladder::render::sweep_text(&s);
@@ -210,10 +402,17 @@ fn mutated_truncated_and_oversized_json_never_panics() {
             0 => {} // mutated leaves only
             1 => bytes.truncate(cut.index(bytes.len())), // truncated
             2 => {
-                // oversized: thousands of rows (a chart's width would overflow)
+                // oversized: thousands of rows, ablation rows, breakdown parts or roofs (a
+                // chart's width would overflow)
                 let mut big = v.clone();
-                if let Some(recs) = big.get("records").and_then(Value::as_array).cloned() {
-                    big["records"] = Value::Array(recs.iter().cycle().take(5000).cloned().collect());
+                let grow = |a: Option<&Value>| a.and_then(Value::as_array).filter(|a| !a.is_empty()).map(|a| Value::Array(a.iter().cycle().take(5000).cloned().collect()));
+                match cut.index(4) {
+                    0 => if let Some(g) = grow(big.get("records")) { big["records"] = g },
+                    1 => if let Some(g) = grow(big.get("ablation")) { big["ablation"] = g },
+                    2 => if let Some(g) = grow(big.pointer("/records/0/breakdown/parts")) { big["records"][0]["breakdown"]["parts"] = g },
+                    _ => if let Some(m) = big.pointer_mut("/ceilings/tflops").and_then(Value::as_object_mut) {
+                        for i in 0..5000 { m.insert(format!("p{i}"), Value::from(1.0)); }
+                    },
                 }
                 bytes = serde_json::to_vec(&big).unwrap();
             }
@@ -244,8 +443,37 @@ fn generated_ladder_flags_exit_0_2_or_3_and_never_panic() {
     // Outputs aimed at a FIFO in the scratch folder, never at /dev/full: against buggy code run
     // as root, that would replace the machine's device node.
     assert!(Command::new("mkfifo").arg(d.join("fifo")).status().unwrap().success());
+    // Every kind of file a path might name (issue 19): a symlink to the FIFO, a socket, a folder,
+    // a JSON named like a sibling chart, a README and a docs page that is a FIFO.
+    std::os::unix::fs::symlink("fifo", d.join("lfifo")).unwrap();
+    let _ = std::os::unix::net::UnixListener::bind(d.join("sock"));
+    std::fs::create_dir(d.join("adir")).unwrap();
+    std::fs::create_dir(d.join("docs")).unwrap();
+    assert!(Command::new("mkfifo").arg(d.join("docs/fifo.md")).status().unwrap().success());
+    std::fs::write(d.join("README.md"), "<!-- results:begin -->\n<!-- results:end -->\n").unwrap();
+    let recorded_bytes = serde_json::to_vec(&recorded()).unwrap();
+    std::fs::write(d.join("x-roofline.svg"), &recorded_bytes).unwrap();
     let json = Path::new(env!("CARGO_MANIFEST_DIR")).join("../results/ladder-cpu.json");
     let json = json.to_str().unwrap().to_string();
+    let path = prop_oneof![
+        Just("fifo".to_string()),
+        Just("lfifo".to_string()),
+        Just("sock".to_string()),
+        Just("adir".to_string()),
+        Just(".".to_string()),
+        Just("".to_string()),
+        Just("x.svg".to_string()),
+        Just("x-roofline.svg".to_string()),
+        Just("newname/".to_string()),
+        Just("/dev/null".to_string()),
+        Just("/dev/stdout".to_string()),
+        Just("/dev/fd/99".to_string()),
+        Just("/proc/speedkit-x.svg".to_string()),
+        Just("n".repeat(250)),
+        Just("n".repeat(256)),
+        Just("x".repeat(70_000)),
+    ];
+    let float = prop_oneof![Just("1e300"), Just("1e-300"), Just("5e-324"), Just("-0"), Just("inf"), Just("NaN"), Just("20")];
     let value = prop_oneof![
         Just("0".to_string()),
         Just("".to_string()),
@@ -259,15 +487,28 @@ fn generated_ladder_flags_exit_0_2_or_3_and_never_panic() {
         value.clone().prop_map(|v| vec![format!("--stages=0,{v}")]),
         (prop_oneof![Just("seq"), Just("batch"), Just("d_model"), Just("heads"), Just("")], value.clone())
             .prop_map(|(a, v)| vec![format!("--sweep={a}={v}")]),
-        prop_oneof![Just("fifo"), Just("."), Just(""), Just("x.svg"), Just("/dev/null")].prop_map(|p| vec![format!("--svg={p}")]),
-        prop_oneof![Just("fifo"), Just("."), Just(""), Just("x.svg"), Just("/dev/stdout")].prop_map(|p| vec![format!("--json={p}")]),
-        prop_oneof![Just("--markdown"), Just("--update-readme")].prop_map(|f| vec![f.to_string()]),
-        prop_oneof![Just("nope.md"), Just("/dev/zero"), Just("")].prop_map(|p| vec![format!("--readme={p}")]),
+        path.clone().prop_map(|p| vec![format!("--svg={p}")]),
+        path.clone().prop_map(|p| vec![format!("--json={p}")]),
+        prop_oneof![Just("--markdown"), Just("--update-readme"), Just("--ablate")].prop_map(|f| vec![f.to_string()]),
+        prop_oneof![Just("nope.md"), Just("/dev/zero"), Just(""), Just("fifo"), Just("README.md")]
+            .prop_map(|p| vec![format!("--readme={p}")]),
+        (prop_oneof![Just("--bandwidth-gbs"), Just("--peak-tflops")], float).prop_map(|(f, v)| vec![format!("{f}={v}")]),
+        prop_oneof![Just(""), Just("none"), Just("ln"), Just("all")].prop_map(|v| vec![format!("--fusions={v}")]),
+    ];
+    let env = prop_oneof![
+        Just(("SPEEDKIT_JSON", "")),
+        Just(("SPEEDKIT_FUSIONS", "")),
+        Just(("SPEEDKIT_SVG", "")),
+        Just(("SPEEDKIT_README", "fifo")),
+        Just(("RAYON_NUM_THREADS", "100000")),
+        Just(("RAYON_NUM_THREADS", "abc")),
+        Just(("RAYON_NUM_THREADS", "1")),
     ];
     let sub = prop_oneof![Just(0u8), Just(1), Just(2)];
     let ran = std::cell::Cell::new(0u32);
     let config = ProptestConfig { cases: (cases() / 4).max(8), failure_persistence: None, ..ProptestConfig::default() };
-    proptest!(config, |(which in sub, flags in prop::collection::vec(flag, 0..3), from in prop_oneof![Just(json.clone()), Just("/dev/zero".to_string()), Just("".to_string()), Just(".".to_string())])| {
+    let from = prop_oneof![Just(json.clone()), Just(json.clone()), Just("/dev/zero".to_string()), path.clone()];
+    proptest!(config, |(which in sub, flags in prop::collection::vec(flag, 0..3), from in from, envs in prop::collection::vec(env.clone(), 0..2))| {
         let mut args: Vec<String> = match which {
             0 => ["--preset", "tiny", "--iters", "1", "--warmup", "0", "--stages", "0"].iter().map(|s| s.to_string()).collect(),
             1 => vec!["render".into(), format!("--from={from}")],
@@ -275,12 +516,21 @@ fn generated_ladder_flags_exit_0_2_or_3_and_never_panic() {
         };
         args.extend(flags.into_iter().flatten());
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let o = ladder_in(&d, &argv);
+        // A ladder run may rightly write x-roofline.svg (--svg names it); render must never
+        // overwrite it when it is the --from file. Restored before every case.
+        std::fs::write(d.join("x-roofline.svg"), &recorded_bytes).unwrap();
+        let o = ladder_env(&d, &argv, &envs);
         ran.set(ran.get() + 1);
-        prop_assert!(matches!(o.code, Some(0) | Some(2) | Some(3)), "exit {:?} for {:?}:\n{}", o.code, args, o.text);
-        prop_assert!(!o.text.contains("panicked"), "panic for {:?}:\n{}", args, o.text);
+        if which == 1 && from == "x-roofline.svg" {
+            prop_assert!(std::fs::read(d.join("x-roofline.svg")).unwrap() == recorded_bytes, "the --from file was overwritten by {:?}:\n{}", args, o.text);
+        }
+        prop_assert!(matches!(o.code, Some(0) | Some(2) | Some(3)), "exit {:?} for {:?} {:?}:\n{}", o.code, args, envs, o.text);
+        prop_assert!(!o.text.contains("panicked"), "panic for {:?} {:?}:\n{}", args, envs, o.text);
+        prop_assert!(!o.text.contains("memory allocation"), "abort for {:?}:\n{}", args, o.text);
     });
     eprintln!("ladder cli: {} generated cases ran", ran.get());
     use std::os::unix::fs::FileTypeExt;
     assert!(std::fs::metadata(d.join("fifo")).unwrap().file_type().is_fifo(), "an output replaced the FIFO");
+    assert!(std::fs::metadata(d.join("docs/fifo.md")).unwrap().file_type().is_fifo(), "a docs page FIFO was replaced");
+    assert!(d.join("adir").is_dir() && !d.join("newname").exists());
 }

@@ -122,6 +122,44 @@ pub fn block_gemms(shape: &Shape) -> [(&'static str, usize, usize, usize); 4] {
     [("qkv", m, 3 * c, c), ("proj", m, c, c), ("fc1", m, ff, c), ("fc2", m, c, ff)]
 }
 
+/// Bytes of each of the triad's three arrays.
+pub const TRIAD_ARRAY_BYTES: usize = 32 << 20;
+
+/// Bytes the probe holds at its widest, from the shapes it measures (`block_gemms`), so a shape
+/// added there is counted here: each GEMM's x (m × k), W (n × k) and y (m × n) in f32 are alive
+/// together and freed before the next; the triad's three arrays come after.
+pub fn probe_bytes(shape: &Shape) -> u128 {
+    let gemm =
+        block_gemms(shape).iter().map(|&(_, m, n, k)| 4 * (m as u128 * k as u128 + n as u128 * k as u128 + m as u128 * n as u128)).max();
+    gemm.unwrap_or(0).max(3 * TRIAD_ARRAY_BYTES as u128)
+}
+
+/// Refuse (exit 2) a probe that cannot fit before it allocates: `probe_bytes` against the
+/// memory available (MemAvailable, and the address-space limit `ulimit -v` sets), then a
+/// fallible reservation of that many bytes, which fails where an infallible allocation would
+/// abort the process (Rust aborts on allocation failure).
+pub fn check_fit(shape: &Shape) -> Result<(), crate::SpeedkitError> {
+    let need = probe_bytes(shape);
+    let refuse = |have: String| {
+        crate::SpeedkitError::usage(format!(
+            "the CPU ceiling probe (the block's GEMMs timed alone, for % of peak) needs about {:.2} GiB of memory at its widest \
+             (x, W and y of its largest GEMM at {shape}), but {have}. Fix: lower --d-model or --ff (or --batch / --seq), \
+             or free memory (or raise `ulimit -v`).",
+            need as f64 / (1u64 << 30) as f64
+        ))
+    };
+    if let Some(avail) = crate::device::available_bytes(&Device::Cpu) {
+        if need > avail as u128 * 9 / 10 {
+            return Err(refuse(format!("only {:.2} GiB is available to this process", avail as f64 / (1u64 << 30) as f64)));
+        }
+    }
+    let bytes = usize::try_from(need).map_err(|_| refuse("that is more than this machine can address".into()))?;
+    let mut trial: Vec<u8> = Vec::new();
+    trial.try_reserve_exact(bytes).map_err(|_| refuse("allocating it failed".into()))?;
+    drop(trial); // never touched, so it cost address space only
+    Ok(())
+}
+
 /// Measure the ceiling on the CPU for `shape`. Each GEMM: one untimed call (page faults,
 /// gemm's packing buffers), then timed calls until 3 are done or 0.5 s has passed; the best
 /// time counts (a ceiling is what the machine can do, not what it usually does).
@@ -144,7 +182,7 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
         simd: simd_level().into(),
         gemms,
         gemm_gflops: flops / secs / 1e9,
-        bandwidth_gbs: triad_gbs(32 << 20),
+        bandwidth_gbs: triad_gbs(TRIAD_ARRAY_BYTES),
         threads: candle_core::utils::get_num_threads(),
         method: "best of up to 3 timed f32 x·Wᵀ via candle matmul per block GEMM shape (after one untimed call); \
                  STREAM triad a = b + s·c over 3 × 32 MiB, rayon, best of 5"
@@ -204,6 +242,21 @@ mod tests {
         let linears: f64 = block_gemms(&s).iter().map(|&(_, m, n, k)| 2.0 * (m * n * k) as f64).sum();
         let attention = 2.0 * (s.batch * s.seq * s.seq * s.d_model) as f64;
         assert_eq!(linears + attention, crate::perf::block_flops(&s));
+    }
+
+    // Issue 19, class B: the probe's bytes come from the shapes it measures, and a probe that
+    // cannot fit is exit 2 before it allocates anything.
+    #[test]
+    fn probe_bytes_count_its_widest_gemm_and_refuse_before_allocating() {
+        let s = Preset::Small.shape();
+        let widest = block_gemms(&s).iter().map(|&(_, m, n, k)| 4 * (m * k + n * k + m * n) as u128).max().unwrap();
+        assert_eq!(widest, 4 * (2048 * 768 + 3072 * 768 + 2048 * 3072), "fc1 (and fc2) on small");
+        assert_eq!(probe_bytes(&s), widest.max(3 * TRIAD_ARRAY_BYTES as u128));
+        // ~42 GB for fc1 alone: more than this process has, refused at once (not an abort).
+        let huge = Shape { batch: 1, seq: 80_000, d_model: 26_000, n_head: 1000, ff: 80_000 };
+        let e = check_fit(&huge).unwrap_err().to_string();
+        assert!(e.contains("ceiling probe") && e.contains("memory") && e.contains("Fix:"), "{e}");
+        assert!(check_fit(&Preset::Tiny.shape()).is_ok());
     }
 
     #[test]

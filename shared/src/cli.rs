@@ -148,6 +148,57 @@ pub const MAX_ITERS: usize = 1_000_000;
 /// far above any device today. Outside it the % of peak would be noise or overflow.
 pub const PEAK_TFLOPS_RANGE: (f64, f64) = (1e-3, 1e5);
 
+/// The range `--bandwidth-gbs` must lie in: from 1 MB/s to 1 PB/s (an H200 has 4.8 TB/s).
+/// Outside it the roofline's axis would span hundreds of decades.
+pub const BANDWIDTH_GBS_RANGE: (f64, f64) = (1e-3, 1e6);
+
+/// Most threads `RAYON_NUM_THREADS` may ask for: 8 per core this machine has, and at least 64.
+/// Rayon starts every thread of its pool at once (candle's CPU ops and the GEMMs run on it);
+/// 100,000 of them take minutes to start and measure nothing but the scheduler.
+pub fn max_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_mul(8).max(64)
+}
+
+/// Check the environment before clap reads it: a `SPEEDKIT_*` variable the command reads that
+/// is set but empty (clap would blame the flag, which the user never typed), and
+/// `RAYON_NUM_THREADS`, which sizes the thread pool every CPU stage runs on.
+pub fn check_env(cmd: &clap::Command) -> Result<(), SpeedkitError> {
+    fn names(cmd: &clap::Command, out: &mut Vec<(String, String)>) {
+        for a in cmd.get_arguments() {
+            if let Some(env) = a.get_env() {
+                out.push((env.to_string_lossy().into_owned(), a.get_long().map_or(a.get_id().to_string(), |l| format!("--{l}"))));
+            }
+        }
+        cmd.get_subcommands().for_each(|c| names(c, out));
+    }
+    let mut vars = Vec::new();
+    names(cmd, &mut vars);
+    for (var, flag) in vars {
+        if std::env::var_os(&var).is_some_and(|v| v.is_empty()) {
+            return Err(SpeedkitError::usage(format!(
+                "the environment variable {var} is set but empty; it stands for {flag}, and an empty value is no value. \
+                 Fix: unset {var} (e.g. `unset {var}`), or give it a value."
+            )));
+        }
+    }
+    if let Some(v) = std::env::var_os("RAYON_NUM_THREADS") {
+        let max = max_threads();
+        let v = v.to_string_lossy();
+        match v.trim().parse::<usize>() {
+            Ok(n) if n <= max => {}
+            _ => {
+                return Err(SpeedkitError::usage(format!(
+                    "RAYON_NUM_THREADS = {:?} is not a thread count from 0 (rayon's default: one per core) to {max} \
+                     (8 per core here; every thread of the pool is started at once). Fix: unset RAYON_NUM_THREADS, \
+                     or give a count up to {max}.",
+                    v.chars().take(40).collect::<String>()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Validate flags that clap cannot check by type.
 pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
     if args.iters == Some(0) {
@@ -174,9 +225,12 @@ pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
         }
     }
     if let Some(bw) = args.bandwidth_gbs {
-        if !(bw.is_finite() && bw > 0.0) {
+        let (lo, hi) = BANDWIDTH_GBS_RANGE;
+        if !(bw.is_finite() && (lo..=hi).contains(&bw)) {
             return Err(SpeedkitError::usage(format!(
-                "--bandwidth-gbs {bw} is not a positive number. Fix: give the memory bandwidth in GB/s, e.g. 20 for a laptop's STREAM triad."
+                "--bandwidth-gbs {bw:e} is not a memory bandwidth in GB/s (it must be a finite number from {lo} to {hi:e}; \
+                 the roofline's axis is drawn from it). Fix: give the memory bandwidth in GB/s, e.g. 20 for a laptop's \
+                 STREAM triad or 3350 for an H100 SXM."
             )));
         }
     }
@@ -221,6 +275,12 @@ mod tests {
             assert!(validate(&flags(&[&format!("--peak-tflops={bad}")])).is_err(), "{bad}");
         }
         assert!(validate(&flags(&["--peak-tflops", "989"])).is_ok());
+        // Issue 19, class G: --bandwidth-gbs is bounded like --peak-tflops.
+        for bad in ["1e-300", "0", "-5", "inf", "NaN", "1e300", "1.7976931348623157e308"] {
+            let e = validate(&flags(&[&format!("--bandwidth-gbs={bad}")])).unwrap_err().to_string();
+            assert!(e.contains("--bandwidth-gbs") && e.contains("Fix:"), "{e}");
+        }
+        assert!(validate(&flags(&["--bandwidth-gbs", "3350"])).is_ok());
     }
 
     #[test]
@@ -238,6 +298,8 @@ mod tests {
         assert_eq!((f.ln, f.qkv, f.epilogue, f.add_ln), (true, false, false, true));
         assert_eq!(f.describe(), "ln,add-ln");
         assert_eq!(Fusions::ALL.without("qkv").on(), ["ln", "epilogue", "add-ln"]);
+        // Issue 19, class H: empty is refused, not "none".
+        assert!("".parse::<Fusions>().is_err() && " ".parse::<Fusions>().is_err());
         let e = "ln,gelu".parse::<Fusions>().unwrap_err();
         assert!(e.contains("'gelu'") && e.contains("Fix"), "{e}");
     }

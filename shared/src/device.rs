@@ -157,6 +157,18 @@ fn cpu_model_name() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
+/// RLIMIT_AS less the address space this process already maps (VmSize), when a limit is set.
+fn address_space_left() -> Option<u64> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into `lim`, a valid pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } != 0 || lim.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let vm_kib: u64 = status.lines().find(|l| l.starts_with("VmSize:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(lim.rlim_cur.saturating_sub(vm_kib.saturating_mul(1024)))
+}
+
 fn meminfo_kib(key: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
     s.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()
@@ -264,7 +276,15 @@ impl GemmSwitches {
 /// memory on CUDA. `None` where the platform does not say.
 pub fn available_bytes(device: &Device) -> Option<u64> {
     match device {
-        Device::Cpu => meminfo_kib("MemAvailable:").map(|k| k * 1024),
+        Device::Cpu => {
+            let free = meminfo_kib("MemAvailable:").map(|k| k.saturating_mul(1024));
+            // An address-space limit (`ulimit -v`) caps what this process can allocate whatever
+            // the machine has free; past it an allocation fails and Rust aborts.
+            match (free, address_space_left()) {
+                (Some(f), Some(a)) => Some(f.min(a)),
+                (f, a) => f.or(a),
+            }
+        }
         #[cfg(feature = "cuda")]
         Device::Cuda(d) => d.cuda_stream().context().mem_get_info().ok().map(|(free, _)| free as u64),
         _ => None,

@@ -114,7 +114,34 @@ pub fn check(flag: &str, path: &Path) -> Result<Output, SpeedkitError> {
         return Err(SpeedkitError::usage(format!("{flag} is an empty path. Fix: give a file name, e.g. {flag} out.json, or drop {flag}.")));
     }
     if is_stream(path) {
+        // Opened now the way the write opens it, so a closed /dev/fd/N is refused before the run.
+        probe_through(path).map_err(|e| {
+            let fd = matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::EBADF));
+            let fix = if fd {
+                "that file descriptor is not open in this process: open it in the shell (e.g. 99>out.json) or name a file".into()
+            } else {
+                fix_for(&e)
+            };
+            refuse(flag, path, &format!("it cannot be opened for writing ({e})"), &fix)
+        })?;
         return out(Target::Through(path.to_path_buf()));
+    }
+    if path.as_os_str().as_bytes().ends_with(b"/") {
+        // "newname/" names a folder; writing a file called "newname" would not be what was asked.
+        return Err(refuse(
+            flag,
+            path,
+            "it ends in '/', so it names a folder, not a file",
+            &format!("name a file inside it, e.g. {}", path.join("out").display()),
+        ));
+    }
+    if let Some(name) = path.file_name().filter(|n| n.len() > NAME_MAX) {
+        return Err(refuse(
+            flag,
+            path,
+            &format!("its file name is {} bytes, more than the {NAME_MAX} a file system takes", name.len()),
+            "use a shorter file name",
+        ));
     }
     let target = resolve(path).map_err(|e| refuse(flag, path, &format!("it cannot be resolved ({e})"), "pick another path"))?;
     match std::fs::metadata(&target) {
@@ -164,7 +191,93 @@ pub fn check(flag: &str, path: &Path) -> Result<Output, SpeedkitError> {
             "pick a path in a folder you can write to",
         ));
     }
+    // access(2) is not the write: /proc says "writable" to root and then refuses a new file, a
+    // read-only mount may answer either way. So the temp file the write will make is created
+    // (under the name it will have, in the folder it will be in) and removed at once.
+    let probe = temp_name(&dir.join(target.file_name().unwrap_or_else(|| std::ffi::OsStr::new("out"))));
+    match std::fs::OpenOptions::new().write(true).create_new(true).open(&probe) {
+        Ok(f) => {
+            drop(f);
+            let _ = std::fs::remove_file(&probe);
+        }
+        Err(e) => {
+            // The folder exists (found above), so "not found" here is a file system that takes
+            // no new files, such as /proc or /sys.
+            let fix = match e.raw_os_error() {
+                Some(libc::ENOENT) => "pick a path on a file system that holds files (/proc and /sys do not)".to_string(),
+                _ => fix_for(&e),
+            };
+            return Err(refuse(flag, path, &format!("a file cannot be created in {} ({e})", dir.display()), &fix));
+        }
+    }
     out(Target::Replace(target))
+}
+
+/// Open a stream target as `write_through` will (append), and close it again.
+fn probe_through(path: &Path) -> std::io::Result<()> {
+    let s = path.to_string_lossy();
+    if matches!(s.as_ref(), "/dev/stdout" | "-" | "/dev/stderr") {
+        return Ok(()); // our own stdout/stderr: written through the handles we hold
+    }
+    std::fs::OpenOptions::new().append(true).open(path).map(drop)
+}
+
+/// The fix that matches an I/O error's cause: a full disk wants space, a read-only or
+/// forbidden place another path, a closed descriptor a shell redirection.
+pub fn fix_for(e: &std::io::Error) -> String {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => "free space on that file system, or pick a path on another one".into(),
+        Some(libc::EROFS) => "the file system is read-only: pick a path on a writable one".into(),
+        Some(libc::EACCES) | Some(libc::EPERM) => "pick a path you may write to (or change its permissions)".into(),
+        Some(libc::EBADF) | Some(libc::ENXIO) => {
+            "that file descriptor is not open for writing in this process: open it in the shell (e.g. 99>out.json) or name a file".into()
+        }
+        Some(libc::ENAMETOOLONG) => "use a shorter path (a file name of at most 255 bytes, a path of at most 4096)".into(),
+        Some(libc::ENOENT) | Some(libc::ENOTDIR) => "pick a path inside a folder that exists and can hold files".into(),
+        _ => "pick another path".into(),
+    }
+}
+
+/// Longest file name (bytes) most Linux file systems take (NAME_MAX).
+const NAME_MAX: usize = 255;
+
+/// `.NAME.tmp-PID-N` beside `target`, with NAME cut (at a character boundary) so the whole
+/// name stays within NAME_MAX: a legal 250-byte name must not fail only for its temp file.
+fn temp_name(target: &Path) -> PathBuf {
+    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+    let tail = format!(".tmp-{}-{}", std::process::id(), TEMP_SEQ.fetch_add(1, Ordering::Relaxed));
+    let room = NAME_MAX - 1 - tail.len();
+    let mut cut = name.len().min(room);
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    target.with_file_name(format!(".{}{tail}", &name[..cut]))
+}
+
+/// Refuse an output that is also an input of the run (`--from`, `--weights`, `--input`):
+/// the run would overwrite what it reads.
+pub fn check_not_inputs(outputs: &[Output], inputs: &[(&str, &Path)]) -> Result<(), SpeedkitError> {
+    for (in_flag, in_path) in inputs {
+        let Ok(read) = resolve(in_path) else { continue };
+        for o in outputs {
+            if o.resolved() == read && matches!(o.target, Target::Replace(_)) {
+                return Err(SpeedkitError::usage(format!(
+                    "{} {} is the {in_flag} file {} itself, so writing it would replace what the run reads. Fix: give {} another path.",
+                    o.flag,
+                    o.path.display(),
+                    in_path.display(),
+                    o.flag.split(' ').next().unwrap_or(&o.flag)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Is `path` a stream a user writes through (`/dev/stdout`, `/dev/fd/N`, ...)? Such a target
+/// gets no sibling files (`chart-roofline.svg` beside `/dev/stdout` would be a stray file).
+pub fn is_stream_target(path: &Path) -> bool {
+    is_stream(path)
 }
 
 /// Check every output of a run at once: each alone, then that no two are one file.
@@ -203,9 +316,7 @@ impl Output {
             Target::Through(p) => write_through(p, bytes),
             Target::Replace(p) => replace(p, bytes),
         };
-        result.map_err(|e| {
-            refuse(&self.flag, &self.path, &format!("writing failed ({e}); nothing was left behind"), "free space or pick a writable path")
-        })
+        result.map_err(|e| refuse(&self.flag, &self.path, &format!("writing failed ({e}); nothing was left behind"), &fix_for(&e)))
     }
 }
 
@@ -235,8 +346,7 @@ fn replace(target: &Path, bytes: &[u8]) -> std::io::Result<()> {
     if let Some(dir) = target.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
-    let tmp = target.with_file_name(format!(".{name}.tmp-{}-{}", std::process::id(), TEMP_SEQ.fetch_add(1, Ordering::Relaxed)));
+    let tmp = temp_name(target);
     let guard = TempGuard::new(&tmp);
     // Mode 0666 less the umask (0644 usually), like any file the shell creates; an existing
     // file keeps its own mode.
@@ -462,6 +572,61 @@ mod tests {
         std::fs::write(p.join("keep"), b"k").unwrap();
         assert!(out.write(b"data").is_err());
         assert!(leftovers(&d).is_empty(), "{:?}", leftovers(&d));
+        std::fs::remove_dir_all(&d).ok();
+    }
+
+    // Issue 19, class E: a legal long name's temp file stays within NAME_MAX, and the check
+    // probes the folder the way the write will (a closed /dev/fd/N, /proc).
+    #[test]
+    fn long_names_fit_and_checks_probe_the_real_write() {
+        let d = scratch("long");
+        for len in [1, 200, 250, 255] {
+            let p = d.join("é".repeat(len / 2) + &"a".repeat(len % 2));
+            let tmp = temp_name(&p);
+            assert!(tmp.file_name().unwrap().len() <= NAME_MAX, "{len}: {}", tmp.display());
+            assert!(std::str::from_utf8(tmp.file_name().unwrap().as_bytes()).is_ok(), "cut at a character boundary");
+        }
+        let p = d.join("b".repeat(250));
+        write("--json", &p, b"x").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"x");
+        assert!(leftovers(&d).is_empty());
+        let e = check("--json", &d.join("c".repeat(256))).unwrap_err().to_string();
+        assert!(e.contains("256 bytes") && e.contains("Fix: use a shorter"), "{e}");
+        if Path::new("/proc/self").exists() {
+            let e = check("--json", Path::new("/proc/speedkit-x.json")).unwrap_err().to_string();
+            assert!(e.contains("/proc") && !e.contains("free space"), "{e}");
+        }
+        // fd 987 is not open in a test process.
+        let e = check("--json", Path::new("/dev/fd/987")).unwrap_err().to_string();
+        assert!(e.contains("file descriptor is not open"), "{e}");
+        // A trailing '/' names a folder (class H): never a file called "newname".
+        let e = check("--json", &d.join("newname/")).unwrap_err().to_string();
+        assert!(e.contains("ends in '/'"), "{e}");
+        assert!(leftovers(&d).is_empty(), "the probe's file is removed");
+        std::fs::remove_dir_all(&d).ok();
+    }
+
+    #[test]
+    fn fixes_match_the_cause() {
+        let fix = |code| fix_for(&std::io::Error::from_raw_os_error(code));
+        assert!(fix(libc::ENOSPC).contains("free space"));
+        for code in [libc::EROFS, libc::EACCES, libc::EBADF, libc::ENAMETOOLONG] {
+            assert!(!fix(code).contains("free space"), "{code}");
+        }
+    }
+
+    // Issue 19, class C: an output that is an input is refused, through links and "..".
+    #[test]
+    fn outputs_are_compared_with_inputs() {
+        let d = scratch("inputs");
+        let input = d.join("run.json");
+        std::fs::write(&input, b"{}").unwrap();
+        let outs = check_all(&[("--svg (the chart beside it)", &d.join("sub/../run.json"))]).unwrap();
+        let e = check_not_inputs(&outs, &[("--from", &input)]).unwrap_err().to_string();
+        assert!(e.contains("--from") && e.contains("Fix: give --svg another path"), "{e}");
+        let outs = check_all(&[("--svg", &d.join("other.svg")), ("--json", Path::new("/dev/null"))]).unwrap();
+        assert!(check_not_inputs(&outs, &[("--from", &input), ("--input", Path::new("/dev/null"))]).is_ok());
+        assert!(is_stream_target(Path::new("/dev/stdout")) && !is_stream_target(&input));
         std::fs::remove_dir_all(&d).ok();
     }
 

@@ -55,6 +55,29 @@ pub struct Shape {
 /// would fail (or worse, wrap) deep inside a library; refuse it up front instead.
 pub const MAX_TENSOR_ELEMENTS: usize = i32::MAX as usize;
 
+/// Up to two divisors of `c` below `h` and two above, nearest first on each side; never empty
+/// (1 and C divide C). C can be huge here (validate runs before the size checks), so divisors are
+/// found in pairs (i, C / i) with i up to min(sqrt C, 10^6): a scan over 1..=C would hang.
+pub fn near_divisors(c: usize, h: usize) -> Vec<usize> {
+    let mut divs = Vec::new();
+    let mut i = 1usize;
+    while i <= 1_000_000 && i.saturating_mul(i) <= c {
+        if c.is_multiple_of(i) {
+            divs.extend([i, c / i]);
+        }
+        i += 1;
+    }
+    divs.sort_unstable();
+    divs.dedup();
+    let below: Vec<usize> = divs.iter().copied().filter(|&d| d < h).rev().take(2).collect();
+    let above: Vec<usize> = divs.iter().copied().filter(|&d| d > h).take(2).collect();
+    let mut out: Vec<usize> = below.into_iter().rev().chain(above).collect();
+    if out.is_empty() {
+        out.push(1);
+    }
+    out
+}
+
 impl Shape {
     /// d_head = C / n_head
     /// 0 when n_head is 0 (a shape `validate` refuses; a JSON file read back may hold one).
@@ -90,15 +113,16 @@ impl Shape {
             }
         }
         if !self.d_model.is_multiple_of(self.n_head) {
-            // Only the 9 candidates around n_head: C can be huge here (validate runs before the
-            // size checks), and a scan over 1..=C would hang.
-            let near: Vec<usize> = (self.n_head.saturating_sub(4).max(1)..=self.n_head.saturating_add(4))
-                .filter(|h| self.d_model.is_multiple_of(*h))
-                .collect();
+            let near = near_divisors(self.d_model, self.n_head);
             return Err(SpeedkitError::usage(format!(
-                "C = {} is not divisible by n_head = {}: attention splits C into n_head heads of \
-                 d_head = C / n_head channels each. Fix: choose --heads among {:?} or change --d-model.",
-                self.d_model, self.n_head, near
+                "C = {} is not divisible by n_head = {}{}: attention splits C into n_head heads of \
+                 d_head = C / n_head channels each. Fix: choose --heads among {:?} (the divisors of C \
+                 nearest {}) or change --d-model.",
+                self.d_model,
+                self.n_head,
+                if self.n_head > self.d_model { " (there are more heads than channels)" } else { "" },
+                near,
+                self.n_head
             )));
         }
         // Tensors every stage materialises, as element counts; checked_mul catches usize overflow.
@@ -201,6 +225,17 @@ impl std::fmt::Display for Shape {
 mod tests {
     use super::*;
 
+    // Issue 19, class I: the suggestion is never empty, and near n_head on both sides.
+    #[test]
+    fn heads_suggestion_is_never_empty() {
+        assert_eq!(near_divisors(128, 256), [64, 128]);
+        assert_eq!(near_divisors(768, 10), [6, 8, 12, 16]);
+        assert_eq!(near_divisors(7, 3), [1, 7]);
+        assert!(!near_divisors(usize::MAX, 1 << 40).is_empty());
+        let e = Shape { batch: 1, seq: 1, d_model: 128, n_head: 256, ff: 1 }.validate().unwrap_err().to_string();
+        assert!(e.contains("among [64, 128]") && !e.contains("[]"), "{e}");
+    }
+
     #[test]
     fn presets_match_design_table() {
         assert_eq!(Preset::Small.shape(), Shape { batch: 4, seq: 512, d_model: 768, n_head: 12, ff: 3072 });
@@ -235,7 +270,7 @@ mod tests {
         assert_eq!(Shape { n_head: 0, ..s }.d_head(), 0);
         // A huge C that n_head does not divide: answered at once (no scan over 1..=C).
         let s = Shape { batch: 1, seq: 1, d_model: 1 << 40, n_head: 3, ff: 1 };
-        assert!(s.validate().unwrap_err().to_string().contains("[1, 2, 4]"));
+        assert!(s.validate().unwrap_err().to_string().contains("[1, 2, 4, 8]"));
         // B from an input file is named as such, not as --batch.
         let s = Shape { batch: 1 << 40, ..Preset::Tiny.shape() };
         let e = s.validate_as(&Sources::input_file(std::path::Path::new("x.st"))).unwrap_err().to_string();

@@ -156,6 +156,11 @@ impl Session {
         }
         if let Some(avail) = device::available_bytes(&device) {
             let name = must_run.first().map_or(reference.name, |(s, _)| s.name);
+            // On a CPU the ceiling probe runs beside the session (and before any stage), so its
+            // own buffers count too.
+            if info.kind == DeviceKind::Cpu {
+                widest = widest.max(crate::ceiling::probe_bytes(&shape));
+            }
             check_fits(name, &shape, shape.estimate_session_bytes().saturating_add(widest), avail)?;
         }
         if args.cuda_graph {
@@ -193,6 +198,7 @@ impl Session {
         println!("timing    {warmup} warm-up + {iters} timed iterations, device synchronized after each");
         let ceiling = match info.kind {
             DeviceKind::Cpu => {
+                crate::ceiling::check_fit(&shape)?;
                 let c = crate::ceiling::measure(&shape)?;
                 println!("ceiling   {} (measured now; % of peak is against it)", c.describe());
                 Some(c)
@@ -389,13 +395,20 @@ pub fn check_fits(stage: &str, s: &Shape, need: u128, avail: u64) -> Result<(), 
     if need <= avail as u128 * 9 / 10 {
         return Ok(());
     }
-    let scores = 4 * (s.batch * s.n_head) as u128 * (s.seq * s.seq) as u128;
+    let scores = 4 * (s.batch as u128 * s.n_head as u128).saturating_mul(s.seq as u128 * s.seq as u128);
+    // Name the larger of the two usual culprits: the T × T scores or the weights (C and FF).
+    let (c, ff) = (s.d_model as u128, s.ff as u128);
+    let weights = c.saturating_mul(c).saturating_mul(16).saturating_add(c.saturating_mul(ff).saturating_mul(8));
+    let why = if scores >= weights {
+        format!("naive attention's (B, n_head, T, T) scores alone would be {} in f32", gib(scores))
+    } else {
+        format!("the block's weights alone are {} in f32", gib(weights))
+    };
     Err(SpeedkitError::usage(format!(
-        "{stage} needs about {} at its widest for {s} (naive attention's (B, n_head, T, T) scores alone \
-         would be {} in f32), but the device has {} available. Fix: lower --batch or --seq, or pick a \
-         smaller --preset.",
+        "{stage} needs about {} at its widest for {s} ({why}), but {} is available to this process (free memory, \
+         or the address-space limit `ulimit -v` leaves). Fix: lower --batch or --seq (or --d-model / --ff, which size \
+         the weights), or pick a smaller --preset.",
         gib(need),
-        gib(scores),
         gib(avail as u128)
     )))
 }
@@ -446,13 +459,21 @@ fn on_off(b: bool) -> &'static str {
 /// `R` is the fp32 stage-0 block the output is checked against.
 pub fn main<S: Stage + 'static, R: Stage + 'static>() -> ExitCode {
     let cmd = RunArgs::augment_args(clap::Command::new(S::NAME).about(S::TECHNIQUE));
+    if let Err(e) = crate::cli::check_env(&cmd) {
+        return exit_with(|| Err(e.into()));
+    }
     let matches = cmd.get_matches();
     exit_with(|| {
         let args = RunArgs::from_arg_matches(&matches)?;
         let spec = StageSpec::of::<S>();
         // Every output path is checked before any work (writable, not a directory or device,
         // no two on one file), so a run never ends in a refusal to save it.
-        crate::output::check_all(&crate::cli::output_flags(&args))?;
+        let outputs = crate::output::check_all(&crate::cli::output_flags(&args))?;
+        let inputs: Vec<(&str, &std::path::Path)> = [("--weights", &args.weights), ("--input", &args.input)]
+            .into_iter()
+            .filter_map(|(f, p)| p.as_deref().map(|p| (f, p)))
+            .collect();
+        crate::output::check_not_inputs(&outputs, &inputs)?;
         let session = Session::open_for(args.clone(), &StageSpec::of::<R>(), &[(spec, args.precision)])?;
         let (record, y) = session.run(&spec, session.args.precision)?;
         print_details(&record);

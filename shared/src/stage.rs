@@ -195,7 +195,9 @@ impl std::str::FromStr for Fusions {
     fn from_str(s: &str) -> Result<Self, String> {
         match s.trim() {
             "all" => return Ok(Fusions::ALL),
-            "none" | "" => return Ok(Fusions::NONE),
+            "none" => return Ok(Fusions::NONE),
+            // Empty is a typo or an unset variable, not "none" (as --precision '' is refused).
+            "" => return Err("an empty list is not a choice of fusions. Fix: give all, none, or some of ln, qkv, epilogue, add-ln".into()),
             _ => {}
         }
         let mut f = Fusions::NONE;

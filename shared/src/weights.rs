@@ -212,6 +212,7 @@ impl BlockWeights {
             ))
         };
         let bytes = read_file(path).map_err(&bad)?;
+        duplicate_key(&bytes).map_err(&bad)?;
         let (_, header) =
             safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
         // n_head is ours (--save-weights writes it): when present it must be a positive integer.
@@ -219,7 +220,10 @@ impl BlockWeights {
             None => None,
             Some(v) => match v.trim().parse::<usize>() {
                 Ok(n) if n > 0 => Some(n),
-                _ => return Err(bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer (correct or drop the key)"))),
+                _ => {
+                    let v: String = v.chars().take(100).collect(); // a file's string, shown bounded
+                    return Err(bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer (correct or drop the key)")));
+                }
             },
         };
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
@@ -246,7 +250,11 @@ impl BlockWeights {
                 .ok_or_else(|| bad(format!("tensor {suffix} is missing")))?;
             let view = st.tensor(key).map_err(|e| bad(format!("tensor {key}: {e}")))?;
             let t = view_to_f32(&view).map_err(|e| bad(format!("tensor {key}: {e}")))?;
-            let t = if transposed { t.t().and_then(|t| t.contiguous()).map_err(|e| bad(e.to_string()))? } else { t };
+            // Conv1D weights are (in, out) matrices in the file; anything else cannot be one.
+            if transposed && t.rank() != 2 {
+                return Err(bad(format!("tensor {key} has shape {:?}, but it is a weight matrix and needs 2 dimensions", t.dims())));
+            }
+            let t = if transposed { t.t().and_then(|t| t.contiguous()).map_err(|e| bad(format!("tensor {key}: {e}")))? } else { t };
             tensors.push(t);
         }
         let w = Self::from_tensors(tensors);
@@ -320,6 +328,56 @@ fn read_file(path: &Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("it cannot be read ({e})"))
 }
 
+/// Refuse a safetensors header that names a tensor (or a metadata key) twice. The safetensors
+/// crate reads the header into a map, so the last entry would silently win and the data of the
+/// first would be read as the second: refused naming the key, before anything blames its values.
+fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+    struct Keys(Option<String>);
+    struct V;
+    impl<'de> Visitor<'de> for V {
+        type Value = Keys;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Keys, A::Error> {
+            // The whole map is read (serde_json refuses a map left half-read); the first
+            // repeated key is kept.
+            let (mut seen, mut first) = (std::collections::HashSet::new(), None);
+            while let Some(k) = map.next_key::<String>()? {
+                if k == "__metadata__" {
+                    // Its own keys are a map too: a repeated n_head would hide the first.
+                    if let Keys(Some(dup)) = map.next_value::<Keys>()? {
+                        first = first.or(Some(format!("__metadata__.{dup}")));
+                    }
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+                if !seen.insert(k.clone()) {
+                    first = first.or(Some(k));
+                }
+            }
+            Ok(Keys(first))
+        }
+    }
+    impl<'de> serde::Deserialize<'de> for Keys {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Keys, D::Error> {
+            d.deserialize_map(V)
+        }
+    }
+    // The header as safetensors lays it out: an 8-byte little-endian length, then JSON. A
+    // header that does not parse is left to the safetensors reader's own message.
+    let Some(n) = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default())) else { return Ok(()) };
+    let Some(header) = usize::try_from(n).ok().and_then(|n| bytes.get(8..8usize.checked_add(n)?)) else { return Ok(()) };
+    match serde_json::from_slice::<Keys>(header) {
+        Ok(Keys(Some(k))) => {
+            let k: String = k.chars().take(200).collect();
+            Err(format!("its header names {k:?} twice, so one entry would silently replace the other (the file is damaged or was written by hand; remove the duplicate)"))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// A tensor of the file as f32, refusing a value that is NaN or infinite (or an f64 past f32's
 /// range): a bad number in a user's file is bad input, not a failed check of ours. The first
 /// such index is named in the file's own layout (a Conv1D matrix: (in, out)).
@@ -365,6 +423,7 @@ pub fn load_input(path: &Path) -> Result<Tensor, SpeedkitError> {
         ))
     };
     let bytes = read_file(path).map_err(&bad)?;
+    duplicate_key(&bytes).map_err(&bad)?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
     let names = st.names();
     let key = if names.contains(&"x") {
@@ -460,6 +519,23 @@ mod tests {
         }
         assert!(BlockWeights::load_gpt2(&p, Some(0)).unwrap_err().to_string().contains("no layer 0"));
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn duplicated_header_keys_are_named() {
+        let file = |header: &str| {
+            let mut b = (header.len() as u64).to_le_bytes().to_vec();
+            b.extend(header.as_bytes());
+            b.extend([0u8; 8]);
+            b
+        };
+        let t = r#"{"dtype":"F32","shape":[2],"data_offsets":[0,8]}"#;
+        let e = duplicate_key(&file(&format!(r#"{{"x":{t},"y":{t},"x":{t}}}"#))).unwrap_err();
+        assert!(e.contains("\"x\" twice"), "{e}");
+        let e = duplicate_key(&file(&format!(r#"{{"__metadata__":{{"n_head":"4","n_head":"0"}},"x":{t}}}"#))).unwrap_err();
+        assert!(e.contains("__metadata__.n_head"), "{e}");
+        assert!(duplicate_key(&file(&format!(r#"{{"x":{t},"y":{t}}}"#))).is_ok());
+        assert!(duplicate_key(b"short").is_ok() && duplicate_key(&file("{not json")).is_ok(), "left to the reader");
     }
 
     #[test]

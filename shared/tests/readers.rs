@@ -37,13 +37,42 @@ fn damaged_safetensors_are_refused_never_panic() {
     let p = dir.join("bad.safetensors");
     let ran = std::cell::Cell::new(0u32);
     let config = ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() };
-    proptest!(config, |(mode in 0u8..5, at in any::<prop::sample::Index>(), byte in any::<u8>(), len in any::<u64>(), noise in prop::collection::vec(any::<u8>(), 0..256))| {
+    let header = String::from_utf8(good[8..8 + header_len].to_vec()).unwrap();
+    let keys: Vec<String> = serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(&header).unwrap().keys().cloned().collect();
+    proptest!(config, |(mode in 0u8..7, at in any::<prop::sample::Index>(), byte in any::<u8>(), len in any::<u64>(), noise in prop::collection::vec(any::<u8>(), 0..256))| {
         let mut bytes = good.clone();
         match mode {
             0 => bytes.truncate(at.index(bytes.len())), // truncated anywhere
             1 => { let i = 8 + at.index(header_len); bytes[i] = byte; } // one header byte changed
             2 => bytes[..8].copy_from_slice(&len.to_le_bytes()), // header length: random, oversized
             3 => bytes = noise.clone(), // random bytes
+            5 => {
+                // issue 19: a key repeated (the entry copied to the header's end), named in the refusal
+                let key = &keys[at.index(keys.len())];
+                let entry = format!("\"{key}\":{}", serde_json::from_str::<serde_json::Value>(&header).unwrap()[key]);
+                let h = format!("{},{entry}}}", header.trim_end().strip_suffix('}').unwrap());
+                bytes = (h.len() as u64).to_le_bytes().to_vec();
+                bytes.extend(h.as_bytes());
+                bytes.extend(&good[8 + header_len..]);
+                std::fs::write(&p, &bytes).unwrap();
+                let e = BlockWeights::load_gpt2(&p, None).unwrap_err();
+                prop_assert!(usage(&e, "twice") && e.to_string().contains(key.as_str()), "{e}");
+            }
+            6 => {
+                // issue 19: a tensor's rank changed (its shape flattened), named in the refusal
+                let key = keys.iter().filter(|k| k.as_str() != "__metadata__").nth(at.index(keys.len() - 1)).unwrap();
+                let mut v: serde_json::Value = serde_json::from_str(&header).unwrap();
+                let n: u64 = v[key]["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product();
+                v[key]["shape"] = serde_json::json!([n]);
+                let h = serde_json::to_string(&v).unwrap();
+                bytes = (h.len() as u64).to_le_bytes().to_vec();
+                bytes.extend(h.as_bytes());
+                bytes.extend(&good[8 + header_len..]);
+                std::fs::write(&p, &bytes).unwrap();
+                if let Err(e) = BlockWeights::load_gpt2(&p, None) {
+                    prop_assert!(usage(&e, key.as_str()), "the tensor is not named: {e}");
+                }
+            }
             _ => {
                 // a header that declares a huge tensor over a few bytes of data
                 let h = format!("{{\"x\":{{\"dtype\":\"F32\",\"shape\":[{len},{len},3],\"data_offsets\":[0,8]}}}}");

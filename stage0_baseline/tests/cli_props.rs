@@ -231,6 +231,192 @@ fn class9_smaller_ones() {
     assert_eq!(mode("y.safetensors"), mode("r.json"));
 }
 
+/// Run stage 0 under `ulimit -v KIB` (a subprocess shell, so the limit binds only it).
+fn stage0_ulimit(dir: &Path, kib: u64, args: &[&str]) -> Out {
+    let mut c = Command::new("sh");
+    c.current_dir(dir)
+        .arg("-c")
+        .arg(format!("ulimit -v {kib} && exec \"$0\" \"$@\""))
+        .arg(env!("CARGO_BIN_EXE_stage0_baseline"))
+        .args(args);
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("SPEEDKIT_")) {
+        c.env_remove(k);
+    }
+    let o = c.output().unwrap();
+    Out { code: o.status.code(), text: format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)) }
+}
+
+/// Nothing ran: the session never opened (its "timing" line is printed before any stage).
+fn nothing_ran(o: &Out) {
+    assert!(!o.text.contains("timing    ") && !o.text.contains("median"), "it ran before refusing:\n{}", o.text);
+}
+
+// Issue 19, class B: under an address-space limit the shape that passed the fit check aborted
+// in the ceiling probe; now the limit counts, the probe's buffers count, and it is exit 2.
+#[test]
+fn class_b_memory_limit_is_exit_2_never_an_abort() {
+    let d = scratch("r3b");
+    let big = [
+        "--preset",
+        "tiny",
+        "--d-model",
+        "12288",
+        "--heads",
+        "96",
+        "--ff",
+        "49152",
+        "--batch",
+        "1",
+        "--seq",
+        "1",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+    ];
+    let o = stage0_ulimit(&d, 8_000_000, &big);
+    refused(&o);
+    assert!(o.text.contains("available") && !o.text.contains("memory allocation"), "{}", o.text);
+    // The session (2.4 GB of weights) fits in 3 GB but not beside the probe (fc1: x, W, y at
+    // C = 4096, FF = 65536, 1 GiB more): refused up front, where it used to abort in the probe.
+    let probe = [
+        "--preset",
+        "tiny",
+        "--d-model",
+        "4096",
+        "--heads",
+        "32",
+        "--ff",
+        "65536",
+        "--batch",
+        "1",
+        "--seq",
+        "1",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--no-check",
+    ];
+    let o = stage0_ulimit(&d, 3_200_000, &probe);
+    refused(&o);
+    assert!(!o.text.contains("memory allocation"), "{}", o.text);
+}
+
+// Issue 19, class C: an output that is an input is refused before the run; the input stays.
+#[test]
+fn class_c_output_onto_an_input_is_refused() {
+    let d = scratch("r3c");
+    write_safetensors(&d.join("x.safetensors"), &[("x", vec![1, 4, 128], vec![0.25; 512])]);
+    let before = std::fs::read(d.join("x.safetensors")).unwrap();
+    let o = stage0_in(&d, &with_s(&["--input", "x.safetensors", "--save-output", "./x.safetensors"]), &[]);
+    refused(&o);
+    assert!(o.text.contains("--input"), "{}", o.text);
+    assert_eq!(std::fs::read(d.join("x.safetensors")).unwrap(), before);
+}
+
+// Issue 19, class E: refused up front, the way the write happens, with the fix for the cause.
+#[test]
+fn class_e_unwritable_outputs_refused_before_the_run() {
+    let d = scratch("r3e");
+    let mut cases = vec![("--json", "/dev/fd/99", "file descriptor is not open")];
+    if Path::new("/proc/self").exists() {
+        cases.push(("--json", "/proc/speedkit-x.json", "/proc"));
+        cases.push(("--save-output", "/proc/speedkit-x.safetensors", "/proc"));
+    }
+    for (flag, path, why) in cases {
+        let o = stage0_in(&d, &with_s(&[flag, path]), &[]);
+        refused(&o);
+        nothing_ran(&o);
+        assert!(o.text.contains(why) && !o.text.contains("free space"), "{}", o.text);
+    }
+    // A legal 250-byte name: written, no temp file left.
+    let long = "n".repeat(250);
+    let o = stage0_in(&d, &with_s(&["--json", &long]), &[]);
+    assert_eq!(o.code, Some(0), "{}", o.text);
+    assert!(d.join(&long).is_file() && temp_files(&d).is_empty());
+    let o = stage0_in(&d, &with_s(&["--json", &"n".repeat(256)]), &[]);
+    refused(&o);
+    nothing_ran(&o);
+}
+
+// Issue 19, class G: --bandwidth-gbs is bounded like --peak-tflops.
+#[test]
+fn class_g_bandwidth_is_bounded() {
+    let d = scratch("r3g");
+    for v in ["1e300", "1e-300", "5e-324", "-0", "inf"] {
+        let o = stage0_in(&d, &with_s(&[&format!("--bandwidth-gbs={v}")]), &[]);
+        refused(&o);
+        assert!(o.text.contains("--bandwidth-gbs"), "{}", o.text);
+    }
+}
+
+// Issue 19, class H: no silent no-ops.
+#[test]
+fn class_h_empty_values_and_folder_paths_are_refused() {
+    let d = scratch("r3h");
+    refused(&stage0_in(&d, &with_s(&["--fusions", ""]), &[]));
+    let o = stage0_in(&d, &with_s(&[]), &[("SPEEDKIT_FUSIONS", "")]);
+    refused(&o);
+    assert!(o.text.contains("SPEEDKIT_FUSIONS"), "{}", o.text);
+    let o = stage0_in(&d, &with_s(&["--json", "newname/"]), &[]);
+    refused(&o);
+    nothing_ran(&o);
+    assert!(!d.join("newname").exists());
+}
+
+// Issue 19, class I: messages name what the user typed and what is wrong.
+#[test]
+fn class_i_messages_are_precise() {
+    let d = scratch("r3i");
+    let o = stage0_in(&d, &with_s(&["--heads", "256"]), &[]);
+    refused(&o);
+    assert!(o.text.contains("[64, 128]") && !o.text.contains("[]"), "{}", o.text);
+    let o = stage0_in(&d, &with_s(&[]), &[("SPEEDKIT_JSON", "")]);
+    refused(&o);
+    assert!(o.text.contains("SPEEDKIT_JSON") && !o.text.contains("a value is required"), "{}", o.text);
+    // A rank-1 attention weight is named.
+    let o = stage0_in(&d, &with_s(&["--save-weights", "w.safetensors"]), &[]);
+    assert_eq!(o.code, Some(0), "{}", o.text);
+    let bytes = std::fs::read(d.join("w.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8(bytes[8..8 + n].to_vec()).unwrap();
+    let key = "\"h.0.attn.c_attn.weight\":{\"dtype\":\"F32\",\"shape\":[128,384]";
+    assert!(header.contains(key), "{header}");
+    let flat = header.replace(key, &format!("{}{}", "\"h.0.attn.c_attn.weight\":{\"dtype\":\"F32\",\"shape\":[49152]", " ".repeat(4)));
+    let mut bad = (flat.len() as u64).to_le_bytes().to_vec();
+    bad.extend(flat.as_bytes());
+    bad.extend(&bytes[8 + n..]);
+    std::fs::write(d.join("rank1.safetensors"), bad).unwrap();
+    let o = stage0_in(&d, &with_s(&["--weights", "rank1.safetensors"]), &[]);
+    refused(&o);
+    assert!(o.text.contains("attn.c_attn.weight") && o.text.contains("2 dimensions"), "{}", o.text);
+    // A duplicated header key is detected and named, not blamed on NaN.
+    let t = r#"{"dtype":"F32","shape":[1,1,128],"data_offsets":[0,512]}"#;
+    let h = format!(r#"{{"x":{t},"x":{{"dtype":"F32","shape":[1,1,128],"data_offsets":[512,1024]}}}}"#);
+    let mut dup = (h.len() as u64).to_le_bytes().to_vec();
+    dup.extend(h.as_bytes());
+    dup.extend(std::iter::repeat_n(0.5f32.to_le_bytes(), 128).flatten());
+    dup.extend(std::iter::repeat_n(f32::NAN.to_le_bytes(), 128).flatten());
+    std::fs::write(d.join("dup.safetensors"), dup).unwrap();
+    let o = stage0_in(&d, &with_s(&["--input", "dup.safetensors"]), &[]);
+    refused(&o);
+    assert!(o.text.contains("\"x\" twice") && !o.text.contains("NaN"), "{}", o.text);
+}
+
+// Issue 19, class J: a thread pool of 100,000 is refused at once, a sane one runs.
+#[test]
+fn class_j_rayon_threads_are_bounded() {
+    let d = scratch("r3j");
+    let t0 = std::time::Instant::now();
+    let o = stage0_in(&d, &with_s(&[]), &[("RAYON_NUM_THREADS", "100000")]);
+    refused(&o);
+    assert!(o.text.contains("RAYON_NUM_THREADS") && t0.elapsed().as_secs() < 30, "{}", o.text);
+    refused(&stage0_in(&d, &with_s(&[]), &[("RAYON_NUM_THREADS", "many")]));
+    let o = stage0_in(&d, &with_s(&[]), &[("RAYON_NUM_THREADS", "2")]);
+    assert_eq!(o.code, Some(0), "{}", o.text);
+}
+
 /// Values a hostile user might type for a count or a dimension.
 fn number() -> impl Strategy<Value = String> {
     prop_oneof![
@@ -251,17 +437,58 @@ fn number() -> impl Strategy<Value = String> {
     ]
 }
 
+/// Numbers at the float limits, for --peak-tflops and --bandwidth-gbs.
+fn float() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("1e300".to_string()),
+        Just("1e-300".to_string()),
+        Just("5e-324".to_string()),
+        Just("1.7976931348623157e308".to_string()),
+        Just("1e309".to_string()),
+        Just("-0".to_string()),
+        Just("-1e-3".to_string()),
+        Just("inf".to_string()),
+        Just("-inf".to_string()),
+        Just("NaN".to_string()),
+        Just("20".to_string()),
+        any::<f64>().prop_map(|v| format!("{v:e}")),
+    ]
+}
+
+/// Paths and values: every kind of file the program might be pointed at (all inside the scratch
+/// folder, made by `special_files`, or streams and places that refuse new files), and lengths
+/// around NAME_MAX and far past it.
 fn garbage() -> impl Strategy<Value = String> {
     prop_oneof![
         Just("".to_string()),
         Just("garbage".to_string()),
-        Just("fifo".to_string()), // a FIFO in the scratch folder (never /dev/full: see class 1)
+        Just("fifo".to_string()),  // a FIFO in the scratch folder (never /dev/full: see class 1)
+        Just("lfifo".to_string()), // a symlink to it
+        Just("sock".to_string()),  // a UNIX socket
+        Just("adir".to_string()),  // a directory
+        Just("empty".to_string()), // an empty regular file
+        Just("newname/".to_string()),
         Just("/dev/null".to_string()),
+        Just("/dev/fd/99".to_string()), // closed in the child
+        Just("/proc/speedkit-x.json".to_string()),
         Just(".".to_string()),
         Just("-".to_string()),
         Just("\u{feff}x".to_string()),
+        Just("n".repeat(250)),
+        Just("n".repeat(256)),
+        Just("d/".repeat(2100) + "x.json"),
+        Just("x".repeat(70_000)),
         "[a-z0-9/._-]{0,12}",
     ]
+}
+
+/// The special files `garbage` names, in `dir`.
+fn special_files(dir: &Path) {
+    make_fifo(dir);
+    let _ = std::os::unix::fs::symlink("fifo", dir.join("lfifo"));
+    let _ = std::os::unix::net::UnixListener::bind(dir.join("sock"));
+    let _ = std::fs::create_dir(dir.join("adir"));
+    std::fs::write(dir.join("empty"), b"").unwrap();
 }
 
 /// One generated case: flags with extreme values on top of the tiny preset (when it is not
@@ -277,7 +504,6 @@ fn case() -> impl Strategy<Value = (Vec<String>, Vec<(String, String)>)> {
         Just("--ff"),
         Just("--seed"),
         Just("--layer"),
-        Just("--peak-tflops"),
     ];
     let path_flag = prop_oneof![
         Just("--json"),
@@ -286,8 +512,10 @@ fn case() -> impl Strategy<Value = (Vec<String>, Vec<(String, String)>)> {
         Just("--weights"),
         Just("--input"),
         Just("--precision"),
-        Just("--device")
+        Just("--device"),
+        Just("--fusions"),
     ];
+    let float_flag = prop_oneof![Just("--peak-tflops"), Just("--bandwidth-gbs")];
     let env = prop_oneof![
         Just("SPEEDKIT_ITERS"),
         Just("SPEEDKIT_SEQ"),
@@ -299,18 +527,23 @@ fn case() -> impl Strategy<Value = (Vec<String>, Vec<(String, String)>)> {
         Just("SPEEDKIT_JSON"),
         Just("SPEEDKIT_FP8_RECIPE"),
         Just("SPEEDKIT_HEADS"),
+        Just("SPEEDKIT_FUSIONS"),
+        Just("SPEEDKIT_BANDWIDTH_GBS"),
+        Just("SPEEDKIT_SAVE_OUTPUT"),
+        Just("RAYON_NUM_THREADS"),
     ];
     (
         prop::collection::vec((flag, number()), 0..4),
+        prop::collection::vec((float_flag, float()), 0..2),
         prop::collection::vec((path_flag, garbage()), 0..2),
-        prop::collection::vec((env, prop_oneof![number(), garbage()]), 0..3),
+        prop::collection::vec((env, prop_oneof![number(), garbage(), float()]), 0..3),
     )
-        .prop_map(|(nums, paths, envs)| {
+        .prop_map(|(nums, floats, paths, envs)| {
             let mut args: Vec<String> = vec!["--preset".into(), "tiny".into()];
             if !nums.iter().any(|(f, _)| *f == "--iters") {
                 args.extend(["--iters".into(), "1".into(), "--warmup".into(), "0".into()]);
             }
-            for (f, v) in nums.into_iter().chain(paths) {
+            for (f, v) in nums.into_iter().chain(floats).chain(paths) {
                 args.push(format!("{f}={v}"));
             }
             (args, envs.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
@@ -326,6 +559,7 @@ fn cases() -> u32 {
 fn generated_flags_and_env_exit_0_2_or_3_and_never_panic() {
     let d = scratch("prop");
     let fifo = make_fifo(&d);
+    special_files(&d);
     let ran = std::sync::atomic::AtomicU32::new(0);
     let config = ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() };
     proptest!(config, |((args, envs) in case())| {
@@ -338,7 +572,9 @@ fn generated_flags_and_env_exit_0_2_or_3_and_never_panic() {
         prop_assert!(matches!(o.code, Some(0) | Some(2) | Some(3)), "exit {:?} for {:?} {:?}:\n{}", o.code, args, envs, o.text);
         prop_assert!(!o.text.contains("panicked"), "panic for {:?} {:?}:\n{}", args, envs, o.text);
         prop_assert!(!o.text.contains("memory allocation"), "abort for {:?} {:?}:\n{}", args, envs, o.text);
+        prop_assert!(!o.text.contains("free space") || o.text.contains("No space left"), "fix text for another cause {:?}:\n{}", args, o.text);
     });
     eprintln!("cli_props: {} generated cases ran", ran.load(std::sync::atomic::Ordering::Relaxed));
     assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo_like(), "an output replaced the FIFO");
+    assert!(d.join("adir").is_dir() && !d.join("newname").exists(), "an output replaced a folder or wrote 'newname/' as a file");
 }
