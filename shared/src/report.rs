@@ -134,6 +134,10 @@ pub struct LadderReport {
     /// split/merge copies kept, measured in the same interleaved rounds as the rows.
     #[serde(default)]
     pub ablation: Vec<Ablation>,
+    /// `--ablate` variants that did not run (refused here: skipped; broke or failed a check:
+    /// failed), each with why; older files: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ablation_out: Vec<AblationOut>,
     /// The roofline's ceilings (compute and memory), and where they come from.
     #[serde(default)]
     pub ceilings: Option<Ceilings>,
@@ -155,6 +159,18 @@ pub struct Ablation {
     /// `buys`' p10–p90 intervals overlap: shown as "≈1.0x".
     #[serde(default)]
     pub buys_within_noise: bool,
+}
+
+/// An ablation variant that left the rounds: a row in the ablation table with why, as a
+/// skipped or failed stage is a row in the main one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AblationOut {
+    /// The stage as written, e.g. "stage3_fused".
+    pub against: String,
+    /// The variant, e.g. "without qkv".
+    pub change: String,
+    pub reason: String,
+    pub failed: bool,
 }
 
 /// The roofline's ceilings. Each is `None` when unknown (no % of peak, no line).
