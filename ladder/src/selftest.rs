@@ -12,7 +12,11 @@
 //! | FP8 GEMM (delayed, current; bias, GELU) | cuBLASLt E4M3 vs the emulated layer | `fp8_gemm_args` run by `cublaslt_model` vs the emulated layer |
 //! | NVRTC kernels (layer_norm, add_layer_norm; f32/bf16/f16; a row of mean 10⁴) | add_layer_norm.cu vs plain ops | the CPU fused ops vs plain ops |
 //! | graph capture + replay, each stage (tiny) | replay vs an uncaptured forward | the capture's order of steps |
+//! | breakdown (stage 0, tiny) | CUDA timing events at each part boundary | synchronize + clock |
 //! | memory probe | a 64 MiB allocation must show up | same, CPU probe |
+//!
+//! A row is "skipped" only when this device lacks the hardware feature it needs (FP8 tensor
+//! cores below SM 8.9, as a stage's plan says); any error is a failure (exit 1).
 
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
@@ -80,19 +84,33 @@ impl Rows {
         self.rows.push(row);
     }
 
+    /// Any error is a failure, whatever its kind: on the first H100 run a CUDA error wrapped as
+    /// "cannot run here" showed as skipped. Only `skip` skips.
     fn error(&self, block: &str, case: String, e: anyhow::Error) -> Check {
-        // "cannot run here" (exit-2 kind) is a skip with its reason; anything else is an error.
-        let usage = matches!(e.downcast_ref::<shared::SpeedkitError>(), Some(shared::SpeedkitError::Usage(_)));
-        let status = if usage { "skipped" } else { "error" };
         Check {
             block: block.into(),
             case,
             ran: self.ran.clone(),
-            status: status.into(),
+            status: "error".into(),
             rel_err: None,
             tolerance: None,
-            detail: format!("{e:#}"),
+            detail: message(&e),
         }
+    }
+
+    /// A row this device cannot run because it lacks the hardware feature (`why` names it, e.g.
+    /// FP8 tensor cores below SM 8.9). Nothing else is a skip.
+    fn skip(&mut self, block: &str, case: String, why: String) {
+        let row = Check {
+            block: block.into(),
+            case,
+            ran: self.ran.clone(),
+            status: "skipped".into(),
+            rel_err: None,
+            tolerance: None,
+            detail: shared::error::strip_backtrace(&why),
+        };
+        self.rows.push(row);
     }
 
     fn outcome(&mut self, block: &str, case: String, r: anyhow::Result<String>) {
@@ -104,6 +122,12 @@ impl Rows {
         };
         self.rows.push(row);
     }
+}
+
+/// An error as one paragraph for the table and the JSON: no backtrace (candle appends one to
+/// its errors' text when RUST_BACKTRACE is set, 20 lines per cell on the H100 run).
+fn message(e: &anyhow::Error) -> String {
+    shared::error::strip_backtrace(&format!("{e:#}"))
 }
 
 fn randn(dims: &[usize], seed: u64, scale: f32, offset: f32) -> candle_core::Result<Tensor> {
@@ -123,6 +147,7 @@ pub fn run(device: &Device, info: &DeviceInfo) -> SelftestReport {
     epilogues(&mut r, device);
     fp8(&mut r, device, info);
     layer_norms(&mut r, device);
+    breakdown(&mut r, device, info);
     memory(&mut r, device);
     let count = |s: &str| r.rows.iter().filter(|c| c.status == s).count();
     SelftestReport {
@@ -270,9 +295,7 @@ fn fp8(r: &mut Rows, device: &Device, info: &DeviceInfo) {
         for gelu in [false, true] {
             let case = format!("{recipe:?} {} M={t} K={k} N={n}", if gelu { "bias+gelu" } else { "bias" });
             if device.is_cuda() && !info.has_fp8_tensor_cores() {
-                let row =
-                    r.error("FP8 GEMM", case, shared::SpeedkitError::usage("FP8 tensor cores need SM 8.9+; this GPU has none").into());
-                r.rows.push(row);
+                r.skip("FP8 GEMM", case, "FP8 tensor cores need SM 8.9+; this GPU has none".into());
                 continue;
             }
             r.compare("FP8 GEMM", case, || {
@@ -379,10 +402,19 @@ fn graphs(r: &mut Rows, device: &Device, info: &DeviceInfo) {
     }
     let shape = shared::Preset::Tiny.shape();
     for spec in crate::stages() {
-        r.compare("CUDA graph", format!("{} capture + replay (tiny)", spec.name), || {
-            // Current scaling: stage 4 refuses --cuda-graph with delayed scaling.
-            let opts = shared::StageOptions { cuda_graph: true, fp8_recipe: shared::Fp8Recipe::Current, ..Default::default() };
-            let plan = spec.plan_with(device, info, shape, spec.ladder_request(shared::PrecisionRequest::Auto), opts)?;
+        let case = format!("{} capture + replay (tiny)", spec.name);
+        // Current scaling: stage 4 refuses --cuda-graph with delayed scaling.
+        let opts = shared::StageOptions { cuda_graph: true, fp8_recipe: shared::Fp8Recipe::Current, ..Default::default() };
+        // The plan is where a stage says this device lacks what it needs (FP8 below SM 8.9): a
+        // skip. Anything after it that errs is a failure.
+        let plan = match spec.plan_with(device, info, shape, spec.ladder_request(shared::PrecisionRequest::Auto), opts) {
+            Ok(plan) => plan,
+            Err(e) => {
+                r.skip("CUDA graph", case, e.to_string());
+                continue;
+            }
+        };
+        r.compare("CUDA graph", case, || {
             let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
             let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
             let plain = (spec.build)(&weights, &plan)?.forward(&x)?;
@@ -393,6 +425,38 @@ fn graphs(r: &mut Rows, device: &Device, info: &DeviceInfo) {
             Ok((replayed, plain, 1e-3))
         });
     }
+}
+
+/// `--breakdown`'s recorder on this device: stage 0 at tiny, every part of the block timed,
+/// each time finite and not negative, the parts' sum above zero. On CUDA this is the event path
+/// that failed on the first H100 run (events created without timing); on the CPU the
+/// synchronize-and-clock path.
+fn breakdown(r: &mut Rows, device: &Device, info: &DeviceInfo) {
+    r.ran = if device.is_cuda() { "cuda".into() } else { "cpu (synchronize + clock)".into() };
+    let res = (|| -> anyhow::Result<String> {
+        let shape = shared::Preset::Tiny.shape();
+        let spec = crate::reference();
+        let plan = spec.plan_with(device, info, shape, spec.ladder_request(shared::PrecisionRequest::Auto), Default::default())?;
+        let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
+        let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
+        let stage = (spec.build)(&weights, &plan)?;
+        let b = shared::breakdown::record(device, 1, 2, || stage.forward(&x))?;
+        check_breakdown(&b)?;
+        Ok(format!("{} parts, {:.3} ms in all ({})", b.parts.len(), b.total_ms, b.method))
+    })();
+    r.outcome("breakdown", "records on this device (stage 0, tiny)".into(), res);
+}
+
+/// What a recorded breakdown of a stage 0–2 forward must hold: the block's parts in order, each
+/// time finite and not negative, a positive total.
+fn check_breakdown(b: &shared::breakdown::Breakdown) -> anyhow::Result<()> {
+    let names: Vec<&str> = b.parts.iter().map(|p| p.name.as_str()).collect();
+    anyhow::ensure!(names == shared::breakdown::PARTS, "parts {names:?}, not the block's {:?}", shared::breakdown::PARTS);
+    for p in &b.parts {
+        anyhow::ensure!(p.samples_ms.iter().all(|t| t.is_finite() && *t >= 0.0), "part {} timed {:?}", p.name, p.samples_ms);
+    }
+    anyhow::ensure!(b.total_ms.is_finite() && b.total_ms > 0.0, "total {} ms", b.total_ms);
+    Ok(())
 }
 
 fn memory(r: &mut Rows, device: &Device) {
@@ -463,13 +527,8 @@ pub fn command(args: &SelftestArgs) -> anyhow::Result<()> {
     shared::report::write_json(&args.json, &rep)?;
     println!("wrote {} — attach it to a bug report (docs/gpu.md)", args.json.display());
     if rep.failed > 0 {
-        return Err(shared::SpeedkitError::CheckFailed(format!(
-            "selftest: {} of {} checks failed (see the table and {}).",
-            rep.failed,
-            rep.results.len(),
-            args.json.display()
-        ))
-        .into());
+        // Exit 1: a building block is broken (a wrong result or an error), whatever its kind.
+        anyhow::bail!("selftest: {} of {} checks failed (see the table and {}).", rep.failed, rep.results.len(), args.json.display());
     }
     Ok(())
 }
@@ -485,7 +544,7 @@ mod tests {
         let (device, info) = shared::device::select(shared::device::DeviceRequest::Cpu).unwrap();
         let rep = run(&device, &info);
         assert_eq!(rep.failed, 0, "{}", table(&rep));
-        for block in ["attention", "cuBLASLt epilogue", "FP8 GEMM", "NVRTC kernel", "CUDA graph", "memory probe"] {
+        for block in ["attention", "cuBLASLt epilogue", "FP8 GEMM", "NVRTC kernel", "CUDA graph", "breakdown", "memory probe"] {
             assert!(rep.results.iter().any(|c| c.block == block && c.status == "pass"), "{block} missing");
         }
         assert_eq!(rep.results.iter().filter(|c| c.block == "attention").count(), 12, "3 d_head × 2 dtypes × causal or not");
@@ -493,5 +552,38 @@ mod tests {
         for key in ["device", "nvidia_driver", "cuda_driver_version", "commit", "versions", "results"] {
             assert!(json.get(key).is_some(), "{key}");
         }
+    }
+
+    /// Regression (issue 24, item 4): an error is a failure whatever its kind (on the H100 a
+    /// CUDA error wrapped as "cannot run here" showed as skipped), its text carries no
+    /// backtrace, and only `skip` skips.
+    #[test]
+    fn an_error_is_a_failure_without_its_backtrace_and_only_skip_skips() {
+        let mut r = Rows { rows: Vec::new(), ran: "cuda".into() };
+        let wrapped = "cannot quantise fp8's weight to FP8: DriverError(CUDA_ERROR_NOT_FOUND, \"named symbol not found\")\n   0: <unknown>\n   1: <unknown>\n  19: __libc_start_main";
+        r.compare("FP8 GEMM", "usage-wrapped driver error".into(), || Err(shared::SpeedkitError::usage(wrapped).into()));
+        r.outcome("x", "plain error".into(), Err(anyhow::anyhow!("{wrapped}")));
+        r.skip("FP8 GEMM", "no FP8 units".into(), "FP8 tensor cores need SM 8.9+; this GPU has none".into());
+        let status: Vec<&str> = r.rows.iter().map(|c| c.status.as_str()).collect();
+        assert_eq!(status, ["error", "error", "skipped"]);
+        for c in &r.rows[..2] {
+            assert!(c.detail.ends_with("named symbol not found\")") && !c.detail.contains("<unknown>"), "{}", c.detail);
+        }
+    }
+
+    /// The breakdown row's own check fails on what a broken recorder gives.
+    #[test]
+    fn breakdown_check_refuses_missing_parts_and_bad_times() {
+        use shared::breakdown::{summarise, PARTS};
+        let good: Vec<(&'static str, f64)> = PARTS.iter().map(|p| (*p, 0.5)).collect();
+        let ok = summarise(&[good.clone()], 1, "m".into()).unwrap();
+        check_breakdown(&ok).unwrap();
+        let short = summarise(&[good[..3].to_vec()], 1, "m".into()).unwrap();
+        assert!(check_breakdown(&short).is_err());
+        let mut nan = good.clone();
+        nan[2].1 = f64::NAN;
+        assert!(check_breakdown(&summarise(&[nan], 1, "m".into()).unwrap()).is_err());
+        let zero: Vec<(&'static str, f64)> = PARTS.iter().map(|p| (*p, 0.0)).collect();
+        assert!(check_breakdown(&summarise(&[zero], 1, "m".into()).unwrap()).is_err());
     }
 }
