@@ -81,5 +81,6 @@ else
     unset -f speedkit_cuda_toolchain
     echo "cuda-toolchain: failed (see above)" >&2
     # `return` when sourced, `exit` when run.
+    # shellcheck disable=SC2317 # reached when the script is run, not sourced
     return 1 2>/dev/null || exit 1
 fi
