@@ -140,8 +140,8 @@ fn randn(dims: &[usize], seed: u64, scale: f32, offset: f32) -> candle_core::Res
 pub fn run(device: &Device, info: &DeviceInfo) -> SelftestReport {
     let start = Instant::now();
     let mut r = Rows { rows: Vec::new(), ran: if device.is_cuda() { "cuda".into() } else { String::new() } };
-    // Graphs first: capturing turns off candle's event tracking, which must happen before the
-    // run's other tensors exist on the device (`graph::prepare`).
+    // Graphs first, on a device with no other tensors yet (event tracking is off from
+    // `device::select` on, before any tensor exists).
     graphs(&mut r, device, info);
     attention(&mut r, device);
     epilogues(&mut r, device);
@@ -390,6 +390,13 @@ fn graphs(r: &mut Rows, device: &Device, info: &DeviceInfo) {
             fn end_capture(&mut self) -> anyhow::Result<()> {
                 self.0.push("end");
                 Ok(())
+            }
+            fn abort_capture(&mut self) -> anyhow::Result<()> {
+                self.0.push("abort");
+                Ok(())
+            }
+            fn release_captured(&mut self) {
+                self.0.push("release");
             }
         }
         let mut o = Order::default();
