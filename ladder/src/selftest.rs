@@ -583,7 +583,7 @@ mod tests {
     fn breakdown_check_refuses_missing_parts_and_bad_times() {
         use shared::breakdown::{summarise, PARTS};
         let good: Vec<(&'static str, f64)> = PARTS.iter().map(|p| (*p, 0.5)).collect();
-        let ok = summarise(&[good.clone()], 1, "m".into()).unwrap();
+        let ok = summarise(std::slice::from_ref(&good), 1, "m".into()).unwrap();
         check_breakdown(&ok).unwrap();
         let short = summarise(&[good[..3].to_vec()], 1, "m".into()).unwrap();
         assert!(check_breakdown(&short).is_err());
