@@ -32,7 +32,7 @@ if [ "$commit" != unknown ] && ! git diff --quiet HEAD -- . ':(exclude)results' 
 fi
 name="candle-speedkit-gpu-$commit"
 stage="$root/target/gpu-bundle/$name"
-rm -rf "$stage" && mkdir -p "$stage/bin"
+rm -rf "$root/target/gpu-bundle" && mkdir -p "$stage/bin"   # one archive, this commit's
 cp "$CARGO_TARGET_DIR/release/ladder" "$stage/bin/ladder"
 strip "$stage/bin/ladder"
 cp scripts/gpu-check.sh "$stage/"
@@ -45,7 +45,7 @@ cp scripts/gpu-check.sh "$stage/"
     echo "nvcc              $(nvcc --version | tail -1)"
     echo "CUDA_COMPUTE_CAP  $CUDA_COMPUTE_CAP (90: candle's kernels are sm_90a PTX, which loads on SM 9.0 only; docs/gpu.md)"
     echo "features          cuda (our own attention kernel; no flash-attn: it cannot be built offline)"
-    echo "needs at run time $(readelf -d "$stage/bin/ladder" | awk '/NEEDED/ {gsub(/[][]/, "", $5); printf "%s ", $5}')+ libnvrtc.so.13, libnvrtc-builtins.so.13.0, libcurand.so.10 (loaded at run time)"
+    echo "needs at run time $(readelf -d "$stage/bin/ladder" | awk '/NEEDED/ {gsub(/[][]/, "", $5); printf "%s ", $5}')and libnvrtc-builtins.so.13.0 beside libnvrtc.so.13"
     echo "run               ./gpu-check.sh   (see its --help)"
 } > "$stage/BUILD.txt"
 archive="$root/target/gpu-bundle/$name.tar.gz"
