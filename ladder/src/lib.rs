@@ -18,7 +18,7 @@ use shared::cli::{exit_with, RunArgs};
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::elementwise::Elementwise;
 use shared::report::{
-    commit, write_json, Ablation, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA,
+    commit, write_json, Ablation, AblationOut, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA,
 };
 use shared::runner::Session;
 use shared::timing::Stats;
@@ -95,6 +95,7 @@ pub fn new_report(info: &DeviceInfo, shape: Shape, which: &[usize]) -> LadderRep
         nvidia_driver: provenance::nvidia_driver(info),
         ceiling: None,
         ablation: Vec::new(),
+        ablation_out: Vec::new(),
         ceilings: None,
         rounds: None,
     }
@@ -130,10 +131,13 @@ struct Entry {
 
 /// The records of one stage's rounds as one: samples pooled, percentiles and rates recomputed,
 /// the largest peak memory kept.
-fn merge_rounds(mut records: Vec<Record>) -> Option<Record> {
-    let mut first = records.drain(..1).next()?;
+/// `None` for a stage with no records (skipped or failed: it left the rounds, and its rows were
+/// cleared).
+fn merge_rounds(records: Vec<Record>) -> Option<Record> {
+    let mut records = records.into_iter();
+    let mut first = records.next()?;
     let mut samples = std::mem::take(&mut first.timing.samples_ms);
-    for r in &records {
+    for r in records {
         samples.extend(&r.timing.samples_ms);
         first.iters += r.iters;
         first.peak_mem_bytes = first.peak_mem_bytes.max(r.peak_mem_bytes);
@@ -159,11 +163,17 @@ pub fn run(args: RunArgs, which: &[usize]) -> anyhow::Result<(LadderReport, Opti
 
 /// `run`, measured as `m` says.
 pub fn run_measured(args: RunArgs, which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
+    run_stages(args, &stages(), which, m)
+}
+
+/// `run_measured` over the stage list `all` (`stages()`, or in tests a list with a stage made to
+/// be refused or to fail in a given round); `which` indexes `all`.
+pub fn run_stages(args: RunArgs, all: &[StageSpec], which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
     let session = Session::open(args, &reference())?;
     let mut report = new_report(&session.info, session.shape, which);
+    report.stages = which.iter().map(|&i| all[i].name.to_string()).collect();
     report.ceiling = session.ceiling.clone();
     let mut failure = None;
-    let all = stages();
     let base = session.args.stage_options();
     let entry = |stage: usize, options: StageOptions, change: Option<String>| Entry {
         stage,
@@ -234,9 +244,14 @@ pub fn run_measured(args: RunArgs, which: &[usize], m: Measure) -> anyhow::Resul
                     let reason = shared::error::strip_backtrace(&reason).replace('\n', " ");
                     println!("{}    {label}: {reason}", if failed { "FAILED" } else { "skipped" });
                     e.out = true;
+                    // A stage that leaves in a later round leaves whole: its earlier rounds' records
+                    // are not a row on their own (they would be timed on fewer rounds than the rest).
                     e.records.clear();
-                    if e.change.is_none() {
-                        report.skipped.push(Skipped { stage: spec.name.into(), technique: spec.technique.into(), reason, failed });
+                    match &e.change {
+                        None => report.skipped.push(Skipped { stage: spec.name.into(), technique: spec.technique.into(), reason, failed }),
+                        Some(change) => {
+                            report.ablation_out.push(AblationOut { against: spec.name.into(), change: change.clone(), reason, failed })
+                        }
                     }
                     if failed && failure.is_none() {
                         failure = Some(err);
@@ -792,7 +807,7 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
 
 /// The ablation and breakdown tables under the main one, when the run has them.
 fn print_extras(r: &LadderReport, ablation: fn(&LadderReport) -> String, breakdown: fn(&LadderReport) -> String) {
-    if !r.ablation.is_empty() {
+    if !r.ablation.is_empty() || !r.ablation_out.is_empty() {
         println!("\none change at a time (--ablate): \"what it buys\" = variant median / stage median, ≈1.0x within p10-p90 noise");
         print!("{}", ablation(r));
     }
@@ -1036,11 +1051,12 @@ pub fn main() -> ExitCode {
             if args.output.update_readme {
                 read_readme(&args.output.readme, &args.output.readme_region)?;
                 if let Results::Ladder(r) = &results {
-                    if let Some(bad) = r.skipped.iter().find(|s| s.failed) {
+                    let failed = r.skipped.iter().filter(|s| s.failed).map(|s| s.stage.clone());
+                    let failed = failed.chain(r.ablation_out.iter().filter(|o| o.failed).map(|o| format!("{} ({})", o.against, o.change)));
+                    if let Some(bad) = failed.into_iter().next() {
                         return Err(SpeedkitError::usage(format!(
-                            "{} records a run in which {} FAILED, and the README only shows runs that passed. Fix: render it with --markdown or --svg, or run the ladder again.",
+                            "{} records a run in which {bad} FAILED, and the README only shows runs that passed. Fix: render it with --markdown or --svg, or run the ladder again.",
                             args.from.display(),
-                            bad.stage
                         ))
                         .into());
                     }

@@ -64,6 +64,13 @@ pub fn ablation_markdown(report: &LadderReport) -> String {
                 fmt_speedup_noise(a.buys, a.buys_within_noise),
             ]
         })
+        // A variant that did not run is a row too, with why (in the timing column).
+        .chain(
+            report
+                .ablation_out
+                .iter()
+                .map(|o| vec![o.against.clone(), o.change.clone(), not_measured(o.failed, &o.reason), "–".into(), "–".into()]),
+        )
         .collect();
     md_table(&header, &rows)
 }
@@ -283,7 +290,7 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
         out.push_str("\nStage 0 did not run, so there are no speedups over it.\n");
     }
     out.push_str(&format!("\n![median ms per stage, with the speedup over stage 0 on each bar]({svg_link})\n"));
-    if !report.ablation.is_empty() {
+    if !report.ablation.is_empty() || !report.ablation_out.is_empty() {
         out.push_str("\n**One change at a time** (`--ablate`): each technique undone alone; \"what it buys\" is the variant's median over the stage's.\n\n");
         out.push_str(&ablation_markdown(report));
     }

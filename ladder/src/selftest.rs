@@ -13,7 +13,11 @@
 //! | NVRTC kernels (layer_norm, add_layer_norm; f32/bf16/f16; a row of mean 10⁴) | add_layer_norm.cu vs plain ops | the CPU fused ops vs plain ops |
 //! | FP8 kernels (amax; quantise + dequantise from f32 and bf16; the delayed scale update) | stage4_fp8/kernels/fp8.cu vs the CPU quantiser (candle's CPU cast) | the CPU quantiser vs candle's cast; the recipe on hand-worked amaxes |
 //! | graph capture + replay, each stage (tiny); stage 4 with delayed scaling and a ×4 input after capture | replay vs an uncaptured forward | the capture's order of steps |
+//! | breakdown (stage 0, tiny) | CUDA timing events at each part boundary | synchronize + clock |
 //! | memory probe | a 64 MiB allocation must show up | same, CPU probe |
+//!
+//! A row is "skipped" only when this device lacks the hardware feature it needs (FP8 tensor
+//! cores below SM 8.9, as a stage's plan says); any error is a failure (exit 1).
 
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
@@ -81,19 +85,33 @@ impl Rows {
         self.rows.push(row);
     }
 
+    /// Any error is a failure, whatever its kind: on the first H100 run a CUDA error wrapped as
+    /// "cannot run here" showed as skipped. Only `skip` skips.
     fn error(&self, block: &str, case: String, e: anyhow::Error) -> Check {
-        // "cannot run here" (exit-2 kind) is a skip with its reason; anything else is an error.
-        let usage = matches!(e.downcast_ref::<shared::SpeedkitError>(), Some(shared::SpeedkitError::Usage(_)));
-        let status = if usage { "skipped" } else { "error" };
         Check {
             block: block.into(),
             case,
             ran: self.ran.clone(),
-            status: status.into(),
+            status: "error".into(),
             rel_err: None,
             tolerance: None,
-            detail: format!("{e:#}"),
+            detail: message(&e),
         }
+    }
+
+    /// A row this device cannot run because it lacks the hardware feature (`why` names it, e.g.
+    /// FP8 tensor cores below SM 8.9). Nothing else is a skip.
+    fn skip(&mut self, block: &str, case: String, why: String) {
+        let row = Check {
+            block: block.into(),
+            case,
+            ran: self.ran.clone(),
+            status: "skipped".into(),
+            rel_err: None,
+            tolerance: None,
+            detail: shared::error::strip_backtrace(&why),
+        };
+        self.rows.push(row);
     }
 
     fn outcome(&mut self, block: &str, case: String, r: anyhow::Result<String>) {
@@ -107,6 +125,12 @@ impl Rows {
     }
 }
 
+/// An error as one paragraph for the table and the JSON: no backtrace (candle appends one to
+/// its errors' text when RUST_BACKTRACE is set, 20 lines per cell on the H100 run).
+fn message(e: &anyhow::Error) -> String {
+    shared::error::strip_backtrace(&format!("{e:#}"))
+}
+
 fn randn(dims: &[usize], seed: u64, scale: f32, offset: f32) -> candle_core::Result<Tensor> {
     let n = dims.iter().product();
     let v: Vec<f32> = SplitMix64::new(seed).normals(n).into_iter().map(|x| x * scale + offset).collect();
@@ -117,14 +141,15 @@ fn randn(dims: &[usize], seed: u64, scale: f32, offset: f32) -> candle_core::Res
 pub fn run(device: &Device, info: &DeviceInfo) -> SelftestReport {
     let start = Instant::now();
     let mut r = Rows { rows: Vec::new(), ran: if device.is_cuda() { "cuda".into() } else { String::new() } };
-    // Graphs first: capturing turns off candle's event tracking, which must happen before the
-    // run's other tensors exist on the device (`graph::prepare`).
+    // Graphs first, on a device with no other tensors yet (event tracking is off from
+    // `device::select` on, before any tensor exists).
     graphs(&mut r, device, info);
     attention(&mut r, device);
     epilogues(&mut r, device);
     fp8(&mut r, device, info);
     fp8_kernels(&mut r, device);
     layer_norms(&mut r, device);
+    breakdown(&mut r, device, info);
     memory(&mut r, device);
     let count = |s: &str| r.rows.iter().filter(|c| c.status == s).count();
     SelftestReport {
@@ -281,9 +306,7 @@ fn fp8(r: &mut Rows, device: &Device, info: &DeviceInfo) {
         for gelu in [false, true] {
             let case = format!("{recipe:?} {} M={t} K={k} N={n}", if gelu { "bias+gelu" } else { "bias" });
             if device.is_cuda() && !info.has_fp8_tensor_cores() {
-                let row =
-                    r.error("FP8 GEMM", case, shared::SpeedkitError::usage("FP8 tensor cores need SM 8.9+; this GPU has none").into());
-                r.rows.push(row);
+                r.skip("FP8 GEMM", case, "FP8 tensor cores need SM 8.9+; this GPU has none".into());
                 continue;
             }
             r.compare("FP8 GEMM", case, || {
@@ -424,6 +447,13 @@ fn graphs(r: &mut Rows, device: &Device, info: &DeviceInfo) {
                 self.0.push("end");
                 Ok(())
             }
+            fn abort_capture(&mut self) -> anyhow::Result<()> {
+                self.0.push("abort");
+                Ok(())
+            }
+            fn release_captured(&mut self) {
+                self.0.push("release");
+            }
         }
         let mut o = Order::default();
         let res = run_capture(&mut o).and_then(|_| {
@@ -435,10 +465,19 @@ fn graphs(r: &mut Rows, device: &Device, info: &DeviceInfo) {
     }
     let shape = shared::Preset::Tiny.shape();
     for spec in crate::stages() {
-        r.compare("CUDA graph", format!("{} capture + replay (tiny)", spec.name), || {
-            // Current scaling here; delayed scaling has its own row below.
-            let opts = shared::StageOptions { cuda_graph: true, fp8_recipe: shared::Fp8Recipe::Current, ..Default::default() };
-            let plan = spec.plan_with(device, info, shape, spec.ladder_request(shared::PrecisionRequest::Auto), opts)?;
+        let case = format!("{} capture + replay (tiny)", spec.name);
+        // Current scaling here; delayed scaling has its own row below.
+        let opts = shared::StageOptions { cuda_graph: true, fp8_recipe: shared::Fp8Recipe::Current, ..Default::default() };
+        // The plan is where a stage says this device lacks what it needs (FP8 below SM 8.9): a
+        // skip. Anything after it that errs is a failure.
+        let plan = match spec.plan_with(device, info, shape, spec.ladder_request(shared::PrecisionRequest::Auto), opts) {
+            Ok(plan) => plan,
+            Err(e) => {
+                r.skip("CUDA graph", case, e.to_string());
+                continue;
+            }
+        };
+        r.compare("CUDA graph", case, || {
             let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
             let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
             let plain = (spec.build)(&weights, &plan)?.forward(&x)?;
@@ -452,10 +491,18 @@ fn graphs(r: &mut Rows, device: &Device, info: &DeviceInfo) {
     // Stage 4 with delayed scaling: the scale update runs inside the graph, so replays must
     // advance the amax history. The input grows ×4 after the capture; a history frozen at the
     // captured call would saturate the top of every activation (a large error).
-    r.compare("CUDA graph", "stage4_fp8 delayed scaling, replays on a ×4 input (tiny)".into(), || {
-        let spec = crate::stages().into_iter().find(|s| s.name == "stage4_fp8").ok_or_else(|| anyhow::anyhow!("no stage 4"))?;
-        let opts = shared::StageOptions { cuda_graph: true, fp8_recipe: shared::Fp8Recipe::Delayed, ..Default::default() };
-        let plan = spec.plan_with(device, info, shape, spec.ladder_request(shared::PrecisionRequest::Auto), opts)?;
+    let case = "stage4_fp8 delayed scaling, replays on a ×4 input (tiny)".to_string();
+    let Some(spec) = crate::stages().into_iter().find(|s| s.name == "stage4_fp8") else {
+        r.outcome("CUDA graph", case, Err(anyhow::anyhow!("no stage 4 in this build")));
+        return;
+    };
+    let opts = shared::StageOptions { cuda_graph: true, fp8_recipe: shared::Fp8Recipe::Delayed, ..Default::default() };
+    // As above: a plan refusal (no FP8 tensor cores) is a skip, anything after it a failure.
+    let plan = match spec.plan_with(device, info, shape, spec.ladder_request(shared::PrecisionRequest::Auto), opts) {
+        Ok(plan) => plan,
+        Err(e) => return r.skip("CUDA graph", case, e.to_string()),
+    };
+    r.compare("CUDA graph", case, || {
         let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
         let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
         let x4 = (&x * 4.0)?;
@@ -471,6 +518,38 @@ fn graphs(r: &mut Rows, device: &Device, info: &DeviceInfo) {
         }
         Ok((graphed.forward(&x)?.copy()?, want, 1e-3))
     });
+}
+
+/// `--breakdown`'s recorder on this device: stage 0 at tiny, every part of the block timed,
+/// each time finite and not negative, the parts' sum above zero. On CUDA this is the event path
+/// that failed on the first H100 run (events created without timing); on the CPU the
+/// synchronize-and-clock path.
+fn breakdown(r: &mut Rows, device: &Device, info: &DeviceInfo) {
+    r.ran = if device.is_cuda() { "cuda".into() } else { "cpu (synchronize + clock)".into() };
+    let res = (|| -> anyhow::Result<String> {
+        let shape = shared::Preset::Tiny.shape();
+        let spec = crate::reference();
+        let plan = spec.plan_with(device, info, shape, spec.ladder_request(shared::PrecisionRequest::Auto), Default::default())?;
+        let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
+        let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
+        let stage = (spec.build)(&weights, &plan)?;
+        let b = shared::breakdown::record(device, 1, 2, || stage.forward(&x))?;
+        check_breakdown(&b)?;
+        Ok(format!("{} parts, {:.3} ms in all ({})", b.parts.len(), b.total_ms, b.method))
+    })();
+    r.outcome("breakdown", "records on this device (stage 0, tiny)".into(), res);
+}
+
+/// What a recorded breakdown of a stage 0–2 forward must hold: the block's parts in order, each
+/// time finite and not negative, a positive total.
+fn check_breakdown(b: &shared::breakdown::Breakdown) -> anyhow::Result<()> {
+    let names: Vec<&str> = b.parts.iter().map(|p| p.name.as_str()).collect();
+    anyhow::ensure!(names == shared::breakdown::PARTS, "parts {names:?}, not the block's {:?}", shared::breakdown::PARTS);
+    for p in &b.parts {
+        anyhow::ensure!(p.samples_ms.iter().all(|t| t.is_finite() && *t >= 0.0), "part {} timed {:?}", p.name, p.samples_ms);
+    }
+    anyhow::ensure!(b.total_ms.is_finite() && b.total_ms > 0.0, "total {} ms", b.total_ms);
+    Ok(())
 }
 
 fn memory(r: &mut Rows, device: &Device) {
@@ -539,13 +618,8 @@ pub fn command(args: &SelftestArgs) -> anyhow::Result<()> {
     out.write(&bytes)?;
     println!("wrote {} — attach it to a bug report (docs/gpu.md)", args.json.display());
     if rep.failed > 0 {
-        return Err(shared::SpeedkitError::CheckFailed(format!(
-            "selftest: {} of {} checks failed (see the table and {}).",
-            rep.failed,
-            rep.results.len(),
-            args.json.display()
-        ))
-        .into());
+        // Exit 1: a building block is broken (a wrong result or an error), whatever its kind.
+        anyhow::bail!("selftest: {} of {} checks failed (see the table and {}).", rep.failed, rep.results.len(), args.json.display());
     }
     Ok(())
 }
@@ -561,7 +635,8 @@ mod tests {
         let (device, info) = shared::device::select(shared::device::DeviceRequest::Cpu).unwrap();
         let rep = run(&device, &info);
         assert_eq!(rep.failed, 0, "{}", table(&rep));
-        for block in ["attention", "cuBLASLt epilogue", "FP8 GEMM", "FP8 kernel", "NVRTC kernel", "CUDA graph", "memory probe"] {
+        for block in ["attention", "cuBLASLt epilogue", "FP8 GEMM", "FP8 kernel", "NVRTC kernel", "CUDA graph", "breakdown", "memory probe"]
+        {
             assert!(rep.results.iter().any(|c| c.block == block && c.status == "pass"), "{block} missing");
         }
         assert_eq!(
@@ -574,5 +649,38 @@ mod tests {
         for key in ["device", "nvidia_driver", "cuda_driver_version", "commit", "versions", "results"] {
             assert!(json.get(key).is_some(), "{key}");
         }
+    }
+
+    /// Regression (issue 24, item 4): an error is a failure whatever its kind (on the H100 a
+    /// CUDA error wrapped as "cannot run here" showed as skipped), its text carries no
+    /// backtrace, and only `skip` skips.
+    #[test]
+    fn an_error_is_a_failure_without_its_backtrace_and_only_skip_skips() {
+        let mut r = Rows { rows: Vec::new(), ran: "cuda".into() };
+        let wrapped = "cannot quantise fp8's weight to FP8: DriverError(CUDA_ERROR_NOT_FOUND, \"named symbol not found\")\n   0: <unknown>\n   1: <unknown>\n  19: __libc_start_main";
+        r.compare("FP8 GEMM", "usage-wrapped driver error".into(), || Err(shared::SpeedkitError::usage(wrapped).into()));
+        r.outcome("x", "plain error".into(), Err(anyhow::anyhow!("{wrapped}")));
+        r.skip("FP8 GEMM", "no FP8 units".into(), "FP8 tensor cores need SM 8.9+; this GPU has none".into());
+        let status: Vec<&str> = r.rows.iter().map(|c| c.status.as_str()).collect();
+        assert_eq!(status, ["error", "error", "skipped"]);
+        for c in &r.rows[..2] {
+            assert!(c.detail.ends_with("named symbol not found\")") && !c.detail.contains("<unknown>"), "{}", c.detail);
+        }
+    }
+
+    /// The breakdown row's own check fails on what a broken recorder gives.
+    #[test]
+    fn breakdown_check_refuses_missing_parts_and_bad_times() {
+        use shared::breakdown::{summarise, PARTS};
+        let good: Vec<(&'static str, f64)> = PARTS.iter().map(|p| (*p, 0.5)).collect();
+        let ok = summarise(std::slice::from_ref(&good), 1, "m".into()).unwrap();
+        check_breakdown(&ok).unwrap();
+        let short = summarise(&[good[..3].to_vec()], 1, "m".into()).unwrap();
+        assert!(check_breakdown(&short).is_err());
+        let mut nan = good.clone();
+        nan[2].1 = f64::NAN;
+        assert!(check_breakdown(&summarise(&[nan], 1, "m".into()).unwrap()).is_err());
+        let zero: Vec<(&'static str, f64)> = PARTS.iter().map(|p| (*p, 0.0)).collect();
+        assert!(check_breakdown(&summarise(&[zero], 1, "m".into()).unwrap()).is_err());
     }
 }

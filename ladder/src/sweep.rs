@@ -173,6 +173,7 @@ pub fn run(args: &RunArgs, sweep: &Sweep, which: &[usize], argv: &[String]) -> a
             }
             Err(e) => match e.downcast_ref::<SpeedkitError>() {
                 Some(SpeedkitError::Usage(reason)) => {
+                    let reason = shared::error::strip_backtrace(reason);
                     println!("skipped   {label}: {reason}");
                     let mut report = crate::new_report(&base.info, shape, which);
                     report.skipped = which

@@ -20,7 +20,8 @@ const NOT_RUN_BY_CI: &[NotRunByCi] = &[
                 && w.get(1).is_some_and(|c| ["run", "test", "bench"].contains(&c.as_str()))
                 && w.windows(2).any(|p| p[0] == "--features" && p[1].split(',').any(|f| f == "cuda" || f == "flash-attn"))
         },
-        instead: "needs an NVIDIA GPU to run; CI compiles every target with --features cuda (cargo check and clippy --all-targets)",
+        instead:
+            "needs an NVIDIA GPU to run; CI links ladder with --features cuda (scripts/gpu-bundle.sh) and runs clippy --all-targets with it",
     },
     NotRunByCi {
         rule: "docker build / docker run",

@@ -56,6 +56,11 @@ pub struct Breakdown {
     pub method: String,
 }
 
+/// The flags a boundary's CUDA event is created with: timing on (CU_EVENT_DEFAULT).
+#[cfg(feature = "cuda")]
+pub const TIMING_EVENT: candle_core::cuda::cudarc::driver::sys::CUevent_flags =
+    candle_core::cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+
 /// Where a part boundary's time comes from.
 enum Clock {
     Host(Instant),
@@ -87,7 +92,10 @@ impl Recorder {
     fn clock(&self) -> candle_core::Result<Clock> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = &self.device {
-            let event = d.cuda_stream().record_event(None).map_err(candle_core::Error::wrap)?;
+            // `None` would give CU_EVENT_DISABLE_TIMING (cudarc's default for events, which
+            // are mostly for stream ordering), and cuEventElapsedTime refuses such events with
+            // CUDA_ERROR_INVALID_HANDLE: every stage's --breakdown failed so on the first H100 run.
+            let event = d.cuda_stream().record_event(Some(TIMING_EVENT)).map_err(candle_core::Error::wrap)?;
             return Ok(Clock::Event(event));
         }
         self.device.synchronize()?;
@@ -331,6 +339,15 @@ mod tests {
         let m = merge(&b, &b).unwrap();
         assert_eq!((m.iters, m.parts[0].samples_ms.len(), m.total_samples_ms.len()), (6, 6, 6));
         assert_eq!(m.parts[1].median_ms, b.parts[1].median_ms);
+    }
+
+    /// Compiled with --features cuda (CI's cuda clippy), run only where CUDA tests run: the
+    /// events the boundaries record must time (cudarc's default is CU_EVENT_DISABLE_TIMING).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_boundary_events_time() {
+        use candle_core::cuda::cudarc::driver::sys::CUevent_flags;
+        assert_eq!(TIMING_EVENT as u32 & CUevent_flags::CU_EVENT_DISABLE_TIMING as u32, 0);
     }
 
     #[test]

@@ -75,6 +75,44 @@ pub fn compare_within(y: &Tensor, reference: &Tensor, tolerance: f64) -> candle_
     Ok(CheckResult { rel_err, max_abs_err: max_abs, tolerance, non_finite, passed: non_finite == 0 && rel_err <= tolerance })
 }
 
+/// How many batch elements of the fp32 reference (stage 0) to compute at once, so that its
+/// (b, n_head, T, T) score matrix holds at most `limit` elements. The block treats each sequence
+/// on its own (LayerNorm and the MLP per token, attention within a sequence), so the reference
+/// in pieces along B is the same function; the fused stages never build that matrix, and
+/// without pieces the reference alone refused shapes they can run (te at T = 4096: 4.3·10⁹
+/// scores for B = 8, 5.4·10⁸ per sequence). An error (exit 2) when one sequence alone is past
+/// the limit.
+pub fn reference_batch_chunk(shape: &crate::Shape, limit: usize) -> Result<usize, SpeedkitError> {
+    let per_sequence = shape.n_head.checked_mul(shape.seq).and_then(|n| n.checked_mul(shape.seq));
+    match per_sequence {
+        Some(n) if n > 0 && n <= limit => Ok((limit / n).clamp(1, shape.batch.max(1))),
+        _ => Err(SpeedkitError::usage(format!(
+            "the fp32 reference (stage 0) needs the attention scores of one whole sequence, (n_head, T, T) = ({}, {}, {}), \
+             past the limit of {limit} elements (2^31 - 1: 32-bit GEMM and kernel indexing), even one sequence at a time. \
+             Fix: lower --seq or --heads, or run without the check (--no-check; the timings then vouch for nothing).",
+            shape.n_head, shape.seq, shape.seq
+        ))),
+    }
+}
+
+/// `forward` over `x` (B, T, C) in pieces of `chunk` sequences along B, joined again: the
+/// reference in pieces (`reference_batch_chunk`). One piece is `forward(x)` itself.
+pub fn forward_in_pieces(
+    x: &Tensor,
+    chunk: usize,
+    forward: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
+    let b = x.dim(0)?;
+    if chunk >= b {
+        return forward(x);
+    }
+    let mut pieces = Vec::with_capacity(b.div_ceil(chunk));
+    for start in (0..b).step_by(chunk.max(1)) {
+        pieces.push(forward(&x.narrow(0, start, chunk.min(b - start))?)?); // (chunk, T, C)
+    }
+    Tensor::cat(&pieces, 0) // (B, T, C)
+}
+
 impl CheckResult {
     /// The error to stop with when the check failed: what, by how much, and what to do.
     pub fn to_error(&self, stage: &str, precision: Precision) -> Option<SpeedkitError> {
@@ -101,6 +139,26 @@ impl CheckResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reference_pieces_keep_the_scores_within_the_limit() {
+        let te = crate::Preset::Te.shape(); // B 8, n_head 32
+        let t4096 = crate::Shape { seq: 4096, ..te };
+        // 32·4096² = 5.4e8 per sequence: 3 sequences at a time within 2^31 - 1.
+        assert_eq!(reference_batch_chunk(&t4096, crate::preset::MAX_TENSOR_ELEMENTS).unwrap(), 3);
+        assert_eq!(reference_batch_chunk(&te, crate::preset::MAX_TENSOR_ELEMENTS).unwrap(), 8, "whole when it fits");
+        let e = reference_batch_chunk(&crate::Shape { seq: 8192, ..te }, crate::preset::MAX_TENSOR_ELEMENTS).unwrap_err();
+        assert!(e.to_string().contains("Fix:") && e.to_string().contains("(32, 8192, 8192)"), "{e}");
+        let x = Tensor::arange(0f32, 3.0 * 2.0 * 4.0, &Device::Cpu).unwrap().reshape((3, 2, 4)).unwrap();
+        let seen = std::cell::RefCell::new(Vec::new());
+        let y = forward_in_pieces(&x, 2, |p| {
+            seen.borrow_mut().push(p.dim(0)?);
+            p * 2.0
+        })
+        .unwrap();
+        assert_eq!(*seen.borrow(), [2, 1], "uneven pieces");
+        assert_eq!(y.to_vec3::<f32>().unwrap(), (&x * 2.0).unwrap().to_vec3::<f32>().unwrap());
+    }
 
     #[test]
     fn tolerances_order_by_mantissa_bits() {

@@ -213,6 +213,13 @@ fn open_cuda(n: usize, why: String) -> Result<(Device, DeviceInfo), SpeedkitErro
     let device = Device::new_cuda(n).map_err(|e| {
         SpeedkitError::usage(format!("could not open cuda:{n} ({e}). Fix: check the GPU with nvidia-smi, or run with --device cpu."))
     })?;
+    // Before any tensor of the run exists: cudarc gives every allocation two CUDA events (read
+    // and write) while event tracking is on, created and destroyed with the tensor, to order
+    // uses across streams. Everything here runs on candle's one stream, so they guard nothing,
+    // and they inflate the timings of the stages that allocate most (0–2) at small shapes.
+    // Inside a CUDA graph capture they would be recorded and later waited on outside it.
+    // SAFETY: no tensor of this device is used on another stream (cudarc's condition).
+    unsafe { device.as_cuda_device().expect("just created as CUDA").disable_event_tracking() };
     let ctx = device.as_cuda_device().expect("just created as CUDA").cuda_stream().context().clone();
     let sm = ctx.compute_capability().map(|(a, b)| (a as u32, b as u32)).ok();
     let info = DeviceInfo {

@@ -15,10 +15,10 @@ use crate::error::SpeedkitError;
 use crate::stage::Forward;
 use candle_core::Tensor;
 
-/// Call once, before any tensor of the run exists on `device`: refuses the CPU (exit 2), and on
-/// CUDA turns off candle's per-tensor event tracking. Everything runs on one stream, so the
-/// events guard no cross-stream hazard, and recorded inside a capture they would later be
-/// waited on outside it.
+/// Refuses the CPU (exit 2). On CUDA, makes sure candle's per-tensor event tracking is off
+/// (`device::select` turns it off for every CUDA run, before the first tensor): everything
+/// runs on one stream, so the events guard no cross-stream hazard, and recorded inside a
+/// capture they would later be waited on outside it.
 pub fn prepare(device: &candle_core::Device) -> Result<(), SpeedkitError> {
     if !device.is_cuda() {
         return Err(SpeedkitError::usage(
@@ -49,21 +49,38 @@ pub trait CaptureSteps {
     fn forward(&mut self) -> anyhow::Result<()>;
     fn synchronize(&mut self) -> anyhow::Result<()>;
     fn begin_capture(&mut self) -> anyhow::Result<()>;
+    /// End the capture and instantiate its graph (the captured forward succeeded).
     fn end_capture(&mut self) -> anyhow::Result<()>;
+    /// End a capture whose forward failed and throw its partial graph away, leaving the stream
+    /// and the context usable for every later stage or selftest row.
+    fn abort_capture(&mut self) -> anyhow::Result<()>;
+    /// Let go of what the captured forward made (its output) when no graph came of it. Called
+    /// only after the capture has ended: a tensor dropped while the stream still captures is a
+    /// free recorded into the capture (or a failed call), not a free.
+    fn release_captured(&mut self);
 }
 
 /// The capture sequence. The cache must be on *before* the warm-up: candle fills it only while
 /// it is on (`SlicePtrOrNull::params_from_vec`, `cached_htod_slice`), and a miss during the
 /// capture is an error — taking it after the warm-up let only stage 3 (whose kernels need no
-/// parameter uploads) be captured. The capture is ended whatever the forward did.
+/// parameter uploads) be captured. The capture is ended whatever the forward did (aborted when
+/// it failed), and only then is what it made let go.
 pub fn run_capture(steps: &mut dyn CaptureSteps) -> anyhow::Result<()> {
     steps.enable_htod_cache();
     steps.forward()?; // warm: module loads, NVRTC, handles, and the h2d cache's entries
     steps.synchronize()?;
     steps.begin_capture()?;
-    let out = steps.forward();
-    let end = steps.end_capture(); // end it whatever happened, so the stream is usable again
-    out.and(end)
+    match steps.forward() {
+        Ok(()) => steps.end_capture().inspect_err(|_| steps.release_captured()),
+        Err(e) => {
+            let end = steps.abort_capture(); // end it, so the stream is usable again
+            steps.release_captured();
+            match end {
+                Ok(()) => Err(e),
+                Err(end) => Err(e.context(format!("and ending the capture failed too: {end:#}"))),
+            }
+        }
+    }
 }
 
 /// Something that replays captured work: a CUDA graph, or a fake in the tests.
@@ -113,13 +130,54 @@ mod imp {
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
-    use candle_core::cuda::cudarc::driver::{sys, CudaGraph, CudaStream};
+    use candle_core::cuda::cudarc::driver::{result, sys, CudaStream};
     use std::sync::Arc;
 
-    impl Replay for CudaGraph {
+    /// An instantiated graph, held as the driver's handles. Not cudarc's `CudaGraph`: that is
+    /// made only by cudarc's `end_capture`, which calls `bind_to_thread` first — and that
+    /// returns (and clears) any error a call inside the capture stored in the context (a free
+    /// on the capturing stream, say) before ending anything, leaving the stream capturing and
+    /// every later call on it failing.
+    struct RawGraph {
+        graph: sys::CUgraph,
+        exec: sys::CUgraphExec,
+        stream: Arc<CudaStream>,
+    }
+
+    impl Replay for RawGraph {
         fn replay(&self) -> candle_core::Result<()> {
-            self.launch().map_err(|e| candle_core::Error::Msg(format!("CUDA graph launch: {e:?}")))
+            let launch = self.stream.context().bind_to_thread().and_then(|_| {
+                // SAFETY: `exec` was instantiated from a capture of `stream` and lives as long as self.
+                unsafe { result::graph::launch(self.exec, self.stream.cu_stream()) }
+            });
+            launch.map_err(|e| candle_core::Error::Msg(format!("CUDA graph launch: {e:?}")))
         }
+    }
+
+    impl Drop for RawGraph {
+        fn drop(&mut self) {
+            let ctx = self.stream.context();
+            // SAFETY: both handles were created by this struct's owner and are destroyed once.
+            ctx.record_err(unsafe { result::graph::exec_destroy(self.exec) });
+            ctx.record_err(unsafe { result::graph::destroy(self.graph) });
+        }
+    }
+
+    /// End the stream's capture straight through the driver, and take the error (if any) that a
+    /// call inside the capture stored in the context, clearing it. `Ok(None)`: nothing captured.
+    fn end_raw(stream: &CudaStream) -> anyhow::Result<Option<sys::CUgraph>> {
+        // SAFETY: the stream is candle's, capturing on this thread since `begin_capture`.
+        let graph = unsafe { result::stream::end_capture(stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuStreamEndCapture: {e:?}"))?;
+        let graph = (!graph.is_null()).then_some(graph);
+        if let Err(stored) = stream.context().check_err() {
+            if let Some(g) = graph {
+                // SAFETY: the graph just returned by cuStreamEndCapture, not yet used.
+                stream.context().record_err(unsafe { result::graph::destroy(g) });
+                let _ = stream.context().check_err();
+            }
+            anyhow::bail!("a call inside the capture failed: {stored:?}");
+        }
+        Ok(graph)
     }
 
     /// The real steps: candle's stream, its cache guard, cudarc's capture.
@@ -131,7 +189,7 @@ mod imp {
         // candle's cache guard (its type is not exported): the cache is on while it lives.
         guard: Option<Box<dyn std::any::Any>>,
         out: Option<Tensor>,
-        graph: Option<CudaGraph>,
+        graph: Option<RawGraph>,
     }
 
     impl CaptureSteps for Real<'_> {
@@ -150,12 +208,39 @@ mod imp {
             self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| anyhow::anyhow!("{e:?}"))
         }
         fn end_capture(&mut self) -> anyhow::Result<()> {
-            let graph = self
-                .stream
-                .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-                .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-            self.graph = Some(graph.ok_or_else(|| anyhow::anyhow!("the capture recorded no work"))?);
+            let graph = end_raw(&self.stream)?.ok_or_else(|| anyhow::anyhow!("the capture recorded no work"))?;
+            // AUTO_FREE_ON_LAUNCH: the graph's own allocations still live at the end of a replay
+            // (its output) are freed before the next replay, which allocates them again.
+            let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
+            // SAFETY: `graph` is the valid graph just captured.
+            match unsafe { result::graph::instantiate(graph, flags) } {
+                Ok(exec) => {
+                    self.graph = Some(RawGraph { graph, exec, stream: self.stream.clone() });
+                    Ok(())
+                }
+                Err(e) => {
+                    // SAFETY: as above; destroyed once, here.
+                    self.stream.context().record_err(unsafe { result::graph::destroy(graph) });
+                    let _ = self.stream.context().check_err();
+                    anyhow::bail!("cuGraphInstantiate: {e:?}")
+                }
+            }
+        }
+        fn abort_capture(&mut self) -> anyhow::Result<()> {
+            if let Some(g) = end_raw(&self.stream)? {
+                // SAFETY: the partial graph just ended, destroyed once, here.
+                self.stream.context().record_err(unsafe { result::graph::destroy(g) });
+                let _ = self.stream.context().check_err();
+            }
             Ok(())
+        }
+        fn release_captured(&mut self) {
+            // The output's memory came from the failed graph's allocation nodes, which never ran:
+            // freeing it would free an address no allocation holds (an error stored in the
+            // context, failing the next call). It is left allocated: one output per failed capture.
+            if let Some(out) = self.out.take() {
+                std::mem::forget(out);
+            }
         }
     }
 
@@ -170,7 +255,8 @@ mod imp {
             (real.graph.take(), real.out.take())
         };
         let (Some(graph), Some(out)) = (graph, out) else { return Err(refuse(name, "the capture produced no graph".into())) };
-        graph.upload().map_err(|e| refuse(name, format!("{e:?}")))?;
+        // SAFETY: the graph's exec and candle's stream, both alive.
+        unsafe { result::graph::upload(graph.exec, graph.stream.cu_stream()) }.map_err(|e| refuse(name, format!("{e:?}")))?;
         Ok(Box::new(Graphed::new(graph, x, out, stage)))
     }
 
@@ -193,6 +279,7 @@ mod tests {
         calls: Vec<&'static str>,
         cache_on: bool,
         fail_captured_forward: bool,
+        fail_end: bool,
     }
 
     impl CaptureSteps for Recorder {
@@ -222,7 +309,17 @@ mod tests {
         }
         fn end_capture(&mut self) -> anyhow::Result<()> {
             self.calls.push("end");
+            if self.fail_end {
+                anyhow::bail!("cuGraphInstantiate: CUDA_ERROR_INVALID_VALUE");
+            }
             Ok(())
+        }
+        fn abort_capture(&mut self) -> anyhow::Result<()> {
+            self.calls.push("abort");
+            Ok(())
+        }
+        fn release_captured(&mut self) {
+            self.calls.push("release");
         }
     }
 
@@ -264,11 +361,23 @@ mod tests {
         assert!(g.forward(&x.clone().contiguous().unwrap().affine(1.0, 0.0).unwrap()).is_err(), "another input is refused");
     }
 
+    /// Issue 24, item 7: a captured forward that fails aborts the capture (not through cudarc's
+    /// end_capture, whose bind_to_thread returns the stored error first and leaves the stream
+    /// capturing), and what the capture made is let go only after the capture ended.
     #[test]
-    fn a_failed_capture_still_ends_the_capture() {
+    fn a_failed_capture_is_aborted_before_its_tensors_are_let_go() {
         let mut r = Recorder { fail_captured_forward: true, ..Default::default() };
         let e = run_capture(&mut r).unwrap_err();
         assert!(e.to_string().contains("cache miss"), "{e}");
-        assert_eq!(r.calls.last(), Some(&"end"));
+        assert_eq!(r.calls[4..], ["captured forward", "abort", "release"]);
+
+        let mut r = Recorder { fail_end: true, ..Default::default() };
+        let e = run_capture(&mut r).unwrap_err();
+        assert!(e.to_string().contains("cuGraphInstantiate"), "{e}");
+        assert_eq!(r.calls[4..], ["captured forward", "end", "release"]);
+
+        let mut r = Recorder::default();
+        run_capture(&mut r).unwrap();
+        assert!(!r.calls.contains(&"release") && !r.calls.contains(&"abort"), "a graph keeps its output: {:?}", r.calls);
     }
 }

@@ -134,6 +134,10 @@ pub struct LadderReport {
     /// split/merge copies kept, measured in the same interleaved rounds as the rows.
     #[serde(default)]
     pub ablation: Vec<Ablation>,
+    /// `--ablate` variants that did not run (refused here: skipped; broke or failed a check:
+    /// failed), each with why; older files: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ablation_out: Vec<AblationOut>,
     /// The roofline's ceilings (compute and memory), and where they come from.
     #[serde(default)]
     pub ceilings: Option<Ceilings>,
@@ -155,6 +159,18 @@ pub struct Ablation {
     /// `buys`' p10–p90 intervals overlap: shown as "≈1.0x".
     #[serde(default)]
     pub buys_within_noise: bool,
+}
+
+/// An ablation variant that left the rounds: a row in the ablation table with why, as a
+/// skipped or failed stage is a row in the main one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AblationOut {
+    /// The stage as written, e.g. "stage3_fused".
+    pub against: String,
+    /// The variant, e.g. "without qkv".
+    pub change: String,
+    pub reason: String,
+    pub failed: bool,
 }
 
 /// The roofline's ceilings. Each is `None` when unknown (no % of peak, no line).
@@ -354,30 +370,35 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The git commit of the source tree, with "-dirty" when source files differ from it (changes
-/// to recorded results and Markdown do not count: recording a run must not make it dirty).
+/// The git commit this binary was built from, with "-dirty" when its source files differed
+/// from it (changes to recorded results and Markdown do not count), embedded at build time by
+/// shared/build.rs; "unknown" when it was built without git. Read at run time it was wrong
+/// wherever the binary ran outside its checkout (the H100 run: "unknown").
 pub fn commit() -> String {
-    let git = |args: &[&str]| std::process::Command::new("git").args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().ok();
-    let Some(head) = git(&["rev-parse", "--short=12", "HEAD"]).filter(|o| o.status.success()) else {
-        return "unknown".into();
-    };
-    let head = String::from_utf8_lossy(&head.stdout).trim().to_string();
-    let top = git(&["rev-parse", "--show-toplevel"]).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
-    let clean = std::process::Command::new("git")
-        .args(["diff", "--quiet", "HEAD", "--", ".", ":(exclude)results", ":(exclude)*.md"])
-        .current_dir(top)
-        .status()
-        .is_ok_and(|s| s.success());
-    if clean {
-        head
-    } else {
-        head + "-dirty"
-    }
+    env!("SPEEDKIT_COMMIT").to_string()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The embedded commit is this checkout's HEAD (when git is here, as in CI's clone), or
+    /// "unknown".
+    #[test]
+    fn the_commit_is_embedded_at_build_time() {
+        let c = commit();
+        let head = std::process::Command::new("git")
+            .args(["rev-parse", "--short=12", "HEAD"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+        match head {
+            Some(h) => assert!(c == h || c == format!("{h}-dirty"), "embedded {c}, HEAD {h}"),
+            None => assert_eq!(c, "unknown"),
+        }
+    }
 
     #[test]
     fn noise_is_overlapping_p10_p90_intervals() {

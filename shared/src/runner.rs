@@ -53,6 +53,11 @@ fn agree_with_file(what: &str, path: &std::path::Path, dims: &[(&str, Option<usi
     Ok(())
 }
 
+/// The shape of one piece of the reference: `chunk` sequences (`check::reference_batch_chunk`).
+fn reference_piece(shape: &Shape, limit: usize) -> Result<Shape, SpeedkitError> {
+    Ok(Shape { batch: crate::check::reference_batch_chunk(shape, limit)?, ..*shape })
+}
+
 /// Bytes as GiB for messages.
 fn gib(b: u128) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
@@ -151,8 +156,10 @@ impl Session {
             widest = widest.max((spec.estimate_bytes)(&shape));
         }
         if !args.no_check {
-            (reference.check_shape)(&shape)?;
-            widest = widest.max((reference.estimate_bytes)(&shape));
+            // The reference runs in pieces along B (`reference_output`): one piece's shape.
+            let piece = reference_piece(&shape, crate::preset::MAX_TENSOR_ELEMENTS)?;
+            (reference.check_shape)(&piece)?;
+            widest = widest.max((reference.estimate_bytes)(&piece));
         }
         if let Some(avail) = device::available_bytes(&device) {
             let name = must_run.first().map_or(reference.name, |(s, _)| s.name);
@@ -221,16 +228,30 @@ impl Session {
             args,
         };
         if !session.args.no_check {
-            session.fits(reference)?;
-            let plan = reference.plan(&session.device, &session.info, session.shape, PrecisionRequest::Exactly(Precision::Fp32))?;
-            let stage = (reference.build)(&session.weights, &plan)?;
-            let y = stage.forward(&session.x)?;
-            session.device.synchronize()?;
-            session.reference = Some(y);
+            session.reference = Some(session.reference_output(reference, crate::preset::MAX_TENSOR_ELEMENTS)?);
         } else {
             println!("check     skipped (--no-check): these timings vouch for nothing");
         }
         Ok(session)
+    }
+
+    /// The fp32 output of `reference` (stage 0) for the session's x, computed in pieces along B
+    /// so that no piece's (b, n_head, T, T) scores pass `limit` elements (`check::
+    /// reference_batch_chunk`; the runner passes 2^31 - 1, tests a small limit).
+    pub fn reference_output(&self, reference: &StageSpec, limit: usize) -> anyhow::Result<Tensor> {
+        let piece = reference_piece(&self.shape, limit)?;
+        (reference.check_shape)(&piece)?;
+        if let Some(avail) = device::available_bytes(&self.device) {
+            check_fits(reference.name, &piece, (reference.estimate_bytes)(&piece), avail)?;
+        }
+        let plan = reference.plan(&self.device, &self.info, self.shape, PrecisionRequest::Exactly(Precision::Fp32))?;
+        let stage = (reference.build)(&self.weights, &plan)?;
+        let y = crate::check::forward_in_pieces(&self.x, piece.batch, |x| {
+            let y = stage.forward(x)?;
+            self.device.synchronize()?; // one piece's working set freed before the next
+            Ok(y)
+        })?;
+        Ok(y)
     }
 
     /// Refuse a stage whose shape it cannot address or whose working set obviously exceeds
