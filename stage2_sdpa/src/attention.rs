@@ -25,15 +25,17 @@ use shared::elementwise::{exp_f32, sum_f32};
 use shared::{Precision, SpeedkitError};
 
 /// Query rows per tile of the GEMM-tile kernel (B_r in the paper).
-pub const BR: usize = 64;
+pub const BR: usize = 256;
 /// Keys per tile of the GEMM-tile kernel (B_c in the paper).
 ///
-/// Sizes for the caches: one worker holds the score/probability tile S (B_r × B_c f32 = 64 KiB),
-/// the O accumulator (B_r × d, 16 KiB at d = 64) and whatever the GEMM packs of K_j and V_j
-/// (B_c × d, 64 KiB at d = 64) — within L2 (≥ 512 KiB per core on current x86 and Arm server
-/// parts), with each GEMM's micro-tiles in L1. Bigger tiles make each GEMM call longer (its
-/// fixed cost — dispatch, packing buffers — is paid once per tile) at the price of more wasted
-/// work on the causal diagonal (a B_r × B_r triangle per query tile).
+/// Big tiles, because each tile GEMM pays a fixed cost (dispatch, packing K_j or V_j, a scratch
+/// buffer) and the products are thin (k = d_head = 64 for S = Q·Kᵀ). On the small preset
+/// (T = 512, d = 64, causal; AMD EPYC 2-vCPU, loaded machine) B_r × B_c = 64 × 256 ran at
+/// 34–40 GFLOP/s-equivalent, 128 × 512 at 39–41, 256 × 256 at 38–41, and at T = 2048 256 × 256
+/// led (39 against 29–36). What one worker holds: S (B_r × B_c f32 = 256 KiB) and O (B_r × d,
+/// 64 KiB at d = 64), within a server core's L2 (1 MiB on Zen 4, 1–2 MiB on current Xeons),
+/// while each GEMM's micro-tiles stream through L1. The price is waste on the causal diagonal
+/// (the upper half of a B_r × B_r block per query tile is computed, then zeroed).
 pub const BC: usize = 256;
 
 /// Tile sizes of the row-wise twin (`CpuKernel::RowAxpy`): Q 32 rows, K/V 64 keys.
