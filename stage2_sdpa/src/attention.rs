@@ -19,10 +19,10 @@
 use crate::attention_cuda;
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
-use std::borrow::Cow;
 use shared::device::DeviceInfo;
 use shared::elementwise::{exp_f32, sum_f32};
 use shared::{Precision, SpeedkitError};
+use std::borrow::Cow;
 
 /// Query rows per tile of the GEMM-tile kernel (B_r in the paper).
 pub const BR: usize = 256;
@@ -484,7 +484,8 @@ impl FlashAttn {
 /// one O row per key (an axpy each); here both products are register-blocked GEMMs, which is
 /// where the FLOPs are (4·T²·d per head against T² exponentials). Causal: tiles wholly above the
 /// diagonal are never computed (the key loop stops at the query tile's last row), and the
-/// diagonal tile masks its upper triangle by zeroing P there.
+/// diagonal block runs in strips of 64 rows, each against the keys up to its own last row, with
+/// the strip's upper triangle masked by zeroing P there.
 ///
 /// The softmax loops are compiled three times (baseline, AVX2+FMA, AVX-512) and picked at run
 /// time, as in the row-wise twin; the GEMMs dispatch on their own. `write(r, o)` receives output
@@ -518,8 +519,11 @@ unsafe fn attend_head_tiles_avx512(head: &HeadRows, t: usize, d: usize, scale: f
 #[inline(always)]
 fn attend_head_tiles_impl(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
     let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
-    // Every row the GEMMs below address lies inside these slices.
-    assert!(q.len() >= (t - 1) * q_rs + d && k.len() >= (t - 1) * k_rs + d && v.len() >= (t - 1) * v_rs + d, "head rows sized by the caller");
+    // Every row the tile GEMMs address lies inside these slices.
+    assert!(
+        q.len() >= (t - 1) * q_rs + d && k.len() >= (t - 1) * k_rs + d && v.len() >= (t - 1) * v_rs + d,
+        "head rows sized by the caller"
+    );
     let mut s = vec![0f32; BR * BC]; // S_ij, then P_ij, in place: B_r × B_c, row stride B_c
     let mut o = vec![0f32; BR * d]; // O_i: B_r × d
     let (mut m, mut l) = ([0f32; BR], [0f32; BR]);
@@ -528,83 +532,23 @@ fn attend_head_tiles_impl(head: &HeadRows, t: usize, d: usize, scale: f32, causa
         o.fill(0.0); // O_i = 0
         m.fill(f32::NEG_INFINITY); // m_i = −∞
         l.fill(0.0); // l_i = 0
-        // Causal: keys after this tile's last query are masked for every row in it; those tiles
-        // are skipped (about half the work at long T).
-        let kv_end = if causal { i0 + br } else { t };
-        for j0 in (0..kv_end).step_by(BC) {
-            let bc = BC.min(kv_end - j0);
-            // S = (1/√d) · Q_i K_jᵀ: Q_i rows are q_rs apart; K_jᵀ is read as K_j with its
-            // strides swapped (column stride k_rs, row stride 1). One thread: rayon is already
-            // busy with the other heads.
-            // SAFETY: Q_i is rows i0..i0+br of q, K_j rows j0..j0+bc of k (inside the slices:
-            // asserted above); S has room for br rows of B_c ≥ bc; nothing else aliases s.
-            unsafe {
-                gemm::gemm(
-                    br,
-                    bc,
-                    d,
-                    s.as_mut_ptr(),
-                    1,
-                    BC as isize,
-                    false,
-                    q[i0 * q_rs..].as_ptr(),
-                    1,
-                    q_rs as isize,
-                    k[j0 * k_rs..].as_ptr(),
-                    k_rs as isize,
-                    1,
-                    0.0,
-                    scale,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                )
-            };
-            for r in 0..br {
-                // Keys row i0 + r may see in this tile: all, or up to its own position.
-                let n = if causal { bc.min((i0 + r + 1).saturating_sub(j0)) } else { bc };
-                let p = &mut s[r * BC..][..bc];
-                if n == 0 {
-                    p.fill(0.0); // P_rj = 0: this row sees none of these keys
-                    continue;
-                }
-                let m_new = max_f32(&p[..n], m[r]); // m' = max(m, rowmax(S))
-                let alpha = exp_f32(m[r] - m_new); // e^(m − m'): 0 on the first tile (m = −∞)
-                p[..n].iter_mut().for_each(|x| *x = exp_f32(*x - m_new)); // P = exp(S − m')
-                p[n..].fill(0.0); // masked (causal diagonal): P = 0
-                l[r] = alpha * l[r] + sum_f32(&p[..n]); // l = e^(m − m')·l + rowsum(P)
-                if alpha != 1.0 {
-                    o[r * d..][..d].iter_mut().for_each(|x| *x *= alpha); // O = e^(m − m')·O
-                }
-                m[r] = m_new;
+        let mut tile = Tile { head, d, scale, s: &mut s, o: &mut o, m: &mut m, l: &mut l };
+        if causal {
+            // Keys before i0 are visible to every row of the tile: whole B_c tiles, no mask.
+            for j0 in (0..i0).step_by(BC) {
+                tile.step(i0, 0..br, j0, BC.min(i0 - j0), false);
             }
-            // O_i += P V_j: P is B_r × bc (row stride B_c), V_j rows v_rs apart.
-            // SAFETY: V_j is rows j0..j0+bc of v (inside the slice, asserted above); O has br rows
-            // of d; P lies in s; o and s do not alias.
-            unsafe {
-                gemm::gemm(
-                    br,
-                    d,
-                    bc,
-                    o.as_mut_ptr(),
-                    1,
-                    d as isize,
-                    true,
-                    s.as_ptr(),
-                    1,
-                    BC as isize,
-                    v[j0 * v_rs..].as_ptr(),
-                    1,
-                    v_rs as isize,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                )
-            };
+            // The diagonal block (keys i0..i0+br) in strips of DIAG rows, each against the keys
+            // up to its own last row: the masked waste is a DIAG × DIAG triangle per strip
+            // instead of half of B_r × B_r. Tiles above the diagonal are never computed.
+            for r0 in (0..br).step_by(DIAG) {
+                let rows = r0..br.min(r0 + DIAG);
+                tile.step(i0, rows.clone(), i0, rows.end, true);
+            }
+        } else {
+            for j0 in (0..t).step_by(BC) {
+                tile.step(i0, 0..br, j0, BC.min(t - j0), false);
+            }
         }
         // O_i = diag(l)⁻¹ · O_i
         for r in 0..br {
@@ -612,6 +556,105 @@ fn attend_head_tiles_impl(head: &HeadRows, t: usize, d: usize, scale: f32, causa
             row.iter_mut().for_each(|x| *x *= inv_l);
             write(i0 + r, row);
         }
+    }
+}
+
+/// Rows per strip of the causal diagonal block (`attend_head_tiles_impl`).
+const DIAG: usize = 64;
+
+/// One query tile's state: the scratch S/P tile, O_i, m_i and l_i (B_r rows each).
+struct Tile<'a, 'h> {
+    head: &'a HeadRows<'h>,
+    d: usize,
+    scale: f32,
+    s: &'a mut [f32],
+    o: &'a mut [f32],
+    m: &'a mut [f32; BR],
+    l: &'a mut [f32; BR],
+}
+
+impl Tile<'_, '_> {
+    /// One step of the online softmax for query rows i0 + `rows` (rows within the tile) against
+    /// keys j0..j0+bc: S = Q·Kᵀ/√d, P = exp(S − m'), m, l, O updated, O += P·V. `causal`: row
+    /// i0 + r sees keys up to its own position only (the diagonal block).
+    #[inline(always)]
+    fn step(&mut self, i0: usize, rows: std::ops::Range<usize>, j0: usize, bc: usize, causal: bool) {
+        let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *self.head;
+        let (d, nr, r0) = (self.d, rows.len(), rows.start);
+        // S = (1/√d) · Q K_jᵀ: Q's rows are q_rs apart; K_jᵀ is read as K_j with its strides
+        // swapped (column stride k_rs, row stride 1). One thread: rayon is already busy with
+        // the other heads.
+        // SAFETY: the Q rows i0+r0..i0+r0+nr and K rows j0..j0+bc lie inside q and k (the caller
+        // asserted T rows of each; both ranges end at or before T); S has room for nr ≤ B_r rows
+        // of B_c ≥ bc; nothing else aliases s.
+        unsafe {
+            gemm::gemm(
+                nr,
+                bc,
+                d,
+                self.s.as_mut_ptr(),
+                1,
+                BC as isize,
+                false,
+                q[(i0 + r0) * q_rs..].as_ptr(),
+                1,
+                q_rs as isize,
+                k[j0 * k_rs..].as_ptr(),
+                k_rs as isize,
+                1,
+                0.0,
+                self.scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        };
+        for i in 0..nr {
+            let r = r0 + i; // row within the tile
+                            // Keys this row may see in this tile: all, or up to its own position.
+            let n = if causal { bc.min((i0 + r + 1).saturating_sub(j0)) } else { bc };
+            let p = &mut self.s[i * BC..][..bc];
+            if n == 0 {
+                p.fill(0.0); // P = 0: this row sees none of these keys
+                continue;
+            }
+            let m_new = max_f32(&p[..n], self.m[r]); // m' = max(m, rowmax(S))
+            let alpha = exp_f32(self.m[r] - m_new); // e^(m − m'): 0 on the first tile (m = −∞)
+            p[..n].iter_mut().for_each(|x| *x = exp_f32(*x - m_new)); // P = exp(S − m')
+            p[n..].fill(0.0); // masked (causal diagonal): P = 0
+            self.l[r] = alpha * self.l[r] + sum_f32(&p[..n]); // l = e^(m − m')·l + rowsum(P)
+            if alpha != 1.0 {
+                self.o[r * d..][..d].iter_mut().for_each(|x| *x *= alpha); // O = e^(m − m')·O
+            }
+            self.m[r] = m_new;
+        }
+        // O += P V_j: P is nr × bc (row stride B_c), V_j's rows v_rs apart.
+        // SAFETY: V rows j0..j0+bc lie inside v (as K's above); O has rows r0..r0+nr ≤ B_r of d;
+        // P lies in s; o and s do not alias.
+        unsafe {
+            gemm::gemm(
+                nr,
+                d,
+                bc,
+                self.o[r0 * d..].as_mut_ptr(),
+                1,
+                d as isize,
+                true,
+                self.s.as_ptr(),
+                1,
+                BC as isize,
+                v[j0 * v_rs..].as_ptr(),
+                1,
+                v_rs as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        };
     }
 }
 
@@ -688,14 +731,30 @@ fn rowwise_head<T: WithDType>(q: &[T], k: &[T], v: &[T], [qr, kr, vr]: [Rows; 3]
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn rowwise_head_avx2_fma<T: WithDType>(q: &[T], k: &[T], v: &[T], [qr, kr, vr]: [Rows; 3], t: usize, scale: f32, causal: bool) -> Vec<T> {
+unsafe fn rowwise_head_avx2_fma<T: WithDType>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    [qr, kr, vr]: [Rows; 3],
+    t: usize,
+    scale: f32,
+    causal: bool,
+) -> Vec<T> {
     rowwise_head_impl::<T, true>(q, k, v, [qr, kr, vr], t, scale, causal)
 }
 
 /// The same body with 16-lane AVX-512 registers: a B_c = 64 score row is four registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn rowwise_head_avx512<T: WithDType>(q: &[T], k: &[T], v: &[T], [qr, kr, vr]: [Rows; 3], t: usize, scale: f32, causal: bool) -> Vec<T> {
+unsafe fn rowwise_head_avx512<T: WithDType>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    [qr, kr, vr]: [Rows; 3],
+    t: usize,
+    scale: f32,
+    causal: bool,
+) -> Vec<T> {
     rowwise_head_impl::<T, true>(q, k, v, [qr, kr, vr], t, scale, causal)
 }
 
@@ -881,7 +940,11 @@ mod tests {
                     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
                     attend_head_tiles_avx2_fma as Body,
                 ),
-                ("avx512", std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma"), attend_head_tiles_avx512),
+                (
+                    "avx512",
+                    std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma"),
+                    attend_head_tiles_avx512,
+                ),
             ] {
                 if ok {
                     let c = run(body, causal);

@@ -76,8 +76,10 @@ fn check_layout(b: usize, t: usize, h: usize, d: usize, causal: bool, seed: u64,
     }
     // `attention` is the GEMM-tile kernel.
     let fused = stage2_sdpa::attention(&q, &k, &v, causal).unwrap();
-    assert_eq!(fused.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-               attention_cpu(CpuKernel::GemmTiles, &q, &k, &v, causal).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    assert_eq!(
+        fused.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        attention_cpu(CpuKernel::GemmTiles, &q, &k, &v, causal).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    );
 }
 
 proptest! {
