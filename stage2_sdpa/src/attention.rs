@@ -4,8 +4,11 @@
 //! Layout: q, k, v and the output are (B, T, n_head, d_head) — what a linear layer's (B, T, C)
 //! output already is after a free reshape, and what candle-flash-attn expects. No transposes.
 //!
-//! - CPU: our kernel below (FlashAttention-2's tiled online softmax; f32, bf16 and f16 inputs,
-//!   f32 accumulation), the `cpu_fwd` of a candle `CustomOp3`, rayon over batch × heads.
+//! - CPU: our kernel below (FlashAttention-2's tiled online softmax with Q·Kᵀ and P·V as tile
+//!   GEMMs on the `gemm` crate's micro-kernels; f32, bf16 and f16 inputs, f32 accumulation), the
+//!   `cpu_fwd` of a candle `CustomOp3`, rayon over batch × heads. It reads q, k and v through
+//!   their strides (stage 3's views of one QKV output too), no copy. Its slow twins: the first
+//!   row-wise kernel (`CpuKernel::RowAxpy`) and stage 1's materialised attention.
 //! - CUDA: our FlashAttention-2 kernel, `kernels/flash_attn.cu` (host side in
 //!   `attention_cuda.rs`), the same op's `cuda_fwd`: bf16/f16 on tensor cores (WMMA), f32
 //!   softmax and accumulation, SM 8.0+, d_head 32, 64 or 128.
@@ -97,7 +100,7 @@ impl Implementation {
     /// One line, for the run's notes.
     pub fn description(self) -> &'static str {
         match self {
-            Implementation::Cpu => "speedkit tiled online-softmax kernel (CPU, rayon)",
+            Implementation::Cpu => "speedkit tiled online-softmax kernel (CPU, tile GEMMs, rayon)",
             Implementation::SpeedkitCuda => "speedkit FlashAttention-2 kernel (stage2_sdpa/kernels/flash_attn.cu, WMMA tensor cores)",
             Implementation::FlashAttn => "candle-flash-attn (FlashAttention-2, CUDA)",
         }
@@ -409,6 +412,17 @@ struct OutPtr<T>(*mut T);
 unsafe impl<T> Send for OutPtr<T> {}
 unsafe impl<T> Sync for OutPtr<T> {}
 
+impl<T> OutPtr<T> {
+    /// The element at offset i (a method, so closures capture the Send + Sync wrapper whole,
+    /// not its raw-pointer field).
+    ///
+    /// # Safety
+    /// i is inside the buffer.
+    unsafe fn at(self, i: usize) -> *mut T {
+        self.0.add(i)
+    }
+}
+
 impl FlashAttn {
     /// The GEMM-tile kernel, one task per (batch, head), each writing its rows of the
     /// (B, T, n_head, d_head) output directly. `to_f32` gives a head's rows as f32 (`borrowed`
@@ -433,11 +447,10 @@ impl FlashAttn {
             // Output row r of this head: ((b·T + r)·n_head + h)·d, rows n_head·d apart.
             let base = (bi * t * h + hi) * d;
             let mut write = |r: usize, o: &[f32]| {
-                let ptr = ptr;
                 // SAFETY: row r of head (bi, hi) lies inside `out` (base + r·h·d + d ≤ B·T·n_head·d)
                 // and no other task writes it: tasks own distinct (b, h) pairs, and the rows of
                 // different pairs do not overlap.
-                let dst = unsafe { std::slice::from_raw_parts_mut(ptr.0.add(base + r * h * d), d) };
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr.at(base + r * h * d), d) };
                 for (x, &y) in dst.iter_mut().zip(o) {
                     *x = T::from_f64(y as f64);
                 }
