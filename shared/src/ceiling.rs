@@ -192,14 +192,19 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
             let wt = w.t()?; // (k, n) view, as the block's `linear` passes it
             best_time(|| x.matmul(&wt).map(|_| ()), 3, Duration::from_millis(500))?
         } else {
-            // Attention's products, one per head: (batch, m, k) · (batch, k, n). For Q·Kᵀ the
-            // right-hand side is K (T × d) read transposed, as the kernel reads it.
-            let x = Tensor::randn(0f32, 1.0, (batch, m, k), &dev)?;
-            let w = match name {
-                "attn_qk" => Tensor::randn(0f32, 1.0, (batch, n, k), &dev)?.transpose(1, 2)?,
-                _ => Tensor::randn(0f32, 1.0, (batch, k, n), &dev)?,
-            };
-            best_time(|| x.matmul(&w).map(|_| ()), 3, Duration::from_millis(500))?
+            // Attention's products, one per head, timed the way stage 2's CPU kernel runs them
+            // (`attention_gemms`; the kernel uses the gemm crate in every build, MKL's included).
+            let x = Tensor::randn(0f32, 1.0, (batch, m, k), &dev)?.flatten_all()?.to_vec1::<f32>()?;
+            let w = Tensor::randn(0f32, 1.0, (batch, k, n), &dev)?.flatten_all()?.to_vec1::<f32>()?;
+            let mut y = vec![0f32; batch * m * n];
+            best_time(
+                || {
+                    attention_gemms(&g, &x, &w, &mut y);
+                    Ok(())
+                },
+                3,
+                Duration::from_millis(500),
+            )?
         };
         gemms.push(GemmRate { name: name.into(), batch, m, n, k, gflops: g.flops() / best / 1e9 });
     }
@@ -211,12 +216,52 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
         gemm_gflops,
         bandwidth_gbs: triad_gbs(32 << 20),
         threads: candle_core::utils::get_num_threads(),
-        method: "best of up to 3 timed f32 products via candle matmul per GEMM shape of the block (after one untimed call): \
-                 the four linears x·Wᵀ, and attention's Q·Kᵀ and P·V batched over heads; ceiling = the block's FLOPs \
+        method: "best of up to 3 timed f32 products per GEMM shape of the block (after one untimed call): the four \
+                 linears x·Wᵀ via candle matmul, and attention's Q·Kᵀ and P·V per head via the gemm crate, rayon over \
+                 heads, as stage 2's CPU kernel runs them; ceiling = the block's FLOPs \
                  over their time at those rates (attention's causal FLOPs at the rate of Q·Kᵀ and P·V together); \
                  STREAM triad a = b + s·c over 3 × 32 MiB, rayon, best of 5"
             .into(),
     })
+}
+
+/// One round of an attention probe shape (`attn_qk` or `attn_pv`, `batch` heads) as stage 2's
+/// CPU kernel runs its tile products: the gemm crate, one single-threaded y (m × n) = x (m × k)
+/// · w per head, rayon over heads, row-major; for attn_qk, w holds K (n × k) row-major and is
+/// read transposed through its strides. x, w, y: batch·m·k, batch·k·n, batch·m·n values.
+pub fn attention_gemms(g: &ProbeGemm, x: &[f32], w: &[f32], y: &mut [f32]) {
+    use rayon::prelude::*;
+    let ProbeGemm { name, batch, m, n, k } = *g;
+    assert!(x.len() == batch * m * k && w.len() == batch * k * n && y.len() == batch * m * n, "operands sized for {g:?}");
+    // rhs (k × n): K (n × k) row-major read transposed for Q·Kᵀ, V (k × n) row-major for P·V.
+    let (rhs_cs, rhs_rs) = if name == "attn_qk" { (k as isize, 1) } else { (1, n as isize) };
+    y.par_chunks_mut(m * n).zip(x.par_chunks(m * k).zip(w.par_chunks(k * n))).for_each(|(y, (x, w))| {
+        // SAFETY: y, x and w hold m·n, m·k and k·n elements (asserted above, then chunked), and
+        // the strides address exactly those, row-major (w as n × k for attn_qk).
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                y.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                x.as_ptr(),
+                1,
+                k as isize,
+                w.as_ptr(),
+                rhs_cs,
+                rhs_rs,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    });
 }
 
 /// The block's FLOPs over the time they take at the measured rates: each linear once, at its
