@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# The CPU measurements of issue 15, in one session on one machine (run it on a quiet machine;
-# every number depends on what else the CPU is doing). Prints each target's ratio.
+# The CPU measurements of issues 15 and 22, in one session on one machine (run it on a quiet
+# machine; every number depends on what else the CPU is doing). Prints each target's ratio.
 #
 #   scripts/measure-cpu.sh [BASELINE_LADDER]   # default /work/baseline/ladder-3e6dffd
+#
+# Issue 22's comparison (stages 2-3 with --breakdown, interleaved against commit 98cd396):
+#   git worktree add ../base98 98cd396 && cp -a target ../base98/ && (cd ../base98 && cargo build --release -p ladder)
+#   BREAKDOWN_BASE=../base98/target/release/ladder scripts/measure-cpu.sh
+# prints per stage and per --breakdown part the old/new ratio (scripts/cpu-compare.py), stage 3's
+# % of the measured ceiling and the attention part's GFLOP/s against the probe's GEMM rates.
 #
 # 1. stage 3 on `small`, default build, against the baseline binary (commit 3e6dffd), interleaved
 # 2. the same with the MKL build (skipped when scripts/mkl.sh cannot install MKL)
@@ -50,6 +56,18 @@ for name in ["ladder-default", "ladder-mkl"]:
               f"({c.get('gemm_gflops', 0):.1f} GFLOP/s, {c.get('gemm_backend')}, SIMD {c.get('simd')}); "
               f"per shape: " + ", ".join(f"{g['name']} {g['gflops']:.0f}" for g in c.get("gemms", [])))
 PY
+# Issue 22: stages 2-3 with --breakdown, interleaved with the BREAKDOWN_BASE binary (98cd396).
+if [ -n "${BREAKDOWN_BASE:-}" ] && [ -x "$BREAKDOWN_BASE" ]; then
+    cp "$BREAKDOWN_BASE" "$tmp/old"; cp "$tmp/ladder-default" "$tmp/new"; mkdir -p "$tmp/bd"
+    uptime
+    for i in $(seq "$rounds"); do
+        for name in old new; do
+            "$tmp/$name" --preset small --stages 2,3 --breakdown --json "$tmp/bd/$name.$i.json" >/dev/null
+        done
+    done
+    uptime
+    python3 scripts/cpu-compare.py "$tmp/bd" old new
+fi
 # The element-wise ablation: what shared::elementwise buys stage 2 (and what candle's ops cost).
 "$tmp/ladder-default" --stages 2 --preset small --elementwise candle --json "$tmp/ew-candle.json" >/dev/null
 "$tmp/ladder-default" --stages 2 --preset small --elementwise parallel --json "$tmp/ew-par.json" >/dev/null

@@ -1,8 +1,12 @@
 //! A measured ceiling for "% of peak" on a CPU, where no datasheet number means much: this
-//! machine's GEMM rate at the block's own four GEMM shapes, with the GEMM backend this binary
-//! uses, and its memory bandwidth (a STREAM-style triad). A CPU row's % of peak is then
-//! "% of the measured GEMM ceiling": how close the whole block comes to the rate its GEMMs could
-//! reach alone on this machine (the non-GEMM part of the block is what separates the two).
+//! machine's GEMM rate at the block's own GEMM shapes — the four linears, and attention's two
+//! products per head (Q·Kᵀ: T × T × d_head, P·V: T × d_head × T) — with the GEMM backend this
+//! binary uses, and its memory bandwidth (a STREAM-style triad). A CPU row's % of peak is then
+//! "% of the measured GEMM ceiling": how close the whole block comes to the rate its FLOPs would
+//! run at if every one of them ran at the measured rate of its own GEMM shape (the softmax,
+//! LayerNorms, GELU and the time between GEMMs are what separate the two). Attention's shapes are
+//! thin (k = d_head = 64), so they run slower than the linears even as bare GEMMs; counting
+//! them at the linears' rate would hold attention to a rate no GEMM of its shape reaches.
 //!
 //! Also here: which GEMM backend and SIMD level ran (detected at run time), recorded in every
 //! JSON record.
@@ -19,13 +23,21 @@ use std::time::{Duration, Instant};
 /// `linear` runs it (candle's `matmul` against a transposed weight).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GemmRate {
-    /// "qkv", "proj", "fc1" or "fc2".
+    /// "qkv", "proj", "fc1", "fc2" (the linears), "attn_qk" or "attn_pv" (attention's products).
     pub name: String,
+    /// Independent products of this shape timed together (a batched matmul): 1 for the linears,
+    /// heads for attention (B·n_head, capped so the probe's score tensor stays ≤ 64 MiB).
+    #[serde(default = "one")]
+    pub batch: usize,
     pub m: usize,
     pub n: usize,
     pub k: usize,
-    /// 2·m·n·k / best time.
+    /// 2·batch·m·n·k / best time.
     pub gflops: f64,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// The CPU ceiling the runner computes % of peak against. Read by the ladder's report and its
@@ -36,10 +48,13 @@ pub struct CpuCeiling {
     pub gemm_backend: String,
     /// The widest SIMD the CPU offers, detected at run time, e.g. "AVX-512", "AVX2+FMA".
     pub simd: String,
-    /// The block's four GEMMs at this run's shape (M = B·T).
+    /// The block's GEMM shapes at this run's shape (`probe_gemms`): the four linears (M = B·T)
+    /// and attention's two per-head products.
     pub gemms: Vec<GemmRate>,
-    /// All four together: their FLOPs over the sum of their best times, in GFLOP/s. This is the
-    /// ceiling a block row's % of peak is relative to (the block runs these four GEMMs once each).
+    /// The block's FLOPs (`perf::block_flops`: linears, plus causal attention's 2·B·T²·C) over
+    /// the time they take at the measured rates — each linear's best time, attention's FLOPs at
+    /// the rate of attn_qk and attn_pv together — in GFLOP/s. This is the ceiling a block row's
+    /// % of peak is relative to. (Before issue 22 it was the four linears alone.)
     pub gemm_gflops: f64,
     /// STREAM triad a[i] = b[i] + s·c[i] over 3 × 32 MiB arrays, all threads; 12 bytes per i.
     pub bandwidth_gbs: f64,
@@ -122,15 +137,57 @@ pub fn block_gemms(shape: &Shape) -> [(&'static str, usize, usize, usize); 4] {
     [("qkv", m, 3 * c, c), ("proj", m, c, c), ("fc1", m, ff, c), ("fc2", m, c, ff)]
 }
 
+/// One GEMM shape the probe measures: `batch` products of y (m × n) = x (m × k) · w (k × n).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbeGemm {
+    pub name: &'static str,
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl ProbeGemm {
+    /// f32 bytes the probe holds while timing this shape: x, w and y, for every product.
+    pub fn bytes(&self) -> u128 {
+        let (b, m, n, k) = (self.batch as u128, self.m as u128, self.n as u128, self.k as u128);
+        4 * b * (m * k + k * n + m * n)
+    }
+
+    /// 2·batch·m·n·k
+    pub fn flops(&self) -> f64 {
+        2.0 * (self.batch * self.m * self.n * self.k) as f64
+    }
+}
+
+/// Score elements (batch · T · T) the attention probe may hold: 16 Mi f32 = 64 MiB. The rate of
+/// a batch of independent heads does not depend on how many there are once every thread has
+/// several, so the probe times fewer heads than the block has when T is long.
+pub const ATTENTION_PROBE_SCORES: usize = 16 << 20;
+
+/// Every shape the probe measures, in one place (the probe's memory fit counts these too): the
+/// block's four linears, then attention's two per-head products, as the block's attention runs
+/// them — S = Q·Kᵀ (T × T × d_head) and O = P·V (T × d_head × T), T capped at 4096 — over
+/// min(B·n_head, heads that fit `ATTENTION_PROBE_SCORES`) heads.
+pub fn probe_gemms(shape: &Shape) -> Vec<ProbeGemm> {
+    let mut all: Vec<ProbeGemm> = block_gemms(shape).iter().map(|&(name, m, n, k)| ProbeGemm { name, batch: 1, m, n, k }).collect();
+    // T capped so one head's scores fit the budget (4096² = 16 Mi): past that the rate of the
+    // shape no longer changes, and T = 100 000 would need 40 GB for a single head.
+    let (t, d) = (shape.seq.min(4096), shape.d_head());
+    let heads = (shape.batch * shape.n_head).min((ATTENTION_PROBE_SCORES / (t * t).max(1)).max(1));
+    all.push(ProbeGemm { name: "attn_qk", batch: heads, m: t, n: t, k: d });
+    all.push(ProbeGemm { name: "attn_pv", batch: heads, m: t, n: d, k: t });
+    all
+}
+
 /// Bytes of each of the triad's three arrays.
 pub const TRIAD_ARRAY_BYTES: usize = 32 << 20;
 
-/// Bytes the probe holds at its widest, from the shapes it measures (`block_gemms`), so a shape
-/// added there is counted here: each GEMM's x (m × k), W (n × k) and y (m × n) in f32 are alive
-/// together and freed before the next; the triad's three arrays come after.
+/// Bytes the probe holds at its widest, from the shapes it measures (`probe_gemms`), so a shape
+/// added there is counted here: each shape's x, W and y in f32 (every product of a batch) are
+/// alive together and freed before the next; the triad's three arrays come after.
 pub fn probe_bytes(shape: &Shape) -> u128 {
-    let gemm =
-        block_gemms(shape).iter().map(|&(_, m, n, k)| 4 * (m as u128 * k as u128 + n as u128 * k as u128 + m as u128 * n as u128)).max();
+    let gemm = probe_gemms(shape).iter().map(ProbeGemm::bytes).max();
     gemm.unwrap_or(0).max(3 * TRIAD_ARRAY_BYTES as u128)
 }
 
@@ -160,34 +217,115 @@ pub fn check_fit(shape: &Shape) -> Result<(), crate::SpeedkitError> {
     Ok(())
 }
 
-/// Measure the ceiling on the CPU for `shape`. Each GEMM: one untimed call (page faults,
+/// Measure the ceiling on the CPU for `shape`. Each GEMM shape: one untimed call (page faults,
 /// gemm's packing buffers), then timed calls until 3 are done or 0.5 s has passed; the best
 /// time counts (a ceiling is what the machine can do, not what it usually does).
 pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
     let dev = Device::Cpu;
     let mut gemms = Vec::new();
-    let (mut flops, mut secs) = (0.0, 0.0);
-    for (name, m, n, k) in block_gemms(shape) {
-        let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
-        let w = Tensor::randn(0f32, 0.02, (n, k), &dev)?;
-        let wt = w.t()?; // (k, n) view, as the block's `linear` passes it
-        let best = best_time(|| x.matmul(&wt).map(|_| ()), 3, Duration::from_millis(500))?;
-        let f = 2.0 * (m * n * k) as f64;
-        gemms.push(GemmRate { name: name.into(), m, n, k, gflops: f / best / 1e9 });
-        flops += f;
-        secs += best;
+    for g in probe_gemms(shape) {
+        let ProbeGemm { name, batch, m, n, k } = g;
+        let best = if !name.starts_with("attn_") {
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+            let w = Tensor::randn(0f32, 0.02, (n, k), &dev)?;
+            let wt = w.t()?; // (k, n) view, as the block's `linear` passes it
+            best_time(|| x.matmul(&wt).map(|_| ()), 3, Duration::from_millis(500))?
+        } else {
+            // Attention's products, one per head, timed the way stage 2's CPU kernel runs them
+            // (`attention_gemms`; the kernel uses the gemm crate in every build, MKL's included).
+            let x = Tensor::randn(0f32, 1.0, (batch, m, k), &dev)?.flatten_all()?.to_vec1::<f32>()?;
+            let w = Tensor::randn(0f32, 1.0, (batch, k, n), &dev)?.flatten_all()?.to_vec1::<f32>()?;
+            let mut y = vec![0f32; batch * m * n];
+            best_time(
+                || {
+                    attention_gemms(&g, &x, &w, &mut y);
+                    Ok(())
+                },
+                3,
+                Duration::from_millis(500),
+            )?
+        };
+        gemms.push(GemmRate { name: name.into(), batch, m, n, k, gflops: g.flops() / best / 1e9 });
     }
+    let gemm_gflops = block_ceiling_gflops(shape, &gemms);
     Ok(CpuCeiling {
         gemm_backend: gemm_backend(),
         simd: simd_level().into(),
         gemms,
-        gemm_gflops: flops / secs / 1e9,
+        gemm_gflops,
         bandwidth_gbs: triad_gbs(TRIAD_ARRAY_BYTES),
         threads: candle_core::utils::get_num_threads(),
-        method: "best of up to 3 timed f32 x·Wᵀ via candle matmul per block GEMM shape (after one untimed call); \
+        method: "best of up to 3 timed f32 products per GEMM shape of the block (after one untimed call): the four \
+                 linears x·Wᵀ via candle matmul, and attention's Q·Kᵀ and P·V per head via the gemm crate, rayon over \
+                 heads, as stage 2's CPU kernel runs them; ceiling = the block's FLOPs \
+                 over their time at those rates (attention's causal FLOPs at the rate of Q·Kᵀ and P·V together); \
                  STREAM triad a = b + s·c over 3 × 32 MiB, rayon, best of 5"
             .into(),
     })
+}
+
+/// One round of an attention probe shape (`attn_qk` or `attn_pv`, `batch` heads) as stage 2's
+/// CPU kernel runs its tile products: the gemm crate, one single-threaded y (m × n) = x (m × k)
+/// · w per head, rayon over heads, row-major; for attn_qk, w holds K (n × k) row-major and is
+/// read transposed through its strides. x, w, y: batch·m·k, batch·k·n, batch·m·n values.
+pub fn attention_gemms(g: &ProbeGemm, x: &[f32], w: &[f32], y: &mut [f32]) {
+    use rayon::prelude::*;
+    let ProbeGemm { name, batch, m, n, k } = *g;
+    assert!(x.len() == batch * m * k && w.len() == batch * k * n && y.len() == batch * m * n, "operands sized for {g:?}");
+    // rhs (k × n): K (n × k) row-major read transposed for Q·Kᵀ, V (k × n) row-major for P·V.
+    let (rhs_cs, rhs_rs) = if name == "attn_qk" { (k as isize, 1) } else { (1, n as isize) };
+    y.par_chunks_mut(m * n).zip(x.par_chunks(m * k).zip(w.par_chunks(k * n))).for_each(|(y, (x, w))| {
+        // SAFETY: y, x and w hold m·n, m·k and k·n elements (asserted above, then chunked), and
+        // the strides address exactly those, row-major (w as n × k for attn_qk).
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                y.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                x.as_ptr(),
+                1,
+                k as isize,
+                w.as_ptr(),
+                rhs_cs,
+                rhs_rs,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    });
+}
+
+/// The block's FLOPs over the time they take at the measured rates: each linear once, at its
+/// own rate; attention's causal FLOPs (2·B·T²·C, `perf::block_flops`' term) at the combined rate
+/// of the attn_qk and attn_pv shapes (the kernel runs equal FLOPs of each). Shapes not measured
+/// count nothing (a record without attention shapes gives the linears' rate, as before).
+pub fn block_ceiling_gflops(shape: &Shape, gemms: &[GemmRate]) -> f64 {
+    let (mut flops, mut secs) = (0.0, 0.0);
+    let (mut attn_flops, mut attn_secs) = (0.0, 0.0);
+    for g in gemms {
+        let f = 2.0 * (g.batch * g.m * g.n * g.k) as f64;
+        if g.name.starts_with("attn_") {
+            attn_flops += f;
+            attn_secs += f / (g.gflops * 1e9);
+        } else {
+            flops += f;
+            secs += f / (g.gflops * 1e9);
+        }
+    }
+    if attn_secs > 0.0 {
+        let causal = 2.0 * (shape.batch * shape.seq * shape.seq * shape.d_model) as f64;
+        flops += causal;
+        secs += causal / (attn_flops / attn_secs);
+    }
+    flops / secs / 1e9
 }
 
 fn best_time(mut f: impl FnMut() -> candle_core::Result<()>, reps: usize, budget: Duration) -> candle_core::Result<f64> {
@@ -260,15 +398,42 @@ mod tests {
     }
 
     #[test]
+    fn probe_shapes_add_attentions_products_and_the_ceiling_weighs_them() {
+        let s = Preset::Small.shape(); // B = 4, T = 512, n_head = 12, d_head = 64
+        let g = probe_gemms(&s);
+        assert_eq!(g.len(), 6);
+        assert_eq!(g[4], ProbeGemm { name: "attn_qk", batch: 48, m: 512, n: 512, k: 64 });
+        assert_eq!(g[5], ProbeGemm { name: "attn_pv", batch: 48, m: 512, n: 64, k: 512 });
+        // Long T: fewer heads, and T capped, so the score tensor stays within its budget.
+        for seq in [4096, 100_000] {
+            let qk = probe_gemms(&Shape { seq, ..s })[4];
+            assert!(qk.batch >= 1 && qk.m == seq.min(4096) && qk.batch * qk.m * qk.n <= ATTENTION_PROBE_SCORES, "{qk:?}");
+        }
+        // The ceiling: linears at 100 GFLOP/s and attention's shapes at 25 give the block's
+        // FLOPs over (linear FLOPs / 100 + attention FLOPs / 25).
+        let rate = |p: &ProbeGemm, r: f64| GemmRate { name: p.name.into(), batch: p.batch, m: p.m, n: p.n, k: p.k, gflops: r };
+        let rates: Vec<GemmRate> = g.iter().map(|p| rate(p, if p.name.starts_with("attn") { 25.0 } else { 100.0 })).collect();
+        let linears: f64 = block_gemms(&s).iter().map(|&(_, m, n, k)| 2.0 * (m * n * k) as f64).sum();
+        let attention = crate::perf::block_flops(&s) - linears;
+        let want = (linears + attention) / (linears / 100e9 + attention / 25e9) / 1e9;
+        assert!((block_ceiling_gflops(&s, &rates) - want).abs() < 1e-9 * want);
+        assert!((block_ceiling_gflops(&s, &rates[..4]) - 100.0).abs() < 1e-9, "linears alone: their rate");
+    }
+
+    #[test]
     fn tiny_probe_measures_something_finite() {
         let _alone = crate::BIG_ALLOCATION_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let c = measure(&Preset::Tiny.shape()).unwrap();
-        assert_eq!(c.gemms.len(), 4);
+        assert_eq!(c.gemms.len(), 6);
+        assert_eq!(c.gemms[4].name, "attn_qk");
         assert!(c.gemms.iter().all(|g| g.gflops.is_finite() && g.gflops > 0.0));
         assert!(c.gemm_gflops.is_finite() && c.gemm_gflops > 0.0 && c.bandwidth_gbs > 0.0);
         assert_eq!(c.gemm_backend, gemm_backend());
         let json = serde_json::to_string(&c).unwrap();
         let back: CpuCeiling = serde_json::from_str(&json).unwrap(); // the JSON a reader (the roofline) gets
-        assert_eq!((back.gemms.len(), back.gemm_backend, back.simd), (4, c.gemm_backend.clone(), c.simd.clone()));
+        assert_eq!((back.gemms.len(), back.gemm_backend, back.simd), (6, c.gemm_backend.clone(), c.simd.clone()));
+        // A record written before attention shapes were measured (no `batch`) still reads.
+        let old: GemmRate = serde_json::from_str(r#"{"name":"qkv","m":2,"n":3,"k":4,"gflops":1.0}"#).unwrap();
+        assert_eq!(old.batch, 1);
     }
 }

@@ -1,27 +1,43 @@
-//! criterion: the fused attention kernel against its slow twin (stage 1's attention, which
-//! materialises the scores) on the `small` preset's heads, at T = 512 and 2048 — where fusing
-//! starts to pay. `cargo bench -p stage2_sdpa` (CPU).
+//! criterion: the CPU attention kernels on the `small` preset's heads (B = 4, n_head = 12,
+//! d_head = 64), at T = 512 and 2048, causal. Throughput is the useful FLOPs (2·B·T²·C), so
+//! criterion's "Gelem/s" reads as GFLOP/s, comparable with `cpu_ops`' GEMM group:
+//! - `gemm_tiles`: the kernel `attention` runs (Q·Kᵀ and P·V as tile GEMMs), on contiguous
+//!   inputs (stage 2) and on `strided` views of one (B, T, 3, n_head, d_head) tensor (stage 3);
+//! - `row_axpy`: the first CPU kernel, kept as the row-wise twin;
+//! - `slow_twin`: stage 1's attention, which materialises the scores.
+//!
+//! `cargo bench -p stage2_sdpa` (CPU); `-- 512` for T = 512 only.
 //!
 //! Built with `--features cuda` and run on a GPU, also `attention/cuda`: our CUDA kernel
 //! (`kernels/flash_attn.cu`), candle-flash-attn when the `flash-attn` feature is built, and the
 //! slow twin, at bf16 on the `te` preset's heads (B = 8, n_head = 32, d_head = 128), each sample
 //! synchronizing the device: `cargo bench -p stage2_sdpa --features cuda,flash-attn`.
 
-use candle_core::{Device, Tensor};
+use candle_core::{Device, IndexOp, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::time::Duration;
 
 fn attention(c: &mut Criterion) {
     let dev = Device::Cpu;
     let (b, h, d) = (4, 12, 64); // small: B = 4, n_head = 12, d_head = 64
+    use stage2_sdpa::attention::{attention_cpu, CpuKernel};
     let mut group = c.benchmark_group("attention/small");
-    group.sample_size(10).measurement_time(Duration::from_secs(10));
+    group.sample_size(10).measurement_time(Duration::from_secs(5));
     for t in [512usize, 2048] {
         let mk = |seed: u64| Tensor::from_vec(shared::weights::SplitMix64::new(seed).normals(b * t * h * d), (b, t, h, d), &dev).unwrap();
         let (q, k, v) = (mk(1), mk(2), mk(3));
         // Useful FLOPs of causal attention: half of 4·B·T²·C.
         group.throughput(Throughput::Elements((2 * b * t * t * h * d) as u64));
-        group.bench_function(BenchmarkId::new("fused", t), |bench| bench.iter(|| stage2_sdpa::attention(&q, &k, &v, true).unwrap()));
+        for kernel in [CpuKernel::GemmTiles, CpuKernel::RowAxpy] {
+            let name = if kernel == CpuKernel::GemmTiles { "gemm_tiles" } else { "row_axpy" };
+            group.bench_function(BenchmarkId::new(name, t), |bench| bench.iter(|| attention_cpu(kernel, &q, &k, &v, true).unwrap()));
+        }
+        // Stage 3's layout: q, k, v are views of the QKV GEMM's (B, T, 3, n_head, d_head) output.
+        let qkv = Tensor::stack(&[&q, &k, &v], 2).unwrap(); // (B, T, 3, n_head, d_head)
+        let [qs, ks, vs] = [0, 1, 2].map(|i| qkv.i((.., .., i)).unwrap());
+        group.bench_function(BenchmarkId::new("gemm_tiles_strided", t), |bench| {
+            bench.iter(|| attention_cpu(CpuKernel::GemmTiles, &qs, &ks, &vs, true).unwrap())
+        });
         let flat = |x: &Tensor| x.reshape((b, t, h * d)).unwrap();
         let (qf, kf, vf) = (flat(&q), flat(&k), flat(&v));
         let mask = stage0_baseline::causal_mask(t, &dev).unwrap();

@@ -4,8 +4,11 @@
 //! Layout: q, k, v and the output are (B, T, n_head, d_head) — what a linear layer's (B, T, C)
 //! output already is after a free reshape, and what candle-flash-attn expects. No transposes.
 //!
-//! - CPU: our kernel below (FlashAttention-2's tiled online softmax; f32, bf16 and f16 inputs,
-//!   f32 accumulation), the `cpu_fwd` of a candle `CustomOp3`, rayon over batch × heads.
+//! - CPU: our kernel below (FlashAttention-2's tiled online softmax with Q·Kᵀ and P·V as tile
+//!   GEMMs on the `gemm` crate's micro-kernels; f32, bf16 and f16 inputs, f32 accumulation), the
+//!   `cpu_fwd` of a candle `CustomOp3`, rayon over batch × heads. It reads q, k and v through
+//!   their strides (stage 3's views of one QKV output too), no copy. Its slow twins: the first
+//!   row-wise kernel (`CpuKernel::RowAxpy`) and stage 1's materialised attention.
 //! - CUDA: our FlashAttention-2 kernels (host side in `attention_cuda.rs`), the same op's
 //!   `cuda_fwd`: bf16/f16 on tensor cores, f32 softmax and accumulation, SM 8.0+, d_head 32, 64
 //!   or 128. v2, `kernels/flash_attn_v2.cu` (mma.sync, S and P in registers), by default; v1,
@@ -21,18 +24,40 @@ use crate::attention_cuda;
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 use shared::device::DeviceInfo;
-use shared::elementwise::exp_f32;
+use shared::elementwise::{exp_f32, sum_f32};
 use shared::{AttentionKernel, Precision, SpeedkitError};
+use std::borrow::Cow;
 
-/// Query rows per tile (B_r in the paper).
-pub const BR: usize = 32;
-/// Key/value rows per tile (B_c in the paper).
+/// Query rows per tile of the GEMM-tile kernel (B_r in the paper).
+pub const BR: usize = 256;
+/// Keys per tile of the GEMM-tile kernel (B_c in the paper).
 ///
-/// Tile sizes are chosen for the caches: one worker holds a Q tile (B_r × d), K and V tiles
-/// (B_c × d each) and the O accumulator (B_r × d) in f32 — 4·(2·32 + 2·64)·d bytes = 48 KiB at
-/// d = 64, 96 KiB at d = 128 — so they stay in L2 (≥ 512 KiB per core on current x86 and Arm
-/// server parts), while the inner loops stream one K or V row (256–512 B) through L1.
-pub const BC: usize = 64;
+/// Big tiles, because each tile GEMM pays a fixed cost (dispatch, packing K_j or V_j, a scratch
+/// buffer) and the products are thin (k = d_head = 64 for S = Q·Kᵀ). On the small preset
+/// (T = 512, d = 64, causal; AMD EPYC 2-vCPU, loaded machine) B_r × B_c = 64 × 256 ran at
+/// 34–40 GFLOP/s-equivalent, 128 × 512 at 39–41, 256 × 256 at 38–41, and at T = 2048 256 × 256
+/// led (39 against 29–36). What one worker holds: S (B_r × B_c f32 = 256 KiB) and O (B_r × d,
+/// 64 KiB at d = 64), within a server core's L2 (1 MiB on Zen 4, 1–2 MiB on current Xeons),
+/// while each GEMM's micro-tiles stream through L1. The price is waste on the causal diagonal
+/// (the upper half of a B_r × B_r block per query tile is computed, then zeroed).
+pub const BC: usize = 256;
+
+/// Tile sizes of the row-wise twin (`CpuKernel::RowAxpy`): Q 32 rows, K/V 64 keys.
+pub const ROW_BR: usize = 32;
+/// Key/value rows per tile of the row-wise twin.
+pub const ROW_BC: usize = 64;
+
+/// The two CPU kernels: the one `attention` runs, and the first one, kept as its slow twin.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuKernel {
+    /// Q_i·K_jᵀ and P_ij·V_j as tile GEMMs through the `gemm` crate (the micro-kernels candle's
+    /// CPU matmul and stage 3's linears run), the online softmax on the tile in between. The
+    /// default.
+    GemmTiles,
+    /// The first CPU kernel: one query row at a time, scores by broadcast-FMA, then one axpy per
+    /// key into an O row in memory (load/store-bound, ~10 % of the GEMM rate). The slow twin.
+    RowAxpy,
+}
 
 /// The attention kernels behind `attention`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,7 +125,7 @@ impl Implementation {
     /// One line, for the run's notes.
     pub fn description(self) -> &'static str {
         match self {
-            Implementation::Cpu => "speedkit tiled online-softmax kernel (CPU, rayon)",
+            Implementation::Cpu => "speedkit tiled online-softmax kernel (CPU, tile GEMMs, rayon)",
             Implementation::SpeedkitCuda => {
                 "speedkit FlashAttention-2 kernel v2 (stage2_sdpa/kernels/flash_attn_v2.cu, mma.sync tensor cores, S and P in registers)"
             }
@@ -202,6 +227,51 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_cor
 /// `attention` through a chosen implementation, to compare them (benches, GPU tests); an error,
 /// never a substitute, when this build or q's device cannot run it.
 pub fn attention_with(imp: Implementation, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_core::Result<Tensor> {
+    let d = check_inputs(q, k, v)?;
+    if (imp == Implementation::Cpu) == q.device().is_cuda() {
+        candle_core::bail!("attention: {} cannot run on {:?}", imp.name(), q.device().location());
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    // The CUDA kernel the op launches (the CPU kernels ignore it).
+    let kernel = if imp == Implementation::SpeedkitCudaV1 { AttentionKernel::V1 } else { AttentionKernel::V2 };
+    let op = FlashAttn { scale, causal, cpu: CpuKernel::GemmTiles, kernel };
+    match imp {
+        Implementation::Cpu => cpu_views(q, k, v, op),
+        Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1 => {
+            // Views go in as they are when the kernel can read them in place (stage 2's
+            // reshapes, stage 3's slices of the QKV output); anything else is copied first.
+            // Both kernels share the layout rules.
+            if attention_cuda::kernel_strides(q.layout(), k.layout(), v.layout()).is_some() {
+                q.apply_op3_no_bwd(k, v, &op)
+            } else {
+                let (q, k, v) = (q.force_contiguous()?, k.force_contiguous()?, v.force_contiguous()?);
+                q.apply_op3_no_bwd(&k, &v, &op)
+            }
+        }
+        Implementation::FlashAttn => flash_attn(q, k, v, scale, causal),
+    }
+}
+
+/// `attention` on CPU tensors through a chosen CPU kernel: the GEMM-tile kernel (what
+/// `attention` runs) or its slow twin, the row-wise kernel (benches and tests compare them).
+pub fn attention_cpu(kernel: CpuKernel, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_core::Result<Tensor> {
+    let d = check_inputs(q, k, v)?;
+    if q.device().is_cuda() {
+        candle_core::bail!("attention: the CPU kernel {kernel:?} cannot run on {:?}", q.device().location());
+    }
+    cpu_views(q, k, v, FlashAttn { scale: 1.0 / (d as f32).sqrt(), causal, cpu: kernel, kernel: AttentionKernel::V2 })
+}
+
+/// The CPU kernels read q, k and v where they are, through their strides: stage 2's contiguous
+/// (B, T, n_head, d_head) tensors and stage 3's views of its (B, T, 3, n_head, d_head) QKV
+/// output alike, no copy. Only a view whose d_head elements are not adjacent is copied first.
+fn cpu_views(q: &Tensor, k: &Tensor, v: &Tensor, op: FlashAttn) -> candle_core::Result<Tensor> {
+    let rows = |x: &Tensor| if x.dim(3).is_ok_and(|d| d == 1) || x.stride()[3] == 1 { Ok(x.clone()) } else { x.contiguous() };
+    rows(q)?.apply_op3_no_bwd(&rows(k)?, &rows(v)?, &op)
+}
+
+/// q, k, v share one non-empty (B, T, n_head, d_head) shape and one dtype; returns d_head.
+fn check_inputs(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<usize> {
     let (b, t, h, d) = q.dims4()?;
     if k.dims() != q.dims() || v.dims() != q.dims() {
         candle_core::bail!(
@@ -217,31 +287,7 @@ pub fn attention_with(imp: Implementation, q: &Tensor, k: &Tensor, v: &Tensor, c
     if b * t * h * d == 0 {
         candle_core::bail!("attention: empty input {:?}", q.dims());
     }
-    if (imp == Implementation::Cpu) == q.device().is_cuda() {
-        candle_core::bail!("attention: {} cannot run on {:?}", imp.name(), q.device().location());
-    }
-    let scale = 1.0 / (d as f32).sqrt();
-    // The CUDA kernel the op launches (the CPU kernel ignores it).
-    let kernel = if imp == Implementation::SpeedkitCudaV1 { AttentionKernel::V1 } else { AttentionKernel::V2 };
-    let op = FlashAttn { scale, causal, kernel };
-    match imp {
-        Implementation::Cpu => {
-            let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-            q.apply_op3_no_bwd(&k, &v, &op)
-        }
-        Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1 => {
-            // Views go in as they are when the kernel can read them in place (stage 2's
-            // reshapes, stage 3's slices of the QKV output); anything else is copied first.
-            // Both kernels share the layout rules.
-            if attention_cuda::kernel_strides(q.layout(), k.layout(), v.layout()).is_some() {
-                q.apply_op3_no_bwd(k, v, &op)
-            } else {
-                let (q, k, v) = (q.force_contiguous()?, k.force_contiguous()?, v.force_contiguous()?);
-                q.apply_op3_no_bwd(&k, &v, &op)
-            }
-        }
-        Implementation::FlashAttn => flash_attn(q, k, v, scale, causal),
-    }
+    Ok(d)
 }
 
 #[cfg(feature = "flash-attn")]
@@ -259,11 +305,13 @@ fn flash_attn(_q: &Tensor, _k: &Tensor, _v: &Tensor, _scale: f32, _causal: bool)
 
 /// Both kernels as one candle op (three inputs, one output, no backward): candle calls
 /// `cpu_fwd` for CPU tensors and `cuda_fwd` for CUDA ones.
+#[derive(Clone, Copy)]
 struct FlashAttn {
     scale: f32,
     causal: bool,
+    cpu: CpuKernel, // which CPU kernel `cpu_fwd` runs
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd only
-    kernel: AttentionKernel,
+    kernel: AttentionKernel, // which CUDA kernel `cuda_fwd` launches
 }
 
 impl CustomOp3 for FlashAttn {
@@ -296,21 +344,27 @@ impl CustomOp3 for FlashAttn {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let dims: [usize; 4] = l1.shape().dims().try_into().map_err(|_| candle_core::Error::Msg("attention: q must be 4-d".into()))?;
         let shape = l1.shape().clone();
-        fn slice<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
-            match l.contiguous_offsets() {
-                Some((start, end)) => Ok(&s[start..end]),
-                None => candle_core::bail!("attention: inputs must be contiguous"),
-            }
-        }
         let out = match (s1, s2, s3) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                CpuStorage::F32(self.run(slice(q, l1)?, slice(k, l2)?, slice(v, l3)?, dims))
+                let qkv = [(q.as_slice(), View::of(l1, q.len())?), (k, View::of(l2, k.len())?), (v, View::of(l3, v.len())?)];
+                CpuStorage::F32(match self.cpu {
+                    CpuKernel::GemmTiles => self.run_tiles(qkv, dims, borrowed),
+                    CpuKernel::RowAxpy => self.run_rowwise(qkv, dims),
+                })
             }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                CpuStorage::BF16(self.run(slice(q, l1)?, slice(k, l2)?, slice(v, l3)?, dims))
+                let qkv = [(q.as_slice(), View::of(l1, q.len())?), (k, View::of(l2, k.len())?), (v, View::of(l3, v.len())?)];
+                CpuStorage::BF16(match self.cpu {
+                    CpuKernel::GemmTiles => self.run_tiles(qkv, dims, widened),
+                    CpuKernel::RowAxpy => self.run_rowwise(qkv, dims),
+                })
             }
             (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                CpuStorage::F16(self.run(slice(q, l1)?, slice(k, l2)?, slice(v, l3)?, dims))
+                let qkv = [(q.as_slice(), View::of(l1, q.len())?), (k, View::of(l2, k.len())?), (v, View::of(l3, v.len())?)];
+                CpuStorage::F16(match self.cpu {
+                    CpuKernel::GemmTiles => self.run_tiles(qkv, dims, widened),
+                    CpuKernel::RowAxpy => self.run_rowwise(qkv, dims),
+                })
             }
             _ => candle_core::bail!(
                 "attention: CPU kernel takes f32, bf16 or f16 (all three alike), got {:?}",
@@ -321,18 +375,133 @@ impl CustomOp3 for FlashAttn {
     }
 }
 
+/// Where a (B, T, n_head, d_head) input lives in its storage: the element offset and the
+/// strides of b, t and h (d_head's is 1). Stage 2's contiguous tensors have strides
+/// (T·C, C, d, 1); stage 3's q, k and v are views of its (B, T, 3, n_head, d_head) QKV output,
+/// strides (3·T·C, 3·C, d, 1) at offsets 0, C and 2·C. The kernels read both in place.
+#[derive(Clone, Copy, Debug)]
+struct View {
+    offset: usize,
+    sb: usize,
+    st: usize,
+    sh: usize,
+}
+
+impl View {
+    /// The view of a layout over a storage of `len` elements; an error (never an out-of-bounds
+    /// read) unless d_head's elements are adjacent and every row lies inside the storage.
+    fn of(l: &Layout, len: usize) -> candle_core::Result<View> {
+        let (&[b, t, h, d], &[sb, st, sh, sd]) = (l.shape().dims(), l.stride()) else {
+            candle_core::bail!("attention: inputs must be 4-d, got {:?}", l.shape())
+        };
+        if sd != 1 && d > 1 {
+            candle_core::bail!("attention: the CPU kernel reads d_head elements adjacent (stride 1), got strides {:?}", l.stride());
+        }
+        let view = View { offset: l.start_offset(), sb, st, sh };
+        let last = view.head(b - 1, h - 1) + (t - 1) * st + d;
+        if last > len {
+            candle_core::bail!("attention: a view {:?} with strides {:?} reaches past its storage ({len} elements)", l.shape(), l.stride());
+        }
+        Ok(view)
+    }
+
+    /// Offset of row 0 of head h in batch b; row r is `st` further on.
+    fn head(&self, b: usize, h: usize) -> usize {
+        self.offset + b * self.sb + h * self.sh
+    }
+}
+
+/// One head's q, k and v rows in f32, for the GEMM-tile kernel: slices that start at row 0 and
+/// run to the end of row T−1, with the distance between rows (`rs`).
+struct HeadRows<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    q_rs: usize,
+    k_rs: usize,
+    v_rs: usize,
+}
+
+/// One head's rows as f32, and the distance between them. f32 inputs are read where they are
+/// (`st` apart); bf16/f16 inputs are widened into a (T, d) f32 buffer first (the GEMM
+/// micro-kernels are f32; 3·T·d·4 bytes = 384 KiB at T = 512, d = 64 for q, k and v together,
+/// so the copy stays in the worker's L2). `part` runs from row 0 to the end of row T−1.
+fn borrowed(part: &[f32], _t: usize, _d: usize, st: usize) -> (Cow<'_, [f32]>, usize) {
+    (Cow::Borrowed(part), st)
+}
+
+fn widened<T: WithDType>(part: &[T], t: usize, d: usize, st: usize) -> (Cow<'_, [f32]>, usize) {
+    let mut out = Vec::with_capacity(t * d);
+    for r in 0..t {
+        out.extend(part[r * st..][..d].iter().map(|x| x.to_f64() as f32));
+    }
+    (Cow::Owned(out), d)
+}
+
+/// The output buffer, written by every task at rows no other task writes.
+#[derive(Clone, Copy)]
+struct OutPtr<T>(*mut T);
+// SAFETY: tasks write disjoint rows (one (batch, head) each); see `run_tiles`.
+unsafe impl<T> Send for OutPtr<T> {}
+unsafe impl<T> Sync for OutPtr<T> {}
+
+impl<T> OutPtr<T> {
+    /// The element at offset i (a method, so closures capture the Send + Sync wrapper whole,
+    /// not its raw-pointer field).
+    ///
+    /// # Safety
+    /// i is inside the buffer.
+    unsafe fn at(self, i: usize) -> *mut T {
+        self.0.add(i)
+    }
+}
+
 impl FlashAttn {
-    /// One task per (batch, head): each writes its (T, d_head) result, then the results are
-    /// scattered into the (B, T, n_head, d_head) output (one extra pass over B·T·C values,
-    /// small next to the O(T²·d) attention work, and it keeps every task's writes disjoint).
-    fn run<T: WithDType>(&self, q: &[T], k: &[T], v: &[T], [b, t, h, d]: [usize; 4]) -> Vec<T> {
+    /// The GEMM-tile kernel, one task per (batch, head), each writing its rows of the
+    /// (B, T, n_head, d_head) output directly. `to_f32` gives a head's rows as f32 (`borrowed`
+    /// or `widened`).
+    fn run_tiles<'s, T: WithDType>(
+        &self,
+        [(q, qv), (k, kv), (v, vv)]: [(&'s [T], View); 3],
+        [b, t, h, d]: [usize; 4],
+        to_f32: impl Fn(&'s [T], usize, usize, usize) -> (Cow<'s, [f32]>, usize) + Sync,
+    ) -> Vec<T> {
+        let mut out = vec![T::zero(); b * t * h * d];
+        let ptr = OutPtr(out.as_mut_ptr());
+        (0..b * h).into_par_iter().for_each(|bh| {
+            let (bi, hi) = (bh / h, bh % h);
+            // Rows 0..T of this head in each input: from its view's offset, `st` apart.
+            let rows = |x: &'s [T], view: View| {
+                let start = view.head(bi, hi);
+                to_f32(&x[start..start + (t - 1) * view.st + d], t, d, view.st)
+            };
+            let ((qh, q_rs), (kh, k_rs), (vh, v_rs)) = (rows(q, qv), rows(k, kv), rows(v, vv));
+            let head = HeadRows { q: &qh, k: &kh, v: &vh, q_rs, k_rs, v_rs };
+            // Output row r of this head: ((b·T + r)·n_head + h)·d, rows n_head·d apart.
+            let base = (bi * t * h + hi) * d;
+            let mut write = |r: usize, o: &[f32]| {
+                // SAFETY: row r of head (bi, hi) lies inside `out` (base + r·h·d + d ≤ B·T·n_head·d)
+                // and no other task writes it: tasks own distinct (b, h) pairs, and the rows of
+                // different pairs do not overlap.
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr.at(base + r * h * d), d) };
+                for (x, &y) in dst.iter_mut().zip(o) {
+                    *x = T::from_f64(y as f64);
+                }
+            };
+            attend_head_tiles(&head, t, d, self.scale, self.causal, &mut write);
+        });
+        out
+    }
+
+    /// The row-wise twin, one task per (batch, head): each writes its (T, d_head) result, then
+    /// the results are scattered into the (B, T, n_head, d_head) output.
+    fn run_rowwise<T: WithDType>(&self, [(q, qv), (k, kv), (v, vv)]: [(&[T], View); 3], [b, t, h, d]: [usize; 4]) -> Vec<T> {
         let heads: Vec<Vec<T>> = (0..b * h)
             .into_par_iter()
             .map(|bh| {
-                // Row r of this head starts at ((b·T + r)·n_head + h)·d; rows are n_head·d apart.
-                let base = (bh / h) * t * h * d + (bh % h) * d;
-                let rows = Rows { base, stride: h * d, d };
-                attend_one_head(q, k, v, rows, t, self.scale, self.causal)
+                let (bi, hi) = (bh / h, bh % h);
+                let rows = |view: View| Rows { base: view.head(bi, hi), stride: view.st, d };
+                rowwise_head(q, k, v, [rows(qv), rows(kv), rows(vv)], t, self.scale, self.causal)
             })
             .collect();
         let mut out = vec![T::zero(); b * t * h * d];
@@ -346,7 +515,211 @@ impl FlashAttn {
     }
 }
 
-/// Where one head's rows live inside a (B, T, n_head, d_head) buffer.
+/// FlashAttention-2's forward pass for one (batch, head) with the two matrix products done as
+/// tile GEMMs (Dao 2023, Algorithm 1, in the paper's notation). For each query tile Q_i
+/// (B_r × d) and each key/value tile K_j, V_j (B_c × d):
+///
+/// ```text
+/// S   = Q_i K_jᵀ / √d                      GEMM, B_r × B_c × d   (gemm's micro-kernel)
+/// m'  = max(m, rowmax(S));  P = exp(S − m') on the tile, in L1/L2 (vectorised exp)
+/// l   = e^(m − m')·l + rowsum(P);  O = e^(m − m')·O
+/// O  += P V_j                              GEMM, B_r × d × B_c   (accumulates onto O)
+/// ```
+///
+/// and at the end O_i / l is the output. The row-wise twin spent its time loading and storing
+/// one O row per key (an axpy each); here both products are register-blocked GEMMs, which is
+/// where the FLOPs are (4·T²·d per head against T² exponentials). Causal: tiles wholly above the
+/// diagonal are never computed (the key loop stops at the query tile's last row), and the
+/// diagonal block runs in strips of 64 rows, each against the keys up to its own last row, with
+/// the strip's upper triangle masked by zeroing P there.
+///
+/// The softmax loops are compiled three times (baseline, AVX2+FMA, AVX-512) and picked at run
+/// time, as in the row-wise twin; the GEMMs dispatch on their own. `write(r, o)` receives output
+/// row r (normalised, f32).
+fn attend_head_tiles(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: this CPU supports AVX-512F and FMA, checked on the line above.
+        return unsafe { attend_head_tiles_avx512(head, t, d, scale, causal, write) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: this CPU supports AVX2 and FMA, checked on the line above.
+        return unsafe { attend_head_tiles_avx2_fma(head, t, d, scale, causal, write) };
+    }
+    attend_head_tiles_impl(head, t, d, scale, causal, write)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_head_tiles_avx2_fma(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+    attend_head_tiles_impl(head, t, d, scale, causal, write)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn attend_head_tiles_avx512(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+    attend_head_tiles_impl(head, t, d, scale, causal, write)
+}
+
+#[inline(always)]
+fn attend_head_tiles_impl(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+    let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
+    // Every row the tile GEMMs address lies inside these slices.
+    assert!(
+        q.len() >= (t - 1) * q_rs + d && k.len() >= (t - 1) * k_rs + d && v.len() >= (t - 1) * v_rs + d,
+        "head rows sized by the caller"
+    );
+    let mut s = vec![0f32; BR * BC]; // S_ij, then P_ij, in place: B_r × B_c, row stride B_c
+    let mut o = vec![0f32; BR * d]; // O_i: B_r × d
+    let (mut m, mut l) = ([0f32; BR], [0f32; BR]);
+    for i0 in (0..t).step_by(BR) {
+        let br = BR.min(t - i0);
+        o.fill(0.0); // O_i = 0
+        m.fill(f32::NEG_INFINITY); // m_i = −∞
+        l.fill(0.0); // l_i = 0
+        let mut tile = Tile { head, d, scale, s: &mut s, o: &mut o, m: &mut m, l: &mut l };
+        if causal {
+            // Keys before i0 are visible to every row of the tile: whole B_c tiles, no mask.
+            for j0 in (0..i0).step_by(BC) {
+                tile.step(i0, 0..br, j0, BC.min(i0 - j0), false);
+            }
+            // The diagonal block (keys i0..i0+br) in strips of DIAG rows, each against the keys
+            // up to its own last row: the masked waste is a DIAG × DIAG triangle per strip
+            // instead of half of B_r × B_r. Tiles above the diagonal are never computed.
+            for r0 in (0..br).step_by(DIAG) {
+                let rows = r0..br.min(r0 + DIAG);
+                tile.step(i0, rows.clone(), i0, rows.end, true);
+            }
+        } else {
+            for j0 in (0..t).step_by(BC) {
+                tile.step(i0, 0..br, j0, BC.min(t - j0), false);
+            }
+        }
+        // O_i = diag(l)⁻¹ · O_i
+        for r in 0..br {
+            let (inv_l, row) = (1.0 / l[r], &mut o[r * d..][..d]);
+            row.iter_mut().for_each(|x| *x *= inv_l);
+            write(i0 + r, row);
+        }
+    }
+}
+
+/// Rows per strip of the causal diagonal block (`attend_head_tiles_impl`).
+const DIAG: usize = 64;
+
+/// One query tile's state: the scratch S/P tile, O_i, m_i and l_i (B_r rows each).
+struct Tile<'a, 'h> {
+    head: &'a HeadRows<'h>,
+    d: usize,
+    scale: f32,
+    s: &'a mut [f32],
+    o: &'a mut [f32],
+    m: &'a mut [f32; BR],
+    l: &'a mut [f32; BR],
+}
+
+impl Tile<'_, '_> {
+    /// One step of the online softmax for query rows i0 + `rows` (rows within the tile) against
+    /// keys j0..j0+bc: S = Q·Kᵀ/√d, P = exp(S − m'), m, l, O updated, O += P·V. `causal`: row
+    /// i0 + r sees keys up to its own position only (the diagonal block).
+    #[inline(always)]
+    fn step(&mut self, i0: usize, rows: std::ops::Range<usize>, j0: usize, bc: usize, causal: bool) {
+        let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *self.head;
+        let (d, nr, r0) = (self.d, rows.len(), rows.start);
+        // S = (1/√d) · Q K_jᵀ: Q's rows are q_rs apart; K_jᵀ is read as K_j with its strides
+        // swapped (column stride k_rs, row stride 1). One thread: rayon is already busy with
+        // the other heads.
+        // SAFETY: the Q rows i0+r0..i0+r0+nr and K rows j0..j0+bc lie inside q and k (the caller
+        // asserted T rows of each; both ranges end at or before T); S has room for nr ≤ B_r rows
+        // of B_c ≥ bc; nothing else aliases s.
+        unsafe {
+            gemm::gemm(
+                nr,
+                bc,
+                d,
+                self.s.as_mut_ptr(),
+                1,
+                BC as isize,
+                false,
+                q[(i0 + r0) * q_rs..].as_ptr(),
+                1,
+                q_rs as isize,
+                k[j0 * k_rs..].as_ptr(),
+                k_rs as isize,
+                1,
+                0.0,
+                self.scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        };
+        for i in 0..nr {
+            let r = r0 + i; // row within the tile
+                            // Keys this row may see in this tile: all, or up to its own position.
+            let n = if causal { bc.min((i0 + r + 1).saturating_sub(j0)) } else { bc };
+            let p = &mut self.s[i * BC..][..bc];
+            if n == 0 {
+                p.fill(0.0); // P = 0: this row sees none of these keys
+                continue;
+            }
+            let m_new = max_f32(&p[..n], self.m[r]); // m' = max(m, rowmax(S))
+            let alpha = exp_f32(self.m[r] - m_new); // e^(m − m'): 0 on the first tile (m = −∞)
+            p[..n].iter_mut().for_each(|x| *x = exp_f32(*x - m_new)); // P = exp(S − m')
+            p[n..].fill(0.0); // masked (causal diagonal): P = 0
+            self.l[r] = alpha * self.l[r] + sum_f32(&p[..n]); // l = e^(m − m')·l + rowsum(P)
+            if alpha != 1.0 {
+                self.o[r * d..][..d].iter_mut().for_each(|x| *x *= alpha); // O = e^(m − m')·O
+            }
+            self.m[r] = m_new;
+        }
+        // O += P V_j: P is nr × bc (row stride B_c), V_j's rows v_rs apart.
+        // SAFETY: V rows j0..j0+bc lie inside v (as K's above); O has rows r0..r0+nr ≤ B_r of d;
+        // P lies in s; o and s do not alias.
+        unsafe {
+            gemm::gemm(
+                nr,
+                d,
+                bc,
+                self.o[r0 * d..].as_mut_ptr(),
+                1,
+                d as isize,
+                true,
+                self.s.as_ptr(),
+                1,
+                BC as isize,
+                v[j0 * v_rs..].as_ptr(),
+                1,
+                v_rs as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        };
+    }
+}
+
+/// max(init, max(row)) with 16 running maxima, so the loop vectorises (a single running max is a
+/// dependency chain the compiler may not reorder).
+#[inline(always)]
+fn max_f32(row: &[f32], init: f32) -> f32 {
+    let mut acc = [init; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = if x > *a { x } else { *a };
+        }
+    }
+    let tail = chunks.remainder().iter().fold(init, |a, &x| if x > a { x } else { a });
+    acc.iter().fold(tail, |a, &x| if x > a { x } else { a })
+}
+
+/// Where one head's rows live inside an input's storage (the row-wise twin's loads).
 #[derive(Clone, Copy)]
 struct Rows {
     base: usize,
@@ -371,13 +744,13 @@ impl Rows {
         for j in 0..n {
             let row = &src[self.base + (r0 + j) * self.stride..][..self.d];
             for (c, x) in row.iter().enumerate() {
-                dst[c * BC + j] = x.to_f64() as f32;
+                dst[c * ROW_BC + j] = x.to_f64() as f32;
             }
         }
     }
 }
 
-/// FlashAttention-2's forward pass for one (batch, head), in the paper's notation (Dao 2023,
+/// The slow twin (`CpuKernel::RowAxpy`), the first CPU kernel: FlashAttention-2's forward pass for one (batch, head), in the paper's notation (Dao 2023,
 /// Algorithm 1): for each query tile Q_i, stream the key/value tiles K_j, V_j and keep per
 /// query row a running max m, a running softmax denominator l and an unnormalised output
 /// accumulator O, rescaling both whenever the max grows. Scratch is O(T·d) for the result
@@ -387,53 +760,69 @@ impl Rows {
 /// x86-64 baseline (SSE2: 4 lanes, separate multiply and add), with AVX2 + FMA (8 lanes, fused
 /// multiply-add) and with AVX-512 (16 lanes), and the fastest one this CPU supports runs. Release builds for the
 /// baseline target would otherwise leave half the vector units idle.
-fn attend_one_head<T: WithDType>(q: &[T], k: &[T], v: &[T], rows: Rows, t: usize, scale: f32, causal: bool) -> Vec<T> {
+fn rowwise_head<T: WithDType>(q: &[T], k: &[T], v: &[T], [qr, kr, vr]: [Rows; 3], t: usize, scale: f32, causal: bool) -> Vec<T> {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: this CPU supports AVX-512F and FMA, checked on the line above.
-        return unsafe { attend_one_head_avx512(q, k, v, rows, t, scale, causal) };
+        return unsafe { rowwise_head_avx512(q, k, v, [qr, kr, vr], t, scale, causal) };
     }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: this CPU supports AVX2 and FMA, checked on the line above.
-        return unsafe { attend_one_head_avx2_fma(q, k, v, rows, t, scale, causal) };
+        return unsafe { rowwise_head_avx2_fma(q, k, v, [qr, kr, vr], t, scale, causal) };
     }
     // aarch64 always has fused multiply-add (NEON); elsewhere use separate multiply and add.
-    attend_one_head_impl::<T, { cfg!(target_arch = "aarch64") }>(q, k, v, rows, t, scale, causal)
+    rowwise_head_impl::<T, { cfg!(target_arch = "aarch64") }>(q, k, v, [qr, kr, vr], t, scale, causal)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_one_head_avx2_fma<T: WithDType>(q: &[T], k: &[T], v: &[T], rows: Rows, t: usize, scale: f32, causal: bool) -> Vec<T> {
-    attend_one_head_impl::<T, true>(q, k, v, rows, t, scale, causal)
+unsafe fn rowwise_head_avx2_fma<T: WithDType>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    [qr, kr, vr]: [Rows; 3],
+    t: usize,
+    scale: f32,
+    causal: bool,
+) -> Vec<T> {
+    rowwise_head_impl::<T, true>(q, k, v, [qr, kr, vr], t, scale, causal)
 }
 
 /// The same body with 16-lane AVX-512 registers: a B_c = 64 score row is four registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn attend_one_head_avx512<T: WithDType>(q: &[T], k: &[T], v: &[T], rows: Rows, t: usize, scale: f32, causal: bool) -> Vec<T> {
-    attend_one_head_impl::<T, true>(q, k, v, rows, t, scale, causal)
-}
-
-#[inline(always)]
-fn attend_one_head_impl<T: WithDType, const FMA: bool>(
+unsafe fn rowwise_head_avx512<T: WithDType>(
     q: &[T],
     k: &[T],
     v: &[T],
-    rows: Rows,
+    [qr, kr, vr]: [Rows; 3],
     t: usize,
     scale: f32,
     causal: bool,
 ) -> Vec<T> {
-    let d = rows.d;
-    let mut out = vec![T::zero(); t * d];
-    let (mut q_tile, mut o_tile) = (vec![0f32; BR * d], vec![0f32; BR * d]);
-    let (mut k_tile_t, mut v_tile) = (vec![0f32; d * BC], vec![0f32; BC * d]); // K_jᵀ (d × B_c), V_j (B_c × d)
-    let (mut m, mut l, mut s) = ([0f32; BR], [0f32; BR], [0f32; BC]);
+    rowwise_head_impl::<T, true>(q, k, v, [qr, kr, vr], t, scale, causal)
+}
 
-    for i0 in (0..t).step_by(BR) {
-        let br = BR.min(t - i0);
-        rows.load(q, i0, br, &mut q_tile);
+#[inline(always)]
+fn rowwise_head_impl<T: WithDType, const FMA: bool>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    [qr, kr, vr]: [Rows; 3],
+    t: usize,
+    scale: f32,
+    causal: bool,
+) -> Vec<T> {
+    let d = qr.d;
+    let mut out = vec![T::zero(); t * d];
+    let (mut q_tile, mut o_tile) = (vec![0f32; ROW_BR * d], vec![0f32; ROW_BR * d]);
+    let (mut k_tile_t, mut v_tile) = (vec![0f32; d * ROW_BC], vec![0f32; ROW_BC * d]); // K_jᵀ (d × B_c), V_j (B_c × d)
+    let (mut m, mut l, mut s) = ([0f32; ROW_BR], [0f32; ROW_BR], [0f32; ROW_BC]);
+
+    for i0 in (0..t).step_by(ROW_BR) {
+        let br = ROW_BR.min(t - i0);
+        qr.load(q, i0, br, &mut q_tile);
         o_tile.fill(0.0); // O_i = 0
         m.fill(f32::NEG_INFINITY); // m_i = −∞
         l.fill(0.0); // l_i = 0
@@ -441,10 +830,10 @@ fn attend_one_head_impl<T: WithDType, const FMA: bool>(
         // Causal: keys after this tile's last query are masked for every row in it, so those
         // K/V tiles are skipped entirely — about half the work at long T.
         let kv_end = if causal { i0 + br } else { t };
-        for j0 in (0..kv_end).step_by(BC) {
-            let bc = BC.min(kv_end - j0);
-            rows.load_transposed(k, j0, bc, &mut k_tile_t);
-            rows.load(v, j0, bc, &mut v_tile);
+        for j0 in (0..kv_end).step_by(ROW_BC) {
+            let bc = ROW_BC.min(kv_end - j0);
+            kr.load_transposed(k, j0, bc, &mut k_tile_t);
+            vr.load(v, j0, bc, &mut v_tile);
             for r in 0..br {
                 // Keys this row may see in this tile: all, or up to its own position.
                 let n = if causal { bc.min((i0 + r + 1).saturating_sub(j0)) } else { bc };
@@ -456,7 +845,7 @@ fn attend_one_head_impl<T: WithDType, const FMA: bool>(
                 // the whole row of scores held in registers; lanes past n are never read).
                 s.fill(0.0);
                 for (c, &q_rc) in q_tile[r * d..][..d].iter().enumerate() {
-                    let k_c: &[f32; BC] = k_tile_t[c * BC..][..BC].try_into().expect("B_c wide");
+                    let k_c: &[f32; ROW_BC] = k_tile_t[c * ROW_BC..][..ROW_BC].try_into().expect("ROW_BC wide");
                     for (s_j, &k_cj) in s.iter_mut().zip(k_c) {
                         *s_j = fma::<FMA>(q_rc, k_cj, *s_j);
                     }
@@ -532,16 +921,16 @@ mod tests {
     }
 
     #[test]
-    fn baseline_and_fma_bodies_agree() {
+    fn rowwise_twin_baseline_and_fma_bodies_agree() {
         // Whichever body this CPU dispatches to, the other one is checked here too.
         let (t, h, d) = (77, 2, 64);
         let n = t * h * d;
         let data = shared::weights::SplitMix64::new(3).normals(3 * n);
         let (q, k, v) = (&data[..n], &data[n..2 * n], &data[2 * n..]);
-        let rows = Rows { base: d, stride: h * d, d }; // the second head
+        let rows = [Rows { base: d, stride: h * d, d }; 3]; // the second head
         for causal in [true, false] {
-            let a = attend_one_head_impl::<f32, false>(q, k, v, rows, t, 0.125, causal);
-            let b = attend_one_head_impl::<f32, true>(q, k, v, rows, t, 0.125, causal);
+            let a = rowwise_head_impl::<f32, false>(q, k, v, rows, t, 0.125, causal);
+            let b = rowwise_head_impl::<f32, true>(q, k, v, rows, t, 0.125, causal);
             let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             assert!(worst < 1e-5, "causal={causal}: {worst}");
             // The compiled-for-SIMD bodies, where this CPU has them.
@@ -550,12 +939,12 @@ mod tests {
                 (
                     "avx2",
                     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
-                    attend_one_head_avx2_fma::<f32> as unsafe fn(_, _, _, _, _, _, _) -> _,
+                    rowwise_head_avx2_fma::<f32> as unsafe fn(_, _, _, _, _, _, _) -> _,
                 ),
                 (
                     "avx512",
                     std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma"),
-                    attend_one_head_avx512::<f32>,
+                    rowwise_head_avx512::<f32>,
                 ),
             ] {
                 if ok {
@@ -565,6 +954,62 @@ mod tests {
                     assert!(worst < 1e-5, "{name} causal={causal}: {worst}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn gemm_tile_kernel_simd_bodies_agree_with_the_baseline_one() {
+        // The tile kernel's baseline body (scalar softmax loops) against the AVX2 and AVX-512
+        // ones, on a head read through strides (the second of 2 heads, rows 3·h·d apart as in
+        // stage 3's QKV output) with a ragged T (neither a multiple of B_r nor of B_c).
+        type Body = unsafe fn(&HeadRows, usize, usize, f32, bool, &mut dyn FnMut(usize, &[f32]));
+        let (t, h, d) = (BC + BR + 13, 2, 32);
+        let rs = 3 * h * d;
+        let data = shared::weights::SplitMix64::new(5).normals(t * rs);
+        let head = HeadRows { q: &data[d..], k: &data[h * d + d..], v: &data[2 * h * d + d..], q_rs: rs, k_rs: rs, v_rs: rs };
+        let run = |body: Body, causal: bool| {
+            let mut out = vec![0f32; t * d];
+            // SAFETY: called only with bodies this CPU supports (checked by the caller).
+            unsafe { body(&head, t, d, 0.17, causal, &mut |r, o| out[r * d..][..d].copy_from_slice(o)) };
+            out
+        };
+        fn baseline(h: &HeadRows, t: usize, d: usize, s: f32, c: bool, w: &mut dyn FnMut(usize, &[f32])) {
+            attend_head_tiles_impl(h, t, d, s, c, w)
+        }
+        for causal in [true, false] {
+            let a = run(baseline as Body, causal);
+            assert!(a.iter().all(|x| x.is_finite()) && a.iter().any(|&x| x != 0.0));
+            #[cfg(target_arch = "x86_64")]
+            for (name, ok, body) in [
+                (
+                    "avx2",
+                    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
+                    attend_head_tiles_avx2_fma as Body,
+                ),
+                (
+                    "avx512",
+                    std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma"),
+                    attend_head_tiles_avx512,
+                ),
+            ] {
+                if ok {
+                    let c = run(body, causal);
+                    let worst = a.iter().zip(&c).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                    assert!(worst < 1e-5, "{name} causal={causal}: {worst}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn max_f32_takes_every_element() {
+        for n in [0, 1, 15, 16, 17, 40] {
+            for at in 0..n {
+                let mut row = vec![-1f32; n];
+                row[at] = 2.5;
+                assert_eq!(max_f32(&row, -3.0), 2.5, "n={n} at={at}");
+            }
+            assert_eq!(max_f32(&vec![-1f32; n], 7.0), 7.0);
         }
     }
 

@@ -1,7 +1,8 @@
 //! criterion, CPU (issue 15): what the block's time is made of on the `small` preset
 //! (B·T = 2048 rows, C = 768, FF = 3072).
-//! - `gemm`: the block's four GEMMs through candle's matmul, i.e. the GEMM backend this build
-//!   uses (`gemm` x86-v4 by default; MKL with `--features mkl`, after `eval "$(scripts/mkl.sh)"`).
+//! - `gemm`: the shapes the ceiling probe measures: the four linears through candle's matmul,
+//!   i.e. the GEMM backend this build uses, and attention's Q·Kᵀ and P·V per head through the gemm
+//!   crate, rayon over heads (`shared::ceiling::attention_gemms`, as stage 2's kernel runs them) (`gemm` x86-v4 by default; MKL with `--features mkl`, after `eval "$(scripts/mkl.sh)"`).
 //!   Throughput is in FLOPs, so criterion prints GFLOP/s as "Gelem/s".
 //! - `elementwise`: `shared::elementwise` (parallel, vectorised, one pass per op) against its
 //!   slow twin, candle's own ops (`Elementwise::Candle`): LayerNorm, GELU, bias add, cast.
@@ -28,11 +29,20 @@ fn gemm(c: &mut Criterion) {
     let mut group = c.benchmark_group(format!("gemm/{}", shared::ceiling::gemm_backend()));
     group.sample_size(10).measurement_time(Duration::from_secs(5));
     let shape = shared::Shape { batch: 4, seq: 512, d_model: C, n_head: 12, ff: FF }; // small: B·T = 2048
-    for (name, m, n, k) in shared::ceiling::block_gemms(&shape) {
-        let (x, w) = (randn(&[m, k], 1, 1.0), randn(&[n, k], 2, 0.02));
-        let wt = w.t().unwrap();
-        group.throughput(Throughput::Elements((2 * m * n * k) as u64));
-        group.bench_function(BenchmarkId::new(name, format!("{m}x{n}x{k}")), |b| b.iter(|| x.matmul(&wt).unwrap()));
+    for g in shared::ceiling::probe_gemms(&shape) {
+        let (name, batch, m, n, k) = (g.name, g.batch, g.m, g.n, g.k);
+        group.throughput(Throughput::Elements(g.flops() as u64));
+        let id = BenchmarkId::new(name, format!("{batch}x{m}x{n}x{k}"));
+        if batch == 1 {
+            // The linears: x (m × k) · Wᵀ through candle's matmul.
+            let (x, w) = (randn(&[m, k], 1, 1.0), randn(&[n, k], 2, 0.02).t().unwrap());
+            group.bench_function(id, |b| b.iter(|| x.matmul(&w).unwrap()));
+        } else {
+            // Attention's products, per head, as the probe and stage 2's kernel run them.
+            let (x, w) = (SplitMix64::new(1).normals(batch * m * k), SplitMix64::new(2).normals(batch * k * n));
+            let mut y = vec![0f32; batch * m * n];
+            group.bench_function(id, |b| b.iter(|| shared::ceiling::attention_gemms(&g, &x, &w, &mut y)));
+        }
     }
     group.finish();
 }

@@ -18,7 +18,7 @@
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use rayon::prelude::*;
-use shared::elementwise::{exp_f32, map_in_place, map_slice, Elementwise};
+use shared::elementwise::{exp_f32, map_in_place, map_slice, row_stats, Elementwise, RowStats};
 
 /// LayerNorm's ε, as in GPT-2.
 pub const LN_EPS: f32 = 1e-5;
@@ -31,11 +31,15 @@ pub const LN_EPS: f32 = 1e-5;
 /// stage 2 comes from one GELU pass instead of nine, not from the blocking.
 pub const GELU_ROWS: usize = 256;
 
+/// Rows per rayon task in the LayerNorms: 16 rows of C = 768 is 48 KiB, enough work (~5 µs) to
+/// amortise a task; one task per row ran 3x slower than this at (2048, 768) on 2 cores.
+const ROWS_PER_TASK: usize = 16;
+
 /// LayerNorm over the last dimension, output cast to `dtype` in the same pass.
-/// x: (…, C) f32; g, b: (C) f32. Per row: a sum, a variance about the mean, then normalise and
-/// write — three reads of a row that stays in L1 (C = 768 floats is 3 KiB), instead of the
-/// seven full passes over (B, T, C) that stage 0's primitive ops make (nine ops, two of them
-/// on the (B, T, 1) statistics).
+/// x: (…, C) f32; g, b: (C) f32. Per row: the statistics from one read, then normalise and
+/// write while the row is in L1 (C = 768 floats is 3 KiB), instead of the seven full passes
+/// over (B, T, C) that stage 0's primitive ops make (nine ops, two of them on the (B, T, 1)
+/// statistics); the cast to the GEMM dtype rides along.
 /// Slow twin: `stage0_baseline::layer_norm` then `to_dtype`.
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
@@ -50,8 +54,9 @@ pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_co
     let ((xg, xl), (gg, gl), (bg, bl)) = (x32.storage_and_layout(), g32.storage_and_layout(), b32.storage_and_layout());
     let (xs, gs, bs) = (f32_slice(&xg, xl)?, f32_slice(&gg, gl)?, f32_slice(&bg, bl)?);
     let mut out = vec![0f32; xs.len()];
-    out.par_chunks_mut(c).zip(xs.par_chunks(c)).for_each(|(o, row)| {
-        normalise_row(row, sum_f64(row), gs, bs, o);
+    let rows = ROWS_PER_TASK * c;
+    out.par_chunks_mut(rows).zip(xs.par_chunks(rows)).for_each(|(o, x)| {
+        o.chunks_mut(c).zip(x.chunks(c)).for_each(|(o, row)| normalise_row(row, gs, bs, o));
     });
     cast(Tensor::from_vec(out, x.shape(), x.device())?, dtype)
 }
@@ -74,46 +79,27 @@ pub fn add_layer_norm(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> ca
     let ((gg, gl), (bg, bl)) = (g32.storage_and_layout(), b32.storage_and_layout());
     let (xs, brs, gs, bs) = (f32_slice(&xg, xl)?, f32_slice(&brg, brl)?, f32_slice(&gg, gl)?, f32_slice(&bg, bl)?);
     let (mut x_out, mut h_out) = (vec![0f32; xs.len()], vec![0f32; xs.len()]);
-    x_out.par_chunks_mut(c).zip(h_out.par_chunks_mut(c)).zip(xs.par_chunks(c).zip(brs.par_chunks(c))).for_each(|((xo, ho), (xr, br))| {
-        map_slice(xo, xr, &|i, a| a + br[i]); // the new residual stream
-        normalise_row(xo, sum_f64(xo), gs, bs, ho);
-    });
+    let rows = ROWS_PER_TASK * c;
+    x_out.par_chunks_mut(rows).zip(h_out.par_chunks_mut(rows)).zip(xs.par_chunks(rows).zip(brs.par_chunks(rows))).for_each(
+        |((xo, ho), (xr, br))| {
+            for (((xo, ho), xr), br) in xo.chunks_mut(c).zip(ho.chunks_mut(c)).zip(xr.chunks(c)).zip(br.chunks(c)) {
+                map_slice(xo, xr, &|i, a| a + br[i]); // the new residual stream
+                normalise_row(xo, gs, bs, ho);
+            }
+        },
+    );
     let x_new = Tensor::from_vec(x_out, x.shape(), x.device())?;
     let h = cast(Tensor::from_vec(h_out, x.shape(), x.device())?, branch.dtype())?;
     Ok((x_new, h))
 }
 
-/// h = (row − mean) / √(var + ε) · g + b, given Σrow; variance about the mean (two-pass, so it
-/// does not cancel when the mean is large). The row is in L1 from the caller's pass.
-/// Both loops run in the CPU's widest SIMD (8 f64 partial sums vectorise; `map_slice` dispatches).
+/// h = (row − mean) / √(var + ε) · g + b, the statistics from one read of the row
+/// (`shared::elementwise::row_stats`: shifted sums in f64, accurate for rows with a large mean),
+/// then one vectorised write pass while the row is in L1 (`map_slice` dispatches to AVX-512/AVX2).
 #[inline]
-fn normalise_row(row: &[f32], sum: f64, g: &[f32], b: &[f32], h: &mut [f32]) {
-    let n = row.len() as f64;
-    let mean = sum / n;
-    let mut acc = [0f64; 8];
-    let mut chunks = row.chunks_exact(8);
-    for c in &mut chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a += (v as f64 - mean) * (v as f64 - mean);
-        }
-    }
-    let tail: f64 = chunks.remainder().iter().map(|&v| (v as f64 - mean).powi(2)).sum();
-    let var = (acc.iter().sum::<f64>() + tail) / n; // biased, as PyTorch
-    let (mean, inv) = (mean as f32, (1.0 / (var + LN_EPS as f64).sqrt()) as f32);
-    map_slice(h, row, &|i, v| (v - mean) * inv * g[i] + b[i]);
-}
-
-/// Σ row in f64 with 8 partial sums (vectorises; one f64 accumulator could not be reordered).
-#[inline]
-fn sum_f64(row: &[f32]) -> f64 {
-    let mut acc = [0f64; 8];
-    let mut chunks = row.chunks_exact(8);
-    for c in &mut chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a += v as f64;
-        }
-    }
-    acc.iter().sum::<f64>() + chunks.remainder().iter().map(|&v| v as f64).sum::<f64>()
+fn normalise_row(row: &[f32], g: &[f32], b: &[f32], h: &mut [f32]) {
+    let RowStats { shift, shift_minus_mean, inv_std } = row_stats(row, LN_EPS as f64);
+    map_slice(h, row, &|i, v| ((v - shift) + shift_minus_mean) * inv_std * g[i] + b[i]);
 }
 
 /// A cast in parallel on the CPU (candle's is one thread); a no-op when the dtype is already right.
