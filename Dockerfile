@@ -1,10 +1,12 @@
-# candle-speedkit on an NVIDIA GPU: the whole ladder, built with --features cuda,flash-attn.
+# candle-speedkit on an NVIDIA GPU: the whole ladder, built with --features cuda, so stages 2–4
+# run the project's own attention kernel (the one the lesson is about).
 #
 #   docker build -t candle-speedkit --build-arg CUDA_COMPUTE_CAP=90 .
 #   docker run --rm --gpus all candle-speedkit
 #
-# One stage, on the devel image: the flash-attn build needs nvcc and git, and stage 3 compiles
-# its hand-written kernel with NVRTC at run time. The host needs the NVIDIA Container Toolkit
+# Opt in to candle-flash-attn instead of our kernel (its build fetches CUTLASS, so it needs the
+# network): --build-arg FEATURES=cuda,flash-attn. Every table says which attention ran.
+# The devel image: stage 3 and 4 compile their hand-written kernels with NVRTC at run time. The host needs the NVIDIA Container Toolkit
 # and a driver for CUDA 13 (580 or newer).
 FROM nvidia/cuda:13.0.2-devel-ubuntu24.04
 
@@ -17,6 +19,8 @@ FROM nvidia/cuda:13.0.2-devel-ubuntu24.04
 ARG CUDA_COMPUTE_CAP=90
 # The toolchain the workspace is developed and tested with (Cargo.toml's rust-version is the floor).
 ARG RUST_VERSION=1.95.0
+# cuda (default): our own kernels; cuda,flash-attn: stages 2–4 attention through candle-flash-attn.
+ARG FEATURES=cuda
 
 ENV CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP} \
     RUSTUP_HOME=/usr/local/rustup \
@@ -39,7 +43,7 @@ RUN curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs \
 # The whole checkout, .git included: the ladder records the commit it was built from.
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked --features cuda,flash-attn -p ladder \
+RUN cargo build --release --locked --features "${FEATURES}" -p ladder \
     && cp target/release/ladder /usr/local/bin/ladder
 
 # The ladder on TransformerEngine's getting-started shape. Any ladder flags can follow the image

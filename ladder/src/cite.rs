@@ -82,7 +82,8 @@ const MEASURED_UNITS: [&str; 14] = ["ms", "µs", "s", "x", "GFLOP/s", "TFLOP/s",
 /// tolerance such as `1e-2` is a constant), outside fenced and
 /// inline code, links (a citation, or a link to the file it comes from), HTML comments, and
 /// the generated regions between `<!-- NAME:begin -->` and `<!-- NAME:end -->`. A target or bound
-/// written with ≥, ≤, < or > before it is not a measurement. Returns (line number, the text).
+/// written with ≥, ≤, < or > before it is not a measurement, nor is the noise label ≈1.0x.
+/// Returns (line number, the text).
 pub fn bare_numbers(doc: &str) -> Vec<(usize, String)> {
     let mut out = Vec::new();
     let (mut fenced, mut generated) = (false, false);
@@ -171,7 +172,8 @@ fn numbers_in(prose: &str) -> Vec<String> {
             .iter()
             .any(|u| unit.starts_with(u) && !unit[u.len()..].chars().next().is_some_and(|c| c.is_alphanumeric() || c == '/'));
         let before: String = chars[..i].iter().rev().take(3).collect::<String>().chars().rev().collect();
-        let bound = ["≥", "≤", "<", ">"].iter().any(|b| before.trim_end().ends_with(b));
+        // ≥ ≤ < > mark a target or bound; ≈ marks the noise label (`≈1.0x`), not a value.
+        let bound = ["≥", "≤", "<", ">", "≈"].iter().any(|b| before.trim_end().ends_with(b));
         if (has_unit || e_notation) && !bound {
             out.push(number);
         }
@@ -274,7 +276,7 @@ mod tests {
     fn bare_measured_numbers_are_found_and_cited_ones_are_not() {
         let doc = "Stage 3 takes 300 ms and buys 1.31x; [93.0 ms](results/a.json \"x\") is cited.\n\
                    Error 2.8e-2 at te (tolerance 1e-2), 58.8% of the ceiling, 12 GB/s.\n\
-                   Targets: ≥ 80 % and ≥ 1.4x. d_head 64, sm_90, 16 bytes, 2 cores, step 3, h100-98cd396.\n\
+                   Targets: ≥ 80 % and ≥ 1.4x, within noise ≈1.0x. d_head 64, sm_90, 16 bytes, 2 cores, step 3, h100-98cd396.\n\
                    `cargo run -- --iters 10` and <!-- 5 ms --> are not prose.\n\
                    ```\n12 ms in a code block\n```\n\
                    <!-- results:begin -->\n| 550 ms |\n<!-- results:end -->\n\

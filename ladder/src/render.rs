@@ -124,11 +124,10 @@ fn breakdown_grid(report: &LadderReport) -> (Vec<String>, Vec<Vec<String>>) {
     let rows = with
         .iter()
         .map(|r| {
-            // A file recorded before parts carried their regime gets it computed here, the same way.
+            // Recomputed from the validated times, shape and ceilings rather than read from the
+            // file (older files have none; a file's own figures are not trusted for display).
             let mut r = (*r).clone();
-            if r.breakdown.as_ref().is_some_and(|b| b.parts.iter().any(|p| p.regime.is_none())) {
-                shared::regime::annotate(&mut r, bandwidth);
-            }
+            shared::regime::annotate(&mut r, bandwidth);
             let b = r.breakdown.as_ref().expect("filtered");
             let cell = |p: &shared::breakdown::PartTime| match &p.regime {
                 Some(g) => format!("{} · {}", fmt_ms(p.median_ms), shared::regime::tag(g)),

@@ -59,9 +59,9 @@ pub struct PartRegime {
     pub min_bytes: f64,
     pub gflops: f64,
     pub gbs: f64,
-    /// Achieved GFLOP/s over the compute roof, and GB/s over the memory roof (fractions).
-    pub of_compute_roof: f64,
-    pub of_memory_roof: f64,
+    /// Achieved GFLOP/s as a % of the compute roof, and GB/s as a % of the memory roof.
+    pub pct_of_compute_roof: f64,
+    pub pct_of_memory_roof: f64,
     /// "compute-bound", "memory-bound" or "overhead".
     pub regime: String,
 }
@@ -138,7 +138,7 @@ pub fn classify(work: PartWork, ms: f64, roofs: &Roofs) -> Option<PartRegime> {
     }
     let gflops = work.flops / ms / 1e6;
     let gbs = work.min_bytes / ms / 1e6;
-    let (of_compute_roof, of_memory_roof) = (gflops / roofs.gflops, gbs / roofs.gbs);
+    let (pct_of_compute_roof, pct_of_memory_roof) = (100.0 * gflops / roofs.gflops, 100.0 * gbs / roofs.gbs);
     // The roofline time, in ms: the larger of the two terms decides which roof applies.
     let (t_compute, t_memory) = (work.flops / roofs.gflops / 1e6, work.min_bytes / roofs.gbs / 1e6);
     let explained = t_compute.max(t_memory) / ms;
@@ -147,18 +147,26 @@ pub fn classify(work: PartWork, ms: f64, roofs: &Roofs) -> Option<PartRegime> {
         (true, true) => "compute-bound",
         (true, false) => "memory-bound",
     };
-    Some(PartRegime { flops: work.flops, min_bytes: work.min_bytes, gflops, gbs, of_compute_roof, of_memory_roof, regime: regime.into() })
+    Some(PartRegime {
+        flops: work.flops,
+        min_bytes: work.min_bytes,
+        gflops,
+        gbs,
+        pct_of_compute_roof,
+        pct_of_memory_roof,
+        regime: regime.into(),
+    })
 }
 
 /// The table cell's tag: "C 98%" (compute-bound, % of the compute roof), "M 40%" (memory-bound,
 /// % of the memory roof), "O 4%" (overhead, % of the roof its intensity puts it under).
 pub fn tag(r: &PartRegime) -> String {
-    let (letter, of) = match r.regime.as_str() {
-        "compute-bound" => ("C", r.of_compute_roof),
-        "memory-bound" => ("M", r.of_memory_roof),
-        _ => ("O", r.of_compute_roof.max(r.of_memory_roof)),
+    let (letter, pct) = match r.regime.as_str() {
+        "compute-bound" => ("C", r.pct_of_compute_roof),
+        "memory-bound" => ("M", r.pct_of_memory_roof),
+        _ => ("O", r.pct_of_compute_roof.max(r.pct_of_memory_roof)),
     };
-    format!("{letter} {:.0}%", of * 100.0)
+    format!("{letter} {pct:.0}%")
 }
 
 /// The roofs a record's parts are measured against: the compute roof its % of peak uses
@@ -242,7 +250,7 @@ mod tests {
         // qkv at small: 7.25 GFLOP; at 40 ms that is 181 GFLOP/s, the measured GEMM rate.
         let qkv = classify(part_work("qkv", &s, 4.0, 4.0).unwrap(), 40.0, &roofs()).unwrap();
         assert_eq!(qkv.regime, "compute-bound");
-        assert!(qkv.of_compute_roof > 0.9, "{qkv:?}");
+        assert!(qkv.pct_of_compute_roof > 90.0, "{qkv:?}");
         // ln1 at small moves 12.6 MB at least: 1.0 ms is 12.6 GB/s, two thirds of STREAM.
         let ln = classify(part_work("ln1", &s, 4.0, 4.0).unwrap(), 1.0, &roofs()).unwrap();
         assert_eq!(ln.regime, "memory-bound");
