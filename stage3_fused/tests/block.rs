@@ -95,3 +95,31 @@ fn the_copies_kept_variant_of_stage_2_computes_the_same_block() {
     let d = (y - y_copies).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
     assert_eq!(d, 0.0);
 }
+
+#[test]
+fn with_every_fusion_off_stage_3_computes_exactly_what_stage_2_computes() {
+    // Each slow twin is what stage 2 runs for that part (issue 23): stage 3 with all four fusions
+    // off must then produce stage 2's output bit for bit, on the same weights and input, at fp32
+    // and at bf16 (where the casts are part of the ops). Any other op, order or formula in a
+    // twin (another GELU, a threaded LayerNorm, a different cast) would change some bits.
+    use shared::{Fusions, StageOptions};
+    let shape = Preset::Tiny.shape();
+    let (device, info) = select(DeviceRequest::Cpu).unwrap();
+    let w = BlockWeights::from_seed(&shape, 10).unwrap();
+    let x = random_input(&shape, 10).unwrap();
+    for p in [Precision::Fp32, Precision::Bf16] {
+        let run = |spec: StageSpec, fusions: Fusions| {
+            let options = StageOptions { fusions, ..StageOptions::default() };
+            let plan = spec.plan_with(&device, &info, shape, PrecisionRequest::Exactly(p), options).unwrap();
+            (spec.build)(&w, &plan).unwrap().forward(&x).unwrap().to_dtype(candle_core::DType::F32).unwrap()
+        };
+        let stage2 = run(StageSpec::of::<stage2_sdpa::Block>(), Fusions::ALL).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let unfused = run(StageSpec::of::<stage3_fused::Block>(), Fusions::NONE).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let fused = run(StageSpec::of::<stage3_fused::Block>(), Fusions::ALL).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(bits(&unfused), bits(&stage2), "{p}: stage 3 with every fusion off is not stage 2's computation");
+        // Not vacuous: the fusions do change the arithmetic (another GELU evaluation, one-pass
+        // LayerNorm statistics), so the fused block differs from stage 2 in some bits.
+        assert_ne!(bits(&fused), bits(&stage2), "{p}: the fused block is bit-identical to stage 2, so the test cannot tell");
+    }
+}
