@@ -484,7 +484,8 @@ fn graphs(r: &mut Rows, device: &Device, info: &DeviceInfo) {
             let graphed = shared::graph::capture(spec.name, (spec.build)(&weights, &plan)?, &x)?;
             graphed.forward(&x)?;
             let replayed = graphed.forward(&x)?.copy()?; // the second replay
-                                                         // The same kernels on the same input; only a GEMM algorithm choice could differ.
+
+            // The same kernels on the same input; only a GEMM algorithm choice could differ.
             Ok((replayed, plain, 1e-3))
         });
     }

@@ -466,7 +466,8 @@ mod cuda_pool {
 
         fn pool_attr(&self, attr: sys::CUmemPool_attribute) -> Option<u64> {
             let mut v: u64 = 0; // cuuint64_t for the memory attributes
-                                // SAFETY: USED_MEM_* attributes are cuuint64_t; `v` outlives the call.
+
+            // SAFETY: USED_MEM_* attributes are cuuint64_t; `v` outlives the call.
             ok(unsafe { sys::cuMemPoolGetAttribute(self.pool, attr, &mut v as *mut u64 as *mut c_void) }).ok().map(|_| v)
         }
 
@@ -488,7 +489,8 @@ mod cuda_pool {
         fn reset_high(&mut self) {
             let _ = self.stream.context().bind_to_thread();
             let mut zero: u64 = 0; // the only value these resets accept: "from now"
-                                   // SAFETY: documented resets; cuuint64_t value 0.
+
+            // SAFETY: documented resets; cuuint64_t value 0.
             unsafe {
                 let _ = sys::cuMemPoolSetAttribute(
                     self.pool,

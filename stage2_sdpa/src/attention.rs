@@ -861,8 +861,9 @@ fn rowwise_head_impl<T: WithDType, const FMA: bool>(
                 let o_r = &mut o_tile[r * d..][..d];
                 o_r.iter_mut().for_each(|o| *o *= alpha); // O = α·O
                 l[r] *= alpha; // l = α·l
-                               // P_rj = exp(S_rj − m_new) for the whole row first: one loop the compiler
-                               // vectorises (shared's libm-free exp), instead of a scalar exp per key.
+
+                // P_rj = exp(S_rj − m_new) for the whole row first: one loop the compiler
+                // vectorises (shared's libm-free exp), instead of a scalar exp per key.
                 let mut row_sum = 0f32;
                 for s_j in s[..n].iter_mut() {
                     *s_j = exp_f32(*s_j - m_new);

@@ -372,7 +372,8 @@ mod tests {
         assert_eq!(blocks_per_sm(V2, 64, 228 * 1024), 3); // registers: 3 × 21 K
         assert_eq!(blocks_per_sm(V2, 128, 164 * 1024), 2); // A100: shared memory, 2 × 65 KiB
         assert_eq!(blocks_per_sm(V2, 128, 100 * 1024), 1); // sm_86 / sm_89
-                                                           // The grid and the causal tile count are v1's (same tiles).
+
+        // The grid and the causal tile count are v1's (same tiles).
         assert_eq!(
             launch_config(V2, 8, 2048, 32, 128, true, H100_OPT_IN).unwrap(),
             LaunchPlan { shared_mem_bytes: 65_536, ..launch_config(V1, 8, 2048, 32, 128, true, H100_OPT_IN).unwrap() }

@@ -126,7 +126,8 @@ fn launch(
     let a_layout = layout(T::CUDA_R_8F_E4M3, args.a_rows, args.a_cols, args.lda)?;
     let b_layout = layout(T::CUDA_R_8F_E4M3, args.b_rows, args.b_cols, args.ldb)?;
     let d_layout = layout(T::CUDA_R_16BF, args.d_rows, args.d_cols, args.ldd)?; // C shares it (β = 0)
-                                                                                // f32 accumulation and f32 alpha/beta/scales.
+
+    // f32 accumulation and f32 alpha/beta/scales.
     let desc = result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, T::CUDA_R_32F)
         .map(Desc)
         .map_err(|e| err("matmul desc", e))?;
