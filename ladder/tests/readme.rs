@@ -138,17 +138,23 @@ fn command_matching() {
     assert_eq!(readme_commands(readme), ["cargo bench -p x", "source a.sh", "cargo check # why", "cargo run  -p ladder"]);
 }
 
+/// README.md and every docs/*.md page: the prose the citation tests read.
+fn pages() -> Vec<std::path::PathBuf> {
+    let mut pages = vec![root().join("README.md")];
+    for e in std::fs::read_dir(root().join("docs")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "md") {
+            pages.push(p);
+        }
+    }
+    pages
+}
+
 /// Every number README.md and docs/*.md cite from a recorded run (`ladder::cite`) is what that
 /// JSON holds, and the README's stage sections cite at least one each.
 #[test]
 fn every_cited_number_is_in_the_json_it_names() {
-    let mut docs = vec![root().join("README.md")];
-    for e in std::fs::read_dir(root().join("docs")).unwrap() {
-        let p = e.unwrap().path();
-        if p.extension().is_some_and(|x| x == "md") {
-            docs.push(p);
-        }
-    }
+    let docs = pages();
     let mut total = 0;
     for doc in &docs {
         let text = std::fs::read_to_string(doc).unwrap();
@@ -174,13 +180,7 @@ fn every_cited_number_is_in_the_json_it_names() {
 /// or ≤, constants and limits as code (`256 MiB`).
 #[test]
 fn no_measured_number_in_prose_goes_without_its_source() {
-    let mut pages = vec![root().join("README.md")];
-    for e in std::fs::read_dir(root().join("docs")).unwrap() {
-        let p = e.unwrap().path();
-        if p.extension().is_some_and(|x| x == "md") {
-            pages.push(p);
-        }
-    }
+    let pages = pages();
     assert!(pages.len() > 5, "README and the docs pages: {pages:?}");
     let mut bad = Vec::new();
     for page in &pages {
