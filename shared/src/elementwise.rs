@@ -365,7 +365,11 @@ pub fn exp_f32(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     const ROUND: f32 = 12_582_912.0; // 1.5·2²³: adding and subtracting it rounds to an integer
     let xc = x.clamp(-86.6, 88.7);
-    let n = (xc * LOG2E + ROUND) - ROUND; // round(x / ln2), in [−125, 128]
+    let shifted = xc * LOG2E + ROUND; // round(x / ln2) + 1.5·2²³: the integer sits in the low mantissa bits
+    let n = shifted - ROUND; // round(x / ln2), in [−125, 128]
+                             // The same integer read from the bits, not by `n as i32`: Rust's saturating float-to-int
+                             // cast kept LLVM from vectorising loops over this function (one scalar conversion per value).
+    let n_int = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
     let r = xc - n * LN2_HI - n * LN2_LO;
     let p = 1.987_569_1e-4;
     let p = p * r + 1.398_199_9e-3;
@@ -374,7 +378,7 @@ pub fn exp_f32(x: f32) -> f32 {
     let p = p * r + 1.666_666_5e-1;
     let p = p * r + 0.5; // Cephes: 5.0000001201e-1, which is 0.5 in f32
     let er = p * r * r + r + 1.0;
-    let y = er * f32::from_bits(((n as i32 + 126) as u32) << 23) * 2.0; // 2^(n−1)·2: n = 128 stays finite
+    let y = er * f32::from_bits(((n_int + 126) as u32) << 23) * 2.0; // 2^(n−1)·2: n = 128 stays finite
     if x < -86.6 {
         0.0
     } else if x > 88.72 {

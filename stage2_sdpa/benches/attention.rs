@@ -28,16 +28,16 @@ fn attention(c: &mut Criterion) {
         let (q, k, v) = (mk(1), mk(2), mk(3));
         // Useful FLOPs of causal attention: half of 4·B·T²·C.
         group.throughput(Throughput::Elements((2 * b * t * t * h * d) as u64));
-        for kernel in [CpuKernel::GemmTiles, CpuKernel::RowAxpy] {
-            let name = if kernel == CpuKernel::GemmTiles { "gemm_tiles" } else { "row_axpy" };
+        for (kernel, name) in [(CpuKernel::GemmTiles, "gemm_tiles"), (CpuKernel::Registers, "registers"), (CpuKernel::RowAxpy, "row_axpy")]
+        {
             group.bench_function(BenchmarkId::new(name, t), |bench| bench.iter(|| attention_cpu(kernel, &q, &k, &v, true).unwrap()));
         }
         // Stage 3's layout: q, k, v are views of the QKV GEMM's (B, T, 3, n_head, d_head) output.
         let qkv = Tensor::stack(&[&q, &k, &v], 2).unwrap(); // (B, T, 3, n_head, d_head)
         let [qs, ks, vs] = [0, 1, 2].map(|i| qkv.i((.., .., i)).unwrap());
-        group.bench_function(BenchmarkId::new("gemm_tiles_strided", t), |bench| {
-            bench.iter(|| attention_cpu(CpuKernel::GemmTiles, &qs, &ks, &vs, true).unwrap())
-        });
+        for (kernel, name) in [(CpuKernel::GemmTiles, "gemm_tiles_strided"), (CpuKernel::Registers, "registers_strided")] {
+            group.bench_function(BenchmarkId::new(name, t), |bench| bench.iter(|| attention_cpu(kernel, &qs, &ks, &vs, true).unwrap()));
+        }
         let flat = |x: &Tensor| x.reshape((b, t, h * d)).unwrap();
         let (qf, kf, vf) = (flat(&q), flat(&k), flat(&v));
         let mask = stage0_baseline::causal_mask(t, &dev).unwrap();

@@ -4,10 +4,13 @@
 //! Layout: q, k, v and the output are (B, T, n_head, d_head) — what a linear layer's (B, T, C)
 //! output already is after a free reshape, and what candle-flash-attn expects. No transposes.
 //!
-//! - CPU: our kernel below (FlashAttention-2's tiled online softmax with Q·Kᵀ and P·V as tile
-//!   GEMMs on the `gemm` crate's micro-kernels; f32, bf16 and f16 inputs, f32 accumulation), the
-//!   `cpu_fwd` of a candle `CustomOp3`, rayon over batch × heads. It reads q, k and v through
-//!   their strides (stage 3's views of one QKV output too), no copy. Its slow twins: the first
+//! - CPU: our kernels (FlashAttention-2's tiled online softmax; f32, bf16 and f16 inputs, f32
+//!   accumulation), the `cpu_fwd` of a candle `CustomOp3`, rayon over batch × heads. By
+//!   default Q·Kᵀ and P·V run on our own register-blocked micro-kernels (`registers`, d_head a
+//!   const generic); the other design, tile GEMMs on the `gemm` crate's micro-kernels
+//!   (`CpuKernel::GemmTiles`), runs head sizes that kernel has no body for, and both were
+//!   measured side by side (the criterion bench `attention`). Both read q, k and v through their
+//!   strides (stage 3's views of one QKV output too), no copy. Their slow twins: the first
 //!   row-wise kernel (`CpuKernel::RowAxpy`) and stage 1's materialised attention.
 //! - CUDA: our FlashAttention-2 kernels (host side in `attention_cuda.rs`), the same op's
 //!   `cuda_fwd`: bf16/f16 on tensor cores, f32 softmax and accumulation, SM 8.0+, d_head 32, 64
@@ -21,6 +24,7 @@
 //! agree on random shapes.
 
 use crate::attention_cuda;
+pub mod registers;
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 use shared::device::DeviceInfo;
@@ -47,13 +51,17 @@ pub const ROW_BR: usize = 32;
 /// Key/value rows per tile of the row-wise twin.
 pub const ROW_BC: usize = 64;
 
-/// The two CPU kernels: the one `attention` runs, and the first one, kept as its slow twin.
+/// The CPU kernels: two designs at GEMM speed, and the first kernel, kept as their slow twin.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CpuKernel {
     /// Q_i·K_jᵀ and P_ij·V_j as tile GEMMs through the `gemm` crate (the micro-kernels candle's
-    /// CPU matmul and stage 3's linears run), the online softmax on the tile in between. The
-    /// default.
+    /// CPU matmul and stage 3's linears run), the online softmax on the tile in between. What
+    /// `attention` runs for head sizes `Registers` has no body for.
     GemmTiles,
+    /// Our own register-blocked micro-kernels (`registers`): 8 query rows at a time, S and O
+    /// tiles in vector registers, d_head a const generic (`registers::D_HEADS`; other head
+    /// sizes run `GemmTiles`). The default: faster than `GemmTiles` in the criterion bench.
+    Registers,
     /// The first CPU kernel: one query row at a time, scores by broadcast-FMA, then one axpy per
     /// key into an O row in memory (load/store-bound, ~10 % of the GEMM rate). The slow twin.
     RowAxpy,
@@ -234,7 +242,7 @@ pub fn attention_with(imp: Implementation, q: &Tensor, k: &Tensor, v: &Tensor, c
     let scale = 1.0 / (d as f32).sqrt();
     // The CUDA kernel the op launches (the CPU kernels ignore it).
     let kernel = if imp == Implementation::SpeedkitCudaV1 { AttentionKernel::V1 } else { AttentionKernel::V2 };
-    let op = FlashAttn { scale, causal, cpu: CpuKernel::GemmTiles, kernel };
+    let op = FlashAttn { scale, causal, cpu: CpuKernel::Registers, kernel };
     match imp {
         Implementation::Cpu => cpu_views(q, k, v, op),
         Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1 => {
@@ -252,8 +260,9 @@ pub fn attention_with(imp: Implementation, q: &Tensor, k: &Tensor, v: &Tensor, c
     }
 }
 
-/// `attention` on CPU tensors through a chosen CPU kernel: the GEMM-tile kernel (what
-/// `attention` runs) or its slow twin, the row-wise kernel (benches and tests compare them).
+/// `attention` on CPU tensors through a chosen CPU kernel: the register-blocked one (what
+/// `attention` runs), the GEMM-tile one, or their slow twin, the row-wise kernel (benches and
+/// tests compare them).
 pub fn attention_cpu(kernel: CpuKernel, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_core::Result<Tensor> {
     let d = check_inputs(q, k, v)?;
     if q.device().is_cuda() {
@@ -348,21 +357,21 @@ impl CustomOp3 for FlashAttn {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
                 let qkv = [(q.as_slice(), View::of(l1, q.len())?), (k, View::of(l2, k.len())?), (v, View::of(l3, v.len())?)];
                 CpuStorage::F32(match self.cpu {
-                    CpuKernel::GemmTiles => self.run_tiles(qkv, dims, borrowed),
+                    CpuKernel::GemmTiles | CpuKernel::Registers => self.run_tiles(qkv, dims, borrowed),
                     CpuKernel::RowAxpy => self.run_rowwise(qkv, dims),
                 })
             }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
                 let qkv = [(q.as_slice(), View::of(l1, q.len())?), (k, View::of(l2, k.len())?), (v, View::of(l3, v.len())?)];
                 CpuStorage::BF16(match self.cpu {
-                    CpuKernel::GemmTiles => self.run_tiles(qkv, dims, widened),
+                    CpuKernel::GemmTiles | CpuKernel::Registers => self.run_tiles(qkv, dims, widened),
                     CpuKernel::RowAxpy => self.run_rowwise(qkv, dims),
                 })
             }
             (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
                 let qkv = [(q.as_slice(), View::of(l1, q.len())?), (k, View::of(l2, k.len())?), (v, View::of(l3, v.len())?)];
                 CpuStorage::F16(match self.cpu {
-                    CpuKernel::GemmTiles => self.run_tiles(qkv, dims, widened),
+                    CpuKernel::GemmTiles | CpuKernel::Registers => self.run_tiles(qkv, dims, widened),
                     CpuKernel::RowAxpy => self.run_rowwise(qkv, dims),
                 })
             }
@@ -488,7 +497,11 @@ impl FlashAttn {
                     *x = T::from_f64(y as f64);
                 }
             };
-            attend_head_tiles(&head, t, d, self.scale, self.causal, &mut write);
+            if self.cpu == CpuKernel::Registers && registers::supports(d) {
+                registers::attend_head(&head, t, d, self.scale, self.causal, &mut write);
+            } else {
+                attend_head_tiles(&head, t, d, self.scale, self.causal, &mut write);
+            }
         });
         out
     }

@@ -56,7 +56,7 @@ fn check_layout(b: usize, t: usize, h: usize, d: usize, causal: bool, seed: u64,
     let dims = (b, t, h, d);
     let [q, k, v] = inputs(dims, seed, strided);
     let want = twin(&q.contiguous().unwrap(), &k.contiguous().unwrap(), &v.contiguous().unwrap(), causal);
-    for kernel in [CpuKernel::GemmTiles, CpuKernel::RowAxpy] {
+    for kernel in [CpuKernel::GemmTiles, CpuKernel::Registers, CpuKernel::RowAxpy] {
         let case = format!("{kernel:?} {dims:?} causal={causal} strided={strided}");
         // f32: the same arithmetic up to summation order.
         let fused = attention_cpu(kernel, &q, &k, &v, causal).unwrap();
@@ -74,11 +74,11 @@ fn check_layout(b: usize, t: usize, h: usize, d: usize, causal: bool, seed: u64,
             assert!(e < tol, "{dt:?} {case}: rel err {e}");
         }
     }
-    // `attention` is the GEMM-tile kernel.
+    // `attention` is the register-blocked kernel.
     let fused = stage2_sdpa::attention(&q, &k, &v, causal).unwrap();
     assert_eq!(
         fused.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-        attention_cpu(CpuKernel::GemmTiles, &q, &k, &v, causal).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        attention_cpu(CpuKernel::Registers, &q, &k, &v, causal).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
     );
 }
 
@@ -90,7 +90,7 @@ proptest! {
         b in 1usize..3,
         t in prop_oneof![Just(1usize), 2usize..70, 70usize..300],
         h in 1usize..4,
-        d in prop_oneof![Just(16usize), Just(32), Just(64), Just(80), Just(128)],
+        d in prop_oneof![Just(16usize), Just(32), Just(64), Just(80), Just(96), Just(128)],
         causal in any::<bool>(),
         seed in 0u64..1000,
     ) {
@@ -100,8 +100,9 @@ proptest! {
 
 #[test]
 fn tile_edges() {
-    use stage2_sdpa::attention::{BC, BR, ROW_BC, ROW_BR};
-    for t in [1, ROW_BR + 1, ROW_BC + 1, BR - 1, BR, BR + 1, BC - 1, BC, BC + 1, BC + BR + 3] {
+    use stage2_sdpa::attention::{registers, BC, BR, ROW_BC, ROW_BR};
+    let mr = registers::MR;
+    for t in [1, mr - 1, mr + 1, ROW_BR + 1, ROW_BC + 1, BR - 1, BR, BR + 1, BC - 1, BC, BC + 1, BC + BR + 3, 2 * registers::BC + mr + 1] {
         for causal in [true, false] {
             check(1, t, 2, 64, causal, t as u64);
         }
