@@ -1,8 +1,10 @@
 //! criterion: the CPU attention kernels on the `small` preset's heads (B = 4, n_head = 12,
 //! d_head = 64), at T = 512 and 2048, causal. Throughput is the useful FLOPs (2·B·T²·C), so
 //! criterion's "Gelem/s" reads as GFLOP/s, comparable with `cpu_ops`' GEMM group:
-//! - `gemm_tiles`: the kernel `attention` runs (Q·Kᵀ and P·V as tile GEMMs), on contiguous
-//!   inputs (stage 2) and on `strided` views of one (B, T, 3, n_head, d_head) tensor (stage 3);
+//! - `registers`: the kernel `attention` runs (our register-blocked micro-kernels, d_head a
+//!   const generic), and `gemm_tiles`, the other design (Q·Kᵀ and P·V as tile GEMMs on the
+//!   `gemm` crate), each on contiguous inputs (stage 2) and on `strided` views of one
+//!   (B, T, 3, n_head, d_head) tensor (stage 3);
 //! - `row_axpy`: the first CPU kernel, kept as the row-wise twin;
 //! - `slow_twin`: stage 1's attention, which materialises the scores.
 //!

@@ -60,6 +60,12 @@ trait Simd {
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
     /// a·b + c
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// P = exp(S − m) in place over a row whose values are ≤ m (or −∞), and rowsum(P). The
+    /// portable body by default.
+    #[inline(always)]
+    unsafe fn exp_sum(row: &mut [f32], m: f32) -> f32 {
+        exp_sum(row, m)
+    }
 }
 
 /// One f32 at a time: any CPU (the compiler may still vectorise it).
@@ -126,6 +132,37 @@ impl Simd for Avx512 {
     #[inline(always)]
     unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
         _mm512_fmadd_ps(a, b, c)
+    }
+    /// `exp_f32`'s algorithm (x = n·ln2 + r, the same degree-5 polynomial for e^r) with two
+    /// AVX-512 instructions in place of its scalar-friendly tricks: `vrndscaleps` rounds x/ln2,
+    /// `vscalefps` multiplies by 2^n. About 10 instructions per 16 values instead of ~28: the
+    /// exponentials are the softmax's cost, one per score against 2·d FMAs.
+    #[inline(always)]
+    unsafe fn exp_sum(row: &mut [f32], m: f32) -> f32 {
+        let (m, low) = (_mm512_set1_ps(m), _mm512_set1_ps(-86.6));
+        let mut sum = _mm512_setzero_ps();
+        let mut chunks = row.chunks_exact_mut(16);
+        for c in &mut chunks {
+            let x = _mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), m); // ≤ 0, or −∞ (masked)
+            let xc = _mm512_max_ps(x, low);
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+                xc,
+                _mm512_set1_ps(std::f32::consts::LOG2_E),
+            ));
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), xc); // r = x − n·ln2, in two parts
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+            let mut p = _mm512_set1_ps(1.987_569_1e-4);
+            for k in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+                p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(k));
+            }
+            let er = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0)); // p·r² + r + 1
+            let y = _mm512_scalef_ps(er, n); // e^r · 2^n
+                                             // Below −86.6 (−∞ included): 0, as exp_f32 gives; NaN stays NaN (an unordered compare).
+            let y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, low), _mm512_setzero_ps());
+            _mm512_storeu_ps(c.as_mut_ptr(), y);
+            sum = _mm512_add_ps(sum, y);
+        }
+        _mm512_reduce_add_ps(sum) + exp_sum(chunks.into_remainder(), _mm512_cvtss_f32(m))
     }
 }
 
@@ -232,7 +269,7 @@ unsafe fn attend<S: Simd, const D: usize, const NV: usize>(
         "head rows sized by the caller"
     );
     let nr = NV * S::LANES; // keys per score tile, columns per P·V tile
-    assert!(BC % nr == 0 && D % S::LANES == 0, "tiles divide B_c and d_head");
+    assert!(BC.is_multiple_of(nr) && D.is_multiple_of(S::LANES), "tiles divide B_c and d_head");
     // Kᵀ and V packed once per head, so that every tile reads consecutive memory: strided rows
     // (3·C f32 apart in stage 3's QKV output) put a tile's loads a few KiB apart, where they
     // fall into the same few L1 sets and evict each other.
@@ -301,7 +338,7 @@ unsafe fn attend<S: Simd, const D: usize, const NV: usize>(
                 row[n..n16].fill(f32::NEG_INFINITY);
                 let m_new = super::max_f32(&row[..n16], m[r]); // m' = max(m, rowmax(S))
                 let alpha = exp_f32(m[r] - m_new); // e^(m − m'): 0 on the first step (m = −∞)
-                let row_sum = exp_sum(&mut row[..n16], m_new); // P = exp(S − m'), rowsum(P)
+                let row_sum = S::exp_sum(&mut row[..n16], m_new); // P = exp(S − m'), rowsum(P)
                 if n16 < bc {
                     row[n16..bc].fill(0.0); // masked (causal diagonal): P = 0
                 }
@@ -343,6 +380,7 @@ unsafe fn attend<S: Simd, const D: usize, const NV: usize>(
 /// # Safety
 /// The CPU supports `S`; kt is valid for D rows of nr f32, `tp` apart; jj + nr ≤ B_c.
 #[inline(always)]
+#[allow(clippy::needless_range_loop)] // indices, as in the equation: the register tile is acc[r][x]
 unsafe fn scores_tile<S: Simd, const D: usize, const NV: usize>(
     q_i: &[&[f32; D]; MR],
     kt: *const f32,
@@ -400,6 +438,7 @@ fn exp_sum(row: &mut [f32], m: f32) -> f32 {
 /// # Safety
 /// The CPU supports `S`; v_j is valid for bc rows `v_rs` apart of NV·LANES f32; c0 + NV·LANES ≤ D.
 #[inline(always)]
+#[allow(clippy::needless_range_loop)] // indices, as in the equation: the register tile is acc[r][x]
 unsafe fn pv_tile<S: Simd, const D: usize, const NV: usize>(
     p: &[[f32; BC]; MR],
     bc: usize,
