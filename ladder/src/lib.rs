@@ -940,9 +940,8 @@ fn check_ablate(args: &RunArgs, ladder: &LadderArgs, which: &[usize]) -> Result<
     let stage_index = |name: &str| stages().iter().position(|s| s.name == name);
     let has = |name: &str| stage_index(name).is_some_and(|i| which.contains(&i));
     let fp8_fusions = shared::Fp8Fusions::effective(args.fp8_fusions, args.fp8_recipe);
-    let undoable = has("stage2_sdpa")
-        || (has("stage3_fused") && !args.fusions.on().is_empty())
-        || (has("stage4_fp8") && !fp8_fusions.on().is_empty());
+    let undoable =
+        has("stage2_sdpa") || (has("stage3_fused") && !args.fusions.on().is_empty()) || (has("stage4_fp8") && !fp8_fusions.on().is_empty());
     if ladder.ablate && !undoable {
         let what: Vec<&str> = [
             (has("stage3_fused"), "stage 3 with every fusion off (--fusions none)"),

@@ -420,7 +420,8 @@ fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
     // straddle a rounding boundary; at row mean 10⁴ the f32 input rounding makes that ~2 %.
     for mean in [0.0f32, 1e4] {
         for add in [false, true] {
-            let case = format!("{} rows=5 C=257 row mean {mean}", if add { "add_layer_norm_e4m3 (bf16 branch)" } else { "layer_norm_e4m3" });
+            let case =
+                format!("{} rows=5 C=257 row mean {mean}", if add { "add_layer_norm_e4m3 (bf16 branch)" } else { "layer_norm_e4m3" });
             r.compare("FP8 fusion", case, || {
                 let (g, b) = (randn(&[257], 12, 0.1, 1.0)?, randn(&[257], 13, 0.1, 0.0)?);
                 let x = randn(&[1, 5, 257], 14, 1.0, mean)?;
@@ -469,8 +470,15 @@ fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
         let args = stage4_fp8::gemm::fp8_gemm_args_e4m3_out(tok, k, n, true)?.contract();
         let scales = (twin.weight().scale.to_scalar::<f32>()?, s_x.to_scalar::<f32>()?);
         let xq = quantize(&x, &s_x)?;
-        let (d, amax_d) = shared::cublaslt_model::matmul_fp8_out(&args, &host(&twin.weight().data)?, &host(&xq)?, Some(&host(twin.bias())?), scales, 1.0 / s)
-            .map_err(anyhow::Error::msg)?;
+        let (d, amax_d) = shared::cublaslt_model::matmul_fp8_out(
+            &args,
+            &host(&twin.weight().data)?,
+            &host(&xq)?,
+            Some(&host(twin.bias())?),
+            scales,
+            1.0 / s,
+        )
+        .map_err(anyhow::Error::msg)?;
         let mut got: Vec<f32> = d.iter().map(|q| q * s).collect(); // read back with fc2's scale
         got.push(amax_d);
         // a value on a rounding boundary may land on the neighbour (1/s multiplies, the CPU divides)

@@ -294,9 +294,7 @@ fn parse_switches<const N: usize>(s: &str, names: &[&str; N], what: &str) -> Res
         "all" => return Ok([true; N]),
         "none" => return Ok([false; N]),
         // Empty is a typo or an unset variable, not "none" (as --precision '' is refused).
-        "" => {
-            return Err(format!("an empty list is not a choice of {what}. Fix: give all, none, or some of {}", names.join(", ")))
-        }
+        "" => return Err(format!("an empty list is not a choice of {what}. Fix: give all, none, or some of {}", names.join(", "))),
         _ => {}
     }
     let mut flags = [false; N];

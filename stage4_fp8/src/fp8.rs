@@ -26,6 +26,11 @@
 //! There, delayed scaling takes its amax in the cast's own pass (the scale is known before x
 //! is read), and the history is updated on the device: no host round trip, graph-safe.
 //!
+//! **Fused producers.** With delayed scaling the scale is known before x exists, so x's producer
+//! can write it in E4M3 itself (`Fp8Linear::fused_target` → `Fp8Target`; stage 4's LayerNorms in
+//! `producers`, fc1 in `Fp8Linear::forward_e4m3`), recording its amax for this layer's history;
+//! the layer then takes the `Quantized` input as it is (`Input::Fp8`, `forward_input`).
+//!
 //! **Non-finite values.** The casts saturate finite values at ±448 and keep NaN as NaN (an
 //! explicit clamp would turn NaN into ±448 silently). `Fp8Tensor::quantize` and every CPU call
 //! of `Fp8Linear` reject NaN/inf with an error; on CUDA the hot path does not read back to the
@@ -752,7 +757,13 @@ impl Fp8Linear {
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn forward_cublaslt_e4m3(&self, _xq: &Tensor, _s: &Tensor, _t: &Fp8Target, _dims: (usize, usize, usize)) -> candle_core::Result<Quantized> {
+    fn forward_cublaslt_e4m3(
+        &self,
+        _xq: &Tensor,
+        _s: &Tensor,
+        _t: &Fp8Target,
+        _dims: (usize, usize, usize),
+    ) -> candle_core::Result<Quantized> {
         candle_core::bail!("{}: FP8 GEMMs through cuBLASLt need a build with --features cuda", self.name)
     }
 

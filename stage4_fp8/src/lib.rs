@@ -31,6 +31,15 @@
 //! numerics on any machine, labelled "emulated", and its time is not an FP8 speed. On a GPU
 //! without FP8 it refuses unless asked (`--fp8-emulate`).
 //!
+//! **Quantisation fused into the producers** (`--fp8-fusions ln,fc1`, TransformerEngine's way):
+//! the two LayerNorms write qkv's and fc1's input in E4M3 (`producers`, `kernels/ln_fp8.cu`),
+//! and fc1's GEMM writes fc2's (cuBLASLt's D scale and amax_D), each recording the amax of what
+//! it wrote in the consumer's history: three quantise passes (over (B, T, C), (B, T, C) and
+//! (B, T, FF)) and their launches saved, and the producers write 1 byte per value instead of 2.
+//! They need the scale before the producer writes, so delayed scaling: by default all of them
+//! with `--fp8-recipe delayed`, none with `current` (asking for one there is refused); the first
+//! call, with no history yet, runs unfused. Compiled, not run on a GPU; emulated on the CPU.
+//!
 //! **Run it.** `cargo run --release -p stage4_fp8` (CPU, emulated) ·
 //! `cargo run --release --features cuda -p stage4_fp8 -- --device cuda --preset te` (Hopper/Ada).
 

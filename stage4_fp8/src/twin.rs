@@ -53,7 +53,7 @@ impl TwinBlock {
     /// x: (B, T, C) f32 → (B, T, C) f32, stage 4's dataflow in stage 0's operations.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let bf16 = |t: &Tensor| t.to_dtype(self.act)?.to_dtype(DType::F32); // where stage 4 stores a tensor: its rounding (none at f32)
-        // the input of `l` as the FP8 run had it: stored in the activation dtype, or (fused) not
+                                                                            // the input of `l` as the FP8 run had it: stored in the activation dtype, or (fused) not
         let stored_for = |l: &TwinLinear, t: Tensor| if l.fused_input { Ok(t) } else { bf16(&t) };
         let (_, t, c) = x.dims3()?;
         let h = stored_for(&self.qkv, layer_norm(x, &self.ln1_g, &self.ln1_b)?)?; // (B, T, C)

@@ -33,7 +33,13 @@ fn shapes() -> Vec<Shape> {
     let mut v = vec![Preset::Tiny.shape()];
     for _ in 0..3 {
         let n_head = pick(&[1, 2, 4]);
-        v.push(Shape { batch: pick(&[1, 2]), seq: pick(&[5, 16, 33]), d_model: n_head * pick(&[16, 32]), n_head, ff: pick(&[48, 64, 128]) });
+        v.push(Shape {
+            batch: pick(&[1, 2]),
+            seq: pick(&[5, 16, 33]),
+            d_model: n_head * pick(&[16, 32]),
+            n_head,
+            ff: pick(&[48, 64, 128]),
+        });
     }
     v
 }
@@ -90,7 +96,11 @@ fn fused_agrees_with_unfused_at_bf16_activations_within_the_derived_bound() {
             // not vacuous: from the second call on the fusions skip a bf16 rounding
             assert!(k == 0 || c.rel_err > 0.0, "{shape:?} call {k}: fused and unfused identical at bf16");
         }
-        assert_eq!(got[0].to_dtype(DType::F32).unwrap().to_vec3::<f32>().unwrap(), want[0].to_vec3::<f32>().unwrap(), "call 0 runs unfused");
+        assert_eq!(
+            got[0].to_dtype(DType::F32).unwrap().to_vec3::<f32>().unwrap(),
+            want[0].to_vec3::<f32>().unwrap(),
+            "call 0 runs unfused"
+        );
     }
 }
 
