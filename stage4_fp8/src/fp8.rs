@@ -223,6 +223,9 @@ impl Fp8Target {
             let data = crate::quant_cuda::quantize_with_amax(y, &self.scale, amax_bits)?;
             return Ok(Quantized { data, scale: self.scale.clone(), amax: None });
         }
+        if y.device().is_cpu() {
+            check_finite(y, "a fused producer's output").map_err(candle_core::Error::wrap)?; // as `Fp8Linear` on the CPU
+        }
         let data = quantize_dequantize_cpu(y, &self.scale)?; // s·q in f32, as the emulated GEMMs read it
         Ok(Quantized { data, scale: self.scale.clone(), amax: Some(amax(y)?) })
     }
