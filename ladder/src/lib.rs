@@ -206,11 +206,12 @@ pub fn run_stages(args: RunArgs, all: &[StageSpec], which: &[usize], m: Measure)
             }
         }
         if let Some(i) = stage_index("stage4_fp8").filter(|i| which.contains(i)) {
-            // Stage 4's producer fusions (`--fp8-fusions`), those its recipe runs, one at a time.
+            // Stage 4's producer fusions (`--fp8-fusions`), those its recipe runs, one at a time;
+            // "fp8" in the label keeps "without fp8 ln" apart from stage 3's "without ln".
             let fp8 = shared::Fp8Fusions::effective(base.fp8_fusions, base.fp8_recipe);
             for name in fp8.on() {
                 let options = StageOptions { fp8_fusions: Some(fp8.without(name)), ..base };
-                entries.push(entry(i, options, Some(format!("without {name}"))));
+                entries.push(entry(i, options, Some(format!("without fp8 {name}"))));
             }
         }
     }

@@ -193,8 +193,8 @@ fn breakdown_ablation_noise_and_roofline_end_to_end_on_tiny() {
             ("stage3_fused", "without qkv"),
             ("stage3_fused", "without epilogue"),
             ("stage3_fused", "without add-ln"),
-            ("stage4_fp8", "without ln"),
-            ("stage4_fp8", "without fc1"),
+            ("stage4_fp8", "without fp8 ln"),
+            ("stage4_fp8", "without fp8 fc1"),
         ]
     );
     for a in &report.ablation {

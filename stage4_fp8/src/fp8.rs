@@ -224,7 +224,8 @@ impl Fp8Target {
             return Ok(Quantized { data, scale: self.scale.clone(), amax: None });
         }
         if y.device().is_cpu() {
-            check_finite(y, "a fused producer's output").map_err(candle_core::Error::wrap)?; // as `Fp8Linear` on the CPU
+            check_finite(y, "a fused producer's output").map_err(candle_core::Error::wrap)?;
+            // as `Fp8Linear` on the CPU
         }
         let data = quantize_dequantize_cpu(y, &self.scale)?; // s·q in f32, as the emulated GEMMs read it
         Ok(Quantized { data, scale: self.scale.clone(), amax: Some(amax(y)?) })
