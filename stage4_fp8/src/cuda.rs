@@ -172,7 +172,8 @@ fn launch(
     let a_layout = layout(T::CUDA_R_8F_E4M3, args.a_rows, args.a_cols, args.lda)?;
     let b_layout = layout(T::CUDA_R_8F_E4M3, args.b_rows, args.b_cols, args.ldb)?;
     // C is bf16 (not read, β = 0); D is bf16, or E4M3 for the next layer — the FP8 table's
-    // combinations for E4M3 A and B (a bf16 C with an E4M3 D, bias bf16).
+    // combinations for E4M3 A and B: with an E4M3 D, C's type must be the bias type (bf16), as
+    // TransformerEngine's cuBLASLt call also sets it.
     let c_layout = layout(T::CUDA_R_16BF, args.d_rows, args.d_cols, args.ldd)?;
     let d_type = if args.out_e4m3 { T::CUDA_R_8F_E4M3 } else { T::CUDA_R_16BF };
     let d_layout = layout(d_type, args.d_rows, args.d_cols, args.ldd)?;
@@ -233,9 +234,12 @@ fn launch(
                 e,
             )
         })?;
+    // C is never read (β = 0): D's own buffer for a bf16 D, as cuBLASLt allows in place; no
+    // pointer at all for an E4M3 D, as TransformerEngine passes it (its C layout is bf16, D's is not).
+    let c = if args.out_e4m3 { 0 } else { d };
     let contract = args.contract(); // α = 1, β = 0: what the CPU model executes in the tests
     let (alpha, beta) = (contract.alpha, contract.beta);
-    // SAFETY: A, B are k·m and k·n E4M3 values, D m·n bf16 or E4M3 (C: the same buffer, never
+    // SAFETY: A, B are k·m and k·n E4M3 values, D m·n bf16 or E4M3 (C: D's buffer or null, never
     // read at β = 0), bias m bf16, the scales one f32 each (amax_D one f32 written), the
     // workspace WORKSPACE_BYTES — as the layouts say; all on `stream`'s device.
     unsafe {
@@ -248,7 +252,7 @@ fn launch(
             a_layout.0,
             b as *const c_void,
             b_layout.0,
-            d as *const c_void,
+            c as *const c_void,
             c_layout.0,
             d as *mut c_void,
             d_layout.0,
