@@ -153,3 +153,44 @@ fn current_scaling_refuses_an_explicit_fusion() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// The producers beside their slow twins, on random shapes: stage 0's LayerNorm (plain ops,
+/// f32), then the quantiser with the consumer's scale. A code can only move by one E4M3 step
+/// (2⁻³), and only where the two LayerNorms' f32 values (~1e-6 apart) straddle a rounding
+/// boundary: a handful of values at most, ≤ 1e-2 in the norm. The recorded amax is max |h|.
+#[test]
+fn the_producers_match_their_slow_twins() {
+    use stage4_fp8::fp8::{amax, quantize_dequantize_cpu, Fp8Target};
+    use stage4_fp8::producers::{add_layer_norm_e4m3, layer_norm_e4m3};
+    let mut rng = SplitMix64::new(90);
+    for case in 0..6u64 {
+        let (rows, c) = (1 + (rng.next_u64() % 40) as usize, 1 + (rng.next_u64() % 300) as usize);
+        let randn = |dims: &[usize], seed: u64, scale: f32, offset: f32| {
+            let v = SplitMix64::new(seed).normals(dims.iter().product()).into_iter().map(|x| x * scale + offset).collect();
+            Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap()
+        };
+        let (g, b) = (randn(&[c], case, 0.1, 1.0), randn(&[c], case + 100, 0.1, 0.0));
+        let x = randn(&[1, rows, c], case + 200, 2.0, 0.5);
+        let branch = randn(&[1, rows, c], case + 300, 1.0, 0.0).to_dtype(DType::BF16).unwrap();
+        for add in [false, true] {
+            let sum = if add { (&x + branch.to_dtype(DType::F32).unwrap()).unwrap() } else { x.clone() };
+            let h = stage0_baseline::layer_norm(&sum, &g, &b).unwrap(); // the slow twin
+            let s = Tensor::new(0.8 * amax(&h).unwrap().to_scalar::<f32>().unwrap() / 448.0, &candle_core::Device::Cpu).unwrap();
+            let target = Fp8Target { scale: s.clone(), device: None };
+            let q = match add {
+                true => {
+                    let (x_new, q) = add_layer_norm_e4m3(&x, &branch, &g, &b, &target).unwrap();
+                    assert!(compare_within(&x_new, &sum, 1e-7).unwrap().passed, "x + branch");
+                    q
+                }
+                false => layer_norm_e4m3(&x, &g, &b, &target).unwrap(),
+            };
+            let want = quantize_dequantize_cpu(&h, &s).unwrap();
+            let r = compare_within(&q.data, &want, 1e-2).unwrap();
+            assert!(r.passed, "({rows}, {c}) add={add}: {r:?}");
+            let (got_a, want_a) = (q.amax.unwrap().to_scalar::<f32>().unwrap(), amax(&h).unwrap().to_scalar::<f32>().unwrap());
+            assert!((got_a - want_a).abs() <= 1e-5 * want_a, "({rows}, {c}) add={add}: amax {got_a} vs {want_a}");
+            assert_eq!(q.scale.to_scalar::<f32>().unwrap(), s.to_scalar::<f32>().unwrap());
+        }
+    }
+}
