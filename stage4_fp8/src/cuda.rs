@@ -228,8 +228,13 @@ fn launch(
         .map_err(|e| {
             err(
                 &format!(
-                    "cuBLASLt has no FP8 algorithm for m={} n={} k={} with the {:?} epilogue on this GPU (it needs SM 8.9+ and CUDA 12+)",
-                    args.m, args.n, args.k, args.epilogue
+                    "cuBLASLt has no FP8 algorithm for m={} n={} k={} with the {:?} epilogue{} on this GPU (it needs SM 8.9+ and CUDA 12+){}",
+                    args.m,
+                    args.n,
+                    args.k,
+                    args.epilogue,
+                    if args.out_e4m3 { " and an E4M3 output (D scale, amax_D)" } else { "" },
+                    if args.out_e4m3 { "; --fp8-fusions ln keeps fc1's output in bf16 and quantises it in a pass of its own" } else { "" }
                 ),
                 e,
             )
