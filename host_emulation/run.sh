@@ -6,7 +6,8 @@
 # runs flash_attn_v2.cu through this folder's ptx_warp.h (mma.sync, ldmatrix, cp.async: the
 # kernel's `#include <ptx_warp.h>` finds it, as only this folder is on the include path) and
 # requires its wrong-layout mutations to fail; ln_check.cpp runs
-# stage3_fused/kernels/add_layer_norm.cu; fp8_check.cpp runs stage4_fp8/kernels/fp8.cu (and its E4M3
+# stage3_fused/kernels/add_layer_norm.cu; ln_fp8_check.cpp runs stage4_fp8/kernels/ln_fp8.cu (the
+# LayerNorm writing E4M3 + amax, on add_layer_norm.cu's row and fp8.cu's cast); fp8_check.cpp runs stage4_fp8/kernels/fp8.cu (and its E4M3
 # cast on every f32 bit pattern). -fno-strict-aliasing: the kernels pun 16-bit pairs and
 # 16-byte chunks through integer types, as CUDA code does. Needs a C++20 compiler ($CXX, default
 # c++); no GPU.

@@ -161,8 +161,8 @@ else
     step ladder-te-cuda-graph 180 "$L" "${dev[@]}" "${te[@]}" --cuda-graph --json ladder-te-cuda-graph.json --svg ladder-te-cuda-graph.svg
 fi
 step breakdown-te 180 "$L" "${dev[@]}" "${te_short[@]}" --breakdown --json breakdown-te.json --svg breakdown-te.svg
-step ablate-gpt2 150 "$L" "${dev[@]}" "${gpt2[@]}" --stages 2,3 --ablate --json ablate-gpt2.json
-step ablate-te 180 "$L" "${dev[@]}" "${te_short[@]}" --stages 2,3 --ablate --json ablate-te.json
+step ablate-gpt2 150 "$L" "${dev[@]}" "${gpt2[@]}" --stages 2,3,4 --ablate --json ablate-gpt2.json
+step ablate-te 180 "$L" "${dev[@]}" "${te_short[@]}" --stages 2,3,4 --ablate --json ablate-te.json
 step sweep-te 240 "$L" "${dev[@]}" "${sweep[@]}" --stages 2,3 --json sweep-te.json --svg sweep-te.svg
 
 if [ "$device" = cpu ]; then

@@ -205,6 +205,15 @@ pub fn run_stages(args: RunArgs, all: &[StageSpec], which: &[usize], m: Measure)
                 entries.push(entry(i, StageOptions { fusions: base.fusions.without(name), ..base }, Some(format!("without {name}"))));
             }
         }
+        if let Some(i) = stage_index("stage4_fp8").filter(|i| which.contains(i)) {
+            // Stage 4's producer fusions (`--fp8-fusions`), those its recipe runs, one at a time;
+            // "fp8" in the label keeps "without fp8 ln" apart from stage 3's "without ln".
+            let fp8 = shared::Fp8Fusions::effective(base.fp8_fusions, base.fp8_recipe);
+            for name in fp8.on() {
+                let options = StageOptions { fp8_fusions: Some(fp8.without(name)), ..base };
+                entries.push(entry(i, options, Some(format!("without fp8 {name}"))));
+            }
+        }
     }
     let rounds = m.rounds.clamp(1, session.iters);
     report.rounds = Some(rounds);
@@ -926,16 +935,27 @@ fn doc_pages(readme: &Path, notes: bool) -> Result<Vec<(PathBuf, String)>, Speed
     Ok(pages)
 }
 
-/// `--ablate` with nothing to undo: no stage 2 in the run, and stage 3 absent or with no fusion on.
+/// `--ablate` with nothing to undo: no stage 2 in the run, stage 3 absent or with no fusion on,
+/// and stage 4 absent or with no FP8 fusion on (`--fp8-fusions none`, or current scaling).
 fn check_ablate(args: &RunArgs, ladder: &LadderArgs, which: &[usize]) -> Result<(), SpeedkitError> {
     let stage_index = |name: &str| stages().iter().position(|s| s.name == name);
     let has = |name: &str| stage_index(name).is_some_and(|i| which.contains(&i));
-    let undoable = has("stage2_sdpa") || (has("stage3_fused") && !args.fusions.on().is_empty());
+    let fp8_fusions = shared::Fp8Fusions::effective(args.fp8_fusions, args.fp8_recipe);
+    let undoable =
+        has("stage2_sdpa") || (has("stage3_fused") && !args.fusions.on().is_empty()) || (has("stage4_fp8") && !fp8_fusions.on().is_empty());
     if ladder.ablate && !undoable {
+        let what: Vec<&str> = [
+            (has("stage3_fused"), "stage 3 with every fusion off (--fusions none)"),
+            (has("stage4_fp8"), "stage 4 with no FP8 fusion on (--fp8-fusions none, or --fp8-recipe current)"),
+        ]
+        .iter()
+        .filter_map(|(has, what)| has.then_some(*what))
+        .collect();
         return Err(SpeedkitError::usage(format!(
-            "--ablate undoes stage 2's head split/merge and stage 3's fusions one at a time, but this run has {}, so there \
-             is nothing to undo and it would add no rows. Fix: include stage 2 or 3 in --stages (with some --fusions on), or drop --ablate.",
-            if has("stage3_fused") { "stage 3 with every fusion off (--fusions none) and no stage 2" } else { "neither stage 2 nor stage 3" }
+            "--ablate undoes stage 2's head split/merge, stage 3's fusions and stage 4's FP8 fusions one at a time, but this \
+             run has {}, so there is nothing to undo and it would add no rows. Fix: include stage 2, 3 or 4 in --stages (with \
+             some --fusions or --fp8-fusions on), or drop --ablate.",
+            if what.is_empty() { "none of stages 2, 3 and 4".to_string() } else { format!("{} and no stage 2", what.join(", and ")) }
         )));
     }
     Ok(())

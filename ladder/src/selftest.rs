@@ -12,6 +12,7 @@
 //! | FP8 GEMM (delayed, current; bias, GELU) | cuBLASLt E4M3 vs the emulated layer | `fp8_gemm_args` run by `cublaslt_model` vs the emulated layer |
 //! | NVRTC kernels (layer_norm, add_layer_norm; f32/bf16/f16; a row of mean 10⁴) | add_layer_norm.cu vs plain ops | the CPU fused ops vs plain ops |
 //! | FP8 kernels (amax; quantise + dequantise from f32 and bf16; the delayed scale update) | stage4_fp8/kernels/fp8.cu vs the CPU quantiser (candle's CPU cast) | the CPU quantiser vs candle's cast; the recipe on hand-worked amaxes |
+//! | FP8 producer fusions (LayerNorm and add+LayerNorm writing E4M3 + amax; fc1's GEMM writing E4M3 with D scale and amax_D) | kernels/ln_fp8.cu and cuBLASLt's E4M3 output vs the CPU producers | the CPU producers vs plain LayerNorm + quantiser; `fp8_gemm_args_e4m3_out` run by `cublaslt_model` vs the emulated fc1 |
 //! | graph capture + replay, each stage (tiny); stage 4 with delayed scaling and a ×4 input after capture | replay vs an uncaptured forward | the capture's order of steps |
 //! | breakdown (stage 0, tiny) | CUDA timing events at each part boundary | synchronize + clock |
 //! | memory probe | a 64 MiB allocation must show up | same, CPU probe |
@@ -148,6 +149,7 @@ pub fn run(device: &Device, info: &DeviceInfo) -> SelftestReport {
     epilogues(&mut r, device);
     fp8(&mut r, device, info);
     fp8_kernels(&mut r, device);
+    fp8_fusions(&mut r, device, info);
     layer_norms(&mut r, device);
     breakdown(&mut r, device, info);
     memory(&mut r, device);
@@ -379,6 +381,108 @@ fn fp8_kernels(r: &mut Rows, device: &Device) {
         got.extend(st.history()?);
         let want = [1.0f32, 1.0, 2.0, 2.0, 896.0, 224.0, 1792.0];
         Ok((Tensor::new(got.as_slice(), &Device::Cpu)?, Tensor::new(&want, &Device::Cpu)?, 1e-7))
+    });
+}
+
+/// Stage 4's producer fusions alone (`--fp8-fusions`): each producer writes E4M3 with a given
+/// scale and records the amax of what it quantised. Compared as s·q, with the amax appended.
+/// On CUDA against the CPU producers; on the CPU, the CPU producers against plain LayerNorm +
+/// quantiser, and fc1's E4M3-output arguments run by the cuBLASLt model against the emulated fc1.
+fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
+    use stage4_fp8::fp8::{amax, dequantize, quantize, Fp8Linear, Fp8Mode, Fp8Target, Input, Quantized, ScalingConfig};
+    use stage4_fp8::producers::{add_layer_norm_e4m3, layer_norm_e4m3};
+    if !device.is_cuda() {
+        r.ran = "cpu producers (the .cu: host emulation, run.sh; the GEMM: cublaslt_model)".into();
+    }
+    // A target on `device` with scale s: on CUDA, fresh device buffers as a layer's state holds.
+    let target = |s: f32| -> candle_core::Result<Fp8Target> {
+        let scale = Tensor::new(&[s], device)?;
+        Ok(match device.is_cuda() {
+            true => Fp8Target { scale, device: Some((Tensor::zeros(1, DType::U32, device)?, Tensor::zeros(1, DType::F32, device)?)) },
+            false => Fp8Target { scale: scale.reshape(())?, device: None },
+        })
+    };
+    // s·q and the amax it recorded, on the CPU (CUDA: the amax from the device buffer).
+    let values = |q: &Quantized, t: &Fp8Target| -> candle_core::Result<Tensor> {
+        let sq = match q.data.dtype() {
+            DType::F8E4M3 => dequantize(&q.data, &q.scale, DType::F32)?,
+            _ => q.data.clone(),
+        };
+        let a = match (&q.amax, &t.device) {
+            (Some(a), _) => a.reshape(1)?,
+            (None, Some((bits, _))) => Tensor::from_vec(vec![f32::from_bits(bits.to_vec1::<u32>()?[0])], 1, &Device::Cpu)?,
+            (None, None) => candle_core::bail!("a producer recorded no amax"),
+        };
+        Tensor::cat(&[&sq.flatten_all()?.to_device(&Device::Cpu)?, &a.to_device(&Device::Cpu)?], 0)
+    };
+    // C = 257 (not a multiple of the 256 threads); s = 0.8·amax/448, so the top saturates.
+    // Tolerance: a code moves by one E4M3 step (2⁻³) only where the two LayerNorms' f32 values
+    // straddle a rounding boundary; at row mean 10⁴ the f32 input rounding makes that ~2 %.
+    for mean in [0.0f32, 1e4] {
+        for add in [false, true] {
+            let case =
+                format!("{} rows=5 C=257 row mean {mean}", if add { "add_layer_norm_e4m3 (bf16 branch)" } else { "layer_norm_e4m3" });
+            r.compare("FP8 fusion", case, || {
+                let (g, b) = (randn(&[257], 12, 0.1, 1.0)?, randn(&[257], 13, 0.1, 0.0)?);
+                let x = randn(&[1, 5, 257], 14, 1.0, mean)?;
+                let br = randn(&[1, 5, 257], 15, 1.0, 0.0)?.to_dtype(DType::BF16)?;
+                let sum = if add { (&x + br.to_dtype(DType::F32)?)? } else { x.clone() };
+                let h = stage0_baseline::layer_norm(&sum, &g, &b)?; // the slow twin, f32
+                let s = 0.8 * amax(&h)?.to_scalar::<f32>()? / 448.0;
+                let cpu = Fp8Target { scale: Tensor::new(s, &Device::Cpu)?, device: None };
+                let want = values(&cpu.quantize(&h)?, &cpu)?;
+                let on = |t: &Tensor| t.to_device(device);
+                let t = target(s)?;
+                let got = match add {
+                    true => add_layer_norm_e4m3(&on(&x)?, &on(&br)?, &on(&g)?, &on(&b)?, &t)?.1,
+                    false => layer_norm_e4m3(&on(&x)?, &on(&g)?, &on(&b)?, &t)?,
+                };
+                Ok((values(&got, &t)?, want, if mean > 0.0 { 3e-2 } else { 1e-2 }))
+            });
+        }
+    }
+    let (tok, k, n) = (48, 64, 96);
+    let case = format!("fc1 E4M3 out (bias+gelu, D scale, amax_D) M={tok} K={k} N={n}");
+    if device.is_cuda() && !info.has_fp8_tensor_cores() {
+        r.skip("FP8 fusion", case, "FP8 tensor cores need SM 8.9+; this GPU has none".into());
+        return;
+    }
+    r.compare("FP8 fusion", case, || {
+        let (w, b) = (randn(&[n, k], 8, 0.05, 0.0)?, randn(&[n], 9, 0.05, 0.0)?);
+        let x = randn(&[1, tok, k], 11, 1.0, 0.0)?;
+        let twin = Fp8Linear::with_output(&w, &b, true, Fp8Mode::Emulated, ScalingConfig::default(), "fc1", DType::F32)?;
+        let y = twin.forward(&x)?; // f32: GELU(x̃ W̃ᵀ + b), and x's scale recorded
+        let s = 0.8 * amax(&y)?.to_scalar::<f32>()? / 448.0; // fc2's scale, a little small: the top saturates
+        let cpu = Fp8Target { scale: Tensor::new(s, &Device::Cpu)?, device: None };
+        let want = values(&twin.forward_e4m3(&Input::Plain(x.clone()), &cpu)?, &cpu)?;
+        // The arguments cuda.rs passes, 1/s as D scale, on the operands of the call just made.
+        let s_x = twin.last_input_scale().ok_or_else(|| anyhow::anyhow!("no scale recorded"))?;
+        if device.is_cuda() {
+            let on = |x: &Tensor| x.to_device(device);
+            let layer = Fp8Linear::new(&on(&w)?, &on(&b)?, true, Fp8Mode::Cublaslt, ScalingConfig::default(), "fc1")?;
+            let xb = on(&x)?.to_dtype(DType::BF16)?;
+            let t = target(s)?;
+            let got = layer.forward_e4m3(&Input::Plain(xb), &t)?;
+            // the twin read f32 x, the GPU bf16 x: one bf16 rounding of x apart, before E4M3's
+            return Ok((values(&got, &t)?, want, 3e-2));
+        }
+        let host = |x: &Tensor| -> candle_core::Result<Vec<f32>> { x.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+        let args = stage4_fp8::gemm::fp8_gemm_args_e4m3_out(tok, k, n, true)?.contract();
+        let scales = (twin.weight().scale.to_scalar::<f32>()?, s_x.to_scalar::<f32>()?);
+        let xq = quantize(&x, &s_x)?;
+        let (d, amax_d) = shared::cublaslt_model::matmul_fp8_out(
+            &args,
+            &host(&twin.weight().data)?,
+            &host(&xq)?,
+            Some(&host(twin.bias())?),
+            scales,
+            1.0 / s,
+        )
+        .map_err(anyhow::Error::msg)?;
+        let mut got: Vec<f32> = d.iter().map(|q| q * s).collect(); // read back with fc2's scale
+        got.push(amax_d);
+        // a value on a rounding boundary may land on the neighbour (1/s multiplies, the CPU divides)
+        Ok((Tensor::from_vec(got, tok * n + 1, &Device::Cpu)?, want, 1e-2))
     });
 }
 

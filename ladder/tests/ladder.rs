@@ -180,8 +180,9 @@ fn breakdown_ablation_noise_and_roofline_end_to_end_on_tiny() {
         assert_eq!(r.timing.samples_ms.len(), 2, "{}", r.stage);
     }
 
-    // Ablation: stage 2 with its copies kept, stage 3 without each fusion, each measured and
-    // checked, each priced against the stage as written. (Stage 2 runs candle's element-wise ops
+    // Ablation: stage 2 with its copies kept, stage 3 without each fusion, stage 4 without each
+    // of its FP8 producer fusions, each measured and checked, each priced against the stage as
+    // written. (Stage 2 runs candle's element-wise ops
     // by default, as stage 1 does, so there is no element-wise row unless --elementwise parallel.)
     let changes: Vec<(&str, &str)> = report.ablation.iter().map(|a| (a.against.as_str(), a.change.as_str())).collect();
     assert_eq!(
@@ -192,6 +193,8 @@ fn breakdown_ablation_noise_and_roofline_end_to_end_on_tiny() {
             ("stage3_fused", "without qkv"),
             ("stage3_fused", "without epilogue"),
             ("stage3_fused", "without add-ln"),
+            ("stage4_fp8", "without fp8 ln"),
+            ("stage4_fp8", "without fp8 fc1"),
         ]
     );
     for a in &report.ablation {

@@ -285,7 +285,12 @@ fn class_f_render_bounds_every_number_and_count() {
 #[test]
 fn class_h_ablate_with_nothing_to_undo() {
     let d = scratch("r3h");
-    for extra in [&["--stages", "0"][..], &["--stages", "3", "--fusions", "none"]] {
+    for extra in [
+        &["--stages", "0"][..],
+        &["--stages", "3", "--fusions", "none"],
+        &["--stages", "4", "--fp8-recipe", "current"], // current scaling runs no FP8 fusion
+        &["--stages", "4", "--fp8-fusions", "none"],
+    ] {
         let mut args = with_s(&["--ablate"]);
         args.extend_from_slice(extra);
         let o = ladder_in(&d, &args);

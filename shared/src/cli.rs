@@ -5,7 +5,7 @@ use crate::device::DeviceRequest;
 use crate::elementwise::Elementwise;
 use crate::error::{classify, SpeedkitError};
 use crate::preset::Preset;
-use crate::stage::{AttentionKernel, Fp8FastAccum, Fp8Recipe, Fusions, Precision, PrecisionRequest, StageOptions};
+use crate::stage::{AttentionKernel, Fp8FastAccum, Fp8Fusions, Fp8Recipe, Fusions, Precision, PrecisionRequest, StageOptions};
 use clap::ValueEnum;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -93,6 +93,9 @@ pub struct RunArgs {
     /// Stage 4 on Hopper/Ada: cuBLASLt's FP8 fast accumulation (on: faster, partial sums kept in the tensor cores' ~14-bit accumulator; off: promoted to f32 every few k-steps); the twin check's tolerance follows it
     #[arg(long, env = "SPEEDKIT_FP8_FAST_ACCUM", value_enum, default_value_t = Fp8FastAccum::On)]
     pub fp8_fast_accum: Fp8FastAccum,
+    /// Stage 4: which producers write E4M3 for the next GEMM, so it skips its quantise pass: ln (both LayerNorms, for qkv and fc1), fc1 (its GEMM, for fc2), all or none [default: all the recipe allows: all with delayed scaling, none with current]
+    #[arg(long, env = "SPEEDKIT_FP8_FUSIONS")]
+    pub fp8_fusions: Option<Fp8Fusions>,
     /// Stage 2 on the CPU: its unfused element-wise ops (LayerNorm, GELU, bias, residual) from candle, as stages 0–1 run them (candle, the default: the step from stage 1 is attention alone), or multi-threaded and vectorised (parallel), to measure what threading them buys
     #[arg(long, env = "SPEEDKIT_ELEMENTWISE", value_enum, default_value_t = Elementwise::Candle)]
     pub elementwise: Elementwise,
@@ -120,6 +123,7 @@ impl RunArgs {
             cuda_graph: self.cuda_graph,
             elementwise: self.elementwise,
             fusions: self.fusions,
+            fp8_fusions: self.fp8_fusions,
             attention_copies: false,
             attention_kernel: self.attention_kernel,
             requested: self.precision,
@@ -302,6 +306,25 @@ mod tests {
         assert!("".parse::<Fusions>().is_err() && " ".parse::<Fusions>().is_err());
         let e = "ln,gelu".parse::<Fusions>().unwrap_err();
         assert!(e.contains("'gelu'") && e.contains("Fix"), "{e}");
+    }
+
+    #[test]
+    fn fp8_fusions_flag() {
+        // Unset means "all the recipe allows", so a request the recipe cannot honour is refused.
+        assert_eq!(flags(&[]).stage_options().fp8_fusions, None);
+        assert_eq!(flags(&["--fp8-fusions", "fc1"]).stage_options().fp8_fusions, Some(Fp8Fusions { ln: false, fc1: true }));
+        assert_eq!("all".parse::<Fp8Fusions>().unwrap(), Fp8Fusions::ALL);
+        assert_eq!(Fp8Fusions::ALL.without("ln").describe(), "fc1");
+        assert!("".parse::<Fp8Fusions>().is_err());
+        let e = "ln,qkv".parse::<Fp8Fusions>().unwrap_err();
+        assert!(e.contains("'qkv'") && e.contains("stage 4") && e.contains("Fix"), "{e}");
+        assert_eq!(Fp8Fusions::effective(None, Fp8Recipe::Delayed), Fp8Fusions::ALL);
+        assert_eq!(Fp8Fusions::effective(None, Fp8Recipe::Current), Fp8Fusions::NONE);
+        assert_eq!(Fp8Fusions::effective(Some(Fp8Fusions::NONE), Fp8Recipe::Delayed), Fp8Fusions::NONE);
+        assert!(Fp8Fusions::check(Some(Fp8Fusions::NONE), Fp8Recipe::Current).is_ok());
+        assert!(Fp8Fusions::check(None, Fp8Recipe::Current).is_ok());
+        let e = Fp8Fusions::check(Some(Fp8Fusions::ALL.without("fc1")), Fp8Recipe::Current).unwrap_err().to_string();
+        assert!(e.contains("--fp8-fusions ln") && e.contains("delayed") && e.contains("Fix:"), "{e}");
     }
 
     #[test]

@@ -39,5 +39,7 @@ pub(crate) static BIG_ALLOCATION_TESTS: std::sync::Mutex<()> = std::sync::Mutex:
 
 pub use error::SpeedkitError;
 pub use preset::{Preset, Shape};
-pub use stage::{AttentionKernel, Fp8FastAccum, Fp8Recipe, Fusions, Plan, Precision, PrecisionRequest, Stage, StageOptions, StageSpec};
+pub use stage::{
+    AttentionKernel, Fp8FastAccum, Fp8Fusions, Fp8Recipe, Fusions, Plan, Precision, PrecisionRequest, Stage, StageOptions, StageSpec,
+};
 pub use weights::BlockWeights;

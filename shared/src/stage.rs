@@ -118,6 +118,9 @@ pub struct StageOptions {
     /// `--fusions`: which of stage 3's fusions are on (all by default; `ladder --ablate` removes
     /// one at a time).
     pub fusions: Fusions,
+    /// `--fp8-fusions`: None when not given (every fusion the recipe allows:
+    /// `Fp8Fusions::effective`), so a request the recipe cannot honour is refused, not ignored.
+    pub fp8_fusions: Option<Fp8Fusions>,
     /// Stage 2 ablation: keep stages 0–1's head split/merge copies around the fused kernel, so
     /// the kernel's gain and the copies' are measured apart.
     pub attention_copies: bool,
@@ -155,37 +158,27 @@ impl Fusions {
     /// The names `--fusions` takes, in forward order.
     pub const NAMES: [&'static str; 4] = ["ln", "qkv", "epilogue", "add-ln"];
 
-    fn slot(&mut self, name: &str) -> Option<&mut bool> {
-        match name {
-            "ln" => Some(&mut self.ln),
-            "qkv" => Some(&mut self.qkv),
-            "epilogue" => Some(&mut self.epilogue),
-            "add-ln" => Some(&mut self.add_ln),
-            _ => None,
-        }
+    fn flags(&self) -> [bool; 4] {
+        [self.ln, self.qkv, self.epilogue, self.add_ln]
+    }
+
+    fn from_flags([ln, qkv, epilogue, add_ln]: [bool; 4]) -> Fusions {
+        Fusions { ln, qkv, epilogue, add_ln }
     }
 
     /// These fusions with `name` (one of `NAMES`) off.
-    pub fn without(mut self, name: &str) -> Fusions {
-        if let Some(on) = self.slot(name) {
-            *on = false;
-        }
-        self
+    pub fn without(self, name: &str) -> Fusions {
+        Fusions::from_flags(switch_off(self.flags(), &Fusions::NAMES, name))
     }
 
     /// The names of the fusions that are on, in `NAMES` order.
     pub fn on(&self) -> Vec<&'static str> {
-        let flags = [self.ln, self.qkv, self.epilogue, self.add_ln];
-        Fusions::NAMES.iter().zip(flags).filter(|(_, on)| *on).map(|(n, _)| *n).collect()
+        names_on(self.flags(), &Fusions::NAMES)
     }
 
     /// "all", "none", or the list of those on, as `--fusions` takes it.
     pub fn describe(&self) -> String {
-        match *self {
-            Fusions::ALL => "all".into(),
-            Fusions::NONE => "none".into(),
-            _ => self.on().join(","),
-        }
+        describe(self.flags(), &Fusions::NAMES)
     }
 }
 
@@ -193,27 +186,125 @@ impl std::str::FromStr for Fusions {
     type Err = String;
     /// "all", "none", or a comma-separated list of the fusions to keep on.
     fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "all" => return Ok(Fusions::ALL),
-            "none" => return Ok(Fusions::NONE),
-            // Empty is a typo or an unset variable, not "none" (as --precision '' is refused).
-            "" => return Err("an empty list is not a choice of fusions. Fix: give all, none, or some of ln, qkv, epilogue, add-ln".into()),
-            _ => {}
-        }
-        let mut f = Fusions::NONE;
-        for name in s.split(',').map(str::trim) {
-            match f.slot(name) {
-                Some(on) => *on = true,
-                None => {
-                    return Err(format!(
-                        "'{name}' is not one of stage 3's fusions. Fix: list some of {} (or all, or none)",
-                        Fusions::NAMES.join(", ")
-                    ))
-                }
-            }
-        }
-        Ok(f)
+        parse_switches(s, &Fusions::NAMES, "stage 3's fusions").map(Fusions::from_flags)
     }
+}
+
+/// Stage 4's producer fusions (`--fp8-fusions ln,fc1`): the producer of an FP8 GEMM's input
+/// writes it in E4M3 with the GEMM's scale and records its amax, so the GEMM skips its own
+/// quantisation pass. The scale must be known before the producer writes, so they need delayed
+/// scaling (`--fp8-recipe delayed`), as in TransformerEngine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Fp8Fusions {
+    /// Both LayerNorms write E4M3 for the GEMM after them (qkv, fc1).
+    pub ln: bool,
+    /// fc1's GEMM writes E4M3 for fc2 (cuBLASLt's D scale and amax_D).
+    pub fc1: bool,
+}
+
+impl Fp8Fusions {
+    pub const ALL: Fp8Fusions = Fp8Fusions { ln: true, fc1: true };
+    pub const NONE: Fp8Fusions = Fp8Fusions { ln: false, fc1: false };
+    /// The names `--fp8-fusions` takes, in forward order.
+    pub const NAMES: [&'static str; 2] = ["ln", "fc1"];
+
+    fn flags(&self) -> [bool; 2] {
+        [self.ln, self.fc1]
+    }
+
+    fn from_flags([ln, fc1]: [bool; 2]) -> Fp8Fusions {
+        Fp8Fusions { ln, fc1 }
+    }
+
+    /// These fusions with `name` (one of `NAMES`) off.
+    pub fn without(self, name: &str) -> Fp8Fusions {
+        Fp8Fusions::from_flags(switch_off(self.flags(), &Fp8Fusions::NAMES, name))
+    }
+
+    /// The names of the fusions that are on, in `NAMES` order.
+    pub fn on(&self) -> Vec<&'static str> {
+        names_on(self.flags(), &Fp8Fusions::NAMES)
+    }
+
+    /// "all", "none", or the list of those on, as `--fp8-fusions` takes it.
+    pub fn describe(&self) -> String {
+        describe(self.flags(), &Fp8Fusions::NAMES)
+    }
+
+    /// The fusions stage 4 runs: `requested` (`--fp8-fusions`; None = not given) under `recipe`.
+    /// Not given: every fusion the recipe allows — all of them with delayed scaling, none with
+    /// current scaling (the scale is this tensor's amax, unknown until the producer has written
+    /// it all). Given: as asked; `check` refuses what the recipe cannot honour.
+    pub fn effective(requested: Option<Fp8Fusions>, recipe: Fp8Recipe) -> Fp8Fusions {
+        match (requested, recipe) {
+            (Some(f), _) => f,
+            (None, Fp8Recipe::Delayed) => Fp8Fusions::ALL,
+            (None, Fp8Recipe::Current) => Fp8Fusions::NONE,
+        }
+    }
+
+    /// Refuse an explicit `--fp8-fusions` that `recipe` cannot honour (a usage error, exit 2).
+    pub fn check(requested: Option<Fp8Fusions>, recipe: Fp8Recipe) -> Result<(), SpeedkitError> {
+        match requested {
+            Some(f) if recipe == Fp8Recipe::Current && !f.on().is_empty() => Err(SpeedkitError::usage(format!(
+                "--fp8-fusions {} asks the producers (LayerNorm, fc1) to write E4M3 with the next GEMM's scale, but \
+                 --fp8-recipe current takes that scale from the amax of the very tensor being written, which is only \
+                 known once the producer has written all of it: a fused producer needs the scale before it starts, \
+                 which only delayed scaling (an amax history) gives. Fix: drop --fp8-fusions (or pass none) to run \
+                 current scaling unfused, or use --fp8-recipe delayed to run the fusions.",
+                f.describe()
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl std::str::FromStr for Fp8Fusions {
+    type Err = String;
+    /// "all", "none", or a comma-separated list of the fusions to keep on.
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_switches(s, &Fp8Fusions::NAMES, "stage 4's FP8 fusions").map(Fp8Fusions::from_flags)
+    }
+}
+
+/// `flags` with the one named `name` (in `names`) off.
+fn switch_off<const N: usize>(mut flags: [bool; N], names: &[&str; N], name: &str) -> [bool; N] {
+    if let Some(i) = names.iter().position(|n| *n == name) {
+        flags[i] = false;
+    }
+    flags
+}
+
+fn names_on<const N: usize>(flags: [bool; N], names: &[&'static str; N]) -> Vec<&'static str> {
+    names.iter().zip(flags).filter(|(_, on)| *on).map(|(n, _)| *n).collect()
+}
+
+fn describe<const N: usize>(flags: [bool; N], names: &[&'static str; N]) -> String {
+    match flags {
+        f if f.iter().all(|on| *on) => "all".into(),
+        f if f.iter().all(|on| !on) => "none".into(),
+        f => names_on(f, names).join(","),
+    }
+}
+
+/// "all", "none", or a comma-separated list of some of `names`: one flag per name (`--fusions`,
+/// `--fp8-fusions`). `what` names the list in the error.
+fn parse_switches<const N: usize>(s: &str, names: &[&str; N], what: &str) -> Result<[bool; N], String> {
+    match s.trim() {
+        "all" => return Ok([true; N]),
+        "none" => return Ok([false; N]),
+        // Empty is a typo or an unset variable, not "none" (as --precision '' is refused).
+        "" => return Err(format!("an empty list is not a choice of {what}. Fix: give all, none, or some of {}", names.join(", "))),
+        _ => {}
+    }
+    let mut flags = [false; N];
+    for name in s.split(',').map(str::trim) {
+        match names.iter().position(|n| *n == name) {
+            Some(i) => flags[i] = true,
+            None => return Err(format!("'{name}' is not one of {what}. Fix: list some of {} (or all, or none)", names.join(", "))),
+        }
+    }
+    Ok(flags)
 }
 
 /// What `Stage::implementation` starts with when the stage imitates a number format instead of

@@ -73,15 +73,28 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
 }
 
 __device__ __forceinline__ float load_f(const float* p, long i, int) { return p[i]; }
-__device__ __forceinline__ void store_f(float* p, long i, float f, int) { p[i] = f; }
-__device__ __forceinline__ void store_f(unsigned short* p, long i, float f, int bf16) { p[i] = store_16(f, bf16); }
 
-// One row per thread block. T is float, or unsigned short for 16-bit values (bf16 if `bf16`,
-// else f16); x, x_out, g and b are always f32. Without `branch` (ADD = false) the row is x
-// itself and x_out is not written: plain LayerNorm.
-template <bool ADD, typename T>
-__device__ __forceinline__ void layer_norm_row(const float* x, const T* branch, const float* g, const float* b,
-                                               float* x_out, T* h_out, int C, float eps, int bf16) {
+// Where pass 3 writes h: a store per element, then `finish` once per block (after every
+// thread's last store; all threads call it). Stage 4 adds an E4M3 store that also takes the
+// amax (stage4_fp8/kernels/ln_fp8.cu); these two write f32, or bf16/f16 as 16-bit patterns.
+struct StoreF32 {
+    float* h;
+    __device__ __forceinline__ void store(long i, float v) { h[i] = v; }
+    __device__ __forceinline__ void finish(float*) {}
+};
+struct Store16 {
+    unsigned short* h;
+    int bf16;
+    __device__ __forceinline__ void store(long i, float v) { h[i] = store_16(v, bf16); }
+    __device__ __forceinline__ void finish(float*) {}
+};
+
+// One row per thread block. B is the branch's type: float, or unsigned short for 16-bit values
+// (bf16 if `bf16`, else f16); x, x_out, g and b are always f32; `out` stores h. Without
+// `branch` (ADD = false) the row is x itself and x_out is not written: plain LayerNorm.
+template <bool ADD, typename B, typename Out>
+__device__ __forceinline__ void layer_norm_row(const float* x, const B* branch, const float* g, const float* b,
+                                               float* x_out, Out out, int C, float eps, int bf16) {
     __shared__ float shared[WARPS];
     const long row = (long)blockIdx.x * C;
     // Pass 1: x_out = x + branch, and the row sum. Each thread later re-reads only the x_out
@@ -104,30 +117,31 @@ __device__ __forceinline__ void layer_norm_row(const float* x, const T* branch, 
         s2 += d * d;
     }
     const float inv = rsqrtf(block_sum(s2, shared) / C + eps);
-    // Pass 3: normalise, scale, shift, store (rounded to 16 bits for the 16-bit variant).
+    // Pass 3: normalise, scale, shift, store (rounded to the output type by `out`).
     for (int c = threadIdx.x; c < C; c += THREADS) {
-        store_f(h_out, row + c, (src[row + c] - mean) * inv * g[c] + b[c], bf16);
+        out.store(row + c, (src[row + c] - mean) * inv * g[c] + b[c]);
     }
+    out.finish(shared);
 }
 
 extern "C" __global__ void add_layer_norm_16(const float* x, const unsigned short* branch, const float* g,
                                              const float* b, float* x_out, unsigned short* h_out, int C,
                                              float eps, int bf16) {
-    layer_norm_row<true>(x, branch, g, b, x_out, h_out, C, eps, bf16);
+    layer_norm_row<true>(x, branch, g, b, x_out, Store16{h_out, bf16}, C, eps, bf16);
 }
 
 extern "C" __global__ void add_layer_norm_f32(const float* x, const float* branch, const float* g, const float* b,
                                               float* x_out, float* h_out, int C, float eps) {
-    layer_norm_row<true>(x, branch, g, b, x_out, h_out, C, eps, 0);
+    layer_norm_row<true>(x, branch, g, b, x_out, StoreF32{h_out}, C, eps, 0);
 }
 
 // h = LayerNorm(x), h in bf16/f16 (the cast fused into the store).
 extern "C" __global__ void layer_norm_16(const float* x, const float* g, const float* b, unsigned short* h_out, int C,
                                          float eps, int bf16) {
-    layer_norm_row<false, unsigned short>(x, nullptr, g, b, nullptr, h_out, C, eps, bf16);
+    layer_norm_row<false, float>(x, nullptr, g, b, nullptr, Store16{h_out, bf16}, C, eps, bf16);
 }
 
 extern "C" __global__ void layer_norm_f32(const float* x, const float* g, const float* b, float* h_out, int C,
                                           float eps) {
-    layer_norm_row<false, float>(x, nullptr, g, b, nullptr, h_out, C, eps, 0);
+    layer_norm_row<false, float>(x, nullptr, g, b, nullptr, StoreF32{h_out}, C, eps, 0);
 }

@@ -149,6 +149,10 @@ extern "C" __global__ void fp8_history_push(unsigned int* amax_bits, float* hist
     *amax_bits = 0u;
 }
 
+// 1/s: the quantisation factor, for a GEMM that writes E4M3 (cuBLASLt's D scale multiplies the
+// result, D = E4M3(scale_D · result); stage 4's fc1 writing fc2's input). One thread.
+extern "C" __global__ void fp8_reciprocal(const float* scale, float* inv_scale) { inv_scale[0] = 1.0f / scale[0]; }
+
 // ---- the casts ----------------------------------------------------------------------------
 
 // q = E4M3(x / s); with amax_bits (delayed scaling) also amax ← max(amax, max|x|) in the same

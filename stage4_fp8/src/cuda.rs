@@ -3,7 +3,7 @@
 //! `gemm::fp8_gemm_args`, a pure function tested on the CPU; this file only turns them into
 //! descriptors and launches on candle's stream.
 
-use crate::gemm::{check_pointers, fp8_gemm_args, Fp8Epilogue, Fp8GemmArgs};
+use crate::gemm::{check_pointers, fp8_gemm_args, fp8_gemm_args_e4m3_out, Fp8Epilogue, Fp8GemmArgs};
 use candle_core::cuda::cudarc::cublaslt::{result, sys, MatmulShared};
 use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use candle_core::cuda::{CudaDevice, DeviceId};
@@ -68,9 +68,21 @@ fn set<T>(desc: &Desc, attr: sys::cublasLtMatmulDescAttributes_t, value: &T) -> 
         .map_err(|e| err(&format!("{attr:?}"), e))
 }
 
-/// y (M, N) bf16 = s_x·s_w·(x_q W_qᵀ) + b, GELU'd if `gelu`. x_q: (M, K) E4M3; W_q: (N, K) E4M3;
-/// s_x, s_w: one f32 each (rank 0 or (1)); b: (N) bf16. All on one CUDA device. `fast_accum`:
-/// CUBLASLT_MATMUL_DESC_FAST_ACCUM (see `launch`).
+/// An E4M3 output for the next layer (`Fp8Linear::forward_e4m3`): cuBLASLt multiplies the
+/// result by `d_scale` (1/s of the next layer's input) before the cast, and writes max|result|
+/// (before that scaling: the amax the next layer's history records) to `amax_d`.
+pub struct Fp8Out<'a> {
+    /// (1) f32: 1/s (CUBLASLT_MATMUL_DESC_D_SCALE_POINTER).
+    pub d_scale: &'a Tensor,
+    /// (1) u32 buffer holding an f32 (CUBLASLT_MATMUL_DESC_AMAX_D_POINTER): the next layer's amax.
+    pub amax_d: &'a Tensor,
+}
+
+/// y (M, N) = s_x·s_w·(x_q W_qᵀ) + b, GELU'd if `gelu`: bf16, or with `e4m3_out` E4M3(y / s)
+/// with amax(y) written for the next layer. x_q: (M, K) E4M3; W_q: (N, K) E4M3; s_x, s_w: one
+/// f32 each (rank 0 or (1)); b: (N) bf16 (the FP8 table's bias type for a bf16 or an E4M3 D
+/// with a bf16 C). All on one CUDA device. `fast_accum`: CUBLASLT_MATMUL_DESC_FAST_ACCUM (see `launch`).
+#[allow(clippy::too_many_arguments)]
 pub fn fp8_linear(
     xq: &Tensor,
     x_scale: &Tensor,
@@ -79,10 +91,15 @@ pub fn fp8_linear(
     bias: &Tensor,
     gelu: bool,
     fast_accum: bool,
+    e4m3_out: Option<Fp8Out>,
 ) -> candle_core::Result<Tensor> {
     let (tokens, k) = xq.dims2()?;
     let n = wq.dim(0)?;
-    let args = fp8_gemm_args(tokens, k, n, gelu).map_err(candle_core::Error::wrap)?;
+    let args = match e4m3_out {
+        None => fp8_gemm_args(tokens, k, n, gelu),
+        Some(_) => fp8_gemm_args_e4m3_out(tokens, k, n, gelu),
+    }
+    .map_err(candle_core::Error::wrap)?;
     let dev = xq.device().as_cuda_device()?.clone();
     // Fresh, contiguous allocations are 256-byte aligned (cuBLASLt wants 16).
     let (xq, wq, bias, x_scale, w_scale) =
@@ -91,8 +108,24 @@ pub fn fp8_linear(
     let ((sxs, sxl), (sws, swl)) = (x_scale.storage_and_layout(), w_scale.storage_and_layout());
     let (xv, wv) = (cuda_view::<float8::F8E4M3>(&xs, xl)?, cuda_view::<float8::F8E4M3>(&ws, wl)?);
     let (bv, sxv, swv) = (cuda_view::<half::bf16>(&bs, bl)?, cuda_view::<f32>(&sxs, sxl)?, cuda_view::<f32>(&sws, swl)?);
+    // The output: bf16, or E4M3 for the next layer; its D scale and amax buffers.
+    let out_scales = match &e4m3_out {
+        Some(o) => Some((o.d_scale.contiguous()?, o.amax_d.contiguous()?)),
+        None => None,
+    };
+    let out_guards = out_scales.as_ref().map(|(d, a)| (d.storage_and_layout(), a.storage_and_layout()));
+    let out_views = match &out_guards {
+        Some(((ds, dl), (as_, al))) => Some((cuda_view::<f32>(ds, dl)?, cuda_view::<u32>(as_, al)?)),
+        None => None,
+    };
     // SAFETY: β = 0, so C is not read; the GEMM writes every element of D = out.
-    let mut out: CudaSlice<half::bf16> = unsafe { dev.alloc::<half::bf16>(tokens * n)? };
+    let mut out_bf16: Option<CudaSlice<half::bf16>> = None;
+    let mut out_e4m3: Option<CudaSlice<float8::F8E4M3>> = None;
+    if out_views.is_some() {
+        out_e4m3 = Some(unsafe { dev.alloc::<float8::F8E4M3>(tokens * n)? });
+    } else {
+        out_bf16 = Some(unsafe { dev.alloc::<half::bf16>(tokens * n)? });
+    }
     let ws_buf = workspace(&dev)?;
     let handle = lt(&dev)?;
     let stream = dev.cuda_stream();
@@ -100,24 +133,37 @@ pub fn fp8_linear(
         // The pointers, each with a guard that orders the access on candle's stream.
         let (a, _ga) = wv.device_ptr(&stream);
         let (b, _gb) = xv.device_ptr(&stream);
-        let (d, _gd) = out.device_ptr_mut(&stream);
+        let (d, _gd) = match (&mut out_bf16, &mut out_e4m3) {
+            (Some(o), _) => o.device_ptr_mut(&stream),
+            (_, Some(o)) => o.device_ptr_mut(&stream),
+            _ => unreachable!("one output is allocated above"),
+        };
         let (bias_ptr, _gbias) = bv.device_ptr(&stream);
         let (sa, _gsa) = swv.device_ptr(&stream);
         let (sb, _gsb) = sxv.device_ptr(&stream);
         let (w, _gw) = ws_buf.device_ptr(&stream);
+        let fp8_out = out_views.as_ref().map(|(dv, av)| (dv.device_ptr(&stream), av.device_ptr(&stream)));
+        let fp8_ptrs = fp8_out.as_ref().map(|((ds, _), (am, _))| (*ds, *am));
         check_pointers(&[("A (W)", a), ("B (x)", b), ("D (y)", d), ("bias", bias_ptr)]).map_err(|e| err("alignment", e))?;
-        launch(&args, fast_accum, *handle.handle(), [a, b, d, bias_ptr, sa, sb, w], stream.cu_stream() as sys::cudaStream_t)?;
+        let ptrs = [a, b, d, bias_ptr, sa, sb, w];
+        launch(&args, fast_accum, *handle.handle(), ptrs, fp8_ptrs, stream.cu_stream() as sys::cudaStream_t)?;
     }
-    drop((xs, ws, bs, sxs, sws));
-    Ok(wrap(out, &dev, (tokens, n)))
+    drop((xs, ws, bs, sxs, sws, out_guards));
+    Ok(match (out_bf16, out_e4m3) {
+        (Some(o), _) => wrap(o, &dev, (tokens, n)),
+        (_, Some(o)) => wrap(o, &dev, (tokens, n)),
+        _ => unreachable!("one output is allocated above"),
+    })
 }
 
-/// Descriptors from `args`, then cublasLtMatmul. ptrs: A, B, D, bias, scale_A, scale_B, workspace.
+/// Descriptors from `args`, then cublasLtMatmul. ptrs: A, B, D, bias, scale_A, scale_B, workspace;
+/// `fp8_out`: (D scale, amax_D) when `args.out_e4m3`.
 fn launch(
     args: &Fp8GemmArgs,
     fast_accum: bool,
     handle: sys::cublasLtHandle_t,
     ptrs: [u64; 7],
+    fp8_out: Option<(u64, u64)>,
     stream: sys::cudaStream_t,
 ) -> candle_core::Result<()> {
     use sys::cublasLtMatmulDescAttributes_t as A;
@@ -125,7 +171,12 @@ fn launch(
     let [a, b, d, bias, scale_a, scale_b, workspace] = ptrs;
     let a_layout = layout(T::CUDA_R_8F_E4M3, args.a_rows, args.a_cols, args.lda)?;
     let b_layout = layout(T::CUDA_R_8F_E4M3, args.b_rows, args.b_cols, args.ldb)?;
-    let d_layout = layout(T::CUDA_R_16BF, args.d_rows, args.d_cols, args.ldd)?; // C shares it (β = 0)
+    // C is bf16 (not read, β = 0); D is bf16, or E4M3 for the next layer — the FP8 table's
+    // combinations for E4M3 A and B: with an E4M3 D, C's type must be the bias type (bf16), as
+    // TransformerEngine's cuBLASLt call also sets it.
+    let c_layout = layout(T::CUDA_R_16BF, args.d_rows, args.d_cols, args.ldd)?;
+    let d_type = if args.out_e4m3 { T::CUDA_R_8F_E4M3 } else { T::CUDA_R_16BF };
+    let d_layout = layout(d_type, args.d_rows, args.d_cols, args.ldd)?;
 
     // f32 accumulation and f32 alpha/beta/scales.
     let desc = result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, T::CUDA_R_32F)
@@ -150,7 +201,17 @@ fn launch(
     };
     set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?; // cublasLtEpilogue_t
     set(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?; // const void*, bias_len values
-    set(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &T::CUDA_R_16BF)?; // cudaDataType: bf16, as D
+    set(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &T::CUDA_R_16BF)?; // cudaDataType: bf16, as C
+    match (args.out_e4m3, fp8_out) {
+        (false, None) => {}
+        // D = E4M3(scale_D · result), scale_D = 1/s of the next layer's input; amax_D = max|result|
+        // before scale_D (what TransformerEngine records as the next tensor's amax). const float*, void*.
+        (true, Some((d_scale, amax_d))) => {
+            set(&desc, A::CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &d_scale)?;
+            set(&desc, A::CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amax_d)?;
+        }
+        _ => return Err(err("FP8 output", "an E4M3 D needs its D scale and amax pointers, and only an E4M3 D takes them")),
+    }
     let pref = result::create_matmul_pref().map(Pref).map_err(|e| err("preference", e))?;
     // SAFETY: size_t attribute, copied by cuBLASLt.
     unsafe {
@@ -163,20 +224,29 @@ fn launch(
     }
     .map_err(|e| err("workspace preference", e))?;
     // SAFETY: every descriptor is alive and describes the allocations behind the pointers.
-    let heuristic = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, a_layout.0, b_layout.0, d_layout.0, d_layout.0, pref.0) }
+    let heuristic = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, a_layout.0, b_layout.0, c_layout.0, d_layout.0, pref.0) }
         .map_err(|e| {
             err(
                 &format!(
-                    "cuBLASLt has no FP8 algorithm for m={} n={} k={} with the {:?} epilogue on this GPU (it needs SM 8.9+ and CUDA 12+)",
-                    args.m, args.n, args.k, args.epilogue
+                    "cuBLASLt has no FP8 algorithm for m={} n={} k={} with the {:?} epilogue{} on this GPU (it needs SM 8.9+ and CUDA 12+){}",
+                    args.m,
+                    args.n,
+                    args.k,
+                    args.epilogue,
+                    if args.out_e4m3 { " and an E4M3 output (D scale, amax_D)" } else { "" },
+                    if args.out_e4m3 { "; --fp8-fusions ln keeps fc1's output in bf16 and quantises it in a pass of its own" } else { "" }
                 ),
                 e,
             )
         })?;
+    // C is never read (β = 0): D's own buffer for a bf16 D, as cuBLASLt allows in place; no
+    // pointer at all for an E4M3 D, as TransformerEngine passes it (its C layout is bf16, D's is not).
+    let c = if args.out_e4m3 { 0 } else { d };
     let contract = args.contract(); // α = 1, β = 0: what the CPU model executes in the tests
     let (alpha, beta) = (contract.alpha, contract.beta);
-    // SAFETY: A, B are k·m and k·n E4M3 values, D m·n bf16, bias m bf16, the scales one f32
-    // each, the workspace WORKSPACE_BYTES — as the layouts say; all on `stream`'s device.
+    // SAFETY: A, B are k·m and k·n E4M3 values, D m·n bf16 or E4M3 (C: D's buffer or null, never
+    // read at β = 0), bias m bf16, the scales one f32 each (amax_D one f32 written), the
+    // workspace WORKSPACE_BYTES — as the layouts say; all on `stream`'s device.
     unsafe {
         result::matmul(
             handle,
@@ -187,8 +257,8 @@ fn launch(
             a_layout.0,
             b as *const c_void,
             b_layout.0,
-            d as *const c_void,
-            d_layout.0,
+            c as *const c_void,
+            c_layout.0,
             d as *mut c_void,
             d_layout.0,
             &heuristic.algo,

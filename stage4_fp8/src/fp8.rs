@@ -26,6 +26,11 @@
 //! There, delayed scaling takes its amax in the cast's own pass (the scale is known before x
 //! is read), and the history is updated on the device: no host round trip, graph-safe.
 //!
+//! **Fused producers.** With delayed scaling the scale is known before x exists, so x's producer
+//! can write it in E4M3 itself (`Fp8Linear::fused_target` → `Fp8Target`; stage 4's LayerNorms in
+//! `producers`, fc1 in `Fp8Linear::forward_e4m3`), recording its amax for this layer's history;
+//! the layer then takes the `Quantized` input as it is (`Input::Fp8`, `forward_input`).
+//!
 //! **Non-finite values.** The casts saturate finite values at ±448 and keep NaN as NaN (an
 //! explicit clamp would turn NaN into ±448 silently). `Fp8Tensor::quantize` and every CPU call
 //! of `Fp8Linear` reject NaN/inf with an error; on CUDA the hot path does not read back to the
@@ -195,6 +200,76 @@ impl Fp8Tensor {
     }
 }
 
+/// Where a fused producer writes an FP8 GEMM's input (`Fp8Linear::fused_target`): the
+/// consuming layer's delayed scale s (q = sat(x / s)) and, on CUDA, the consumer's device
+/// buffers the producer writes into.
+#[derive(Clone, Debug)]
+pub struct Fp8Target {
+    /// s: rank 0 on the CPU; on CUDA the consumer's (1) f32 scale buffer.
+    pub scale: Tensor,
+    /// CUDA: (amax_bits, inv_scale) — the consumer's (1) u32 amax buffer (f32 bits, zero on
+    /// entry) that the producer maxes |x| into, and a (1) f32 buffer for 1/s (cuBLASLt's D
+    /// scale multiplies). None on the CPU, where the producer returns its amax instead.
+    pub device: Option<(Tensor, Tensor)>,
+}
+
+impl Fp8Target {
+    /// The producer's last step written out: y (its f32 output, never rounded to the activation
+    /// dtype) quantised with s, and amax(y) recorded for the consumer. What the CPU producers
+    /// run, and fc1 when emulated; on CUDA the fused kernels do it in their own pass.
+    pub fn quantize(&self, y: &Tensor) -> candle_core::Result<Quantized> {
+        #[cfg(feature = "cuda")]
+        if let (true, Some((amax_bits, _))) = (y.device().is_cuda(), &self.device) {
+            let data = crate::quant_cuda::quantize_with_amax(y, &self.scale, amax_bits)?;
+            return Ok(Quantized { data, scale: self.scale.clone(), amax: None });
+        }
+        if y.device().is_cpu() {
+            check_finite(y, "a fused producer's output").map_err(candle_core::Error::wrap)?;
+            // as `Fp8Linear` on the CPU
+        }
+        let data = quantize_dequantize_cpu(y, &self.scale)?; // s·q in f32, as the emulated GEMMs read it
+        Ok(Quantized { data, scale: self.scale.clone(), amax: Some(amax(y)?) })
+    }
+}
+
+/// An FP8 GEMM's input as a fused producer wrote it, with the consumer's scale.
+#[derive(Clone, Debug)]
+pub struct Quantized {
+    /// CUDA: q in E4M3. CPU: s·q in f32 (the emulation never holds the 8-bit type).
+    pub data: Tensor,
+    /// s, the scale it was quantised with.
+    pub scale: Tensor,
+    /// CPU: amax of the values before quantisation (rank 0), for the consumer's history. CUDA:
+    /// None — it is already in the consumer's device buffer.
+    pub amax: Option<Tensor>,
+}
+
+/// A GEMM input: in the activation dtype (the GEMM quantises it), or already in E4M3 from a
+/// fused producer (`--fp8-fusions`).
+#[derive(Clone, Debug)]
+pub enum Input {
+    Plain(Tensor),
+    Fp8(Quantized),
+}
+
+impl Input {
+    /// (B, T, K)
+    pub fn dims3(&self) -> candle_core::Result<(usize, usize, usize)> {
+        match self {
+            Input::Plain(x) => x.dims3(),
+            Input::Fp8(q) => q.data.dims3(),
+        }
+    }
+
+    /// A copy that later calls cannot change (the CUDA scale is a buffer the next call rewrites).
+    pub fn kept(&self) -> candle_core::Result<Input> {
+        Ok(match self {
+            Input::Plain(x) => Input::Plain(x.clone()),
+            Input::Fp8(q) => Input::Fp8(Quantized { scale: q.scale.copy()?, ..q.clone() }),
+        })
+    }
+}
+
 /// How an `Fp8Linear` scales its input: the recipe, the amax history length (delayed) and the
 /// margin (s gets 2^margin of headroom above the amax).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -227,6 +302,8 @@ pub struct ScaleState {
     config: ScalingConfig,
     history: Option<Tensor>,
     last_scale: Option<Tensor>,
+    /// Whether the last call's input was quantised by its producer (`Fp8Target`).
+    last_fused: bool,
     #[cfg(feature = "cuda")]
     device: Option<crate::quant_cuda::DeviceScale>,
     /// Calls so far on CUDA (the first delayed call fills the history from its own amax).
@@ -245,6 +322,7 @@ impl ScaleState {
             config,
             history: None,
             last_scale: None,
+            last_fused: false,
             #[cfg(feature = "cuda")]
             device: None,
             #[cfg(feature = "cuda")]
@@ -255,6 +333,7 @@ impl ScaleState {
     /// x in E4M3 with the recipe's scale: (q, the scale used). On the CPU, `scale_for` then the
     /// cast; on CUDA, our kernels (`quant_cuda`), the scale staying on the device.
     pub fn quantize(&mut self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        self.last_fused = false;
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
             let pow2_margin = 2f32.powi(self.config.margin);
@@ -276,12 +355,27 @@ impl ScaleState {
     /// The scale to quantise `x` with, per the recipe; records x's amax in the history.
     pub fn scale_for(&mut self, x: &Tensor) -> candle_core::Result<Tensor> {
         let a = amax(x)?; // rank 0
-        let scale = match (&self.history, self.config.recipe) {
+        let scale = match self.delayed_scale()? {
             // The last calls' largest amax, not this one's: s is known before x is read.
-            (Some(h), Fp8Recipe::Delayed) => scale_from_amax(&h.max(0)?, self.config.margin)?,
+            Some(s) => s,
             // current scaling, and the first delayed call (no history yet)
-            _ => scale_from_amax(&a, self.config.margin)?,
+            None => scale_from_amax(&a, self.config.margin)?,
         };
+        self.record(&a, &scale, false)?;
+        Ok(scale)
+    }
+
+    /// Delayed scaling after the first call: s = max(history)·2^margin/448, known before the
+    /// next input exists. None for current scaling and before the first delayed call.
+    fn delayed_scale(&self) -> candle_core::Result<Option<Tensor>> {
+        match (&self.history, self.config.recipe) {
+            (Some(h), Fp8Recipe::Delayed) => Ok(Some(scale_from_amax(&h.max(0)?, self.config.margin)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// One call done: its amax `a` joins the history (delayed), `scale` becomes the last scale.
+    fn record(&mut self, a: &Tensor, scale: &Tensor, fused: bool) -> candle_core::Result<()> {
         if self.config.recipe == Fp8Recipe::Delayed {
             let a = a.reshape(1)?; // (1)
             let n = self.config.history_len;
@@ -299,7 +393,45 @@ impl ScaleState {
             None => self.last_scale = Some(s1.copy()?), // its own buffer, not the returned tensor's
             Some(last) => last.slice_set(&s1, 0, 0)?,
         }
-        Ok(scale)
+        self.last_fused = fused;
+        Ok(())
+    }
+
+    /// Where a producer may write this state's next input in E4M3 (a fused LayerNorm, fc1's
+    /// E4M3 output): the delayed scale, known before the input exists. None for current scaling
+    /// and before the first delayed call, when the scale needs the input's own amax. On CUDA the
+    /// scale is updated from the history on the device, into the scale buffer the GEMM reads.
+    pub fn fused_target(&mut self, device: &candle_core::Device) -> candle_core::Result<Option<Fp8Target>> {
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            let Some(d) = self.device.as_ref().filter(|_| self.calls > 0 && self.config.recipe == Fp8Recipe::Delayed) else {
+                return Ok(None);
+            };
+            d.scale_from_history(2f32.powi(self.config.margin))?;
+            return Ok(Some(Fp8Target { scale: d.scale.clone(), device: Some((d.amax_bits.clone(), d.inv_scale.clone())) }));
+        }
+        let _ = device;
+        Ok(self.delayed_scale()?.map(|scale| Fp8Target { scale, device: None }))
+    }
+
+    /// Close a call whose input its producer quantised with `fused_target`'s scale: the amax it
+    /// recorded joins the history (CUDA: from the device buffer the producer maxed it into).
+    pub fn finish_fused(&mut self, x: &Quantized) -> candle_core::Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            d.push_amax()?;
+            self.calls += 1;
+            self.last_fused = true;
+            return Ok(());
+        }
+        let a = x.amax.as_ref().ok_or_else(|| candle_core::Error::Msg("a CPU producer must return its amax".into()))?;
+        self.record(a, &x.scale, true)
+    }
+
+    /// Whether the last call's input came quantised from its producer (the twins need to know:
+    /// such an input was never stored in the activation dtype).
+    pub fn last_fused(&self) -> bool {
+        self.last_fused
     }
 
     /// The amax history, oldest first (empty before the first delayed call; always empty for
@@ -443,35 +575,74 @@ impl Fp8Linear {
 
     /// x: (B, T, K), any float dtype (bf16 in stage 4) → (B, T, N) in the output dtype (bf16).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.forward_into(x, None)
+        self.forward_input(&Input::Plain(x.clone()), None)
     }
 
     /// r + x Wᵀ + b in r's dtype (the f32 residual stream). Emulated on the CPU the residual
     /// rides in the f32 GEMM's epilogue, as in stage 3 (`linear_bias_residual`); through cuBLASLt
     /// the bf16 output is added to r afterwards (stage 3's two launches at bf16 on CUDA).
     pub fn forward_residual(&self, x: &Tensor, r: &Tensor) -> candle_core::Result<Tensor> {
-        self.forward_into(x, Some(r))
+        self.forward_input(&Input::Plain(x.clone()), Some(r))
     }
 
-    fn forward_into(&self, x: &Tensor, residual: Option<&Tensor>) -> candle_core::Result<Tensor> {
-        let (bsz, t, k) = x.dims3()?;
+    /// `forward` (with the residual r when given) on an input as its producer wrote it: in the
+    /// activation dtype, or already quantised with this layer's scale (`fused_target`).
+    pub fn forward_input(&self, x: &Input, residual: Option<&Tensor>) -> candle_core::Result<Tensor> {
+        let (bsz, t, _) = x.dims3()?;
+        let (xq, xd, scale) = self.operands(x)?;
+        self.gemm(xq.as_ref(), xd.as_ref(), &scale, (bsz, t, self.bias.dim(0)?), residual)
+    }
+
+    /// Where this layer's producer may write its next input in E4M3 (`ScaleState::fused_target`):
+    /// Some with delayed scaling from the second call on, None when the scale is not known yet.
+    pub fn fused_target(&self, device: &candle_core::Device) -> candle_core::Result<Option<Fp8Target>> {
+        self.state()?.fused_target(device)
+    }
+
+    /// fc1 → fc2: this layer's output written in E4M3 for the next layer (`target`, its
+    /// `fused_target`) instead of in the activation dtype, its amax recorded there. Through
+    /// cuBLASLt the GEMM's epilogue does it (D scale = 1/s, amax_D: `cuda::fp8_linear`);
+    /// emulated, the f32 output is quantised by `target.quantize` — never stored in between.
+    pub fn forward_e4m3(&self, x: &Input, target: &Fp8Target) -> candle_core::Result<Quantized> {
+        let (bsz, t, _) = x.dims3()?;
         let n = self.bias.dim(0)?;
+        let (xq, xd, scale) = self.operands(x)?;
+        if let (Some((w, b)), Some(xd)) = (&self.emulated, &xd) {
+            return target.quantize(&self.emulated_f32(xd, w, b)?);
+        }
+        let xq = xq.ok_or_else(|| candle_core::Error::Msg(format!("{}: no E4M3 input for cuBLASLt", self.name)))?;
+        self.forward_cublaslt_e4m3(&xq, &scale, target, (bsz, t, n))
+    }
+
+    /// The GEMM's operands from its input: (q_x for cuBLASLt, s_x·q_x in f32 when emulated,
+    /// s_x), the scale state advanced by one call. A plain input is quantised here; a fused
+    /// producer's already is, and its amax joins the history.
+    fn operands(&self, x: &Input) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Tensor)> {
+        let k = x.dims3()?.2;
         if self.weight.data.dim(1)? != k {
-            candle_core::bail!("{}: x {:?} does not fit W {:?}", self.name, x.dims(), self.weight.data.dims());
+            candle_core::bail!("{}: x {:?} does not fit W {:?}", self.name, x.dims3()?, self.weight.data.dims());
         }
-        if x.device().is_cpu() {
-            // Free to check on the CPU (the data is already host memory); see the module notes.
-            check_finite(x, &format!("the input of {}", self.name)).map_err(candle_core::Error::wrap)?;
-            let scale = self.state()?.scale_for(x)?;
-            // s_x·q_x in f32 in one parallel pass (`quantize_dequantize_cpu`), never the 8-bit type
-            let xd = quantize_dequantize_cpu(x, &scale)?;
-            return self.gemm(None, Some(&xd), &scale, (bsz, t, n), residual);
-        }
-        // CUDA: our kernels quantise (kernels/fp8.cu), the scale stays on the device.
-        let (xq, scale) = self.state()?.quantize(x)?;
+        let (xq, scale) = match x {
+            Input::Fp8(q) => {
+                self.state()?.finish_fused(q)?;
+                if q.data.device().is_cpu() {
+                    return Ok((None, Some(q.data.clone()), q.scale.clone())); // already s·q in f32
+                }
+                (q.data.clone(), q.scale.clone())
+            }
+            Input::Plain(x) if x.device().is_cpu() => {
+                // Free to check on the CPU (the data is already host memory); see the module notes.
+                check_finite(x, &format!("the input of {}", self.name)).map_err(candle_core::Error::wrap)?;
+                let scale = self.state()?.scale_for(x)?;
+                // s_x·q_x in f32 in one parallel pass (`quantize_dequantize_cpu`), never the 8-bit type
+                return Ok((None, Some(quantize_dequantize_cpu(x, &scale)?), scale));
+            }
+            // CUDA: our kernels quantise (kernels/fp8.cu), the scale stays on the device.
+            Input::Plain(x) => self.state()?.quantize(x)?,
+        };
         // emulated on a GPU without FP8 (--fp8-emulate): its f32 GEMM reads s_x·q_x
         let xd = if self.emulated.is_some() { Some(dequantize(&xq, &scale, DType::F32)?) } else { None };
-        self.gemm(Some(&xq), xd.as_ref(), &scale, (bsz, t, n), residual)
+        Ok((Some(xq), xd, scale))
     }
 
     fn state(&self) -> candle_core::Result<std::sync::MutexGuard<'_, ScaleState>> {
@@ -498,44 +669,53 @@ impl Fp8Linear {
         if let (Some(r), true, false) = (residual, xd.device().is_cpu(), self.gelu) {
             return stage3_fused::ops::linear_bias_residual(xd, w, b, r); // stage 3's fused residual epilogue
         }
-        let y = if xd.device().is_cpu() {
-            // stage 3's fused f32 GEMM + epilogue (the CPU has no FP8 to be faster with)
-            if self.gelu {
-                stage3_fused::ops::linear_bias_gelu(xd, w, b)?
-            } else {
-                stage3_fused::ops::linear_bias(xd, w, b)?
-            }
-        } else {
-            // Plain ops on a GPU: stage 3's cuBLASLt f32 GEMM would compute in TF32.
-            let y = stage0_baseline::linear(xd, w, b)?;
-            if self.gelu {
-                stage0_baseline::gelu_tanh(&y)?
-            } else {
-                y
-            }
-        };
         // the store cuBLASLt makes (bf16), or stage 3's dtype on the CPU
-        let y = shared::elementwise::to_dtype(&y, self.out, Elementwise::Parallel)?;
+        let y = shared::elementwise::to_dtype(&self.emulated_f32(xd, w, b)?, self.out, Elementwise::Parallel)?;
         match residual {
             None => Ok(y),
             Some(r) => r + y.to_dtype(r.dtype())?,
         }
     }
 
+    /// Emulated: act(xd Wᵀ + b) in f32, before any store.
+    fn emulated_f32(&self, xd: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+        if xd.device().is_cpu() {
+            // stage 3's fused f32 GEMM + epilogue (the CPU has no FP8 to be faster with)
+            return match self.gelu {
+                true => stage3_fused::ops::linear_bias_gelu(xd, w, b),
+                false => stage3_fused::ops::linear_bias(xd, w, b),
+            };
+        }
+        // Plain ops on a GPU: stage 3's cuBLASLt f32 GEMM would compute in TF32.
+        let y = stage0_baseline::linear(xd, w, b)?;
+        if self.gelu {
+            stage0_baseline::gelu_tanh(&y)
+        } else {
+            Ok(y)
+        }
+    }
+
     /// The GEMM twin (the twin check, `twin::gemm_twin_tolerance`): this layer's GEMM run again
-    /// on x quantised with the scale of the last forward, and the f32 GEMM of the very same
-    /// E4M3 operands with the same scales (+ bias, GELU) — only the accumulation (order and
-    /// precision) and the output's store differ. Returns (fp8 GEMM, f32 twin), both (B, T, N).
-    /// The scale state is not touched.
-    pub fn gemm_twin(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    /// on x quantised with the scale of the last forward (or, from a fused producer, on the very
+    /// E4M3 tensor it wrote), and the f32 GEMM of the very same E4M3 operands with the same
+    /// scales (+ bias, GELU) — only the accumulation (order and precision) and the output's
+    /// store differ. Returns (fp8 GEMM, f32 twin), both (B, T, N). The scale state is not touched.
+    pub fn gemm_twin(&self, x: &Input) -> candle_core::Result<(Tensor, Tensor)> {
         let (bsz, t, _) = x.dims3()?;
         let n = self.bias.dim(0)?;
-        let scale = self
-            .last_input_scale()
-            .ok_or_else(|| candle_core::Error::Msg(format!("{}: the GEMM twin needs one forward first", self.name)))?;
-        let xq = quantize(x, &scale)?; // the E4M3 operand the forward used
-        let xd = dequantize(&xq, &scale, DType::F32)?; // s_x·q_x, exact in f32
-        let got = self.gemm(Some(&xq), Some(&xd).filter(|_| self.emulated.is_some()), &scale, (bsz, t, n), None)?;
+        let (xq, xd, scale) = match x {
+            Input::Plain(x) => {
+                let scale = self
+                    .last_input_scale()
+                    .ok_or_else(|| candle_core::Error::Msg(format!("{}: the GEMM twin needs one forward first", self.name)))?;
+                let xq = quantize(x, &scale)?; // the E4M3 operand the forward used
+                let xd = dequantize(&xq, &scale, DType::F32)?; // s_x·q_x, exact in f32
+                (Some(xq), xd, scale)
+            }
+            Input::Fp8(q) if q.data.device().is_cpu() => (None, q.data.clone(), q.scale.clone()), // s·q in f32 already
+            Input::Fp8(q) => (Some(q.data.clone()), dequantize(&q.data, &q.scale, DType::F32)?, q.scale.clone()),
+        };
+        let got = self.gemm(xq.as_ref(), Some(&xd).filter(|_| self.emulated.is_some()), &scale, (bsz, t, n), None)?;
         let (w, b) = (self.weight.dequantize(DType::F32)?, self.bias.to_dtype(DType::F32)?);
         let want = stage0_baseline::linear(&xd, &w, &b)?; // f32 GEMM (TF32 off: `Stage::switches`)
         let want = if self.gelu { stage0_baseline::gelu_tanh(&want)? } else { want };
@@ -551,12 +731,43 @@ impl Fp8Linear {
     fn forward_cublaslt(&self, xq: &Tensor, scale: &Tensor, (bsz, t, n): (usize, usize, usize)) -> candle_core::Result<Tensor> {
         let m = bsz * t;
         let (w, b) = (&self.weight.data, &self.bias);
-        let y = crate::cuda::fp8_linear(&xq.reshape((m, xq.dim(2)?))?, scale, w, &self.weight.scale, b, self.gelu, self.fast_accum)?;
+        let y = crate::cuda::fp8_linear(&xq.reshape((m, xq.dim(2)?))?, scale, w, &self.weight.scale, b, self.gelu, self.fast_accum, None)?;
         y.reshape((bsz, t, n))
     }
 
     #[cfg(not(feature = "cuda"))]
     fn forward_cublaslt(&self, _xq: &Tensor, _scale: &Tensor, _dims: (usize, usize, usize)) -> candle_core::Result<Tensor> {
+        candle_core::bail!("{}: FP8 GEMMs through cuBLASLt need a build with --features cuda", self.name)
+    }
+
+    /// The GEMM with an E4M3 output for `target` (cuBLASLt's D scale 1/s and amax_D).
+    #[cfg(feature = "cuda")]
+    fn forward_cublaslt_e4m3(
+        &self,
+        xq: &Tensor,
+        scale: &Tensor,
+        target: &Fp8Target,
+        (bsz, t, n): (usize, usize, usize),
+    ) -> candle_core::Result<Quantized> {
+        let Some((amax_bits, inv_scale)) = &target.device else {
+            candle_core::bail!("{}: an E4M3 output on CUDA needs the next layer's device buffers", self.name)
+        };
+        crate::quant_cuda::reciprocal(&target.scale, inv_scale)?; // cuBLASLt's D scale multiplies: 1/s
+        let m = bsz * t;
+        let (w, b) = (&self.weight.data, &self.bias);
+        let out = Some(crate::cuda::Fp8Out { d_scale: inv_scale, amax_d: amax_bits });
+        let y = crate::cuda::fp8_linear(&xq.reshape((m, xq.dim(2)?))?, scale, w, &self.weight.scale, b, self.gelu, self.fast_accum, out)?;
+        Ok(Quantized { data: y.reshape((bsz, t, n))?, scale: target.scale.clone(), amax: None })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn forward_cublaslt_e4m3(
+        &self,
+        _xq: &Tensor,
+        _s: &Tensor,
+        _t: &Fp8Target,
+        _dims: (usize, usize, usize),
+    ) -> candle_core::Result<Quantized> {
         candle_core::bail!("{}: FP8 GEMMs through cuBLASLt need a build with --features cuda", self.name)
     }
 
@@ -577,6 +788,11 @@ impl Fp8Linear {
     /// The input scale the last forward used (None before the first).
     pub fn last_input_scale(&self) -> Option<Tensor> {
         self.state.lock().ok()?.last_scale()
+    }
+
+    /// Whether the last forward's input came quantised from a fused producer.
+    pub fn last_input_fused(&self) -> bool {
+        self.state.lock().is_ok_and(|s| s.last_fused())
     }
 
     /// The input amax history, oldest first (see `ScaleState::history`).

@@ -31,6 +31,15 @@
 //! numerics on any machine, labelled "emulated", and its time is not an FP8 speed. On a GPU
 //! without FP8 it refuses unless asked (`--fp8-emulate`).
 //!
+//! **Quantisation fused into the producers** (`--fp8-fusions ln,fc1`, TransformerEngine's way):
+//! the two LayerNorms write qkv's and fc1's input in E4M3 (`producers`, `kernels/ln_fp8.cu`),
+//! and fc1's GEMM writes fc2's (cuBLASLt's D scale and amax_D), each recording the amax of what
+//! it wrote in the consumer's history: three quantise passes (over (B, T, C), (B, T, C) and
+//! (B, T, FF)) and their launches saved, and the producers write 1 byte per value instead of 2.
+//! They need the scale before the producer writes, so delayed scaling: by default all of them
+//! with `--fp8-recipe delayed`, none with `current` (asking for one there is refused); the first
+//! call, with no history yet, runs unfused. Compiled, not run on a GPU; emulated on the CPU.
+//!
 //! **Run it.** `cargo run --release -p stage4_fp8` (CPU, emulated) ·
 //! `cargo run --release --features cuda -p stage4_fp8 -- --device cuda --preset te` (Hopper/Ada).
 
@@ -38,18 +47,19 @@
 pub mod cuda;
 pub mod fp8;
 pub mod gemm;
+pub mod producers;
 #[cfg(feature = "cuda")]
 pub mod quant_cuda;
 pub mod twin;
 
 use candle_core::{DType, IndexOp, Tensor};
-use fp8::{Fp8Linear, Fp8Mode, ScalingConfig};
+use fp8::{Fp8Linear, Fp8Mode, Fp8Target, Input, ScalingConfig};
 use shared::breakdown::part;
 use shared::check::{compare_within, NamedCheck};
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::stage::{PrecisionChoice, EMULATED};
 use shared::Shape;
-use shared::{BlockWeights, Fp8FastAccum, Plan, Precision, PrecisionRequest, SpeedkitError, Stage};
+use shared::{BlockWeights, Fp8FastAccum, Fp8Fusions, Plan, Precision, PrecisionRequest, SpeedkitError, Stage};
 use stage1_tensorcore::precision;
 use stage2_sdpa::attention;
 use stage3_fused::ops::{add_layer_norm, layer_norm};
@@ -66,6 +76,7 @@ pub struct Block {
     n_head: usize,
     dtype: DType,                    // what the GEMMs write and attention reads: stage 3's activation dtype (`activation_dtype`)
     attn: attention::Implementation, // stage 2's attention kernel (`--attention-kernel` on CUDA)
+    fusions: Fp8Fusions,             // producers writing E4M3 for the next GEMM (`fusions`)
 }
 
 /// Tolerance of the pre-rounded twin check (`twin`): measured ~1e-4 on CPU (emulated). On a GPU
@@ -80,6 +91,11 @@ pub fn mode(plan: &Plan) -> Fp8Mode {
     } else {
         Fp8Mode::Emulated
     }
+}
+
+/// The producer fusions this plan runs (`--fp8-fusions`; by default all the recipe allows).
+pub fn fusions(plan: &Plan) -> Fp8Fusions {
+    Fp8Fusions::effective(plan.options.fp8_fusions, plan.options.fp8_recipe)
 }
 
 /// The activation dtype stage 4 runs with, and a note when it must differ from stage 3's at
@@ -135,6 +151,7 @@ impl Stage for Block {
     }
 
     fn check_plan(plan: &Plan) -> Result<(), SpeedkitError> {
+        Fp8Fusions::check(plan.options.fp8_fusions, plan.options.fp8_recipe)?; // fusions need delayed scaling
         let info = &plan.info;
         if !info.is_cuda() {
             return Ok(()); // emulated, any shape
@@ -163,9 +180,10 @@ impl Stage for Block {
 
     fn implementation(plan: &Plan) -> Option<String> {
         let recipe = plan.options.fp8_recipe.name();
+        let fused = format!("fp8 fusions {}", fusions(plan).describe());
         Some(match mode(plan) {
-            Fp8Mode::Cublaslt => format!("cuBLASLt E4M3, {recipe} scaling"),
-            Fp8Mode::Emulated => format!("{EMULATED}, {recipe} scaling"),
+            Fp8Mode::Cublaslt => format!("cuBLASLt E4M3, {recipe} scaling, {fused}"),
+            Fp8Mode::Emulated => format!("{EMULATED}, {recipe} scaling, {fused}"),
         })
     }
 
@@ -216,6 +234,7 @@ impl Stage for Block {
             n_head: plan.shape.n_head,
             dtype,
             attn,
+            fusions: fusions(plan),
         })
     }
 
@@ -232,7 +251,7 @@ impl Stage for Block {
         let mut all = Vec::new();
         for (layer, input) in self.layers().into_iter().zip(inputs.unwrap_or_default()) {
             let (got, want) = layer.gemm_twin(&input)?;
-            let k = input.dim(2)?;
+            let k = input.dims3()?.2;
             let tol = twin::gemm_twin_tolerance(k, self.accumulation(layer), layer.out_dtype());
             let r = compare_within(&got, &want, tol)?;
             let name = format!("{} (K={k})", layer.name());
@@ -264,28 +283,59 @@ impl Stage for Block {
 
 impl Block {
     /// The block's dataflow (`forward`), keeping each FP8 GEMM's input in `inputs` when it is
-    /// Some (for the GEMM twins): h, a, h after ln2, m — the inputs of qkv, proj, fc1, fc2.
-    fn forward_keeping(&self, x: &Tensor, inputs: &mut Option<Vec<Tensor>>) -> candle_core::Result<Tensor> {
-        let mut keep = |t: &Tensor| inputs.as_mut().map(|v| v.push(t.clone()));
+    /// Some (for the GEMM twins): h, a, h after ln2, m — the inputs of qkv, proj, fc1, fc2. With
+    /// a producer fusion on (`--fp8-fusions`, from the second call on) h and m arrive in E4M3.
+    fn forward_keeping(&self, x: &Tensor, inputs: &mut Option<Vec<Input>>) -> candle_core::Result<Tensor> {
+        let mut keep = |t: &Input| -> candle_core::Result<()> {
+            if let Some(v) = inputs.as_mut() {
+                v.push(t.kept()?);
+            }
+            Ok(())
+        };
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy
         part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
-        let h = layer_norm(x, &self.ln1_g, &self.ln1_b, self.dtype)?; // (B, T, C): one kernel, activation dtype out
+        let h = match self.target(&self.qkv, self.fusions.ln)? {
+            Some(s) => Input::Fp8(producers::layer_norm_e4m3(x, &self.ln1_g, &self.ln1_b, &s)?), // (B, T, C) E4M3 for qkv, its amax recorded
+            None => Input::Plain(layer_norm(x, &self.ln1_g, &self.ln1_b, self.dtype)?), // (B, T, C): one kernel, activation dtype out
+        };
         part("qkv")?;
-        keep(&h);
-        let qkv = self.qkv.forward(&h)?.reshape(heads)?; // one FP8 GEMM, bias in its epilogue
+        keep(&h)?;
+        let qkv = self.qkv.forward_input(&h, None)?.reshape(heads)?; // one FP8 GEMM, bias in its epilogue
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
         part("attention")?;
         let a = attention::attention_with(self.attn, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
         part("proj+residual+ln2")?;
-        keep(&a);
-        let (x, h) = add_layer_norm(x, &self.proj.forward(&a)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
+        keep(&Input::Plain(a.clone()))?;
+        let p = self.proj.forward(&a)?;
+        let (x, h) = match self.target(&self.fc1, self.fusions.ln)? {
+            Some(s) => {
+                let (x, h) = producers::add_layer_norm_e4m3(x, &p, &self.ln2_g, &self.ln2_b, &s)?; // x += proj; h = E4M3(LN(x))
+                (x, Input::Fp8(h))
+            }
+            None => {
+                let (x, h) = add_layer_norm(x, &p, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
+                (x, Input::Plain(h))
+            }
+        };
         part("fc1+gelu")?;
-        keep(&h);
-        let m = self.fc1.forward(&h)?; // (B, T, FF): GELU in the FP8 GEMM's epilogue
+        keep(&h)?;
+        let m = match self.target(&self.fc2, self.fusions.fc1)? {
+            Some(s) => Input::Fp8(self.fc1.forward_e4m3(&h, &s)?), // (B, T, FF) E4M3 for fc2: GELU, then fc2's scale, in the epilogue
+            None => Input::Plain(self.fc1.forward_input(&h, None)?), // (B, T, FF): GELU in the FP8 GEMM's epilogue
+        };
         part("fc2+residual")?;
-        keep(&m);
-        self.fc2.forward_residual(&m, &x) // x + m W_fc2ᵀ + b_fc2, f32: the residual in the epilogue, as in stage 3
+        keep(&m)?;
+        self.fc2.forward_input(&m, Some(&x)) // x + m W_fc2ᵀ + b_fc2, f32: the residual in the epilogue, as in stage 3
+    }
+
+    /// Where `consumer`'s producer writes its input when the fusion is `on`: its delayed scale
+    /// (`Fp8Linear::fused_target`), or None — fusion off, or no scale yet (the first call).
+    fn target(&self, consumer: &Fp8Linear, on: bool) -> candle_core::Result<Option<Fp8Target>> {
+        if !on {
+            return Ok(None);
+        }
+        consumer.fused_target(self.ln1_g.device())
     }
 
     /// How `layer`'s GEMM accumulates (what its twin's tolerance depends on).
@@ -323,7 +373,12 @@ impl Block {
 /// What the twin needs of one layer after a forward: W̃ = s_w·q_w, the bias as read, s_x.
 fn twin_linear(l: &Fp8Linear) -> anyhow::Result<twin::TwinLinear> {
     let x_scale = l.last_input_scale().ok_or_else(|| anyhow::anyhow!("the twin check needs one forward first"))?;
-    Ok(twin::TwinLinear { w: l.weight().dequantize(DType::F32)?, b: l.bias().to_dtype(DType::F32)?, x_scale })
+    Ok(twin::TwinLinear {
+        w: l.weight().dequantize(DType::F32)?,
+        b: l.bias().to_dtype(DType::F32)?,
+        x_scale,
+        fused_input: l.last_input_fused(),
+    })
 }
 
 fn dtype_name(dt: DType) -> &'static str {

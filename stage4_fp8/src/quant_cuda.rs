@@ -17,6 +17,16 @@ use Arg::{Null, Tensor as T, F32, I32, I64};
 /// The kernel source. CI compiles it with `nvcc --ptx` and runs it under the host emulation
 /// (`host_emulation/fp8_check.cpp`); at run time NVRTC compiles it for the device.
 pub const FP8_CU: &str = include_str!("../kernels/fp8.cu");
+/// The E4M3 LayerNorm (`--fp8-fusions ln`): stage 3's LayerNorm row with fp8.cu's cast
+/// (`host_emulation/ln_fp8_check.cpp`).
+pub const LN_FP8_CU: &str = include_str!("../kernels/ln_fp8.cu");
+
+/// What NVRTC compiles: one module, stage 3's LayerNorm and fp8.cu ahead of ln_fp8.cu, which
+/// uses both (nvcc and the host emulation get them through its `#include`s, which NVRTC skips:
+/// it has no include path to find them on).
+fn module_source() -> String {
+    [stage3_fused::cuda::ADD_LAYER_NORM_CU, FP8_CU, LN_FP8_CU].join("\n")
+}
 const MODULE: &str = "speedkit_fp8";
 /// THREADS and CHUNK (= THREADS · ITEMS) of fp8.cu: each block owns CHUNK elements.
 const THREADS: u32 = 256;
@@ -38,9 +48,9 @@ fn ptx(dev: &CudaDevice) -> candle_core::Result<String> {
             // CompileOptions wants a 'static str; one leaked string per architecture.
             let arch: &'static str = Box::leak(format!("compute_{}{}", sm.0, sm.1).into_boxed_str());
             let opts = candle_core::cuda::cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
-            candle_core::cuda::cudarc::nvrtc::compile_ptx_with_opts(FP8_CU, opts)
+            candle_core::cuda::cudarc::nvrtc::compile_ptx_with_opts(module_source(), opts)
                 .map(|p| p.to_src())
-                .map_err(|e| err("NVRTC could not compile kernels/fp8.cu", e))
+                .map_err(|e| err("NVRTC could not compile kernels/fp8.cu and ln_fp8.cu", e))
         })
     })
 }
@@ -168,6 +178,61 @@ pub fn quantize(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
     quantize_into(x, scale, None)
 }
 
+/// `quantize`, with max|x| also maxed into `amax_bits` in the same pass (a producer's output
+/// quantised for the next layer, when no kernel of its own does it: `Fp8Target::quantize`).
+pub fn quantize_with_amax(x: &Tensor, scale: &Tensor, amax_bits: &Tensor) -> candle_core::Result<Tensor> {
+    quantize_into(x, scale, Some(amax_bits))
+}
+
+/// inv ← 1/s, both (1) f32 device buffers (cuBLASLt's D scale: the GEMM multiplies by it).
+pub fn reciprocal(scale: &Tensor, inv: &Tensor) -> candle_core::Result<()> {
+    launch(scale.device().as_cuda_device()?, "fp8_reciprocal", 1, 1, &[scale, inv], &[T(0), T(1)])
+}
+
+/// LayerNorm's launch: one block of THREADS threads per row of C.
+fn rows(x: &Tensor) -> candle_core::Result<(u32, i32)> {
+    let c = x.dim(candle_core::D::Minus1)?;
+    let rows = u32::try_from(x.elem_count() / c).map_err(|_| err("grid", "more than 2^32 rows"))?;
+    Ok((rows, c as i32))
+}
+
+/// q = E4M3(LayerNorm(x) / s), amax_bits ← max(amax_bits, max|LayerNorm(x)|) (kernels/ln_fp8.cu).
+/// x: (…, C) f32; g, b: (C) f32; s: (1) f32; amax_bits: (1) u32.
+pub fn layer_norm_e4m3(x: &Tensor, g: &Tensor, b: &Tensor, scale: &Tensor, amax_bits: &Tensor) -> candle_core::Result<Tensor> {
+    let dev = x.device().as_cuda_device()?.clone();
+    let (x, g, b) = (x.to_dtype(DType::F32)?.contiguous()?, g.contiguous()?, b.contiguous()?);
+    let (blocks, c) = rows(&x)?;
+    // SAFETY: the kernel writes every element of q (every row, every column).
+    let q = wrap(unsafe { dev.alloc::<float8::F8E4M3>(x.elem_count())? }, &dev, x.shape().clone());
+    let eps = stage3_fused::ops::LN_EPS;
+    let args = [T(0), T(1), T(2), T(3), T(4), T(5), I32(c), F32(eps)];
+    launch(&dev, "layer_norm_e4m3", blocks, THREADS, &[&x, &g, &b, scale, &q, amax_bits], &args)?;
+    Ok(q)
+}
+
+/// (x + branch, E4M3(LayerNorm(x + branch) / s)), amax as `layer_norm_e4m3`, in one launch of
+/// `add_layer_norm_16_e4m3`. x: (…, C) f32; branch: same shape, bf16.
+pub fn add_layer_norm_e4m3(
+    x: &Tensor,
+    branch: &Tensor,
+    g: &Tensor,
+    b: &Tensor,
+    scale: &Tensor,
+    amax_bits: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let dev = x.device().as_cuda_device()?.clone();
+    let (x, branch, g, b) = (x.contiguous()?, branch.to_dtype(DType::BF16)?.contiguous()?, g.contiguous()?, b.contiguous()?);
+    let (blocks, c) = rows(&x)?;
+    let n = x.elem_count();
+    // SAFETY: the kernel writes every element of x_out and q.
+    let x_out = wrap(unsafe { dev.alloc::<f32>(n)? }, &dev, x.shape().clone());
+    let q = wrap(unsafe { dev.alloc::<float8::F8E4M3>(n)? }, &dev, x.shape().clone());
+    let eps = stage3_fused::ops::LN_EPS;
+    let args = [T(0), T(1), T(2), T(3), T(4), T(5), T(6), T(7), I32(c), F32(eps), I32(1)]; // bf16 = 1
+    launch(&dev, "add_layer_norm_16_e4m3", blocks, THREADS, &[&x, &branch, &g, &b, &x_out, scale, &q, amax_bits], &args)?;
+    Ok((x_out, q))
+}
+
 /// s·q in f32.
 pub fn dequantize_f32(q: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
     let dev = q.device().as_cuda_device()?.clone();
@@ -189,6 +254,8 @@ pub struct DeviceScale {
     pub scale: Tensor,
     /// (history_len) f32, oldest first (delayed scaling).
     pub history: Tensor,
+    /// (1) f32: 1/scale, for a producer GEMM writing E4M3 (cuBLASLt's D scale).
+    pub inv_scale: Tensor,
 }
 
 impl DeviceScale {
@@ -197,6 +264,7 @@ impl DeviceScale {
             amax_bits: Tensor::zeros(1, DType::U32, dev)?,
             scale: Tensor::zeros(1, DType::F32, dev)?,
             history: Tensor::zeros(history_len, DType::F32, dev)?,
+            inv_scale: Tensor::zeros(1, DType::F32, dev)?,
         })
     }
 
@@ -212,19 +280,35 @@ impl DeviceScale {
     /// into the same pass, then the amax joins the history (3 launches, x read once). The first
     /// call (`first`) has no history: its own amax fills it first.
     pub fn quantize_delayed(&self, x: &Tensor, pow2_margin: f32, first: bool) -> candle_core::Result<Tensor> {
-        let dev = x.device().as_cuda_device()?;
-        let len = self.history.elem_count() as i32;
-        let push = |fill: i32| launch(dev, "fp8_history_push", 1, 1, &[&self.amax_bits, &self.history], &[T(0), T(1), I32(len), I32(fill)]);
         if first {
             amax_into(x, &self.amax_bits)?;
-            push(1)?;
+            self.push(1)?;
         }
-        launch(dev, "fp8_scale_from_history", 1, 1, &[&self.history, &self.scale], &[T(0), I32(len), T(1), F32(pow2_margin)])?;
+        self.scale_from_history(pow2_margin)?;
         if first {
             return quantize_into(x, &self.scale, None); // this amax is already in the history
         }
         let q = quantize_into(x, &self.scale, Some(&self.amax_bits))?;
-        push(0)?;
+        self.push_amax()?;
         Ok(q)
+    }
+
+    /// scale ← max(history)·2^m/448 (the delayed scale, before the input is written).
+    pub fn scale_from_history(&self, pow2_margin: f32) -> candle_core::Result<()> {
+        let len = self.history.elem_count() as i32;
+        let dev = self.history.device().as_cuda_device()?;
+        launch(dev, "fp8_scale_from_history", 1, 1, &[&self.history, &self.scale], &[T(0), I32(len), T(1), F32(pow2_margin)])
+    }
+
+    /// The amax maxed into `amax_bits` since the last push joins the history; the buffer is cleared.
+    pub fn push_amax(&self) -> candle_core::Result<()> {
+        self.push(0)
+    }
+
+    /// `fp8_history_push`; with `fill` (the first call) the amax fills every slot.
+    fn push(&self, fill: i32) -> candle_core::Result<()> {
+        let len = self.history.elem_count() as i32;
+        let dev = self.history.device().as_cuda_device()?;
+        launch(dev, "fp8_history_push", 1, 1, &[&self.amax_bits, &self.history], &[T(0), T(1), I32(len), I32(fill)])
     }
 }

@@ -17,6 +17,9 @@ pub struct TwinLinear {
     pub w: Tensor,       // (N, K) f32: s_w·q_w
     pub b: Tensor,       // (N) f32 holding bf16 values
     pub x_scale: Tensor, // rank-0 f32
+    /// The input came quantised from its producer (`--fp8-fusions`): it was never stored in the
+    /// activation dtype, so the twin quantises the producer's f32 output directly.
+    pub fused_input: bool,
 }
 
 impl TwinLinear {
@@ -50,14 +53,16 @@ impl TwinBlock {
     /// x: (B, T, C) f32 → (B, T, C) f32, stage 4's dataflow in stage 0's operations.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let bf16 = |t: &Tensor| t.to_dtype(self.act)?.to_dtype(DType::F32); // where stage 4 stores a tensor: its rounding (none at f32)
+                                                                            // the input of `l` as the FP8 run had it: stored in the activation dtype, or (fused) not
+        let stored_for = |l: &TwinLinear, t: Tensor| if l.fused_input { Ok(t) } else { bf16(&t) };
         let (_, t, c) = x.dims3()?;
-        let h = bf16(&layer_norm(x, &self.ln1_g, &self.ln1_b)?)?; // (B, T, C)
+        let h = stored_for(&self.qkv, layer_norm(x, &self.ln1_g, &self.ln1_b)?)?; // (B, T, C)
         let qkv = bf16(&self.qkv.forward(&h)?)?; // (B, T, 3C)
         let (q, k, v) = (qkv.narrow(2, 0, c)?, qkv.narrow(2, c, c)?, qkv.narrow(2, 2 * c, c)?);
         let a = bf16(&attention(&q, &k, &v, self.n_head, &causal_mask(t, x.device())?)?)?; // (B, T, C)
         let x = (x + bf16(&self.proj.forward(&a)?)?)?;
-        let h = bf16(&layer_norm(&x, &self.ln2_g, &self.ln2_b)?)?;
-        let m = bf16(&gelu_tanh(&self.fc1.forward(&h)?)?)?; // (B, T, FF)
+        let h = stored_for(&self.fc1, layer_norm(&x, &self.ln2_g, &self.ln2_b)?)?;
+        let m = stored_for(&self.fc2, gelu_tanh(&self.fc1.forward(&h)?)?)?; // (B, T, FF)
         match self.fc2_stored {
             true => x + bf16(&self.fc2.forward(&m)?)?,
             false => x + self.fc2.forward(&m)?,

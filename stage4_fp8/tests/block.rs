@@ -34,7 +34,8 @@ fn emulated_block_within_fp8_tolerance_and_twin_near_zero() {
         let spec = StageSpec::of::<Block>();
         let plan = spec.plan_with(&device, &info, shape, PrecisionRequest::Auto, options(recipe)).unwrap();
         assert_eq!(plan.precision, Precision::Fp8);
-        assert_eq!((spec.implementation)(&plan).unwrap(), format!("emulated, {} scaling", recipe.name()));
+        let fused = if recipe == Fp8Recipe::Delayed { "all" } else { "none" }; // all the recipe allows
+        assert_eq!((spec.implementation)(&plan).unwrap(), format!("emulated, {} scaling, fp8 fusions {fused}", recipe.name()));
         let block = (spec.build)(&w, &plan).unwrap();
         let y = block.forward(&x).unwrap();
         let c = compare(&y, &reference, Precision::Fp8).unwrap();
@@ -121,7 +122,7 @@ fn refusals_name_cause_and_fix() {
     }
     // Hopper: the real thing, or a refusal that names its cause; never an unlabelled fallback.
     if let Ok(plan) = plan_on(&h100, shape, StageOptions::default()) {
-        assert_eq!((StageSpec::of::<Block>().implementation)(&plan).unwrap(), "cuBLASLt E4M3, delayed scaling");
+        assert_eq!((StageSpec::of::<Block>().implementation)(&plan).unwrap(), "cuBLASLt E4M3, delayed scaling, fp8 fusions all");
         // dimensions that are not multiples of 16
         let odd = Shape { d_model: 4104, n_head: 57, ..shape };
         let e = plan_on(&h100, odd, StageOptions::default()).unwrap_err().to_string();
