@@ -99,28 +99,28 @@ pub fn map_slice<F: Fn(usize, f32) -> f32>(dst: &mut [f32], src: &[f32], f: &F) 
 }
 
 #[inline(always)]
-fn body_mut<F: Fn(f32) -> f32>(v: &mut [f32], f: &F) {
-    for x in v.iter_mut() {
-        *x = f(*x);
+fn body_mut<F: Fn(usize, f32) -> f32>(v: &mut [f32], f: &F) {
+    for (i, x) in v.iter_mut().enumerate() {
+        *x = f(i, *x);
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
-unsafe fn body_mut_avx512<F: Fn(f32) -> f32>(v: &mut [f32], f: &F) {
+unsafe fn body_mut_avx512<F: Fn(usize, f32) -> f32>(v: &mut [f32], f: &F) {
     body_mut(v, f)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn body_mut_avx2<F: Fn(f32) -> f32>(v: &mut [f32], f: &F) {
+unsafe fn body_mut_avx2<F: Fn(usize, f32) -> f32>(v: &mut [f32], f: &F) {
     body_mut(v, f)
 }
 
-/// v[i] = f(v[i]) on one slice, with the widest SIMD body this CPU has (no threads: for callers
-/// that already run in parallel, e.g. per block of rows).
+/// v[i] = f(i, v[i]) on one slice, with the widest SIMD body this CPU has (i is the index within
+/// the slice; no threads: for callers that already run in parallel, e.g. per block of rows).
 #[inline]
-pub fn map_slice_in_place<F: Fn(f32) -> f32>(v: &mut [f32], f: &F) {
+pub fn map_slice_in_place<F: Fn(usize, f32) -> f32>(v: &mut [f32], f: &F) {
     match level() {
         // SAFETY: the CPU has the features these bodies are compiled for (checked in `level`).
         #[cfg(target_arch = "x86_64")]
@@ -133,7 +133,7 @@ pub fn map_slice_in_place<F: Fn(f32) -> f32>(v: &mut [f32], f: &F) {
 
 /// v[i] = f(v[i]) in place, in parallel over chunks, SIMD inside.
 pub fn map_in_place<F: Fn(f32) -> f32 + Sync>(v: &mut [f32], f: F) {
-    v.par_chunks_mut(CHUNK).for_each(|c| map_slice_in_place(c, &f));
+    v.par_chunks_mut(CHUNK).for_each(|c| map_slice_in_place(c, &|_, x| f(x)));
 }
 
 /// A contiguous f32 CPU tensor's values, copied out only when the tensor is not already one.

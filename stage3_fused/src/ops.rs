@@ -18,18 +18,21 @@
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use rayon::prelude::*;
-use shared::elementwise::{exp_f32, map_in_place, map_slice, row_stats, Elementwise, RowStats};
+use shared::elementwise::{exp_f32, map_slice, map_slice_in_place, row_stats, Elementwise, RowStats};
 
 /// LayerNorm's ε, as in GPT-2.
 pub const LN_EPS: f32 = 1e-5;
 
-/// Output rows per GEMM call when GELU follows, so GELU reads each block right after the GEMM
-/// wrote it: 256 rows × FF = 3072 f32 is 3 MiB, within a server CPU's L2+L3 share. Smaller
-/// blocks make the GEMM repack W more often (it packs the right-hand side once per call). On
-/// the 2-core development VM, blocks of 64/128/256 rows and one unblocked GEMM followed by one
-/// GELU pass measured within noise of each other (an unrecorded development run): the win over
-/// stage 2 comes from one GELU pass instead of nine, not from the blocking.
-pub const GELU_ROWS: usize = 256;
+/// Output rows per GEMM call when GELU follows: GELU reads each block after the GEMM wrote it.
+/// Big blocks, because the gemm crate packs W again in every call (W is FF × C = 9 MiB at GPT-2
+/// sizes). On an Intel Xeon (AVX-512, 2 cores; criterion `fused/linear_bias_gelu/fused` at
+/// (2048, 768) × (3072, 768), the bare GEMM 27 ms): blocks of 256 rows took 37.4 ms, 512 rows
+/// 33.6 ms, one 2048-row GEMM then one GELU pass 31.1 ms, and that with the bias added in the
+/// GELU pass instead of filled in before the GEMM (β = 0: one pass over the output less, and the
+/// GEMM does not read it) 28.2 ms. On the 2-core AMD development VM, 64–256-row blocks and one
+/// unblocked GEMM had measured within noise of each other. Blocking only bounds a block's size
+/// on big shapes (te: 16 Ki rows).
+pub const GELU_ROWS: usize = 2048;
 
 /// Rows per rayon task in the LayerNorms: 16 rows of C = 768 is 48 KiB, enough work (~5 µs) to
 /// amortise a task; one task per row ran 3x slower than this at (2048, 768) on 2 cores.
@@ -165,15 +168,24 @@ fn linear_cpu(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, (m, n, k):
             let rs = f32_slice(&rg, rl)?;
             out.par_chunks_mut(n).zip(rs.par_chunks(n)).for_each(|(o, r)| map_slice(o, r, &|i, r| r + bs[i]));
         }
-        _ => out.par_chunks_mut(n).for_each(|o| o.copy_from_slice(bs)),
+        Epilogue::Bias => out.par_chunks_mut(n).for_each(|o| o.copy_from_slice(bs)),
+        Epilogue::BiasGelu => {} // the bias goes in with GELU, after the GEMM
     }
-    let rows = if matches!(epilogue, Epilogue::BiasGelu) { GELU_ROWS } else { m };
+    let gelu = matches!(epilogue, Epilogue::BiasGelu);
+    let rows = if gelu { GELU_ROWS } else { m };
     for r0 in (0..m).step_by(rows) {
         let mb = rows.min(m - r0);
         let dst = &mut out[r0 * n..(r0 + mb) * n];
-        gemm_accumulate(dst, &xs[r0 * k..(r0 + mb) * k], ws, (mb, n, k));
-        if matches!(epilogue, Epilogue::BiasGelu) {
-            map_in_place(dst, gelu_tanh); // all threads, SIMD (gelu_tanh has no libm call)
+        // GELU: the GEMM overwrites dst (β = 0: it never reads the zeros), then one pass adds the
+        // bias and applies GELU; otherwise it accumulates onto the bias (and residual) rows.
+        gemm_into(dst, &xs[r0 * k..(r0 + mb) * k], ws, (mb, n, k), !gelu);
+        if gelu {
+            // y = gelu(acc + b), on all threads (16 rows a task), SIMD (gelu_tanh has no libm call)
+            dst.par_chunks_mut(16 * n).for_each(|block| {
+                for row in block.chunks_exact_mut(n) {
+                    map_slice_in_place(row, &|j, v| gelu_tanh(v + bs[j]));
+                }
+            });
         }
     }
     let out_dtype = match epilogue {
@@ -183,12 +195,12 @@ fn linear_cpu(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, (m, n, k):
     cast(Tensor::from_vec(out, (m / x.dim(1)?, x.dim(1)?, n), x.device())?, out_dtype)
 }
 
-/// dst (m × n, row-major) += x (m × k, row-major) · Wᵀ, W (n × k, row-major). With the `mkl`
-/// feature: MKL's sgemm (β = 1 accumulates onto dst), the library candle's matmul uses in that
+/// dst (m × n, row-major) = x (m × k, row-major) · Wᵀ (+ dst when `accumulate`), W (n × k,
+/// row-major). With the `mkl` feature: MKL's sgemm (β = 1 accumulates onto dst, β = 0 overwrites it), the library candle's matmul uses in that
 /// build, so stage 3 runs the same GEMM as stages 0–2. (MKL could also pre-pack W once in
 /// `build` with cblas_sgemm_pack; not done here, see docs/cpu.md.)
 #[cfg(feature = "mkl")]
-fn gemm_accumulate(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize)) {
+fn gemm_into(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize), accumulate: bool) {
     extern "C" {
         // MKL's CBLAS, linked by intel-mkl-src through candle-core's `mkl` feature.
         fn cblas_sgemm(
@@ -228,17 +240,18 @@ fn gemm_accumulate(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usi
             dim(k),
             w.as_ptr(),
             dim(k),
-            1.0,
+            if accumulate { 1.0 } else { 0.0 },
             dst.as_mut_ptr(),
             dim(n),
         )
     }
 }
 
-/// dst (m × n, row-major) += x (m × k, row-major) · Wᵀ, W (n × k, row-major), via the gemm crate
-/// (candle's own CPU GEMM): W is read as the k × n right-hand side with column stride k.
+/// dst (m × n, row-major) = x (m × k, row-major) · Wᵀ (+ dst when `accumulate`), W (n × k,
+/// row-major), via the gemm crate (candle's own CPU GEMM): W is read as the k × n right-hand side
+/// with column stride k.
 #[cfg(not(feature = "mkl"))]
-fn gemm_accumulate(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize)) {
+fn gemm_into(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize), accumulate: bool) {
     let threads = candle_core::utils::get_num_threads();
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     assert!(dst.len() == m * n && x.len() == m * k && w.len() == n * k, "gemm operands sized by the caller");
@@ -252,14 +265,14 @@ fn gemm_accumulate(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usi
             dst.as_mut_ptr(),
             1,          // dst column stride
             n as isize, // dst row stride
-            true,       // read dst: it holds the bias (and residual) to accumulate onto
+            accumulate, // read dst: it holds the bias (and residual) to accumulate onto
             x.as_ptr(),
             1,
             k as isize,
             w.as_ptr(),
             k as isize, // rhs[kk][j] = W[j][kk]: next column is the next row of W
             1,
-            1.0, // alpha: dst keeps its value
+            1.0, // alpha: dst keeps its value (when read)
             1.0, // beta: + x·Wᵀ
             false,
             false,
