@@ -58,7 +58,7 @@ pub enum CpuKernel {
     /// CPU matmul and stage 3's linears run), the online softmax on the tile in between. What
     /// `attention` runs for head sizes `Registers` has no body for.
     GemmTiles,
-    /// Our own register-blocked micro-kernels (`registers`): 8 query rows at a time, S and O
+    /// Our own register-blocked micro-kernels (`registers`): 12 query rows at a time, S and O
     /// tiles in vector registers, d_head a const generic (`registers::D_HEADS`; other head
     /// sizes run `GemmTiles`). The default: faster than `GemmTiles` in the criterion bench.
     Registers,
