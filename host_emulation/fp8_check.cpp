@@ -1,5 +1,5 @@
 // Runs stage4_fp8/kernels/fp8.cu — the real source, unchanged — on the CPU (ln_host.h's threads,
-// barriers and shuffles; atomicMax below) and checks:
+// barriers, shuffles and atomicMax; block_launch.h's launcher) and checks:
 // 1. the cast f32 → E4M3 on EVERY f32 bit pattern (2³², split over the cores) against the
 //    reference conversion of cuda_fp8.hpp (__nv_cvt_double_to_fp8, E4M3, __NV_SATFINITE), ported
 //    below from the float8 crate, which is what candle's CPU F8E4M3 cast runs — so the GPU's cast
@@ -13,16 +13,6 @@
 //   bash host_emulation/run.sh fp8_check
 #include "ln_host.h"
 
-#include <atomic>
-inline unsigned atomicMax(unsigned* p, unsigned v) {
-    std::atomic_ref<unsigned> r(*p);
-    unsigned old = r.load();
-    while (old < v && !r.compare_exchange_weak(old, v)) {
-    }
-    return old;
-}
-using std::rintf;
-
 #include "../stage4_fp8/kernels/fp8.cu"
 
 #include <algorithm>
@@ -32,31 +22,7 @@ using std::rintf;
 #include <thread>
 #include <vector>
 
-thread_local dim3 threadIdx;
-dim3 blockIdx;
-std::barrier<>* block_barrier;
-std::barrier<>* warp_barrier[32];
-float shfl_buf[32][32];
-
-// Run `kernel()` on `blocks` blocks of `threads` threads, one block at a time.
-template <typename F>
-void launch(long blocks, int threads, F kernel) {
-    for (long blk = 0; blk < blocks; ++blk) {
-        blockIdx = {(unsigned)blk, 0, 0};
-        std::barrier<> block(threads);
-        std::unique_ptr<std::barrier<>> warps[WARPS];
-        for (int w = 0; w < (threads + 31) / 32; ++w)
-            warp_barrier[w] = (warps[w] = std::make_unique<std::barrier<>>(std::min(32, threads))).get();
-        block_barrier = &block;
-        std::vector<std::thread> ts;
-        for (int t = 0; t < threads; ++t)
-            ts.emplace_back([&, t] {
-                threadIdx = {(unsigned)t, 0, 0};
-                kernel();
-            });
-        for (auto& th : ts) th.join();
-    }
-}
+#include "block_launch.h"
 long grid(long n) { return (n + CHUNK - 1) / CHUNK; }
 
 // cuda_fp8.hpp's __nv_cvt_double_to_fp8 for E4M3 with __NV_SATFINITE, as the float8 crate

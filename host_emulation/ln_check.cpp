@@ -16,29 +16,12 @@
 #include <thread>
 #include <vector>
 
-thread_local dim3 threadIdx;
-dim3 blockIdx;
-std::barrier<>* block_barrier;
-std::barrier<>* warp_barrier[32];
-float shfl_buf[32][32];
+#include "block_launch.h"
 
 // Run `kernel(…)` for `rows` blocks of THREADS threads.
 template <typename F>
 void launch(int rows, F kernel) {
-    for (int r = 0; r < rows; ++r) {
-        blockIdx = {(unsigned)r, 0, 0};
-        std::barrier<> block(THREADS);
-        std::unique_ptr<std::barrier<>> warps[WARPS];
-        for (int w = 0; w < WARPS; ++w) warp_barrier[w] = (warps[w] = std::make_unique<std::barrier<>>(32)).get();
-        block_barrier = &block;
-        std::vector<std::thread> threads;
-        for (int t = 0; t < THREADS; ++t)
-            threads.emplace_back([&, t] {
-                threadIdx = {(unsigned)t, 0, 0};
-                kernel();
-            });
-        for (auto& th : threads) th.join();
-    }
+    launch(long(rows), THREADS, kernel);
 }
 
 unsigned short to16(float f, int bf16) { return bf16 ? store_16(f, 1) : f32_to_f16(f); }

@@ -1,6 +1,6 @@
 // Runs stage4_fp8/kernels/ln_fp8.cu — the real source, which includes stage 3's
-// add_layer_norm.cu and stage 4's fp8.cu unchanged — on the CPU (ln_host.h's threads, barriers
-// and shuffles; atomicMax below) and checks both entry points that write E4M3 (layer_norm_e4m3,
+// add_layer_norm.cu and stage 4's fp8.cu unchanged — on the CPU (ln_host.h's threads, barriers,
+// shuffles and atomicMax; block_launch.h's launcher) and checks both entry points that write E4M3 (layer_norm_e4m3,
 // add_layer_norm_16_e4m3 with a bf16 and an f16 branch) and fp8_reciprocal:
 // - h against an f64 LayerNorm: each E4M3 code must be fp8.cu's own cast (f32_to_e4m3) of the
 //   f64 reference h / s, except where the f32 LayerNorm and the f64 one straddle a rounding
@@ -15,16 +15,6 @@
 //   bash host_emulation/run.sh ln_fp8_check
 #include "ln_host.h"
 
-#include <atomic>
-inline unsigned atomicMax(unsigned* p, unsigned v) {
-    std::atomic_ref<unsigned> r(*p);
-    unsigned old = r.load();
-    while (old < v && !r.compare_exchange_weak(old, v)) {
-    }
-    return old;
-}
-using std::rintf;
-
 #include "../stage4_fp8/kernels/ln_fp8.cu"
 
 #include <algorithm>
@@ -34,31 +24,7 @@ using std::rintf;
 #include <thread>
 #include <vector>
 
-thread_local dim3 threadIdx;
-dim3 blockIdx;
-std::barrier<>* block_barrier;
-std::barrier<>* warp_barrier[32];
-float shfl_buf[32][32];
-
-// Run `kernel()` on `blocks` blocks of `threads` threads, one block at a time.
-template <typename F>
-void launch(int blocks, int threads, F kernel) {
-    for (int blk = 0; blk < blocks; ++blk) {
-        blockIdx = {(unsigned)blk, 0, 0};
-        std::barrier<> block(threads);
-        std::unique_ptr<std::barrier<>> warps[WARPS];
-        for (int w = 0; w < (threads + 31) / 32; ++w)
-            warp_barrier[w] = (warps[w] = std::make_unique<std::barrier<>>(std::min(32, threads))).get();
-        block_barrier = &block;
-        std::vector<std::thread> ts;
-        for (int t = 0; t < threads; ++t)
-            ts.emplace_back([&, t] {
-                threadIdx = {(unsigned)t, 0, 0};
-                kernel();
-            });
-        for (auto& th : ts) th.join();
-    }
-}
+#include "block_launch.h"
 
 // mode: 0 = layer_norm_e4m3, 1 = add with a bf16 branch, 2 = add with an f16 branch.
 // Returns true when every check holds; prints one line.

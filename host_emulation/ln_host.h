@@ -3,6 +3,7 @@
 // __syncthreads and for the warp-synchronous shuffle, f16 through _Float16. Same approach as
 // mma.h (the attention kernel's); kept apart because this kernel runs 8 warps, not 4.
 #pragma once
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -54,3 +55,12 @@ inline unsigned short f32_to_f16(float f) {  // round to nearest even, as cvt.rn
     std::memcpy(&v, &h, 2);
     return v;
 }
+// atomicMax on unsigned (fp8.cu's amax: a float max on the bits of non-negative floats).
+inline unsigned atomicMax(unsigned* p, unsigned v) {
+    std::atomic_ref<unsigned> r(*p);
+    unsigned old = r.load();
+    while (old < v && !r.compare_exchange_weak(old, v)) {
+    }
+    return old;
+}
+using std::rintf;
