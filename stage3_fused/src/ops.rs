@@ -34,8 +34,9 @@ pub const LN_EPS: f32 = 1e-5;
 /// on big shapes (te: 16 Ki rows).
 pub const GELU_ROWS: usize = 2048;
 
-/// Rows per rayon task in the LayerNorms: 16 rows of C = 768 is 48 KiB, enough work (~5 µs) to
-/// amortise a task; one task per row ran 3x slower than this at (2048, 768) on 2 cores.
+/// Rows per rayon task in the row-wise passes (the LayerNorms, fc1's bias + GELU): 16 rows of
+/// C = 768 is 48 KiB, enough work (~5 µs) to amortise a task; one task per row ran 3x slower
+/// than this at (2048, 768) on 2 cores.
 const ROWS_PER_TASK: usize = 16;
 
 /// LayerNorm over the last dimension, output cast to `dtype` in the same pass.
@@ -180,8 +181,8 @@ fn linear_cpu(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, (m, n, k):
         // bias and applies GELU; otherwise it accumulates onto the bias (and residual) rows.
         gemm_into(dst, &xs[r0 * k..(r0 + mb) * k], ws, (mb, n, k), !gelu);
         if gelu {
-            // y = gelu(acc + b), on all threads (16 rows a task), SIMD (gelu_tanh has no libm call)
-            dst.par_chunks_mut(16 * n).for_each(|block| {
+            // y = gelu(acc + b), on all threads, SIMD (gelu_tanh has no libm call)
+            dst.par_chunks_mut(ROWS_PER_TASK * n).for_each(|block| {
                 for row in block.chunks_exact_mut(n) {
                     map_slice_in_place(row, &|j, v| gelu_tanh(v + bs[j]));
                 }
