@@ -16,7 +16,6 @@ pub mod sweep;
 use clap::{Args, FromArgMatches};
 use shared::cli::{exit_with, RunArgs};
 use shared::device::{DeviceInfo, GemmSwitches};
-use shared::elementwise::Elementwise;
 use shared::report::{
     commit, write_json, Ablation, AblationOut, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA,
 };
@@ -25,6 +24,7 @@ use shared::timing::Stats;
 use shared::weights::save_tensors;
 use shared::StageOptions;
 use shared::{PrecisionRequest, Shape, SpeedkitError, StageSpec};
+use stage2_sdpa::elementwise::Elementwise;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use sweep::Sweep;

@@ -216,7 +216,7 @@ fn attention(r: &mut Rows, device: &Device) {
 }
 
 fn epilogues(r: &mut Rows, device: &Device) {
-    use shared::cublaslt_model::{matmul, DataType};
+    use stage3_fused::cublaslt_model::{matmul, DataType};
     use stage3_fused::gemm_args::{linear_args, LinearKind};
     if !device.is_cuda() {
         r.ran = "cublaslt_model(linear_args)".into();
@@ -297,8 +297,8 @@ fn epilogues(r: &mut Rows, device: &Device) {
 }
 
 fn fp8(r: &mut Rows, device: &Device, info: &DeviceInfo) {
-    use shared::cublaslt_model::matmul;
     use shared::Fp8Recipe;
+    use stage3_fused::cublaslt_model::matmul;
     use stage4_fp8::fp8::{quantize, Fp8Linear, Fp8Mode, ScalingConfig};
     if !device.is_cuda() {
         r.ran = "cublaslt_model(fp8_gemm_args)".into();
@@ -470,7 +470,7 @@ fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
         let args = stage4_fp8::gemm::fp8_gemm_args_e4m3_out(tok, k, n, true)?.contract();
         let scales = (twin.weight().scale.to_scalar::<f32>()?, s_x.to_scalar::<f32>()?);
         let xq = quantize(&x, &s_x)?;
-        let (d, amax_d) = shared::cublaslt_model::matmul_fp8_out(
+        let (d, amax_d) = stage3_fused::cublaslt_model::matmul_fp8_out(
             &args,
             &host(&twin.weight().data)?,
             &host(&xq)?,

@@ -2,9 +2,9 @@
 //! `SPEEDKIT_*` environment variable (the flag wins when both are given).
 
 use crate::device::DeviceRequest;
-use crate::elementwise::Elementwise;
 use crate::error::{classify, SpeedkitError};
 use crate::preset::Preset;
+use crate::stage::Elementwise;
 use crate::stage::{AttentionKernel, Fp8FastAccum, Fp8Fusions, Fp8Recipe, Fusions, Precision, PrecisionRequest, StageOptions};
 use clap::ValueEnum;
 use std::path::PathBuf;

@@ -5,20 +5,16 @@
 //! Module map: `preset` (shapes) · `weights` (seeded init, GPT-2 safetensors) · `stage`
 //! (trait, Plan, precision) · `device` (selection, capabilities, global switches, memory) ·
 //! `check` (comparison, tolerances) · `timing` (warm-up, sync, stats) · `perf` (FLOPs, peaks) ·
-//! `ceiling` (the CPU's measured GEMM rate and bandwidth) · `elementwise` (parallel, vectorised
-//! CPU element-wise ops for stages 2–4) · `report` (records, table, JSON) · `cli` (flags, env,
+//! `ceiling` (the CPU's measured GEMM rate and bandwidth) · `report` (records, table, JSON) · `cli` (flags, env,
 //! exit codes) · `runner` (the one function a stage's main calls) · `error` (what a user can act
 //! on) · `output` (how every file is written: checked up front, temp file + rename, never over a
-//! device) · `cublaslt_model` (cuBLASLt's matmul contract on the CPU, for the GPU paths' tests) ·
-//! `breakdown` (per-part times of one forward).
+//! device) · `breakdown` (per-part times of one forward).
 
 pub mod breakdown;
 pub mod ceiling;
 pub mod check;
 pub mod cli;
-pub mod cublaslt_model;
 pub mod device;
-pub mod elementwise;
 pub mod error;
 pub mod graph;
 pub mod output;
@@ -40,6 +36,7 @@ pub(crate) static BIG_ALLOCATION_TESTS: std::sync::Mutex<()> = std::sync::Mutex:
 pub use error::SpeedkitError;
 pub use preset::{Preset, Shape};
 pub use stage::{
-    AttentionKernel, Fp8FastAccum, Fp8Fusions, Fp8Recipe, Fusions, Plan, Precision, PrecisionRequest, Stage, StageOptions, StageSpec,
+    AttentionKernel, Elementwise, Fp8FastAccum, Fp8Fusions, Fp8Recipe, Fusions, Plan, Precision, PrecisionRequest, Stage, StageOptions,
+    StageSpec,
 };
 pub use weights::BlockWeights;

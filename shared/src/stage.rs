@@ -46,6 +46,18 @@ pub enum PrecisionRequest {
     Exactly(Precision),
 }
 
+/// `--elementwise`: which unfused element-wise ops stage 2 uses on the CPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Elementwise {
+    /// This module: multi-threaded, vectorised, one pass per op.
+    Parallel,
+    /// candle's CPU ops (single-threaded), as stages 0–1 use: the default, so that stage 2
+    /// differs from stage 1 in its attention only.
+    #[default]
+    Candle,
+}
+
 /// A stage's precision decision: the precision, and one sentence saying why.
 pub type PrecisionChoice = (Precision, String);
 
@@ -114,7 +126,7 @@ pub struct StageOptions {
     /// `--cuda-graph`: the forward will be captured once and replayed (stateful stages refuse).
     pub cuda_graph: bool,
     /// `--elementwise`: stage 2's unfused CPU element-wise ops, candle's (default) or parallel.
-    pub elementwise: crate::elementwise::Elementwise,
+    pub elementwise: Elementwise,
     /// `--fusions`: which of stage 3's fusions are on (all by default; `ladder --ablate` removes
     /// one at a time).
     pub fusions: Fusions,

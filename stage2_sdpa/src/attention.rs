@@ -25,10 +25,10 @@
 
 use crate::attention_cuda;
 pub mod registers;
+use crate::elementwise::{exp_f32, sum_f32};
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 use shared::device::DeviceInfo;
-use shared::elementwise::{exp_f32, sum_f32};
 use shared::{AttentionKernel, Precision, SpeedkitError};
 use std::borrow::Cow;
 

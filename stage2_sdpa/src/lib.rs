@@ -29,6 +29,7 @@
 
 pub mod attention;
 pub mod attention_cuda;
+pub mod elementwise;
 
 pub use attention::{attention, attention_with};
 
@@ -42,7 +43,7 @@ use shared::{BlockWeights, Plan, PrecisionRequest, SpeedkitError, Stage};
 // so this stage differs from stage 1 in its attention only. `--elementwise parallel` runs the
 // same passes multi-threaded and vectorised on the CPU (`shared::elementwise`), to measure what
 // threading alone buys; stage 3 then fuses them.
-use shared::elementwise::{self as ew, gelu_tanh, layer_norm, linear, Elementwise, LN_EPS};
+use crate::elementwise::{self as ew, gelu_tanh, layer_norm, linear, Elementwise, LN_EPS};
 use stage1_tensorcore::precision;
 
 pub struct Block {

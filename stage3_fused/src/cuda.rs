@@ -1,6 +1,7 @@
 //! The CUDA side of the fused ops: cuBLASLt GEMMs with epilogues, and the NVRTC-compiled
 //! residual-add + LayerNorm kernel (`kernels/add_layer_norm.cu`) wrapped for candle.
 
+use crate::cublaslt_model::{DataType, Epilogue as ModelEpilogue};
 use crate::device_cache::{Cache, DeviceKey};
 use crate::gemm_args::{linear_args, LinearKind};
 use crate::ops::{Epilogue, LN_EPS};
@@ -9,7 +10,6 @@ use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchC
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, DeviceId};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Storage, Tensor};
-use shared::cublaslt_model::{DataType, Epilogue as ModelEpilogue};
 use std::sync::Arc;
 
 fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {

@@ -1,5 +1,5 @@
 //! The arguments of stage 3's cuBLASLt GEMMs, worked out as a pure function so they can be
-//! executed on the CPU by `shared::cublaslt_model` and compared with each op's slow twin
+//! executed on the CPU by `crate::cublaslt_model` and compared with each op's slow twin
 //! (`tests/cublaslt_contract.rs`); `cuda.rs` only copies them into cudarc's `MatmulConfig`.
 //!
 //! We want y (M × N, row-major) = x (M × K) · Wᵀ + b, M = B·T tokens. cuBLASLt is column-major,
@@ -12,7 +12,7 @@
 //! - The residual r (M × N row-major, the output's layout) rides in through C with β = 1 when it
 //!   has the GEMM's dtype (cudarc gives C and D one type, and C is D's buffer, pre-filled with r).
 
-use shared::cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
+use crate::cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
 
 /// What stage 3 asks the GEMM to do after x·Wᵀ.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

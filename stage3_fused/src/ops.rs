@@ -18,7 +18,7 @@
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use rayon::prelude::*;
-use shared::elementwise::{exp_f32, map_slice, map_slice_in_place, row_stats, Elementwise, RowStats};
+use stage2_sdpa::elementwise::{exp_f32, map_slice, map_slice_in_place, row_stats, Elementwise, RowStats};
 
 /// LayerNorm's ε, as in GPT-2.
 pub const LN_EPS: f32 = 1e-5;
@@ -98,7 +98,7 @@ pub fn add_layer_norm(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> ca
 }
 
 /// h = (row − mean) / √(var + ε) · g + b, the statistics from one read of the row
-/// (`shared::elementwise::row_stats`: shifted sums in f64, accurate for rows with a large mean),
+/// (`stage2_sdpa::elementwise::row_stats`: shifted sums in f64, accurate for rows with a large mean),
 /// then one vectorised write pass while the row is in L1 (`map_slice` dispatches to AVX-512/AVX2).
 #[inline]
 fn normalise_row(row: &[f32], g: &[f32], b: &[f32], h: &mut [f32]) {
@@ -108,7 +108,7 @@ fn normalise_row(row: &[f32], g: &[f32], b: &[f32], h: &mut [f32]) {
 
 /// A cast in parallel on the CPU (candle's is one thread); a no-op when the dtype is already right.
 fn cast(t: Tensor, dtype: DType) -> candle_core::Result<Tensor> {
-    shared::elementwise::to_dtype(&t, dtype, Elementwise::Parallel)
+    stage2_sdpa::elementwise::to_dtype(&t, dtype, Elementwise::Parallel)
 }
 
 /// y = x Wᵀ + b. x: (B, T, K); W: (N, K); b: (N). Output in x's dtype.
@@ -286,7 +286,7 @@ fn gemm_into(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, us
 /// GPT-2's GELU, tanh approximation: 0.5·v·(1 + tanh(u)), u = √(2/π)·(v + 0.044715·v³).
 /// Since 1 + tanh(u) = 2·sigmoid(2u), this is v / (1 + e^(−2u)): one exp and one division,
 /// about three times cheaper than libm's tanhf, and exact in the limits (v→±∞ gives v or −0).
-/// The exp is `shared::elementwise::exp_f32` (no libm call), so loops over GELU vectorise.
+/// The exp is `stage2_sdpa::elementwise::exp_f32` (no libm call), so loops over GELU vectorise.
 #[inline(always)]
 pub fn gelu_tanh(v: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;

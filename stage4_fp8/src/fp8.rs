@@ -38,8 +38,8 @@
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use rayon::prelude::*;
-use shared::elementwise::Elementwise;
 use shared::{Fp8Recipe, SpeedkitError};
+use stage2_sdpa::elementwise::Elementwise;
 use std::sync::Mutex;
 
 /// Largest finite E4M3 value.
@@ -66,7 +66,7 @@ const CHUNK: usize = 16 * 1024;
 
 /// x as contiguous f32 on the CPU, cast in parallel when it is bf16/f16.
 fn cpu_f32(x: &Tensor) -> candle_core::Result<Tensor> {
-    shared::elementwise::to_dtype(&x.contiguous()?, DType::F32, Elementwise::Parallel)
+    stage2_sdpa::elementwise::to_dtype(&x.contiguous()?, DType::F32, Elementwise::Parallel)
 }
 
 fn with_host<R>(x32: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
@@ -103,7 +103,7 @@ pub fn quantize_dequantize_cpu(x: &Tensor, scale: &Tensor) -> candle_core::Resul
     let out = with_host(&x32, |v| {
         let mut out = vec![0f32; v.len()];
         out.par_chunks_mut(CHUNK).zip(v.par_chunks(CHUNK)).for_each(|(o, v)| {
-            shared::elementwise::map_slice(o, v, &|_, x| round_e4m3(x / s) * s);
+            stage2_sdpa::elementwise::map_slice(o, v, &|_, x| round_e4m3(x / s) * s);
             // x / s as quantize divides
         });
         out
@@ -670,7 +670,7 @@ impl Fp8Linear {
             return stage3_fused::ops::linear_bias_residual(xd, w, b, r); // stage 3's fused residual epilogue
         }
         // the store cuBLASLt makes (bf16), or stage 3's dtype on the CPU
-        let y = shared::elementwise::to_dtype(&self.emulated_f32(xd, w, b)?, self.out, Elementwise::Parallel)?;
+        let y = stage2_sdpa::elementwise::to_dtype(&self.emulated_f32(xd, w, b)?, self.out, Elementwise::Parallel)?;
         match residual {
             None => Ok(y),
             Some(r) => r + y.to_dtype(r.dtype())?,

@@ -17,8 +17,8 @@
 //! reading scale_A and scale_B from device pointers (A_SCALE_POINTER = W's scale, B_SCALE_POINTER
 //! = x's) — the scales never visit the host. D is bf16, so no D scale (that is for FP8 outputs).
 
-use shared::cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
 use shared::SpeedkitError;
+use stage3_fused::cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
 
 /// Whose per-tensor scale a scale pointer carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,7 +129,7 @@ pub fn fp8_gemm_args_e4m3_out(tokens: usize, in_features: usize, out_features: u
 }
 
 impl Fp8GemmArgs {
-    /// The same call in the terms of `shared::cublaslt_model` (the CPU model of cuBLASLt's
+    /// The same call in the terms of `stage3_fused::cublaslt_model` (the CPU model of cuBLASLt's
     /// contract), so the tests can execute exactly these arguments: E4M3 A and B, bf16 C/D
     /// (one layout, β = 0), α = 1, both scale pointers set. With `out_e4m3`, D is E4M3 and C
     /// stays bf16 (`cublaslt_model::matmul_fp8_out` executes it).

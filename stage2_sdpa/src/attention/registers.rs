@@ -26,7 +26,7 @@
 //! B_c = 512 beat 256 by ~1.5 % (fewer rescales of O).
 
 use super::HeadRows;
-use shared::elementwise::exp_f32;
+use crate::elementwise::exp_f32;
 
 /// Query rows per block: the rows of every register tile (24 accumulators with AVX-512).
 pub const MR: usize = 12;

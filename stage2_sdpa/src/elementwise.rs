@@ -17,20 +17,9 @@
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use rayon::prelude::*;
-use serde::{Deserialize, Serialize};
 use std::sync::OnceLock;
 
-/// `--elementwise`: which unfused element-wise ops stage 2 uses on the CPU.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Elementwise {
-    /// This module: multi-threaded, vectorised, one pass per op.
-    Parallel,
-    /// candle's CPU ops (single-threaded), as stages 0–1 use: the default, so that stage 2
-    /// differs from stage 1 in its attention only.
-    #[default]
-    Candle,
-}
+pub use shared::Elementwise;
 
 /// LayerNorm's ε, as in GPT-2 (and stage 0).
 pub const LN_EPS: f64 = 1e-5;
@@ -53,7 +42,7 @@ fn level() -> Level {
     *LEVEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if crate::ceiling::has_avx512() {
+            if shared::ceiling::has_avx512() {
                 return Level::Avx512;
             }
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
