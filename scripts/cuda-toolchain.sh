@@ -16,15 +16,15 @@ speedkit_cuda_toolchain() (
     # `if source ...` or `source ... || ...`, and there bash ignores `set -e` in every function
     # called, this one included. So each command that can fail is checked, and every path is
     # absolute: the only folder written is the cache (pip's temporary files included).
-    root="$1" link_stub="$2"
-    cu="$root/nvidia/cu13"
+    cache="$1" link_stub="$2"
+    cu="$cache/nvidia/cu13"
     fail() { echo "cuda-toolchain: $*" >&2; return 1; }
     if [ ! -x "$cu/bin/nvcc" ]; then
-        mkdir -p "$root" || fail "cannot create the cache folder $root. Fix: set SPEEDKIT_CUDA_CACHE to a folder you can write (~1.2 GB)." || return 1
+        mkdir -p "$cache" || fail "cannot create the cache folder $cache. Fix: set SPEEDKIT_CUDA_CACHE to a folder you can write (~1.2 GB)." || return 1
         # pip --target skips a folder that already exists (a half-done earlier install would
         # stay half-done), so the wheels go into a fresh folder, then are copied over the cache.
-        staging=$(mktemp -d "$root/.install.XXXXXX") || fail "cannot write into the cache folder $root. Fix: set SPEEDKIT_CUDA_CACHE to a folder you can write (~1.2 GB)." || return 1
-        echo "cuda-toolchain: installing CUDA 13.0 wheels into $root" >&2
+        staging=$(mktemp -d "$cache/.install.XXXXXX") || fail "cannot write into the cache folder $cache. Fix: set SPEEDKIT_CUDA_CACHE to a folder you can write (~1.2 GB)." || return 1
+        echo "cuda-toolchain: installing CUDA 13.0 wheels into $cache" >&2
         if ! TMPDIR="$staging" python3 -m pip install --quiet --disable-pip-version-check --no-cache-dir --no-deps --target "$staging/target" \
             nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
             nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 nvidia-cuda-nvrtc==13.0.88 \
@@ -36,9 +36,9 @@ speedkit_cuda_toolchain() (
             rm -rf "$staging"
             fail "the wheels installed, but hold no nvidia/cu13/bin/nvcc: their layout changed. Fix: update the package list in scripts/cuda-toolchain.sh." || return 1
         fi
-        if ! cp -a "$staging/target/." "$root/"; then
+        if ! cp -a "$staging/target/." "$cache/"; then
             rm -rf "$staging"
-            fail "could not copy the wheels into $root (disk full?). Fix: free ~1.2 GB there, or set SPEEDKIT_CUDA_CACHE elsewhere, and source this again." || return 1
+            fail "could not copy the wheels into $cache (disk full?). Fix: free ~1.2 GB there, or set SPEEDKIT_CUDA_CACHE elsewhere, and source this again." || return 1
         fi
         rm -rf "$staging"
         # Wheels do not keep the executable bit.
@@ -49,9 +49,9 @@ speedkit_cuda_toolchain() (
     # build a stub that defines every driver function cudarc declares; the real driver replaces
     # it at run time (the stub's soname is libcuda.so.1, the driver's).
     lib="$cu/lib"
-    [ -d "$lib" ] || fail "$lib is missing although $cu/bin/nvcc is there: the cache is incomplete. Fix: delete $root and source this again (it reinstalls)." || return 1
+    [ -d "$lib" ] || fail "$lib is missing although $cu/bin/nvcc is there: the cache is incomplete. Fix: delete $cache and source this again (it reinstalls)." || return 1
     for l in cublas.so.13 cublasLt.so.13 cudart.so.13 nvrtc.so.13 curand.so.10; do
-        [ -e "$lib/lib$l" ] || fail "$lib/lib$l is missing: the cache is incomplete. Fix: delete $root and source this again (it reinstalls)." || return 1
+        [ -e "$lib/lib$l" ] || fail "$lib/lib$l is missing: the cache is incomplete. Fix: delete $cache and source this again (it reinstalls)." || return 1
         [ -e "$lib/lib${l%.so.*}.so" ] || ln -sf "lib$l" "$lib/lib${l%.so.*}.so" || fail "cannot write the link lib${l%.so.*}.so in $lib." || return 1
     done
     if [ ! -e "$lib/libcuda.so.1" ]; then
