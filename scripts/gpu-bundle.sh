@@ -13,9 +13,27 @@
 # On the GPU machine: tar xzf the archive, cd into it, ./gpu-check.sh (needs the NVIDIA driver
 # 580+ and the CUDA 13 libraries: cuBLAS, cuBLASLt, cudart, NVRTC, cuRAND; no Rust, no network).
 #
+# Usage: scripts/gpu-bundle.sh [--help]   (no other arguments; the rest is set by the env)
 # Env: CARGO_TARGET_DIR (default target/cuda-link: kept apart from the CPU build's target/),
-#      CUDA_COMPUTE_CAP (default 90; read docs/gpu.md on sm_90a before changing it).
+#      CUDA_COMPUTE_CAP (default 90; one capability such as 80, 89, 90 or 90a, 80 or above;
+#      read docs/gpu.md on sm_90a before changing it).
 set -euo pipefail
+
+# Everything below downloads ~1.2 GB once and builds for minutes: check the request first.
+die() { echo "gpu-bundle: $*" >&2; exit 2; }
+for arg in "$@"; do
+    case "$arg" in
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+        *) die "unknown argument '$arg': this script takes none (only --help). Fix: set CUDA_COMPUTE_CAP or CARGO_TARGET_DIR in the environment instead, e.g. CUDA_COMPUTE_CAP=80 scripts/gpu-bundle.sh." ;;
+    esac
+done
+# One capability: candle's kernels go through cudaforge, which reads "90" or "90a" (a list is not
+# a capability to it), and our attention kernel's build.rs keeps the digits ("80,90" -> sm_8090).
+if [ -n "${CUDA_COMPUTE_CAP:-}" ]; then
+    [[ "$CUDA_COMPUTE_CAP" =~ ^([0-9]{2,3})a?$ ]] || die "CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP is not one compute capability. It must be the GPU's SM as digits, such as 80 (A100), 89 (L40S), 90 (H100, H200), optionally with the arch-specific suffix a (90a); lists and dotted forms (8.0) are not read by candle's build. Fix: set one, e.g. CUDA_COMPUTE_CAP=90, or unset it for the default 90."
+    [ "${BASH_REMATCH[1]}" -ge 80 ] || die "CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP is below 80: the bf16 tensor-core attention kernel and candle's bf16 and FP8 casts need SM 8.0 or newer, so this bundle could not run its stages there. Fix: set 80 or above (80 gives PTX that every GPU from SM 8.0 up loads)."
+fi
+
 cd "$(dirname "$0")/.."
 root=$(pwd)
 

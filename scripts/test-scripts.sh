@@ -1,0 +1,226 @@
+#!/usr/bin/env bash
+# The scripts' own tests: each script in scripts/ run with bad arguments or a broken setup must
+# refuse with a non-zero exit and a message that names the cause, and write nothing outside its
+# folder. Fake binaries stand in for ladder, cargo, pip and nvcc: no build, no download, no GPU,
+# a few seconds. CI runs it right after shellcheck.
+#
+#   bash scripts/test-scripts.sh      # prints one line per check, exits 1 when any failed
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+repo=$(pwd)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0
+failed=0
+skipped=0
+
+ok() { echo "ok    $1"; passed=$(( passed + 1 )); }
+bad() {
+    echo "FAIL  $1: $2"
+    [ -f "$tmp/out" ] && sed 's/^/      | /' "$tmp/out" | head -n 20
+    failed=$(( failed + 1 ))
+}
+skip() { echo "skip  $1 ($2)"; skipped=$(( skipped + 1 )); }
+
+# A fresh, empty working folder for each check: what a script leaves there, it wrote outside
+# the folders it was given.
+n=0
+fresh_cwd() { n=$(( n + 1 )); cwd="$tmp/cwd.$n"; mkdir -p "$cwd"; }
+cwd_empty() { [ -z "$(ls -A "$cwd")" ]; }
+
+# expect NAME CODE PHRASE COMMAND...: runs COMMAND in a fresh cwd; passes when it exits CODE,
+# its output (stdout and stderr) holds PHRASE, shows no Python traceback and leaves cwd empty.
+expect() {
+    local name="$1" code="$2" phrase="$3" rc
+    shift 3
+    fresh_cwd
+    (cd "$cwd" && "$@") > "$tmp/out" 2>&1
+    rc=$?
+    if [ "$rc" != "$code" ]; then
+        bad "$name" "exit $rc, expected $code"
+    elif ! grep -qF -- "$phrase" "$tmp/out"; then
+        bad "$name" "the output does not say '$phrase'"
+    elif grep -q '^Traceback' "$tmp/out"; then
+        bad "$name" "a Python traceback instead of a message"
+    elif ! cwd_empty; then
+        bad "$name" "wrote into the caller's folder: $(find "$cwd" -mindepth 1 -maxdepth 1 -printf '%f ')"
+    else
+        ok "$name"
+    fi
+}
+
+# Fakes. A tool that must not run leaves a mark when it does; the mark fails the check.
+fakes="$tmp/fakes"
+mkdir -p "$fakes"
+for tool in cargo pip pip3 nvcc; do
+    printf '#!/bin/sh\necho "%s $*" >> "%s/ran"\nexit 1\n' "$tool" "$tmp" > "$fakes/$tool"
+done
+printf '#!/bin/sh\ncase "$*" in *" -m pip"*|"-m pip"*) echo "python3 $*" >> "%s/ran"; exit 1 ;; esac\nexec "%s" "$@"\n' \
+    "$tmp" "$(command -v python3)" > "$fakes/python3"
+chmod +x "$fakes"/*
+nothing_ran() {  # nothing_ran NAME: passes when no fake tool was called since the last check
+    if [ -s "$tmp/ran" ]; then bad "$1" "ran $(tr '\n' ';' < "$tmp/ran")"; rm -f "$tmp/ran"; else ok "$1"; fi
+}
+export PATH="$fakes:$PATH"
+
+# A ladder that fails every step, and one that passes and writes its --json file.
+printf '#!/bin/sh\necho "fake ladder $*"; echo wrote > wrote-here.txt; exit 1\n' > "$tmp/ladder-fail"
+# shellcheck disable=SC2016 # the fake's own $1, $2 and $#
+printf '#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = --json ] && echo "{}" > "$2"; shift; done\n' > "$tmp/ladder-pass"
+chmod +x "$tmp/ladder-fail" "$tmp/ladder-pass"
+touch "$tmp/afile"
+
+# ---- gpu-check.sh ----------------------------------------------------------------------------
+gc=("$repo/scripts/gpu-check.sh" --device cpu)
+expect "gpu-check --list: every step, its timeout, an estimate" 0 "estimate" "${gc[@]}" --list
+if awk 'NR > 1 && $2 ~ /^[0-9]+$/ { n++; if ($2 > 480) bad = 1 } END { exit !(n >= 10 && !bad) }' "$tmp/out"; then
+    ok "gpu-check --list: at least 10 steps, none with a timeout over 8 minutes"
+else
+    bad "gpu-check --list: at least 10 steps, none with a timeout over 8 minutes" "see the table"
+fi
+expect "gpu-check --help" 0 "--only" "${gc[@]}" --help
+expect "gpu-check: unknown argument refused" 2 "unknown argument" "${gc[@]}" --bin "$tmp/ladder-fail" --bogus
+expect "gpu-check: --out without a value refused" 2 "needs a value" "${gc[@]}" --bin "$tmp/ladder-fail" --out
+expect "gpu-check: a missing --bin refused" 2 "no executable ladder binary" "${gc[@]}" --bin "$tmp/no-such-ladder" --out "$tmp/unused"
+[ -e "$tmp/unused" ] && bad "gpu-check: a refused run creates no --out" "$tmp/unused exists"
+expect "gpu-check: --out that is a file refused" 2 "is a file" "${gc[@]}" --bin "$tmp/ladder-fail" --out "$tmp/afile"
+expect "gpu-check: --out under a file (cannot be created) refused" 2 "cannot be created" "${gc[@]}" --bin "$tmp/ladder-fail" --out "$tmp/afile/sub"
+expect "gpu-check: --out in /proc (not writable, even by root) refused" 2 "cannot be created" "${gc[@]}" --bin "$tmp/ladder-fail" --out /proc/gpu-check-test
+if [ "$(id -u)" = 0 ]; then
+    skip "gpu-check: --out in a chmod 555 folder refused" "root writes into read-only folders; /proc above covers it"
+else
+    mkdir -p "$tmp/ro" && chmod 555 "$tmp/ro"
+    expect "gpu-check: --out in a chmod 555 folder refused" 2 "cannot" "${gc[@]}" --bin "$tmp/ladder-fail" --out "$tmp/ro/sub"
+    expect "gpu-check: --out that is a chmod 555 folder refused" 2 "cannot write" "${gc[@]}" --bin "$tmp/ladder-fail" --out "$tmp/ro"
+    chmod 755 "$tmp/ro"
+fi
+expect "gpu-check --only: an unknown name refused with the list" 2 "ablate-te" "${gc[@]}" --bin "$tmp/ladder-fail" --only selftest,bogus
+expect "gpu-check --only: names are exact, not patterns" 2 "not a step" "${gc[@]}" --bin "$tmp/ladder-fail" --only ladder
+expect "gpu-check --only '': refused" 2 "names no step" "${gc[@]}" --bin "$tmp/ladder-fail" --only ''
+expect "gpu-check: no step ran (only n/a steps selected) -> exit 1" 1 "no step ran" "${gc[@]}" --bin "$tmp/ladder-fail" --only ladder-te-cuda-graph --out "$tmp/out-na"
+
+expect "gpu-check: every step failed -> exit 1" 1 "9 of 9 step(s) did not pass" "${gc[@]}" --bin "$tmp/ladder-fail" --out "$tmp/out-fail"
+run_dir=$(find "$tmp/out-fail" -mindepth 1 -maxdepth 1 -name 'gpu-check-*' | head -1)
+archives=$(find "$run_dir" -maxdepth 1 -name '*.tar.gz' | wc -l)
+if [ "$archives" = 10 ] && tar -tzf "$run_dir/selftest.tar.gz" | grep -q "/selftest/wrote-here.txt$"; then
+    ok "gpu-check: one archive per step that ran (9) and the summary's, each with the step's files"
+else
+    bad "gpu-check: one archive per step that ran (9) and the summary's, each with the step's files" "$archives archives in $run_dir"
+fi
+if [ -z "$(find "$tmp" -name wrote-here.txt -not -path "$tmp/out-fail/*")" ] && [ "$(ls -A "$tmp/out-fail")" = "$(basename "$run_dir")" ]; then
+    ok "gpu-check: nothing written outside --out, one run folder inside it"
+else
+    bad "gpu-check: nothing written outside --out, one run folder inside it" "$(find "$tmp" -name wrote-here.txt)"
+fi
+
+expect "gpu-check: passing steps -> exit 0, --out created when missing" 0 "0 of 2 step(s) did not pass" \
+    "${gc[@]}" --bin "$tmp/ladder-pass" --only selftest,ladder-te --out "$tmp/new/deeper"
+run_dir=$(find "$tmp/new/deeper" -mindepth 1 -maxdepth 1 -name 'gpu-check-*' | head -1)
+if tar -tzf "$run_dir/ladder-te.tar.gz" 2> /dev/null | grep -q "/ladder-te/ladder-te.json$" && tar -tzf "$run_dir/summary.tar.gz" | grep -q "summary.tsv$"; then
+    ok "gpu-check: a step's archive holds its JSON; summary.tar.gz its table"
+else
+    bad "gpu-check: a step's archive holds its JSON; summary.tar.gz its table" "no archives in ${run_dir:-$tmp/new/deeper}"
+fi
+
+# ---- gpu-bundle.sh: refused before anything is installed or built ----------------------------
+rm -f "$tmp/ran"
+gb=(env SPEEDKIT_CUDA_CACHE="$tmp/bundle-cache" bash "$repo/scripts/gpu-bundle.sh")
+expect "gpu-bundle --help" 0 "Usage" "${gb[@]}" --help
+expect "gpu-bundle --bogus refused" 2 "unknown argument" "${gb[@]}" --bogus
+expect "gpu-bundle CUDA_COMPUTE_CAP=abc refused" 2 "not one compute capability" env CUDA_COMPUTE_CAP=abc "${gb[@]}"
+expect "gpu-bundle CUDA_COMPUTE_CAP=80,90 (a list) refused" 2 "not one compute capability" env CUDA_COMPUTE_CAP=80,90 "${gb[@]}"
+expect "gpu-bundle CUDA_COMPUTE_CAP=75 refused" 2 "below 80" env CUDA_COMPUTE_CAP=75 "${gb[@]}"
+nothing_ran "gpu-bundle: no pip, cargo or nvcc ran for the refused requests"
+if [ -e "$tmp/bundle-cache" ]; then bad "gpu-bundle: no cache folder made for the refused requests" "$tmp/bundle-cache exists"; else ok "gpu-bundle: no cache folder made for the refused requests"; fi
+
+# ---- cuda-toolchain.sh: sourced as an `if` condition, where bash ignores set -e ---------------
+# source-toolchain CACHE ARGS...: sources it the way .ci/run and scripts do, under set -e inside
+# an `if`; prints what it exported; exits 0 when it returned 0, 3 when it returned non-zero.
+cat > "$tmp/source-toolchain" << 'SCRIPT'
+#!/usr/bin/env bash
+set -euo pipefail
+export SPEEDKIT_CUDA_CACHE="$1"
+shift
+if source "$TOOLCHAIN" "$@"; then
+    echo "returned 0; CUDA_HOME=${CUDA_HOME-unset} CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP-unset} LIBRARY_PATH=${LIBRARY_PATH-unset} PATH=${PATH%%:*}"
+    exit 0
+else
+    echo "returned non-zero; CUDA_HOME=${CUDA_HOME-unset}"
+    exit 3
+fi
+SCRIPT
+chmod +x "$tmp/source-toolchain"
+st=(env TOOLCHAIN="$repo/scripts/cuda-toolchain.sh" "$tmp/source-toolchain")
+# pip (the real one) with no index it can reach: the install fails; nothing after it may run.
+no_index=(env -u PIP_EXTRA_INDEX_URL -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1
+    PIP_INDEX_URL=http://127.0.0.1:9/ PIP_RETRIES=0 PATH="${PATH#"$fakes:"}")
+expect "cuda-toolchain: a failed pip install returns non-zero inside 'if source'" 3 "pip could not install" \
+    "${no_index[@]}" "${st[@]}" "$tmp/tc-empty" --link-stub
+if [ -z "$(find "$tmp/tc-empty" -mindepth 1 2> /dev/null)" ]; then
+    ok "cuda-toolchain: a failed install leaves its cache folder empty"
+else
+    bad "cuda-toolchain: a failed install leaves its cache folder empty" "$(find "$tmp/tc-empty" -mindepth 1 | head -3)"
+fi
+expect "cuda-toolchain: run, not sourced, a failure exits non-zero" 1 "pip could not install" \
+    "${no_index[@]}" SPEEDKIT_CUDA_CACHE="$tmp/tc-empty2" bash "$repo/scripts/cuda-toolchain.sh"
+
+# A cache with nvcc (a fake) but no lib/: the link stub's step refuses.
+cu="$tmp/tc-half/nvidia/cu13"
+mkdir -p "$cu/bin"
+printf '#!/bin/sh\necho "Build cuda_13.0.r13.0/compiler.fake"\n' > "$cu/bin/nvcc"
+chmod +x "$cu/bin/nvcc"
+expect "cuda-toolchain --link-stub: an incomplete cache returns non-zero" 3 "cache is incomplete" "${st[@]}" "$tmp/tc-half" --link-stub
+expect "cuda-toolchain: sourced, it exports CUDA_HOME, CUDA_COMPUTE_CAP and PATH" 0 \
+    "CUDA_HOME=$cu CUDA_COMPUTE_CAP=90 LIBRARY_PATH=unset PATH=$cu/bin" env -u CUDA_COMPUTE_CAP -u LIBRARY_PATH "${st[@]}" "$tmp/tc-half"
+# With the libraries (empty fakes) but no cudarc source in ~/.cargo: refused.
+mkdir -p "$cu/lib" "$tmp/home-empty"
+for l in cublas.so.13 cublasLt.so.13 cudart.so.13 nvrtc.so.13 curand.so.10; do : > "$cu/lib/lib$l"; done
+expect "cuda-toolchain --link-stub: no cudarc source returns non-zero" 3 "cudarc 0.19's source" \
+    env HOME="$tmp/home-empty" "${st[@]}" "$tmp/tc-half" --link-stub
+# With a cudarc source of 120 driver functions: the stub is built into the cache, not the cwd.
+if command -v gcc > /dev/null; then
+    sys="$tmp/home/.cargo/registry/src/index/cudarc-0.19.10/src/driver/sys"
+    mkdir -p "$sys"
+    { echo 'extern "C" {'; for i in $(seq 120); do echo "    fn cuFake$i();"; done; echo '}'; } > "$sys/mod.rs"
+    expect "cuda-toolchain --link-stub: builds the stub and exports LIBRARY_PATH" 0 "LIBRARY_PATH=$cu/lib" \
+        env -u LIBRARY_PATH HOME="$tmp/home" "${st[@]}" "$tmp/tc-half" --link-stub
+    if [ -e "$cu/lib/libcuda.so.1" ] && [ -L "$cu/lib/libcublas.so" ] && [ -z "$(find "$cu/lib" -name '.stub.*')" ]; then
+        ok "cuda-toolchain --link-stub: libcuda.so.1 and the links are in the cache, no temporary folder left"
+    else
+        bad "cuda-toolchain --link-stub: libcuda.so.1 and the links are in the cache, no temporary folder left" "$(find "$cu/lib" -mindepth 1 -printf '%f ')"
+    fi
+else
+    skip "cuda-toolchain --link-stub: builds the stub and exports LIBRARY_PATH" "no gcc"
+fi
+
+# ---- measure-cpu.sh: refused before cargo builds anything ------------------------------------
+rm -f "$tmp/ran"
+expect "measure-cpu: a missing baseline binary refused" 2 "no baseline ladder binary" bash "$repo/scripts/measure-cpu.sh" "$tmp/no-such-ladder"
+expect "measure-cpu: ROUNDS=0 refused" 2 "ROUNDS=0" env ROUNDS=0 bash "$repo/scripts/measure-cpu.sh" "$tmp/ladder-pass"
+expect "measure-cpu: a missing BREAKDOWN_BASE refused" 2 "BREAKDOWN_BASE" env BREAKDOWN_BASE="$tmp/no-such-ladder" bash "$repo/scripts/measure-cpu.sh" "$tmp/ladder-pass"
+expect "measure-cpu: two arguments refused" 2 "at most one argument" bash "$repo/scripts/measure-cpu.sh" "$tmp/ladder-pass" extra
+nothing_ran "measure-cpu: cargo did not run for the refused requests"
+
+# ---- cpu-compare.py --------------------------------------------------------------------------
+# run_json DIR NAME ROUND MEDIAN_MS SEQ: a ladder --json record with the fields the script reads.
+run_json() {
+    mkdir -p "$1"
+    printf '{"shape": {"batch": 4, "seq": %s, "d_model": 768, "n_head": 12, "ff": 3072}, "records": [{"stage": "stage3_fused", "timing": {"median_ms": %s}}]}\n' "$5" "$4" > "$1/$2.$3.json"
+}
+cc=(python3 "$repo/scripts/cpu-compare.py")
+run_json "$tmp/cc-good" old 1 20 512; run_json "$tmp/cc-good" new 1 10 512
+expect "cpu-compare: two runs of one shape compared" 0 "old/new = 2.00x" "${cc[@]}" "$tmp/cc-good" old new
+expect "cpu-compare: no arguments -> usage, exit 2" 2 "expected 3 arguments" "${cc[@]}"
+mkdir -p "$tmp/cc-empty"
+expect "cpu-compare: an empty folder -> exit 2" 2 "no runs named old" "${cc[@]}" "$tmp/cc-empty" old new
+run_json "$tmp/cc-cut" old 1 20 512; run_json "$tmp/cc-cut" new 1 10 512
+head -c 60 "$tmp/cc-cut/new.1.json" > "$tmp/cc-cut/new.2.json"
+expect "cpu-compare: a truncated JSON is named" 1 "$tmp/cc-cut/new.2.json is not valid JSON" "${cc[@]}" "$tmp/cc-cut" old new
+run_json "$tmp/cc-zero" old 1 20 512; run_json "$tmp/cc-zero" new 1 0 512
+expect "cpu-compare: a median of 0 ms refused" 1 "median is 0.0 ms" "${cc[@]}" "$tmp/cc-zero" old new
+run_json "$tmp/cc-shape" old 1 20 512; run_json "$tmp/cc-shape" new 1 10 1024
+expect "cpu-compare: runs of different shapes refused" 1 "different shapes" "${cc[@]}" "$tmp/cc-shape" old new
+
+echo
+echo "test-scripts: $passed passed, $failed failed, $skipped skipped"
+[ "$failed" = 0 ]
