@@ -25,18 +25,18 @@ fn stages(c: &mut Criterion) {
             // ~0.5 s per forward on a laptop CPU: keep the whole bench to a few minutes.
             group.sample_size(10).measurement_time(Duration::from_secs(10));
         }
-        for spec in ladder::stages() {
-            let plan = match spec.plan(&device, &info, shape, PrecisionRequest::Auto) {
+        for spec in ladder::default_stages() {
+            let plan = match shared::stage::plan_alone(spec.as_ref(), &device, &info, shape, PrecisionRequest::Auto) {
                 Ok(plan) => plan,
                 Err(e) => {
-                    eprintln!("{}: skipped: {e}", spec.name);
+                    eprintln!("{}: skipped: {e}", spec.name());
                     continue;
                 }
             };
-            let stage = (spec.build)(&weights, &plan).expect("build");
+            let stage = spec.build(&weights, &plan).expect("build");
             // "fp8 (emulated, delayed scaling)": an emulation's time is never labelled as the format's
-            let label = (spec.implementation)(&plan).map_or(plan.precision.to_string(), |i| format!("{} ({i})", plan.precision));
-            group.bench_function(BenchmarkId::new(spec.name, label), |b| {
+            let label = spec.implementation(&plan).map_or(plan.precision.to_string(), |i| format!("{} ({i})", plan.precision));
+            group.bench_function(BenchmarkId::new(spec.name(), label), |b| {
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {

@@ -20,41 +20,45 @@ use shared::report::{
     commit, write_json, Ablation, AblationOut, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA,
 };
 use shared::runner::Session;
+use shared::stage::{ladder_request, plan};
 use shared::timing::Stats;
 use shared::weights::save_tensors;
-use shared::StageOptions;
-use shared::{PrecisionRequest, Shape, SpeedkitError, StageSpec};
-use stage2_sdpa::elementwise::Elementwise;
+use shared::{PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use sweep::Sweep;
 
-/// The stages, in order. The first is the baseline: speedups are against it, and it always
-/// runs at fp32 (`--precision` applies to the stages without a precision of their own; see
-/// `StageSpec::ladder_request`).
-pub fn stages() -> Vec<StageSpec> {
-    vec![
-        StageSpec::of::<stage0_baseline::Block>(),
-        StageSpec::of::<stage1_tensorcore::Block>(),
-        StageSpec::of::<stage2_sdpa::Block>(),
-        StageSpec::of::<stage3_fused::Block>(),
-        StageSpec::of::<stage4_fp8::Block>(),
-    ]
+/// The stages, in order: adding a stage is one crate and one line here. The first is the
+/// baseline: speedups are against it, every stage is checked against its fp32 output, and it
+/// always runs at fp32 (`--precision` applies to the stages without a precision of their own;
+/// see `shared::stage::ladder_request`).
+pub const STAGES: [StageEntry; 5] =
+    [stage0_baseline::STAGE, stage1_tensorcore::STAGE, stage2_sdpa::STAGE, stage3_fused::STAGE, stage4_fp8::STAGE];
+
+/// `cmd` with every stage's flags.
+pub fn with_stage_args(cmd: clap::Command) -> clap::Command {
+    STAGES.iter().fold(cmd, |c, e| (e.args)(c))
 }
 
-/// The fp32 block every stage is checked against.
-pub fn reference() -> StageSpec {
-    StageSpec::of::<stage0_baseline::Block>()
+/// Every stage, configured by flags parsed by a command `with_stage_args` made.
+pub fn stages_from(m: &clap::ArgMatches) -> Result<Vec<Box<dyn Stage>>, clap::Error> {
+    STAGES.iter().map(|e| (e.make)(m)).collect()
+}
+
+/// Every stage with its flags' defaults (`ladder selftest`, the traffic model of a recorded run).
+pub fn default_stages() -> Vec<Box<dyn Stage>> {
+    let m = with_stage_args(clap::Command::new("defaults")).try_get_matches_from(["defaults"]).unwrap_or_default();
+    stages_from(&m).unwrap_or_else(|e| panic!("every stage flag has a default: {e}"))
 }
 
 /// `--stages 0,2,4` as indices into `stages()`, in ladder order whatever order they were given
 /// in; all stages when `None`.
 pub fn select(requested: Option<&[usize]>) -> Result<Vec<usize>, SpeedkitError> {
-    let all = stages();
+    let all = default_stages();
     let Some(requested) = requested else {
         return Ok((0..all.len()).collect());
     };
-    let valid = || all.iter().enumerate().map(|(i, s)| format!("{i} {}", s.name)).collect::<Vec<_>>().join(", ");
+    let valid = || all.iter().enumerate().map(|(i, s)| format!("{i} {}", s.name())).collect::<Vec<_>>().join(", ");
     if requested.is_empty() {
         return Err(SpeedkitError::usage(format!(
             "--stages is empty. Fix: list stage numbers, e.g. --stages 0,2; the stages are {}.",
@@ -75,8 +79,7 @@ pub fn select(requested: Option<&[usize]>) -> Result<Vec<usize>, SpeedkitError> 
 }
 
 /// A ladder report with no rows yet: where, what, when, and which stages were asked for.
-pub fn new_report(info: &DeviceInfo, shape: Shape, which: &[usize]) -> LadderReport {
-    let all = stages();
+pub fn new_report(info: &DeviceInfo, shape: Shape, names: Vec<String>) -> LadderReport {
     let versions = provenance::versions();
     LadderReport {
         schema: LADDER_SCHEMA.into(),
@@ -88,7 +91,7 @@ pub fn new_report(info: &DeviceInfo, shape: Shape, which: &[usize]) -> LadderRep
         unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         records: Vec::new(),
         skipped: Vec::new(),
-        stages: which.iter().map(|&i| all[i].name.to_string()).collect(),
+        stages: names,
         args: Vec::new(),
         versions,
         cuda_driver_version: provenance::cuda_driver_version(info),
@@ -109,7 +112,7 @@ pub struct Measure {
     /// rotated by one each round, so drift in the machine's speed (other work, heat) is spread
     /// over every row instead of landing on whichever ran last.
     pub rounds: usize,
-    /// Also run stage 3 with each fusion removed in turn and stage 2 with the head copies kept.
+    /// Also run each stage with each of its changes undone in turn (`Stage::ablations`).
     pub ablate: bool,
 }
 
@@ -122,7 +125,8 @@ impl Default for Measure {
 /// One thing the rounds time: a stage as written (`change: None`) or an ablation variant.
 struct Entry {
     stage: usize,
-    options: StageOptions,
+    /// The ablation variant, when this entry is one.
+    variant: Option<Box<dyn Stage>>,
     change: Option<String>,
     records: Vec<Record>,
     y: Option<candle_core::Tensor>,
@@ -156,62 +160,47 @@ fn merge_rounds(records: Vec<Record>) -> Option<Record> {
 
 /// Run the stages `which` (indices into `stages()`) in one process, in interleaved rounds
 /// (`Measure::default()`). A stage that cannot run here becomes a "skipped: why" row, one that
-/// fails its check a "FAILED" row (and the run's error, returned beside the report).
-pub fn run(args: RunArgs, which: &[usize]) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
-    run_measured(args, which, Measure::default())
+
+/// Run the stages `which` (indices into `stages`, as `STAGES` lists them) in one process, in
+/// interleaved rounds (`Measure`), each checked against stage 0's fp32 output. A stage that
+/// cannot run here, or fails, is a row saying so; the first failure is returned beside the
+/// report, so the table and files are written before the run exits with its code.
+pub fn run(args: RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
+    run_measured(args, stages, which, Measure::default())
 }
 
 /// `run`, measured as `m` says.
-pub fn run_measured(args: RunArgs, which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
-    run_stages(args, &stages(), which, m)
-}
-
-/// `run_measured` over the stage list `all` (`stages()`, or in tests a list with a stage made to
-/// be refused or to fail in a given round); `which` indexes `all`.
-pub fn run_stages(args: RunArgs, all: &[StageSpec], which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
-    let session = Session::open(args, &reference())?;
-    let mut report = new_report(&session.info, session.shape, which);
-    report.stages = which.iter().map(|&i| all[i].name.to_string()).collect();
+pub fn run_measured(
+    args: RunArgs,
+    all: &[Box<dyn Stage>],
+    which: &[usize],
+    m: Measure,
+) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
+    let session = Session::open(args, all[0].as_ref())?;
+    let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
     report.ceiling = session.ceiling.clone();
     let mut failure = None;
-    let base = session.args.stage_options();
-    let entry = |stage: usize, options: StageOptions, change: Option<String>| Entry {
+    let entry = |stage: usize, variant: Option<Box<dyn Stage>>, change: Option<String>| Entry {
         stage,
-        options,
+        variant,
         change,
         records: Vec::new(),
         y: None,
         out: false,
     };
-    let mut entries: Vec<Entry> = which.iter().map(|&i| entry(i, base, None)).collect();
+    let mut entries: Vec<Entry> = which.iter().map(|&i| entry(i, None, None)).collect();
     if m.ablate {
-        let stage_index = |name: &str| all.iter().position(|s| s.name == name);
-        if let Some(i) = stage_index("stage2_sdpa").filter(|i| which.contains(i)) {
-            entries.push(entry(i, StageOptions { attention_copies: true, ..base }, Some("head split/merge copies kept".into())));
-            // Our attention kernel's second step undone: v1 (WMMA) where v2 runs by default.
-            use stage2_sdpa::attention::Implementation;
-            if matches!(Implementation::for_run(&session.device, base.attention_kernel), Ok(Implementation::SpeedkitCuda)) {
-                let v1 = Some(shared::AttentionKernel::V1);
-                entries.push(entry(i, StageOptions { attention_kernel: v1, ..base }, Some("v1 instead of v2".into())));
-            }
-            if !session.info.is_cuda() && base.elementwise == Elementwise::Parallel {
-                // Asked to run stage 2's unfused passes multi-threaded (`--elementwise parallel`):
-                // also the stage as written, on candle's single-threaded ops, to show what that buys.
-                entries.push(entry(i, StageOptions { elementwise: Elementwise::Candle, ..base }, Some("candle's element-wise ops".into())));
-            }
-        }
-        if let Some(i) = stage_index("stage3_fused").filter(|i| which.contains(i)) {
-            for name in base.fusions.on() {
-                entries.push(entry(i, StageOptions { fusions: base.fusions.without(name), ..base }, Some(format!("without {name}"))));
-            }
-        }
-        if let Some(i) = stage_index("stage4_fp8").filter(|i| which.contains(i)) {
-            // Stage 4's producer fusions (`--fp8-fusions`), those its recipe runs, one at a time;
-            // "fp8" in the label keeps "without fp8 ln" apart from stage 3's "without ln".
-            let fp8 = shared::Fp8Fusions::effective(base.fp8_fusions, base.fp8_recipe);
-            for name in fp8.on() {
-                let options = StageOptions { fp8_fusions: Some(fp8.without(name)), ..base };
-                entries.push(entry(i, options, Some(format!("without fp8 {name}"))));
+        for &i in which {
+            let stage = all[i].as_ref();
+            let asked = ladder_request(stage, session.args.precision);
+            // A stage this device cannot run has no variants to time: its row says why.
+            let Ok(plan) =
+                plan(stage, &session.device, &session.info, session.shape, asked, session.args.precision, session.args.cuda_graph)
+            else {
+                continue;
+            };
+            for (change, variant) in stage.ablations(&plan) {
+                entries.push(entry(i, Some(variant), Some(change)));
             }
         }
     }
@@ -225,12 +214,13 @@ pub fn run_stages(args: RunArgs, all: &[StageSpec], which: &[usize], m: Measure)
             if e.out {
                 continue;
             }
-            let spec = &all[e.stage];
+            let spec = all[e.stage].as_ref();
             let label = match &e.change {
-                Some(c) => format!("{} ({c})", spec.name),
-                None => spec.name.to_string(),
+                Some(c) => format!("{} ({c})", spec.name()),
+                None => spec.name().to_string(),
             };
-            match session.run_with(spec, spec.ladder_request(session.args.precision), e.options, iters) {
+            let run = e.variant.as_deref().unwrap_or(spec);
+            match session.run_with(run, ladder_request(spec, session.args.precision), iters) {
                 Ok((mut record, y)) => {
                     if round == 0 {
                         println!("ran       {label} at {}: {}", record.precision, record.precision_reason);
@@ -257,9 +247,11 @@ pub fn run_stages(args: RunArgs, all: &[StageSpec], which: &[usize], m: Measure)
                     // are not a row on their own (they would be timed on fewer rounds than the rest).
                     e.records.clear();
                     match &e.change {
-                        None => report.skipped.push(Skipped { stage: spec.name.into(), technique: spec.technique.into(), reason, failed }),
+                        None => {
+                            report.skipped.push(Skipped { stage: spec.name().into(), technique: spec.technique().into(), reason, failed })
+                        }
                         Some(change) => {
-                            report.ablation_out.push(AblationOut { against: spec.name.into(), change: change.clone(), reason, failed })
+                            report.ablation_out.push(AblationOut { against: spec.name().into(), change: change.clone(), reason, failed })
                         }
                     }
                     if failed && failure.is_none() {
@@ -280,7 +272,7 @@ pub fn run_stages(args: RunArgs, all: &[StageSpec], which: &[usize], m: Measure)
         match e.change {
             None => {
                 if let Some(y) = e.y {
-                    outputs.push((format!("y_{}", all[e.stage].name), y));
+                    outputs.push((format!("y_{}", all[e.stage].name()), y));
                 }
                 measured.push((e.stage, record));
             }
@@ -304,7 +296,7 @@ pub fn run_stages(args: RunArgs, all: &[StageSpec], which: &[usize], m: Measure)
     for (i, record) in variants {
         let full = timing_of(i, &measured);
         report.ablation.push(Ablation {
-            against: all[i].name.into(),
+            against: all[i].name().into(),
             change: record.variant.clone().unwrap_or_default(),
             buys: full.as_ref().map(|f| record.timing.median_ms / f.median_ms),
             buys_within_noise: full.as_ref().is_some_and(|f| shared::report::overlaps(f, &record.timing)),
@@ -333,7 +325,7 @@ pub fn run_stages(args: RunArgs, all: &[StageSpec], which: &[usize], m: Measure)
 
 /// `ladder report`: the device, candle's global switches now, and for every stage the
 /// precision, switches and notes it would run with, and why — without running anything.
-pub fn report(args: &RunArgs) -> anyhow::Result<String> {
+pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<String> {
     use std::fmt::Write;
     if let Some((flag, _)) = shared::cli::output_flags(args).first() {
         return Err(SpeedkitError::usage(format!(
@@ -361,19 +353,23 @@ pub fn report(args: &RunArgs) -> anyhow::Result<String> {
         writeln!(out, "ceiling   {}", c.describe())?;
     }
     writeln!(out, "\nwhat each stage would run (--precision {}):", precision_text(args.precision))?;
-    for spec in stages() {
-        match spec.plan_with(&device, &info, shape, spec.ladder_request(args.precision), args.stage_options()) {
+    for stage in stages {
+        let asked = ladder_request(stage.as_ref(), args.precision);
+        match plan(stage.as_ref(), &device, &info, shape, asked, args.precision, args.cuda_graph) {
             Ok(plan) => {
-                writeln!(out, "  {:<18} {:<5} {}", spec.name, plan.precision.name(), plan.precision_reason)?;
-                writeln!(out, "  {:<18} {:<5} applies: {}", "", "", switches_text((spec.switches)(&plan)))?;
-                if let Err(e) = (spec.check_shape)(&shape) {
+                writeln!(out, "  {:<18} {:<5} {}", stage.name(), plan.precision.name(), plan.precision_reason)?;
+                writeln!(out, "  {:<18} {:<5} applies: {}", "", "", switches_text(stage.switches(&plan)))?;
+                if let Some(imp) = stage.implementation(&plan) {
+                    writeln!(out, "  {:<18} {:<5} runs: {imp}", "", "")?;
+                }
+                if let Err(e) = stage.check_shape(&shape) {
                     writeln!(out, "  {:<18} {:<5} cannot run this shape: {e}", "", "")?;
                 }
-                for note in (spec.notes)(&plan) {
+                for note in stage.notes(&plan) {
                     writeln!(out, "  {:<18} {:<5} note: {note}", "", "")?;
                 }
             }
-            Err(e) => writeln!(out, "  {:<18} skipped: {e}", spec.name)?,
+            Err(e) => writeln!(out, "  {:<18} skipped: {e}", stage.name())?,
         }
     }
     Ok(out)
@@ -420,7 +416,7 @@ pub struct LadderArgs {
     /// Run the ladder once per value of one dimension, e.g. seq=512,1024,2048 (also batch=..., d_model=... with FF = 4·C and d_head kept); one table per value, one summary table, one chart with --svg
     #[arg(long, env = "SPEEDKIT_SWEEP")]
     pub sweep: Option<Sweep>,
-    /// Also run stage 3 with each of its fusions removed in turn, and stage 2 with the head split/merge copies kept: what each part buys
+    /// Also run each stage with each of its changes undone in turn (stage 2 with the head split/merge copies kept, stage 3 without each fusion, stage 4 without each FP8 fusion): what each part buys
     #[arg(long, env = "SPEEDKIT_ABLATE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub ablate: bool,
     /// Split the timed iterations into this many interleaved rounds (every stage once per round, order rotated), so drift does not favour a row
@@ -935,34 +931,31 @@ fn doc_pages(readme: &Path, notes: bool) -> Result<Vec<(PathBuf, String)>, Speed
     Ok(pages)
 }
 
-/// `--ablate` with nothing to undo: no stage 2 in the run, stage 3 absent or with no fusion on,
-/// and stage 4 absent or with no FP8 fusion on (`--fp8-fusions none`, or current scaling).
-fn check_ablate(args: &RunArgs, ladder: &LadderArgs, which: &[usize]) -> Result<(), SpeedkitError> {
-    let stage_index = |name: &str| stages().iter().position(|s| s.name == name);
-    let has = |name: &str| stage_index(name).is_some_and(|i| which.contains(&i));
-    let fp8_fusions = shared::Fp8Fusions::effective(args.fp8_fusions, args.fp8_recipe);
-    let undoable =
-        has("stage2_sdpa") || (has("stage3_fused") && !args.fusions.on().is_empty()) || (has("stage4_fp8") && !fp8_fusions.on().is_empty());
-    if ladder.ablate && !undoable {
-        let what: Vec<&str> = [
-            (has("stage3_fused"), "stage 3 with every fusion off (--fusions none)"),
-            (has("stage4_fp8"), "stage 4 with no FP8 fusion on (--fp8-fusions none, or --fp8-recipe current)"),
-        ]
-        .iter()
-        .filter_map(|(has, what)| has.then_some(*what))
-        .collect();
+/// `--ablate` with nothing to undo: no stage of the run has a variant with one change undone
+/// on this device with these flags. Refused before any weights exist.
+fn check_ablate(args: &RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> anyhow::Result<()> {
+    let shared::runner::Resolved { device, info, shape, .. } = shared::runner::resolve(args)?;
+    let undoable = which.iter().any(|&i| {
+        let stage = stages[i].as_ref();
+        let asked = ladder_request(stage, args.precision);
+        plan(stage, &device, &info, shape, asked, args.precision, args.cuda_graph).is_ok_and(|p| !stage.ablations(&p).is_empty())
+    });
+    if !undoable {
+        let names: Vec<&str> = which.iter().map(|&i| stages[i].name()).collect();
         return Err(SpeedkitError::usage(format!(
-            "--ablate undoes stage 2's head split/merge, stage 3's fusions and stage 4's FP8 fusions one at a time, but this \
-             run has {}, so there is nothing to undo and it would add no rows. Fix: include stage 2, 3 or 4 in --stages (with \
-             some --fusions or --fp8-fusions on), or drop --ablate.",
-            if what.is_empty() { "none of stages 2, 3 and 4".to_string() } else { format!("{} and no stage 2", what.join(", and ")) }
-        )));
+            "--ablate times each stage with one of its changes undone (stage 2's head split/merge, stage 3's fusions, \
+             stage 4's FP8 fusions), but none of the stages in this run ({}) has a change to undo on this device with \
+             these flags, so it would add no rows. Fix: include stage 2, 3 or 4 in --stages (with some --fusions or \
+             --fp8-fusions on), or drop --ablate.",
+            names.join(", ")
+        ))
+        .into());
     }
     Ok(())
 }
 
 /// The ladder command: run (or sweep), then print, chart and record as asked.
-fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
+fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -> anyhow::Result<()> {
     let which = select(ladder.stages.as_deref())?;
     if ladder.ablate && ladder.sweep.is_some() {
         return Err(SpeedkitError::usage(
@@ -986,19 +979,21 @@ fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
     let default_kind = if out.update_readme { Some(shared::device::select(args.device)?.1) } else { None };
     let planned_json = args.json.clone().or_else(|| default_kind.as_ref().map(|i| default_beside_readme(&out.readme, i, "json")));
     let planned_svg = out.svg.clone().or_else(|| default_kind.as_ref().map(|i| default_beside_readme(&out.readme, i, "svg")));
-    check_ablate(&args, &ladder, &which)?;
+    if ladder.ablate {
+        check_ablate(&args, &stages, &which)?;
+    }
     let inputs: Vec<(&str, &Path)> =
         [("--weights", &args.weights), ("--input", &args.input)].into_iter().filter_map(|(f, p)| p.as_deref().map(|p| (f, p))).collect();
     check_outputs(Some(&args), out, planned_json.as_deref(), planned_svg.as_deref(), &inputs)?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let (results, failure) = match &ladder.sweep {
         Some(s) => {
-            let (report, failure) = sweep::run(&args, s, &which, &argv)?;
+            let (report, failure) = sweep::run(&args, &stages, s, &which, &argv)?;
             (Results::Sweep(report), failure)
         }
         None => {
             let measure = Measure { rounds: ladder.rounds as usize, ablate: ladder.ablate };
-            let (mut report, failure) = run_measured(args.clone(), &which, measure)?;
+            let (mut report, failure) = run_measured(args.clone(), &stages, &which, measure)?;
             report.args = argv;
             (Results::Ladder(Box::new(report)), failure)
         }
@@ -1040,10 +1035,10 @@ fn run_command(args: RunArgs, ladder: LadderArgs) -> anyhow::Result<()> {
 pub fn main() -> ExitCode {
     let about = "Every stage of the transformer block side by side: same weights, same input, checked, timed";
     // `about` after `augment_args`: the flag structs' doc comments would otherwise replace it.
-    let cmd = LadderArgs::augment_args(RunArgs::augment_args(clap::Command::new("ladder")))
+    let cmd = with_stage_args(LadderArgs::augment_args(RunArgs::augment_args(clap::Command::new("ladder"))))
         .about(about)
         .subcommand(
-            RunArgs::augment_args(clap::Command::new("report"))
+            with_stage_args(RunArgs::augment_args(clap::Command::new("report")))
                 .about("Print the device, candle's global switches, and what every stage would run and why"),
         )
         .subcommand(
@@ -1061,7 +1056,7 @@ pub fn main() -> ExitCode {
     let matches = cmd.get_matches();
     exit_with(|| match matches.subcommand() {
         Some(("report", sub)) => {
-            print!("{}", report(&RunArgs::from_arg_matches(sub)?)?);
+            print!("{}", report(&RunArgs::from_arg_matches(sub)?, &stages_from(sub)?)?);
             Ok(())
         }
         Some(("selftest", sub)) => selftest::command(&selftest::SelftestArgs::from_arg_matches(sub)?),
@@ -1095,6 +1090,6 @@ pub fn main() -> ExitCode {
             }
             emit(&results, &args.output, Some(&args.from))
         }
-        _ => run_command(RunArgs::from_arg_matches(&matches)?, LadderArgs::from_arg_matches(&matches)?),
+        _ => run_command(RunArgs::from_arg_matches(&matches)?, LadderArgs::from_arg_matches(&matches)?, stages_from(&matches)?),
     })
 }

@@ -4,7 +4,7 @@
 //!
 //! **FLOPs** are `shared::perf::block_flops` (useful work, the same for every stage).
 //! **Bytes** are counted from the shapes and dtypes, op by op, as the minimum each op must
-//! read and write if nothing stays in cache between ops (`traffic`); fusion raises the
+//! read and write if nothing stays in cache between ops (each stage's `Stage::traffic`, over `shared::perf::Traffic`); fusion raises the
 //! intensity by deleting whole passes, which is what the chart shows. Per op:
 //! - a GEMM reads its input (N·K) and weight (K·M) and writes its output (N·M), in the GEMM
 //!   dtype (E4M3 operands in stage 4, plus the quantising pass that reads and writes each input);
@@ -28,60 +28,10 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use shared::ceiling::CpuCeiling;
 use shared::cli::RunArgs;
 use shared::device::DeviceInfo;
-use shared::perf::{peak_bandwidth_gbs, peak_tflops};
+use shared::perf::{operand_bytes, peak_bandwidth_gbs, peak_tflops};
 use shared::report::{Ceilings, LadderReport, Record};
-use shared::{Precision, Shape};
+use shared::Precision;
 use std::collections::BTreeMap;
-
-/// Bytes of one element of the GEMM operands at `p` (fp8: E4M3, one byte).
-fn operand_bytes(p: Precision) -> f64 {
-    match p {
-        Precision::Fp32 | Precision::Tf32 => 4.0,
-        Precision::Bf16 | Precision::F16 => 2.0,
-        Precision::Fp8 => 1.0,
-    }
-}
-
-/// The stage number in a name ("stage3_fused" → 3).
-pub fn stage_number(stage: &str) -> Option<usize> {
-    stage.strip_prefix("stage")?.split('_').next()?.parse().ok()
-}
-
-/// Bytes one forward of stage `stage` must move at `shape`, with GEMM operands at `p` and
-/// activations stored in `act` bytes per element (see the module notes for what is counted).
-pub fn traffic(stage: usize, s: &Shape, p: Precision, act: f64) -> f64 {
-    let (n, c, ff) = ((s.batch * s.seq) as f64, s.d_model as f64, s.ff as f64);
-    let scores = (s.batch * s.n_head) as f64 * (s.seq * s.seq) as f64; // (B, n_head, T, T)
-    let e = operand_bytes(p);
-    // GEMM (N, K) x (K, M): input and weight in the operand dtype, output stored in `act`.
-    let gemm = |k: f64, m: f64| {
-        let quantise = if p == Precision::Fp8 { n * k * (act + 1.0) } else { 0.0 }; // read x, write E4M3
-        n * k * e + k * m * e + n * m * act + quantise
-    };
-    let gemms = gemm(c, 3.0 * c) + gemm(c, c) + gemm(c, ff) + gemm(ff, c);
-    let pass_c = 2.0 * n * c * act; // read + write one (N, C) activation
-    let pass_ff = 2.0 * n * ff * act;
-    // Fused attention reads q, k, v and writes its output.
-    let fused_attention = 4.0 * n * c * act;
-    // Element-wise passes (stage 3's header table): LayerNorm 1 with its cast 8, q/k/v bias 3,
-    // proj's bias + residual + LayerNorm 2 11, fc2's bias + residual 3 over (N, C); bias + GELU
-    // 10 over (N, FF).
-    let unfused = 25.0 * pass_c + 10.0 * pass_ff;
-    match stage {
-        0 | 1 => {
-            // scores written once, ~10 S-sized f32 accesses for scale/mask/softmax, read once by P·V;
-            // the head split (q, k, v) and merge copies.
-            let naive = 4.0 * scores * (1.0 + 10.0 + 1.0) + 4.0 * pass_c + 2.0 * n * c * act;
-            gemms + naive + unfused
-        }
-        2 => gemms + fused_attention + unfused,
-        _ => {
-            // LayerNorm 1 (2), add + LayerNorm (1), fc2's residual (2 at 16-bit; in the GEMM at f32).
-            let fc2_residual = if act >= 4.0 { 0.0 } else { 2.0 * pass_c };
-            gemms + fused_attention + 3.0 * pass_c + fc2_residual
-        }
-    }
-}
 
 /// One point of the roofline.
 #[derive(Clone, Debug, PartialEq)]
@@ -95,20 +45,23 @@ pub struct Point {
     pub emulated: bool,
 }
 
-/// The stages' points. Stage 4's activations are stored like stage 3's (f32 on a CPU at fp32,
-/// bf16 on a GPU), its GEMM operands in E4M3.
+/// The stages' points, each stage's bytes from its own traffic model (`Stage::traffic`). An
+/// fp8 stage stores its activations like the row before it (f32 on a CPU at fp32, bf16 on a
+/// GPU), its GEMM operands in E4M3.
 pub fn points(report: &LadderReport) -> Vec<Point> {
-    let act_of = |r: &Record| match r.precision {
+    let stages = crate::default_stages();
+    let act_of = |i: usize, r: &Record| match r.precision {
         Precision::Fp8 if report.device.is_cuda() => 2.0,
-        Precision::Fp8 => report.records.iter().find(|o| stage_number(&o.stage) == Some(3)).map_or(4.0, |o| operand_bytes(o.precision)),
+        Precision::Fp8 => i.checked_sub(1).map_or(4.0, |j| operand_bytes(report.records[j].precision)),
         p => operand_bytes(p),
     };
     report
         .records
         .iter()
-        .filter_map(|r| {
-            let stage = stage_number(&r.stage)?;
-            let bytes = traffic(stage, &r.shape, r.precision, act_of(r));
+        .enumerate()
+        .filter_map(|(i, r)| {
+            let stage = stages.iter().find(|s| s.name() == r.stage)?;
+            let bytes = stage.traffic(&r.shape, r.precision, act_of(i, r));
             Some(Point {
                 stage: r.stage.clone(),
                 precision: r.precision,
@@ -314,14 +267,16 @@ mod tests {
     #[test]
     fn fusion_and_fused_attention_raise_intensity() {
         let s = Preset::Small.shape();
-        let t: Vec<f64> = (0..4).map(|i| traffic(i, &s, Precision::Fp32, 4.0)).collect();
+        let stages = crate::default_stages();
+        let traffic = |i: usize, p: Precision, act: f64| stages[i].traffic(&s, p, act);
+        let t: Vec<f64> = (0..4).map(|i| traffic(i, Precision::Fp32, 4.0)).collect();
         assert!(t[0] > t[2] && t[2] > t[3], "{t:?}");
         // GEMM bytes alone are a lower bound: weights (4C² + 2·C·FF) once, in f32.
         let (c, ff) = (s.d_model as f64, s.ff as f64);
         assert!(t[3] > 4.0 * (4.0 * c * c + 2.0 * c * ff));
         // FP8 operands: 1 byte; with f32 activations the quantising pass (read f32, write E4M3)
         // costs more than the operands save, so stage 4 moves more bytes than stage 3 on a CPU.
-        assert!(traffic(4, &s, Precision::Fp8, 4.0) > t[3]);
+        assert!(traffic(4, Precision::Fp8, 4.0) > t[3]);
     }
 
     #[test]
@@ -331,11 +286,5 @@ mod tests {
         assert_eq!(k, vec![0, 1, 0, 2]);
         let k: Vec<usize> = (0..px.len()).map(|i| overlapping_after(&px, i)).collect();
         assert_eq!(k, vec![2, 1, 0, 0]);
-    }
-
-    #[test]
-    fn stage_numbers() {
-        assert_eq!(stage_number("stage3_fused"), Some(3));
-        assert_eq!(stage_number("ladder"), None);
     }
 }

@@ -144,7 +144,13 @@ fn args_for(args: &RunArgs, axis: Axis, value: usize, d_head: usize) -> Result<R
 /// Run the ladder once per value. A value whose shape cannot run here (invalid, too large for
 /// the device) becomes a ladder whose every stage is skipped with the reason, not a crash.
 /// Returns the first check failure, if any, after every value has run.
-pub fn run(args: &RunArgs, sweep: &Sweep, which: &[usize], argv: &[String]) -> anyhow::Result<(SweepReport, Option<anyhow::Error>)> {
+pub fn run(
+    args: &RunArgs,
+    stages: &[Box<dyn shared::Stage>],
+    sweep: &Sweep,
+    which: &[usize],
+    argv: &[String],
+) -> anyhow::Result<(SweepReport, Option<anyhow::Error>)> {
     check_flags(args, sweep)?;
     let base = shared::runner::resolve(args)?;
     let mut runs = Vec::new();
@@ -163,7 +169,7 @@ pub fn run(args: &RunArgs, sweep: &Sweep, which: &[usize], argv: &[String]) -> a
             }
         }
         let outcome =
-            args_for(args, sweep.axis, value, base.shape.d_head()).map_err(anyhow::Error::from).and_then(|a| crate::run(a, which));
+            args_for(args, sweep.axis, value, base.shape.d_head()).map_err(anyhow::Error::from).and_then(|a| crate::run(a, stages, which));
         let mut report = match outcome {
             Ok((report, f)) => {
                 if failure.is_none() {
@@ -175,14 +181,14 @@ pub fn run(args: &RunArgs, sweep: &Sweep, which: &[usize], argv: &[String]) -> a
                 Some(SpeedkitError::Usage(reason)) => {
                     let reason = shared::error::strip_backtrace(reason);
                     println!("skipped   {label}: {reason}");
-                    let mut report = crate::new_report(&base.info, shape, which);
+                    let mut report = crate::new_report(&base.info, shape, which.iter().map(|&i| stages[i].name().to_string()).collect());
                     report.skipped = which
                         .iter()
                         .map(|&i| {
-                            let spec = &crate::stages()[i];
+                            let spec = &stages[i];
                             Skipped {
-                                stage: spec.name.into(),
-                                technique: spec.technique.into(),
+                                stage: spec.name().into(),
+                                technique: spec.technique().into(),
                                 reason: format!("{label}: {reason}"),
                                 failed: false,
                             }

@@ -53,7 +53,7 @@ fn row_names(r: &LadderReport) -> Vec<String> {
 }
 
 fn all_stage_names() -> Vec<String> {
-    ladder::stages().iter().map(|s| s.name.to_string()).collect()
+    ladder::default_stages().iter().map(|s| s.name().to_string()).collect()
 }
 
 /// The markdown tables in `text`: each a list of rows of cells, header first, separator
@@ -285,7 +285,7 @@ fn stages_selects_rows_and_speedups_need_stage_0() {
     let report: LadderReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert!(report.records[1].speedup_vs_prev.is_some());
 
-    let n = ladder::stages().len();
+    let n = ladder::STAGES.len();
     let o = run_tiny(&["--stages", &format!("0,{n}")]);
     assert_eq!(o.code, Some(2), "{}{}", o.stdout, o.stderr);
     assert!(o.stderr.contains(&format!("names stage {n}")) && o.stderr.contains("0 stage0_baseline"), "{}", o.stderr);
@@ -318,7 +318,7 @@ fn update_readme_rewrites_only_its_region_and_is_idempotent() {
     assert!(region.contains("](results/ladder-cpu.svg)"), "{region}");
     let tables = markdown_tables(region);
     assert_eq!(tables.len(), 1);
-    assert_eq!(tables[0].len() - 1, ladder::stages().len());
+    assert_eq!(tables[0].len() - 1, ladder::STAGES.len());
     let (json, svg) = (dir.join("results/ladder-cpu.json"), dir.join("results/ladder-cpu.svg"));
     let report: LadderReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(row_names(&report), all_stage_names());
@@ -387,7 +387,7 @@ fn sweep_gives_a_table_per_value_a_summary_and_a_chart() {
     assert_eq!(tables.len(), 3, "one per value and the summary: {}", o.stdout);
     let summary = &tables[2];
     assert_eq!(summary[0], ["stage", "T = 8", "T = 16"]);
-    assert_eq!(summary.len() - 1, ladder::stages().len());
+    assert_eq!(summary.len() - 1, ladder::STAGES.len());
     assert!(summary[1][1].ends_with("1.00x"), "{:?}", summary[1]);
     let texts = svg_texts(&svg);
     assert!(texts.iter().any(|t| t.starts_with("Sweep over T")), "{texts:?}");
@@ -444,8 +444,8 @@ fn report_lists_every_stage_with_its_reason() {
     let o = ladder(&["report", "--preset", "tiny"]);
     o.ok();
     assert!(o.stdout.contains("switches  now: TF32 off"), "{}", o.stdout);
-    for spec in ladder::stages() {
-        assert!(o.stdout.contains(spec.name), "{} missing:\n{}", spec.name, o.stdout);
+    for spec in ladder::default_stages() {
+        assert!(o.stdout.contains(spec.name()), "{} missing:\n{}", spec.name(), o.stdout);
     }
     assert!(o.stdout.contains("auto on CPU: no tensor cores"), "{}", o.stdout);
     // An override the device cannot do is reported per stage, not a crash.

@@ -2,19 +2,18 @@
 //! broken in a later round, every stage out, ablation variants out, and in a sweep. Each is a
 //! row (skipped or FAILED, with why); the table, JSON and charts are still made; the run's
 //! error says what happened (exit 2 for "cannot run here", 3 for a failed check, 1 otherwise).
-//! On the first GPU run a skipped stage 4 made `ladder` panic in `merge_rounds` (issue 24).
 //!
-//! The stages that fail here are the real stages with their `build` replaced by one that
-//! errs on its Nth call: the ladder builds each stage once per round, so call N is round N.
+//! The stages that fail here are the real stages wrapped in one whose `build` errs on its Nth
+//! call: the ladder builds each stage once per round, so call N is round N.
 
-use anyhow::Result;
 use clap::{Args, FromArgMatches};
-use ladder::{run_stages, stages, Measure};
+use ladder::{default_stages, run_measured, Measure};
 use shared::cli::RunArgs;
+use shared::device::{DeviceInfo, GemmSwitches};
 use shared::report::LadderReport;
-use shared::stage::{Forward, Plan};
+use shared::stage::{Forward, Plan, PrecisionChoice, Stage};
 use shared::weights::BlockWeights;
-use shared::SpeedkitError;
+use shared::{Precision, PrecisionRequest, Shape, SpeedkitError};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -29,15 +28,15 @@ fn args(flags: &[&str]) -> RunArgs {
     RunArgs::from_arg_matches(&m).unwrap()
 }
 
-fn run(all: &[shared::StageSpec], which: &[usize], ablate: bool) -> (LadderReport, Option<anyhow::Error>) {
+fn run(all: &[Box<dyn Stage>], which: &[usize], ablate: bool) -> (LadderReport, Option<anyhow::Error>) {
     let _one = RUN.lock().unwrap_or_else(|e| e.into_inner());
-    run_stages(args(&[]), all, which, Measure { rounds: 3, ablate }).expect("a stage leaving is a row, not an error of the run")
+    run_measured(args(&[]), all, which, Measure { rounds: 3, ablate }).expect("a stage leaving is a row, not an error of the run")
 }
 
-/// Calls of each test's replacement `build`, one counter per test.
+/// Calls of each test's failing builds, one counter per test.
 static CALLS: [AtomicUsize; 8] = [const { AtomicUsize::new(0) }; 8];
 
-/// How a replaced build errs.
+/// How a failing build errs.
 #[derive(Clone, Copy)]
 enum How {
     Refused, // SpeedkitError::Usage: the stage cannot run here ("skipped")
@@ -53,38 +52,72 @@ fn err(how: How, what: String) -> anyhow::Error {
     }
 }
 
-fn how(h: usize) -> How {
-    [How::Refused, How::Wrong, How::Broke][h]
+/// A real stage whose build errs as `how` says from call `from` on (counted in `CALLS[id]`):
+/// the ladder builds each stage once per round, so call N is round N. With `variants`, the
+/// stage itself builds and only its ablation variants err.
+struct Failing {
+    inner: Box<dyn Stage>,
+    id: usize,
+    from: usize,
+    until: usize,
+    how: How,
+    variants: bool,
 }
 
-/// Stage `STAGE`'s real build, except that call `N` (round N) errs as `H` says.
-fn fail_on_call<const ID: usize, const STAGE: usize, const N: usize, const H: usize>(
-    w: &BlockWeights,
-    p: &Plan,
-) -> Result<Box<dyn Forward>> {
-    let call = CALLS[ID].fetch_add(1, Ordering::SeqCst) + 1;
-    if call == N {
-        return Err(err(how(H), format!("call {call}")));
+impl Stage for Failing {
+    fn name(&self) -> &'static str {
+        self.inner.name()
     }
-    (stages()[STAGE].build)(w, p)
-}
-
-/// Stage `STAGE`'s real build, except for its ablation variants (`Plan::options` differs from
-/// the default), which err as `H` says from call `N` of the variant on.
-fn fail_variants<const ID: usize, const STAGE: usize, const N: usize, const H: usize>(
-    w: &BlockWeights,
-    p: &Plan,
-) -> Result<Box<dyn Forward>> {
-    let variant = p.options.attention_copies || p.options.fusions != shared::stage::Fusions::default();
-    if variant && CALLS[ID].fetch_add(1, Ordering::SeqCst) + 1 >= N {
-        return Err(err(how(H), "a variant".into()));
+    fn technique(&self) -> &'static str {
+        self.inner.technique()
     }
-    (stages()[STAGE].build)(w, p)
+    fn own_precision(&self) -> Option<Precision> {
+        self.inner.own_precision()
+    }
+    fn choose_precision(&self, info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
+        self.inner.choose_precision(info, requested)
+    }
+    fn switches(&self, plan: &Plan) -> GemmSwitches {
+        self.inner.switches(plan)
+    }
+    fn check_shape(&self, shape: &Shape) -> Result<(), SpeedkitError> {
+        self.inner.check_shape(shape)
+    }
+    fn estimate_bytes(&self, shape: &Shape) -> u128 {
+        self.inner.estimate_bytes(shape)
+    }
+    fn build(&self, w: &BlockWeights, p: &Plan) -> anyhow::Result<Box<dyn Forward>> {
+        if !self.variants {
+            let call = CALLS[self.id].fetch_add(1, Ordering::SeqCst) + 1;
+            if (self.from..=self.until).contains(&call) {
+                return Err(err(self.how, format!("call {call}")));
+            }
+        }
+        self.inner.build(w, p)
+    }
+    fn ablations(&self, plan: &Plan) -> Vec<(String, Box<dyn Stage>)> {
+        let wrap = |(label, v): (String, Box<dyn Stage>)| -> (String, Box<dyn Stage>) {
+            match self.variants {
+                true => (label, Box::new(Failing { inner: v, variants: false, until: usize::MAX, ..*self })),
+                false => (label, v),
+            }
+        };
+        self.inner.ablations(plan).into_iter().map(wrap).collect()
+    }
+    fn traffic(&self, shape: &Shape, p: Precision, act: f64) -> f64 {
+        self.inner.traffic(shape, p, act)
+    }
 }
 
-fn with_build(i: usize, build: fn(&BlockWeights, &Plan) -> Result<Box<dyn Forward>>) -> Vec<shared::StageSpec> {
-    let mut all = stages();
-    all[i].build = build;
+/// The stages with stage `i`'s build erring on call `n` only (`id` counts the calls).
+fn fail_on_call(i: usize, id: usize, n: usize, how: How) -> Vec<Box<dyn Stage>> {
+    fail(default_stages(), i, Failing { inner: Box::new(stage0_baseline::Baseline), id, from: n, until: n, how, variants: false })
+}
+
+/// `all` with stage `i` replaced by `f` wrapped around it.
+fn fail(mut all: Vec<Box<dyn Stage>>, i: usize, f: Failing) -> Vec<Box<dyn Stage>> {
+    let inner = std::mem::replace(&mut all[i], Box::new(stage0_baseline::Baseline));
+    all[i] = Box::new(Failing { inner, ..f });
     all
 }
 
@@ -107,7 +140,7 @@ fn names(r: &LadderReport) -> Vec<&str> {
 
 #[test]
 fn refused_in_round_one_is_a_skipped_row_and_the_rest_run() {
-    let (r, failure) = run(&with_build(1, fail_on_call::<0, 1, 1, 0>), &[0, 1, 2], false);
+    let (r, failure) = run(&fail_on_call(1, 0, 1, How::Refused), &[0, 1, 2], false);
     assert!(failure.is_none(), "a refused stage is not a failure of the run");
     assert_eq!(names(&r), ["stage0_baseline", "stage2_sdpa"]);
     assert_eq!(r.skipped.len(), 1);
@@ -124,7 +157,7 @@ fn refused_in_round_one_is_a_skipped_row_and_the_rest_run() {
 #[test]
 fn failed_in_a_later_round_is_a_failed_row_without_its_earlier_rounds() {
     // Stage 2 passes round 1 and breaks in round 2 (a check failure), then is not run again.
-    let (r, failure) = run(&with_build(2, fail_on_call::<1, 2, 2, 1>), &[0, 1, 2, 3], false);
+    let (r, failure) = run(&fail_on_call(2, 1, 2, How::Wrong), &[0, 1, 2, 3], false);
     let failure = failure.expect("a failed stage is the run's error");
     assert_eq!(shared::error::classify(&failure).0, shared::error::EXIT_CHECK_FAILED);
     assert_eq!(names(&r), ["stage0_baseline", "stage1_tensorcore", "stage3_fused"]);
@@ -136,7 +169,7 @@ fn failed_in_a_later_round_is_a_failed_row_without_its_earlier_rounds() {
     assert!(out.contains("FAILED: wrong by the test: call 2"), "{out}");
 
     // The same in the last round, with an error that is not a check (exit 1).
-    let (r, failure) = run(&with_build(0, fail_on_call::<2, 0, 3, 2>), &[0, 1], false);
+    let (r, failure) = run(&fail_on_call(0, 2, 3, How::Broke), &[0, 1], false);
     assert_eq!(shared::error::classify(&failure.unwrap()).0, shared::error::EXIT_FAILURE);
     assert_eq!(names(&r), ["stage1_tensorcore"]);
     assert!(r.records[0].speedup_vs_stage0.is_none(), "no stage 0 row, no speedup over it");
@@ -146,9 +179,9 @@ fn failed_in_a_later_round_is_a_failed_row_without_its_earlier_rounds() {
 
 #[test]
 fn every_stage_out_is_a_table_of_reasons() {
-    let mut all = stages();
-    all[0].build = fail_on_call::<3, 0, 1, 0>;
-    all[1].build = fail_on_call::<4, 1, 2, 2>;
+    let all = fail_on_call(0, 3, 1, How::Refused);
+    let all =
+        fail(all, 1, Failing { inner: Box::new(stage0_baseline::Baseline), id: 4, from: 2, until: 2, how: How::Broke, variants: false });
     let (r, failure) = run(&all, &[0, 1], false);
     assert!(r.records.is_empty());
     assert_eq!(
@@ -163,9 +196,8 @@ fn every_stage_out_is_a_table_of_reasons() {
 #[test]
 fn ablation_variants_out_are_rows_of_the_ablation_table() {
     // Stage 2's variant (copies kept) breaks in round 2; stage 3's variants are refused.
-    let mut all = stages();
-    all[2].build = fail_variants::<5, 2, 2, 1>;
-    all[3].build = fail_variants::<6, 3, 1, 0>;
+    let variants = |id, from, how| Failing { inner: Box::new(stage0_baseline::Baseline), id, from, until: usize::MAX, how, variants: true };
+    let all = fail(fail(default_stages(), 2, variants(5, 2, How::Wrong)), 3, variants(6, 1, How::Refused));
     let (r, failure) = run(&all, &[0, 2, 3], true);
     assert!(failure.is_some(), "a failed variant fails the run");
     assert_eq!(names(&r), ["stage0_baseline", "stage2_sdpa", "stage3_fused"], "the stages as written all ran");
@@ -173,7 +205,10 @@ fn ablation_variants_out_are_rows_of_the_ablation_table() {
     let copies = r.ablation_out.iter().find(|o| o.against == "stage2_sdpa" && o.change.contains("copies")).expect("stage 2's variant");
     assert!(copies.failed);
     let fusions = r.ablation_out.iter().filter(|o| o.against == "stage3_fused" && !o.failed).count();
-    assert_eq!(fusions, shared::stage::Fusions::default().on().len(), "{:?}", r.ablation_out);
+    let (device, info) = shared::device::select(shared::device::DeviceRequest::Cpu).unwrap();
+    let s3 = stage3_fused::Fused::default();
+    let plan = shared::stage::plan_alone(&s3, &device, &info, shared::Preset::Tiny.shape(), PrecisionRequest::Auto).unwrap();
+    assert_eq!(fusions, s3.ablations(&plan).len(), "{:?}", r.ablation_out);
     assert!(r.ablation.iter().all(|a| a.against != "stage3_fused"));
     let out = outputs(&r);
     assert!(out.contains("FAILED: wrong by the test") && out.contains("skipped: refused by the test"), "{out}");
@@ -195,9 +230,9 @@ fn the_binary_writes_its_files_and_exits_0_when_stages_are_skipped() {
     let r: LadderReport = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(names(&r), ["stage0_baseline", "stage4_fp8"]);
     assert_eq!(r.skipped.len(), 3);
-    // Every variant of a refused stage is refused too; stage 4's (its FP8 fusions) run.
+    // A refused stage has no variant rows (its own row says why); stage 4's (its FP8 fusions) run.
     assert!(r.ablation.iter().all(|a| a.against == "stage4_fp8") && r.ablation.len() == 2, "{:?}", r.ablation);
-    assert!(r.ablation_out.len() > 1 && r.ablation_out.iter().all(|o| o.against != "stage4_fp8"), "{:?}", r.ablation_out);
+    assert!(r.ablation_out.is_empty(), "{:?}", r.ablation_out);
     assert!(std::fs::read_to_string(&svg).unwrap().contains("skipped"));
 
     // A sweep in which a stage is skipped at every value.

@@ -4,8 +4,7 @@
 use crate::device::DeviceRequest;
 use crate::error::{classify, SpeedkitError};
 use crate::preset::Preset;
-use crate::stage::Elementwise;
-use crate::stage::{AttentionKernel, Fp8FastAccum, Fp8Fusions, Fp8Recipe, Fusions, Precision, PrecisionRequest, StageOptions};
+use crate::stage::{Precision, PrecisionRequest};
 use clap::ValueEnum;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -22,6 +21,7 @@ impl std::str::FromStr for PrecisionRequest {
     }
 }
 
+/// The flags every binary takes; each stage adds its own (`StageEntry::args`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct RunArgs {
     /// auto (first GPU if this build has CUDA and one is present, else CPU), cpu, cuda or cuda:N
@@ -84,51 +84,12 @@ pub struct RunArgs {
     /// Write x and the block's output as safetensors, to compare with another framework
     #[arg(long, env = "SPEEDKIT_SAVE_OUTPUT")]
     pub save_output: Option<PathBuf>,
-    /// Stage 4: how activation scales are chosen — delayed (amax history) or current (this tensor's amax)
-    #[arg(long, env = "SPEEDKIT_FP8_RECIPE", value_enum, default_value_t = Fp8Recipe::Delayed)]
-    pub fp8_recipe: Fp8Recipe,
-    /// Stage 4: on a GPU without FP8 tensor cores (SM < 8.9), emulate FP8 instead of refusing
-    #[arg(long, env = "SPEEDKIT_FP8_EMULATE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
-    pub fp8_emulate: bool,
-    /// Stage 4 on Hopper/Ada: cuBLASLt's FP8 fast accumulation (on: faster, partial sums kept in the tensor cores' ~14-bit accumulator; off: promoted to f32 every few k-steps); the twin check's tolerance follows it
-    #[arg(long, env = "SPEEDKIT_FP8_FAST_ACCUM", value_enum, default_value_t = Fp8FastAccum::On)]
-    pub fp8_fast_accum: Fp8FastAccum,
-    /// Stage 4: which producers write E4M3 for the next GEMM, so it skips its quantise pass: ln (both LayerNorms, for qkv and fc1), fc1 (its GEMM, for fc2), all or none [default: all the recipe allows: all with delayed scaling, none with current]
-    #[arg(long, env = "SPEEDKIT_FP8_FUSIONS")]
-    pub fp8_fusions: Option<Fp8Fusions>,
-    /// Stage 2 on the CPU: its unfused element-wise ops (LayerNorm, GELU, bias, residual) from candle, as stages 0–1 run them (candle, the default: the step from stage 1 is attention alone), or multi-threaded and vectorised (parallel), to measure what threading them buys
-    #[arg(long, env = "SPEEDKIT_ELEMENTWISE", value_enum, default_value_t = Elementwise::Candle)]
-    pub elementwise: Elementwise,
     /// Also time the block's named parts (ln1, qkv, attention, ...) in an instrumented forward: a sync (CPU) or CUDA event + NVTX range (GPU) at each boundary
     #[arg(long, env = "SPEEDKIT_BREAKDOWN", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub breakdown: bool,
-    /// Stage 3: which fusions to keep on, e.g. ln,qkv,epilogue,add-ln (or all, none); the others run their slow twins
-    #[arg(long, env = "SPEEDKIT_FUSIONS", default_value = "all")]
-    pub fusions: Fusions,
-    /// Stages 2–4 on CUDA: which of our attention kernels runs, v1 (WMMA, the teaching kernel) or v2 (mma.sync, S and P in registers; the default). CUDA only
-    #[arg(long, env = "SPEEDKIT_ATTENTION_KERNEL", value_enum)]
-    pub attention_kernel: Option<AttentionKernel>,
     /// Memory bandwidth in GB/s for the roofline's memory ceiling (for devices not in the built-in table, e.g. a CPU's STREAM figure)
     #[arg(long, env = "SPEEDKIT_BANDWIDTH_GBS")]
     pub bandwidth_gbs: Option<f64>,
-}
-
-impl RunArgs {
-    /// The options every stage's plan carries.
-    pub fn stage_options(&self) -> StageOptions {
-        StageOptions {
-            fp8_recipe: self.fp8_recipe,
-            fp8_emulate: self.fp8_emulate,
-            fp8_fast_accum: self.fp8_fast_accum,
-            cuda_graph: self.cuda_graph,
-            elementwise: self.elementwise,
-            fusions: self.fusions,
-            fp8_fusions: self.fp8_fusions,
-            attention_copies: false,
-            attention_kernel: self.attention_kernel,
-            requested: self.precision,
-        }
-    }
 }
 
 /// Run `body` and turn its error into a message on stderr and the exit code it deserves
@@ -279,7 +240,7 @@ mod tests {
             assert!(validate(&flags(&[&format!("--peak-tflops={bad}")])).is_err(), "{bad}");
         }
         assert!(validate(&flags(&["--peak-tflops", "989"])).is_ok());
-        // Issue 19, class G: --bandwidth-gbs is bounded like --peak-tflops.
+        // --bandwidth-gbs is bounded like --peak-tflops.
         for bad in ["1e-300", "0", "-5", "inf", "NaN", "1e300", "1.7976931348623157e308"] {
             let e = validate(&flags(&[&format!("--bandwidth-gbs={bad}")])).unwrap_err().to_string();
             assert!(e.contains("--bandwidth-gbs") && e.contains("Fix:"), "{e}");
@@ -292,49 +253,5 @@ mod tests {
         assert_eq!("auto".parse::<PrecisionRequest>().unwrap(), PrecisionRequest::Auto);
         assert_eq!("BF16".parse::<PrecisionRequest>().unwrap(), PrecisionRequest::Exactly(Precision::Bf16));
         assert!("fp4".parse::<PrecisionRequest>().is_err());
-    }
-
-    #[test]
-    fn fusions_flag() {
-        assert_eq!("all".parse::<Fusions>().unwrap(), Fusions::ALL);
-        assert_eq!("none".parse::<Fusions>().unwrap(), Fusions::NONE);
-        let f: Fusions = "ln,add-ln".parse().unwrap();
-        assert_eq!((f.ln, f.qkv, f.epilogue, f.add_ln), (true, false, false, true));
-        assert_eq!(f.describe(), "ln,add-ln");
-        assert_eq!(Fusions::ALL.without("qkv").on(), ["ln", "epilogue", "add-ln"]);
-        // Issue 19, class H: empty is refused, not "none".
-        assert!("".parse::<Fusions>().is_err() && " ".parse::<Fusions>().is_err());
-        let e = "ln,gelu".parse::<Fusions>().unwrap_err();
-        assert!(e.contains("'gelu'") && e.contains("Fix"), "{e}");
-    }
-
-    #[test]
-    fn fp8_fusions_flag() {
-        // Unset means "all the recipe allows", so a request the recipe cannot honour is refused.
-        assert_eq!(flags(&[]).stage_options().fp8_fusions, None);
-        assert_eq!(flags(&["--fp8-fusions", "fc1"]).stage_options().fp8_fusions, Some(Fp8Fusions { ln: false, fc1: true }));
-        assert_eq!("all".parse::<Fp8Fusions>().unwrap(), Fp8Fusions::ALL);
-        assert_eq!(Fp8Fusions::ALL.without("ln").describe(), "fc1");
-        assert!("".parse::<Fp8Fusions>().is_err());
-        let e = "ln,qkv".parse::<Fp8Fusions>().unwrap_err();
-        assert!(e.contains("'qkv'") && e.contains("stage 4") && e.contains("Fix"), "{e}");
-        assert_eq!(Fp8Fusions::effective(None, Fp8Recipe::Delayed), Fp8Fusions::ALL);
-        assert_eq!(Fp8Fusions::effective(None, Fp8Recipe::Current), Fp8Fusions::NONE);
-        assert_eq!(Fp8Fusions::effective(Some(Fp8Fusions::NONE), Fp8Recipe::Delayed), Fp8Fusions::NONE);
-        assert!(Fp8Fusions::check(Some(Fp8Fusions::NONE), Fp8Recipe::Current).is_ok());
-        assert!(Fp8Fusions::check(None, Fp8Recipe::Current).is_ok());
-        let e = Fp8Fusions::check(Some(Fp8Fusions::ALL.without("fc1")), Fp8Recipe::Current).unwrap_err().to_string();
-        assert!(e.contains("--fp8-fusions ln") && e.contains("delayed") && e.contains("Fix:"), "{e}");
-    }
-
-    #[test]
-    fn attention_kernel_flag() {
-        // Unset means "the default" (v2 on CUDA), so a stage can tell a request from no request.
-        assert_eq!(flags(&[]).stage_options().attention_kernel, None);
-        assert_eq!(flags(&["--attention-kernel", "v1"]).stage_options().attention_kernel, Some(AttentionKernel::V1));
-        assert_eq!(flags(&["--attention-kernel=v2"]).stage_options().attention_kernel, Some(AttentionKernel::V2));
-        use clap::Args;
-        let bad = RunArgs::augment_args(clap::Command::new("t")).try_get_matches_from(["t", "--attention-kernel", "v3"]);
-        assert!(bad.unwrap_err().to_string().contains("v1, v2"));
     }
 }

@@ -23,6 +23,7 @@ pub mod preset;
 pub mod regime;
 pub mod report;
 pub mod runner;
+pub mod selftest;
 pub mod stage;
 pub mod timing;
 pub mod weights;
@@ -35,8 +36,5 @@ pub(crate) static BIG_ALLOCATION_TESTS: std::sync::Mutex<()> = std::sync::Mutex:
 
 pub use error::SpeedkitError;
 pub use preset::{Preset, Shape};
-pub use stage::{
-    AttentionKernel, Elementwise, Fp8FastAccum, Fp8Fusions, Fp8Recipe, Fusions, Plan, Precision, PrecisionRequest, Stage, StageOptions,
-    StageSpec,
-};
+pub use stage::{Forward, Plan, Precision, PrecisionRequest, Stage, StageEntry};
 pub use weights::BlockWeights;

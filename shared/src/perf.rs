@@ -77,6 +77,57 @@ pub fn peak_tflops(name: &str, precision: Precision) -> Option<f64> {
     }
 }
 
+/// Bytes of one element of the GEMM operands at `p` (fp8: E4M3, one byte).
+pub fn operand_bytes(p: Precision) -> f64 {
+    match p {
+        Precision::Fp32 | Precision::Tf32 => 4.0,
+        Precision::Bf16 | Precision::F16 => 2.0,
+        Precision::Fp8 => 1.0,
+    }
+}
+
+/// The roofline's traffic model, the terms each stage's `Stage::traffic` combines: the minimum
+/// bytes each op must read and write if nothing stays in cache between ops (docs/measuring.md).
+/// GEMM operands at `p`, activations stored in `act` bytes per element.
+pub struct Traffic {
+    /// The four GEMMs: input (N·K) and weight (K·M) in the operand dtype, output (N·M) in `act`;
+    /// at fp8 also the quantising pass that reads each input and writes it in E4M3.
+    pub gemms: f64,
+    /// One element-wise pass (read + write) over an (N, C) activation.
+    pub pass_c: f64,
+    /// Fused attention: reads q, k, v once and writes its output once.
+    pub fused_attention: f64,
+    /// Naive attention: the (B, n_head, T, T) scores written once in f32, ~10 more score-sized
+    /// accesses (scale, mask, max, exp, sum, divide), read once by P·V; plus the head split
+    /// (q, k, v) and merge copies.
+    pub naive_attention: f64,
+    /// The unfused element-wise passes around the GEMMs (stage 3's header table): LayerNorm 1
+    /// with its cast 8, q/k/v bias 3, proj's bias + residual + LayerNorm 2 11, fc2's bias +
+    /// residual 3 over (N, C); bias + GELU 10 over (N, FF).
+    pub unfused: f64,
+}
+
+impl Traffic {
+    pub fn new(s: &Shape, p: Precision, act: f64) -> Traffic {
+        let (n, c, ff) = ((s.batch * s.seq) as f64, s.d_model as f64, s.ff as f64);
+        let scores = (s.batch * s.n_head) as f64 * (s.seq * s.seq) as f64; // (B, n_head, T, T)
+        let e = operand_bytes(p);
+        let gemm = |k: f64, m: f64| {
+            let quantise = if p == Precision::Fp8 { n * k * (act + 1.0) } else { 0.0 }; // read x, write E4M3
+            n * k * e + k * m * e + n * m * act + quantise
+        };
+        let pass_c = 2.0 * n * c * act;
+        let pass_ff = 2.0 * n * ff * act;
+        Traffic {
+            gemms: gemm(c, 3.0 * c) + gemm(c, c) + gemm(c, ff) + gemm(ff, c),
+            pass_c,
+            fused_attention: 4.0 * n * c * act,
+            naive_attention: 4.0 * scores * (1.0 + 10.0 + 1.0) + 4.0 * pass_c + 2.0 * n * c * act,
+            unfused: 25.0 * pass_c + 10.0 * pass_ff,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,11 +10,12 @@ use crate::error::SpeedkitError;
 use crate::perf::{block_flops, peak_tflops};
 use crate::preset::{Preset, Shape};
 use crate::report::{table, write_json, Record, MEASURED_PEAK, RECORD_SCHEMA};
-use crate::stage::{Precision, PrecisionRequest, Stage, StageOptions, StageSpec, EMULATED};
+use crate::stage::{plan, Precision, PrecisionRequest, Stage, StageEntry, EMULATED};
 use crate::timing::time_forward;
 use crate::weights::{load_input, random_input, save_tensors, BlockWeights};
 use candle_core::{Device, Tensor};
 use clap::{Args, FromArgMatches};
+
 use std::process::ExitCode;
 
 /// Everything the stages share in one run: same device, same weights, same input, and the
@@ -138,7 +139,7 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
 
 impl Session {
     /// Resolve the flags, print what will run, and compute the reference with `reference`.
-    pub fn open(args: RunArgs, reference: &StageSpec) -> anyhow::Result<Session> {
+    pub fn open(args: RunArgs, reference: &dyn Stage) -> anyhow::Result<Session> {
         Self::open_for(args, reference, &[])
     }
 
@@ -147,22 +148,22 @@ impl Session {
     /// and a run whose memory cannot fit: the session's weights, x and reference, plus the
     /// widest of the reference and `must_run` stages. (The ladder passes none: a stage that
     /// cannot run there is a row.)
-    pub fn open_for(args: RunArgs, reference: &StageSpec, must_run: &[(StageSpec, PrecisionRequest)]) -> anyhow::Result<Session> {
+    pub fn open_for(args: RunArgs, reference: &dyn Stage, must_run: &[(&dyn Stage, PrecisionRequest)]) -> anyhow::Result<Session> {
         let Resolved { device, info, preset, shape, weights: loaded, x: x_file } = resolve(&args)?;
         let mut widest: u128 = 0;
-        for (spec, requested) in must_run {
-            spec.plan_with(&device, &info, shape, *requested, args.stage_options())?;
-            (spec.check_shape)(&shape)?;
-            widest = widest.max((spec.estimate_bytes)(&shape));
+        for (stage, asked) in must_run {
+            plan(*stage, &device, &info, shape, *asked, args.precision, args.cuda_graph)?;
+            stage.check_shape(&shape)?;
+            widest = widest.max(stage.estimate_bytes(&shape));
         }
         if !args.no_check {
             // The reference runs in pieces along B (`reference_output`): one piece's shape.
             let piece = reference_piece(&shape, crate::preset::MAX_TENSOR_ELEMENTS)?;
-            (reference.check_shape)(&piece)?;
-            widest = widest.max((reference.estimate_bytes)(&piece));
+            reference.check_shape(&piece)?;
+            widest = widest.max(reference.estimate_bytes(&piece));
         }
         if let Some(avail) = device::available_bytes(&device) {
-            let name = must_run.first().map_or(reference.name, |(s, _)| s.name);
+            let name = must_run.first().map_or(reference.name(), |(s, _)| s.name());
             // On a CPU the ceiling probe runs beside the session (and before any stage), so its
             // own buffers count too.
             if info.kind == DeviceKind::Cpu {
@@ -238,14 +239,15 @@ impl Session {
     /// The fp32 output of `reference` (stage 0) for the session's x, computed in pieces along B
     /// so that no piece's (b, n_head, T, T) scores pass `limit` elements (`check::
     /// reference_batch_chunk`; the runner passes 2^31 - 1, tests a small limit).
-    pub fn reference_output(&self, reference: &StageSpec, limit: usize) -> anyhow::Result<Tensor> {
+    pub fn reference_output(&self, reference: &dyn Stage, limit: usize) -> anyhow::Result<Tensor> {
         let piece = reference_piece(&self.shape, limit)?;
-        (reference.check_shape)(&piece)?;
+        reference.check_shape(&piece)?;
         if let Some(avail) = device::available_bytes(&self.device) {
-            check_fits(reference.name, &piece, (reference.estimate_bytes)(&piece), avail)?;
+            check_fits(reference.name(), &piece, reference.estimate_bytes(&piece), avail)?;
         }
-        let plan = reference.plan(&self.device, &self.info, self.shape, PrecisionRequest::Exactly(Precision::Fp32))?;
-        let stage = (reference.build)(&self.weights, &plan)?;
+        let fp32 = PrecisionRequest::Exactly(Precision::Fp32);
+        let plan = plan(reference, &self.device, &self.info, self.shape, fp32, fp32, false)?;
+        let stage = reference.build(&self.weights, &plan)?;
         let y = crate::check::forward_in_pieces(&self.x, piece.batch, |x| {
             let y = stage.forward(x)?;
             self.device.synchronize()?; // one piece's working set freed before the next
@@ -256,40 +258,34 @@ impl Session {
 
     /// Refuse a stage whose shape it cannot address or whose working set obviously exceeds
     /// what the device has free.
-    pub fn fits(&self, spec: &StageSpec) -> Result<(), SpeedkitError> {
-        (spec.check_shape)(&self.shape)?;
+    pub fn fits(&self, stage: &dyn Stage) -> Result<(), SpeedkitError> {
+        stage.check_shape(&self.shape)?;
         match device::available_bytes(&self.device) {
-            Some(avail) => check_fits(spec.name, &self.shape, (spec.estimate_bytes)(&self.shape), avail),
+            Some(avail) => check_fits(stage.name(), &self.shape, stage.estimate_bytes(&self.shape), avail),
             None => Ok(()),
         }
     }
 
     /// Plan, build, check and time one stage. Errors of kind `Usage` mean "cannot run here";
     /// `CheckFailed` means it ran and is wrong.
-    pub fn run(&self, spec: &StageSpec, requested: PrecisionRequest) -> anyhow::Result<(Record, Tensor)> {
-        self.run_with(spec, requested, self.args.stage_options(), self.iters)
+    pub fn run(&self, stage: &dyn Stage, asked: PrecisionRequest) -> anyhow::Result<(Record, Tensor)> {
+        self.run_with(stage, asked, self.iters)
     }
 
-    /// `run` with the stage's options and the number of timed iterations given: the ladder's
-    /// interleaved rounds (a share of `--iters` each) and its ablation variants.
-    pub fn run_with(
-        &self,
-        spec: &StageSpec,
-        requested: PrecisionRequest,
-        options: StageOptions,
-        iters: usize,
-    ) -> anyhow::Result<(Record, Tensor)> {
-        let plan = spec.plan_with(&self.device, &self.info, self.shape, requested, options)?;
+    /// `run` with the number of timed iterations given: the ladder's interleaved rounds (a
+    /// share of `--iters` each).
+    pub fn run_with(&self, spec: &dyn Stage, asked: PrecisionRequest, iters: usize) -> anyhow::Result<(Record, Tensor)> {
+        let plan = plan(spec, &self.device, &self.info, self.shape, asked, self.args.precision, self.args.cuda_graph)?;
         self.fits(spec)?;
         let mut probe = MemProbe::start(&self.device);
-        let stage = (spec.build)(&self.weights, &plan)?;
-        let stage = if self.args.cuda_graph { crate::graph::capture(spec.name, stage, &self.x)? } else { stage };
+        let stage = spec.build(&self.weights, &plan)?;
+        let stage = if self.args.cuda_graph { crate::graph::capture(spec.name(), stage, &self.x)? } else { stage };
         let switches = GemmSwitches::current();
-        if switches != (spec.switches)(&plan) {
+        if switches != spec.switches(&plan) {
             anyhow::bail!(
                 "{}'s build left candle's GEMM switches at {switches:?}, not the {:?} it declares",
-                spec.name,
-                (spec.switches)(&plan)
+                spec.name(),
+                spec.switches(&plan)
             );
         }
 
@@ -300,7 +296,7 @@ impl Session {
         let check: Option<CheckResult> = match &self.reference {
             Some(r) => {
                 let c = compare(&y, r, plan.precision)?;
-                if let Some(e) = c.to_error(spec.name, plan.precision) {
+                if let Some(e) = c.to_error(spec.name(), plan.precision) {
                     return Err(e.into());
                 }
                 Some(c)
@@ -319,7 +315,7 @@ impl Session {
                     return Err(SpeedkitError::CheckFailed(format!(
                         "{} failed its own check \"{}\": relative error {:.3e} above {:.1e}{}. {} \
                          Nothing was timed. Fix: report it with this command line.",
-                        spec.name,
+                        spec.name(),
                         c.name,
                         c.result.rel_err,
                         c.result.tolerance,
@@ -334,7 +330,7 @@ impl Session {
         };
 
         let device = &self.device;
-        let stats = time_forward(spec.name, device, self.warmup, iters, || stage.forward(&self.x), || probe.sample(device))?;
+        let stats = time_forward(spec.name(), device, self.warmup, iters, || stage.forward(&self.x), || probe.sample(device))?;
         // After the uninstrumented timing, never mixed into it: the same forward with a clock
         // read at each part boundary.
         let breakdown = match self.args.breakdown {
@@ -347,7 +343,7 @@ impl Session {
         let flops = block_flops(&self.shape);
         let secs = stats.median_ms / 1e3;
         let tflops = flops / secs / 1e12;
-        let implementation = (spec.implementation)(&plan);
+        let implementation = spec.implementation(&plan);
         let emulated = implementation.as_deref().is_some_and(|i| i.starts_with(EMULATED));
         let (peak, peak_source) = match (self.args.peak_tflops, &self.ceiling) {
             _ if emulated => (None, None), // an emulation's speed is not the number format's: no % of its peak
@@ -359,7 +355,7 @@ impl Session {
             (None, Some(c)) => (Some(c.peak_tflops()), Some(MEASURED_PEAK)),
             (None, None) => (None, None),
         };
-        let mut notes = (spec.notes)(&plan);
+        let mut notes = spec.notes(&plan);
         if self.args.cuda_graph {
             notes.push("timed as CUDA graph replays of one captured forward (--cuda-graph)".into());
         }
@@ -373,8 +369,8 @@ impl Session {
         }
         let record = Record {
             schema: RECORD_SCHEMA.into(),
-            stage: spec.name.into(),
-            technique: spec.technique.into(),
+            stage: spec.name().into(),
+            technique: spec.technique().into(),
             precision: plan.precision,
             precision_reason: plan.precision_reason.clone(),
             implementation,
@@ -476,27 +472,30 @@ fn on_off(b: bool) -> &'static str {
     }
 }
 
-/// The whole of a stage binary: `fn main() -> ExitCode { shared::runner::main::<Stage, Reference>() }`.
-/// `R` is the fp32 stage-0 block the output is checked against.
-pub fn main<S: Stage + 'static, R: Stage + 'static>() -> ExitCode {
-    let cmd = RunArgs::augment_args(clap::Command::new(S::NAME).about(S::TECHNIQUE));
+/// The whole of a stage binary: `shared::runner::main(&[stage0_baseline::STAGE, ...,
+/// this stage's STAGE])`. `stages` lists every stage up to this one: the first is the fp32
+/// reference the output is checked against, the last is the stage that runs, and each adds the
+/// flags it introduces (a later stage honours an earlier one's, as stage 4 runs stage 3's fusions).
+pub fn main(stages: &[StageEntry]) -> ExitCode {
+    let cmd = stages.iter().fold(RunArgs::augment_args(clap::Command::new("stage")), |c, e| (e.args)(c));
     if let Err(e) = crate::cli::check_env(&cmd) {
         return exit_with(|| Err(e.into()));
     }
     let matches = cmd.get_matches();
     exit_with(|| {
         let args = RunArgs::from_arg_matches(&matches)?;
-        let spec = StageSpec::of::<S>();
-        // Every output path is checked before any work (writable, not a directory or device,
-        // no two on one file), so a run never ends in a refusal to save it.
+        let (Some(first), Some(last)) = (stages.first(), stages.last()) else { anyhow::bail!("a stage binary names its stages") };
+        let (reference, stage) = ((first.make)(&matches)?, (last.make)(&matches)?);
+        // Every output path is checked before any work (writable, not a directory, no two on
+        // one file, none an input), so a run never ends in a refusal to save it.
         let outputs = crate::output::check_all(&crate::cli::output_flags(&args))?;
         let inputs: Vec<(&str, &std::path::Path)> = [("--weights", &args.weights), ("--input", &args.input)]
             .into_iter()
             .filter_map(|(f, p)| p.as_deref().map(|p| (f, p)))
             .collect();
         crate::output::check_not_inputs(&outputs, &inputs)?;
-        let session = Session::open_for(args.clone(), &StageSpec::of::<R>(), &[(spec, args.precision)])?;
-        let (record, y) = session.run(&spec, session.args.precision)?;
+        let session = Session::open_for(args.clone(), reference.as_ref(), &[(stage.as_ref(), args.precision)])?;
+        let (record, y) = session.run(stage.as_ref(), session.args.precision)?;
         print_details(&record);
         println!();
         print!("{}", table(std::slice::from_ref(&record), &[]));

@@ -18,103 +18,15 @@
 //! **Run it.** `cargo run --release -p stage0_baseline` (CPU, `small` preset) ·
 //! `cargo run --release --features cuda -p stage0_baseline -- --device cuda` (GPU).
 
+#[cfg(feature = "harness")]
+mod block;
+#[cfg(feature = "harness")]
+pub use block::{Baseline, Block, STAGE};
+
 use candle_core::{Tensor, D};
-use shared::breakdown::part;
-use shared::device::{DeviceInfo, GemmSwitches};
-use shared::stage::PrecisionChoice;
-use shared::{BlockWeights, Plan, Precision, PrecisionRequest, SpeedkitError, Stage};
 
-const LN_EPS: f64 = 1e-5;
-
-pub struct Block {
-    ln1_g: Tensor,  // (C)
-    ln1_b: Tensor,  // (C)
-    w_q: Tensor,    // (C, C)
-    b_q: Tensor,    // (C)
-    w_k: Tensor,    // (C, C)
-    b_k: Tensor,    // (C)
-    w_v: Tensor,    // (C, C)
-    b_v: Tensor,    // (C)
-    w_proj: Tensor, // (C, C)
-    b_proj: Tensor, // (C)
-    ln2_g: Tensor,  // (C)
-    ln2_b: Tensor,  // (C)
-    w_fc1: Tensor,  // (FF, C)
-    b_fc1: Tensor,  // (FF)
-    w_fc2: Tensor,  // (C, FF)
-    b_fc2: Tensor,  // (C)
-    n_head: usize,
-    mask: Tensor, // (T, T): 0 on and below the diagonal, -inf above
-}
-
-impl Stage for Block {
-    const NAME: &'static str = "stage0_baseline";
-    const TECHNIQUE: &'static str = "fp32, every op spelled out, full T x T attention";
-    const OWN_PRECISION: Option<Precision> = Some(Precision::Fp32);
-
-    fn choose_precision(_info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
-        match requested {
-            PrecisionRequest::Auto | PrecisionRequest::Exactly(Precision::Fp32) => {
-                Ok((Precision::Fp32, "the baseline is fp32 by definition (TF32 off)".into()))
-            }
-            PrecisionRequest::Exactly(p) => Err(SpeedkitError::usage(format!(
-                "stage0_baseline runs fp32 only (it is the reference), but --precision {p} was given. \
-                 Fix: drop --precision here, or run stage 1 and later, where lower precision is the technique."
-            ))),
-        }
-    }
-
-    fn switches(_plan: &Plan) -> GemmSwitches {
-        GemmSwitches::OFF
-    }
-
-    fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
-        Self::switches(plan).apply();
-        let c = plan.shape.d_model;
-        // Three separate projections, as a first implementation would write them.
-        let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| t.contiguous()); // (C, C)
-        let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.contiguous()); // (C)
-        Ok(Block {
-            ln1_g: w.ln1_g.clone(),
-            ln1_b: w.ln1_b.clone(),
-            w_q: rows(0)?,
-            b_q: bias(0)?,
-            w_k: rows(1)?,
-            b_k: bias(1)?,
-            w_v: rows(2)?,
-            b_v: bias(2)?,
-            w_proj: w.w_proj.clone(),
-            b_proj: w.b_proj.clone(),
-            ln2_g: w.ln2_g.clone(),
-            ln2_b: w.ln2_b.clone(),
-            w_fc1: w.w_fc1.clone(),
-            b_fc1: w.b_fc1.clone(),
-            w_fc2: w.w_fc2.clone(),
-            b_fc2: w.b_fc2.clone(),
-            n_head: plan.shape.n_head,
-            mask: causal_mask(plan.shape.seq, &plan.device)?,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
-        let h = layer_norm(x, &self.ln1_g, &self.ln1_b)?; // (B, T, C)
-        part("qkv")?;
-        let q = linear(&h, &self.w_q, &self.b_q)?; // (B, T, C)
-        let k = linear(&h, &self.w_k, &self.b_k)?;
-        let v = linear(&h, &self.w_v, &self.b_v)?;
-        part("attention")?;
-        let a = attention(&q, &k, &v, self.n_head, &self.mask)?; // (B, T, C)
-        part("proj+residual")?;
-        let x = (x + linear(&a, &self.w_proj, &self.b_proj)?)?;
-        part("ln2")?;
-        let h = layer_norm(&x, &self.ln2_g, &self.ln2_b)?;
-        part("fc1+gelu")?;
-        let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1)?)?; // (B, T, FF)
-        part("fc2+residual")?;
-        x + linear(&m, &self.w_fc2, &self.b_fc2)?
-    }
-}
+/// LayerNorm's ε, as in GPT-2.
+pub const LN_EPS: f64 = 1e-5;
 
 /// y = x Wᵀ + b for x (B, T, in), W (out, in): one (B·T, in) x (in, out) GEMM.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {

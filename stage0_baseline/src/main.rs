@@ -1,3 +1,3 @@
 fn main() -> std::process::ExitCode {
-    shared::runner::main::<stage0_baseline::Block, stage0_baseline::Block>()
+    shared::runner::main(&[stage0_baseline::STAGE])
 }

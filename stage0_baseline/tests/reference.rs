@@ -4,8 +4,8 @@
 use candle_core::{Device, Tensor};
 use shared::device::{DeviceInfo, DeviceKind};
 use shared::weights::random_input;
-use shared::{BlockWeights, Plan, Precision, Preset, Shape, Stage};
-use stage0_baseline::Block;
+use shared::{BlockWeights, Forward, Plan, Precision, Preset, Shape, Stage};
+use stage0_baseline::{Baseline, Block};
 
 fn host(t: &Tensor) -> Vec<f64> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f64::from).collect()
@@ -72,7 +72,15 @@ fn block_f64(s: &Shape, w: &BlockWeights, x: &[f64]) -> Vec<f64> {
 fn plan(shape: Shape) -> Plan {
     let info =
         DeviceInfo { kind: DeviceKind::Cpu, ordinal: 0, name: "cpu".into(), sm: None, memory_bytes: None, threads: 1, why: "test".into() };
-    Plan { device: Device::Cpu, info, precision: Precision::Fp32, precision_reason: "test".into(), shape, options: Default::default() }
+    Plan {
+        device: Device::Cpu,
+        info,
+        precision: Precision::Fp32,
+        precision_reason: "test".into(),
+        shape,
+        requested: shared::PrecisionRequest::Auto,
+        cuda_graph: false,
+    }
 }
 
 fn rel_err(y: &[f64], r: &[f64]) -> f64 {
@@ -124,6 +132,6 @@ fn weights_round_trip_through_safetensors_gives_identical_output() {
 #[test]
 fn fp32_only() {
     let info = plan(Preset::Tiny.shape()).info;
-    let e = Block::choose_precision(&info, shared::PrecisionRequest::Exactly(Precision::Bf16)).unwrap_err();
+    let e = Baseline.choose_precision(&info, shared::PrecisionRequest::Exactly(Precision::Bf16)).unwrap_err();
     assert!(e.to_string().contains("fp32 only"));
 }

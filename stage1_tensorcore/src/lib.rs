@@ -30,102 +30,13 @@
 
 pub mod precision;
 
+#[cfg(feature = "harness")]
+mod block;
+#[cfg(feature = "harness")]
+pub use block::{Block, TensorCore, STAGE};
+
 use candle_core::{DType, Tensor};
-use shared::breakdown::part;
-use shared::device::{DeviceInfo, GemmSwitches};
-use shared::stage::PrecisionChoice;
-use shared::{BlockWeights, Plan, PrecisionRequest, SpeedkitError, Stage};
-use stage0_baseline::{causal_mask, gelu_tanh, layer_norm, linear, merge_heads, softmax, split_heads};
-
-pub struct Block {
-    ln1_g: Tensor,  // (C) f32
-    ln1_b: Tensor,  // (C) f32
-    w_q: Tensor,    // (C, C) GEMM dtype
-    b_q: Tensor,    // (C) GEMM dtype
-    w_k: Tensor,    // (C, C)
-    b_k: Tensor,    // (C)
-    w_v: Tensor,    // (C, C)
-    b_v: Tensor,    // (C)
-    w_proj: Tensor, // (C, C)
-    b_proj: Tensor, // (C)
-    ln2_g: Tensor,  // (C) f32
-    ln2_b: Tensor,  // (C) f32
-    w_fc1: Tensor,  // (FF, C)
-    b_fc1: Tensor,  // (FF)
-    w_fc2: Tensor,  // (C, FF)
-    b_fc2: Tensor,  // (C)
-    n_head: usize,
-    mask: Tensor, // (T, T) f32: 0 on and below the diagonal, -inf above
-    dtype: DType, // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
-}
-
-impl Stage for Block {
-    const NAME: &'static str = "stage1_tensorcore";
-    const TECHNIQUE: &'static str = "GEMMs on tensor cores: TF32 or bf16/f16, f32 LN/softmax/residual";
-
-    fn choose_precision(info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
-        precision::choose(info, requested)
-    }
-
-    fn switches(plan: &Plan) -> GemmSwitches {
-        precision::switches(plan.precision)
-    }
-
-    fn notes(plan: &Plan) -> Vec<String> {
-        let advice = precision::alignment_advice(&plan.shape, plan.precision);
-        let on = if plan.info.is_cuda() { "" } else { "on a GPU, " };
-        advice.into_iter().map(|a| format!("{on}{a}")).collect()
-    }
-
-    fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
-        Self::switches(plan).apply();
-        let c = plan.shape.d_model;
-        let dt = precision::gemm_dtype(plan.precision);
-        // Three separate projections, as in stage 0; cast once here, never per forward.
-        let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(dt)?.contiguous()); // (C, C)
-        let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(dt)?.contiguous()); // (C)
-        Ok(Block {
-            ln1_g: w.ln1_g.clone(),
-            ln1_b: w.ln1_b.clone(),
-            w_q: rows(0)?,
-            b_q: bias(0)?,
-            w_k: rows(1)?,
-            b_k: bias(1)?,
-            w_v: rows(2)?,
-            b_v: bias(2)?,
-            w_proj: w.w_proj.to_dtype(dt)?,
-            b_proj: w.b_proj.to_dtype(dt)?,
-            ln2_g: w.ln2_g.clone(),
-            ln2_b: w.ln2_b.clone(),
-            w_fc1: w.w_fc1.to_dtype(dt)?,
-            b_fc1: w.b_fc1.to_dtype(dt)?,
-            w_fc2: w.w_fc2.to_dtype(dt)?,
-            b_fc2: w.b_fc2.to_dtype(dt)?,
-            n_head: plan.shape.n_head,
-            mask: causal_mask(plan.shape.seq, &plan.device)?,
-            dtype: dt,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
-        let h = layer_norm(x, &self.ln1_g, &self.ln1_b)?.to_dtype(self.dtype)?; // (B, T, C): f32 statistics, GEMM dtype out
-        part("qkv")?;
-        let q = linear(&h, &self.w_q, &self.b_q)?; // (B, T, C)
-        let k = linear(&h, &self.w_k, &self.b_k)?;
-        let v = linear(&h, &self.w_v, &self.b_v)?;
-        part("attention")?;
-        let a = attention(&q, &k, &v, self.n_head, &self.mask)?; // (B, T, C)
-        part("proj+residual")?;
-        let x = (x + linear(&a, &self.w_proj, &self.b_proj)?.to_dtype(DType::F32)?)?; // residual stream stays f32
-        part("ln2")?;
-        let h = layer_norm(&x, &self.ln2_g, &self.ln2_b)?.to_dtype(self.dtype)?;
-        part("fc1+gelu")?;
-        let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1)?)?; // (B, T, FF)
-        part("fc2+residual")?;
-        x + linear(&m, &self.w_fc2, &self.b_fc2)?.to_dtype(DType::F32)?
-    }
-}
+use stage0_baseline::{causal_mask, merge_heads, softmax, split_heads};
 
 /// Causal self-attention over the full score matrix, mixed precision: q kᵀ and p v run on
 /// tensor cores in the GEMM dtype; the scores are widened to f32 for the mask and softmax.

@@ -11,12 +11,45 @@
 //!
 //! Overrides that the hardware cannot do (bf16 or TF32 below SM 8.0, TF32 on CPU) are errors;
 //! fp8 is stage 4's technique and is refused here.
+//!
+//! To lift the policy into your own model: `auto_dtype(&device)` gives the GEMM dtype the table
+//! picks for that device (store weights and activations in it, keep LayerNorm statistics,
+//! softmax and the residual stream in f32 as stage 1 does). The rest of this file is the
+//! benchmark's version, which also explains its choice and refuses impossible requests.
 
+use candle_core::{DType, Device};
+#[cfg(feature = "harness")]
 use shared::device::{DeviceInfo, GemmSwitches};
+#[cfg(feature = "harness")]
 use shared::preset::Shape;
+#[cfg(feature = "harness")]
 use shared::stage::PrecisionChoice;
+#[cfg(feature = "harness")]
 use shared::{Precision, PrecisionRequest, SpeedkitError};
 
+/// The table's GEMM dtype for a device of compute capability `sm` (None: a CPU).
+pub fn auto_dtype_for(sm: Option<(u32, u32)>) -> DType {
+    match sm {
+        None => DType::F32,                      // no tensor cores
+        Some(sm) if sm >= (8, 0) => DType::BF16, // Ampere and later: bf16, fp32's exponent range
+        Some(sm) if sm >= (7, 0) => DType::F16,  // Volta, Turing: f16 tensor cores only
+        Some(_) => DType::F32,
+    }
+}
+
+/// The table's GEMM dtype for `device`: f32 on a CPU, by compute capability on a GPU.
+pub fn auto_dtype(device: &Device) -> candle_core::Result<DType> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            let (major, minor) = d.cuda_stream().context().compute_capability().map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
+            Ok(auto_dtype_for(Some((major as u32, minor as u32))))
+        }
+        _ => Ok(auto_dtype_for(None)),
+    }
+}
+
+#[cfg(feature = "harness")]
 /// Decide the GEMM precision for `info` and `requested` (see the module table).
 pub fn choose(info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
     let sm = info.sm.map(|(a, b)| format!("SM {a}.{b}")).unwrap_or_else(|| "the CPU".into());
@@ -58,6 +91,7 @@ pub fn choose(info: &DeviceInfo, requested: PrecisionRequest) -> Result<Precisio
     }
 }
 
+#[cfg(feature = "harness")]
 /// candle's global GEMM switches for each precision, set deliberately:
 /// - tf32: `set_gemm_reduced_precision_f32(true)` is *the* TF32 switch (cuBLAS compute type
 ///   32F_FAST_TF32): f32 tensors, inputs rounded to 10 mantissa bits inside the tensor core.
@@ -70,15 +104,17 @@ pub fn switches(p: Precision) -> GemmSwitches {
     GemmSwitches { tf32: p == Precision::Tf32, ..GemmSwitches::OFF }
 }
 
+#[cfg(feature = "harness")]
 /// candle dtype that GEMM operands are stored in for `p` (TF32 keeps f32 storage).
-pub fn gemm_dtype(p: Precision) -> candle_core::DType {
+pub fn gemm_dtype(p: Precision) -> DType {
     match p {
-        Precision::Bf16 => candle_core::DType::BF16,
-        Precision::F16 => candle_core::DType::F16,
-        Precision::Fp32 | Precision::Tf32 | Precision::Fp8 => candle_core::DType::F32,
+        Precision::Bf16 => DType::BF16,
+        Precision::F16 => DType::F16,
+        Precision::Fp32 | Precision::Tf32 | Precision::Fp8 => DType::F32,
     }
 }
 
+#[cfg(feature = "harness")]
 /// Tensor cores work on tiles whose inner dimensions are multiples of 8 elements (16 bytes of
 /// bf16/f16; 16 elements for FP8). A GEMM dimension that is not gets padded internally or
 /// falls back to slower kernels. One warning per misaligned dimension, with the padded size.
@@ -98,7 +134,7 @@ pub fn alignment_advice(shape: &Shape, p: Precision) -> Vec<String> {
         .collect()
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "harness"))]
 mod tests {
     use super::*;
     use shared::device::DeviceKind;

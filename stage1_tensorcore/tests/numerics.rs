@@ -5,24 +5,25 @@
 use candle_core::{DType, Device, Tensor};
 use shared::check::{compare, tolerance};
 use shared::device::{select, DeviceRequest};
+use shared::stage::plan_alone;
 use shared::weights::random_input;
-use shared::{BlockWeights, Precision, PrecisionRequest, Preset, Shape, StageSpec};
+use shared::{BlockWeights, Precision, PrecisionRequest, Preset, Shape, Stage};
 
-fn run(spec: StageSpec, shape: Shape, requested: PrecisionRequest) -> (Tensor, Precision) {
+fn run(spec: &dyn Stage, shape: Shape, requested: PrecisionRequest) -> (Tensor, Precision) {
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
     let w = BlockWeights::from_seed(&shape, 11).unwrap();
     let x = random_input(&shape, 11).unwrap();
-    let plan = spec.plan(&device, &info, shape, requested).unwrap();
-    let y = (spec.build)(&w, &plan).unwrap().forward(&x).unwrap();
+    let plan = plan_alone(spec, &device, &info, shape, requested).unwrap();
+    let y = spec.build(&w, &plan).unwrap().forward(&x).unwrap();
     (y, plan.precision)
 }
 
 fn errors(shape: Shape) -> Vec<(Precision, f64)> {
-    let (reference, _) = run(StageSpec::of::<stage0_baseline::Block>(), shape, PrecisionRequest::Auto);
+    let (reference, _) = run(&stage0_baseline::Baseline, shape, PrecisionRequest::Auto);
     [Precision::Fp32, Precision::F16, Precision::Bf16]
         .into_iter()
         .map(|p| {
-            let (y, got) = run(StageSpec::of::<stage1_tensorcore::Block>(), shape, PrecisionRequest::Exactly(p));
+            let (y, got) = run(&stage1_tensorcore::TensorCore, shape, PrecisionRequest::Exactly(p));
             assert_eq!(got, p);
             assert_eq!(y.dtype(), DType::F32, "the residual stream, and so the output, stays f32");
             let c = compare(&y, &reference, p).unwrap();

@@ -29,7 +29,7 @@ use crate::elementwise::{exp_f32, sum_f32};
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 use shared::device::DeviceInfo;
-use shared::{AttentionKernel, Precision, SpeedkitError};
+use shared::{Precision, SpeedkitError};
 use std::borrow::Cow;
 
 /// Query rows per tile of the GEMM-tile kernel (B_r in the paper).
@@ -65,6 +65,23 @@ pub enum CpuKernel {
     /// The first CPU kernel: one query row at a time, scores by broadcast-FMA, then one axpy per
     /// key into an O row in memory (load/store-bound, ~10 % of the GEMM rate). The slow twin.
     RowAxpy,
+}
+
+/// Which of the two CUDA kernels `attention_with` launches: v1 (`kernels/flash_attn.cu`, WMMA,
+/// the teaching kernel) or v2 (`kernels/flash_attn_v2.cu`, mma.sync, S and P in registers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKernel {
+    V1,
+    V2,
+}
+
+impl AttentionKernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKernel::V1 => "v1",
+            AttentionKernel::V2 => "v2",
+        }
+    }
 }
 
 /// The attention kernels behind `attention`.

@@ -17,7 +17,8 @@
 //! contiguous and 16-byte aligned (the kernel loads 8 values per instruction); `attention()`
 //! copies anything else first (`kernel_strides`).
 
-use shared::{AttentionKernel, SpeedkitError};
+use crate::attention::AttentionKernel;
+use shared::SpeedkitError;
 
 /// Query rows per thread block (B_r); `BR` in the kernel.
 pub const BR: usize = 64;
@@ -196,12 +197,12 @@ pub use launch::cuda_fwd;
 #[cfg(feature = "cuda")]
 mod launch {
     use super::{kernel_name, kernel_strides, launch_config};
+    use crate::attention::AttentionKernel;
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda::{CudaDType, CudaStorage};
     use candle_core::{DType, Layout, Shape};
-    use shared::AttentionKernel;
 
     /// `kernels/flash_attn.cu` (v1) and `kernels/flash_attn_v2.cu`, compiled to PTX by build.rs
     /// for sm_$CUDA_COMPUTE_CAP; one module each.

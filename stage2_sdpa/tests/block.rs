@@ -3,8 +3,9 @@
 
 use shared::check::compare;
 use shared::device::{select, DeviceRequest};
+use shared::stage::plan_alone;
 use shared::weights::random_input;
-use shared::{BlockWeights, Precision, PrecisionRequest, Preset, StageSpec};
+use shared::{BlockWeights, Precision, PrecisionRequest, Preset, Stage};
 use std::process::Command;
 
 #[test]
@@ -13,13 +14,13 @@ fn block_matches_reference_on_tiny() {
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
     let w = BlockWeights::from_seed(&shape, 4).unwrap();
     let x = random_input(&shape, 4).unwrap();
-    let run = |spec: StageSpec, req| {
-        let plan = spec.plan(&device, &info, shape, req).unwrap();
-        ((spec.build)(&w, &plan).unwrap().forward(&x).unwrap(), plan.precision)
+    let run = |spec: &dyn Stage, req| {
+        let plan = plan_alone(spec, &device, &info, shape, req).unwrap();
+        (spec.build(&w, &plan).unwrap().forward(&x).unwrap(), plan.precision)
     };
-    let (reference, _) = run(StageSpec::of::<stage0_baseline::Block>(), PrecisionRequest::Auto);
+    let (reference, _) = run(&stage0_baseline::Baseline, PrecisionRequest::Auto);
     for p in [Precision::Fp32, Precision::Bf16, Precision::F16] {
-        let (y, got) = run(StageSpec::of::<stage2_sdpa::Block>(), PrecisionRequest::Exactly(p));
+        let (y, got) = run(&stage2_sdpa::Sdpa::default(), PrecisionRequest::Exactly(p));
         assert_eq!(got, p);
         let c = compare(&y, &reference, p).unwrap();
         assert!(c.passed, "{p}: {c:?}");

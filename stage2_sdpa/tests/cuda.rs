@@ -7,8 +7,9 @@
 use candle_core::{DType, Device, IndexOp, Tensor};
 use shared::check::{compare, compare_within};
 use shared::device::{select, DeviceRequest};
+use shared::stage::plan_alone;
 use shared::weights::{random_input, SplitMix64};
-use shared::{BlockWeights, Precision, PrecisionRequest, Preset, StageSpec};
+use shared::{BlockWeights, Precision, PrecisionRequest, Preset, Stage};
 use stage2_sdpa::attention::{attention_with, Implementation};
 
 fn gpu() -> Device {
@@ -104,13 +105,13 @@ fn block_matches_reference_on_the_gpu() {
         let shape = preset.shape();
         let w = BlockWeights::from_seed(&shape, 4).unwrap();
         let x = random_input(&shape, 4).unwrap().to_device(&device).unwrap();
-        let run = |spec: StageSpec, req| {
-            let plan = spec.plan(&device, &info, shape, req).unwrap();
-            ((spec.build)(&w, &plan).unwrap().forward(&x).unwrap(), (spec.implementation)(&plan))
+        let run = |spec: &dyn Stage, req| {
+            let plan = plan_alone(spec, &device, &info, shape, req).unwrap();
+            (spec.build(&w, &plan).unwrap().forward(&x).unwrap(), spec.implementation(&plan))
         };
-        let (reference, _) = run(StageSpec::of::<stage0_baseline::Block>(), PrecisionRequest::Auto);
+        let (reference, _) = run(&stage0_baseline::Baseline, PrecisionRequest::Auto);
         for p in [Precision::Bf16, Precision::F16] {
-            let (y, imp) = run(StageSpec::of::<stage2_sdpa::Block>(), PrecisionRequest::Exactly(p));
+            let (y, imp) = run(&stage2_sdpa::Sdpa::default(), PrecisionRequest::Exactly(p));
             assert_eq!(imp.as_deref(), Some(Implementation::cuda().name()));
             let c = compare(&y, &reference, p).unwrap();
             assert!(c.passed, "{preset:?} {p}: {c:?}");

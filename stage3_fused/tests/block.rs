@@ -3,8 +3,9 @@
 
 use shared::check::compare;
 use shared::device::{select, DeviceRequest};
+use shared::stage::plan_alone;
 use shared::weights::random_input;
-use shared::{BlockWeights, Precision, PrecisionRequest, Preset, StageSpec};
+use shared::{BlockWeights, Precision, PrecisionRequest, Preset, Stage};
 
 #[test]
 fn block_matches_reference_on_tiny() {
@@ -12,13 +13,13 @@ fn block_matches_reference_on_tiny() {
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
     let w = BlockWeights::from_seed(&shape, 8).unwrap();
     let x = random_input(&shape, 8).unwrap();
-    let run = |spec: StageSpec, req| {
-        let plan = spec.plan(&device, &info, shape, req).unwrap();
-        ((spec.build)(&w, &plan).unwrap().forward(&x).unwrap(), plan.precision)
+    let run = |spec: &dyn Stage, req| {
+        let plan = plan_alone(spec, &device, &info, shape, req).unwrap();
+        (spec.build(&w, &plan).unwrap().forward(&x).unwrap(), plan.precision)
     };
-    let (reference, _) = run(StageSpec::of::<stage0_baseline::Block>(), PrecisionRequest::Auto);
+    let (reference, _) = run(&stage0_baseline::Baseline, PrecisionRequest::Auto);
     for p in [Precision::Fp32, Precision::Bf16, Precision::F16] {
-        let (y, got) = run(StageSpec::of::<stage3_fused::Block>(), PrecisionRequest::Exactly(p));
+        let (y, got) = run(&stage3_fused::Fused::default(), PrecisionRequest::Exactly(p));
         assert_eq!(got, p);
         let c = compare(&y, &reference, p).unwrap();
         assert!(c.passed, "{p}: {c:?}");
@@ -26,7 +27,7 @@ fn block_matches_reference_on_tiny() {
             // Not vacuous: reduced precision shows up in the error.
             assert!(c.rel_err > 1e-6, "{p}: {c:?}");
         }
-        let (y2, _) = run(StageSpec::of::<stage2_sdpa::Block>(), PrecisionRequest::Exactly(p));
+        let (y2, _) = run(&stage2_sdpa::Sdpa::default(), PrecisionRequest::Exactly(p));
         let c = compare(&y, &y2, p).unwrap();
         assert!(c.passed, "stage 3 vs stage 2 at {p}: {c:?}");
     }
@@ -37,7 +38,7 @@ fn fp32_on_cuda_is_refused_not_mislabelled() {
     // Simulated Hopper: cudarc's cuBLASLt f32 GEMM computes in TF32, so fp32 must be refused.
     // (Stage 2's fused attention, bf16/f16 only on CUDA, may refuse first; either way: exit 2, a fix.)
     let h100 = shared::device::DeviceInfo::simulated_cuda("NVIDIA H100 80GB HBM3", (9, 0));
-    let e = <stage3_fused::Block as shared::Stage>::choose_precision(&h100, PrecisionRequest::Exactly(Precision::Fp32)).unwrap_err();
+    let e = stage3_fused::Fused::default().choose_precision(&h100, PrecisionRequest::Exactly(Precision::Fp32)).unwrap_err();
     assert!(e.to_string().contains("Fix:"), "{e}");
 }
 
@@ -45,21 +46,20 @@ fn fp32_on_cuda_is_refused_not_mislabelled() {
 fn each_fusion_switched_off_alone_computes_the_same_block() {
     // --fusions / ladder --ablate: every combination of one fusion off (and all off) matches the
     // reference and the block with every fusion on, at fp32 and bf16.
-    use shared::{Fusions, StageOptions};
+    use stage3_fused::{Fused, Fusions};
     let shape = Preset::Tiny.shape();
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
     let w = BlockWeights::from_seed(&shape, 9).unwrap();
     let x = random_input(&shape, 9).unwrap();
-    let spec = StageSpec::of::<stage3_fused::Block>();
     let run = |p: Precision, fusions: Fusions| {
-        let options = StageOptions { fusions, ..StageOptions::default() };
-        let plan = spec.plan_with(&device, &info, shape, PrecisionRequest::Exactly(p), options).unwrap();
-        let label = (spec.implementation)(&plan).unwrap();
-        ((spec.build)(&w, &plan).unwrap().forward(&x).unwrap(), label)
+        let spec = Fused { fusions, ..Fused::default() };
+        let plan = plan_alone(&spec, &device, &info, shape, PrecisionRequest::Exactly(p)).unwrap();
+        let label = spec.implementation(&plan).unwrap();
+        (spec.build(&w, &plan).unwrap().forward(&x).unwrap(), label)
     };
     let reference = {
-        let s0 = StageSpec::of::<stage0_baseline::Block>();
-        (s0.build)(&w, &s0.plan(&device, &info, shape, PrecisionRequest::Auto).unwrap()).unwrap().forward(&x).unwrap()
+        let s0 = &stage0_baseline::Baseline;
+        s0.build(&w, &plan_alone(s0, &device, &info, shape, PrecisionRequest::Auto).unwrap()).unwrap().forward(&x).unwrap()
     };
     for p in [Precision::Fp32, Precision::Bf16] {
         let (all, label) = run(p, Fusions::ALL);
@@ -78,16 +78,14 @@ fn each_fusion_switched_off_alone_computes_the_same_block() {
 
 #[test]
 fn the_copies_kept_variant_of_stage_2_computes_the_same_block() {
-    use shared::StageOptions;
     let shape = Preset::Tiny.shape();
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
     let w = BlockWeights::from_seed(&shape, 10).unwrap();
     let x = random_input(&shape, 10).unwrap();
-    let spec = StageSpec::of::<stage2_sdpa::Block>();
     let run = |copies: bool| {
-        let options = StageOptions { attention_copies: copies, ..StageOptions::default() };
-        let plan = spec.plan_with(&device, &info, shape, PrecisionRequest::Auto, options).unwrap();
-        ((spec.build)(&w, &plan).unwrap().forward(&x).unwrap(), (spec.implementation)(&plan).unwrap())
+        let spec = stage2_sdpa::Sdpa { copies, ..Default::default() };
+        let plan = plan_alone(&spec, &device, &info, shape, PrecisionRequest::Auto).unwrap();
+        (spec.build(&w, &plan).unwrap().forward(&x).unwrap(), spec.implementation(&plan).unwrap())
     };
     let ((y, plain), (y_copies, label)) = (run(false), run(true));
     assert!(label.ends_with("head split/merge copies kept") && !plain.contains("copies"), "{label}");
@@ -98,24 +96,23 @@ fn the_copies_kept_variant_of_stage_2_computes_the_same_block() {
 
 #[test]
 fn with_every_fusion_off_stage_3_computes_exactly_what_stage_2_computes() {
-    // Each slow twin is what stage 2 runs for that part (issue 23): stage 3 with all four fusions
+    // Each slow twin is what stage 2 runs for that part: stage 3 with all four fusions
     // off must then produce stage 2's output bit for bit, on the same weights and input, at fp32
     // and at bf16 (where the casts are part of the ops). Any other op, order or formula in a
     // twin (another GELU, a threaded LayerNorm, a different cast) would change some bits.
-    use shared::{Fusions, StageOptions};
+    use stage3_fused::{Fused, Fusions};
     let shape = Preset::Tiny.shape();
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
     let w = BlockWeights::from_seed(&shape, 10).unwrap();
     let x = random_input(&shape, 10).unwrap();
     for p in [Precision::Fp32, Precision::Bf16] {
-        let run = |spec: StageSpec, fusions: Fusions| {
-            let options = StageOptions { fusions, ..StageOptions::default() };
-            let plan = spec.plan_with(&device, &info, shape, PrecisionRequest::Exactly(p), options).unwrap();
-            (spec.build)(&w, &plan).unwrap().forward(&x).unwrap().to_dtype(candle_core::DType::F32).unwrap()
+        let run = |spec: &dyn Stage| {
+            let plan = plan_alone(spec, &device, &info, shape, PrecisionRequest::Exactly(p)).unwrap();
+            spec.build(&w, &plan).unwrap().forward(&x).unwrap().to_dtype(candle_core::DType::F32).unwrap()
         };
-        let stage2 = run(StageSpec::of::<stage2_sdpa::Block>(), Fusions::ALL).flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let unfused = run(StageSpec::of::<stage3_fused::Block>(), Fusions::NONE).flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let fused = run(StageSpec::of::<stage3_fused::Block>(), Fusions::ALL).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let stage2 = run(&stage2_sdpa::Sdpa::default()).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let unfused = run(&Fused { fusions: Fusions::NONE, ..Fused::default() }).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let fused = run(&Fused::default()).flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
         assert_eq!(bits(&unfused), bits(&stage2), "{p}: stage 3 with every fusion off is not stage 2's computation");
         // Not vacuous: the fusions do change the arithmetic (another GELU evaluation, one-pass

@@ -38,7 +38,7 @@
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use rayon::prelude::*;
-use shared::{Fp8Recipe, SpeedkitError};
+use shared::SpeedkitError;
 use stage2_sdpa::elementwise::Elementwise;
 use std::sync::Mutex;
 
@@ -267,6 +267,25 @@ impl Input {
             Input::Plain(x) => Input::Plain(x.clone()),
             Input::Fp8(q) => Input::Fp8(Quantized { scale: q.scale.copy()?, ..q.clone() }),
         })
+    }
+}
+
+/// How the scale of each activation quantised to FP8 is picked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fp8Recipe {
+    /// From the amax of the last calls (a rolling history), TransformerEngine's default.
+    #[default]
+    Delayed,
+    /// From the amax of the very tensor being quantised: one extra reduction per GEMM.
+    Current,
+}
+
+impl Fp8Recipe {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Recipe::Delayed => "delayed",
+            Fp8Recipe::Current => "current",
+        }
     }
 }
 

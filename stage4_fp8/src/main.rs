@@ -1,3 +1,3 @@
 fn main() -> std::process::ExitCode {
-    shared::runner::main::<stage4_fp8::Block, stage0_baseline::Block>()
+    shared::runner::main(&[stage0_baseline::STAGE, stage1_tensorcore::STAGE, stage2_sdpa::STAGE, stage3_fused::STAGE, stage4_fp8::STAGE])
 }

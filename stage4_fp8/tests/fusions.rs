@@ -1,4 +1,4 @@
-//! Stage 4's producer fusions (`--fp8-fusions ln,fc1`, issue 20) on the CPU emulation: the
+//! Stage 4's producer fusions (`--fp8-fusions ln,fc1`) on the CPU emulation: the
 //! LayerNorms and fc1 hand the next GEMM its input already in E4M3, quantised from their f32
 //! output with the GEMM's delayed scale, and record its amax in the GEMM's history. Checked:
 //! fused against unfused (exactly equal at f32 activations, within a derived bound at bf16), the
@@ -8,15 +8,17 @@
 use candle_core::{DType, Tensor};
 use shared::check::compare_within;
 use shared::device::{select, DeviceRequest};
+use shared::stage::plan;
 use shared::weights::{random_input, SplitMix64};
-use shared::{BlockWeights, Fp8Fusions, Fp8Recipe, Precision, PrecisionRequest, Preset, Shape, Stage, StageOptions, StageSpec};
-use stage4_fp8::{Block, TWIN_TOLERANCE};
+use shared::{BlockWeights, Forward, Precision, PrecisionRequest, Preset, Shape, Stage};
+use stage4_fp8::fp8::Fp8Recipe;
+use stage4_fp8::{Args, Block, Fp8, Fp8Fusions, TWIN_TOLERANCE};
 
 fn block(shape: Shape, seed: u64, fp8_fusions: Fp8Fusions, requested: PrecisionRequest) -> Block {
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
-    let options = StageOptions { fp8_fusions: Some(fp8_fusions), requested, ..StageOptions::default() };
-    let plan = StageSpec::of::<Block>().plan_with(&device, &info, shape, PrecisionRequest::Auto, options).unwrap();
-    Block::build(&BlockWeights::from_seed(&shape, seed).unwrap(), &plan).unwrap()
+    let stage = Fp8 { args: Args { fp8_fusions: Some(fp8_fusions), ..Args::default() }, ..Fp8::default() };
+    let plan = plan(&stage, &device, &info, shape, PrecisionRequest::Auto, requested, false).unwrap();
+    Block::build(&BlockWeights::from_seed(&shape, seed).unwrap(), &plan, &stage).unwrap()
 }
 
 /// Three forwards on inputs of different magnitudes (so the delayed scales move): the outputs
@@ -128,14 +130,12 @@ fn the_twin_checks_hold_with_the_fusions_on() {
 #[test]
 fn current_scaling_refuses_an_explicit_fusion() {
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
-    let plan = |fp8_fusions| {
-        let options = StageOptions { fp8_recipe: Fp8Recipe::Current, fp8_fusions, ..StageOptions::default() };
-        StageSpec::of::<Block>().plan_with(&device, &info, Preset::Tiny.shape(), PrecisionRequest::Auto, options)
-    };
+    let stage = |fp8_fusions| Fp8 { args: Args { fp8_recipe: Fp8Recipe::Current, fp8_fusions, ..Args::default() }, ..Fp8::default() };
+    let plan = |fp8_fusions| shared::stage::plan_alone(&stage(fp8_fusions), &device, &info, Preset::Tiny.shape(), PrecisionRequest::Auto);
     let e = plan(Some(Fp8Fusions::ALL.without("ln"))).unwrap_err();
     assert!(matches!(e, shared::SpeedkitError::Usage(_)) && e.to_string().contains("Fix:"), "{e}");
     let ok = plan(None).unwrap();
-    assert!((StageSpec::of::<Block>().implementation)(&ok).unwrap().ends_with("fp8 fusions none"));
+    assert!(stage(None).implementation(&ok).unwrap().ends_with("fp8 fusions none"));
     assert!(plan(Some(Fp8Fusions::NONE)).is_ok());
     // the binary: exit 2, one paragraph naming the flag and the fix, before any work
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_stage4_fp8"))

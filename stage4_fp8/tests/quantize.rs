@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use proptest::prelude::*;
-use shared::Fp8Recipe;
+use stage4_fp8::fp8::Fp8Recipe;
 use stage4_fp8::fp8::{amax, dequantize, quantize, scale_from_amax, Fp8Linear, Fp8Mode, Fp8Tensor, ScaleState, ScalingConfig, E4M3_MAX};
 
 fn t(v: &[f32]) -> Tensor {

@@ -1,0 +1,103 @@
+//! The rows of `ladder selftest`: each GPU building block alone, on small shapes, against its
+//! CPU twin. Each stage adds the rows of its own blocks (`Stage::selftest`); the ladder runs
+//! them and writes the report (ladder/src/selftest.rs).
+
+use crate::check::compare_within;
+use crate::weights::SplitMix64;
+use candle_core::{Device, Tensor};
+use serde::Serialize;
+
+/// One row of the table.
+#[derive(Clone, Debug, Serialize)]
+pub struct Check {
+    pub block: String,
+    pub case: String,
+    /// What ran: "cuda", or the CPU stand-in's name.
+    pub ran: String,
+    /// "pass", "FAIL", "skipped" or "error".
+    pub status: String,
+    pub rel_err: Option<f64>,
+    pub tolerance: Option<f64>,
+    /// The error message, the skip reason, or a note.
+    pub detail: String,
+}
+
+/// The rows of `ladder selftest` as they are made: each stage's `Stage::selftest` adds its own.
+pub struct Rows {
+    pub rows: Vec<Check>,
+    /// What the next rows ran on: "cuda", or the CPU stand-in's name.
+    pub ran: String,
+}
+
+impl Rows {
+    /// Record a comparison: pass when rel. error < tolerance and all values finite.
+    pub fn compare(&mut self, block: &str, case: String, f: impl FnOnce() -> anyhow::Result<(Tensor, Tensor, f64)>) {
+        let row = match f() {
+            Ok((got, want, tol)) => match compare_within(&got, &want, tol) {
+                Ok(c) => Check {
+                    block: block.into(),
+                    case,
+                    ran: self.ran.clone(),
+                    status: if c.passed { "pass" } else { "FAIL" }.into(),
+                    rel_err: Some(c.rel_err),
+                    tolerance: Some(tol),
+                    detail: if c.non_finite > 0 { format!("{} values NaN or infinite", c.non_finite) } else { String::new() },
+                },
+                Err(e) => self.error(block, case, e.into()),
+            },
+            Err(e) => self.error(block, case, e),
+        };
+        self.rows.push(row);
+    }
+
+    /// Any error is a failure, whatever its kind: on the first H100 run a CUDA error wrapped as
+    /// "cannot run here" showed as skipped. Only `skip` skips.
+    pub fn error(&self, block: &str, case: String, e: anyhow::Error) -> Check {
+        Check {
+            block: block.into(),
+            case,
+            ran: self.ran.clone(),
+            status: "error".into(),
+            rel_err: None,
+            tolerance: None,
+            detail: message(&e),
+        }
+    }
+
+    /// A row this device cannot run because it lacks the hardware feature (`why` names it, e.g.
+    /// FP8 tensor cores below SM 8.9). Nothing else is a skip.
+    pub fn skip(&mut self, block: &str, case: String, why: String) {
+        let row = Check {
+            block: block.into(),
+            case,
+            ran: self.ran.clone(),
+            status: "skipped".into(),
+            rel_err: None,
+            tolerance: None,
+            detail: crate::error::strip_backtrace(&why),
+        };
+        self.rows.push(row);
+    }
+
+    pub fn outcome(&mut self, block: &str, case: String, r: anyhow::Result<String>) {
+        let row = match r {
+            Ok(detail) => {
+                Check { block: block.into(), case, ran: self.ran.clone(), status: "pass".into(), rel_err: None, tolerance: None, detail }
+            }
+            Err(e) => self.error(block, case, e),
+        };
+        self.rows.push(row);
+    }
+}
+
+/// An error as one paragraph for the table and the JSON: no backtrace (candle appends one to
+/// its errors' text when RUST_BACKTRACE is set, 20 lines per cell on the H100 run).
+pub fn message(e: &anyhow::Error) -> String {
+    crate::error::strip_backtrace(&format!("{e:#}"))
+}
+
+pub fn randn(dims: &[usize], seed: u64, scale: f32, offset: f32) -> candle_core::Result<Tensor> {
+    let n = dims.iter().product();
+    let v: Vec<f32> = SplitMix64::new(seed).normals(n).into_iter().map(|x| x * scale + offset).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu)
+}

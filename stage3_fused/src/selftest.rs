@@ -1,0 +1,124 @@
+//! Stage 3's rows of `ladder selftest`: the cuBLASLt epilogues and the LayerNorm kernels
+//! alone, against stage 0's ops (on the CPU: the argument builders run by the cuBLASLt
+//! contract model, and the CPU fused ops).
+
+use candle_core::{DType, Device, Tensor};
+use shared::selftest::{randn, Rows};
+
+pub fn epilogues(r: &mut Rows, device: &Device) {
+    use crate::cublaslt_model::{matmul, DataType};
+    use crate::gemm_args::{linear_args, LinearKind};
+    if !device.is_cuda() {
+        r.ran = "cublaslt_model(linear_args)".into();
+    }
+    // M = 80 tokens, non-square.
+    let (bsz, t, k, n) = (2, 40, 96, 80);
+    // (name, kind, GEMM dtype, residual dtype): the residual rides in C when its dtype is the GEMM's.
+    let cases = [
+        ("bias", LinearKind::Bias, DType::BF16, None),
+        ("bias+gelu", LinearKind::BiasGelu, DType::BF16, None),
+        ("bias+gelu", LinearKind::BiasGelu, DType::F16, None),
+        ("bias+residual in C (beta=1)", LinearKind::BiasResidualInC, DType::BF16, Some(DType::BF16)),
+        ("bias, f32 residual after", LinearKind::Bias, DType::BF16, Some(DType::F32)),
+        ("bias (tf32)", LinearKind::Bias, DType::F32, None),
+    ];
+    for (name, kind, dtype, residual) in cases {
+        let case = format!("{name} {dtype:?} M={} K={k} N={n}", bsz * t);
+        r.compare("cuBLASLt epilogue", case, || {
+            let (x, w, b, res) = (
+                randn(&[bsz, t, k], 4, 1.0, 0.0)?,
+                randn(&[n, k], 5, 0.1, 0.0)?,
+                randn(&[n], 6, 0.1, 0.0)?,
+                randn(&[bsz, t, n], 7, 1.0, 0.0)?,
+            );
+            // Inputs rounded to the GEMM's dtype on both sides; the twin computes in f32.
+            let round = |x: &Tensor| x.to_dtype(dtype)?.to_dtype(DType::F32);
+            let (x, w, b) = (round(&x)?, round(&w)?, round(&b)?);
+            let res = match residual {
+                Some(rd) => Some(res.to_dtype(rd)?.to_dtype(DType::F32)?),
+                None => None,
+            };
+            let mut want = stage0_baseline::linear(&x, &w, &b)?;
+            if kind == LinearKind::BiasGelu {
+                want = stage0_baseline::gelu_tanh(&want)?;
+            }
+            if let Some(res) = &res {
+                want = (want + res)?;
+            }
+            let tol = match dtype {
+                DType::BF16 => 1e-2,
+                DType::F16 => 2e-3,
+                _ => 5e-3, // TF32: 10-bit mantissa inputs
+            };
+            if device.is_cuda() {
+                let on = |x: &Tensor| x.to_dtype(dtype)?.to_device(device);
+                let (xd, wd, bd) = (on(&x)?, on(&w)?, on(&b)?);
+                let got = match (kind, &res) {
+                    (LinearKind::BiasGelu, _) => crate::ops::linear_bias_gelu(&xd, &wd, &bd)?,
+                    (_, Some(res)) => {
+                        let rd = res.to_dtype(residual.unwrap_or(DType::F32))?.to_device(device)?;
+                        crate::ops::linear_bias_residual(&xd, &wd, &bd, &rd)?
+                    }
+                    _ => crate::ops::linear_bias(&xd, &wd, &bd)?,
+                };
+                return Ok((got, want, tol));
+            }
+            let model_dtype = match dtype {
+                DType::BF16 => DataType::Bf16,
+                DType::F16 => DataType::F16,
+                _ => DataType::F32,
+            };
+            let m = bsz * t;
+            let args = linear_args(m, k, n, model_dtype, kind);
+            let host = |x: &Tensor| -> candle_core::Result<Vec<f32>> { x.flatten_all()?.to_vec1() };
+            let mut d = match (kind, &res) {
+                (LinearKind::BiasResidualInC, Some(res)) => {
+                    matmul(&args, &host(&w)?, &host(&x)?, Some(&host(res)?), Some(&host(&b)?), (1.0, 1.0))
+                }
+                _ => matmul(&args, &host(&w)?, &host(&x)?, None, Some(&host(&b)?), (1.0, 1.0)),
+            }
+            .map_err(anyhow::Error::msg)?;
+            if let (LinearKind::Bias, Some(res)) = (kind, &res) {
+                d.iter_mut().zip(host(res)?).for_each(|(d, r)| *d += r); // cuda.rs adds it after, in f32
+            }
+            Ok((Tensor::from_vec(d, (bsz, t, n), &Device::Cpu)?, want, tol))
+        });
+    }
+}
+
+pub fn layer_norms(r: &mut Rows, device: &Device) {
+    if !device.is_cuda() {
+        r.ran = "cpu fused ops (the .cu: host emulation, run.sh)".into();
+    }
+    // C = 257: not a multiple of the 256 threads; mean 1e4: where a one-pass variance cancels.
+    for mean in [0.0f32, 1e4] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for add in [false, true] {
+                let name = if add { "add_layer_norm" } else { "layer_norm" };
+                let case = format!("{name} {dtype:?} rows=5 C=257 row mean {mean}");
+                r.compare("NVRTC kernel", case, || {
+                    let (g, b) = (randn(&[257], 12, 0.1, 1.0)?, randn(&[257], 13, 0.1, 0.0)?);
+                    let x = randn(&[5, 257], 14, 1.0, mean)?;
+                    let br = randn(&[5, 257], 15, 1.0, 0.0)?.to_dtype(dtype)?;
+                    let sum = if add { (&x + br.to_dtype(DType::F32)?)? } else { x.clone() };
+                    let want = stage0_baseline::layer_norm(&sum, &g, &b)?.to_dtype(dtype)?;
+                    // f32: the input's own rounding at 1e4 (ulp 1e-3) against a spread of 1 bounds any f32 LayerNorm
+                    let tol = match dtype {
+                        DType::BF16 => 1e-2,
+                        DType::F16 => 2e-3,
+                        _ if mean > 0.0 => 5e-3,
+                        _ => 1e-5,
+                    };
+                    let on = |t: &Tensor| t.to_device(device);
+                    let (xd, gd, bd) = (on(&x)?, on(&g)?, on(&b)?);
+                    let got = if add {
+                        crate::ops::add_layer_norm(&xd, &on(&br)?, &gd, &bd)?.1
+                    } else {
+                        crate::ops::layer_norm(&xd, &gd, &bd, dtype)?
+                    };
+                    Ok((got, want, tol))
+                });
+            }
+        }
+    }
+}
