@@ -46,11 +46,8 @@ fn absolute(path: &Path) -> PathBuf {
     let mut out = PathBuf::new();
     for c in std::env::current_dir().unwrap_or_default().join(path).components() {
         match c {
-            Component::ParentDir => {
-                out.pop();
-            }
-            Component::CurDir => {}
-            c => out.push(c),
+            Component::ParentDir => _ = out.pop(),
+            c => out.push(c), // `components` has already dropped every "." but a leading one
         }
     }
     out
@@ -152,7 +149,12 @@ impl Output {
     /// Write `bytes` by the policy; the error names the flag, the path and a fix (exit 2).
     pub fn write(&self, bytes: &[u8]) -> Result<(), SpeedkitError> {
         replace(&self.target, bytes).map_err(|e| {
-            refuse(&self.flag, &self.path, &format!("writing failed ({e}); the file there is as it was, and no temp file is left"), fix_for(&e))
+            refuse(
+                &self.flag,
+                &self.path,
+                &format!("writing failed ({e}); the file there is as it was, and no temp file is left"),
+                fix_for(&e),
+            )
         })
     }
 }
