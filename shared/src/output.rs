@@ -149,12 +149,7 @@ impl Output {
     /// Write `bytes` by the policy; the error names the flag, the path and a fix (exit 2).
     pub fn write(&self, bytes: &[u8]) -> Result<(), SpeedkitError> {
         replace(&self.target, bytes).map_err(|e| {
-            refuse(
-                &self.flag,
-                &self.path,
-                &format!("writing failed ({e}); the file there is as it was, and no temp file is left"),
-                fix_for(&e),
-            )
+            refuse(&self.flag, &self.path, &format!("writing failed ({e}); the old file is intact, no temp file left"), fix_for(&e))
         })
     }
 }
