@@ -764,12 +764,7 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         };
         write_text(path, &svg, "--svg")?;
         println!("\nsaved     chart to {}", path.display());
-        if shared::output::is_stream_target(path) {
-            println!(
-                "note      no roofline or breakdown chart: --svg {} is a stream, and a stream gets no files beside it",
-                path.display()
-            );
-        } else if let Results::Ladder(r) = results {
+        if let Results::Ladder(r) = results {
             // Beside the bar chart, from the same report: the roofline, and the breakdown if recorded.
             let beside = |what: &str| PathBuf::from(render::sibling(&path.to_string_lossy(), what));
             let roofline = beside("roofline");
@@ -862,14 +857,18 @@ fn check_outputs(
     list.retain(|(flag, _)| *flag != "--json");
     list.extend(json.map(|p| (json_flag, p)));
     list.extend(svg.map(|p| ("--svg", p)));
-    // The roofline and breakdown charts are written beside the bar chart (`render::sibling`),
-    // unless it goes to a stream (/dev/stdout), which gets no sibling files.
+    // The roofline and breakdown charts are written beside the bar chart (`render::sibling`).
     let beside: Vec<PathBuf> = svg.iter().flat_map(|p| chart_siblings(p)).collect();
     list.extend(beside.iter().map(|p| ("--svg (the chart beside it)", p.as_path())));
+    // Every docs page is read now (a bad one is refused before the run), but only the pages
+    // citing the JSON the citations come from (the run's, or the one `render --from` reads)
+    // can be rewritten, so only those are outputs.
     let pages = if out.update_readme { doc_pages(&out.readme, true)? } else { Vec::new() };
+    let cited = json.or_else(|| inputs.iter().find(|(flag, _)| *flag == "--from").map(|(_, p)| *p));
+    let link = cited.and_then(|p| link_from_readme(&out.readme, "--json", p).ok()).map(|l| format!("../{l}"));
     if out.update_readme {
         list.push(("--readme", out.readme.as_path()));
-        list.extend(pages.iter().map(|(p, _)| ("--update-readme (a docs page)", p.as_path())));
+        list.extend(citing_pages(&pages, link.as_deref()).into_iter().map(|p| ("--update-readme (a docs page)", p)));
     }
     let checked = shared::output::check_all(&list)?;
     shared::output::check_not_inputs(&checked, inputs)?;
@@ -884,12 +883,16 @@ fn check_outputs(
     Ok(())
 }
 
-/// The charts written beside the bar chart at `svg`: none beside a stream such as /dev/stdout.
+/// The charts written beside the bar chart at `svg`.
 fn chart_siblings(svg: &Path) -> Vec<PathBuf> {
-    if shared::output::is_stream_target(svg) {
-        return Vec::new();
-    }
     ["roofline", "breakdown"].map(|w| PathBuf::from(render::sibling(&svg.to_string_lossy(), w))).to_vec()
+}
+
+/// The pages among `pages` that cite `json_link` (as a docs page links it, `../results/...`):
+/// the only ones `update_doc_citations` may rewrite.
+fn citing_pages<'a>(pages: &'a [(PathBuf, String)], json_link: Option<&str>) -> Vec<&'a Path> {
+    let cites = |text: &str| cite::find(text).iter().any(|c| Some(c.json.as_str()) == json_link);
+    pages.iter().filter(|(_, text)| cites(text)).map(|(p, _)| p.as_path()).collect()
 }
 
 /// The docs/*.md pages beside the README whose cited numbers --update-readme rewrites, read and

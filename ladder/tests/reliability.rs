@@ -170,8 +170,7 @@ fn class_b_report_fit_checks_before_probing() {
     assert!(o.text.contains("ceiling probe") && o.text.contains("memory") && !o.text.contains("memory allocation"), "{}", o.text);
 }
 
-// Issue 19, class C: a JSON named like a sibling chart is an input, never overwritten; a
-// stream --svg gets no sibling files.
+// Issue 19, class C: a JSON named like a sibling chart is an input, never overwritten.
 #[test]
 fn class_c_outputs_never_overwrite_the_from_file() {
     let d = scratch("r3c");
@@ -182,13 +181,6 @@ fn class_c_outputs_never_overwrite_the_from_file() {
     assert!(o.text.contains("--from"), "{}", o.text);
     assert_eq!(std::fs::read(d.join("run-roofline.svg")).unwrap(), json, "the input was overwritten");
     assert!(!d.join("run.svg").exists(), "written before the refusal");
-    std::fs::write(d.join("run.json"), &json).unwrap();
-    let stray = Path::new("/dev/stdout-roofline.svg");
-    let existed = stray.exists();
-    let o = ladder_in(&d, &["render", "--from", "run.json", "--svg", "/dev/stdout"]);
-    assert_eq!(o.code, Some(0), "{}", o.text);
-    assert!(o.text.contains("<svg") && o.text.contains("a stream gets no files beside it"), "{}", o.text);
-    assert!(existed || !stray.exists(), "a sibling chart was written beside /dev/stdout");
 }
 
 // Issue 19, class D: every docs page --update-readme touches is checked before anything is
@@ -214,6 +206,41 @@ fn class_d_docs_pages_checked_up_front() {
     assert_eq!(o.code, Some(0), "{}", o.text);
     assert!(o.text.contains("skipping") && o.text.contains("fifo.md") && o.text.contains("folder.md"), "{}", o.text);
     assert!(d.join("results/ladder-cpu.svg").exists());
+}
+
+// With --update-readme only the docs pages that cite the JSON are outputs: a read-only page
+// citing nothing, or another run's JSON, does not stop it; a read-only page citing this JSON is
+// refused before anything is written. Read-only means no write bit, refused for root too, so
+// this holds where CI runs as root.
+#[test]
+fn update_readme_outputs_only_the_pages_it_rewrites() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = scratch("pages");
+    std::fs::create_dir_all(d.join("docs")).unwrap();
+    std::fs::create_dir_all(d.join("results")).unwrap();
+    let readme = "# t\n<!-- results:begin -->\nold\n<!-- results:end -->\n";
+    std::fs::write(d.join("README.md"), readme).unwrap();
+    write_json(&d.join("results/run.json"), &recorded());
+    let read_only = |name: &str, text: &str| {
+        let p = d.join("docs").join(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o444)).unwrap();
+    };
+    let plain = "# Notes\nNothing cited here, only [a link](other.md).\n";
+    read_only("plain.md", plain);
+    read_only("other.md", "[1 ms](../results/ladder-cuda.json \"records[0].timing.median_ms\") on another run.\n");
+    let args = ["render", "--from", "results/run.json", "--update-readme"];
+    let o = ladder_in(&d, &args);
+    assert_eq!(o.code, Some(0), "{}", o.text);
+    let rendered = std::fs::read_to_string(d.join("README.md")).unwrap();
+    assert!(rendered != readme && rendered.contains("results/run.json"), "{rendered}");
+    assert_eq!(std::fs::read_to_string(d.join("docs/plain.md")).unwrap(), plain);
+    read_only("cites.md", "Stage 0 takes [1 ms](../results/run.json \"records[0].timing.median_ms\").\n");
+    std::fs::remove_file(d.join("results/ladder-cpu.svg")).unwrap();
+    let o = ladder_in(&d, &args);
+    refused(&o);
+    assert!(o.text.contains("cites.md") && o.text.contains("read-only"), "{}", o.text);
+    assert!(!d.join("results/ladder-cpu.svg").exists(), "the chart was written before the refusal");
 }
 
 // Issue 19, class E: selftest's --json is checked before it runs; a refused --json gets a fix
