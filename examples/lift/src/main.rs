@@ -1,0 +1,85 @@
+//! `cargo run --release -p lift [-- --iters N]`: the same model, the same weights and the same
+//! tokens through candle-nn's ops and through the lifted ones; checks the logits agree, then
+//! times both. Plain `std::env` arguments: the lift needs no harness.
+
+use candle_core::{Device, Tensor};
+use candle_nn::VarBuilder;
+use lift::{random_tokens, random_weights, relative_error, Config, Gpt, Ops, TOLERANCE};
+use std::time::Instant;
+
+const B: usize = 2;
+const WARMUP: usize = 2;
+
+fn main() -> candle_core::Result<()> {
+    let iters = iters_from_args();
+    let (cfg, device) = (Config::small(), Device::Cpu);
+    let t = cfg.block_size;
+    let vb = VarBuilder::from_tensors(random_weights(&cfg, 0x5EED, &device)?, candle_core::DType::F32, &device);
+    let model = Gpt::load(&cfg, vb)?;
+    let idx = random_tokens(&cfg, (B, t), 0x70CE5, &device)?; // (B, T)
+    println!(
+        "lift: GPT-2-style model, {} layers, B={B} T={t} C={} n_head={} vocab={}, fp32, CPU ({} threads)",
+        cfg.n_layer,
+        cfg.n_embd,
+        cfg.n_head,
+        cfg.vocab,
+        candle_core::utils::get_num_threads()
+    );
+
+    // Check before timing: the lifted model must give candle-nn's logits.
+    let err = relative_error(&model.forward(&idx, Ops::Lifted)?, &model.forward(&idx, Ops::Candle)?)?;
+    println!("check: ||y_lifted - y_candle|| / ||y_candle|| = {err:.1e} (tolerance {TOLERANCE:.0e})");
+    if err.is_nan() || err > TOLERANCE {
+        eprintln!(
+            "lift: the lifted model's logits differ from candle-nn's by {err:.1e} relative, above the fp32 tolerance \
+             {TOLERANCE:.0e}. Both run the same weights on the same tokens and differ only in summation order, which \
+             moves the logits by ~1e-6, so this is a real difference in what one op computes: a dropped bias, a \
+             LayerNorm ε other than stage 3's 1e-5, a mask or scale that differs, or a changed op layout. Nothing \
+             was timed. Fix: run `cargo test --release -p lift` and compare the op that changed with its candle-nn \
+             line in examples/lift/src/lib.rs (`impl Ops`)."
+        );
+        std::process::exit(1);
+    }
+
+    // Warm-up, then the two versions interleaved so drift (clock, other load) hits both alike.
+    let mut times = [Vec::new(), Vec::new()];
+    for i in 0..WARMUP + iters {
+        for (k, ops) in [Ops::Candle, Ops::Lifted].into_iter().enumerate() {
+            let start = Instant::now();
+            let y: Tensor = model.forward(&idx, ops)?; // the CPU ops run eagerly: done when it returns
+            let ms = start.elapsed().as_secs_f64() * 1e3;
+            drop(y);
+            if i >= WARMUP {
+                times[k].push(ms);
+            }
+        }
+    }
+    let stats = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[0], v[v.len() - 1])
+    };
+    let (candle, lifted) = (stats(&mut times[0]), stats(&mut times[1]));
+    for (name, (median, min, max)) in [("candle-nn ops", candle), ("lifted ops", lifted)] {
+        println!("{name:<14} median {median:7.2} ms  (min {min:.2}, max {max:.2}; {iters} iters after {WARMUP} warm-up)");
+    }
+    println!("speedup {:.2}x (median candle-nn / median lifted)", candle.0 / lifted.0);
+    Ok(())
+}
+
+/// `--iters N` (default 10); anything else is refused with a sentence.
+fn iters_from_args() -> usize {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.as_slice() {
+        [] => 10,
+        [flag, n] if flag == "--iters" => match n.parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => usage(&format!("--iters takes a positive whole number, got {n:?}")),
+        },
+        _ => usage(&format!("unknown arguments {args:?}")),
+    }
+}
+
+fn usage(why: &str) -> ! {
+    eprintln!("lift: {why}. Usage: cargo run --release -p lift [-- --iters N] (the shapes are Config::small in examples/lift/src/lib.rs).");
+    std::process::exit(2);
+}
