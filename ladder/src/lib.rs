@@ -176,7 +176,7 @@ pub fn run_measured(
     which: &[usize],
     m: Measure,
 ) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
-    let session = Session::open(args, all[0].as_ref())?;
+    let session = Session::open(args, default_stages()[0].as_ref())?; // the fp32 reference: STAGES[0] as written
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
     report.ceiling = session.ceiling.clone();
     let mut failure = None;

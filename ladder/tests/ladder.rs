@@ -180,10 +180,11 @@ fn breakdown_ablation_noise_and_roofline_end_to_end_on_tiny() {
         assert_eq!(r.timing.samples_ms.len(), 2, "{}", r.stage);
     }
 
-    // Ablation: stage 2 with its copies kept, stage 3 without each fusion, stage 4 without each
-    // of its FP8 producer fusions, each measured and checked, each priced against the stage as
-    // written. (Stage 2 runs candle's element-wise ops
-    // by default, as stage 1 does, so there is no element-wise row unless --elementwise parallel.)
+    // Ablation: stage 2 with its copies kept, stage 3 without each fusion and with threads and
+    // SIMD only (no fusion: the CPU's share of the step from 2 to 3 that is not fusion), stage 4
+    // without each of its FP8 producer fusions, each measured and checked, each priced against
+    // the stage as written. (Stage 2 runs candle's element-wise ops by default, as stage 1 does,
+    // so there is no element-wise row for it unless --elementwise parallel.)
     let changes: Vec<(&str, &str)> = report.ablation.iter().map(|a| (a.against.as_str(), a.change.as_str())).collect();
     assert_eq!(
         changes,
@@ -193,6 +194,7 @@ fn breakdown_ablation_noise_and_roofline_end_to_end_on_tiny() {
             ("stage3_fused", "without qkv"),
             ("stage3_fused", "without epilogue"),
             ("stage3_fused", "without add-ln"),
+            ("stage3_fused", "threads and SIMD only"),
             ("stage4_fp8", "without fp8 ln"),
             ("stage4_fp8", "without fp8 fc1"),
         ]
