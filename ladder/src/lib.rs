@@ -24,7 +24,7 @@ use shared::timing::Stats;
 use shared::weights::save_tensors;
 use shared::StageOptions;
 use shared::{PrecisionRequest, Shape, SpeedkitError, StageSpec};
-use stage2_sdpa::elementwise::Elementwise;
+use shared::Elementwise;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use sweep::Sweep;
@@ -190,7 +190,7 @@ pub fn run_stages(args: RunArgs, all: &[StageSpec], which: &[usize], m: Measure)
             entries.push(entry(i, StageOptions { attention_copies: true, ..base }, Some("head split/merge copies kept".into())));
             // Our attention kernel's second step undone: v1 (WMMA) where v2 runs by default.
             use stage2_sdpa::attention::Implementation;
-            if matches!(Implementation::for_run(&session.device, base.attention_kernel), Ok(Implementation::SpeedkitCuda)) {
+            if matches!(stage2_sdpa::harness::for_run(&session.device, base.attention_kernel), Ok(Implementation::SpeedkitCuda)) {
                 let v1 = Some(shared::AttentionKernel::V1);
                 entries.push(entry(i, StageOptions { attention_kernel: v1, ..base }, Some("v1 instead of v2".into())));
             }

@@ -19,7 +19,27 @@ use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
-pub use shared::Elementwise;
+/// Which unfused element-wise ops stage 2 runs on the CPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Elementwise {
+    /// This module: multi-threaded, vectorised, one pass per op.
+    Parallel,
+    /// candle's CPU ops (single-threaded), as stages 0–1 use: the default, so that stage 2
+    /// differs from stage 1 in its attention only.
+    #[default]
+    Candle,
+}
+
+/// The AVX-512 subsets gemm's x86-v4 kernels (pulp's V4 level) need, and that the bodies
+/// below are compiled for.
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512cd")
+        && std::arch::is_x86_feature_detected!("avx512dq")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+}
 
 /// LayerNorm's ε, as in GPT-2 (and stage 0).
 pub const LN_EPS: f64 = 1e-5;
@@ -42,7 +62,7 @@ fn level() -> Level {
     *LEVEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if shared::ceiling::has_avx512() {
+            if has_avx512() {
                 return Level::Avx512;
             }
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
@@ -218,7 +238,8 @@ pub fn to_dtype(x: &Tensor, dtype: DType, mode: Elementwise) -> candle_core::Res
     }
 }
 
-fn par_convert<S: Copy + Sync, D: Copy + Send + Default>(src: &[S], f: impl Fn(S) -> D + Sync) -> Vec<D> {
+/// `f` over `src` on all threads, into a new vector (the casts between f32 and bf16/f16).
+pub fn par_convert<S: Copy + Sync, D: Copy + Send + Default>(src: &[S], f: impl Fn(S) -> D + Sync) -> Vec<D> {
     let mut out = vec![D::default(); src.len()];
     out.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, &s)| *o = f(s)));
     out

@@ -29,7 +29,9 @@
 
 pub mod attention;
 pub mod attention_cuda;
+pub mod cubin;
 pub mod elementwise;
+pub mod harness;
 
 pub use attention::{attention, attention_with};
 
@@ -76,7 +78,7 @@ impl Stage for Block {
 
     fn choose_precision(info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
         let (p, why) = precision::choose(info, requested)?;
-        attention::check_device(info, p)?;
+        harness::check_device(info, p)?;
         Ok((p, why))
     }
 
@@ -85,7 +87,7 @@ impl Stage for Block {
     }
 
     fn estimate_bytes(shape: &Shape) -> u128 {
-        attention::estimate_fused_bytes(shape)
+        harness::estimate_fused_bytes(shape)
     }
 
     fn switches(plan: &Plan) -> GemmSwitches {
@@ -105,8 +107,8 @@ impl Stage for Block {
 
     fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
         Self::switches(plan).apply();
-        attention::check_head_size(&plan.device, plan.shape.d_head())?;
-        let attn = attention::Implementation::for_run(&plan.device, plan.options.attention_kernel)?;
+        attention::check_head_size(&plan.device, plan.shape.d_head()).map_err(SpeedkitError::usage)?;
+        let attn = harness::for_run(&plan.device, plan.options.attention_kernel)?;
         let c = plan.shape.d_model;
         let dt = precision::gemm_dtype(plan.precision);
         // Three separate projections, as in stages 0 and 1 (stage 3 fuses them).
@@ -131,7 +133,7 @@ impl Stage for Block {
             b_fc2: w.b_fc2.to_dtype(dt)?,
             n_head: plan.shape.n_head,
             dtype: dt,
-            ew: plan.options.elementwise,
+            ew: plan.options.elementwise.into(),
             copies: plan.options.attention_copies,
             attn,
         })
@@ -178,5 +180,5 @@ pub fn attention_with_copies(imp: attention::Implementation, q: &Tensor, k: &Ten
 /// The attention implementation a run of this plan uses, for its label and notes (`build`
 /// refuses a `--attention-kernel` this device cannot honour; the label then shows the default).
 pub fn attention_of(plan: &Plan) -> attention::Implementation {
-    attention::Implementation::for_run(&plan.device, plan.options.attention_kernel).unwrap_or(attention::Implementation::on(&plan.device))
+    harness::for_run(&plan.device, plan.options.attention_kernel).unwrap_or(attention::Implementation::on(&plan.device))
 }

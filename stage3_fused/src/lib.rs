@@ -104,7 +104,7 @@ impl Stage for Block {
     }
 
     fn estimate_bytes(shape: &Shape) -> u128 {
-        stage2_sdpa::attention::estimate_fused_bytes(shape)
+        stage2_sdpa::harness::estimate_fused_bytes(shape)
     }
 
     fn switches(plan: &Plan) -> GemmSwitches {
@@ -129,8 +129,8 @@ impl Stage for Block {
 
     fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
         Self::switches(plan).apply();
-        stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head())?;
-        let attn = attention::Implementation::for_run(&plan.device, plan.options.attention_kernel)?;
+        stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head()).map_err(SpeedkitError::usage)?;
+        let attn = stage2_sdpa::harness::for_run(&plan.device, plan.options.attention_kernel)?;
         let dt = precision::gemm_dtype(plan.precision);
         let c = plan.shape.d_model;
         let split_qkv = match plan.options.fusions.qkv {

@@ -167,7 +167,7 @@ impl Stage for Block {
             )));
         }
         // Stage 2's attention on CUDA, in bf16.
-        stage2_sdpa::attention::check_device(info, Precision::Bf16)?;
+        stage2_sdpa::harness::check_device(info, Precision::Bf16)?;
         // --cuda-graph with delayed scaling is fine: the history lives on the device and our
         // kernels update it in place (quant_cuda), so every replay advances it.
         if mode(plan) == Fp8Mode::Cublaslt {
@@ -192,7 +192,7 @@ impl Stage for Block {
     }
 
     fn estimate_bytes(shape: &Shape) -> u128 {
-        stage2_sdpa::attention::estimate_fused_bytes(shape)
+        stage2_sdpa::harness::estimate_fused_bytes(shape)
     }
 
     fn switches(_plan: &Plan) -> GemmSwitches {
@@ -214,8 +214,8 @@ impl Stage for Block {
 
     fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Self> {
         Self::switches(plan).apply();
-        stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head())?;
-        let attn = attention::Implementation::for_run(&plan.device, plan.options.attention_kernel)?;
+        stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head()).map_err(SpeedkitError::usage)?;
+        let attn = stage2_sdpa::harness::for_run(&plan.device, plan.options.attention_kernel)?;
         let (mode, scaling) = (mode(plan), ScalingConfig { recipe: plan.options.fp8_recipe, ..ScalingConfig::default() });
         let dtype = activation_dtype(plan).0;
         let fast_accum = plan.options.fp8_fast_accum == Fp8FastAccum::On;
