@@ -38,9 +38,54 @@
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use rayon::prelude::*;
-use shared::{Fp8Recipe, SpeedkitError};
 use stage2_sdpa::elementwise::Elementwise;
 use std::sync::Mutex;
+
+/// How an activation's FP8 scale is picked (the module notes above).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fp8Recipe {
+    /// From the amax of the last calls (a rolling history), TransformerEngine's default.
+    #[default]
+    Delayed,
+    /// From the amax of the very tensor being quantised: one extra reduction per GEMM.
+    Current,
+}
+
+impl Fp8Recipe {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Recipe::Delayed => "delayed",
+            Fp8Recipe::Current => "current",
+        }
+    }
+}
+
+/// Why an FP8 layer or tensor could not be made.
+#[derive(Debug)]
+pub enum Fp8Error {
+    /// The input cannot be run as asked (non-finite values, misaligned dimensions, a mode the
+    /// device lacks): one paragraph naming the cause and the fix.
+    Refused(String),
+    /// A candle op failed.
+    Candle(candle_core::Error),
+}
+
+impl std::fmt::Display for Fp8Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fp8Error::Refused(why) => f.write_str(why),
+            Fp8Error::Candle(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for Fp8Error {}
+
+impl From<candle_core::Error> for Fp8Error {
+    fn from(e: candle_core::Error) -> Self {
+        Fp8Error::Candle(e)
+    }
+}
 
 /// Largest finite E4M3 value.
 pub const E4M3_MAX: f32 = 448.0;
@@ -147,13 +192,13 @@ pub fn dequantize(q: &Tensor, scale: &Tensor, dtype: DType) -> candle_core::Resu
 
 /// Refuse a tensor holding NaN or ±inf: its amax, and so its scale, would not be a number.
 /// Reads the tensor on the host (build time, CPU, tests — not the CUDA hot path).
-pub fn check_finite(x: &Tensor, what: &str) -> Result<(), SpeedkitError> {
+pub fn check_finite(x: &Tensor, what: &str) -> Result<(), String> {
     if x.device().is_cpu() {
         // The common case, all finite, in one parallel pass without a copy; the slow path
         // below only runs to describe what it found.
         let all_finite = cpu_f32(x)
             .and_then(|x32| with_host(&x32, |v| v.par_chunks(CHUNK).all(|c| c.iter().all(|v| v.is_finite()))))
-            .map_err(|e| SpeedkitError::usage(format!("cannot read {what} to check it for FP8: {e}")))?;
+            .map_err(|e| format!("cannot read {what} to check it for FP8: {e}"))?;
         if all_finite {
             return Ok(());
         }
@@ -161,17 +206,17 @@ pub fn check_finite(x: &Tensor, what: &str) -> Result<(), SpeedkitError> {
     let values: Vec<f32> = x
         .to_dtype(DType::F32)
         .and_then(|t| t.flatten_all()?.to_vec1())
-        .map_err(|e| SpeedkitError::usage(format!("cannot read {what} to check it for FP8: {e}")))?;
+        .map_err(|e| format!("cannot read {what} to check it for FP8: {e}"))?;
     let bad = values.iter().filter(|v| !v.is_finite()).count();
     match values.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
-        Some(first) => Err(SpeedkitError::usage(format!(
+        Some(first) => Err(format!(
             "{what} holds {bad} NaN or infinite values (the first at flat index {first}, {}), so it cannot be \
              quantised to FP8: its per-tensor scale is amax / 448, and the amax of a tensor with NaN or inf is \
              not a finite number. Fix: find where the non-finite values come from (an overflow upstream, or a \
              --weights/--input file that holds them); FP8 needs finite inputs.",
             values[first]
-        ))),
+        )),
     }
 }
 
@@ -186,13 +231,10 @@ pub struct Fp8Tensor {
 
 impl Fp8Tensor {
     /// Current scaling, checked: what a weight gets, once, when a model is built.
-    pub fn quantize(x: &Tensor, margin: i32, what: &str) -> Result<Fp8Tensor, SpeedkitError> {
-        check_finite(x, what)?;
-        let q = || -> candle_core::Result<Fp8Tensor> {
-            let scale = scale_from_amax(&amax(x)?, margin)?;
-            Ok(Fp8Tensor { data: quantize(x, &scale)?, scale })
-        };
-        q().map_err(|e| SpeedkitError::usage(format!("cannot quantise {what} to FP8: {e}")))
+    pub fn quantize(x: &Tensor, margin: i32, what: &str) -> Result<Fp8Tensor, Fp8Error> {
+        check_finite(x, what).map_err(Fp8Error::Refused)?;
+        let scale = scale_from_amax(&amax(x)?, margin)?;
+        Ok(Fp8Tensor { data: quantize(x, &scale)?, scale })
     }
 
     pub fn dequantize(&self, dtype: DType) -> candle_core::Result<Tensor> {
@@ -312,11 +354,9 @@ pub struct ScaleState {
 }
 
 impl ScaleState {
-    pub fn new(config: ScalingConfig) -> Result<ScaleState, SpeedkitError> {
+    pub fn new(config: ScalingConfig) -> Result<ScaleState, String> {
         if config.history_len == 0 {
-            return Err(SpeedkitError::usage(
-                "an FP8 amax history of length 0 holds nothing to scale from. Fix: use a history_len of 1 or more.",
-            ));
+            return Err("an FP8 amax history of length 0 holds nothing to scale from. Fix: use a history_len of 1 or more.".into());
         }
         Ok(ScaleState {
             config,
@@ -479,9 +519,10 @@ pub enum Fp8Mode {
 ///
 /// ```no_run
 /// # use stage4_fp8::fp8::{Fp8Linear, Fp8Mode, ScalingConfig};
-/// # fn f(w: &candle_core::Tensor, b: &candle_core::Tensor, x: &candle_core::Tensor) -> anyhow::Result<()> {
+/// # use candle_nn::Module;
+/// # fn f(w: &candle_core::Tensor, b: &candle_core::Tensor, x: &candle_core::Tensor) -> Result<(), Box<dyn std::error::Error>> {
 /// let fc1 = Fp8Linear::new(w, b, true, Fp8Mode::Cublaslt, ScalingConfig::default(), "fc1")?; // W: (FF, C)
-/// let m = fc1.forward(x)?; // x: (B, T, C) bf16 → (B, T, FF) bf16, GELU applied
+/// let m = fc1.forward(x)?; // x: (B, T, C) bf16 → (B, T, FF) bf16, GELU applied (candle_nn::Module)
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
@@ -498,7 +539,7 @@ pub struct Fp8Linear {
 
 impl Fp8Linear {
     /// W: (N, K) and b: (N), any float dtype, on the device the layer runs on.
-    pub fn new(w: &Tensor, b: &Tensor, gelu: bool, mode: Fp8Mode, scaling: ScalingConfig, name: &str) -> anyhow::Result<Fp8Linear> {
+    pub fn new(w: &Tensor, b: &Tensor, gelu: bool, mode: Fp8Mode, scaling: ScalingConfig, name: &str) -> Result<Fp8Linear, Fp8Error> {
         Self::with_output(w, b, gelu, mode, scaling, name, DType::BF16)
     }
 
@@ -512,23 +553,22 @@ impl Fp8Linear {
         scaling: ScalingConfig,
         name: &str,
         out: DType,
-    ) -> anyhow::Result<Fp8Linear> {
+    ) -> Result<Fp8Linear, Fp8Error> {
         if mode == Fp8Mode::Cublaslt && out != DType::BF16 {
-            anyhow::bail!("{name}: the cuBLASLt FP8 GEMM stores bf16 here, not {out:?}");
+            return Err(Fp8Error::Refused(format!("{name}: the cuBLASLt FP8 GEMM stores bf16 here, not {out:?}")));
         }
         let (n, k) = w.dims2()?;
         if b.dims() != [n] {
-            anyhow::bail!("{name}: bias {:?} does not match W {:?}", b.dims(), w.dims());
+            return Err(Fp8Error::Refused(format!("{name}: bias {:?} does not match W {:?}", b.dims(), w.dims())));
         }
         if mode == Fp8Mode::Cublaslt {
             if !w.device().is_cuda() {
-                return Err(SpeedkitError::usage(format!(
+                return Err(Fp8Error::Refused(format!(
                     "{name}: FP8 GEMMs through cuBLASLt run on a CUDA device, and W is on the CPU. Fix: move W to the \
                      GPU, or use Fp8Mode::Emulated to study FP8's numerics on the CPU."
-                ))
-                .into());
+                )));
             }
-            crate::gemm::check_dims(16, k, n)?; // the token count is checked per call
+            crate::gemm::check_dims(16, k, n).map_err(Fp8Error::Refused)?; // the token count is checked per call
         }
         let weight = Fp8Tensor::quantize(w, 0, &format!("{name}'s weight"))?;
         let bias = b.to_dtype(out)?;
@@ -544,7 +584,7 @@ impl Fp8Linear {
             gelu,
             fast_accum: true,
             name: name.into(),
-            state: Mutex::new(ScaleState::new(scaling)?),
+            state: Mutex::new(ScaleState::new(scaling).map_err(Fp8Error::Refused)?),
         })
     }
 
@@ -574,6 +614,7 @@ impl Fp8Linear {
     }
 
     /// x: (B, T, K), any float dtype (bf16 in stage 4) → (B, T, N) in the output dtype (bf16).
+    /// (Also `candle_nn::Module::forward`, so the layer drops into a model as any linear does.)
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.forward_input(&Input::Plain(x.clone()), None)
     }
@@ -632,7 +673,7 @@ impl Fp8Linear {
             }
             Input::Plain(x) if x.device().is_cpu() => {
                 // Free to check on the CPU (the data is already host memory); see the module notes.
-                check_finite(x, &format!("the input of {}", self.name)).map_err(candle_core::Error::wrap)?;
+                check_finite(x, &format!("the input of {}", self.name)).map_err(candle_core::Error::Msg)?;
                 let scale = self.state()?.scale_for(x)?;
                 // s_x·q_x in f32 in one parallel pass (`quantize_dequantize_cpu`), never the 8-bit type
                 return Ok((None, Some(quantize_dequantize_cpu(x, &scale)?), scale));
@@ -686,12 +727,10 @@ impl Fp8Linear {
                 false => stage3_fused::ops::linear_bias(xd, w, b),
             };
         }
-        // Plain ops on a GPU: stage 3's cuBLASLt f32 GEMM would compute in TF32.
-        let y = stage0_baseline::linear(xd, w, b)?;
-        if self.gelu {
-            stage0_baseline::gelu_tanh(&y)
-        } else {
-            Ok(y)
+        // Plain ops on a GPU (stage 3's slow twins): its cuBLASLt f32 GEMM would compute in TF32.
+        match self.gelu {
+            true => stage3_fused::ops::linear_bias_gelu_slow(xd, w, b),
+            false => stage3_fused::ops::linear_bias_slow(xd, w, b),
         }
     }
 
@@ -717,8 +756,11 @@ impl Fp8Linear {
         };
         let got = self.gemm(xq.as_ref(), Some(&xd).filter(|_| self.emulated.is_some()), &scale, (bsz, t, n), None)?;
         let (w, b) = (self.weight.dequantize(DType::F32)?, self.bias.to_dtype(DType::F32)?);
-        let want = stage0_baseline::linear(&xd, &w, &b)?; // f32 GEMM (TF32 off: `Stage::switches`)
-        let want = if self.gelu { stage0_baseline::gelu_tanh(&want)? } else { want };
+        // f32 GEMM (TF32 off: `Stage::switches`), + bias, GELU: stage 3's slow twins
+        let want = match self.gelu {
+            true => stage3_fused::ops::linear_bias_gelu_slow(&xd, &w, &b)?,
+            false => stage3_fused::ops::linear_bias_slow(&xd, &w, &b)?,
+        };
         Ok((got, want))
     }
 
@@ -798,6 +840,14 @@ impl Fp8Linear {
     /// The input amax history, oldest first (see `ScaleState::history`).
     pub fn input_amax_history(&self) -> candle_core::Result<Vec<f32>> {
         self.state.lock().map_err(|_| candle_core::Error::Msg("scale state poisoned".into()))?.history()
+    }
+}
+
+/// A layer like candle-nn's `Linear`: `x.apply(&fc1)` in a model. Each call advances the input's
+/// scale state (its amax history), hence the `Mutex` inside.
+impl candle_nn::Module for Fp8Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Fp8Linear::forward(self, x)
     }
 }
 

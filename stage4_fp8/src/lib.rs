@@ -26,7 +26,7 @@
 //! differs there, so the tolerance follows from K and from whether Hopper's fast accumulation
 //! is on (`--fp8-fast-accum`); anything beyond it is a bug. FP8 tensor cores need SM 8.9+
 //! (Ada, Hopper) and dimensions that are multiples of 16. The quantisation on CUDA is our own
-//! NVRTC kernels (`kernels/fp8.cu`).
+//! kernels (`kernels/fp8.cu`, built by nvcc with the crate).
 //! Elsewhere the stage is *emulated* (quantise to E4M3 and back, then an f32 GEMM): FP8's
 //! numerics on any machine, labelled "emulated", and its time is not an FP8 speed. On a GPU
 //! without FP8 it refuses unless asked (`--fp8-emulate`).
@@ -47,6 +47,7 @@
 pub mod cuda;
 pub mod fp8;
 pub mod gemm;
+pub mod harness;
 pub mod producers;
 #[cfg(feature = "cuda")]
 pub mod quant_cuda;
@@ -172,8 +173,8 @@ impl Stage for Block {
         // kernels update it in place (quant_cuda), so every replay advances it.
         if mode(plan) == Fp8Mode::Cublaslt {
             let s = plan.shape;
-            gemm::check_dims(16, s.d_model, s.ff)?;
-            gemm::fp8_gemm_args(s.batch * s.seq, s.d_model, s.d_model, false)?; // the token count
+            gemm::check_dims(16, s.d_model, s.ff).map_err(SpeedkitError::usage)?;
+            gemm::fp8_gemm_args(s.batch * s.seq, s.d_model, s.d_model, false).map_err(SpeedkitError::usage)?; // the token count
         }
         Ok(())
     }
@@ -216,11 +217,11 @@ impl Stage for Block {
         Self::switches(plan).apply();
         stage2_sdpa::attention::check_head_size(&plan.device, plan.shape.d_head()).map_err(SpeedkitError::usage)?;
         let attn = stage2_sdpa::harness::for_run(&plan.device, plan.options.attention_kernel)?;
-        let (mode, scaling) = (mode(plan), ScalingConfig { recipe: plan.options.fp8_recipe, ..ScalingConfig::default() });
+        let (mode, scaling) = (mode(plan), ScalingConfig { recipe: plan.options.fp8_recipe.into(), ..ScalingConfig::default() });
         let dtype = activation_dtype(plan).0;
         let fast_accum = plan.options.fp8_fast_accum == Fp8FastAccum::On;
         let linear = |w: &Tensor, b: &Tensor, gelu: bool, name: &str| {
-            Ok::<_, anyhow::Error>(Fp8Linear::with_output(w, b, gelu, mode, scaling, name, dtype)?.with_fast_accum(fast_accum))
+            Ok::<_, anyhow::Error>(Fp8Linear::with_output(w, b, gelu, mode, scaling, name, dtype).map_err(harness::fp8_error)?.with_fast_accum(fast_accum))
         };
         Ok(Block {
             ln1_g: w.ln1_g.clone(),

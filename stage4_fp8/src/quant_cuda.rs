@@ -1,7 +1,8 @@
-//! FP8 quantisation on CUDA with our own kernels (`kernels/fp8.cu`, compiled by NVRTC once per
-//! architecture, like stage 3's `add_layer_norm.cu`): amax, the scale (current, or delayed from
-//! a history kept on the device), the cast to E4M3 and back. candle's own F8E4M3 casts are never
-//! called on CUDA: in candle 0.11.1 their kernels cannot be found (huggingface/candle#3886).
+//! FP8 quantisation on CUDA with our own kernels (`kernels/fp8.cu`, and the E4M3 LayerNorm of
+//! `kernels/ln_fp8.cu`, compiled by build.rs to a cubin per architecture like stage 3's
+//! `add_layer_norm.cu`): amax, the scale (current, or delayed from a history kept on the
+//! device), the cast to E4M3 and back. candle's own F8E4M3 casts are never called on CUDA: in
+//! candle 0.11.1 their kernels cannot be found (huggingface/candle#3886).
 //!
 //! The scale state's buffers (amax bits, scale, history) are tensors made once and written in
 //! place by the kernels through their device pointers, so a CUDA graph captures the whole
@@ -10,49 +11,22 @@
 use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop};
 use candle_core::cuda::CudaDevice;
 use candle_core::{DType, Storage, Tensor};
-use stage3_fused::cuda::{device_key, wrap};
-use stage3_fused::device_cache::Cache;
+use stage2_sdpa::cubin::{function, Cubins};
+use stage3_fused::cuda::wrap;
 use Arg::{Null, Tensor as T, F32, I32, I64};
 
-/// The kernel source. CI compiles it with `nvcc --ptx` and runs it under the host emulation
-/// (`host_emulation/fp8_check.cpp`); at run time NVRTC compiles it for the device.
-pub const FP8_CU: &str = include_str!("../kernels/fp8.cu");
-/// The E4M3 LayerNorm (`--fp8-fusions ln`): stage 3's LayerNorm row with fp8.cu's cast
-/// (`host_emulation/ln_fp8_check.cpp`).
-pub const LN_FP8_CU: &str = include_str!("../kernels/ln_fp8.cu");
-
-/// What NVRTC compiles: one module, stage 3's LayerNorm and fp8.cu ahead of ln_fp8.cu, which
-/// uses both (nvcc and the host emulation get them through its `#include`s, which NVRTC skips:
-/// it has no include path to find them on).
-fn module_source() -> String {
-    [stage3_fused::cuda::ADD_LAYER_NORM_CU, FP8_CU, LN_FP8_CU].join("\n")
+mod cubins {
+    include!(concat!(env!("OUT_DIR"), "/cubins.rs"));
 }
-const MODULE: &str = "speedkit_fp8";
+/// One module: `kernels/ln_fp8.cu`, which includes fp8.cu and stage 3's add_layer_norm.cu (its
+/// E4M3 LayerNorm is their row and cast), so it holds every FP8 kernel.
+pub static FP8: Cubins = Cubins { file: "stage4_fp8/kernels/ln_fp8.cu (with fp8.cu)", archs: cubins::LN_FP8 };
 /// THREADS and CHUNK (= THREADS · ITEMS) of fp8.cu: each block owns CHUNK elements.
 const THREADS: u32 = 256;
 const CHUNK: usize = 256 * 16;
 
-thread_local! {
-    /// NVRTC's PTX of kernels/fp8.cu, per architecture (`stage3_fused::device_cache`).
-    static PTX: Cache<(u32, u32), String> = Cache::new();
-}
-
 fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("FP8 kernel: {what}: {e:?}"))
-}
-
-fn ptx(dev: &CudaDevice) -> candle_core::Result<String> {
-    let sm = device_key(dev)?.sm;
-    PTX.with(|c| {
-        c.get_or_try_insert(sm, || {
-            // CompileOptions wants a 'static str; one leaked string per architecture.
-            let arch: &'static str = Box::leak(format!("compute_{}{}", sm.0, sm.1).into_boxed_str());
-            let opts = candle_core::cuda::cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
-            candle_core::cuda::cudarc::nvrtc::compile_ptx_with_opts(module_source(), opts)
-                .map(|p| p.to_src())
-                .map_err(|e| err("NVRTC could not compile kernels/fp8.cu and ln_fp8.cu", e))
-        })
-    })
 }
 
 /// One kernel parameter: the device pointer of the i-th tensor passed to `launch`, a null
@@ -69,8 +43,7 @@ enum Arg {
 /// Launch `name` with `args`, in the kernel's parameter order. Every tensor must be contiguous
 /// and on `dev`.
 fn launch(dev: &CudaDevice, name: &str, blocks: u32, threads: u32, tensors: &[&Tensor], args: &[Arg]) -> candle_core::Result<()> {
-    let ptx = ptx(dev)?;
-    let func = dev.get_or_load_custom_func(name, MODULE, &ptx)?;
+    let func = function(dev, &FP8, name)?;
     let stream = dev.cuda_stream();
     let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
     let mut ptrs = Vec::with_capacity(tensors.len());
@@ -96,7 +69,7 @@ fn launch(dev: &CudaDevice, name: &str, blocks: u32, threads: u32, tensors: &[&T
             _ => 0, // Null; unused for scalars
         })
         .collect();
-    let mut builder = func.builder();
+    let mut builder = stream.launch_builder(&func);
     for (a, p) in args.iter().zip(&pointers) {
         match a {
             Arg::Tensor(_) | Arg::Null => builder.arg(p),

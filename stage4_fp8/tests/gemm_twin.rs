@@ -7,7 +7,8 @@
 use candle_core::{DType, Device, Tensor};
 use shared::check::compare_within;
 use shared::weights::SplitMix64;
-use shared::{Fp8Recipe, Preset};
+use shared::Preset;
+use stage4_fp8::fp8::Fp8Recipe;
 use stage4_fp8::fp8::{quantize_dequantize_cpu, Fp8Linear, Fp8Mode, Input, ScalingConfig};
 use stage4_fp8::twin::{gemm_twin_tolerance, Accumulation, MMA_K, PROMOTION_K, TENSOR_CORE_ACCUM_BITS};
 

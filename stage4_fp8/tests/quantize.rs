@@ -3,8 +3,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use proptest::prelude::*;
-use shared::Fp8Recipe;
-use stage4_fp8::fp8::{amax, dequantize, quantize, scale_from_amax, Fp8Linear, Fp8Mode, Fp8Tensor, ScaleState, ScalingConfig, E4M3_MAX};
+use stage4_fp8::fp8::Fp8Recipe;
+use stage4_fp8::fp8::{amax, dequantize, quantize, scale_from_amax, Fp8Error, Fp8Linear, Fp8Mode, Fp8Tensor, ScaleState, ScalingConfig, E4M3_MAX};
 
 fn t(v: &[f32]) -> Tensor {
     Tensor::new(v, &Device::Cpu).unwrap()
@@ -132,8 +132,27 @@ fn non_finite_input_is_refused() {
     let e = Fp8Linear::new(&w_bad, &t(&[0.0]), false, Fp8Mode::Emulated, ScalingConfig::default(), "proj").unwrap_err().to_string();
     assert!(e.contains("proj's weight holds 1 NaN or infinite"), "{e}");
     // the cuBLASLt mode refuses a CPU weight with a sentence, not a panic
-    let e = Fp8Linear::new(&w, &b, false, Fp8Mode::Cublaslt, ScalingConfig::default(), "fc").unwrap_err().to_string();
-    assert!(e.contains("CUDA device") && e.contains("Fix:"), "{e}");
+    let e = Fp8Linear::new(&w, &b, false, Fp8Mode::Cublaslt, ScalingConfig::default(), "fc").unwrap_err();
+    assert!(matches!(e, Fp8Error::Refused(_)) && e.to_string().contains("CUDA device") && e.to_string().contains("Fix:"), "{e}");
+}
+
+/// `Fp8Linear` is a `candle_nn::Module`: `x.apply(&layer)` runs its forward (each call advances
+/// the input's scale state, so two identical layers are compared call for call).
+#[test]
+fn fp8_linear_is_a_module() {
+    use candle_nn::Module;
+    let w = Tensor::arange(0f32, 32.0 * 16.0, &Device::Cpu).unwrap().reshape((32, 16)).unwrap().affine(1e-3, -0.2).unwrap();
+    let b = Tensor::arange(0f32, 32.0, &Device::Cpu).unwrap().affine(0.01, -0.1).unwrap();
+    let x = Tensor::arange(0f32, 2.0 * 16.0 * 16.0, &Device::Cpu).unwrap().reshape((2, 16, 16)).unwrap().affine(0.01, -2.0).unwrap();
+    let new = || Fp8Linear::new(&w, &b, true, Fp8Mode::Emulated, ScalingConfig::default(), "fc1").unwrap();
+    let (as_module, as_layer) = (new(), new());
+    for _ in 0..2 {
+        let y_module = x.apply(&as_module).unwrap();
+        let y_layer = Fp8Linear::forward(&as_layer, &x).unwrap();
+        assert_eq!(y_module.dims(), [2, 16, 32]);
+        assert_eq!(y_module.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap(), y_layer.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap());
+    }
+    let _ = Module::forward(&as_module, &x).unwrap();
 }
 
 // The CPU's fast quantisation (issue 15): one parallel, vectorised pass against its slow twin,
