@@ -36,7 +36,9 @@
 //! of `Fp8Linear` reject NaN/inf with an error; on CUDA the hot path does not read back to the
 //! host, so a NaN travels to the output, where the runner's check reports it.
 
-use candle_core::{CpuStorage, DType, Storage, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use float8::F8E4M3;
 use rayon::prelude::*;
 use stage2_sdpa::elementwise::Elementwise;
 use std::sync::Mutex;
@@ -163,31 +165,112 @@ pub fn scale_from_amax(amax: &Tensor, margin: i32) -> candle_core::Result<Tensor
 }
 
 /// q = sat(x / s) in E4M3, same shape as x; s is rank 0 (or (1) on CUDA). Round to nearest
-/// even; the cast saturates at ±448 and keeps NaN. On the CPU, candle's cast (the float8
-/// crate's conversion); on CUDA, our kernel (`kernels/fp8.cu`), which agrees with it on every
-/// f32 bit pattern (host_emulation/fp8_check.cpp) — candle 0.11.1's own CUDA F8 cast cannot be
-/// loaded (huggingface/candle#3886), so it is never called.
+/// even; the cast saturates at ±448 and keeps NaN. A candle custom op (`Quantize`): on the CPU
+/// one parallel pass of the float8 crate's conversion (what candle's cast uses); on CUDA our
+/// kernel (`kernels/fp8.cu`), which agrees with it on every f32 bit pattern
+/// (host_emulation/fp8_check.cpp) — candle 0.11.1's own CUDA F8 cast cannot be loaded
+/// (huggingface/candle#3886), so it is never called.
 pub fn quantize(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        return crate::quant_cuda::quantize(x, scale);
-    }
-    if !x.device().is_cpu() {
-        candle_core::bail!("FP8 quantisation runs on the CPU or on CUDA (our kernels), not on {:?}", x.device());
-    }
-    x.to_dtype(DType::F32)?.broadcast_div(scale)?.to_dtype(DType::F8E4M3)
+    check_scale(scale)?;
+    // The CUDA kernel reads f32 or bf16; f16 goes in as f32.
+    let x = if x.device().is_cuda() && x.dtype() == DType::F16 { x.to_dtype(DType::F32)? } else { x.clone() };
+    x.contiguous()?.apply_op2_no_bwd(&scale.to_dtype(DType::F32)?.contiguous()?, &Quantize)
 }
 
-/// s·q in `dtype` (CUDA: our kernel to f32, then candle's f32 → `dtype` cast).
+/// Slow twin of `quantize`: candle's ops, a division then candle's cast to F8E4M3 (CPU).
+pub fn quantize_slow(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
+    x.to_dtype(DType::F32)?.broadcast_div(&scale.reshape(())?)?.to_dtype(DType::F8E4M3)
+}
+
+/// s·q in `dtype`: a candle custom op (`Dequantize`) to f32 — one parallel pass on the CPU, our
+/// kernel `fp8_dequantize_f32` on CUDA — then the cast to `dtype`.
 pub fn dequantize(q: &Tensor, scale: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    check_scale(scale)?;
+    let y = q.contiguous()?.apply_op2_no_bwd(&scale.to_dtype(DType::F32)?.contiguous()?, &Dequantize)?;
+    stage2_sdpa::elementwise::to_dtype(&y, dtype, Elementwise::Parallel)
+}
+
+/// Slow twin of `dequantize`: candle's cast from F8E4M3, a multiplication, a cast (CPU).
+pub fn dequantize_slow(q: &Tensor, scale: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    q.to_dtype(DType::F32)?.broadcast_mul(&scale.reshape(())?)?.to_dtype(dtype)
+}
+
+/// A per-tensor scale is one f32 value: rank 0 or (1).
+fn check_scale(scale: &Tensor) -> candle_core::Result<()> {
+    if scale.elem_count() != 1 {
+        candle_core::bail!("an FP8 per-tensor scale holds one value, rank 0 or (1); got {:?}", scale.dims());
+    }
+    Ok(())
+}
+
+/// The one value of a scale's CPU storage.
+fn scale_value(s: &CpuStorage, l: &Layout) -> candle_core::Result<f32> {
+    match s {
+        CpuStorage::F32(v) => v.get(l.start_offset()).copied().ok_or_else(|| candle_core::Error::Msg("empty FP8 scale".into())),
+        _ => candle_core::bail!("an FP8 scale is f32"),
+    }
+}
+
+/// The op behind `quantize`: x (contiguous, f32/bf16/f16) and its scale (one f32) → E4M3.
+struct Quantize;
+
+impl CustomOp2 for Quantize {
+    fn name(&self) -> &'static str {
+        "speedkit-fp8-quantize"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ss: &CpuStorage, sl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        use stage2_sdpa::elementwise::par_convert;
+        let s = scale_value(ss, sl)?;
+        let Some((a, b)) = xl.contiguous_offsets() else { candle_core::bail!("quantize: x must be contiguous") };
+        // x / s in f32, then the float8 crate's round-to-nearest-even, saturating cast
+        let q = match xs {
+            CpuStorage::F32(v) => par_convert(&v[a..b], |x| F8E4M3::from_f32(x / s)),
+            CpuStorage::BF16(v) => par_convert(&v[a..b], |x| F8E4M3::from_f32(x.to_f32() / s)),
+            CpuStorage::F16(v) => par_convert(&v[a..b], |x| F8E4M3::from_f32(x.to_f32() / s)),
+            x => candle_core::bail!("quantize: unsupported dtype {:?} (f32, bf16 or f16)", x.dtype()),
+        };
+        Ok((CpuStorage::F8E4M3(q), xl.shape().clone()))
+    }
+
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() {
-        return crate::quant_cuda::dequantize_f32(q, scale)?.to_dtype(dtype);
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::quant_cuda::quantize_fwd(xs, xl, ss, sl)?, xl.shape().clone()))
     }
-    if !q.device().is_cpu() {
-        candle_core::bail!("FP8 dequantisation runs on the CPU or on CUDA (our kernels), not on {:?}", q.device());
+}
+
+/// The op behind `dequantize`: q (contiguous E4M3) and its scale (one f32) → s·q in f32.
+struct Dequantize;
+
+impl CustomOp2 for Dequantize {
+    fn name(&self) -> &'static str {
+        "speedkit-fp8-dequantize"
     }
-    q.to_dtype(DType::F32)?.broadcast_mul(scale)?.to_dtype(dtype)
+
+    fn cpu_fwd(&self, qs: &CpuStorage, ql: &Layout, ss: &CpuStorage, sl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let s = scale_value(ss, sl)?;
+        let Some((a, b)) = ql.contiguous_offsets() else { candle_core::bail!("dequantize: q must be contiguous") };
+        let CpuStorage::F8E4M3(q) = qs else { candle_core::bail!("dequantize: q must be F8E4M3, got {:?}", qs.dtype()) };
+        let y = stage2_sdpa::elementwise::par_convert(&q[a..b], |q| q.to_f32() * s);
+        Ok((CpuStorage::F32(y), ql.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qs: &candle_core::CudaStorage,
+        ql: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::quant_cuda::dequantize_fwd(qs, ql, ss, sl)?, ql.shape().clone()))
+    }
 }
 
 /// Refuse a tensor holding NaN or ±inf: its amax, and so its scale, would not be a number.

@@ -9,10 +9,11 @@
 //! update — no host round trip, no allocation — and every replay advances the history.
 
 use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop};
-use candle_core::cuda::CudaDevice;
-use candle_core::{DType, Storage, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::{CudaDevice, CudaStorage};
+use candle_core::{DType, Layout, Storage, Tensor};
 use stage2_sdpa::cubin::{function, Cubins};
-use stage3_fused::cuda::wrap;
+use stage3_fused::cuda::{view, wrap};
 use Arg::{Null, Tensor as T, F32, I32, I64};
 
 mod cubins {
@@ -27,6 +28,61 @@ const CHUNK: usize = 256 * 16;
 
 fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("FP8 kernel: {what}: {e:?}"))
+}
+
+/// q = E4M3(x / s): the CUDA forward of `fp8::quantize` (a candle custom op). x: contiguous f32
+/// or bf16; s: one f32.
+pub fn quantize_fwd(xs: &CudaStorage, xl: &Layout, ss: &CudaStorage, sl: &Layout) -> candle_core::Result<CudaStorage> {
+    let dev = xs.device().clone();
+    let n = xl.shape().elem_count();
+    let sv = view::<f32>(ss, sl)?;
+    // SAFETY: the kernel writes every one of the n elements before anything reads them.
+    let mut q = unsafe { dev.alloc::<float8::F8E4M3>(n)? };
+    let (n64, no_amax) = (n as i64, 0u64); // amax_bits = nullptr: no amax in this pass
+    let stream = dev.cuda_stream();
+    let name = match xs.dtype() {
+        DType::F32 => "fp8_quantize_f32",
+        DType::BF16 => "fp8_quantize_bf16",
+        dt => candle_core::bail!("quantize on CUDA: unsupported dtype {dt:?} (f32 or bf16)"),
+    };
+    let func = function(&dev, &FP8, name)?;
+    let mut launch = stream.launch_builder(&func);
+    let (xf, xb);
+    match xs.dtype() {
+        DType::F32 => {
+            xf = view::<f32>(xs, xl)?;
+            launch.arg(&xf);
+        }
+        _ => {
+            xb = view::<half::bf16>(xs, xl)?;
+            launch.arg(&xb);
+        }
+    }
+    launch.arg(&n64).arg(&sv).arg(&mut q).arg(&no_amax);
+    let cfg = LaunchConfig { grid_dim: (blocks(n)?.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments are fp8_quantize_*'s (x, n, scale, q, amax_bits) in order and type.
+    unsafe { launch.launch(cfg) }.map_err(|e| err(name, e))?;
+    drop(launch);
+    Ok(CudaStorage::wrap_cuda_slice(q, dev))
+}
+
+/// y = s·q in f32: the CUDA forward of `fp8::dequantize`. q: contiguous E4M3; s: one f32.
+pub fn dequantize_fwd(qs: &CudaStorage, ql: &Layout, ss: &CudaStorage, sl: &Layout) -> candle_core::Result<CudaStorage> {
+    let dev = qs.device().clone();
+    let n = ql.shape().elem_count();
+    let (qv, sv) = (view::<float8::F8E4M3>(qs, ql)?, view::<f32>(ss, sl)?);
+    // SAFETY: the kernel writes every one of the n elements.
+    let mut y = unsafe { dev.alloc::<f32>(n)? };
+    let n64 = n as i64;
+    let stream = dev.cuda_stream();
+    let func = function(&dev, &FP8, "fp8_dequantize_f32")?;
+    let mut launch = stream.launch_builder(&func);
+    launch.arg(&qv).arg(&n64).arg(&sv).arg(&mut y);
+    let cfg = LaunchConfig { grid_dim: (blocks(n)?.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments are fp8_dequantize_f32's (q, n, scale, y) in order and type.
+    unsafe { launch.launch(cfg) }.map_err(|e| err("fp8_dequantize_f32", e))?;
+    drop(launch);
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }
 
 /// One kernel parameter: the device pointer of the i-th tensor passed to `launch`, a null
@@ -146,12 +202,7 @@ fn quantize_into(x: &Tensor, scale: &Tensor, amax_bits: Option<&Tensor>) -> cand
     Ok(q)
 }
 
-/// q = sat(x / s) in E4M3 (round to nearest even, ±448, NaN kept).
-pub fn quantize(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
-    quantize_into(x, scale, None)
-}
-
-/// `quantize`, with max|x| also maxed into `amax_bits` in the same pass (a producer's output
+/// `fp8::quantize`, with max|x| also maxed into `amax_bits` in the same pass (a producer's output
 /// quantised for the next layer, when no kernel of its own does it: `Fp8Target::quantize`).
 pub fn quantize_with_amax(x: &Tensor, scale: &Tensor, amax_bits: &Tensor) -> candle_core::Result<Tensor> {
     quantize_into(x, scale, Some(amax_bits))
@@ -204,18 +255,6 @@ pub fn add_layer_norm_e4m3(
     let args = [T(0), T(1), T(2), T(3), T(4), T(5), T(6), T(7), I32(c), F32(eps), I32(1)]; // bf16 = 1
     launch(&dev, "add_layer_norm_16_e4m3", blocks, THREADS, &[&x, &branch, &g, &b, &x_out, scale, &q, amax_bits], &args)?;
     Ok((x_out, q))
-}
-
-/// s·q in f32.
-pub fn dequantize_f32(q: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
-    let dev = q.device().as_cuda_device()?.clone();
-    let (q, scale) = (q.contiguous()?, scale.contiguous()?);
-    let n = q.elem_count();
-    // SAFETY: the kernel writes every one of the n elements.
-    let y = wrap(unsafe { dev.alloc::<f32>(n)? }, &dev, q.shape().clone());
-    let n64 = n as i64;
-    launch(&dev, "fp8_dequantize_f32", blocks(n)?, THREADS, &[&q, &scale, &y], &[T(0), I64(n64), T(1), T(2)])?;
-    Ok(y)
 }
 
 /// One activation's scale state on the device: what `ScaleState` holds on CUDA.

@@ -204,3 +204,27 @@ mod fast_cpu_quantisation {
         }
     }
 }
+
+/// `quantize` and `dequantize` (candle custom ops) against their slow twins, candle's casts
+/// through the 8-bit type: bit for bit, f32, bf16 and f16 inputs, NaN, ±inf and saturation included.
+#[test]
+fn quantize_ops_match_their_slow_twins() {
+    use stage4_fp8::fp8::{dequantize_slow, quantize_slow};
+    let mut v: Vec<f32> = (0..5000).map(|i| ((i as f32) * 0.7311).sin() * 10f32.powi(i % 7 - 3)).collect();
+    v.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e9, -1e9, 0.0, -0.0, 1e-12]);
+    let x = t(&v);
+    for s in [scalar(1.0), scalar(0.013), Tensor::new(&[3.5f32], &Device::Cpu).unwrap()] {
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let xd = x.to_dtype(dt).unwrap();
+            let bits = |q: &Tensor| q.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let (q, q_slow) = (quantize(&xd, &s).unwrap(), quantize_slow(&xd, &s).unwrap());
+            assert_eq!(q.dtype(), DType::F8E4M3);
+            assert_eq!(bits(&q), bits(&q_slow), "quantize, {dt:?}");
+            for out in [DType::F32, DType::BF16] {
+                let (y, y_slow) = (dequantize(&q, &s, out).unwrap(), dequantize_slow(&q, &s, out).unwrap());
+                assert_eq!(y.dtype(), out);
+                assert_eq!(bits(&y), bits(&y_slow), "dequantize to {out:?}");
+            }
+        }
+    }
+}
