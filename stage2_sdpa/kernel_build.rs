@@ -26,8 +26,9 @@ pub fn cubin_archs(requested: Option<&str>, min: u32, krate: &str) -> Result<(Ve
     let mut warnings = Vec::new();
     for entry in requested.split([',', ' ', ';']).map(str::trim).filter(|e| !e.is_empty()) {
         let digits: String = entry.chars().filter(char::is_ascii_digit).collect();
-        let cap: u32 =
-            digits.parse().map_err(|_| format!("CUDA_COMPUTE_CAP={requested:?}: {entry:?} is not a compute capability such as 80 or 90"))?;
+        let cap: u32 = digits
+            .parse()
+            .map_err(|_| format!("CUDA_COMPUTE_CAP={requested:?}: {entry:?} is not a compute capability such as 80 or 90"))?;
         if entry.ends_with(['a', 'f']) {
             warnings.push(format!(
                 "{krate}: CUDA_COMPUTE_CAP entry {entry} asks for arch-specific code, which runs on one GPU model only; our kernels need none of its instructions, so they are built for plain sm_{cap}"

@@ -22,9 +22,9 @@ use shared::report::{
 use shared::runner::Session;
 use shared::timing::Stats;
 use shared::weights::save_tensors;
+use shared::Elementwise;
 use shared::StageOptions;
 use shared::{PrecisionRequest, Shape, SpeedkitError, StageSpec};
-use shared::Elementwise;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use sweep::Sweep;

@@ -369,7 +369,8 @@ fn fp8_kernels(r: &mut Rows, device: &Device) {
         });
     }
     r.compare("FP8 kernel", "delayed scale update (history 3; amax 448, 896, 224, 1792)".into(), || {
-        let mut st = ScaleState::new(ScalingConfig { recipe: stage4_fp8::fp8::Fp8Recipe::Delayed, history_len: 3, margin: 0 }).map_err(anyhow::Error::msg)?;
+        let mut st = ScaleState::new(ScalingConfig { recipe: stage4_fp8::fp8::Fp8Recipe::Delayed, history_len: 3, margin: 0 })
+            .map_err(anyhow::Error::msg)?;
         let mut scales = Vec::new();
         for a in [448f32, 896.0, 224.0, 1792.0] {
             let x = Tensor::new(&[a, -a / 2.0, 1.0, 0.0], &Device::Cpu)?.to_device(device)?;

@@ -205,12 +205,12 @@ pub fn built_archs() -> Vec<u32> {
 #[cfg(feature = "cuda")]
 mod launch {
     use super::{kernel_name, kernel_strides, launch_config};
+    use crate::attention::AttentionKernel;
+    use crate::cubin::{function, Cubins};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda::{CudaDType, CudaStorage};
-    use crate::attention::AttentionKernel;
-    use crate::cubin::{function, Cubins};
     use candle_core::{DType, Layout, Shape};
 
     mod cubins {

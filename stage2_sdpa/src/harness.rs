@@ -135,5 +135,4 @@ mod tests {
             assert!(!e.contains("  "), "one paragraph, no source indentation: {e}");
         }
     }
-
 }

@@ -86,7 +86,15 @@ impl CustomOp3 for LayerNorm {
         "speedkit-layer-norm"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, gs: &CpuStorage, gl: &Layout, bs: &CpuStorage, bl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let c = xl.shape().dims().last().copied().unwrap_or(1);
         let (x, g, b) = (f32_values(xs, xl, "x")?, f32_values(gs, gl, "g")?, f32_values(bs, bl, "b")?);
         let mut out = vec![0f32; x.len()];
@@ -161,7 +169,15 @@ impl CustomOp3 for AddLayerNorm {
         "speedkit-add-layer-norm"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, brs: &CpuStorage, brl: &Layout, gs: &CpuStorage, gl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        brs: &CpuStorage,
+        brl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let c = xl.shape().dims().last().copied().unwrap_or(1);
         let (bs, bl) = self.b.storage_and_layout();
         let Storage::Cpu(bs) = &*bs else { candle_core::bail!("add_layer_norm: b is not on the CPU") };
@@ -306,7 +322,15 @@ impl CustomOp3 for Linear<'_> {
     /// The destination is filled with the bias (plus the residual) row by row, then the GEMM
     /// accumulates into it: dst = 1·dst + 1·x·Wᵀ. bf16/f16 operands are widened to f32 first,
     /// as candle's own CPU matmul does (there is no bf16 GEMM kernel on CPU).
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout, bs: &CpuStorage, bl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (bsz, t, k) = xl.shape().dims3()?;
         let n = wl.shape().dims()[0];
         let m = bsz * t;

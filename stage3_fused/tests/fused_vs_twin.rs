@@ -57,7 +57,12 @@ fn check_all(bsz: usize, t: usize, k: usize, n: usize, seed: u64) {
     let (x_b, w_b, b_b) = (x.to_dtype(DType::BF16).unwrap(), w.to_dtype(DType::BF16).unwrap(), b.to_dtype(DType::BF16).unwrap());
     let y16 = ops::linear_bias_gelu(&x_b, &w_b, &b_b).unwrap();
     assert_eq!(y16.dtype(), DType::BF16);
-    let twin16 = ops::linear_bias_gelu_slow(&x_b.to_dtype(DType::F32).unwrap(), &w_b.to_dtype(DType::F32).unwrap(), &b_b.to_dtype(DType::F32).unwrap()).unwrap();
+    let twin16 = ops::linear_bias_gelu_slow(
+        &x_b.to_dtype(DType::F32).unwrap(),
+        &w_b.to_dtype(DType::F32).unwrap(),
+        &b_b.to_dtype(DType::F32).unwrap(),
+    )
+    .unwrap();
     assert!(rel_err(&y16, &twin16) < 8e-3, "linear_bias_gelu in bf16");
 }
 

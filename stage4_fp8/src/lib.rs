@@ -174,7 +174,8 @@ impl Stage for Block {
         if mode(plan) == Fp8Mode::Cublaslt {
             let s = plan.shape;
             gemm::check_dims(16, s.d_model, s.ff).map_err(SpeedkitError::usage)?;
-            gemm::fp8_gemm_args(s.batch * s.seq, s.d_model, s.d_model, false).map_err(SpeedkitError::usage)?; // the token count
+            gemm::fp8_gemm_args(s.batch * s.seq, s.d_model, s.d_model, false).map_err(SpeedkitError::usage)?;
+            // the token count
         }
         Ok(())
     }
@@ -221,7 +222,9 @@ impl Stage for Block {
         let dtype = activation_dtype(plan).0;
         let fast_accum = plan.options.fp8_fast_accum == Fp8FastAccum::On;
         let linear = |w: &Tensor, b: &Tensor, gelu: bool, name: &str| {
-            Ok::<_, anyhow::Error>(Fp8Linear::with_output(w, b, gelu, mode, scaling, name, dtype).map_err(harness::fp8_error)?.with_fast_accum(fast_accum))
+            Ok::<_, anyhow::Error>(
+                Fp8Linear::with_output(w, b, gelu, mode, scaling, name, dtype).map_err(harness::fp8_error)?.with_fast_accum(fast_accum),
+            )
         };
         Ok(Block {
             ln1_g: w.ln1_g.clone(),

@@ -8,8 +8,8 @@
 //! place by the kernels through their device pointers, so a CUDA graph captures the whole
 //! update — no host round trip, no allocation — and every replay advances the history.
 
-use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop};
 use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop};
 use candle_core::cuda::{CudaDevice, CudaStorage};
 use candle_core::{DType, Layout, Storage, Tensor};
 use stage2_sdpa::cubin::{function, Cubins};

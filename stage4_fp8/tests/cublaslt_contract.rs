@@ -6,8 +6,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use proptest::prelude::*;
-use stage4_fp8::fp8::Fp8Recipe;
 use stage3_fused::cublaslt_model::matmul;
+use stage4_fp8::fp8::Fp8Recipe;
 use stage4_fp8::fp8::{quantize, Fp8Linear, Fp8Mode, ScalingConfig};
 use stage4_fp8::gemm::fp8_gemm_args;
 

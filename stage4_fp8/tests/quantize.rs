@@ -4,7 +4,9 @@
 use candle_core::{DType, Device, Tensor};
 use proptest::prelude::*;
 use stage4_fp8::fp8::Fp8Recipe;
-use stage4_fp8::fp8::{amax, dequantize, quantize, scale_from_amax, Fp8Error, Fp8Linear, Fp8Mode, Fp8Tensor, ScaleState, ScalingConfig, E4M3_MAX};
+use stage4_fp8::fp8::{
+    amax, dequantize, quantize, scale_from_amax, Fp8Error, Fp8Linear, Fp8Mode, Fp8Tensor, ScaleState, ScalingConfig, E4M3_MAX,
+};
 
 fn t(v: &[f32]) -> Tensor {
     Tensor::new(v, &Device::Cpu).unwrap()
@@ -150,12 +152,15 @@ fn fp8_linear_is_a_module() {
         let y_module = x.apply(&as_module).unwrap();
         let y_layer = Fp8Linear::forward(&as_layer, &x).unwrap();
         assert_eq!(y_module.dims(), [2, 16, 32]);
-        assert_eq!(y_module.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap(), y_layer.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap());
+        assert_eq!(
+            y_module.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap(),
+            y_layer.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap()
+        );
     }
     let _ = Module::forward(&as_module, &x).unwrap();
 }
 
-// The CPU's fast quantisation (issue 15): one parallel, vectorised pass against its slow twin,
+// The CPU's fast quantisation: one parallel, vectorised pass against its slow twin,
 // candle's casts through the 8-bit type.
 mod fast_cpu_quantisation {
     use candle_core::{DType, Device, Tensor};
@@ -216,7 +221,8 @@ fn quantize_ops_match_their_slow_twins() {
     for s in [scalar(1.0), scalar(0.013), Tensor::new(&[3.5f32], &Device::Cpu).unwrap()] {
         for dt in [DType::F32, DType::BF16, DType::F16] {
             let xd = x.to_dtype(dt).unwrap();
-            let bits = |q: &Tensor| q.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let bits =
+                |q: &Tensor| q.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             let (q, q_slow) = (quantize(&xd, &s).unwrap(), quantize_slow(&xd, &s).unwrap());
             assert_eq!(q.dtype(), DType::F8E4M3);
             assert_eq!(bits(&q), bits(&q_slow), "quantize, {dt:?}");
