@@ -191,7 +191,7 @@ pub fn kernel_strides(q: &candle_core::Layout, k: &candle_core::Layout, v: &cand
 }
 
 #[cfg(feature = "cuda")]
-pub use launch::{cubins, cuda_fwd};
+pub use launch::{cubins_of, cuda_fwd};
 
 /// The architectures build.rs compiled the kernels for (10·major + minor, from CUDA_COMPUTE_CAP);
 /// empty in a build without the `cuda` feature.
@@ -220,7 +220,8 @@ mod launch {
     /// cubin per architecture in CUDA_COMPUTE_CAP.
     pub static FLASH_ATTN: Cubins = Cubins { file: "stage2_sdpa/kernels/flash_attn.cu", archs: cubins::FLASH_ATTN };
     pub static FLASH_ATTN_V2: Cubins = Cubins { file: "stage2_sdpa/kernels/flash_attn_v2.cu", archs: cubins::FLASH_ATTN_V2 };
-    pub fn cubins(kernel: AttentionKernel) -> &'static Cubins {
+    /// The kernel file of `kernel`, as built.
+    pub fn cubins_of(kernel: AttentionKernel) -> &'static Cubins {
         match kernel {
             AttentionKernel::V1 => &FLASH_ATTN,
             AttentionKernel::V2 => &FLASH_ATTN_V2,
@@ -276,7 +277,7 @@ mod launch {
         // The cubin for this GPU's architecture, loaded on the first call (a refusal naming
         // the fix when the build has none for it), then cached.
         let name = kernel_name(kernel, dtype, d);
-        let func = function(dev, cubins(kernel), &name)?;
+        let func = function(dev, cubins_of(kernel), &name)?;
         if plan.needs_opt_in {
             // Above 48 KiB of dynamic shared memory a kernel must opt in, per function.
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, plan.shared_mem_bytes as i32)

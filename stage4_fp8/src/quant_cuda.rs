@@ -46,18 +46,14 @@ pub fn quantize_fwd(xs: &CudaStorage, xl: &Layout, ss: &CudaStorage, sl: &Layout
         dt => candle_core::bail!("quantize on CUDA: unsupported dtype {dt:?} (f32 or bf16)"),
     };
     let func = function(&dev, &FP8, name)?;
+    let xf = if xs.dtype() == DType::F32 { Some(view::<f32>(xs, xl)?) } else { None };
+    let xb = if xs.dtype() == DType::BF16 { Some(view::<half::bf16>(xs, xl)?) } else { None };
     let mut launch = stream.launch_builder(&func);
-    let (xf, xb);
-    match xs.dtype() {
-        DType::F32 => {
-            xf = view::<f32>(xs, xl)?;
-            launch.arg(&xf);
-        }
-        _ => {
-            xb = view::<half::bf16>(xs, xl)?;
-            launch.arg(&xb);
-        }
-    }
+    match (&xf, &xb) {
+        (Some(x), _) => launch.arg(x),
+        (_, Some(x)) => launch.arg(x),
+        _ => candle_core::bail!("quantize on CUDA: unsupported dtype {:?}", xs.dtype()),
+    };
     launch.arg(&n64).arg(&sv).arg(&mut q).arg(&no_amax);
     let cfg = LaunchConfig { grid_dim: (blocks(n)?.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments are fp8_quantize_*'s (x, n, scale, q, amax_bits) in order and type.
