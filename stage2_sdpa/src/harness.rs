@@ -102,7 +102,7 @@ mod tests {
         let t4 = DeviceInfo::simulated_cuda("T4", (7, 5));
         let cpu = DeviceInfo { kind: shared::device::DeviceKind::Cpu, ..DeviceInfo::simulated_cuda("cpu", (0, 0)) };
         assert!(check_device(&cpu, Precision::Fp32).is_ok());
-        // A CUDA GPU no longer needs the flash-attn feature: ours runs when it is not built.
+        // A CUDA GPU needs no flash-attn feature: ours runs when it is not built.
         assert!(check_device(&h100, Precision::Bf16).is_ok());
         assert!(check_device(&h100, Precision::F16).is_ok());
         for imp in [Implementation::SpeedkitCuda, Implementation::FlashAttn] {
