@@ -158,9 +158,6 @@ fn merge_rounds(records: Vec<Record>) -> Option<Record> {
     Some(first)
 }
 
-/// Run the stages `which` (indices into `stages()`) in one process, in interleaved rounds
-/// (`Measure::default()`). A stage that cannot run here becomes a "skipped: why" row, one that
-
 /// Run the stages `which` (indices into `stages`, as `STAGES` lists them) in one process, in
 /// interleaved rounds (`Measure`), each checked against stage 0's fp32 output. A stage that
 /// cannot run here, or fails, is a row saying so; the first failure is returned beside the

@@ -28,9 +28,26 @@ pub mod registers;
 use crate::elementwise::{exp_f32, sum_f32};
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
-use shared::device::DeviceInfo;
-use shared::{Precision, SpeedkitError};
 use std::borrow::Cow;
+
+/// Which of our two CUDA attention kernels runs: v1, `kernels/flash_attn.cu` (WMMA, the
+/// teaching kernel), or v2, `kernels/flash_attn_v2.cu` (mma.sync, S and P in registers; the
+/// default). The CPU has one attention kernel and ignores it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    V1,
+    #[default]
+    V2,
+}
+
+impl AttentionKernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKernel::V1 => "v1",
+            AttentionKernel::V2 => "v2",
+        }
+    }
+}
 
 /// Query rows per tile of the GEMM-tile kernel (B_r in the paper).
 pub const BR: usize = 256;
@@ -67,23 +84,6 @@ pub enum CpuKernel {
     RowAxpy,
 }
 
-/// Which of the two CUDA kernels `attention_with` launches: v1 (`kernels/flash_attn.cu`, WMMA,
-/// the teaching kernel) or v2 (`kernels/flash_attn_v2.cu`, mma.sync, S and P in registers).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttentionKernel {
-    V1,
-    V2,
-}
-
-impl AttentionKernel {
-    pub fn name(self) -> &'static str {
-        match self {
-            AttentionKernel::V1 => "v1",
-            AttentionKernel::V2 => "v2",
-        }
-    }
-}
-
 /// The attention kernels behind `attention`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Implementation {
@@ -109,22 +109,13 @@ impl Implementation {
         }
     }
 
-    /// What a stage runs on `device` with `--attention-kernel` = `kernel` (None: the default).
-    /// The flag picks between our two CUDA kernels; where neither runs (the CPU, a build with
-    /// candle-flash-attn) asking for one is an error, not a request quietly ignored.
-    pub fn for_run(device: &Device, kernel: Option<AttentionKernel>) -> Result<Self, SpeedkitError> {
-        let default = Self::on(device);
-        match (kernel, default) {
-            (None, imp) => Ok(imp),
-            (Some(AttentionKernel::V2), Implementation::SpeedkitCuda) => Ok(Implementation::SpeedkitCuda),
-            (Some(AttentionKernel::V1), Implementation::SpeedkitCuda) => Ok(Implementation::SpeedkitCudaV1),
-            (Some(k), imp) => Err(SpeedkitError::usage(format!(
-                "--attention-kernel {} chooses between stage 2's two CUDA kernels (v1: WMMA, v2: mma.sync), and \
-                 this run's attention is {} instead. Fix: drop --attention-kernel (and SPEEDKIT_ATTENTION_KERNEL), \
-                 or run on a GPU (--device cuda) with a build without the flash-attn feature.",
-                k.name(),
-                imp.description()
-            ))),
+    /// `kernel` on `device`: our CUDA kernel v1 or v2 where ours runs; `None` where neither
+    /// does (the CPU, a build with candle-flash-attn).
+    pub fn with_kernel(device: &Device, kernel: AttentionKernel) -> Option<Self> {
+        match (Self::on(device), kernel) {
+            (Implementation::SpeedkitCuda, AttentionKernel::V2) => Some(Implementation::SpeedkitCuda),
+            (Implementation::SpeedkitCuda, AttentionKernel::V1) => Some(Implementation::SpeedkitCudaV1),
+            _ => None,
         }
     }
 
@@ -161,14 +152,14 @@ impl Implementation {
 
     /// The head sizes this implementation takes: any on the CPU; 32, 64 or 128 for our CUDA
     /// kernel (one compiled instance each); multiples of 8 up to 512 for candle-flash-attn 0.11.
-    pub fn check_head_size(self, d_head: usize) -> Result<(), SpeedkitError> {
+    pub fn check_head_size(self, d_head: usize) -> Result<(), String> {
         match self {
             Implementation::Cpu => Ok(()),
             Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1 => attention_cuda::check_head_size(d_head),
-            Implementation::FlashAttn if !d_head.is_multiple_of(8) || d_head > 512 => Err(SpeedkitError::usage(format!(
+            Implementation::FlashAttn if !d_head.is_multiple_of(8) || d_head > 512 => Err(format!(
                 "candle-flash-attn supports d_head = C / n_head up to 512 in multiples of 8, and this shape has d_head = {d_head}. \
                  Fix: pick --heads so that C / n_head is one of 64, 128 (the common sizes), or run with --device cpu."
-            ))),
+            )),
             Implementation::FlashAttn => Ok(()),
         }
     }
@@ -179,65 +170,9 @@ pub fn implementation(device: &Device) -> &'static str {
     Implementation::on(device).name()
 }
 
-/// Can this device run fused attention at precision `p`? On CUDA both kernels (ours and
-/// candle-flash-attn) take bf16 or f16 on SM 8.0+. The CPU kernel takes any precision stage 1
-/// allows.
-pub fn check_device(info: &DeviceInfo, p: Precision) -> Result<(), SpeedkitError> {
-    if !info.is_cuda() {
-        return Ok(());
-    }
-    check_cuda(Implementation::cuda(), built_arch(), info, p)
-}
-
-/// The SM our kernel's PTX was compiled for (build.rs, from CUDA_COMPUTE_CAP): (9, 0) for sm_90.
-/// `None` in a build without the `cuda` feature.
-fn built_arch() -> Option<(u32, u32)> {
-    option_env!("SPEEDKIT_ATTN_ARCH").and_then(|a| a.parse::<u32>().ok()).map(|n| (n / 10, n % 10))
-}
-
-fn check_cuda(imp: Implementation, built: Option<(u32, u32)>, info: &DeviceInfo, p: Precision) -> Result<(), SpeedkitError> {
-    let who = match imp {
-        Implementation::FlashAttn => "candle-flash-attn",
-        _ => "stage 2's CUDA attention kernels (kernels/flash_attn.cu, flash_attn_v2.cu)",
-    };
-    let sm = info.sm.map_or("?".into(), |(a, b)| format!("{a}.{b}"));
-    if !info.has_bf16_tensor_cores() {
-        return Err(SpeedkitError::usage(format!(
-            "{who} needs SM 8.0+ (Ampere or newer: bf16 tensor cores), and {} is SM {sm}. \
-             Fix: run stage 2 with --device cpu; stages 0-1 run on this GPU.",
-            info.name
-        )));
-    }
-    if let (Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1, Some((ma, mi)), Some(have)) = (imp, built, info.sm) {
-        if have < (ma, mi) {
-            let (a, b) = have;
-            return Err(SpeedkitError::usage(format!(
-                "{who} was compiled to PTX for sm_{ma}{mi} (CUDA_COMPUTE_CAP at build time), which {} (SM {sm}) cannot load. \
-                 Fix: rebuild with CUDA_COMPUTE_CAP={a}{b} (PTX for an SM also runs on every newer one), or run stage 2 \
-                 with --device cpu.",
-                info.name
-            )));
-        }
-    }
-    if !matches!(p, Precision::Bf16 | Precision::F16) {
-        return Err(SpeedkitError::usage(format!(
-            "{who} computes in bf16 or f16, so stage 2 cannot run --precision {p} on CUDA. \
-             Fix: use --precision bf16 (the auto choice on this GPU) or f16."
-        )));
-    }
-    Ok(())
-}
-
 /// The head sizes the implementation that runs on `device` takes.
-pub fn check_head_size(device: &Device, d_head: usize) -> Result<(), SpeedkitError> {
+pub fn check_head_size(device: &Device, d_head: usize) -> Result<(), String> {
     Implementation::on(device).check_head_size(d_head)
-}
-
-/// Working set of a block with fused attention, in bytes: weights, a handful of (B, T, C)
-/// activations and the MLP's (B, T, FF) ones — and no (B, n_head, T, T) term.
-pub fn estimate_fused_bytes(s: &shared::Shape) -> u128 {
-    let (b, t, c, ff) = (s.batch as u128, s.seq as u128, s.d_model as u128, s.ff as u128);
-    4 * (4 * c * c + 2 * c * ff + 9 * c + ff + 10 * b * t * c + 4 * b * t * ff)
 }
 
 /// Fused scaled-dot-product attention.
@@ -1045,33 +980,6 @@ mod tests {
     }
 
     #[test]
-    fn cuda_refusals_name_the_fix() {
-        let h100 = DeviceInfo::simulated_cuda("H100", (9, 0));
-        let a100 = DeviceInfo::simulated_cuda("A100", (8, 0));
-        let t4 = DeviceInfo::simulated_cuda("T4", (7, 5));
-        let cpu = DeviceInfo { kind: shared::device::DeviceKind::Cpu, ..DeviceInfo::simulated_cuda("cpu", (0, 0)) };
-        assert!(check_device(&cpu, Precision::Fp32).is_ok());
-        // A CUDA GPU no longer needs the flash-attn feature: ours runs when it is not built.
-        assert!(check_device(&h100, Precision::Bf16).is_ok());
-        assert!(check_device(&h100, Precision::F16).is_ok());
-        for imp in [Implementation::SpeedkitCuda, Implementation::FlashAttn] {
-            let who = if imp == Implementation::FlashAttn { "candle-flash-attn" } else { "kernels/flash_attn.cu" };
-            assert!(check_cuda(imp, None, &a100, Precision::Bf16).is_ok());
-            let e = check_cuda(imp, None, &t4, Precision::F16).unwrap_err().to_string();
-            assert!(e.contains(who) && e.contains("SM 8.0+") && e.contains("SM 7.5") && e.contains("--device cpu"), "{e}");
-            for p in [Precision::Fp32, Precision::Tf32] {
-                let e = check_cuda(imp, None, &h100, p).unwrap_err().to_string();
-                assert!(e.contains(who) && e.contains(&format!("--precision {p}")) && e.contains("--precision bf16"), "{e}");
-            }
-        }
-        // PTX built for sm_90 cannot load on an A100: say so, and how to rebuild.
-        let e = check_cuda(Implementation::SpeedkitCuda, Some((9, 0)), &a100, Precision::Bf16).unwrap_err().to_string();
-        assert!(e.contains("sm_90") && e.contains("CUDA_COMPUTE_CAP=80"), "{e}");
-        assert!(check_cuda(Implementation::SpeedkitCuda, Some((8, 0)), &h100, Precision::Bf16).is_ok());
-        assert!(check_cuda(Implementation::FlashAttn, Some((9, 0)), &a100, Precision::Bf16).is_ok());
-    }
-
-    #[test]
     fn head_sizes_follow_the_implementation() {
         // Head sizes only matter on CUDA, and there they depend on which kernel runs.
         assert!(check_head_size(&candle_core::Device::Cpu, 20).is_ok());
@@ -1111,15 +1019,12 @@ mod tests {
     }
 
     #[test]
-    fn attention_kernel_flag_is_refused_where_it_cannot_apply() {
-        // The CPU has one attention kernel: asking for v1 or v2 there is an error naming the fix.
+    fn a_kernel_is_chosen_only_where_ours_runs() {
         let cpu = candle_core::Device::Cpu;
-        assert_eq!(Implementation::for_run(&cpu, None).unwrap(), Implementation::Cpu);
         for k in [AttentionKernel::V1, AttentionKernel::V2] {
-            let e = Implementation::for_run(&cpu, Some(k)).unwrap_err().to_string();
-            assert!(e.contains(&format!("--attention-kernel {}", k.name())) && e.contains("Fix:"), "{e}");
-            assert!(!e.contains("  "), "one paragraph, no source indentation: {e}");
+            assert_eq!(Implementation::with_kernel(&cpu, k), None);
         }
+        assert_eq!(AttentionKernel::default(), AttentionKernel::V2);
     }
 
     #[test]

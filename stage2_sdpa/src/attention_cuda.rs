@@ -7,9 +7,9 @@
 //!
 //! This file holds the host side: the launch arithmetic — grid, threads, shared memory, tiles
 //! skipped, occupancy — as pure functions tested on any machine, and, with the `cuda` feature,
-//! the launch itself: the PTX that `build.rs` compiled with nvcc, loaded through candle's
-//! `CudaDevice::get_or_load_custom_func` and launched on candle's stream as the `cuda_fwd` of
-//! the same candle op (`attention::FlashAttn`) whose `cpu_fwd` is the CPU kernel.
+//! the launch itself: the cubin that `build.rs` compiled with nvcc for the device's
+//! architecture, loaded once per device (`crate::cubin`) and launched on candle's stream as the
+//! `cuda_fwd` of the same candle op (`attention::FlashAttn`) whose `cpu_fwd` is the CPU kernel.
 //!
 //! Layout: (B, T, n_head, d_head), read through strides, so a view costs nothing: stage 2's
 //! q, k, v (free reshapes of (B, T, C)) and stage 3's (strided slices of one (B, T, 3, n_head,
@@ -18,7 +18,6 @@
 //! copies anything else first (`kernel_strides`).
 
 use crate::attention::AttentionKernel;
-use shared::SpeedkitError;
 
 /// Query rows per thread block (B_r); `BR` in the kernel.
 pub const BR: usize = 64;
@@ -73,15 +72,15 @@ pub fn shared_mem_bytes_of(kernel: AttentionKernel, d_head: usize) -> usize {
 }
 
 /// The kernels have one compiled instance per head size in `HEAD_SIZES`.
-pub fn check_head_size(d_head: usize) -> Result<(), SpeedkitError> {
+pub fn check_head_size(d_head: usize) -> Result<(), String> {
     if HEAD_SIZES.contains(&d_head) {
         return Ok(());
     }
-    Err(SpeedkitError::usage(format!(
+    Err(format!(
         "stage 2's CUDA attention kernel is built for d_head = C / n_head of 32, 64 or 128, and this shape has \
          d_head = {d_head}. Fix: pick --heads so that C / n_head is 64 or 128, build with --features flash-attn \
          (candle-flash-attn: any multiple of 8 up to 512), or run with --device cpu."
-    )))
+    ))
 }
 
 /// How one call is launched, and what it computes.
@@ -116,31 +115,31 @@ pub fn launch_config(
     d_head: usize,
     causal: bool,
     max_shared_bytes: usize,
-) -> Result<LaunchPlan, SpeedkitError> {
+) -> Result<LaunchPlan, String> {
     check_head_size(d_head)?;
     if b == 0 || t == 0 || n_head == 0 {
-        return Err(SpeedkitError::usage(format!("attention: empty input (B = {b}, T = {t}, n_head = {n_head})")));
+        return Err(format!("attention: empty input (B = {b}, T = {t}, n_head = {n_head})"));
     }
     if t > MAX_T {
-        return Err(SpeedkitError::usage(format!(
+        return Err(format!(
             "stage 2's CUDA attention kernel indexes positions with 32-bit ints, so T may be at most {MAX_T}, and it is {t}. \
              Fix: a shorter --seq."
-        )));
+        ));
     }
     if n_head > MAX_GRID_YZ || b > MAX_GRID_YZ {
-        return Err(SpeedkitError::usage(format!(
+        return Err(format!(
             "stage 2's CUDA attention kernel puts n_head and B on the grid's y and z axes (at most {MAX_GRID_YZ} each), \
              and this call has n_head = {n_head}, B = {b}. Fix: split the batch."
-        )));
+        ));
     }
     let bytes = shared_mem_bytes_of(kernel, d_head);
     if bytes > max_shared_bytes {
-        return Err(SpeedkitError::usage(format!(
+        return Err(format!(
             "stage 2's CUDA attention kernel needs {} KiB of shared memory per block at d_head = {d_head}, and this \
              device allows {} KiB. Fix: a smaller d_head (more --heads), or run with --device cpu.",
             bytes / 1024,
             max_shared_bytes / 1024
-        )));
+        ));
     }
     let (q_tiles, kv_tiles) = (t.div_ceil(BR), t.div_ceil(BC));
     // B_r = B_c, so query tile i needs key tiles 0..=i when causal: the triangle with its diagonal.
@@ -192,26 +191,40 @@ pub fn kernel_strides(q: &candle_core::Layout, k: &candle_core::Layout, v: &cand
 }
 
 #[cfg(feature = "cuda")]
-pub use launch::cuda_fwd;
+pub use launch::{cubins_of, cuda_fwd};
+
+/// The architectures build.rs compiled the kernels for (10·major + minor, from CUDA_COMPUTE_CAP);
+/// empty in a build without the `cuda` feature.
+pub fn built_archs() -> Vec<u32> {
+    #[cfg(feature = "cuda")]
+    return launch::FLASH_ATTN_V2.archs.iter().map(|(a, _)| *a).collect();
+    #[cfg(not(feature = "cuda"))]
+    Vec::new()
+}
 
 #[cfg(feature = "cuda")]
 mod launch {
     use super::{kernel_name, kernel_strides, launch_config};
     use crate::attention::AttentionKernel;
+    use crate::cubin::{function, Cubins};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda::{CudaDType, CudaStorage};
     use candle_core::{DType, Layout, Shape};
 
-    /// `kernels/flash_attn.cu` (v1) and `kernels/flash_attn_v2.cu`, compiled to PTX by build.rs
-    /// for sm_$CUDA_COMPUTE_CAP; one module each.
-    pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
-    pub const PTX_V2: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_v2.ptx"));
-    fn module(kernel: AttentionKernel) -> (&'static str, &'static str) {
+    mod cubins {
+        include!(concat!(env!("OUT_DIR"), "/cubins.rs"));
+    }
+    /// `kernels/flash_attn.cu` (v1) and `kernels/flash_attn_v2.cu`, compiled by build.rs to a
+    /// cubin per architecture in CUDA_COMPUTE_CAP.
+    pub static FLASH_ATTN: Cubins = Cubins { file: "stage2_sdpa/kernels/flash_attn.cu", archs: cubins::FLASH_ATTN };
+    pub static FLASH_ATTN_V2: Cubins = Cubins { file: "stage2_sdpa/kernels/flash_attn_v2.cu", archs: cubins::FLASH_ATTN_V2 };
+    /// The kernel file of `kernel`, as built.
+    pub fn cubins_of(kernel: AttentionKernel) -> &'static Cubins {
         match kernel {
-            AttentionKernel::V1 => ("speedkit_flash_attn", PTX),
-            AttentionKernel::V2 => ("speedkit_flash_attn_v2", PTX_V2),
+            AttentionKernel::V1 => &FLASH_ATTN,
+            AttentionKernel::V2 => &FLASH_ATTN_V2,
         }
     }
 
@@ -260,20 +273,11 @@ mod launch {
         let max_shared = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(|e| err("shared memory per block", e))?;
-        let plan = launch_config(kernel, b, t, h, d, causal, max_shared as usize).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        let (module, ptx) = module(kernel);
+        let plan = launch_config(kernel, b, t, h, d, causal, max_shared as usize).map_err(candle_core::Error::Msg)?;
+        // The cubin for this GPU's architecture, loaded on the first call (a refusal naming
+        // the fix when the build has none for it), then cached.
         let name = kernel_name(kernel, dtype, d);
-        let func = dev.get_or_load_custom_func(&name, module, ptx).map_err(|e| {
-            // The usual causes: a driver older than the CUDA toolkit that wrote the PTX, or a GPU
-            // below the architecture it was built for. Say so instead of a bare driver code.
-            candle_core::Error::Msg(format!(
-                "stage 2's attention kernel {name} (plain sm_{} PTX, built by build.rs) did not load on this GPU ({e}). \
-                 Fix: update the NVIDIA driver to one that supports the CUDA toolkit this binary was built with \
-                 (CUDA 13 needs driver 580+), or rebuild with CUDA_COMPUTE_CAP set to this GPU's compute capability; \
-                 `ladder selftest` checks each GPU piece alone.",
-                option_env!("SPEEDKIT_ATTN_ARCH").unwrap_or("?")
-            ))
-        })?;
+        let func = function(dev, cubins_of(kernel), &name)?;
         if plan.needs_opt_in {
             // Above 48 KiB of dynamic shared memory a kernel must opt in, per function.
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, plan.shared_mem_bytes as i32)
@@ -290,7 +294,8 @@ mod launch {
         let [sb, st, sh] = [stride_b, stride_t, stride_h].map(|s| s as i64);
         let [osb, ost, osh] = [t * h * d, h * d, d].map(|s| s as i64); // contiguous (B, T, n_head, d_head)
         let cfg = LaunchConfig { grid_dim: plan.grid, block_dim: (plan.threads, 1, 1), shared_mem_bytes: plan.shared_mem_bytes };
-        let mut args = func.builder();
+        let stream = dev.cuda_stream();
+        let mut args = stream.launch_builder(&func);
         args.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&t_i32);
         args.arg(&sb).arg(&st).arg(&sh).arg(&osb).arg(&ost).arg(&osh).arg(&scale).arg(&causal_i32);
         // SAFETY: argument order and types match FLASH_ATTN_ENTRY's (and FLASH_ATTN_V2_ENTRY's,

@@ -83,7 +83,7 @@ impl Stage for Sdpa {
 
     fn choose_precision(&self, info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
         let (p, why) = precision::choose(info, requested)?;
-        attention::check_device(info, p)?;
+        crate::harness::check_device(info, p)?;
         Ok((p, why))
     }
 
@@ -92,7 +92,7 @@ impl Stage for Sdpa {
     }
 
     fn estimate_bytes(&self, shape: &Shape) -> u128 {
-        attention::estimate_fused_bytes(shape)
+        crate::harness::estimate_fused_bytes(shape)
     }
 
     fn switches(&self, plan: &Plan) -> GemmSwitches {
@@ -119,8 +119,8 @@ impl Stage for Sdpa {
 
     /// Every flag this device cannot honour, refused before any weights exist.
     fn check_plan(&self, plan: &Plan) -> Result<(), SpeedkitError> {
-        attention::Implementation::for_run(&plan.device, self.args.attention_kernel)?;
-        attention::check_head_size(&plan.device, plan.shape.d_head())
+        crate::harness::for_run(&plan.device, self.args.attention_kernel)?;
+        attention::check_head_size(&plan.device, plan.shape.d_head()).map_err(SpeedkitError::usage)
     }
 
     fn build(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
@@ -157,7 +157,7 @@ impl Stage for Sdpa {
 /// device, for labels and notes (`check_plan` refuses a kernel the device cannot honour; the
 /// label then shows the default).
 pub fn attention_of(plan: &Plan, kernel: Option<AttentionKernel>) -> attention::Implementation {
-    attention::Implementation::for_run(&plan.device, kernel).unwrap_or(attention::Implementation::on(&plan.device))
+    crate::harness::for_run(&plan.device, kernel).unwrap_or(attention::Implementation::on(&plan.device))
 }
 
 pub struct Block {
@@ -188,7 +188,7 @@ impl Block {
     pub fn build(w: &BlockWeights, plan: &Plan, stage: &Sdpa) -> anyhow::Result<Block> {
         precision::switches(plan.precision).apply();
         stage.check_plan(plan)?;
-        let attn = attention::Implementation::for_run(&plan.device, stage.args.attention_kernel)?;
+        let attn = crate::harness::for_run(&plan.device, stage.args.attention_kernel)?;
         let c = plan.shape.d_model;
         let dt = precision::gemm_dtype(plan.precision);
         // Three separate projections, as in stages 0 and 1 (stage 3 fuses them).

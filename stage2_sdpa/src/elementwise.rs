@@ -19,7 +19,7 @@ use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
-/// Which unfused element-wise ops stage 2 uses on the CPU (`--elementwise`).
+/// Which unfused element-wise ops stage 2 runs on the CPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Elementwise {
     /// This module: multi-threaded, vectorised, one pass per op.
@@ -30,7 +30,8 @@ pub enum Elementwise {
     Candle,
 }
 
-/// The AVX-512 subsets the vectorised bodies (and gemm's x86-v4 kernels) need.
+/// The AVX-512 subsets gemm's x86-v4 kernels (pulp's V4 level) need, and that the bodies
+/// below are compiled for.
 #[cfg(target_arch = "x86_64")]
 pub fn has_avx512() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
@@ -237,7 +238,8 @@ pub fn to_dtype(x: &Tensor, dtype: DType, mode: Elementwise) -> candle_core::Res
     }
 }
 
-fn par_convert<S: Copy + Sync, D: Copy + Send + Default>(src: &[S], f: impl Fn(S) -> D + Sync) -> Vec<D> {
+/// `f` over `src` on all threads, into a new vector (the casts between f32 and bf16/f16).
+pub fn par_convert<S: Copy + Sync, D: Copy + Send + Default>(src: &[S], f: impl Fn(S) -> D + Sync) -> Vec<D> {
     let mut out = vec![D::default(); src.len()];
     out.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, &s)| *o = f(s)));
     out

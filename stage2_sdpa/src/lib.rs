@@ -29,7 +29,10 @@
 
 pub mod attention;
 pub mod attention_cuda;
+pub mod cubin;
 pub mod elementwise;
+#[cfg(feature = "harness")]
+pub mod harness;
 
 pub use attention::{attention, attention_with};
 

@@ -1,4 +1,4 @@
-//! criterion, CPU (issue 15): what the block's time is made of on the `small` preset
+//! criterion, CPU: what the block's time is made of on the `small` preset
 //! (B·T = 2048 rows, C = 768, FF = 3072).
 //! - `gemm`: the shapes the ceiling probe measures: the four linears through candle's matmul,
 //!   i.e. the GEMM backend this build uses, and attention's Q·Kᵀ and P·V per head through the gemm
@@ -6,7 +6,7 @@
 //!   Throughput is in FLOPs, so criterion prints GFLOP/s as "Gelem/s".
 //! - `elementwise`: `stage2_sdpa::elementwise` (parallel, vectorised, one pass per op) against its
 //!   slow twin, candle's own ops (`Elementwise::Candle`): LayerNorm, GELU, bias add, cast.
-//! - `fused`: stage 3's fused ops against their slow twins (stage 0's primitives).
+//! - `fused`: stage 3's fused ops against their slow twins beside them in `ops.rs` (plain candle ops).
 //!
 //! `cargo bench -p stage3_fused --bench cpu_ops` (add `-- gemm` for one group).
 
@@ -69,11 +69,9 @@ fn fused(c: &mut Criterion) {
     let (g, b) = (randn(&[C], 9, 0.02), randn(&[C], 10, 0.02));
     let (w1, b1) = (randn(&[FF, C], 11, 0.02), randn(&[FF], 12, 0.02));
     group.bench_function("layer_norm/fused", |bn| bn.iter(|| ops::layer_norm(&x, &g, &b, DType::F32).unwrap()));
-    group.bench_function("layer_norm/slow_twin", |bn| bn.iter(|| stage0_baseline::layer_norm(&x, &g, &b).unwrap()));
+    group.bench_function("layer_norm/slow_twin", |bn| bn.iter(|| ops::layer_norm_slow(&x, &g, &b, DType::F32).unwrap()));
     group.bench_function("linear_bias_gelu/fused", |bn| bn.iter(|| ops::linear_bias_gelu(&x, &w1, &b1).unwrap()));
-    group.bench_function("linear_bias_gelu/slow_twin", |bn| {
-        bn.iter(|| stage0_baseline::gelu_tanh(&stage0_baseline::linear(&x, &w1, &b1).unwrap()).unwrap())
-    });
+    group.bench_function("linear_bias_gelu/slow_twin", |bn| bn.iter(|| ops::linear_bias_gelu_slow(&x, &w1, &b1).unwrap()));
     group.finish();
 }
 

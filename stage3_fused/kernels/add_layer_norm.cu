@@ -14,7 +14,7 @@
 // row's sum and sum of squares are reduced first within each warp (shuffles), then across the
 // warps through shared memory.
 //
-// No headers, so NVRTC compiles it without a CUDA include path: bf16 and f16 are handled as
+// No CUDA headers, so the host emulation compiles it with g++: bf16 and f16 are handled as
 // their 16-bit patterns and converted with explicit instructions.
 //
 // The same file holds `layer_norm_*`: the first LayerNorm of the block, which has no residual

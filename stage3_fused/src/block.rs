@@ -152,7 +152,7 @@ impl Stage for Fused {
     }
 
     fn estimate_bytes(&self, shape: &Shape) -> u128 {
-        stage2_sdpa::attention::estimate_fused_bytes(shape)
+        stage2_sdpa::harness::estimate_fused_bytes(shape)
     }
 
     fn switches(&self, plan: &Plan) -> GemmSwitches {
@@ -211,7 +211,7 @@ impl Block {
     pub fn build(w: &BlockWeights, plan: &Plan, stage: &Fused) -> anyhow::Result<Block> {
         precision::switches(plan.precision).apply();
         stage.check_plan(plan)?;
-        let attn = attention::Implementation::for_run(&plan.device, stage.sdpa.args.attention_kernel)?;
+        let attn = stage2_sdpa::harness::for_run(&plan.device, stage.sdpa.args.attention_kernel)?;
         let dt = precision::gemm_dtype(plan.precision);
         let c = plan.shape.d_model;
         let split_qkv = match stage.fusions.qkv {

@@ -1,12 +1,10 @@
-//! Per-device caches for the CUDA paths: the cuBLASLt handle and workspace (stages 3 and 4) and
-//! the NVRTC-compiled PTX of `kernels/add_layer_norm.cu`.
+//! Per-device caches for the CUDA paths: the cuBLASLt handle and workspace (stages 3 and 4).
+//! (Kernel modules have their own cache, per device and kernel file: `stage2_sdpa::cubin`.)
 //!
 //! The key is the device itself — candle's `DeviceId`, unique per `CudaDevice` and so per
 //! stream — and its compute capability. A GPU ordinal is not enough: two `CudaDevice`s on GPU 0
 //! have two streams, and a handle bound to the first one's stream would run the second one's
-//! GEMMs out of order with its other kernels. PTX depends only on the architecture, so its key
-//! is the compute capability alone (one compile per architecture, not one per process: the
-//! first GPU's PTX does not load on an older second one).
+//! GEMMs out of order with its other kernels.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -57,9 +55,7 @@ impl<K: Eq + Hash, V: Clone> Default for Cache<K, V> {
 mod tests {
     use super::*;
 
-    /// Regression (issue 13, finding 5): handles were keyed by GPU ordinal, so a second device
-    /// on GPU 0 (another stream) got the first one's handle, and the NVRTC PTX was compiled
-    /// once per process for whichever GPU came first.
+    /// A second device on GPU 0 (another stream) must not get the first one's handle.
     #[test]
     fn two_devices_on_one_gpu_get_their_own_entries() {
         let handles: Cache<DeviceKey<usize>, String> = Cache::new();
@@ -80,9 +76,9 @@ mod tests {
     }
 
     #[test]
-    fn ptx_is_compiled_once_per_architecture_and_errors_are_not_cached() {
+    fn values_are_made_once_per_key_and_errors_are_not_cached() {
         let ptx: Cache<(u32, u32), String> = Cache::new();
-        assert!(ptx.get_or_try_insert((8, 0), || Err("nvrtc failed")).is_err());
+        assert!(ptx.get_or_try_insert((8, 0), || Err("failed")).is_err());
         assert!(ptx.is_empty());
         assert_eq!(ptx.get_or_try_insert((8, 0), || Ok::<_, ()>("compute_80".into())).unwrap(), "compute_80");
         assert_eq!(ptx.get_or_try_insert((9, 0), || Ok::<_, ()>("compute_90".into())).unwrap(), "compute_90");

@@ -1,24 +1,33 @@
-//! Fused operations, each next to the slow twin it replaces (the twins are stage 0's primitive
-//! ops; tests assert each pair agrees on random shapes).
+//! Fused operations, each a candle custom op (`CustomOp3`: a CPU forward and, with the `cuda`
+//! feature, a CUDA forward, as candle-nn's `ops.rs` writes LayerNorm and softmax) with its slow
+//! twin beside it: the same function from plain candle ops (`*_slow`), which a test asserts it
+//! agrees with on random shapes (`tests/fused_vs_twin.rs`).
 //!
-//! | fused op                        | replaces (stage 2)                                   |
-//! |---------------------------------|------------------------------------------------------|
-//! | `layer_norm(x, g, b, dtype)`    | mean, sub, sqr, mean, add, sqrt, div, mul, add, cast |
-//! | `linear_bias(x, w, b)`          | GEMM, then a bias add                                |
-//! | `linear_bias_gelu(x, w, b)`     | GEMM, bias add, then GELU's 7 element-wise ops       |
-//! | `linear_bias_residual(x,w,b,r)` | GEMM, bias add, cast to f32, residual add            |
-//! | `add_layer_norm(x, br, g, b)`   | cast, residual add, then LayerNorm's nine ops, cast  |
+//! | fused op                        | slow twin                   | replaces                                   |
+//! |---------------------------------|-----------------------------|--------------------------------------------|
+//! | `layer_norm(x, g, b, dtype)`    | `layer_norm_slow`           | mean, sub, sqr, mean, add, sqrt, div, mul, add, cast |
+//! | `linear_bias(x, w, b)`          | `linear_bias_slow`          | GEMM, then a bias add                      |
+//! | `linear_bias_gelu(x, w, b)`     | `linear_bias_gelu_slow`     | GEMM, bias add, then GELU's 7 element-wise ops |
+//! | `linear_bias_residual(x,w,b,r)` | `linear_bias_residual_slow` | GEMM, bias add, cast to f32, residual add  |
+//! | `add_layer_norm(x, br, g, b)`   | `add_layer_norm_slow`       | cast, residual add, then LayerNorm's nine ops, cast |
 //!
 //! CPU: single passes over rows (LayerNorm) and a GEMM whose destination starts out holding the
 //! bias (and the residual), so `dst = 1·dst + 1·x·Wᵀ` adds them for free; GELU runs on each block
 //! of output rows right after the GEMM wrote it, while it is still in cache.
-//! CUDA: our two-pass LayerNorm kernel (`kernels/add_layer_norm.cu`), and cuBLASLt GEMMs with epilogues (`cuda` module):
-//! bias and bias+GELU applied by the GEMM kernel before it stores, the residual read through the
-//! C operand with β = 1.
+//! CUDA (`cuda` module): our two-pass LayerNorm kernel (`kernels/add_layer_norm.cu`), and cuBLASLt
+//! GEMMs with epilogues: bias and bias+GELU applied by the GEMM kernel before it stores, the
+//! residual read through the C operand with β = 1.
+//!
+//! Lifting one into your model needs this file, `cuda.rs` and `device_cache.rs` (CUDA),
+//! `stage2_sdpa::elementwise` (the CPU loops) and candle: nothing from the benchmark harness.
 
-use candle_core::{CpuStorage, DType, Storage, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::op::BackpropOp;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 use rayon::prelude::*;
-use stage2_sdpa::elementwise::{exp_f32, map_slice, map_slice_in_place, row_stats, Elementwise, RowStats};
+use stage2_sdpa::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, Elementwise, RowStats};
+use std::borrow::Cow;
+use std::sync::Mutex;
 
 /// LayerNorm's ε, as in GPT-2.
 pub const LN_EPS: f32 = 1e-5;
@@ -39,93 +48,239 @@ pub const GELU_ROWS: usize = 2048;
 /// than this at (2048, 768) on 2 cores.
 const ROWS_PER_TASK: usize = 16;
 
+// ---------------------------------------------------------------------------------------------
+// LayerNorm
+// ---------------------------------------------------------------------------------------------
+
 /// LayerNorm over the last dimension, output cast to `dtype` in the same pass.
 /// x: (…, C) f32; g, b: (C) f32. Per row: the statistics from one read, then normalise and
 /// write while the row is in L1 (C = 768 floats is 3 KiB), instead of the seven full passes
-/// over (B, T, C) that stage 0's primitive ops make (nine ops, two of them on the (B, T, 1)
+/// over (B, T, C) that the primitive ops make (nine ops, two of them on the (B, T, 1)
 /// statistics); the cast to the GEMM dtype rides along.
-/// Slow twin: `stage0_baseline::layer_norm` then `to_dtype`.
+/// CUDA: our two-pass kernel (kernels/add_layer_norm.cu, `layer_norm_*`), cast fused into the
+/// store; candle's LayerNorm kernel takes var = E[x²] − mean² in f32, which cancels for rows
+/// with a large mean.
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        // Our two-pass kernel (kernels/add_layer_norm.cu, `layer_norm_*`), cast fused into the
-        // store: candle's LayerNorm kernel takes var = E[x²] − mean² in f32, which cancels for
-        // rows with a large mean.
-        return crate::cuda::layer_norm(x, g, b, dtype);
+    let (x, g, b) = (f32_contiguous(x)?, f32_contiguous(g)?, f32_contiguous(b)?);
+    check_norm_params(&x, &g, &b, "layer_norm")?;
+    x.apply_op3_no_bwd(&g, &b, &LayerNorm { eps: LN_EPS, dtype })
+}
+
+/// Slow twin of `layer_norm`: the nine primitive ops (as stage 0 spells them out), then a cast.
+pub fn layer_norm_slow(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?; // (B, T, 1)
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?; // biased variance, as in PyTorch
+    let xhat = xc.broadcast_div(&(var + LN_EPS as f64)?.sqrt()?)?;
+    xhat.broadcast_mul(g)?.broadcast_add(b)?.to_dtype(dtype)
+}
+
+/// The op behind `layer_norm`: inputs x (…, C), g (C), b (C), all f32 and contiguous.
+struct LayerNorm {
+    eps: f32,
+    dtype: DType,
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "speedkit-layer-norm"
     }
-    let c = x.dim(candle_core::D::Minus1)?;
-    let (x32, g32, b32) = (host_f32(x)?, host_f32(g)?, host_f32(b)?);
-    let ((xg, xl), (gg, gl), (bg, bl)) = (x32.storage_and_layout(), g32.storage_and_layout(), b32.storage_and_layout());
-    let (xs, gs, bs) = (f32_slice(&xg, xl)?, f32_slice(&gg, gl)?, f32_slice(&bg, bl)?);
-    let mut out = vec![0f32; xs.len()];
-    let rows = ROWS_PER_TASK * c;
-    out.par_chunks_mut(rows).zip(xs.par_chunks(rows)).for_each(|(o, x)| {
-        o.chunks_mut(c).zip(x.chunks(c)).for_each(|(o, row)| normalise_row(row, gs, bs, o));
-    });
-    cast(Tensor::from_vec(out, x.shape(), x.device())?, dtype)
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let c = xl.shape().dims().last().copied().unwrap_or(1);
+        let (x, g, b) = (f32_values(xs, xl, "x")?, f32_values(gs, gl, "g")?, f32_values(bs, bl, "b")?);
+        let mut out = vec![0f32; x.len()];
+        let rows = ROWS_PER_TASK * c;
+        out.par_chunks_mut(rows).zip(x.par_chunks(rows)).for_each(|(o, x)| {
+            o.chunks_mut(c).zip(x.chunks(c)).for_each(|(o, row)| normalise_row(row, &g, &b, self.eps, o));
+        });
+        Ok((to_storage(out, self.dtype)?, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+        bs: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let h = crate::cuda::layer_norm(xs, xl, gs, gl, bs, bl, self.eps, self.dtype)?;
+        Ok((h, xl.shape().clone()))
+    }
 }
 
 /// The worked example: residual add and LayerNorm in one pass, returning the new residual
 /// stream x + branch (f32) and its normalised copy h (in branch's dtype, ready for the next GEMM).
-/// CUDA: our NVRTC kernel `kernels/add_layer_norm.cu` (one launch). CPU: one pass per row.
-/// Slow twin: `x + branch.to_dtype(f32)`, then `stage0_baseline::layer_norm`, then `to_dtype`.
+/// CUDA: our kernel `kernels/add_layer_norm.cu` (one launch). CPU: one pass per row.
 pub fn add_layer_norm(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
     if x.dims() != branch.dims() || x.dtype() != DType::F32 {
         candle_core::bail!("add_layer_norm: x {:?} ({:?}) and branch {:?} must match, x in f32", x.dims(), x.dtype(), branch.dims());
     }
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        return crate::cuda::add_layer_norm(x, branch, g, b);
+    let (x, branch, g, b) = (x.contiguous()?, branch.contiguous()?, f32_contiguous(g)?, f32_contiguous(b)?);
+    check_norm_params(&x, &g, &b, "add_layer_norm")?;
+    let op = AddLayerNorm { b, eps: LN_EPS, x_out: Mutex::new(None) };
+    let h = x.apply_op3_no_bwd(&branch, &g, &op)?;
+    let x_out = op.x_out.lock().map_err(|_| candle_core::Error::Msg("add_layer_norm: poisoned lock".into()))?.take();
+    let x_out = x_out.ok_or_else(|| candle_core::Error::Msg("add_layer_norm: the forward wrote no residual".into()))?;
+    Ok((Tensor::from_storage(x_out, x.shape(), BackpropOp::none(), false), h))
+}
+
+/// Slow twin of `add_layer_norm`: a cast, an add, then `layer_norm_slow`.
+pub fn add_layer_norm_slow(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let x = (x + branch.to_dtype(DType::F32)?)?;
+    let h = layer_norm_slow(&x, g, b, branch.dtype())?;
+    Ok((x, h))
+}
+
+/// The op behind `add_layer_norm`: inputs x (…, C) f32, branch (…, C) f32/bf16/f16, g (C) f32,
+/// all contiguous; output h in branch's dtype.
+///
+/// Four inputs and two outputs of two dtypes, where a candle custom op takes at most three and
+/// returns one storage of one dtype. The fourth input, b, is held by the op and its storage read
+/// inside the forward. The second output, x + branch (f32), is left in `x_out` for the caller to
+/// take: concatenating the two outputs instead would need h in f32 and then a cast pass to
+/// branch's dtype — the pass this kernel exists to remove.
+struct AddLayerNorm {
+    b: Tensor,
+    eps: f32,
+    x_out: Mutex<Option<Storage>>,
+}
+
+impl AddLayerNorm {
+    fn put_x_out(&self, s: Storage) -> candle_core::Result<()> {
+        *self.x_out.lock().map_err(|_| candle_core::Error::Msg("add_layer_norm: poisoned lock".into()))? = Some(s);
+        Ok(())
     }
-    let c = x.dim(candle_core::D::Minus1)?;
-    let (x32, br32, g32, b32) = (host_f32(x)?, host_f32(branch)?, host_f32(g)?, host_f32(b)?);
-    let ((xg, xl), (brg, brl)) = (x32.storage_and_layout(), br32.storage_and_layout());
-    let ((gg, gl), (bg, bl)) = (g32.storage_and_layout(), b32.storage_and_layout());
-    let (xs, brs, gs, bs) = (f32_slice(&xg, xl)?, f32_slice(&brg, brl)?, f32_slice(&gg, gl)?, f32_slice(&bg, bl)?);
-    let (mut x_out, mut h_out) = (vec![0f32; xs.len()], vec![0f32; xs.len()]);
-    let rows = ROWS_PER_TASK * c;
-    x_out.par_chunks_mut(rows).zip(h_out.par_chunks_mut(rows)).zip(xs.par_chunks(rows).zip(brs.par_chunks(rows))).for_each(
-        |((xo, ho), (xr, br))| {
-            for (((xo, ho), xr), br) in xo.chunks_mut(c).zip(ho.chunks_mut(c)).zip(xr.chunks(c)).zip(br.chunks(c)) {
-                map_slice(xo, xr, &|i, a| a + br[i]); // the new residual stream
-                normalise_row(xo, gs, bs, ho);
-            }
-        },
-    );
-    let x_new = Tensor::from_vec(x_out, x.shape(), x.device())?;
-    let h = cast(Tensor::from_vec(h_out, x.shape(), x.device())?, branch.dtype())?;
-    Ok((x_new, h))
+}
+
+impl CustomOp3 for AddLayerNorm {
+    fn name(&self) -> &'static str {
+        "speedkit-add-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        brs: &CpuStorage,
+        brl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let c = xl.shape().dims().last().copied().unwrap_or(1);
+        let (bs, bl) = self.b.storage_and_layout();
+        let Storage::Cpu(bs) = &*bs else { candle_core::bail!("add_layer_norm: b is not on the CPU") };
+        let (x, br, g, b) = (f32_values(xs, xl, "x")?, f32_values(brs, brl, "branch")?, f32_values(gs, gl, "g")?, f32_values(bs, bl, "b")?);
+        let (mut x_out, mut h_out) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+        let rows = ROWS_PER_TASK * c;
+        x_out.par_chunks_mut(rows).zip(h_out.par_chunks_mut(rows)).zip(x.par_chunks(rows).zip(br.par_chunks(rows))).for_each(
+            |((xo, ho), (xr, br))| {
+                for (((xo, ho), xr), br) in xo.chunks_mut(c).zip(ho.chunks_mut(c)).zip(xr.chunks(c)).zip(br.chunks(c)) {
+                    map_slice(xo, xr, &|i, a| a + br[i]); // the new residual stream
+                    normalise_row(xo, &g, &b, self.eps, ho);
+                }
+            },
+        );
+        self.put_x_out(Storage::Cpu(CpuStorage::F32(x_out)))?;
+        Ok((to_storage(h_out, brs.dtype())?, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        brs: &candle_core::CudaStorage,
+        brl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (bs, bl) = self.b.storage_and_layout();
+        let Storage::Cuda(bs) = &*bs else { candle_core::bail!("add_layer_norm: b is not on the GPU") };
+        let (x_out, h) = crate::cuda::add_layer_norm(xs, xl, brs, brl, gs, gl, bs, bl, self.eps)?;
+        self.put_x_out(Storage::Cuda(x_out))?;
+        Ok((h, xl.shape().clone()))
+    }
 }
 
 /// h = (row − mean) / √(var + ε) · g + b, the statistics from one read of the row
 /// (`stage2_sdpa::elementwise::row_stats`: shifted sums in f64, accurate for rows with a large mean),
 /// then one vectorised write pass while the row is in L1 (`map_slice` dispatches to AVX-512/AVX2).
 #[inline]
-fn normalise_row(row: &[f32], g: &[f32], b: &[f32], h: &mut [f32]) {
-    let RowStats { shift, shift_minus_mean, inv_std } = row_stats(row, LN_EPS as f64);
+fn normalise_row(row: &[f32], g: &[f32], b: &[f32], eps: f32, h: &mut [f32]) {
+    let RowStats { shift, shift_minus_mean, inv_std } = row_stats(row, eps as f64);
     map_slice(h, row, &|i, v| ((v - shift) + shift_minus_mean) * inv_std * g[i] + b[i]);
 }
 
-/// A cast in parallel on the CPU (candle's is one thread); a no-op when the dtype is already right.
-fn cast(t: Tensor, dtype: DType) -> candle_core::Result<Tensor> {
-    stage2_sdpa::elementwise::to_dtype(&t, dtype, Elementwise::Parallel)
+/// g and b must be (C), C being x's last dimension.
+fn check_norm_params(x: &Tensor, g: &Tensor, b: &Tensor, op: &str) -> candle_core::Result<()> {
+    let c = x.dim(D::Minus1)?;
+    if g.dims() != [c] || b.dims() != [c] {
+        candle_core::bail!("{op}: g {:?} and b {:?} must be ({c}), the last dimension of x {:?}", g.dims(), b.dims(), x.dims());
+    }
+    Ok(())
 }
 
+// ---------------------------------------------------------------------------------------------
+// Linear layers with fused epilogues
+// ---------------------------------------------------------------------------------------------
+
 /// y = x Wᵀ + b. x: (B, T, K); W: (N, K); b: (N). Output in x's dtype.
-/// Slow twin: `stage0_baseline::linear`.
 pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     linear(x, w, b, Epilogue::Bias)
 }
 
-/// y = gelu_tanh(x Wᵀ + b). Slow twin: `stage0_baseline::gelu_tanh(&linear(x, w, b))`.
+/// Slow twin of `linear_bias`: a GEMM, then a bias pass.
+pub fn linear_bias_slow(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    let (bsz, t, c_in) = x.dims3()?;
+    let c_out = w.dim(0)?;
+    let y = x.reshape((bsz * t, c_in))?.matmul(&w.t()?)?; // (B·T, out)
+    y.broadcast_add(b)?.reshape((bsz, t, c_out))
+}
+
+/// y = gelu_tanh(x Wᵀ + b).
 pub fn linear_bias_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     linear(x, w, b, Epilogue::BiasGelu)
 }
 
+/// Slow twin of `linear_bias_gelu`: a GEMM, a bias pass, then GELU from primitives:
+/// 0.5·y·(1 + tanh(√(2/π)·(y + 0.044715·y³))).
+pub fn linear_bias_gelu_slow(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    let y = linear_bias_slow(x, w, b)?;
+    let y3 = (y.sqr()? * &y)?;
+    let inner = ((&y + (y3 * 0.044715)?)? * (2.0 / std::f64::consts::PI).sqrt())?;
+    ((inner.tanh()? + 1.0)? * y)? * 0.5
+}
+
 /// y = r + x Wᵀ + b, in r's dtype (the f32 residual stream).
-/// Slow twin: `r + stage0_baseline::linear(x, w, b).to_dtype(r.dtype())`.
 pub fn linear_bias_residual(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> candle_core::Result<Tensor> {
-    linear(x, w, b, Epilogue::BiasResidual(r))
+    let (bsz, t, _) = x.dims3()?;
+    let n = w.dim(0)?;
+    if r.dims() != [bsz, t, n] {
+        candle_core::bail!("linear: residual {:?} is not the output shape ({bsz}, {t}, {n})", r.dims());
+    }
+    if x.device().is_cuda() && r.dtype() != x.dtype() {
+        // The f32 residual stream of a bf16/f16 block cannot ride in through cuBLASLt's C
+        // operand (cudarc's wrapper gives C and D one dtype): it is added after, in f32, one pass.
+        return r + linear_bias(x, w, b)?.to_dtype(r.dtype())?;
+    }
+    linear(x, w, b, Epilogue::BiasResidual(&r.contiguous()?))
+}
+
+/// Slow twin of `linear_bias_residual`: a GEMM, a bias pass, a cast pass, an add pass.
+pub fn linear_bias_residual_slow(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> candle_core::Result<Tensor> {
+    r + linear_bias_slow(x, w, b)?.to_dtype(r.dtype())?
 }
 
 /// What the GEMM adds or applies before its result is stored.
@@ -133,67 +288,102 @@ pub fn linear_bias_residual(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> c
 pub enum Epilogue<'a> {
     Bias,
     BiasGelu,
+    /// + r, r: the output's shape, contiguous; in the GEMM's dtype on CUDA.
     BiasResidual(&'a Tensor),
 }
 
+/// The op behind the three linears: inputs x (B, T, K), W (N, K), b (N), contiguous, in one
+/// dtype. The residual, a fourth input, is held by the op (`Epilogue::BiasResidual`) and its
+/// storage read inside the forward.
+struct Linear<'a> {
+    epilogue: Epilogue<'a>,
+}
+
 fn linear(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue) -> candle_core::Result<Tensor> {
-    let (bsz, t, k) = x.dims3()?;
+    let (_, _, k) = x.dims3()?;
     let (n, k_w) = w.dims2()?;
     if k != k_w || b.dims() != [n] {
         candle_core::bail!("linear: x {:?}, W {:?}, b {:?} do not fit y = x Wᵀ + b", x.dims(), w.dims(), b.dims());
     }
-    if let Epilogue::BiasResidual(r) = epilogue {
-        if r.dims() != [bsz, t, n] {
-            candle_core::bail!("linear: residual {:?} is not the output shape ({bsz}, {t}, {n})", r.dims());
-        }
-    }
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        return crate::cuda::linear(x, w, b, epilogue);
-    }
-    linear_cpu(x, w, b, epilogue, (bsz * t, n, k))
+    let same = |t: &Tensor| stage2_sdpa::elementwise::to_dtype(&t.contiguous()?, x.dtype(), Elementwise::Parallel);
+    let (x, w, b) = (x.contiguous()?, same(w)?, same(b)?);
+    x.apply_op3_no_bwd(&w, &b, &Linear { epilogue })
 }
 
-/// The CPU path: the destination is filled with the bias (plus the residual) row by row, then
-/// the GEMM accumulates into it: dst = 1·dst + 1·x·Wᵀ. bf16/f16 operands are widened to f32
-/// first, as candle's own CPU matmul does (there is no bf16 GEMM kernel on CPU).
-fn linear_cpu(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, (m, n, k): (usize, usize, usize)) -> candle_core::Result<Tensor> {
-    let (x32, w32, b32) = (host_f32(x)?, host_f32(w)?, host_f32(b)?);
-    let ((xg, xl), (wg, wl), (bg, bl)) = (x32.storage_and_layout(), w32.storage_and_layout(), b32.storage_and_layout());
-    let (xs, ws, bs) = (f32_slice(&xg, xl)?, f32_slice(&wg, wl)?, f32_slice(&bg, bl)?);
-    let mut out = vec![0f32; m * n];
-    match epilogue {
-        Epilogue::BiasResidual(r) => {
-            let r32 = host_f32(r)?;
-            let (rg, rl) = r32.storage_and_layout();
-            let rs = f32_slice(&rg, rl)?;
-            out.par_chunks_mut(n).zip(rs.par_chunks(n)).for_each(|(o, r)| map_slice(o, r, &|i, r| r + bs[i]));
-        }
-        Epilogue::Bias => out.par_chunks_mut(n).for_each(|o| o.copy_from_slice(bs)),
-        Epilogue::BiasGelu => {} // the bias goes in with GELU, after the GEMM
-    }
-    let gelu = matches!(epilogue, Epilogue::BiasGelu);
-    let rows = if gelu { GELU_ROWS } else { m };
-    for r0 in (0..m).step_by(rows) {
-        let mb = rows.min(m - r0);
-        let dst = &mut out[r0 * n..(r0 + mb) * n];
-        // GELU: the GEMM overwrites dst (β = 0: it never reads the zeros), then one pass adds the
-        // bias and applies GELU; otherwise it accumulates onto the bias (and residual) rows.
-        gemm_into(dst, &xs[r0 * k..(r0 + mb) * k], ws, (mb, n, k), !gelu);
-        if gelu {
-            // y = gelu(acc + b), on all threads, SIMD (gelu_tanh has no libm call)
-            dst.par_chunks_mut(ROWS_PER_TASK * n).for_each(|block| {
-                for row in block.chunks_exact_mut(n) {
-                    map_slice_in_place(row, &|j, v| gelu_tanh(v + bs[j]));
-                }
-            });
+impl CustomOp3 for Linear<'_> {
+    fn name(&self) -> &'static str {
+        match self.epilogue {
+            Epilogue::Bias => "speedkit-linear-bias",
+            Epilogue::BiasGelu => "speedkit-linear-bias-gelu",
+            Epilogue::BiasResidual(_) => "speedkit-linear-bias-residual",
         }
     }
-    let out_dtype = match epilogue {
-        Epilogue::BiasResidual(r) => r.dtype(),
-        _ => x.dtype(),
-    };
-    cast(Tensor::from_vec(out, (m / x.dim(1)?, x.dim(1)?, n), x.device())?, out_dtype)
+
+    /// The destination is filled with the bias (plus the residual) row by row, then the GEMM
+    /// accumulates into it: dst = 1·dst + 1·x·Wᵀ. bf16/f16 operands are widened to f32 first,
+    /// as candle's own CPU matmul does (there is no bf16 GEMM kernel on CPU).
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (bsz, t, k) = xl.shape().dims3()?;
+        let n = wl.shape().dims()[0];
+        let m = bsz * t;
+        let (x, w, b) = (f32_values(xs, xl, "x")?, f32_values(ws, wl, "W")?, f32_values(bs, bl, "b")?);
+        let b = &b[..];
+        let mut out = vec![0f32; m * n];
+        let mut out_dtype = xs.dtype();
+        match self.epilogue {
+            Epilogue::BiasResidual(r) => {
+                let (rs, rl) = r.storage_and_layout();
+                let Storage::Cpu(rs) = &*rs else { candle_core::bail!("linear: the residual is not on the CPU") };
+                let r = f32_values(rs, rl, "residual")?;
+                out.par_chunks_mut(n).zip(r.par_chunks(n)).for_each(|(o, r)| map_slice(o, r, &|i, r| r + b[i]));
+                out_dtype = rs.dtype();
+            }
+            Epilogue::Bias => out.par_chunks_mut(n).for_each(|o| o.copy_from_slice(b)),
+            Epilogue::BiasGelu => {} // the bias goes in with GELU, after the GEMM
+        }
+        let gelu = matches!(self.epilogue, Epilogue::BiasGelu);
+        let rows = if gelu { GELU_ROWS } else { m.max(1) };
+        for r0 in (0..m).step_by(rows) {
+            let mb = rows.min(m - r0);
+            let dst = &mut out[r0 * n..(r0 + mb) * n];
+            // GELU: the GEMM overwrites dst (β = 0: it never reads the zeros), then one pass adds the
+            // bias and applies GELU; otherwise it accumulates onto the bias (and residual) rows.
+            gemm_into(dst, &x[r0 * k..(r0 + mb) * k], &w, (mb, n, k), !gelu);
+            if gelu {
+                // y = gelu(acc + b), on all threads, SIMD (gelu_tanh has no libm call)
+                dst.par_chunks_mut(ROWS_PER_TASK * n).for_each(|block| {
+                    for row in block.chunks_exact_mut(n) {
+                        map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j]));
+                    }
+                });
+            }
+        }
+        Ok((to_storage(out, out_dtype)?, Shape::from((bsz, t, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+        bs: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (bsz, t, _) = xl.shape().dims3()?;
+        let n = wl.shape().dims()[0];
+        let y = crate::cuda::linear(xs, xl, ws, wl, bs, bl, self.epilogue)?;
+        Ok((y, Shape::from((bsz, t, n))))
+    }
 }
 
 /// dst (m × n, row-major) = x (m × k, row-major) · Wᵀ (+ dst when `accumulate`), W (n × k,
@@ -294,16 +484,33 @@ pub fn gelu_tanh(v: f32) -> f32 {
     v / (1.0 + exp_f32(-2.0 * u))
 }
 
-/// `t` as contiguous f32 on the host: the same tensor when it already is (no copy), else a
-/// widened/compacted copy. Borrow its values with `f32_slice`.
-pub(crate) fn host_f32(t: &Tensor) -> candle_core::Result<Tensor> {
-    cast(t.contiguous()?, DType::F32)
+// ---------------------------------------------------------------------------------------------
+// Storage helpers for the CPU forwards
+// ---------------------------------------------------------------------------------------------
+
+/// `t` in f32 and contiguous: the same tensor when it already is (no copy); on the CPU the cast
+/// runs on all threads (`stage2_sdpa::elementwise::to_dtype`).
+fn f32_contiguous(t: &Tensor) -> candle_core::Result<Tensor> {
+    stage2_sdpa::elementwise::to_dtype(&t.contiguous()?, DType::F32, Elementwise::Parallel)
 }
 
-/// The values of a contiguous f32 CPU tensor's storage, borrowed from its read guard.
-pub(crate) fn f32_slice<'a>(storage: &'a Storage, layout: &candle_core::Layout) -> candle_core::Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) => Ok(&v[start..end]),
-        _ => candle_core::bail!("expected a contiguous f32 CPU tensor"),
-    }
+/// A contiguous CPU storage's values as f32: borrowed when they are f32, else widened on all threads.
+fn f32_values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<Cow<'a, [f32]>> {
+    let Some((start, end)) = l.contiguous_offsets() else { candle_core::bail!("{what} must be contiguous") };
+    Ok(match s {
+        CpuStorage::F32(v) => Cow::Borrowed(&v[start..end]),
+        CpuStorage::BF16(v) => Cow::Owned(par_convert(&v[start..end], half::bf16::to_f32)),
+        CpuStorage::F16(v) => Cow::Owned(par_convert(&v[start..end], half::f16::to_f32)),
+        s => candle_core::bail!("{what}: unsupported dtype {:?} (f32, bf16 or f16)", s.dtype()),
+    })
+}
+
+/// f32 results as a CPU storage of `dtype`, narrowed on all threads.
+fn to_storage(v: Vec<f32>, dtype: DType) -> candle_core::Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(v),
+        DType::BF16 => CpuStorage::BF16(par_convert(&v, half::bf16::from_f32)),
+        DType::F16 => CpuStorage::F16(par_convert(&v, half::f16::from_f32)),
+        dt => candle_core::bail!("unsupported output dtype {dt:?} (f32, bf16 or f16)"),
+    })
 }

@@ -1,5 +1,5 @@
-//! Every fused op against its slow twin (stage 0's primitive ops) on random shapes, including
-//! widths that are not multiples of a SIMD vector or of the GELU row block.
+//! Every fused op against its slow twin beside it in `ops.rs` (plain candle ops) on random
+//! shapes, including widths that are not multiples of a SIMD vector or of the GELU row block.
 
 use candle_core::{DType, Device, Tensor};
 use proptest::prelude::*;
@@ -23,16 +23,17 @@ fn check_all(bsz: usize, t: usize, k: usize, n: usize, seed: u64) {
     let b = randn(&[n], seed + 2, 0.05);
     let r = randn(&[bsz, t, n], seed + 3, 1.0);
     let (g, beta) = (randn(&[k], seed + 4, 0.1).affine(1.0, 1.0).unwrap(), randn(&[k], seed + 5, 0.1));
-    let slow_linear = stage0_baseline::linear(&x, &w, &b).unwrap();
-
-    let e = rel_err(&ops::linear_bias(&x, &w, &b).unwrap(), &slow_linear);
+    let e = rel_err(&ops::linear_bias(&x, &w, &b).unwrap(), &ops::linear_bias_slow(&x, &w, &b).unwrap());
     assert!(e < 1e-5, "linear_bias {bsz}x{t}x{k}->{n}: {e}");
-    let e = rel_err(&ops::linear_bias_gelu(&x, &w, &b).unwrap(), &stage0_baseline::gelu_tanh(&slow_linear).unwrap());
+    let e = rel_err(&ops::linear_bias_gelu(&x, &w, &b).unwrap(), &ops::linear_bias_gelu_slow(&x, &w, &b).unwrap());
     assert!(e < 1e-5, "linear_bias_gelu {bsz}x{t}x{k}->{n}: {e}");
-    let e = rel_err(&ops::linear_bias_residual(&x, &w, &b, &r).unwrap(), &(&r + &slow_linear).unwrap());
+    let e = rel_err(&ops::linear_bias_residual(&x, &w, &b, &r).unwrap(), &ops::linear_bias_residual_slow(&x, &w, &b, &r).unwrap());
     assert!(e < 1e-5, "linear_bias_residual {bsz}x{t}x{k}->{n}: {e}");
+    // The twins are stage 0's primitive ops, spelled out again beside the fused ops.
+    let stage0 = stage0_baseline::gelu_tanh(&stage0_baseline::linear(&x, &w, &b).unwrap()).unwrap();
+    assert_eq!(rel_err(&ops::linear_bias_gelu_slow(&x, &w, &b).unwrap(), &stage0), 0.0);
 
-    let slow_ln = stage0_baseline::layer_norm(&x, &g, &beta).unwrap();
+    let slow_ln = ops::layer_norm_slow(&x, &g, &beta, DType::F32).unwrap();
     let e = rel_err(&ops::layer_norm(&x, &g, &beta, DType::F32).unwrap(), &slow_ln);
     assert!(e < 1e-5, "layer_norm C={k}: {e}");
     let ln_bf16 = ops::layer_norm(&x, &g, &beta, DType::BF16).unwrap();
@@ -41,13 +42,28 @@ fn check_all(bsz: usize, t: usize, k: usize, n: usize, seed: u64) {
 
     let branch = randn(&[bsz, t, k], seed + 6, 0.5);
     let (x_new, h) = ops::add_layer_norm(&x, &branch, &g, &beta).unwrap();
-    let slow_x = (&x + &branch).unwrap();
+    let (slow_x, slow_h) = ops::add_layer_norm_slow(&x, &branch, &g, &beta).unwrap();
     assert_eq!(rel_err(&x_new, &slow_x), 0.0, "the residual add is exact");
-    let e = rel_err(&h, &stage0_baseline::layer_norm(&slow_x, &g, &beta).unwrap());
+    let e = rel_err(&h, &slow_h);
     assert!(e < 1e-5, "add_layer_norm C={k}: {e}");
     // A bf16 branch: h comes out in bf16, x_new stays f32.
-    let (x16, h16) = ops::add_layer_norm(&x, &branch.to_dtype(DType::BF16).unwrap(), &g, &beta).unwrap();
+    let branch16 = branch.to_dtype(DType::BF16).unwrap();
+    let (x16, h16) = ops::add_layer_norm(&x, &branch16, &g, &beta).unwrap();
     assert_eq!((x16.dtype(), h16.dtype()), (DType::F32, DType::BF16));
+    let (slow_x16, slow_h16) = ops::add_layer_norm_slow(&x, &branch16, &g, &beta).unwrap();
+    assert_eq!(rel_err(&x16, &slow_x16), 0.0);
+    assert!(rel_err(&h16, &slow_h16) < 8e-3, "add_layer_norm, bf16 h");
+    // bf16 operands: widened to f32 on the CPU, the output back in bf16.
+    let (x_b, w_b, b_b) = (x.to_dtype(DType::BF16).unwrap(), w.to_dtype(DType::BF16).unwrap(), b.to_dtype(DType::BF16).unwrap());
+    let y16 = ops::linear_bias_gelu(&x_b, &w_b, &b_b).unwrap();
+    assert_eq!(y16.dtype(), DType::BF16);
+    let twin16 = ops::linear_bias_gelu_slow(
+        &x_b.to_dtype(DType::F32).unwrap(),
+        &w_b.to_dtype(DType::F32).unwrap(),
+        &b_b.to_dtype(DType::F32).unwrap(),
+    )
+    .unwrap();
+    assert!(rel_err(&y16, &twin16) < 8e-3, "linear_bias_gelu in bf16");
 }
 
 proptest! {

@@ -22,8 +22,8 @@
 //
 // The cast (f32 → E4M3) is written out on the bits, round to nearest even, saturating to ±448
 // (what cuda_fp8.h's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) does, and the float8
-// crate behind candle's CPU cast): NaN → 0x7F (sign kept), ±inf and |x| > 448 → ±448. No headers,
-// so NVRTC compiles it without an include path, and the host emulation (host_emulation/
+// crate behind candle's CPU cast): NaN → 0x7F (sign kept), ±inf and |x| > 448 → ±448. No CUDA headers,
+// so the host emulation (host_emulation/
 // fp8_check.cpp) runs this very file on the CPU and checks the cast on every f32 bit pattern.
 //
 // Thread layout: THREADS threads per block, each block owns CHUNK = THREADS·ITEMS consecutive

@@ -15,14 +15,12 @@
 // quantise does); the amax is taken of h before the division (the value the recipe records).
 //
 // One translation unit with add_layer_norm.cu and fp8.cu: the cast (f32_to_e4m3), the NaN-keeping
-// max and the block reduction are theirs, not copies. NVRTC gets the three sources concatenated
-// (stage4_fp8/src/quant_cuda.rs); nvcc and the host emulation (host_emulation/ln_fp8_check.cpp)
-// include them here. Both files define THREADS 256 and WARPS the same way: one block per row.
+// max and the block reduction are theirs, not copies. nvcc (stage4_fp8/build.rs: this file is
+// the FP8 module) and the host emulation (host_emulation/ln_fp8_check.cpp) include them here.
+// Both files define THREADS 256 and WARPS the same way: one block per row.
 
-#ifndef __CUDACC_RTC__
 #include "../../stage3_fused/kernels/add_layer_norm.cu"
 #include "fp8.cu"
-#endif
 
 // Pass 3's store: q = E4M3(h / s), and the block's max |h| into amax_bits once every thread has
 // stored (`finish`: one atomicMax on the f32 bits per block, as fp8.cu's quantise does).

@@ -249,13 +249,14 @@ impl Stage for Fp8 {
             )));
         }
         // Stage 2's attention on CUDA, in bf16.
-        stage2_sdpa::attention::check_device(info, Precision::Bf16)?;
+        stage2_sdpa::harness::check_device(info, Precision::Bf16)?;
         // --cuda-graph with delayed scaling is fine: the history lives on the device and our
         // kernels update it in place (quant_cuda), so every replay advances it.
         if self.mode(plan) == Fp8Mode::Cublaslt {
             let s = plan.shape;
-            gemm::check_dims(16, s.d_model, s.ff)?;
-            gemm::fp8_gemm_args(s.batch * s.seq, s.d_model, s.d_model, false)?; // the token count
+            gemm::check_dims(16, s.d_model, s.ff).map_err(SpeedkitError::usage)?;
+            gemm::fp8_gemm_args(s.batch * s.seq, s.d_model, s.d_model, false).map_err(SpeedkitError::usage)?;
+            // the token count
         }
         Ok(())
     }
@@ -278,7 +279,7 @@ impl Stage for Fp8 {
     }
 
     fn estimate_bytes(&self, shape: &Shape) -> u128 {
-        stage2_sdpa::attention::estimate_fused_bytes(shape)
+        stage2_sdpa::harness::estimate_fused_bytes(shape)
     }
 
     fn switches(&self, _plan: &Plan) -> GemmSwitches {
@@ -338,12 +339,16 @@ impl Block {
     pub fn build(w: &BlockWeights, plan: &Plan, stage: &Fp8) -> anyhow::Result<Block> {
         stage.switches(plan).apply();
         stage.check_plan(plan)?;
-        let attn = attention::Implementation::for_run(&plan.device, stage.fused.sdpa.args.attention_kernel)?;
+        let attn = stage2_sdpa::harness::for_run(&plan.device, stage.fused.sdpa.args.attention_kernel)?;
         let (mode, scaling) = (stage.mode(plan), ScalingConfig { recipe: stage.args.fp8_recipe, ..ScalingConfig::default() });
         let dtype = stage.activation_dtype(plan).0;
         let fast_accum = stage.args.fp8_fast_accum;
         let linear = |w: &Tensor, b: &Tensor, gelu: bool, name: &str| {
-            Ok::<_, anyhow::Error>(Fp8Linear::with_output(w, b, gelu, mode, scaling, name, dtype)?.with_fast_accum(fast_accum))
+            Ok::<_, anyhow::Error>(
+                Fp8Linear::with_output(w, b, gelu, mode, scaling, name, dtype)
+                    .map_err(crate::harness::fp8_error)?
+                    .with_fast_accum(fast_accum),
+            )
         };
         Ok(Block {
             ln1_g: w.ln1_g.clone(),

@@ -99,7 +99,7 @@ pub fn fp8_linear(
         None => fp8_gemm_args(tokens, k, n, gelu),
         Some(_) => fp8_gemm_args_e4m3_out(tokens, k, n, gelu),
     }
-    .map_err(candle_core::Error::wrap)?;
+    .map_err(candle_core::Error::Msg)?;
     let dev = xq.device().as_cuda_device()?.clone();
     // Fresh, contiguous allocations are 256-byte aligned (cuBLASLt wants 16).
     let (xq, wq, bias, x_scale, w_scale) =

@@ -36,11 +36,58 @@
 //! of `Fp8Linear` reject NaN/inf with an error; on CUDA the hot path does not read back to the
 //! host, so a NaN travels to the output, where the runner's check reports it.
 
-use candle_core::{CpuStorage, DType, Storage, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use float8::F8E4M3;
 use rayon::prelude::*;
-use shared::SpeedkitError;
 use stage2_sdpa::elementwise::Elementwise;
 use std::sync::Mutex;
+
+/// How an activation's FP8 scale is picked (the module notes above).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fp8Recipe {
+    /// From the amax of the last calls (a rolling history), TransformerEngine's default.
+    #[default]
+    Delayed,
+    /// From the amax of the very tensor being quantised: one extra reduction per GEMM.
+    Current,
+}
+
+impl Fp8Recipe {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Recipe::Delayed => "delayed",
+            Fp8Recipe::Current => "current",
+        }
+    }
+}
+
+/// Why an FP8 layer or tensor could not be made.
+#[derive(Debug)]
+pub enum Fp8Error {
+    /// The input cannot be run as asked (non-finite values, misaligned dimensions, a mode the
+    /// device lacks): one paragraph naming the cause and the fix.
+    Refused(String),
+    /// A candle op failed.
+    Candle(candle_core::Error),
+}
+
+impl std::fmt::Display for Fp8Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fp8Error::Refused(why) => f.write_str(why),
+            Fp8Error::Candle(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for Fp8Error {}
+
+impl From<candle_core::Error> for Fp8Error {
+    fn from(e: candle_core::Error) -> Self {
+        Fp8Error::Candle(e)
+    }
+}
 
 /// Largest finite E4M3 value.
 pub const E4M3_MAX: f32 = 448.0;
@@ -118,42 +165,123 @@ pub fn scale_from_amax(amax: &Tensor, margin: i32) -> candle_core::Result<Tensor
 }
 
 /// q = sat(x / s) in E4M3, same shape as x; s is rank 0 (or (1) on CUDA). Round to nearest
-/// even; the cast saturates at ±448 and keeps NaN. On the CPU, candle's cast (the float8
-/// crate's conversion); on CUDA, our kernel (`kernels/fp8.cu`), which agrees with it on every
-/// f32 bit pattern (host_emulation/fp8_check.cpp) — candle 0.11.1's own CUDA F8 cast cannot be
-/// loaded (huggingface/candle#3886), so it is never called.
+/// even; the cast saturates at ±448 and keeps NaN. A candle custom op (`Quantize`): on the CPU
+/// one parallel pass of the float8 crate's conversion (what candle's cast uses); on CUDA our
+/// kernel (`kernels/fp8.cu`), which agrees with it on every f32 bit pattern
+/// (host_emulation/fp8_check.cpp) — candle 0.11.1's own CUDA F8 cast cannot be loaded
+/// (huggingface/candle#3886), so it is never called.
 pub fn quantize(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        return crate::quant_cuda::quantize(x, scale);
-    }
-    if !x.device().is_cpu() {
-        candle_core::bail!("FP8 quantisation runs on the CPU or on CUDA (our kernels), not on {:?}", x.device());
-    }
-    x.to_dtype(DType::F32)?.broadcast_div(scale)?.to_dtype(DType::F8E4M3)
+    check_scale(scale)?;
+    // The CUDA kernel reads f32 or bf16; f16 goes in as f32.
+    let x = if x.device().is_cuda() && x.dtype() == DType::F16 { x.to_dtype(DType::F32)? } else { x.clone() };
+    x.contiguous()?.apply_op2_no_bwd(&scale.to_dtype(DType::F32)?.contiguous()?, &Quantize)
 }
 
-/// s·q in `dtype` (CUDA: our kernel to f32, then candle's f32 → `dtype` cast).
+/// Slow twin of `quantize`: candle's ops, a division then candle's cast to F8E4M3 (CPU).
+pub fn quantize_slow(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
+    x.to_dtype(DType::F32)?.broadcast_div(&scale.reshape(())?)?.to_dtype(DType::F8E4M3)
+}
+
+/// s·q in `dtype`: a candle custom op (`Dequantize`) to f32 — one parallel pass on the CPU, our
+/// kernel `fp8_dequantize_f32` on CUDA — then the cast to `dtype`.
 pub fn dequantize(q: &Tensor, scale: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    check_scale(scale)?;
+    let y = q.contiguous()?.apply_op2_no_bwd(&scale.to_dtype(DType::F32)?.contiguous()?, &Dequantize)?;
+    stage2_sdpa::elementwise::to_dtype(&y, dtype, Elementwise::Parallel)
+}
+
+/// Slow twin of `dequantize`: candle's cast from F8E4M3, a multiplication, a cast (CPU).
+pub fn dequantize_slow(q: &Tensor, scale: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    q.to_dtype(DType::F32)?.broadcast_mul(&scale.reshape(())?)?.to_dtype(dtype)
+}
+
+/// A per-tensor scale is one f32 value: rank 0 or (1).
+fn check_scale(scale: &Tensor) -> candle_core::Result<()> {
+    if scale.elem_count() != 1 {
+        candle_core::bail!("an FP8 per-tensor scale holds one value, rank 0 or (1); got {:?}", scale.dims());
+    }
+    Ok(())
+}
+
+/// The one value of a scale's CPU storage.
+fn scale_value(s: &CpuStorage, l: &Layout) -> candle_core::Result<f32> {
+    match s {
+        CpuStorage::F32(v) => v.get(l.start_offset()).copied().ok_or_else(|| candle_core::Error::Msg("empty FP8 scale".into())),
+        _ => candle_core::bail!("an FP8 scale is f32"),
+    }
+}
+
+/// The op behind `quantize`: x (contiguous, f32/bf16/f16) and its scale (one f32) → E4M3.
+struct Quantize;
+
+impl CustomOp2 for Quantize {
+    fn name(&self) -> &'static str {
+        "speedkit-fp8-quantize"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ss: &CpuStorage, sl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        use stage2_sdpa::elementwise::par_convert;
+        let s = scale_value(ss, sl)?;
+        let Some((a, b)) = xl.contiguous_offsets() else { candle_core::bail!("quantize: x must be contiguous") };
+        // x / s in f32, then the float8 crate's round-to-nearest-even, saturating cast
+        let q = match xs {
+            CpuStorage::F32(v) => par_convert(&v[a..b], |x| F8E4M3::from_f32(x / s)),
+            CpuStorage::BF16(v) => par_convert(&v[a..b], |x| F8E4M3::from_f32(x.to_f32() / s)),
+            CpuStorage::F16(v) => par_convert(&v[a..b], |x| F8E4M3::from_f32(x.to_f32() / s)),
+            x => candle_core::bail!("quantize: unsupported dtype {:?} (f32, bf16 or f16)", x.dtype()),
+        };
+        Ok((CpuStorage::F8E4M3(q), xl.shape().clone()))
+    }
+
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() {
-        return crate::quant_cuda::dequantize_f32(q, scale)?.to_dtype(dtype);
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::quant_cuda::quantize_fwd(xs, xl, ss, sl)?, xl.shape().clone()))
     }
-    if !q.device().is_cpu() {
-        candle_core::bail!("FP8 dequantisation runs on the CPU or on CUDA (our kernels), not on {:?}", q.device());
+}
+
+/// The op behind `dequantize`: q (contiguous E4M3) and its scale (one f32) → s·q in f32.
+struct Dequantize;
+
+impl CustomOp2 for Dequantize {
+    fn name(&self) -> &'static str {
+        "speedkit-fp8-dequantize"
     }
-    q.to_dtype(DType::F32)?.broadcast_mul(scale)?.to_dtype(dtype)
+
+    fn cpu_fwd(&self, qs: &CpuStorage, ql: &Layout, ss: &CpuStorage, sl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let s = scale_value(ss, sl)?;
+        let Some((a, b)) = ql.contiguous_offsets() else { candle_core::bail!("dequantize: q must be contiguous") };
+        let CpuStorage::F8E4M3(q) = qs else { candle_core::bail!("dequantize: q must be F8E4M3, got {:?}", qs.dtype()) };
+        let y = stage2_sdpa::elementwise::par_convert(&q[a..b], |q| q.to_f32() * s);
+        Ok((CpuStorage::F32(y), ql.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qs: &candle_core::CudaStorage,
+        ql: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::quant_cuda::dequantize_fwd(qs, ql, ss, sl)?, ql.shape().clone()))
+    }
 }
 
 /// Refuse a tensor holding NaN or ±inf: its amax, and so its scale, would not be a number.
 /// Reads the tensor on the host (build time, CPU, tests — not the CUDA hot path).
-pub fn check_finite(x: &Tensor, what: &str) -> Result<(), SpeedkitError> {
+pub fn check_finite(x: &Tensor, what: &str) -> Result<(), String> {
     if x.device().is_cpu() {
         // The common case, all finite, in one parallel pass without a copy; the slow path
         // below only runs to describe what it found.
         let all_finite = cpu_f32(x)
             .and_then(|x32| with_host(&x32, |v| v.par_chunks(CHUNK).all(|c| c.iter().all(|v| v.is_finite()))))
-            .map_err(|e| SpeedkitError::usage(format!("cannot read {what} to check it for FP8: {e}")))?;
+            .map_err(|e| format!("cannot read {what} to check it for FP8: {e}"))?;
         if all_finite {
             return Ok(());
         }
@@ -161,17 +289,17 @@ pub fn check_finite(x: &Tensor, what: &str) -> Result<(), SpeedkitError> {
     let values: Vec<f32> = x
         .to_dtype(DType::F32)
         .and_then(|t| t.flatten_all()?.to_vec1())
-        .map_err(|e| SpeedkitError::usage(format!("cannot read {what} to check it for FP8: {e}")))?;
+        .map_err(|e| format!("cannot read {what} to check it for FP8: {e}"))?;
     let bad = values.iter().filter(|v| !v.is_finite()).count();
     match values.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
-        Some(first) => Err(SpeedkitError::usage(format!(
+        Some(first) => Err(format!(
             "{what} holds {bad} NaN or infinite values (the first at flat index {first}, {}), so it cannot be \
              quantised to FP8: its per-tensor scale is amax / 448, and the amax of a tensor with NaN or inf is \
              not a finite number. Fix: find where the non-finite values come from (an overflow upstream, or a \
              --weights/--input file that holds them); FP8 needs finite inputs.",
             values[first]
-        ))),
+        )),
     }
 }
 
@@ -186,13 +314,10 @@ pub struct Fp8Tensor {
 
 impl Fp8Tensor {
     /// Current scaling, checked: what a weight gets, once, when a model is built.
-    pub fn quantize(x: &Tensor, margin: i32, what: &str) -> Result<Fp8Tensor, SpeedkitError> {
-        check_finite(x, what)?;
-        let q = || -> candle_core::Result<Fp8Tensor> {
-            let scale = scale_from_amax(&amax(x)?, margin)?;
-            Ok(Fp8Tensor { data: quantize(x, &scale)?, scale })
-        };
-        q().map_err(|e| SpeedkitError::usage(format!("cannot quantise {what} to FP8: {e}")))
+    pub fn quantize(x: &Tensor, margin: i32, what: &str) -> Result<Fp8Tensor, Fp8Error> {
+        check_finite(x, what).map_err(Fp8Error::Refused)?;
+        let scale = scale_from_amax(&amax(x)?, margin)?;
+        Ok(Fp8Tensor { data: quantize(x, &scale)?, scale })
     }
 
     pub fn dequantize(&self, dtype: DType) -> candle_core::Result<Tensor> {
@@ -270,25 +395,6 @@ impl Input {
     }
 }
 
-/// How the scale of each activation quantised to FP8 is picked.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Fp8Recipe {
-    /// From the amax of the last calls (a rolling history), TransformerEngine's default.
-    #[default]
-    Delayed,
-    /// From the amax of the very tensor being quantised: one extra reduction per GEMM.
-    Current,
-}
-
-impl Fp8Recipe {
-    pub fn name(self) -> &'static str {
-        match self {
-            Fp8Recipe::Delayed => "delayed",
-            Fp8Recipe::Current => "current",
-        }
-    }
-}
-
 /// How an `Fp8Linear` scales its input: the recipe, the amax history length (delayed) and the
 /// margin (s gets 2^margin of headroom above the amax).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -331,11 +437,9 @@ pub struct ScaleState {
 }
 
 impl ScaleState {
-    pub fn new(config: ScalingConfig) -> Result<ScaleState, SpeedkitError> {
+    pub fn new(config: ScalingConfig) -> Result<ScaleState, String> {
         if config.history_len == 0 {
-            return Err(SpeedkitError::usage(
-                "an FP8 amax history of length 0 holds nothing to scale from. Fix: use a history_len of 1 or more.",
-            ));
+            return Err("an FP8 amax history of length 0 holds nothing to scale from. Fix: use a history_len of 1 or more.".into());
         }
         Ok(ScaleState {
             config,
@@ -498,9 +602,10 @@ pub enum Fp8Mode {
 ///
 /// ```no_run
 /// # use stage4_fp8::fp8::{Fp8Linear, Fp8Mode, ScalingConfig};
-/// # fn f(w: &candle_core::Tensor, b: &candle_core::Tensor, x: &candle_core::Tensor) -> anyhow::Result<()> {
+/// # use candle_nn::Module;
+/// # fn f(w: &candle_core::Tensor, b: &candle_core::Tensor, x: &candle_core::Tensor) -> Result<(), Box<dyn std::error::Error>> {
 /// let fc1 = Fp8Linear::new(w, b, true, Fp8Mode::Cublaslt, ScalingConfig::default(), "fc1")?; // W: (FF, C)
-/// let m = fc1.forward(x)?; // x: (B, T, C) bf16 → (B, T, FF) bf16, GELU applied
+/// let m = fc1.forward(x)?; // x: (B, T, C) bf16 → (B, T, FF) bf16, GELU applied (candle_nn::Module)
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
@@ -517,7 +622,7 @@ pub struct Fp8Linear {
 
 impl Fp8Linear {
     /// W: (N, K) and b: (N), any float dtype, on the device the layer runs on.
-    pub fn new(w: &Tensor, b: &Tensor, gelu: bool, mode: Fp8Mode, scaling: ScalingConfig, name: &str) -> anyhow::Result<Fp8Linear> {
+    pub fn new(w: &Tensor, b: &Tensor, gelu: bool, mode: Fp8Mode, scaling: ScalingConfig, name: &str) -> Result<Fp8Linear, Fp8Error> {
         Self::with_output(w, b, gelu, mode, scaling, name, DType::BF16)
     }
 
@@ -531,23 +636,22 @@ impl Fp8Linear {
         scaling: ScalingConfig,
         name: &str,
         out: DType,
-    ) -> anyhow::Result<Fp8Linear> {
+    ) -> Result<Fp8Linear, Fp8Error> {
         if mode == Fp8Mode::Cublaslt && out != DType::BF16 {
-            anyhow::bail!("{name}: the cuBLASLt FP8 GEMM stores bf16 here, not {out:?}");
+            return Err(Fp8Error::Refused(format!("{name}: the cuBLASLt FP8 GEMM stores bf16 here, not {out:?}")));
         }
         let (n, k) = w.dims2()?;
         if b.dims() != [n] {
-            anyhow::bail!("{name}: bias {:?} does not match W {:?}", b.dims(), w.dims());
+            return Err(Fp8Error::Refused(format!("{name}: bias {:?} does not match W {:?}", b.dims(), w.dims())));
         }
         if mode == Fp8Mode::Cublaslt {
             if !w.device().is_cuda() {
-                return Err(SpeedkitError::usage(format!(
+                return Err(Fp8Error::Refused(format!(
                     "{name}: FP8 GEMMs through cuBLASLt run on a CUDA device, and W is on the CPU. Fix: move W to the \
                      GPU, or use Fp8Mode::Emulated to study FP8's numerics on the CPU."
-                ))
-                .into());
+                )));
             }
-            crate::gemm::check_dims(16, k, n)?; // the token count is checked per call
+            crate::gemm::check_dims(16, k, n).map_err(Fp8Error::Refused)?; // the token count is checked per call
         }
         let weight = Fp8Tensor::quantize(w, 0, &format!("{name}'s weight"))?;
         let bias = b.to_dtype(out)?;
@@ -563,7 +667,7 @@ impl Fp8Linear {
             gelu,
             fast_accum: true,
             name: name.into(),
-            state: Mutex::new(ScaleState::new(scaling)?),
+            state: Mutex::new(ScaleState::new(scaling).map_err(Fp8Error::Refused)?),
         })
     }
 
@@ -593,6 +697,7 @@ impl Fp8Linear {
     }
 
     /// x: (B, T, K), any float dtype (bf16 in stage 4) → (B, T, N) in the output dtype (bf16).
+    /// (Also `candle_nn::Module::forward`, so the layer drops into a model as any linear does.)
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.forward_input(&Input::Plain(x.clone()), None)
     }
@@ -651,7 +756,7 @@ impl Fp8Linear {
             }
             Input::Plain(x) if x.device().is_cpu() => {
                 // Free to check on the CPU (the data is already host memory); see the module notes.
-                check_finite(x, &format!("the input of {}", self.name)).map_err(candle_core::Error::wrap)?;
+                check_finite(x, &format!("the input of {}", self.name)).map_err(candle_core::Error::Msg)?;
                 let scale = self.state()?.scale_for(x)?;
                 // s_x·q_x in f32 in one parallel pass (`quantize_dequantize_cpu`), never the 8-bit type
                 return Ok((None, Some(quantize_dequantize_cpu(x, &scale)?), scale));
@@ -705,12 +810,10 @@ impl Fp8Linear {
                 false => stage3_fused::ops::linear_bias(xd, w, b),
             };
         }
-        // Plain ops on a GPU: stage 3's cuBLASLt f32 GEMM would compute in TF32.
-        let y = stage0_baseline::linear(xd, w, b)?;
-        if self.gelu {
-            stage0_baseline::gelu_tanh(&y)
-        } else {
-            Ok(y)
+        // Plain ops on a GPU (stage 3's slow twins): its cuBLASLt f32 GEMM would compute in TF32.
+        match self.gelu {
+            true => stage3_fused::ops::linear_bias_gelu_slow(xd, w, b),
+            false => stage3_fused::ops::linear_bias_slow(xd, w, b),
         }
     }
 
@@ -736,8 +839,11 @@ impl Fp8Linear {
         };
         let got = self.gemm(xq.as_ref(), Some(&xd).filter(|_| self.emulated.is_some()), &scale, (bsz, t, n), None)?;
         let (w, b) = (self.weight.dequantize(DType::F32)?, self.bias.to_dtype(DType::F32)?);
-        let want = stage0_baseline::linear(&xd, &w, &b)?; // f32 GEMM (TF32 off: `Stage::switches`)
-        let want = if self.gelu { stage0_baseline::gelu_tanh(&want)? } else { want };
+        // f32 GEMM (TF32 off: `Stage::switches`), + bias, GELU: stage 3's slow twins
+        let want = match self.gelu {
+            true => stage3_fused::ops::linear_bias_gelu_slow(&xd, &w, &b)?,
+            false => stage3_fused::ops::linear_bias_slow(&xd, &w, &b)?,
+        };
         Ok((got, want))
     }
 
@@ -817,6 +923,14 @@ impl Fp8Linear {
     /// The input amax history, oldest first (see `ScaleState::history`).
     pub fn input_amax_history(&self) -> candle_core::Result<Vec<f32>> {
         self.state.lock().map_err(|_| candle_core::Error::Msg("scale state poisoned".into()))?.history()
+    }
+}
+
+/// A layer like candle-nn's `Linear`: `x.apply(&fc1)` in a model. Each call advances the input's
+/// scale state (its amax history), hence the `Mutex` inside.
+impl candle_nn::Module for Fp8Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Fp8Linear::forward(self, x)
     }
 }
 

@@ -17,7 +17,6 @@
 //! reading scale_A and scale_B from device pointers (A_SCALE_POINTER = W's scale, B_SCALE_POINTER
 //! = x's) — the scales never visit the host. D is bf16, so no D scale (that is for FP8 outputs).
 
-use shared::SpeedkitError;
 use stage3_fused::cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
 
 /// Whose per-tensor scale a scale pointer carries.
@@ -71,7 +70,7 @@ pub struct Fp8GemmArgs {
 /// cuBLASLt's FP8 kernels need 16-byte-aligned leading dimensions — 16 E4M3 elements — and
 /// TransformerEngine asks the same of the token count; we require all three dimensions to be
 /// multiples of `align` (16), with a fix the user can apply.
-pub fn check_dims(align: usize, in_features: usize, out_features: usize) -> Result<(), SpeedkitError> {
+pub fn check_dims(align: usize, in_features: usize, out_features: usize) -> Result<(), String> {
     for (what, v, fix) in [
         ("in features (K)", in_features, "pick --d-model and --ff as multiples of 16 (every preset is)"),
         ("out features (N)", out_features, "pick --d-model and --ff as multiples of 16 (every preset is)"),
@@ -83,15 +82,15 @@ pub fn check_dims(align: usize, in_features: usize, out_features: usize) -> Resu
     Ok(())
 }
 
-fn misaligned(what: &str, v: usize, align: usize, fix: &str) -> SpeedkitError {
-    SpeedkitError::usage(format!(
+fn misaligned(what: &str, v: usize, align: usize, fix: &str) -> String {
+    format!(
         "FP8 GEMMs in cuBLASLt need every dimension to be a multiple of {align} (16-byte-aligned rows of E4M3), \
          and the {what} is {v}. Fix: {fix}; or run stage 4 emulated (--device cpu) to study the numerics."
-    ))
+    )
 }
 
 /// The arguments of y (tokens × out) = x (tokens × in) · Wᵀ in E4M3, bf16 out.
-pub fn fp8_gemm_args(tokens: usize, in_features: usize, out_features: usize, gelu: bool) -> Result<Fp8GemmArgs, SpeedkitError> {
+pub fn fp8_gemm_args(tokens: usize, in_features: usize, out_features: usize, gelu: bool) -> Result<Fp8GemmArgs, String> {
     check_dims(16, in_features, out_features)?;
     if tokens == 0 || !tokens.is_multiple_of(16) {
         return Err(misaligned("token count B·T", tokens, 16, "pick --batch and --seq so that B·T is a multiple of 16"));
@@ -124,7 +123,7 @@ pub fn fp8_gemm_args(tokens: usize, in_features: usize, out_features: usize, gel
 /// scale_D = 1/s_next (CUBLASLT_MATMUL_DESC_D_SCALE_POINTER) and amax_D = max|epilogue(…)|
 /// written to the next layer's amax buffer (CUBLASLT_MATMUL_DESC_AMAX_D_POINTER). Same layouts:
 /// D (N × M column-major, ld N) is the next GEMM's B (K' × M, ld K') exactly, K' = N.
-pub fn fp8_gemm_args_e4m3_out(tokens: usize, in_features: usize, out_features: usize, gelu: bool) -> Result<Fp8GemmArgs, SpeedkitError> {
+pub fn fp8_gemm_args_e4m3_out(tokens: usize, in_features: usize, out_features: usize, gelu: bool) -> Result<Fp8GemmArgs, String> {
     Ok(Fp8GemmArgs { out_e4m3: true, ..fp8_gemm_args(tokens, in_features, out_features, gelu)? })
 }
 

@@ -26,7 +26,7 @@
 //! differs there, so the tolerance follows from K and from whether Hopper's fast accumulation
 //! is on (`--fp8-fast-accum`); anything beyond it is a bug. FP8 tensor cores need SM 8.9+
 //! (Ada, Hopper) and dimensions that are multiples of 16. The quantisation on CUDA is our own
-//! NVRTC kernels (`kernels/fp8.cu`).
+//! kernels (`kernels/fp8.cu`, built by nvcc with the crate).
 //! Elsewhere the stage is *emulated* (quantise to E4M3 and back, then an f32 GEMM): FP8's
 //! numerics on any machine, labelled "emulated", and its time is not an FP8 speed. On a GPU
 //! without FP8 it refuses unless asked (`--fp8-emulate`).
@@ -47,6 +47,8 @@
 pub mod cuda;
 pub mod fp8;
 pub mod gemm;
+#[cfg(feature = "harness")]
+pub mod harness;
 pub mod producers;
 #[cfg(feature = "cuda")]
 pub mod quant_cuda;

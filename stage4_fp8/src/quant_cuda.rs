@@ -1,58 +1,84 @@
-//! FP8 quantisation on CUDA with our own kernels (`kernels/fp8.cu`, compiled by NVRTC once per
-//! architecture, like stage 3's `add_layer_norm.cu`): amax, the scale (current, or delayed from
-//! a history kept on the device), the cast to E4M3 and back. candle's own F8E4M3 casts are never
-//! called on CUDA: in candle 0.11.1 their kernels cannot be found (huggingface/candle#3886).
+//! FP8 quantisation on CUDA with our own kernels (`kernels/fp8.cu`, and the E4M3 LayerNorm of
+//! `kernels/ln_fp8.cu`, compiled by build.rs to a cubin per architecture like stage 3's
+//! `add_layer_norm.cu`): amax, the scale (current, or delayed from a history kept on the
+//! device), the cast to E4M3 and back. candle's own F8E4M3 casts are never called on CUDA: in
+//! candle 0.11.1 their kernels cannot be found (huggingface/candle#3886).
 //!
 //! The scale state's buffers (amax bits, scale, history) are tensors made once and written in
 //! place by the kernels through their device pointers, so a CUDA graph captures the whole
 //! update — no host round trip, no allocation — and every replay advances the history.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop};
-use candle_core::cuda::CudaDevice;
-use candle_core::{DType, Storage, Tensor};
-use stage3_fused::cuda::{device_key, wrap};
-use stage3_fused::device_cache::Cache;
+use candle_core::cuda::{CudaDevice, CudaStorage};
+use candle_core::{DType, Layout, Storage, Tensor};
+use stage2_sdpa::cubin::{function, Cubins};
+use stage3_fused::cuda::{view, wrap};
 use Arg::{Null, Tensor as T, F32, I32, I64};
 
-/// The kernel source. CI compiles it with `nvcc --ptx` and runs it under the host emulation
-/// (`host_emulation/fp8_check.cpp`); at run time NVRTC compiles it for the device.
-pub const FP8_CU: &str = include_str!("../kernels/fp8.cu");
-/// The E4M3 LayerNorm (`--fp8-fusions ln`): stage 3's LayerNorm row with fp8.cu's cast
-/// (`host_emulation/ln_fp8_check.cpp`).
-pub const LN_FP8_CU: &str = include_str!("../kernels/ln_fp8.cu");
-
-/// What NVRTC compiles: one module, stage 3's LayerNorm and fp8.cu ahead of ln_fp8.cu, which
-/// uses both (nvcc and the host emulation get them through its `#include`s, which NVRTC skips:
-/// it has no include path to find them on).
-fn module_source() -> String {
-    [stage3_fused::cuda::ADD_LAYER_NORM_CU, FP8_CU, LN_FP8_CU].join("\n")
+mod cubins {
+    include!(concat!(env!("OUT_DIR"), "/cubins.rs"));
 }
-const MODULE: &str = "speedkit_fp8";
+/// One module: `kernels/ln_fp8.cu`, which includes fp8.cu and stage 3's add_layer_norm.cu (its
+/// E4M3 LayerNorm is their row and cast), so it holds every FP8 kernel.
+pub static FP8: Cubins = Cubins { file: "stage4_fp8/kernels/ln_fp8.cu (with fp8.cu)", archs: cubins::LN_FP8 };
 /// THREADS and CHUNK (= THREADS · ITEMS) of fp8.cu: each block owns CHUNK elements.
 const THREADS: u32 = 256;
 const CHUNK: usize = 256 * 16;
-
-thread_local! {
-    /// NVRTC's PTX of kernels/fp8.cu, per architecture (`stage3_fused::device_cache`).
-    static PTX: Cache<(u32, u32), String> = Cache::new();
-}
 
 fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("FP8 kernel: {what}: {e:?}"))
 }
 
-fn ptx(dev: &CudaDevice) -> candle_core::Result<String> {
-    let sm = device_key(dev)?.sm;
-    PTX.with(|c| {
-        c.get_or_try_insert(sm, || {
-            // CompileOptions wants a 'static str; one leaked string per architecture.
-            let arch: &'static str = Box::leak(format!("compute_{}{}", sm.0, sm.1).into_boxed_str());
-            let opts = candle_core::cuda::cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
-            candle_core::cuda::cudarc::nvrtc::compile_ptx_with_opts(module_source(), opts)
-                .map(|p| p.to_src())
-                .map_err(|e| err("NVRTC could not compile kernels/fp8.cu and ln_fp8.cu", e))
-        })
-    })
+/// q = E4M3(x / s): the CUDA forward of `fp8::quantize` (a candle custom op). x: contiguous f32
+/// or bf16; s: one f32.
+pub fn quantize_fwd(xs: &CudaStorage, xl: &Layout, ss: &CudaStorage, sl: &Layout) -> candle_core::Result<CudaStorage> {
+    let dev = xs.device().clone();
+    let n = xl.shape().elem_count();
+    let sv = view::<f32>(ss, sl)?;
+    // SAFETY: the kernel writes every one of the n elements before anything reads them.
+    let mut q = unsafe { dev.alloc::<float8::F8E4M3>(n)? };
+    let (n64, no_amax) = (n as i64, 0u64); // amax_bits = nullptr: no amax in this pass
+    let stream = dev.cuda_stream();
+    let name = match xs.dtype() {
+        DType::F32 => "fp8_quantize_f32",
+        DType::BF16 => "fp8_quantize_bf16",
+        dt => candle_core::bail!("quantize on CUDA: unsupported dtype {dt:?} (f32 or bf16)"),
+    };
+    let func = function(&dev, &FP8, name)?;
+    let xf = if xs.dtype() == DType::F32 { Some(view::<f32>(xs, xl)?) } else { None };
+    let xb = if xs.dtype() == DType::BF16 { Some(view::<half::bf16>(xs, xl)?) } else { None };
+    let mut launch = stream.launch_builder(&func);
+    match (&xf, &xb) {
+        (Some(x), _) => launch.arg(x),
+        (_, Some(x)) => launch.arg(x),
+        _ => candle_core::bail!("quantize on CUDA: unsupported dtype {:?}", xs.dtype()),
+    };
+    launch.arg(&n64).arg(&sv).arg(&mut q).arg(&no_amax);
+    let cfg = LaunchConfig { grid_dim: (blocks(n)?.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments are fp8_quantize_*'s (x, n, scale, q, amax_bits) in order and type.
+    unsafe { launch.launch(cfg) }.map_err(|e| err(name, e))?;
+    drop(launch);
+    Ok(CudaStorage::wrap_cuda_slice(q, dev))
+}
+
+/// y = s·q in f32: the CUDA forward of `fp8::dequantize`. q: contiguous E4M3; s: one f32.
+pub fn dequantize_fwd(qs: &CudaStorage, ql: &Layout, ss: &CudaStorage, sl: &Layout) -> candle_core::Result<CudaStorage> {
+    let dev = qs.device().clone();
+    let n = ql.shape().elem_count();
+    let (qv, sv) = (view::<float8::F8E4M3>(qs, ql)?, view::<f32>(ss, sl)?);
+    // SAFETY: the kernel writes every one of the n elements.
+    let mut y = unsafe { dev.alloc::<f32>(n)? };
+    let n64 = n as i64;
+    let stream = dev.cuda_stream();
+    let func = function(&dev, &FP8, "fp8_dequantize_f32")?;
+    let mut launch = stream.launch_builder(&func);
+    launch.arg(&qv).arg(&n64).arg(&sv).arg(&mut y);
+    let cfg = LaunchConfig { grid_dim: (blocks(n)?.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments are fp8_dequantize_f32's (q, n, scale, y) in order and type.
+    unsafe { launch.launch(cfg) }.map_err(|e| err("fp8_dequantize_f32", e))?;
+    drop(launch);
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }
 
 /// One kernel parameter: the device pointer of the i-th tensor passed to `launch`, a null
@@ -69,8 +95,7 @@ enum Arg {
 /// Launch `name` with `args`, in the kernel's parameter order. Every tensor must be contiguous
 /// and on `dev`.
 fn launch(dev: &CudaDevice, name: &str, blocks: u32, threads: u32, tensors: &[&Tensor], args: &[Arg]) -> candle_core::Result<()> {
-    let ptx = ptx(dev)?;
-    let func = dev.get_or_load_custom_func(name, MODULE, &ptx)?;
+    let func = function(dev, &FP8, name)?;
     let stream = dev.cuda_stream();
     let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
     let mut ptrs = Vec::with_capacity(tensors.len());
@@ -96,7 +121,7 @@ fn launch(dev: &CudaDevice, name: &str, blocks: u32, threads: u32, tensors: &[&T
             _ => 0, // Null; unused for scalars
         })
         .collect();
-    let mut builder = func.builder();
+    let mut builder = stream.launch_builder(&func);
     for (a, p) in args.iter().zip(&pointers) {
         match a {
             Arg::Tensor(_) | Arg::Null => builder.arg(p),
@@ -173,12 +198,7 @@ fn quantize_into(x: &Tensor, scale: &Tensor, amax_bits: Option<&Tensor>) -> cand
     Ok(q)
 }
 
-/// q = sat(x / s) in E4M3 (round to nearest even, ±448, NaN kept).
-pub fn quantize(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
-    quantize_into(x, scale, None)
-}
-
-/// `quantize`, with max|x| also maxed into `amax_bits` in the same pass (a producer's output
+/// `fp8::quantize`, with max|x| also maxed into `amax_bits` in the same pass (a producer's output
 /// quantised for the next layer, when no kernel of its own does it: `Fp8Target::quantize`).
 pub fn quantize_with_amax(x: &Tensor, scale: &Tensor, amax_bits: &Tensor) -> candle_core::Result<Tensor> {
     quantize_into(x, scale, Some(amax_bits))
@@ -231,18 +251,6 @@ pub fn add_layer_norm_e4m3(
     let args = [T(0), T(1), T(2), T(3), T(4), T(5), T(6), T(7), I32(c), F32(eps), I32(1)]; // bf16 = 1
     launch(&dev, "add_layer_norm_16_e4m3", blocks, THREADS, &[&x, &branch, &g, &b, &x_out, scale, &q, amax_bits], &args)?;
     Ok((x_out, q))
-}
-
-/// s·q in f32.
-pub fn dequantize_f32(q: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
-    let dev = q.device().as_cuda_device()?.clone();
-    let (q, scale) = (q.contiguous()?, scale.contiguous()?);
-    let n = q.elem_count();
-    // SAFETY: the kernel writes every one of the n elements.
-    let y = wrap(unsafe { dev.alloc::<f32>(n)? }, &dev, q.shape().clone());
-    let n64 = n as i64;
-    launch(&dev, "fp8_dequantize_f32", blocks(n)?, THREADS, &[&q, &scale, &y], &[T(0), I64(n64), T(1), T(2)])?;
-    Ok(y)
 }
 
 /// One activation's scale state on the device: what `ScaleState` holds on CUDA.

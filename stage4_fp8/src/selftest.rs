@@ -38,7 +38,7 @@ pub fn fp8(r: &mut Rows, device: &Device, info: &DeviceInfo) {
                 let s_x = twin.last_input_scale().ok_or_else(|| anyhow::anyhow!("no scale recorded"))?;
                 let xq = quantize(&x, &s_x)?;
                 let host = |x: &Tensor| -> candle_core::Result<Vec<f32>> { x.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
-                let args = crate::gemm::fp8_gemm_args(t, k, n, gelu)?.contract();
+                let args = crate::gemm::fp8_gemm_args(t, k, n, gelu).map_err(anyhow::Error::msg)?.contract();
                 let scales = (twin.weight().scale.to_scalar::<f32>()?, s_x.to_scalar::<f32>()?);
                 let d = matmul(&args, &host(&twin.weight().data)?, &host(&xq)?, None, Some(&host(twin.bias())?), scales)
                     .map_err(anyhow::Error::msg)?;
@@ -78,7 +78,8 @@ pub fn fp8_kernels(r: &mut Rows, device: &Device) {
         });
     }
     r.compare("FP8 kernel", "delayed scale update (history 3; amax 448, 896, 224, 1792)".into(), || {
-        let mut st = ScaleState::new(ScalingConfig { recipe: crate::fp8::Fp8Recipe::Delayed, history_len: 3, margin: 0 })?;
+        let mut st = ScaleState::new(ScalingConfig { recipe: crate::fp8::Fp8Recipe::Delayed, history_len: 3, margin: 0 })
+            .map_err(anyhow::Error::msg)?;
         let mut scales = Vec::new();
         for a in [448f32, 896.0, 224.0, 1792.0] {
             let x = Tensor::new(&[a, -a / 2.0, 1.0, 0.0], &Device::Cpu)?.to_device(device)?;
@@ -176,7 +177,7 @@ pub fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
             return Ok((values(&got, &t)?, want, 3e-2));
         }
         let host = |x: &Tensor| -> candle_core::Result<Vec<f32>> { x.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
-        let args = crate::gemm::fp8_gemm_args_e4m3_out(tok, k, n, true)?.contract();
+        let args = crate::gemm::fp8_gemm_args_e4m3_out(tok, k, n, true).map_err(anyhow::Error::msg)?.contract();
         let scales = (twin.weight().scale.to_scalar::<f32>()?, s_x.to_scalar::<f32>()?);
         let xq = quantize(&x, &s_x)?;
         let (d, amax_d) = stage3_fused::cublaslt_model::matmul_fp8_out(

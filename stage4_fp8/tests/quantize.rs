@@ -4,7 +4,9 @@
 use candle_core::{DType, Device, Tensor};
 use proptest::prelude::*;
 use stage4_fp8::fp8::Fp8Recipe;
-use stage4_fp8::fp8::{amax, dequantize, quantize, scale_from_amax, Fp8Linear, Fp8Mode, Fp8Tensor, ScaleState, ScalingConfig, E4M3_MAX};
+use stage4_fp8::fp8::{
+    amax, dequantize, quantize, scale_from_amax, Fp8Error, Fp8Linear, Fp8Mode, Fp8Tensor, ScaleState, ScalingConfig, E4M3_MAX,
+};
 
 fn t(v: &[f32]) -> Tensor {
     Tensor::new(v, &Device::Cpu).unwrap()
@@ -132,11 +134,33 @@ fn non_finite_input_is_refused() {
     let e = Fp8Linear::new(&w_bad, &t(&[0.0]), false, Fp8Mode::Emulated, ScalingConfig::default(), "proj").unwrap_err().to_string();
     assert!(e.contains("proj's weight holds 1 NaN or infinite"), "{e}");
     // the cuBLASLt mode refuses a CPU weight with a sentence, not a panic
-    let e = Fp8Linear::new(&w, &b, false, Fp8Mode::Cublaslt, ScalingConfig::default(), "fc").unwrap_err().to_string();
-    assert!(e.contains("CUDA device") && e.contains("Fix:"), "{e}");
+    let e = Fp8Linear::new(&w, &b, false, Fp8Mode::Cublaslt, ScalingConfig::default(), "fc").unwrap_err();
+    assert!(matches!(e, Fp8Error::Refused(_)) && e.to_string().contains("CUDA device") && e.to_string().contains("Fix:"), "{e}");
 }
 
-// The CPU's fast quantisation (issue 15): one parallel, vectorised pass against its slow twin,
+/// `Fp8Linear` is a `candle_nn::Module`: `x.apply(&layer)` runs its forward (each call advances
+/// the input's scale state, so two identical layers are compared call for call).
+#[test]
+fn fp8_linear_is_a_module() {
+    use candle_nn::Module;
+    let w = Tensor::arange(0f32, 32.0 * 16.0, &Device::Cpu).unwrap().reshape((32, 16)).unwrap().affine(1e-3, -0.2).unwrap();
+    let b = Tensor::arange(0f32, 32.0, &Device::Cpu).unwrap().affine(0.01, -0.1).unwrap();
+    let x = Tensor::arange(0f32, 2.0 * 16.0 * 16.0, &Device::Cpu).unwrap().reshape((2, 16, 16)).unwrap().affine(0.01, -2.0).unwrap();
+    let new = || Fp8Linear::new(&w, &b, true, Fp8Mode::Emulated, ScalingConfig::default(), "fc1").unwrap();
+    let (as_module, as_layer) = (new(), new());
+    for _ in 0..2 {
+        let y_module = x.apply(&as_module).unwrap();
+        let y_layer = Fp8Linear::forward(&as_layer, &x).unwrap();
+        assert_eq!(y_module.dims(), [2, 16, 32]);
+        assert_eq!(
+            y_module.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap(),
+            y_layer.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap()
+        );
+    }
+    let _ = Module::forward(&as_module, &x).unwrap();
+}
+
+// The CPU's fast quantisation: one parallel, vectorised pass against its slow twin,
 // candle's casts through the 8-bit type.
 mod fast_cpu_quantisation {
     use candle_core::{DType, Device, Tensor};
@@ -182,6 +206,31 @@ mod fast_cpu_quantisation {
             let fast: Vec<f32> = quantize_dequantize_cpu(&xb, &s).unwrap().to_vec1().unwrap();
             let slow: Vec<f32> = dequantize(&quantize(&xb, &s).unwrap(), &s, DType::F32).unwrap().to_vec1().unwrap();
             prop_assert_eq!(fast, slow);
+        }
+    }
+}
+
+/// `quantize` and `dequantize` (candle custom ops) against their slow twins, candle's casts
+/// through the 8-bit type: bit for bit, f32, bf16 and f16 inputs, NaN, ±inf and saturation included.
+#[test]
+fn quantize_ops_match_their_slow_twins() {
+    use stage4_fp8::fp8::{dequantize_slow, quantize_slow};
+    let mut v: Vec<f32> = (0..5000).map(|i| ((i as f32) * 0.7311).sin() * 10f32.powi(i % 7 - 3)).collect();
+    v.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e9, -1e9, 0.0, -0.0, 1e-12]);
+    let x = t(&v);
+    for s in [scalar(1.0), scalar(0.013), Tensor::new(&[3.5f32], &Device::Cpu).unwrap()] {
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let xd = x.to_dtype(dt).unwrap();
+            let bits =
+                |q: &Tensor| q.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let (q, q_slow) = (quantize(&xd, &s).unwrap(), quantize_slow(&xd, &s).unwrap());
+            assert_eq!(q.dtype(), DType::F8E4M3);
+            assert_eq!(bits(&q), bits(&q_slow), "quantize, {dt:?}");
+            for out in [DType::F32, DType::BF16] {
+                let (y, y_slow) = (dequantize(&q, &s, out).unwrap(), dequantize_slow(&q, &s, out).unwrap());
+                assert_eq!(y.dtype(), out);
+                assert_eq!(bits(&y), bits(&y_slow), "dequantize to {out:?}");
+            }
         }
     }
 }
