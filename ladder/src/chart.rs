@@ -4,6 +4,7 @@
 
 use crate::provenance::date_utc;
 use crate::render::{axis_symbol, describe_device, fmt_ms, fmt_rel_err, part_names, sweep_stages};
+use itertools::Itertools;
 use plotters::chart::MeshStyle;
 use plotters::coord::ranged1d::ValueFormatter;
 use plotters::coord::types::RangedCoordf64;
@@ -15,24 +16,20 @@ use shared::report::{LadderReport, Record, Row, SweepReport};
 pub(crate) type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
 type Bars<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
 
+const fn rgb(hex: u32) -> RGBColor {
+    RGBColor((hex >> 16) as u8, (hex >> 8) as u8, hex as u8)
+}
+
 /// One colour per stage number, the same in every chart (stage 0, the baseline, is grey).
-static COLOURS: [RGBColor; 6] = [
-    RGBColor(0x88, 0x88, 0x88),
-    RGBColor(0x1f, 0x77, 0xb4),
-    RGBColor(0xff, 0x7f, 0x0e),
-    RGBColor(0x2c, 0xa0, 0x2c),
-    RGBColor(0x94, 0x67, 0xbd),
-    RGBColor(0xd6, 0x27, 0x28),
-];
-pub(crate) const INK: RGBColor = RGBColor(0x22, 0x22, 0x22);
-pub(crate) const MUTED: RGBColor = RGBColor(0x66, 0x66, 0x66);
-pub(crate) const GRID: RGBColor = RGBColor(0xe6, 0xe6, 0xe6);
-const FAIL: RGBColor = RGBColor(0xb0, 0x00, 0x20);
+static COLOURS: [RGBColor; 6] = [rgb(0x888888), rgb(0x1f77b4), rgb(0xff7f0e), rgb(0x2ca02c), rgb(0x9467bd), rgb(0xd62728)];
+pub(crate) const INK: RGBColor = rgb(0x222222);
+pub(crate) const MUTED: RGBColor = rgb(0x666666);
+pub(crate) const GRID: RGBColor = rgb(0xe6e6e6);
+const FAIL: RGBColor = rgb(0xb00020);
 /// Half a bar's width, in slots.
 const HALF: f64 = 0.32;
 
-/// The stage's colour in every chart, by the number in its name ("stage2_sdpa" → 2), else by
-/// its position.
+/// The stage's colour in every chart, by the number in its name ("stage2_sdpa" → 2), else position.
 pub fn stage_colour(stage: &str, position: usize) -> RGBColor {
     let n = stage.strip_prefix("stage").and_then(|s| s.split('_').next()).and_then(|n| n.parse().ok()).unwrap_or(position);
     COLOURS[n % COLOURS.len()]
@@ -101,8 +98,7 @@ fn axis_ms(v: f64, top: f64) -> String {
     }
 }
 
-/// A bar chart on `area`: `n` slots, ms from 0 to `y_max` with a light grid, no x labels (each
-/// bar labels itself, `label_bar`).
+/// A bar chart: `n` slots, ms from 0 to `y_max`, no x labels (each bar labels itself).
 fn bar_chart<'a, 'b>(area: &'a Area<'b>, x_label_area: u32, n: usize, y_max: f64, y_desc: &str) -> anyhow::Result<Bars<'a, 'b>> {
     let mut chart =
         ChartBuilder::on(area).x_label_area_size(x_label_area).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
@@ -117,16 +113,21 @@ fn label_bar(root: &Area, (px, py): (i32, i32), stage: &str, precision: String) 
     Ok(())
 }
 
+/// `label` on the chart at `at`, `dy` px below it.
+fn note(chart: &mut Bars, at: (f64, f64), dy: i32, label: impl Into<String>, style: TextStyle) -> anyhow::Result<()> {
+    chart.draw_series([EmptyElement::at(at) + Text::new(label.into(), (0, dy), style)])?;
+    Ok(())
+}
+
 /// Whether a record ran an emulation (stage 4 on a CPU): a time that is not the technique's speed.
 pub(crate) fn is_emulated(r: &Record) -> bool {
     r.implementation.as_deref().is_some_and(|i| i.starts_with(shared::stage::EMULATED))
 }
 
-/// An emulation's bar: light grey from 0 to `median`, outlined in the stage's colour and hatched
-/// with rising lines, each clipped to the bar.
+/// An emulation's bar: light grey, outlined in the stage's colour, hatched with lines clipped to it.
 fn draw_hatched_bar(chart: &mut Bars, x: f64, median: f64, c: RGBColor) -> anyhow::Result<()> {
     let (l, r) = (x - HALF, x + HALF);
-    chart.draw_series([Rectangle::new([(l, 0.0), (r, median)], RGBColor(0xe4, 0xe4, 0xe4).filled())])?;
+    chart.draw_series([Rectangle::new([(l, 0.0), (r, median)], rgb(0xe4e4e4).filled())])?;
     // Lines `step` apart in y, each rising `rise` across the bar.
     let y_range = chart.y_range();
     let step = (y_range.end - y_range.start) / 40.0;
@@ -164,8 +165,6 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
         for (i, row) in rows.iter().enumerate() {
             let x = i as f64 + 0.5;
             let c = stage_colour(row.stage(), i);
-            let on_bar =
-                |label: String, dy: i32, style: TextStyle<'static>, at: (f64, f64)| EmptyElement::at(at) + Text::new(label, (0, dy), style);
             match row {
                 Row::Ran(r) => {
                     let t = &r.timing;
@@ -178,27 +177,21 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
                     chart.draw_series([PathElement::new(vec![(x, t.p10_ms), (x, t.p90_ms)], INK.stroke_width(1))])?;
                     chart.draw_series(caps.iter().map(|cap| PathElement::new(cap.to_vec(), INK.stroke_width(1))))?;
                     let at = (x, t.p90_ms.max(t.median_ms));
-                    chart.draw_series([on_bar(
-                        format!("{} ms", fmt_ms(t.median_ms)),
-                        -5,
-                        text(12.0, MUTED, HPos::Center, VPos::Bottom),
-                        at,
-                    )])?;
+                    note(&mut chart, at, -5, format!("{} ms", fmt_ms(t.median_ms)), text(12.0, MUTED, HPos::Center, VPos::Bottom))?;
                     if let Some(s) = r.speedup_vs_stage0 {
                         // "≈1.0x" when the p10–p90 intervals overlap stage 0's: within noise.
                         let label = shared::report::speedup_text(Some(s), r.noise_vs_stage0);
-                        chart.draw_series([on_bar(label, -22, bold(15.0, INK, HPos::Center, VPos::Bottom), at)])?;
+                        note(&mut chart, at, -22, label, bold(15.0, INK, HPos::Center, VPos::Bottom))?;
                     }
                     if is_emulated(r) {
-                        let note = "emulated: not its speed".to_string();
-                        chart.draw_series([on_bar(note, -42, text(11.0, MUTED, HPos::Center, VPos::Bottom), at)])?;
+                        note(&mut chart, at, -42, "emulated: not its speed", text(11.0, MUTED, HPos::Center, VPos::Bottom))?;
                     }
                 }
                 Row::Skipped(s) => {
                     let (word, ink) = if s.failed { ("FAILED check", FAIL) } else { ("skipped", MUTED) };
                     let frame = vec![(x - HALF, 0.0), (x - HALF, y_max * 0.25), (x + HALF, y_max * 0.25), (x + HALF, 0.0)];
                     chart.draw_series([PathElement::new(frame, ink.stroke_width(1))])?;
-                    chart.draw_series([on_bar(word.into(), 0, text(13.0, ink, HPos::Center, VPos::Center), (x, y_max * 0.125))])?;
+                    note(&mut chart, (x, y_max * 0.125), 0, word, text(13.0, ink, HPos::Center, VPos::Center))?;
                 }
             }
             // Under the axis: which stage, at what precision, how far from the reference.
@@ -226,11 +219,10 @@ fn shape_without(s: &shared::Shape, axis: &str) -> String {
         ("n_head", s.n_head, "d_model"),
         ("FF", s.ff, "d_model"),
     ];
-    dims.iter().filter(|(_, _, a)| *a != axis).map(|(n, v, _)| format!("{n}={v}")).collect::<Vec<_>>().join(" ")
+    dims.iter().filter(|(_, _, a)| *a != axis).map(|(n, v, _)| format!("{n}={v}")).join(" ")
 }
 
-/// A line through `points` (x = value index), broken where a value is missing, so it never
-/// bridges a value at which the stage did not run.
+/// A line through `points` (x = value index), broken where the stage did not run, never bridging it.
 fn segments(points: &[(f64, f64)]) -> Vec<Vec<(f64, f64)>> {
     let mut out: Vec<Vec<(f64, f64)>> = Vec::new();
     for &p in points {
@@ -257,14 +249,13 @@ fn value_labels(root: &Area, values: &[usize], at: impl Fn(f64) -> (i32, i32)) -
     Ok(())
 }
 
-/// The sweep chart, two panels over the swept values: median ms per stage (log scale), and
-/// each stage's speedup over stage 0 at the same value — where a technique starts to pay is
-/// where its line crosses 1.
+/// The sweep chart: median ms per stage (log scale) over the swept values, and below it each
+/// stage's speedup over stage 0 at the same value; a technique pays where its line crosses 1.
 pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     let k = sweep.values.len().max(1);
     let h = 760u32;
     let stages = sweep_stages(sweep);
-    // (value index, record) per stage, for the runs where it was measured.
+    // (value index, record) per stage, where it was measured.
     let series: Vec<Vec<(usize, &Record)>> = stages
         .iter()
         .map(|stage| {
@@ -324,7 +315,7 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
         ms.configure_series_labels()
             .position(SeriesLabelPosition::UpperLeft)
             .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(0xcc, 0xcc, 0xcc))
+            .border_style(rgb(0xcccccc))
             .label_font(text(12.0, INK, HPos::Left, VPos::Center))
             .draw()?;
 
@@ -357,22 +348,20 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     })
 }
 
-/// One colour per part of the block, each distinct (a fused part such as stage 3's
-/// "proj+residual+ln2" has a colour of its own, so it never reads as the part it absorbed).
-/// The LayerNorms are the two blues; the GEMM-heavy parts are warm or green.
+/// One colour per part of the block, a fused part's its own so it never reads as the part it
+/// absorbed (longest name first, so "proj+residual+ln2" is not taken for "proj+residual").
 fn part_colour(part: &str) -> RGBColor {
-    // Longest name first, so "proj+residual+ln2" is not taken for "proj+residual".
-    const PART_COLOURS: [(&str, RGBColor); 8] = [
-        ("ln1", RGBColor(0x9e, 0xc9, 0xe2)),
-        ("qkv", RGBColor(0x2c, 0xa0, 0x2c)),
-        ("attention", RGBColor(0xff, 0x7f, 0x0e)),
-        ("proj+residual+ln2", RGBColor(0x94, 0x67, 0xbd)),
-        ("proj+residual", RGBColor(0xd6, 0x27, 0x28)),
-        ("ln2", RGBColor(0x1f, 0x77, 0xb4)),
-        ("fc1+gelu", RGBColor(0xbc, 0xbd, 0x22)),
-        ("fc2+residual", RGBColor(0x8c, 0x56, 0x4b)),
+    const PART_COLOURS: [(&str, u32); 8] = [
+        ("ln1", 0x9ec9e2),
+        ("qkv", 0x2ca02c),
+        ("attention", 0xff7f0e),
+        ("proj+residual+ln2", 0x9467bd),
+        ("proj+residual", 0xd62728),
+        ("ln2", 0x1f77b4),
+        ("fc1+gelu", 0xbcbd22),
+        ("fc2+residual", 0x8c564b),
     ];
-    PART_COLOURS.iter().find(|(name, _)| part.starts_with(name)).map_or(RGBColor(0x7f, 0x7f, 0x7f), |(_, c)| *c)
+    rgb(PART_COLOURS.iter().find(|(name, _)| part.starts_with(name)).map_or(0x7f7f7f, |(_, c)| *c))
 }
 
 /// `--breakdown`'s chart: one stacked bar per stage (the instrumented parts, bottom to top in
@@ -406,8 +395,13 @@ pub fn breakdown_svg(report: &LadderReport) -> anyhow::Result<String> {
             }
             let m = r.timing.median_ms;
             chart.draw_series([PathElement::new(vec![(x + HALF, m), (x + 0.42, m)], INK.stroke_width(3))])?;
-            let label = format!("{} ms ({} ms)", fmt_ms(b.total_ms), fmt_ms(m));
-            chart.draw_series([EmptyElement::at((x, y)) + Text::new(label, (0, -5), text(12.0, MUTED, HPos::Center, VPos::Bottom))])?;
+            note(
+                &mut chart,
+                (x, y),
+                -5,
+                format!("{} ms ({} ms)", fmt_ms(b.total_ms), fmt_ms(m)),
+                text(12.0, MUTED, HPos::Center, VPos::Bottom),
+            )?;
             label_bar(root, chart.backend_coord(&(x, 0.0)), &r.stage, r.precision.to_string())?;
         }
         for (j, name) in part_names(&rows).iter().enumerate() {

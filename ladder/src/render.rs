@@ -2,6 +2,7 @@
 //! splice that puts that region between the README's markers, and the sweep tables.
 
 use crate::provenance::date_utc;
+use itertools::Itertools;
 use shared::report::{fmt_bytes, LadderReport, Record, Row, SweepReport};
 use shared::{Preset, Shape, SpeedkitError};
 
@@ -53,16 +54,6 @@ fn strings<const N: usize>(cells: [&str; N]) -> Vec<String> {
     cells.map(String::from).to_vec()
 }
 
-/// `items` in first-seen order, each once.
-fn unique<T: PartialEq>(items: impl IntoIterator<Item = T>) -> Vec<T> {
-    items.into_iter().fold(Vec::new(), |mut seen, x| {
-        if !seen.contains(&x) {
-            seen.push(x);
-        }
-        seen
-    })
-}
-
 /// `ladder --ablate`'s table: each variant, its time, and what the undone technique buys
 /// (variant median over the stage's). A variant that did not run is a row too, with why.
 fn ablation_grid(report: &LadderReport) -> Grid {
@@ -103,7 +94,7 @@ pub fn breakdown_text(report: &LadderReport) -> String {
 
 /// The names of the parts in `records`' breakdowns, in first-seen order.
 pub(crate) fn part_names(records: &[&Record]) -> Vec<String> {
-    unique(records.iter().flat_map(|r| r.breakdown.iter().flat_map(|b| &b.parts)).map(|p| p.name.clone()))
+    records.iter().flat_map(|r| r.breakdown.iter().flat_map(|b| &b.parts)).map(|p| p.name.clone()).unique().collect()
 }
 
 /// `--breakdown`'s table: one row per stage, one column per part name (in forward order, fused
@@ -141,10 +132,7 @@ fn breakdown_grid(report: &LadderReport) -> Grid {
 /// The precision as the tables show it: "bf16", or "fp8 (emulated)" when the stage says which
 /// implementation ran.
 pub fn precision_label(r: &Record) -> String {
-    match &r.implementation {
-        Some(i) => format!("{} ({i})", r.precision),
-        None => r.precision.to_string(),
-    }
+    format!("{}{}", r.precision, r.implementation.as_ref().map(|i| format!(" ({i})")).unwrap_or_default())
 }
 
 /// Relative error against the fp32 reference, or "unchecked" (--no-check).
@@ -158,13 +146,11 @@ pub fn fmt_rel_err(r: &Record) -> String {
 
 /// "skipped: why" or "FAILED: why", on one line.
 fn not_measured(failed: bool, reason: &str) -> String {
-    format!("{}: {}", if failed { "FAILED" } else { "skipped" }, reason.split_whitespace().collect::<Vec<_>>().join(" "))
+    format!("{}: {}", if failed { "FAILED" } else { "skipped" }, reason.split_whitespace().join(" "))
 }
 
 fn md_table((header, rows): Grid) -> String {
-    let row = |cells: &[String]| {
-        format!("| {} |\n", cells.iter().map(|c| c.replace('|', "\\|").replace('\n', " ")).collect::<Vec<_>>().join(" | "))
-    };
+    let row = |cells: &[String]| format!("| {} |\n", cells.iter().map(|c| c.replace('|', "\\|").replace('\n', " ")).join(" | "));
     let rule = format!("|{}\n", "---|".repeat(header.len()));
     std::iter::once(row(&header)).chain([rule]).chain(rows.iter().map(|r| row(r))).collect()
 }
@@ -207,11 +193,7 @@ pub fn markdown_table(report: &LadderReport) -> String {
                 fmt_rel_err(r),
                 fmt_bytes(r.peak_mem_bytes),
             ],
-            Row::Skipped(s) => {
-                let mut cells = vec![s.stage.clone(), not_measured(s.failed, &s.reason)];
-                cells.resize(header.len(), "–".into());
-                cells
-            }
+            Row::Skipped(s) => [vec![s.stage.clone(), not_measured(s.failed, &s.reason)], vec!["–".into(); header.len() - 2]].concat(),
         })
         .collect();
     md_table((header, rows))
@@ -250,8 +232,8 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
     ];
     facts.extend(report.versions.get("candle-core").map(|v| format!("candle-core {v}")));
     // "2 warm-up + 10 timed iterations", from the records (several when they differ).
-    let iterations = unique(report.records.iter().map(|r| format!("{} warm-up + {} timed iterations", r.warmup, r.iters)));
-    facts.extend((!iterations.is_empty()).then(|| iterations.join(" / ")));
+    let iterations = report.records.iter().map(|r| format!("{} warm-up + {} timed iterations", r.warmup, r.iters)).unique().join(" / ");
+    facts.extend((!iterations.is_empty()).then_some(iterations));
     facts.extend((!report.args.is_empty()).then(|| format!("`ladder {}`", report.args.join(" "))));
     facts.push(format!("data: [{json_link}]({json_link})"));
     let mut out = format!("<!-- Written by `ladder --update-readme` from {json_link}: rerun it rather than editing by hand. -->\n");
