@@ -113,9 +113,9 @@ fn label_bar(root: &Area, (px, py): (i32, i32), stage: &str, precision: String) 
     Ok(())
 }
 
-/// `label` on the chart at `at`, `dy` px below it.
-fn note(chart: &mut Bars, at: (f64, f64), dy: i32, label: impl Into<String>, style: TextStyle) -> anyhow::Result<()> {
-    chart.draw_series([EmptyElement::at(at) + Text::new(label.into(), (0, dy), style)])?;
+/// `label` on the chart at `at`, shifted by `offset` px.
+pub(crate) fn note(chart: &mut Bars, at: (f64, f64), offset: (i32, i32), label: impl Into<String>, style: TextStyle) -> anyhow::Result<()> {
+    chart.draw_series([EmptyElement::at(at) + Text::new(label.into(), offset, style)])?;
     Ok(())
 }
 
@@ -177,21 +177,22 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
                     chart.draw_series([PathElement::new(vec![(x, t.p10_ms), (x, t.p90_ms)], INK.stroke_width(1))])?;
                     chart.draw_series(caps.iter().map(|cap| PathElement::new(cap.to_vec(), INK.stroke_width(1))))?;
                     let at = (x, t.p90_ms.max(t.median_ms));
-                    note(&mut chart, at, -5, format!("{} ms", fmt_ms(t.median_ms)), text(12.0, MUTED, HPos::Center, VPos::Bottom))?;
+                    let ms = format!("{} ms", fmt_ms(t.median_ms));
+                    note(&mut chart, at, (0, -5), ms, text(12.0, MUTED, HPos::Center, VPos::Bottom))?;
                     if let Some(s) = r.speedup_vs_stage0 {
                         // "≈1.0x" when the p10–p90 intervals overlap stage 0's: within noise.
                         let label = shared::report::speedup_text(Some(s), r.noise_vs_stage0);
-                        note(&mut chart, at, -22, label, bold(15.0, INK, HPos::Center, VPos::Bottom))?;
+                        note(&mut chart, at, (0, -22), label, bold(15.0, INK, HPos::Center, VPos::Bottom))?;
                     }
                     if is_emulated(r) {
-                        note(&mut chart, at, -42, "emulated: not its speed", text(11.0, MUTED, HPos::Center, VPos::Bottom))?;
+                        note(&mut chart, at, (0, -42), "emulated: not its speed", text(11.0, MUTED, HPos::Center, VPos::Bottom))?;
                     }
                 }
                 Row::Skipped(s) => {
                     let (word, ink) = if s.failed { ("FAILED check", FAIL) } else { ("skipped", MUTED) };
                     let frame = vec![(x - HALF, 0.0), (x - HALF, y_max * 0.25), (x + HALF, y_max * 0.25), (x + HALF, 0.0)];
                     chart.draw_series([PathElement::new(frame, ink.stroke_width(1))])?;
-                    note(&mut chart, (x, y_max * 0.125), 0, word, text(13.0, ink, HPos::Center, VPos::Center))?;
+                    note(&mut chart, (x, y_max * 0.125), (0, 0), word, text(13.0, ink, HPos::Center, VPos::Center))?;
                 }
             }
             // Under the axis: which stage, at what precision, how far from the reference.
@@ -395,13 +396,8 @@ pub fn breakdown_svg(report: &LadderReport) -> anyhow::Result<String> {
             }
             let m = r.timing.median_ms;
             chart.draw_series([PathElement::new(vec![(x + HALF, m), (x + 0.42, m)], INK.stroke_width(3))])?;
-            note(
-                &mut chart,
-                (x, y),
-                -5,
-                format!("{} ms ({} ms)", fmt_ms(b.total_ms), fmt_ms(m)),
-                text(12.0, MUTED, HPos::Center, VPos::Bottom),
-            )?;
+            let label = format!("{} ms ({} ms)", fmt_ms(b.total_ms), fmt_ms(m));
+            note(&mut chart, (x, y), (0, -5), label, text(12.0, MUTED, HPos::Center, VPos::Bottom))?;
             label_bar(root, chart.backend_coord(&(x, 0.0)), &r.stage, r.precision.to_string())?;
         }
         for (j, name) in part_names(&rows).iter().enumerate() {

@@ -77,12 +77,9 @@ pub fn find(doc: &str) -> Vec<Citation> {
 /// Units that mark a number as a measurement (a time, a rate, a ratio, a size, an error).
 const MEASURED_UNITS: [&str; 14] = ["ms", "µs", "s", "x", "GFLOP/s", "TFLOP/s", "GB/s", "TB/s", "%", "MiB", "GiB", "MB", "GB", "KB"];
 
-/// Measured-looking numbers in `doc`'s prose that are not citations: a number followed by a
-/// unit of `MEASURED_UNITS`, or one in e-notation with a decimal (an error like `2.8e-2`; a
-/// tolerance such as `1e-2` is a constant), outside fenced and inline code, links (a citation,
-/// or a link to the file it comes from), HTML comments, and the generated regions between
-/// `<!-- NAME:begin -->` and `<!-- NAME:end -->`. A target or bound written with ≥, ≤, < or >
-/// before it is not a measurement, nor is the noise label ≈1.0x. Returns (line number, the text).
+/// (line, number) for each measured-looking number in `doc`'s prose that is not cited: one with a
+/// unit of `MEASURED_UNITS` or in e-notation with a decimal, outside code, links, HTML comments
+/// and generated regions (`<!-- NAME:begin -->`…`end`), and not a bound (≥ ≤ < >) or ≈1.0x.
 pub fn bare_numbers(doc: &str) -> Vec<(usize, String)> {
     let (mut out, mut fenced, mut generated) = (Vec::new(), false, false);
     for (i, line) in doc.lines().enumerate() {
@@ -170,8 +167,7 @@ pub fn expected(c: &Citation, json: &Value) -> Result<String, String> {
     format_like(&c.text, lookup(json, &c.path)?)
 }
 
-/// The citations in `doc` whose text is not what their JSON holds: (citation, what it should read
-/// or why it cannot be checked). `load` reads a JSON by the link's target.
+/// Each citation in `doc` whose text is not what its JSON (read by `load`) holds, and why.
 pub fn check(doc: &str, mut load: impl FnMut(&str) -> Result<Value, String>) -> Vec<(Citation, String)> {
     let verdict = |c: Citation| match load(&c.json).and_then(|j| expected(&c, &j)) {
         Ok(want) if want == c.text => None,
@@ -181,9 +177,8 @@ pub fn check(doc: &str, mut load: impl FnMut(&str) -> Result<Value, String>) -> 
     find(doc).into_iter().filter_map(verdict).collect()
 }
 
-/// `doc` with every citation of `json_link` rewritten from `json`; citations of other files kept.
-/// A citation whose path this JSON lacks (e.g. an ablation row, in a run without `--ablate`) is
-/// kept as it was and named in the second value, for the caller to warn about.
+/// `doc` with every citation of `json_link` rewritten from `json`; one whose path `json` lacks (an
+/// ablation row, in a run without `--ablate`) is kept and named in the second value.
 pub fn update(doc: &str, json_link: &str, json: &Value) -> (String, Vec<String>) {
     let (mut out, mut last, mut stale) = (String::with_capacity(doc.len()), 0, Vec::new());
     for c in find(doc).into_iter().filter(|c| c.json == json_link) {

@@ -9,9 +9,7 @@ use shared::{Preset, Shape, SpeedkitError};
 /// A table: its header, then its rows.
 type Grid = (Vec<String>, Vec<Vec<String>>);
 
-/// The two lines a README region named `name` lies between (`<!-- results:begin -->` and
-/// `<!-- results:end -->` for the default region); `--update-readme` rewrites what is between
-/// them and nothing else.
+/// The lines around README region `name`; `--update-readme` rewrites only what lies between them.
 pub fn markers(name: &str) -> (String, String) {
     (format!("<!-- {name}:begin -->"), format!("<!-- {name}:end -->"))
 }
@@ -35,8 +33,7 @@ pub fn fmt_ms(ms: f64) -> String {
     }
 }
 
-/// "2.13x"; "≈1.0x" when its p10–p90 interval overlaps the compared row's (the measured ratio
-/// stays in the JSON); "–" when there is nothing to compare with.
+/// "2.13x"; "≈1.0x" when the p10–p90 intervals overlap (the JSON keeps the ratio); "–" for none.
 pub fn fmt_speedup(v: Option<f64>, within_noise: bool) -> String {
     match v {
         None => "–".into(),
@@ -54,8 +51,7 @@ fn strings<const N: usize>(cells: [&str; N]) -> Vec<String> {
     cells.map(String::from).to_vec()
 }
 
-/// `ladder --ablate`'s table: each variant, its time, and what the undone technique buys
-/// (variant median over the stage's). A variant that did not run is a row too, with why.
+/// `ladder --ablate`'s table: each variant (or why it did not run), and what the undone change buys.
 fn ablation_grid(report: &LadderReport) -> Grid {
     let header = strings(["stage", "undone", "median ms (p10–p90)", "stage as written", "what it buys"]);
     let ran = report.ablation.iter().map(|a| {
@@ -129,8 +125,7 @@ fn breakdown_grid(report: &LadderReport) -> Grid {
     (header, rows)
 }
 
-/// The precision as the tables show it: "bf16", or "fp8 (emulated)" when the stage says which
-/// implementation ran.
+/// "bf16", or "fp8 (emulated)" when the stage says which implementation ran.
 pub fn precision_label(r: &Record) -> String {
     format!("{}{}", r.precision, r.implementation.as_ref().map(|i| format!(" ({i})")).unwrap_or_default())
 }
@@ -171,9 +166,8 @@ fn aligned((header, rows): Grid) -> String {
     [&header, &rule].into_iter().chain(&rows).map(|r| line(r)).collect()
 }
 
-/// The ladder's table as GitHub markdown: one row per stage in ladder order, skipped and failed
-/// stages included, with the reason in the precision column. GFLOP/s on a CPU (a few hundred at
-/// most), TFLOP/s on a GPU.
+/// The ladder's table as GitHub markdown, a row per stage (why, for one not measured); GFLOP/s on
+/// a CPU (a few hundred at most), TFLOP/s on a GPU.
 pub fn markdown_table(report: &LadderReport) -> String {
     let (unit, scale) = if report.device.is_cuda() { ("TFLOP/s", 1.0) } else { ("GFLOP/s", 1e3) };
     let header =
@@ -220,9 +214,8 @@ pub fn describe_shape(shape: &Shape) -> String {
     }
 }
 
-/// What goes between the README's markers: where and when the run was made, the table, and the
-/// chart. A pure function of the report and the two links, so re-rendering the same JSON gives
-/// the same bytes.
+/// What goes between the README's markers: where and when the run was made, the tables and charts;
+/// a pure function of its arguments, so re-rendering the same JSON gives the same bytes.
 pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> String {
     let mut facts = vec![
         format!("**{}**", describe_device(report)),
@@ -259,9 +252,8 @@ pub fn sibling(svg: &str, what: &str) -> String {
     format!("{}-{what}.svg", svg.strip_suffix(".svg").unwrap_or(svg))
 }
 
-/// `readme` with everything between the markers of region `name` replaced by `region`; every
-/// byte outside the markers is kept. Refuses (exit 2) when the markers are missing, repeated or
-/// in the wrong order, rather than guessing where the table goes.
+/// `readme` with what lies between region `name`'s markers replaced by `region`, every other byte
+/// kept; refuses (exit 2) markers missing, repeated or reversed rather than guess.
 pub fn splice_readme(readme: &str, name: &str, region: &str) -> Result<String, SpeedkitError> {
     let (begin, end) = markers(name);
     let (begins, ends) = (readme.matches(&begin).count(), readme.matches(&end).count());

@@ -1,14 +1,9 @@
-//! The roofline: each stage's achieved FLOP/s against its arithmetic intensity (FLOPs per byte
-//! the block must move), under the device's ceilings: compute (flat) and memory bandwidth
-//! (slope). A stage under the slope is memory-bound, one under the flat line compute-bound.
-//!
-//! FLOPs are `shared::perf::block_flops` (useful work, the same for every stage); bytes are each
-//! stage's `Stage::traffic`, the minimum its ops must move with nothing cached between them
-//! (`shared::perf::Traffic`), so fusion raises the intensity by deleting whole passes. Ceilings:
-//! a GPU's datasheet (`shared::perf`); on a CPU the measured ceiling (`shared::ceiling`) or
-//! `--peak-tflops` and `--bandwidth-gbs`. Without a ceiling the points are drawn alone.
+//! The roofline: each stage's achieved FLOP/s against its arithmetic intensity, under the
+//! device's compute (flat) and memory-bandwidth (slope) ceilings. FLOPs are the block's useful
+//! work (`shared::perf::block_flops`); bytes are the minimum its ops must move with nothing cached
+//! between them (each stage's `Stage::traffic`), so fusion raises the intensity by deleting passes.
 
-use crate::chart::{heading, is_emulated, mesh, stage_colour, svg, text, GRID, INK};
+use crate::chart::{heading, is_emulated, mesh, note, stage_colour, svg, text, GRID, INK};
 use crate::render::describe_device;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, VPos};
@@ -49,10 +44,8 @@ pub fn points(report: &LadderReport) -> Vec<Point> {
     report.records.iter().enumerate().filter_map(point).collect()
 }
 
-/// The ceilings for a run, `None` when nothing is known. A flag overrides the rest; else a GPU's
-/// come from its datasheet, a CPU's from its measured ceiling (`shared::ceiling`, probed when
-/// the session opened): that GEMM rate is the compute roof for every precision and its STREAM
-/// triad the memory slope.
+/// The ceilings for a run, `None` when nothing is known: a flag's, else a GPU's datasheet, else a
+/// CPU's measured ceiling (its GEMM rate the roof for every precision, its STREAM triad the slope).
 pub fn ceilings(
     info: &DeviceInfo,
     args: &RunArgs,
@@ -94,10 +87,10 @@ fn pow10(v: f64) -> String {
 }
 
 /// How many of the points before and after `i` lie within a marker's width of point `i` (pixels).
-fn overlapping(pixels: &[(i32, i32)], i: usize) -> (usize, usize) {
+fn overlapping(pixels: &[(i32, i32)], i: usize) -> (i32, i32) {
     let (x, y) = pixels[i];
     let near = |p: &&(i32, i32)| (p.0 - x).abs() < 12 && (p.1 - y).abs() < 12;
-    (pixels[..i].iter().filter(near).count(), pixels[i + 1..].iter().filter(near).count())
+    (pixels[..i].iter().filter(near).count() as i32, pixels[i + 1..].iter().filter(near).count() as i32)
 }
 
 /// The roofline SVG: log-log, one point per measured stage, the ceilings as lines.
@@ -161,15 +154,15 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
                 .filter(|(_, y)| *y >= y0)
                 .collect();
             chart.draw_series([PathElement::new(line, INK.stroke_width(2))])?;
-            let label = Text::new(format!("{name} peak {:.0} GFLOP/s", peak), (-6, -4), text(12.0, INK, HPos::Right, VPos::Bottom));
-            chart.draw_series([EmptyElement::at((x1, peak.log10())) + label])?;
+            let label = format!("{name} peak {peak:.0} GFLOP/s");
+            note(&mut chart, (x1, peak.log10()), (-6, -4), label, text(12.0, INK, HPos::Right, VPos::Bottom))?;
         }
         if let Some(bw) = bw {
             if peaks.is_empty() {
                 chart.draw_series([PathElement::new(vec![(x0, memory(x0)), (x1, memory(x1))], INK.stroke_width(2))])?;
             }
-            let label = Text::new(format!("memory {bw:.0} GB/s"), (4, -6), text(12.0, INK, HPos::Left, VPos::Bottom));
-            chart.draw_series([EmptyElement::at((x0 + 0.2, memory(x0 + 0.2))) + label])?;
+            let label = format!("memory {bw:.0} GB/s");
+            note(&mut chart, (x0 + 0.2, memory(x0 + 0.2)), (4, -6), label, text(12.0, INK, HPos::Left, VPos::Bottom))?;
         }
         // Points that land on (nearly) the same pixel, such as stages 0 and 1 at fp32 on a CPU,
         // are fanned out sideways and their labels stacked, so each stays visible.
@@ -177,7 +170,6 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
         for (i, p) in pts.iter().enumerate() {
             let c = stage_colour(&p.stage, i);
             let (before, after) = overlapping(&pixels, i);
-            let (before, after) = (before as i32, after as i32);
             let (px, py) = pixels[i];
             let at = (px + 10 * before, py);
             root.draw(&Circle::new(at, 6, if p.emulated { c.stroke_width(2) } else { c.filled() }))?;
@@ -212,7 +204,7 @@ mod tests {
     #[test]
     fn points_on_one_pixel_are_fanned_out() {
         let px = [(100, 100), (105, 96), (300, 100), (101, 101)];
-        let (before, after): (Vec<usize>, Vec<usize>) = (0..px.len()).map(|i| overlapping(&px, i)).unzip();
+        let (before, after): (Vec<i32>, Vec<i32>) = (0..px.len()).map(|i| overlapping(&px, i)).unzip();
         assert_eq!(before, vec![0, 1, 0, 2]);
         assert_eq!(after, vec![2, 1, 0, 0]);
     }

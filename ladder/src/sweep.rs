@@ -1,19 +1,15 @@
-//! `ladder --sweep seq=512,1024,2048`: the ladder once per value of one dimension, every other
-//! flag the same, so a reader sees where each technique starts to pay (fused attention as T
-//! grows, lower precision as the GEMMs grow).
+//! `ladder --sweep seq=512,1024,2048`: the ladder once per value of one dimension, so a reader
+//! sees where each technique starts to pay (fused attention as T grows, precision as GEMMs grow).
 
 use shared::cli::RunArgs;
 use shared::report::{Skipped, SweepReport, SWEEP_SCHEMA};
 use shared::SpeedkitError;
 
-/// The dimension a sweep varies.
+/// The dimension a sweep varies: T, B, or C (FF = 4·C and d_head kept unless --ff / --heads given).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Axis {
-    /// T
     Seq,
-    /// B
     Batch,
-    /// C, with FF = 4·C and d_head kept (unless --ff / --heads are given)
     DModel,
 }
 
@@ -50,16 +46,13 @@ impl std::str::FromStr for Sweep {
             "d_model" | "c" => Axis::DModel,
             _ => return Err(usage()),
         };
+        // split(',') yields at least one value, and "" does not parse: never empty.
         let values = values.split(',').map(|v| v.trim().parse::<usize>()).collect::<Result<Vec<_>, _>>().map_err(|_| usage())?;
-        if values.is_empty() {
-            return Err(usage());
-        }
         Ok(Sweep { axis, values })
     }
 }
 
-/// Most values one sweep takes, and the largest value: each value is a whole ladder run, and
-/// the shapes are checked again per value (a value that cannot run becomes skipped rows).
+/// Most values one sweep takes: each is a whole ladder run.
 pub const MAX_VALUES: usize = 64;
 
 /// Refuse a sweep whose values cannot all be valid numbers for their dimension, before any run.
@@ -135,9 +128,8 @@ fn args_for(args: &RunArgs, axis: Axis, value: usize, d_head: usize) -> Result<R
     Ok(a)
 }
 
-/// Run the ladder once per value. A value whose shape cannot run here (invalid, too large for
-/// the device) becomes a ladder whose every stage is skipped with the reason, not a crash.
-/// Returns the first check failure, if any, after every value has run.
+/// Run the ladder once per value, a value whose shape cannot run here becoming skipped rows with
+/// the reason; returns the first check failure, if any, after every value has run.
 pub fn run(
     args: &RunArgs,
     stages: &[Box<dyn shared::Stage>],
