@@ -3,38 +3,90 @@
 //! drawing needs font files; the viewer's sans-serif font renders it.
 
 use crate::provenance::date_utc;
-use crate::render::{axis_symbol, describe_device, fmt_ms, fmt_rel_err};
+use crate::render::{axis_symbol, describe_device, fmt_ms, fmt_rel_err, part_names, sweep_stages};
+use itertools::Itertools;
+use plotters::chart::MeshStyle;
+use plotters::coord::ranged1d::ValueFormatter;
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
-use shared::report::{LadderReport, Row, SweepReport};
+use shared::report::{LadderReport, Record, Row, SweepReport};
+
+pub(crate) type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
+type Bars<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+const fn rgb(hex: u32) -> RGBColor {
+    RGBColor((hex >> 16) as u8, (hex >> 8) as u8, hex as u8)
+}
 
 /// One colour per stage number, the same in every chart (stage 0, the baseline, is grey).
-static COLOURS: [RGBColor; 6] = [
-    RGBColor(0x88, 0x88, 0x88),
-    RGBColor(0x1f, 0x77, 0xb4),
-    RGBColor(0xff, 0x7f, 0x0e),
-    RGBColor(0x2c, 0xa0, 0x2c),
-    RGBColor(0x94, 0x67, 0xbd),
-    RGBColor(0xd6, 0x27, 0x28),
-];
-const INK: RGBColor = RGBColor(0x22, 0x22, 0x22);
-const MUTED: RGBColor = RGBColor(0x66, 0x66, 0x66);
-const FAIL: RGBColor = RGBColor(0xb0, 0x00, 0x20);
+static COLOURS: [RGBColor; 6] = [rgb(0x888888), rgb(0x1f77b4), rgb(0xff7f0e), rgb(0x2ca02c), rgb(0x9467bd), rgb(0xd62728)];
+pub(crate) const INK: RGBColor = rgb(0x222222);
+pub(crate) const MUTED: RGBColor = rgb(0x666666);
+pub(crate) const GRID: RGBColor = rgb(0xe6e6e6);
+const FAIL: RGBColor = rgb(0xb00020);
+/// Half a bar's width, in slots.
+const HALF: f64 = 0.32;
 
-/// The stage's colour, by the number in its name ("stage2_sdpa" → 2), else by its position.
-fn colour(stage: &str, position: usize) -> RGBColor {
+/// The stage's colour in every chart, by the number in its name ("stage2_sdpa" → 2), else position.
+pub fn stage_colour(stage: &str, position: usize) -> RGBColor {
     let n = stage.strip_prefix("stage").and_then(|s| s.split('_').next()).and_then(|n| n.parse().ok()).unwrap_or(position);
     COLOURS[n % COLOURS.len()]
 }
 
-/// The stage's colour in every chart (the roofline's points too).
-pub fn stage_colour(stage: &str, position: usize) -> RGBColor {
-    colour(stage, position)
+/// Text of `size` px. (plotters' SVG backend writes font-size = size / 1.24, hence the factor.)
+pub(crate) fn text(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
+    TextStyle { font: ("sans-serif", size * 1.24).into_font(), color: colour.to_backend_color(), pos: Pos::new(h, v) }
 }
 
-/// Text of `size` px. (plotters' SVG backend writes font-size = size / 1.24, hence the factor.)
-fn text(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
-    TextStyle { font: ("sans-serif", size * 1.24).into_font(), color: colour.to_backend_color(), pos: Pos::new(h, v) }
+fn bold(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
+    let plain = text(size, colour, h, v);
+    TextStyle { font: plain.font.clone().style(FontStyle::Bold), ..plain }
+}
+
+/// An SVG of `size` px on white, drawn by `draw`.
+pub(crate) fn svg(size: (u32, u32), draw: impl FnOnce(&Area) -> anyhow::Result<()>) -> anyhow::Result<String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
+        root.fill(&WHITE)?;
+        draw(&root)?;
+        root.present()?;
+    }
+    Ok(svg)
+}
+
+/// The title, then one grey line per fact under it.
+pub(crate) fn heading(root: &Area, title: &str, style: TextStyle, facts: &[String]) -> anyhow::Result<()> {
+    root.draw(&Text::new(title, (20, 12), style))?;
+    for (i, line) in facts.iter().enumerate() {
+        root.draw(&Text::new(line.as_str(), (20, 36 + 17 * i as i32), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
+    }
+    Ok(())
+}
+
+/// "shape · commit … · date" under a chart's title.
+pub(crate) fn facts(shape: impl std::fmt::Display, report: &LadderReport) -> String {
+    format!("{shape} · commit {} · {}", report.commit, date_utc(report.unix_time))
+}
+
+/// The axis text and grid every chart here shares; `grid` colours the major lines.
+pub(crate) fn mesh<'a, 'b, X, Y, DB>(
+    chart: &'b mut ChartContext<'a, DB, Cartesian2d<X, Y>>,
+    grid: impl Into<ShapeStyle>,
+) -> MeshStyle<'a, 'b, X, Y, DB>
+where
+    X: Ranged + ValueFormatter<X::ValueType>,
+    Y: Ranged + ValueFormatter<Y::ValueType>,
+    DB: DrawingBackend,
+{
+    let mut m = chart.configure_mesh();
+    m.axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
+        .label_style(text(12.0, INK, HPos::Center, VPos::Center))
+        .bold_line_style(grid)
+        .light_line_style(TRANSPARENT);
+    m
 }
 
 /// Axis tick labels with as many decimals as the axis' scale needs.
@@ -46,61 +98,42 @@ fn axis_ms(v: f64, top: f64) -> String {
     }
 }
 
-/// The y axis and grid every bar chart here shares: ms from 0 to `y_max`, no x labels (each bar
-/// labels itself), light horizontal lines.
-fn draw_bar_axes<DB: DrawingBackend>(
-    chart: &mut ChartContext<'_, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>,
-    y_desc: &str,
-    y_max: f64,
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(0)
-        .y_labels(6)
-        .y_desc(y_desc)
-        .y_label_formatter(&|v| axis_ms(*v, y_max))
-        .axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
-        .label_style(text(12.0, INK, HPos::Center, VPos::Center))
-        .bold_line_style(RGBColor(0xe6, 0xe6, 0xe6))
-        .light_line_style(TRANSPARENT)
-        .draw()?;
+/// A bar chart: `n` slots, ms from 0 to `y_max`, no x labels (each bar labels itself).
+fn bar_chart<'a, 'b>(area: &'a Area<'b>, x_label_area: u32, n: usize, y_max: f64, y_desc: &str) -> anyhow::Result<Bars<'a, 'b>> {
+    let mut chart =
+        ChartBuilder::on(area).x_label_area_size(x_label_area).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
+    mesh(&mut chart, GRID).disable_x_mesh().x_labels(0).y_labels(6).y_desc(y_desc).y_label_formatter(&|v| axis_ms(*v, y_max)).draw()?;
+    Ok(chart)
+}
+
+/// Under a bar: its stage in bold, then its precision.
+fn label_bar(root: &Area, (px, py): (i32, i32), stage: &str, precision: String) -> anyhow::Result<()> {
+    root.draw(&Text::new(stage, (px, py + 8), bold(12.0, INK, HPos::Center, VPos::Top)))?;
+    root.draw(&Text::new(precision, (px, py + 25), text(12.0, INK, HPos::Center, VPos::Top)))?;
     Ok(())
 }
 
-fn bold(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
-    let plain = text(size, colour, h, v);
-    TextStyle { font: plain.font.clone().style(FontStyle::Bold), ..plain }
+/// `label` on the chart at `at`, shifted by `offset` px.
+pub(crate) fn note(chart: &mut Bars, at: (f64, f64), offset: (i32, i32), label: impl Into<String>, style: TextStyle) -> anyhow::Result<()> {
+    chart.draw_series([EmptyElement::at(at) + Text::new(label.into(), offset, style)])?;
+    Ok(())
 }
 
-/// Whether a record ran an emulation (stage 4 on a CPU): its bar is drawn hatched, not solid.
-fn is_emulated(r: &shared::report::Record) -> bool {
+/// Whether a record ran an emulation (stage 4 on a CPU): a time that is not the technique's speed.
+pub(crate) fn is_emulated(r: &Record) -> bool {
     r.implementation.as_deref().is_some_and(|i| i.starts_with(shared::stage::EMULATED))
 }
 
-/// A light grey bar from 0 to `median`, outlined in the stage's colour and hatched with
-/// diagonal lines (each clipped to the bar), for a time that measures an emulation.
-fn draw_hatched_bar<DB: DrawingBackend>(
-    chart: &mut ChartContext<'_, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>,
-    x: f64,
-    median: f64,
-    c: RGBColor,
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    let (l, r) = (x - 0.32, x + 0.32);
-    chart.draw_series([Rectangle::new([(l, 0.0), (r, median)], RGBColor(0xe4, 0xe4, 0xe4).filled())])?;
-    // Lines rising left to right, `step` apart in y, each rising `rise` across the bar.
-    let (y_range, rise) = (chart.y_range(), median.max(f64::MIN_POSITIVE));
+/// An emulation's bar: light grey, outlined in the stage's colour, hatched with lines clipped to it.
+fn draw_hatched_bar(chart: &mut Bars, x: f64, median: f64, c: RGBColor) -> anyhow::Result<()> {
+    let (l, r) = (x - HALF, x + HALF);
+    chart.draw_series([Rectangle::new([(l, 0.0), (r, median)], rgb(0xe4e4e4).filled())])?;
+    // Lines `step` apart in y, each rising `rise` across the bar.
+    let y_range = chart.y_range();
     let step = (y_range.end - y_range.start) / 40.0;
-    let rise = step * 3.0f64.min(rise / step);
+    let rise = step * 3.0f64.min(median.max(f64::MIN_POSITIVE) / step);
     let mut y0 = -rise;
     while y0 < median {
-        // Clip the segment (l, y0)–(r, y0 + rise) to 0 ≤ y ≤ median.
         let at = |y: f64| l + (r - l) * (y - y0) / rise;
         let (ya, yb) = (y0.max(0.0), (y0 + rise).min(median));
         if yb > ya {
@@ -118,87 +151,64 @@ where
 pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
     let rows = report.rows();
     let n = rows.len().max(1);
-    let (w, h) = ((175 * n as u32 + 130).max(800), 560u32);
-    let has_baseline = report.records.iter().any(|r| r.speedup_vs_stage0.is_some());
     let top = report.records.iter().map(|r| r.timing.p90_ms.max(r.timing.median_ms)).fold(0.0, f64::max);
     let y_max = if top > 0.0 { top * 1.3 } else { 1.0 };
-
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
-        root.fill(&WHITE)?;
-        let title = if has_baseline {
+    svg(((175 * n as u32 + 130).max(800), 560), |root| {
+        let title = if report.records.iter().any(|r| r.speedup_vs_stage0.is_some()) {
             "Median ms per forward (lower is better); speedup over stage 0 on each bar"
         } else {
             "Median ms per forward (lower is better); stage 0 did not run, so no speedups"
         };
-        root.draw(&Text::new(title, (20, 12), bold(16.0, INK, HPos::Left, VPos::Top)))?;
-        root.draw(&Text::new(describe_device(report), (20, 36), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
-        let facts = format!("{} · commit {} · {}", report.shape, report.commit, date_utc(report.unix_time));
-        root.draw(&Text::new(facts, (20, 53), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
+        heading(root, title, bold(16.0, INK, HPos::Left, VPos::Top), &[describe_device(report), facts(report.shape, report)])?;
         let body = root.margin(74, 14, 8, 20);
-
-        let mut chart =
-            ChartBuilder::on(&body).x_label_area_size(78).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
-        draw_bar_axes(&mut chart, "median ms per forward (whisker: p10–p90)", y_max)?;
-
+        let mut chart = bar_chart(&body, 78, n, y_max, "median ms per forward (whisker: p10–p90)")?;
         for (i, row) in rows.iter().enumerate() {
             let x = i as f64 + 0.5;
-            let c = colour(row.stage(), i);
+            let c = stage_colour(row.stage(), i);
             match row {
                 Row::Ran(r) => {
                     let t = &r.timing;
                     if is_emulated(r) {
-                        // An emulation's time is not the technique's speed: a grey, hatched bar.
                         draw_hatched_bar(&mut chart, x, t.median_ms, c)?;
                     } else {
-                        chart.draw_series([Rectangle::new([(x - 0.32, 0.0), (x + 0.32, t.median_ms)], c.filled())])?;
+                        chart.draw_series([Rectangle::new([(x - HALF, 0.0), (x + HALF, t.median_ms)], c.filled())])?;
                     }
-                    let whisker = [(x, t.p10_ms), (x, t.p90_ms)];
                     let caps = [[(x - 0.06, t.p10_ms), (x + 0.06, t.p10_ms)], [(x - 0.06, t.p90_ms), (x + 0.06, t.p90_ms)]];
-                    chart.draw_series([PathElement::new(whisker.to_vec(), INK.stroke_width(1))])?;
+                    chart.draw_series([PathElement::new(vec![(x, t.p10_ms), (x, t.p90_ms)], INK.stroke_width(1))])?;
                     chart.draw_series(caps.iter().map(|cap| PathElement::new(cap.to_vec(), INK.stroke_width(1))))?;
                     let at = (x, t.p90_ms.max(t.median_ms));
-                    let ms = EmptyElement::at(at)
-                        + Text::new(format!("{} ms", fmt_ms(t.median_ms)), (0, -5), text(12.0, MUTED, HPos::Center, VPos::Bottom));
-                    chart.draw_series([ms])?;
+                    let ms = format!("{} ms", fmt_ms(t.median_ms));
+                    note(&mut chart, at, (0, -5), ms, text(12.0, MUTED, HPos::Center, VPos::Bottom))?;
                     if let Some(s) = r.speedup_vs_stage0 {
                         // "≈1.0x" when the p10–p90 intervals overlap stage 0's: within noise.
                         let label = shared::report::speedup_text(Some(s), r.noise_vs_stage0);
-                        chart.draw_series([
-                            EmptyElement::at(at) + Text::new(label, (0, -22), bold(15.0, INK, HPos::Center, VPos::Bottom))
-                        ])?;
+                        note(&mut chart, at, (0, -22), label, bold(15.0, INK, HPos::Center, VPos::Bottom))?;
                     }
                     if is_emulated(r) {
-                        let note = Text::new("emulated: not its speed", (0, -42), text(11.0, MUTED, HPos::Center, VPos::Bottom));
-                        chart.draw_series([EmptyElement::at(at) + note])?;
+                        note(&mut chart, at, (0, -42), "emulated: not its speed", text(11.0, MUTED, HPos::Center, VPos::Bottom))?;
                     }
                 }
                 Row::Skipped(s) => {
                     let (word, ink) = if s.failed { ("FAILED check", FAIL) } else { ("skipped", MUTED) };
-                    let frame = [(x - 0.32, 0.0), (x - 0.32, y_max * 0.25), (x + 0.32, y_max * 0.25), (x + 0.32, 0.0)];
-                    chart.draw_series([PathElement::new(frame.to_vec(), ink.stroke_width(1))])?;
-                    chart.draw_series([
-                        EmptyElement::at((x, y_max * 0.125)) + Text::new(word, (0, 0), text(13.0, ink, HPos::Center, VPos::Center))
-                    ])?;
+                    let frame = vec![(x - HALF, 0.0), (x - HALF, y_max * 0.25), (x + HALF, y_max * 0.25), (x + HALF, 0.0)];
+                    chart.draw_series([PathElement::new(frame, ink.stroke_width(1))])?;
+                    note(&mut chart, (x, y_max * 0.125), (0, 0), word, text(13.0, ink, HPos::Center, VPos::Center))?;
                 }
             }
             // Under the axis: which stage, at what precision, how far from the reference.
             let (px, py) = chart.backend_coord(&(x, 0.0));
             let (precision, implementation, error) = match row {
-                Row::Ran(r) => (r.precision.to_string(), r.implementation.clone(), format!("rel err {}", fmt_rel_err(r))),
-                Row::Skipped(s) => ("–".into(), None, if s.failed { "failed its check".into() } else { "not measured".into() }),
+                Row::Ran(r) => (r.precision.to_string(), r.implementation.as_deref(), format!("rel err {}", fmt_rel_err(r))),
+                Row::Skipped(s) => ("–".into(), None, if s.failed { "failed its check" } else { "not measured" }.into()),
             };
-            root.draw(&Text::new(row.stage().to_string(), (px, py + 8), bold(12.0, INK, HPos::Center, VPos::Top)))?;
-            root.draw(&Text::new(precision, (px, py + 25), text(12.0, INK, HPos::Center, VPos::Top)))?;
+            label_bar(root, (px, py), row.stage(), precision)?;
             if let Some(i) = implementation {
                 root.draw(&Text::new(format!("({i})"), (px, py + 41), text(11.0, INK, HPos::Center, VPos::Top)))?;
             }
             root.draw(&Text::new(error, (px, py + 57), text(12.0, MUTED, HPos::Center, VPos::Top)))?;
         }
-        root.present()?;
-    }
-    Ok(svg)
+        Ok(())
+    })
 }
 
 /// The shape's dimensions other than the swept one (and those that follow it in a d_model sweep).
@@ -210,11 +220,10 @@ fn shape_without(s: &shared::Shape, axis: &str) -> String {
         ("n_head", s.n_head, "d_model"),
         ("FF", s.ff, "d_model"),
     ];
-    dims.iter().filter(|(_, _, a)| *a != axis).map(|(n, v, _)| format!("{n}={v}")).collect::<Vec<_>>().join(" ")
+    dims.iter().filter(|(_, _, a)| *a != axis).map(|(n, v, _)| format!("{n}={v}")).join(" ")
 }
 
-/// A line through `points` (x = value index), broken where a value is missing, so it never
-/// bridges a value at which the stage did not run.
+/// A line through `points` (x = value index), broken where the stage did not run, never bridging it.
 fn segments(points: &[(f64, f64)]) -> Vec<Vec<(f64, f64)>> {
     let mut out: Vec<Vec<(f64, f64)>> = Vec::new();
     for &p in points {
@@ -228,26 +237,12 @@ fn segments(points: &[(f64, f64)]) -> Vec<Vec<(f64, f64)>> {
 
 /// 1, 2, 5 × 10^n within [lo, hi].
 fn ticks_125(lo: f64, hi: f64) -> Vec<f64> {
-    let mut out = Vec::new();
-    let mut decade = 10f64.powf(lo.log10().floor());
-    while decade <= hi {
-        for m in [1.0, 2.0, 5.0] {
-            let t = m * decade;
-            if t >= lo && t <= hi {
-                out.push(t);
-            }
-        }
-        decade *= 10.0;
-    }
-    out
+    let decades = std::iter::successors(Some(10f64.powf(lo.log10().floor())), |d| Some(d * 10.0)).take_while(|&d| d <= hi);
+    decades.flat_map(|d| [1.0, 2.0, 5.0].map(|m| m * d)).filter(|t| (lo..=hi).contains(t)).collect()
 }
 
 /// The swept values under a panel's x axis; `at` maps a value's position to pixels on the axis.
-fn value_labels(
-    root: &DrawingArea<SVGBackend, plotters::coord::Shift>,
-    values: &[usize],
-    at: impl Fn(f64) -> (i32, i32),
-) -> anyhow::Result<()> {
+fn value_labels(root: &Area, values: &[usize], at: impl Fn(f64) -> (i32, i32)) -> anyhow::Result<()> {
     for (j, v) in values.iter().enumerate() {
         let (px, py) = at(j as f64);
         root.draw(&Text::new(v.to_string(), (px, py + 6), text(12.0, INK, HPos::Center, VPos::Top)))?;
@@ -255,15 +250,14 @@ fn value_labels(
     Ok(())
 }
 
-/// The sweep chart, two panels over the swept values: median ms per stage (log scale), and
-/// each stage's speedup over stage 0 at the same value — where a technique starts to pay is
-/// where its line crosses 1.
+/// The sweep chart: median ms per stage (log scale) over the swept values, and below it each
+/// stage's speedup over stage 0 at the same value; a technique pays where its line crosses 1.
 pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     let k = sweep.values.len().max(1);
-    let (w, h) = ((110 * k as u32 + 300).max(800), 760u32);
-    let stages: Vec<String> = sweep.runs.first().map(|r| r.rows().iter().map(|row| row.stage().to_string()).collect()).unwrap_or_default();
-    // (value index, record) per stage, for the runs where it was measured.
-    let series: Vec<Vec<(usize, &shared::report::Record)>> = stages
+    let h = 760u32;
+    let stages = sweep_stages(sweep);
+    // (value index, record) per stage, where it was measured.
+    let series: Vec<Vec<(usize, &Record)>> = stages
         .iter()
         .map(|stage| {
             sweep.runs.iter().enumerate().filter_map(|(j, run)| run.records.iter().find(|r| &r.stage == stage).map(|r| (j, r))).collect()
@@ -275,48 +269,39 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     let s_max = all.filter_map(|(_, r)| r.speedup_vs_stage0).fold(1.0f64, f64::max) * 1.2;
     let x_range = || -0.5f64..k as f64 - 0.5;
     let x_desc = match sweep.axis.as_str() {
-        "seq" => "T (tokens per sequence)".to_string(),
-        "batch" => "B (sequences per forward)".to_string(),
-        "d_model" => "C (model width)".to_string(),
-        other => other.to_string(),
+        "seq" => "T (tokens per sequence)",
+        "batch" => "B (sequences per forward)",
+        "d_model" => "C (model width)",
+        other => other,
     };
-
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
-        root.fill(&WHITE)?;
+    let across = |y: f64, style: ShapeStyle| PathElement::new(vec![(-0.5, y), (k as f64 - 0.5, y)], style);
+    svg(((110 * k as u32 + 300).max(800), h), |root| {
         let title = format!("Sweep over {}: median ms per stage, and its speedup over stage 0", axis_symbol(&sweep.axis));
-        root.draw(&Text::new(title, (20, 12), bold(16.0, INK, HPos::Left, VPos::Top)))?;
-        if let Some(first) = sweep.runs.first() {
-            root.draw(&Text::new(describe_device(first), (20, 36), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
-            let facts = format!("{} · commit {} · {}", shape_without(&first.shape, &sweep.axis), first.commit, date_utc(first.unix_time));
-            root.draw(&Text::new(facts, (20, 53), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
-        }
-        let body = root.margin(74, 8, 8, 20);
-        let (upper, lower) = body.split_vertically(h / 2 - 40);
+        let facts = match sweep.runs.first() {
+            Some(first) => vec![describe_device(first), facts(shape_without(&first.shape, &sweep.axis), first)],
+            None => vec![],
+        };
+        heading(root, &title, bold(16.0, INK, HPos::Left, VPos::Top), &facts)?;
+        let (upper, lower) = root.margin(74, 8, 8, 20).split_vertically(h / 2 - 40);
 
         let mut ms =
             ChartBuilder::on(&upper).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(x_range(), (lo..hi).log_scale())?;
-        ms.configure_mesh()
+        mesh(&mut ms, TRANSPARENT)
             .disable_x_mesh()
             .x_labels(0)
-            .x_desc(x_desc.clone())
+            .x_desc(x_desc)
             .y_desc("median ms (log scale)")
             .y_label_formatter(&|_| String::new())
-            .axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
-            .label_style(text(12.0, INK, HPos::Center, VPos::Center))
-            .bold_line_style(TRANSPARENT)
-            .light_line_style(TRANSPARENT)
             .draw()?;
         for (i, (stage, points)) in stages.iter().zip(&series).enumerate() {
-            let c = colour(stage, i);
+            let c = stage_colour(stage, i);
             let line: Vec<(f64, f64)> = points.iter().map(|(j, r)| (*j as f64, r.timing.median_ms)).collect();
             ms.draw_series(segments(&line).into_iter().map(|seg| PathElement::new(seg, c.stroke_width(2))))?
                 .label(stage.clone())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(3)));
             ms.draw_series(line.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
         }
-        value_labels(&root, &sweep.values, |x| ms.backend_coord(&(x, lo)))?;
+        value_labels(root, &sweep.values, |x| ms.backend_coord(&(x, lo)))?;
         // A value at which nothing ran (its shape cannot run here) says so where its points would be.
         for (j, _) in sweep.runs.iter().enumerate().filter(|(_, r)| r.records.is_empty()) {
             let (px, py) = ms.backend_coord(&(j as f64, lo));
@@ -324,37 +309,33 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
         }
         // Ticks at 1, 2, 5 × 10^n: plotters' own log ticks are decades only, too few for one decade.
         for t in ticks_125(lo, hi) {
-            ms.draw_series([PathElement::new(vec![(-0.5, t), (k as f64 - 0.5, t)], RGBColor(0xe6, 0xe6, 0xe6).stroke_width(1))])?;
+            ms.draw_series([across(t, GRID.stroke_width(1))])?;
             let (px, py) = ms.backend_coord(&(-0.5, t));
             root.draw(&Text::new(format!("{}", (t * 1e6).round() / 1e6), (px - 6, py), text(12.0, INK, HPos::Right, VPos::Center)))?;
         }
         ms.configure_series_labels()
             .position(SeriesLabelPosition::UpperLeft)
             .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(0xcc, 0xcc, 0xcc))
+            .border_style(rgb(0xcccccc))
             .label_font(text(12.0, INK, HPos::Left, VPos::Center))
             .draw()?;
 
         let mut up = ChartBuilder::on(&lower).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(x_range(), 0f64..s_max)?;
-        up.configure_mesh()
+        mesh(&mut up, GRID)
             .disable_x_mesh()
             .x_labels(0)
             .x_desc(x_desc)
             .y_desc("speedup over stage 0 (above 1 pays)")
             .y_label_formatter(&|v| format!("{v:.1}x"))
-            .axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
-            .label_style(text(12.0, INK, HPos::Center, VPos::Center))
-            .bold_line_style(RGBColor(0xe6, 0xe6, 0xe6))
-            .light_line_style(TRANSPARENT)
             .draw()?;
-        value_labels(&root, &sweep.values, |x| up.backend_coord(&(x, 0.0)))?;
-        up.draw_series([PathElement::new(vec![(-0.5, 1.0), (k as f64 - 0.5, 1.0)], COLOURS[0].stroke_width(2))])?;
+        value_labels(root, &sweep.values, |x| up.backend_coord(&(x, 0.0)))?;
+        up.draw_series([across(1.0, COLOURS[0].stroke_width(2))])?;
         for (i, (stage, points)) in stages.iter().zip(&series).enumerate() {
-            let c = colour(stage, i);
-            let line: Vec<(f64, f64)> = points.iter().filter_map(|(j, r)| r.speedup_vs_stage0.map(|s| (*j as f64, s))).collect();
+            let c = stage_colour(stage, i);
             if c == COLOURS[0] {
                 continue; // stage 0 is the line at 1
             }
+            let line: Vec<(f64, f64)> = points.iter().filter_map(|(j, r)| r.speedup_vs_stage0.map(|s| (*j as f64, s))).collect();
             up.draw_series(segments(&line).into_iter().map(|seg| PathElement::new(seg, c.stroke_width(2))))?;
             up.draw_series(line.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
             // The last value's speedup, written at the line's end (every value's is in the table).
@@ -364,89 +345,68 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
                 )?;
             }
         }
-        root.present()?;
-    }
-    Ok(svg)
+        Ok(())
+    })
 }
 
-/// One colour per part of the block, each distinct (a fused part such as stage 3's
-/// "proj+residual+ln2" has a colour of its own, so it never reads as the part it absorbed).
-/// The LayerNorms are the two blues; the GEMM-heavy parts are warm or green.
+/// One colour per part of the block, a fused part's its own so it never reads as the part it
+/// absorbed (longest name first, so "proj+residual+ln2" is not taken for "proj+residual").
 fn part_colour(part: &str) -> RGBColor {
-    const PART_COLOURS: [(&str, RGBColor); 8] = [
-        ("ln1", RGBColor(0x9e, 0xc9, 0xe2)),
-        ("qkv", RGBColor(0x2c, 0xa0, 0x2c)),
-        ("attention", RGBColor(0xff, 0x7f, 0x0e)),
-        ("proj+residual+ln2", RGBColor(0x94, 0x67, 0xbd)),
-        ("proj+residual", RGBColor(0xd6, 0x27, 0x28)),
-        ("ln2", RGBColor(0x1f, 0x77, 0xb4)),
-        ("fc1+gelu", RGBColor(0xbc, 0xbd, 0x22)),
-        ("fc2+residual", RGBColor(0x8c, 0x56, 0x4b)),
+    const PART_COLOURS: [(&str, u32); 8] = [
+        ("ln1", 0x9ec9e2),
+        ("qkv", 0x2ca02c),
+        ("attention", 0xff7f0e),
+        ("proj+residual+ln2", 0x9467bd),
+        ("proj+residual", 0xd62728),
+        ("ln2", 0x1f77b4),
+        ("fc1+gelu", 0xbcbd22),
+        ("fc2+residual", 0x8c564b),
     ];
-    // Longest name first in the table, so "proj+residual+ln2" is not taken for "proj+residual".
-    PART_COLOURS.iter().find(|(name, _)| part.starts_with(name)).map_or(RGBColor(0x7f, 0x7f, 0x7f), |(_, c)| *c)
+    rgb(PART_COLOURS.iter().find(|(name, _)| part.starts_with(name)).map_or(0x7f7f7f, |(_, c)| *c))
 }
-
-/// Pixel height under which a LayerNorm's segment is a sliver: its name goes beside the bar.
-const SLIVER_PX: i32 = 14;
 
 /// `--breakdown`'s chart: one stacked bar per stage (the instrumented parts, bottom to top in
 /// forward order) with a tick at the uninstrumented median beside it.
 pub fn breakdown_svg(report: &LadderReport) -> anyhow::Result<String> {
-    let rows: Vec<&shared::report::Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
+    let rows: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
     let n = rows.len().max(1);
-    let (w, h) = ((175 * n as u32 + 330).max(800), 560u32);
+    let w = (175 * n as u32 + 330).max(800);
     let top = rows.iter().filter_map(|r| r.breakdown.as_ref().map(|b| b.total_ms.max(r.timing.median_ms))).fold(0.0, f64::max);
     let y_max = if top > 0.0 { top * 1.15 } else { 1.0 };
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
-        root.fill(&WHITE)?;
+    svg((w, 560), |root| {
         let title = "Where the time goes: ms per part of the block, instrumented (a sync at each part boundary)";
-        root.draw(&Text::new(title, (20, 12), bold(16.0, INK, HPos::Left, VPos::Top)))?;
-        root.draw(&Text::new(describe_device(report), (20, 36), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
-        let facts =
-            format!("{} · commit {} · {} · black tick: the uninstrumented median", report.shape, report.commit, date_utc(report.unix_time));
-        root.draw(&Text::new(facts, (20, 53), text(12.0, MUTED, HPos::Left, VPos::Top)))?;
+        let facts = format!("{} · black tick: the uninstrumented median", facts(report.shape, report));
+        heading(root, title, bold(16.0, INK, HPos::Left, VPos::Top), &[describe_device(report), facts])?;
         let (body, legend) = root.margin(74, 14, 8, 20).split_horizontally(w as i32 - 230);
-        let mut chart =
-            ChartBuilder::on(&body).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
-        draw_bar_axes(&mut chart, "ms per forward (instrumented)", y_max)?;
-        let mut names: Vec<String> = Vec::new();
+        let mut chart = bar_chart(&body, 40, n, y_max, "ms per forward (instrumented)")?;
         for (i, r) in rows.iter().enumerate() {
             let b = r.breakdown.as_ref().expect("filtered above");
             let x = i as f64 + 0.5;
             let mut y = 0.0;
             for p in &b.parts {
-                chart.draw_series([Rectangle::new([(x - 0.32, y), (x + 0.32, y + p.median_ms)], part_colour(&p.name).filled())])?;
-                // A LayerNorm is often too thin to see: it is named beside the bar, at its height.
+                chart.draw_series([Rectangle::new([(x - HALF, y), (x + HALF, y + p.median_ms)], part_colour(&p.name).filled())])?;
+                // A LayerNorm is often too thin to see (under 14 px): it is named beside the bar.
                 let (_, bottom) = chart.backend_coord(&(x, y));
                 let (_, top) = chart.backend_coord(&(x, y + p.median_ms));
-                if p.name.starts_with("ln") && bottom - top < SLIVER_PX {
-                    let (left, mid) = chart.backend_coord(&(x - 0.32, y + p.median_ms / 2.0));
-                    root.draw(&Text::new(p.name.clone(), (left - 4, mid), text(10.0, INK, HPos::Right, VPos::Center)))?;
+                if p.name.starts_with("ln") && bottom - top < 14 {
+                    let (left, mid) = chart.backend_coord(&(x - HALF, y + p.median_ms / 2.0));
+                    root.draw(&Text::new(p.name.as_str(), (left - 4, mid), text(10.0, INK, HPos::Right, VPos::Center)))?;
                 }
                 y += p.median_ms;
-                if !names.contains(&p.name) {
-                    names.push(p.name.clone());
-                }
             }
             let m = r.timing.median_ms;
-            chart.draw_series([PathElement::new(vec![(x + 0.32, m), (x + 0.42, m)], INK.stroke_width(3))])?;
+            chart.draw_series([PathElement::new(vec![(x + HALF, m), (x + 0.42, m)], INK.stroke_width(3))])?;
             let label = format!("{} ms ({} ms)", fmt_ms(b.total_ms), fmt_ms(m));
-            chart.draw_series([EmptyElement::at((x, y)) + Text::new(label, (0, -5), text(12.0, MUTED, HPos::Center, VPos::Bottom))])?;
-            let (px, py) = chart.backend_coord(&(x, 0.0));
-            root.draw(&Text::new(r.stage.clone(), (px, py + 8), bold(12.0, INK, HPos::Center, VPos::Top)))?;
-            root.draw(&Text::new(r.precision.to_string(), (px, py + 25), text(12.0, INK, HPos::Center, VPos::Top)))?;
+            note(&mut chart, (x, y), (0, -5), label, text(12.0, MUTED, HPos::Center, VPos::Bottom))?;
+            label_bar(root, chart.backend_coord(&(x, 0.0)), &r.stage, r.precision.to_string())?;
         }
-        for (j, name) in names.iter().enumerate() {
+        for (j, name) in part_names(&rows).iter().enumerate() {
             let y = 20 + 22 * j as i32;
             legend.draw(&Rectangle::new([(10, y), (26, y + 14)], part_colour(name).filled()))?;
-            legend.draw(&Text::new(name.clone(), (32, y + 7), text(12.0, INK, HPos::Left, VPos::Center)))?;
+            legend.draw(&Text::new(name.as_str(), (32, y + 7), text(12.0, INK, HPos::Left, VPos::Center)))?;
         }
-        root.present()?;
-    }
-    Ok(svg)
+        Ok(())
+    })
 }
 
 #[cfg(test)]
@@ -468,7 +428,7 @@ mod tests {
 
     #[test]
     fn stage_colours_follow_the_stage_number() {
-        assert_eq!(colour("stage4_fp8", 0), COLOURS[4]);
-        assert_eq!(colour("custom", 2), COLOURS[2]);
+        assert_eq!(stage_colour("stage4_fp8", 0), COLOURS[4]);
+        assert_eq!(stage_colour("custom", 2), COLOURS[2]);
     }
 }

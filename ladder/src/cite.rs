@@ -17,7 +17,16 @@
 //! (`render::fmt_ms`), `MiB` (bytes shown in MiB, 1 decimal), `GiB` (2 decimals), `%`
 //! (1 decimal), `e` notation (e.g. `1.8e-2`, 1 decimal), or none (as the JSON's integer).
 
+use regex::Regex;
 use serde_json::Value;
+use std::sync::LazyLock;
+
+/// `[text](target)`: the text on one line without a `[`, the target up to the first `)`.
+static LINK: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\[([^\[\n]*?)\]\(([^)]*)\)").unwrap());
+/// What is not prose on a line: inline code, an HTML comment, a link's text and target.
+static NOT_PROSE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"`[^`]*`|<!--.*?-->|\[[^\[]*?\]\([^)]*\)").unwrap());
+/// A number, with its exponent when one follows (`2.8e-2`).
+static NUMBER: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"[0-9]+(?:\.[0-9]+)*(?:e(?:-[0-9]*|[0-9]+))?").unwrap());
 
 /// One cited number: where it is in the text, what it says, and what it points at.
 #[derive(Clone, Debug, PartialEq)]
@@ -46,30 +55,21 @@ fn fences(doc: &str) -> Vec<std::ops::Range<usize>> {
 
 /// Every `[text](results/*.json "path")` link in `doc`, outside fenced code blocks.
 pub fn find(doc: &str) -> Vec<Citation> {
-    let mut out = Vec::new();
     let fenced = fences(doc);
-    let mut from = 0;
-    while let Some(open) = doc[from..].find('[').map(|i| i + from) {
-        from = open + 1;
-        if let Some(f) = fenced.iter().find(|f| f.contains(&open)) {
+    let (mut out, mut from) = (Vec::new(), 0);
+    while let Some(link) = LINK.captures_at(doc, from) {
+        let (all, text) = (link.get(0).unwrap(), link.get(1).unwrap());
+        from = all.start() + 1;
+        if let Some(f) = fenced.iter().find(|f| f.contains(&all.start())) {
             from = f.end;
             continue;
         }
-        let Some(close) = doc[open..].find("](").map(|i| i + open) else { break };
-        let text = &doc[open + 1..close];
-        if text.contains('[') || text.contains('\n') {
-            continue;
-        }
-        let target_start = close + 2;
-        let Some(end) = doc[target_start..].find(')').map(|i| i + target_start) else { break };
-        let target = &doc[target_start..end];
-        let Some((file, title)) = target.split_once(" \"") else { continue };
+        let Some((file, title)) = link[2].split_once(" \"") else { continue };
         let Some(path) = title.strip_suffix('"') else { continue };
-        if !(file.ends_with(".json") && file.contains("results/")) {
-            continue;
+        if file.ends_with(".json") && file.contains("results/") {
+            out.push(Citation { text_at: text.range(), text: text.as_str().into(), json: file.into(), path: path.into() });
+            from = all.end();
         }
-        out.push(Citation { text_at: open + 1..close, text: text.to_string(), json: file.to_string(), path: path.to_string() });
-        from = end;
     }
     out
 }
@@ -77,61 +77,23 @@ pub fn find(doc: &str) -> Vec<Citation> {
 /// Units that mark a number as a measurement (a time, a rate, a ratio, a size, an error).
 const MEASURED_UNITS: [&str; 14] = ["ms", "µs", "s", "x", "GFLOP/s", "TFLOP/s", "GB/s", "TB/s", "%", "MiB", "GiB", "MB", "GB", "KB"];
 
-/// Measured-looking numbers in `doc`'s prose that are not citations: a number followed by a
-/// unit of `MEASURED_UNITS`, or one in e-notation with a decimal (an error like `2.8e-2`; a
-/// tolerance such as `1e-2` is a constant), outside fenced and
-/// inline code, links (a citation, or a link to the file it comes from), HTML comments, and
-/// the generated regions between `<!-- NAME:begin -->` and `<!-- NAME:end -->`. A target or bound
-/// written with ≥, ≤, < or > before it is not a measurement, nor is the noise label ≈1.0x.
-/// Returns (line number, the text).
+/// (line, number) for each measured-looking number in `doc`'s prose that is not cited: one with a
+/// unit of `MEASURED_UNITS` or in e-notation with a decimal, outside code, links, HTML comments
+/// and generated regions (`<!-- NAME:begin -->`…`end`), and not a bound (≥ ≤ < >) or ≈1.0x.
 pub fn bare_numbers(doc: &str) -> Vec<(usize, String)> {
-    let mut out = Vec::new();
-    let (mut fenced, mut generated) = (false, false);
+    let (mut out, mut fenced, mut generated) = (Vec::new(), false, false);
     for (i, line) in doc.lines().enumerate() {
         let t = line.trim_start();
+        let comment = t.starts_with("<!--");
         if t.starts_with("```") {
             fenced = !fenced;
             continue;
         }
-        if t.starts_with("<!--") && t.contains(":begin") {
-            generated = true;
-        }
-        if t.starts_with("<!--") && t.contains(":end") {
+        generated |= comment && t.contains(":begin");
+        if comment && t.contains(":end") {
             generated = false;
-            continue;
-        }
-        if fenced || generated {
-            continue;
-        }
-        for n in numbers_in(&prose_only(line)) {
-            out.push((i + 1, n));
-        }
-    }
-    out
-}
-
-/// `line` with inline code, links' text and targets, and HTML comments blanked out.
-fn prose_only(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut rest = line;
-    while let Some(c) = rest.chars().next() {
-        let skip_to =
-            |from: &str, open: &str, close: &str| from.strip_prefix(open).and_then(|r| r.find(close).map(|e| open.len() + e + close.len()));
-        let skip = match c {
-            '`' => skip_to(rest, "`", "`"),
-            '<' => skip_to(rest, "<!--", "-->"),
-            '[' => rest.find("](").filter(|&m| !rest[1..m].contains('[')).and_then(|m| rest[m..].find(')').map(|e| m + e + 1)),
-            _ => None,
-        };
-        match skip {
-            Some(n) => {
-                out.push(' ');
-                rest = &rest[n..];
-            }
-            None => {
-                out.push(c);
-                rest = &rest[c.len_utf8()..];
-            }
+        } else if !fenced && !generated {
+            out.extend(numbers_in(&NOT_PROSE.replace_all(line, " ")).into_iter().map(|n| (i + 1, n)));
         }
     }
     out
@@ -139,47 +101,22 @@ fn prose_only(line: &str) -> String {
 
 /// The measured-looking numbers of a prose line (see `bare_numbers`).
 fn numbers_in(prose: &str) -> Vec<String> {
-    let chars: Vec<char> = prose.chars().collect();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < chars.len() {
-        let starts = chars[i].is_ascii_digit() && (i == 0 || !(chars[i - 1].is_alphanumeric() || "._-/".contains(chars[i - 1])));
-        if !starts {
-            i += 1;
-            continue;
-        }
-        let mut j = i;
-        while j < chars.len() && (chars[j].is_ascii_digit() || (chars[j] == '.' && chars.get(j + 1).is_some_and(|c| c.is_ascii_digit()))) {
-            j += 1;
-        }
-        let mut number: String = chars[i..j].iter().collect();
-        let mut e_notation = false;
-        if chars.get(j) == Some(&'e') && chars.get(j + 1).is_some_and(|c| *c == '-' || c.is_ascii_digit()) {
-            let mut k = j + 1 + usize::from(chars[j + 1] == '-');
-            while k < chars.len() && chars[k].is_ascii_digit() {
-                k += 1;
-            }
-            // A measured error prints with a decimal (1.8e-2, as `fmt_rel_err` writes it); a
-            // tolerance or bound is a round power (1e-2) and is a constant, not a measurement.
-            e_notation = number.contains('.') && k > j + 1;
-            number = chars[i..k].iter().collect();
-            j = k;
-        }
+    let measured = |m: &regex::Match| {
+        let (before, n, after) = (&prose[..m.start()], m.as_str(), &prose[m.end()..]);
+        let starts = !before.chars().next_back().is_some_and(|c| c.is_alphanumeric() || "._-/".contains(c));
+        // A measured error prints with a decimal (1.8e-2, as `fmt_rel_err` writes it); a
+        // tolerance or bound is a round power (1e-2) and is a constant, not a measurement.
+        let e_notation = n.split_once('e').is_some_and(|(mantissa, _)| mantissa.contains('.'));
         // The unit: right after the number or after one space, ending at a word boundary.
-        let after: String = chars[j..].iter().collect();
-        let unit = after.strip_prefix(' ').unwrap_or(&after);
-        let has_unit = MEASURED_UNITS
-            .iter()
-            .any(|u| unit.starts_with(u) && !unit[u.len()..].chars().next().is_some_and(|c| c.is_alphanumeric() || c == '/'));
-        let before: String = chars[..i].iter().rev().take(3).collect::<String>().chars().rev().collect();
+        let unit = after.strip_prefix(' ').unwrap_or(after);
+        let has_unit =
+            MEASURED_UNITS.iter().any(|u| unit.strip_prefix(u).is_some_and(|r| !r.starts_with(|c: char| c.is_alphanumeric() || c == '/')));
         // ≥ ≤ < > mark a target or bound; ≈ marks the noise label (`≈1.0x`), not a value.
-        let bound = ["≥", "≤", "<", ">", "≈"].iter().any(|b| before.trim_end().ends_with(b));
-        if (has_unit || e_notation) && !bound {
-            out.push(number);
-        }
-        i = j.max(i + 1);
-    }
-    out
+        let last3: String = before.chars().rev().take(3).collect::<Vec<_>>().into_iter().rev().collect();
+        let bound = ["≥", "≤", "<", ">", "≈"].iter().any(|b| last3.trim_end().ends_with(b));
+        starts && (has_unit || e_notation) && !bound
+    };
+    NUMBER.find_iter(prose).filter(measured).map(|m| m.as_str().to_string()).collect()
 }
 
 /// The value at `path` in `v`.
@@ -214,20 +151,14 @@ pub fn lookup<'a>(v: &'a Value, path: &str) -> Result<&'a Value, String> {
 pub fn format_like(like: &str, value: &Value) -> Result<String, String> {
     let v = value.as_f64().ok_or_else(|| format!("{value} is not a number"))?;
     let t = like.trim();
-    Ok(if t.ends_with('x') {
-        format!("{v:.2}x")
-    } else if t.ends_with(" ms") {
-        format!("{} ms", crate::render::fmt_ms(v))
-    } else if t.ends_with(" MiB") {
-        format!("{:.1} MiB", v / (1u64 << 20) as f64)
-    } else if t.ends_with(" GiB") {
-        format!("{:.2} GiB", v / (1u64 << 30) as f64)
-    } else if t.ends_with('%') {
-        format!("{v:.1}%")
-    } else if t.contains('e') {
-        format!("{v:.1e}")
-    } else {
-        format!("{v}")
+    Ok(match () {
+        _ if t.ends_with('x') => format!("{v:.2}x"),
+        _ if t.ends_with(" ms") => format!("{} ms", crate::render::fmt_ms(v)),
+        _ if t.ends_with(" MiB") => format!("{:.1} MiB", v / (1u64 << 20) as f64),
+        _ if t.ends_with(" GiB") => format!("{:.2} GiB", v / (1u64 << 30) as f64),
+        _ if t.ends_with('%') => format!("{v:.1}%"),
+        _ if t.contains('e') => format!("{v:.1e}"),
+        _ => format!("{v}"),
     })
 }
 
@@ -236,38 +167,31 @@ pub fn expected(c: &Citation, json: &Value) -> Result<String, String> {
     format_like(&c.text, lookup(json, &c.path)?)
 }
 
-/// The citations in `doc` whose text is not what their JSON holds: (citation, what it should read
-/// or why it cannot be checked). `load` reads a JSON by the link's target.
+/// Each citation in `doc` whose text is not what its JSON (read by `load`) holds, and why.
 pub fn check(doc: &str, mut load: impl FnMut(&str) -> Result<Value, String>) -> Vec<(Citation, String)> {
-    let mut bad = Vec::new();
-    for c in find(doc) {
-        match load(&c.json).and_then(|j| expected(&c, &j)) {
-            Ok(want) if want == c.text => {}
-            Ok(want) => bad.push((c, format!("should read {want}"))),
-            Err(e) => bad.push((c, e)),
-        }
-    }
-    bad
+    let verdict = |c: Citation| match load(&c.json).and_then(|j| expected(&c, &j)) {
+        Ok(want) if want == c.text => None,
+        Ok(want) => Some((c, format!("should read {want}"))),
+        Err(e) => Some((c, e)),
+    };
+    find(doc).into_iter().filter_map(verdict).collect()
 }
 
-/// `doc` with every citation of `json_link` rewritten from `json`; citations of other files kept.
-/// A citation whose path this JSON lacks (e.g. an ablation row, in a run without `--ablate`) is
-/// kept as it was and named in the second value, for the caller to warn about.
+/// `doc` with every citation of `json_link` rewritten from `json`; one whose path `json` lacks (an
+/// ablation row, in a run without `--ablate`) is kept and named in the second value.
 pub fn update(doc: &str, json_link: &str, json: &Value) -> (String, Vec<String>) {
-    let mut out = String::with_capacity(doc.len());
-    let (mut last, mut stale) = (0, Vec::new());
+    let (mut out, mut last, mut stale) = (String::with_capacity(doc.len()), 0, Vec::new());
     for c in find(doc).into_iter().filter(|c| c.json == json_link) {
         match expected(&c, json) {
             Ok(want) => {
-                out.push_str(&doc[last..c.text_at.start]);
-                out.push_str(&want);
+                out += &doc[last..c.text_at.start];
+                out += &want;
                 last = c.text_at.end;
             }
             Err(e) => stale.push(format!("[{}]({} \"{}\"): {e}", c.text, c.json, c.path)),
         }
     }
-    out.push_str(&doc[last..]);
-    (out, stale)
+    (out + &doc[last..], stale)
 }
 
 #[cfg(test)]

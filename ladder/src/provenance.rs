@@ -4,8 +4,7 @@
 use shared::device::DeviceInfo;
 use std::collections::BTreeMap;
 
-/// Exact versions this binary was built from (see build.rs): candle-core, candle-speedkit and
-/// rustc always; cudarc in CUDA builds; candle-flash-attn in flash-attn builds.
+/// Exact versions this binary was built from (build.rs): cudarc and candle-flash-attn when built in.
 pub fn versions() -> BTreeMap<String, String> {
     let mut v = BTreeMap::new();
     v.insert("candle-core".into(), env!("SPEEDKIT_LOCKED_CANDLE_CORE").into());
@@ -20,8 +19,7 @@ pub fn versions() -> BTreeMap<String, String> {
     v
 }
 
-/// The CUDA version the driver supports, e.g. "13.0", asked of the driver the run just used.
-/// `None` when the run was not on a GPU (a CPU run says nothing about a driver).
+/// The CUDA version the driver the run used supports, e.g. "13.0"; `None` off a GPU.
 pub fn cuda_driver_version(info: &DeviceInfo) -> Option<String> {
     if !info.is_cuda() {
         return None;
@@ -44,8 +42,8 @@ fn driver_api_version() -> Option<i32> {
     None
 }
 
-/// The NVIDIA kernel module's version from /proc/driver/nvidia/version (Linux), e.g.
-/// "580.65.06"; `None` when the run was not on a GPU or the file is absent (containers may hide it).
+/// The NVIDIA kernel module's version, e.g. "580.65.06"; `None` off a GPU or when
+/// /proc/driver/nvidia/version is absent (containers may hide it).
 pub fn nvidia_driver(info: &DeviceInfo) -> Option<String> {
     if !info.is_cuda() {
         return None;

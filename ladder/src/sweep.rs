@@ -1,19 +1,15 @@
-//! `ladder --sweep seq=512,1024,2048`: the ladder once per value of one dimension, every other
-//! flag the same, so a reader sees where each technique starts to pay (fused attention as T
-//! grows, lower precision as the GEMMs grow).
+//! `ladder --sweep seq=512,1024,2048`: the ladder once per value of one dimension, so a reader
+//! sees where each technique starts to pay (fused attention as T grows, precision as GEMMs grow).
 
 use shared::cli::RunArgs;
 use shared::report::{Skipped, SweepReport, SWEEP_SCHEMA};
 use shared::SpeedkitError;
 
-/// The dimension a sweep varies.
+/// The dimension a sweep varies: T, B, or C (FF = 4·C and d_head kept unless --ff / --heads given).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Axis {
-    /// T
     Seq,
-    /// B
     Batch,
-    /// C, with FF = 4·C and d_head kept (unless --ff / --heads are given)
     DModel,
 }
 
@@ -27,12 +23,8 @@ impl Axis {
         }
     }
 
-    fn flag(self) -> &'static str {
-        match self {
-            Axis::Seq => "--seq",
-            Axis::Batch => "--batch",
-            Axis::DModel => "--d-model",
-        }
+    fn flag(self) -> String {
+        format!("--{}", self.name().replace('_', "-"))
     }
 }
 
@@ -54,16 +46,13 @@ impl std::str::FromStr for Sweep {
             "d_model" | "c" => Axis::DModel,
             _ => return Err(usage()),
         };
+        // split(',') yields at least one value, and "" does not parse: never empty.
         let values = values.split(',').map(|v| v.trim().parse::<usize>()).collect::<Result<Vec<_>, _>>().map_err(|_| usage())?;
-        if values.is_empty() {
-            return Err(usage());
-        }
         Ok(Sweep { axis, values })
     }
 }
 
-/// Most values one sweep takes, and the largest value: each value is a whole ladder run, and
-/// the shapes are checked again per value (a value that cannot run becomes skipped rows).
+/// Most values one sweep takes: each is a whole ladder run.
 pub const MAX_VALUES: usize = 64;
 
 /// Refuse a sweep whose values cannot all be valid numbers for their dimension, before any run.
@@ -81,16 +70,14 @@ pub fn check_values(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> 
 fn check_flags(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
     let axis = sweep.axis;
     let given = match axis {
-        Axis::Seq => args.seq.is_some(),
-        Axis::Batch => args.batch.is_some(),
-        Axis::DModel => args.d_model.is_some(),
+        Axis::Seq => args.seq,
+        Axis::Batch => args.batch,
+        Axis::DModel => args.d_model,
     };
-    if given {
+    if given.is_some() {
+        let (flag, name) = (axis.flag(), axis.name());
         return Err(SpeedkitError::usage(format!(
-            "{} and --sweep {}=... both set the same dimension. Fix: drop {}; the sweep sets it for each run.",
-            axis.flag(),
-            axis.name(),
-            axis.flag()
+            "{flag} and --sweep {name}=... both set the same dimension. Fix: drop {flag}; the sweep sets it for each run."
         )));
     }
     if args.input.is_some() && axis != Axis::DModel {
@@ -104,14 +91,14 @@ fn check_flags(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
             "--weights and --input fix C from their files, so a sweep cannot vary d_model. Fix: drop them, or sweep seq or batch.",
         ));
     }
-    for (flag, set) in [("--save-output", args.save_output.is_some()), ("--save-weights", args.save_weights.is_some())] {
-        if set {
-            return Err(SpeedkitError::usage(format!(
-                "{flag} writes one file per run, and a sweep's runs would overwrite each other. Fix: drop {flag}, or run the one shape you want without --sweep."
-            )));
-        }
+    let one_file =
+        [("--save-output", &args.save_output), ("--save-weights", &args.save_weights)].into_iter().find(|(_, path)| path.is_some());
+    match one_file {
+        Some((flag, _)) => Err(SpeedkitError::usage(format!(
+            "{flag} writes one file per run, and a sweep's runs would overwrite each other. Fix: drop {flag}, or run the one shape you want without --sweep."
+        ))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// The flags for one value, or why that value cannot run (it becomes skipped rows).
@@ -141,9 +128,8 @@ fn args_for(args: &RunArgs, axis: Axis, value: usize, d_head: usize) -> Result<R
     Ok(a)
 }
 
-/// Run the ladder once per value. A value whose shape cannot run here (invalid, too large for
-/// the device) becomes a ladder whose every stage is skipped with the reason, not a crash.
-/// Returns the first check failure, if any, after every value has run.
+/// Run the ladder once per value, a value whose shape cannot run here becoming skipped rows with
+/// the reason; returns the first check failure, if any, after every value has run.
 pub fn run(
     args: &RunArgs,
     stages: &[Box<dyn shared::Stage>],
@@ -153,8 +139,7 @@ pub fn run(
 ) -> anyhow::Result<(SweepReport, Option<anyhow::Error>)> {
     check_flags(args, sweep)?;
     let base = shared::runner::resolve(args)?;
-    let mut runs = Vec::new();
-    let mut failure = None;
+    let (mut runs, mut failure) = (Vec::new(), None);
     for &value in &sweep.values {
         let label = crate::render::axis_label(sweep.axis.name(), value);
         println!("\n=== sweep {label}");
@@ -172,32 +157,23 @@ pub fn run(
             args_for(args, sweep.axis, value, base.shape.d_head()).map_err(anyhow::Error::from).and_then(|a| crate::run(a, stages, which));
         let mut report = match outcome {
             Ok((report, f)) => {
-                if failure.is_none() {
-                    failure = f;
-                }
+                failure = failure.or(f);
                 report
             }
-            Err(e) => match e.downcast_ref::<SpeedkitError>() {
-                Some(SpeedkitError::Usage(reason)) => {
-                    let reason = shared::error::strip_backtrace(reason);
-                    println!("skipped   {label}: {reason}");
-                    let mut report = crate::new_report(&base.info, shape, which.iter().map(|&i| stages[i].name().to_string()).collect());
-                    report.skipped = which
-                        .iter()
-                        .map(|&i| {
-                            let spec = &stages[i];
-                            Skipped {
-                                stage: spec.name().into(),
-                                technique: spec.technique().into(),
-                                reason: format!("{label}: {reason}"),
-                                failed: false,
-                            }
-                        })
-                        .collect();
-                    report
-                }
-                _ => return Err(e),
-            },
+            Err(e) => {
+                let Some(SpeedkitError::Usage(reason)) = e.downcast_ref::<SpeedkitError>() else { return Err(e) };
+                let reason = format!("{label}: {}", shared::error::strip_backtrace(reason));
+                println!("skipped   {reason}");
+                let mut report = crate::new_report(&base.info, shape, which.iter().map(|&i| stages[i].name().to_string()).collect());
+                let skip = |s: &dyn shared::Stage| Skipped {
+                    stage: s.name().into(),
+                    technique: s.technique().into(),
+                    reason: reason.clone(),
+                    failed: false,
+                };
+                report.skipped = which.iter().map(|&i| skip(stages[i].as_ref())).collect();
+                report
+            }
         };
         report.args = argv.to_vec();
         runs.push(report);
