@@ -122,10 +122,6 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
         }
         None => None,
     };
-    let sources = match &args.input {
-        Some(path) => crate::preset::Sources::input_file(path),
-        None => crate::preset::Sources::FLAGS,
-    };
     shape.batch = args.batch.unwrap_or(shape.batch);
     shape.seq = args.seq.unwrap_or(shape.seq);
     if loaded.is_none() {
@@ -133,7 +129,7 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
         shape.ff = args.ff.unwrap_or(shape.ff);
         shape.n_head = args.heads.unwrap_or(shape.n_head);
     }
-    shape.validate_as(&sources)?;
+    shape.validate_as(args.input.as_deref())?;
     Ok(Resolved { device, info, preset, shape, weights: loaded, x: x_file })
 }
 
