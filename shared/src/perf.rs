@@ -3,11 +3,9 @@
 use crate::preset::Shape;
 use crate::stage::Precision;
 
-/// Useful floating-point operations of one block forward (DESIGN.md):
-/// linears 2·B·T·(4C² + 2·C·FF) — qkv (3C²), proj (C²) and the two MLP matrices (2·C·FF);
-/// attention 2·B·T²·C — QKᵀ and PV are 2·B·T²·C each, and causality halves both.
-/// Stage 0 computes the full T×T anyway; counting only useful work is what makes stages
-/// comparable.
+/// Useful FLOPs of one block forward (DESIGN.md): linears 2·B·T·(4C² + 2·C·FF); attention
+/// 2·B·T²·C (QKᵀ and PV, halved by causality). Stage 0 computes the full T×T anyway; counting
+/// only useful work is what makes stages comparable.
 pub fn block_flops(s: &Shape) -> f64 {
     let (b, t, c, ff) = (s.batch as f64, s.seq as f64, s.d_model as f64, s.ff as f64);
     2.0 * b * t * (4.0 * c * c + 2.0 * c * ff) + 2.0 * b * t * t * c
@@ -18,7 +16,8 @@ pub fn block_flops(s: &Shape) -> f64 {
 /// driver's device name, first match wins, so a fragment that contains another comes first
 /// ("H200 NVL" before "H200"; a test checks the order). Measured GEMM ceilings are lower (about
 /// 790 of 989 bf16 TFLOP/s on H100/H200 SXM), so 80 % of peak is excellent for a whole block.
-const PEAKS: &[(&str, f64, f64, f64, Option<f64>, f64)] = &[
+type Gpu = (&'static str, f64, f64, f64, Option<f64>, f64);
+const PEAKS: &[Gpu] = &[
     ("GH200", 67.0, 494.7, 989.4, Some(1978.9), 4000.0),
     ("H200 NVL", 60.0, 417.5, 835.0, Some(1670.5), 4800.0), // PCIe card, 600 W
     ("H200", 67.0, 494.7, 989.4, Some(1978.9), 4800.0),     // SXM (HBM3e)
@@ -38,7 +37,7 @@ const PEAKS: &[(&str, f64, f64, f64, Option<f64>, f64)] = &[
     ("T4", 8.1, 8.1, 65.0, None, 320.0),
 ];
 
-fn known(name: &str) -> Option<&'static (&'static str, f64, f64, f64, Option<f64>, f64)> {
+fn known(name: &str) -> Option<&'static Gpu> {
     PEAKS.iter().find(|(frag, ..)| name.contains(frag))
 }
 
@@ -69,23 +68,21 @@ pub fn operand_bytes(p: Precision) -> f64 {
 }
 
 /// The roofline's traffic model, the terms each stage's `Stage::traffic` combines: the minimum
-/// bytes each op must read and write if nothing stays in cache between ops (docs/measuring.md).
-/// GEMM operands at `p`, activations stored in `act` bytes per element.
+/// bytes each op must read and write if nothing stays in cache between ops (docs/measuring.md),
+/// GEMM operands at `p`, activations in `act` bytes per element.
 pub struct Traffic {
-    /// The four GEMMs: input (N·K) and weight (K·M) in the operand dtype, output (N·M) in `act`;
-    /// at fp8 also the quantising pass that reads each input and writes it in E4M3.
+    /// The four GEMMs: input (N·K), weight (K·M), output (N·M); at fp8 also the pass that quantises each input.
     pub gemms: f64,
     /// One element-wise pass (read + write) over an (N, C) activation.
     pub pass_c: f64,
     /// Fused attention: reads q, k, v once and writes its output once.
     pub fused_attention: f64,
-    /// Naive attention: the (B, n_head, T, T) scores written once in f32, ~10 more score-sized
-    /// accesses (scale, mask, max, exp, sum, divide), read once by P·V; plus the head split
-    /// (q, k, v) and merge copies.
+    /// Naive attention: the f32 (B, n_head, T, T) scores written, ~10 more score-sized accesses
+    /// (scale, mask, max, exp, sum, divide) and read by P·V; plus the head split and merge copies.
     pub naive_attention: f64,
-    /// The unfused element-wise passes around the GEMMs (stage 3's header table): LayerNorm 1
-    /// with its cast 8, q/k/v bias 3, proj's bias + residual + LayerNorm 2 11, fc2's bias +
-    /// residual 3 over (N, C); bias + GELU 10 over (N, FF).
+    /// The unfused element-wise passes around the GEMMs (stage 3's header table) over (N, C):
+    /// LayerNorm 1 with its cast 8, q/k/v bias 3, proj's bias + residual + LayerNorm 2 11, fc2's
+    /// bias + residual 3; and bias + GELU 10 over (N, FF).
     pub unfused: f64,
 }
 

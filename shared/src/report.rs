@@ -34,7 +34,6 @@ pub struct Record {
     pub device: DeviceInfo,
     pub shape: Shape,
     pub seed: u64,
-    /// "seed" or the weights file's path and layer.
     pub weights: String,
     pub gemm_switches: GemmSwitches,
     pub warmup: usize,
@@ -60,7 +59,6 @@ pub struct Record {
     pub extra_checks: Vec<NamedCheck>,
     pub peak_mem_bytes: Option<u64>,
     pub mem_method: String,
-    /// Median speedups, filled in by the ladder.
     pub speedup_vs_stage0: Option<f64>,
     pub speedup_vs_prev: Option<f64>,
     /// Things the reader should know about this number (e.g. "no tensor cores on CPU").
@@ -124,7 +122,6 @@ pub struct LadderReport {
     /// `--ablate` variants that did not run (refused here: skipped; broke or failed a check: failed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ablation_out: Vec<AblationOut>,
-    /// The roofline's ceilings (compute and memory), and where they come from.
     pub ceilings: Option<Ceilings>,
     /// How many interleaved rounds the timed iterations were split into (older files: 1).
     pub rounds: Option<usize>,
@@ -276,15 +273,10 @@ pub fn table(rows: &[Row]) -> String {
         });
         padded.collect::<Vec<_>>().join("  ").trim_end().to_string() + "\n"
     };
-    let mut backends: Vec<String> = Vec::new();
-    for r in &ran {
-        if let Some(b) = &r.gemm_backend {
-            let b = r.simd.as_ref().map_or(b.clone(), |s| format!("{b} · SIMD {s}"));
-            if !backends.contains(&b) {
-                backends.push(b);
-            }
-        }
-    }
+    let with_simd = |r: &&Record| r.gemm_backend.as_ref().map(|b| r.simd.as_ref().map_or(b.clone(), |s| format!("{b} · SIMD {s}")));
+    let mut backends: Vec<String> = ran.iter().filter_map(with_simd).collect();
+    let mut seen = std::collections::HashSet::new();
+    backends.retain(|b| seen.insert(b.clone()));
     let mut out = if backends.is_empty() { String::new() } else { format!("GEMM backend: {}\n", backends.join("; ")) };
     out.push_str(&line(&header.map(String::from)));
     out.push_str(&line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>()));
