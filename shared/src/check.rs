@@ -5,22 +5,19 @@ use crate::stage::Precision;
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-/// Largest accepted ||y − ref||₂ / ||ref||₂ for a stage running at `p`. Starting points from
-/// DESIGN.md, to be tuned from measurement and kept documented here.
+/// Largest accepted ||y − ref||₂ / ||ref||₂ for a stage running at `p`.
 pub fn tolerance(p: Precision) -> f64 {
     match p {
-        // Same arithmetic as the reference up to summation order: ~1e-7 is typical, 1e-5
-        // leaves room for different GEMM blockings and reduction trees.
+        // Summation order only: ~1e-7 is typical, 1e-5 leaves room for other GEMM blockings.
         Precision::Fp32 => 1e-5,
-        // TF32 keeps 10 mantissa bits of the GEMM inputs (unit roundoff 2^-11 ≈ 4.9e-4);
-        // errors of several GEMMs compound to ~1e-3.
+        // 10 mantissa bits of the GEMM inputs (unit roundoff 2^-11); several GEMMs compound to ~1e-3.
         Precision::Tf32 => 5e-3,
-        // bf16 has 7 mantissa bits (unit roundoff 2^-8 ≈ 3.9e-3) for weights and activations.
+        // 7 mantissa bits (2^-8 ≈ 3.9e-3) for weights and activations.
         Precision::Bf16 => 2e-2,
-        // f16 has 10 mantissa bits (2^-11) but less range; activations stay inside it here.
+        // 10 mantissa bits (2^-11) but less range; activations stay inside it here.
         Precision::F16 => 1e-2,
-        // E4M3 has 3 mantissa bits (2^-4 = 6.25e-2 relative step at worst); per-tensor scaling
-        // keeps values in range, rounding errors partly average out across a dot product.
+        // E4M3: 3 mantissa bits (6.25e-2 relative step at worst); per-tensor scaling keeps values
+        // in range, and rounding errors partly average out across a dot product.
         Precision::Fp8 => 8e-2,
     }
 }
@@ -75,13 +72,11 @@ pub fn compare_within(y: &Tensor, reference: &Tensor, tolerance: f64) -> candle_
     Ok(CheckResult { rel_err, max_abs_err: max_abs, tolerance, non_finite, passed: non_finite == 0 && rel_err <= tolerance })
 }
 
-/// How many batch elements of the fp32 reference (stage 0) to compute at once, so that its
-/// (b, n_head, T, T) score matrix holds at most `limit` elements. The block treats each sequence
-/// on its own (LayerNorm and the MLP per token, attention within a sequence), so the reference
-/// in pieces along B is the same function; the fused stages never build that matrix, and
-/// without pieces the reference alone refused shapes they can run (te at T = 4096: 4.3·10⁹
-/// scores for B = 8, 5.4·10⁸ per sequence). An error (exit 2) when one sequence alone is past
-/// the limit.
+/// How many sequences of the fp32 reference (stage 0) to compute at once, so that its
+/// (b, n_head, T, T) scores hold at most `limit` elements. Each sequence is independent, so the
+/// reference in pieces along B is the same function, and it then checks shapes the fused stages
+/// run but whose whole score matrix would not fit (te at T = 4096). Exit 2 when one sequence
+/// alone is past the limit.
 pub fn reference_batch_chunk(shape: &crate::Shape, limit: usize) -> Result<usize, SpeedkitError> {
     let per_sequence = shape.n_head.checked_mul(shape.seq).and_then(|n| n.checked_mul(shape.seq));
     match per_sequence {
@@ -95,37 +90,27 @@ pub fn reference_batch_chunk(shape: &crate::Shape, limit: usize) -> Result<usize
     }
 }
 
-/// `forward` over `x` (B, T, C) in pieces of `chunk` sequences along B, joined again: the
-/// reference in pieces (`reference_batch_chunk`). One piece is `forward(x)` itself.
+/// `forward` over `x` (B, T, C) in pieces of `chunk` sequences along B, joined again.
 pub fn forward_in_pieces(
     x: &Tensor,
     chunk: usize,
     forward: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<Tensor> {
     let b = x.dim(0)?;
-    if chunk >= b {
-        return forward(x);
-    }
-    let mut pieces = Vec::with_capacity(b.div_ceil(chunk));
-    for start in (0..b).step_by(chunk.max(1)) {
-        pieces.push(forward(&x.narrow(0, start, chunk.min(b - start))?)?); // (chunk, T, C)
-    }
-    Tensor::cat(&pieces, 0) // (B, T, C)
+    let pieces = (0..b).step_by(chunk.max(1)).map(|start| forward(&x.narrow(0, start, chunk.min(b - start))?)); // (chunk, T, C)
+    Tensor::cat(&pieces.collect::<candle_core::Result<Vec<_>>>()?, 0) // (B, T, C)
 }
 
 impl CheckResult {
     /// The error to stop with when the check failed: what, by how much, and what to do.
     pub fn to_error(&self, stage: &str, precision: Precision) -> Option<SpeedkitError> {
-        if self.passed {
+        let what = if self.passed {
             return None;
-        }
-        let what = if self.non_finite > 0 {
+        } else if self.non_finite > 0 {
             format!("{} output values are NaN or infinite", self.non_finite)
         } else {
-            format!(
-                "relative error {:.3e} exceeds the {precision} tolerance {:.1e} (max abs error {:.3e})",
-                self.rel_err, self.tolerance, self.max_abs_err
-            )
+            let (e, tol, max) = (self.rel_err, self.tolerance, self.max_abs_err);
+            format!("relative error {e:.3e} exceeds the {precision} tolerance {tol:.1e} (max abs error {max:.3e})")
         };
         Some(SpeedkitError::CheckFailed(format!(
             "{stage} does not compute the block's function: {what} against the fp32 stage-0 reference \

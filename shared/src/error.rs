@@ -1,8 +1,6 @@
-//! Errors a user can act on, and the exit codes they map to.
-//!
-//! Exit codes: 0 ran and matched the reference · 1 unexpected failure (a bug, I/O) ·
-//! 2 bad input or unsupported configuration (shape, flag, device, feature, memory) ·
-//! 3 the output did not match the fp32 reference (non-finite or above tolerance).
+//! Errors a user can act on, and the exit codes they map to: 0 ran and matched the reference ·
+//! 1 unexpected failure (a bug, I/O) · 2 bad input or unsupported configuration (shape, flag,
+//! device, feature, memory) · 3 the output did not match the fp32 reference.
 
 use thiserror::Error;
 
@@ -27,43 +25,32 @@ impl SpeedkitError {
     }
 }
 
-/// The exit code for an error that reached `main`, and the message to print for it.
-/// Device out-of-memory errors come from deep inside candle/cudarc as strings; they are bad
-/// input (a shape too large for this device), so they get the usage code and a fix.
+/// The exit code for an error that reached `main`, and the message to print for it. Device
+/// out-of-memory errors come from deep inside candle/cudarc as strings; they are bad input (a
+/// shape too large for this device), so they get the usage code and a fix.
 pub fn classify(err: &anyhow::Error) -> (u8, String) {
-    if let Some(e) = err.downcast_ref::<SpeedkitError>() {
-        let code = match e {
-            SpeedkitError::Usage(_) => EXIT_USAGE,
-            SpeedkitError::CheckFailed(_) => EXIT_CHECK_FAILED,
-        };
-        return (code, strip_backtrace(&e.to_string()));
+    match err.downcast_ref::<SpeedkitError>() {
+        Some(e @ SpeedkitError::Usage(_)) => (EXIT_USAGE, strip_backtrace(&e.to_string())),
+        Some(e @ SpeedkitError::CheckFailed(_)) => (EXIT_CHECK_FAILED, strip_backtrace(&e.to_string())),
+        None => {
+            let text = strip_backtrace(&format!("{err:#}"));
+            if !(text.contains("OUT_OF_MEMORY") || text.contains("out of memory")) {
+                return (EXIT_FAILURE, text);
+            }
+            let fix = "Fix: lower --batch or --seq, pick a smaller --preset, or free the device.";
+            (
+                EXIT_USAGE,
+                format!("the device ran out of memory ({text}). The chosen shape does not fit next to what else is on this device. {fix}"),
+            )
+        }
     }
-    let text = strip_backtrace(&format!("{err:#}"));
-    if text.contains("OUT_OF_MEMORY") || text.contains("out of memory") {
-        return (
-            EXIT_USAGE,
-            format!(
-                "the device ran out of memory ({text}). The chosen shape does not fit next to \
-                 what else is on this device. Fix: lower --batch or --seq, pick a smaller \
-                 --preset, or free the device."
-            ),
-        );
-    }
-    (EXIT_FAILURE, text)
 }
 
-/// `text` without a backtrace: candle appends one to its errors' text when RUST_BACKTRACE is
-/// set ("   0: candle_core::error::Error::bt" and so on), and a user's message is one paragraph.
+/// `text` without the backtrace candle appends when RUST_BACKTRACE is set: a message is one paragraph.
 pub fn strip_backtrace(text: &str) -> String {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let t = line.trim_start();
-        if t.starts_with("0: ") || t == "stack backtrace:" || t.starts_with("disabled backtrace") {
-            break;
-        }
-        out.push(line);
-    }
-    out.join("\n").trim_end().to_string()
+    let end = |t: &str| t.starts_with("0: ") || t == "stack backtrace:" || t.starts_with("disabled backtrace");
+    let lines: Vec<&str> = text.lines().take_while(|l| !end(l.trim_start())).collect();
+    lines.join("\n").trim_end().to_string()
 }
 
 #[cfg(test)]

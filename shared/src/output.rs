@@ -1,16 +1,9 @@
-//! The one output policy every writer uses (`--json`, `--svg`, `--save-output`,
-//! `--save-weights`, the README and the docs pages `--update-readme` rewrites).
-//!
-//! 1. Every output path is checked before any work ([`check_all`]): not empty, not a folder,
-//!    not an existing device, FIFO or socket, not read-only, its folder can take a new file, no
-//!    two outputs on one file, and none of them one of the run's inputs ([`check_not_inputs`]).
-//! 2. The bytes go to a `tempfile::NamedTempFile` beside the destination, which is `persist`ed
-//!    (renamed) over it: a reader sees the old file or the new one, never half of one. On any
-//!    error the temp file is dropped, which deletes it, and the old file is as it was.
-//! 3. A symlink is followed: its target is replaced, the link stays a link.
-//!
-//! What the check cannot see (a disk that fills during the run) is the OS's error when the
-//! file is written: exit 2 naming the flag and the path, nothing half-written.
+//! The one output policy every writer uses (`--json`, `--svg`, `--save-*`, the README and docs
+//! pages `--update-readme` rewrites). Every path is checked before any work ([`check_all`]: not
+//! empty, not a folder, device, FIFO or socket, not read-only, its folder takes a new file, no two
+//! outputs on one file, none of them an input: [`check_not_inputs`]). The bytes go to a temp file
+//! beside it, `persist`ed (renamed) over it, so a reader sees the old file or the new one; on any
+//! error the temp file is deleted and the old file is intact. A symlink's target is replaced.
 
 use crate::error::SpeedkitError;
 use std::io::{ErrorKind, Write};
@@ -99,10 +92,8 @@ pub fn check(flag: &str, path: &Path) -> Result<Output, SpeedkitError> {
     }
     let mut dir = target.parent().unwrap_or(Path::new("/")).to_path_buf();
     while !dir.exists() && dir.pop() {}
-    // Whether the folder takes a file is asked of the folder itself (permissions, a read-only
-    // mount, /proc): `tempfile::tempfile_in` makes an unnamed file (O_TMPFILE on Linux), which
-    // has no name to leave behind even if a signal ends the process here; it is closed at once.
-    // (On a file system without O_TMPFILE, tempfile creates a named one and unlinks it at once.)
+    // Asked of the folder itself (permissions, a read-only mount, /proc) with an unnamed file
+    // (O_TMPFILE), which leaves no name behind even if a signal ends the process here.
     if let Err(e) = tempfile::tempfile_in(&dir) {
         return no(&format!("a file cannot be created in {} ({e})", dir.display()), fix_for(&e));
     }
@@ -114,13 +105,10 @@ pub fn check(flag: &str, path: &Path) -> Result<Output, SpeedkitError> {
 pub fn check_not_inputs(outputs: &[Output], inputs: &[(&str, &Path)]) -> Result<(), SpeedkitError> {
     for (in_flag, in_path) in inputs {
         let Ok(read) = resolve(in_path) else { continue };
-        if let Some(o) = outputs.iter().find(|o| o.target == read) {
+        if let Some(Output { flag, path, .. }) = outputs.iter().find(|o| o.target == read) {
+            let (path, in_path, bare) = (path.display(), in_path.display(), flag.split(' ').next().unwrap_or(flag));
             return Err(SpeedkitError::usage(format!(
-                "{} {} is the {in_flag} file {} itself, so writing it would replace what the run reads. Fix: give {} another path.",
-                o.flag,
-                o.path.display(),
-                in_path.display(),
-                o.flag.split(' ').next().unwrap_or(&o.flag)
+                "{flag} {path} is the {in_flag} file {in_path} itself, so writing it would replace what the run reads. Fix: give {bare} another path."
             )));
         }
     }
@@ -132,13 +120,10 @@ pub fn check_all(outputs: &[(&str, &Path)]) -> Result<Vec<Output>, SpeedkitError
     let checked = outputs.iter().map(|(flag, path)| check(flag, path)).collect::<Result<Vec<_>, _>>()?;
     for (i, a) in checked.iter().enumerate() {
         if let Some(b) = checked[..i].iter().find(|b| b.target == a.target) {
+            let (bp, ap, file) = (b.path.display(), a.path.display(), a.target.display());
             return Err(SpeedkitError::usage(format!(
-                "{} {} and {} {} are the same file ({}), so one would overwrite the other. Fix: give each output its own path.",
-                b.flag,
-                b.path.display(),
-                a.flag,
-                a.path.display(),
-                a.target.display()
+                "{} {bp} and {} {ap} are the same file ({file}), so one would overwrite the other. Fix: give each output its own path.",
+                b.flag, a.flag
             )));
         }
     }
@@ -163,8 +148,7 @@ pub fn write(flag: &str, path: &Path, bytes: &[u8]) -> Result<(), SpeedkitError>
 fn replace(target: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = target.parent().unwrap_or(Path::new("/"));
     std::fs::create_dir_all(dir)?;
-    // Mode 0666 less the umask (0644 usually), like any file the shell creates (tempfile's own
-    // default is 0600); an existing file keeps its mode.
+    // Mode 0666 less the umask, like a file the shell creates (tempfile's is 0600); an existing file keeps its mode.
     let mut tmp = tempfile::Builder::new().permissions(std::fs::Permissions::from_mode(0o666)).tempfile_in(dir)?;
     if let Ok(m) = std::fs::metadata(target) {
         tmp.as_file().set_permissions(m.permissions())?;

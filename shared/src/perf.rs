@@ -3,72 +3,53 @@
 use crate::preset::Shape;
 use crate::stage::Precision;
 
-/// Useful floating-point operations of one block forward (DESIGN.md):
-/// linears 2·B·T·(4C² + 2·C·FF) — qkv (3C²), proj (C²) and the two MLP matrices (2·C·FF);
-/// attention 2·B·T²·C — QKᵀ and PV are 2·B·T²·C each, and causality halves both.
-/// Stage 0 computes the full T×T anyway; counting only useful work is what makes stages
-/// comparable.
+/// Useful FLOPs of one block forward (DESIGN.md): linears 2·B·T·(4C² + 2·C·FF); attention
+/// 2·B·T²·C (QKᵀ and PV, halved by causality). Stage 0 computes the full T×T anyway; counting
+/// only useful work is what makes stages comparable.
 pub fn block_flops(s: &Shape) -> f64 {
     let (b, t, c, ff) = (s.batch as f64, s.seq as f64, s.d_model as f64, s.ff as f64);
     2.0 * b * t * (4.0 * c * c + 2.0 * c * ff) + 2.0 * b * t * t * c
 }
 
-/// Dense (no sparsity) tensor/vector peak of known GPUs in TFLOP/s, from the vendors'
-/// datasheets: (name fragment, fp32 non-tensor, tf32, bf16/f16 with f32 accumulate, fp8).
-/// Matching is by substring of the driver's device name, most specific first (every fragment
-/// that contains another must come before it: "H200 NVL" before "H200"; a test checks the
-/// order). Measured GEMM
-/// ceilings are lower (about 790 of 989 bf16 TFLOP/s on H100/H200 SXM), so 80 % of peak is
-/// excellent for a whole block.
-const PEAKS: &[(&str, f64, f64, f64, Option<f64>)] = &[
-    ("GH200", 67.0, 494.7, 989.4, Some(1978.9)),
-    // H200 NVL (PCIe card, 600 W): NVIDIA's H200 datasheet, NVL column.
-    ("H200 NVL", 60.0, 417.5, 835.0, Some(1670.5)),
-    ("H200", 67.0, 494.7, 989.4, Some(1978.9)), // SXM (HBM3e)
-    ("H100 NVL", 60.0, 417.5, 835.0, Some(1670.5)),
-    ("H100 PCIe", 51.2, 378.0, 756.0, Some(1513.0)),
-    ("H100", 67.0, 494.7, 989.4, Some(1978.9)), // SXM5 (HBM3)
-    ("A100", 19.5, 156.0, 312.0, None),
-    ("L40S", 91.6, 183.0, 362.1, Some(733.0)),
-    ("L40", 90.5, 90.5, 181.0, Some(362.0)),
-    ("L4", 30.3, 60.0, 121.0, Some(242.0)),
-    ("RTX 4090", 82.6, 82.6, 165.2, Some(330.3)),
-    ("RTX 3090", 35.6, 35.6, 71.0, None),
-    ("A10", 31.2, 62.5, 125.0, None),
-    ("V100", 15.7, 15.7, 125.0, None), // no TF32/bf16: the f16 figure is in the bf16 column
-    ("T4", 8.1, 8.1, 65.0, None),
+/// Datasheet figures of known GPUs: (name fragment, dense TFLOP/s at fp32 non-tensor, tf32,
+/// bf16/f16 with f32 accumulate, fp8; memory bandwidth in GB/s). Matched by substring of the
+/// driver's device name, first match wins, so a fragment that contains another comes first
+/// ("H200 NVL" before "H200"; a test checks the order). Measured GEMM ceilings are lower (about
+/// 790 of 989 bf16 TFLOP/s on H100/H200 SXM), so 80 % of peak is excellent for a whole block.
+type Gpu = (&'static str, f64, f64, f64, Option<f64>, f64);
+const PEAKS: &[Gpu] = &[
+    ("GH200", 67.0, 494.7, 989.4, Some(1978.9), 4000.0),
+    ("H200 NVL", 60.0, 417.5, 835.0, Some(1670.5), 4800.0), // PCIe card, 600 W
+    ("H200", 67.0, 494.7, 989.4, Some(1978.9), 4800.0),     // SXM (HBM3e)
+    ("H100 NVL", 60.0, 417.5, 835.0, Some(1670.5), 3900.0),
+    ("H100 PCIe", 51.2, 378.0, 756.0, Some(1513.0), 2000.0),
+    ("H100", 67.0, 494.7, 989.4, Some(1978.9), 3350.0), // SXM5 (HBM3)
+    ("A100-SXM4-80GB", 19.5, 156.0, 312.0, None, 2039.0),
+    ("A100 80GB PCIe", 19.5, 156.0, 312.0, None, 1935.0),
+    ("A100", 19.5, 156.0, 312.0, None, 1555.0), // 40 GB
+    ("L40S", 91.6, 183.0, 362.1, Some(733.0), 864.0),
+    ("L40", 90.5, 90.5, 181.0, Some(362.0), 864.0),
+    ("L4", 30.3, 60.0, 121.0, Some(242.0), 300.0),
+    ("RTX 4090", 82.6, 82.6, 165.2, Some(330.3), 1008.0),
+    ("RTX 3090", 35.6, 35.6, 71.0, None, 936.0),
+    ("A10", 31.2, 62.5, 125.0, None, 600.0),
+    ("V100", 15.7, 15.7, 125.0, None, 900.0), // no TF32/bf16: the f16 figure is in the bf16 column
+    ("T4", 8.1, 8.1, 65.0, None, 320.0),
 ];
 
-/// Datasheet memory bandwidth of known GPUs in GB/s (the roofline's memory ceiling), matched
-/// like `PEAKS`: by substring of the device name, most specific first.
-const BANDWIDTH_GBS: &[(&str, f64)] = &[
-    ("GH200", 4000.0), // before "H200", which its name contains
-    ("H200", 4800.0),  // H200 SXM and NVL: HBM3e
-    ("H100 NVL", 3900.0),
-    ("H100 PCIe", 2000.0),
-    ("H100", 3350.0), // SXM5 (HBM3)
-    ("A100-SXM4-80GB", 2039.0),
-    ("A100 80GB PCIe", 1935.0),
-    ("A100", 1555.0), // 40 GB
-    ("L40S", 864.0),
-    ("L40", 864.0),
-    ("L4", 300.0),
-    ("RTX 4090", 1008.0),
-    ("RTX 3090", 936.0),
-    ("A10", 600.0),
-    ("V100", 900.0),
-    ("T4", 320.0),
-];
+fn known(name: &str) -> Option<&'static Gpu> {
+    PEAKS.iter().find(|(frag, ..)| name.contains(frag))
+}
 
 /// The datasheet memory bandwidth of the device called `name` in GB/s, if we know it.
 pub fn peak_bandwidth_gbs(name: &str) -> Option<f64> {
-    BANDWIDTH_GBS.iter().find(|(frag, _)| name.contains(frag)).map(|&(_, bw)| bw)
+    known(name).map(|p| p.5)
 }
 
 /// The datasheet peak for `precision` on the device called `name`, if we know it.
 /// fp32 means plain CUDA cores; f16 shares the bf16 column (same tensor-core rate on these parts).
 pub fn peak_tflops(name: &str, precision: Precision) -> Option<f64> {
-    let &(_, fp32, tf32, half, fp8) = PEAKS.iter().find(|(frag, ..)| name.contains(frag))?;
+    let &(_, fp32, tf32, half, fp8, _) = known(name)?;
     match precision {
         Precision::Fp32 => Some(fp32),
         Precision::Tf32 => Some(tf32),
@@ -87,23 +68,21 @@ pub fn operand_bytes(p: Precision) -> f64 {
 }
 
 /// The roofline's traffic model, the terms each stage's `Stage::traffic` combines: the minimum
-/// bytes each op must read and write if nothing stays in cache between ops (docs/measuring.md).
-/// GEMM operands at `p`, activations stored in `act` bytes per element.
+/// bytes each op must read and write if nothing stays in cache between ops (docs/measuring.md),
+/// GEMM operands at `p`, activations in `act` bytes per element.
 pub struct Traffic {
-    /// The four GEMMs: input (N·K) and weight (K·M) in the operand dtype, output (N·M) in `act`;
-    /// at fp8 also the quantising pass that reads each input and writes it in E4M3.
+    /// The four GEMMs: input (N·K), weight (K·M), output (N·M); at fp8 also the pass that quantises each input.
     pub gemms: f64,
     /// One element-wise pass (read + write) over an (N, C) activation.
     pub pass_c: f64,
     /// Fused attention: reads q, k, v once and writes its output once.
     pub fused_attention: f64,
-    /// Naive attention: the (B, n_head, T, T) scores written once in f32, ~10 more score-sized
-    /// accesses (scale, mask, max, exp, sum, divide), read once by P·V; plus the head split
-    /// (q, k, v) and merge copies.
+    /// Naive attention: the f32 (B, n_head, T, T) scores written, ~10 more score-sized accesses
+    /// (scale, mask, max, exp, sum, divide) and read by P·V; plus the head split and merge copies.
     pub naive_attention: f64,
-    /// The unfused element-wise passes around the GEMMs (stage 3's header table): LayerNorm 1
-    /// with its cast 8, q/k/v bias 3, proj's bias + residual + LayerNorm 2 11, fc2's bias +
-    /// residual 3 over (N, C); bias + GELU 10 over (N, FF).
+    /// The unfused element-wise passes around the GEMMs (stage 3's header table) over (N, C):
+    /// LayerNorm 1 with its cast 8, q/k/v bias 3, proj's bias + residual + LayerNorm 2 11, fc2's
+    /// bias + residual 3; and bias + GELU 10 over (N, FF).
     pub unfused: f64,
 }
 

@@ -3,6 +3,7 @@
 
 use crate::error::SpeedkitError;
 use serde::{Deserialize, Serialize};
+use std::path::Path;
 
 /// The named shapes. `tiny` keeps the test suite fast, `small` is one GPT-2 small layer,
 /// `gpt2` is the seed tutorial's shape and `te` is TransformerEngine's getting-started shape.
@@ -26,27 +27,19 @@ impl Preset {
         Shape { batch, seq, d_model, n_head, ff }
     }
 
-    pub fn name(self) -> &'static str {
-        match self {
-            Preset::Tiny => "tiny",
-            Preset::Small => "small",
-            Preset::Gpt2 => "gpt2",
-            Preset::Te => "te",
-        }
+    /// The name as `--preset` spells it.
+    pub fn name(self) -> String {
+        format!("{self:?}").to_lowercase()
     }
 }
 
-/// The block's dimensions in the literature's names: B, T, C, n_head and the MLP width FF.
+/// The block's dimensions in the literature's names: B, T, C, n_head and the MLP width FF (4·C in GPT-2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Shape {
-    /// B
     pub batch: usize,
-    /// T
     pub seq: usize,
-    /// C
     pub d_model: usize,
     pub n_head: usize,
-    /// FF (4·C in GPT-2)
     pub ff: usize,
 }
 
@@ -59,28 +52,21 @@ pub const MAX_TENSOR_ELEMENTS: usize = i32::MAX as usize;
 /// (1 and C divide C). C can be huge here (validate runs before the size checks), so divisors are
 /// found in pairs (i, C / i) with i up to min(sqrt C, 10^6): a scan over 1..=C would hang.
 pub fn near_divisors(c: usize, h: usize) -> Vec<usize> {
-    let mut divs = Vec::new();
-    let mut i = 1usize;
-    while i <= 1_000_000 && i.saturating_mul(i) <= c {
-        if c.is_multiple_of(i) {
-            divs.extend([i, c / i]);
-        }
-        i += 1;
-    }
+    let mut divs: Vec<usize> =
+        (1..=1_000_000usize).take_while(|i| i.saturating_mul(*i) <= c).filter(|i| c.is_multiple_of(*i)).flat_map(|i| [i, c / i]).collect();
     divs.sort_unstable();
     divs.dedup();
-    let below: Vec<usize> = divs.iter().copied().filter(|&d| d < h).rev().take(2).collect();
-    let above: Vec<usize> = divs.iter().copied().filter(|&d| d > h).take(2).collect();
-    let mut out: Vec<usize> = below.into_iter().rev().chain(above).collect();
+    let below = divs.iter().copied().filter(|&d| d < h).rev().take(2).collect::<Vec<_>>().into_iter().rev();
+    let out: Vec<usize> = below.chain(divs.iter().copied().filter(|&d| d > h).take(2)).collect();
     if out.is_empty() {
-        out.push(1);
+        vec![1]
+    } else {
+        out
     }
-    out
 }
 
 impl Shape {
-    /// d_head = C / n_head
-    /// 0 when n_head is 0 (a shape `validate` refuses; a JSON file read back may hold one).
+    /// d_head = C / n_head; 0 when n_head is 0 (a shape `validate` refuses; a JSON file read back may hold one).
     pub fn d_head(&self) -> usize {
         self.d_model.checked_div(self.n_head).unwrap_or(0)
     }
@@ -92,50 +78,45 @@ impl Shape {
 
     /// Reject shapes the block cannot compute, with the reason and the fix in one sentence.
     pub fn validate(&self) -> Result<(), SpeedkitError> {
-        self.validate_as(&Sources::FLAGS)
+        self.validate_as(None)
     }
 
-    /// `validate`, naming each dimension by where it came from (a flag, or a file).
-    pub fn validate_as(&self, from: &Sources) -> Result<(), SpeedkitError> {
+    /// `validate`, naming B and T by the `input` file that fixed them, when one did.
+    pub fn validate_as(&self, input: Option<&Path>) -> Result<(), SpeedkitError> {
+        let (b, t) = match input {
+            Some(p) => (format!("B (from the input file {})", p.display()), format!("T (from the input file {})", p.display())),
+            None => ("--batch (B)".to_string(), "--seq (T)".to_string()),
+        };
         let dims = [
-            (&*from.batch, self.batch),
-            (&*from.seq, self.seq),
+            (&*b, self.batch),
+            (&*t, self.seq),
             ("--d-model (C)", self.d_model),
             ("--heads (n_head)", self.n_head),
             ("--ff (FF)", self.ff),
         ];
-        for (flag, v) in dims {
-            if v == 0 {
-                return Err(SpeedkitError::usage(format!(
-                    "{flag} is 0; every dimension of the block must be at least 1. \
-                     Fix: pass a positive value or drop the flag to use the preset's."
-                )));
-            }
-        }
-        if !self.d_model.is_multiple_of(self.n_head) {
-            let near = near_divisors(self.d_model, self.n_head);
+        if let Some((flag, _)) = dims.iter().find(|(_, v)| *v == 0) {
             return Err(SpeedkitError::usage(format!(
-                "C = {} is not divisible by n_head = {}{}: attention splits C into n_head heads of \
-                 d_head = C / n_head channels each. Fix: choose --heads among {:?} (the divisors of C \
-                 nearest {}) or change --d-model.",
-                self.d_model,
-                self.n_head,
-                if self.n_head > self.d_model { " (there are more heads than channels)" } else { "" },
-                near,
-                self.n_head
+                "{flag} is 0; every dimension of the block must be at least 1. Fix: pass a positive value or drop the flag to use the preset's."
             )));
         }
-        // Tensors every stage materialises, as element counts; checked_mul catches usize overflow.
-        // W_qkv (3C, C) is the largest weight whenever FF < 3C.
-        check_elements(
-            self,
-            from,
+        let Shape { batch, seq, d_model: c, n_head: h, ff } = *self;
+        if !c.is_multiple_of(h) {
+            let more = if h > c { " (there are more heads than channels)" } else { "" };
+            return Err(SpeedkitError::usage(format!(
+                "C = {c} is not divisible by n_head = {h}{more}: attention splits C into n_head heads of d_head = C / n_head \
+                 channels each. Fix: choose --heads among {:?} (the divisors of C nearest {h}) or change --d-model.",
+                near_divisors(c, h)
+            )));
+        }
+        // Tensors every stage materialises; W_qkv (3C, C) is the largest weight whenever FF < 3C.
+        self.check_elements(
+            (&b, &t),
             &[
-                ("the activations (B, T, C)", [self.batch, self.seq, self.d_model, 1]),
-                ("the q/k/v projections (B, T, 3C)", [self.batch, self.seq, 3, self.d_model]),
-                ("the MLP hidden state (B, T, FF)", [self.batch, self.seq, self.ff, 1]),
-                ("W_qkv (3C, C)", [3, self.d_model, self.d_model, 1]),
-                ("W_fc1 (FF, C)", [self.ff, self.d_model, 1, 1]),
+                ("the activations (B, T, C)", [batch, seq, c, 1]),
+                ("the q/k/v projections (B, T, 3C)", [batch, seq, 3, c]),
+                ("the MLP hidden state (B, T, FF)", [batch, seq, ff, 1]),
+                ("W_qkv (3C, C)", [3, c, c, 1]),
+                ("W_fc1 (FF, C)", [ff, c, 1, 1]),
             ],
         )
     }
@@ -143,14 +124,37 @@ impl Shape {
     /// The (B, n_head, T, T) score matrix of naive attention (stages 0 and 1) must be
     /// addressable too; fused attention never materialises it and skips this check.
     pub fn validate_score_matrix(&self) -> Result<(), SpeedkitError> {
-        check_elements(self, &Sources::FLAGS, &[("the attention scores (B, n_head, T, T)", [self.batch, self.n_head, self.seq, self.seq])])
+        let dims = [self.batch, self.n_head, self.seq, self.seq];
+        self.check_elements(("--batch (B)", "--seq (T)"), &[("the attention scores (B, n_head, T, T)", dims)])
+    }
+
+    /// Refuse a tensor past `MAX_TENSOR_ELEMENTS` (checked_mul: past usize too), naming the flags to lower.
+    fn check_elements(&self, (b, t): (&str, &str), tensors: &[(&str, [usize; 4])]) -> Result<(), SpeedkitError> {
+        for (what, dims) in tensors {
+            let n = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+            if n.is_some_and(|n| n <= MAX_TENSOR_ELEMENTS) {
+                continue;
+            }
+            let Shape { batch, seq, d_model, n_head, ff } = *self;
+            let lower = if what.starts_with('W') { "--d-model or --ff".to_string() } else { format!("{b} or {t}") };
+            let squared = if what.contains("T, T") {
+                " (the T x T scores grow with T squared; fused attention in stage 2+ never stores them)"
+            } else {
+                ""
+            };
+            return Err(SpeedkitError::usage(format!(
+                "{what} would hold {} elements for B={batch} T={seq} C={d_model} n_head={n_head} FF={ff}, past the 2^31 - 1 \
+                 limit of 32-bit GEMM and kernel indexing. Fix: lower {lower}{squared}.",
+                n.map_or("more than 2^64".to_string(), |n| n.to_string()),
+            )));
+        }
+        Ok(())
     }
 
     /// Working-set estimate of the naive fp32 block (stage 0, the reference), in bytes: weights,
-    /// plus the live activations at the widest point. Stage 0's peak is the attention step, where
-    /// scores, their exponentials and the probabilities — three (B, n_head, T, T) tensors — are
-    /// alive at once beside a handful of (B, T, C) tensors; the MLP keeps ~4 (B, T, FF) ones.
-    /// Used to refuse runs that obviously cannot fit, not to predict memory exactly.
+    /// plus the live activations at the widest point: three (B, n_head, T, T) tensors (scores,
+    /// their exponentials, the probabilities) beside a few (B, T, C) ones in attention, or ~4
+    /// (B, T, FF) ones in the MLP. Refuses runs that cannot fit; it does not predict memory exactly.
     pub fn estimate_naive_bytes(&self) -> u128 {
         let (b, t, c, h, ff) = (self.batch as u128, self.seq as u128, self.d_model as u128, self.n_head as u128, self.ff as u128);
         // u128 holds every product of validated dims; saturating keeps unvalidated ones sane.
@@ -160,59 +164,12 @@ impl Shape {
         weights.saturating_add(attention.max(mlp)).saturating_mul(4)
     }
 
-    /// The weights (f32, W_qkv (3C, C) included), the input x and the fp32 reference output —
-    /// what a run holds for its whole length, beside each stage's own working set.
+    /// What a run holds for its whole length beside each stage's own working set: the f32
+    /// weights, the input x and the fp32 reference output.
     pub fn estimate_session_bytes(&self) -> u128 {
         let (b, t, c, ff) = (self.batch as u128, self.seq as u128, self.d_model as u128, self.ff as u128);
-        let weights = 4 * c * c + 2 * c * ff + 9 * c + ff;
-        4 * (weights + 2 * b * t * c)
+        4 * (4 * c * c + 2 * c * ff + 9 * c + ff + 2 * b * t * c)
     }
-}
-
-/// Where B and T came from, for messages: their flags, or the --input file that fixed them.
-#[derive(Clone, Debug)]
-pub struct Sources {
-    pub batch: std::borrow::Cow<'static, str>,
-    pub seq: std::borrow::Cow<'static, str>,
-}
-
-impl Sources {
-    pub const FLAGS: Sources = Sources { batch: std::borrow::Cow::Borrowed("--batch (B)"), seq: std::borrow::Cow::Borrowed("--seq (T)") };
-
-    /// B and T read from the input file `path`.
-    pub fn input_file(path: &std::path::Path) -> Sources {
-        Sources {
-            batch: format!("B (from the input file {})", path.display()).into(),
-            seq: format!("T (from the input file {})", path.display()).into(),
-        }
-    }
-}
-
-fn check_elements(s: &Shape, from: &Sources, tensors: &[(&str, [usize; 4])]) -> Result<(), SpeedkitError> {
-    for (what, dims) in tensors {
-        match dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) {
-            Some(n) if n <= MAX_TENSOR_ELEMENTS => {}
-            n => {
-                return Err(SpeedkitError::usage(format!(
-                    "{what} would hold {} elements for B={} T={} C={} n_head={} FF={}, past the \
-                     2^31 - 1 limit of 32-bit GEMM and kernel indexing. Fix: lower {}{}.",
-                    n.map_or("more than 2^64".to_string(), |n| n.to_string()),
-                    s.batch,
-                    s.seq,
-                    s.d_model,
-                    s.n_head,
-                    s.ff,
-                    if what.starts_with('W') { "--d-model or --ff".to_string() } else { format!("{} or {}", from.batch, from.seq) },
-                    if what.contains("T, T") {
-                        " (the T x T scores grow with T squared; fused attention in stage 2+ never stores them)"
-                    } else {
-                        ""
-                    }
-                )));
-            }
-        }
-    }
-    Ok(())
 }
 
 impl std::fmt::Display for Shape {
@@ -225,7 +182,7 @@ impl std::fmt::Display for Shape {
 mod tests {
     use super::*;
 
-    // Issue 19, class I: the suggestion is never empty, and near n_head on both sides.
+    /// The suggestion is never empty, and near n_head on both sides.
     #[test]
     fn heads_suggestion_is_never_empty() {
         assert_eq!(near_divisors(128, 256), [64, 128]);
@@ -273,7 +230,7 @@ mod tests {
         assert!(s.validate().unwrap_err().to_string().contains("[1, 2, 4, 8]"));
         // B from an input file is named as such, not as --batch.
         let s = Shape { batch: 1 << 40, ..Preset::Tiny.shape() };
-        let e = s.validate_as(&Sources::input_file(std::path::Path::new("x.st"))).unwrap_err().to_string();
+        let e = s.validate_as(Some(Path::new("x.st"))).unwrap_err().to_string();
         assert!(e.contains("input file x.st") && !e.contains("--batch"), "{e}");
     }
 

@@ -1,6 +1,9 @@
-//! What a run reports: one record per stage (versioned JSON), and the human table.
+//! What a run reports: one record per stage (versioned JSON), and the human table. Fields added
+//! after v1 was first written are optional (`Option`, or `#[serde(default)]`), so older files
+//! still load.
 
 use crate::breakdown::Breakdown;
+use crate::ceiling::CpuCeiling;
 use crate::check::{CheckResult, NamedCheck};
 use crate::device::{DeviceInfo, GemmSwitches};
 use crate::preset::Shape;
@@ -16,6 +19,7 @@ pub const MEASURED_PEAK: &str = "measured GEMM ceiling";
 /// Bump when a field changes meaning or disappears; adding fields keeps the version.
 pub const RECORD_SCHEMA: &str = "candle-speedkit/record/v1";
 pub const LADDER_SCHEMA: &str = "candle-speedkit/ladder/v1";
+pub const SWEEP_SCHEMA: &str = "candle-speedkit/sweep/v1";
 
 /// One stage, measured.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -26,12 +30,10 @@ pub struct Record {
     pub precision: Precision,
     pub precision_reason: String,
     /// Which implementation ran, for stages with more than one (e.g. "emulated" FP8).
-    #[serde(default)]
     pub implementation: Option<String>,
     pub device: DeviceInfo,
     pub shape: Shape,
     pub seed: u64,
-    /// "seed" or the weights file's path and layer.
     pub weights: String,
     pub gemm_switches: GemmSwitches,
     pub warmup: usize,
@@ -42,20 +44,14 @@ pub struct Record {
     pub tflops: f64,
     pub peak_tflops: Option<f64>,
     pub pct_of_peak: Option<f64>,
-    /// Where `peak_tflops` comes from: "datasheet", "--peak-tflops" or "measured GEMM ceiling"
-    /// (the CPU probe, `ceiling`); `None` in older files.
-    #[serde(default)]
+    /// "datasheet", "--peak-tflops" or `MEASURED_PEAK` (the CPU probe, `ceiling`).
     pub peak_source: Option<String>,
-    /// The GEMM library and kernels that ran, detected at run time, e.g. "gemm x86-v4 (AVX-512)",
-    /// "MKL (mkl feature)", "cuBLAS"; `None` in older files.
-    #[serde(default)]
+    /// The GEMM library detected at run time, e.g. "gemm x86-v4 (AVX-512)", "MKL (mkl feature)", "cuBLAS".
     pub gemm_backend: Option<String>,
     /// The CPU's SIMD level detected at run time ("AVX-512", "AVX2+FMA", ...); `None` on a GPU.
-    #[serde(default)]
     pub simd: Option<String>,
-    /// The CPU ceiling this record's % of peak is relative to; `None` on a GPU and in older files.
-    #[serde(default)]
-    pub ceiling: Option<crate::ceiling::CpuCeiling>,
+    /// The CPU ceiling this record's % of peak is relative to; `None` on a GPU.
+    pub ceiling: Option<CpuCeiling>,
     /// `None` with --no-check.
     pub check: Option<CheckResult>,
     /// The stage's own checks (`Stage::self_check`), e.g. stage 4's fp8-rounded fp32 twin.
@@ -63,7 +59,6 @@ pub struct Record {
     pub extra_checks: Vec<NamedCheck>,
     pub peak_mem_bytes: Option<u64>,
     pub mem_method: String,
-    /// Median speedups, filled in by the ladder.
     pub speedup_vs_stage0: Option<f64>,
     pub speedup_vs_prev: Option<f64>,
     /// Things the reader should know about this number (e.g. "no tensor cores on CPU").
@@ -75,11 +70,8 @@ pub struct Record {
     #[serde(default)]
     pub noise_vs_prev: bool,
     /// `--breakdown`: per-part times of an instrumented forward (see `breakdown`).
-    #[serde(default)]
     pub breakdown: Option<Breakdown>,
-    /// An ablation row (`ladder --ablate`): what this run changed against the stage, e.g.
-    /// "without ln"; `None` for the stage as written.
-    #[serde(default)]
+    /// An ablation row (`ladder --ablate`): what this run changed against the stage, e.g. "without ln".
     pub variant: Option<String>,
 }
 
@@ -93,8 +85,7 @@ pub struct Skipped {
     pub failed: bool,
 }
 
-/// The ladder's JSON: every record, plus where and what it ran on. Fields added after v1 was
-/// first written are `#[serde(default)]`, so older files still load.
+/// The ladder's JSON: every record, plus where and what it ran on.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LadderReport {
     pub schema: String,
@@ -118,31 +109,21 @@ pub struct LadderReport {
     /// candle-flash-attn) in CUDA builds.
     #[serde(default)]
     pub versions: BTreeMap<String, String>,
-    /// The CUDA version the driver supports (cuDriverGetVersion), e.g. "13.0"; `None` when the
-    /// run was not on a GPU.
-    #[serde(default)]
+    /// The CUDA version the driver supports (cuDriverGetVersion), e.g. "13.0".
     pub cuda_driver_version: Option<String>,
-    /// The NVIDIA kernel driver's version (/proc/driver/nvidia/version), e.g. "580.65.06";
-    /// `None` when the run was not on a GPU or the file is absent.
-    #[serde(default)]
+    /// The NVIDIA kernel driver's version (/proc/driver/nvidia/version), e.g. "580.65.06".
     pub nvidia_driver: Option<String>,
-    /// The CPU's measured GEMM ceiling and memory bandwidth (`ceiling`); `None` on a GPU and in
-    /// older files.
-    #[serde(default)]
-    pub ceiling: Option<crate::ceiling::CpuCeiling>,
+    /// The CPU's measured GEMM ceiling and memory bandwidth (`ceiling`); `None` on a GPU.
+    pub ceiling: Option<CpuCeiling>,
     /// `ladder --ablate`: each stage-3 fusion removed in turn, and stage 2 with the head
     /// split/merge copies kept, measured in the same interleaved rounds as the rows.
     #[serde(default)]
     pub ablation: Vec<Ablation>,
-    /// `--ablate` variants that did not run (refused here: skipped; broke or failed a check:
-    /// failed), each with why; older files: none.
+    /// `--ablate` variants that did not run (refused here: skipped; broke or failed a check: failed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ablation_out: Vec<AblationOut>,
-    /// The roofline's ceilings (compute and memory), and where they come from.
-    #[serde(default)]
     pub ceilings: Option<Ceilings>,
     /// How many interleaved rounds the timed iterations were split into (older files: 1).
-    #[serde(default)]
     pub rounds: Option<usize>,
 }
 
@@ -161,13 +142,10 @@ pub struct Ablation {
     pub buys_within_noise: bool,
 }
 
-/// An ablation variant that left the rounds: a row in the ablation table with why, as a
-/// skipped or failed stage is a row in the main one.
+/// An ablation variant that left the rounds, with why (as `Skipped` is for a stage).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AblationOut {
-    /// The stage as written, e.g. "stage3_fused".
     pub against: String,
-    /// The variant, e.g. "without qkv".
     pub change: String,
     pub reason: String,
     pub failed: bool,
@@ -178,10 +156,20 @@ pub struct AblationOut {
 pub struct Ceilings {
     /// Peak compute per precision name ("fp32", "bf16", ...) in TFLOP/s.
     pub tflops: BTreeMap<String, f64>,
-    /// Memory bandwidth in GB/s.
     pub bandwidth_gbs: Option<f64>,
-    /// Where the figures come from, e.g. "datasheet (NVIDIA H100 80GB HBM3)", "--peak-tflops / --bandwidth-gbs", "measured".
+    /// Where the figures come from, e.g. "datasheet (NVIDIA H100 80GB HBM3)", "measured".
     pub source: String,
+}
+
+/// `ladder --sweep`: one ladder run per value of one dimension, same flags otherwise.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SweepReport {
+    pub schema: String,
+    /// The swept dimension as its flag is spelled: "seq", "batch" or "d_model".
+    pub axis: String,
+    pub values: Vec<usize>,
+    /// One ladder per value, in the order of `values`; a shape that cannot run has every stage skipped.
+    pub runs: Vec<LadderReport>,
 }
 
 /// Do two timings' p10–p90 intervals overlap? Then their ratio is within run-to-run noise.
@@ -189,8 +177,7 @@ pub fn overlaps(a: &Stats, b: &Stats) -> bool {
     a.p10_ms <= b.p90_ms && b.p10_ms <= a.p90_ms
 }
 
-/// A speedup as the tables show it: "1.49x", or "≈1.0x" when within noise (the measured ratio
-/// stays in the JSON).
+/// A speedup as the tables show it: "1.49x", or "≈1.0x" when within noise.
 pub fn speedup_text(v: Option<f64>, within_noise: bool) -> String {
     match v {
         None => "-".into(),
@@ -227,22 +214,8 @@ impl LadderReport {
 
     /// The human table, rows in ladder order.
     pub fn table(&self) -> String {
-        table_rows(&self.rows())
+        table(&self.rows())
     }
-}
-
-pub const SWEEP_SCHEMA: &str = "candle-speedkit/sweep/v1";
-
-/// `ladder --sweep`: one ladder run per value of one dimension, same flags otherwise.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SweepReport {
-    pub schema: String,
-    /// The swept dimension as its flag is spelled: "seq", "batch" or "d_model".
-    pub axis: String,
-    pub values: Vec<usize>,
-    /// One ladder per value, in the order of `values`. A value whose shape cannot run has a
-    /// ladder with every stage skipped and the reason.
-    pub runs: Vec<LadderReport>,
 }
 
 /// Bytes as "280.0 MiB" or "3.25 GiB"; "n/a" when not measured.
@@ -254,53 +227,29 @@ pub fn fmt_bytes(b: Option<u64>) -> String {
     }
 }
 
-fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
-    v.map(f).unwrap_or_else(|| "-".into())
-}
-
-/// The human table: one row per record, then one per skipped stage.
-pub fn table(records: &[Record], skipped: &[Skipped]) -> String {
-    let rows: Vec<Row> = records.iter().map(Row::Ran).chain(skipped.iter().map(Row::Skipped)).collect();
-    table_rows(&rows)
-}
-
-/// The human table, one line per row in the order given.
-pub fn table_rows(rows: &[Row]) -> String {
+/// The human table, one line per row in the order given, under the GEMM backends that ran.
+pub fn table(rows: &[Row]) -> String {
     let ran: Vec<&Record> = rows.iter().filter_map(|r| if let Row::Ran(r) = r { Some(*r) } else { None }).collect();
     // "% peak" is against the measured GEMM ceiling when every row that has one says so (CPU).
-    let measured = ran.iter().any(|r| r.pct_of_peak.is_some())
-        && ran.iter().filter(|r| r.pct_of_peak.is_some()).all(|r| r.peak_source.as_deref() == Some(MEASURED_PEAK));
+    let with_peak: Vec<_> = ran.iter().filter(|r| r.pct_of_peak.is_some()).collect();
+    let measured = !with_peak.is_empty() && with_peak.iter().all(|r| r.peak_source.as_deref() == Some(MEASURED_PEAK));
     let pct_header = if measured { "% of measured GEMM" } else { "% peak" };
-    let header = [
-        "stage",
-        "technique",
-        "prec",
-        "median ms",
-        "p10-p90 ms",
-        "vs s0",
-        "vs prev",
-        "TFLOP/s",
-        pct_header,
-        "rel err",
-        "max abs",
-        "peak mem",
-    ];
+    #[rustfmt::skip]
+    let header = ["stage", "technique", "prec", "median ms", "p10-p90 ms", "vs s0", "vs prev", "TFLOP/s", pct_header, "rel err",
+        "max abs", "peak mem"];
     let rows: Vec<Vec<String>> = rows
         .iter()
         .map(|row| match row {
             Row::Ran(r) => vec![
                 r.stage.clone(),
                 r.technique.clone(),
-                match &r.implementation {
-                    Some(i) => format!("{} ({i})", r.precision),
-                    None => r.precision.to_string(),
-                },
+                r.implementation.as_ref().map_or(r.precision.to_string(), |i| format!("{} ({i})", r.precision)),
                 format!("{:.3}", r.timing.median_ms),
                 format!("{:.3}-{:.3}", r.timing.p10_ms, r.timing.p90_ms),
                 speedup_text(r.speedup_vs_stage0, r.noise_vs_stage0),
                 speedup_text(r.speedup_vs_prev, r.noise_vs_prev),
                 format!("{:.4}", r.tflops),
-                opt(r.pct_of_peak, |v| format!("{v:.1}%")),
+                r.pct_of_peak.map_or("-".into(), |v| format!("{v:.1}%")),
                 r.check.as_ref().map_or("unchecked".into(), |c| format!("{:.2e}", c.rel_err)),
                 r.check.as_ref().map_or("-".into(), |c| format!("{:.2e}", c.max_abs_err)),
                 fmt_bytes(r.peak_mem_bytes),
@@ -318,48 +267,23 @@ pub fn table_rows(rows: &[Row]) -> String {
         }
     }
     let line = |cells: &[String]| -> String {
-        let mut out = String::new();
-        for (i, cell) in cells.iter().enumerate() {
-            if i > 0 {
-                out.push_str("  ");
-            }
-            match widths.get(i) {
-                Some(&w) if i + 1 < cells.len() || cells.len() == header.len() => out.push_str(&format!("{cell:<w$}")),
-                _ => out.push_str(cell),
-            }
-        }
-        out.trim_end().to_string() + "\n"
+        let padded = cells.iter().enumerate().map(|(i, cell)| match widths.get(i) {
+            Some(&w) if i + 1 < cells.len() || cells.len() == header.len() => format!("{cell:<w$}"),
+            _ => cell.clone(),
+        });
+        padded.collect::<Vec<_>>().join("  ").trim_end().to_string() + "\n"
     };
-    let mut out = String::new();
-    // Which GEMM backend and SIMD level ran, above the table (recorded per row in the JSON).
-    let mut backends: Vec<String> = Vec::new();
-    for r in &ran {
-        if let Some(b) = &r.gemm_backend {
-            let b = match &r.simd {
-                Some(s) => format!("{b} · SIMD {s}"),
-                None => b.clone(),
-            };
-            if !backends.contains(&b) {
-                backends.push(b);
-            }
-        }
-    }
-    if !backends.is_empty() {
-        out.push_str(&format!("GEMM backend: {}\n", backends.join("; ")));
-    }
-    out.push_str(&line(&header.iter().map(|s| s.to_string()).collect::<Vec<_>>()));
+    let with_simd = |r: &&Record| r.gemm_backend.as_ref().map(|b| r.simd.as_ref().map_or(b.clone(), |s| format!("{b} · SIMD {s}")));
+    let mut backends: Vec<String> = ran.iter().filter_map(with_simd).collect();
+    let mut seen = std::collections::HashSet::new();
+    backends.retain(|b| seen.insert(b.clone()));
+    let mut out = if backends.is_empty() { String::new() } else { format!("GEMM backend: {}\n", backends.join("; ")) };
+    out.push_str(&line(&header.map(String::from)));
     out.push_str(&line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>()));
     for row in &rows {
         out.push_str(&line(row));
     }
     out
-}
-
-/// Write `bytes` to `path` by the output policy (`crate::output`): temp file beside it, then
-/// renamed over a regular file or a new path; a symlink's target is written; a device or FIFO
-/// is refused, never replaced; the temp file is removed on every failure.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    crate::output::write("output", path, bytes).map_err(std::io::Error::other)
 }
 
 /// Serialize `value` and write it to `path` by the output policy (exit 2 naming path and fix).
@@ -370,10 +294,8 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The git commit this binary was built from, with "-dirty" when its source files differed
-/// from it (changes to recorded results and Markdown do not count), embedded at build time by
-/// shared/build.rs; "unknown" when it was built without git. Read at run time it was wrong
-/// wherever the binary ran outside its checkout (the H100 run: "unknown").
+/// The git commit this binary was built from ("-dirty" when its source differed), embedded by
+/// shared/build.rs so it is right wherever the binary runs; "unknown" when built without git.
 pub fn commit() -> String {
     env!("SPEEDKIT_COMMIT").to_string()
 }

@@ -9,7 +9,7 @@ use crate::device::{self, DeviceInfo, DeviceKind, GemmSwitches, MemProbe};
 use crate::error::SpeedkitError;
 use crate::perf::{block_flops, peak_tflops};
 use crate::preset::{Preset, Shape};
-use crate::report::{table, write_json, Record, MEASURED_PEAK, RECORD_SCHEMA};
+use crate::report::{table, write_json, Record, Row, MEASURED_PEAK, RECORD_SCHEMA};
 use crate::stage::{plan, Precision, PrecisionRequest, Stage, StageEntry, EMULATED};
 use crate::timing::time_forward;
 use crate::weights::{load_input, random_input, save_tensors, BlockWeights};
@@ -122,10 +122,6 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
         }
         None => None,
     };
-    let sources = match &args.input {
-        Some(path) => crate::preset::Sources::input_file(path),
-        None => crate::preset::Sources::FLAGS,
-    };
     shape.batch = args.batch.unwrap_or(shape.batch);
     shape.seq = args.seq.unwrap_or(shape.seq);
     if loaded.is_none() {
@@ -133,7 +129,7 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
         shape.ff = args.ff.unwrap_or(shape.ff);
         shape.n_head = args.heads.unwrap_or(shape.n_head);
     }
-    shape.validate_as(&sources)?;
+    shape.validate_as(args.input.as_deref())?;
     Ok(Resolved { device, info, preset, shape, weights: loaded, x: x_file })
 }
 
@@ -498,7 +494,7 @@ pub fn main(stages: &[StageEntry]) -> ExitCode {
         let (record, y) = session.run(stage.as_ref(), session.args.precision)?;
         print_details(&record);
         println!();
-        print!("{}", table(std::slice::from_ref(&record), &[]));
+        print!("{}", table(&[Row::Ran(&record)]));
         if let Some(path) = &session.args.save_output {
             save_tensors(path, &[("x", &session.x), ("y", &y)])?;
             println!("saved     x and y to {}", path.display());

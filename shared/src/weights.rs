@@ -10,6 +10,7 @@
 use crate::error::SpeedkitError;
 use crate::preset::Shape;
 use candle_core::{DType, Device, Tensor};
+use safetensors::{tensor::TensorView, Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -55,30 +56,19 @@ impl SplitMix64 {
     pub fn normals(&mut self, n: usize) -> Vec<f32> {
         let mut out = Vec::with_capacity(n + 1);
         while out.len() < n {
-            let (u1, u2) = (self.next_unit(), self.next_unit());
-            let r = (-2.0 * u1.ln()).sqrt();
-            let theta = 2.0 * std::f64::consts::PI * u2;
-            out.push((r * theta.cos()) as f32);
-            out.push((r * theta.sin()) as f32);
+            let (r, theta) = ((-2.0 * self.next_unit().ln()).sqrt(), 2.0 * std::f64::consts::PI * self.next_unit());
+            out.extend([(r * theta.cos()) as f32, (r * theta.sin()) as f32]);
         }
         out.truncate(n);
         out
     }
 }
 
-/// The stream seed for one named tensor: FNV-1a of the name, mixed with the user's seed.
-fn stream(seed: u64, name: &str) -> SplitMix64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-    }
-    let mut mix = SplitMix64::new(seed ^ h);
-    SplitMix64::new(mix.next_u64())
-}
-
+/// N(mean, std²) from the stream of one named tensor: FNV-1a of the name, mixed with the seed.
 fn normal_tensor(seed: u64, name: &str, dims: &[usize], mean: f32, std: f32) -> candle_core::Result<Tensor> {
-    let n = dims.iter().product();
-    let v: Vec<f32> = stream(seed, name).normals(n).into_iter().map(|z| mean + std * z).collect();
+    let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+    let mut stream = SplitMix64::new(SplitMix64::new(seed ^ h).next_u64());
+    let v: Vec<f32> = stream.normals(dims.iter().product()).into_iter().map(|z| mean + std * z).collect();
     Tensor::from_vec(v, dims, &Device::Cpu)
 }
 
@@ -87,25 +77,21 @@ pub fn random_input(shape: &Shape, seed: u64) -> candle_core::Result<Tensor> {
     normal_tensor(seed, "x", &[shape.batch, shape.seq, shape.d_model], 0.0, 1.0)
 }
 
-/// GPT-2 names of one layer's tensors, in this order: the file stores the four matrices as
-/// Conv1D weights (in_features, out_features), i.e. transposed relative to ours.
-const GPT2_NAMES: [(&str, bool); 12] = [
-    ("ln_1.weight", false),
-    ("ln_1.bias", false),
-    ("attn.c_attn.weight", true),
-    ("attn.c_attn.bias", false),
-    ("attn.c_proj.weight", true),
-    ("attn.c_proj.bias", false),
-    ("ln_2.weight", false),
-    ("ln_2.bias", false),
-    ("mlp.c_fc.weight", true),
-    ("mlp.c_fc.bias", false),
-    ("mlp.c_proj.weight", true),
-    ("mlp.c_proj.bias", false),
+/// GPT-2 names of one layer's tensors, in the order of `BlockWeights`' fields.
+#[rustfmt::skip]
+const GPT2_NAMES: [&str; 12] = [
+    "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
+    "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias",
 ];
 
+/// The shapes of `GPT2_NAMES` in the file: GPT-2 stores the four matrices as Conv1D weights
+/// (in_features, out_features), i.e. transposed relative to ours.
+fn gpt2_shapes(c: usize, ff: usize) -> [Vec<usize>; 12] {
+    [vec![c], vec![c], vec![c, 3 * c], vec![3 * c], vec![c, c], vec![c], vec![c], vec![c], vec![c, ff], vec![ff], vec![ff, c], vec![c]]
+}
+
 /// Safetensors metadata key under which we record n_head (GPT-2 files do not carry it).
-pub const META_N_HEAD: &str = "n_head";
+const META_N_HEAD: &str = "n_head";
 
 impl BlockWeights {
     /// The documented recipe above, on the host. C and FF come from `shape`.
@@ -130,7 +116,7 @@ impl BlockWeights {
 
     /// C (d_model) and FF, read off the tensors.
     pub fn dims(&self) -> (usize, usize) {
-        // (FF, C); from_seed and load_gpt2 (check_shapes) guarantee rank 2.
+        // (FF, C); from_seed and load_gpt2 guarantee rank 2.
         match self.w_fc1.dims() {
             [ff, c] => (*c, *ff),
             _ => (0, 0),
@@ -138,65 +124,30 @@ impl BlockWeights {
     }
 
     fn tensors(&self) -> [&Tensor; 12] {
-        [
-            &self.ln1_g,
-            &self.ln1_b,
-            &self.w_qkv,
-            &self.b_qkv,
-            &self.w_proj,
-            &self.b_proj,
-            &self.ln2_g,
-            &self.ln2_b,
-            &self.w_fc1,
-            &self.b_fc1,
-            &self.w_fc2,
-            &self.b_fc2,
-        ]
+        let w = self;
+        [&w.ln1_g, &w.ln1_b, &w.w_qkv, &w.b_qkv, &w.w_proj, &w.b_proj, &w.ln2_g, &w.ln2_b, &w.w_fc1, &w.b_fc1, &w.w_fc2, &w.b_fc2]
     }
 
-    fn from_tensors(t: Vec<Tensor>) -> Self {
-        let mut it = t.into_iter();
-        let mut next = || it.next().expect("twelve tensors");
-        BlockWeights {
-            ln1_g: next(),
-            ln1_b: next(),
-            w_qkv: next(),
-            b_qkv: next(),
-            w_proj: next(),
-            b_proj: next(),
-            ln2_g: next(),
-            ln2_b: next(),
-            w_fc1: next(),
-            b_fc1: next(),
-            w_fc2: next(),
-            b_fc2: next(),
-        }
+    fn from_tensors(t: [Tensor; 12]) -> Self {
+        let [ln1_g, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_g, ln2_b, w_fc1, b_fc1, w_fc2, b_fc2] = t;
+        BlockWeights { ln1_g, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_g, ln2_b, w_fc1, b_fc1, w_fc2, b_fc2 }
     }
 
     /// Copy every tensor to `device`, once, before any stage builds.
     pub fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
-        let t = self.tensors().iter().map(|t| t.to_device(device)).collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Self::from_tensors(t))
+        let t: Vec<Tensor> = self.tensors().iter().map(|t| t.to_device(device)).collect::<candle_core::Result<_>>()?;
+        Ok(Self::from_tensors(t.try_into().expect("twelve tensors")))
     }
 
     /// Write as layer `layer` of a GPT-2 checkpoint (`h.{layer}.ln_1.weight`, ..., matrices
     /// transposed to Conv1D layout), with n_head in the file's metadata.
     pub fn save_gpt2(&self, path: &Path, layer: usize, n_head: usize) -> anyhow::Result<()> {
-        let mut data: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
-        for (t, (name, transposed)) in self.tensors().into_iter().zip(GPT2_NAMES) {
-            let t = if transposed { t.t()?.contiguous()? } else { t.clone() };
-            let t = t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-            let bytes: Vec<u8> = t.flatten_all()?.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect();
-            data.push((format!("h.{layer}.{name}"), bytes, t.dims().to_vec()));
-        }
-        let views = data
-            .iter()
-            .map(|(n, b, d)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, d.clone(), b)?)))
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let named = self.tensors().into_iter().zip(GPT2_NAMES).map(|(t, name)| {
+            let t = if t.rank() == 2 { t.t()? } else { t.clone() };
+            Ok((format!("h.{layer}.{name}"), t))
+        });
         let meta = HashMap::from([(META_N_HEAD.to_string(), n_head.to_string())]);
-        let bytes = safetensors::serialize(views, Some(meta))?;
-        crate::output::write("--save-weights", path, &bytes)?;
-        Ok(())
+        save("--save-weights", path, named.collect::<candle_core::Result<_>>()?, Some(meta))
     }
 
     /// Read one layer of a GPT-2-named safetensors file (keys `h.N.*`, optionally prefixed,
@@ -212,24 +163,14 @@ impl BlockWeights {
             ))
         };
         let bytes = read_file(path).map_err(&bad)?;
-        duplicate_key(&bytes).map_err(&bad)?;
-        let (_, header) =
-            safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
+        let (st, meta) = parse(&bytes).map_err(&bad)?;
         // n_head is ours (--save-weights writes it): when present it must be a positive integer.
-        let n_head = match header.metadata().as_ref().and_then(|m| m.get(META_N_HEAD)) {
-            None => None,
-            Some(v) => match v.trim().parse::<usize>() {
-                Ok(n) if n > 0 => Some(n),
-                _ => {
-                    let v: String = v.chars().take(100).collect(); // a file's string, shown bounded
-                    return Err(bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer (correct or drop the key)")));
-                }
-            },
-        };
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
-        let names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
-
-        // Layers present: the N of every key containing "h.N.ln_1.weight".
+        let heads = meta.as_ref().and_then(|m| m.get(META_N_HEAD));
+        let n_head = heads.map(|v| v.trim().parse::<usize>().ok().filter(|&n| n > 0).ok_or(v)).transpose().map_err(|v| {
+            let v: String = v.chars().take(100).collect(); // a file's string, shown bounded
+            bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer (correct or drop the key)"))
+        })?;
+        let names = st.names();
         let mut layers: Vec<usize> = names.iter().filter_map(|k| layer_of(k)).collect();
         layers.sort_unstable();
         layers.dedup();
@@ -240,70 +181,36 @@ impl BlockWeights {
             (None, [only]) => *only,
             (None, ls) => return Err(bad(format!("it holds {} layers ({ls:?}) and --layer was not given", ls.len()))),
         };
-
-        let mut tensors = Vec::with_capacity(12);
-        for (name, transposed) in GPT2_NAMES {
+        let find = |name: &str| {
             let suffix = format!("h.{layer}.{name}");
-            let key = names
-                .iter()
-                .find(|k| *k == &suffix || k.ends_with(&format!(".{suffix}")))
-                .ok_or_else(|| bad(format!("tensor {suffix} is missing")))?;
-            let view = st.tensor(key).map_err(|e| bad(format!("tensor {key}: {e}")))?;
-            let t = view_to_f32(&view).map_err(|e| bad(format!("tensor {key}: {e}")))?;
-            // Conv1D weights are (in, out) matrices in the file; anything else cannot be one.
-            if transposed && t.rank() != 2 {
-                return Err(bad(format!("tensor {key} has shape {:?}, but it is a weight matrix and needs 2 dimensions", t.dims())));
-            }
-            let t = if transposed { t.t().and_then(|t| t.contiguous()).map_err(|e| bad(format!("tensor {key}: {e}")))? } else { t };
-            tensors.push(t);
+            let key = names.iter().find(|k| **k == suffix || k.ends_with(&format!(".{suffix}")));
+            let key = key.ok_or_else(|| bad(format!("tensor {suffix} is missing")))?;
+            Ok::<_, SpeedkitError>((key.to_string(), st.tensor(key).map_err(|e| bad(format!("tensor {key}: {e}")))?))
+        };
+        let dim0 = |name| find(name).map(|(_, v)| v.shape().first().copied().unwrap_or(0));
+        let (c, ff) = (dim0("ln_1.weight")?, dim0("mlp.c_fc.bias")?);
+        if c == 0 || ff == 0 {
+            return Err(bad("ln_1.weight or mlp.c_fc.bias is empty".into()));
         }
-        let w = Self::from_tensors(tensors);
-        w.check_shapes().map_err(&bad)?;
-        let (c, _) = w.dims();
+        let mut tensors = Vec::with_capacity(12);
+        for (name, want) in GPT2_NAMES.into_iter().zip(gpt2_shapes(c, ff)) {
+            let (key, view) = find(name)?;
+            if view.shape() != want {
+                let matrix = if want.len() == 2 { " (a weight matrix: 2 dimensions)" } else { "" };
+                return Err(bad(format!("tensor {key} has shape {:?}, but C = {c} and FF = {ff} need {want:?}{matrix}", view.shape())));
+            }
+            let t = view_to_f32(&view).map_err(|e| bad(format!("tensor {key}: {e}")))?;
+            let t = if t.rank() == 2 { t.t().and_then(|t| t.contiguous()) } else { Ok(t) };
+            tensors.push(t.map_err(|e| bad(format!("tensor {key}: {e}")))?);
+        }
         if let Some(h) = n_head.filter(|h| c % h != 0) {
             return Err(bad(format!("its metadata {META_N_HEAD} = {h} does not divide C = {c} (correct or drop the key)")));
         }
-        Ok((w, n_head))
-    }
-
-    /// Every tensor has the shape the block needs for its C and FF.
-    fn check_shapes(&self) -> Result<(), String> {
-        let c = self.ln1_g.dims().first().copied().unwrap_or(0);
-        let ff = self.b_fc1.dims().first().copied().unwrap_or(0);
-        let expect: [(&str, &Tensor, Vec<usize>); 12] = [
-            ("ln_1.weight", &self.ln1_g, vec![c]),
-            ("ln_1.bias", &self.ln1_b, vec![c]),
-            ("attn.c_attn.weight", &self.w_qkv, vec![3 * c, c]),
-            ("attn.c_attn.bias", &self.b_qkv, vec![3 * c]),
-            ("attn.c_proj.weight", &self.w_proj, vec![c, c]),
-            ("attn.c_proj.bias", &self.b_proj, vec![c]),
-            ("ln_2.weight", &self.ln2_g, vec![c]),
-            ("ln_2.bias", &self.ln2_b, vec![c]),
-            ("mlp.c_fc.weight", &self.w_fc1, vec![ff, c]),
-            ("mlp.c_fc.bias", &self.b_fc1, vec![ff]),
-            ("mlp.c_proj.weight", &self.w_fc2, vec![c, ff]),
-            ("mlp.c_proj.bias", &self.b_fc2, vec![c]),
-        ];
-        if c == 0 || ff == 0 {
-            return Err("ln_1.weight or mlp.c_fc.bias is empty".into());
-        }
-        for (name, t, want) in expect {
-            if t.dims() != want.as_slice() {
-                let mut shown = t.dims().to_vec();
-                if shown.len() == 2 {
-                    shown.reverse(); // report in the file's (Conv1D) orientation
-                }
-                let mut want_file = want.clone();
-                if want_file.len() == 2 {
-                    want_file.reverse();
-                }
-                return Err(format!("{name} has shape {shown:?}, but C = {c} and FF = {ff} need {want_file:?}"));
-            }
-        }
-        Ok(())
+        Ok((Self::from_tensors(tensors.try_into().expect("twelve tensors")), n_head))
     }
 }
 
+/// The N of a key like "h.N.ln_1.weight" or "transformer.h.N.ln_1.weight".
 fn layer_of(key: &str) -> Option<usize> {
     let rest = key.strip_suffix(".ln_1.weight")?;
     let idx = rest.rfind("h.")?;
@@ -328,28 +235,32 @@ fn read_file(path: &Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("it cannot be read ({e})"))
 }
 
+/// The file's tensors and metadata, its header refused when it names a key twice.
+fn parse(bytes: &[u8]) -> Result<(SafeTensors<'_>, Option<HashMap<String, String>>), String> {
+    duplicate_key(bytes)?;
+    let not = |e| format!("it is not a safetensors file ({e})");
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(not)?;
+    Ok((SafeTensors::deserialize(bytes).map_err(not)?, header.metadata().clone()))
+}
+
 /// Refuse a safetensors header that names a tensor (or a metadata key) twice. The safetensors
 /// crate reads the header into a map, so the last entry would silently win and the data of the
 /// first would be read as the second: refused naming the key, before anything blames its values.
 fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
     use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
-    struct Keys(Option<String>);
-    struct V;
-    impl<'de> Visitor<'de> for V {
-        type Value = Keys;
+    /// The first key a JSON object (or its `__metadata__` object) repeats.
+    struct Dup(Option<String>);
+    impl<'de> Visitor<'de> for Dup {
+        type Value = Dup;
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
             f.write_str("a JSON object")
         }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Keys, A::Error> {
-            // The whole map is read (serde_json refuses a map left half-read); the first
-            // repeated key is kept.
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Dup, A::Error> {
+            // Read whole (serde_json refuses a map left half-read), keeping the first repeat.
             let (mut seen, mut first) = (std::collections::HashSet::new(), None);
             while let Some(k) = map.next_key::<String>()? {
                 if k == "__metadata__" {
-                    // Its own keys are a map too: a repeated n_head would hide the first.
-                    if let Keys(Some(dup)) = map.next_value::<Keys>()? {
-                        first = first.or(Some(format!("__metadata__.{dup}")));
-                    }
+                    first = first.or(map.next_value::<Dup>()?.0.map(|dup| format!("__metadata__.{dup}")));
                 } else {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -357,23 +268,23 @@ fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
                     first = first.or(Some(k));
                 }
             }
-            Ok(Keys(first))
+            Ok(Dup(first))
         }
     }
-    impl<'de> serde::Deserialize<'de> for Keys {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Keys, D::Error> {
-            d.deserialize_map(V)
+    impl<'de> serde::Deserialize<'de> for Dup {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Dup, D::Error> {
+            d.deserialize_map(Dup(None))
         }
     }
-    // The header as safetensors lays it out: an 8-byte little-endian length, then JSON. A
-    // header that does not parse is left to the safetensors reader's own message.
-    let Some(n) = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default())) else { return Ok(()) };
-    let Some(header) = usize::try_from(n).ok().and_then(|n| bytes.get(8..8usize.checked_add(n)?)) else { return Ok(()) };
-    match serde_json::from_slice::<Keys>(header) {
-        Ok(Keys(Some(k))) => {
-            let k: String = k.chars().take(200).collect();
-            Err(format!("its header names {k:?} twice, so one entry would silently replace the other (the file is damaged or was written by hand; remove the duplicate)"))
-        }
+    // An 8-byte little-endian length, then the JSON header; one that does not parse is left to
+    // the safetensors reader's own message.
+    let len = bytes.get(..8).and_then(|b| usize::try_from(u64::from_le_bytes(b.try_into().ok()?)).ok());
+    let Some(header) = len.and_then(|n| bytes.get(8..8usize.checked_add(n)?)) else { return Ok(()) };
+    match serde_json::from_slice::<Dup>(header) {
+        Ok(Dup(Some(k))) => Err(format!(
+            "its header names {:?} twice, so one entry would silently replace the other (the file is damaged or was written by hand; remove the duplicate)",
+            k.chars().take(200).collect::<String>()
+        )),
         _ => Ok(()),
     }
 }
@@ -381,36 +292,34 @@ fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
 /// A tensor of the file as f32, refusing a value that is NaN or infinite (or an f64 past f32's
 /// range): a bad number in a user's file is bad input, not a failed check of ours. The first
 /// such index is named in the file's own layout (a Conv1D matrix: (in, out)).
-fn view_to_f32(view: &safetensors::tensor::TensorView<'_>) -> Result<Tensor, String> {
-    let dims = view.shape().to_vec();
-    let data = view.data();
-    let v: Vec<f32> = match view.dtype() {
-        safetensors::Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        safetensors::Dtype::F64 => {
-            data.chunks_exact(8).map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32).collect()
-        }
-        safetensors::Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        safetensors::Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        other => return Err(format!("dtype {other:?} is not a float type (need F32, F16, BF16 or F64)")),
-    };
+fn view_to_f32(view: &TensorView<'_>) -> Result<Tensor, String> {
+    use candle_core::safetensors::Load;
+    if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::F16 | Dtype::BF16) {
+        return Err(format!("dtype {:?} is not a float type (need F32, F16, BF16 or F64)", view.dtype()));
+    }
+    let t = view.load(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).map_err(|e| e.to_string())?;
+    let v: Vec<f32> = t.flatten_all().and_then(|t| t.to_vec1()).map_err(|e| e.to_string())?;
     if let Some(flat) = v.iter().position(|x| !x.is_finite()) {
-        // Flat position -> index in the file's dims, e.g. [3, 17].
+        // Flat position -> index in the file's dims, e.g. [3, 17] (every dim is at least 1 here).
         let mut rest = flat;
-        let mut index = vec![0; dims.len()];
-        for (i, d) in dims.iter().enumerate().rev() {
-            if *d > 0 {
-                index[i] = rest % d;
+        let mut index: Vec<usize> = view
+            .shape()
+            .iter()
+            .rev()
+            .map(|d| {
+                let i = rest % d;
                 rest /= d;
-            }
-        }
+                i
+            })
+            .collect();
+        index.reverse();
         let count = v.iter().filter(|x| !x.is_finite()).count();
         return Err(format!(
-            "holds {} at index {index:?} (the first of {count} NaN or infinite values; the block needs finite \
-             numbers, so replace them)",
+            "holds {} at index {index:?} (the first of {count} NaN or infinite values; the block needs finite numbers, so replace them)",
             v[flat]
         ));
     }
-    Tensor::from_vec(v, dims, &Device::Cpu).map_err(|e| e.to_string())
+    Ok(t)
 }
 
 /// Read the input x (B, T, C) from a safetensors file: the tensor named "x", or the file's
@@ -423,38 +332,32 @@ pub fn load_input(path: &Path) -> Result<Tensor, SpeedkitError> {
         ))
     };
     let bytes = read_file(path).map_err(&bad)?;
-    duplicate_key(&bytes).map_err(&bad)?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("it is not a safetensors file ({e})")))?;
+    let (st, _) = parse(&bytes).map_err(&bad)?;
     let names = st.names();
-    let key = if names.contains(&"x") {
-        "x".to_string()
-    } else if names.len() == 1 {
-        names[0].to_string()
-    } else {
-        return Err(bad(format!("it has no tensor named \"x\" and {} tensors", names.len())));
+    let key = match names.as_slice() {
+        _ if names.contains(&"x") => "x",
+        [only] => only,
+        _ => return Err(bad(format!("it has no tensor named \"x\" and {} tensors", names.len()))),
     };
-    let view = st.tensor(&key).map_err(|e| bad(e.to_string()))?;
+    let view = st.tensor(key).map_err(|e| bad(e.to_string()))?;
     if view.shape().len() != 3 || view.shape().contains(&0) {
         return Err(bad(format!("tensor {key} has shape {:?}, not (B, T, C) with every dimension at least 1", view.shape())));
     }
     view_to_f32(&view).map_err(|e| bad(format!("tensor {key} {e}")))
 }
 
-/// Save named tensors (converted to f32, on the host) to a safetensors file, by the output
-/// policy (`crate::output`: temp file + rename, mode 0666 less the umask like every output).
+/// Save named tensors (converted to f32, on the host) to a safetensors file.
 pub fn save_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> anyhow::Result<()> {
-    let mut data: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
-    for (name, t) in tensors {
-        let t = t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-        let bytes: Vec<u8> = t.flatten_all()?.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect();
-        data.push((name.to_string(), bytes, t.dims().to_vec()));
-    }
-    let views = data
-        .iter()
-        .map(|(n, b, d)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, d.clone(), b)?)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, None)?;
-    crate::output::write("--save-output", path, &bytes)?;
+    save("--save-output", path, tensors.iter().map(|(n, t)| (n.to_string(), (*t).clone())).collect(), None)
+}
+
+/// Write `tensors` as f32 by the output policy (`crate::output`: temp file + rename).
+fn save(flag: &str, path: &Path, tensors: Vec<(String, Tensor)>, meta: Option<HashMap<String, String>>) -> anyhow::Result<()> {
+    let host = tensors
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    crate::output::write(flag, path, &safetensors::serialize(host, meta)?)?;
     Ok(())
 }
 
