@@ -1,13 +1,9 @@
-//! `--breakdown`: where the milliseconds go inside one forward.
-//!
-//! Each stage's `forward` calls `part("ln1")?`, `part("qkv")?`, ... where a named part of the
-//! block begins; outside a breakdown run that reads one thread-local and returns. Inside one
-//! (`record`), a boundary on the CPU synchronizes and reads the clock; on a GPU it records a
-//! CUDA event on candle's stream (the GPU keeps its queue) and opens an NVTX range with the
-//! part's name, so `nsys`/`ncu` show the table's names. The boundaries cost a little and stop
-//! work overlapping across them, so the total is shown next to the uninstrumented median, never
-//! instead of it. A stage that fuses two parts names them as one (stage 3's
-//! "proj+residual+ln2").
+//! `--breakdown`: where the milliseconds go inside one forward. Each stage's `forward` calls
+//! `part("ln1")?`, `part("qkv")?`, ... where a named part of the block begins: a no-op outside
+//! `record`. Inside it, a boundary synchronizes and reads the clock on the CPU; on a GPU it
+//! records a CUDA event (the GPU keeps its queue) and opens an NVTX range with the part's name,
+//! so `nsys`/`ncu` show the table's names. Boundaries cost a little and stop work overlapping
+//! across them, so the total is shown beside the uninstrumented median, never instead of it.
 
 use crate::timing::Stats;
 use candle_core::{Device, Tensor};
@@ -15,7 +11,8 @@ use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::time::Instant;
 
-/// The block's parts in forward order, as stages 0–2 name them.
+/// The block's parts in forward order, as stages 0–2 name them (a stage that fuses two parts
+/// names them as one, e.g. stage 3's "proj+residual+ln2").
 pub const PARTS: [&str; 7] = ["ln1", "qkv", "attention", "proj+residual", "ln2", "fc1+gelu", "fc2+residual"];
 
 /// One part's time over the instrumented iterations.
@@ -28,8 +25,7 @@ pub struct PartTime {
     /// One per instrumented iteration, so runs in rounds can be merged (`merge`).
     #[serde(default)]
     pub samples_ms: Vec<f64>,
-    /// FLOPs, minimum bytes, achieved rates against the ceilings, and the label
-    /// (`regime::annotate`, filled when the run's ceilings are known).
+    /// FLOPs, bytes, rates against the ceilings and the label (`regime::annotate`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub regime: Option<crate::regime::PartRegime>,
 }
@@ -41,7 +37,6 @@ pub struct Breakdown {
     pub parts: Vec<PartTime>,
     /// Median over iterations of the per-iteration sum of the parts.
     pub total_ms: f64,
-    /// The per-iteration sums.
     #[serde(default)]
     pub total_samples_ms: Vec<f64>,
     pub iters: usize,
@@ -50,27 +45,16 @@ pub struct Breakdown {
 }
 
 impl Breakdown {
-    /// Percentiles of each part's samples and of the totals.
     fn from_samples(parts: Vec<(String, Vec<f64>)>, total: Vec<f64>, iters: usize, method: String) -> Breakdown {
-        let parts = parts
-            .into_iter()
-            .map(|(name, samples)| {
-                let Stats { median_ms, p10_ms, p90_ms, samples_ms, .. } = Stats::from_samples(samples);
-                PartTime { name, median_ms, p10_ms, p90_ms, samples_ms, regime: None }
-            })
-            .collect();
-        let total = Stats::from_samples(total);
-        Breakdown { parts, total_ms: total.median_ms, total_samples_ms: total.samples_ms, iters, method }
+        let part = |(name, samples)| {
+            let Stats { median_ms, p10_ms, p90_ms, samples_ms, .. } = Stats::from_samples(samples);
+            PartTime { name, median_ms, p10_ms, p90_ms, samples_ms, regime: None }
+        };
+        let Stats { median_ms: total_ms, samples_ms: total_samples_ms, .. } = Stats::from_samples(total);
+        Breakdown { parts: parts.into_iter().map(part).collect(), total_ms, total_samples_ms, iters, method }
     }
 }
 
-/// The flags a boundary's CUDA event is created with: timing on. cudarc's default,
-/// CU_EVENT_DISABLE_TIMING, makes cuEventElapsedTime fail with CUDA_ERROR_INVALID_HANDLE.
-#[cfg(feature = "cuda")]
-const TIMING_EVENT: candle_core::cuda::cudarc::driver::sys::CUevent_flags =
-    candle_core::cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-
-/// Where a part boundary's time comes from.
 enum Clock {
     Host(Instant),
     #[cfg(feature = "cuda")]
@@ -79,7 +63,7 @@ enum Clock {
 
 struct Recorder {
     device: Device,
-    /// (part, when it began), in order, for the forward being recorded.
+    /// (part, when it began), in order.
     marks: Vec<(&'static str, Clock)>,
     #[cfg(feature = "cuda")]
     nvtx: Option<&'static nvtx::Nvtx>,
@@ -94,6 +78,12 @@ pub fn part(name: &'static str) -> candle_core::Result<()> {
     RECORDER.with(|r| r.borrow_mut().as_mut().map_or(Ok(()), |rec| rec.boundary(Some(name))))
 }
 
+/// The flags a boundary's CUDA event is created with: timing on. cudarc's default,
+/// CU_EVENT_DISABLE_TIMING, makes cuEventElapsedTime fail with CUDA_ERROR_INVALID_HANDLE.
+#[cfg(feature = "cuda")]
+const TIMING_EVENT: candle_core::cuda::cudarc::driver::sys::CUevent_flags =
+    candle_core::cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+
 impl Recorder {
     /// Close the open part (if any) and open `next` (if any).
     fn boundary(&mut self, next: Option<&'static str>) -> candle_core::Result<()> {
@@ -101,10 +91,17 @@ impl Recorder {
         if let Device::Cuda(d) = &self.device {
             let event = d.cuda_stream().record_event(Some(TIMING_EVENT)).map_err(candle_core::Error::wrap)?;
             if let Some(nvtx) = self.nvtx {
-                if !self.marks.is_empty() {
-                    nvtx.pop();
+                let name = next.map(|n| std::ffi::CString::new(n).unwrap_or_default());
+                // SAFETY: NVTX ignores a pop without a push; a push copies the NUL-terminated
+                // name, which lives across the call.
+                unsafe {
+                    if !self.marks.is_empty() {
+                        (nvtx.pop)();
+                    }
+                    if let Some(n) = &name {
+                        (nvtx.push)(n.as_ptr());
+                    }
                 }
-                next.inspect(|n| nvtx.push(n));
             }
             self.marks.push((next.unwrap_or(""), Clock::Event(event)));
             return Ok(());
@@ -117,46 +114,29 @@ impl Recorder {
     /// (part, ms) for the forward just recorded; waits for the GPU first.
     fn times(&self) -> candle_core::Result<Vec<(&'static str, f64)>> {
         self.device.synchronize()?;
-        let mut out = Vec::with_capacity(self.marks.len());
-        for w in self.marks.windows(2) {
-            let ms = match (&w[0].1, &w[1].1) {
-                (Clock::Host(a), Clock::Host(b)) => (*b - *a).as_secs_f64() * 1e3,
-                #[cfg(feature = "cuda")]
-                (Clock::Event(a), Clock::Event(b)) => a.elapsed_ms(b).map_err(candle_core::Error::wrap)? as f64,
-                #[cfg(feature = "cuda")]
-                _ => candle_core::bail!("breakdown: host and CUDA clocks mixed in one forward"),
-            };
-            out.push((w[0].0, ms));
-        }
-        Ok(out)
+        let ms = |w: &[(&'static str, Clock)]| match (&w[0].1, &w[1].1) {
+            (Clock::Host(a), Clock::Host(b)) => Ok((w[0].0, (*b - *a).as_secs_f64() * 1e3)),
+            #[cfg(feature = "cuda")]
+            (Clock::Event(a), Clock::Event(b)) => Ok((w[0].0, a.elapsed_ms(b).map_err(candle_core::Error::wrap)? as f64)),
+            #[cfg(feature = "cuda")]
+            _ => candle_core::bail!("breakdown: host and CUDA clocks mixed in one forward"),
+        };
+        self.marks.windows(2).map(ms).collect()
     }
 }
 
-/// NVTX v2's two range calls, from libnvToolsExt loaded at run time (CUDA 12.x ships it; NVTX 3
-/// is header-only and CUDA 13 no longer ships the library, so its absence is normal: the
-/// breakdown then has CUDA events only). `nsys` intercepts these calls by this library's name.
+/// NVTX v2's two range calls, from libnvToolsExt loaded at run time (CUDA 12.x ships it; CUDA 13
+/// does not, NVTX 3 being header-only, so without it the breakdown has CUDA events only). `nsys`
+/// intercepts these calls by this library's name.
 #[cfg(feature = "cuda")]
 mod nvtx {
-    use std::ffi::{c_char, c_int, CString};
+    use std::ffi::{c_char, c_int};
     use std::sync::OnceLock;
 
     pub struct Nvtx {
         _lib: libloading::Library,
-        push: unsafe extern "C" fn(*const c_char) -> c_int,
-        pop: unsafe extern "C" fn() -> c_int,
-    }
-
-    impl Nvtx {
-        pub fn push(&self, name: &str) {
-            let name = CString::new(name).unwrap_or_default();
-            // SAFETY: nvtxRangePushA copies a NUL-terminated string; `name` lives across the call.
-            unsafe { (self.push)(name.as_ptr()) };
-        }
-
-        pub fn pop(&self) {
-            // SAFETY: nvtxRangePop takes no arguments; a pop without a push is ignored by NVTX.
-            unsafe { (self.pop)() };
-        }
+        pub push: unsafe extern "C" fn(*const c_char) -> c_int,
+        pub pop: unsafe extern "C" fn() -> c_int,
     }
 
     /// The library, loaded once; `None` when it is not installed.
@@ -164,8 +144,7 @@ mod nvtx {
         static NVTX: OnceLock<Option<Nvtx>> = OnceLock::new();
         NVTX.get_or_init(|| {
             ["libnvToolsExt.so.1", "libnvToolsExt.so"].iter().find_map(|name| {
-                // SAFETY: loading a shared library runs its initialisers; libnvToolsExt's only
-                // set up NVTX's injection hooks.
+                // SAFETY: libnvToolsExt's initialisers only set up NVTX's injection hooks.
                 let lib = unsafe { libloading::Library::new(*name) }.ok()?;
                 // SAFETY: the symbols have these C signatures in nvToolsExt.h (NVTX v2).
                 let push = unsafe { *lib.get::<unsafe extern "C" fn(*const c_char) -> c_int>(b"nvtxRangePushA\0").ok()? };
@@ -195,7 +174,7 @@ pub fn record(
         ),
         _ => "instrumented: device synchronize at each part boundary".into(),
     };
-    let mut samples: Vec<Vec<(&'static str, f64)>> = Vec::with_capacity(iters);
+    let mut samples = Vec::with_capacity(iters);
     for i in 0..warmup + iters {
         let rec = Recorder {
             device: device.clone(),
@@ -205,7 +184,7 @@ pub fn record(
         };
         RECORDER.with(|r| *r.borrow_mut() = Some(rec));
         let y = forward();
-        // The recorder comes off whatever the forward did; its end closes the last part.
+        // The recorder comes off whatever the forward did; the forward's end closes the last part.
         let mut rec = RECORDER.with(|r| r.borrow_mut().take()).expect("the recorder installed above");
         let y = y?;
         rec.boundary(None)?;
@@ -246,20 +225,14 @@ pub fn merge(a: &Breakdown, b: &Breakdown) -> Option<Breakdown> {
 
 /// The breakdown as text lines under a record's details: one line per part, then the total
 /// beside the uninstrumented median.
-pub fn text(b: &Breakdown, median_ms: f64) -> String {
+pub fn text(b: &Breakdown, uninstrumented_ms: f64) -> String {
     let mut out = format!("breakdown ({}, {} iterations)\n", b.method, b.iters);
     let width = b.parts.iter().map(|p| p.name.len()).max().unwrap_or(0);
-    for p in &b.parts {
-        out += &format!(
-            "  {:<width$}  {:>9.3} ms  ({:>5.1} %)  p10-p90 {:.3}-{:.3}\n",
-            p.name,
-            p.median_ms,
-            100.0 * p.median_ms / b.total_ms.max(f64::MIN_POSITIVE),
-            p.p10_ms,
-            p.p90_ms
-        );
+    for PartTime { name, median_ms, p10_ms, p90_ms, .. } in &b.parts {
+        let pct = 100.0 * median_ms / b.total_ms.max(f64::MIN_POSITIVE);
+        out += &format!("  {name:<width$}  {median_ms:>9.3} ms  ({pct:>5.1} %)  p10-p90 {p10_ms:.3}-{p90_ms:.3}\n");
     }
-    out += &format!("  {:<width$}  {:>9.3} ms  (uninstrumented median {:.3} ms)\n", "total", b.total_ms, median_ms);
+    out += &format!("  {:<width$}  {:>9.3} ms  (uninstrumented median {uninstrumented_ms:.3} ms)\n", "total", b.total_ms);
     out
 }
 

@@ -81,22 +81,15 @@ impl DeviceInfo {
 
     /// One line for the top of every run: device, SM, memory, and what it supports.
     pub fn describe(&self) -> String {
+        let DeviceInfo { ordinal, name, threads, why, .. } = self;
         let mem = self.memory_bytes.map(|b| format!(", {:.1} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_default();
         let yes_no = |b: bool| if b { "yes" } else { "no" };
+        let (bf16, tf32, fp8) = (yes_no(self.has_bf16_tensor_cores()), yes_no(self.has_tf32()), yes_no(self.has_fp8_tensor_cores()));
         match self.sm {
-            Some((ma, mi)) => format!(
-                "cuda:{} {} (SM {ma}.{mi}{mem}; bf16 tensor cores: {}, TF32: {}, FP8: {}) [{}]",
-                self.ordinal,
-                self.name,
-                yes_no(self.has_bf16_tensor_cores()),
-                yes_no(self.has_tf32()),
-                yes_no(self.has_fp8_tensor_cores()),
-                self.why
-            ),
-            None => format!(
-                "cpu {} ({} threads{mem}; no tensor cores: every precision runs on the SIMD units) [{}]",
-                self.name, self.threads, self.why
-            ),
+            Some((ma, mi)) => {
+                format!("cuda:{ordinal} {name} (SM {ma}.{mi}{mem}; bf16 tensor cores: {bf16}, TF32: {tf32}, FP8: {fp8}) [{why}]")
+            }
+            None => format!("cpu {name} ({threads} threads{mem}; no tensor cores: every precision runs on the SIMD units) [{why}]"),
         }
     }
 }
@@ -352,14 +345,9 @@ impl MemCounters for CpuCounters {
     /// Hand memory the C allocator holds free back to the OS, so RSS counts live data only
     /// (else a stage reusing an earlier one's freed buffers would not grow RSS).
     fn synchronize(&mut self) {
+        // SAFETY: glibc's malloc_trim takes no pointers and may be called at any time.
         #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        {
-            extern "C" {
-                fn malloc_trim(pad: usize) -> i32;
-            }
-            // SAFETY: glibc's malloc_trim takes no pointers and may be called at any time.
-            unsafe { malloc_trim(0) };
-        }
+        let _ = unsafe { libc::malloc_trim(0) };
     }
     fn used(&mut self) -> Option<u64> {
         proc_bytes("/proc/self/status", "VmRSS:")

@@ -73,15 +73,11 @@ pub fn run_capture(steps: &mut dyn CaptureSteps) -> anyhow::Result<()> {
     }
 }
 
-/// Something that replays captured work: a CUDA graph, or a fake in the tests.
-pub trait Replay {
-    fn replay(&self) -> candle_core::Result<()>;
-}
-
 /// A captured stage: `forward` replays the graph, `self_check` asks the stage itself (stage 4's
 /// FP8 twin check runs under --cuda-graph too, outside the graph).
-pub struct Graphed<G: Replay> {
-    graph: G,
+pub struct Graphed {
+    /// Launches the graph (a fake in the tests).
+    replay: Box<dyn Fn() -> candle_core::Result<()>>,
     input: candle_core::TensorId,
     out: Tensor,
     // The stage owns the weights the graph reads: it must outlive the graph (fields drop in
@@ -89,12 +85,12 @@ pub struct Graphed<G: Replay> {
     stage: Box<dyn Forward>,
 }
 
-impl<G: Replay> Forward for Graphed<G> {
+impl Forward for Graphed {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if x.id() != self.input {
             candle_core::bail!("a CUDA graph replays the input it captured; build it again for another input");
         }
-        self.graph.replay()?;
+        (self.replay)()?;
         Ok(self.out.clone())
     }
 
@@ -125,7 +121,7 @@ mod imp {
         stream: Arc<CudaStream>,
     }
 
-    impl Replay for RawGraph {
+    impl RawGraph {
         fn replay(&self) -> candle_core::Result<()> {
             let launch = self.stream.context().bind_to_thread().and_then(|_| {
                 // SAFETY: `exec` was instantiated from a capture of `stream` and lives as long as self.
@@ -219,17 +215,14 @@ mod imp {
         fn release_captured(&mut self) {
             // The output's memory came from the failed graph's allocation nodes, which never ran:
             // freeing it would store an error in the context, failing the next call.
-            if let Some(out) = self.out.take() {
-                std::mem::forget(out);
-            }
+            std::mem::forget(self.out.take());
         }
     }
 
     pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Result<Box<dyn Forward>> {
         let dev = x.device().as_cuda_device()?.clone();
-        let stream = dev.cuda_stream();
         let (graph, out) = {
-            let mut real = Real { dev, stream, stage: stage.as_ref(), x, guard: None, out: None, graph: None };
+            let mut real = Real { stream: dev.cuda_stream(), dev, stage: stage.as_ref(), x, guard: None, out: None, graph: None };
             let done = run_capture(&mut real);
             drop(real.guard.take()); // the h2d cache off again, whatever happened
             done.map_err(|e| refuse(name, e.to_string()))?;
@@ -238,7 +231,7 @@ mod imp {
         let (Some(graph), Some(out)) = (graph, out) else { return Err(refuse(name, "the capture produced no graph".into())) };
         // SAFETY: the graph's exec and candle's stream, both alive.
         unsafe { result::graph::upload(graph.exec, graph.stream.cu_stream()) }.map_err(|e| refuse(name, format!("{e:?}")))?;
-        Ok(Box::new(Graphed { graph, input: x.id(), out, stage }))
+        Ok(Box::new(Graphed { replay: Box::new(move || graph.replay()), input: x.id(), out, stage }))
     }
 
     fn refuse(name: &str, why: String) -> anyhow::Error {
@@ -312,13 +305,6 @@ mod tests {
         assert_eq!(r.calls, ["cache on", "warm-up (cache on)", "sync", "begin", "captured forward", "end"]);
     }
 
-    struct FakeGraph;
-    impl Replay for FakeGraph {
-        fn replay(&self) -> candle_core::Result<()> {
-            Ok(())
-        }
-    }
-
     /// A stage with its own check, as stage 4 has.
     struct Checked;
     impl Forward for Checked {
@@ -335,7 +321,7 @@ mod tests {
     #[test]
     fn a_graphed_stage_forwards_its_own_check() {
         let x = Tensor::zeros(4, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
-        let g = Graphed { graph: FakeGraph, input: x.id(), out: x.clone(), stage: Box::new(Checked) };
+        let g = Graphed { replay: Box::new(|| Ok(())), input: x.id(), out: x.clone(), stage: Box::new(Checked) };
         let y = g.forward(&x).unwrap();
         assert_eq!(g.self_check(&x, &y).unwrap_err().to_string(), "the stage's own check ran");
         assert!(g.forward(&x.clone().contiguous().unwrap().affine(1.0, 0.0).unwrap()).is_err(), "another input is refused");
