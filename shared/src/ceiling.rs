@@ -56,8 +56,7 @@ impl CpuCeiling {
     /// One line for the terminal.
     pub fn describe(&self) -> String {
         let CpuCeiling { gemm_backend, simd, gemm_gflops, bandwidth_gbs, threads, .. } = self;
-        let each: Vec<String> = self.gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect();
-        let each = each.join(", ");
+        let each = self.gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
         format!(
             "{gemm_backend} · SIMD {simd} · GEMM {gemm_gflops:.1} GFLOP/s at the block's shapes ({each}) · \
              triad {bandwidth_gbs:.1} GB/s · {threads} threads"

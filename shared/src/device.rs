@@ -100,16 +100,14 @@ pub fn select(req: DeviceRequest) -> Result<(Device, DeviceInfo), SpeedkitError>
     match req {
         DeviceRequest::Cpu => Ok((Device::Cpu, cpu_info("requested with --device cpu"))),
         DeviceRequest::Cuda(n) => open_cuda(n, format!("requested with --device cuda:{n}")),
-        DeviceRequest::Auto => {
-            if !cfg!(feature = "cuda") {
-                return Ok((Device::Cpu, cpu_info("auto: this build has no CUDA support (build with --features cuda for the GPU)")));
+        DeviceRequest::Auto => match cuda_device_count() {
+            _ if !cfg!(feature = "cuda") => {
+                Ok((Device::Cpu, cpu_info("auto: this build has no CUDA support (build with --features cuda for the GPU)")))
             }
-            match cuda_device_count() {
-                Ok(n) if n > 0 => open_cuda(0, format!("auto: first of {n} CUDA device(s)")),
-                Ok(_) => Ok((Device::Cpu, cpu_info("auto: CUDA build, but the driver reports no GPU"))),
-                Err(e) => Ok((Device::Cpu, cpu_info(&format!("auto: CUDA build, but no usable driver/GPU ({e})")))),
-            }
-        }
+            Ok(n) if n > 0 => open_cuda(0, format!("auto: first of {n} CUDA device(s)")),
+            Ok(_) => Ok((Device::Cpu, cpu_info("auto: CUDA build, but the driver reports no GPU"))),
+            Err(e) => Ok((Device::Cpu, cpu_info(&format!("auto: CUDA build, but no usable driver/GPU ({e})")))),
+        },
     }
 }
 
@@ -363,7 +361,7 @@ impl MemCounters for CpuCounters {
 #[cfg(feature = "cuda")]
 mod cuda_pool {
     use super::MemCounters;
-    use candle_core::cuda::cudarc::driver::{sys, CudaStream};
+    use candle_core::cuda::cudarc::driver::{result, sys, CudaStream, DriverError};
     use std::ffi::c_void;
     use std::sync::Arc;
     use sys::{CUgraphMem_attribute as Graph, CUmemPool_attribute as Pool};
@@ -377,16 +375,13 @@ mod cuda_pool {
     }
 
     impl PoolCounters {
-        pub fn new(d: &candle_core::cuda::CudaDevice) -> Result<Self, sys::CUresult> {
+        pub fn new(d: &candle_core::cuda::CudaDevice) -> Result<Self, DriverError> {
             let stream = d.cuda_stream();
-            stream.context().bind_to_thread().map_err(|e| e.0)?;
+            stream.context().bind_to_thread()?;
             let dev = stream.context().cu_device();
-            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-            // SAFETY: `pool` is a valid out-pointer; `dev` is this context's device.
-            match unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, dev) } {
-                sys::CUresult::CUDA_SUCCESS => Ok(PoolCounters { stream, pool, dev }),
-                e => Err(e),
-            }
+            // SAFETY: `dev` is this context's device.
+            let pool = unsafe { result::device::get_default_mem_pool(dev) }?;
+            Ok(PoolCounters { stream, pool, dev })
         }
 
         /// One cuuint64_t memory attribute, through the pointer `call` is given.

@@ -1,9 +1,7 @@
-//! `--cuda-graph`: capture a built stage's forward once as a CUDA graph and replay it, so the
-//! CPU issues one launch per forward instead of one per kernel (dozens in stages 0–2). What it
-//! saves is launch overhead, a few µs per kernel, which matters when kernels are short: small
-//! shapes, or a fused stage whose kernels are few and fast. A replay computes the captured
-//! input: the runner always times the same x, and a different x is an error, not a silent stale
-//! result.
+//! `--cuda-graph`: capture a built stage's forward once as a CUDA graph and replay it: one
+//! launch per forward instead of one per kernel (dozens in stages 0–2), saving a few µs per
+//! kernel, which matters when kernels are short. A replay computes the captured input; the
+//! runner always times the same x, and a different x is an error, not a silent stale result.
 
 use crate::error::SpeedkitError;
 use crate::stage::Forward;
@@ -26,8 +24,7 @@ pub fn prepare(device: &candle_core::Device) -> Result<(), SpeedkitError> {
     Ok(())
 }
 
-/// Capture `stage` on `x` (after `prepare`); errors (exit 2) if the stage's forward does
-/// something a capture does not allow (the message says which stage and why).
+/// Capture `stage` on `x`; errors (exit 2) if its forward does something a capture does not allow.
 pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Result<Box<dyn Forward>> {
     prepare(x.device())?;
     imp::capture(name, stage, x)
@@ -147,8 +144,8 @@ mod imp {
         let _ = stream.context().check_err();
     }
 
-    /// End the stream's capture straight through the driver, and take the error (if any) that a
-    /// call inside the capture stored in the context, clearing it. `Ok(None)`: nothing captured.
+    /// End the stream's capture through the driver, taking (and clearing) any error a call inside
+    /// it stored in the context. `Ok(None)`: nothing captured.
     fn end_raw(stream: &CudaStream) -> anyhow::Result<Option<sys::CUgraph>> {
         // SAFETY: the stream is candle's, capturing on this thread since `begin_capture`.
         let graph = unsafe { result::stream::end_capture(stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuStreamEndCapture: {e:?}"))?;
