@@ -172,9 +172,8 @@ pub fn check_fit(shape: &Shape) -> Result<(), crate::SpeedkitError> {
     Vec::<u8>::new().try_reserve_exact(bytes).map_err(|_| refuse("allocating it failed".into()))
 }
 
-/// Measure the ceiling on the CPU for `shape`. Each GEMM shape: one untimed call (page faults,
-/// gemm's packing buffers), then the best of up to 3 timed ones within 0.5 s (a ceiling is what
-/// the machine can do, not what it usually does).
+/// Measure the ceiling on the CPU for `shape`. The best time counts: a ceiling is what the
+/// machine can do, not what it usually does.
 pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
     let dev = Device::Cpu;
     let mut gemms = Vec::new();
@@ -247,7 +246,8 @@ pub fn block_ceiling_gflops(shape: &Shape, gemms: &[GemmRate]) -> f64 {
     flops / secs / 1e9
 }
 
-/// One untimed call, then the best of up to 3 timed ones within 0.5 s, in seconds.
+/// One untimed call (page faults, gemm's packing buffers), then the best of up to 3 timed ones
+/// within 0.5 s, in seconds.
 fn best_time(mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Result<f64> {
     f()?;
     let (start, mut best) = (Instant::now(), f64::INFINITY);

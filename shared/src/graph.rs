@@ -159,10 +159,10 @@ mod imp {
         Ok(graph)
     }
 
-    /// The real steps: candle's stream, its cache guard, cudarc's capture.
+    /// The real steps.
     struct Real<'a> {
         dev: candle_core::cuda::CudaDevice,
-        stream: Arc<CudaStream>,
+        stream: Arc<CudaStream>, // candle's one stream
         stage: &'a dyn Forward,
         x: &'a Tensor,
         // candle's cache guard (its type is not exported): the cache is on while it lives.
