@@ -197,7 +197,7 @@ fn memory(r: &mut shared::selftest::Rows, device: &Device) {
             drop(t);
         }
         device.synchronize()?;
-        let (peak, method) = probe.finish(device);
+        let (peak, method) = probe.finish();
         let peak = peak.ok_or_else(|| anyhow::anyhow!("the probe could not measure ({method})"))?;
         // 60 of 64 MiB: the CPU's RSS counts pages, and a few of them may already be resident.
         anyhow::ensure!(

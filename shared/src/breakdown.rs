@@ -1,28 +1,18 @@
-//! `--breakdown`: where the milliseconds go inside one forward.
-//!
-//! Each stage's `forward` calls `part("ln1")?`, `part("qkv")?`, ... where a named part of the
-//! block begins. Outside a breakdown run that call reads one thread-local and returns: the timed
-//! forward is the stage's own. Inside one (`record`), a part boundary:
-//! - on the CPU, synchronizes the device and reads the clock (candle's CPU ops are synchronous,
-//!   so the clock alone would do; the synchronize keeps the two paths the same code);
-//! - on a GPU, records a CUDA event on candle's stream (no synchronize: the GPU keeps its queue)
-//!   and opens an NVTX range with the part's name, so `nsys`/`ncu` show the same names as the
-//!   table. The times are the event pairs' elapsed times, read after the forward.
-//!
-//! The breakdown is *instrumented*: the synchronizes (CPU) or events (GPU) cost a little and
-//! stop work from overlapping across a boundary, so its total is shown next to the
-//! uninstrumented median, never instead of it.
-//!
-//! Part names are the block's: ln1, qkv, attention, proj+residual, ln2, fc1+gelu,
-//! fc2+residual. A stage that fuses two parts names them as one (stage 3's
-//! "proj+residual+ln2").
+//! `--breakdown`: where the milliseconds go inside one forward. Each stage's `forward` calls
+//! `part("ln1")?`, `part("qkv")?`, ... where a named part of the block begins: a no-op outside
+//! `record`. Inside it, a boundary synchronizes and reads the clock on the CPU; on a GPU it
+//! records a CUDA event (the GPU keeps its queue) and opens an NVTX range with the part's name,
+//! so `nsys`/`ncu` show the table's names. Boundaries cost a little and stop work overlapping
+//! across them, so the total is shown beside the uninstrumented median, never instead of it.
 
+use crate::timing::Stats;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::time::Instant;
 
-/// The block's parts in forward order, as stages 0–2 name them.
+/// The block's parts in forward order, as stages 0–2 name them (a stage that fuses two parts
+/// names them as one, e.g. stage 3's "proj+residual+ln2").
 pub const PARTS: [&str; 7] = ["ln1", "qkv", "attention", "proj+residual", "ln2", "fc1+gelu", "fc2+residual"];
 
 /// One part's time over the instrumented iterations.
@@ -35,8 +25,7 @@ pub struct PartTime {
     /// One per instrumented iteration, so runs in rounds can be merged (`merge`).
     #[serde(default)]
     pub samples_ms: Vec<f64>,
-    /// FLOPs, minimum bytes, achieved rates against the ceilings, and the label
-    /// (`regime::annotate`, filled when the run's ceilings are known).
+    /// FLOPs, bytes, rates against the ceilings and the label (`regime::annotate`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub regime: Option<crate::regime::PartRegime>,
 }
@@ -48,7 +37,6 @@ pub struct Breakdown {
     pub parts: Vec<PartTime>,
     /// Median over iterations of the per-iteration sum of the parts.
     pub total_ms: f64,
-    /// The per-iteration sums.
     #[serde(default)]
     pub total_samples_ms: Vec<f64>,
     pub iters: usize,
@@ -56,12 +44,17 @@ pub struct Breakdown {
     pub method: String,
 }
 
-/// The flags a boundary's CUDA event is created with: timing on (CU_EVENT_DEFAULT).
-#[cfg(feature = "cuda")]
-pub const TIMING_EVENT: candle_core::cuda::cudarc::driver::sys::CUevent_flags =
-    candle_core::cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+impl Breakdown {
+    fn from_samples(parts: Vec<(String, Vec<f64>)>, total: Vec<f64>, iters: usize, method: String) -> Breakdown {
+        let part = |(name, samples)| {
+            let Stats { median_ms, p10_ms, p90_ms, samples_ms, .. } = Stats::from_samples(samples);
+            PartTime { name, median_ms, p10_ms, p90_ms, samples_ms, regime: None }
+        };
+        let Stats { median_ms: total_ms, samples_ms: total_samples_ms, .. } = Stats::from_samples(total);
+        Breakdown { parts: parts.into_iter().map(part).collect(), total_ms, total_samples_ms, iters, method }
+    }
+}
 
-/// Where a part boundary's time comes from.
 enum Clock {
     Host(Instant),
     #[cfg(feature = "cuda")]
@@ -70,10 +63,10 @@ enum Clock {
 
 struct Recorder {
     device: Device,
-    /// (part, when it began), in order, for the forward being recorded.
+    /// (part, when it began), in order.
     marks: Vec<(&'static str, Clock)>,
     #[cfg(feature = "cuda")]
-    nvtx: bool,
+    nvtx: Option<&'static nvtx::Nvtx>,
 }
 
 thread_local! {
@@ -82,91 +75,68 @@ thread_local! {
 
 /// A part of the block begins here. A no-op unless a breakdown is being recorded on this thread.
 pub fn part(name: &'static str) -> candle_core::Result<()> {
-    RECORDER.with(|r| match r.borrow_mut().as_mut() {
-        None => Ok(()),
-        Some(rec) => rec.boundary(Some(name)),
-    })
+    RECORDER.with(|r| r.borrow_mut().as_mut().map_or(Ok(()), |rec| rec.boundary(Some(name))))
 }
 
-impl Recorder {
-    fn clock(&self) -> candle_core::Result<Clock> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(d) = &self.device {
-            // `None` would give CU_EVENT_DISABLE_TIMING (cudarc's default for events, which
-            // are mostly for stream ordering), and cuEventElapsedTime refuses such events with
-            // CUDA_ERROR_INVALID_HANDLE: every stage's --breakdown failed so on the first H100 run.
-            let event = d.cuda_stream().record_event(Some(TIMING_EVENT)).map_err(candle_core::Error::wrap)?;
-            return Ok(Clock::Event(event));
-        }
-        self.device.synchronize()?;
-        Ok(Clock::Host(Instant::now()))
-    }
+/// The flags a boundary's CUDA event is created with: timing on. cudarc's default,
+/// CU_EVENT_DISABLE_TIMING, makes cuEventElapsedTime fail with CUDA_ERROR_INVALID_HANDLE.
+#[cfg(feature = "cuda")]
+const TIMING_EVENT: candle_core::cuda::cudarc::driver::sys::CUevent_flags =
+    candle_core::cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 
+impl Recorder {
     /// Close the open part (if any) and open `next` (if any).
     fn boundary(&mut self, next: Option<&'static str>) -> candle_core::Result<()> {
-        let clock = self.clock()?;
         #[cfg(feature = "cuda")]
-        if let (true, Some(nvtx)) = (self.nvtx, nvtx::get()) {
-            if !self.marks.is_empty() {
-                nvtx.pop();
+        if let Device::Cuda(d) = &self.device {
+            let event = d.cuda_stream().record_event(Some(TIMING_EVENT)).map_err(candle_core::Error::wrap)?;
+            if let Some(nvtx) = self.nvtx {
+                let name = next.map(|n| std::ffi::CString::new(n).unwrap_or_default());
+                // SAFETY: NVTX ignores a pop without a push; a push copies the NUL-terminated
+                // name, which lives across the call.
+                unsafe {
+                    if !self.marks.is_empty() {
+                        (nvtx.pop)();
+                    }
+                    if let Some(n) = &name {
+                        (nvtx.push)(n.as_ptr());
+                    }
+                }
             }
-            if let Some(n) = next {
-                nvtx.push(n);
-            }
+            self.marks.push((next.unwrap_or(""), Clock::Event(event)));
+            return Ok(());
         }
-        self.marks.push((next.unwrap_or(""), clock));
+        self.device.synchronize()?;
+        self.marks.push((next.unwrap_or(""), Clock::Host(Instant::now())));
         Ok(())
     }
 
     /// (part, ms) for the forward just recorded; waits for the GPU first.
     fn times(&self) -> candle_core::Result<Vec<(&'static str, f64)>> {
         self.device.synchronize()?;
-        let mut out = Vec::with_capacity(self.marks.len());
-        for w in self.marks.windows(2) {
-            let ms = match (&w[0].1, &w[1].1) {
-                (Clock::Host(a), Clock::Host(b)) => (*b - *a).as_secs_f64() * 1e3,
-                #[cfg(feature = "cuda")]
-                (Clock::Event(a), Clock::Event(b)) => a.elapsed_ms(b).map_err(candle_core::Error::wrap)? as f64,
-                #[cfg(feature = "cuda")]
-                _ => candle_core::bail!("breakdown: host and CUDA clocks mixed in one forward"),
-            };
-            out.push((w[0].0, ms));
-        }
-        Ok(out)
+        let ms = |w: &[(&'static str, Clock)]| match (&w[0].1, &w[1].1) {
+            (Clock::Host(a), Clock::Host(b)) => Ok((w[0].0, (*b - *a).as_secs_f64() * 1e3)),
+            #[cfg(feature = "cuda")]
+            (Clock::Event(a), Clock::Event(b)) => Ok((w[0].0, a.elapsed_ms(b).map_err(candle_core::Error::wrap)? as f64)),
+            #[cfg(feature = "cuda")]
+            _ => candle_core::bail!("breakdown: host and CUDA clocks mixed in one forward"),
+        };
+        self.marks.windows(2).map(ms).collect()
     }
 }
 
-/// Is libnvToolsExt loadable? (NVTX ranges are then emitted; without it, events only.)
-#[cfg(feature = "cuda")]
-fn nvtx_present() -> bool {
-    nvtx::get().is_some()
-}
-
-/// NVTX v2's two range calls, from libnvToolsExt loaded at run time (CUDA 12.x ships it; NVTX 3
-/// is header-only and CUDA 13 no longer ships the library, so its absence is normal: the
-/// breakdown then has CUDA events only). `nsys` intercepts these calls by this library's name.
+/// NVTX v2's two range calls, from libnvToolsExt loaded at run time (CUDA 12.x ships it; CUDA 13
+/// does not, NVTX 3 being header-only, so without it the breakdown has CUDA events only). `nsys`
+/// intercepts these calls by this library's name.
 #[cfg(feature = "cuda")]
 mod nvtx {
-    use std::ffi::{c_char, c_int, CString};
+    use std::ffi::{c_char, c_int};
     use std::sync::OnceLock;
 
     pub struct Nvtx {
         _lib: libloading::Library,
-        push: unsafe extern "C" fn(*const c_char) -> c_int,
-        pop: unsafe extern "C" fn() -> c_int,
-    }
-
-    impl Nvtx {
-        pub fn push(&self, name: &str) {
-            let name = CString::new(name).unwrap_or_default();
-            // SAFETY: nvtxRangePushA copies a NUL-terminated string; `name` lives across the call.
-            unsafe { (self.push)(name.as_ptr()) };
-        }
-
-        pub fn pop(&self) {
-            // SAFETY: nvtxRangePop takes no arguments; a pop without a push is ignored by NVTX.
-            unsafe { (self.pop)() };
-        }
+        pub push: unsafe extern "C" fn(*const c_char) -> c_int,
+        pub pop: unsafe extern "C" fn() -> c_int,
     }
 
     /// The library, loaded once; `None` when it is not installed.
@@ -174,8 +144,7 @@ mod nvtx {
         static NVTX: OnceLock<Option<Nvtx>> = OnceLock::new();
         NVTX.get_or_init(|| {
             ["libnvToolsExt.so.1", "libnvToolsExt.so"].iter().find_map(|name| {
-                // SAFETY: loading a shared library runs its initialisers; libnvToolsExt's only
-                // set up NVTX's injection hooks.
+                // SAFETY: libnvToolsExt's initialisers only set up NVTX's injection hooks.
                 let lib = unsafe { libloading::Library::new(*name) }.ok()?;
                 // SAFETY: the symbols have these C signatures in nvToolsExt.h (NVTX v2).
                 let push = unsafe { *lib.get::<unsafe extern "C" fn(*const c_char) -> c_int>(b"nvtxRangePushA\0").ok()? };
@@ -187,18 +156,6 @@ mod nvtx {
     }
 }
 
-/// How a breakdown on `device` times its boundaries, in words.
-pub fn method(device: &Device) -> String {
-    match device {
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => format!(
-            "instrumented: a CUDA event at each part boundary{}",
-            if nvtx_present() { " and an NVTX range per part" } else { " (libnvToolsExt not found: no NVTX ranges)" }
-        ),
-        _ => "instrumented: device synchronize at each part boundary".into(),
-    }
-}
-
 /// Run `forward` `warmup` + `iters` times with the part boundaries recorded, and summarise the
 /// timed iterations. A forward that marks no part is an error: the stage is not instrumented.
 pub fn record(
@@ -207,19 +164,29 @@ pub fn record(
     iters: usize,
     mut forward: impl FnMut() -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<Breakdown> {
-    let mut samples: Vec<Vec<(&'static str, f64)>> = Vec::with_capacity(iters);
+    #[cfg(feature = "cuda")]
+    let nvtx = if device.is_cuda() { nvtx::get() } else { None };
+    let method = match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => format!(
+            "instrumented: a CUDA event at each part boundary{}",
+            if nvtx.is_some() { " and an NVTX range per part" } else { " (libnvToolsExt not found: no NVTX ranges)" }
+        ),
+        _ => "instrumented: device synchronize at each part boundary".into(),
+    };
+    let mut samples = Vec::with_capacity(iters);
     for i in 0..warmup + iters {
         let rec = Recorder {
             device: device.clone(),
             marks: Vec::new(),
             #[cfg(feature = "cuda")]
-            nvtx: device.is_cuda() && nvtx_present(),
+            nvtx,
         };
         RECORDER.with(|r| *r.borrow_mut() = Some(rec));
         let y = forward();
-        // The forward's end closes the last part, whatever happened.
-        let rec = RECORDER.with(|r| r.borrow_mut().take());
-        let (y, mut rec) = (y?, rec.expect("the recorder installed above"));
+        // The recorder comes off whatever the forward did; the forward's end closes the last part.
+        let mut rec = RECORDER.with(|r| r.borrow_mut().take()).expect("the recorder installed above");
+        let y = y?;
         rec.boundary(None)?;
         drop(y);
         let times = rec.times()?;
@@ -230,34 +197,19 @@ pub fn record(
             samples.push(times);
         }
     }
-    summarise(&samples, iters, method(device))
+    summarise(&samples, iters, method)
 }
 
 /// Per-part percentiles and the median total, from per-iteration (part, ms) lists that name the
 /// same parts in the same order.
 pub fn summarise(samples: &[Vec<(&'static str, f64)>], iters: usize, method: String) -> candle_core::Result<Breakdown> {
     let Some(first) = samples.first() else { candle_core::bail!("breakdown: no timed iteration") };
-    let names: Vec<&str> = first.iter().map(|p| p.0).collect();
-    if samples.iter().any(|s| s.iter().map(|p| p.0).ne(names.iter().copied())) {
+    if samples.iter().any(|s| s.iter().map(|p| p.0).ne(first.iter().map(|p| p.0))) {
         candle_core::bail!("breakdown: the forward marked different parts on different iterations");
     }
-    let parts = names
-        .iter()
-        .enumerate()
-        .map(|(j, name)| {
-            let st = crate::timing::Stats::from_samples(samples.iter().map(|s| s[j].1).collect());
-            PartTime {
-                name: name.to_string(),
-                median_ms: st.median_ms,
-                p10_ms: st.p10_ms,
-                p90_ms: st.p90_ms,
-                samples_ms: st.samples_ms,
-                regime: None,
-            }
-        })
-        .collect();
-    let total = crate::timing::Stats::from_samples(samples.iter().map(|s| s.iter().map(|p| p.1).sum()).collect());
-    Ok(Breakdown { parts, total_ms: total.median_ms, total_samples_ms: total.samples_ms, iters, method })
+    let parts = first.iter().enumerate().map(|(j, p)| (p.0.to_string(), samples.iter().map(|s| s[j].1).collect())).collect();
+    let total = samples.iter().map(|s| s.iter().map(|p| p.1).sum()).collect();
+    Ok(Breakdown::from_samples(parts, total, iters, method))
 }
 
 /// Two breakdowns of the same stage (the ladder's rounds) as one: samples pooled, percentiles
@@ -266,49 +218,21 @@ pub fn merge(a: &Breakdown, b: &Breakdown) -> Option<Breakdown> {
     if a.parts.iter().map(|p| &p.name).ne(b.parts.iter().map(|p| &p.name)) {
         return None;
     }
-    let pooled = |x: &[f64], y: &[f64]| crate::timing::Stats::from_samples(x.iter().chain(y).copied().collect());
-    let parts = a
-        .parts
-        .iter()
-        .zip(&b.parts)
-        .map(|(p, q)| {
-            let st = pooled(&p.samples_ms, &q.samples_ms);
-            PartTime {
-                name: p.name.clone(),
-                median_ms: st.median_ms,
-                p10_ms: st.p10_ms,
-                p90_ms: st.p90_ms,
-                samples_ms: st.samples_ms,
-                regime: None,
-            }
-        })
-        .collect();
-    let total = pooled(&a.total_samples_ms, &b.total_samples_ms);
-    Some(Breakdown {
-        parts,
-        total_ms: total.median_ms,
-        total_samples_ms: total.samples_ms,
-        iters: a.iters + b.iters,
-        method: a.method.clone(),
-    })
+    let pooled = |x: &[f64], y: &[f64]| x.iter().chain(y).copied().collect();
+    let parts = a.parts.iter().zip(&b.parts).map(|(p, q)| (p.name.clone(), pooled(&p.samples_ms, &q.samples_ms))).collect();
+    Some(Breakdown::from_samples(parts, pooled(&a.total_samples_ms, &b.total_samples_ms), a.iters + b.iters, a.method.clone()))
 }
 
 /// The breakdown as text lines under a record's details: one line per part, then the total
 /// beside the uninstrumented median.
-pub fn text(b: &Breakdown, median_ms: f64) -> String {
+pub fn text(b: &Breakdown, uninstrumented_ms: f64) -> String {
     let mut out = format!("breakdown ({}, {} iterations)\n", b.method, b.iters);
     let width = b.parts.iter().map(|p| p.name.len()).max().unwrap_or(0);
-    for p in &b.parts {
-        out += &format!(
-            "  {:<width$}  {:>9.3} ms  ({:>5.1} %)  p10-p90 {:.3}-{:.3}\n",
-            p.name,
-            p.median_ms,
-            100.0 * p.median_ms / b.total_ms.max(f64::MIN_POSITIVE),
-            p.p10_ms,
-            p.p90_ms
-        );
+    for PartTime { name, median_ms, p10_ms, p90_ms, .. } in &b.parts {
+        let pct = 100.0 * median_ms / b.total_ms.max(f64::MIN_POSITIVE);
+        out += &format!("  {name:<width$}  {median_ms:>9.3} ms  ({pct:>5.1} %)  p10-p90 {p10_ms:.3}-{p90_ms:.3}\n");
     }
-    out += &format!("  {:<width$}  {:>9.3} ms  (uninstrumented median {:.3} ms)\n", "total", b.total_ms, median_ms);
+    out += &format!("  {:<width$}  {:>9.3} ms  (uninstrumented median {uninstrumented_ms:.3} ms)\n", "total", b.total_ms);
     out
 }
 

@@ -1,32 +1,21 @@
 //! A measured ceiling for "% of peak" on a CPU, where no datasheet number means much: this
-//! machine's GEMM rate at the block's own GEMM shapes — the four linears, and attention's two
-//! products per head (Q·Kᵀ: T × T × d_head, P·V: T × d_head × T) — with the GEMM backend this
-//! binary uses, and its memory bandwidth (a STREAM-style triad). A CPU row's % of peak is then
-//! "% of the measured GEMM ceiling": how close the whole block comes to the rate its FLOPs would
-//! run at if every one of them ran at the measured rate of its own GEMM shape (the softmax,
-//! LayerNorms, GELU and the time between GEMMs are what separate the two). Attention's shapes are
-//! thin (k = d_head = 64), so they run slower than the linears even as bare GEMMs; counting
-//! them at the linears' rate would hold attention to a rate no GEMM of its shape reaches.
-//!
-//! Also here: which GEMM backend and SIMD level ran (detected at run time), recorded in every
-//! JSON record.
-//!
-//! Cost: a few hundred milliseconds on `small` (each shape: one untimed call, then the best of
-//! up to 3 timed ones within a time box), and ~30 ms for the triad.
+//! machine's GEMM rate at the block's own GEMM shapes (the four linears, and attention's Q·Kᵀ and
+//! P·V per head) with this binary's GEMM backend, and its memory bandwidth (a STREAM triad). A CPU
+//! row's % of peak is how close the block comes to running every FLOP at the measured rate of its
+//! own GEMM shape. Attention's shapes are thin (k = d_head), so they run slower than the linears
+//! even as bare GEMMs; the linears' rate would hold attention to a rate no GEMM of its shape reaches.
 
 use crate::preset::Shape;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
-/// One GEMM shape of the block, measured: y (m × n) = x (m × k) · Wᵀ, W (n × k), as the block's
-/// `linear` runs it (candle's `matmul` against a transposed weight).
+/// One GEMM shape of the block, measured: `batch` products y (m × n) = x (m × k) · Wᵀ.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GemmRate {
     /// "qkv", "proj", "fc1", "fc2" (the linears), "attn_qk" or "attn_pv" (attention's products).
     pub name: String,
-    /// Independent products of this shape timed together (a batched matmul): 1 for the linears,
-    /// heads for attention (B·n_head, capped so the probe's score tensor stays ≤ 64 MiB).
+    /// 1 for the linears (and records from before attention was measured), heads for attention.
     #[serde(default = "one")]
     pub batch: usize,
     pub m: usize,
@@ -40,27 +29,21 @@ fn one() -> usize {
     1
 }
 
-/// The CPU ceiling the runner computes % of peak against. Read by the ladder's report and its
-/// charts (a roofline: `gemm_gflops` is the compute roof, `bandwidth_gbs` the memory slope).
+/// The CPU ceiling % of peak is computed against; the ladder's roofline reads `gemm_gflops` as
+/// the compute roof and `bandwidth_gbs` as the memory slope.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CpuCeiling {
     /// e.g. "gemm x86-v4 (AVX-512)", "gemm (AVX2)", "MKL (mkl feature)".
     pub gemm_backend: String,
     /// The widest SIMD the CPU offers, detected at run time, e.g. "AVX-512", "AVX2+FMA".
     pub simd: String,
-    /// The block's GEMM shapes at this run's shape (`probe_gemms`): the four linears (M = B·T)
-    /// and attention's two per-head products.
     pub gemms: Vec<GemmRate>,
-    /// The block's FLOPs (`perf::block_flops`: linears, plus causal attention's 2·B·T²·C) over
-    /// the time they take at the measured rates — each linear's best time, attention's FLOPs at
-    /// the rate of attn_qk and attn_pv together — in GFLOP/s. This is the ceiling a block row's
-    /// % of peak is relative to. (Before issue 22 it was the four linears alone.)
+    /// The block's FLOPs over their time at the measured rates (`block_ceiling_gflops`), GFLOP/s.
     pub gemm_gflops: f64,
     /// STREAM triad a[i] = b[i] + s·c[i] over 3 × 32 MiB arrays, all threads; 12 bytes per i.
     pub bandwidth_gbs: f64,
-    /// Threads the probe ran on (candle's, = rayon's pool).
     pub threads: usize,
-    /// How it was measured, in words, for the JSON reader.
+    /// How it was measured, in words.
     pub method: String,
 }
 
@@ -72,69 +55,49 @@ impl CpuCeiling {
 
     /// One line for the terminal.
     pub fn describe(&self) -> String {
-        let each: Vec<String> = self.gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect();
+        let CpuCeiling { gemm_backend, simd, gemm_gflops, bandwidth_gbs, threads, .. } = self;
+        let each = self.gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
         format!(
-            "{} · SIMD {} · GEMM {:.1} GFLOP/s at the block's shapes ({}) · triad {:.1} GB/s · {} threads",
-            self.gemm_backend,
-            self.simd,
-            self.gemm_gflops,
-            each.join(", "),
-            self.bandwidth_gbs,
-            self.threads
+            "{gemm_backend} · SIMD {simd} · GEMM {gemm_gflops:.1} GFLOP/s at the block's shapes ({each}) · \
+             triad {bandwidth_gbs:.1} GB/s · {threads} threads"
         )
     }
 }
 
-/// The widest SIMD level this CPU has, detected at run time (what the run-time dispatched
-/// kernels, gemm's and ours, pick).
+/// The widest SIMD level this CPU has, detected at run time (what gemm's and our run-time
+/// dispatched kernels pick).
 pub fn simd_level() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
-        if has_avx512() {
-            return "AVX-512";
+        use std::arch::is_x86_feature_detected as has;
+        // The AVX-512 subsets gemm's x86-v4 kernels (pulp's V4 level) need.
+        if has!("avx512f") && has!("avx512bw") && has!("avx512cd") && has!("avx512dq") && has!("avx512vl") {
+            "AVX-512"
+        } else if has!("avx2") && has!("fma") {
+            "AVX2+FMA"
+        } else {
+            "SSE2"
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            return "AVX2+FMA";
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        if cfg!(target_arch = "aarch64") {
+            "NEON"
+        } else {
+            "scalar"
         }
-        "SSE2"
-    }
-    #[cfg(target_arch = "aarch64")]
-    {
-        "NEON"
-    }
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    {
-        "scalar"
     }
 }
 
-/// The AVX-512 subsets gemm's x86-v4 kernels (pulp's V4 level) need.
-#[cfg(target_arch = "x86_64")]
-pub fn has_avx512() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-        && std::arch::is_x86_feature_detected!("avx512cd")
-        && std::arch::is_x86_feature_detected!("avx512dq")
-        && std::arch::is_x86_feature_detected!("avx512vl")
-}
-
-/// Which GEMM candle's CPU matmul (and stage 3's direct gemm calls) run in this binary on this
-/// CPU: the build's `mkl` feature decides the library, the CPU decides gemm's kernels.
+/// Which GEMM candle's CPU matmul (and stage 3's direct gemm calls) run: the build's `mkl`
+/// feature decides the library, the CPU decides gemm's kernels.
 pub fn gemm_backend() -> String {
-    if cfg!(feature = "mkl") {
-        return "MKL (mkl feature)".into();
-    }
     match simd_level() {
+        _ if cfg!(feature = "mkl") => "MKL (mkl feature)".into(),
         "AVX-512" => "gemm x86-v4 (AVX-512)".into(),
         "AVX2+FMA" => "gemm (AVX2)".into(),
         other => format!("gemm ({other})"),
     }
-}
-
-/// The block's four GEMMs at `shape`: (name, m, n, k) with m = B·T.
-pub fn block_gemms(shape: &Shape) -> [(&'static str, usize, usize, usize); 4] {
-    let (m, c, ff) = (shape.batch * shape.seq, shape.d_model, shape.ff);
-    [("qkv", m, 3 * c, c), ("proj", m, c, c), ("fc1", m, ff, c), ("fc2", m, c, ff)]
 }
 
 /// One GEMM shape the probe measures: `batch` products of y (m × n) = x (m × k) · w (k × n).
@@ -148,78 +111,69 @@ pub struct ProbeGemm {
 }
 
 impl ProbeGemm {
-    /// f32 bytes the probe holds while timing this shape: x, w and y, for every product.
-    pub fn bytes(&self) -> u128 {
-        let (b, m, n, k) = (self.batch as u128, self.m as u128, self.n as u128, self.k as u128);
-        4 * b * (m * k + k * n + m * n)
-    }
-
-    /// 2·batch·m·n·k
     pub fn flops(&self) -> f64 {
         2.0 * (self.batch * self.m * self.n * self.k) as f64
     }
 }
 
-/// Score elements (batch · T · T) the attention probe may hold: 16 Mi f32 = 64 MiB. The rate of
-/// a batch of independent heads does not depend on how many there are once every thread has
-/// several, so the probe times fewer heads than the block has when T is long.
-pub const ATTENTION_PROBE_SCORES: usize = 16 << 20;
+/// Score elements (batch · T · T) the attention probe may hold: 16 Mi f32 = 64 MiB. Once every
+/// thread has several heads the rate no longer depends on their number, so at long T the probe
+/// times fewer heads than the block has.
+const ATTENTION_PROBE_SCORES: usize = 16 << 20;
 
-/// Every shape the probe measures, in one place (the probe's memory fit counts these too): the
-/// block's four linears, then attention's two per-head products, as the block's attention runs
-/// them — S = Q·Kᵀ (T × T × d_head) and O = P·V (T × d_head × T), T capped at 4096 — over
-/// min(B·n_head, heads that fit `ATTENTION_PROBE_SCORES`) heads.
+/// Every shape the probe measures: the block's four linears (m = B·T), then attention's
+/// S = Q·Kᵀ (T × T × d_head) and O = P·V (T × d_head × T) over as many heads as fit.
 pub fn probe_gemms(shape: &Shape) -> Vec<ProbeGemm> {
-    let mut all: Vec<ProbeGemm> = block_gemms(shape).iter().map(|&(name, m, n, k)| ProbeGemm { name, batch: 1, m, n, k }).collect();
-    // T capped so one head's scores fit the budget (4096² = 16 Mi): past that the rate of the
-    // shape no longer changes, and T = 100 000 would need 40 GB for a single head.
+    let (m, c, ff) = (shape.batch * shape.seq, shape.d_model, shape.ff);
+    let linear = |name, n, k| ProbeGemm { name, batch: 1, m, n, k };
+    // T capped so one head's scores fit (4096² = 16 Mi): past that the rate no longer changes,
+    // and T = 100 000 would need 40 GB for a single head.
     let (t, d) = (shape.seq.min(4096), shape.d_head());
     let heads = (shape.batch * shape.n_head).min((ATTENTION_PROBE_SCORES / (t * t).max(1)).max(1));
-    all.push(ProbeGemm { name: "attn_qk", batch: heads, m: t, n: t, k: d });
-    all.push(ProbeGemm { name: "attn_pv", batch: heads, m: t, n: d, k: t });
-    all
+    vec![
+        linear("qkv", 3 * c, c),
+        linear("proj", c, c),
+        linear("fc1", ff, c),
+        linear("fc2", c, ff),
+        ProbeGemm { name: "attn_qk", batch: heads, m: t, n: t, k: d },
+        ProbeGemm { name: "attn_pv", batch: heads, m: t, n: d, k: t },
+    ]
 }
 
 /// Bytes of each of the triad's three arrays.
-pub const TRIAD_ARRAY_BYTES: usize = 32 << 20;
+const TRIAD_ARRAY_BYTES: usize = 32 << 20;
 
-/// Bytes the probe holds at its widest, from the shapes it measures (`probe_gemms`), so a shape
-/// added there is counted here: each shape's x, W and y in f32 (every product of a batch) are
-/// alive together and freed before the next; the triad's three arrays come after.
+/// Bytes the probe holds at its widest: one shape's x, W and y in f32 at a time, then the triad.
 pub fn probe_bytes(shape: &Shape) -> u128 {
-    let gemm = probe_gemms(shape).iter().map(ProbeGemm::bytes).max();
-    gemm.unwrap_or(0).max(3 * TRIAD_ARRAY_BYTES as u128)
+    let bytes = |g: ProbeGemm| 4 * g.batch as u128 * (g.m * g.k + g.k * g.n + g.m * g.n) as u128;
+    probe_gemms(shape).into_iter().map(bytes).max().unwrap_or(0).max(3 * TRIAD_ARRAY_BYTES as u128)
 }
 
-/// Refuse (exit 2) a probe that cannot fit before it allocates: `probe_bytes` against the
-/// memory available (MemAvailable, and the address-space limit `ulimit -v` sets), then a
-/// fallible reservation of that many bytes, which fails where an infallible allocation would
-/// abort the process (Rust aborts on allocation failure).
+/// Refuse (exit 2) a probe that cannot fit, before it allocates: `probe_bytes` against the memory
+/// available, then a fallible reservation, which fails where an allocation would abort.
 pub fn check_fit(shape: &Shape) -> Result<(), crate::SpeedkitError> {
     let need = probe_bytes(shape);
+    let gib = |b: f64| b / (1u64 << 30) as f64;
     let refuse = |have: String| {
         crate::SpeedkitError::usage(format!(
             "the CPU ceiling probe (the block's GEMMs timed alone, for % of peak) needs about {:.2} GiB of memory at its widest \
              (x, W and y of its largest GEMM at {shape}), but {have}. Fix: lower --d-model or --ff (or --batch / --seq), \
              or free memory (or raise `ulimit -v`).",
-            need as f64 / (1u64 << 30) as f64
+            gib(need as f64)
         ))
     };
     if let Some(avail) = crate::device::available_bytes(&Device::Cpu) {
         if need > avail as u128 * 9 / 10 {
-            return Err(refuse(format!("only {:.2} GiB is available to this process", avail as f64 / (1u64 << 30) as f64)));
+            return Err(refuse(format!("only {:.2} GiB is available to this process", gib(avail as f64))));
         }
     }
     let bytes = usize::try_from(need).map_err(|_| refuse("that is more than this machine can address".into()))?;
-    let mut trial: Vec<u8> = Vec::new();
-    trial.try_reserve_exact(bytes).map_err(|_| refuse("allocating it failed".into()))?;
-    drop(trial); // never touched, so it cost address space only
-    Ok(())
+    // Never touched, so it costs address space only.
+    Vec::<u8>::new().try_reserve_exact(bytes).map_err(|_| refuse("allocating it failed".into()))
 }
 
-/// Measure the ceiling on the CPU for `shape`. Each GEMM shape: one untimed call (page faults,
-/// gemm's packing buffers), then timed calls until 3 are done or 0.5 s has passed; the best
-/// time counts (a ceiling is what the machine can do, not what it usually does).
+/// Measure the ceiling on the CPU for `shape`. The best time counts: a ceiling is what the
+/// machine can do, not what it usually does.
 pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
     let dev = Device::Cpu;
     let mut gemms = Vec::new();
@@ -227,32 +181,24 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
         let ProbeGemm { name, batch, m, n, k } = g;
         let best = if !name.starts_with("attn_") {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
-            let w = Tensor::randn(0f32, 0.02, (n, k), &dev)?;
-            let wt = w.t()?; // (k, n) view, as the block's `linear` passes it
-            best_time(|| x.matmul(&wt).map(|_| ()), 3, Duration::from_millis(500))?
+            let wt = Tensor::randn(0f32, 0.02, (n, k), &dev)?.t()?; // (k, n) view, as the block's `linear` passes it
+            best_time(|| x.matmul(&wt).map(|_| ()))?
         } else {
-            // Attention's products, one per head, timed the way stage 2's CPU kernel runs them
-            // (`attention_gemms`; the kernel uses the gemm crate in every build, MKL's included).
             let x = Tensor::randn(0f32, 1.0, (batch, m, k), &dev)?.flatten_all()?.to_vec1::<f32>()?;
             let w = Tensor::randn(0f32, 1.0, (batch, k, n), &dev)?.flatten_all()?.to_vec1::<f32>()?;
             let mut y = vec![0f32; batch * m * n];
-            best_time(
-                || {
-                    attention_gemms(&g, &x, &w, &mut y);
-                    Ok(())
-                },
-                3,
-                Duration::from_millis(500),
-            )?
+            best_time(|| {
+                attention_gemms(&g, &x, &w, &mut y);
+                Ok(())
+            })?
         };
         gemms.push(GemmRate { name: name.into(), batch, m, n, k, gflops: g.flops() / best / 1e9 });
     }
-    let gemm_gflops = block_ceiling_gflops(shape, &gemms);
     Ok(CpuCeiling {
         gemm_backend: gemm_backend(),
         simd: simd_level().into(),
+        gemm_gflops: block_ceiling_gflops(shape, &gemms),
         gemms,
-        gemm_gflops,
         bandwidth_gbs: triad_gbs(TRIAD_ARRAY_BYTES),
         threads: candle_core::utils::get_num_threads(),
         method: "best of up to 3 timed f32 products per GEMM shape of the block (after one untimed call): the four \
@@ -264,61 +210,33 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
     })
 }
 
-/// One round of an attention probe shape (`attn_qk` or `attn_pv`, `batch` heads) as stage 2's
-/// CPU kernel runs its tile products: the gemm crate, one single-threaded y (m × n) = x (m × k)
-/// · w per head, rayon over heads, row-major; for attn_qk, w holds K (n × k) row-major and is
-/// read transposed through its strides. x, w, y: batch·m·k, batch·k·n, batch·m·n values.
+/// One round of an attention probe shape as stage 2's CPU kernel runs its tile products (in every
+/// build, MKL's too): the gemm crate, one single-threaded row-major y (m × n) = x (m × k) · w per
+/// head, rayon over heads; for attn_qk, w is K (n × k), read transposed through its strides.
 pub fn attention_gemms(g: &ProbeGemm, x: &[f32], w: &[f32], y: &mut [f32]) {
+    use gemm::{gemm, Parallelism::None as Serial};
     use rayon::prelude::*;
     let ProbeGemm { name, batch, m, n, k } = *g;
     assert!(x.len() == batch * m * k && w.len() == batch * k * n && y.len() == batch * m * n, "operands sized for {g:?}");
-    // rhs (k × n): K (n × k) row-major read transposed for Q·Kᵀ, V (k × n) row-major for P·V.
-    let (rhs_cs, rhs_rs) = if name == "attn_qk" { (k as isize, 1) } else { (1, n as isize) };
+    let (ni, ki) = (n as isize, k as isize);
+    let (cs, rs) = if name == "attn_qk" { (ki, 1) } else { (1, ni) }; // w's column and row strides
     y.par_chunks_mut(m * n).zip(x.par_chunks(m * k).zip(w.par_chunks(k * n))).for_each(|(y, (x, w))| {
         // SAFETY: y, x and w hold m·n, m·k and k·n elements (asserted above, then chunked), and
-        // the strides address exactly those, row-major (w as n × k for attn_qk).
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                y.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                x.as_ptr(),
-                1,
-                k as isize,
-                w.as_ptr(),
-                rhs_cs,
-                rhs_rs,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
-        }
+        // the strides address exactly those.
+        unsafe { gemm(m, n, k, y.as_mut_ptr(), 1, ni, false, x.as_ptr(), 1, ki, w.as_ptr(), cs, rs, 0.0, 1.0, false, false, false, Serial) }
     });
 }
 
-/// The block's FLOPs over the time they take at the measured rates: each linear once, at its
-/// own rate; attention's causal FLOPs (2·B·T²·C, `perf::block_flops`' term) at the combined rate
-/// of the attn_qk and attn_pv shapes (the kernel runs equal FLOPs of each). Shapes not measured
-/// count nothing (a record without attention shapes gives the linears' rate, as before).
+/// The block's FLOPs over their time at the measured rates: each linear at its own rate,
+/// attention's causal FLOPs (2·B·T²·C, as `perf::block_flops` counts them) at the combined rate
+/// of attn_qk and attn_pv (the kernel runs equal FLOPs of each). Shapes not measured count nothing.
 pub fn block_ceiling_gflops(shape: &Shape, gemms: &[GemmRate]) -> f64 {
-    let (mut flops, mut secs) = (0.0, 0.0);
-    let (mut attn_flops, mut attn_secs) = (0.0, 0.0);
+    let (mut flops, mut secs, mut attn_flops, mut attn_secs) = (0.0, 0.0, 0.0, 0.0);
     for g in gemms {
         let f = 2.0 * (g.batch * g.m * g.n * g.k) as f64;
-        if g.name.starts_with("attn_") {
-            attn_flops += f;
-            attn_secs += f / (g.gflops * 1e9);
-        } else {
-            flops += f;
-            secs += f / (g.gflops * 1e9);
-        }
+        let (fl, s) = if g.name.starts_with("attn_") { (&mut attn_flops, &mut attn_secs) } else { (&mut flops, &mut secs) };
+        *fl += f;
+        *s += f / (g.gflops * 1e9);
     }
     if attn_secs > 0.0 {
         let causal = 2.0 * (shape.batch * shape.seq * shape.seq * shape.d_model) as f64;
@@ -328,15 +246,16 @@ pub fn block_ceiling_gflops(shape: &Shape, gemms: &[GemmRate]) -> f64 {
     flops / secs / 1e9
 }
 
-fn best_time(mut f: impl FnMut() -> candle_core::Result<()>, reps: usize, budget: Duration) -> candle_core::Result<f64> {
-    f()?; // untimed
-    let start = Instant::now();
-    let mut best = f64::INFINITY;
-    for _ in 0..reps {
+/// One untimed call (page faults, gemm's packing buffers), then the best of up to 3 timed ones
+/// within 0.5 s, in seconds.
+fn best_time(mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Result<f64> {
+    f()?;
+    let (start, mut best) = (Instant::now(), f64::INFINITY);
+    for _ in 0..3 {
         let t = Instant::now();
         f()?;
         best = best.min(t.elapsed().as_secs_f64());
-        if start.elapsed() > budget {
+        if start.elapsed() > Duration::from_millis(500) {
             break;
         }
     }
@@ -345,11 +264,10 @@ fn best_time(mut f: impl FnMut() -> candle_core::Result<()>, reps: usize, budget
 
 /// STREAM triad over three arrays of `bytes` each, in GB/s (12 bytes moved per element: two
 /// reads and a write; write-allocate traffic not counted, as STREAM does).
-pub fn triad_gbs(bytes: usize) -> f64 {
+fn triad_gbs(bytes: usize) -> f64 {
     use rayon::prelude::*;
     let n = bytes / 4;
-    let (b, c) = (vec![1.0f32; n], vec![2.0f32; n]);
-    let mut a = vec![0f32; n];
+    let (b, c, mut a) = (vec![1.0f32; n], vec![2.0f32; n], vec![0f32; n]);
     let chunk = (n / (4 * rayon::current_num_threads().max(1))).max(4096);
     let mut best = f64::INFINITY;
     for _ in 0..5 {
@@ -370,6 +288,11 @@ mod tests {
     use super::*;
     use crate::preset::Preset;
 
+    /// The block's four linears: (name, m, n, k).
+    fn block_gemms(s: &Shape) -> Vec<(&'static str, usize, usize, usize)> {
+        probe_gemms(s)[..4].iter().map(|g| (g.name, g.m, g.n, g.k)).collect()
+    }
+
     #[test]
     fn shapes_are_the_blocks_linears() {
         // small: B·T = 2048, C = 768, FF = 3072
@@ -382,8 +305,8 @@ mod tests {
         assert_eq!(linears + attention, crate::perf::block_flops(&s));
     }
 
-    // Issue 19, class B: the probe's bytes come from the shapes it measures, and a probe that
-    // cannot fit is exit 2 before it allocates anything.
+    // The probe's bytes come from the shapes it measures, and a probe that cannot fit is exit 2
+    // before it allocates anything.
     #[test]
     fn probe_bytes_count_its_widest_gemm_and_refuse_before_allocating() {
         let s = Preset::Small.shape();

@@ -43,7 +43,7 @@ pub struct DeviceInfo {
     pub name: String,
     pub sm: Option<(u32, u32)>,
     pub memory_bytes: Option<u64>,
-    /// Worker threads candle uses on CPU; SM count is not needed anywhere yet.
+    /// Worker threads candle uses on CPU (1 on CUDA).
     pub threads: usize,
     /// Why this device: "requested", or what `auto` found.
     pub why: String,
@@ -52,70 +52,45 @@ pub struct DeviceInfo {
 impl DeviceInfo {
     /// Simulated capabilities, for tests and for the precision policy's exhaustive table.
     pub fn simulated_cuda(name: &str, sm: (u32, u32)) -> Self {
-        DeviceInfo {
-            kind: DeviceKind::Cuda,
-            ordinal: 0,
-            name: name.to_string(),
-            sm: Some(sm),
-            memory_bytes: None,
-            threads: 1,
-            why: "simulated".into(),
-        }
+        let why = "simulated".into();
+        DeviceInfo { kind: DeviceKind::Cuda, ordinal: 0, name: name.into(), sm: Some(sm), memory_bytes: None, threads: 1, why }
     }
 
     pub fn is_cuda(&self) -> bool {
         self.kind == DeviceKind::Cuda
     }
 
-    fn sm_at_least(&self, major: u32, minor: u32) -> bool {
-        self.sm.is_some_and(|sm| sm >= (major, minor))
-    }
-
     /// bf16 tensor cores and TF32 arrived together with Ampere (SM 8.0).
     pub fn has_bf16_tensor_cores(&self) -> bool {
-        self.sm_at_least(8, 0)
+        self.sm >= Some((8, 0))
     }
 
     pub fn has_tf32(&self) -> bool {
-        self.sm_at_least(8, 0)
+        self.has_bf16_tensor_cores()
     }
 
     /// f16 tensor cores: Volta (SM 7.0) onwards.
     pub fn has_f16_tensor_cores(&self) -> bool {
-        self.sm_at_least(7, 0)
+        self.sm >= Some((7, 0))
     }
 
     /// FP8 (E4M3/E5M2) tensor cores: Ada (SM 8.9) and Hopper (SM 9.0) onwards.
     pub fn has_fp8_tensor_cores(&self) -> bool {
-        self.sm_at_least(8, 9)
+        self.sm >= Some((8, 9))
     }
 
     /// One line for the top of every run: device, SM, memory, and what it supports.
     pub fn describe(&self) -> String {
+        let DeviceInfo { ordinal, name, threads, why, .. } = self;
         let mem = self.memory_bytes.map(|b| format!(", {:.1} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_default();
+        let yes_no = |b: bool| if b { "yes" } else { "no" };
+        let (bf16, tf32, fp8) = (yes_no(self.has_bf16_tensor_cores()), yes_no(self.has_tf32()), yes_no(self.has_fp8_tensor_cores()));
         match self.sm {
-            Some((ma, mi)) => format!(
-                "cuda:{} {} (SM {ma}.{mi}{mem}; bf16 tensor cores: {}, TF32: {}, FP8: {}) [{}]",
-                self.ordinal,
-                self.name,
-                yes_no(self.has_bf16_tensor_cores()),
-                yes_no(self.has_tf32()),
-                yes_no(self.has_fp8_tensor_cores()),
-                self.why
-            ),
-            None => format!(
-                "cpu {} ({} threads{mem}; no tensor cores: every precision runs on the SIMD units) [{}]",
-                self.name, self.threads, self.why
-            ),
+            Some((ma, mi)) => {
+                format!("cuda:{ordinal} {name} (SM {ma}.{mi}{mem}; bf16 tensor cores: {bf16}, TF32: {tf32}, FP8: {fp8}) [{why}]")
+            }
+            None => format!("cpu {name} ({threads} threads{mem}; no tensor cores: every precision runs on the SIMD units) [{why}]"),
         }
-    }
-}
-
-fn yes_no(b: bool) -> &'static str {
-    if b {
-        "yes"
-    } else {
-        "no"
     }
 }
 
@@ -125,36 +100,38 @@ pub fn select(req: DeviceRequest) -> Result<(Device, DeviceInfo), SpeedkitError>
     match req {
         DeviceRequest::Cpu => Ok((Device::Cpu, cpu_info("requested with --device cpu"))),
         DeviceRequest::Cuda(n) => open_cuda(n, format!("requested with --device cuda:{n}")),
-        DeviceRequest::Auto => {
-            if !cfg!(feature = "cuda") {
-                return Ok((Device::Cpu, cpu_info("auto: this build has no CUDA support (build with --features cuda for the GPU)")));
+        DeviceRequest::Auto => match cuda_device_count() {
+            _ if !cfg!(feature = "cuda") => {
+                Ok((Device::Cpu, cpu_info("auto: this build has no CUDA support (build with --features cuda for the GPU)")))
             }
-            match cuda_device_count() {
-                Ok(n) if n > 0 => open_cuda(0, format!("auto: first of {n} CUDA device(s)")),
-                Ok(_) => Ok((Device::Cpu, cpu_info("auto: CUDA build, but the driver reports no GPU"))),
-                Err(e) => Ok((Device::Cpu, cpu_info(&format!("auto: CUDA build, but no usable driver/GPU ({e})")))),
-            }
-        }
+            Ok(n) if n > 0 => open_cuda(0, format!("auto: first of {n} CUDA device(s)")),
+            Ok(_) => Ok((Device::Cpu, cpu_info("auto: CUDA build, but the driver reports no GPU"))),
+            Err(e) => Ok((Device::Cpu, cpu_info(&format!("auto: CUDA build, but no usable driver/GPU ({e})")))),
+        },
     }
 }
 
 fn cpu_info(why: &str) -> DeviceInfo {
+    let name = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name"))?.split(':').nth(1).map(|n| n.trim().to_string()))
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
     DeviceInfo {
         kind: DeviceKind::Cpu,
         ordinal: 0,
-        name: cpu_model_name(),
+        name,
         sm: None,
-        memory_bytes: meminfo_kib("MemTotal:").map(|k| k * 1024),
+        memory_bytes: proc_bytes("/proc/meminfo", "MemTotal:"),
         threads: candle_core::utils::get_num_threads(),
         why: why.to_string(),
     }
 }
 
-fn cpu_model_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|n| n.trim().to_string()))
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+/// A "Key: N kB" line of a /proc file (meminfo, self/status), in bytes.
+fn proc_bytes(file: &str, key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(file).ok()?;
+    let kib: u64 = s.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
 }
 
 /// RLIMIT_AS less the address space this process already maps (VmSize), when a limit is set.
@@ -164,14 +141,7 @@ fn address_space_left() -> Option<u64> {
     if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } != 0 || lim.rlim_cur == libc::RLIM_INFINITY {
         return None;
     }
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let vm_kib: u64 = status.lines().find(|l| l.starts_with("VmSize:"))?.split_whitespace().nth(1)?.parse().ok()?;
-    Some(lim.rlim_cur.saturating_sub(vm_kib.saturating_mul(1024)))
-}
-
-fn meminfo_kib(key: &str) -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    s.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()
+    Some(lim.rlim_cur.saturating_sub(proc_bytes("/proc/self/status", "VmSize:")?))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -213,29 +183,24 @@ fn open_cuda(n: usize, why: String) -> Result<(Device, DeviceInfo), SpeedkitErro
     let device = Device::new_cuda(n).map_err(|e| {
         SpeedkitError::usage(format!("could not open cuda:{n} ({e}). Fix: check the GPU with nvidia-smi, or run with --device cpu."))
     })?;
-    // Before any tensor of the run exists: cudarc gives every allocation two CUDA events (read
-    // and write) while event tracking is on, created and destroyed with the tensor, to order
-    // uses across streams. Everything here runs on candle's one stream, so they guard nothing,
-    // and they inflate the timings of the stages that allocate most (0–2) at small shapes.
-    // Inside a CUDA graph capture they would be recorded and later waited on outside it.
+    let cuda = device.as_cuda_device().expect("just created as CUDA");
+    // Before any tensor exists: cudarc's per-allocation read/write events order uses across
+    // streams. On candle's one stream they guard nothing, inflate the timings of the stages that
+    // allocate most (0–2) at small shapes, and a CUDA graph capture would record them.
     // SAFETY: no tensor of this device is used on another stream (cudarc's condition).
-    unsafe { device.as_cuda_device().expect("just created as CUDA").disable_event_tracking() };
-    let ctx = device.as_cuda_device().expect("just created as CUDA").cuda_stream().context().clone();
-    let sm = ctx.compute_capability().map(|(a, b)| (a as u32, b as u32)).ok();
+    unsafe { cuda.disable_event_tracking() };
+    let ctx = cuda.cuda_stream().context().clone();
     let info = DeviceInfo {
         kind: DeviceKind::Cuda,
         ordinal: n,
         name: ctx.name().unwrap_or_else(|_| "unknown NVIDIA GPU".into()),
-        sm,
+        sm: ctx.compute_capability().map(|(a, b)| (a as u32, b as u32)).ok(),
         memory_bytes: ctx.total_mem().ok().map(|b| b as u64),
         threads: 1,
         why,
     };
     Ok((device, info))
 }
-
-/// Last switches applied, as bits (tf32, f16, bf16), for builds without CUDA.
-static APPLIED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// candle's process-wide GEMM switches. They are global, so every stage's `build` sets all
 /// three explicitly — stage 0 turns them off — and stages can run one after another in one
@@ -250,6 +215,9 @@ pub struct GemmSwitches {
     pub reduced_bf16: bool,
 }
 
+/// The switches last applied, reported by builds without CUDA.
+static APPLIED: std::sync::Mutex<GemmSwitches> = std::sync::Mutex::new(GemmSwitches::OFF);
+
 impl GemmSwitches {
     /// Exact fp32 everywhere: what the reference and stage 0 run with.
     pub const OFF: GemmSwitches = GemmSwitches { tf32: false, reduced_f16: false, reduced_bf16: false };
@@ -258,23 +226,19 @@ impl GemmSwitches {
         candle_core::cuda::set_gemm_reduced_precision_f32(self.tf32);
         candle_core::cuda::set_gemm_reduced_precision_f16(self.reduced_f16);
         candle_core::cuda::set_gemm_reduced_precision_bf16(self.reduced_bf16);
-        let bits = self.tf32 as u8 | (self.reduced_f16 as u8) << 1 | (self.reduced_bf16 as u8) << 2;
-        APPLIED.store(bits, std::sync::atomic::Ordering::Relaxed);
+        *APPLIED.lock().unwrap_or_else(|e| e.into_inner()) = self;
     }
 
-    /// The switches in force. With CUDA built, read back from candle. Without it candle's
-    /// stand-in getters always answer `true` and its setters do nothing, so we report what was
-    /// last applied (it has no effect on CPU GEMMs either way).
+    /// The switches in force, read back from candle. Without CUDA, candle's stand-in getters
+    /// always answer `true` and its setters do nothing, so this is what was last applied.
     pub fn current() -> GemmSwitches {
-        if cfg!(feature = "cuda") {
-            GemmSwitches {
-                tf32: candle_core::cuda::gemm_reduced_precision_f32(),
-                reduced_f16: candle_core::cuda::gemm_reduced_precision_f16(),
-                reduced_bf16: candle_core::cuda::gemm_reduced_precision_bf16(),
-            }
-        } else {
-            let bits = APPLIED.load(std::sync::atomic::Ordering::Relaxed);
-            GemmSwitches { tf32: bits & 1 != 0, reduced_f16: bits & 2 != 0, reduced_bf16: bits & 4 != 0 }
+        if !cfg!(feature = "cuda") {
+            return *APPLIED.lock().unwrap_or_else(|e| e.into_inner());
+        }
+        GemmSwitches {
+            tf32: candle_core::cuda::gemm_reduced_precision_f32(),
+            reduced_f16: candle_core::cuda::gemm_reduced_precision_f16(),
+            reduced_bf16: candle_core::cuda::gemm_reduced_precision_bf16(),
         }
     }
 }
@@ -283,158 +247,124 @@ impl GemmSwitches {
 /// memory on CUDA. `None` where the platform does not say.
 pub fn available_bytes(device: &Device) -> Option<u64> {
     match device {
-        Device::Cpu => {
-            let free = meminfo_kib("MemAvailable:").map(|k| k.saturating_mul(1024));
-            // An address-space limit (`ulimit -v`) caps what this process can allocate whatever
-            // the machine has free; past it an allocation fails and Rust aborts.
-            match (free, address_space_left()) {
-                (Some(f), Some(a)) => Some(f.min(a)),
-                (f, a) => f.or(a),
-            }
-        }
+        // An address-space limit (`ulimit -v`) caps what this process can allocate whatever
+        // the machine has free; past it an allocation fails and Rust aborts.
+        Device::Cpu => [proc_bytes("/proc/meminfo", "MemAvailable:"), address_space_left()].into_iter().flatten().min(),
         #[cfg(feature = "cuda")]
         Device::Cuda(d) => d.cuda_stream().context().mem_get_info().ok().map(|(free, _)| free as u64),
         _ => None,
     }
 }
 
-/// Measures the peak memory a stage needs over a stretch of work.
-///
-/// CPU (Linux): free heap memory is first returned to the OS (glibc `malloc_trim`), then the
-/// kernel's resident-set high-water mark (VmHWM) is reset by writing "5" to
-/// /proc/self/clear_refs, so peak growth = VmHWM after − VmRSS before.
-///
-/// CUDA: the high-water mark of the stream-ordered allocator's default pool, which is where
-/// cudarc allocates (`cuMemAllocAsync`). Free memory (total − free) cannot see a transient
-/// activation such as stage 0's T×T scores: the pool's release threshold is 0, so freed blocks
-/// go back to the driver at the next synchronize, before anyone samples. So: synchronize (let
-/// pending frees land), read the pool's memory in use, reset its `USED_MEM_HIGH`, and at the end
-/// read it (plus the graph pool's `USED_MEM_HIGH` for `--cuda-graph`, whose allocations are
-/// separate). The logic sits behind `MemCounters` so a fake can test it without a GPU.
+/// Measures the peak memory a stage needs over a stretch of work from a high-water mark reset at
+/// the start, so an allocation freed before the end still counts. CPU (Linux): VmHWM, reset by
+/// writing "5" to /proc/self/clear_refs, after handing free heap back to the OS. CUDA: the
+/// `USED_MEM_HIGH` of the stream-ordered allocator's default pool, where cudarc allocates, plus
+/// the graph pool's for `--cuda-graph`. Total − free memory cannot see a transient such as stage
+/// 0's T×T scores: with the pool's release threshold at 0, freed blocks go back to the driver at
+/// the next synchronize, before anyone samples.
 pub struct MemProbe {
-    start: u64,
+    /// Usage at the start; `None` when the counters cannot be read.
+    start: Option<u64>,
     peak: u64,
     method: &'static str,
-    ok: bool,
-    counters: Option<Box<dyn MemCounters>>,
+    counters: Box<dyn MemCounters>,
 }
 
-/// A device's memory counters, as the CUDA probe needs them.
-pub trait MemCounters {
-    /// Wait for queued work, and so for queued frees.
-    fn synchronize(&mut self);
-    /// Bytes in use now (allocated and not freed).
-    fn used(&mut self) -> Option<u64>;
+/// A device's memory counters; the defaults are a device that has none.
+trait MemCounters {
+    /// Let queued frees land (the GPU's queue; on the CPU, glibc's free lists).
+    fn synchronize(&mut self) {}
+    /// Bytes in use now.
+    fn used(&mut self) -> Option<u64> {
+        None
+    }
     /// Restart the high-water mark(s) from the usage now.
-    fn reset_high(&mut self);
+    fn reset_high(&mut self) {}
     /// The largest usage since the last reset.
-    fn high(&mut self) -> Option<u64>;
+    fn high(&mut self) -> Option<u64> {
+        None
+    }
 }
+
+struct NoCounters;
+impl MemCounters for NoCounters {}
 
 impl MemProbe {
     pub fn start(device: &Device) -> MemProbe {
-        match device {
-            Device::Cpu => {
-                release_free_heap();
-                let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
-                let rss = status_kib("VmRSS:").map(|k| k * 1024);
-                MemProbe {
-                    start: rss.unwrap_or(0),
-                    peak: rss.unwrap_or(0),
-                    method: if reset {
-                        "cpu: peak RSS growth (VmHWM reset)"
-                    } else {
-                        "cpu: peak RSS growth (VmHWM not resettable: upper bound)"
-                    },
-                    ok: rss.is_some(),
-                    counters: None,
-                }
-            }
-            _ => match cuda_counters(device) {
-                Some(c) => MemProbe::with_counters(c, "cuda: high-water mark of the default memory pool (+ graph pool)"),
-                None => MemProbe { start: 0, peak: 0, method: "cuda: no memory pool counters", ok: false, counters: None },
+        let none = "cuda: no memory pool counters";
+        let (counters, method): (Box<dyn MemCounters>, _) = match device {
+            Device::Cpu => match std::fs::write("/proc/self/clear_refs", "5") {
+                Ok(()) => (Box::new(CpuCounters), "cpu: peak RSS growth (VmHWM reset)"),
+                Err(_) => (Box::new(CpuCounters), "cpu: peak RSS growth (VmHWM not resettable: upper bound)"),
             },
-        }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => match cuda_pool::PoolCounters::new(d) {
+                Ok(c) => (Box::new(c), "cuda: high-water mark of the default memory pool (+ graph pool)"),
+                Err(_) => (Box::new(NoCounters), none),
+            },
+            _ => (Box::new(NoCounters), none),
+        };
+        MemProbe::with_counters(counters, method)
     }
 
-    /// The CUDA probe over any counters (the real pool, or a fake in tests).
-    pub fn with_counters(mut counters: Box<dyn MemCounters>, method: &'static str) -> MemProbe {
+    fn with_counters(mut counters: Box<dyn MemCounters>, method: &'static str) -> MemProbe {
         counters.synchronize(); // frees still queued from earlier work must not count as in use
-        let used = counters.used();
+        let start = counters.used();
         counters.reset_high();
-        MemProbe { start: used.unwrap_or(0), peak: used.unwrap_or(0), method, ok: used.is_some(), counters: Some(counters) }
+        MemProbe { start, peak: start.unwrap_or(0), method, counters }
     }
 
-    /// Fold the high-water mark so far into the peak (the CPU and the pool keep their own
-    /// marks, so this is only needed around `exclude`; kept for callers that sample).
-    pub fn sample(&mut self, _device: &Device) {
-        if let Some(h) = self.counters.as_mut().and_then(|c| c.high()) {
-            self.peak = self.peak.max(h);
-        }
+    fn fold_high(&mut self) {
+        self.counters.synchronize();
+        self.peak = self.peak.max(self.counters.high().unwrap_or(0));
     }
 
     /// Run `f` without counting what it allocates (a stage's own check, which may build a
-    /// bigger twin of the stage): the peak so far is kept, and the high-water mark restarts from
-    /// the usage after `f`.
-    pub fn exclude<T>(&mut self, device: &Device, f: impl FnOnce() -> T) -> T {
-        if let Some(c) = self.counters.as_mut() {
-            c.synchronize();
-            if let Some(h) = c.high() {
-                self.peak = self.peak.max(h);
-            }
-            let out = f();
-            let c = self.counters.as_mut().expect("checked above");
-            c.synchronize();
-            c.reset_high();
-            return out;
-        }
-        match device {
-            Device::Cpu => {
-                if let Some(hwm) = status_kib("VmHWM:") {
-                    self.peak = self.peak.max(hwm * 1024);
-                }
-                let out = f();
-                release_free_heap();
-                let _ = std::fs::write("/proc/self/clear_refs", "5");
-                out
-            }
-            _ => f(),
-        }
+    /// bigger twin of the stage): the peak so far is kept, and the mark restarts after `f`.
+    pub fn exclude<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        self.fold_high();
+        let out = f();
+        self.counters.synchronize();
+        self.counters.reset_high();
+        out
     }
 
     /// Peak growth since `start`, in bytes, and how it was measured.
-    pub fn finish(mut self, device: &Device) -> (Option<u64>, &'static str) {
-        if let Some(mut c) = self.counters.take() {
-            c.synchronize();
-            if let Some(h) = c.high() {
-                self.peak = self.peak.max(h);
-            }
-        } else if device.is_cpu() {
-            if let Some(hwm) = status_kib("VmHWM:") {
-                self.peak = self.peak.max(hwm * 1024);
-            }
-        }
-        (self.ok.then(|| self.peak.saturating_sub(self.start)), self.method)
+    pub fn finish(mut self) -> (Option<u64>, &'static str) {
+        self.fold_high();
+        (self.start.map(|s| self.peak.saturating_sub(s)), self.method)
     }
 }
 
-#[cfg(not(feature = "cuda"))]
-fn cuda_counters(_device: &Device) -> Option<Box<dyn MemCounters>> {
-    None
-}
+struct CpuCounters;
 
-#[cfg(feature = "cuda")]
-fn cuda_counters(device: &Device) -> Option<Box<dyn MemCounters>> {
-    let Device::Cuda(d) = device else { return None };
-    cuda_pool::PoolCounters::new(d).ok().map(|c| Box::new(c) as Box<dyn MemCounters>)
+impl MemCounters for CpuCounters {
+    /// Hand memory the C allocator holds free back to the OS, so RSS counts live data only
+    /// (else a stage reusing an earlier one's freed buffers would not grow RSS).
+    fn synchronize(&mut self) {
+        // SAFETY: glibc's malloc_trim takes no pointers and may be called at any time.
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        let _ = unsafe { libc::malloc_trim(0) };
+    }
+    fn used(&mut self) -> Option<u64> {
+        proc_bytes("/proc/self/status", "VmRSS:")
+    }
+    fn reset_high(&mut self) {
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
+    }
+    fn high(&mut self) -> Option<u64> {
+        proc_bytes("/proc/self/status", "VmHWM:")
+    }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda_pool {
     use super::MemCounters;
-    use candle_core::cuda::cudarc::driver::{sys, CudaStream};
+    use candle_core::cuda::cudarc::driver::{result, sys, CudaStream, DriverError};
     use std::ffi::c_void;
     use std::sync::Arc;
+    use sys::{CUgraphMem_attribute as Graph, CUmemPool_attribute as Pool};
 
     /// The device's default memory pool (cudarc's `cuMemAllocAsync` allocates from it) and the
     /// device's graph memory (what `--cuda-graph`'s instantiated graphs allocate).
@@ -444,37 +374,21 @@ mod cuda_pool {
         dev: sys::CUdevice,
     }
 
-    fn ok(r: sys::CUresult) -> Result<(), sys::CUresult> {
-        if r == sys::CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(r)
-        }
-    }
-
     impl PoolCounters {
-        pub fn new(d: &candle_core::cuda::CudaDevice) -> Result<Self, sys::CUresult> {
+        pub fn new(d: &candle_core::cuda::CudaDevice) -> Result<Self, DriverError> {
             let stream = d.cuda_stream();
-            let ctx = stream.context();
-            ctx.bind_to_thread().map_err(|e| e.0)?;
-            let dev = ctx.cu_device();
-            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-            // SAFETY: `pool` is a valid out-pointer; `dev` is this context's device.
-            ok(unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, dev) })?;
+            stream.context().bind_to_thread()?;
+            let dev = stream.context().cu_device();
+            // SAFETY: `dev` is this context's device.
+            let pool = unsafe { result::device::get_default_mem_pool(dev) }?;
             Ok(PoolCounters { stream, pool, dev })
         }
 
-        fn pool_attr(&self, attr: sys::CUmemPool_attribute) -> Option<u64> {
-            let mut v: u64 = 0; // cuuint64_t for the memory attributes
-
-            // SAFETY: USED_MEM_* attributes are cuuint64_t; `v` outlives the call.
-            ok(unsafe { sys::cuMemPoolGetAttribute(self.pool, attr, &mut v as *mut u64 as *mut c_void) }).ok().map(|_| v)
-        }
-
-        fn graph_attr(&self, attr: sys::CUgraphMem_attribute) -> Option<u64> {
+        /// One cuuint64_t memory attribute, through the pointer `call` is given.
+        fn attr(&self, call: impl FnOnce(*mut c_void) -> sys::CUresult) -> Option<u64> {
+            let _ = self.stream.context().bind_to_thread();
             let mut v: u64 = 0;
-            // SAFETY: as above, cuuint64_t.
-            ok(unsafe { sys::cuDeviceGetGraphMemAttribute(self.dev, attr, &mut v as *mut u64 as *mut c_void) }).ok().map(|_| v)
+            (call(&mut v as *mut u64 as *mut c_void) == sys::CUresult::CUDA_SUCCESS).then_some(v)
         }
     }
 
@@ -483,57 +397,22 @@ mod cuda_pool {
             let _ = self.stream.synchronize();
         }
         fn used(&mut self) -> Option<u64> {
-            let _ = self.stream.context().bind_to_thread();
-            self.pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+            // SAFETY (each `attr` call): the pointer is to a live u64, as these attributes need.
+            self.attr(|p| unsafe { sys::cuMemPoolGetAttribute(self.pool, Pool::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, p) })
         }
         fn reset_high(&mut self) {
-            let _ = self.stream.context().bind_to_thread();
-            let mut zero: u64 = 0; // the only value these resets accept: "from now"
-
-            // SAFETY: documented resets; cuuint64_t value 0.
-            unsafe {
-                let _ = sys::cuMemPoolSetAttribute(
-                    self.pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    &mut zero as *mut u64 as *mut c_void,
-                );
-                let _ = sys::cuDeviceSetGraphMemAttribute(
-                    self.dev,
-                    sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH,
-                    &mut zero as *mut u64 as *mut c_void,
-                );
-            }
+            // 0, the only value these resets accept, means "from now".
+            let _ = self.attr(|p| unsafe { sys::cuMemPoolSetAttribute(self.pool, Pool::CU_MEMPOOL_ATTR_USED_MEM_HIGH, p) });
+            let _ = self.attr(|p| unsafe { sys::cuDeviceSetGraphMemAttribute(self.dev, Graph::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, p) });
         }
         fn high(&mut self) -> Option<u64> {
-            let _ = self.stream.context().bind_to_thread();
-            let pool = self.pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?;
-            // Graph allocations live outside the default pool; their high mark adds (an upper
-            // bound if the two peaks did not coincide).
-            let graph = self.graph_attr(sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH).unwrap_or(0);
-            Some(pool + graph)
+            let pool = self.attr(|p| unsafe { sys::cuMemPoolGetAttribute(self.pool, Pool::CU_MEMPOOL_ATTR_USED_MEM_HIGH, p) })?;
+            // Graph allocations live outside the default pool; their mark adds (an upper bound
+            // if the two peaks did not coincide).
+            let graph = self.attr(|p| unsafe { sys::cuDeviceGetGraphMemAttribute(self.dev, Graph::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, p) });
+            Some(pool + graph.unwrap_or(0))
         }
     }
-}
-
-/// Hand memory that is free but still held by the C allocator back to the OS, so that the
-/// RSS a probe starts from is live data only. Without this, an earlier stage's freed buffers
-/// stay resident, a later stage reuses them without growing RSS, and its peak would read low.
-fn release_free_heap() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        extern "C" {
-            fn malloc_trim(pad: usize) -> i32;
-        }
-        // SAFETY: glibc's malloc_trim takes no pointers and may be called at any time.
-        unsafe {
-            malloc_trim(0);
-        }
-    }
-}
-
-fn status_kib(key: &str) -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    s.lines().find(|l| l.starts_with(key))?.split_whitespace().nth(1)?.parse().ok()
 }
 
 #[cfg(test)]
@@ -603,9 +482,8 @@ mod tests {
         }
     }
 
-    /// Regression (issue 13, finding 2): a transient allocation (stage 0's T×T scores), freed
-    /// before the end, was invisible to total − free read after a synchronize; a previous
-    /// stage's queued free was counted as in use at the start.
+    /// A transient allocation (stage 0's T×T scores) freed before the end still counts, and a
+    /// previous stage's queued free does not count as in use at the start.
     #[test]
     fn cuda_probe_sees_a_transient_allocation() {
         let pool = std::rc::Rc::new(std::cell::RefCell::new(FakePool::default()));
@@ -615,13 +493,12 @@ mod tests {
         pool.borrow_mut().alloc(100); // weights, kept
         pool.borrow_mut().alloc(1000); // scores, freed at once
         pool.borrow_mut().queued_free = 1000;
-        probe.sample(&Device::Cpu);
         // the stage's own check: a bigger twin, not counted
-        probe.exclude(&Device::Cpu, || {
+        probe.exclude(|| {
             pool.borrow_mut().alloc(5000);
             pool.borrow_mut().queued_free = 5000;
         });
-        let (peak, _) = probe.finish(&Device::Cpu);
+        let (peak, _) = probe.finish();
         assert_eq!(peak, Some(1100));
     }
 
@@ -632,7 +509,7 @@ mod tests {
         let probe = MemProbe::start(&Device::Cpu);
         let v = vec![1u8; 64 << 20];
         std::hint::black_box(&v);
-        let (peak, _) = probe.finish(&Device::Cpu);
+        let (peak, _) = probe.finish();
         assert!(peak.unwrap() >= 60 << 20, "{peak:?}");
     }
 }

@@ -1,24 +1,14 @@
-//! `--cuda-graph`: capture a built stage's forward once as a CUDA graph and replay it, so the
-//! CPU issues one launch per forward instead of one per kernel (dozens in stages 0–2). What it
-//! saves is launch overhead — a few µs per kernel — which matters when kernels are short:
-//! small shapes, or a fused stage whose kernels are few and fast.
-//!
-//! How (`run_capture`, the order tested with a recording fake): turn on candle's graph-safe
-//! host-to-device cache first, then one ordinary forward (loads every kernel module, compiles
-//! NVRTC code, creates library handles, and fills that cache with every small parameter upload
-//! — reduce dims, broadcast strides — none of which may happen inside a capture), then the
-//! forward again with the stream in capture mode (each upload is now a cache hit), then instantiate with AUTO_FREE_ON_LAUNCH so the graph's own allocations
-//! (its output) are released before each replay. A replay computes the captured input: the
+//! `--cuda-graph`: capture a built stage's forward once as a CUDA graph and replay it: one
+//! launch per forward instead of one per kernel (dozens in stages 0–2), saving a few µs per
+//! kernel, which matters when kernels are short. A replay computes the captured input; the
 //! runner always times the same x, and a different x is an error, not a silent stale result.
 
 use crate::error::SpeedkitError;
 use crate::stage::Forward;
 use candle_core::Tensor;
 
-/// Refuses the CPU (exit 2). On CUDA, makes sure candle's per-tensor event tracking is off
-/// (`device::select` turns it off for every CUDA run, before the first tensor): everything
-/// runs on one stream, so the events guard no cross-stream hazard, and recorded inside a
-/// capture they would later be waited on outside it.
+/// Refuses the CPU (exit 2). On CUDA, makes sure candle's per-tensor event tracking is off, as
+/// `device::select` leaves it: recorded inside a capture, the events would be waited on outside it.
 pub fn prepare(device: &candle_core::Device) -> Result<(), SpeedkitError> {
     if !device.is_cuda() {
         return Err(SpeedkitError::usage(
@@ -34,8 +24,7 @@ pub fn prepare(device: &candle_core::Device) -> Result<(), SpeedkitError> {
     Ok(())
 }
 
-/// Capture `stage` on `x` (after `prepare`); errors (exit 2) if the stage's forward does
-/// something a capture does not allow (the message says which stage and why).
+/// Capture `stage` on `x`; errors (exit 2) if its forward does something a capture does not allow.
 pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Result<Box<dyn Forward>> {
     prepare(x.device())?;
     imp::capture(name, stage, x)
@@ -49,25 +38,23 @@ pub trait CaptureSteps {
     fn forward(&mut self) -> anyhow::Result<()>;
     fn synchronize(&mut self) -> anyhow::Result<()>;
     fn begin_capture(&mut self) -> anyhow::Result<()>;
-    /// End the capture and instantiate its graph (the captured forward succeeded).
+    /// End the capture and instantiate its graph.
     fn end_capture(&mut self) -> anyhow::Result<()>;
-    /// End a capture whose forward failed and throw its partial graph away, leaving the stream
-    /// and the context usable for every later stage or selftest row.
+    /// End a capture whose forward failed, throwing its partial graph away, so the stream and
+    /// context stay usable.
     fn abort_capture(&mut self) -> anyhow::Result<()>;
-    /// Let go of what the captured forward made (its output) when no graph came of it. Called
-    /// only after the capture has ended: a tensor dropped while the stream still captures is a
-    /// free recorded into the capture (or a failed call), not a free.
+    /// Let go of what the captured forward made when no graph came of it (a tensor dropped while
+    /// the stream captures would be a free recorded into the capture).
     fn release_captured(&mut self);
 }
 
-/// The capture sequence. The cache must be on *before* the warm-up: candle fills it only while
-/// it is on (`SlicePtrOrNull::params_from_vec`, `cached_htod_slice`), and a miss during the
-/// capture is an error — taking it after the warm-up let only stage 3 (whose kernels need no
-/// parameter uploads) be captured. The capture is ended whatever the forward did (aborted when
-/// it failed), and only then is what it made let go.
+/// The capture sequence. The h2d cache goes on *before* the warm-up forward, which loads kernel
+/// modules, compiles NVRTC code, creates library handles and fills the cache with every small
+/// parameter upload: none of that may happen inside a capture. The capture is ended whatever the
+/// forward did, and only then is what it made let go.
 pub fn run_capture(steps: &mut dyn CaptureSteps) -> anyhow::Result<()> {
     steps.enable_htod_cache();
-    steps.forward()?; // warm: module loads, NVRTC, handles, and the h2d cache's entries
+    steps.forward()?;
     steps.synchronize()?;
     steps.begin_capture()?;
     match steps.forward() {
@@ -83,15 +70,11 @@ pub fn run_capture(steps: &mut dyn CaptureSteps) -> anyhow::Result<()> {
     }
 }
 
-/// Something that replays captured work: a CUDA graph, or a fake in the tests.
-pub trait Replay {
-    fn replay(&self) -> candle_core::Result<()>;
-}
-
 /// A captured stage: `forward` replays the graph, `self_check` asks the stage itself (stage 4's
-/// FP8 twin check must run under --cuda-graph too; it runs outside the graph).
-pub struct Graphed<G: Replay> {
-    graph: G,
+/// FP8 twin check runs under --cuda-graph too, outside the graph).
+pub struct Graphed {
+    /// Launches the graph (a fake in the tests).
+    replay: Box<dyn Fn() -> candle_core::Result<()>>,
     input: candle_core::TensorId,
     out: Tensor,
     // The stage owns the weights the graph reads: it must outlive the graph (fields drop in
@@ -99,18 +82,12 @@ pub struct Graphed<G: Replay> {
     stage: Box<dyn Forward>,
 }
 
-impl<G: Replay> Graphed<G> {
-    pub fn new(graph: G, input: &Tensor, out: Tensor, stage: Box<dyn Forward>) -> Self {
-        Graphed { graph, input: input.id(), out, stage }
-    }
-}
-
-impl<G: Replay> Forward for Graphed<G> {
+impl Forward for Graphed {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if x.id() != self.input {
             candle_core::bail!("a CUDA graph replays the input it captured; build it again for another input");
         }
-        self.graph.replay()?;
+        (self.replay)()?;
         Ok(self.out.clone())
     }
 
@@ -121,8 +98,7 @@ impl<G: Replay> Forward for Graphed<G> {
 
 #[cfg(not(feature = "cuda"))]
 mod imp {
-    use super::*;
-    pub fn capture(_name: &str, _stage: Box<dyn Forward>, _x: &Tensor) -> anyhow::Result<Box<dyn Forward>> {
+    pub fn capture(_: &str, _: Box<dyn super::Forward>, _: &super::Tensor) -> anyhow::Result<Box<dyn super::Forward>> {
         unreachable!("a tensor on a CUDA device exists only in a cuda build")
     }
 }
@@ -133,18 +109,16 @@ mod imp {
     use candle_core::cuda::cudarc::driver::{result, sys, CudaStream};
     use std::sync::Arc;
 
-    /// An instantiated graph, held as the driver's handles. Not cudarc's `CudaGraph`: that is
-    /// made only by cudarc's `end_capture`, which calls `bind_to_thread` first — and that
-    /// returns (and clears) any error a call inside the capture stored in the context (a free
-    /// on the capturing stream, say) before ending anything, leaving the stream capturing and
-    /// every later call on it failing.
+    /// An instantiated graph, as the driver's handles. Not cudarc's `CudaGraph`: its `end_capture`
+    /// first returns any error stored in the context by a call inside the capture, leaving the
+    /// stream capturing and every later call on it failing.
     struct RawGraph {
         graph: sys::CUgraph,
         exec: sys::CUgraphExec,
         stream: Arc<CudaStream>,
     }
 
-    impl Replay for RawGraph {
+    impl RawGraph {
         fn replay(&self) -> candle_core::Result<()> {
             let launch = self.stream.context().bind_to_thread().and_then(|_| {
                 // SAFETY: `exec` was instantiated from a capture of `stream` and lives as long as self.
@@ -163,27 +137,32 @@ mod imp {
         }
     }
 
-    /// End the stream's capture straight through the driver, and take the error (if any) that a
-    /// call inside the capture stored in the context, clearing it. `Ok(None)`: nothing captured.
+    /// Destroy a graph no `RawGraph` owns, leaving no error stored in the context.
+    fn destroy(stream: &CudaStream, graph: sys::CUgraph) {
+        // SAFETY: a graph just returned by cuStreamEndCapture and never instantiated, destroyed once.
+        stream.context().record_err(unsafe { result::graph::destroy(graph) });
+        let _ = stream.context().check_err();
+    }
+
+    /// End the stream's capture through the driver, taking (and clearing) any error a call inside
+    /// it stored in the context. `Ok(None)`: nothing captured.
     fn end_raw(stream: &CudaStream) -> anyhow::Result<Option<sys::CUgraph>> {
         // SAFETY: the stream is candle's, capturing on this thread since `begin_capture`.
         let graph = unsafe { result::stream::end_capture(stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuStreamEndCapture: {e:?}"))?;
         let graph = (!graph.is_null()).then_some(graph);
         if let Err(stored) = stream.context().check_err() {
             if let Some(g) = graph {
-                // SAFETY: the graph just returned by cuStreamEndCapture, not yet used.
-                stream.context().record_err(unsafe { result::graph::destroy(g) });
-                let _ = stream.context().check_err();
+                destroy(stream, g);
             }
             anyhow::bail!("a call inside the capture failed: {stored:?}");
         }
         Ok(graph)
     }
 
-    /// The real steps: candle's stream, its cache guard, cudarc's capture.
+    /// The real steps.
     struct Real<'a> {
         dev: candle_core::cuda::CudaDevice,
-        stream: Arc<CudaStream>,
+        stream: Arc<CudaStream>, // candle's one stream
         stage: &'a dyn Forward,
         x: &'a Tensor,
         // candle's cache guard (its type is not exported): the cache is on while it lives.
@@ -219,36 +198,28 @@ mod imp {
                     Ok(())
                 }
                 Err(e) => {
-                    // SAFETY: as above; destroyed once, here.
-                    self.stream.context().record_err(unsafe { result::graph::destroy(graph) });
-                    let _ = self.stream.context().check_err();
+                    destroy(&self.stream, graph);
                     anyhow::bail!("cuGraphInstantiate: {e:?}")
                 }
             }
         }
         fn abort_capture(&mut self) -> anyhow::Result<()> {
             if let Some(g) = end_raw(&self.stream)? {
-                // SAFETY: the partial graph just ended, destroyed once, here.
-                self.stream.context().record_err(unsafe { result::graph::destroy(g) });
-                let _ = self.stream.context().check_err();
+                destroy(&self.stream, g);
             }
             Ok(())
         }
         fn release_captured(&mut self) {
             // The output's memory came from the failed graph's allocation nodes, which never ran:
-            // freeing it would free an address no allocation holds (an error stored in the
-            // context, failing the next call). It is left allocated: one output per failed capture.
-            if let Some(out) = self.out.take() {
-                std::mem::forget(out);
-            }
+            // freeing it would store an error in the context, failing the next call.
+            std::mem::forget(self.out.take());
         }
     }
 
     pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Result<Box<dyn Forward>> {
         let dev = x.device().as_cuda_device()?.clone();
-        let stream = dev.cuda_stream();
         let (graph, out) = {
-            let mut real = Real { dev, stream, stage: stage.as_ref(), x, guard: None, out: None, graph: None };
+            let mut real = Real { stream: dev.cuda_stream(), dev, stage: stage.as_ref(), x, guard: None, out: None, graph: None };
             let done = run_capture(&mut real);
             drop(real.guard.take()); // the h2d cache off again, whatever happened
             done.map_err(|e| refuse(name, e.to_string()))?;
@@ -257,7 +228,7 @@ mod imp {
         let (Some(graph), Some(out)) = (graph, out) else { return Err(refuse(name, "the capture produced no graph".into())) };
         // SAFETY: the graph's exec and candle's stream, both alive.
         unsafe { result::graph::upload(graph.exec, graph.stream.cu_stream()) }.map_err(|e| refuse(name, format!("{e:?}")))?;
-        Ok(Box::new(Graphed::new(graph, x, out, stage)))
+        Ok(Box::new(Graphed { replay: Box::new(move || graph.replay()), input: x.id(), out, stage }))
     }
 
     fn refuse(name: &str, why: String) -> anyhow::Error {
@@ -323,20 +294,12 @@ mod tests {
         }
     }
 
-    /// Regression (issue 13, finding 1): the warm-up ran before the h2d cache was on, so the
-    /// cache was empty when the capture needed it and every stage but 3 failed to capture.
+    /// The warm-up runs with the h2d cache on, so the cache is full when the capture needs it.
     #[test]
     fn the_warm_up_fills_the_htod_cache_before_the_capture() {
         let mut r = Recorder::default();
         run_capture(&mut r).unwrap();
         assert_eq!(r.calls, ["cache on", "warm-up (cache on)", "sync", "begin", "captured forward", "end"]);
-    }
-
-    struct FakeGraph;
-    impl Replay for FakeGraph {
-        fn replay(&self) -> candle_core::Result<()> {
-            Ok(())
-        }
     }
 
     /// A stage with its own check, as stage 4 has.
@@ -350,20 +313,19 @@ mod tests {
         }
     }
 
-    /// Regression (issue 13, finding 4): the graphed stage answered `self_check` with the
-    /// trait's default (no check), so stage 4's FP8 twin check was skipped under --cuda-graph.
+    /// A graphed stage answers `self_check` with the stage's own check (stage 4's FP8 twin
+    /// check), not the trait's default of none.
     #[test]
     fn a_graphed_stage_forwards_its_own_check() {
         let x = Tensor::zeros(4, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
-        let g = Graphed::new(FakeGraph, &x, x.clone(), Box::new(Checked));
+        let g = Graphed { replay: Box::new(|| Ok(())), input: x.id(), out: x.clone(), stage: Box::new(Checked) };
         let y = g.forward(&x).unwrap();
         assert_eq!(g.self_check(&x, &y).unwrap_err().to_string(), "the stage's own check ran");
         assert!(g.forward(&x.clone().contiguous().unwrap().affine(1.0, 0.0).unwrap()).is_err(), "another input is refused");
     }
 
-    /// Issue 24, item 7: a captured forward that fails aborts the capture (not through cudarc's
-    /// end_capture, whose bind_to_thread returns the stored error first and leaves the stream
-    /// capturing), and what the capture made is let go only after the capture ended.
+    /// A captured forward that fails aborts the capture, and what the capture made is let go
+    /// only after the capture ended.
     #[test]
     fn a_failed_capture_is_aborted_before_its_tensors_are_let_go() {
         let mut r = Recorder { fail_captured_forward: true, ..Default::default() };

@@ -288,7 +288,6 @@ impl Session {
         // Check before timing: nothing is timed until it matched the reference.
         let y = stage.forward(&self.x)?;
         self.device.synchronize()?;
-        probe.sample(&self.device);
         let check: Option<CheckResult> = match &self.reference {
             Some(r) => {
                 let c = compare(&y, r, plan.precision)?;
@@ -302,7 +301,7 @@ impl Session {
         // The stage's own check, on the same output (skipped with --no-check like the first);
         // what it allocates is not the stage's memory.
         let own_check = match &self.reference {
-            Some(_) => probe.exclude(&self.device, || stage.self_check(&self.x, &y))?,
+            Some(_) => probe.exclude(|| stage.self_check(&self.x, &y))?,
             None => None,
         };
         let extra_checks = match own_check {
@@ -326,7 +325,7 @@ impl Session {
         };
 
         let device = &self.device;
-        let stats = time_forward(spec.name(), device, self.warmup, iters, || stage.forward(&self.x), || probe.sample(device))?;
+        let stats = time_forward(spec.name(), device, self.warmup, iters, || stage.forward(&self.x))?;
         // After the uninstrumented timing, never mixed into it: the same forward with a clock
         // read at each part boundary.
         let breakdown = match self.args.breakdown {
@@ -334,7 +333,7 @@ impl Session {
             false => None,
         };
         drop(stage);
-        let (peak_mem_bytes, mem_method) = probe.finish(device);
+        let (peak_mem_bytes, mem_method) = probe.finish();
 
         let flops = block_flops(&self.shape);
         let secs = stats.median_ms / 1e3;

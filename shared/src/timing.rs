@@ -20,7 +20,7 @@ pub struct Stats {
 
 impl Stats {
     /// Percentiles by linear interpolation between closest ranks (numpy's default).
-    pub fn from_samples(mut samples_ms: Vec<f64>) -> Stats {
+    pub fn from_samples(samples_ms: Vec<f64>) -> Stats {
         assert!(!samples_ms.is_empty(), "at least one timed iteration");
         let mut sorted = samples_ms.clone();
         sorted.sort_by(f64::total_cmp);
@@ -29,95 +29,55 @@ impl Stats {
             let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
             sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64)
         };
-        let stats = Stats {
-            median_ms: q(0.5),
-            p10_ms: q(0.1),
-            p90_ms: q(0.9),
-            min_ms: sorted[0],
-            max_ms: sorted[sorted.len() - 1],
-            samples_ms: Vec::new(),
-        };
-        samples_ms.shrink_to_fit();
-        Stats { samples_ms, ..stats }
-    }
-}
-
-/// Progress on stderr for runs long enough to wonder about: silent for the first 2 s, then
-/// one updating line on a terminal (or a line every 10 s in a log).
-struct Progress {
-    label: String,
-    start: Instant,
-    last: Option<Instant>,
-    tty: bool,
-    shown: bool,
-}
-
-impl Progress {
-    fn new(label: &str) -> Self {
-        Progress { label: label.to_string(), start: Instant::now(), last: None, tty: std::io::stderr().is_terminal(), shown: false }
-    }
-
-    fn tick(&mut self, phase: &str, done: usize, total: usize, last_ms: f64) {
-        let now = Instant::now();
-        if now - self.start < Duration::from_secs(2) {
-            return;
-        }
-        let every = if self.tty { Duration::from_millis(200) } else { Duration::from_secs(10) };
-        if self.last.is_some_and(|l| now - l < every) {
-            return;
-        }
-        self.last = Some(now);
-        self.shown = true;
-        let eta = last_ms * (total - done) as f64 / 1e3;
-        let line = format!("[{}] {phase} {done}/{total} ({last_ms:.1} ms/iter, ~{eta:.0} s left)", self.label);
-        let mut err = std::io::stderr().lock();
-        if self.tty {
-            let _ = write!(err, "\r{line:<78}");
-        } else {
-            let _ = writeln!(err, "{line}");
-        }
-        let _ = err.flush();
-    }
-
-    fn finish(&self) {
-        if self.shown && self.tty {
-            let _ = write!(std::io::stderr().lock(), "\r{:78}\r", "");
-        }
+        Stats { median_ms: q(0.5), p10_ms: q(0.1), p90_ms: q(0.9), min_ms: sorted[0], max_ms: sorted[sorted.len() - 1], samples_ms }
     }
 }
 
 /// Run `f` `warmup` times untimed, then `iters` times timed, synchronizing `device` after each
-/// call so each sample covers the finished work. `on_iter` runs after each timed sample is
-/// taken (outside the timed region), e.g. to sample memory.
+/// call so each sample covers the finished work. Runs long enough to wonder about show progress
+/// on stderr: silent for the first 2 s, then one updating line on a terminal (a line every 10 s
+/// in a log).
 pub fn time_forward(
     label: &str,
     device: &Device,
     warmup: usize,
     iters: usize,
     mut f: impl FnMut() -> candle_core::Result<Tensor>,
-    mut on_iter: impl FnMut(),
 ) -> candle_core::Result<Stats> {
-    let mut progress = Progress::new(label);
+    let (start, tty) = (Instant::now(), std::io::stderr().is_terminal());
+    let every = if tty { Duration::from_millis(200) } else { Duration::from_secs(10) };
+    let mut last_shown: Option<Instant> = None;
+    let mut progress = |phase: &str, done: usize, total: usize, last_ms: f64| {
+        let now = Instant::now();
+        if now - start < Duration::from_secs(2) || last_shown.is_some_and(|l| now - l < every) {
+            return;
+        }
+        last_shown = Some(now);
+        let eta = last_ms * (total - done) as f64 / 1e3;
+        let line = format!("[{label}] {phase} {done}/{total} ({last_ms:.1} ms/iter, ~{eta:.0} s left)");
+        let mut err = std::io::stderr().lock();
+        let _ = if tty { write!(err, "\r{line:<78}") } else { writeln!(err, "{line}") };
+        let _ = err.flush();
+    };
     device.synchronize()?;
-    for i in 0..warmup {
-        let t0 = Instant::now();
-        let y = f()?;
-        device.synchronize()?;
-        drop(y);
-        progress.tick("warm-up", i + 1, warmup, t0.elapsed().as_secs_f64() * 1e3);
-    }
     let mut samples = Vec::with_capacity(iters);
-    for i in 0..iters {
+    for i in 0..warmup + iters {
         let t0 = Instant::now();
         let y = f()?;
         device.synchronize()?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         drop(y);
-        samples.push(ms);
-        on_iter();
-        progress.tick("timing", i + 1, iters, ms);
+        match i.checked_sub(warmup) {
+            None => progress("warm-up", i + 1, warmup, ms),
+            Some(j) => {
+                samples.push(ms);
+                progress("timing", j + 1, iters, ms);
+            }
+        }
     }
-    progress.finish();
+    if tty && last_shown.is_some() {
+        let _ = write!(std::io::stderr().lock(), "\r{:78}\r", "");
+    }
     Ok(Stats::from_samples(samples))
 }
 
@@ -138,18 +98,11 @@ mod tests {
     #[test]
     fn times_each_iteration_and_excludes_warmup() {
         let mut calls = 0;
-        let s = time_forward(
-            "t",
-            &Device::Cpu,
-            2,
-            3,
-            || {
-                calls += 1;
-                std::thread::sleep(Duration::from_millis(if calls <= 2 { 500 } else { 2 }));
-                Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)
-            },
-            || {},
-        )
+        let s = time_forward("t", &Device::Cpu, 2, 3, || {
+            calls += 1;
+            std::thread::sleep(Duration::from_millis(if calls <= 2 { 500 } else { 2 }));
+            Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)
+        })
         .unwrap();
         assert_eq!(calls, 5);
         assert_eq!(s.samples_ms.len(), 3);

@@ -16,7 +16,7 @@ fn scores_are_never_materialised_at_t_4096() {
 
     let probe = MemProbe::start(&dev);
     let o = stage2_sdpa::attention(&q, &k, &v, true).unwrap();
-    let (fused, method) = probe.finish(&dev);
+    let (fused, method) = probe.finish();
     let fused = fused.expect("peak RSS is readable on this platform");
     assert_eq!(o.dtype(), DType::F32);
     drop(o);
@@ -25,7 +25,7 @@ fn scores_are_never_materialised_at_t_4096() {
     let flat = |x: &Tensor| x.reshape((b, t, h * d)).unwrap();
     let mask = stage0_baseline::causal_mask(t, &dev).unwrap();
     let o = stage1_tensorcore::attention(&flat(&q), &flat(&k), &flat(&v), h, &mask).unwrap();
-    let (naive, _) = probe.finish(&dev);
+    let (naive, _) = probe.finish();
     drop(o);
     let naive = naive.unwrap();
 
