@@ -489,12 +489,15 @@ fn check_report(r: &LadderReport) -> Result<(), String> {
     if r.ablation.len() > MAX_ROWS {
         return Err(format!("it holds {} ablation rows, more than {MAX_ROWS}", r.ablation.len()));
     }
+    let bandwidth = r.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
     for rec in &r.records {
         check_record(&rec.stage, rec)?;
+        check_regimes(&rec.stage, rec, bandwidth)?;
     }
     for a in &r.ablation {
         let what = format!("the ablation row {:?} of {}", a.change, a.against);
         check_record(&what, &a.record)?;
+        check_regimes(&what, &a.record, bandwidth)?;
         if let Some(b) = a.buys {
             bounded(&format!("{what}'s buys"), b, 0.0, 1e9)?;
         }
@@ -561,6 +564,39 @@ fn check_record(what: &str, rec: &Record) -> Result<(), String> {
     }
     if let Some(c) = &rec.ceiling {
         check_ceiling(&format!("{what}'s ceiling"), c)?;
+    }
+    Ok(())
+}
+
+/// A breakdown part's regime (its rates against the roofs, and the label) must be what its own
+/// time, shape and the run's ceilings give: the README's prose cites these fields beside a table
+/// computed from the same record, so an edited field would make them disagree.
+fn check_regimes(what: &str, rec: &Record, bandwidth: Option<f64>) -> Result<(), String> {
+    let Some(b) = &rec.breakdown else { return Ok(()) };
+    let mut again = rec.clone();
+    shared::regime::annotate(&mut again, bandwidth);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1e-12);
+    for (p, q) in b.parts.iter().zip(again.breakdown.iter().flat_map(|b| &b.parts)) {
+        let (Some(got), want) = (&p.regime, &q.regime) else { continue };
+        let agrees = want.as_ref().is_some_and(|w| {
+            got.regime == w.regime
+                && [
+                    (got.flops, w.flops),
+                    (got.min_bytes, w.min_bytes),
+                    (got.gflops, w.gflops),
+                    (got.gbs, w.gbs),
+                    (got.pct_of_compute_roof, w.pct_of_compute_roof),
+                    (got.pct_of_memory_roof, w.pct_of_memory_roof),
+                ]
+                .iter()
+                .all(|&(a, b)| close(a, b))
+        });
+        if !agrees {
+            return Err(format!(
+                "{what}'s breakdown part {:?} records the regime {got:?}, but its own time, shape and ceilings give {want:?}",
+                p.name
+            ));
+        }
     }
     Ok(())
 }

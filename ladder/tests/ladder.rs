@@ -473,3 +473,15 @@ fn report_knows_which_stages_need_the_score_matrix() {
     assert!(block("stage1_tensorcore").contains("cannot run this shape"), "{stdout}");
     assert!(!block("stage2_sdpa").contains("cannot run this shape"), "{stdout}");
 }
+
+/// `ladder report` predicts what the run does with a stage flag this device cannot honour:
+/// stages 2-4 skipped with the reason, stages 0-1 planned.
+#[test]
+fn report_predicts_a_refused_stage_flag() {
+    let o = ladder(&["report", "--preset", "tiny", "--attention-kernel", "v1"]);
+    o.ok();
+    for stage in ["stage2_sdpa", "stage3_fused", "stage4_fp8"] {
+        assert!(o.stdout.contains(&format!("{stage:<18} skipped: --attention-kernel v1")), "{stage}:\n{}", o.stdout);
+    }
+    assert!(!o.stdout.contains("stage1_tensorcore  skipped"), "{}", o.stdout);
+}

@@ -352,14 +352,13 @@ fn class_g_bandwidth_is_bounded() {
     }
 }
 
-// Issue 19, class H: no silent no-ops.
+// No silent no-ops (stage 3's binary checks the same for `--fusions ""`).
 #[test]
 fn class_h_empty_values_and_folder_paths_are_refused() {
     let d = scratch("r3h");
-    refused(&stage0_in(&d, &with_s(&["--fusions", ""]), &[]));
-    let o = stage0_in(&d, &with_s(&[]), &[("SPEEDKIT_FUSIONS", "")]);
+    let o = stage0_in(&d, &with_s(&[]), &[("SPEEDKIT_PRECISION", "")]);
     refused(&o);
-    assert!(o.text.contains("SPEEDKIT_FUSIONS"), "{}", o.text);
+    assert!(o.text.contains("SPEEDKIT_PRECISION"), "{}", o.text);
     let o = stage0_in(&d, &with_s(&["--json", "newname/"]), &[]);
     refused(&o);
     nothing_ran(&o);

@@ -41,10 +41,37 @@ fn binary_runs_and_names_its_attention() {
         .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
-    assert!(out.contains("attention: speedkit tiled online-softmax kernel (CPU"), "{out}");
+    // tiny's d_head is 32: the register-blocked kernel has a body for it.
+    assert!(out.contains("attention: speedkit online-softmax attention on the CPU, the register-blocked CPU kernel at d_head 32"), "{out}");
     // The table's precision cell and the JSON record say which attention ran.
-    assert!(out.contains("fp32 (speedkit cpu attn)"), "{out}");
+    assert!(out.contains("fp32 (speedkit cpu attn (register-blocked CPU kernel))"), "{out}");
     let record = std::fs::read_to_string(&json).unwrap();
     std::fs::remove_file(&json).ok();
-    assert!(record.contains(r#""implementation": "speedkit cpu attn""#), "{record}");
+    assert!(record.contains(r#""implementation": "speedkit cpu attn (register-blocked CPU kernel)""#), "{record}");
+    // A head size the register kernel has no body for runs the tile-GEMM kernel, and says so;
+    // --elementwise parallel is in the label too.
+    let o = Command::new(env!("CARGO_BIN_EXE_stage2_sdpa"))
+        .args(["--preset", "tiny", "--warmup", "0", "--iters", "1", "--heads", "8", "--elementwise", "parallel"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("tile-GEMM CPU kernel at d_head 16") && out.contains("elementwise parallel"), "{out}");
+}
+
+/// A flag this device cannot honour is refused in the plan, before weights, the reference or
+/// the CPU ceiling probe exist (at `te` those take tens of seconds); `ladder report` predicts
+/// the same refusal for stages 2-4.
+#[test]
+fn attention_kernel_on_the_cpu_is_refused_before_any_work() {
+    let t0 = std::time::Instant::now();
+    let o = Command::new(env!("CARGO_BIN_EXE_stage2_sdpa"))
+        .args(["--device", "cpu", "--preset", "te", "--batch", "1", "--attention-kernel", "v1"])
+        .output()
+        .unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(2), "{out}{err}");
+    assert!(err.contains("--attention-kernel v1") && err.contains("Fix:"), "{err}");
+    assert!(!out.contains("ceiling") && !out.contains("data "), "refused after work began: {out}");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(10), "took {:?}", t0.elapsed());
 }

@@ -120,3 +120,22 @@ fn with_every_fusion_off_stage_3_computes_exactly_what_stage_2_computes() {
         assert_ne!(bits(&fused), bits(&stage2), "{p}: the fused block is bit-identical to stage 2, so the test cannot tell");
     }
 }
+
+/// A stage's own flags are refused as every runner flag is: an empty `--fusions` (or
+/// `SPEEDKIT_FUSIONS`) is a typo, not "none" — exit 2 with a fix, before any work.
+#[test]
+fn an_empty_fusion_list_is_refused() {
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_stage3_fused"))
+            .args(["--preset", "tiny", "--iters", "1", "--warmup", "0"])
+            .args(args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        (o.status.code(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+    };
+    for (code, text) in [run(&["--fusions", ""], &[]), run(&[], &[("SPEEDKIT_FUSIONS", "")])] {
+        assert_eq!(code, Some(2), "{text}");
+        assert!(text.contains("Fix") && !text.contains("panicked") && !text.contains("ran "), "{text}");
+    }
+}
