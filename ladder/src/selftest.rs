@@ -282,7 +282,7 @@ mod tests {
         }
     }
 
-    /// Regression (issue 24, item 4): an error is a failure whatever its kind (on the H100 a
+    /// Regression: an error is a failure whatever its kind (on the H100 a
     /// CUDA error wrapped as "cannot run here" showed as skipped), its text carries no
     /// backtrace, and only `skip` skips.
     #[test]

@@ -1,4 +1,4 @@
-//! The fp32 reference in pieces along B (issue 24, item 3): on the H100 the reference refused
+//! The fp32 reference in pieces along B: on the H100 the reference refused
 //! te at T = 4096 for stages 2 and 3, which never build the (B, n_head, T, T) scores it needs.
 //! Here, on the CPU, with a limit small enough that the full score matrix does not fit it.
 

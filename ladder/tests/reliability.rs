@@ -1,4 +1,4 @@
-//! Issue 14 against the ladder: its own JSON read back as untrusted input (a property test on
+//! The ladder's own JSON read back as untrusted input (a property test on
 //! mutated, truncated and oversized files), a failed run that must not change recorded results,
 //! and outputs checked before anything runs.
 
@@ -132,7 +132,7 @@ fn write_json(path: &Path, v: &Value) {
     std::fs::write(path, serde_json::to_vec(v).unwrap()).unwrap();
 }
 
-// Issue 19, class A: a 70,000-character stage name panicked in the table's padding; every
+// a 70,000-character stage name panicked in the table's padding; every
 // string read from the file is bounded.
 #[test]
 fn class_a_long_strings_in_render_are_refused() {
@@ -153,7 +153,7 @@ fn class_a_long_strings_in_render_are_refused() {
     }
 }
 
-// Issue 19, class B: `ladder report` checks the probe's fit before probing; a failed
+// `ladder report` checks the probe's fit before probing; a failed
 // allocation is exit 2 with the memory message, never an abort.
 #[test]
 fn class_b_report_fit_checks_before_probing() {
@@ -170,7 +170,7 @@ fn class_b_report_fit_checks_before_probing() {
     assert!(o.text.contains("ceiling probe") && o.text.contains("memory") && !o.text.contains("memory allocation"), "{}", o.text);
 }
 
-// Issue 19, class C: a JSON named like a sibling chart is an input, never overwritten.
+// a JSON named like a sibling chart is an input, never overwritten.
 #[test]
 fn class_c_outputs_never_overwrite_the_from_file() {
     let d = scratch("r3c");
@@ -183,7 +183,7 @@ fn class_c_outputs_never_overwrite_the_from_file() {
     assert!(!d.join("run.svg").exists(), "written before the refusal");
 }
 
-// Issue 19, class D: every docs page --update-readme touches is checked before anything is
+// every docs page --update-readme touches is checked before anything is
 // written: a FIFO or a folder is skipped with a note, a non-UTF-8 page is exit 2 naming it.
 #[test]
 fn class_d_docs_pages_checked_up_front() {
@@ -243,7 +243,7 @@ fn update_readme_outputs_only_the_pages_it_rewrites() {
     assert!(!d.join("results/ladder-cpu.svg").exists(), "the chart was written before the refusal");
 }
 
-// Issue 19, class E: selftest's --json is checked before it runs; a refused --json gets a fix
+// selftest's --json is checked before it runs; a refused --json gets a fix
 // that names --json, not --svg.
 #[test]
 fn class_e_selftest_json_and_fix_text() {
@@ -265,7 +265,7 @@ fn class_e_selftest_json_and_fix_text() {
     assert!(o.text.contains("--json out.json") && !o.text.contains("drop --svg"), "{}", o.text);
 }
 
-// Issue 19, class F: numbers outside the per-stage records are bounded too, with row and part limits.
+// numbers outside the per-stage records are bounded too, with row and part limits.
 #[test]
 fn class_f_render_bounds_every_number_and_count() {
     let d = scratch("r3f");
@@ -314,7 +314,7 @@ fn class_f_render_bounds_every_number_and_count() {
     }
 }
 
-// Issue 19, class H: --ablate with nothing to undo is refused, not silently empty.
+// --ablate with nothing to undo is refused, not silently empty.
 #[test]
 fn class_h_ablate_with_nothing_to_undo() {
     let d = scratch("r3h");
@@ -349,7 +349,7 @@ fn leaf() -> impl Strategy<Value = Value> {
         Just(Value::from("candle-speedkit/ladder/v1")),
         Just(Value::Array(vec![])),
         any::<i64>().prop_map(Value::from),
-        // issue 19: numbers at the float limits, and strings far past any a run writes
+        // numbers at the float limits, and strings far past any a run writes
         Just(Value::from(f64::MAX)),
         Just(Value::from(f64::MIN_POSITIVE)),
         Just(Value::from(5e-324)),
@@ -481,7 +481,7 @@ fn generated_ladder_flags_exit_0_2_or_3_and_never_panic() {
     // Outputs aimed at a FIFO in the scratch folder, never at /dev/full: against buggy code run
     // as root, that would replace the machine's device node.
     assert!(Command::new("mkfifo").arg(d.join("fifo")).status().unwrap().success());
-    // Every kind of file a path might name (issue 19): a symlink to the FIFO, a socket, a folder,
+    // Every kind of file a path might name: a symlink to the FIFO, a socket, a folder,
     // a JSON named like a sibling chart, a README and a docs page that is a FIFO.
     std::os::unix::fs::symlink("fifo", d.join("lfifo")).unwrap();
     let _ = std::os::unix::net::UnixListener::bind(d.join("sock"));

@@ -1,4 +1,4 @@
-//! Issue 14: the safetensors readers (`--weights`, `--input`) on random, truncated and
+//! The safetensors readers (`--weights`, `--input`) on random, truncated and
 //! oversized files. Every outcome is `Ok` or a usage error naming the file — never a panic,
 //! never an allocation the file's size does not justify.
 
@@ -47,7 +47,7 @@ fn damaged_safetensors_are_refused_never_panic() {
             2 => bytes[..8].copy_from_slice(&len.to_le_bytes()), // header length: random, oversized
             3 => bytes = noise.clone(), // random bytes
             5 => {
-                // issue 19: a key repeated (the entry copied to the header's end), named in the refusal
+                // a key repeated (the entry copied to the header's end), named in the refusal
                 let key = &keys[at.index(keys.len())];
                 let entry = format!("\"{key}\":{}", serde_json::from_str::<serde_json::Value>(&header).unwrap()[key]);
                 let h = format!("{},{entry}}}", header.trim_end().strip_suffix('}').unwrap());
@@ -59,7 +59,7 @@ fn damaged_safetensors_are_refused_never_panic() {
                 prop_assert!(usage(&e, "twice") && e.to_string().contains(key.as_str()), "{e}");
             }
             6 => {
-                // issue 19: a tensor's rank changed (its shape flattened), named in the refusal
+                // a tensor's rank changed (its shape flattened), named in the refusal
                 let key = keys.iter().filter(|k| k.as_str() != "__metadata__").nth(at.index(keys.len() - 1)).unwrap();
                 let mut v: serde_json::Value = serde_json::from_str(&header).unwrap();
                 let n: u64 = v[key]["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product();

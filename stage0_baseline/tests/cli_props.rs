@@ -1,4 +1,4 @@
-//! Issue 14, "every bad input refused before any work, no panic anywhere", against the stage
+//! "Every bad input refused before any work, no panic anywhere", against the stage
 //! binary: one regression test per class of bug found by a hostile-user pass, then a property
 //! test over generated flag values and environment variables.
 //!
@@ -251,7 +251,7 @@ fn nothing_ran(o: &Out) {
     assert!(!o.text.contains("timing    ") && !o.text.contains("median"), "it ran before refusing:\n{}", o.text);
 }
 
-// Issue 19, class B: under an address-space limit the shape that passed the fit check aborted
+// under an address-space limit the shape that passed the fit check aborted
 // in the ceiling probe; now the limit counts, the probe's buffers count, and it is exit 2.
 #[test]
 fn class_b_memory_limit_is_exit_2_never_an_abort() {
@@ -303,7 +303,7 @@ fn class_b_memory_limit_is_exit_2_never_an_abort() {
     assert!(!o.text.contains("memory allocation"), "{}", o.text);
 }
 
-// Issue 19, class C: an output that is an input is refused before the run; the input stays.
+// an output that is an input is refused before the run; the input stays.
 #[test]
 fn class_c_output_onto_an_input_is_refused() {
     let d = scratch("r3c");
@@ -315,7 +315,7 @@ fn class_c_output_onto_an_input_is_refused() {
     assert_eq!(std::fs::read(d.join("x.safetensors")).unwrap(), before);
 }
 
-// Issue 19, class E: refused up front, the way the write happens, with the fix for the cause.
+// refused up front, the way the write happens, with the fix for the cause.
 #[test]
 fn class_e_unwritable_outputs_refused_before_the_run() {
     let d = scratch("r3e");
@@ -341,7 +341,7 @@ fn class_e_unwritable_outputs_refused_before_the_run() {
     nothing_ran(&o);
 }
 
-// Issue 19, class G: --bandwidth-gbs is bounded like --peak-tflops.
+// --bandwidth-gbs is bounded like --peak-tflops.
 #[test]
 fn class_g_bandwidth_is_bounded() {
     let d = scratch("r3g");
@@ -365,7 +365,7 @@ fn class_h_empty_values_and_folder_paths_are_refused() {
     assert!(!d.join("newname").exists());
 }
 
-// Issue 19, class I: messages name what the user typed and what is wrong.
+// messages name what the user typed and what is wrong.
 #[test]
 fn class_i_messages_are_precise() {
     let d = scratch("r3i");
@@ -404,7 +404,7 @@ fn class_i_messages_are_precise() {
     assert!(o.text.contains("\"x\" twice") && !o.text.contains("NaN"), "{}", o.text);
 }
 
-// Issue 19, class J: a thread pool of 100,000 is refused at once, a sane one runs.
+// a thread pool of 100,000 is refused at once, a sane one runs.
 #[test]
 fn class_j_rayon_threads_are_bounded() {
     let d = scratch("r3j");

@@ -2,7 +2,7 @@
 //! bodies chosen at run time, as stage 2's attention kernel does), UNFUSED: one op is one pass
 //! over memory, the same op sequence as stage 0's candle primitives — except LayerNorm, which
 //! is one pass over its input (nine passes ran 2.5x slower than candle's own ops at (2048, 768)
-//! on 2 cores; issue 22), so stage 3's LayerNorm fusion now saves the cast pass and the
+//! on 2 cores), so stage 3's LayerNorm fusion now saves the cast pass and the
 //! launches, not the statistics passes. Stages 2–4 use them on the
 //! CPU (`--elementwise parallel`, the default) so that their time measures their technique and
 //! not candle's CPU element-wise kernels, which run single-threaded and, for `tanh`, scalar

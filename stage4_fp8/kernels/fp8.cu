@@ -1,7 +1,7 @@
 // FP8 E4M3 per-tensor quantisation on the GPU: amax, the scale (current or delayed), the cast to
 // E4M3 and the cast back. Our own kernels because candle 0.11.1's F8E4M3 CUDA casts cannot be
 // loaded (their symbols are named `…_f8_e4m3`, candle asks for `…_f8e4m3`: huggingface/candle
-// issue 3886), and because owning them lets delayed scaling keep its history on the device.
+// candle issue #3886), and because owning them lets delayed scaling keep its history on the device.
 //
 // One activation, per call (M·K values x, bf16 or f32; s, amax and history are device buffers
 // that live as long as the layer, so a CUDA graph replays the same pointers):

@@ -939,7 +939,7 @@ mod state_tests {
     use super::*;
     use candle_core::Device;
 
-    /// Regression (issue 13, finding 3): each call replaced the state tensors, so the call
+    /// Regression: each call replaced the state tensors, so the call
     /// captured by --cuda-graph freed the warm-up's scale inside the capture. Now the buffers
     /// are made once and overwritten; the history still rolls and the scale is still right.
     #[test]

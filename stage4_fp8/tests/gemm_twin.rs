@@ -1,4 +1,4 @@
-//! The GEMM twin check (issue 20) at te's K: its tolerance (twin::gemm_twin_tolerance) is
+//! The GEMM twin check at te's K: its tolerance (twin::gemm_twin_tolerance) is
 //! derived, not guessed, so it is tested against what it claims to bound — the emulated FP8
 //! GEMM (f32 accumulation) at te's shapes with a reduced token count, and a model of the FP8
 //! tensor cores' truncating accumulator with and without fast accumulation — and it must stay
