@@ -37,9 +37,9 @@
 // loaded synchronously (no cp.async double buffering); exp is expf, not exp2 with log2(e)
 // folded into the scale. The arithmetic is the CPU kernel's, so they check against each other.
 //
-// Compiled to PTX by build.rs (nvcc --ptx, -arch=sm_$CUDA_COMPUTE_CAP, SM 8.0+: bf16 WMMA)
-// and loaded through candle's CudaDevice::get_or_load_custom_func. Without a GPU, this same
-// source also runs on the CPU under host_emulation/ (bash stage2_sdpa/kernels/host_emulation/run.sh),
+// Compiled by build.rs to a cubin per arch in CUDA_COMPUTE_CAP (nvcc -cubin -arch=sm_XX, SM 8.0+:
+// bf16 WMMA) and loaded through `stage2_sdpa::cubin`. Without a GPU, this same
+// source also runs on the CPU under host_emulation/ (bash host_emulation/run.sh),
 // which checks its indexing, masking and online softmax against an f64 reference.
 
 #include <cuda_bf16.h>

@@ -34,7 +34,7 @@
 // rows g and g+8 of that slice (index h = 0, 1 below), 2 of every 8 columns.
 //
 // Layout of q, k, v, o, strides, 16-byte alignment: exactly as v1 (see its header), so the host
-// side calls either kernel with the same arguments. Built to PTX by build.rs (-I kernels, so
+// side calls either kernel with the same arguments. Built to a cubin by build.rs (-I kernels, so
 // <ptx_warp.h> is the inline-PTX one); run on the CPU by host_emulation/attention_v2_check.cpp
 // (-I host_emulation, so <ptx_warp.h> is the emulation), against an f64 reference.
 

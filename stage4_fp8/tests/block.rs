@@ -202,3 +202,18 @@ fn gemm_twins_pass_at_small() {
         assert!(check.meaning.contains(name), "{}", check.meaning);
     }
 }
+
+/// `--fusions` is stage 3's switch; stage 4 runs stage 3's fusions as written, so when the run
+/// turns some off, stage 4's label and notes say what it ran (its "vs previous" prices both).
+#[test]
+fn stage_4_labels_stage_3_fusions_it_runs_as_written() {
+    let (device, info) = select(DeviceRequest::Cpu).unwrap();
+    let shape = Preset::Tiny.shape();
+    let spec = Fp8 { fused: stage3_fused::Fused { fusions: stage3_fused::Fusions::NONE, ..Default::default() }, ..Fp8::default() };
+    let plan = plan_alone(&spec, &device, &info, shape, PrecisionRequest::Auto).unwrap();
+    let label = spec.implementation(&plan).unwrap();
+    assert!(label.ends_with("stage 3's fusions all (stage 4 runs them as written)"), "{label}");
+    assert!(spec.notes(&plan).iter().any(|n| n.contains("--fusions none applies to stage 3 only")), "{:?}", spec.notes(&plan));
+    let plain = Fp8::default();
+    assert!(!plain.implementation(&plan).unwrap().contains("stage 3's fusions"));
+}
