@@ -30,63 +30,36 @@ pub struct Rows {
 }
 
 impl Rows {
-    /// Record a comparison: pass when rel. error < tolerance and all values finite.
-    pub fn compare(&mut self, block: &str, case: String, f: impl FnOnce() -> anyhow::Result<(Tensor, Tensor, f64)>) {
-        let row = match f() {
-            Ok((got, want, tol)) => match compare_within(&got, &want, tol) {
-                Ok(c) => Check {
-                    block: block.into(),
-                    case,
-                    ran: self.ran.clone(),
-                    status: if c.passed { "pass" } else { "FAIL" }.into(),
-                    rel_err: Some(c.rel_err),
-                    tolerance: Some(tol),
-                    detail: if c.non_finite > 0 { format!("{} values NaN or infinite", c.non_finite) } else { String::new() },
-                },
-                Err(e) => self.error(block, case, e.into()),
-            },
-            Err(e) => self.error(block, case, e),
-        };
-        self.rows.push(row);
+    fn push(&mut self, block: &str, case: String, status: &str, errs: Option<(f64, f64)>, detail: String) {
+        let (rel_err, tolerance) = errs.unzip();
+        self.rows.push(Check { block: block.into(), case, ran: self.ran.clone(), status: status.into(), rel_err, tolerance, detail });
     }
 
-    /// Any error is a failure, whatever its kind: on the first H100 run a CUDA error wrapped as
-    /// "cannot run here" showed as skipped. Only `skip` skips.
-    pub fn error(&self, block: &str, case: String, e: anyhow::Error) -> Check {
-        Check {
-            block: block.into(),
-            case,
-            ran: self.ran.clone(),
-            status: "error".into(),
-            rel_err: None,
-            tolerance: None,
-            detail: message(&e),
+    /// Record a comparison: pass when rel. error < tolerance and all values finite. Any error is
+    /// a failure, whatever its kind (on the first H100 run a CUDA error wrapped as "cannot run
+    /// here" showed as skipped); only `skip` skips.
+    pub fn compare(&mut self, block: &str, case: String, f: impl FnOnce() -> anyhow::Result<(Tensor, Tensor, f64)>) {
+        match f().and_then(|(got, want, tol)| Ok((compare_within(&got, &want, tol)?, tol))) {
+            Ok((c, tol)) => {
+                let detail = if c.non_finite > 0 { format!("{} values NaN or infinite", c.non_finite) } else { String::new() };
+                self.push(block, case, if c.passed { "pass" } else { "FAIL" }, Some((c.rel_err, tol)), detail)
+            }
+            Err(e) => self.push(block, case, "error", None, message(&e)),
         }
     }
 
     /// A row this device cannot run because it lacks the hardware feature (`why` names it, e.g.
     /// FP8 tensor cores below SM 8.9). Nothing else is a skip.
     pub fn skip(&mut self, block: &str, case: String, why: String) {
-        let row = Check {
-            block: block.into(),
-            case,
-            ran: self.ran.clone(),
-            status: "skipped".into(),
-            rel_err: None,
-            tolerance: None,
-            detail: crate::error::strip_backtrace(&why),
-        };
-        self.rows.push(row);
+        self.push(block, case, "skipped", None, crate::error::strip_backtrace(&why))
     }
 
+    /// A check with no tolerance: passed with a note, or any error a failure.
     pub fn outcome(&mut self, block: &str, case: String, r: anyhow::Result<String>) {
-        let row = match r {
-            Ok(detail) => {
-                Check { block: block.into(), case, ran: self.ran.clone(), status: "pass".into(), rel_err: None, tolerance: None, detail }
-            }
-            Err(e) => self.error(block, case, e),
-        };
-        self.rows.push(row);
+        match r {
+            Ok(detail) => self.push(block, case, "pass", None, detail),
+            Err(e) => self.push(block, case, "error", None, message(&e)),
+        }
     }
 }
 
