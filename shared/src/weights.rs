@@ -1,11 +1,9 @@
 //! The block's parameters: made from a seed on the host (so every device computes the same
 //! function), or read from / written to a safetensors file in GPT-2's layer naming.
 //!
-//! Recipe (fixed, so a seed names one block forever): each tensor draws from its own
-//! SplitMix64 stream seeded by `mix(seed, name)`, turned into N(0, 1) by Box–Muller in f64,
-//! then scaled: matrices and biases N(0, 0.02²); LayerNorm gains 1 + N(0, 0.02²) and
-//! LayerNorm biases N(0, 0.02²). The input x is N(0, 1) from the stream named "x".
-//! Per-tensor streams mean changing FF leaves W_qkv as it was.
+//! Recipe (fixed, so a seed names one block forever): each tensor draws from its own SplitMix64
+//! stream seeded by `mix(seed, name)`, N(0, 1) by Box–Muller in f64, scaled to N(0, 0.02²) (LayerNorm
+//! gains 1 + N(0, 0.02²)); x is N(0, 1) from the stream "x". Changing FF leaves W_qkv as it was.
 
 use crate::error::SpeedkitError;
 use crate::preset::Shape;
@@ -94,24 +92,14 @@ fn gpt2_shapes(c: usize, ff: usize) -> [Vec<usize>; 12] {
 const META_N_HEAD: &str = "n_head";
 
 impl BlockWeights {
-    /// The documented recipe above, on the host. C and FF come from `shape`.
+    /// The recipe above, on the host: each field's stream is named by the field.
     pub fn from_seed(shape: &Shape, seed: u64) -> candle_core::Result<Self> {
-        let (c, ff) = (shape.d_model, shape.ff);
-        let w = |name: &str, dims: &[usize]| normal_tensor(seed, name, dims, 0.0, 0.02);
-        Ok(BlockWeights {
-            ln1_g: normal_tensor(seed, "ln1_g", &[c], 1.0, 0.02)?,
-            ln1_b: w("ln1_b", &[c])?,
-            w_qkv: w("w_qkv", &[3 * c, c])?,
-            b_qkv: w("b_qkv", &[3 * c])?,
-            w_proj: w("w_proj", &[c, c])?,
-            b_proj: w("b_proj", &[c])?,
-            ln2_g: normal_tensor(seed, "ln2_g", &[c], 1.0, 0.02)?,
-            ln2_b: w("ln2_b", &[c])?,
-            w_fc1: w("w_fc1", &[ff, c])?,
-            b_fc1: w("b_fc1", &[ff])?,
-            w_fc2: w("w_fc2", &[c, ff])?,
-            b_fc2: w("b_fc2", &[c])?,
-        })
+        let names = ["ln1_g", "ln1_b", "w_qkv", "b_qkv", "w_proj", "b_proj", "ln2_g", "ln2_b", "w_fc1", "b_fc1", "w_fc2", "b_fc2"];
+        let t = names.into_iter().zip(gpt2_shapes(shape.d_model, shape.ff)).map(|(name, mut dims)| {
+            dims.reverse(); // GPT-2's (in, out) to ours
+            normal_tensor(seed, name, &dims, if name.ends_with("_g") { 1.0 } else { 0.0 }, 0.02)
+        });
+        Ok(Self::from_tensors(t.collect::<candle_core::Result<Vec<_>>>()?.try_into().expect("twelve tensors")))
     }
 
     /// C (d_model) and FF, read off the tensors.
@@ -301,18 +289,8 @@ fn view_to_f32(view: &TensorView<'_>) -> Result<Tensor, String> {
     let v: Vec<f32> = t.flatten_all().and_then(|t| t.to_vec1()).map_err(|e| e.to_string())?;
     if let Some(flat) = v.iter().position(|x| !x.is_finite()) {
         // Flat position -> index in the file's dims, e.g. [3, 17] (every dim is at least 1 here).
-        let mut rest = flat;
-        let mut index: Vec<usize> = view
-            .shape()
-            .iter()
-            .rev()
-            .map(|d| {
-                let i = rest % d;
-                rest /= d;
-                i
-            })
-            .collect();
-        index.reverse();
+        let dims = view.shape();
+        let index: Vec<usize> = dims.iter().enumerate().map(|(i, d)| flat / dims[i + 1..].iter().product::<usize>() % d).collect();
         let count = v.iter().filter(|x| !x.is_finite()).count();
         return Err(format!(
             "holds {} at index {index:?} (the first of {count} NaN or infinite values; the block needs finite numbers, so replace them)",
