@@ -113,15 +113,8 @@ fn cpu_info(why: &str) -> DeviceInfo {
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with("model name"))?.split(':').nth(1).map(|n| n.trim().to_string()))
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    DeviceInfo {
-        kind: DeviceKind::Cpu,
-        ordinal: 0,
-        name,
-        sm: None,
-        memory_bytes: proc_bytes("/proc/meminfo", "MemTotal:"),
-        threads: candle_core::utils::get_num_threads(),
-        why: why.to_string(),
-    }
+    let (memory_bytes, threads, why) = (proc_bytes("/proc/meminfo", "MemTotal:"), candle_core::utils::get_num_threads(), why.into());
+    DeviceInfo { kind: DeviceKind::Cpu, ordinal: 0, name, sm: None, memory_bytes, threads, why }
 }
 
 /// A "Key: N kB" line of a /proc file (meminfo, self/status), in bytes.
@@ -206,7 +199,6 @@ pub struct GemmSwitches {
     pub reduced_bf16: bool,
 }
 
-/// The switches last applied, reported by builds without CUDA.
 static APPLIED: std::sync::Mutex<GemmSwitches> = std::sync::Mutex::new(GemmSwitches::OFF);
 
 impl GemmSwitches {
@@ -220,8 +212,8 @@ impl GemmSwitches {
         *APPLIED.lock().unwrap_or_else(|e| e.into_inner()) = self;
     }
 
-    /// The switches in force, read back from candle. Without CUDA, candle's stand-in getters
-    /// always answer `true` and its setters do nothing, so this is what was last applied.
+    /// The switches in force. Without CUDA candle's stand-in getters always answer `true`, so
+    /// this is what was last applied.
     pub fn current() -> GemmSwitches {
         if !cfg!(feature = "cuda") {
             return *APPLIED.lock().unwrap_or_else(|e| e.into_inner());
@@ -234,8 +226,7 @@ impl GemmSwitches {
     }
 }
 
-/// Memory available for a new allocation, in bytes: MemAvailable on CPU (Linux), free device
-/// memory on CUDA. `None` where the platform does not say.
+/// Bytes available for a new allocation: MemAvailable on CPU (Linux), free memory on CUDA.
 pub fn available_bytes(device: &Device) -> Option<u64> {
     match device {
         // An address-space limit (`ulimit -v`) caps what this process can allocate whatever
@@ -280,10 +271,10 @@ impl MemProbe {
     pub fn start(device: &Device) -> MemProbe {
         let none = "cuda: no memory pool counters";
         let (counters, method): (Box<dyn MemCounters>, _) = match device {
-            Device::Cpu => match std::fs::write("/proc/self/clear_refs", "5") {
-                Ok(()) => (Box::new(CpuCounters), "cpu: peak RSS growth (VmHWM reset)"),
-                Err(_) => (Box::new(CpuCounters), "cpu: peak RSS growth (VmHWM not resettable: upper bound)"),
-            },
+            Device::Cpu if std::fs::write("/proc/self/clear_refs", "5").is_ok() => {
+                (Box::new(CpuCounters), "cpu: peak RSS growth (VmHWM reset)")
+            }
+            Device::Cpu => (Box::new(CpuCounters), "cpu: peak RSS growth (VmHWM not resettable: upper bound)"),
             #[cfg(feature = "cuda")]
             Device::Cuda(d) => match cuda_pool::PoolCounters::new(d) {
                 Ok(c) => (Box::new(c), "cuda: high-water mark of the default memory pool (+ graph pool)"),
@@ -306,8 +297,7 @@ impl MemProbe {
         self.peak = self.peak.max(self.counters.high().unwrap_or(0));
     }
 
-    /// Run `f` without counting what it allocates (a stage's own check, which may build a
-    /// bigger twin of the stage): the peak so far is kept, and the mark restarts after `f`.
+    /// Run `f` (a stage's own check, which may build a bigger twin) without counting what it allocates.
     pub fn exclude<T>(&mut self, f: impl FnOnce() -> T) -> T {
         self.fold_high();
         let out = f();
@@ -316,7 +306,6 @@ impl MemProbe {
         out
     }
 
-    /// Peak growth since `start`, in bytes, and how it was measured.
     pub fn finish(mut self) -> (Option<u64>, &'static str) {
         self.fold_high();
         (self.start.map(|s| self.peak.saturating_sub(s)), self.method)
@@ -326,8 +315,7 @@ impl MemProbe {
 struct CpuCounters;
 
 impl MemCounters for CpuCounters {
-    /// Hand memory the C allocator holds free back to the OS, so RSS counts live data only
-    /// (else a stage reusing an earlier one's freed buffers would not grow RSS).
+    /// Free heap back to the OS, or a stage reusing an earlier one's freed buffers would not grow RSS.
     fn synchronize(&mut self) {
         // SAFETY: glibc's malloc_trim takes no pointers and may be called at any time.
         #[cfg(all(target_os = "linux", target_env = "gnu"))]

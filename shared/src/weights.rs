@@ -70,7 +70,6 @@ fn normal_tensor(seed: u64, name: &str, dims: &[usize], mean: f32, std: f32) -> 
     Tensor::from_vec(v, dims, &Device::Cpu)
 }
 
-/// The block's input x: (B, T, C), N(0, 1), on the host.
 pub fn random_input(shape: &Shape, seed: u64) -> candle_core::Result<Tensor> {
     normal_tensor(seed, "x", &[shape.batch, shape.seq, shape.d_model], 0.0, 1.0)
 }
@@ -82,13 +81,12 @@ const GPT2_NAMES: [&str; 12] = [
     "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias",
 ];
 
-/// The shapes of `GPT2_NAMES` in the file: GPT-2 stores the four matrices as Conv1D weights
-/// (in_features, out_features), i.e. transposed relative to ours.
+/// The shapes of `GPT2_NAMES`: GPT-2's Conv1D matrices are (in, out), ours transposed.
 fn gpt2_shapes(c: usize, ff: usize) -> [Vec<usize>; 12] {
     [vec![c], vec![c], vec![c, 3 * c], vec![3 * c], vec![c, c], vec![c], vec![c], vec![c], vec![c, ff], vec![ff], vec![ff, c], vec![c]]
 }
 
-/// Safetensors metadata key under which we record n_head (GPT-2 files do not carry it).
+/// Where we record n_head (GPT-2 files do not carry it).
 const META_N_HEAD: &str = "n_head";
 
 impl BlockWeights {
@@ -102,13 +100,10 @@ impl BlockWeights {
         Ok(Self::from_tensors(t.collect::<candle_core::Result<Vec<_>>>()?.try_into().expect("twelve tensors")))
     }
 
-    /// C (d_model) and FF, read off the tensors.
+    /// (C, FF), read off W_fc1 (FF, C).
     pub fn dims(&self) -> (usize, usize) {
-        // (FF, C); from_seed and load_gpt2 guarantee rank 2.
-        match self.w_fc1.dims() {
-            [ff, c] => (*c, *ff),
-            _ => (0, 0),
-        }
+        let [ff, c] = *self.w_fc1.dims() else { return (0, 0) };
+        (c, ff)
     }
 
     fn tensors(&self) -> [&Tensor; 12] {
@@ -121,7 +116,6 @@ impl BlockWeights {
         BlockWeights { ln1_g, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_g, ln2_b, w_fc1, b_fc1, w_fc2, b_fc2 }
     }
 
-    /// Copy every tensor to `device`, once, before any stage builds.
     pub fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
         let t: Vec<Tensor> = self.tensors().iter().map(|t| t.to_device(device)).collect::<candle_core::Result<_>>()?;
         Ok(Self::from_tensors(t.try_into().expect("twelve tensors")))
@@ -138,9 +132,8 @@ impl BlockWeights {
         save("--save-weights", path, named.collect::<candle_core::Result<_>>()?, Some(meta))
     }
 
-    /// Read one layer of a GPT-2-named safetensors file (keys `h.N.*`, optionally prefixed,
-    /// e.g. `transformer.h.N.*`). Returns the weights and n_head if the file records it.
-    /// `layer: None` picks the file's only layer, and is an error if it holds several.
+    /// One layer of a GPT-2-named safetensors file (`h.N.*`, maybe prefixed: `transformer.h.N.*`),
+    /// and n_head if the file records it. `layer: None`: the file's only layer.
     pub fn load_gpt2(path: &Path, layer: Option<usize>) -> Result<(Self, Option<usize>), SpeedkitError> {
         let bad = |why: String| {
             SpeedkitError::usage(format!(
@@ -159,9 +152,7 @@ impl BlockWeights {
             bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer (correct or drop the key)"))
         })?;
         let names = st.names();
-        let mut layers: Vec<usize> = names.iter().filter_map(|k| layer_of(k)).collect();
-        layers.sort_unstable();
-        layers.dedup();
+        let layers: Vec<usize> = names.iter().filter_map(|k| layer_of(k)).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
         let layer = match (layer, layers.as_slice()) {
             (_, []) => return Err(bad("it holds no GPT-2 layer (no key like h.0.ln_1.weight)".into())),
             (Some(l), ls) if !ls.contains(&l) => return Err(bad(format!("it has no layer {l} (layers present: {ls:?})"))),
@@ -208,7 +199,7 @@ fn layer_of(key: &str) -> Option<usize> {
     rest[idx + 2..].parse().ok()
 }
 
-/// Read a file we were given, refusing one larger than the memory available (it is read whole).
+/// Read a file whole, refusing one larger than half the memory available.
 fn read_file(path: &Path) -> Result<Vec<u8>, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("it cannot be read ({e})"))?;
     if !meta.is_file() {
@@ -223,7 +214,6 @@ fn read_file(path: &Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("it cannot be read ({e})"))
 }
 
-/// The file's tensors and metadata, its header refused when it names a key twice.
 fn parse(bytes: &[u8]) -> Result<(SafeTensors<'_>, Option<HashMap<String, String>>), String> {
     duplicate_key(bytes)?;
     let not = |e| format!("it is not a safetensors file ({e})");
@@ -231,12 +221,10 @@ fn parse(bytes: &[u8]) -> Result<(SafeTensors<'_>, Option<HashMap<String, String
     Ok((SafeTensors::deserialize(bytes).map_err(not)?, header.metadata().clone()))
 }
 
-/// Refuse a safetensors header that names a tensor (or a metadata key) twice. The safetensors
-/// crate reads the header into a map, so the last entry would silently win and the data of the
-/// first would be read as the second: refused naming the key, before anything blames its values.
+/// Refuse a header that names a tensor (or metadata key) twice: the safetensors crate reads it
+/// into a map, so the last entry would silently win, the first's data read as the second.
 fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
     use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
-    /// The first key a JSON object (or its `__metadata__` object) repeats.
     struct Dup(Option<String>);
     impl<'de> Visitor<'de> for Dup {
         type Value = Dup;
@@ -244,7 +232,7 @@ fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
             f.write_str("a JSON object")
         }
         fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Dup, A::Error> {
-            // Read whole (serde_json refuses a map left half-read), keeping the first repeat.
+            // Read whole: serde_json refuses a map left half-read.
             let (mut seen, mut first) = (std::collections::HashSet::new(), None);
             while let Some(k) = map.next_key::<String>()? {
                 if k == "__metadata__" {
@@ -264,8 +252,7 @@ fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
             d.deserialize_map(Dup(None))
         }
     }
-    // An 8-byte little-endian length, then the JSON header; one that does not parse is left to
-    // the safetensors reader's own message.
+    // An 8-byte little-endian length, then the JSON header (one that does not parse is left to safetensors).
     let len = bytes.get(..8).and_then(|b| usize::try_from(u64::from_le_bytes(b.try_into().ok()?)).ok());
     let Some(header) = len.and_then(|n| bytes.get(8..8usize.checked_add(n)?)) else { return Ok(()) };
     match serde_json::from_slice::<Dup>(header) {
@@ -277,9 +264,8 @@ fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
     }
 }
 
-/// A tensor of the file as f32, refusing a value that is NaN or infinite (or an f64 past f32's
-/// range): a bad number in a user's file is bad input, not a failed check of ours. The first
-/// such index is named in the file's own layout (a Conv1D matrix: (in, out)).
+/// A tensor of the file as f32, refusing NaN or infinity (an f64 past f32's range too): bad input,
+/// not a failed check. The first such index is in the file's own layout (Conv1D: (in, out)).
 fn view_to_f32(view: &TensorView<'_>) -> Result<Tensor, String> {
     use candle_core::safetensors::Load;
     if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::F16 | Dtype::BF16) {
@@ -300,8 +286,7 @@ fn view_to_f32(view: &TensorView<'_>) -> Result<Tensor, String> {
     Ok(t)
 }
 
-/// Read the input x (B, T, C) from a safetensors file: the tensor named "x", or the file's
-/// only tensor. Any float dtype; converted to f32.
+/// The input x (B, T, C) of a safetensors file: the tensor "x", or its only one, as f32.
 pub fn load_input(path: &Path) -> Result<Tensor, SpeedkitError> {
     let bad = |why: String| {
         SpeedkitError::usage(format!(
@@ -324,12 +309,11 @@ pub fn load_input(path: &Path) -> Result<Tensor, SpeedkitError> {
     view_to_f32(&view).map_err(|e| bad(format!("tensor {key} {e}")))
 }
 
-/// Save named tensors (converted to f32, on the host) to a safetensors file.
+/// Save named tensors as f32 to a safetensors file.
 pub fn save_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> anyhow::Result<()> {
     save("--save-output", path, tensors.iter().map(|(n, t)| (n.to_string(), (*t).clone())).collect(), None)
 }
 
-/// Write `tensors` as f32 by the output policy (`crate::output`: temp file + rename).
 fn save(flag: &str, path: &Path, tensors: Vec<(String, Tensor)>, meta: Option<HashMap<String, String>>) -> anyhow::Result<()> {
     let host = tensors
         .into_iter()
