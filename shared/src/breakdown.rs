@@ -70,14 +70,17 @@ pub fn part(name: &'static str) -> candle_core::Result<()> {
     RECORDER.with(|r| r.borrow_mut().as_mut().map_or(Ok(()), |rec| rec.boundary(Some(name))))
 }
 
+/// Timing on: with cudarc's default, CU_EVENT_DISABLE_TIMING, cuEventElapsedTime fails.
+#[cfg(feature = "cuda")]
+const TIMING_EVENT: candle_core::cuda::cudarc::driver::sys::CUevent_flags =
+    candle_core::cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+
 impl Recorder {
     /// Close the open part (if any) and open `next` (if any).
     fn boundary(&mut self, next: Option<&'static str>) -> candle_core::Result<()> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = &self.device {
-            // Timing on: with cudarc's default (DISABLE_TIMING) cuEventElapsedTime fails.
-            let timing = candle_core::cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-            let event = d.cuda_stream().record_event(Some(timing)).map_err(candle_core::Error::wrap)?;
+            let event = d.cuda_stream().record_event(Some(TIMING_EVENT)).map_err(candle_core::Error::wrap)?;
             if let Some(nvtx) = self.nvtx {
                 let name = next.map(|n| std::ffi::CString::new(n).unwrap_or_default());
                 // SAFETY: NVTX ignores a pop without a push; a push copies the NUL-terminated

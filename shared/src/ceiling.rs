@@ -78,8 +78,7 @@ pub fn simd_level() -> &'static str {
     }
 }
 
-/// Which GEMM candle's CPU matmul (and stage 3's direct gemm calls) run: the build's `mkl`
-/// feature decides the library, the CPU decides gemm's kernels.
+/// The GEMM candle's CPU matmul and stage 3 run: the `mkl` feature picks the library, the CPU gemm's kernels.
 pub fn gemm_backend() -> String {
     match simd_level() {
         _ if cfg!(feature = "mkl") => "MKL (mkl feature)".into(),
@@ -110,8 +109,8 @@ impl ProbeGemm {
 /// several heads the rate no longer depends on their number.
 const ATTENTION_PROBE_SCORES: usize = 16 << 20;
 
-/// Every shape the probe measures: the block's four linears (m = B·T), then attention's
-/// S = Q·Kᵀ (T × T × d_head) and O = P·V (T × d_head × T) over as many heads as fit.
+/// The four linears (m = B·T), then S = Q·Kᵀ (T × T × d_head) and O = P·V (T × d_head × T) over as
+/// many heads as fit.
 pub fn probe_gemms(shape: &Shape) -> Vec<ProbeGemm> {
     let (m, c, ff) = (shape.batch * shape.seq, shape.d_model, shape.ff);
     let linear = |name, n, k| ProbeGemm { name, batch: 1, m, n, k };
@@ -128,7 +127,6 @@ pub fn probe_gemms(shape: &Shape) -> Vec<ProbeGemm> {
     ]
 }
 
-/// Bytes of each of the triad's three arrays.
 const TRIAD_ARRAY_BYTES: usize = 32 << 20;
 
 /// Bytes the probe holds at its widest: one shape's f32 x, W and y at a time, or the triad.

@@ -76,7 +76,6 @@ impl DeviceInfo {
         self.sm >= Some((8, 9))
     }
 
-    /// One line for the top of every run: device, SM, memory, and what it supports.
     pub fn describe(&self) -> String {
         let DeviceInfo { ordinal, name, threads, why, .. } = self;
         let mem = self.memory_bytes.map(|b| format!(", {:.1} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_default();
@@ -91,8 +90,7 @@ impl DeviceInfo {
     }
 }
 
-/// Open the requested device. `auto` takes GPU 0 when this build has CUDA and a GPU answers,
-/// else the CPU, and says which and why.
+/// `auto` takes GPU 0 when this build has CUDA and a GPU answers, else the CPU, and says why.
 pub fn select(req: DeviceRequest) -> Result<(Device, DeviceInfo), SpeedkitError> {
     match req {
         DeviceRequest::Cpu => Ok((Device::Cpu, cpu_info("requested with --device cpu"))),

@@ -128,7 +128,7 @@ mod imp {
         }
     }
 
-    /// Destroy a graph no `RawGraph` owns, leaving no error stored in the context.
+    /// Destroy a graph no `RawGraph` owns, leaving no error stored.
     fn destroy(stream: &CudaStream, graph: sys::CUgraph) {
         // SAFETY: a graph just returned by cuStreamEndCapture and never instantiated, destroyed once.
         stream.context().record_err(unsafe { result::graph::destroy(graph) });
@@ -182,16 +182,12 @@ mod imp {
             // (its output) are freed before the next replay, which allocates them again.
             let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
             // SAFETY: `graph` is the valid graph just captured.
-            match unsafe { result::graph::instantiate(graph, flags) } {
-                Ok(exec) => {
-                    self.graph = Some(RawGraph { graph, exec, stream: self.stream.clone() });
-                    Ok(())
-                }
-                Err(e) => {
-                    destroy(&self.stream, graph);
-                    anyhow::bail!("cuGraphInstantiate: {e:?}")
-                }
-            }
+            let exec = unsafe { result::graph::instantiate(graph, flags) }.map_err(|e| {
+                destroy(&self.stream, graph);
+                anyhow::anyhow!("cuGraphInstantiate: {e:?}")
+            })?;
+            self.graph = Some(RawGraph { graph, exec, stream: self.stream.clone() });
+            Ok(())
         }
         fn abort_capture(&mut self) -> anyhow::Result<()> {
             if let Some(g) = end_raw(&self.stream)? {

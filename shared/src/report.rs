@@ -15,7 +15,7 @@ use std::path::Path;
 /// `Record::peak_source` of a CPU row whose % of peak is against the measured GEMM ceiling.
 pub const MEASURED_PEAK: &str = "measured GEMM ceiling";
 
-/// Bump when a field changes meaning or disappears; adding fields keeps the version.
+/// Bumped when a field changes meaning or disappears, not when one is added.
 pub const RECORD_SCHEMA: &str = "candle-speedkit/record/v1";
 pub const LADDER_SCHEMA: &str = "candle-speedkit/ladder/v1";
 pub const SWEEP_SCHEMA: &str = "candle-speedkit/sweep/v1";
@@ -173,7 +173,6 @@ pub fn speedup_text(v: Option<f64>, within_noise: bool) -> String {
     }
 }
 
-/// One row of the ladder: a measured stage or one that was not measured.
 #[derive(Clone, Copy, Debug)]
 pub enum Row<'a> {
     Ran(&'a Record),
@@ -190,7 +189,7 @@ impl Row<'_> {
 }
 
 impl LadderReport {
-    /// Every row, measured or not, in ladder order.
+    /// Every row in ladder order.
     pub fn rows(&self) -> Vec<Row<'_>> {
         let mut rows: Vec<Row> = self.records.iter().map(Row::Ran).chain(self.skipped.iter().map(Row::Skipped)).collect();
         if !self.stages.is_empty() {
