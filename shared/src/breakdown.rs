@@ -1,9 +1,7 @@
-//! `--breakdown`: where the milliseconds go inside one forward. Each stage's `forward` calls
-//! `part("ln1")?`, `part("qkv")?`, ... where a named part of the block begins: a no-op outside
-//! `record`. Inside it, a boundary synchronizes and reads the clock on the CPU; on a GPU it
-//! records a CUDA event (the GPU keeps its queue) and opens an NVTX range with the part's name,
-//! so `nsys`/`ncu` show the table's names. Boundaries cost a little and stop work overlapping
-//! across them, so the total is shown beside the uninstrumented median, never instead of it.
+//! `--breakdown`: where the milliseconds go inside one forward. A stage's `forward` calls
+//! `part("ln1")?`, ... where each part begins (a no-op outside `record`): on the CPU a synchronize
+//! and a clock read; on a GPU a CUDA event (the queue keeps going) and an NVTX range for `nsys`.
+//! Boundaries stop work overlapping across them, so the total stands beside the uninstrumented median.
 
 use crate::timing::Stats;
 use candle_core::{Device, Tensor};
@@ -11,36 +9,30 @@ use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::time::Instant;
 
-/// The block's parts in forward order, as stages 0–2 name them (a stage that fuses two parts
-/// names them as one, e.g. stage 3's "proj+residual+ln2").
+/// The block's parts in forward order; a fused part joins names, e.g. stage 3's "proj+residual+ln2".
 pub const PARTS: [&str; 7] = ["ln1", "qkv", "attention", "proj+residual", "ln2", "fc1+gelu", "fc2+residual"];
 
-/// One part's time over the instrumented iterations.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PartTime {
     pub name: String,
     pub median_ms: f64,
     pub p10_ms: f64,
     pub p90_ms: f64,
-    /// One per instrumented iteration, so runs in rounds can be merged (`merge`).
+    /// One per iteration, so rounds can be merged (`merge`).
     #[serde(default)]
     pub samples_ms: Vec<f64>,
-    /// FLOPs, bytes, rates against the ceilings and the label (`regime::annotate`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub regime: Option<crate::regime::PartRegime>,
 }
 
-/// What `--breakdown` stores in a record.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Breakdown {
-    /// In forward order.
     pub parts: Vec<PartTime>,
-    /// Median over iterations of the per-iteration sum of the parts.
+    /// Median of the per-iteration sums of the parts.
     pub total_ms: f64,
     #[serde(default)]
     pub total_samples_ms: Vec<f64>,
     pub iters: usize,
-    /// How the boundaries were timed, e.g. "instrumented: device synchronize at each part boundary".
     pub method: String,
 }
 
@@ -73,13 +65,12 @@ thread_local! {
     static RECORDER: RefCell<Option<Recorder>> = const { RefCell::new(None) };
 }
 
-/// A part of the block begins here. A no-op unless a breakdown is being recorded on this thread.
+/// A part of the block begins here (a no-op unless this thread is recording).
 pub fn part(name: &'static str) -> candle_core::Result<()> {
     RECORDER.with(|r| r.borrow_mut().as_mut().map_or(Ok(()), |rec| rec.boundary(Some(name))))
 }
 
-/// The flags a boundary's CUDA event is created with: timing on. cudarc's default,
-/// CU_EVENT_DISABLE_TIMING, makes cuEventElapsedTime fail with CUDA_ERROR_INVALID_HANDLE.
+/// Timing on: with cudarc's default, CU_EVENT_DISABLE_TIMING, cuEventElapsedTime fails.
 #[cfg(feature = "cuda")]
 const TIMING_EVENT: candle_core::cuda::cudarc::driver::sys::CUevent_flags =
     candle_core::cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
@@ -125,9 +116,8 @@ impl Recorder {
     }
 }
 
-/// NVTX v2's two range calls, from libnvToolsExt loaded at run time (CUDA 12.x ships it; CUDA 13
-/// does not, NVTX 3 being header-only, so without it the breakdown has CUDA events only). `nsys`
-/// intercepts these calls by this library's name.
+/// NVTX v2's two range calls, from libnvToolsExt loaded at run time (CUDA 12.x ships it, CUDA 13
+/// does not: then CUDA events only). `nsys` intercepts these calls by this library's name.
 #[cfg(feature = "cuda")]
 mod nvtx {
     use std::ffi::{c_char, c_int};
@@ -139,7 +129,6 @@ mod nvtx {
         pub pop: unsafe extern "C" fn() -> c_int,
     }
 
-    /// The library, loaded once; `None` when it is not installed.
     pub fn get() -> Option<&'static Nvtx> {
         static NVTX: OnceLock<Option<Nvtx>> = OnceLock::new();
         NVTX.get_or_init(|| {
@@ -156,8 +145,8 @@ mod nvtx {
     }
 }
 
-/// Run `forward` `warmup` + `iters` times with the part boundaries recorded, and summarise the
-/// timed iterations. A forward that marks no part is an error: the stage is not instrumented.
+/// Run `forward` `warmup` + `iters` times with the boundaries recorded; a forward that marks no
+/// part is an error (the stage is not instrumented).
 pub fn record(
     device: &Device,
     warmup: usize,
@@ -200,8 +189,7 @@ pub fn record(
     summarise(&samples, iters, method)
 }
 
-/// Per-part percentiles and the median total, from per-iteration (part, ms) lists that name the
-/// same parts in the same order.
+/// Per-part percentiles and the median total of per-iteration (part, ms) lists.
 pub fn summarise(samples: &[Vec<(&'static str, f64)>], iters: usize, method: String) -> candle_core::Result<Breakdown> {
     let Some(first) = samples.first() else { candle_core::bail!("breakdown: no timed iteration") };
     if samples.iter().any(|s| s.iter().map(|p| p.0).ne(first.iter().map(|p| p.0))) {
@@ -212,8 +200,7 @@ pub fn summarise(samples: &[Vec<(&'static str, f64)>], iters: usize, method: Str
     Ok(Breakdown::from_samples(parts, total, iters, method))
 }
 
-/// Two breakdowns of the same stage (the ladder's rounds) as one: samples pooled, percentiles
-/// recomputed. `None` when they name different parts.
+/// Two breakdowns of one stage (the ladder's rounds) pooled; `None` when they name different parts.
 pub fn merge(a: &Breakdown, b: &Breakdown) -> Option<Breakdown> {
     if a.parts.iter().map(|p| &p.name).ne(b.parts.iter().map(|p| &p.name)) {
         return None;
@@ -223,8 +210,7 @@ pub fn merge(a: &Breakdown, b: &Breakdown) -> Option<Breakdown> {
     Some(Breakdown::from_samples(parts, pooled(&a.total_samples_ms, &b.total_samples_ms), a.iters + b.iters, a.method.clone()))
 }
 
-/// The breakdown as text lines under a record's details: one line per part, then the total
-/// beside the uninstrumented median.
+/// One line per part, then the total beside the uninstrumented median.
 pub fn text(b: &Breakdown, uninstrumented_ms: f64) -> String {
     let mut out = format!("breakdown ({}, {} iterations)\n", b.method, b.iters);
     let width = b.parts.iter().map(|p| p.name.len()).max().unwrap_or(0);

@@ -1,21 +1,18 @@
 //! A measured ceiling for "% of peak" on a CPU, where no datasheet number means much: this
-//! machine's GEMM rate at the block's own GEMM shapes (the four linears, and attention's Q·Kᵀ and
-//! P·V per head) with this binary's GEMM backend, and its memory bandwidth (a STREAM triad). A CPU
-//! row's % of peak is how close the block comes to running every FLOP at the measured rate of its
-//! own GEMM shape. Attention's shapes are thin (k = d_head), so they run slower than the linears
-//! even as bare GEMMs; the linears' rate would hold attention to a rate no GEMM of its shape reaches.
+//! machine's GEMM rate at the block's own GEMM shapes (the four linears, attention's Q·Kᵀ and P·V
+//! per head) with this binary's backend, and its memory bandwidth (STREAM triad). Attention's thin
+//! shapes (k = d_head) run slower even as bare GEMMs, so they get their own rate.
 
 use crate::preset::Shape;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
-/// One GEMM shape of the block, measured: `batch` products y (m × n) = x (m × k) · Wᵀ.
+/// One `ProbeGemm`, measured.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GemmRate {
-    /// "qkv", "proj", "fc1", "fc2" (the linears), "attn_qk" or "attn_pv" (attention's products).
     pub name: String,
-    /// 1 for the linears (and records from before attention was measured), heads for attention.
+    /// Records from before attention was measured have no `batch`.
     #[serde(default = "one")]
     pub batch: usize,
     pub m: usize,
@@ -29,31 +26,24 @@ fn one() -> usize {
     1
 }
 
-/// The CPU ceiling % of peak is computed against; the ladder's roofline reads `gemm_gflops` as
-/// the compute roof and `bandwidth_gbs` as the memory slope.
+/// The CPU ceiling: `gemm_gflops` (`block_ceiling_gflops`) is the compute roof of % of peak and
+/// the roofline, `bandwidth_gbs` (`triad_gbs`) the memory slope.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CpuCeiling {
-    /// e.g. "gemm x86-v4 (AVX-512)", "gemm (AVX2)", "MKL (mkl feature)".
     pub gemm_backend: String,
-    /// The widest SIMD the CPU offers, detected at run time, e.g. "AVX-512", "AVX2+FMA".
     pub simd: String,
     pub gemms: Vec<GemmRate>,
-    /// The block's FLOPs over their time at the measured rates (`block_ceiling_gflops`), GFLOP/s.
     pub gemm_gflops: f64,
-    /// STREAM triad a[i] = b[i] + s·c[i] over 3 × 32 MiB arrays, all threads; 12 bytes per i.
     pub bandwidth_gbs: f64,
     pub threads: usize,
-    /// How it was measured, in words.
     pub method: String,
 }
 
 impl CpuCeiling {
-    /// Peak in TFLOP/s, the unit of `Record::peak_tflops`.
     pub fn peak_tflops(&self) -> f64 {
         self.gemm_gflops / 1e3
     }
 
-    /// One line for the terminal.
     pub fn describe(&self) -> String {
         let CpuCeiling { gemm_backend, simd, gemm_gflops, bandwidth_gbs, threads, .. } = self;
         let each = self.gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
@@ -64,8 +54,7 @@ impl CpuCeiling {
     }
 }
 
-/// The widest SIMD level this CPU has, detected at run time (what gemm's and our run-time
-/// dispatched kernels pick).
+/// The widest SIMD level this CPU has, detected at run time as gemm's and our kernels do.
 pub fn simd_level() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
@@ -89,8 +78,7 @@ pub fn simd_level() -> &'static str {
     }
 }
 
-/// Which GEMM candle's CPU matmul (and stage 3's direct gemm calls) run: the build's `mkl`
-/// feature decides the library, the CPU decides gemm's kernels.
+/// The GEMM candle's CPU matmul and stage 3 run: the `mkl` feature picks the library, the CPU gemm's kernels.
 pub fn gemm_backend() -> String {
     match simd_level() {
         _ if cfg!(feature = "mkl") => "MKL (mkl feature)".into(),
@@ -100,7 +88,8 @@ pub fn gemm_backend() -> String {
     }
 }
 
-/// One GEMM shape the probe measures: `batch` products of y (m × n) = x (m × k) · w (k × n).
+/// One GEMM shape of the block: `batch` products y (m × n) = x (m × k) · w (k × n). Names: "qkv",
+/// "proj", "fc1", "fc2" (the linears, batch 1), "attn_qk", "attn_pv" (batch: heads).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProbeGemm {
     pub name: &'static str,
@@ -116,18 +105,16 @@ impl ProbeGemm {
     }
 }
 
-/// Score elements (batch · T · T) the attention probe may hold: 16 Mi f32 = 64 MiB. Once every
-/// thread has several heads the rate no longer depends on their number, so at long T the probe
-/// times fewer heads than the block has.
+/// Score elements (batch · T · T) the attention probe may hold (64 MiB): once every thread has
+/// several heads the rate no longer depends on their number.
 const ATTENTION_PROBE_SCORES: usize = 16 << 20;
 
-/// Every shape the probe measures: the block's four linears (m = B·T), then attention's
-/// S = Q·Kᵀ (T × T × d_head) and O = P·V (T × d_head × T) over as many heads as fit.
+/// The four linears (m = B·T), then S = Q·Kᵀ (T × T × d_head) and O = P·V (T × d_head × T) over as
+/// many heads as fit.
 pub fn probe_gemms(shape: &Shape) -> Vec<ProbeGemm> {
     let (m, c, ff) = (shape.batch * shape.seq, shape.d_model, shape.ff);
     let linear = |name, n, k| ProbeGemm { name, batch: 1, m, n, k };
-    // T capped so one head's scores fit (4096² = 16 Mi): past that the rate no longer changes,
-    // and T = 100 000 would need 40 GB for a single head.
+    // Past T = 4096 the rate no longer changes, and T = 100 000 would need 40 GB for one head.
     let (t, d) = (shape.seq.min(4096), shape.d_head());
     let heads = (shape.batch * shape.n_head).min((ATTENTION_PROBE_SCORES / (t * t).max(1)).max(1));
     vec![
@@ -140,17 +127,16 @@ pub fn probe_gemms(shape: &Shape) -> Vec<ProbeGemm> {
     ]
 }
 
-/// Bytes of each of the triad's three arrays.
 const TRIAD_ARRAY_BYTES: usize = 32 << 20;
 
-/// Bytes the probe holds at its widest: one shape's x, W and y in f32 at a time, then the triad.
+/// Bytes the probe holds at its widest: one shape's f32 x, W and y at a time, or the triad.
 pub fn probe_bytes(shape: &Shape) -> u128 {
     let bytes = |g: ProbeGemm| 4 * g.batch as u128 * (g.m * g.k + g.k * g.n + g.m * g.n) as u128;
     probe_gemms(shape).into_iter().map(bytes).max().unwrap_or(0).max(3 * TRIAD_ARRAY_BYTES as u128)
 }
 
-/// Refuse (exit 2) a probe that cannot fit, before it allocates: `probe_bytes` against the memory
-/// available, then a fallible reservation, which fails where an allocation would abort.
+/// Refuse (exit 2) a probe that cannot fit, before it allocates: against the memory available,
+/// then by a fallible reservation, which fails where an allocation would abort.
 pub fn check_fit(shape: &Shape) -> Result<(), crate::SpeedkitError> {
     let need = probe_bytes(shape);
     let gib = |b: f64| b / (1u64 << 30) as f64;
@@ -172,8 +158,7 @@ pub fn check_fit(shape: &Shape) -> Result<(), crate::SpeedkitError> {
     Vec::<u8>::new().try_reserve_exact(bytes).map_err(|_| refuse("allocating it failed".into()))
 }
 
-/// Measure the ceiling on the CPU for `shape`. The best time counts: a ceiling is what the
-/// machine can do, not what it usually does.
+/// The best time counts: a ceiling is what the machine can do, not what it usually does.
 pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
     let dev = Device::Cpu;
     let mut gemms = Vec::new();
@@ -210,9 +195,8 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
     })
 }
 
-/// One round of an attention probe shape as stage 2's CPU kernel runs its tile products (in every
-/// build, MKL's too): the gemm crate, one single-threaded row-major y (m × n) = x (m × k) · w per
-/// head, rayon over heads; for attn_qk, w is K (n × k), read transposed through its strides.
+/// An attention probe shape as stage 2's CPU kernel runs its tile products (MKL builds too): one
+/// single-threaded gemm-crate product per head, rayon over heads; attn_qk reads K (n × k) transposed.
 pub fn attention_gemms(g: &ProbeGemm, x: &[f32], w: &[f32], y: &mut [f32]) {
     use gemm::{gemm, Parallelism::None as Serial};
     use rayon::prelude::*;
@@ -227,9 +211,8 @@ pub fn attention_gemms(g: &ProbeGemm, x: &[f32], w: &[f32], y: &mut [f32]) {
     });
 }
 
-/// The block's FLOPs over their time at the measured rates: each linear at its own rate,
-/// attention's causal FLOPs (2·B·T²·C, as `perf::block_flops` counts them) at the combined rate
-/// of attn_qk and attn_pv (the kernel runs equal FLOPs of each). Shapes not measured count nothing.
+/// The block's FLOPs over their time at the measured rates: each linear at its own, attention's
+/// causal FLOPs (as `perf::block_flops`) at attn_qk's and attn_pv's combined. Unmeasured: nothing.
 pub fn block_ceiling_gflops(shape: &Shape, gemms: &[GemmRate]) -> f64 {
     let (mut flops, mut secs, mut attn_flops, mut attn_secs) = (0.0, 0.0, 0.0, 0.0);
     for g in gemms {
@@ -246,8 +229,7 @@ pub fn block_ceiling_gflops(shape: &Shape, gemms: &[GemmRate]) -> f64 {
     flops / secs / 1e9
 }
 
-/// One untimed call (page faults, gemm's packing buffers), then the best of up to 3 timed ones
-/// within 0.5 s, in seconds.
+/// One untimed call (page faults, packing buffers), then the best of up to 3 within 0.5 s, in s.
 fn best_time(mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Result<f64> {
     f()?;
     let (start, mut best) = (Instant::now(), f64::INFINITY);
@@ -262,8 +244,8 @@ fn best_time(mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Res
     Ok(best)
 }
 
-/// STREAM triad over three arrays of `bytes` each, in GB/s (12 bytes moved per element: two
-/// reads and a write; write-allocate traffic not counted, as STREAM does).
+/// STREAM triad a = b + s·c over three arrays of `bytes` each, in GB/s: 12 bytes per element
+/// (write-allocate traffic not counted, as STREAM does).
 fn triad_gbs(bytes: usize) -> f64 {
     use rayon::prelude::*;
     let n = bytes / 4;

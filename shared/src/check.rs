@@ -22,25 +22,21 @@ pub fn tolerance(p: Precision) -> f64 {
     }
 }
 
-/// Result of comparing a stage's output with the reference.
+/// `rel_err` ||y − ref||₂ / ||ref||₂, `max_abs_err` max |y − ref|, `non_finite` NaN/inf in y.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CheckResult {
-    /// ||y − ref||₂ / ||ref||₂
     pub rel_err: f64,
-    /// max |y − ref|
     pub max_abs_err: f64,
     pub tolerance: f64,
-    /// Count of NaN/inf values in y.
     pub non_finite: usize,
     pub passed: bool,
 }
 
-/// A stage's own check (`Stage::self_check`): what was compared with what, and the result.
+/// A stage's own check (`Stage::self_check`), e.g. "fp8-rounded fp32 twin"; `meaning`: what a
+/// pass rules out and what a failure would mean.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NamedCheck {
-    /// Short name, e.g. "fp8-rounded fp32 twin".
     pub name: String,
-    /// One sentence: what a pass rules out and what a failure would mean.
     pub meaning: String,
     pub result: CheckResult,
 }
@@ -50,7 +46,6 @@ pub fn compare(y: &Tensor, reference: &Tensor, precision: Precision) -> candle_c
     compare_within(y, reference, tolerance(precision))
 }
 
-/// `compare` with an explicit tolerance on the relative error.
 pub fn compare_within(y: &Tensor, reference: &Tensor, tolerance: f64) -> candle_core::Result<CheckResult> {
     if y.dims() != reference.dims() {
         candle_core::bail!("output shape {:?} differs from the reference's {:?}", y.dims(), reference.dims());
@@ -72,11 +67,9 @@ pub fn compare_within(y: &Tensor, reference: &Tensor, tolerance: f64) -> candle_
     Ok(CheckResult { rel_err, max_abs_err: max_abs, tolerance, non_finite, passed: non_finite == 0 && rel_err <= tolerance })
 }
 
-/// How many sequences of the fp32 reference (stage 0) to compute at once, so that its
-/// (b, n_head, T, T) scores hold at most `limit` elements. Each sequence is independent, so the
-/// reference in pieces along B is the same function, and it then checks shapes the fused stages
-/// run but whose whole score matrix would not fit (te at T = 4096). Exit 2 when one sequence
-/// alone is past the limit.
+/// How many sequences the fp32 reference (stage 0) computes at once so its (b, n_head, T, T)
+/// scores hold at most `limit` elements: sequences are independent, so in pieces along B it still
+/// checks shapes whose whole score matrix would not fit (te at T = 4096). Exit 2 if one is too many.
 pub fn reference_batch_chunk(shape: &crate::Shape, limit: usize) -> Result<usize, SpeedkitError> {
     let per_sequence = shape.n_head.checked_mul(shape.seq).and_then(|n| n.checked_mul(shape.seq));
     match per_sequence {
@@ -102,7 +95,7 @@ pub fn forward_in_pieces(
 }
 
 impl CheckResult {
-    /// The error to stop with when the check failed: what, by how much, and what to do.
+    /// When the check failed: what, by how much, and what to do.
     pub fn to_error(&self, stage: &str, precision: Precision) -> Option<SpeedkitError> {
         let what = if self.passed {
             return None;

@@ -34,8 +34,8 @@ pub enum DeviceKind {
     Cuda,
 }
 
-/// What the stages need to know about the hardware to choose a precision, and what the report
-/// prints. `sm` is the CUDA compute capability (major, minor); `None` on CPU.
+/// What the stages need to choose a precision, and what the report prints. `sm`: the CUDA
+/// compute capability; `None` on CPU.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DeviceInfo {
     pub kind: DeviceKind,
@@ -43,14 +43,14 @@ pub struct DeviceInfo {
     pub name: String,
     pub sm: Option<(u32, u32)>,
     pub memory_bytes: Option<u64>,
-    /// Worker threads candle uses on CPU (1 on CUDA).
+    /// candle's CPU worker threads (1 on CUDA).
     pub threads: usize,
-    /// Why this device: "requested", or what `auto` found.
+    /// "requested", or what `auto` found.
     pub why: String,
 }
 
 impl DeviceInfo {
-    /// Simulated capabilities, for tests and for the precision policy's exhaustive table.
+    /// For tests and the precision policy's exhaustive table.
     pub fn simulated_cuda(name: &str, sm: (u32, u32)) -> Self {
         let why = "simulated".into();
         DeviceInfo { kind: DeviceKind::Cuda, ordinal: 0, name: name.into(), sm: Some(sm), memory_bytes: None, threads: 1, why }
@@ -64,22 +64,18 @@ impl DeviceInfo {
     pub fn has_bf16_tensor_cores(&self) -> bool {
         self.sm >= Some((8, 0))
     }
-
     pub fn has_tf32(&self) -> bool {
         self.has_bf16_tensor_cores()
     }
-
-    /// f16 tensor cores: Volta (SM 7.0) onwards.
+    /// Volta (SM 7.0) onwards.
     pub fn has_f16_tensor_cores(&self) -> bool {
         self.sm >= Some((7, 0))
     }
-
-    /// FP8 (E4M3/E5M2) tensor cores: Ada (SM 8.9) and Hopper (SM 9.0) onwards.
+    /// FP8 (E4M3/E5M2): Ada (SM 8.9) and Hopper (SM 9.0) onwards.
     pub fn has_fp8_tensor_cores(&self) -> bool {
         self.sm >= Some((8, 9))
     }
 
-    /// One line for the top of every run: device, SM, memory, and what it supports.
     pub fn describe(&self) -> String {
         let DeviceInfo { ordinal, name, threads, why, .. } = self;
         let mem = self.memory_bytes.map(|b| format!(", {:.1} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_default();
@@ -94,8 +90,7 @@ impl DeviceInfo {
     }
 }
 
-/// Open the requested device. `auto` takes GPU 0 when this build has CUDA and a GPU answers,
-/// else the CPU, and says which and why.
+/// `auto` takes GPU 0 when this build has CUDA and a GPU answers, else the CPU, and says why.
 pub fn select(req: DeviceRequest) -> Result<(Device, DeviceInfo), SpeedkitError> {
     match req {
         DeviceRequest::Cpu => Ok((Device::Cpu, cpu_info("requested with --device cpu"))),
@@ -116,15 +111,8 @@ fn cpu_info(why: &str) -> DeviceInfo {
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with("model name"))?.split(':').nth(1).map(|n| n.trim().to_string()))
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    DeviceInfo {
-        kind: DeviceKind::Cpu,
-        ordinal: 0,
-        name,
-        sm: None,
-        memory_bytes: proc_bytes("/proc/meminfo", "MemTotal:"),
-        threads: candle_core::utils::get_num_threads(),
-        why: why.to_string(),
-    }
+    let (memory_bytes, threads, why) = (proc_bytes("/proc/meminfo", "MemTotal:"), candle_core::utils::get_num_threads(), why.into());
+    DeviceInfo { kind: DeviceKind::Cpu, ordinal: 0, name, sm: None, memory_bytes, threads, why }
 }
 
 /// A "Key: N kB" line of a /proc file (meminfo, self/status), in bytes.
@@ -157,10 +145,9 @@ fn cuda_device_count() -> Result<usize, String> {
 #[cfg(not(feature = "cuda"))]
 fn open_cuda(n: usize, _why: String) -> Result<(Device, DeviceInfo), SpeedkitError> {
     Err(SpeedkitError::usage(format!(
-        "--device cuda:{n} was requested, but this binary was built without CUDA support. \
-         Fix: rebuild with the cuda feature, e.g. `cargo run --release --features cuda -p ladder -- --device cuda` \
-         (needs the CUDA toolkit's nvcc at build time and an NVIDIA GPU with its driver at run time), \
-         or run on the CPU with --device cpu."
+        "--device cuda:{n} was requested, but this binary was built without CUDA support. Fix: rebuild with the cuda feature, \
+         e.g. `cargo run --release --features cuda -p ladder -- --device cuda` (needs the CUDA toolkit's nvcc at build time \
+         and an NVIDIA GPU with its driver at run time), or run on the CPU with --device cpu."
     )))
 }
 
@@ -168,17 +155,14 @@ fn open_cuda(n: usize, _why: String) -> Result<(Device, DeviceInfo), SpeedkitErr
 fn open_cuda(n: usize, why: String) -> Result<(Device, DeviceInfo), SpeedkitError> {
     let count = cuda_device_count().map_err(|e| {
         SpeedkitError::usage(format!(
-            "--device cuda:{n} was requested, but the CUDA driver did not answer ({e}). \
-             Fix: check that an NVIDIA GPU and its driver (CUDA 13 / driver 580+) are visible \
-             (nvidia-smi), or run with --device cpu."
+            "--device cuda:{n} was requested, but the CUDA driver did not answer ({e}). Fix: check that an NVIDIA GPU \
+             and its driver (CUDA 13 / driver 580+) are visible (nvidia-smi), or run with --device cpu."
         ))
     })?;
     if n >= count {
-        return Err(SpeedkitError::usage(format!(
-            "--device cuda:{n} was requested, but the driver sees {count} GPU(s) (indices 0..{}). \
-             Fix: pick an index below {count}, or --device cpu.",
-            count.saturating_sub(1)
-        )));
+        let last = count.saturating_sub(1);
+        let why = format!("--device cuda:{n} was requested, but the driver sees {count} GPU(s) (indices 0..{last})");
+        return Err(SpeedkitError::usage(format!("{why}. Fix: pick an index below {count}, or --device cpu.")));
     }
     let device = Device::new_cuda(n).map_err(|e| {
         SpeedkitError::usage(format!("could not open cuda:{n} ({e}). Fix: check the GPU with nvidia-smi, or run with --device cpu."))
@@ -202,20 +186,17 @@ fn open_cuda(n: usize, why: String) -> Result<(Device, DeviceInfo), SpeedkitErro
     Ok((device, info))
 }
 
-/// candle's process-wide GEMM switches. They are global, so every stage's `build` sets all
-/// three explicitly — stage 0 turns them off — and stages can run one after another in one
-/// process without inheriting each other's numerics. On CPU they exist but change nothing.
+/// candle's process-wide GEMM switches: every stage's `build` sets all three (stage 0 turns them
+/// off), so stages run one after another in one process never inherit each other's numerics. On
+/// CPU they change nothing. `tf32`: f32 GEMMs on TF32 tensor cores (10-bit mantissa inputs, f32
+/// accumulate); `reduced_*`: f16 / bf16 GEMMs may accumulate in reduced precision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GemmSwitches {
-    /// f32 GEMMs may use TF32 tensor cores (10-bit mantissa inputs, f32 accumulate).
     pub tf32: bool,
-    /// f16 GEMMs may accumulate in reduced precision.
     pub reduced_f16: bool,
-    /// bf16 GEMMs may accumulate in reduced precision.
     pub reduced_bf16: bool,
 }
 
-/// The switches last applied, reported by builds without CUDA.
 static APPLIED: std::sync::Mutex<GemmSwitches> = std::sync::Mutex::new(GemmSwitches::OFF);
 
 impl GemmSwitches {
@@ -229,8 +210,8 @@ impl GemmSwitches {
         *APPLIED.lock().unwrap_or_else(|e| e.into_inner()) = self;
     }
 
-    /// The switches in force, read back from candle. Without CUDA, candle's stand-in getters
-    /// always answer `true` and its setters do nothing, so this is what was last applied.
+    /// The switches in force. Without CUDA candle's stand-in getters always answer `true`, so
+    /// this is what was last applied.
     pub fn current() -> GemmSwitches {
         if !cfg!(feature = "cuda") {
             return *APPLIED.lock().unwrap_or_else(|e| e.into_inner());
@@ -243,8 +224,7 @@ impl GemmSwitches {
     }
 }
 
-/// Memory available for a new allocation, in bytes: MemAvailable on CPU (Linux), free device
-/// memory on CUDA. `None` where the platform does not say.
+/// Bytes available for a new allocation: MemAvailable on CPU (Linux), free memory on CUDA.
 pub fn available_bytes(device: &Device) -> Option<u64> {
     match device {
         // An address-space limit (`ulimit -v`) caps what this process can allocate whatever
@@ -256,32 +236,27 @@ pub fn available_bytes(device: &Device) -> Option<u64> {
     }
 }
 
-/// Measures the peak memory a stage needs over a stretch of work from a high-water mark reset at
-/// the start, so an allocation freed before the end still counts. CPU (Linux): VmHWM, reset by
-/// writing "5" to /proc/self/clear_refs, after handing free heap back to the OS. CUDA: the
-/// `USED_MEM_HIGH` of the stream-ordered allocator's default pool, where cudarc allocates, plus
-/// the graph pool's for `--cuda-graph`. Total − free memory cannot see a transient such as stage
-/// 0's T×T scores: with the pool's release threshold at 0, freed blocks go back to the driver at
-/// the next synchronize, before anyone samples.
+/// The peak memory a stretch of work needs, from a high-water mark reset at the start, so an
+/// allocation freed before the end still counts. CPU (Linux): VmHWM, reset through
+/// /proc/self/clear_refs after handing free heap back to the OS. CUDA: `USED_MEM_HIGH` of the
+/// default pool (where cudarc allocates) plus the graph pool's. Total − free memory cannot see a
+/// transient such as stage 0's T×T scores: freed blocks go back to the driver at the next synchronize.
 pub struct MemProbe {
-    /// Usage at the start; `None` when the counters cannot be read.
+    /// `None` when the counters cannot be read.
     start: Option<u64>,
     peak: u64,
     method: &'static str,
     counters: Box<dyn MemCounters>,
 }
 
-/// A device's memory counters; the defaults are a device that has none.
+/// A device's memory counters (the defaults: none). `synchronize` lets queued frees land (the GPU's
+/// queue; glibc's free lists), `used` is bytes in use now, `high` the most since `reset_high`.
 trait MemCounters {
-    /// Let queued frees land (the GPU's queue; on the CPU, glibc's free lists).
     fn synchronize(&mut self) {}
-    /// Bytes in use now.
     fn used(&mut self) -> Option<u64> {
         None
     }
-    /// Restart the high-water mark(s) from the usage now.
     fn reset_high(&mut self) {}
-    /// The largest usage since the last reset.
     fn high(&mut self) -> Option<u64> {
         None
     }
@@ -294,10 +269,10 @@ impl MemProbe {
     pub fn start(device: &Device) -> MemProbe {
         let none = "cuda: no memory pool counters";
         let (counters, method): (Box<dyn MemCounters>, _) = match device {
-            Device::Cpu => match std::fs::write("/proc/self/clear_refs", "5") {
-                Ok(()) => (Box::new(CpuCounters), "cpu: peak RSS growth (VmHWM reset)"),
-                Err(_) => (Box::new(CpuCounters), "cpu: peak RSS growth (VmHWM not resettable: upper bound)"),
-            },
+            Device::Cpu if std::fs::write("/proc/self/clear_refs", "5").is_ok() => {
+                (Box::new(CpuCounters), "cpu: peak RSS growth (VmHWM reset)")
+            }
+            Device::Cpu => (Box::new(CpuCounters), "cpu: peak RSS growth (VmHWM not resettable: upper bound)"),
             #[cfg(feature = "cuda")]
             Device::Cuda(d) => match cuda_pool::PoolCounters::new(d) {
                 Ok(c) => (Box::new(c), "cuda: high-water mark of the default memory pool (+ graph pool)"),
@@ -320,8 +295,7 @@ impl MemProbe {
         self.peak = self.peak.max(self.counters.high().unwrap_or(0));
     }
 
-    /// Run `f` without counting what it allocates (a stage's own check, which may build a
-    /// bigger twin of the stage): the peak so far is kept, and the mark restarts after `f`.
+    /// Run `f` (a stage's own check, which may build a bigger twin) without counting what it allocates.
     pub fn exclude<T>(&mut self, f: impl FnOnce() -> T) -> T {
         self.fold_high();
         let out = f();
@@ -330,7 +304,6 @@ impl MemProbe {
         out
     }
 
-    /// Peak growth since `start`, in bytes, and how it was measured.
     pub fn finish(mut self) -> (Option<u64>, &'static str) {
         self.fold_high();
         (self.start.map(|s| self.peak.saturating_sub(s)), self.method)
@@ -340,8 +313,7 @@ impl MemProbe {
 struct CpuCounters;
 
 impl MemCounters for CpuCounters {
-    /// Hand memory the C allocator holds free back to the OS, so RSS counts live data only
-    /// (else a stage reusing an earlier one's freed buffers would not grow RSS).
+    /// Free heap back to the OS, or a stage reusing an earlier one's freed buffers would not grow RSS.
     fn synchronize(&mut self) {
         // SAFETY: glibc's malloc_trim takes no pointers and may be called at any time.
         #[cfg(all(target_os = "linux", target_env = "gnu"))]

@@ -10,11 +10,9 @@ pub const EXIT_CHECK_FAILED: u8 = 3;
 
 #[derive(Debug, Error)]
 pub enum SpeedkitError {
-    /// Impossible shapes, unsupported hardware, a feature not built, input that will not fit:
-    /// one paragraph naming the cause and the fix.
+    /// One paragraph naming the cause and the fix.
     #[error("{0}")]
     Usage(String),
-    /// The stage ran but its output is not the block's function within tolerance.
     #[error("{0}")]
     CheckFailed(String),
 }
@@ -25,9 +23,8 @@ impl SpeedkitError {
     }
 }
 
-/// The exit code for an error that reached `main`, and the message to print for it. Device
-/// out-of-memory errors come from deep inside candle/cudarc as strings; they are bad input (a
-/// shape too large for this device), so they get the usage code and a fix.
+/// The exit code and message for an error that reached `main`. Device out-of-memory errors (strings
+/// from deep inside candle/cudarc) are bad input, so they get the usage code and a fix.
 pub fn classify(err: &anyhow::Error) -> (u8, String) {
     match err.downcast_ref::<SpeedkitError>() {
         Some(e @ SpeedkitError::Usage(_)) => (EXIT_USAGE, strip_backtrace(&e.to_string())),

@@ -1,14 +1,13 @@
-//! `--cuda-graph`: capture a built stage's forward once as a CUDA graph and replay it: one
-//! launch per forward instead of one per kernel (dozens in stages 0–2), saving a few µs per
-//! kernel, which matters when kernels are short. A replay computes the captured input; the
-//! runner always times the same x, and a different x is an error, not a silent stale result.
+//! `--cuda-graph`: capture a stage's forward once as a CUDA graph and replay it: one launch per
+//! forward instead of one per kernel (dozens in stages 0–2), a few µs saved per kernel. A replay
+//! computes the captured input; a different x is an error, not a silent stale result.
 
 use crate::error::SpeedkitError;
 use crate::stage::Forward;
 use candle_core::Tensor;
 
-/// Refuses the CPU (exit 2). On CUDA, makes sure candle's per-tensor event tracking is off, as
-/// `device::select` leaves it: recorded inside a capture, the events would be waited on outside it.
+/// Refuses the CPU (exit 2). On CUDA, candle's per-tensor event tracking off (as `device::select`
+/// leaves it): recorded inside a capture, the events would be waited on outside it.
 pub fn prepare(device: &candle_core::Device) -> Result<(), SpeedkitError> {
     if !device.is_cuda() {
         return Err(SpeedkitError::usage(
@@ -24,34 +23,29 @@ pub fn prepare(device: &candle_core::Device) -> Result<(), SpeedkitError> {
     Ok(())
 }
 
-/// Capture `stage` on `x`; errors (exit 2) if its forward does something a capture does not allow.
+/// Capture `stage` on `x` (exit 2 if its forward does something a capture does not allow).
 pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Result<Box<dyn Forward>> {
     prepare(x.device())?;
     imp::capture(name, stage, x)
 }
 
 /// The steps of a capture, one method each, so their order can be checked without a GPU.
+/// `end_capture` instantiates the graph; `abort_capture` throws a failed forward's partial graph
+/// away so the stream stays usable; `release_captured` lets go of what a capture that made no
+/// graph produced (dropped while capturing, it would be a free recorded into the capture).
 pub trait CaptureSteps {
-    /// candle's h2d parameter cache on (kept on until the captured forward has run).
     fn enable_htod_cache(&mut self);
-    /// One forward of the stage (the warm-up, or the captured one).
     fn forward(&mut self) -> anyhow::Result<()>;
     fn synchronize(&mut self) -> anyhow::Result<()>;
     fn begin_capture(&mut self) -> anyhow::Result<()>;
-    /// End the capture and instantiate its graph.
     fn end_capture(&mut self) -> anyhow::Result<()>;
-    /// End a capture whose forward failed, throwing its partial graph away, so the stream and
-    /// context stay usable.
     fn abort_capture(&mut self) -> anyhow::Result<()>;
-    /// Let go of what the captured forward made when no graph came of it (a tensor dropped while
-    /// the stream captures would be a free recorded into the capture).
     fn release_captured(&mut self);
 }
 
-/// The capture sequence. The h2d cache goes on *before* the warm-up forward, which loads kernel
-/// modules, compiles NVRTC code, creates library handles and fills the cache with every small
-/// parameter upload: none of that may happen inside a capture. The capture is ended whatever the
-/// forward did, and only then is what it made let go.
+/// The h2d parameter cache goes on *before* the warm-up forward, which loads modules, compiles
+/// NVRTC code, creates library handles and caches every small parameter upload: none of that may
+/// happen inside a capture. The capture is ended whatever the forward did, then its output let go.
 pub fn run_capture(steps: &mut dyn CaptureSteps) -> anyhow::Result<()> {
     steps.enable_htod_cache();
     steps.forward()?;
@@ -60,7 +54,7 @@ pub fn run_capture(steps: &mut dyn CaptureSteps) -> anyhow::Result<()> {
     match steps.forward() {
         Ok(()) => steps.end_capture().inspect_err(|_| steps.release_captured()),
         Err(e) => {
-            let end = steps.abort_capture(); // end it, so the stream is usable again
+            let end = steps.abort_capture();
             steps.release_captured();
             match end {
                 Ok(()) => Err(e),
@@ -70,15 +64,13 @@ pub fn run_capture(steps: &mut dyn CaptureSteps) -> anyhow::Result<()> {
     }
 }
 
-/// A captured stage: `forward` replays the graph, `self_check` asks the stage itself (stage 4's
-/// FP8 twin check runs under --cuda-graph too, outside the graph).
+/// A captured stage: `forward` replays the graph (a fake in the tests), `self_check` asks the
+/// stage itself, outside the graph.
 pub struct Graphed {
-    /// Launches the graph (a fake in the tests).
     replay: Box<dyn Fn() -> candle_core::Result<()>>,
     input: candle_core::TensorId,
     out: Tensor,
-    // The stage owns the weights the graph reads: it must outlive the graph (fields drop in
-    // declaration order, so the graph goes first).
+    // Owns the weights the graph reads: declared last, so dropped after the graph.
     stage: Box<dyn Forward>,
 }
 
@@ -109,9 +101,8 @@ mod imp {
     use candle_core::cuda::cudarc::driver::{result, sys, CudaStream};
     use std::sync::Arc;
 
-    /// An instantiated graph, as the driver's handles. Not cudarc's `CudaGraph`: its `end_capture`
-    /// first returns any error stored in the context by a call inside the capture, leaving the
-    /// stream capturing and every later call on it failing.
+    /// The driver's handles. Not cudarc's `CudaGraph`: its `end_capture` first returns any error a
+    /// call inside the capture stored, leaving the stream capturing and every later call failing.
     struct RawGraph {
         graph: sys::CUgraph,
         exec: sys::CUgraphExec,
@@ -137,15 +128,15 @@ mod imp {
         }
     }
 
-    /// Destroy a graph no `RawGraph` owns, leaving no error stored in the context.
+    /// Destroy a graph no `RawGraph` owns, leaving no error stored.
     fn destroy(stream: &CudaStream, graph: sys::CUgraph) {
         // SAFETY: a graph just returned by cuStreamEndCapture and never instantiated, destroyed once.
         stream.context().record_err(unsafe { result::graph::destroy(graph) });
         let _ = stream.context().check_err();
     }
 
-    /// End the stream's capture through the driver, taking (and clearing) any error a call inside
-    /// it stored in the context. `Ok(None)`: nothing captured.
+    /// End the capture through the driver, taking (and clearing) any error a call inside it
+    /// stored. `Ok(None)`: nothing captured.
     fn end_raw(stream: &CudaStream) -> anyhow::Result<Option<sys::CUgraph>> {
         // SAFETY: the stream is candle's, capturing on this thread since `begin_capture`.
         let graph = unsafe { result::stream::end_capture(stream.cu_stream()) }.map_err(|e| anyhow::anyhow!("cuStreamEndCapture: {e:?}"))?;
@@ -159,7 +150,6 @@ mod imp {
         Ok(graph)
     }
 
-    /// The real steps.
     struct Real<'a> {
         dev: candle_core::cuda::CudaDevice,
         stream: Arc<CudaStream>, // candle's one stream
@@ -192,16 +182,12 @@ mod imp {
             // (its output) are freed before the next replay, which allocates them again.
             let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
             // SAFETY: `graph` is the valid graph just captured.
-            match unsafe { result::graph::instantiate(graph, flags) } {
-                Ok(exec) => {
-                    self.graph = Some(RawGraph { graph, exec, stream: self.stream.clone() });
-                    Ok(())
-                }
-                Err(e) => {
-                    destroy(&self.stream, graph);
-                    anyhow::bail!("cuGraphInstantiate: {e:?}")
-                }
-            }
+            let exec = unsafe { result::graph::instantiate(graph, flags) }.map_err(|e| {
+                destroy(&self.stream, graph);
+                anyhow::anyhow!("cuGraphInstantiate: {e:?}")
+            })?;
+            self.graph = Some(RawGraph { graph, exec, stream: self.stream.clone() });
+            Ok(())
         }
         fn abort_capture(&mut self) -> anyhow::Result<()> {
             if let Some(g) = end_raw(&self.stream)? {

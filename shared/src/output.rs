@@ -1,9 +1,7 @@
-//! The one output policy every writer uses (`--json`, `--svg`, `--save-*`, the README and docs
-//! pages `--update-readme` rewrites). Every path is checked before any work ([`check_all`]: not
-//! empty, not a folder, device, FIFO or socket, not read-only, its folder takes a new file, no two
-//! outputs on one file, none of them an input: [`check_not_inputs`]). The bytes go to a temp file
-//! beside it, `persist`ed (renamed) over it, so a reader sees the old file or the new one; on any
-//! error the temp file is deleted and the old file is intact. A symlink's target is replaced.
+//! The one output policy every writer uses (`--json`, `--svg`, `--save-*`, what `--update-readme`
+//! rewrites). Every path is checked before any work ([`check_all`], [`check_not_inputs`]). The
+//! bytes go to a temp file beside it, renamed over it, so a reader sees the old file or the new
+//! one; on any error the temp file is deleted and the old file is intact. A symlink's target is replaced.
 
 use crate::error::SpeedkitError;
 use std::io::{ErrorKind, Write};
@@ -34,13 +32,13 @@ fn fix_for(e: &std::io::Error) -> &'static str {
     }
 }
 
-/// `path` made absolute without touching the file system ("." and ".." folded).
+/// `path` made absolute without touching the file system (".." folded, so a new folder may be in it).
 fn absolute(path: &Path) -> PathBuf {
     let mut out = PathBuf::new();
     for c in std::env::current_dir().unwrap_or_default().join(path).components() {
         match c {
             Component::ParentDir => _ = out.pop(),
-            c => out.push(c), // `components` has already dropped every "." but a leading one
+            c => out.push(c),
         }
     }
     out
@@ -52,19 +50,14 @@ fn absolute(path: &Path) -> PathBuf {
 pub fn resolve(path: &Path) -> std::io::Result<PathBuf> {
     let mut p = absolute(path);
     for _ in 0..40 {
-        if let Ok(to) = std::fs::read_link(&p) {
-            p = absolute(&p.parent().unwrap_or(Path::new("/")).join(to));
-            continue;
-        }
-        let (mut dir, mut rest) = (p.clone(), Vec::new());
-        while !dir.exists() {
-            let Some(name) = dir.file_name() else { break };
-            rest.push(name.to_os_string());
-            dir.pop();
-        }
-        let mut out = std::fs::canonicalize(&dir)?;
-        out.extend(rest.iter().rev());
-        return Ok(out);
+        let Ok(to) = std::fs::read_link(&p) else {
+            let mut dir = p.clone();
+            while !dir.exists() && dir.pop() {}
+            let mut out = std::fs::canonicalize(&dir)?;
+            out.extend(p.strip_prefix(&dir).into_iter().flat_map(Path::components));
+            return Ok(out);
+        };
+        p = absolute(&p.parent().unwrap_or(Path::new("/")).join(to));
     }
     Err(std::io::Error::other("too many levels of symbolic links"))
 }

@@ -3,19 +3,16 @@
 use crate::preset::Shape;
 use crate::stage::Precision;
 
-/// Useful FLOPs of one block forward (DESIGN.md): linears 2·B·T·(4C² + 2·C·FF); attention
-/// 2·B·T²·C (QKᵀ and PV, halved by causality). Stage 0 computes the full T×T anyway; counting
-/// only useful work is what makes stages comparable.
+/// Useful FLOPs of one forward: linears 2·B·T·(4C² + 2·C·FF); attention 2·B·T²·C (QKᵀ and PV,
+/// halved by causality). Stage 0 computes the full T×T anyway; useful work keeps stages comparable.
 pub fn block_flops(s: &Shape) -> f64 {
     let (b, t, c, ff) = (s.batch as f64, s.seq as f64, s.d_model as f64, s.ff as f64);
     2.0 * b * t * (4.0 * c * c + 2.0 * c * ff) + 2.0 * b * t * t * c
 }
 
-/// Datasheet figures of known GPUs: (name fragment, dense TFLOP/s at fp32 non-tensor, tf32,
-/// bf16/f16 with f32 accumulate, fp8; memory bandwidth in GB/s). Matched by substring of the
-/// driver's device name, first match wins, so a fragment that contains another comes first
-/// ("H200 NVL" before "H200"; a test checks the order). Measured GEMM ceilings are lower (about
-/// 790 of 989 bf16 TFLOP/s on H100/H200 SXM), so 80 % of peak is excellent for a whole block.
+/// Datasheets: (name fragment, dense TFLOP/s at fp32 non-tensor, tf32, bf16/f16 with f32 accumulate,
+/// fp8; GB/s). The first fragment in the device name wins, so "H200 NVL" precedes "H200" (tested).
+/// Measured GEMMs reach ~790 of 989 bf16 TFLOP/s on H100/H200 SXM: 80 % is excellent for a block.
 type Gpu = (&'static str, f64, f64, f64, Option<f64>, f64);
 const PEAKS: &[Gpu] = &[
     ("GH200", 67.0, 494.7, 989.4, Some(1978.9), 4000.0),
@@ -41,13 +38,12 @@ fn known(name: &str) -> Option<&'static Gpu> {
     PEAKS.iter().find(|(frag, ..)| name.contains(frag))
 }
 
-/// The datasheet memory bandwidth of the device called `name` in GB/s, if we know it.
+/// Datasheet GB/s of the device called `name`, if known.
 pub fn peak_bandwidth_gbs(name: &str) -> Option<f64> {
     known(name).map(|p| p.5)
 }
 
-/// The datasheet peak for `precision` on the device called `name`, if we know it.
-/// fp32 means plain CUDA cores; f16 shares the bf16 column (same tensor-core rate on these parts).
+/// Datasheet TFLOP/s, if known; fp32 means plain CUDA cores, f16 has bf16's tensor-core rate.
 pub fn peak_tflops(name: &str, precision: Precision) -> Option<f64> {
     let &(_, fp32, tf32, half, fp8, _) = known(name)?;
     match precision {
@@ -67,22 +63,20 @@ pub fn operand_bytes(p: Precision) -> f64 {
     }
 }
 
-/// The roofline's traffic model, the terms each stage's `Stage::traffic` combines: the minimum
-/// bytes each op must read and write if nothing stays in cache between ops (docs/measuring.md),
-/// GEMM operands at `p`, activations in `act` bytes per element.
+/// The roofline's traffic terms, which each stage's `Stage::traffic` combines: the minimum bytes
+/// each op moves if nothing stays in cache between ops (docs/measuring.md), GEMM operands at `p`,
+/// activations in `act` bytes. `pass_c`: one read + write of an (N, C) activation. `unfused`:
+/// the passes around the GEMMs (stage 3's header table): over (N, C), LayerNorm 1 with its cast 8,
+/// q/k/v bias 3, proj's bias + residual + LayerNorm 2 11, fc2's bias + residual 3; bias + GELU 10 over (N, FF).
 pub struct Traffic {
-    /// The four GEMMs: input (N·K), weight (K·M), output (N·M); at fp8 also the pass that quantises each input.
+    /// Input (N·K), weight (K·M), output (N·M); at fp8 also the pass that quantises each input.
     pub gemms: f64,
-    /// One element-wise pass (read + write) over an (N, C) activation.
     pub pass_c: f64,
-    /// Fused attention: reads q, k, v once and writes its output once.
+    /// Reads q, k, v once and writes its output once.
     pub fused_attention: f64,
-    /// Naive attention: the f32 (B, n_head, T, T) scores written, ~10 more score-sized accesses
-    /// (scale, mask, max, exp, sum, divide) and read by P·V; plus the head split and merge copies.
+    /// The f32 (B, n_head, T, T) scores written, ~10 more score-sized accesses (scale, mask, max,
+    /// exp, sum, divide) and read by P·V; plus the head split and merge copies.
     pub naive_attention: f64,
-    /// The unfused element-wise passes around the GEMMs (stage 3's header table) over (N, C):
-    /// LayerNorm 1 with its cast 8, q/k/v bias 3, proj's bias + residual + LayerNorm 2 11, fc2's
-    /// bias + residual 3; and bias + GELU 10 over (N, FF).
     pub unfused: f64,
 }
 

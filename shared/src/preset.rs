@@ -1,5 +1,5 @@
-//! Block shapes: the named presets from DESIGN.md, per-dimension overrides, and the checks that
-//! turn an impossible or overflowing shape into a clear error before anything is allocated.
+//! Block shapes: the named presets, and the checks that turn an impossible or overflowing shape
+//! into a clear error before anything is allocated.
 
 use crate::error::SpeedkitError;
 use serde::{Deserialize, Serialize};
@@ -43,14 +43,12 @@ pub struct Shape {
     pub ff: usize,
 }
 
-/// Largest element count of one tensor we accept. cuBLAS takes sizes and strides as 32-bit
-/// ints and most element-wise kernels index with them too, so a tensor past 2^31 elements
-/// would fail (or worse, wrap) deep inside a library; refuse it up front instead.
+/// Largest tensor we accept: cuBLAS and most element-wise kernels index with 32-bit ints, so a
+/// bigger one would fail (or wrap) deep inside a library.
 pub const MAX_TENSOR_ELEMENTS: usize = i32::MAX as usize;
 
-/// Up to two divisors of `c` below `h` and two above, nearest first on each side; never empty
-/// (1 and C divide C). C can be huge here (validate runs before the size checks), so divisors are
-/// found in pairs (i, C / i) with i up to min(sqrt C, 10^6): a scan over 1..=C would hang.
+/// Up to two divisors of `c` below `h` and two above; never empty. C can be huge here (before the
+/// size checks), so divisors come in pairs (i, C / i) with i ≤ min(√C, 10^6).
 pub fn near_divisors(c: usize, h: usize) -> Vec<usize> {
     let mut divs: Vec<usize> =
         (1..=1_000_000usize).take_while(|i| i.saturating_mul(*i) <= c).filter(|i| c.is_multiple_of(*i)).flat_map(|i| [i, c / i]).collect();
@@ -66,17 +64,17 @@ pub fn near_divisors(c: usize, h: usize) -> Vec<usize> {
 }
 
 impl Shape {
-    /// d_head = C / n_head; 0 when n_head is 0 (a shape `validate` refuses; a JSON file read back may hold one).
+    /// 0 when n_head is 0 (`validate` refuses it; a JSON file read back may hold one).
     pub fn d_head(&self) -> usize {
         self.d_model.checked_div(self.n_head).unwrap_or(0)
     }
 
-    /// Tokens per forward: B·T (saturating: `validate` refuses shapes where it would overflow).
+    /// B·T (saturating: `validate` refuses shapes where it would overflow).
     pub fn tokens(&self) -> usize {
         self.batch.saturating_mul(self.seq)
     }
 
-    /// Reject shapes the block cannot compute, with the reason and the fix in one sentence.
+    /// Reject shapes the block cannot compute, naming the reason and the fix.
     pub fn validate(&self) -> Result<(), SpeedkitError> {
         self.validate_as(None)
     }
@@ -87,19 +85,13 @@ impl Shape {
             Some(p) => (format!("B (from the input file {})", p.display()), format!("T (from the input file {})", p.display())),
             None => ("--batch (B)".to_string(), "--seq (T)".to_string()),
         };
-        let dims = [
-            (&*b, self.batch),
-            (&*t, self.seq),
-            ("--d-model (C)", self.d_model),
-            ("--heads (n_head)", self.n_head),
-            ("--ff (FF)", self.ff),
-        ];
+        let Shape { batch, seq, d_model: c, n_head: h, ff } = *self;
+        let dims = [(&*b, batch), (&*t, seq), ("--d-model (C)", c), ("--heads (n_head)", h), ("--ff (FF)", ff)];
         if let Some((flag, _)) = dims.iter().find(|(_, v)| *v == 0) {
             return Err(SpeedkitError::usage(format!(
                 "{flag} is 0; every dimension of the block must be at least 1. Fix: pass a positive value or drop the flag to use the preset's."
             )));
         }
-        let Shape { batch, seq, d_model: c, n_head: h, ff } = *self;
         if !c.is_multiple_of(h) {
             let more = if h > c { " (there are more heads than channels)" } else { "" };
             return Err(SpeedkitError::usage(format!(
@@ -121,8 +113,7 @@ impl Shape {
         )
     }
 
-    /// The (B, n_head, T, T) score matrix of naive attention (stages 0 and 1) must be
-    /// addressable too; fused attention never materialises it and skips this check.
+    /// Naive attention's (stages 0 and 1) (B, n_head, T, T) scores must be addressable too.
     pub fn validate_score_matrix(&self) -> Result<(), SpeedkitError> {
         let dims = [self.batch, self.n_head, self.seq, self.seq];
         self.check_elements(("--batch (B)", "--seq (T)"), &[("the attention scores (B, n_head, T, T)", dims)])
@@ -137,11 +128,8 @@ impl Shape {
             }
             let Shape { batch, seq, d_model, n_head, ff } = *self;
             let lower = if what.starts_with('W') { "--d-model or --ff".to_string() } else { format!("{b} or {t}") };
-            let squared = if what.contains("T, T") {
-                " (the T x T scores grow with T squared; fused attention in stage 2+ never stores them)"
-            } else {
-                ""
-            };
+            let squared = " (the T x T scores grow with T squared; fused attention in stage 2+ never stores them)";
+            let squared = if what.contains("T, T") { squared } else { "" };
             return Err(SpeedkitError::usage(format!(
                 "{what} would hold {} elements for B={batch} T={seq} C={d_model} n_head={n_head} FF={ff}, past the 2^31 - 1 \
                  limit of 32-bit GEMM and kernel indexing. Fix: lower {lower}{squared}.",
@@ -151,10 +139,9 @@ impl Shape {
         Ok(())
     }
 
-    /// Working-set estimate of the naive fp32 block (stage 0, the reference), in bytes: weights,
-    /// plus the live activations at the widest point: three (B, n_head, T, T) tensors (scores,
-    /// their exponentials, the probabilities) beside a few (B, T, C) ones in attention, or ~4
-    /// (B, T, FF) ones in the MLP. Refuses runs that cannot fit; it does not predict memory exactly.
+    /// Bytes of the naive fp32 block (stage 0, the reference) at its widest, to refuse runs that
+    /// cannot fit: weights, plus three (B, n_head, T, T) tensors (scores, exponentials,
+    /// probabilities) and a few (B, T, C) in attention, or ~4 (B, T, FF) in the MLP.
     pub fn estimate_naive_bytes(&self) -> u128 {
         let (b, t, c, h, ff) = (self.batch as u128, self.seq as u128, self.d_model as u128, self.n_head as u128, self.ff as u128);
         // u128 holds every product of validated dims; saturating keeps unvalidated ones sane.
@@ -164,8 +151,7 @@ impl Shape {
         weights.saturating_add(attention.max(mlp)).saturating_mul(4)
     }
 
-    /// What a run holds for its whole length beside each stage's own working set: the f32
-    /// weights, the input x and the fp32 reference output.
+    /// What a run holds beside each stage's working set: f32 weights, x and the reference output.
     pub fn estimate_session_bytes(&self) -> u128 {
         let (b, t, c, ff) = (self.batch as u128, self.seq as u128, self.d_model as u128, self.ff as u128);
         4 * (4 * c * c + 2 * c * ff + 9 * c + ff + 2 * b * t * c)

@@ -1,17 +1,11 @@
-//! Each part's regime: is its time explained by the compute roof, the memory roof, or neither?
-//!
-//! For one part of the block (`--breakdown`'s ln1, qkv, attention, ...) this counts
-//! - **FLOPs**: GEMMs 2·M·N·K (attention 2·B·T²·C, causal, as `perf::block_flops`), LayerNorm 7
-//!   per element, bias or residual 1, GELU 9 (tanh counted as one).
-//! - **Minimum bytes**: its inputs, weights and output, each read or written once, nothing kept in
-//!   cache between parts; activations in `act` bytes per element, GEMM operands in `operand`.
-//!   Attention's minimum is q, k, v in and its output out: stage 0's T × T score passes are not
-//!   part of it, they are what fused attention deletes.
-//!
-//! Its roofline time is max(FLOPs / compute roof, bytes / memory roof); it is **compute-bound** or
-//! **memory-bound** by the larger term when it reaches `EXPLAINED` of that rate, else **overhead**
-//! (extra passes over memory, launches and syncs, scalar code, thread dispatch).
+//! Each `--breakdown` part's regime: is its time explained by the compute roof, the memory roof,
+//! or neither? FLOPs: GEMMs 2·M·N·K (attention 2·B·T²·C, causal), LayerNorm 7 per element, bias or
+//! residual 1, GELU 9. Minimum bytes: inputs, weights and output each moved once, nothing cached
+//! between parts (attention: q, k, v in, output out; stage 0's T × T passes are what fusion deletes).
+//! Roofline time = max(FLOPs / compute roof, bytes / memory roof); reaching `EXPLAINED` of the larger
+//! term's rate is compute- or memory-bound, else overhead (extra passes, launches, syncs, scalar code).
 
+use crate::breakdown::PARTS as PART_NAMES;
 use crate::perf::operand_bytes;
 use crate::preset::Shape;
 use crate::report::Record;
@@ -22,24 +16,19 @@ use serde::{Deserialize, Serialize};
 /// 70–100 % of the measured rate, a good element-wise pass 40–90 % of STREAM, a scalar part far less.
 pub const EXPLAINED: f64 = 0.3;
 
-/// The block's parts in forward order.
-const PART_NAMES: [&str; 7] = ["ln1", "qkv", "attention", "proj+residual", "ln2", "fc1+gelu", "fc2+residual"];
-
-/// Work and traffic of one part.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PartWork {
     pub flops: f64,
     pub min_bytes: f64,
 }
 
-/// The roofs a part is measured against: compute in GFLOP/s at the part's precision, memory in GB/s.
+/// Compute in GFLOP/s at the part's precision, memory in GB/s.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Roofs {
     pub gflops: f64,
     pub gbs: f64,
 }
 
-/// What the breakdown table and JSON carry per part.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PartRegime {
     pub flops: f64,
@@ -52,8 +41,7 @@ pub struct PartRegime {
     pub regime: String,
 }
 
-/// The block's parts a (possibly fused) part name holds, e.g. "proj+residual+ln2" →
-/// ["proj+residual", "ln2"]. `None` if the name is not made of the block's parts.
+/// The block's parts in a (fused) part's name, e.g. "proj+residual+ln2" → ["proj+residual", "ln2"].
 pub fn components(name: &str) -> Option<Vec<&'static str>> {
     let mut rest = name;
     let mut out = Vec::new();
@@ -71,9 +59,8 @@ pub fn components(name: &str) -> Option<Vec<&'static str>> {
     (!out.is_empty()).then_some(out)
 }
 
-/// FLOPs and minimum bytes of a part, fused or not. A fused part's minimum drops the hand-off
-/// between its pieces: the next piece does not read back the (N, C) activation the previous one
-/// wrote (e.g. stage 3's add + LayerNorm reads x once).
+/// A fused part's minimum drops the (N, C) hand-off between its pieces (stage 3's add + LayerNorm
+/// reads x once).
 pub fn part_work(name: &str, s: &Shape, operand: f64, act: f64) -> Option<PartWork> {
     let (b, t, c, ff) = (s.batch as f64, s.seq as f64, s.d_model as f64, s.ff as f64);
     let n = b * t;
@@ -98,13 +85,12 @@ pub fn part_work(name: &str, s: &Shape, operand: f64, act: f64) -> Option<PartWo
     Some(w)
 }
 
-/// The label and rates of a part that took `ms`.
 pub fn classify(work: PartWork, ms: f64, roofs: Roofs) -> Option<PartRegime> {
     if !(ms > 0.0 && roofs.gflops > 0.0 && roofs.gbs > 0.0) {
         return None;
     }
     let (gflops, gbs) = (work.flops / ms / 1e6, work.min_bytes / ms / 1e6);
-    // The roofline time in ms: the larger of the two terms decides which roof applies.
+    // Roofline times in ms: the larger decides which roof applies.
     let (t_compute, t_memory) = (work.flops / roofs.gflops / 1e6, work.min_bytes / roofs.gbs / 1e6);
     let regime = match (t_compute.max(t_memory) / ms >= EXPLAINED, t_compute >= t_memory) {
         (false, _) => "overhead",
@@ -133,11 +119,9 @@ pub fn tag(r: &PartRegime) -> String {
     format!("{letter} {pct:.0}%")
 }
 
-/// Fill every breakdown part's `regime` of `r`. The compute roof is the one its % of peak uses (an
-/// emulated stage has none: the CPU probe's GEMM rate), the memory roof `bandwidth_gbs` (a flag,
-/// the CPU's STREAM triad, a GPU's datasheet), else the CPU probe's; nothing when either is
-/// unknown. GEMM operands are stored at the record's precision; activations too, except FP8
-/// (stage 4 keeps stage 3's activations: 16-bit on a GPU, f32 on a CPU).
+/// Fill `r`'s breakdown parts' `regime`: compute roof as its % of peak (else the CPU probe's), memory
+/// roof `bandwidth_gbs` (else the triad's). Activations are at the record's precision, except FP8
+/// (stage 4 keeps stage 3's: 16-bit on a GPU, f32 on a CPU).
 pub fn annotate(r: &mut Record, bandwidth_gbs: Option<f64>) {
     let gflops = r.peak_tflops.map(|t| t * 1e3).or(r.ceiling.as_ref().map(|c| c.gemm_gflops));
     let gbs = bandwidth_gbs.or(r.ceiling.as_ref().map(|c| c.bandwidth_gbs));

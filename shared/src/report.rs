@@ -1,6 +1,5 @@
 //! What a run reports: one record per stage (versioned JSON), and the human table. Fields added
-//! after v1 was first written are optional (`Option`, or `#[serde(default)]`), so older files
-//! still load.
+//! after v1 are `Option` or `#[serde(default)]`, so older files still load.
 
 use crate::breakdown::Breakdown;
 use crate::ceiling::CpuCeiling;
@@ -16,7 +15,7 @@ use std::path::Path;
 /// `Record::peak_source` of a CPU row whose % of peak is against the measured GEMM ceiling.
 pub const MEASURED_PEAK: &str = "measured GEMM ceiling";
 
-/// Bump when a field changes meaning or disappears; adding fields keeps the version.
+/// Bumped when a field changes meaning or disappears, not when one is added.
 pub const RECORD_SCHEMA: &str = "candle-speedkit/record/v1";
 pub const LADDER_SCHEMA: &str = "candle-speedkit/ladder/v1";
 pub const SWEEP_SCHEMA: &str = "candle-speedkit/sweep/v1";
@@ -44,39 +43,34 @@ pub struct Record {
     pub tflops: f64,
     pub peak_tflops: Option<f64>,
     pub pct_of_peak: Option<f64>,
-    /// "datasheet", "--peak-tflops" or `MEASURED_PEAK` (the CPU probe, `ceiling`).
+    /// "datasheet", "--peak-tflops" or `MEASURED_PEAK`.
     pub peak_source: Option<String>,
-    /// The GEMM library detected at run time, e.g. "gemm x86-v4 (AVX-512)", "MKL (mkl feature)", "cuBLAS".
     pub gemm_backend: Option<String>,
-    /// The CPU's SIMD level detected at run time ("AVX-512", "AVX2+FMA", ...); `None` on a GPU.
+    /// `gemm_backend`, `simd` and `ceiling` are `None` on a GPU.
     pub simd: Option<String>,
-    /// The CPU ceiling this record's % of peak is relative to; `None` on a GPU.
     pub ceiling: Option<CpuCeiling>,
     /// `None` with --no-check.
     pub check: Option<CheckResult>,
-    /// The stage's own checks (`Stage::self_check`), e.g. stage 4's fp8-rounded fp32 twin.
+    /// `Stage::self_check`, e.g. stage 4's fp8-rounded fp32 twin.
     #[serde(default)]
     pub extra_checks: Vec<NamedCheck>,
     pub peak_mem_bytes: Option<u64>,
     pub mem_method: String,
     pub speedup_vs_stage0: Option<f64>,
     pub speedup_vs_prev: Option<f64>,
-    /// Things the reader should know about this number (e.g. "no tensor cores on CPU").
     pub notes: Vec<String>,
-    /// The speedup's p10–p90 interval overlaps the compared row's: shown as "≈1.0x" (the
-    /// measured ratio stays in `speedup_vs_*`). Filled in by the ladder.
+    /// The p10–p90 intervals overlap: shown as "≈1.0x" (`speedup_vs_*` keeps the ratio).
     #[serde(default)]
     pub noise_vs_stage0: bool,
     #[serde(default)]
     pub noise_vs_prev: bool,
-    /// `--breakdown`: per-part times of an instrumented forward (see `breakdown`).
     pub breakdown: Option<Breakdown>,
-    /// An ablation row (`ladder --ablate`): what this run changed against the stage, e.g. "without ln".
+    /// An ablation row (`ladder --ablate`): what this run changed, e.g. "without ln".
     pub variant: Option<String>,
 }
 
-/// A stage the ladder did not measure: it cannot run here (`failed: false`), or it ran and
-/// failed its check against the reference (`failed: true`).
+/// A stage the ladder did not measure: it cannot run here (`failed: false`), or it failed its
+/// check against the reference (`failed: true`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Skipped {
     pub stage: String,
@@ -92,52 +86,46 @@ pub struct LadderReport {
     pub device: DeviceInfo,
     pub shape: Shape,
     pub commit: String,
-    /// candle-core as locked when the binary was built, e.g. "0.11.1" (older files: "0.11").
+    /// candle-core as locked at build time, e.g. "0.11.1" (older files: "0.11").
     pub candle_version: String,
     pub cuda_build: bool,
     pub unix_time: u64,
     pub records: Vec<Record>,
     pub skipped: Vec<Skipped>,
-    /// The stages this run was asked for, in ladder order; rows follow it (older files: empty,
-    /// rows are then the records followed by the skipped stages).
+    /// The stages asked for, in ladder order, which rows follow (older files: empty).
     #[serde(default)]
     pub stages: Vec<String>,
-    /// The command-line arguments after the program name, so a reader can rerun it.
+    /// The command line after the program name, so a reader can rerun it.
     #[serde(default)]
     pub args: Vec<String>,
-    /// Exact versions of what ran: candle-core, speedkit, rustc, and cudarc (and
-    /// candle-flash-attn) in CUDA builds.
+    /// candle-core, speedkit, rustc, and cudarc (and candle-flash-attn) in CUDA builds.
     #[serde(default)]
     pub versions: BTreeMap<String, String>,
-    /// The CUDA version the driver supports (cuDriverGetVersion), e.g. "13.0".
+    /// cuDriverGetVersion, e.g. "13.0"; the kernel driver (/proc/driver/nvidia/version), e.g. "580.65.06".
     pub cuda_driver_version: Option<String>,
-    /// The NVIDIA kernel driver's version (/proc/driver/nvidia/version), e.g. "580.65.06".
     pub nvidia_driver: Option<String>,
-    /// The CPU's measured GEMM ceiling and memory bandwidth (`ceiling`); `None` on a GPU.
     pub ceiling: Option<CpuCeiling>,
-    /// `ladder --ablate`: each stage-3 fusion removed in turn, and stage 2 with the head
-    /// split/merge copies kept, measured in the same interleaved rounds as the rows.
+    /// `--ablate`: each variant, measured in the same interleaved rounds as the rows.
     #[serde(default)]
     pub ablation: Vec<Ablation>,
-    /// `--ablate` variants that did not run (refused here: skipped; broke or failed a check: failed).
+    /// `--ablate` variants that did not run (refused: skipped; broke or failed a check: failed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ablation_out: Vec<AblationOut>,
     pub ceilings: Option<Ceilings>,
-    /// How many interleaved rounds the timed iterations were split into (older files: 1).
+    /// Interleaved rounds the timed iterations were split into (older files: 1).
     pub rounds: Option<usize>,
 }
 
 /// One ablation row: a stage with one of its sub-techniques undone.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Ablation {
-    /// The stage as written, e.g. "stage3_fused".
+    /// e.g. "stage3_fused".
     pub against: String,
-    /// What was undone, e.g. "without qkv" (one fusion) or "head split/merge copies kept".
+    /// e.g. "without qkv" or "head split/merge copies kept".
     pub change: String,
     pub record: Record,
-    /// Variant median over the stage's median: what the undone technique buys (>1: it helps).
+    /// Variant median over the stage's: what the undone technique buys (>1: it helps).
     pub buys: Option<f64>,
-    /// `buys`' p10–p90 intervals overlap: shown as "≈1.0x".
     #[serde(default)]
     pub buys_within_noise: bool,
 }
@@ -151,24 +139,23 @@ pub struct AblationOut {
     pub failed: bool,
 }
 
-/// The roofline's ceilings. Each is `None` when unknown (no % of peak, no line).
+/// The roofline's ceilings, each `None` when unknown.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Ceilings {
-    /// Peak compute per precision name ("fp32", "bf16", ...) in TFLOP/s.
+    /// TFLOP/s per precision name ("fp32", "bf16", ...).
     pub tflops: BTreeMap<String, f64>,
     pub bandwidth_gbs: Option<f64>,
-    /// Where the figures come from, e.g. "datasheet (NVIDIA H100 80GB HBM3)", "measured".
+    /// e.g. "datasheet (NVIDIA H100 80GB HBM3)", "measured".
     pub source: String,
 }
 
-/// `ladder --sweep`: one ladder run per value of one dimension, same flags otherwise.
+/// `ladder --sweep`: one ladder run per value of one dimension ("seq", "batch" or "d_model"); a
+/// shape that cannot run has every stage skipped.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SweepReport {
     pub schema: String,
-    /// The swept dimension as its flag is spelled: "seq", "batch" or "d_model".
     pub axis: String,
     pub values: Vec<usize>,
-    /// One ladder per value, in the order of `values`; a shape that cannot run has every stage skipped.
     pub runs: Vec<LadderReport>,
 }
 
@@ -177,7 +164,7 @@ pub fn overlaps(a: &Stats, b: &Stats) -> bool {
     a.p10_ms <= b.p90_ms && b.p10_ms <= a.p90_ms
 }
 
-/// A speedup as the tables show it: "1.49x", or "≈1.0x" when within noise.
+/// "1.49x", or "≈1.0x" when within noise.
 pub fn speedup_text(v: Option<f64>, within_noise: bool) -> String {
     match v {
         None => "-".into(),
@@ -186,7 +173,6 @@ pub fn speedup_text(v: Option<f64>, within_noise: bool) -> String {
     }
 }
 
-/// One row of the ladder: a measured stage or one that was not measured.
 #[derive(Clone, Copy, Debug)]
 pub enum Row<'a> {
     Ran(&'a Record),
@@ -203,7 +189,7 @@ impl Row<'_> {
 }
 
 impl LadderReport {
-    /// Every row, measured or not, in ladder order.
+    /// Every row in ladder order.
     pub fn rows(&self) -> Vec<Row<'_>> {
         let mut rows: Vec<Row> = self.records.iter().map(Row::Ran).chain(self.skipped.iter().map(Row::Skipped)).collect();
         if !self.stages.is_empty() {
@@ -212,13 +198,12 @@ impl LadderReport {
         rows
     }
 
-    /// The human table, rows in ladder order.
     pub fn table(&self) -> String {
         table(&self.rows())
     }
 }
 
-/// Bytes as "280.0 MiB" or "3.25 GiB"; "n/a" when not measured.
+/// "280.0 MiB" or "3.25 GiB"; "n/a" when not measured.
 pub fn fmt_bytes(b: Option<u64>) -> String {
     match b {
         None => "n/a".into(),
@@ -231,8 +216,8 @@ pub fn fmt_bytes(b: Option<u64>) -> String {
 pub fn table(rows: &[Row]) -> String {
     let ran: Vec<&Record> = rows.iter().filter_map(|r| if let Row::Ran(r) = r { Some(*r) } else { None }).collect();
     // "% peak" is against the measured GEMM ceiling when every row that has one says so (CPU).
-    let with_peak: Vec<_> = ran.iter().filter(|r| r.pct_of_peak.is_some()).collect();
-    let measured = !with_peak.is_empty() && with_peak.iter().all(|r| r.peak_source.as_deref() == Some(MEASURED_PEAK));
+    let sources: Vec<_> = ran.iter().filter(|r| r.pct_of_peak.is_some()).map(|r| r.peak_source.as_deref()).collect();
+    let measured = !sources.is_empty() && sources.iter().all(|s| *s == Some(MEASURED_PEAK));
     let pct_header = if measured { "% of measured GEMM" } else { "% peak" };
     #[rustfmt::skip]
     let header = ["stage", "technique", "prec", "median ms", "p10-p90 ms", "vs s0", "vs prev", "TFLOP/s", pct_header, "rel err",
@@ -259,24 +244,19 @@ pub fn table(rows: &[Row]) -> String {
             }
         })
         .collect();
-    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    let mut widths = header.map(|h| h.len()).to_vec();
     for row in &rows {
         // A skipped row's reason runs across the remaining columns; it does not widen them.
-        for (w, cell) in widths.iter_mut().zip(row.iter().take(if row.len() == header.len() { header.len() } else { 2 })) {
-            *w = (*w).max(cell.chars().count());
-        }
+        let cells = if row.len() == header.len() { &row[..] } else { &row[..2] };
+        widths.iter_mut().zip(cells).for_each(|(w, cell)| *w = (*w).max(cell.chars().count()));
     }
-    let line = |cells: &[String]| -> String {
-        let padded = cells.iter().enumerate().map(|(i, cell)| match widths.get(i) {
-            Some(&w) if i + 1 < cells.len() || cells.len() == header.len() => format!("{cell:<w$}"),
-            _ => cell.clone(),
-        });
-        padded.collect::<Vec<_>>().join("  ").trim_end().to_string() + "\n"
+    // Trailing padding (the last cell's) is trimmed away.
+    let line = |cells: &[String]| {
+        cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect::<Vec<_>>().join("  ").trim_end().to_string() + "\n"
     };
     let with_simd = |r: &&Record| r.gemm_backend.as_ref().map(|b| r.simd.as_ref().map_or(b.clone(), |s| format!("{b} · SIMD {s}")));
-    let mut backends: Vec<String> = ran.iter().filter_map(with_simd).collect();
     let mut seen = std::collections::HashSet::new();
-    backends.retain(|b| seen.insert(b.clone()));
+    let backends: Vec<String> = ran.iter().filter_map(with_simd).filter(|b| seen.insert(b.clone())).collect();
     let mut out = if backends.is_empty() { String::new() } else { format!("GEMM backend: {}\n", backends.join("; ")) };
     out.push_str(&line(&header.map(String::from)));
     out.push_str(&line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>()));
@@ -290,8 +270,7 @@ pub fn table(rows: &[Row]) -> String {
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
     let mut bytes = serde_json::to_vec_pretty(value)?;
     bytes.push(b'\n');
-    crate::output::write("--json", path, &bytes)?;
-    Ok(())
+    Ok(crate::output::write("--json", path, &bytes)?)
 }
 
 /// The git commit this binary was built from ("-dirty" when its source differed), embedded by

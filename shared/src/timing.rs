@@ -1,13 +1,11 @@
-//! Timing: warm up, then per iteration run, synchronize the device and take wall time.
-//! GPU work is asynchronous: without the synchronize, the clock would stop when the kernels
-//! were queued, not when they finished.
+//! Timing: warm up, then per iteration run, synchronize and take wall time (GPU work is
+//! asynchronous: without the synchronize the clock stops when kernels are queued, not finished).
 
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
-/// Summary of per-iteration wall times, in milliseconds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Stats {
     pub median_ms: f64,
@@ -33,10 +31,8 @@ impl Stats {
     }
 }
 
-/// Run `f` `warmup` times untimed, then `iters` times timed, synchronizing `device` after each
-/// call so each sample covers the finished work. Runs long enough to wonder about show progress
-/// on stderr: silent for the first 2 s, then one updating line on a terminal (a line every 10 s
-/// in a log).
+/// Run `f` `warmup` times untimed, then `iters` times timed. Progress goes to stderr after 2 s:
+/// one updating line on a terminal, a line every 10 s in a log.
 pub fn time_forward(
     label: &str,
     device: &Device,

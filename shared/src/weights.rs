@@ -1,11 +1,9 @@
 //! The block's parameters: made from a seed on the host (so every device computes the same
 //! function), or read from / written to a safetensors file in GPT-2's layer naming.
 //!
-//! Recipe (fixed, so a seed names one block forever): each tensor draws from its own
-//! SplitMix64 stream seeded by `mix(seed, name)`, turned into N(0, 1) by Box–Muller in f64,
-//! then scaled: matrices and biases N(0, 0.02²); LayerNorm gains 1 + N(0, 0.02²) and
-//! LayerNorm biases N(0, 0.02²). The input x is N(0, 1) from the stream named "x".
-//! Per-tensor streams mean changing FF leaves W_qkv as it was.
+//! Recipe (fixed, so a seed names one block forever): each tensor draws from its own SplitMix64
+//! stream seeded by `mix(seed, name)`, N(0, 1) by Box–Muller in f64, scaled to N(0, 0.02²) (LayerNorm
+//! gains 1 + N(0, 0.02²)); x is N(0, 1) from the stream "x". Changing FF leaves W_qkv as it was.
 
 use crate::error::SpeedkitError;
 use crate::preset::Shape;
@@ -72,7 +70,6 @@ fn normal_tensor(seed: u64, name: &str, dims: &[usize], mean: f32, std: f32) -> 
     Tensor::from_vec(v, dims, &Device::Cpu)
 }
 
-/// The block's input x: (B, T, C), N(0, 1), on the host.
 pub fn random_input(shape: &Shape, seed: u64) -> candle_core::Result<Tensor> {
     normal_tensor(seed, "x", &[shape.batch, shape.seq, shape.d_model], 0.0, 1.0)
 }
@@ -84,43 +81,29 @@ const GPT2_NAMES: [&str; 12] = [
     "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias",
 ];
 
-/// The shapes of `GPT2_NAMES` in the file: GPT-2 stores the four matrices as Conv1D weights
-/// (in_features, out_features), i.e. transposed relative to ours.
+/// The shapes of `GPT2_NAMES`: GPT-2's Conv1D matrices are (in, out), ours transposed.
 fn gpt2_shapes(c: usize, ff: usize) -> [Vec<usize>; 12] {
     [vec![c], vec![c], vec![c, 3 * c], vec![3 * c], vec![c, c], vec![c], vec![c], vec![c], vec![c, ff], vec![ff], vec![ff, c], vec![c]]
 }
 
-/// Safetensors metadata key under which we record n_head (GPT-2 files do not carry it).
+/// Where we record n_head (GPT-2 files do not carry it).
 const META_N_HEAD: &str = "n_head";
 
 impl BlockWeights {
-    /// The documented recipe above, on the host. C and FF come from `shape`.
+    /// The recipe above, on the host: each field's stream is named by the field.
     pub fn from_seed(shape: &Shape, seed: u64) -> candle_core::Result<Self> {
-        let (c, ff) = (shape.d_model, shape.ff);
-        let w = |name: &str, dims: &[usize]| normal_tensor(seed, name, dims, 0.0, 0.02);
-        Ok(BlockWeights {
-            ln1_g: normal_tensor(seed, "ln1_g", &[c], 1.0, 0.02)?,
-            ln1_b: w("ln1_b", &[c])?,
-            w_qkv: w("w_qkv", &[3 * c, c])?,
-            b_qkv: w("b_qkv", &[3 * c])?,
-            w_proj: w("w_proj", &[c, c])?,
-            b_proj: w("b_proj", &[c])?,
-            ln2_g: normal_tensor(seed, "ln2_g", &[c], 1.0, 0.02)?,
-            ln2_b: w("ln2_b", &[c])?,
-            w_fc1: w("w_fc1", &[ff, c])?,
-            b_fc1: w("b_fc1", &[ff])?,
-            w_fc2: w("w_fc2", &[c, ff])?,
-            b_fc2: w("b_fc2", &[c])?,
-        })
+        let names = ["ln1_g", "ln1_b", "w_qkv", "b_qkv", "w_proj", "b_proj", "ln2_g", "ln2_b", "w_fc1", "b_fc1", "w_fc2", "b_fc2"];
+        let t = names.into_iter().zip(gpt2_shapes(shape.d_model, shape.ff)).map(|(name, mut dims)| {
+            dims.reverse(); // GPT-2's (in, out) to ours
+            normal_tensor(seed, name, &dims, if name.ends_with("_g") { 1.0 } else { 0.0 }, 0.02)
+        });
+        Ok(Self::from_tensors(t.collect::<candle_core::Result<Vec<_>>>()?.try_into().expect("twelve tensors")))
     }
 
-    /// C (d_model) and FF, read off the tensors.
+    /// (C, FF), read off W_fc1 (FF, C).
     pub fn dims(&self) -> (usize, usize) {
-        // (FF, C); from_seed and load_gpt2 guarantee rank 2.
-        match self.w_fc1.dims() {
-            [ff, c] => (*c, *ff),
-            _ => (0, 0),
-        }
+        let [ff, c] = *self.w_fc1.dims() else { return (0, 0) };
+        (c, ff)
     }
 
     fn tensors(&self) -> [&Tensor; 12] {
@@ -133,7 +116,6 @@ impl BlockWeights {
         BlockWeights { ln1_g, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_g, ln2_b, w_fc1, b_fc1, w_fc2, b_fc2 }
     }
 
-    /// Copy every tensor to `device`, once, before any stage builds.
     pub fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
         let t: Vec<Tensor> = self.tensors().iter().map(|t| t.to_device(device)).collect::<candle_core::Result<_>>()?;
         Ok(Self::from_tensors(t.try_into().expect("twelve tensors")))
@@ -150,9 +132,8 @@ impl BlockWeights {
         save("--save-weights", path, named.collect::<candle_core::Result<_>>()?, Some(meta))
     }
 
-    /// Read one layer of a GPT-2-named safetensors file (keys `h.N.*`, optionally prefixed,
-    /// e.g. `transformer.h.N.*`). Returns the weights and n_head if the file records it.
-    /// `layer: None` picks the file's only layer, and is an error if it holds several.
+    /// One layer of a GPT-2-named safetensors file (`h.N.*`, maybe prefixed: `transformer.h.N.*`),
+    /// and n_head if the file records it. `layer: None`: the file's only layer.
     pub fn load_gpt2(path: &Path, layer: Option<usize>) -> Result<(Self, Option<usize>), SpeedkitError> {
         let bad = |why: String| {
             SpeedkitError::usage(format!(
@@ -171,9 +152,7 @@ impl BlockWeights {
             bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer (correct or drop the key)"))
         })?;
         let names = st.names();
-        let mut layers: Vec<usize> = names.iter().filter_map(|k| layer_of(k)).collect();
-        layers.sort_unstable();
-        layers.dedup();
+        let layers: Vec<usize> = names.iter().filter_map(|k| layer_of(k)).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
         let layer = match (layer, layers.as_slice()) {
             (_, []) => return Err(bad("it holds no GPT-2 layer (no key like h.0.ln_1.weight)".into())),
             (Some(l), ls) if !ls.contains(&l) => return Err(bad(format!("it has no layer {l} (layers present: {ls:?})"))),
@@ -220,7 +199,7 @@ fn layer_of(key: &str) -> Option<usize> {
     rest[idx + 2..].parse().ok()
 }
 
-/// Read a file we were given, refusing one larger than the memory available (it is read whole).
+/// Read a file whole, refusing one larger than half the memory available.
 fn read_file(path: &Path) -> Result<Vec<u8>, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("it cannot be read ({e})"))?;
     if !meta.is_file() {
@@ -235,7 +214,6 @@ fn read_file(path: &Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("it cannot be read ({e})"))
 }
 
-/// The file's tensors and metadata, its header refused when it names a key twice.
 fn parse(bytes: &[u8]) -> Result<(SafeTensors<'_>, Option<HashMap<String, String>>), String> {
     duplicate_key(bytes)?;
     let not = |e| format!("it is not a safetensors file ({e})");
@@ -243,12 +221,10 @@ fn parse(bytes: &[u8]) -> Result<(SafeTensors<'_>, Option<HashMap<String, String
     Ok((SafeTensors::deserialize(bytes).map_err(not)?, header.metadata().clone()))
 }
 
-/// Refuse a safetensors header that names a tensor (or a metadata key) twice. The safetensors
-/// crate reads the header into a map, so the last entry would silently win and the data of the
-/// first would be read as the second: refused naming the key, before anything blames its values.
+/// Refuse a header that names a tensor (or metadata key) twice: the safetensors crate reads it
+/// into a map, so the last entry would silently win, the first's data read as the second.
 fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
     use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
-    /// The first key a JSON object (or its `__metadata__` object) repeats.
     struct Dup(Option<String>);
     impl<'de> Visitor<'de> for Dup {
         type Value = Dup;
@@ -256,7 +232,7 @@ fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
             f.write_str("a JSON object")
         }
         fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Dup, A::Error> {
-            // Read whole (serde_json refuses a map left half-read), keeping the first repeat.
+            // Read whole: serde_json refuses a map left half-read.
             let (mut seen, mut first) = (std::collections::HashSet::new(), None);
             while let Some(k) = map.next_key::<String>()? {
                 if k == "__metadata__" {
@@ -276,8 +252,7 @@ fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
             d.deserialize_map(Dup(None))
         }
     }
-    // An 8-byte little-endian length, then the JSON header; one that does not parse is left to
-    // the safetensors reader's own message.
+    // An 8-byte little-endian length, then the JSON header (one that does not parse is left to safetensors).
     let len = bytes.get(..8).and_then(|b| usize::try_from(u64::from_le_bytes(b.try_into().ok()?)).ok());
     let Some(header) = len.and_then(|n| bytes.get(8..8usize.checked_add(n)?)) else { return Ok(()) };
     match serde_json::from_slice::<Dup>(header) {
@@ -289,9 +264,8 @@ fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
     }
 }
 
-/// A tensor of the file as f32, refusing a value that is NaN or infinite (or an f64 past f32's
-/// range): a bad number in a user's file is bad input, not a failed check of ours. The first
-/// such index is named in the file's own layout (a Conv1D matrix: (in, out)).
+/// A tensor of the file as f32, refusing NaN or infinity (an f64 past f32's range too): bad input,
+/// not a failed check. The first such index is in the file's own layout (Conv1D: (in, out)).
 fn view_to_f32(view: &TensorView<'_>) -> Result<Tensor, String> {
     use candle_core::safetensors::Load;
     if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::F16 | Dtype::BF16) {
@@ -301,18 +275,8 @@ fn view_to_f32(view: &TensorView<'_>) -> Result<Tensor, String> {
     let v: Vec<f32> = t.flatten_all().and_then(|t| t.to_vec1()).map_err(|e| e.to_string())?;
     if let Some(flat) = v.iter().position(|x| !x.is_finite()) {
         // Flat position -> index in the file's dims, e.g. [3, 17] (every dim is at least 1 here).
-        let mut rest = flat;
-        let mut index: Vec<usize> = view
-            .shape()
-            .iter()
-            .rev()
-            .map(|d| {
-                let i = rest % d;
-                rest /= d;
-                i
-            })
-            .collect();
-        index.reverse();
+        let dims = view.shape();
+        let index: Vec<usize> = dims.iter().enumerate().map(|(i, d)| flat / dims[i + 1..].iter().product::<usize>() % d).collect();
         let count = v.iter().filter(|x| !x.is_finite()).count();
         return Err(format!(
             "holds {} at index {index:?} (the first of {count} NaN or infinite values; the block needs finite numbers, so replace them)",
@@ -322,8 +286,7 @@ fn view_to_f32(view: &TensorView<'_>) -> Result<Tensor, String> {
     Ok(t)
 }
 
-/// Read the input x (B, T, C) from a safetensors file: the tensor named "x", or the file's
-/// only tensor. Any float dtype; converted to f32.
+/// The input x (B, T, C) of a safetensors file: the tensor "x", or its only one, as f32.
 pub fn load_input(path: &Path) -> Result<Tensor, SpeedkitError> {
     let bad = |why: String| {
         SpeedkitError::usage(format!(
@@ -346,12 +309,11 @@ pub fn load_input(path: &Path) -> Result<Tensor, SpeedkitError> {
     view_to_f32(&view).map_err(|e| bad(format!("tensor {key} {e}")))
 }
 
-/// Save named tensors (converted to f32, on the host) to a safetensors file.
+/// Save named tensors as f32 to a safetensors file.
 pub fn save_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> anyhow::Result<()> {
     save("--save-output", path, tensors.iter().map(|(n, t)| (n.to_string(), (*t).clone())).collect(), None)
 }
 
-/// Write `tensors` as f32 by the output policy (`crate::output`: temp file + rename).
 fn save(flag: &str, path: &Path, tensors: Vec<(String, Tensor)>, meta: Option<HashMap<String, String>>) -> anyhow::Result<()> {
     let host = tensors
         .into_iter()
