@@ -72,20 +72,14 @@ pub const REGIME_LEGEND: &str = "Each cell: ms · regime. **C** compute-bound (%
 FLOPs per byte put it under, so neither roof explains the time (extra passes, launches, scalar code). The JSON holds each \
 part's FLOPs, minimum bytes, GFLOP/s and GB/s.";
 
-pub fn ablation_markdown(report: &LadderReport) -> String {
-    md_table(ablation_grid(report))
+/// `--ablate`'s table, as GitHub markdown or for the terminal.
+pub fn ablation_table(report: &LadderReport, markdown: bool) -> String {
+    table(ablation_grid(report), markdown)
 }
 
-pub fn ablation_text(report: &LadderReport) -> String {
-    aligned(ablation_grid(report))
-}
-
-pub fn breakdown_markdown(report: &LadderReport) -> String {
-    md_table(breakdown_grid(report))
-}
-
-pub fn breakdown_text(report: &LadderReport) -> String {
-    aligned(breakdown_grid(report))
+/// `--breakdown`'s table, as GitHub markdown or for the terminal.
+pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
+    table(breakdown_grid(report), markdown)
 }
 
 /// The names of the parts in `records`' breakdowns, in first-seen order.
@@ -144,14 +138,13 @@ fn not_measured(failed: bool, reason: &str) -> String {
     format!("{}: {}", if failed { "FAILED" } else { "skipped" }, reason.split_whitespace().join(" "))
 }
 
-fn md_table((header, rows): Grid) -> String {
-    let row = |cells: &[String]| format!("| {} |\n", cells.iter().map(|c| c.replace('|', "\\|").replace('\n', " ")).join(" | "));
-    let rule = format!("|{}\n", "---|".repeat(header.len()));
-    std::iter::once(row(&header)).chain([rule]).chain(rows.iter().map(|r| row(r))).collect()
-}
-
-/// Columns padded to their widest cell, for the terminal.
-fn aligned((header, rows): Grid) -> String {
+/// GitHub markdown, or columns padded to their widest cell for the terminal.
+fn table((header, rows): Grid, markdown: bool) -> String {
+    if markdown {
+        let row = |cells: &[String]| format!("| {} |\n", cells.iter().map(|c| c.replace('|', "\\|").replace('\n', " ")).join(" | "));
+        let rule = format!("|{}\n", "---|".repeat(header.len()));
+        return std::iter::once(row(&header)).chain([rule]).chain(rows.iter().map(|r| row(r))).collect();
+    }
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for row in &rows {
         for (w, c) in widths.iter_mut().zip(row) {
@@ -190,7 +183,7 @@ pub fn markdown_table(report: &LadderReport) -> String {
             Row::Skipped(s) => [vec![s.stage.clone(), not_measured(s.failed, &s.reason)], vec!["–".into(); header.len() - 2]].concat(),
         })
         .collect();
-    md_table((header, rows))
+    table((header, rows), true)
 }
 
 /// "CPU: AMD EPYC, 2 threads" or "GPU: NVIDIA H100 80GB HBM3 (SM 9.0), driver 580.65.06, CUDA 13.0".
@@ -237,11 +230,11 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
     out += &format!("\n![median ms per stage, with the speedup over stage 0 on each bar]({svg_link})\n");
     if !report.ablation.is_empty() || !report.ablation_out.is_empty() {
         out += "\n**One change at a time** (`--ablate`): each technique undone alone; \"what it buys\" is the variant's median over the stage's.\n\n";
-        out += &ablation_markdown(report);
+        out += &ablation_table(report, true);
     }
     if report.records.iter().any(|r| r.breakdown.is_some()) {
         out += "\n**Where the time goes** (`--breakdown`, instrumented: a sync at each part boundary, so its total differs a little from the median).\n\n";
-        out += &format!("{}\n{REGIME_LEGEND}\n", breakdown_markdown(report));
+        out += &format!("{}\n{REGIME_LEGEND}\n", breakdown_table(report, true));
         out += &format!("\n![ms per part of the block, per stage]({})\n", sibling(svg_link, "breakdown"));
     }
     out + &format!("\n![roofline: achieved GFLOP/s against FLOPs per byte]({})\n", sibling(svg_link, "roofline"))
@@ -315,21 +308,17 @@ fn sweep_note(sweep: &SweepReport) -> String {
     format!("cells: median ms · speedup over stage 0 at the same {}{d_model}", axis_symbol(&sweep.axis))
 }
 
-/// Every value's ladder as a terminal table, then the stage × value summary.
-pub fn sweep_text(sweep: &SweepReport) -> String {
-    let runs =
-        sweep.values.iter().zip(&sweep.runs).map(|(v, run)| format!("\n{} · {}\n{}", axis_label(&sweep.axis, *v), run.shape, run.table()));
-    runs.collect::<String>() + &format!("\nsweep over {} ({})\n", sweep.axis, sweep_note(sweep)) + &aligned(sweep_grid(sweep))
-}
-
-/// The same as `sweep_text`, in GitHub markdown.
-pub fn sweep_markdown(sweep: &SweepReport) -> String {
-    let runs = sweep
-        .values
-        .iter()
-        .zip(&sweep.runs)
-        .map(|(v, run)| format!("\n#### {} · {}\n\n{}", axis_label(&sweep.axis, *v), describe_shape(&run.shape), markdown_table(run)));
-    runs.collect::<String>() + &format!("\n#### Sweep over {}: {}\n\n", sweep.axis, sweep_note(sweep)) + &md_table(sweep_grid(sweep))
+/// Every value's ladder, then the stage × value summary: GitHub markdown or the terminal's tables.
+pub fn sweep_tables(sweep: &SweepReport, markdown: bool) -> String {
+    let runs = sweep.values.iter().zip(&sweep.runs).map(|(v, run)| match markdown {
+        true => format!("\n#### {} · {}\n\n{}", axis_label(&sweep.axis, *v), describe_shape(&run.shape), markdown_table(run)),
+        false => format!("\n{} · {}\n{}", axis_label(&sweep.axis, *v), run.shape, run.table()),
+    });
+    let summary = match markdown {
+        true => format!("\n#### Sweep over {}: {}\n\n", sweep.axis, sweep_note(sweep)),
+        false => format!("\nsweep over {} ({})\n", sweep.axis, sweep_note(sweep)),
+    };
+    runs.collect::<String>() + &summary + &table(sweep_grid(sweep), markdown)
 }
 
 #[cfg(test)]
