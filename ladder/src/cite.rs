@@ -27,6 +27,8 @@ static LINK: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\[([^\[\n]*?)\]\(([
 static NOT_PROSE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"`[^`]*`|<!--.*?-->|\[[^\[]*?\]\([^)]*\)").unwrap());
 /// A number, with its exponent when one follows (`2.8e-2`).
 static NUMBER: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"[0-9]+(?:\.[0-9]+)*(?:e(?:-[0-9]*|[0-9]+))?").unwrap());
+/// A fenced code block, ``` line to ``` line: examples there are not citations.
+static FENCE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(?ms)^[ \t]*```.*?^[ \t]*```[^\n]*\n?").unwrap());
 
 /// One cited number: where it is in the text, what it says, and what it points at.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,24 +40,9 @@ pub struct Citation {
     pub path: String,
 }
 
-/// Byte ranges of fenced code blocks (``` lines): examples there are not citations.
-fn fences(doc: &str) -> Vec<std::ops::Range<usize>> {
-    let (mut out, mut start, mut at) = (Vec::new(), None, 0);
-    for line in doc.split_inclusive('\n') {
-        if line.trim_start().starts_with("```") {
-            match start.take() {
-                None => start = Some(at),
-                Some(s) => out.push(s..at + line.len()),
-            }
-        }
-        at += line.len();
-    }
-    out
-}
-
 /// Every `[text](results/*.json "path")` link in `doc`, outside fenced code blocks.
 pub fn find(doc: &str) -> Vec<Citation> {
-    let fenced = fences(doc);
+    let fenced: Vec<_> = FENCE.find_iter(doc).map(|m| m.range()).collect();
     let (mut out, mut from) = (Vec::new(), 0);
     while let Some(link) = LINK.captures_at(doc, from) {
         let (all, text) = (link.get(0).unwrap(), link.get(1).unwrap());

@@ -9,7 +9,7 @@ use shared::{Preset, Shape, SpeedkitError};
 /// A table: its header, then its rows.
 type Grid = (Vec<String>, Vec<Vec<String>>);
 
-/// The lines around README region `name`; `--update-readme` rewrites only what lies between them.
+/// The lines around README region `name`.
 pub fn markers(name: &str) -> (String, String) {
     (format!("<!-- {name}:begin -->"), format!("<!-- {name}:end -->"))
 }
@@ -101,8 +101,7 @@ fn breakdown_grid(report: &LadderReport) -> Grid {
     let rows = with
         .iter()
         .map(|&r| {
-            // Recomputed from the validated times, shape and ceilings rather than read from the
-            // file (older files have none; a file's own figures are not trusted for display).
+            // Recomputed, not read: older files have none, and a file's own figures are not trusted.
             let mut r = r.clone();
             shared::regime::annotate(&mut r, bandwidth);
             let b = r.breakdown.as_ref().expect("filtered");
@@ -217,7 +216,6 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
         date_utc(report.unix_time),
     ];
     facts.extend(report.versions.get("candle-core").map(|v| format!("candle-core {v}")));
-    // "2 warm-up + 10 timed iterations", from the records (several when they differ).
     let iterations = report.records.iter().map(|r| format!("{} warm-up + {} timed iterations", r.warmup, r.iters)).unique().join(" / ");
     facts.extend((!iterations.is_empty()).then_some(iterations));
     facts.extend((!report.args.is_empty()).then(|| format!("`ladder {}`", report.args.join(" "))));
