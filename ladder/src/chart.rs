@@ -269,11 +269,8 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     let across = |y: f64, style: ShapeStyle| PathElement::new(vec![(-0.5, y), (k as f64 - 0.5, y)], style);
     svg(((110 * k as u32 + 300).max(800), h), |root| {
         let title = format!("Sweep over {}: median ms per stage, and its speedup over stage 0", axis_symbol(&sweep.axis));
-        let facts = match sweep.runs.first() {
-            Some(first) => vec![describe_device(first), facts(shape_without(&first.shape, &sweep.axis), first)],
-            None => vec![],
-        };
-        heading(root, &title, bold(16.0, INK, HPos::Left, VPos::Top), &facts)?;
+        let facts = sweep.runs.first().map(|f| vec![describe_device(f), facts(shape_without(&f.shape, &sweep.axis), f)]);
+        heading(root, &title, bold(16.0, INK, HPos::Left, VPos::Top), &facts.unwrap_or_default())?;
         let (upper, lower) = root.margin(74, 8, 8, 20).split_vertically(h / 2 - 40);
 
         let mut ms =
@@ -331,9 +328,7 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
             up.draw_series(line.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
             // The last value's speedup, written at the line's end (every value's is in the table).
             if let Some(&(x, s)) = line.last() {
-                up.draw_series(
-                    [EmptyElement::at((x, s)) + Text::new(format!("{s:.2}x"), (7, 0), text(12.0, c, HPos::Left, VPos::Center))],
-                )?;
+                note(&mut up, (x, s), (7, 0), format!("{s:.2}x"), text(12.0, c, HPos::Left, VPos::Center))?;
             }
         }
         Ok(())

@@ -1,5 +1,4 @@
-//! The ladder as text for readers: the GitHub-markdown table, the README's results region, the
-//! splice that puts that region between the README's markers, and the sweep tables.
+//! The ladder as text: markdown and terminal tables, and the README's results region and splice.
 
 use crate::provenance::date_utc;
 use itertools::Itertools;
@@ -87,8 +86,7 @@ pub(crate) fn part_names(records: &[&Record]) -> Vec<String> {
     records.iter().flat_map(|r| r.breakdown.iter().flat_map(|b| &b.parts)).map(|p| p.name.clone()).unique().collect()
 }
 
-/// `--breakdown`'s table: one row per stage, one column per part name (in forward order, fused
-/// parts where their first part is), then the instrumented total and the uninstrumented median.
+/// `--breakdown`'s table: a row per stage, a column per part (forward order), total and median.
 fn breakdown_grid(report: &LadderReport) -> Grid {
     let with: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
     let mut parts = part_names(&with);
@@ -158,8 +156,7 @@ fn table((header, rows): Grid, markdown: bool) -> String {
     [&header, &rule].into_iter().chain(&rows).map(|r| line(r)).collect()
 }
 
-/// The ladder's table as GitHub markdown, a row per stage (why, for one not measured); GFLOP/s on
-/// a CPU (a few hundred at most), TFLOP/s on a GPU.
+/// The ladder's table as GitHub markdown; GFLOP/s on a CPU (a few hundred at most), TFLOP/s on a GPU.
 pub fn markdown_table(report: &LadderReport) -> String {
     let (unit, scale) = if report.device.is_cuda() { ("TFLOP/s", 1.0) } else { ("GFLOP/s", 1e3) };
     let header =
@@ -206,8 +203,7 @@ pub fn describe_shape(shape: &Shape) -> String {
     }
 }
 
-/// What goes between the README's markers: where and when the run was made, the tables and charts;
-/// a pure function of its arguments, so re-rendering the same JSON gives the same bytes.
+/// What goes between the README's markers; a pure function, so the same JSON gives the same bytes.
 pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> String {
     let mut facts = vec![
         format!("**{}**", describe_device(report)),
@@ -243,8 +239,7 @@ pub fn sibling(svg: &str, what: &str) -> String {
     format!("{}-{what}.svg", svg.strip_suffix(".svg").unwrap_or(svg))
 }
 
-/// `readme` with what lies between region `name`'s markers replaced by `region`, every other byte
-/// kept; refuses (exit 2) markers missing, repeated or reversed rather than guess.
+/// `readme` with region `name` replaced, every other byte kept; refuses (exit 2) rather than guess.
 pub fn splice_readme(readme: &str, name: &str, region: &str) -> Result<String, SpeedkitError> {
     let (begin, end) = markers(name);
     let (begins, ends) = (readme.matches(&begin).count(), readme.matches(&end).count());
