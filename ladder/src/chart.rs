@@ -26,7 +26,6 @@ pub(crate) const INK: RGBColor = rgb(0x222222);
 pub(crate) const MUTED: RGBColor = rgb(0x666666);
 pub(crate) const GRID: RGBColor = rgb(0xe6e6e6);
 const FAIL: RGBColor = rgb(0xb00020);
-/// Half a bar's width, in slots.
 const HALF: f64 = 0.32;
 
 /// The stage's colour in every chart, by the number in its name ("stage2_sdpa" → 2), else position.
@@ -45,7 +44,6 @@ fn bold(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
     TextStyle { font: plain.font.clone().style(FontStyle::Bold), ..plain }
 }
 
-/// An SVG of `size` px on white, drawn by `draw`.
 pub(crate) fn svg(size: (u32, u32), draw: impl FnOnce(&Area) -> anyhow::Result<()>) -> anyhow::Result<String> {
     let mut svg = String::new();
     {
@@ -57,7 +55,6 @@ pub(crate) fn svg(size: (u32, u32), draw: impl FnOnce(&Area) -> anyhow::Result<(
     Ok(svg)
 }
 
-/// The title, then one grey line per fact under it.
 pub(crate) fn heading(root: &Area, title: &str, style: TextStyle, facts: &[String]) -> anyhow::Result<()> {
     root.draw(&Text::new(title, (20, 12), style))?;
     for (i, line) in facts.iter().enumerate() {
@@ -89,31 +86,28 @@ where
     m
 }
 
-/// Axis tick labels with as many decimals as the axis' scale needs.
-fn axis_ms(v: f64, top: f64) -> String {
-    match top {
-        t if t >= 20.0 => format!("{v:.0}"),
-        t if t >= 2.0 => format!("{v:.1}"),
-        _ => format!("{v:.2}"),
-    }
-}
-
 /// A bar chart: `n` slots, ms from 0 to `y_max`, no x labels (each bar labels itself).
 fn bar_chart<'a, 'b>(area: &'a Area<'b>, x_label_area: u32, n: usize, y_max: f64, y_desc: &str) -> anyhow::Result<Bars<'a, 'b>> {
     let mut chart =
         ChartBuilder::on(area).x_label_area_size(x_label_area).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
-    mesh(&mut chart, GRID).disable_x_mesh().x_labels(0).y_labels(6).y_desc(y_desc).y_label_formatter(&|v| axis_ms(*v, y_max)).draw()?;
+    // Tick labels with as many decimals as the axis' scale needs: 0 from 20 ms, 1 from 2 ms, else 2.
+    let digits = [20.0, 2.0].iter().filter(|&&t| y_max < t).count();
+    mesh(&mut chart, GRID)
+        .disable_x_mesh()
+        .x_labels(0)
+        .y_labels(6)
+        .y_desc(y_desc)
+        .y_label_formatter(&|v| format!("{v:.digits$}"))
+        .draw()?;
     Ok(chart)
 }
 
-/// Under a bar: its stage in bold, then its precision.
 fn label_bar(root: &Area, (px, py): (i32, i32), stage: &str, precision: String) -> anyhow::Result<()> {
     root.draw(&Text::new(stage, (px, py + 8), bold(12.0, INK, HPos::Center, VPos::Top)))?;
     root.draw(&Text::new(precision, (px, py + 25), text(12.0, INK, HPos::Center, VPos::Top)))?;
     Ok(())
 }
 
-/// `label` on the chart at `at`, shifted by `offset` px.
 pub(crate) fn note(chart: &mut Bars, at: (f64, f64), offset: (i32, i32), label: impl Into<String>, style: TextStyle) -> anyhow::Result<()> {
     chart.draw_series([EmptyElement::at(at) + Text::new(label.into(), offset, style)])?;
     Ok(())
@@ -195,7 +189,6 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
                     note(&mut chart, (x, y_max * 0.125), (0, 0), word, text(13.0, ink, HPos::Center, VPos::Center))?;
                 }
             }
-            // Under the axis: which stage, at what precision, how far from the reference.
             let (px, py) = chart.backend_coord(&(x, 0.0));
             let (precision, implementation, error) = match row {
                 Row::Ran(r) => (r.precision.to_string(), r.implementation.as_deref(), format!("rel err {}", fmt_rel_err(r))),
@@ -235,13 +228,13 @@ fn segments(points: &[(f64, f64)]) -> Vec<Vec<(f64, f64)>> {
     out
 }
 
-/// 1, 2, 5 × 10^n within [lo, hi].
+/// 1, 2, 5 × 10^n within [lo, hi]: plotters' own log ticks are decades only, too few for one decade.
 fn ticks_125(lo: f64, hi: f64) -> Vec<f64> {
     let decades = std::iter::successors(Some(10f64.powf(lo.log10().floor())), |d| Some(d * 10.0)).take_while(|&d| d <= hi);
     decades.flat_map(|d| [1.0, 2.0, 5.0].map(|m| m * d)).filter(|t| (lo..=hi).contains(t)).collect()
 }
 
-/// The swept values under a panel's x axis; `at` maps a value's position to pixels on the axis.
+/// The swept values under a panel's x axis, `at` giving a value index's pixel on it.
 fn value_labels(root: &Area, values: &[usize], at: impl Fn(f64) -> (i32, i32)) -> anyhow::Result<()> {
     for (j, v) in values.iter().enumerate() {
         let (px, py) = at(j as f64);
@@ -256,7 +249,6 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     let k = sweep.values.len().max(1);
     let h = 760u32;
     let stages = sweep_stages(sweep);
-    // (value index, record) per stage, where it was measured.
     let series: Vec<Vec<(usize, &Record)>> = stages
         .iter()
         .map(|stage| {
@@ -277,11 +269,8 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     let across = |y: f64, style: ShapeStyle| PathElement::new(vec![(-0.5, y), (k as f64 - 0.5, y)], style);
     svg(((110 * k as u32 + 300).max(800), h), |root| {
         let title = format!("Sweep over {}: median ms per stage, and its speedup over stage 0", axis_symbol(&sweep.axis));
-        let facts = match sweep.runs.first() {
-            Some(first) => vec![describe_device(first), facts(shape_without(&first.shape, &sweep.axis), first)],
-            None => vec![],
-        };
-        heading(root, &title, bold(16.0, INK, HPos::Left, VPos::Top), &facts)?;
+        let facts = sweep.runs.first().map(|f| vec![describe_device(f), facts(shape_without(&f.shape, &sweep.axis), f)]);
+        heading(root, &title, bold(16.0, INK, HPos::Left, VPos::Top), &facts.unwrap_or_default())?;
         let (upper, lower) = root.margin(74, 8, 8, 20).split_vertically(h / 2 - 40);
 
         let mut ms =
@@ -307,7 +296,6 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
             let (px, py) = ms.backend_coord(&(j as f64, lo));
             root.draw(&Text::new("not run (see table)", (px, py - 10), text(12.0, MUTED, HPos::Center, VPos::Bottom)))?;
         }
-        // Ticks at 1, 2, 5 × 10^n: plotters' own log ticks are decades only, too few for one decade.
         for t in ticks_125(lo, hi) {
             ms.draw_series([across(t, GRID.stroke_width(1))])?;
             let (px, py) = ms.backend_coord(&(-0.5, t));
@@ -340,9 +328,7 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
             up.draw_series(line.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
             // The last value's speedup, written at the line's end (every value's is in the table).
             if let Some(&(x, s)) = line.last() {
-                up.draw_series(
-                    [EmptyElement::at((x, s)) + Text::new(format!("{s:.2}x"), (7, 0), text(12.0, c, HPos::Left, VPos::Center))],
-                )?;
+                note(&mut up, (x, s), (7, 0), format!("{s:.2}x"), text(12.0, c, HPos::Left, VPos::Center))?;
             }
         }
         Ok(())

@@ -7,10 +7,8 @@
 //! fusion buys [1.44x](results/ladder-cpu.json "records[stage=stage3_fused].speedup_vs_prev") over stage 2
 //! ```
 //!
-//! It renders as the number, linked to the data. `check` verifies every such number is what the
-//! JSON holds at that path (a test runs it on README.md and docs/*.md); `update` rewrites them
-//! from the JSON, so re-recording a run updates the prose mechanically (`ladder --update-readme`
-//! and `ladder render --update-readme` do it for the JSON they write or read).
+//! `check` verifies each such number is what the JSON holds at that path (a test runs it on
+//! README.md and docs/*.md); `update` rewrites them from the JSON (`--update-readme` does).
 //!
 //! Path: dot-separated keys; `name[key=value]` picks the element of an array whose `key` is
 //! `value`; `name[3]` by index. The unit is the text's suffix: `x` (ratio, 2 decimals), `ms`
@@ -27,6 +25,8 @@ static LINK: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\[([^\[\n]*?)\]\(([
 static NOT_PROSE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"`[^`]*`|<!--.*?-->|\[[^\[]*?\]\([^)]*\)").unwrap());
 /// A number, with its exponent when one follows (`2.8e-2`).
 static NUMBER: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"[0-9]+(?:\.[0-9]+)*(?:e(?:-[0-9]*|[0-9]+))?").unwrap());
+/// A fenced code block, ``` line to ``` line: examples there are not citations.
+static FENCE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(?ms)^[ \t]*```.*?^[ \t]*```[^\n]*\n?").unwrap());
 
 /// One cited number: where it is in the text, what it says, and what it points at.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,24 +38,9 @@ pub struct Citation {
     pub path: String,
 }
 
-/// Byte ranges of fenced code blocks (``` lines): examples there are not citations.
-fn fences(doc: &str) -> Vec<std::ops::Range<usize>> {
-    let (mut out, mut start, mut at) = (Vec::new(), None, 0);
-    for line in doc.split_inclusive('\n') {
-        if line.trim_start().starts_with("```") {
-            match start.take() {
-                None => start = Some(at),
-                Some(s) => out.push(s..at + line.len()),
-            }
-        }
-        at += line.len();
-    }
-    out
-}
-
 /// Every `[text](results/*.json "path")` link in `doc`, outside fenced code blocks.
 pub fn find(doc: &str) -> Vec<Citation> {
-    let fenced = fences(doc);
+    let fenced: Vec<_> = FENCE.find_iter(doc).map(|m| m.range()).collect();
     let (mut out, mut from) = (Vec::new(), 0);
     while let Some(link) = LINK.captures_at(doc, from) {
         let (all, text) = (link.get(0).unwrap(), link.get(1).unwrap());
@@ -104,8 +89,7 @@ fn numbers_in(prose: &str) -> Vec<String> {
     let measured = |m: &regex::Match| {
         let (before, n, after) = (&prose[..m.start()], m.as_str(), &prose[m.end()..]);
         let starts = !before.chars().next_back().is_some_and(|c| c.is_alphanumeric() || "._-/".contains(c));
-        // A measured error prints with a decimal (1.8e-2, as `fmt_rel_err` writes it); a
-        // tolerance or bound is a round power (1e-2) and is a constant, not a measurement.
+        // A measured error has a decimal (1.8e-2); a tolerance is a round power (1e-2), a constant.
         let e_notation = n.split_once('e').is_some_and(|(mantissa, _)| mantissa.contains('.'));
         // The unit: right after the number or after one space, ending at a word boundary.
         let unit = after.strip_prefix(' ').unwrap_or(after);
@@ -177,8 +161,7 @@ pub fn check(doc: &str, mut load: impl FnMut(&str) -> Result<Value, String>) -> 
     find(doc).into_iter().filter_map(verdict).collect()
 }
 
-/// `doc` with every citation of `json_link` rewritten from `json`; one whose path `json` lacks (an
-/// ablation row, in a run without `--ablate`) is kept and named in the second value.
+/// `doc` with every citation of `json_link` rewritten from `json`; one `json` lacks is kept and named.
 pub fn update(doc: &str, json_link: &str, json: &Value) -> (String, Vec<String>) {
     let (mut out, mut last, mut stale) = (String::with_capacity(doc.len()), 0, Vec::new());
     for c in find(doc).into_iter().filter(|c| c.json == json_link) {

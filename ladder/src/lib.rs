@@ -776,14 +776,13 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
     match (results, out.markdown) {
         (Results::Ladder(r), false) => {
             print!("{}", r.table());
-            print_extras(r, render::ablation_text, render::breakdown_text);
+            print_extras(r, false);
         }
         (Results::Ladder(r), true) => {
             print!("{}", render::markdown_table(r));
-            print_extras(r, render::ablation_markdown, render::breakdown_markdown);
+            print_extras(r, true);
         }
-        (Results::Sweep(s), false) => print!("{}", render::sweep_text(s)),
-        (Results::Sweep(s), true) => print!("{}", render::sweep_markdown(s)),
+        (Results::Sweep(s), md) => print!("{}", render::sweep_tables(s, md)),
     }
     let svg_path = match (results, &out.svg, out.update_readme) {
         (_, Some(p), _) => Some(p.clone()),
@@ -839,14 +838,14 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
 }
 
 /// The ablation and breakdown tables under the main one, when the run has them.
-fn print_extras(r: &LadderReport, ablation: fn(&LadderReport) -> String, breakdown: fn(&LadderReport) -> String) {
+fn print_extras(r: &LadderReport, markdown: bool) {
     if !r.ablation.is_empty() || !r.ablation_out.is_empty() {
         println!("\none change at a time (--ablate): \"what it buys\" = variant median / stage median, ≈1.0x within p10-p90 noise");
-        print!("{}", ablation(r));
+        print!("{}", render::ablation_table(r, markdown));
     }
     if r.records.iter().any(|rec| rec.breakdown.is_some()) {
         println!("\nwhere the time goes (--breakdown, instrumented: a sync at each part boundary)");
-        print!("{}", breakdown(r));
+        print!("{}", render::breakdown_table(r, markdown));
         println!("{}", render::REGIME_LEGEND.replace("**", ""));
     }
 }

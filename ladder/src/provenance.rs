@@ -6,17 +6,14 @@ use std::collections::BTreeMap;
 
 /// Exact versions this binary was built from (build.rs): cudarc and candle-flash-attn when built in.
 pub fn versions() -> BTreeMap<String, String> {
-    let mut v = BTreeMap::new();
-    v.insert("candle-core".into(), env!("SPEEDKIT_LOCKED_CANDLE_CORE").into());
-    v.insert("candle-speedkit".into(), env!("CARGO_PKG_VERSION").into());
-    v.insert("rustc".into(), env!("SPEEDKIT_RUSTC_VERSION").into());
-    if cfg!(feature = "cuda") {
-        v.insert("cudarc".into(), env!("SPEEDKIT_LOCKED_CUDARC").into());
-    }
-    if cfg!(feature = "flash-attn") {
-        v.insert("candle-flash-attn".into(), env!("SPEEDKIT_LOCKED_CANDLE_FLASH_ATTN").into());
-    }
-    v
+    let all = [
+        ("candle-core", env!("SPEEDKIT_LOCKED_CANDLE_CORE"), true),
+        ("candle-speedkit", env!("CARGO_PKG_VERSION"), true),
+        ("rustc", env!("SPEEDKIT_RUSTC_VERSION"), true),
+        ("cudarc", env!("SPEEDKIT_LOCKED_CUDARC"), cfg!(feature = "cuda")),
+        ("candle-flash-attn", env!("SPEEDKIT_LOCKED_CANDLE_FLASH_ATTN"), cfg!(feature = "flash-attn")),
+    ];
+    all.into_iter().filter(|(_, _, built_in)| *built_in).map(|(k, v, _)| (k.into(), v.into())).collect()
 }
 
 /// The CUDA version the driver the run used supports, e.g. "13.0"; `None` off a GPU.

@@ -1,5 +1,4 @@
-//! The ladder as text for readers: the GitHub-markdown table, the README's results region, the
-//! splice that puts that region between the README's markers, and the sweep tables.
+//! The ladder as text: markdown and terminal tables, and the README's results region and splice.
 
 use crate::provenance::date_utc;
 use itertools::Itertools;
@@ -9,7 +8,7 @@ use shared::{Preset, Shape, SpeedkitError};
 /// A table: its header, then its rows.
 type Grid = (Vec<String>, Vec<Vec<String>>);
 
-/// The lines around README region `name`; `--update-readme` rewrites only what lies between them.
+/// The lines around README region `name`.
 pub fn markers(name: &str) -> (String, String) {
     (format!("<!-- {name}:begin -->"), format!("<!-- {name}:end -->"))
 }
@@ -72,20 +71,14 @@ pub const REGIME_LEGEND: &str = "Each cell: ms · regime. **C** compute-bound (%
 FLOPs per byte put it under, so neither roof explains the time (extra passes, launches, scalar code). The JSON holds each \
 part's FLOPs, minimum bytes, GFLOP/s and GB/s.";
 
-pub fn ablation_markdown(report: &LadderReport) -> String {
-    md_table(ablation_grid(report))
+/// `--ablate`'s table, as GitHub markdown or for the terminal.
+pub fn ablation_table(report: &LadderReport, markdown: bool) -> String {
+    table(ablation_grid(report), markdown)
 }
 
-pub fn ablation_text(report: &LadderReport) -> String {
-    aligned(ablation_grid(report))
-}
-
-pub fn breakdown_markdown(report: &LadderReport) -> String {
-    md_table(breakdown_grid(report))
-}
-
-pub fn breakdown_text(report: &LadderReport) -> String {
-    aligned(breakdown_grid(report))
+/// `--breakdown`'s table, as GitHub markdown or for the terminal.
+pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
+    table(breakdown_grid(report), markdown)
 }
 
 /// The names of the parts in `records`' breakdowns, in first-seen order.
@@ -93,8 +86,7 @@ pub(crate) fn part_names(records: &[&Record]) -> Vec<String> {
     records.iter().flat_map(|r| r.breakdown.iter().flat_map(|b| &b.parts)).map(|p| p.name.clone()).unique().collect()
 }
 
-/// `--breakdown`'s table: one row per stage, one column per part name (in forward order, fused
-/// parts where their first part is), then the instrumented total and the uninstrumented median.
+/// `--breakdown`'s table: a row per stage, a column per part (forward order), total and median.
 fn breakdown_grid(report: &LadderReport) -> Grid {
     let with: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
     let mut parts = part_names(&with);
@@ -107,8 +99,7 @@ fn breakdown_grid(report: &LadderReport) -> Grid {
     let rows = with
         .iter()
         .map(|&r| {
-            // Recomputed from the validated times, shape and ceilings rather than read from the
-            // file (older files have none; a file's own figures are not trusted for display).
+            // Recomputed, not read: older files have none, and a file's own figures are not trusted.
             let mut r = r.clone();
             shared::regime::annotate(&mut r, bandwidth);
             let b = r.breakdown.as_ref().expect("filtered");
@@ -144,14 +135,13 @@ fn not_measured(failed: bool, reason: &str) -> String {
     format!("{}: {}", if failed { "FAILED" } else { "skipped" }, reason.split_whitespace().join(" "))
 }
 
-fn md_table((header, rows): Grid) -> String {
-    let row = |cells: &[String]| format!("| {} |\n", cells.iter().map(|c| c.replace('|', "\\|").replace('\n', " ")).join(" | "));
-    let rule = format!("|{}\n", "---|".repeat(header.len()));
-    std::iter::once(row(&header)).chain([rule]).chain(rows.iter().map(|r| row(r))).collect()
-}
-
-/// Columns padded to their widest cell, for the terminal.
-fn aligned((header, rows): Grid) -> String {
+/// GitHub markdown, or columns padded to their widest cell for the terminal.
+fn table((header, rows): Grid, markdown: bool) -> String {
+    if markdown {
+        let row = |cells: &[String]| format!("| {} |\n", cells.iter().map(|c| c.replace('|', "\\|").replace('\n', " ")).join(" | "));
+        let rule = format!("|{}\n", "---|".repeat(header.len()));
+        return std::iter::once(row(&header)).chain([rule]).chain(rows.iter().map(|r| row(r))).collect();
+    }
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for row in &rows {
         for (w, c) in widths.iter_mut().zip(row) {
@@ -166,8 +156,7 @@ fn aligned((header, rows): Grid) -> String {
     [&header, &rule].into_iter().chain(&rows).map(|r| line(r)).collect()
 }
 
-/// The ladder's table as GitHub markdown, a row per stage (why, for one not measured); GFLOP/s on
-/// a CPU (a few hundred at most), TFLOP/s on a GPU.
+/// The ladder's table as GitHub markdown; GFLOP/s on a CPU (a few hundred at most), TFLOP/s on a GPU.
 pub fn markdown_table(report: &LadderReport) -> String {
     let (unit, scale) = if report.device.is_cuda() { ("TFLOP/s", 1.0) } else { ("GFLOP/s", 1e3) };
     let header =
@@ -190,7 +179,7 @@ pub fn markdown_table(report: &LadderReport) -> String {
             Row::Skipped(s) => [vec![s.stage.clone(), not_measured(s.failed, &s.reason)], vec!["–".into(); header.len() - 2]].concat(),
         })
         .collect();
-    md_table((header, rows))
+    table((header, rows), true)
 }
 
 /// "CPU: AMD EPYC, 2 threads" or "GPU: NVIDIA H100 80GB HBM3 (SM 9.0), driver 580.65.06, CUDA 13.0".
@@ -214,8 +203,7 @@ pub fn describe_shape(shape: &Shape) -> String {
     }
 }
 
-/// What goes between the README's markers: where and when the run was made, the tables and charts;
-/// a pure function of its arguments, so re-rendering the same JSON gives the same bytes.
+/// What goes between the README's markers; a pure function, so the same JSON gives the same bytes.
 pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> String {
     let mut facts = vec![
         format!("**{}**", describe_device(report)),
@@ -224,7 +212,6 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
         date_utc(report.unix_time),
     ];
     facts.extend(report.versions.get("candle-core").map(|v| format!("candle-core {v}")));
-    // "2 warm-up + 10 timed iterations", from the records (several when they differ).
     let iterations = report.records.iter().map(|r| format!("{} warm-up + {} timed iterations", r.warmup, r.iters)).unique().join(" / ");
     facts.extend((!iterations.is_empty()).then_some(iterations));
     facts.extend((!report.args.is_empty()).then(|| format!("`ladder {}`", report.args.join(" "))));
@@ -237,11 +224,11 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
     out += &format!("\n![median ms per stage, with the speedup over stage 0 on each bar]({svg_link})\n");
     if !report.ablation.is_empty() || !report.ablation_out.is_empty() {
         out += "\n**One change at a time** (`--ablate`): each technique undone alone; \"what it buys\" is the variant's median over the stage's.\n\n";
-        out += &ablation_markdown(report);
+        out += &ablation_table(report, true);
     }
     if report.records.iter().any(|r| r.breakdown.is_some()) {
         out += "\n**Where the time goes** (`--breakdown`, instrumented: a sync at each part boundary, so its total differs a little from the median).\n\n";
-        out += &format!("{}\n{REGIME_LEGEND}\n", breakdown_markdown(report));
+        out += &format!("{}\n{REGIME_LEGEND}\n", breakdown_table(report, true));
         out += &format!("\n![ms per part of the block, per stage]({})\n", sibling(svg_link, "breakdown"));
     }
     out + &format!("\n![roofline: achieved GFLOP/s against FLOPs per byte]({})\n", sibling(svg_link, "roofline"))
@@ -252,8 +239,7 @@ pub fn sibling(svg: &str, what: &str) -> String {
     format!("{}-{what}.svg", svg.strip_suffix(".svg").unwrap_or(svg))
 }
 
-/// `readme` with what lies between region `name`'s markers replaced by `region`, every other byte
-/// kept; refuses (exit 2) markers missing, repeated or reversed rather than guess.
+/// `readme` with region `name` replaced, every other byte kept; refuses (exit 2) rather than guess.
 pub fn splice_readme(readme: &str, name: &str, region: &str) -> Result<String, SpeedkitError> {
     let (begin, end) = markers(name);
     let (begins, ends) = (readme.matches(&begin).count(), readme.matches(&end).count());
@@ -315,21 +301,17 @@ fn sweep_note(sweep: &SweepReport) -> String {
     format!("cells: median ms · speedup over stage 0 at the same {}{d_model}", axis_symbol(&sweep.axis))
 }
 
-/// Every value's ladder as a terminal table, then the stage × value summary.
-pub fn sweep_text(sweep: &SweepReport) -> String {
-    let runs =
-        sweep.values.iter().zip(&sweep.runs).map(|(v, run)| format!("\n{} · {}\n{}", axis_label(&sweep.axis, *v), run.shape, run.table()));
-    runs.collect::<String>() + &format!("\nsweep over {} ({})\n", sweep.axis, sweep_note(sweep)) + &aligned(sweep_grid(sweep))
-}
-
-/// The same as `sweep_text`, in GitHub markdown.
-pub fn sweep_markdown(sweep: &SweepReport) -> String {
-    let runs = sweep
-        .values
-        .iter()
-        .zip(&sweep.runs)
-        .map(|(v, run)| format!("\n#### {} · {}\n\n{}", axis_label(&sweep.axis, *v), describe_shape(&run.shape), markdown_table(run)));
-    runs.collect::<String>() + &format!("\n#### Sweep over {}: {}\n\n", sweep.axis, sweep_note(sweep)) + &md_table(sweep_grid(sweep))
+/// Every value's ladder, then the stage × value summary: GitHub markdown or the terminal's tables.
+pub fn sweep_tables(sweep: &SweepReport, markdown: bool) -> String {
+    let runs = sweep.values.iter().zip(&sweep.runs).map(|(v, run)| match markdown {
+        true => format!("\n#### {} · {}\n\n{}", axis_label(&sweep.axis, *v), describe_shape(&run.shape), markdown_table(run)),
+        false => format!("\n{} · {}\n{}", axis_label(&sweep.axis, *v), run.shape, run.table()),
+    });
+    let summary = match markdown {
+        true => format!("\n#### Sweep over {}: {}\n\n", sweep.axis, sweep_note(sweep)),
+        false => format!("\nsweep over {} ({})\n", sweep.axis, sweep_note(sweep)),
+    };
+    runs.collect::<String>() + &summary + &table(sweep_grid(sweep), markdown)
 }
 
 #[cfg(test)]

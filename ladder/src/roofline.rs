@@ -14,21 +14,18 @@ use shared::perf::{operand_bytes, peak_bandwidth_gbs, peak_tflops};
 use shared::report::{Ceilings, LadderReport, Record};
 use shared::Precision;
 
-/// One point of the roofline.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Point {
     pub stage: String,
     pub precision: Precision,
-    /// FLOPs per byte.
     pub intensity: f64,
     /// Achieved GFLOP/s (useful FLOPs over the median time).
     pub gflops: f64,
     pub emulated: bool,
 }
 
-/// The stages' points, each stage's bytes from its own traffic model. An fp8 stage stores its
-/// activations like the row before it (f32 on a CPU at fp32, bf16 on a GPU), its GEMM operands
-/// in E4M3.
+/// The stages' points, bytes from each stage's traffic model; an fp8 stage's activations are
+/// stored like the row before it (f32 on a CPU at fp32, bf16 on a GPU), its GEMM operands in E4M3.
 pub fn points(report: &LadderReport) -> Vec<Point> {
     let stages = crate::default_stages();
     let act_of = |i: usize, r: &Record| match r.precision {
@@ -111,8 +108,7 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
             None => peaks.push((name.clone(), v * 1e3)),
         }
     }
-    // Axes in log10 units, padded to whole decades around the points and the ceilings' knees
-    // (the intensity where bandwidth meets compute).
+    // Axes in log10 units, padded to whole decades around the points and the ceilings' knees.
     let xs: Vec<f64> = pts.iter().map(|p| p.intensity.log10()).chain(peaks.iter().filter_map(|(_, p)| Some((p / bw?).log10()))).collect();
     let ys: Vec<f64> = pts.iter().map(|p| p.gflops.log10()).chain(peaks.iter().map(|(_, p)| p.log10())).collect();
     let lo_hi = |v: &[f64]| {
@@ -164,8 +160,7 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
             let label = format!("memory {bw:.0} GB/s");
             note(&mut chart, (x0 + 0.2, memory(x0 + 0.2)), (4, -6), label, text(12.0, INK, HPos::Left, VPos::Bottom))?;
         }
-        // Points that land on (nearly) the same pixel, such as stages 0 and 1 at fp32 on a CPU,
-        // are fanned out sideways and their labels stacked, so each stays visible.
+        // Points on (nearly) one pixel (stages 0 and 1 at fp32 on a CPU) fan out, labels stacked.
         let pixels: Vec<(i32, i32)> = pts.iter().map(|p| chart.backend_coord(&(p.intensity.log10(), p.gflops.log10()))).collect();
         for (i, p) in pts.iter().enumerate() {
             let c = stage_colour(&p.stage, i);
@@ -173,7 +168,6 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
             let (px, py) = pixels[i];
             let at = (px + 10 * before, py);
             root.draw(&Circle::new(at, 6, if p.emulated { c.stroke_width(2) } else { c.filled() }))?;
-            // Labels start right of the cluster's last marker, one line per point.
             let label = format!("{} {}{}", p.stage, p.precision, if p.emulated { " (emulated)" } else { "" });
             root.draw(&Text::new(label, (at.0 + 10 * after + 9, py + 16 * before), text(12.0, INK, HPos::Left, VPos::Center)))?;
         }

@@ -14,7 +14,7 @@ pub enum Axis {
 }
 
 impl Axis {
-    /// As the flag spells it, and as the JSON stores it.
+    /// As the JSON stores it.
     pub fn name(self) -> &'static str {
         match self {
             Axis::Seq => "seq",
@@ -22,13 +22,8 @@ impl Axis {
             Axis::DModel => "d_model",
         }
     }
-
-    fn flag(self) -> String {
-        format!("--{}", self.name().replace('_', "-"))
-    }
 }
 
-/// `--sweep AXIS=V1,V2,...`
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sweep {
     pub axis: Axis,
@@ -46,7 +41,6 @@ impl std::str::FromStr for Sweep {
             "d_model" | "c" => Axis::DModel,
             _ => return Err(usage()),
         };
-        // split(',') yields at least one value, and "" does not parse: never empty.
         let values = values.split(',').map(|v| v.trim().parse::<usize>()).collect::<Result<Vec<_>, _>>().map_err(|_| usage())?;
         Ok(Sweep { axis, values })
     }
@@ -55,7 +49,8 @@ impl std::str::FromStr for Sweep {
 /// Most values one sweep takes: each is a whole ladder run.
 pub const MAX_VALUES: usize = 64;
 
-/// Refuse a sweep whose values cannot all be valid numbers for their dimension, before any run.
+/// Refuse, before any run, too many values, flags that fix the swept dimension, or flags that
+/// would write one file per value over each other.
 pub fn check_values(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
     if sweep.values.len() > MAX_VALUES {
         return Err(SpeedkitError::usage(format!(
@@ -63,11 +58,6 @@ pub fn check_values(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> 
             sweep.values.len()
         )));
     }
-    check_flags(args, sweep)
-}
-
-/// Flags that fix the swept dimension, or that would write one file per value over each other.
-fn check_flags(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
     let axis = sweep.axis;
     let given = match axis {
         Axis::Seq => args.seq,
@@ -75,7 +65,7 @@ fn check_flags(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
         Axis::DModel => args.d_model,
     };
     if given.is_some() {
-        let (flag, name) = (axis.flag(), axis.name());
+        let (flag, name) = (format!("--{}", axis.name().replace('_', "-")), axis.name());
         return Err(SpeedkitError::usage(format!(
             "{flag} and --sweep {name}=... both set the same dimension. Fix: drop {flag}; the sweep sets it for each run."
         )));
@@ -137,7 +127,7 @@ pub fn run(
     which: &[usize],
     argv: &[String],
 ) -> anyhow::Result<(SweepReport, Option<anyhow::Error>)> {
-    check_flags(args, sweep)?;
+    check_values(args, sweep)?;
     let base = shared::runner::resolve(args)?;
     let (mut runs, mut failure) = (Vec::new(), None);
     for &value in &sweep.values {
@@ -219,12 +209,12 @@ mod tests {
     #[test]
     fn refuses_flags_that_fight_the_sweep() {
         let seq = Sweep { axis: Axis::Seq, values: vec![8] };
-        let e = check_flags(&flags(&["--seq", "8"]), &seq).unwrap_err().to_string();
+        let e = check_values(&flags(&["--seq", "8"]), &seq).unwrap_err().to_string();
         assert!(e.contains("--seq and --sweep seq=... both set"), "{e}");
-        let e = check_flags(&flags(&["--save-output", "y.safetensors"]), &seq).unwrap_err().to_string();
+        let e = check_values(&flags(&["--save-output", "y.safetensors"]), &seq).unwrap_err().to_string();
         assert!(e.contains("overwrite"), "{e}");
         let c = Sweep { axis: Axis::DModel, values: vec![256] };
-        assert!(check_flags(&flags(&["--weights", "w.safetensors"]), &c).is_err());
-        assert!(check_flags(&flags(&["--seq", "8"]), &c).is_ok());
+        assert!(check_values(&flags(&["--weights", "w.safetensors"]), &c).is_err());
+        assert!(check_values(&flags(&["--seq", "8"]), &c).is_ok());
     }
 }

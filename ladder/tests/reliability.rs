@@ -402,14 +402,14 @@ fn render_all(path: &Path) {
                 let _ = ladder::chart::ladder_svg(&r);
                 let _ = ladder::chart::breakdown_svg(&r);
                 let _ = ladder::roofline::roofline_svg(&r);
-                let _ = ladder::render::ablation_text(&r);
-                let _ = ladder::render::ablation_markdown(&r);
-                let _ = ladder::render::breakdown_text(&r);
-                let _ = ladder::render::breakdown_markdown(&r);
+                let _ = ladder::render::ablation_table(&r, false);
+                let _ = ladder::render::ablation_table(&r, true);
+                let _ = ladder::render::breakdown_table(&r, false);
+                let _ = ladder::render::breakdown_table(&r, true);
             }
             Results::Sweep(s) => {
-                let _ = ladder::render::sweep_text(&s);
-                let _ = ladder::render::sweep_markdown(&s);
+                let _ = ladder::render::sweep_tables(&s, false);
+                let _ = ladder::render::sweep_tables(&s, true);
                 let _ = ladder::chart::sweep_svg(&s);
             }
         }

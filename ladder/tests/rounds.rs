@@ -131,7 +131,7 @@ fn outputs(r: &LadderReport) -> String {
     assert_eq!((names(&back), &back.skipped, &back.ablation_out), (names(r), &r.skipped, &r.ablation_out));
     ladder::chart::ladder_svg(r).unwrap();
     ladder::roofline::roofline_svg(r).unwrap();
-    format!("{text}\n{md}\n{}", ladder::render::ablation_markdown(r))
+    format!("{text}\n{md}\n{}", ladder::render::ablation_table(r, true))
 }
 
 fn names(r: &LadderReport) -> Vec<&str> {
