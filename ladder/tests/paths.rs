@@ -339,11 +339,8 @@ fn every_path_the_docs_name_exists() {
     assert!(bad.is_empty(), "README.md and docs/*.md name paths that do not exist:\n{}", bad.join("\n"));
 }
 
-/// Strict, like the docs test, but ignored until the crate moves in flight land and fix the
-/// comments that name DESIGN.md (outside the repository) and a stale host-emulation path; run it
-/// with `cargo test --release -p ladder --test paths -- --include-ignored`.
+/// Strict, like the docs test: every repository path a comment in the code names exists.
 #[test]
-#[ignore = "code comments still name DESIGN.md and stage2_sdpa/kernels/host_emulation/run.sh; un-ignore once fixed"]
 fn every_path_a_code_comment_names_exists() {
     let root = root();
     let named = named_in_code(&root);

@@ -283,8 +283,14 @@ fn class_f_render_bounds_every_number_and_count() {
         ),
         // A part's regime is what its own time, shape and the ceilings give, or the file is
         // refused: the README's prose cites these fields beside a table computed from the record.
-        ("regime", Box::new(|v: &mut Value| v["records"][0]["breakdown"]["parts"][1]["regime"]["pct_of_compute_roof"] = Value::from(-50.0))),
-        ("regime", Box::new(|v: &mut Value| v["records"][0]["breakdown"]["parts"][1]["regime"]["pct_of_compute_roof"] = Value::from(1e308))),
+        (
+            "regime",
+            Box::new(|v: &mut Value| v["records"][0]["breakdown"]["parts"][1]["regime"]["pct_of_compute_roof"] = Value::from(-50.0)),
+        ),
+        (
+            "regime",
+            Box::new(|v: &mut Value| v["records"][0]["breakdown"]["parts"][1]["regime"]["pct_of_compute_roof"] = Value::from(1e308)),
+        ),
         ("regime", Box::new(|v: &mut Value| v["records"][0]["breakdown"]["parts"][1]["regime"]["pct_of_memory_roof"] = Value::from(50.0))),
         ("regime", Box::new(|v: &mut Value| v["records"][0]["breakdown"]["parts"][1]["regime"]["regime"] = Value::from("memory-bound"))),
         ("ablation", Box::new(|v: &mut Value| v["ablation"][0]["record"]["timing"]["median_ms"] = Value::from(-5.0))),
