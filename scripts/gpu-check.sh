@@ -196,7 +196,7 @@ libs_found=()
 libs_missing=()
 if [ "$device" != cpu ]; then
     for lib in libcublas.so.13 libcublasLt.so.13 libcudart.so.13 libnvrtc.so.13 libnvrtc-builtins.so.13.0 libcurand.so.10; do
-        if ldconfig -p 2> /dev/null | grep -q "$lib " && [ "$lib" != libnvrtc-builtins.so.13.0 ]; then
+        if ldconfig -p 2> /dev/null | grep -- "$lib " > /dev/null && [ "$lib" != libnvrtc-builtins.so.13.0 ]; then
             libs_found+=("$lib (ldconfig)")
         elif d=$(find_lib_dir "$lib"); then
             libs_found+=("$lib $d")

@@ -27,6 +27,9 @@ skip() { echo "skip  $1 ($2)"; skipped=$(( skipped + 1 )); }
 n=0
 fresh_cwd() { n=$(( n + 1 )); cwd="$tmp/cwd.$n"; mkdir -p "$cwd"; }
 cwd_empty() { [ -z "$(ls -A "$cwd")" ]; }
+# Whether archive $1 holds a path matching $2. The listing goes to a file first: `tar | grep -q`
+# under pipefail fails whenever grep exits before tar has written its last line (SIGPIPE).
+archive_has() { tar -tzf "$1" > "$tmp/listing" 2> /dev/null && grep -q -- "$2" "$tmp/listing"; }
 
 # expect NAME CODE PHRASE COMMAND...: runs COMMAND in a fresh cwd; passes when it exits CODE,
 # its output (stdout and stderr) holds PHRASE, shows no Python traceback and leaves cwd empty.
@@ -102,7 +105,7 @@ expect "gpu-check: no step ran (only n/a steps selected) -> exit 1" 1 "no step r
 expect "gpu-check: every step failed -> exit 1" 1 "9 of 9 step(s) did not pass" "${gc[@]}" --bin "$tmp/ladder-fail" --out "$tmp/out-fail"
 run_dir=$(find "$tmp/out-fail" -mindepth 1 -maxdepth 1 -name 'gpu-check-*' | head -1)
 archives=$(find "$run_dir" -maxdepth 1 -name '*.tar.gz' | wc -l)
-if [ "$archives" = 10 ] && tar -tzf "$run_dir/selftest.tar.gz" | grep -q "/selftest/wrote-here.txt$"; then
+if [ "$archives" = 10 ] && archive_has "$run_dir/selftest.tar.gz" "/selftest/wrote-here.txt$"; then
     ok "gpu-check: one archive per step that ran (9) and the summary's, each with the step's files"
 else
     bad "gpu-check: one archive per step that ran (9) and the summary's, each with the step's files" "$archives archives in $run_dir"
@@ -116,7 +119,7 @@ fi
 expect "gpu-check: passing steps -> exit 0, --out created when missing" 0 "0 of 2 step(s) did not pass" \
     "${gc[@]}" --bin "$tmp/ladder-pass" --only selftest,ladder-te --out "$tmp/new/deeper"
 run_dir=$(find "$tmp/new/deeper" -mindepth 1 -maxdepth 1 -name 'gpu-check-*' | head -1)
-if tar -tzf "$run_dir/ladder-te.tar.gz" 2> /dev/null | grep -q "/ladder-te/ladder-te.json$" && tar -tzf "$run_dir/summary.tar.gz" | grep -q "summary.tsv$"; then
+if archive_has "$run_dir/ladder-te.tar.gz" "/ladder-te/ladder-te.json$" && archive_has "$run_dir/summary.tar.gz" "summary.tsv$"; then
     ok "gpu-check: a step's archive holds its JSON; summary.tar.gz its table"
 else
     bad "gpu-check: a step's archive holds its JSON; summary.tar.gz its table" "no archives in ${run_dir:-$tmp/new/deeper}"
