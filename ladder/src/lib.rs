@@ -413,7 +413,7 @@ pub struct LadderArgs {
     /// Run the ladder once per value of one dimension, e.g. seq=512,1024,2048 (also batch=..., d_model=... with FF = 4·C and d_head kept); one table per value, one summary table, one chart with --svg
     #[arg(long, env = "SPEEDKIT_SWEEP")]
     pub sweep: Option<Sweep>,
-    /// Also run each stage with each of its changes undone in turn (stage 2 with the head split/merge copies kept, stage 3 without each fusion, stage 4 without each FP8 fusion): what each part buys
+    /// Also run each stage with each of its changes undone in turn (stage 2 with the head split/merge copies kept and, on the CPU, its row-wise kernel; stage 3 without each fusion, stage 4 without each FP8 fusion): what each part buys
     #[arg(long, env = "SPEEDKIT_ABLATE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub ablate: bool,
     /// Split the timed iterations into this many interleaved rounds (every stage once per round, order rotated), so drift does not favour a row

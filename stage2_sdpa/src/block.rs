@@ -1,7 +1,7 @@
 //! Stage 2's block for the runner and the ladder: stage 1's forward with attention fused, and
 //! the flags stage 2 introduces.
 
-use crate::attention::{self, AttentionKernel};
+use crate::attention::{self, attention_cpu, AttentionKernel, CpuKernel};
 // Element-wise ops: stage 0's primitives, one pass each, as stages 0–1 run them (candle's ops),
 // so this stage differs from stage 1 in its attention only. `--elementwise parallel` runs the
 // same passes multi-threaded and vectorised on the CPU (`crate::elementwise`), to measure what
@@ -28,12 +28,14 @@ pub struct Args {
     pub attention_kernel: Option<AttentionKernel>,
 }
 
-/// Stage 2 as the runner and the ladder see it: its flags, and (`ladder --ablate` only) whether
-/// stages 0–1's head split/merge copies are kept around the fused kernel.
+/// Stage 2 as the runner and the ladder see it: its flags, and two variants `ladder --ablate`
+/// times: stages 0–1's head split/merge copies kept around the fused kernel (`copies`), and on
+/// the CPU the row-wise kernel, the online softmax alone without register tiles (`row_wise`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Sdpa {
     pub args: Args,
     pub copies: bool,
+    pub row_wise: bool,
 }
 
 /// How a binary or the ladder finds stage 2.
@@ -42,7 +44,7 @@ pub const STAGE: StageEntry = StageEntry { args: <Args as clap::Args>::augment_a
 impl Sdpa {
     /// Stage 2 configured by parsed flags.
     pub fn from_matches(m: &clap::ArgMatches) -> Result<Sdpa, clap::Error> {
-        Ok(Sdpa { args: <Args as clap::FromArgMatches>::from_arg_matches(m)?, copies: false })
+        Ok(Sdpa { args: <Args as clap::FromArgMatches>::from_arg_matches(m)?, ..Sdpa::default() })
     }
 
     /// The CPU kernel `attention` runs at head size `d_head` on this CPU: the register-blocked
@@ -59,6 +61,7 @@ impl Sdpa {
     pub fn label(&self, plan: &Plan) -> String {
         let imp = attention_of(plan, self.args.attention_kernel);
         let mut label = match imp {
+            attention::Implementation::Cpu if self.row_wise => "speedkit cpu attn (row-wise CPU kernel)".to_string(),
             attention::Implementation::Cpu => format!("speedkit cpu attn ({})", Self::cpu_kernel(plan.shape.d_head())),
             imp => imp.name().to_string(),
         };
@@ -134,6 +137,11 @@ impl Stage for Sdpa {
             let args = Args { attention_kernel: Some(AttentionKernel::V1), ..self.args };
             v.push(("v1 instead of v2".into(), Box::new(Sdpa { args, ..*self })));
         }
+        if attention_of(plan, self.args.attention_kernel) == attention::Implementation::Cpu {
+            // The algorithm without the engineering: the same online softmax one query row at a
+            // time (scores, then one axpy per key into an O row in memory), no register tiles.
+            v.push(("row-wise online softmax, no register tiles".into(), Box::new(Sdpa { row_wise: true, ..*self })));
+        }
         if !plan.info.is_cuda() && self.args.elementwise == Elementwise::Parallel {
             // Asked to run the unfused passes multi-threaded: also the stage as written, on
             // candle's single-threaded ops, to show what that buys.
@@ -181,6 +189,7 @@ pub struct Block {
     dtype: DType,                    // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
     ew: Elementwise,                 // --elementwise
     copies: bool,                    // ablation only (`ladder --ablate`): keep stages 0-1's head split/merge copies
+    row_wise: bool,                  // ablation only: the CPU's row-wise kernel instead of the register-blocked one
     attn: attention::Implementation, // which attention kernel runs (`--attention-kernel` on CUDA)
 }
 
@@ -215,6 +224,7 @@ impl Block {
             dtype: dt,
             ew: stage.args.elementwise,
             copies: stage.copies,
+            row_wise: stage.row_wise && attn == attention::Implementation::Cpu,
             attn,
         })
     }
@@ -232,8 +242,14 @@ impl Forward for Block {
         let k = linear(&h, &self.w_k, &self.b_k, e)?.reshape(heads)?;
         let v = linear(&h, &self.w_v, &self.b_v, e)?.reshape(heads)?;
         part("attention")?;
-        let a = if self.copies { attention_with_copies(self.attn, &q, &k, &v)? } else { attention_with(self.attn, &q, &k, &v, true)? }
-            .reshape((b, t, c))?; // (B, T, C)
+        let a = if self.row_wise {
+            attention_cpu(CpuKernel::RowAxpy, &q, &k, &v, true)?
+        } else if self.copies {
+            attention_with_copies(self.attn, &q, &k, &v)?
+        } else {
+            attention_with(self.attn, &q, &k, &v, true)?
+        }
+        .reshape((b, t, c))?; // (B, T, C)
         part("proj+residual")?;
         let x = ew::add(x, &ew::to_dtype(&linear(&a, &self.w_proj, &self.b_proj, e)?, DType::F32, e)?, e)?; // residual stream stays f32
         part("ln2")?;

@@ -31,6 +31,25 @@ fn block_matches_reference_on_tiny() {
     }
 }
 
+/// `ladder --ablate`'s CPU variant: the row-wise kernel (the online softmax alone) computes the
+/// same block as the register-blocked one, and its label says which ran.
+#[test]
+fn row_wise_variant_matches_the_stage_and_says_so() {
+    let shape = Preset::Tiny.shape();
+    let (device, info) = select(DeviceRequest::Cpu).unwrap();
+    let w = BlockWeights::from_seed(&shape, 5).unwrap();
+    let x = random_input(&shape, 5).unwrap();
+    let stage = stage2_sdpa::Sdpa::default();
+    let plan = plan_alone(&stage, &device, &info, shape, PrecisionRequest::Exactly(Precision::Fp32)).unwrap();
+    let variants = stage.ablations(&plan);
+    let (_, row_wise) = variants.iter().find(|(change, _)| change.starts_with("row-wise online softmax")).expect("a CPU ablation row");
+    assert_eq!(row_wise.implementation(&plan).as_deref(), Some("speedkit cpu attn (row-wise CPU kernel)"));
+    let want = stage.build(&w, &plan).unwrap().forward(&x).unwrap();
+    let got = row_wise.build(&w, &plan).unwrap().forward(&x).unwrap();
+    let c = compare(&got, &want, Precision::Fp32).unwrap();
+    assert!(c.passed && c.rel_err < 1e-6, "{c:?}");
+}
+
 #[test]
 fn binary_runs_and_names_its_attention() {
     let json = std::env::temp_dir().join(format!("stage2-implementation-{}.json", std::process::id()));
