@@ -101,6 +101,8 @@ pub fn new_report(info: &DeviceInfo, shape: Shape, names: Vec<String>) -> Ladder
         ablation_out: Vec::new(),
         ceilings: None,
         rounds: None,
+        references: Vec::new(),
+        references_out: Vec::new(),
     }
 }
 
@@ -114,20 +116,24 @@ pub struct Measure {
     pub rounds: usize,
     /// Also run each stage with each of its changes undone in turn (`Stage::ablations`).
     pub ablate: bool,
+    /// Also run the reference rows (`reference::REFERENCES`).
+    pub reference: bool,
 }
 
 impl Default for Measure {
     fn default() -> Self {
-        Measure { rounds: 3, ablate: false }
+        Measure { rounds: 3, ablate: false, reference: false }
     }
 }
 
-/// One thing the rounds time: a stage as written (`change: None`) or an ablation variant.
+/// One thing the rounds time: a stage as written (`change: None`), an ablation variant, or a
+/// reference row (`reference`: `variant` is the reference, `stage` unused).
 struct Entry {
     stage: usize,
-    /// The ablation variant, when this entry is one.
+    /// The ablation variant or the reference, when this entry is one.
     variant: Option<Box<dyn Stage>>,
     change: Option<String>,
+    reference: bool,
     records: Vec<Record>,
     y: Option<candle_core::Tensor>,
     out: bool, // skipped or failed: not run again
@@ -181,6 +187,7 @@ pub fn run_measured(
         stage,
         variant,
         change,
+        reference: false,
         records: Vec::new(),
         y: None,
         out: false,
@@ -201,6 +208,12 @@ pub fn run_measured(
             }
         }
     }
+    if m.reference {
+        for r in &reference::REFERENCES {
+            let stage = (r.make)(&clap::ArgMatches::default()).map_err(|e| anyhow::anyhow!("a reference row: {e}"))?;
+            entries.push(Entry { reference: true, ..entry(0, Some(stage), None) });
+        }
+    }
     let rounds = m.rounds.clamp(1, session.iters);
     report.rounds = Some(rounds);
     for round in 0..rounds {
@@ -211,7 +224,7 @@ pub fn run_measured(
             if e.out {
                 continue;
             }
-            let spec = all[e.stage].as_ref();
+            let spec = if e.reference { e.variant.as_deref().expect("a reference entry holds its stage") } else { all[e.stage].as_ref() };
             let label = match &e.change {
                 Some(c) => format!("{} ({c})", spec.name()),
                 None => spec.name().to_string(),
@@ -243,13 +256,16 @@ pub fn run_measured(
                     // A stage that leaves in a later round leaves whole: its earlier rounds' records
                     // are not a row on their own (they would be timed on fewer rounds than the rest).
                     e.records.clear();
+                    let skipped = Skipped { stage: spec.name().into(), technique: spec.technique().into(), reason, failed };
                     match &e.change {
-                        None => {
-                            report.skipped.push(Skipped { stage: spec.name().into(), technique: spec.technique().into(), reason, failed })
-                        }
-                        Some(change) => {
-                            report.ablation_out.push(AblationOut { against: spec.name().into(), change: change.clone(), reason, failed })
-                        }
+                        None if e.reference => report.references_out.push(skipped),
+                        None => report.skipped.push(skipped),
+                        Some(change) => report.ablation_out.push(AblationOut {
+                            against: skipped.stage,
+                            change: change.clone(),
+                            reason: skipped.reason,
+                            failed,
+                        }),
                     }
                     if failed && failure.is_none() {
                         failure = Some(err);
@@ -267,6 +283,7 @@ pub fn run_measured(
     for e in entries {
         let Some(record) = merge_rounds(e.records) else { continue };
         match e.change {
+            None if e.reference => report.references.push(record),
             None => {
                 if let Some(y) = e.y {
                     outputs.push((format!("y_{}", all[e.stage].name()), y));
@@ -279,8 +296,17 @@ pub fn run_measured(
     let timing_of = |i: usize, measured: &[(usize, Record)]| measured.iter().find(|(s, _)| *s == i).map(|(_, r)| r.timing.clone());
     let (stage0, timings): (Option<Stats>, Vec<(usize, Stats)>) =
         (timing_of(0, &measured), measured.iter().map(|(i, r)| (*i, r.timing.clone())).collect());
+    let best_reference = report.references.iter().map(|r| r.timing.median_ms).reduce(f64::min);
+    for r in &mut report.references {
+        if let Some(b) = &stage0 {
+            r.speedup_vs_stage0 = Some(b.median_ms / r.timing.median_ms);
+            r.noise_vs_stage0 = shared::report::overlaps(b, &r.timing);
+        }
+        r.vs_reference = best_reference.map(|best| best / r.timing.median_ms);
+    }
     for (i, record) in &mut measured {
         let t = record.timing.clone();
+        record.vs_reference = best_reference.map(|best| best / t.median_ms);
         if let Some(b) = &stage0 {
             record.speedup_vs_stage0 = Some(b.median_ms / t.median_ms);
             record.noise_vs_stage0 = *i != 0 && shared::report::overlaps(b, &t);
@@ -305,7 +331,7 @@ pub fn run_measured(
         roofline::ceilings(&session.info, &session.args, session.ceiling.as_ref(), report.records.iter().map(|r| r.precision));
     // Each breakdown part's FLOPs, minimum bytes and regime against these ceilings.
     let bandwidth = report.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
-    for r in report.records.iter_mut().chain(report.ablation.iter_mut().map(|a| &mut a.record)) {
+    for r in report.records.iter_mut().chain(report.ablation.iter_mut().map(|a| &mut a.record)).chain(report.references.iter_mut()) {
         shared::regime::annotate(r, bandwidth);
     }
     if !which.contains(&0) {
@@ -416,6 +442,9 @@ pub struct LadderArgs {
     /// Also run each stage with each of its changes undone in turn (stage 2 with the head split/merge copies kept and, on the CPU, its row-wise kernel; stage 3 without each fusion, stage 4 without each FP8 fusion): what each part buys
     #[arg(long, env = "SPEEDKIT_ABLATE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub ablate: bool,
+    /// Also time the reference rows: the same block on candle-nn's own ops (its fused LayerNorm, its CPU flash attention; candle-flash-attn in a flash-attn build), in the same rounds; each stage's "vs ref" is the fastest reference's median over its own
+    #[arg(long, env = "SPEEDKIT_REFERENCE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
+    pub reference: bool,
     /// Split the timed iterations into this many interleaved rounds (every stage once per round, order rotated), so drift does not favour a row
     #[arg(long, env = "SPEEDKIT_ROUNDS", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
     pub rounds: u64,
@@ -486,11 +515,11 @@ fn check_report(r: &LadderReport) -> Result<(), String> {
     if r.records.len() + r.skipped.len() > MAX_ROWS || r.stages.len() > MAX_ROWS {
         return Err(format!("it holds {} rows, more than {MAX_ROWS}", r.records.len() + r.skipped.len()));
     }
-    if r.ablation.len() > MAX_ROWS {
-        return Err(format!("it holds {} ablation rows, more than {MAX_ROWS}", r.ablation.len()));
+    if r.ablation.len() > MAX_ROWS || r.references.len() + r.references_out.len() > MAX_ROWS {
+        return Err(format!("it holds {} ablation and {} reference rows, more than {MAX_ROWS}", r.ablation.len(), r.references.len()));
     }
     let bandwidth = r.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
-    for rec in &r.records {
+    for rec in r.records.iter().chain(&r.references) {
         check_record(&rec.stage, rec)?;
         check_regimes(&rec.stage, rec, bandwidth)?;
     }
@@ -540,6 +569,7 @@ fn check_record(what: &str, rec: &Record) -> Result<(), String> {
         ("pct_of_peak", rec.pct_of_peak, 0.0, 1e9),
         ("speedup_vs_stage0", rec.speedup_vs_stage0, 0.0, 1e9),
         ("speedup_vs_prev", rec.speedup_vs_prev, 0.0, 1e9),
+        ("vs_reference", rec.vs_reference, 0.0, 1e9),
         ("check.rel_err", rec.check.as_ref().map(|c| c.rel_err), 0.0, 1e30),
         ("check.max_abs_err", rec.check.as_ref().map(|c| c.max_abs_err), 0.0, 1e30),
     ];
@@ -1021,13 +1051,13 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
         [("--weights", &args.weights), ("--input", &args.input)].into_iter().filter_map(|(f, p)| p.as_deref().map(|p| (f, p))).collect();
     check_outputs(Some(&args), out, planned_json.as_deref(), planned_svg.as_deref(), &inputs)?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
+    let measure = Measure { rounds: ladder.rounds as usize, ablate: ladder.ablate, reference: ladder.reference };
     let (results, failure) = match &ladder.sweep {
         Some(s) => {
-            let (report, failure) = sweep::run(&args, &stages, s, &which, &argv)?;
+            let (report, failure) = sweep::run(&args, &stages, s, &which, &argv, measure)?;
             (Results::Sweep(report), failure)
         }
         None => {
-            let measure = Measure { rounds: ladder.rounds as usize, ablate: ladder.ablate };
             let (mut report, failure) = run_measured(args.clone(), &stages, &which, measure)?;
             report.args = argv;
             (Results::Ladder(Box::new(report)), failure)

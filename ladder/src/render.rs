@@ -159,14 +159,20 @@ fn table((header, rows): Grid, markdown: bool) -> String {
 /// The ladder's table as GitHub markdown; GFLOP/s on a CPU (a few hundred at most), TFLOP/s on a GPU.
 pub fn markdown_table(report: &LadderReport) -> String {
     let (unit, scale) = if report.device.is_cuda() { ("TFLOP/s", 1.0) } else { ("GFLOP/s", 1e3) };
-    let header =
+    let mut header =
         strings(["stage", "precision", "median ms (p10–p90)", "vs stage 0", "vs previous", unit, "% of peak", "rel. error", "peak mem"]);
-    let rows = report
-        .rows()
+    // With reference rows (`ladder --reference`): each row's speed against the fastest of them.
+    let with_ref = !report.references.is_empty();
+    if with_ref {
+        header.push("vs best reference".into());
+    }
+    let mut rows = report.rows();
+    rows.extend(report.references.iter().map(Row::Ran).chain(report.references_out.iter().map(Row::Skipped)));
+    let rows = rows
         .iter()
         .map(|row| match row {
-            Row::Ran(r) => vec![
-                r.stage.clone(),
+            Row::Ran(r) => [
+                if report.references.iter().any(|x| std::ptr::eq(x, *r)) { format!("reference: {}", r.stage) } else { r.stage.clone() },
                 precision_label(r),
                 fmt_timing(&r.timing),
                 fmt_speedup(r.speedup_vs_stage0, r.noise_vs_stage0),
@@ -175,7 +181,10 @@ pub fn markdown_table(report: &LadderReport) -> String {
                 r.pct_of_peak.map_or("–".into(), |p| format!("{p:.1}%")),
                 fmt_rel_err(r),
                 fmt_bytes(r.peak_mem_bytes),
-            ],
+            ]
+            .into_iter()
+            .chain(with_ref.then(|| fmt_speedup(r.vs_reference, false)))
+            .collect(),
             Row::Skipped(s) => [vec![s.stage.clone(), not_measured(s.failed, &s.reason)], vec!["–".into(); header.len() - 2]].concat(),
         })
         .collect();

@@ -126,6 +126,7 @@ pub fn run(
     sweep: &Sweep,
     which: &[usize],
     argv: &[String],
+    measure: crate::Measure,
 ) -> anyhow::Result<(SweepReport, Option<anyhow::Error>)> {
     check_values(args, sweep)?;
     let base = shared::runner::resolve(args)?;
@@ -143,8 +144,9 @@ pub fn run(
                 shape.n_head = args.heads.unwrap_or(if base.shape.d_head() > 0 { value / base.shape.d_head() } else { 0 });
             }
         }
-        let outcome =
-            args_for(args, sweep.axis, value, base.shape.d_head()).map_err(anyhow::Error::from).and_then(|a| crate::run(a, stages, which));
+        let outcome = args_for(args, sweep.axis, value, base.shape.d_head())
+            .map_err(anyhow::Error::from)
+            .and_then(|a| crate::run_measured(a, stages, which, measure));
         let mut report = match outcome {
             Ok((report, f)) => {
                 failure = failure.or(f);

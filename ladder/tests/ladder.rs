@@ -485,3 +485,29 @@ fn report_predicts_a_refused_stage_flag() {
     }
     assert!(!o.stdout.contains("stage1_tensorcore  skipped"), "{}", o.stdout);
 }
+
+/// `--reference`: the candle-nn block is timed in the same rounds, checked against the same
+/// reference output, and every row carries its speed against the fastest reference row; the
+/// markdown table marks the reference row and shows the column.
+#[test]
+fn reference_rows_are_checked_timed_and_compared() {
+    let dir = temp_dir("reference");
+    let json = dir.join("r.json");
+    let o = run_tiny(&["--stages", "0,2", "--reference", "--markdown", "--json", s(&json)]);
+    o.ok();
+    let r: LadderReport = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r.references.len(), 1, "{:?}", r.references_out);
+    let reference = &r.references[0];
+    assert_eq!(reference.stage, "candle-nn ops");
+    assert!(reference.check.as_ref().is_some_and(|c| c.passed), "{:?}", reference.check);
+    assert_eq!(reference.vs_reference, Some(1.0), "the only reference is the best one");
+    for rec in &r.records {
+        let want = reference.timing.median_ms / rec.timing.median_ms;
+        assert!(rec.vs_reference.is_some_and(|v| (v - want).abs() < 1e-12), "{}: {:?} vs {want}", rec.stage, rec.vs_reference);
+    }
+    assert!(o.stdout.contains("| reference: candle-nn ops |") && o.stdout.contains("vs best reference"), "{}", o.stdout);
+    // Without the flag: no reference row, no column.
+    let o = run_tiny(&["--stages", "0", "--markdown"]);
+    assert!(!o.ok().stdout.contains("reference"), "{}", o.stdout);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -30,7 +30,8 @@ fn args(flags: &[&str]) -> RunArgs {
 
 fn run(all: &[Box<dyn Stage>], which: &[usize], ablate: bool) -> (LadderReport, Option<anyhow::Error>) {
     let _one = RUN.lock().unwrap_or_else(|e| e.into_inner());
-    run_measured(args(&[]), all, which, Measure { rounds: 3, ablate }).expect("a stage leaving is a row, not an error of the run")
+    run_measured(args(&[]), all, which, Measure { rounds: 3, ablate, reference: false })
+        .expect("a stage leaving is a row, not an error of the run")
 }
 
 /// Calls of each test's failing builds, one counter per test.

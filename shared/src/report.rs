@@ -67,6 +67,10 @@ pub struct Record {
     pub breakdown: Option<Breakdown>,
     /// An ablation row (`ladder --ablate`): what this run changed, e.g. "without ln".
     pub variant: Option<String>,
+    /// `ladder --reference`: the fastest reference row's median over this row's (above 1: faster
+    /// than what the library gives).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vs_reference: Option<f64>,
 }
 
 /// A stage the ladder did not measure: it cannot run here (`failed: false`), or it failed its
@@ -114,6 +118,12 @@ pub struct LadderReport {
     pub ceilings: Option<Ceilings>,
     /// Interleaved rounds the timed iterations were split into (older files: 1).
     pub rounds: Option<usize>,
+    /// `--reference`: the block on what a user would otherwise reach for (the `reference` crate),
+    /// timed in the same rounds; and those that did not run.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub references: Vec<Record>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub references_out: Vec<Skipped>,
 }
 
 /// One ablation row: a stage with one of its sub-techniques undone.
@@ -198,8 +208,11 @@ impl LadderReport {
         rows
     }
 
+    /// The stages' rows, then the reference rows.
     pub fn table(&self) -> String {
-        table(&self.rows())
+        let mut rows = self.rows();
+        rows.extend(self.references.iter().map(Row::Ran).chain(self.references_out.iter().map(Row::Skipped)));
+        table(&rows)
     }
 }
 
@@ -220,12 +233,16 @@ pub fn table(rows: &[Row]) -> String {
     let measured = !sources.is_empty() && sources.iter().all(|s| *s == Some(MEASURED_PEAK));
     let pct_header = if measured { "% of measured GEMM" } else { "% peak" };
     #[rustfmt::skip]
-    let header = ["stage", "technique", "prec", "median ms", "p10-p90 ms", "vs s0", "vs prev", "TFLOP/s", pct_header, "rel err",
+    let mut header = vec!["stage", "technique", "prec", "median ms", "p10-p90 ms", "vs s0", "vs prev", "TFLOP/s", pct_header, "rel err",
         "max abs", "peak mem"];
+    let with_ref = ran.iter().any(|r| r.vs_reference.is_some());
+    if with_ref {
+        header.push("vs ref");
+    }
     let rows: Vec<Vec<String>> = rows
         .iter()
         .map(|row| match row {
-            Row::Ran(r) => vec![
+            Row::Ran(r) => [
                 r.stage.clone(),
                 r.technique.clone(),
                 r.implementation.as_ref().map_or(r.precision.to_string(), |i| format!("{} ({i})", r.precision)),
@@ -238,13 +255,16 @@ pub fn table(rows: &[Row]) -> String {
                 r.check.as_ref().map_or("unchecked".into(), |c| format!("{:.2e}", c.rel_err)),
                 r.check.as_ref().map_or("-".into(), |c| format!("{:.2e}", c.max_abs_err)),
                 fmt_bytes(r.peak_mem_bytes),
-            ],
+            ]
+            .into_iter()
+            .chain(with_ref.then(|| speedup_text(r.vs_reference, false)))
+            .collect(),
             Row::Skipped(s) => {
                 vec![s.stage.clone(), s.technique.clone(), format!("{}: {}", if s.failed { "FAILED" } else { "skipped" }, s.reason)]
             }
         })
         .collect();
-    let mut widths = header.map(|h| h.len()).to_vec();
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in &rows {
         // A skipped row's reason runs across the remaining columns; it does not widen them.
         let cells = if row.len() == header.len() { &row[..] } else { &row[..2] };
@@ -258,7 +278,7 @@ pub fn table(rows: &[Row]) -> String {
     let mut seen = std::collections::HashSet::new();
     let backends: Vec<String> = ran.iter().filter_map(with_simd).filter(|b| seen.insert(b.clone())).collect();
     let mut out = if backends.is_empty() { String::new() } else { format!("GEMM backend: {}\n", backends.join("; ")) };
-    out.push_str(&line(&header.map(String::from)));
+    out.push_str(&line(&header.iter().map(|h| h.to_string()).collect::<Vec<_>>()));
     out.push_str(&line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>()));
     for row in &rows {
         out.push_str(&line(row));

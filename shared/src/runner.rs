@@ -397,6 +397,7 @@ impl Session {
             noise_vs_prev: false,
             breakdown,
             variant: None,
+            vs_reference: None,
         };
         Ok((record, y))
     }
