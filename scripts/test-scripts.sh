@@ -224,6 +224,26 @@ expect "cpu-compare: a median of 0 ms refused" 1 "median is 0.0 ms" "${cc[@]}" "
 run_json "$tmp/cc-shape" old 1 20 512; run_json "$tmp/cc-shape" new 1 10 1024
 expect "cpu-compare: runs of different shapes refused" 1 "different shapes" "${cc[@]}" "$tmp/cc-shape" old new
 
+# ---- torch-reference.py ----------------------------------------------------------------------
+# Every refusal comes before PyTorch is imported, so these run without it (CI has no torch).
+tr=(python3 "$repo/scripts/torch-reference.py")
+touch "$tmp/w.safetensors" "$tmp/io.safetensors"
+run_ok=("$repo/results/ladder-cpu.json")
+expect "torch-reference: a missing flag -> usage, exit 2" 2 "--ladder-json" "${tr[@]}" --weights "$tmp/w.safetensors"
+expect "torch-reference: a missing input file refused" 2 "is not a file" "${tr[@]}" --ladder-json "$tmp/none.json" --weights "$tmp/w.safetensors" --io "$tmp/io.safetensors" --out "$tmp/o.json"
+expect "torch-reference: --out that is an input refused" 2 "never overwritten" "${tr[@]}" --ladder-json "${run_ok[0]}" --weights "$tmp/w.safetensors" --io "$tmp/io.safetensors" --out "$tmp/io.safetensors"
+expect "torch-reference: --out in a missing folder refused" 2 "does not exist" "${tr[@]}" --ladder-json "${run_ok[0]}" --weights "$tmp/w.safetensors" --io "$tmp/io.safetensors" --out "$tmp/no/such/o.json"
+expect "torch-reference: an unknown variant refused" 2 "the variants are" "${tr[@]}" --ladder-json "${run_ok[0]}" --weights "$tmp/w.safetensors" --io "$tmp/io.safetensors" --out "$tmp/o.json" --variants eager-f64
+echo '{"schema": "candle-speedkit/sweep/v1", "axis": "seq", "values": [], "runs": []}' > "$tmp/sweep.json"
+expect "torch-reference: an empty file refused" 2 "is not a ladder JSON" "${tr[@]}" --ladder-json "$tmp/w.safetensors" --weights "$tmp/w.safetensors" --io "$tmp/io.safetensors" --out "$tmp/o.json"
+expect "torch-reference: a sweep JSON refused" 2 "has schema" "${tr[@]}" --ladder-json "$tmp/sweep.json" --weights "$tmp/w.safetensors" --io "$tmp/io.safetensors" --out "$tmp/o.json"
+if python3 -c "import torch" 2> /dev/null; then
+    skip "torch-reference: PyTorch missing -> exit 2 naming the fix" "torch is installed here"
+else
+    expect "torch-reference: PyTorch missing -> exit 2 naming the fix" 2 "pip install torch" "${tr[@]}" --ladder-json "${run_ok[0]}" --weights "$tmp/w.safetensors" --io "$tmp/io.safetensors" --out "$tmp/o.json"
+fi
+[ -e "$tmp/o.json" ] && bad "torch-reference: a refused run writes no --out" "$tmp/o.json exists"
+
 echo
 echo "test-scripts: $passed passed, $failed failed, $skipped skipped"
 [ "$failed" = 0 ]

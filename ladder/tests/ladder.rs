@@ -511,3 +511,20 @@ fn reference_rows_are_checked_timed_and_compared() {
     assert!(!o.ok().stdout.contains("reference"), "{}", o.stdout);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A run with PyTorch's rows merged in by scripts/torch-reference.py (a real run at `tiny`,
+/// kept as a fixture: CI has no PyTorch) loads and renders: the script writes the ladder's schema.
+#[test]
+fn torch_reference_rows_render() {
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/torch-reference-tiny.json");
+    let o = ladder(&["render", "--from", fixture, "--markdown"]);
+    o.ok();
+    for row in ["| reference: candle-nn ops |", "| reference: pytorch eager |", "| reference: pytorch compile bf16 |"] {
+        assert!(o.stdout.contains(row), "{row} missing:\n{}", o.stdout);
+    }
+    let r: LadderReport = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    let best = r.references.iter().map(|x| x.timing.median_ms).fold(f64::INFINITY, f64::min);
+    for rec in r.records.iter().chain(&r.references) {
+        assert!(rec.vs_reference.is_some_and(|v| (v - best / rec.timing.median_ms).abs() < 1e-9), "{}", rec.stage);
+    }
+}

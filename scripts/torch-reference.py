@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""PyTorch reference rows for a recorded ladder run: the same block, the same weights and the same
+input in PyTorch, checked against the run's fp32 stage-0 output and timed on this machine. The rows
+join the run's JSON as reference rows (the ladder's schema, `references`), so `ladder render` shows
+them beside the candle-nn row, and every row's "vs best reference" is recomputed over all of them.
+
+    ladder --preset small --reference --json run.json --save-weights w.safetensors --save-output io.safetensors
+    scripts/torch-reference.py --ladder-json run.json --weights w.safetensors --io io.safetensors --out run-torch.json
+    ladder render --from run-torch.json --markdown
+
+Rows: PyTorch eager fp32 (F.scaled_dot_product_attention), eager with bf16 autocast, and
+torch.compile with bf16 autocast (needs a C++ compiler; a variant that cannot run here is a
+reference row "not run" with the reason). Timed after the ladder's run, not in its interleaved
+rounds, with the ladder's warm-up and iteration counts and its thread count.
+
+Exit code: 0 when every row that ran passed its check, 1 when one failed it, 2 for a usage error
+(arguments, files, torch not installed), before any work. --out is written whole or not at all
+(a temporary file beside it, then renamed) and is never one of the inputs.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+SCHEMA = "candle-speedkit/ladder/v1"
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}  # shared::check::tolerance
+GPT2 = ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
+        "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]
+
+
+def usage(msg):
+    print(f"torch-reference: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ladder-json", required=True, help="the JSON a `ladder --reference --json PATH` run wrote")
+    p.add_argument("--weights", required=True, help="the same run's --save-weights file (GPT-2 names, one layer)")
+    p.add_argument("--io", required=True, help="the same run's --save-output file (x and y_stage0_baseline)")
+    p.add_argument("--out", required=True, help="where to write the run's JSON with the PyTorch rows added")
+    p.add_argument("--variants", default="eager-fp32,eager-bf16,compile-bf16",
+                   help="comma-separated, from eager-fp32, eager-bf16, compile-bf16 (default: all three)")
+    a = p.parse_args()
+    names = [v.strip() for v in a.variants.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS]
+    if not names or bad:
+        usage(f"--variants {a.variants!r} names {bad or 'nothing'}; the variants are {', '.join(VARIANTS)}. "
+              f"Fix: pick some of them, comma-separated.")
+    a.variants = names
+    for flag, path in [("--ladder-json", a.ladder_json), ("--weights", a.weights), ("--io", a.io)]:
+        if not os.path.isfile(path):
+            usage(f"{flag} {path} is not a file. Fix: pass the file the ladder run wrote (see --help).")
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    if os.path.isdir(a.out) or not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        usage(f"--out {a.out} is a folder, or its folder does not exist or is not writable. Fix: pass a file path in a writable folder.")
+    for path in (a.ladder_json, a.weights, a.io):
+        if os.path.exists(a.out) and os.path.samefile(a.out, path):
+            usage(f"--out {a.out} is one of the inputs ({path}); inputs are never overwritten. Fix: pass a new path for --out.")
+    return a
+
+
+def load_run(path):
+    try:
+        with open(path) as fh:
+            run = json.load(fh)
+    except (OSError, ValueError) as e:
+        usage(f"--ladder-json {path} is not a ladder JSON ({e}). Fix: pass the file `ladder --json PATH` wrote.")
+    if not isinstance(run, dict) or run.get("schema") != SCHEMA:
+        usage(f"--ladder-json {path} has schema {run.get('schema') if isinstance(run, dict) else None!r}, not {SCHEMA}. "
+              f"Fix: pass one ladder run's JSON (not a sweep's or a stage binary's).")
+    stage0 = [r for r in run.get("records", []) if r.get("stage") == "stage0_baseline"]
+    if not stage0:
+        usage(f"--ladder-json {path} has no stage0_baseline row, so there is no speedup to compute and no reference "
+              f"output to check against. Fix: run the ladder with stage 0 (the default --stages).")
+    if run["device"].get("kind") != "cpu":
+        usage("--ladder-json records a GPU run; this script times PyTorch on the CPU only. Fix: pass a CPU run.")
+    return run, stage0[0]
+
+
+def stats(samples):
+    """shared::timing::Stats: percentiles by linear interpolation between closest ranks."""
+    s = sorted(samples)
+
+    def q(p):
+        pos = p * (len(s) - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, len(s) - 1)
+        return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+    return {"median_ms": q(0.5), "p10_ms": q(0.1), "p90_ms": q(0.9), "min_ms": s[0], "max_ms": s[-1], "samples_ms": samples}
+
+
+def block(torch, F, w, n_head):
+    """The block: pre-LN GPT-2 layer, causal attention, tanh GELU; w holds (out, in) matrices."""
+
+    def forward(x):
+        b, t, c = x.shape
+        h = F.layer_norm(x, (c,), w["ln_1.weight"], w["ln_1.bias"], 1e-5)
+        q, k, v = F.linear(h, w["attn.c_attn.weight"], w["attn.c_attn.bias"]).split(c, dim=-1)
+        heads = lambda z: z.reshape(b, t, n_head, c // n_head).transpose(1, 2)
+        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + F.linear(a.transpose(1, 2).reshape(b, t, c), w["attn.c_proj.weight"], w["attn.c_proj.bias"])
+        h = F.layer_norm(x, (c,), w["ln_2.weight"], w["ln_2.bias"], 1e-5)
+        m = F.gelu(F.linear(h, w["mlp.c_fc.weight"], w["mlp.c_fc.bias"]), approximate="tanh")
+        return x + F.linear(m, w["mlp.c_proj.weight"], w["mlp.c_proj.bias"])
+
+    return forward
+
+
+VARIANTS = {
+    # name: (row name, precision, autocast bf16, torch.compile)
+    "eager-fp32": ("pytorch eager", "fp32", False, False),
+    "eager-bf16": ("pytorch eager bf16", "bf16", True, False),
+    "compile-bf16": ("pytorch compile bf16", "bf16", True, True),
+}
+
+
+def main():
+    a = parse_args()
+    run, stage0 = load_run(a.ladder_json)
+    try:
+        import torch
+        import torch.nn.functional as F
+        from safetensors.torch import load_file
+    except ImportError as e:
+        usage(f"cannot import PyTorch ({e}). Fix: pip install torch safetensors (a CPU build is enough).")
+    tensors = load_file(a.io)
+    if "x" not in tensors or "y_stage0_baseline" not in tensors:
+        usage(f"--io {a.io} lacks x or y_stage0_baseline. Fix: pass the --save-output file of the same ladder run.")
+    raw = load_file(a.weights)
+    layers = sorted({k.split(".")[1] for k in raw if k.startswith("h.") and k.endswith(".ln_1.weight")})
+    if len(layers) != 1:
+        usage(f"--weights {a.weights} holds layers {layers}, not one. Fix: pass the --save-weights file of the run.")
+    w = {n: raw[f"h.{layers[0]}.{n}"].float() for n in GPT2}
+    for n in GPT2:
+        if w[n].dim() == 2:
+            w[n] = w[n].t().contiguous()  # GPT-2's Conv1D (in, out) to F.linear's (out, in)
+    shape = run["shape"]
+    x, want = tensors["x"].float(), tensors["y_stage0_baseline"].float()
+    if list(x.shape) != [shape["batch"], shape["seq"], shape["d_model"]]:
+        usage(f"--io's x has shape {list(x.shape)}, but the run's shape is {shape}. Fix: pass files from the same run.")
+    torch.set_num_threads(run["device"]["threads"])
+    warmup, iters = stage0["warmup"], stage0["iters"]
+    forward = block(torch, F, w, shape["n_head"])
+    t0 = stage0["timing"]["median_ms"]
+    rows, out, failed = [], [], False
+    for name in a.variants:
+        row, precision, bf16, compiled = VARIANTS[name]
+        try:
+            f = torch.compile(forward) if compiled else forward
+
+            def once():
+                with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    return f(x)
+
+            y = once().float()  # the check comes before any timing
+            for _ in range(warmup):
+                once()
+            samples = []
+            for _ in range(iters):
+                start = time.perf_counter()
+                once()
+                samples.append((time.perf_counter() - start) * 1e3)
+        except Exception as e:  # a variant this machine cannot run (no compiler for torch.compile) is a row saying so
+            out.append({"stage": row, "technique": "reference: PyTorch", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                        "failed": False})
+            print(f"torch-reference: {row} not run: {out[-1]['reason']}", file=sys.stderr)
+            continue
+        d = (y - want).double()
+        finite = torch.isfinite(y)
+        rel = math.sqrt(float((d[finite] ** 2).sum()) / max(float((want.double() ** 2).sum()), 1e-300))
+        check = {"rel_err": rel, "max_abs_err": float(d[finite].abs().max()), "tolerance": TOLERANCE[precision],
+                 "non_finite": int((~finite).sum()), "passed": bool(finite.all()) and rel <= TOLERANCE[precision]}
+        failed |= not check["passed"]
+        t = stats(samples)
+        secs = t["median_ms"] / 1e3
+        rec = dict(stage0)  # device, shape, seed, weights, ceiling and the rest as the run recorded them
+        rec.update({
+            "stage": row, "technique": f"reference: PyTorch {torch.__version__}, F.scaled_dot_product_attention" +
+            (", torch.compile" if compiled else ""),
+            "precision": precision, "precision_reason": "bf16 autocast (LayerNorm and softmax in f32)" if bf16 else "fp32",
+            "implementation": f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}",
+            "gemm_switches": {"tf32": False, "reduced_f16": False, "reduced_bf16": False},
+            "iters": iters, "timing": t, "tokens_per_s": shape["batch"] * shape["seq"] / secs,
+            "tflops": stage0["flops_per_forward"] / secs / 1e12, "check": check, "extra_checks": [],
+            "peak_mem_bytes": None, "mem_method": "not measured (PyTorch)", "speedup_vs_stage0": t0 / t["median_ms"],
+            "speedup_vs_prev": None, "noise_vs_stage0": False, "noise_vs_prev": False, "breakdown": None, "variant": None,
+            "notes": ["timed by scripts/torch-reference.py after the ladder's run, not in its interleaved rounds"],
+        })
+        peak = stage0.get("peak_tflops")
+        rec["pct_of_peak"] = 100 * rec["tflops"] / peak if peak and precision == "fp32" else None
+        if precision != "fp32":
+            rec["peak_tflops"] = rec["peak_source"] = None
+        rows.append(rec)
+        print(f"torch-reference: {row}: {t['median_ms']:.3f} ms, {t0 / t['median_ms']:.2f}x over stage 0, rel err {rel:.2e}"
+              f"{'' if check['passed'] else ' FAILED'}")
+    run["references"] = [r for r in run.get("references", []) if not r["stage"].startswith("pytorch")] + rows
+    run["references_out"] = [r for r in run.get("references_out", []) if not r["stage"].startswith("pytorch")] + out
+    best = min((r["timing"]["median_ms"] for r in run["references"]), default=None)
+    for r in run["records"] + run["references"]:
+        r["vs_reference"] = best / r["timing"]["median_ms"] if best else None
+    fd, tmp = tempfile.mkstemp(prefix=".torch-reference.", dir=os.path.dirname(os.path.abspath(a.out)))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as a plain open() would create it, not mkstemp's 0600
+    with os.fdopen(fd, "w") as fh:
+        json.dump(run, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, a.out)
+    print(f"torch-reference: wrote {a.out} ({len(rows)} PyTorch rows)")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
