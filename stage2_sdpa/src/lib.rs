@@ -33,6 +33,7 @@ pub mod cubin;
 pub mod elementwise;
 #[cfg(feature = "harness")]
 pub mod harness;
+pub mod small;
 
 pub use attention::{attention, attention_with};
 

@@ -51,6 +51,7 @@ pub mod cuda;
 pub mod device_cache;
 pub mod gemm_args;
 pub mod ops;
+pub mod small;
 
 #[cfg(feature = "harness")]
 mod block;
