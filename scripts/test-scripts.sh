@@ -125,6 +125,25 @@ else
     bad "gpu-check: a step's archive holds its JSON; summary.tar.gz its table" "no archives in ${run_dir:-$tmp/new/deeper}"
 fi
 
+# ---- exercises.sh: each exercise of docs/stages.md, with fake binaries -----------------------
+ex=(bash "$repo/scripts/exercises.sh")
+expect "exercises: a missing binaries folder refused" 2 "is not a folder" "${ex[@]}" "$tmp/no-such-bin"
+mkdir -p "$tmp/ex-empty"
+expect "exercises: a binary that is not built is named" 2 "which is not built" "${ex[@]}" "$tmp/ex-empty"
+mkdir -p "$tmp/ex-bin"
+for crate in ladder stage0_baseline stage4_fp8; do
+    printf '#!/usr/bin/env bash\necho "%s $*" >> "%s"\n' "$crate" "$tmp/ex-calls" > "$tmp/ex-bin/$crate"
+    chmod +x "$tmp/ex-bin/$crate"
+done
+expect "exercises: all five run" 0 "all 5 exercises ran" "${ex[@]}" "$tmp/ex-bin"
+if [ "$(grep -c -- '--preset tiny' "$tmp/ex-calls" 2> /dev/null)" = 5 ] && grep -q -- '^ladder --stages 1,2 --seq 2048 --preset tiny' "$tmp/ex-calls"; then
+    ok "exercises: each command ran as written, plus --preset tiny"
+else
+    bad "exercises: each command ran as written, plus --preset tiny" "$(cat "$tmp/ex-calls" 2> /dev/null)"
+fi
+printf '#!/usr/bin/env bash\nexit 3\n' > "$tmp/ex-bin/stage0_baseline"
+expect "exercises: a failing exercise fails the script" 3 "exercise: cargo run --release -p stage0_baseline" "${ex[@]}" "$tmp/ex-bin"
+
 # ---- gpu-bundle.sh: refused before anything is installed or built ----------------------------
 rm -f "$tmp/ran"
 gb=(env SPEEDKIT_CUDA_CACHE="$tmp/bundle-cache" bash "$repo/scripts/gpu-bundle.sh")

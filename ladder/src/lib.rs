@@ -846,9 +846,10 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         let (Some(json), Some(svg)) = (json, &svg_path) else {
             anyhow::bail!("--update-readme needs the run's JSON and chart paths");
         };
-        let text = read_readme(&out.readme, &out.readme_region)?;
-        let json_link = link_from_readme(&out.readme, "--json", json)?;
-        let region = render::readme_region(report, &json_link, &link_from_readme(&out.readme, "--svg", svg)?);
+        let (page, up) = render::region_page(&out.readme, &out.readme_region);
+        let text = read_readme(&page, &out.readme_region)?;
+        let json_link = format!("{up}{}", link_from_readme(&out.readme, "--json", json)?);
+        let region = render::readme_region(report, &json_link, &format!("{up}{}", link_from_readme(&out.readme, "--svg", svg)?));
         let updated = render::splice_readme(&text, &out.readme_region, &region)?;
         // The prose's numbers cited from this JSON (`cite`), rewritten from it too.
         let value = serde_json::to_value(report)?;
@@ -856,12 +857,14 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         for s in &stale {
             println!("note      not updated in {} (this run lacks it): {s}", out.readme.display());
         }
-        update_doc_citations(&out.readme, &format!("../{json_link}"), &value)?;
+        if up.is_empty() {
+            update_doc_citations(&out.readme, &format!("../{json_link}"), &value)?;
+        }
         if updated == text {
-            println!("unchanged {}: its {} region already shows this run", out.readme.display(), out.readme_region);
+            println!("unchanged {}: its {} region already shows this run", page.display(), out.readme_region);
         } else {
-            write_text(&out.readme, &updated, "--readme")?;
-            println!("updated   {}: {} region rewritten from {}", out.readme.display(), out.readme_region, json.display());
+            write_text(&page, &updated, "--readme")?;
+            println!("updated   {}: {} region rewritten from {}", page.display(), out.readme_region, json.display());
         }
     }
     Ok(())
@@ -1034,7 +1037,7 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
         if ladder.sweep.is_some() {
             return Err(sweep_and_readme().into());
         }
-        read_readme(&out.readme, &out.readme_region)?;
+        read_readme(&render::region_page(&out.readme, &out.readme_region).0, &out.readme_region)?;
     }
     shared::cli::validate(&args)?;
     if let Some(s) = &ladder.sweep {
@@ -1129,7 +1132,7 @@ pub fn main() -> ExitCode {
             let args = RenderArgs::from_arg_matches(sub)?;
             let results = load(&args.from)?;
             if args.output.update_readme {
-                read_readme(&args.output.readme, &args.output.readme_region)?;
+                read_readme(&render::region_page(&args.output.readme, &args.output.readme_region).0, &args.output.readme_region)?;
                 if let Results::Ladder(r) = &results {
                     let failed = r.skipped.iter().filter(|s| s.failed).map(|s| s.stage.clone());
                     let failed = failed.chain(r.ablation_out.iter().filter(|o| o.failed).map(|o| format!("{} ({})", o.against, o.change)));

@@ -66,10 +66,12 @@ fn ablation_grid(report: &LadderReport) -> Grid {
 }
 
 /// What the tags in the breakdown's cells mean (`shared::regime`).
-pub const REGIME_LEGEND: &str = "Each cell: ms · regime. **C** compute-bound (% of the measured GEMM rate), **M** memory-bound \
-(% of the memory roof, counting the bytes the part must move at least), **O** overhead: under 30 % of the roof its \
-FLOPs per byte put it under, so neither roof explains the time (extra passes, launches, scalar code). The JSON holds each \
-part's FLOPs, minimum bytes, GFLOP/s and GB/s.";
+pub const REGIME_LEGEND: &str = "Each cell: ms · regime. **C** compute-bound (% of the compute roof), **M** memory-bound \
+(% of the memory roof, counting the bytes the part must move at least), **U** unexplained: under 30 % of the roof its \
+FLOPs per byte put it under, so neither roof explains the time (extra passes, launches, syncs, scalar code). On a CPU the \
+compute roof is one rate for the whole block (its FLOPs over their time at each GEMM shape's probed rate), so a part whose \
+own shape runs faster than the block's mix, or that ran in a quicker moment than the probe's few timings, can show above \
+100 %; the JSON's `ceiling.gemms` holds each shape's own rate. The JSON holds each part's FLOPs, minimum bytes, GFLOP/s and GB/s.";
 
 /// `--ablate`'s table, as GitHub markdown or for the terminal.
 pub fn ablation_table(report: &LadderReport, markdown: bool) -> String {
@@ -209,6 +211,29 @@ pub fn describe_shape(shape: &Shape) -> String {
     match [Preset::Tiny, Preset::Small, Preset::Gpt2, Preset::Te].into_iter().find(|p| p.shape() == *shape) {
         Some(p) => format!("preset `{}` ({shape})", p.name()),
         None => format!("{shape}"),
+    }
+}
+
+/// Which page holds each region that is not in the README: the README shows the CPU run
+/// (`results`) and one GPU run (`results-gpu`); the GPU's other runs are on docs/gpu.md. Paths are
+/// relative to the README's folder.
+pub const REGION_PAGES: &[(&str, &str)] = &[
+    ("results-gpu-ablate-te", "docs/gpu.md"),
+    ("results-gpu-graph", "docs/gpu.md"),
+    ("results-gpu-gpt2", "docs/gpu.md"),
+    ("results-gpu-ablate-gpt2", "docs/gpu.md"),
+];
+
+/// The page `--update-readme` rewrites for `region` (`readme` itself, or the page beside it that
+/// holds the region), and the prefix that turns a link from the README's folder into one from
+/// that page ("../" for docs/gpu.md).
+pub fn region_page(readme: &std::path::Path, region: &str) -> (std::path::PathBuf, String) {
+    match REGION_PAGES.iter().find(|(r, _)| *r == region) {
+        Some((_, page)) => {
+            let dir = readme.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+            (dir.join(page), "../".repeat(page.matches('/').count()))
+        }
+        None => (readme.to_path_buf(), String::new()),
     }
 }
 
@@ -395,5 +420,16 @@ mod tests {
         assert!(region.contains("2 warm-up + 20 timed iterations"), "{region}");
         assert!(region.contains("(results/x.svg)\n"), "{region}");
         assert!(region.ends_with("(results/x-roofline.svg)\n"), "{region}");
+    }
+
+    #[test]
+    fn each_region_is_rewritten_on_its_own_page_with_links_from_there() {
+        use std::path::Path;
+        assert_eq!(region_page(Path::new("README.md"), "results"), (Path::new("README.md").to_path_buf(), String::new()));
+        assert_eq!(region_page(Path::new("README.md"), "results-gpu"), (Path::new("README.md").to_path_buf(), String::new()));
+        let (page, up) = region_page(Path::new("repo/README.md"), "results-gpu-gpt2");
+        assert_eq!((page.as_path(), up.as_str()), (Path::new("repo/docs/gpu.md"), "../"));
+        let (page, _) = region_page(Path::new("README.md"), "results-gpu-ablate-te");
+        assert_eq!(page, Path::new("./docs/gpu.md"));
     }
 }

@@ -346,6 +346,18 @@ fn update_readme_rewrites_only_its_region_and_is_idempotent() {
     let both = std::fs::read_to_string(&readme).unwrap();
     assert!(both.starts_with(&text) && !both.contains("No GPU run"), "{both}");
     assert_eq!(markdown_tables(&both).len(), 2);
+
+    // A region that lives on docs/gpu.md (`render::REGION_PAGES`) is written there, with links
+    // from that page, and the README is left alone.
+    std::fs::create_dir_all(dir.join("docs")).unwrap();
+    let page = "# GPU\n\n<!-- results-gpu-gpt2:begin -->\nold\n<!-- results-gpu-gpt2:end -->\n";
+    std::fs::write(dir.join("docs/gpu.md"), page).unwrap();
+    let o = ladder(&["render", "--from", s(&json), "--update-readme", "--readme", s(&readme), "--readme-region", "results-gpu-gpt2"]);
+    o.ok();
+    let docs = std::fs::read_to_string(dir.join("docs/gpu.md")).unwrap();
+    assert!(!docs.contains("\nold\n") && docs.contains("data: [../results/ladder-cpu.json](../results/ladder-cpu.json)"), "{docs}");
+    assert!(docs.contains("](../results/ladder-cpu.svg)"), "{docs}");
+    assert_eq!(std::fs::read_to_string(&readme).unwrap(), both, "the README holds no such region and is not touched");
     std::fs::remove_dir_all(&dir).ok();
 }
 

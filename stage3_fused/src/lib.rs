@@ -1,5 +1,12 @@
 //! # Stage 3 — kernel fusion: fewer passes over memory, fewer launches
 //!
+//! **Start with the small version.** `small::layer_norm_one_pass` is LayerNorm in one read of
+//! each row, scalar loops: the row's Σy and Σy² (y = x − x₀, in f64), then normalise and write
+//! while the row is still in L1, instead of the nine primitive ops' seven passes over (B, T, C).
+//! `ops::layer_norm` is that loop plus engineering: eight partial sums so the statistics
+//! vectorise, rows handed to rayon 16 at a time, the cast to the GEMM's dtype in the store. The
+//! other fusions follow the same idea — do the element-wise work where the data already is.
+//!
 //! **What changed.** The element-wise work around the matrix multiplications is fused into
 //! them or into single-pass kernels, the way a graph compiler (torch.compile, XLA) would, but
 //! written out (`ops`, each op beside its slow twin); everything else is stage 2:
@@ -7,7 +14,8 @@
 //!   one pass per row on CPU), the cast included;
 //! - GEMM epilogues: bias (q/k/v, proj), bias + GELU (fc1), bias + residual (fc2) applied by the
 //!   GEMM before it stores (cuBLASLt on CUDA; on CPU the GEMM accumulates onto a destination
-//!   that already holds bias and residual, and GELU runs on each block of rows while it is hot);
+//!   that already holds bias and residual; fc1's GEMM writes its product and one parallel pass
+//!   adds the bias and applies GELU — at `small` that pass covers every row, see `ops::GELU_ROWS`);
 //! - horizontal fusion: q, k and v come from ONE GEMM against the (3C, C) weight;
 //! - the worked example of a hand-written kernel: residual add + LayerNorm in one pass
 //!   (`kernels/add_layer_norm.cu`, compiled by nvcc at build time, wrapped as a candle op).
@@ -51,6 +59,7 @@ pub mod cuda;
 pub mod device_cache;
 pub mod gemm_args;
 pub mod ops;
+pub mod small;
 
 #[cfg(feature = "harness")]
 mod block;

@@ -12,8 +12,10 @@
 //! | `add_layer_norm(x, br, g, b)`   | `add_layer_norm_slow`       | cast, residual add, then LayerNorm's nine ops, cast |
 //!
 //! CPU: single passes over rows (LayerNorm) and a GEMM whose destination starts out holding the
-//! bias (and the residual), so `dst = 1·dst + 1·x·Wᵀ` adds them for free; GELU runs on each block
-//! of output rows right after the GEMM wrote it, while it is still in cache.
+//! bias (and the residual), so `dst = 1·dst + 1·x·Wᵀ` adds them for free; for fc1 the GEMM writes
+//! up to `GELU_ROWS` rows and one parallel pass adds the bias and applies GELU (at the `small`
+//! preset's 2048 rows that is one GEMM, then one pass: the gain is the pass being parallel and
+//! cheaper than candle's scalar `tanh`, not the data being in cache).
 //! CUDA (`cuda` module): our two-pass LayerNorm kernel (`kernels/add_layer_norm.cu`), and cuBLASLt
 //! GEMMs with epilogues: bias and bias+GELU applied by the GEMM kernel before it stores, the
 //! residual read through the C operand with β = 1.
