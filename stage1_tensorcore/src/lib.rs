@@ -28,6 +28,7 @@
 //! `cargo run --release -p stage1_tensorcore -- --precision bf16` (CPU, bf16 numerics) ·
 //! `cargo run --release --features cuda -p stage1_tensorcore -- --device cuda` (GPU, auto).
 
+pub mod bf16_gemm;
 pub mod precision;
 
 #[cfg(feature = "harness")]
