@@ -56,8 +56,9 @@ pub const NR: usize = 32;
 pub const KC: usize = 128;
 /// Rows of C per task: the packed A block is MC × KC × 4 bytes = 48 KiB, well within L2.
 pub const MC: usize = 96;
-/// Columns of C per task: tasks = ⌈m / MC⌉ · ⌈n / NC⌉, many more than cores at the block's shapes.
-pub const NC: usize = 256;
+/// Columns of C per task: tasks = ⌈m / MC⌉ · ⌈n / NC⌉, many more than cores at the block's
+/// shapes, and each packed A block serves up to NC / NR = 24 B micro-panels.
+pub const NC: usize = 768;
 
 /// The kernel that runs a bf16 GEMM on this CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -292,11 +293,25 @@ fn pack_a(a: MatRef, (i0, mc): (usize, usize), (p0, kc): (usize, usize), into: &
     let panels = mc.div_ceil(MR);
     into.clear();
     into.resize(panels * kc * MR, 0);
+    // Pairs wholly inside k; an odd K's last pair (and the padding after it) is done one by one.
+    let whole = kc.min((a.cols / 2).saturating_sub(p0));
     for r in 0..panels {
         let panel = &mut into[r * kc * MR..][..kc * MR];
         for i in 0..MR.min(mc - r * MR) {
-            for p in 0..kc {
-                panel[p * MR + i] = a.pair_along_cols(i0 + r * MR + i, p0 + p);
+            let row = i0 + r * MR + i;
+            if a.cs == 1 && whole > 0 {
+                // A row's elements are adjacent: a pair is two neighbours, read in one sweep.
+                let src = &a.data[a.offset + row * a.rs + 2 * p0..][..2 * whole];
+                for (p, pair) in src.chunks_exact(2).enumerate() {
+                    panel[p * MR + i] = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;
+                }
+            } else {
+                for p in 0..whole {
+                    panel[p * MR + i] = a.pair_along_cols(row, p0 + p);
+                }
+            }
+            for p in whole..kc {
+                panel[p * MR + i] = a.pair_along_cols(row, p0 + p);
             }
         }
     }

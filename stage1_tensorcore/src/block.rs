@@ -1,14 +1,14 @@
 //! Stage 1's block for the runner and the ladder: stage 0's forward with the GEMMs in the
 //! precision policy's dtype.
 
-use crate::{attention, precision};
+use crate::{attention, linear, precision};
 use candle_core::{DType, Tensor};
 use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::perf::Traffic;
 use shared::stage::PrecisionChoice;
 use shared::{BlockWeights, Forward, Plan, Precision, PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
-use stage0_baseline::{causal_mask, gelu_tanh, layer_norm, linear};
+use stage0_baseline::{causal_mask, gelu_tanh, layer_norm};
 
 pub struct Block {
     ln1_g: Tensor,  // (C) f32
@@ -60,6 +60,10 @@ impl Stage for TensorCore {
         let advice = precision::alignment_advice(&plan.shape, plan.precision);
         let on = if plan.info.is_cuda() { "" } else { "on a GPU, " };
         advice.into_iter().map(|a| format!("{on}{a}")).collect()
+    }
+
+    fn implementation(&self, plan: &Plan) -> Option<String> {
+        precision::cpu_bf16_kernel(plan).map(|k| format!("bf16 GEMMs {k}"))
     }
 
     fn build(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {

@@ -39,6 +39,15 @@ pub use block::{Block, TensorCore, STAGE};
 use candle_core::{DType, Tensor};
 use stage0_baseline::{causal_mask, merge_heads, softmax, split_heads};
 
+/// y = x Wᵀ + b for x (B, T, in), W (out, in), b (out): stage 0's `linear` with the GEMM on
+/// `bf16_gemm::matmul` (bf16 on the CPU's bf16 unit; candle's matmul otherwise).
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    let (bsz, t, c_in) = x.dims3()?;
+    let c_out = w.dim(0)?;
+    let y = bf16_gemm::matmul(&x.reshape((bsz * t, c_in))?, &w.t()?)?; // (B·T, out)
+    y.broadcast_add(b)?.reshape((bsz, t, c_out))
+}
+
 /// Causal self-attention over the full score matrix, mixed precision: q kᵀ and p v run on
 /// tensor cores in the GEMM dtype; the scores are widened to f32 for the mask and softmax.
 /// q, k, v: (B, T, C) in the GEMM dtype; `mask` (T, T) f32. Returns (B, T, C), GEMM dtype.
@@ -46,8 +55,8 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, mask: &Tenso
     let t = q.dim(1)?;
     let (q, k, v) = (split_heads(q, n_head)?, split_heads(k, n_head)?, split_heads(v, n_head)?); // (B, n_head, T, d_head)
     let scale = 1.0 / (q.dim(candle_core::D::Minus1)? as f64).sqrt();
-    let s = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?; // (B, n_head, T, T) f32: exp needs the range
+    let s = (bf16_gemm::matmul(&q, &k.t()?)?.to_dtype(DType::F32)? * scale)?; // (B, n_head, T, T) f32: exp needs the range
     let mask = if mask.dim(0)? == t { mask.clone() } else { causal_mask(t, q.device())? };
     let p = softmax(&s.broadcast_add(&mask)?)?.to_dtype(v.dtype())?; // probabilities in [0, 1]: bf16 holds them
-    merge_heads(&p.matmul(&v)?) // (B, n_head, T, d_head) → (B, T, C)
+    merge_heads(&bf16_gemm::matmul(&p, &v)?) // (B, n_head, T, d_head) → (B, T, C)
 }

@@ -68,6 +68,10 @@ impl Sdpa {
         if self.args.elementwise == Elementwise::Parallel && !plan.info.is_cuda() {
             label.push_str(", elementwise parallel");
         }
+        if let Some(kernel) = precision::cpu_bf16_kernel(plan) {
+            // The linears; the fused attention's tile products widen bf16 to f32.
+            label.push_str(&format!(", bf16 linears {kernel}"));
+        }
         label
     }
 }
