@@ -34,7 +34,7 @@ pub mod precision;
 #[cfg(feature = "harness")]
 mod block;
 #[cfg(feature = "harness")]
-pub use block::{Block, TensorCore, STAGE};
+pub use block::{register_bf16_ceiling, Block, TensorCore, STAGE};
 
 use candle_core::{DType, Tensor};
 use stage0_baseline::{causal_mask, merge_heads, softmax, split_heads};

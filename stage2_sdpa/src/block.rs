@@ -37,7 +37,13 @@ pub struct Sdpa {
 }
 
 /// How a binary or the ladder finds stage 2.
-pub const STAGE: StageEntry = StageEntry { args: <Args as clap::Args>::augment_args, make: |m| Ok(Box::new(Sdpa::from_matches(m)?)) };
+pub const STAGE: StageEntry = StageEntry {
+    args: <Args as clap::Args>::augment_args,
+    make: |m| {
+        stage1_tensorcore::register_bf16_ceiling(); // bf16 rows' % of peak: against the bf16 GEMM rate
+        Ok(Box::new(Sdpa::from_matches(m)?))
+    },
+};
 
 impl Sdpa {
     /// Stage 2 configured by parsed flags.
