@@ -10,6 +10,7 @@
 //! |-----------------|-------------------------------------|--------------------------------------------|
 //! | `amx`           | `tdpbf16ps` on 16 × 32 bf16 tiles   | a 16 × 16 f32 tile += 16 × 32 · 32 × 16    |
 //! | `avx512-bf16`   | `vdpbf16ps` (`_mm512_dpbf16_ps`)    | 16 f32 lanes += two bf16 products each     |
+//! | `mkl`           | MKL's `cblas_gemm_bf16bf16f32` (the `mkl` build, `SPEEDKIT_CPU_BF16=mkl`) | MKL's own kernels |
 //! | `converted to f32` | none: widen, f32 GEMM, narrow    | (a CPU without bf16 instructions)          |
 //!
 //! **Why it is faster.** `vdpbf16ps` reads bf16 *pairs*: each 32-bit lane of its operands holds
@@ -38,7 +39,9 @@
 //!
 //! **Detection** is at run time (`Kernel::detect`): a binary built anywhere runs on a CPU without
 //! AVX-512 and never executes these instructions there. `SPEEDKIT_CPU_BF16=off` turns both units
-//! off (what a CPU without them runs), `=avx512-bf16` keeps AMX off.
+//! off (what a CPU without them runs), `=avx512-bf16` keeps AMX off, and in a build with the `mkl`
+//! feature `=mkl` runs MKL's bf16 GEMM instead of ours (to compare the two; MKL picks slower
+//! code paths on AMD CPUs, so ours stays the default).
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
@@ -67,6 +70,8 @@ pub enum Kernel {
     Amx,
     /// AVX512-BF16 (`vdpbf16ps`), our micro-kernel in this file.
     Avx512Bf16,
+    /// MKL's `cblas_gemm_bf16bf16f32` (builds with the `mkl` feature; asked for by name).
+    Mkl,
     /// No bf16 instructions: operands widened to f32, the f32 GEMM, the result narrowed.
     ConvertedF32,
 }
@@ -77,6 +82,7 @@ impl Kernel {
         match self {
             Kernel::Amx => "amx",
             Kernel::Avx512Bf16 => "avx512-bf16",
+            Kernel::Mkl => "mkl",
             Kernel::ConvertedF32 => "converted to f32",
         }
     }
@@ -91,12 +97,14 @@ impl Kernel {
         match self {
             Kernel::Amx => amx_available(),
             Kernel::Avx512Bf16 => avx512_bf16_available(),
+            Kernel::Mkl => cfg!(feature = "mkl"),
             Kernel::ConvertedF32 => true,
         }
     }
 
     /// The fastest kernel this CPU has, detected once per process: AMX, then AVX512-BF16, then
-    /// conversion. `SPEEDKIT_CPU_BF16=off` (or `f32`) forces conversion, `=avx512-bf16` skips AMX.
+    /// conversion. `SPEEDKIT_CPU_BF16=off` (or `f32`) forces conversion, `=avx512-bf16` skips AMX,
+    /// `=mkl` picks MKL's in an `mkl` build.
     pub fn detect() -> Kernel {
         static KERNEL: OnceLock<Kernel> = OnceLock::new();
         *KERNEL.get_or_init(|| Kernel::detect_with(std::env::var("SPEEDKIT_CPU_BF16").ok().as_deref()))
@@ -104,6 +112,9 @@ impl Kernel {
 
     /// `detect` with the override given: `None` or `"auto"` picks the fastest available.
     pub fn detect_with(request: Option<&str>) -> Kernel {
+        if request == Some("mkl") && Kernel::Mkl.available() {
+            return Kernel::Mkl;
+        }
         let allow_amx = !matches!(request, Some("off" | "f32" | "avx512-bf16"));
         let allow_avx = !matches!(request, Some("off" | "f32"));
         if allow_amx && Kernel::Amx.available() {
@@ -221,6 +232,10 @@ pub fn gemm(kernel: Kernel, c: &mut [f32], a: MatRef, b: MatRef, accumulate: boo
     }
     if m == 0 || n == 0 {
         return Ok(());
+    }
+    if kernel == Kernel::Mkl {
+        #[cfg(feature = "mkl")]
+        return mkl::gemm(c, a, b, accumulate);
     }
     if k == 0 {
         if !accumulate {
@@ -402,6 +417,78 @@ unsafe fn micro_kernel(kernel: Kernel, kc: usize, a: &[u32], b: &[u32], c: *mut 
     unreachable!("bf16 gemm: no micro-kernel for {kernel:?} on this architecture (refused in `gemm`)")
 }
 
+#[cfg(feature = "mkl")]
+mod mkl {
+    use super::MatRef;
+    use half::bf16;
+    use std::borrow::Cow;
+
+    extern "C" {
+        // MKL's CBLAS (LP64), linked by intel-mkl-src through candle-core's `mkl` feature.
+        // MKL_BF16 is an unsigned 16-bit integer holding the bf16 bits.
+        fn cblas_gemm_bf16bf16f32(
+            layout: i32,
+            transa: i32,
+            transb: i32,
+            m: i32,
+            n: i32,
+            k: i32,
+            alpha: f32,
+            a: *const u16,
+            lda: i32,
+            b: *const u16,
+            ldb: i32,
+            beta: f32,
+            c: *mut f32,
+            ldc: i32,
+        );
+    }
+    const ROW_MAJOR: i32 = 101;
+    const NO_TRANS: i32 = 111;
+    const TRANS: i32 = 112;
+
+    /// A view as (pointer source, transpose flag, leading dimension) in MKL's row-major terms:
+    /// rows adjacent → transposed; else columns adjacent; else copied row-major first.
+    fn operand<'a>(x: &MatRef<'a>) -> (Cow<'a, [bf16]>, i32, usize) {
+        if x.cs == 1 && x.rs >= x.cols.max(1) {
+            (Cow::Borrowed(&x.data[x.offset..]), NO_TRANS, x.rs)
+        } else if x.rs == 1 && x.cs >= x.rows.max(1) {
+            (Cow::Borrowed(&x.data[x.offset..]), TRANS, x.cs)
+        } else {
+            let v = (0..x.rows).flat_map(|r| (0..x.cols).map(move |c| x.data[x.offset + r * x.rs + c * x.cs])).collect();
+            (Cow::Owned(v), NO_TRANS, x.cols.max(1))
+        }
+    }
+
+    pub fn gemm(c: &mut [f32], a: MatRef, b: MatRef, accumulate: bool) -> Result<(), String> {
+        let (m, k, n) = (a.rows, a.cols, b.cols);
+        let dim = |v: usize| i32::try_from(v).map_err(|_| format!("bf16 gemm: dimension {v} exceeds MKL's 32-bit (LP64) interface"));
+        let ((ad, ta, lda), (bd, tb, ldb)) = (operand(&a), operand(&b));
+        let (mi, ni, ki, ldai, ldbi, ldc) = (dim(m)?, dim(n)?, dim(k)?, dim(lda)?, dim(ldb)?, dim(n)?);
+        // SAFETY: `gemm` checked that both views lie inside their slices, so every element MKL
+        // reads through (pointer, transpose, leading dimension) is in bounds; c holds m·n.
+        unsafe {
+            cblas_gemm_bf16bf16f32(
+                ROW_MAJOR,
+                ta,
+                tb,
+                mi,
+                ni,
+                ki,
+                1.0,
+                ad.as_ptr() as *const u16,
+                ldai,
+                bd.as_ptr() as *const u16,
+                ldbi,
+                if accumulate { 1.0 } else { 0.0 },
+                c.as_mut_ptr(),
+                ldc,
+            )
+        };
+        Ok(())
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{MR, NR};
@@ -499,8 +586,9 @@ impl CustomOp2 for Bf16Matmul {
             let bv = batch_view(b, l2, if b_batched { t } else { 0 }, k, n);
             gemm(self.kernel, c, av, bv, false, parallel)
         };
-        if batch == 1 {
-            run(0, &mut out, true)
+        if batch == 1 || self.kernel == Kernel::Mkl {
+            // MKL threads each product itself (OpenMP); one at a time.
+            out.chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, true))
         } else {
             out.par_chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, false))
         }

@@ -114,6 +114,7 @@ fn unit(k: Kernel) -> &'static str {
     match k {
         Kernel::Amx => "this CPU's AMX-BF16 tiles",
         Kernel::Avx512Bf16 => "this CPU's AVX512-BF16 (vdpbf16ps)",
+        Kernel::Mkl => "MKL's bf16 GEMM (cblas_gemm_bf16bf16f32)",
         Kernel::ConvertedF32 => "no bf16 unit",
     }
 }
