@@ -287,10 +287,24 @@ pub fn gemm_scalar(c: &mut [f32], a: MatRef, b: MatRef, accumulate: bool) {
 fn pack_b(b: MatRef, kp: usize, parallel: bool) -> Vec<u32> {
     let panels = b.cols.div_ceil(NR);
     let mut packed = vec![0u32; panels * kp * NR];
+    let whole = b.rows / 2; // pairs wholly inside k
     let fill = |(q, panel): (usize, &mut [u32])| {
         for j in 0..NR.min(b.cols - q * NR) {
-            for p in 0..kp {
-                panel[p * NR + j] = b.pair_along_rows(p, q * NR + j);
+            let col = q * NR + j;
+            if b.rs == 1 && whole > 0 {
+                // A column's elements are adjacent (B is a transposed weight, x·Wᵀ): a pair is two
+                // neighbours, read in one sweep.
+                let src = &b.data[b.offset + col * b.cs..][..2 * whole];
+                for (p, pair) in src.chunks_exact(2).enumerate() {
+                    panel[p * NR + j] = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;
+                }
+            } else {
+                for p in 0..whole {
+                    panel[p * NR + j] = b.pair_along_rows(p, col);
+                }
+            }
+            for p in whole..kp {
+                panel[p * NR + j] = b.pair_along_rows(p, col);
             }
         }
     };

@@ -35,7 +35,7 @@ fn block_matches_reference_on_tiny() {
 fn binary_runs_and_names_its_attention() {
     let json = std::env::temp_dir().join(format!("stage2-implementation-{}.json", std::process::id()));
     let o = Command::new(env!("CARGO_BIN_EXE_stage2_sdpa"))
-        .args(["--preset", "tiny", "--warmup", "0", "--iters", "1", "--json"])
+        .args(["--preset", "tiny", "--warmup", "0", "--iters", "1", "--precision", "fp32", "--json"])
         .arg(&json)
         .output()
         .unwrap();
