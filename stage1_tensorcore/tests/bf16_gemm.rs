@@ -26,9 +26,10 @@ impl Rng {
     }
 }
 
-/// The kernels this CPU runs natively (none on a CPU without bf16 instructions).
+/// The kernels this CPU and build run without converting (none on a CPU without bf16
+/// instructions in a build without MKL).
 fn native() -> Vec<Kernel> {
-    [Kernel::Amx, Kernel::Avx512Bf16].into_iter().filter(|k| k.available()).collect()
+    [Kernel::Amx, Kernel::Avx512Bf16, Kernel::Mkl].into_iter().filter(|k| k.available()).collect()
 }
 
 /// |got − want| within f32 rounding of a k-term sum of products bounded by `scale`.
@@ -130,7 +131,7 @@ fn kernels_the_cpu_lacks_are_refused_not_run() {
     let (a, b) = (vec![bf16::ONE; 4], vec![bf16::ONE; 4]);
     let (av, bv) = (MatRef::row_major(&a, 2, 2), MatRef::row_major(&b, 2, 2));
     let mut c = vec![0f32; 4];
-    for kernel in [Kernel::Amx, Kernel::Avx512Bf16, Kernel::ConvertedF32] {
+    for kernel in [Kernel::Amx, Kernel::Avx512Bf16, Kernel::Mkl, Kernel::ConvertedF32] {
         let r = gemm(kernel, &mut c, av, bv, false, false);
         assert_eq!(r.is_ok(), kernel.is_native() && kernel.available(), "{kernel:?}: {r:?}");
         if let Ok(()) = r {
