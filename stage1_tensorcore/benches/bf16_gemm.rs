@@ -1,9 +1,10 @@
 //! criterion, CPU: the block's four linears on the `small` preset (B·T = 2048 rows, C = 768,
-//! FF = 3072), x (m × k) · Wᵀ, three ways:
+//! FF = 3072), x (m × k) · Wᵀ:
 //! - `f32`: candle's f32 matmul (the `gemm` crate's x86-v4 kernels, or MKL with `--features mkl`):
 //!   what stages 0–3 run at fp32;
 //! - `bf16`: `bf16_gemm::matmul` on the kernel this CPU has (`avx512-bf16`, `amx`, or
 //!   `converted to f32`; the group's name says which);
+//! - `bf16-mkl` (builds with `--features mkl`): MKL's `cblas_gemm_bf16bf16f32` through the same op;
 //! - `bf16-candle` (with `BENCH_CANDLE_BF16=1`): candle's own matmul on bf16 tensors, what stage 1
 //!   ran on a CPU before.
 //!
@@ -34,6 +35,9 @@ fn linears(c: &mut Criterion) {
         let id = |v: &str| BenchmarkId::new(v, format!("{}_{m}x{n}x{k}", g.name));
         group.bench_function(id("f32"), |b| b.iter(|| x.matmul(&w).unwrap()));
         group.bench_function(id("bf16"), |b| b.iter(|| bf16_gemm::matmul(&xb, &wb).unwrap()));
+        if Kernel::Mkl.available() {
+            group.bench_function(id("bf16-mkl"), |b| b.iter(|| bf16_gemm::matmul_with(&xb, &wb, Kernel::Mkl).unwrap()));
+        }
         if std::env::var_os("BENCH_CANDLE_BF16").is_some() {
             group.bench_function(id("bf16-candle"), |b| b.iter(|| xb.matmul(&wb).unwrap()));
         }
