@@ -15,6 +15,7 @@ set -euo pipefail
 case "${1:-}" in
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
 esac
+[ $# -le 1 ] || { echo "measure-cpu-bf16: expected at most one argument (the output folder), got $#. Fix: pass one path, and ROUNDS in the environment (see --help)." >&2; exit 2; }
 rounds="${ROUNDS:-2}"
 [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "measure-cpu-bf16: ROUNDS=$rounds is not a positive count. Fix: unset it or set ROUNDS=1 or more." >&2; exit 2; }
 case "${1:-}" in /*|"") out_arg="${1:-}" ;; *) out_arg="$PWD/$1" ;; esac

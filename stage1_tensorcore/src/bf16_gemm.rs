@@ -6,12 +6,12 @@
 //! f32 matmul, narrow), and the kernel's scalar twin is `gemm_scalar`; `tests/bf16_gemm.rs`
 //! pairs them.
 //!
-//! | kernel          | instruction                         | per instruction                            |
-//! |-----------------|-------------------------------------|--------------------------------------------|
-//! | `amx`           | `tdpbf16ps` on 16 × 32 bf16 tiles   | a 16 × 16 f32 tile += 16 × 32 · 32 × 16    |
-//! | `avx512-bf16`   | `vdpbf16ps` (`_mm512_dpbf16_ps`)    | 16 f32 lanes += two bf16 products each     |
-//! | `mkl`           | MKL's `cblas_gemm_bf16bf16f32` (the `mkl` build, `SPEEDKIT_CPU_BF16=mkl`) | MKL's own kernels |
-//! | `converted to f32` | none: widen, f32 GEMM, narrow    | (a CPU without bf16 instructions)          |
+//! | kernel             | instruction                                 | per instruction                         |
+//! |--------------------|---------------------------------------------|-----------------------------------------|
+//! | `amx`              | `tdpbf16ps` on 16 × 32 bf16 tiles           | a 16 × 16 f32 tile += 16 × 32 · 32 × 16 |
+//! | `avx512-bf16`      | `vdpbf16ps` (`_mm512_dpbf16_ps`)            | 16 f32 lanes += two bf16 products each  |
+//! | `mkl`              | MKL's `cblas_gemm_bf16bf16f32` (`mkl` build) | MKL's own kernels                       |
+//! | `converted to f32` | none: widen, f32 GEMM, narrow               | (a CPU without bf16 instructions)       |
 //!
 //! **Why it is faster.** `vdpbf16ps` reads bf16 *pairs*: each 32-bit lane of its operands holds
 //! two adjacent-k bf16 values, and it adds both products into one f32 lane — twice the
