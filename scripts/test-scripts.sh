@@ -222,6 +222,9 @@ expect "measure-cpu: ROUNDS=0 refused" 2 "ROUNDS=0" env ROUNDS=0 bash "$repo/scr
 expect "measure-cpu: a missing BREAKDOWN_BASE refused" 2 "BREAKDOWN_BASE" env BREAKDOWN_BASE="$tmp/no-such-ladder" bash "$repo/scripts/measure-cpu.sh" "$tmp/ladder-pass"
 expect "measure-cpu: two arguments refused" 2 "at most one argument" bash "$repo/scripts/measure-cpu.sh" "$tmp/ladder-pass" extra
 nothing_ran "measure-cpu: cargo did not run for the refused requests"
+expect "measure-cpu-bf16: ROUNDS=0 refused" 2 "ROUNDS=0" env ROUNDS=0 bash "$repo/scripts/measure-cpu-bf16.sh" "$tmp/bf16-out"
+expect "measure-cpu-bf16: two arguments refused" 2 "at most one argument" bash "$repo/scripts/measure-cpu-bf16.sh" "$tmp/bf16-out" extra
+nothing_ran "measure-cpu-bf16: cargo did not run for the refused requests"
 
 # ---- cpu-compare.py --------------------------------------------------------------------------
 # run_json DIR NAME ROUND MEDIAN_MS SEQ: a ladder --json record with the fields the script reads.

@@ -53,7 +53,7 @@ pub fn ceilings(
     let measured = measured.filter(|_| !gpu);
     let tflops: std::collections::BTreeMap<String, f64> = precisions
         .filter_map(|p| {
-            let peak = args.peak_tflops.or_else(|| if gpu { peak_tflops(&info.name, p) } else { measured.map(|c| c.peak_tflops()) });
+            let peak = args.peak_tflops.or_else(|| if gpu { peak_tflops(&info.name, p) } else { measured.map(|c| c.peak_tflops_for(p)) });
             Some((p.name().to_string(), peak?))
         })
         .collect();

@@ -231,10 +231,13 @@ fn breakdown_ablation_noise_and_roofline_end_to_end_on_tiny() {
     }
     assert!(roof.iter().any(|t| t == "memory 20 GB/s"), "{roof:?}");
     // On the CPU the roof is the measured GEMM rate (the probe ran when the session opened),
-    // drawn once; the emulated FP8 stage gets no roof of its own.
+    // drawn once per precision measured: fp32, and bf16 where a bf16 unit ran the bf16 rows;
+    // the emulated FP8 stage gets no roof of its own.
     let roofs: Vec<&String> = roof.iter().filter(|t| t.contains(" peak ") && t.ends_with("GFLOP/s")).collect();
-    assert_eq!(roofs.len(), 1, "{roof:?}");
-    assert!(roofs[0].starts_with("fp32") && !roofs[0].contains("fp8"), "{roofs:?}");
+    let bf16_unit = stage1_tensorcore::bf16_gemm::Kernel::detect().is_native();
+    assert_eq!(roofs.len(), 1 + bf16_unit as usize, "{roof:?}");
+    assert!(roofs.iter().any(|r| r.starts_with("fp32")) && !roofs.iter().any(|r| r.contains("fp8")), "{roofs:?}");
+    assert_eq!(roofs.iter().any(|r| r.starts_with("bf16")), bf16_unit, "{roofs:?}");
     assert!(report.ceilings.as_ref().is_some_and(|c| c.source.contains("measured")), "{:?}", report.ceilings);
     let bars = svg_texts(&dir.join("ladder-breakdown.svg"));
     assert!(bars.iter().any(|t| t == "proj+residual+ln2") && bars.iter().any(|t| t == "attention"), "{bars:?}");
@@ -461,7 +464,9 @@ fn report_lists_every_stage_with_its_reason() {
     for spec in ladder::default_stages() {
         assert!(o.stdout.contains(spec.name()), "{} missing:\n{}", spec.name(), o.stdout);
     }
-    assert!(o.stdout.contains("auto on CPU: no tensor cores"), "{}", o.stdout);
+    let why =
+        if stage1_tensorcore::bf16_gemm::Kernel::detect().is_native() { "auto on CPU: this CPU's" } else { "auto on CPU: no bf16 units" };
+    assert!(o.stdout.contains(why), "{}", o.stdout);
     // An override the device cannot do is reported per stage, not a crash.
     let o = ladder(&["report", "--preset", "tiny", "--precision", "tf32"]);
     o.ok();

@@ -1,10 +1,13 @@
 //! A measured ceiling for "% of peak" on a CPU, where no datasheet number means much: this
 //! machine's GEMM rate at the block's own GEMM shapes (the four linears, attention's Q·Kᵀ and P·V
 //! per head) with this binary's backend, and its memory bandwidth (STREAM triad). Attention's thin
-//! shapes (k = d_head) run slower even as bare GEMMs, so they get their own rate.
+//! shapes (k = d_head) run slower even as bare GEMMs, so they get their own rate. Where the CPU
+//! has a bf16 unit and a stage registered its bf16 GEMM (`register_bf16_gemm`), the linears are
+//! also timed in bf16, and bf16 rows' % of peak is against that ceiling.
 
 use crate::preset::Shape;
-use candle_core::{Device, Tensor};
+use crate::Precision;
+use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
@@ -37,6 +40,34 @@ pub struct CpuCeiling {
     pub bandwidth_gbs: f64,
     pub threads: usize,
     pub method: String,
+    /// The linears timed in bf16 on the CPU's bf16 unit; absent without one (and in older records).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16: Option<Bf16Ceiling>,
+}
+
+/// The bf16 ceiling: `kernel` ran the four linears at `gemms`' rates; `gemm_gflops` weighs them
+/// as `block_ceiling_gflops` does, with attention at its f32 rates (stage 2's fused attention
+/// widens bf16 to f32).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Bf16Ceiling {
+    pub kernel: String,
+    pub gemms: Vec<GemmRate>,
+    pub gemm_gflops: f64,
+}
+
+/// A bf16 matmul for the probe to time, `a (m, k) · b (k, n)` on bf16 tensors, and the name of
+/// the kernel it runs. Stage 1 owns it (`bf16_gemm`); its stages register it when they are made.
+#[derive(Clone, Copy, Debug)]
+pub struct Bf16Gemm {
+    pub kernel: &'static str,
+    pub matmul: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+}
+
+static BF16_GEMM: std::sync::OnceLock<Bf16Gemm> = std::sync::OnceLock::new();
+
+/// Make `measure` time the linears in bf16 too (the first registration holds).
+pub fn register_bf16_gemm(g: Bf16Gemm) {
+    let _ = BF16_GEMM.set(g);
 }
 
 impl CpuCeiling {
@@ -44,11 +75,23 @@ impl CpuCeiling {
         self.gemm_gflops / 1e3
     }
 
+    /// The ceiling for rows of precision `p`: the bf16 one for bf16 where it was measured.
+    pub fn peak_tflops_for(&self, p: Precision) -> f64 {
+        match (&self.bf16, p) {
+            (Some(b), Precision::Bf16) => b.gemm_gflops / 1e3,
+            _ => self.peak_tflops(),
+        }
+    }
+
     pub fn describe(&self) -> String {
         let CpuCeiling { gemm_backend, simd, gemm_gflops, bandwidth_gbs, threads, .. } = self;
         let each = self.gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
+        let bf16 = self.bf16.as_ref().map_or(String::new(), |b| {
+            let each = b.gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
+            format!(" · bf16 GEMM ({}) {:.1} GFLOP/s ({each})", b.kernel, b.gemm_gflops)
+        });
         format!(
-            "{gemm_backend} · SIMD {simd} · GEMM {gemm_gflops:.1} GFLOP/s at the block's shapes ({each}) · \
+            "{gemm_backend} · SIMD {simd} · GEMM {gemm_gflops:.1} GFLOP/s at the block's shapes ({each}){bf16} · \
              triad {bandwidth_gbs:.1} GB/s · {threads} threads"
         )
     }
@@ -179,6 +222,10 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
         };
         gemms.push(GemmRate { name: name.into(), batch, m, n, k, gflops: g.flops() / best / 1e9 });
     }
+    let bf16 = match BF16_GEMM.get() {
+        Some(b) => Some(measure_bf16(shape, b, &gemms)?),
+        None => None,
+    };
     Ok(CpuCeiling {
         gemm_backend: gemm_backend(),
         simd: simd_level().into(),
@@ -192,7 +239,23 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
                  over their time at those rates (attention's causal FLOPs at the rate of Q·Kᵀ and P·V together); \
                  STREAM triad a = b + s·c over 3 × 32 MiB, rayon, best of 5"
             .into(),
+        bf16,
     })
+}
+
+/// The four linears in bf16 through `b`, timed as `measure` times them in f32.
+fn measure_bf16(shape: &Shape, b: &Bf16Gemm, f32_rates: &[GemmRate]) -> candle_core::Result<Bf16Ceiling> {
+    let dev = Device::Cpu;
+    let mut gemms = Vec::new();
+    for g in probe_gemms(shape).into_iter().filter(|g| !g.name.starts_with("attn_")) {
+        let x = Tensor::randn(0f32, 1.0, (g.m, g.k), &dev)?.to_dtype(DType::BF16)?;
+        let wt = Tensor::randn(0f32, 0.02, (g.n, g.k), &dev)?.to_dtype(DType::BF16)?.t()?;
+        let best = best_time(|| (b.matmul)(&x, &wt).map(|_| ()))?;
+        gemms.push(GemmRate { name: g.name.into(), batch: 1, m: g.m, n: g.n, k: g.k, gflops: g.flops() / best / 1e9 });
+    }
+    let attention = f32_rates.iter().filter(|g| g.name.starts_with("attn_")).cloned();
+    let gemm_gflops = block_ceiling_gflops(shape, &gemms.iter().cloned().chain(attention).collect::<Vec<_>>());
+    Ok(Bf16Ceiling { kernel: b.kernel.into(), gemms, gemm_gflops })
 }
 
 /// An attention probe shape as stage 2's CPU kernel runs its tile products (MKL builds too): one

@@ -347,7 +347,7 @@ impl Session {
                 let p = peak_tflops(&self.info.name, plan.precision);
                 (p, p.map(|_| "datasheet"))
             }
-            (None, Some(c)) => (Some(c.peak_tflops()), Some(MEASURED_PEAK)),
+            (None, Some(c)) => (Some(c.peak_tflops_for(plan.precision)), Some(MEASURED_PEAK)),
             (None, None) => (None, None),
         };
         let mut notes = spec.notes(&plan);

@@ -1,14 +1,15 @@
 //! Stage 1's block for the runner and the ladder: stage 0's forward with the GEMMs in the
 //! precision policy's dtype.
 
-use crate::{attention, precision};
+use crate::bf16_gemm::{self, Kernel};
+use crate::{attention, linear, precision};
 use candle_core::{DType, Tensor};
 use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::perf::Traffic;
 use shared::stage::PrecisionChoice;
 use shared::{BlockWeights, Forward, Plan, Precision, PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
-use stage0_baseline::{causal_mask, gelu_tanh, layer_norm, linear};
+use stage0_baseline::{causal_mask, gelu_tanh, layer_norm};
 
 pub struct Block {
     ln1_g: Tensor,  // (C) f32
@@ -37,7 +38,23 @@ pub struct Block {
 pub struct TensorCore;
 
 /// How a binary or the ladder finds stage 1.
-pub const STAGE: StageEntry = StageEntry { args: |c| c, make: |_| Ok(Box::new(TensorCore)) };
+pub const STAGE: StageEntry = StageEntry {
+    args: |c| c,
+    make: |_| {
+        register_bf16_ceiling();
+        Ok(Box::new(TensorCore))
+    },
+};
+
+/// Lets the CPU ceiling probe time the linears in bf16 on this CPU's bf16 unit, where it has one,
+/// so that bf16 rows' % of peak is against a bf16 rate. The stages that run bf16 GEMMs call it
+/// when they are made, before the probe runs.
+pub fn register_bf16_ceiling() {
+    let kernel = Kernel::detect();
+    if kernel.is_native() {
+        shared::ceiling::register_bf16_gemm(shared::ceiling::Bf16Gemm { kernel: kernel.name(), matmul: bf16_gemm::matmul });
+    }
+}
 
 impl Stage for TensorCore {
     fn name(&self) -> &'static str {
@@ -60,6 +77,10 @@ impl Stage for TensorCore {
         let advice = precision::alignment_advice(&plan.shape, plan.precision);
         let on = if plan.info.is_cuda() { "" } else { "on a GPU, " };
         advice.into_iter().map(|a| format!("{on}{a}")).collect()
+    }
+
+    fn implementation(&self, plan: &Plan) -> Option<String> {
+        precision::cpu_bf16_kernel(plan).map(|k| format!("bf16 GEMMs {k}"))
     }
 
     fn build(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {

@@ -4,7 +4,8 @@
 //!
 //! | device                | auto  | why                                                        |
 //! |-----------------------|-------|------------------------------------------------------------|
-//! | CPU                   | fp32  | no tensor cores: bf16/f16 GEMMs convert and run slower     |
+//! | CPU with AVX512-BF16 or AMX-BF16 | bf16 | bf16 dot-product units (`bf16_gemm`), f32 accumulate |
+//! | CPU without them      | fp32  | no bf16 units: bf16/f16 GEMMs convert and run slower       |
 //! | SM < 7.0 (Pascal)     | fp32  | no tensor cores, no TF32                                   |
 //! | SM 7.x (Volta/Turing) | f16   | f16 tensor cores; bf16 and TF32 do not exist before Ampere |
 //! | SM >= 8.0 (Ampere+)   | bf16  | bf16 tensor cores, fp32's exponent range: no loss scaling  |
@@ -13,10 +14,11 @@
 //! fp8 is stage 4's technique and is refused here.
 //!
 //! To lift the policy into your own model: `auto_dtype(&device)` gives the GEMM dtype the table
-//! picks for that device (store weights and activations in it, keep LayerNorm statistics,
+//! picks for that device (on a CPU, run bf16 GEMMs through `bf16_gemm::matmul`) (store weights and activations in it, keep LayerNorm statistics,
 //! softmax and the residual stream in f32 as stage 1 does). The rest of this file is the
 //! benchmark's version, which also explains its choice and refuses impossible requests.
 
+use crate::bf16_gemm::Kernel;
 use candle_core::{DType, Device};
 #[cfg(feature = "harness")]
 use shared::device::{DeviceInfo, GemmSwitches};
@@ -27,17 +29,18 @@ use shared::stage::PrecisionChoice;
 #[cfg(feature = "harness")]
 use shared::{Precision, PrecisionRequest, SpeedkitError};
 
-/// The table's GEMM dtype for a device of compute capability `sm` (None: a CPU).
+/// The table's GEMM dtype for a GPU of compute capability `sm` (None: a CPU without bf16 units).
 pub fn auto_dtype_for(sm: Option<(u32, u32)>) -> DType {
     match sm {
-        None => DType::F32,                      // no tensor cores
+        None => DType::F32,                      // no tensor cores, no bf16 dot products
         Some(sm) if sm >= (8, 0) => DType::BF16, // Ampere and later: bf16, fp32's exponent range
         Some(sm) if sm >= (7, 0) => DType::F16,  // Volta, Turing: f16 tensor cores only
         Some(_) => DType::F32,
     }
 }
 
-/// The table's GEMM dtype for `device`: f32 on a CPU, by compute capability on a GPU.
+/// The table's GEMM dtype for `device`: on a CPU bf16 where it has a bf16 unit
+/// (`Kernel::detect`), else f32; by compute capability on a GPU.
 pub fn auto_dtype(device: &Device) -> candle_core::Result<DType> {
     match device {
         #[cfg(feature = "cuda")]
@@ -45,20 +48,31 @@ pub fn auto_dtype(device: &Device) -> candle_core::Result<DType> {
             let (major, minor) = d.cuda_stream().context().compute_capability().map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
             Ok(auto_dtype_for(Some((major as u32, minor as u32))))
         }
+        _ if Kernel::detect().is_native() => Ok(DType::BF16),
         _ => Ok(auto_dtype_for(None)),
     }
 }
 
 #[cfg(feature = "harness")]
-/// Decide the GEMM precision for `info` and `requested` (see the module table).
+/// Decide the GEMM precision for `info` and `requested` (see the module table), with this CPU's
+/// bf16 kernel (`Kernel::detect`).
 pub fn choose(info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
+    choose_with(info, requested, Kernel::detect())
+}
+
+#[cfg(feature = "harness")]
+/// `choose` for a CPU whose bf16 GEMM kernel is `cpu` (ignored on a GPU): a pure function, so
+/// the table is tested for CPUs with and without bf16 units on any machine.
+pub fn choose_with(info: &DeviceInfo, requested: PrecisionRequest, cpu: Kernel) -> Result<PrecisionChoice, SpeedkitError> {
     let sm = info.sm.map(|(a, b)| format!("SM {a}.{b}")).unwrap_or_else(|| "the CPU".into());
     let refuse = |p: Precision, why: &str, fix: &str| {
         Err(SpeedkitError::usage(format!("--precision {p} cannot run on {} ({sm}): {why}. Fix: {fix}.", info.name)))
     };
     match requested {
-        PrecisionRequest::Auto => Ok(if !info.is_cuda() {
-            (Precision::Fp32, "auto on CPU: no tensor cores, so fp32 is fastest (bf16/f16 GEMMs convert their operands and run slower)".into())
+        PrecisionRequest::Auto => Ok(if !info.is_cuda() && cpu.is_native() {
+            (Precision::Bf16, format!("auto on CPU: {} runs bf16 GEMMs (two bf16 products per f32 lane per instruction), f32 accumulate; LayerNorm, softmax and the residual stay f32", unit(cpu)))
+        } else if !info.is_cuda() {
+            (Precision::Fp32, "auto on CPU: no bf16 units (AVX512-BF16, AMX-BF16) and no tensor cores, so fp32 is fastest (bf16/f16 GEMMs convert their operands and run slower)".into())
         } else if info.has_bf16_tensor_cores() {
             (Precision::Bf16, format!("auto on {sm}: bf16 tensor cores, f32 accumulate; bf16 keeps fp32's exponent range"))
         } else if info.has_f16_tensor_cores() {
@@ -78,6 +92,9 @@ pub fn choose(info: &DeviceInfo, requested: PrecisionRequest) -> Result<Precisio
             Precision::Bf16 if info.is_cuda() && !info.has_bf16_tensor_cores() => {
                 refuse(p, "bf16 arrived with Ampere (SM 8.0)", "use --precision f16 on this GPU")
             }
+            Precision::Bf16 if !info.is_cuda() && cpu.is_native() => {
+                Ok((p, format!("requested: bf16 GEMMs on {} (kernel {}), f32 accumulate", unit(cpu), cpu.name())))
+            }
             Precision::Bf16 | Precision::F16 if !info.is_cuda() => {
                 Ok((p, format!("requested: {p} on CPU — numerics as on a GPU, but slower than fp32 here (no {p} matrix units; every GEMM converts its operands)")))
             }
@@ -89,6 +106,24 @@ pub fn choose(info: &DeviceInfo, requested: PrecisionRequest) -> Result<Precisio
             )),
         },
     }
+}
+
+#[cfg(feature = "harness")]
+/// The CPU unit behind a kernel, for the reader.
+fn unit(k: Kernel) -> &'static str {
+    match k {
+        Kernel::Amx => "this CPU's AMX-BF16 tiles",
+        Kernel::Avx512Bf16 => "this CPU's AVX512-BF16 (vdpbf16ps)",
+        Kernel::Mkl => "MKL's bf16 GEMM (cblas_gemm_bf16bf16f32)",
+        Kernel::ConvertedF32 => "no bf16 unit",
+    }
+}
+
+#[cfg(feature = "harness")]
+/// What runs a plan's bf16 GEMMs on a CPU, for the table's implementation cell: the kernel's
+/// name (`avx512-bf16`, `amx`, or `converted to f32`); `None` on a GPU or at other precisions.
+pub fn cpu_bf16_kernel(plan: &shared::Plan) -> Option<&'static str> {
+    (!plan.info.is_cuda() && plan.precision == Precision::Bf16).then(|| Kernel::detect().name())
 }
 
 #[cfg(feature = "harness")]
@@ -161,7 +196,7 @@ mod tests {
         #[rustfmt::skip]
         let table: [Row; 8] = [
             //            device   SM            auto        fp32        tf32        bf16        f16        fp8
-            ("CPU",       None,         [Some(Fp32), Some(Fp32), None,       Some(Bf16), Some(F16), None]),
+            ("CPU",       None,         [Some(Fp32), Some(Fp32), None,       Some(Bf16), Some(F16), None]), // no bf16 unit
             ("GTX 1080",  Some((6, 1)), [Some(Fp32), Some(Fp32), None,       None,       Some(F16), None]),
             ("V100",      Some((7, 0)), [Some(F16),  Some(Fp32), None,       None,       Some(F16), None]),
             ("T4",        Some((7, 5)), [Some(F16),  Some(Fp32), None,       None,       Some(F16), None]),
@@ -176,7 +211,7 @@ mod tests {
                 Some(sm) => DeviceInfo::simulated_cuda(name, sm),
             };
             for (req, want) in requests.iter().zip(expected) {
-                let got = choose(&info, *req);
+                let got = choose_with(&info, *req, Kernel::ConvertedF32);
                 match (want, got) {
                     (Some(p), Ok((q, why))) => {
                         assert_eq!(p, q, "{name} {req:?}");
@@ -196,8 +231,26 @@ mod tests {
         assert!(e.contains("SM 7.5") && e.contains("Ampere"), "{e}");
         let e = choose(&cpu(), PrecisionRequest::Exactly(Tf32)).unwrap_err().to_string();
         assert!(e.contains("CPU has none"), "{e}");
-        let (_, why) = choose(&cpu(), PrecisionRequest::Exactly(Bf16)).unwrap();
+        let (_, why) = choose_with(&cpu(), PrecisionRequest::Exactly(Bf16), Kernel::ConvertedF32).unwrap();
         assert!(why.contains("slower than fp32"), "{why}");
+    }
+
+    /// A CPU with a bf16 unit: auto is bf16 and says which unit; every other request as on a
+    /// CPU without one. Without: auto is fp32 and says why.
+    #[test]
+    fn cpu_auto_follows_its_bf16_unit() {
+        for kernel in [Kernel::Avx512Bf16, Kernel::Amx] {
+            let (p, why) = choose_with(&cpu(), PrecisionRequest::Auto, kernel).unwrap();
+            assert_eq!(p, Bf16, "{why}");
+            assert!(why.contains(if kernel == Kernel::Amx { "AMX-BF16" } else { "AVX512-BF16" }) && why.contains("stay f32"), "{why}");
+            let (p, why) = choose_with(&cpu(), PrecisionRequest::Exactly(Bf16), kernel).unwrap();
+            assert!(p == Bf16 && why.contains(kernel.name()), "{why}");
+            for (req, want) in [(Fp32, Some(Fp32)), (F16, Some(F16)), (Tf32, None), (Fp8, None)] {
+                assert_eq!(choose_with(&cpu(), PrecisionRequest::Exactly(req), kernel).ok().map(|c| c.0), want, "{req:?}");
+            }
+        }
+        let (p, why) = choose_with(&cpu(), PrecisionRequest::Auto, Kernel::ConvertedF32).unwrap();
+        assert!(p == Fp32 && why.contains("no bf16 units"), "{why}");
     }
 
     #[test]

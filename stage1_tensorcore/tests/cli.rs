@@ -1,14 +1,22 @@
-//! The stage 1 binary: auto on CPU says why it picked fp32; overrides the device cannot honour
-//! exit 2 with the reason; bf16 runs on CPU and says it is slower there.
+//! The stage 1 binary: auto on CPU picks bf16 where the CPU has a bf16 unit and fp32 where it
+//! has none (`SPEEDKIT_CPU_BF16=off` forces that fallback on any machine), and says why;
+//! overrides the device cannot honour exit 2 with the reason; bf16 without a bf16 unit runs
+//! converted and says it is slower there.
 
+use stage1_tensorcore::bf16_gemm::Kernel;
 use std::process::{Command, Output};
 
-fn run(args: &[&str]) -> Output {
+fn run_with(cpu_bf16: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_stage1_tensorcore"))
+        .env("SPEEDKIT_CPU_BF16", cpu_bf16)
         .args(["--preset", "tiny", "--warmup", "0", "--iters", "1"])
         .args(args)
         .output()
         .unwrap()
+}
+
+fn run(args: &[&str]) -> Output {
+    run_with("auto", args)
 }
 
 fn text(o: &Output) -> String {
@@ -16,17 +24,26 @@ fn text(o: &Output) -> String {
 }
 
 #[test]
-fn auto_on_cpu_is_fp32_and_says_why() {
+fn auto_on_cpu_follows_its_bf16_unit_and_says_why() {
     let o = run(&[]);
     assert!(o.status.success(), "{}", text(&o));
-    assert!(text(&o).contains("precision fp32 (stage1_tensorcore) — auto on CPU: no tensor cores"), "{}", text(&o));
+    let kernel = Kernel::detect_with(None);
+    if kernel.is_native() {
+        assert!(text(&o).contains("precision bf16 (stage1_tensorcore) — auto on CPU: this CPU's"), "{}", text(&o));
+        assert!(text(&o).contains(&format!("bf16 GEMMs {}", kernel.name())), "{}", text(&o));
+    } else {
+        assert!(text(&o).contains("precision fp32 (stage1_tensorcore) — auto on CPU: no bf16 units"), "{}", text(&o));
+    }
 }
 
 #[test]
-fn bf16_runs_on_cpu_and_says_it_is_slower_here() {
-    let o = run(&["--precision", "bf16"]);
+fn without_a_bf16_unit_auto_is_fp32_and_bf16_converts() {
+    let o = run_with("off", &[]);
     assert!(o.status.success(), "{}", text(&o));
-    assert!(text(&o).contains("slower than fp32 here"), "{}", text(&o));
+    assert!(text(&o).contains("precision fp32 (stage1_tensorcore) — auto on CPU: no bf16 units"), "{}", text(&o));
+    let o = run_with("off", &["--precision", "bf16"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("slower than fp32 here") && text(&o).contains("bf16 GEMMs converted to f32"), "{}", text(&o));
 }
 
 #[test]

@@ -39,7 +39,13 @@ pub struct Sdpa {
 }
 
 /// How a binary or the ladder finds stage 2.
-pub const STAGE: StageEntry = StageEntry { args: <Args as clap::Args>::augment_args, make: |m| Ok(Box::new(Sdpa::from_matches(m)?)) };
+pub const STAGE: StageEntry = StageEntry {
+    args: <Args as clap::Args>::augment_args,
+    make: |m| {
+        stage1_tensorcore::register_bf16_ceiling(); // bf16 rows' % of peak: against the bf16 GEMM rate
+        Ok(Box::new(Sdpa::from_matches(m)?))
+    },
+};
 
 impl Sdpa {
     /// Stage 2 configured by parsed flags.
@@ -70,6 +76,10 @@ impl Sdpa {
         }
         if self.args.elementwise == Elementwise::Parallel && !plan.info.is_cuda() {
             label.push_str(", elementwise parallel");
+        }
+        if let Some(kernel) = precision::cpu_bf16_kernel(plan) {
+            // The linears; the fused attention's tile products widen bf16 to f32.
+            label.push_str(&format!(", bf16 linears {kernel}"));
         }
         label
     }

@@ -208,12 +208,13 @@ fn fits(a: &Tensor, b: &Tensor) -> bool {
     b.dims() == a.dims() || (b.rank() == 1 && a.dims().last() == b.dims().first())
 }
 
-/// y = x Wᵀ + b for x (B, T, in), W (out, in): candle's GEMM (the backend in use), then the bias
-/// add as one parallel pass. Slow twin: `stage0_baseline::linear`.
+/// y = x Wᵀ + b for x (B, T, in), W (out, in): stage 1's GEMM (bf16 on the CPU's bf16 unit,
+/// else candle's, the backend in use), then the bias add as one parallel pass. Slow twin:
+/// `stage0_baseline::linear`.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, mode: Elementwise) -> candle_core::Result<Tensor> {
     let (bsz, t, c_in) = x.dims3()?;
     let c_out = w.dim(0)?;
-    let y = x.reshape((bsz * t, c_in))?.matmul(&w.t()?)?; // (B·T, out)
+    let y = stage1_tensorcore::bf16_gemm::matmul(&x.reshape((bsz * t, c_in))?, &w.t()?)?; // (B·T, out)
     add(&y, b, mode)?.reshape((bsz, t, c_out))
 }
 

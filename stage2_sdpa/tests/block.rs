@@ -54,7 +54,7 @@ fn row_wise_variant_matches_the_stage_and_says_so() {
 fn binary_runs_and_names_its_attention() {
     let json = std::env::temp_dir().join(format!("stage2-implementation-{}.json", std::process::id()));
     let o = Command::new(env!("CARGO_BIN_EXE_stage2_sdpa"))
-        .args(["--preset", "tiny", "--warmup", "0", "--iters", "1", "--json"])
+        .args(["--preset", "tiny", "--warmup", "0", "--iters", "1", "--precision", "fp32", "--json"])
         .arg(&json)
         .output()
         .unwrap();

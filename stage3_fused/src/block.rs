@@ -87,7 +87,13 @@ pub struct Fused {
 }
 
 /// How a binary or the ladder finds stage 3.
-pub const STAGE: StageEntry = StageEntry { args: <Args as clap::Args>::augment_args, make: |m| Ok(Box::new(Fused::from_matches(m)?)) };
+pub const STAGE: StageEntry = StageEntry {
+    args: <Args as clap::Args>::augment_args,
+    make: |m| {
+        stage1_tensorcore::register_bf16_ceiling(); // bf16 rows' % of peak: against the bf16 GEMM rate
+        Ok(Box::new(Fused::from_matches(m)?))
+    },
+};
 
 impl Fused {
     /// Stage 3 configured by parsed flags (stage 2's and its own).

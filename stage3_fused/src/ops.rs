@@ -27,6 +27,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 use rayon::prelude::*;
+use stage1_tensorcore::bf16_gemm::{self, Kernel, MatRef};
 use stage2_sdpa::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, Elementwise, RowStats};
 use std::borrow::Cow;
 use std::sync::Mutex;
@@ -322,8 +323,9 @@ impl CustomOp3 for Linear<'_> {
     }
 
     /// The destination is filled with the bias (plus the residual) row by row, then the GEMM
-    /// accumulates into it: dst = 1·dst + 1·x·Wᵀ. bf16/f16 operands are widened to f32 first,
-    /// as candle's own CPU matmul does (there is no bf16 GEMM kernel on CPU).
+    /// accumulates into it: dst = 1·dst + 1·x·Wᵀ. bf16 operands run on the CPU's bf16 unit
+    /// (stage 1's `bf16_gemm`, f32 accumulation into dst) where it has one; otherwise, and for
+    /// f16, they are widened to f32 first, as candle's own CPU matmul does.
     fn cpu_fwd(
         &self,
         xs: &CpuStorage,
@@ -336,7 +338,8 @@ impl CustomOp3 for Linear<'_> {
         let (bsz, t, k) = xl.shape().dims3()?;
         let n = wl.shape().dims()[0];
         let m = bsz * t;
-        let (x, w, b) = (f32_values(xs, xl, "x")?, f32_values(ws, wl, "W")?, f32_values(bs, bl, "b")?);
+        let operands = Operands::of(xs, xl, ws, wl)?;
+        let b = f32_values(bs, bl, "b")?;
         let b = &b[..];
         let mut out = vec![0f32; m * n];
         let mut out_dtype = xs.dtype();
@@ -358,7 +361,7 @@ impl CustomOp3 for Linear<'_> {
             let dst = &mut out[r0 * n..(r0 + mb) * n];
             // GELU: the GEMM overwrites dst (β = 0: it never reads the zeros), then one pass adds the
             // bias and applies GELU; otherwise it accumulates onto the bias (and residual) rows.
-            gemm_into(dst, &x[r0 * k..(r0 + mb) * k], &w, (mb, n, k), !gelu);
+            operands.gemm_into(dst, (r0, mb), (n, k), !gelu)?;
             if gelu {
                 // y = gelu(acc + b), on all threads, SIMD (gelu_tanh has no libm call)
                 dst.par_chunks_mut(ROWS_PER_TASK * n).for_each(|block| {
@@ -385,6 +388,40 @@ impl CustomOp3 for Linear<'_> {
         let n = wl.shape().dims()[0];
         let y = crate::cuda::linear(xs, xl, ws, wl, bs, bl, self.epilogue)?;
         Ok((y, Shape::from((bsz, t, n))))
+    }
+}
+
+/// The GEMM operands x (m × k) and W (n × k), row-major: bf16 in place when the CPU's bf16 unit
+/// runs them, else f32 (borrowed, or widened on all threads).
+enum Operands<'a> {
+    Bf16 { x: &'a [half::bf16], w: &'a [half::bf16], kernel: Kernel },
+    F32 { x: Cow<'a, [f32]>, w: Cow<'a, [f32]> },
+}
+
+impl<'a> Operands<'a> {
+    fn of(xs: &'a CpuStorage, xl: &Layout, ws: &'a CpuStorage, wl: &Layout) -> candle_core::Result<Self> {
+        let kernel = Kernel::detect();
+        match (xs, ws, xl.contiguous_offsets(), wl.contiguous_offsets()) {
+            (CpuStorage::BF16(x), CpuStorage::BF16(w), Some((x0, x1)), Some((w0, w1))) if kernel.is_native() => {
+                Ok(Operands::Bf16 { x: &x[x0..x1], w: &w[w0..w1], kernel })
+            }
+            _ => Ok(Operands::F32 { x: f32_values(xs, xl, "x")?, w: f32_values(ws, wl, "W")? }),
+        }
+    }
+
+    /// Rows r0..r0+mb of dst (mb × n) = x[r0..r0+mb] · Wᵀ (+ dst when `accumulate`).
+    fn gemm_into(&self, dst: &mut [f32], (r0, mb): (usize, usize), (n, k): (usize, usize), accumulate: bool) -> candle_core::Result<()> {
+        match self {
+            Operands::Bf16 { x, w, kernel } => {
+                let x = MatRef::row_major(&x[r0 * k..(r0 + mb) * k], mb, k);
+                let wt = MatRef::row_major(w, n, k).t(); // (k, n): W read transposed, no copy
+                bf16_gemm::gemm(*kernel, dst, x, wt, accumulate, true).map_err(candle_core::Error::Msg)
+            }
+            Operands::F32 { x, w } => {
+                gemm_into(dst, &x[r0 * k..(r0 + mb) * k], w, (mb, n, k), accumulate);
+                Ok(())
+            }
+        }
     }
 }
 

@@ -33,7 +33,9 @@ fn emulated_block_within_fp8_tolerance_and_twin_near_zero() {
     };
     for recipe in [Fp8Recipe::Delayed, Fp8Recipe::Current] {
         let spec = stage(recipe);
-        let plan = plan_alone(&spec, &device, &info, shape, PrecisionRequest::Auto).unwrap();
+        // f32 activations (stage 3 at fp32), so the twin differs in accumulation order only; on a
+        // CPU with a bf16 unit auto would give bf16 activations, whose rounding the twin also sees.
+        let plan = plan(&spec, &device, &info, shape, PrecisionRequest::Auto, PrecisionRequest::Exactly(Precision::Fp32), false).unwrap();
         assert_eq!(plan.precision, Precision::Fp8);
         let fused = if recipe == Fp8Recipe::Delayed { "all" } else { "none" }; // all the recipe allows
         assert_eq!(spec.implementation(&plan).unwrap(), format!("emulated, {} scaling, fp8 fusions {fused}", recipe.name()));
@@ -145,15 +147,17 @@ fn refusals_name_cause_and_fix() {
 
 #[test]
 fn on_the_cpu_stage_4_differs_from_stage_3_only_in_the_gemms() {
-    // Activations in stage 3's dtype at the same --precision (f32 by default on the CPU, bf16
-    // when asked), and no note of a forced difference; on a GPU, bf16 with a note when stage 3
-    // would run something else.
+    // Activations in stage 3's dtype at the same --precision (by default bf16 on a CPU with a bf16
+    // unit and f32 on one without, bf16 or fp32 when asked), and no note of a forced difference;
+    // on a GPU, bf16 with a note when stage 3 would run something else.
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
     let shape = Preset::Tiny.shape();
+    let auto = stage1_tensorcore::precision::auto_dtype(&device).unwrap();
     for (requested, dtype) in [
-        (PrecisionRequest::Auto, DType::F32),
-        (PrecisionRequest::Exactly(Precision::Fp8), DType::F32),
+        (PrecisionRequest::Auto, auto),
+        (PrecisionRequest::Exactly(Precision::Fp8), auto),
         (PrecisionRequest::Exactly(Precision::Bf16), DType::BF16),
+        (PrecisionRequest::Exactly(Precision::Fp32), DType::F32),
     ] {
         let spec = Fp8::default();
         let plan = plan(&spec, &device, &info, shape, PrecisionRequest::Auto, requested, false).unwrap();

@@ -1,0 +1,628 @@
+//! A bf16 GEMM for the CPU: stage 1's lesson on a CPU's own matrix units.
+//!
+//! `matmul(a, b)` is candle's `a.matmul(b)` for bf16 tensors, run on the widest bf16 unit this
+//! CPU has, f32 accumulation inside, bf16 out (as on a GPU's tensor cores). On CUDA, and for
+//! other dtypes, it is candle's matmul. Its slow twin is `matmul_slow` (widen to f32, candle's
+//! f32 matmul, narrow), and the kernel's scalar twin is `gemm_scalar`; `tests/bf16_gemm.rs`
+//! pairs them.
+//!
+//! | kernel             | instruction                                 | per instruction                         |
+//! |--------------------|---------------------------------------------|-----------------------------------------|
+//! | `amx`              | `tdpbf16ps` on 16 × 32 bf16 tiles           | a 16 × 16 f32 tile += 16 × 32 · 32 × 16 |
+//! | `avx512-bf16`      | `vdpbf16ps` (`_mm512_dpbf16_ps`)            | 16 f32 lanes += two bf16 products each  |
+//! | `mkl`              | MKL's `cblas_gemm_bf16bf16f32` (`mkl` build) | MKL's own kernels                       |
+//! | `converted to f32` | none: widen, f32 GEMM, narrow               | (a CPU without bf16 instructions)       |
+//!
+//! **Why it is faster.** `vdpbf16ps` reads bf16 *pairs*: each 32-bit lane of its operands holds
+//! two adjacent-k bf16 values, and it adds both products into one f32 lane — twice the
+//! multiply-adds of an f32 FMA per instruction, from half the bytes. AMX's `tdpbf16ps` does a
+//! whole 16 × 16 × 32 product per instruction. An f32 GEMM on bf16 data instead widens every
+//! operand first and runs at the f32 rate.
+//!
+//! **The pair layout.** Both operands are packed so that the instruction's pairs are adjacent k:
+//! A (m × k) as micro-panels of `MR` rows, each k-pair of a row one u32 (broadcast to all lanes);
+//! B (k × n) as micro-panels of `NR` columns, each k-pair of a column one u32 (a row of 32 u32 is
+//! two zmm registers, and AMX's B tile reads the same layout). An odd K leaves the last pair half
+//! empty: the packing writes a zero there, which adds 0·0 and changes nothing. Rows and columns
+//! past the edge are zero too, and their results are never stored.
+//!
+//! **Blocking and threads**, as the fp32 paths (the gemm crate, BLIS): B is packed once per
+//! call; each rayon task takes `MC` rows × `NC` columns of C and, per `KC`-pair slice of k,
+//! packs its A block (`MC × KC` pairs, 48 KiB: L2) and runs the micro-kernel over every
+//! `MR × NR` tile with one B micro-panel (`KC × NR` pairs, 16 KiB: L1) at a time.
+//! The `MR × NR` = 12 × 32 accumulator tile is 24 zmm registers, leaving room for two B rows and
+//! the broadcast A pair.
+//!
+//! **What it costs.** Operands are bf16 (8 significant bits), so the products carry bf16's
+//! ~4e-3 relative rounding of each input; they are exact in f32, and the sums accumulate in f32.
+//! `vdpbf16ps` treats f32 denormals as zero (DAZ/FTZ), which no block value comes near.
+//!
+//! **Detection** is at run time (`Kernel::detect`): a binary built anywhere runs on a CPU without
+//! AVX-512 and never executes these instructions there. `SPEEDKIT_CPU_BF16=off` turns both units
+//! off (what a CPU without them runs), `=avx512-bf16` keeps AMX off, and in a build with the `mkl`
+//! feature `=mkl` runs MKL's bf16 GEMM instead of ours (to compare the two; MKL picks slower
+//! code paths on AMD CPUs, so ours stays the default).
+
+#[cfg(target_arch = "x86_64")]
+mod amx;
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use half::bf16;
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+/// Rows of C per micro-kernel tile (one broadcast A pair each).
+pub const MR: usize = 12;
+/// Columns of C per micro-kernel tile: two zmm registers of 16 f32.
+pub const NR: usize = 32;
+/// k-pairs per slice: a B micro-panel is KC × NR × 4 bytes = 16 KiB, half of a Zen 4 L1.
+pub const KC: usize = 128;
+/// Rows of C per task: the packed A block is MC × KC × 4 bytes = 48 KiB, well within L2.
+pub const MC: usize = 96;
+/// Columns of C per task: tasks = ⌈m / MC⌉ · ⌈n / NC⌉, many more than cores at the block's
+/// shapes, and each packed A block serves up to NC / NR = 24 B micro-panels.
+pub const NC: usize = 768;
+
+/// The kernel that runs a bf16 GEMM on this CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// AMX-BF16 tiles (`tdpbf16ps`), where the CPU has them and Linux grants the tile state.
+    Amx,
+    /// AVX512-BF16 (`vdpbf16ps`), our micro-kernel in this file.
+    Avx512Bf16,
+    /// MKL's `cblas_gemm_bf16bf16f32` (builds with the `mkl` feature; asked for by name).
+    Mkl,
+    /// No bf16 instructions: operands widened to f32, the f32 GEMM, the result narrowed.
+    ConvertedF32,
+}
+
+impl Kernel {
+    /// The label reports and tables carry.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Amx => "amx",
+            Kernel::Avx512Bf16 => "avx512-bf16",
+            Kernel::Mkl => "mkl",
+            Kernel::ConvertedF32 => "converted to f32",
+        }
+    }
+
+    /// Whether this kernel runs bf16 products on a bf16 unit (so bf16 beats fp32 here).
+    pub fn is_native(self) -> bool {
+        self != Kernel::ConvertedF32
+    }
+
+    /// Whether this CPU can run `self`.
+    pub fn available(self) -> bool {
+        match self {
+            Kernel::Amx => amx_available(),
+            Kernel::Avx512Bf16 => avx512_bf16_available(),
+            Kernel::Mkl => cfg!(feature = "mkl"),
+            Kernel::ConvertedF32 => true,
+        }
+    }
+
+    /// The fastest kernel this CPU has, detected once per process: AMX, then AVX512-BF16, then
+    /// conversion. `SPEEDKIT_CPU_BF16=off` (or `f32`) forces conversion, `=avx512-bf16` skips AMX,
+    /// `=mkl` picks MKL's in an `mkl` build.
+    pub fn detect() -> Kernel {
+        static KERNEL: OnceLock<Kernel> = OnceLock::new();
+        *KERNEL.get_or_init(|| Kernel::detect_with(std::env::var("SPEEDKIT_CPU_BF16").ok().as_deref()))
+    }
+
+    /// `detect` with the override given: `None` or `"auto"` picks the fastest available.
+    pub fn detect_with(request: Option<&str>) -> Kernel {
+        if request == Some("mkl") && Kernel::Mkl.available() {
+            return Kernel::Mkl;
+        }
+        let allow_amx = !matches!(request, Some("off" | "f32" | "avx512-bf16"));
+        let allow_avx = !matches!(request, Some("off" | "f32"));
+        if allow_amx && Kernel::Amx.available() {
+            Kernel::Amx
+        } else if allow_avx && Kernel::Avx512Bf16.available() {
+            Kernel::Avx512Bf16
+        } else {
+            Kernel::ConvertedF32
+        }
+    }
+}
+
+fn avx512_bf16_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+fn amx_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static GRANTED: OnceLock<bool> = OnceLock::new();
+        *GRANTED.get_or_init(amx::request)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// A read-only view of an m × k (or k × n) bf16 matrix inside a slice: element (r, c) is
+/// `data[offset + r·rs + c·cs]`. Any strides: transposed views and stage 3's QKV views alike.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<'a> {
+    pub data: &'a [bf16],
+    pub offset: usize,
+    pub rows: usize,
+    pub cols: usize,
+    /// Distance between rows.
+    pub rs: usize,
+    /// Distance between columns.
+    pub cs: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// A row-major rows × cols matrix.
+    pub fn row_major(data: &'a [bf16], rows: usize, cols: usize) -> Self {
+        MatRef { data, offset: 0, rows, cols, rs: cols, cs: 1 }
+    }
+
+    /// The same elements read transposed (cols × rows): no copy.
+    pub fn t(self) -> Self {
+        MatRef { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
+    }
+
+    /// The bits of element (r, c), or 0 (+0.0) past the edge.
+    #[inline(always)]
+    fn bits(&self, r: usize, c: usize) -> u32 {
+        if r < self.rows && c < self.cols {
+            self.data[self.offset + r * self.rs + c * self.cs].to_bits() as u32
+        } else {
+            0
+        }
+    }
+
+    /// The pair (r, 2p), (r, 2p + 1) as the instruction reads it: the lower k in the low half.
+    #[inline(always)]
+    fn pair_along_cols(&self, r: usize, p: usize) -> u32 {
+        self.bits(r, 2 * p) | (self.bits(r, 2 * p + 1) << 16)
+    }
+
+    /// The pair (2p, c), (2p + 1, c).
+    #[inline(always)]
+    fn pair_along_rows(&self, p: usize, c: usize) -> u32 {
+        self.bits(2 * p, c) | (self.bits(2 * p + 1, c) << 16)
+    }
+
+    fn check(&self, what: &str) -> Result<(), String> {
+        if self.rows == 0 || self.cols == 0 {
+            return Ok(());
+        }
+        let last = self.offset + (self.rows - 1) * self.rs + (self.cols - 1) * self.cs;
+        if last >= self.data.len() {
+            return Err(format!(
+                "bf16 gemm: {what} ({} × {}, strides {}, {}) reaches past its {} elements",
+                self.rows,
+                self.cols,
+                self.rs,
+                self.cs,
+                self.data.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// c (m × n, row-major f32) = a (m × k) · b (k × n) (+ c when `accumulate`), bf16 products
+/// accumulated in f32, on `kernel` (`Avx512Bf16` or `Amx`), rayon over tiles when `parallel`.
+/// An error, never a fault, when the CPU lacks the kernel or the shapes do not fit;
+/// `ConvertedF32` is the caller's f32 GEMM and is refused here.
+pub fn gemm(kernel: Kernel, c: &mut [f32], a: MatRef, b: MatRef, accumulate: bool, parallel: bool) -> Result<(), String> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if b.rows != k || c.len() != m * n {
+        return Err(format!("bf16 gemm: a {m} × {k}, b {} × {n} and c ({} elements) do not fit c = a·b", b.rows, c.len()));
+    }
+    a.check("a")?;
+    b.check("b")?;
+    if !kernel.is_native() || !kernel.available() {
+        return Err(format!("bf16 gemm: the {} kernel cannot run on this CPU (detected: {})", kernel.name(), Kernel::detect().name()));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if kernel == Kernel::Mkl {
+        #[cfg(feature = "mkl")]
+        return mkl::gemm(c, a, b, accumulate);
+    }
+    if k == 0 {
+        if !accumulate {
+            c.fill(0.0);
+        }
+        return Ok(());
+    }
+    // k-pairs; AMX reads them 16 at a time, so its panels are padded with zero pairs.
+    #[cfg(target_arch = "x86_64")]
+    let kp = if kernel == Kernel::Amx { k.div_ceil(2).next_multiple_of(amx::TK) } else { k.div_ceil(2) };
+    #[cfg(not(target_arch = "x86_64"))]
+    let kp = k.div_ceil(2);
+    let packed_b = pack_b(b, kp, parallel);
+    let out = OutPtr(c.as_mut_ptr());
+    let (row_blocks, col_blocks) = (m.div_ceil(MC), n.div_ceil(NC));
+    let task = |t: usize| {
+        let (i0, j0) = ((t / col_blocks) * MC, (t % col_blocks) * NC);
+        let (mc, nc) = (MC.min(m - i0), NC.min(n - j0));
+        // SAFETY: the task's rows i0..i0+mc and columns j0..j0+nc are its own (tasks tile C
+        // without overlap), and lie inside c (m × n, length checked above).
+        unsafe { block(kernel, out, n, a, &packed_b, kp, (i0, mc), (j0, nc), accumulate) }
+    };
+    if parallel {
+        (0..row_blocks * col_blocks).into_par_iter().for_each(task);
+    } else {
+        (0..row_blocks * col_blocks).for_each(task);
+    }
+    Ok(())
+}
+
+/// The scalar twin: the same products and f32 sums, in k order, one element at a time.
+pub fn gemm_scalar(c: &mut [f32], a: MatRef, b: MatRef, accumulate: bool) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(b.rows == k && c.len() == m * n, "c = a·b: a {m} × {k}, b {} × {n}, c {}", b.rows, c.len());
+    let at = |x: &MatRef, r: usize, col: usize| x.data[x.offset + r * x.rs + col * x.cs].to_f32();
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = if accumulate { c[i * n + j] } else { 0.0 };
+            for kk in 0..k {
+                acc += at(&a, i, kk) * at(&b, kk, j); // exact product of two bf16 in f32
+            }
+            c[i * n + j] = acc;
+        }
+    }
+}
+
+/// B (k × n) as ⌈n / NR⌉ panels of kp × NR pairs: panel q, pair p, column j at
+/// `(q·kp + p)·NR + j`. Zero past the edges.
+fn pack_b(b: MatRef, kp: usize, parallel: bool) -> Vec<u32> {
+    let panels = b.cols.div_ceil(NR);
+    let mut packed = vec![0u32; panels * kp * NR];
+    let whole = b.rows / 2; // pairs wholly inside k
+    let fill = |(q, panel): (usize, &mut [u32])| {
+        for j in 0..NR.min(b.cols - q * NR) {
+            let col = q * NR + j;
+            if b.rs == 1 && whole > 0 {
+                // A column's elements are adjacent (B is a transposed weight, x·Wᵀ): a pair is two
+                // neighbours, read in one sweep.
+                let src = &b.data[b.offset + col * b.cs..][..2 * whole];
+                for (p, pair) in src.chunks_exact(2).enumerate() {
+                    panel[p * NR + j] = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;
+                }
+            } else {
+                for p in 0..whole {
+                    panel[p * NR + j] = b.pair_along_rows(p, col);
+                }
+            }
+            for p in whole..kp {
+                panel[p * NR + j] = b.pair_along_rows(p, col);
+            }
+        }
+    };
+    if parallel {
+        packed.par_chunks_mut(kp * NR).enumerate().for_each(fill);
+    } else {
+        packed.chunks_mut(kp * NR).enumerate().for_each(fill);
+    }
+    packed
+}
+
+/// Rows i0..i0+mc of A, pairs p0..p0+kc, as ⌈mc / MR⌉ micro-panels of kc × MR pairs (row i of
+/// panel r, pair p at `(r·kc + p)·MR + i`), zero past the edges. Written into `into`.
+fn pack_a(a: MatRef, (i0, mc): (usize, usize), (p0, kc): (usize, usize), into: &mut Vec<u32>) {
+    let panels = mc.div_ceil(MR);
+    into.clear();
+    into.resize(panels * kc * MR, 0);
+    // Pairs wholly inside k; an odd K's last pair (and the padding after it) is done one by one.
+    let whole = kc.min((a.cols / 2).saturating_sub(p0));
+    for r in 0..panels {
+        let panel = &mut into[r * kc * MR..][..kc * MR];
+        for i in 0..MR.min(mc - r * MR) {
+            let row = i0 + r * MR + i;
+            if a.cs == 1 && whole > 0 {
+                // A row's elements are adjacent: a pair is two neighbours, read in one sweep.
+                let src = &a.data[a.offset + row * a.rs + 2 * p0..][..2 * whole];
+                for (p, pair) in src.chunks_exact(2).enumerate() {
+                    panel[p * MR + i] = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;
+                }
+            } else {
+                for p in 0..whole {
+                    panel[p * MR + i] = a.pair_along_cols(row, p0 + p);
+                }
+            }
+            for p in whole..kc {
+                panel[p * MR + i] = a.pair_along_cols(row, p0 + p);
+            }
+        }
+    }
+}
+
+/// C written by every task at rows and columns no other task writes.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint blocks of C (see `gemm`).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The element at offset i (a method, so closures capture the Send + Sync wrapper whole).
+    ///
+    /// # Safety
+    /// i is inside the buffer.
+    unsafe fn at(self, i: usize) -> *mut f32 {
+        self.0.add(i)
+    }
+}
+
+/// One task: C[i0..i0+mc, j0..j0+nc] over all of k, KC pairs at a time.
+///
+/// # Safety
+/// The block lies inside C (m × n with row length `ldc`), and no other thread writes it.
+#[allow(clippy::too_many_arguments)]
+unsafe fn block(
+    kernel: Kernel,
+    c: OutPtr,
+    ldc: usize,
+    a: MatRef,
+    packed_b: &[u32],
+    kp: usize,
+    (i0, mc): (usize, usize),
+    (j0, nc): (usize, usize),
+    accumulate: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Amx {
+        return amx::block(c.0, ldc, a, packed_b, kp, (i0, mc), (j0, nc), accumulate);
+    }
+    let mut packed_a = Vec::new();
+    let mut tile = [0f32; MR * NR]; // edge tiles run here, then their valid part is copied
+    for p0 in (0..kp).step_by(KC) {
+        let kc = KC.min(kp - p0);
+        pack_a(a, (i0, mc), (p0, kc), &mut packed_a);
+        let load = accumulate || p0 > 0; // the first slice overwrites C unless accumulating
+        for jr in (0..nc).step_by(NR) {
+            let (j, nr) = (j0 + jr, NR.min(nc - jr));
+            let b_panel = &packed_b[((j / NR) * kp + p0) * NR..][..kc * NR];
+            for ir in (0..mc).step_by(MR) {
+                let (i, mr) = (i0 + ir, MR.min(mc - ir));
+                let a_panel = &packed_a[(ir / MR) * kc * MR..][..kc * MR];
+                let corner = c.at(i * ldc + j);
+                if mr == MR && nr == NR {
+                    micro_kernel(kernel, kc, a_panel, b_panel, corner, ldc, load);
+                } else {
+                    for r in 0..mr {
+                        for q in 0..nr {
+                            tile[r * NR + q] = if load { *corner.add(r * ldc + q) } else { 0.0 };
+                        }
+                    }
+                    micro_kernel(kernel, kc, a_panel, b_panel, tile.as_mut_ptr(), NR, true);
+                    for r in 0..mr {
+                        for q in 0..nr {
+                            *corner.add(r * ldc + q) = tile[r * NR + q];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One MR × NR tile of C (row length `ldc`) += its A micro-panel · its B micro-panel.
+///
+/// # Safety
+/// `c` addresses MR rows of NR f32 `ldc` apart; the panels hold kc · MR and kc · NR pairs; the
+/// kernel is available (checked in `gemm`).
+#[inline(always)]
+unsafe fn micro_kernel(kernel: Kernel, kc: usize, a: &[u32], b: &[u32], c: *mut f32, ldc: usize, load: bool) {
+    debug_assert!(a.len() >= kc * MR && b.len() >= kc * NR);
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512Bf16 {
+        return avx512::micro_kernel(kc, a.as_ptr(), b.as_ptr(), c, ldc, load);
+    }
+    unreachable!("bf16 gemm: no micro-kernel for {kernel:?} on this architecture (refused in `gemm`)")
+}
+
+#[cfg(feature = "mkl")]
+mod mkl {
+    use super::MatRef;
+    use half::bf16;
+    use std::borrow::Cow;
+
+    extern "C" {
+        // MKL's CBLAS (LP64), linked by intel-mkl-src through candle-core's `mkl` feature.
+        // MKL_BF16 is an unsigned 16-bit integer holding the bf16 bits.
+        fn cblas_gemm_bf16bf16f32(
+            layout: i32,
+            transa: i32,
+            transb: i32,
+            m: i32,
+            n: i32,
+            k: i32,
+            alpha: f32,
+            a: *const u16,
+            lda: i32,
+            b: *const u16,
+            ldb: i32,
+            beta: f32,
+            c: *mut f32,
+            ldc: i32,
+        );
+    }
+    const ROW_MAJOR: i32 = 101;
+    const NO_TRANS: i32 = 111;
+    const TRANS: i32 = 112;
+
+    /// A view as (pointer source, transpose flag, leading dimension) in MKL's row-major terms:
+    /// rows adjacent → transposed; else columns adjacent; else copied row-major first.
+    fn operand<'a>(x: &MatRef<'a>) -> (Cow<'a, [bf16]>, i32, usize) {
+        if x.cs == 1 && x.rs >= x.cols.max(1) {
+            (Cow::Borrowed(&x.data[x.offset..]), NO_TRANS, x.rs)
+        } else if x.rs == 1 && x.cs >= x.rows.max(1) {
+            (Cow::Borrowed(&x.data[x.offset..]), TRANS, x.cs)
+        } else {
+            let v = (0..x.rows).flat_map(|r| (0..x.cols).map(move |c| x.data[x.offset + r * x.rs + c * x.cs])).collect();
+            (Cow::Owned(v), NO_TRANS, x.cols.max(1))
+        }
+    }
+
+    pub fn gemm(c: &mut [f32], a: MatRef, b: MatRef, accumulate: bool) -> Result<(), String> {
+        let (m, k, n) = (a.rows, a.cols, b.cols);
+        let dim = |v: usize| i32::try_from(v).map_err(|_| format!("bf16 gemm: dimension {v} exceeds MKL's 32-bit (LP64) interface"));
+        let ((ad, ta, lda), (bd, tb, ldb)) = (operand(&a), operand(&b));
+        let (mi, ni, ki, ldai, ldbi, ldc) = (dim(m)?, dim(n)?, dim(k)?, dim(lda)?, dim(ldb)?, dim(n)?);
+        // SAFETY: `gemm` checked that both views lie inside their slices, so every element MKL
+        // reads through (pointer, transpose, leading dimension) is in bounds; c holds m·n.
+        unsafe {
+            cblas_gemm_bf16bf16f32(
+                ROW_MAJOR,
+                ta,
+                tb,
+                mi,
+                ni,
+                ki,
+                1.0,
+                ad.as_ptr() as *const u16,
+                ldai,
+                bd.as_ptr() as *const u16,
+                ldbi,
+                if accumulate { 1.0 } else { 0.0 },
+                c.as_mut_ptr(),
+                ldc,
+            )
+        };
+        Ok(())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{MR, NR};
+    use std::arch::x86_64::*;
+
+    /// C (MR × NR) (+)= Σ_p A_p ⊗ B_p over kc pairs: per pair, B's two zmm rows (16 columns ×
+    /// one pair each) and, for each of the MR rows, A's pair broadcast to all 16 lanes; then
+    /// `vdpbf16ps`: acc[i][lane] += a(i, 2p)·b(2p, lane) + a(i, 2p+1)·b(2p+1, lane).
+    ///
+    /// # Safety
+    /// The CPU has AVX512-F and AVX512-BF16; `a` holds kc·MR pairs, `b` kc·NR; `c` addresses MR
+    /// rows of NR f32, `ldc` apart.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn micro_kernel(kc: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR]; // 24 zmm: the C tile stays in registers
+        if load {
+            for (i, row) in acc.iter_mut().enumerate() {
+                row[0] = _mm512_loadu_ps(c.add(i * ldc));
+                row[1] = _mm512_loadu_ps(c.add(i * ldc + 16));
+            }
+        }
+        for p in 0..kc {
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR) as *const _));
+            let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR + 16) as *const _));
+            let ap = a.add(p * MR);
+            for (i, row) in acc.iter_mut().enumerate() {
+                let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ap.add(i) as i32));
+                row[0] = _mm512_dpbf16_ps(row[0], ai, b0);
+                row[1] = _mm512_dpbf16_ps(row[1], ai, b1);
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            _mm512_storeu_ps(c.add(i * ldc), row[0]);
+            _mm512_storeu_ps(c.add(i * ldc + 16), row[1]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The candle op
+// ---------------------------------------------------------------------------------------------
+
+/// `a.matmul(b)` with bf16 GEMMs on this CPU's bf16 unit (`Kernel::detect`): a (…, M, K),
+/// b (…, K, N) or (K, N), both bf16, any strides; out (…, M, N) bf16, accumulated in f32.
+/// Everything else (CUDA tensors, other dtypes) is candle's matmul.
+pub fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    matmul_with(a, b, Kernel::detect())
+}
+
+/// `matmul` on a given kernel (`ConvertedF32` is the slow twin's path, what a CPU without bf16
+/// instructions runs). A kernel this CPU lacks is an error.
+pub fn matmul_with(a: &Tensor, b: &Tensor, kernel: Kernel) -> candle_core::Result<Tensor> {
+    if !a.device().is_cpu() || a.dtype() != DType::BF16 || b.dtype() != DType::BF16 {
+        return a.matmul(b);
+    }
+    if !kernel.is_native() {
+        return matmul_slow(a, b);
+    }
+    a.apply_op2_no_bwd(b, &Bf16Matmul { kernel })
+}
+
+/// Slow twin of `matmul`: operands widened to f32, candle's f32 matmul, the result narrowed to
+/// a's dtype. What runs on a CPU without bf16 instructions ("converted to f32").
+pub fn matmul_slow(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    a.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?)?.to_dtype(a.dtype())
+}
+
+/// The op behind `matmul`.
+struct Bf16Matmul {
+    kernel: Kernel,
+}
+
+impl CustomOp2 for Bf16Matmul {
+    fn name(&self) -> &'static str {
+        "speedkit-bf16-matmul"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::BF16(a), CpuStorage::BF16(b)) = (s1, s2) else { candle_core::bail!("bf16 matmul: both operands must be bf16") };
+        let (ad, bd) = (l1.shape().dims(), l2.shape().dims());
+        if ad.len() < 2 || bd.len() < 2 {
+            candle_core::bail!("bf16 matmul: operands must be at least 2-d, got {ad:?} and {bd:?}");
+        }
+        let (batch_dims, m, k) = (&ad[..ad.len() - 2], ad[ad.len() - 2], ad[ad.len() - 1]);
+        let (kb, n) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+        let b_batched = bd.len() > 2;
+        if kb != k || (b_batched && &bd[..bd.len() - 2] != batch_dims) {
+            candle_core::bail!("bf16 matmul: shapes {ad:?} and {bd:?} do not fit (…, M, K) · (…, K, N) or (K, N)");
+        }
+        let batch: usize = batch_dims.iter().product();
+        let mut out = vec![0f32; batch * m * n];
+        // One product: on all threads when it is the only one, else one product per task.
+        let run = |t: usize, c: &mut [f32], parallel: bool| {
+            let av = batch_view(a, l1, t, m, k);
+            let bv = batch_view(b, l2, if b_batched { t } else { 0 }, k, n);
+            gemm(self.kernel, c, av, bv, false, parallel)
+        };
+        if batch == 1 || self.kernel == Kernel::Mkl {
+            // MKL threads each product itself (OpenMP); one at a time.
+            out.chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, true))
+        } else {
+            out.par_chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, false))
+        }
+        .map_err(candle_core::Error::Msg)?;
+        let out: Vec<bf16> = out.par_iter().map(|&v| bf16::from_f32(v)).collect();
+        let mut dims = batch_dims.to_vec();
+        dims.extend([m, n]);
+        Ok((CpuStorage::BF16(out), Shape::from(dims)))
+    }
+}
+
+/// Product t of a batched operand (…, rows, cols) as a view: its offset from the layout's batch
+/// strides (broadcast batch dimensions have stride 0), its strides from the last two.
+fn batch_view<'a>(data: &'a [bf16], l: &Layout, t: usize, rows: usize, cols: usize) -> MatRef<'a> {
+    let (dims, strides) = (l.shape().dims(), l.stride());
+    let nb = dims.len() - 2;
+    let (mut rest, mut offset) = (t, l.start_offset());
+    for d in (0..nb).rev() {
+        offset += (rest % dims[d]) * strides[d];
+        rest /= dims[d];
+    }
+    MatRef { data, offset, rows, cols, rs: strides[nb], cs: strides[nb + 1] }
+}

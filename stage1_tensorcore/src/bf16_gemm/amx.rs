@@ -1,0 +1,176 @@
+//! The AMX-BF16 path: `tdpbf16ps` multiplies a 16-row × 16-pair A tile by a 16-pair × 16-column
+//! B tile into a 16 × 16 f32 C tile, one instruction for 16·16·32 = 8192 multiply-adds. Eight tile
+//! registers (tmm0–7) of 1 KiB each: here four C tiles (a 32 × 32 block of C), two A tiles and two
+//! B tiles, so every A and B tile loaded feeds two products.
+//!
+//! B's packed panels (`pack_b`, NR = 32 columns, pairs along k) are already AMX's B layout: a
+//! tile is 16 consecutive pairs (rows) of 16 columns, rows 128 bytes apart. A is packed row-major
+//! per 32-row panel (a row's pairs adjacent), the layout of an A tile. K is padded to a multiple
+//! of 16 pairs with zeros.
+//!
+//! Linux hands out the tile state on request only (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+//! XFEATURE_XTILEDATA)`); without it the first tile instruction kills the process, so `request`
+//! asks first and the kernel is used only when Linux said yes. Rust's AMX intrinsics are not
+//! stable, so the instructions are written with `asm!`.
+
+use super::{MatRef, NR};
+
+/// Rows of C per block of four C tiles.
+const TM: usize = 32;
+/// k-pairs per slice: the packed A block is MC × KCA × 4 bytes = 96 KiB (L2).
+const KCA: usize = 256;
+/// k-pairs per tile (64 bytes of bf16 pairs per tile row).
+pub const TK: usize = 16;
+
+/// Whether the CPU has AMX-TILE and AMX-BF16, the OS enabled their state (XCR0 bits 17, 18), and
+/// Linux granted this process the tile data. Asked once (see `amx_available`).
+pub fn request() -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        use std::arch::x86_64::{__cpuid, __cpuid_count};
+        // SAFETY: cpuid is available on every x86_64 CPU (safe to call on newer Rust, hence the allow).
+        #[allow(unused_unsafe)]
+        let (max_leaf, leaf7) = unsafe { (__cpuid(0).eax, __cpuid_count(7, 0)) };
+        let amx_tile = max_leaf >= 7 && leaf7.edx & (1 << 24) != 0;
+        let amx_bf16 = max_leaf >= 7 && leaf7.edx & (1 << 22) != 0;
+        if !(amx_tile && amx_bf16 && std::arch::is_x86_feature_detected!("xsave")) {
+            return false;
+        }
+        // SAFETY: xgetbv(0) is valid where XSAVE is (checked above).
+        let xcr0 = unsafe { xcr0() };
+        if xcr0 & (0b11 << 17) != 0b11 << 17 {
+            return false;
+        }
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: arch_prctl with these arguments only changes this process's permissions.
+        unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[target_feature(enable = "xsave")]
+unsafe fn xcr0() -> u64 {
+    std::arch::x86_64::_xgetbv(0)
+}
+
+/// The tile configuration (palette 1): tmm0–7 all 16 rows of 64 bytes.
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+impl TileConfig {
+    fn all_16_by_64() -> Self {
+        let mut cfg = [0u8; 64];
+        cfg[0] = 1; // palette 1
+        for t in 0..8 {
+            cfg[16 + 2 * t..][..2].copy_from_slice(&64u16.to_le_bytes()); // bytes per row
+            cfg[48 + t] = 16; // rows
+        }
+        TileConfig(cfg)
+    }
+}
+
+/// One task's block of C, as `super::block`, on AMX tiles. `kp` is a multiple of `TK` here.
+///
+/// # Safety
+/// `request()` returned true in this process; the block lies inside C (row length `ldc`) and no
+/// other thread writes it; `packed_b` holds ⌈n / NR⌉ panels of kp × NR pairs.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn block(
+    c: *mut f32,
+    ldc: usize,
+    a: MatRef,
+    packed_b: &[u32],
+    kp: usize,
+    (i0, mc): (usize, usize),
+    (j0, nc): (usize, usize),
+    accumulate: bool,
+) {
+    debug_assert!(kp.is_multiple_of(TK) && NR == 32);
+    let cfg = TileConfig::all_16_by_64();
+    core::arch::asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+    let mut packed_a = Vec::new();
+    let mut tile = [0f32; TM * NR]; // four C tiles, rows 128 bytes apart
+    for p0 in (0..kp).step_by(KCA) {
+        let kc = KCA.min(kp - p0);
+        // Rows i0..i0+mc, pairs p0..p0+kc, row-major in panels of TM rows (zero rows past m).
+        packed_a.clear();
+        packed_a.resize(mc.div_ceil(TM) * TM * kc, 0u32);
+        for (r, row) in packed_a.chunks_mut(kc).enumerate().take(mc) {
+            for (p, pair) in row.iter_mut().enumerate() {
+                *pair = a.pair_along_cols(i0 + r, p0 + p);
+            }
+        }
+        let load = accumulate || p0 > 0;
+        for jr in (0..nc).step_by(NR) {
+            let (j, nr) = (j0 + jr, NR.min(nc - jr));
+            let b_panel = packed_b[((j / NR) * kp + p0) * NR..][..kc * NR].as_ptr();
+            for ir in (0..mc).step_by(TM) {
+                let (i, mr) = (i0 + ir, TM.min(mc - ir));
+                tile.fill(0.0);
+                if load {
+                    for r in 0..mr {
+                        for q in 0..nr {
+                            tile[r * NR + q] = *c.add((i + r) * ldc + j + q);
+                        }
+                    }
+                }
+                tile_product(kc, packed_a[ir * kc..].as_ptr(), b_panel, tile.as_mut_ptr());
+                for r in 0..mr {
+                    for q in 0..nr {
+                        *c.add((i + r) * ldc + j + q) = tile[r * NR + q];
+                    }
+                }
+            }
+        }
+    }
+    core::arch::asm!("tilerelease", options(nostack, nomem));
+}
+
+/// C (32 × 32 f32, rows 128 bytes apart) += A (32 rows × kc pairs, row-major) · B (kc pairs ×
+/// 32 columns, rows 128 bytes apart), 16 pairs per step: C00 += A0·B0, C01 += A0·B1,
+/// C10 += A1·B0, C11 += A1·B1.
+///
+/// # Safety
+/// Tiles are configured (`ldtilecfg` with `TileConfig::all_16_by_64`); kc is a multiple of 16;
+/// the pointers address what the comment above says.
+unsafe fn tile_product(kc: usize, a: *const u32, b: *const u32, c: *mut f32) {
+    let (ldc, lda, ldb) = (NR * 4, kc * 4, NR * 4); // bytes between rows
+    let cb = c as *mut u8;
+    core::arch::asm!(
+        "tileloadd tmm0, [{c0} + {ldc}*1]",
+        "tileloadd tmm1, [{c0} + {ldc}*1 + 64]",
+        "tileloadd tmm2, [{c1} + {ldc}*1]",
+        "tileloadd tmm3, [{c1} + {ldc}*1 + 64]",
+        c0 = in(reg) cb, c1 = in(reg) cb.add(16 * ldc), ldc = in(reg) ldc,
+        options(nostack, readonly),
+    );
+    for step in 0..kc / TK {
+        let a0 = (a as *const u8).add(step * TK * 4);
+        let b0 = (b as *const u8).add(step * TK * ldb);
+        core::arch::asm!(
+            "tileloadd tmm4, [{a0} + {lda}*1]",
+            "tileloadd tmm5, [{a1} + {lda}*1]",
+            "tileloadd tmm6, [{b0} + {ldb}*1]",
+            "tileloadd tmm7, [{b0} + {ldb}*1 + 64]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) a0, a1 = in(reg) a0.add(16 * lda), lda = in(reg) lda, b0 = in(reg) b0, ldb = in(reg) ldb,
+            options(nostack, readonly),
+        );
+    }
+    core::arch::asm!(
+        "tilestored [{c0} + {ldc}*1], tmm0",
+        "tilestored [{c0} + {ldc}*1 + 64], tmm1",
+        "tilestored [{c1} + {ldc}*1], tmm2",
+        "tilestored [{c1} + {ldc}*1 + 64], tmm3",
+        c0 = in(reg) cb, c1 = in(reg) cb.add(16 * ldc), ldc = in(reg) ldc,
+        options(nostack),
+    );
+}

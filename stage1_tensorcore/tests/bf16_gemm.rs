@@ -1,0 +1,186 @@
+//! The bf16 GEMM against its scalar twin and against an f32 GEMM: ragged shapes (M, N, K not
+//! multiples of the tiles, K odd so the last pair is half empty), strided and transposed views,
+//! accumulation, NaN and inf, batched candle tensors, and the conversion fallback.
+
+use candle_core::{DType, Device, Tensor};
+use half::bf16;
+use stage1_tensorcore::bf16_gemm::{self, gemm, gemm_scalar, Kernel, MatRef, MC, MR, NC, NR};
+
+/// A small deterministic generator (xorshift), values in [-1, 1) rounded to bf16.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        ((self.next() + 1.0) * 0.5 * n as f32) as usize % n
+    }
+
+    fn bf16s(&mut self, n: usize) -> Vec<bf16> {
+        (0..n).map(|_| bf16::from_f32(self.next())).collect()
+    }
+}
+
+/// The kernels this CPU and build run without converting (none on a CPU without bf16
+/// instructions in a build without MKL).
+fn native() -> Vec<Kernel> {
+    [Kernel::Amx, Kernel::Avx512Bf16, Kernel::Mkl].into_iter().filter(|k| k.available()).collect()
+}
+
+/// |got − want| within f32 rounding of a k-term sum of products bounded by `scale`.
+fn assert_close(got: &[f32], want: &[f32], k: usize, scale: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    let tol = 4.0 * f32::EPSILON * (k as f32 + 2.0) * scale;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let ok = (g - w).abs() <= tol || (g.is_nan() && w.is_nan()) || (g == w);
+        assert!(ok, "{what}: element {i}: {g} vs {w} (tolerance {tol})");
+    }
+}
+
+/// Shapes around the tile edges: 1, odd, just under and over MR, NR, MC, NC, and K odd.
+fn ragged_shapes(rng: &mut Rng) -> Vec<(usize, usize, usize)> {
+    let mut shapes = vec![(1, 1, 1), (MR, NR, 2), (MR + 1, NR - 1, 3), (MC + 5, NC + 3, 257), (2 * MC - 1, 33, 511), (13, 2 * NC + 17, 64)];
+    for _ in 0..6 {
+        shapes.push((1 + rng.below(150), 1 + rng.below(300), 1 + 2 * rng.below(200)));
+        // K odd
+    }
+    shapes
+}
+
+#[test]
+fn kernel_matches_scalar_twin_and_f32_gemm_on_ragged_shapes() {
+    let mut rng = Rng(0x5eed_1234_abcd_ef01);
+    let kernels = native();
+    if kernels.is_empty() {
+        eprintln!("no bf16 unit on this CPU: the kernels are checked where one is (they refuse to run here, see below)");
+    }
+    for (m, n, k) in ragged_shapes(&mut rng) {
+        let (a, b) = (rng.bf16s(m * k), rng.bf16s(k * n));
+        let (av, bv) = (MatRef::row_major(&a, m, k), MatRef::row_major(&b, k, n));
+        let mut twin = vec![0f32; m * n];
+        gemm_scalar(&mut twin, av, bv, false);
+        // An f32 GEMM on the widened operands (f64 sums, then f32): the reference both approximate.
+        let f32_gemm: Vec<f32> =
+            (0..m * n).map(|ij| (0..k).map(|kk| a[ij / n * k + kk].to_f64() * b[kk * n + ij % n].to_f64()).sum::<f64>() as f32).collect();
+        assert_close(&twin, &f32_gemm, k, 1.0, &format!("scalar twin vs f32 GEMM at {m}×{n}×{k}"));
+        for &kernel in &kernels {
+            for parallel in [false, true] {
+                let mut c = vec![f32::NAN; m * n]; // overwritten, never read, when not accumulating
+                gemm(kernel, &mut c, av, bv, false, parallel).unwrap();
+                assert_close(&c, &twin, k, 1.0, &format!("{} vs scalar twin at {m}×{n}×{k}", kernel.name()));
+            }
+        }
+    }
+}
+
+#[test]
+fn strided_and_transposed_views_and_accumulation() {
+    let mut rng = Rng(77);
+    for &kernel in &native() {
+        for (m, n, k) in [(37, 45, 19), (MC + 1, NR + 1, 129)] {
+            // A is every other column of a wider matrix; B is read transposed from an (n, k) W,
+            // as a linear layer's x·Wᵀ is.
+            let wide = rng.bf16s(m * 2 * k + 1);
+            let a = MatRef { data: &wide, offset: 1, rows: m, cols: k, rs: 2 * k, cs: 2 };
+            let w = rng.bf16s(n * k);
+            let b = MatRef::row_major(&w, n, k).t();
+            let start: Vec<f32> = (0..m * n).map(|_| rng.next()).collect();
+            let (mut want, mut got) = (start.clone(), start.clone());
+            gemm_scalar(&mut want, a, b, true);
+            gemm(kernel, &mut got, a, b, true, true).unwrap();
+            assert_close(&got, &want, k, 2.0, &format!("{} strided, accumulating, {m}×{n}×{k}", kernel.name()));
+        }
+    }
+}
+
+#[test]
+fn nan_and_inf_propagate_as_in_an_f32_gemm() {
+    let (m, n, k) = (MR + 3, NR + 5, 9);
+    let mut rng = Rng(9);
+    for &kernel in &native() {
+        let mut a = rng.bf16s(m * k);
+        let b = rng.bf16s(k * n);
+        a[2 * k + 4] = bf16::NAN; // row 2: NaN everywhere
+        a[5 * k] = bf16::INFINITY; // row 5: ±inf (sign of b[0][j]), or NaN where b[0][j] = 0
+        a[7 * k + 1] = bf16::INFINITY;
+        a[7 * k + 2] = bf16::NEG_INFINITY; // row 7: inf − inf = NaN where both b are nonzero
+        let (av, bv) = (MatRef::row_major(&a, m, k), MatRef::row_major(&b, k, n));
+        let mut want = vec![0f32; m * n];
+        gemm_scalar(&mut want, av, bv, false);
+        let mut got = vec![0f32; m * n];
+        gemm(kernel, &mut got, av, bv, false, true).unwrap();
+        for i in 0..m * n {
+            let (g, w) = (got[i], want[i]);
+            if w.is_nan() || w.is_infinite() {
+                assert!(g.is_nan() == w.is_nan() && (w.is_nan() || g == w), "{}: element {i}: {g} vs {w}", kernel.name());
+            }
+        }
+        assert!((0..n).all(|j| got[2 * n + j].is_nan()), "a NaN in row 2 makes all of row 2 NaN");
+        assert!((0..n).all(|j| got[5 * n + j].is_infinite() || b[j].to_f32() == 0.0), "inf in row 5");
+        assert_close(&got[..2 * n], &want[..2 * n], k, 1.0, "finite rows are untouched");
+    }
+}
+
+#[test]
+fn kernels_the_cpu_lacks_are_refused_not_run() {
+    let (a, b) = (vec![bf16::ONE; 4], vec![bf16::ONE; 4]);
+    let (av, bv) = (MatRef::row_major(&a, 2, 2), MatRef::row_major(&b, 2, 2));
+    let mut c = vec![0f32; 4];
+    for kernel in [Kernel::Amx, Kernel::Avx512Bf16, Kernel::Mkl, Kernel::ConvertedF32] {
+        let r = gemm(kernel, &mut c, av, bv, false, false);
+        assert_eq!(r.is_ok(), kernel.is_native() && kernel.available(), "{kernel:?}: {r:?}");
+        if let Ok(()) = r {
+            assert_eq!(c, [2.0; 4]);
+        }
+    }
+    // Shapes that do not fit are an error too.
+    assert!(gemm(Kernel::detect(), &mut c, av, MatRef::row_major(&b, 1, 4), false, false).is_err());
+}
+
+#[test]
+fn detection_falls_back_when_told_to() {
+    assert_eq!(Kernel::detect_with(Some("off")), Kernel::ConvertedF32);
+    assert_eq!(Kernel::detect_with(Some("f32")), Kernel::ConvertedF32);
+    assert_ne!(Kernel::detect_with(Some("avx512-bf16")), Kernel::Amx);
+    let auto = Kernel::detect_with(None);
+    assert!(auto.available());
+    // On a CPU with a bf16 unit, auto finds it; without one, conversion.
+    assert_eq!(auto.is_native(), Kernel::Amx.available() || Kernel::Avx512Bf16.available());
+}
+
+/// The candle op against its slow twin: a linear's x·Wᵀ (W read transposed), attention's
+/// batched Q·Kᵀ on strided views, f32 and the forced fallback.
+#[test]
+fn matmul_op_matches_its_slow_twin() {
+    let dev = Device::Cpu;
+    let bf = |t: Tensor| t.to_dtype(DType::BF16).unwrap();
+    let x = bf(Tensor::randn(0f32, 1.0, (67, 131), &dev).unwrap());
+    let w = bf(Tensor::randn(0f32, 0.02, (45, 131), &dev).unwrap());
+    let q = bf(Tensor::randn(0f32, 1.0, (2, 3, 29, 16), &dev).unwrap());
+    let kt = bf(Tensor::randn(0f32, 1.0, (2, 29, 3, 16), &dev).unwrap()).transpose(1, 2).unwrap(); // (2, 3, 29, 16) strided
+    let cases = [(x.clone(), w.t().unwrap()), (q, kt.t().unwrap())];
+    let mut kernels = native();
+    kernels.push(Kernel::ConvertedF32);
+    for (a, b) in &cases {
+        let want = bf16_gemm::matmul_slow(a, b).unwrap().to_dtype(DType::F32).unwrap();
+        for &kernel in &kernels {
+            let got = bf16_gemm::matmul_with(a, b, kernel).unwrap();
+            assert_eq!((got.dims(), got.dtype()), (want.dims(), DType::BF16), "{}", kernel.name());
+            let got = got.to_dtype(DType::F32).unwrap();
+            // Both round an f32 sum to bf16: at most one bf16 step apart (2^-8 relative).
+            let diff = (&got - &want).unwrap().abs().unwrap();
+            let bound = (want.abs().unwrap() * (1.0 / 128.0)).unwrap() + 1e-6;
+            let over = diff.gt(&bound.unwrap()).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+            assert_eq!(over, 0.0, "{} on {:?}", kernel.name(), a.dims());
+        }
+    }
+    // f32 operands are candle's matmul, unchanged.
+    let (a, b) = (x.to_dtype(DType::F32).unwrap(), w.t().unwrap().to_dtype(DType::F32).unwrap());
+    let same = (bf16_gemm::matmul(&a, &b).unwrap() - a.matmul(&b).unwrap()).unwrap().abs().unwrap().max_all().unwrap();
+    assert_eq!(same.to_scalar::<f32>().unwrap(), 0.0);
+}
