@@ -202,7 +202,8 @@ pub fn describe_device(report: &LadderReport) -> String {
             let cuda = report.cuda_driver_version.as_ref().map(|v| format!(", CUDA {v}")).unwrap_or_default();
             format!("GPU: {} (SM {ma}.{mi}){driver}{cuda}", d.name)
         }
-        None => format!("CPU: {}, {} threads", d.name, d.threads),
+        None if d.cpu_flags.is_empty() => format!("CPU: {}, {} threads", d.name, d.threads),
+        None => format!("CPU: {}, {} threads, {}", d.name, d.threads, d.cpu_flags.join(" ")),
     }
 }
 

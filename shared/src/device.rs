@@ -47,13 +47,26 @@ pub struct DeviceInfo {
     pub threads: usize,
     /// "requested", or what `auto` found.
     pub why: String,
+    /// On a CPU, which of the SIMD and matrix-unit flags the kernels care about it reports
+    /// (/proc/cpuinfo: avx2, avx512f, avx512_bf16, amx_bf16, ...), for the tables' header.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cpu_flags: Vec<String>,
 }
 
 impl DeviceInfo {
     /// For tests and the precision policy's exhaustive table.
     pub fn simulated_cuda(name: &str, sm: (u32, u32)) -> Self {
         let why = "simulated".into();
-        DeviceInfo { kind: DeviceKind::Cuda, ordinal: 0, name: name.into(), sm: Some(sm), memory_bytes: None, threads: 1, why }
+        DeviceInfo {
+            kind: DeviceKind::Cuda,
+            ordinal: 0,
+            name: name.into(),
+            sm: Some(sm),
+            memory_bytes: None,
+            threads: 1,
+            why,
+            cpu_flags: Vec::new(),
+        }
     }
 
     pub fn is_cuda(&self) -> bool {
@@ -106,13 +119,17 @@ pub fn select(req: DeviceRequest) -> Result<(Device, DeviceInfo), SpeedkitError>
     }
 }
 
+/// The /proc/cpuinfo flags `DeviceInfo::cpu_flags` reports, when present.
+const CPU_FLAGS: [&str; 9] = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"];
+
 fn cpu_info(why: &str) -> DeviceInfo {
-    let name = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name"))?.split(':').nth(1).map(|n| n.trim().to_string()))
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |key: &str| info.lines().find(|l| l.starts_with(key)).and_then(|l| l.split(':').nth(1)).map(str::trim);
+    let name = field("model name").map_or_else(|| std::env::consts::ARCH.to_string(), String::from);
+    let have: Vec<&str> = field("flags").unwrap_or_default().split_whitespace().collect();
+    let cpu_flags = CPU_FLAGS.iter().filter(|f| have.contains(f)).map(|f| f.to_string()).collect();
     let (memory_bytes, threads, why) = (proc_bytes("/proc/meminfo", "MemTotal:"), candle_core::utils::get_num_threads(), why.into());
-    DeviceInfo { kind: DeviceKind::Cpu, ordinal: 0, name, sm: None, memory_bytes, threads, why }
+    DeviceInfo { kind: DeviceKind::Cpu, ordinal: 0, name, sm: None, memory_bytes, threads, why, cpu_flags }
 }
 
 /// A "Key: N kB" line of a /proc file (meminfo, self/status), in bytes.
@@ -182,6 +199,7 @@ fn open_cuda(n: usize, why: String) -> Result<(Device, DeviceInfo), SpeedkitErro
         memory_bytes: ctx.total_mem().ok().map(|b| b as u64),
         threads: 1,
         why,
+        cpu_flags: Vec::new(),
     };
     Ok((device, info))
 }

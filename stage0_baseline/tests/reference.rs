@@ -70,8 +70,16 @@ fn block_f64(s: &Shape, w: &BlockWeights, x: &[f64]) -> Vec<f64> {
 }
 
 fn plan(shape: Shape) -> Plan {
-    let info =
-        DeviceInfo { kind: DeviceKind::Cpu, ordinal: 0, name: "cpu".into(), sm: None, memory_bytes: None, threads: 1, why: "test".into() };
+    let info = DeviceInfo {
+        kind: DeviceKind::Cpu,
+        ordinal: 0,
+        name: "cpu".into(),
+        sm: None,
+        memory_bytes: None,
+        threads: 1,
+        why: "test".into(),
+        cpu_flags: Vec::new(),
+    };
     Plan {
         device: Device::Cpu,
         info,

@@ -176,7 +176,16 @@ mod tests {
     use Precision::*;
 
     fn cpu() -> DeviceInfo {
-        DeviceInfo { kind: DeviceKind::Cpu, ordinal: 0, name: "cpu".into(), sm: None, memory_bytes: None, threads: 2, why: "test".into() }
+        DeviceInfo {
+            kind: DeviceKind::Cpu,
+            ordinal: 0,
+            name: "cpu".into(),
+            sm: None,
+            memory_bytes: None,
+            threads: 2,
+            why: "test".into(),
+            cpu_flags: Vec::new(),
+        }
     }
 
     /// A device name, its SM (None = CPU), and the outcome for each of the six requests.
