@@ -36,6 +36,8 @@ pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Resul
 pub trait CaptureSteps {
     fn enable_htod_cache(&mut self);
     fn forward(&mut self) -> anyhow::Result<()>;
+    /// The stage's `Forward::steady` after the forward just made.
+    fn steady(&mut self) -> bool;
     fn synchronize(&mut self) -> anyhow::Result<()>;
     fn begin_capture(&mut self) -> anyhow::Result<()>;
     fn end_capture(&mut self) -> anyhow::Result<()>;
@@ -43,12 +45,30 @@ pub trait CaptureSteps {
     fn release_captured(&mut self);
 }
 
-/// The h2d parameter cache goes on *before* the warm-up forward, which loads modules, compiles
-/// NVRTC code, creates library handles and caches every small parameter upload: none of that may
-/// happen inside a capture. The capture is ended whatever the forward did, then its output let go.
+/// Warm-up forwards before a capture, at most: stage 4 is steady from its second.
+pub const MAX_WARMUPS: usize = 4;
+
+/// The h2d parameter cache goes on *before* the warm-up forwards, which load modules, create
+/// library handles, pick cuBLASLt algorithms and cache every small parameter upload: none of that
+/// may happen inside a capture. The warm-up repeats until the stage is steady (its forward takes
+/// the path every later one takes), so the capture records that path and not a first call's.
+/// The capture is ended whatever the forward did, then its output let go.
 pub fn run_capture(steps: &mut dyn CaptureSteps) -> anyhow::Result<()> {
     steps.enable_htod_cache();
-    steps.forward()?;
+    let mut warmups = 0;
+    loop {
+        steps.forward()?;
+        warmups += 1;
+        if steps.steady() {
+            break;
+        }
+        if warmups == MAX_WARMUPS {
+            anyhow::bail!(
+                "the stage did not reach its steady path after {MAX_WARMUPS} warm-up forwards, so a CUDA graph captured now \
+                 would record a first call's path; run it without --cuda-graph"
+            );
+        }
+    }
     steps.synchronize()?;
     steps.begin_capture()?;
     match steps.forward() {
@@ -169,6 +189,9 @@ mod imp {
             self.out = Some(self.stage.forward(self.x)?);
             Ok(())
         }
+        fn steady(&mut self) -> bool {
+            self.stage.steady()
+        }
         fn synchronize(&mut self) -> anyhow::Result<()> {
             self.out = None; // the warm-up's output is freed before the capture, not inside it
             Ok(self.x.device().synchronize()?)
@@ -237,6 +260,8 @@ mod tests {
         cache_on: bool,
         fail_captured_forward: bool,
         fail_end: bool,
+        /// Warm-up forwards after which the stage is steady (0 and 1: the first).
+        steady_after: usize,
     }
 
     impl CaptureSteps for Recorder {
@@ -255,6 +280,9 @@ mod tests {
                 anyhow::bail!("h2d param cache miss during CUDA graph capture");
             }
             Ok(())
+        }
+        fn steady(&mut self) -> bool {
+            self.calls.iter().filter(|c| c.starts_with("warm-up")).count() >= self.steady_after
         }
         fn synchronize(&mut self) -> anyhow::Result<()> {
             self.calls.push("sync");
@@ -286,6 +314,21 @@ mod tests {
         let mut r = Recorder::default();
         run_capture(&mut r).unwrap();
         assert_eq!(r.calls, ["cache on", "warm-up (cache on)", "sync", "begin", "captured forward", "end"]);
+    }
+
+    /// A stage that is steady only from its second forward (stage 4 with a producer fusion) is
+    /// warmed up twice; one that never is, is not captured.
+    #[test]
+    fn the_warm_up_repeats_until_the_stage_is_steady() {
+        let mut r = Recorder { steady_after: 2, ..Default::default() };
+        run_capture(&mut r).unwrap();
+        assert_eq!(r.calls, ["cache on", "warm-up (cache on)", "warm-up (cache on)", "sync", "begin", "captured forward", "end"]);
+
+        let mut r = Recorder { steady_after: MAX_WARMUPS + 1, ..Default::default() };
+        let e = run_capture(&mut r).unwrap_err();
+        assert!(e.to_string().contains("steady") && e.to_string().contains("without --cuda-graph"), "{e}");
+        assert_eq!(r.calls.iter().filter(|c| c.starts_with("warm-up")).count(), MAX_WARMUPS);
+        assert!(!r.calls.contains(&"begin"), "nothing is captured: {:?}", r.calls);
     }
 
     /// A stage with its own check, as stage 4 has.

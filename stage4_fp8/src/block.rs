@@ -372,6 +372,13 @@ impl Forward for Block {
         self.forward_keeping(x, &mut None)
     }
 
+    /// Steady once every producer fusion that is on has written its consumer's input: from the
+    /// second forward on (the first has no delayed scale yet, so its producers run unfused).
+    fn steady(&self) -> bool {
+        (!self.fusions.ln || (self.qkv.last_input_fused() && self.fc1.last_input_fused()))
+            && (!self.fusions.fc1 || self.fc2.last_input_fused())
+    }
+
     fn self_check(&self, x: &Tensor, _y: &Tensor) -> anyhow::Result<Option<NamedCheck>> {
         // One more forward, keeping each GEMM's input (it advances a delayed history by one call,
         // as any forward does); then each FP8 GEMM against its f32 twin on the same operands.

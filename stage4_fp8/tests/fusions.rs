@@ -194,3 +194,22 @@ fn the_producers_match_their_slow_twins() {
         }
     }
 }
+
+/// A CUDA graph is captured once the block is steady: with a producer fusion on, from the second
+/// forward (the first has no delayed scale, so its producers run unfused); with none, from the
+/// first. Each fusion alone counts.
+#[test]
+fn the_block_is_steady_once_its_fused_producers_have_run() {
+    let shape = Preset::Tiny.shape();
+    let xs = inputs(&shape, 3);
+    for fusions in [Fp8Fusions::ALL, Fp8Fusions { ln: true, fc1: false }, Fp8Fusions { ln: false, fc1: true }] {
+        let b = block(shape, 5, fusions, PrecisionRequest::Auto);
+        b.forward(&xs[0]).unwrap();
+        assert!(!b.steady(), "{fusions:?}: the first forward ran unfused, yet the block says steady");
+        b.forward(&xs[1]).unwrap();
+        assert!(b.steady(), "{fusions:?}: the second forward ran every fusion, yet the block is not steady");
+    }
+    let b = block(shape, 5, Fp8Fusions::NONE, PrecisionRequest::Auto);
+    b.forward(&xs[0]).unwrap();
+    assert!(b.steady(), "no fusion: the first forward is the steady path");
+}
