@@ -106,6 +106,10 @@ impl Forward for Graphed {
     fn self_check(&self, x: &Tensor, y: &Tensor) -> anyhow::Result<Option<crate::check::NamedCheck>> {
         self.stage.self_check(x, y)
     }
+
+    fn ran(&self) -> Vec<String> {
+        self.stage.ran()
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -203,6 +203,13 @@ pub trait Forward {
     fn steady(&self) -> bool {
         true
     }
+
+    /// Notes on what the forwards so far actually ran, where it can differ from the plan (stage
+    /// 4: a fusion cuBLASLt had no algorithm for, replaced by the next configuration). Added to
+    /// the row's notes after timing. Default: none.
+    fn ran(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// How a binary or the ladder finds a stage: the flags the stage introduces, and the stage

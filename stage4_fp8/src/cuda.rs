@@ -43,6 +43,54 @@ pub fn heuristic_queries() -> usize {
     HEURISTIC_QUERIES.load(Ordering::Relaxed)
 }
 
+/// Why a plan could not be made: cuBLASLt offers no algorithm for the configuration (a fact
+/// about this GPU and library, which a caller may answer with another configuration), or
+/// anything else (an error).
+enum PlanError {
+    NoAlgorithm(String),
+    Cuda(candle_core::Error),
+}
+
+impl From<candle_core::Error> for PlanError {
+    fn from(e: candle_core::Error) -> Self {
+        PlanError::Cuda(e)
+    }
+}
+
+impl PlanError {
+    fn into_candle(self) -> candle_core::Error {
+        match self {
+            PlanError::NoAlgorithm(m) => candle_core::Error::Msg(format!("FP8 GEMM: {m}")),
+            PlanError::Cuda(e) => e,
+        }
+    }
+}
+
+/// Whether cuBLASLt has an algorithm on `dev` for the FP8 GEMM y (tokens, n) = x (tokens, k)·Wᵀ
+/// with a bias (GELU'd if `gelu`) epilogue, writing bf16 or (`e4m3_out`) E4M3 with a D scale
+/// and amax_D. Asked once per configuration; the plan is kept for the GEMMs that follow. The
+/// heuristic reads descriptors, never memory, so the pointers it is asked with are aligned
+/// placeholders (every call sets its own). Ok(false) only when there is no algorithm.
+pub fn has_algorithm(dev: &CudaDevice, tokens: usize, k: usize, n: usize, gelu: bool, e4m3_out: bool, fast_accum: bool) -> candle_core::Result<bool> {
+    let args = match e4m3_out {
+        false => fp8_gemm_args(tokens, k, n, gelu),
+        true => fp8_gemm_args_e4m3_out(tokens, k, n, gelu),
+    }
+    .map_err(candle_core::Error::Msg)?;
+    let handle = lt(dev)?;
+    const PLACEHOLDER: u64 = 256;
+    let made = PLANS.with(|c| {
+        c.get_or_try_insert((device_key(dev)?, args, fast_accum), || {
+            plan(&args, fast_accum, *handle.handle(), [PLACEHOLDER; 7], e4m3_out.then_some((PLACEHOLDER, PLACEHOLDER))).map(Rc::new)
+        })
+    });
+    match made {
+        Ok(_) => Ok(true),
+        Err(PlanError::NoAlgorithm(_)) => Ok(false),
+        Err(PlanError::Cuda(e)) => Err(e),
+    }
+}
+
 fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("FP8 GEMM: {what}: {e:?}"))
 }
@@ -167,7 +215,9 @@ pub fn fp8_linear(
         let fp8_ptrs = fp8_out.as_ref().map(|((ds, _), (am, _))| (*ds, *am));
         check_pointers(&[("A (W)", a), ("B (x)", b), ("D (y)", d), ("bias", bias_ptr)]).map_err(|e| err("alignment", e))?;
         let ptrs = [a, b, d, bias_ptr, sa, sb, w];
-        let plan = PLANS.with(|c| c.get_or_try_insert(key, || plan(&args, fast_accum, *handle.handle(), ptrs, fp8_ptrs).map(Rc::new)))?;
+        let plan = PLANS
+            .with(|c| c.get_or_try_insert(key, || plan(&args, fast_accum, *handle.handle(), ptrs, fp8_ptrs).map(Rc::new)))
+            .map_err(PlanError::into_candle)?;
         launch(&args, &plan, *handle.handle(), ptrs, fp8_ptrs, stream.cu_stream() as sys::cudaStream_t)?;
     }
     drop((xs, ws, bs, sxs, sws, out_guards));
@@ -220,7 +270,7 @@ fn plan(
     handle: sys::cublasLtHandle_t,
     ptrs: [u64; 7],
     fp8_out: Option<(u64, u64)>,
-) -> candle_core::Result<Plan> {
+) -> Result<Plan, PlanError> {
     use sys::cublasLtMatmulDescAttributes_t as A;
     use sys::cudaDataType_t as T;
     let a_layout = layout(T::CUDA_R_8F_E4M3, args.a_rows, args.a_cols, args.lda)?;
@@ -266,21 +316,22 @@ fn plan(
     .map_err(|e| err("workspace preference", e))?;
     HEURISTIC_QUERIES.fetch_add(1, Ordering::Relaxed);
     // SAFETY: every descriptor and layout is alive.
-    let heuristic = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, a_layout.0, b_layout.0, c_layout.0, d_layout.0, pref.0) }
-        .map_err(|e| {
-            err(
-                &format!(
-                    "cuBLASLt has no FP8 algorithm for m={} n={} k={} with the {:?} epilogue{} on this GPU (it needs SM 8.9+ and CUDA 12+){}",
-                    args.m,
-                    args.n,
-                    args.k,
-                    args.epilogue,
-                    if args.out_e4m3 { " and an E4M3 output (D scale, amax_D)" } else { "" },
-                    if args.out_e4m3 { "; --fp8-fusions ln keeps fc1's output in bf16 and quantises it in a pass of its own" } else { "" }
-                ),
-                e,
-            )
-        })?;
+    let heuristic = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, a_layout.0, b_layout.0, c_layout.0, d_layout.0, pref.0) };
+    let heuristic = match heuristic {
+        Ok(h) => h,
+        // No algorithm: cudarc reports an empty answer as NOT_SUPPORTED, as cuBLASLt does.
+        Err(e) if e.0 == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => {
+            return Err(PlanError::NoAlgorithm(format!(
+                "cuBLASLt has no FP8 algorithm for m={} n={} k={} with the {:?} epilogue{} on this GPU (it needs SM 8.9+ and CUDA 12+)",
+                args.m,
+                args.n,
+                args.k,
+                args.epilogue,
+                if args.out_e4m3 { " and an E4M3 output (D scale, amax_D)" } else { "" },
+            )))
+        }
+        Err(e) => return Err(err("cublasLtMatmulAlgoGetHeuristic", e).into()),
+    };
     Ok(Plan { a_layout, b_layout, c_layout, d_layout, desc, algo: heuristic.algo })
 }
 

@@ -847,6 +847,29 @@ impl Fp8Linear {
         Ok((got, want))
     }
 
+    /// Whether this layer can write an E4M3 output for the next layer (`forward_e4m3`) for
+    /// `tokens` input rows: always when emulated; through cuBLASLt, whether it offers an
+    /// algorithm for that configuration (`cuda::has_algorithm`; fc1's GELU + bias epilogue with
+    /// an E4M3 D is the one most likely to lack one).
+    pub fn e4m3_output_supported(&self, tokens: usize) -> candle_core::Result<bool> {
+        match self.mode() {
+            Fp8Mode::Emulated => Ok(true),
+            Fp8Mode::Cublaslt => self.cublaslt_e4m3_supported(tokens),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cublaslt_e4m3_supported(&self, tokens: usize) -> candle_core::Result<bool> {
+        let (n, k) = self.weight.data.dims2()?;
+        let dev = self.weight.data.device().as_cuda_device()?;
+        crate::cuda::has_algorithm(dev, tokens, k, n, self.gelu, true, self.fast_accum)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cublaslt_e4m3_supported(&self, _tokens: usize) -> candle_core::Result<bool> {
+        candle_core::bail!("{}: FP8 GEMMs through cuBLASLt need a build with --features cuda", self.name)
+    }
+
     /// What the GEMM stores.
     pub fn out_dtype(&self) -> DType {
         self.out
