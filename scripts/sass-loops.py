@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Count the SASS instructions of each loop of a kernel, to price one trip of its main loop.
 
-Reads `cuobjdump -sass` (or `nvdisasm`) output of one function on stdin. A loop is the range from
+Reads `cuobjdump -sass` (or `nvdisasm`) output of one function from FILE, or stdin without one. A loop is the range from
 a backward branch's target to the branch itself. For each loop it prints the instructions in the
 range, the tensor-core instructions (HMMA) among them, and the instructions per 128 HMMA, then a
 histogram by opcode for the loop with the most HMMA. Instructions that a forward branch inside the
@@ -9,6 +9,7 @@ loop jumps over (the code of an `if` not taken) are counted apart, as `skippable
 count is what one trip issues when every such `if` runs, the count without them when none does.
 
     cuobjdump -sass -fun flash_attn_v2_fwd_bf16_d128 k.cubin | python3 scripts/sass-loops.py
+    python3 scripts/sass-loops.py kernel.sass
 """
 import collections
 import re
@@ -19,12 +20,13 @@ LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;
 
 def main() -> int:
     instrs = []  # (address, opcode, operands)
-    for line in sys.stdin:
+    source = open(sys.argv[1], encoding="utf-8") if len(sys.argv) > 1 else sys.stdin
+    for line in source:
         m = LINE.search(line)
         if m:
             instrs.append((int(m.group(1), 16), m.group(3), m.group(4)))
     if not instrs:
-        print("no SASS instructions on stdin", file=sys.stderr)
+        print("no SASS instructions in the input", file=sys.stderr)
         return 1
     index = {a: i for i, (a, _, _) in enumerate(instrs)}
     loops = []

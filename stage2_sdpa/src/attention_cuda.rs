@@ -161,8 +161,7 @@ pub fn launch_config(
     }
     // Causal: query tile i (rows i·B_r .. (i+1)·B_r − 1) needs the key tiles up to its last row:
     // the triangle with its diagonal (B_r is a multiple of B_c).
-    let tile_pairs =
-        if causal { (0..q_tiles).map(|i| ((i + 1) * br / bc).min(kv_tiles)).sum() } else { q_tiles * kv_tiles };
+    let tile_pairs = if causal { (0..q_tiles).map(|i| ((i + 1) * br / bc).min(kv_tiles)).sum() } else { q_tiles * kv_tiles };
     let grid = match kernel {
         AttentionKernel::V1 => (q_tiles as u32, n_head as u32, b as u32),
         AttentionKernel::V2 => (n_head as u32, b as u32, q_tiles as u32),

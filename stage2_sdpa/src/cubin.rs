@@ -167,9 +167,8 @@ mod tests {
         let mut cache: KernelCache<u32, String, String> = KernelCache::new();
         let forward = |cache: &mut KernelCache<u32, String, String>, dev: u32| {
             for (file, name) in [("attn.cu", "fwd_bf16_d64"), ("ln.cu", "layer_norm_bf16"), ("ln.cu", "add_layer_norm_bf16")] {
-                let f = cache
-                    .function(dev, file, name, || Ok::<_, ()>(format!("{file} on {dev}")), |m, n| Ok(format!("{m}: {n}")))
-                    .unwrap();
+                let f =
+                    cache.function(dev, file, name, || Ok::<_, ()>(format!("{file} on {dev}")), |m, n| Ok(format!("{m}: {n}"))).unwrap();
                 assert_eq!(f, format!("{file} on {dev}: {name}"));
             }
         };

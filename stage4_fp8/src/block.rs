@@ -383,8 +383,7 @@ impl Forward for Block {
     /// second forward on (the first has no delayed scale yet, so its producers run unfused).
     fn steady(&self) -> bool {
         let fc1_fusion = self.fusions.fc1 && self.fc1_e4m3.get() != Some(&false); // on, and not fallen back
-        (!self.fusions.ln || (self.qkv.last_input_fused() && self.fc1.last_input_fused()))
-            && (!fc1_fusion || self.fc2.last_input_fused())
+        (!self.fusions.ln || (self.qkv.last_input_fused() && self.fc1.last_input_fused())) && (!fc1_fusion || self.fc2.last_input_fused())
     }
 
     fn ran(&self) -> Vec<String> {

@@ -71,7 +71,15 @@ impl PlanError {
 /// and amax_D. Asked once per configuration; the plan is kept for the GEMMs that follow. The
 /// heuristic reads descriptors, never memory, so the pointers it is asked with are aligned
 /// placeholders (every call sets its own). Ok(false) only when there is no algorithm.
-pub fn has_algorithm(dev: &CudaDevice, tokens: usize, k: usize, n: usize, gelu: bool, e4m3_out: bool, fast_accum: bool) -> candle_core::Result<bool> {
+pub fn has_algorithm(
+    dev: &CudaDevice,
+    tokens: usize,
+    k: usize,
+    n: usize,
+    gelu: bool,
+    e4m3_out: bool,
+    fast_accum: bool,
+) -> candle_core::Result<bool> {
     let args = match e4m3_out {
         false => fp8_gemm_args(tokens, k, n, gelu),
         true => fp8_gemm_args_e4m3_out(tokens, k, n, gelu),

@@ -9,7 +9,8 @@ use stage4_fp8::fp8::{Fp8Linear, Fp8Mode, Fp8Recipe, ScalingConfig};
 
 #[test]
 fn a_forward_after_the_first_loads_no_module_and_asks_no_heuristic() {
-    let dev = Device::new_cuda(0).expect("tests/cuda_caches.rs needs an NVIDIA GPU (SM 8.9+); without one, run the tests without --features cuda");
+    let dev = Device::new_cuda(0)
+        .expect("tests/cuda_caches.rs needs an NVIDIA GPU (SM 8.9+); without one, run the tests without --features cuda");
     let bf16 = |t: Tensor| t.to_dtype(DType::BF16).unwrap();
     // fc1-like: (B, T, C) = (2, 64, 128) into 256 features, GELU epilogue.
     let w = bf16(Tensor::randn(0f32, 0.02, (256, 128), &dev).unwrap());
