@@ -14,10 +14,11 @@
 // .trans or the cp.async wait deliberately wrong, or one of the KV loop's two barriers deleted
 // (EmuMutation in ptx_warp.h) must fail the check; a mutation that passes means the check could
 // not tell the ISA's layout from another, or could not see the race the barrier prevents. The
-// barrier mutations run with warp 0 held back at every barrier, and under the copy timing that
-// exposes their race: without the barrier after the wait, the other warps read tile j before
-// warp 0's late copies land; without the barrier at the end of a tile, they refill a buffer with
-// early copies while warp 0 still reads it.
+// barrier mutations run once per warp with that warp held back at every barrier and wait (a
+// causal block's first warps skip its last key tiles, so no one warp sees every race), under the
+// copy timing that exposes their race: without the barrier after the wait, the other warps read
+// tile j before the held warp's late copies land; without the barrier at the end of a tile,
+// they refill a buffer with early copies while the held warp still reads it.
 // Exit 0 when every kernel call is within tolerance and every mutation is caught.
 //
 //   bash host_emulation/run.sh attention_v2_check      (~2 min on 2 cores)
@@ -118,15 +119,22 @@ int main() {
     for (const auto& mu : mutations) {
         emu_mutation = mu.m;
         cp_async_at_issue = mu.at_issue;
-        slow_warp0 = mu.m == EMU_NO_BARRIER_AFTER_WAIT || mu.m == EMU_NO_OTHER_BARRIER;
-        int caught = 0;
-        for (const auto& p : probes) caught += !run(cases[p.ci], shapes[p.si], p.causal, p.strided, 7, true);
+        const bool race = mu.m == EMU_NO_BARRIER_AFTER_WAIT || mu.m == EMU_NO_OTHER_BARRIER;
+        int caught = 0, calls = 0;
+        for (int w = race ? 0 : -1; w < (race ? WARPS : 0); ++w) {
+            slow_warp = w;
+            for (const auto& p : probes) {
+                caught += !run(cases[p.ci], shapes[p.si], p.causal, p.strided, 7, true);
+                ++calls;
+            }
+        }
         const bool good = caught > 0;
-        printf("mutation (%s): %d of 3 probe calls fail — %s\n", mu.what, caught,
+        printf("mutation (%s): %d of %d probe calls fail — %s\n", mu.what, caught, calls,
                good ? "caught, as it must be" : "NOT CAUGHT: the check cannot see this mistake");
         ok &= good;
     }
     emu_mutation = EMU_EXACT;
-    cp_async_at_issue = slow_warp0 = false;
+    cp_async_at_issue = false;
+    slow_warp = -1;
     return ok ? 0 : 1;
 }

@@ -168,8 +168,8 @@ inline void cp_async_commit() {
 template <int N>
 inline void cp_async_wait() {
     cp_async_just_waited = true;
-    // Race tests: warp 0's late copies land well after the other warps passed their waits.
-    if (slow_warp0 && threadIdx.x < 32) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    // Race tests: the held warp's late copies land well after the other warps passed their waits.
+    if ((int)(threadIdx.x / 32) == slow_warp) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     const size_t keep = N + (emu_mutation == EMU_WAIT_ONE_GROUP_LESS);
     while (cp_groups.size() > keep) {
         for (const PendingCopy& c : cp_groups.front()) {
