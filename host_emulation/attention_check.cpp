@@ -20,6 +20,9 @@ std::barrier<>* warp_barrier[4];
 float shfl_buf[4][32];
 __attribute__((aligned(128))) unsigned char smem[smem_bytes<128>()];
 
+// As src/attention_cuda.rs launches v1: (query tiles, n_head, B).
+dim3 launch_grid(int T, int H, int B) { return {(unsigned)((T + BR - 1) / BR), (unsigned)H, (unsigned)B}; }
+
 #include "attention_harness.h"
 
 #define ENTRY(name) reinterpret_cast<Entry>(&name)

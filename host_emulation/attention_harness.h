@@ -2,7 +2,9 @@
 // attention_v2_check.cpp for v2): random 16-bit q, k, v in stage 2's contiguous or stage 3's
 // strided layout, every block of the grid run as THREADS emulated threads over NaN-filled shared
 // memory and output, then the relative error against an f64 softmax(q kᵀ · scale) v. Included
-// after the kernel and the emulation's globals (BR, THREADS, WARPS, smem, the barriers).
+// after the kernel and the emulation's globals (THREADS, WARPS, smem, the barriers) and the
+// check's `launch_grid(T, n_head, B)`, the grid its kernel is launched with (v1: (⌈T / B_r⌉,
+// n_head, B); v2: (n_head, B, ⌈T / B_r⌉)).
 #pragma once
 
 // The signature every FLASH_ATTN_ENTRY and FLASH_ATTN_V2_ENTRY has, with the element pointers type-erased.
@@ -28,7 +30,7 @@ double check(Entry entry, int B, int Tn, int H, int D, bool causal, bool strided
     std::memset(o.data(), 0xff, o.size() * sizeof(T));  // NaN: every element must be written
     const float scale = 1.0f / std::sqrt((float)D);
 
-    gridDim = {(unsigned)((Tn + BR - 1) / BR), (unsigned)H, (unsigned)B};
+    gridDim = launch_grid(Tn, H, B);
     for (unsigned z = 0; z < gridDim.z; ++z)
         for (unsigned y = 0; y < gridDim.y; ++y)
             for (unsigned x = 0; x < gridDim.x; ++x) {

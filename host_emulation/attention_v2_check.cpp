@@ -7,12 +7,21 @@
 // several heads and batches. Also requires: no ldmatrix bank conflicts (the swizzle) and no
 // misaligned ldmatrix row.
 //
-// Then the wrong-mapping tests: the same kernel under an emulation with one fragment layout,
-// the .trans or the cp.async wait deliberately wrong (EmuMutation in ptx_warp.h) must fail the
-// check; a mutation that passes means the check could not tell the ISA's layout from another.
+// Every call runs twice: with cp.async copies landing at their wait_group (the latest the PTX
+// memory model allows) and at issue (the earliest); a kernel must be right under both.
+//
+// Then the mutation tests: the same kernel under an emulation with one fragment layout, the
+// .trans or the cp.async wait deliberately wrong, or one of the KV loop's two barriers deleted
+// (EmuMutation in ptx_warp.h) must fail the check; a mutation that passes means the check could
+// not tell the ISA's layout from another, or could not see the race the barrier prevents. The
+// barrier mutations run once per warp with that warp held back at every barrier and wait (a
+// causal block's first warps skip its last key tiles, so no one warp sees every race), under the
+// copy timing that exposes their race: without the barrier after the wait, the other warps read
+// tile j before the held warp's late copies land; without the barrier at the end of a tile,
+// they refill a buffer with early copies while the held warp still reads it.
 // Exit 0 when every kernel call is within tolerance and every mutation is caught.
 //
-//   bash host_emulation/run.sh attention_v2_check      (~1 min on 2 cores)
+//   bash host_emulation/run.sh attention_v2_check      (~2 min on 2 cores)
 #include "../stage2_sdpa/kernels/flash_attn_v2.cu"
 
 #include <cstdio>
@@ -28,10 +37,15 @@ float shfl_buf[4][32];
 WarpScratch warp_scratch[4][2];
 thread_local unsigned scratch_turn = 0;
 EmuMutation emu_mutation = EMU_EXACT;
+bool cp_async_at_issue = false;
+thread_local bool cp_async_just_waited = false;
 std::atomic<long> ldmatrix_conflicts{0}, ldmatrix_misaligned{0};
 thread_local std::vector<PendingCopy> cp_open;
 thread_local std::vector<std::vector<PendingCopy>> cp_groups;
 __attribute__((aligned(128))) unsigned char smem[smem_bytes_v2<128>()];
+
+// As src/attention_cuda.rs launches v2: (n_head, B, query tiles), heads fastest.
+dim3 launch_grid(int T, int H, int B) { return {(unsigned)H, (unsigned)B, (unsigned)((T + BR - 1) / BR)}; }
 
 #include "attention_harness.h"
 
@@ -61,49 +75,66 @@ bool run(const Case& c, const Shape& s, bool causal, bool strided, unsigned seed
     const double tol = c.bf16 ? 1e-2 : 2e-3;
     const bool ok = e < tol;
     if (!quiet)
-        printf("v2 %-9s B=%d T=%-4d n_head=%d causal=%d %-10s rel err %.2e %s\n", c.name, s.B, s.T, s.H, causal,
-               strided ? "strided" : "contiguous", e, ok ? "ok" : "FAILED");
+        printf("v2 %-9s B=%d T=%-4d n_head=%d causal=%d %-10s copies %s rel err %.2e %s\n", c.name, s.B, s.T, s.H,
+               causal, strided ? "strided" : "contiguous", cp_async_at_issue ? "early" : "late ", e, ok ? "ok" : "FAILED");
     return ok;
 }
 
 int main() {
     int failed = 0, n = 0;
-    for (int ci = 0; ci < 6; ++ci)
-        for (int si = 0; si < 6; ++si)
-            for (int causal = 0; causal < 2; ++causal) {
-                const bool strided = (ci + si) % 2 == 0;  // each shape in both layouts, over the cases
-                ++n;
-                failed += !run(cases[ci], shapes[si], causal, strided, n, false);
-            }
+    for (int at_issue = 0; at_issue < 2; ++at_issue) {
+        cp_async_at_issue = at_issue;
+        for (int ci = 0; ci < 6; ++ci)
+            for (int si = 0; si < 6; ++si)
+                for (int causal = 0; causal < 2; ++causal) {
+                    const bool strided = (ci + si) % 2 == 0;  // each shape in both layouts, over the cases
+                    ++n;
+                    failed += !run(cases[ci], shapes[si], causal, strided, n, false);
+                }
+    }
     printf("v2: %d of %d kernel calls within tolerance\n", n - failed, n);
     printf("v2: ldmatrix bank conflicts %ld, misaligned rows %ld (both must be 0)\n", ldmatrix_conflicts.load(),
            ldmatrix_misaligned.load());
     bool ok = failed == 0 && ldmatrix_conflicts == 0 && ldmatrix_misaligned == 0;
 
-    // Wrong-mapping tests: each mutation must make at least one of these calls fail.
+    // Mutation tests: each mutation must make at least one of these calls fail.
     const struct {
         EmuMutation m;
+        bool at_issue;  // copy timing the mutation runs under
         const char* what;
     } mutations[] = {
-        {EMU_A_ROWS_COLS_SWAPPED, "A fragment: a1 and a2 swapped"},
-        {EMU_B_REGS_SWAPPED, "B fragment: b0 and b1 swapped"},
-        {EMU_D_ROWS_SWAPPED, "C/D fragment: rows g and g+8 swapped"},
-        {EMU_LDMATRIX_NO_TRANS, "ldmatrix .trans ignored"},
-        {EMU_WAIT_ONE_GROUP_LESS, "cp.async.wait_group waits for one group less"},
+        {EMU_A_ROWS_COLS_SWAPPED, false, "A fragment: a1 and a2 swapped"},
+        {EMU_B_REGS_SWAPPED, false, "B fragment: b0 and b1 swapped"},
+        {EMU_D_ROWS_SWAPPED, false, "C/D fragment: rows g and g+8 swapped"},
+        {EMU_LDMATRIX_NO_TRANS, false, "ldmatrix .trans ignored"},
+        {EMU_WAIT_ONE_GROUP_LESS, false, "cp.async.wait_group waits for one group less"},
+        {EMU_NO_BARRIER_AFTER_WAIT, false, "KV loop: barrier after the wait deleted, late copies"},
+        {EMU_NO_OTHER_BARRIER, true, "KV loop: barrier at the end of a tile deleted, early copies"},
     };
     const struct {
         int ci, si;
         bool causal, strided;
     } probes[] = {{1, 3, true, true}, {5, 4, false, false}, {0, 1, true, false}};
+    skip_barrier = emu_skip_barrier;
     for (const auto& mu : mutations) {
         emu_mutation = mu.m;
-        int caught = 0;
-        for (const auto& p : probes) caught += !run(cases[p.ci], shapes[p.si], p.causal, p.strided, 7, true);
+        cp_async_at_issue = mu.at_issue;
+        const bool race = mu.m == EMU_NO_BARRIER_AFTER_WAIT || mu.m == EMU_NO_OTHER_BARRIER;
+        int caught = 0, calls = 0;
+        for (int w = race ? 0 : -1; w < (race ? WARPS : 0); ++w) {
+            slow_warp = w;
+            for (const auto& p : probes) {
+                caught += !run(cases[p.ci], shapes[p.si], p.causal, p.strided, 7, true);
+                ++calls;
+            }
+        }
         const bool good = caught > 0;
-        printf("wrong mapping (%s): %d of 3 probe calls fail — %s\n", mu.what, caught,
-               good ? "caught, as it must be" : "NOT CAUGHT: the check cannot see this layout");
+        printf("mutation (%s): %d of %d probe calls fail — %s\n", mu.what, caught, calls,
+               good ? "caught, as it must be" : "NOT CAUGHT: the check cannot see this mistake");
         ok &= good;
     }
     emu_mutation = EMU_EXACT;
+    cp_async_at_issue = false;
+    slow_warp = -1;
     return ok ? 0 : 1;
 }

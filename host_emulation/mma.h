@@ -13,9 +13,11 @@
 #pragma once
 #include <algorithm>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <type_traits>
 using std::min;
 #define __device__
@@ -60,7 +62,17 @@ inline float to_f(__half h) { return (float)h.v; }
 extern std::barrier<>* block_barrier;
 extern std::barrier<>* warp_barrier[4];
 extern float shfl_buf[4][32];
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+// Race tests (attention_v2_check.cpp) can drop chosen barriers (`skip_barrier`, called by every
+// thread at every __syncthreads; all threads of a block must agree) and hold one warp back at
+// each one for longer than the others take to compute a tile (`slow_warp`, 50 ms; -1: none), so
+// that the others run ahead into whatever a missing barrier leaves unguarded every time, not
+// only when the OS happens to schedule them so.
+inline bool (*skip_barrier)() = nullptr;
+inline int slow_warp = -1;
+inline void __syncthreads() {
+    if (!(skip_barrier && skip_barrier())) block_barrier->arrive_and_wait();
+    if ((int)(threadIdx.x / 32) == slow_warp) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+}
 inline void __syncwarp() { warp_barrier[threadIdx.x / 32]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int off) {
     const int w = threadIdx.x / 32, l = threadIdx.x % 32;

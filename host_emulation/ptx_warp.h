@@ -13,10 +13,14 @@
 //    2w+1). It also counts bank conflicts: a phase (one matrix, 8 rows of 16 bytes) is
 //    conflict-free when its 8 rows fall in 8 different 16-byte slots of a 128-byte line (all 32
 //    banks once); any repeat is counted in ldmatrix_conflicts. Rows must be 16-byte aligned.
-//  cp_async_16 / commit / wait<N>: a copy is only recorded when issued and lands in shared
-//    memory when a wait_group leaves its group behind — the latest moment the PTX memory model
-//    allows. Shared memory starts as NaN, so a kernel that reads a tile before waiting for it,
-//    or waits for too few groups, reads NaN or a stale tile. src-size 0 zero-fills.
+//  cp_async_16 / commit / wait<N>: two timings, both allowed by the PTX memory model, and the
+//    check runs every call under each. Late (the default): a copy is recorded when issued and
+//    lands in shared memory when a wait_group leaves its group behind — the latest moment; a
+//    kernel that reads a tile before waiting for it, or waits for too few groups, or reads
+//    another thread's copy before a barrier, reads NaN (shared memory starts as NaN) or a stale
+//    tile. Early (`cp_async_at_issue`): the copy lands the moment it is issued — the earliest;
+//    a kernel that refills a buffer while another warp still reads it (no barrier between the
+//    reads and the next copy) overwrites that warp's operands. src-size 0 zero-fills.
 //
 // emu_mutation breaks one of these on purpose (attention_v2_check.cpp's wrong-mapping tests):
 // the check must then fail, which shows it depends on the layouts being exactly the ISA's.
@@ -33,8 +37,12 @@ enum EmuMutation {
     EMU_D_ROWS_SWAPPED,       // d0, d1 taken as row g+8 and d2, d3 as row g
     EMU_LDMATRIX_NO_TRANS,    // ldmatrix .trans behaves as the plain load
     EMU_WAIT_ONE_GROUP_LESS,  // cp.async.wait_group N leaves N+1 groups in flight
+    EMU_NO_BARRIER_AFTER_WAIT,  // the __syncthreads right after a cp.async.wait_group is deleted
+    EMU_NO_OTHER_BARRIER,       // every other __syncthreads is deleted (v2: the end of a KV tile)
 };
 extern EmuMutation emu_mutation;
+extern bool cp_async_at_issue;  // copies land when issued (early), not at their wait_group (late)
+extern thread_local bool cp_async_just_waited;
 extern std::atomic<long> ldmatrix_conflicts, ldmatrix_misaligned;
 
 struct WarpScratch {
@@ -141,13 +149,27 @@ struct PendingCopy {
 extern thread_local std::vector<PendingCopy> cp_open;
 extern thread_local std::vector<std::vector<PendingCopy>> cp_groups;
 
-inline void cp_async_16(void* dst, const void* src, bool valid) { cp_open.push_back({dst, src, valid}); }
+// ex2.approx.ftz.f32: 2^x, with subnormal inputs and results flushed to zero (+0 for −∞).
+inline float exp2_ftz(float x) {
+    if (std::fpclassify(x) == FP_SUBNORMAL) x = 0.0f;
+    const float y = std::exp2(x);
+    return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
+}
+
+inline void cp_async_16(void* dst, const void* src, bool valid) {
+    if (!cp_async_at_issue) cp_open.push_back({dst, src, valid});
+    else if (valid) std::memcpy(dst, src, 16);
+    else std::memset(dst, 0, 16);
+}
 inline void cp_async_commit() {
     cp_groups.push_back(std::move(cp_open));
     cp_open.clear();
 }
 template <int N>
 inline void cp_async_wait() {
+    cp_async_just_waited = true;
+    // Race tests: the held warp's late copies land well after the other warps passed their waits.
+    if ((int)(threadIdx.x / 32) == slow_warp) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     const size_t keep = N + (emu_mutation == EMU_WAIT_ONE_GROUP_LESS);
     while (cp_groups.size() > keep) {
         for (const PendingCopy& c : cp_groups.front()) {
@@ -156,4 +178,11 @@ inline void cp_async_wait() {
         }
         cp_groups.erase(cp_groups.begin());
     }
+}
+
+// The barrier mutations (mma.h's skip_barrier): which __syncthreads this thread leaves out.
+inline bool emu_skip_barrier() {
+    const bool after_wait = cp_async_just_waited;
+    cp_async_just_waited = false;
+    return (emu_mutation == EMU_NO_BARRIER_AFTER_WAIT && after_wait) || (emu_mutation == EMU_NO_OTHER_BARRIER && !after_wait);
 }

@@ -47,7 +47,7 @@ step_table=(
     "memcheck-tiny             240  60"
     "memcheck-tiny-cuda-graph  240  60"
     "racecheck-attention-tiny  240  90"
-    "ncu-attention-te          240  45"
+    "ncu-attention-te          360 150"
 )
 step_names=()
 for row in "${step_table[@]}"; do read -r n _ <<< "$row"; step_names+=("$n"); done
@@ -235,6 +235,10 @@ cs=(compute-sanitizer --print-limit 20 --error-exitcode 1)
 
 # step_argv NAME: sets argv to the step's command, or na to why it does not apply here. Each
 # runs in its own folder <run>/NAME/, so its relative --json/--svg paths land there.
+# Shared-memory bank conflicts and wavefronts of loads and stores (ncu metric names).
+smem_conflicts=l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum
+smem_conflicts+=,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum
+
 step_argv() {
     argv=()
     na=""
@@ -262,10 +266,17 @@ step_argv() {
         memcheck-tiny) argv=("${cs[@]}" --tool memcheck "$L" "${dev[@]}" "${tiny[@]}") ;;
         memcheck-tiny-cuda-graph) argv=("${cs[@]}" --tool memcheck "$L" "${dev[@]}" "${tiny[@]}" --cuda-graph) ;;
         racecheck-attention-tiny) argv=("${cs[@]}" --tool racecheck "$L" "${dev[@]}" "${tiny[@]}" --stages "2,3") ;;
-        # Our attention kernel (flash_attn_*), one launch at te; Nsight Compute locks the clocks.
-        ncu-attention-te) argv=(ncu --kernel-name regex:flash_attn --launch-count 1
-            --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis
-            "$L" "${dev[@]}" --preset te --stages 2 --warmup 0 --iters 1 --no-check) ;;
+        # Our attention kernels, v2 and v1 (the ablation), one launch each at te (one per launch
+        # configuration: their grids differ), at the GPU's own clocks (ncu locks them by default:
+        # 14.4 ms locked against 11.6 ms seen for v1 on the H100). The sections answer the
+        # kernel's questions: launch and occupancy (registers, blocks per SM), warp stalls,
+        # pipe use (tensor cores vs ALU), the memory tables, per-line counters (the kernels are
+        # built with -lineinfo), and the shared-memory bank conflicts of loads and stores.
+        ncu-attention-te) argv=(ncu --clock-control none --kernel-name regex:flash_attn --filter-mode per-launch-config
+            --launch-count 1 --section LaunchStats --section Occupancy --section WarpStateStats
+            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters
+            --metrics "$smem_conflicts" --import-source yes --export attention-te
+            "$L" "${dev[@]}" --preset te --stages 2 --ablate --warmup 0 --iters 1 --no-check) ;;
         *) echo "gpu-check: step $1 is in step_table but has no command in step_argv" >&2; exit 2 ;;
     esac
 }

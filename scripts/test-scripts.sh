@@ -266,6 +266,21 @@ else
 fi
 [ -e "$tmp/o.json" ] && bad "torch-reference: a refused run writes no --out" "$tmp/o.json exists"
 
+# ---- sass-loops.py ---------------------------------------------------------------------------
+# A loop (0x10..0x50) with two HMMA and an `if` (the forward branch skips the FMUL).
+printf '%s\n' '        /*0000*/                   MOV R1, c[0x0][0x28] ;' \
+    '        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;' \
+    '        /*0020*/              @P0 BRA 0x40 ;' \
+    '        /*0030*/                   FMUL R2, R2, R3 ;' \
+    '        /*0040*/                   HMMA.16816.F32.BF16 R4, R8, R14, R4 ;' \
+    '        /*0050*/                   BRA 0x10 ;' \
+    '        /*0060*/                   EXIT ;' > "$tmp/loop.sass"
+sl="$repo/scripts/sass-loops.py"
+expect "sass-loops: a loop's instructions, its skippable ones and its HMMA" 0 \
+    "loop 0x0010..0x0050: 5 instructions (1 skippable), 2 HMMA, 256 per 128 HMMA without the skippable, 320 with" \
+    python3 "$sl" "$tmp/loop.sass"
+expect "sass-loops: no SASS in the input -> exit 1" 1 "no SASS instructions" python3 "$sl" /dev/null
+
 echo
 echo "test-scripts: $passed passed, $failed failed, $skipped skipped"
 [ "$failed" = 0 ]

@@ -88,12 +88,13 @@ pub fn build_cubins(krate: &str, kernels: &[&str], min_arch: u32, sources: &[&st
     std::fs::write(out_dir.join("cubins.rs"), table).unwrap_or_else(|e| panic!("{krate}: cannot write cubins.rs into OUT_DIR: {e}"));
 }
 
-/// nvcc -cubin for one kernel file and architecture. `-I kernels`: a kernel may include its
+/// nvcc -cubin for one kernel file and architecture. `-lineinfo`: source lines for Nsight
+/// Compute's per-line counters (no change to the code). `-I kernels`: a kernel may include its
 /// headers (the host emulation puts its CPU twins of them first on its own include path).
 fn compile(nvcc: &Path, krate: &str, name: &str, arch: u32, out: &Path) {
     let src = format!("kernels/{name}.cu");
     let result = std::process::Command::new(nvcc)
-        .args(["-cubin", &format!("-arch=sm_{arch}"), "-std=c++17", "-O3", "-I", "kernels", "-o"])
+        .args(["-cubin", &format!("-arch=sm_{arch}"), "-std=c++17", "-O3", "-lineinfo", "-I", "kernels", "-o"])
         .arg(out)
         .arg(&src)
         .output();

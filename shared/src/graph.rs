@@ -36,6 +36,8 @@ pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Resul
 pub trait CaptureSteps {
     fn enable_htod_cache(&mut self);
     fn forward(&mut self) -> anyhow::Result<()>;
+    /// The stage's `Forward::steady` after the forward just made.
+    fn steady(&mut self) -> bool;
     fn synchronize(&mut self) -> anyhow::Result<()>;
     fn begin_capture(&mut self) -> anyhow::Result<()>;
     fn end_capture(&mut self) -> anyhow::Result<()>;
@@ -43,12 +45,30 @@ pub trait CaptureSteps {
     fn release_captured(&mut self);
 }
 
-/// The h2d parameter cache goes on *before* the warm-up forward, which loads modules, compiles
-/// NVRTC code, creates library handles and caches every small parameter upload: none of that may
-/// happen inside a capture. The capture is ended whatever the forward did, then its output let go.
+/// Warm-up forwards before a capture, at most: stage 4 is steady from its second.
+pub const MAX_WARMUPS: usize = 4;
+
+/// The h2d parameter cache goes on *before* the warm-up forwards, which load modules, create
+/// library handles, pick cuBLASLt algorithms and cache every small parameter upload: none of that
+/// may happen inside a capture. The warm-up repeats until the stage is steady (its forward takes
+/// the path every later one takes), so the capture records that path and not a first call's.
+/// The capture is ended whatever the forward did, then its output let go.
 pub fn run_capture(steps: &mut dyn CaptureSteps) -> anyhow::Result<()> {
     steps.enable_htod_cache();
-    steps.forward()?;
+    let mut warmups = 0;
+    loop {
+        steps.forward()?;
+        warmups += 1;
+        if steps.steady() {
+            break;
+        }
+        if warmups == MAX_WARMUPS {
+            anyhow::bail!(
+                "the stage did not reach its steady path after {MAX_WARMUPS} warm-up forwards, so a CUDA graph captured now \
+                 would record a first call's path; run it without --cuda-graph"
+            );
+        }
+    }
     steps.synchronize()?;
     steps.begin_capture()?;
     match steps.forward() {
@@ -85,6 +105,10 @@ impl Forward for Graphed {
 
     fn self_check(&self, x: &Tensor, y: &Tensor) -> anyhow::Result<Option<crate::check::NamedCheck>> {
         self.stage.self_check(x, y)
+    }
+
+    fn ran(&self) -> Vec<String> {
+        self.stage.ran()
     }
 }
 
@@ -168,6 +192,9 @@ mod imp {
         fn forward(&mut self) -> anyhow::Result<()> {
             self.out = Some(self.stage.forward(self.x)?);
             Ok(())
+        }
+        fn steady(&mut self) -> bool {
+            self.stage.steady()
         }
         fn synchronize(&mut self) -> anyhow::Result<()> {
             self.out = None; // the warm-up's output is freed before the capture, not inside it

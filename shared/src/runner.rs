@@ -332,6 +332,7 @@ impl Session {
             true => Some(crate::breakdown::record(device, self.warmup.min(1), iters, || stage.forward(&self.x))?),
             false => None,
         };
+        let ran = stage.ran();
         drop(stage);
         let (peak_mem_bytes, mem_method) = probe.finish();
 
@@ -351,6 +352,7 @@ impl Session {
             (None, None) => (None, None),
         };
         let mut notes = spec.notes(&plan);
+        notes.extend(ran);
         if self.args.cuda_graph {
             notes.push("timed as CUDA graph replays of one captured forward (--cuda-graph)".into());
         }

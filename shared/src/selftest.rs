@@ -54,6 +54,13 @@ impl Rows {
         self.push(block, case, "skipped", None, crate::error::strip_backtrace(&why))
     }
 
+    /// A configuration this device's libraries do not offer (cuBLASLt with no algorithm for it)
+    /// and that the stage replaces with another at run time: not a failure, and `why` says
+    /// what runs instead.
+    pub fn unsupported(&mut self, block: &str, case: String, why: String) {
+        self.push(block, case, "unsupported", None, crate::error::strip_backtrace(&why))
+    }
+
     /// A check with no tolerance: passed with a note, or any error a failure.
     pub fn outcome(&mut self, block: &str, case: String, r: anyhow::Result<String>) {
         match r {

@@ -195,6 +195,21 @@ pub trait Forward {
     fn self_check(&self, _x: &Tensor, _y: &Tensor) -> anyhow::Result<Option<NamedCheck>> {
         Ok(None)
     }
+
+    /// Whether the forward just made took the path every later one takes. Stage 4's first
+    /// forward has no delayed scale yet and runs its producers unfused; a CUDA graph captured
+    /// after it alone would run the fused kernels for the first time inside the capture. The
+    /// capture warms up until this holds (`graph::run_capture`). Default: always.
+    fn steady(&self) -> bool {
+        true
+    }
+
+    /// Notes on what the forwards so far actually ran, where it can differ from the plan (stage
+    /// 4: a fusion cuBLASLt had no algorithm for, replaced by the next configuration). Added to
+    /// the row's notes after timing. Default: none.
+    fn ran(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// How a binary or the ladder finds a stage: the flags the stage introduces, and the stage

@@ -1,7 +1,7 @@
 // The warp-level PTX that flash_attn_v2.cu uses, one small device function per instruction, so
 // the kernel reads as algorithm and this file as hardware. Each function is one inline-asm
 // statement, written as the PTX ISA spells it (section "Warp Level Matrix Multiply-Accumulate
-// Instructions": mma.sync m16n8k16, ldmatrix; "Data Movement": cp.async).
+// Instructions": mma.sync m16n8k16, ldmatrix; "Data Movement": cp.async; "Floating Point": ex2).
 //
 // host_emulation/ptx_warp.h is this file's CPU twin with the same names and signatures: the
 // kernel includes <ptx_warp.h> with angle brackets, so the include path decides which one it
@@ -71,6 +71,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// 2^x as one MUFU.EX2 (PTX "ex2"): .approx is the hardware's own (max relative error 2⁻²²),
+// .ftz flushes subnormal inputs and results to zero. exp2f without -ftz wraps the same
+// instruction in a range fix-up for subnormal results (FSETP and two FMULs); softmax needs none,
+// as a P̃ below 2⁻¹²⁶ adds nothing to a row sum of at least 1. exp2(−∞) = +0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // Two f32 values rounded to 16 bits and packed, `lo` in the low half: the register layout of a

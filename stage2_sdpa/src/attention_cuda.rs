@@ -2,8 +2,8 @@
 //! `kernels/flash_attn.cu` (WMMA; read it beside the CPU kernel in `attention.rs`: same
 //! algorithm, same m, l, O notation) and v2 `kernels/flash_attn_v2.cu` (mma.sync, S, P and O in
 //! registers, cp.async double buffering, swizzled shared memory; the default). Both take the
-//! same arguments, tiles (B_r = B_c = 64, 4 warps) and layouts; they differ in shared memory,
-//! registers, and so occupancy.
+//! same arguments and layouts and run 4 warps a block; v1's tiles are B_r = B_c = 64, v2's
+//! B_r = 128 (32 query rows a warp) and B_c = 32, and v2's grid puts the heads fastest.
 //!
 //! This file holds the host side: the launch arithmetic — grid, threads, shared memory, tiles
 //! skipped, occupancy — as pure functions tested on any machine, and, with the `cuda` feature,
@@ -23,7 +23,13 @@ use crate::attention::AttentionKernel;
 pub const BR: usize = 64;
 /// Key/value rows per tile (B_c); `BC` in the kernel.
 pub const BC: usize = 64;
-/// Warps per block: each owns BR / WARPS = 16 query rows, one WMMA tile tall.
+/// v2's query rows per block (`BR` in flash_attn_v2.cu): 32 per warp, so each K_j and V_j
+/// fragment a warp loads from shared memory feeds two mma (FlashAttention-2's 128 × 4 warps).
+pub const BR_V2: usize = 128;
+/// v2's key/value rows per tile (`BC` there): 32, so that S (32 × 32 a warp) and O (32 × d)
+/// fit the 255 registers a thread has at d_head 128 without spilling.
+pub const BC_V2: usize = 32;
+/// Warps per block. v1: each owns BR / WARPS = 16 query rows, one WMMA tile tall.
 pub const WARPS: usize = 4;
 /// Threads per block.
 pub const THREADS: usize = WARPS * 32;
@@ -37,11 +43,10 @@ pub const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
 pub const MAX_T: usize = i32::MAX as usize;
 /// Limit of the grid's y and z dimensions, which carry n_head and B.
 pub const MAX_GRID_YZ: usize = 65_535;
-/// Registers per thread for v2: `nvcc -cubin -arch=sm_90 -Xptxas -v` (CUDA 13.0) reports 168 at
-/// d_head 128 (36 bytes of spills, under `__launch_bounds__(128, 3)`: without it, 176 and no
-/// spills, which fits only two blocks), 150 at 64 and 108 at 32; sm_80: 168, 144, 107. The
-/// largest, 168 × 128 threads = 21 K a block, fits three blocks in 64 K registers.
-pub const REGISTERS_PER_THREAD_V2: usize = 168;
+/// Registers per thread for v2: `nvcc -cubin -arch=sm_90 -Xptxas -v` (CUDA 13.0) reports 241 at
+/// d_head 128, 167 at 64 and 123 at 32, no spills (`__launch_bounds__(128, 2)`); sm_80: 244,
+/// 163, 119. The largest, 244 × 128 threads = 31 K a block, fits two blocks in 64 K registers.
+pub const REGISTERS_PER_THREAD_V2: usize = 244;
 /// Registers per thread the occupancy arithmetic assumes for v1. `nvcc -cubin -Xptxas -v` (CUDA 13.0)
 /// reports 80–128 for the six entry points on sm_80 and sm_90, no spills: at most
 /// 128 × THREADS = 16 K registers a block, so four blocks fit one SM's 64 K and shared memory,
@@ -56,11 +61,11 @@ pub fn shared_mem_bytes(d_head: usize) -> usize {
     2 * BC * d_head * 2 + BR * BC * 4 + BR * BC * 2 + BR * d_head * 4
 }
 
-/// v2's dynamic shared memory per block: K_j and V_j (B_c × d, 16-bit), two stages each for
-/// the cp.async double buffering — nothing else, as S, P and O live in registers (Q_i passes
-/// through a K buffer first). 16 KiB at d_head 32, 32 KiB at 64, 64 KiB at 128.
+/// v2's dynamic shared memory per block: Q_i (B_r × d), K_j and V_j (B_c × d, two stages each
+/// for the cp.async double buffering), all 16-bit — nothing else, as S, P and O live in
+/// registers. 16 KiB at d_head 32, 32 KiB at 64, 64 KiB at 128.
 pub fn shared_mem_bytes_v2(d_head: usize) -> usize {
-    2 * 2 * BC * d_head * 2
+    (BR_V2 + 2 * 2 * BC_V2) * d_head * 2
 }
 
 /// Shared memory per block of `kernel` at `d_head`.
@@ -86,7 +91,8 @@ pub fn check_head_size(d_head: usize) -> Result<(), String> {
 /// How one call is launched, and what it computes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LaunchPlan {
-    /// (⌈T / B_r⌉ query tiles, n_head, B): one block per (Q_i, head, batch).
+    /// One block per (Q_i, head, batch). v1: (⌈T / B_r⌉ query tiles, n_head, B). v2: (n_head, B,
+    /// ⌈T / B_r⌉), handed out x fastest, so every head's heaviest causal tile starts first.
     pub grid: (u32, u32, u32),
     pub threads: u32,
     pub shared_mem_bytes: u32,
@@ -141,11 +147,27 @@ pub fn launch_config(
             max_shared_bytes / 1024
         ));
     }
-    let (q_tiles, kv_tiles) = (t.div_ceil(BR), t.div_ceil(BC));
-    // B_r = B_c, so query tile i needs key tiles 0..=i when causal: the triangle with its diagonal.
-    let tile_pairs = if causal { (0..q_tiles).map(|i| (i + 1).min(kv_tiles)).sum() } else { q_tiles * kv_tiles };
+    let (br, bc) = match kernel {
+        AttentionKernel::V1 => (BR, BC),
+        AttentionKernel::V2 => (BR_V2, BC_V2),
+    };
+    let (q_tiles, kv_tiles) = (t.div_ceil(br), t.div_ceil(bc));
+    if kernel == AttentionKernel::V2 && q_tiles > MAX_GRID_YZ {
+        return Err(format!(
+            "stage 2's CUDA attention kernel v2 puts the query tiles on the grid's z axis (at most {MAX_GRID_YZ}, so T at \
+             most {}), and this call has T = {t}. Fix: a shorter --seq, or --attention-kernel v1.",
+            MAX_GRID_YZ * BR_V2
+        ));
+    }
+    // Causal: query tile i (rows i·B_r .. (i+1)·B_r − 1) needs the key tiles up to its last row:
+    // the triangle with its diagonal (B_r is a multiple of B_c).
+    let tile_pairs = if causal { (0..q_tiles).map(|i| ((i + 1) * br / bc).min(kv_tiles)).sum() } else { q_tiles * kv_tiles };
+    let grid = match kernel {
+        AttentionKernel::V1 => (q_tiles as u32, n_head as u32, b as u32),
+        AttentionKernel::V2 => (n_head as u32, b as u32, q_tiles as u32),
+    };
     Ok(LaunchPlan {
-        grid: (q_tiles as u32, n_head as u32, b as u32),
+        grid,
         threads: THREADS as u32,
         shared_mem_bytes: bytes as u32,
         needs_opt_in: bytes > DEFAULT_SHARED_BYTES,
@@ -339,7 +361,7 @@ mod tests {
 
     #[test]
     fn constants_match_the_v2_kernel_source() {
-        for (name, value) in [("BR", BR), ("BC", BC), ("WARPS", WARPS)] {
+        for (name, value) in [("BR", BR_V2), ("BC", BC_V2), ("WARPS", WARPS)] {
             assert!(KERNEL_V2.contains(&format!("constexpr int {name} = {value};")), "{name} = {value} not in flash_attn_v2.cu");
         }
         for d in HEAD_SIZES {
@@ -358,8 +380,8 @@ mod tests {
         };
         assert_eq!(args(KERNEL), args(KERNEL_V2));
         // The occupancy arithmetic's register count is the __launch_bounds__ the kernel asks for.
-        assert!(KERNEL_V2.contains("__launch_bounds__(THREADS, 3)"));
-        const { assert!(REGISTERS_PER_THREAD_V2 * THREADS * 3 <= 65_536) };
+        assert!(KERNEL_V2.contains("__launch_bounds__(THREADS, 2)"));
+        const { assert!(REGISTERS_PER_THREAD_V2 * THREADS * 2 <= 65_536 && REGISTERS_PER_THREAD_V2 <= 255) };
     }
 
     #[test]
@@ -371,19 +393,28 @@ mod tests {
         assert!(!launch_config(V2, 1, 64, 1, 32, true, SM86_OPT_IN).unwrap().needs_opt_in);
         assert!(!launch_config(V2, 1, 64, 1, 64, true, DEFAULT_SHARED_BYTES).unwrap().needs_opt_in);
         assert!(launch_config(V2, 1, 64, 1, 128, true, SM86_OPT_IN).unwrap().needs_opt_in);
-        // H100 at te (d = 128): three blocks (12 warps, 18.75 % occupancy) where v1 fits two
-        // (12.5 %, what ncu measured); registers and shared memory both allow exactly three.
-        assert_eq!(blocks_per_sm(V2, 128, 228 * 1024), 3);
+        // H100 at te (d = 128): two blocks of 4 warps, as FlashAttention-2 runs; registers
+        // (2 × 31 K) allow two, shared memory three. v1 fits two as well (12.5 %, what ncu
+        // measured), but each v2 warp does twice the rows.
+        assert_eq!(blocks_per_sm(V2, 128, 228 * 1024), 2);
         assert_eq!(blocks_per_sm(V1, 128, 228 * 1024), 2);
-        assert_eq!(blocks_per_sm(V2, 64, 228 * 1024), 3); // registers: 3 × 21 K
-        assert_eq!(blocks_per_sm(V2, 128, 164 * 1024), 2); // A100: shared memory, 2 × 65 KiB
+        assert_eq!(blocks_per_sm(V2, 64, 228 * 1024), 2); // registers: 2 × 31 K
+        assert_eq!(blocks_per_sm(V2, 128, 164 * 1024), 2); // A100
         assert_eq!(blocks_per_sm(V2, 128, 100 * 1024), 1); // sm_86 / sm_89
 
-        // The grid and the causal tile count are v1's (same tiles).
-        assert_eq!(
-            launch_config(V2, 8, 2048, 32, 128, true, H100_OPT_IN).unwrap(),
-            LaunchPlan { shared_mem_bytes: 65_536, ..launch_config(V1, 8, 2048, 32, 128, true, H100_OPT_IN).unwrap() }
-        );
+        // te: heads fastest, then batch, then the 16 query tiles of 128 rows; causal, query tile i
+        // needs key tiles 0 ..= 4i + 3 of 32 keys: 4 + 8 + … + 64 = 544 of 1024 pairs.
+        let p = launch_config(V2, 8, 2048, 32, 128, true, H100_OPT_IN).unwrap();
+        assert_eq!(p.grid, (32, 8, 16));
+        assert_eq!((p.q_tiles, p.kv_tiles, p.tile_pairs, p.tile_pairs_skipped), (16, 64, 544, 480));
+        assert_eq!(p.shared_mem_bytes, 65_536);
+        // Ragged: T = 67 is one query tile and three key tiles, all needed.
+        let p = launch_config(V2, 1, 67, 2, 64, true, H100_OPT_IN).unwrap();
+        assert_eq!((p.grid, p.q_tiles, p.kv_tiles, p.tile_pairs), ((2, 1, 1), 1, 3, 3));
+        // The query tiles ride on grid.z: at most 65 535 of them.
+        assert!(launch_config(V2, 1, MAX_GRID_YZ * BR_V2, 1, 64, true, H100_OPT_IN).is_ok());
+        let e = launch_config(V2, 1, MAX_GRID_YZ * BR_V2 + 1, 1, 64, true, H100_OPT_IN).unwrap_err().to_string();
+        assert!(e.contains("v1") && e.contains("Fix:"), "{e}");
     }
 
     #[test]

@@ -4,6 +4,9 @@
 //! loads it once per device: later launches find the function in a cache and do no module work.
 //! Stages 3 and 4 load their kernels through this module too.
 
+use std::collections::HashMap;
+use std::hash::Hash;
+
 /// One kernel file as built: its name (for messages) and a cubin per architecture, given as
 /// 10·major + minor (`$OUT_DIR/cubins.rs`, written by build.rs).
 #[derive(Clone, Copy, Debug)]
@@ -34,15 +37,70 @@ pub fn pick_arch(file: &str, built: &[u32], sm: u32) -> Result<u32, String> {
 }
 
 #[cfg(feature = "cuda")]
-pub use load::{check, function};
+pub use load::{check, function, module_loads};
+
+/// Loaded modules per (device, kernel file) and functions per (device, file, function name),
+/// with a count of the loads it did: a module is loaded once per device and file, a function
+/// looked up once per device, file and name, and every later call is a map lookup. `Dev`
+/// identifies a device (candle's `DeviceId` on CUDA), `M` and `F` are what the loader returns
+/// (cudarc's module and function; anything in a test).
+pub struct KernelCache<Dev, M, F> {
+    modules: HashMap<(Dev, &'static str), M>,
+    functions: HashMap<(Dev, &'static str, String), F>,
+    /// Modules loaded so far (each one copies a cubin onto the GPU through the driver).
+    pub module_loads: usize,
+    /// Functions looked up in a loaded module so far.
+    pub function_lookups: usize,
+}
+
+impl<Dev: Clone + Eq + Hash, M: Clone, F: Clone> KernelCache<Dev, M, F> {
+    pub fn new() -> Self {
+        KernelCache { modules: HashMap::new(), functions: HashMap::new(), module_loads: 0, function_lookups: 0 }
+    }
+
+    /// The function `name` of kernel file `file` on `dev`: from the cache, or loaded with
+    /// `load_module` (only when this device has not loaded the file yet) and `load_function`.
+    /// A failed load is not cached.
+    pub fn function<E>(
+        &mut self,
+        dev: Dev,
+        file: &'static str,
+        name: &str,
+        load_module: impl FnOnce() -> Result<M, E>,
+        load_function: impl FnOnce(&M, &str) -> Result<F, E>,
+    ) -> Result<F, E> {
+        let key = (dev.clone(), file, name.to_string());
+        if let Some(f) = self.functions.get(&key) {
+            return Ok(f.clone());
+        }
+        let module = match self.modules.get(&(dev.clone(), file)) {
+            Some(m) => m.clone(),
+            None => {
+                let m = load_module()?;
+                self.module_loads += 1;
+                self.modules.insert((dev, file), m.clone());
+                m
+            }
+        };
+        let f = load_function(&module, name)?;
+        self.function_lookups += 1;
+        self.functions.insert(key, f.clone());
+        Ok(f)
+    }
+}
+
+impl<Dev: Clone + Eq + Hash, M: Clone, F: Clone> Default for KernelCache<Dev, M, F> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 #[cfg(feature = "cuda")]
 mod load {
-    use super::{pick_arch, Cubins};
+    use super::{pick_arch, Cubins, KernelCache};
     use candle_core::cuda::cudarc::driver::{CudaFunction, CudaModule};
     use candle_core::cuda::cudarc::nvrtc::Ptx;
     use candle_core::cuda::{CudaDevice, DeviceId};
-    use std::collections::HashMap;
     use std::sync::{Arc, Mutex, OnceLock};
 
     fn err(what: String) -> candle_core::Error {
@@ -62,49 +120,78 @@ mod load {
         pick_arch(cubins.file, &built, sm_of(dev)?).map(|_| ()).map_err(err)
     }
 
-    type Modules = HashMap<(DeviceId, &'static str), Arc<CudaModule>>;
-    type Functions = HashMap<(DeviceId, &'static str), HashMap<String, CudaFunction>>;
+    type Kernels = KernelCache<DeviceId, Arc<CudaModule>, CudaFunction>;
 
-    /// Loaded modules per (device, kernel file) and functions per (device, file, function).
     /// Keyed by candle's `DeviceId` (one per `CudaDevice`): two devices on one GPU load their
     /// own copy, which costs one load each and keeps each module in its own context's terms.
-    fn caches() -> &'static Mutex<(Modules, Functions)> {
-        static CACHE: OnceLock<Mutex<(Modules, Functions)>> = OnceLock::new();
-        CACHE.get_or_init(|| Mutex::new((HashMap::new(), HashMap::new())))
+    fn cache() -> &'static Mutex<Kernels> {
+        static CACHE: OnceLock<Mutex<Kernels>> = OnceLock::new();
+        CACHE.get_or_init(|| Mutex::new(KernelCache::new()))
+    }
+
+    /// Modules loaded so far in this process, over all devices and kernel files.
+    pub fn module_loads() -> usize {
+        cache().lock().map(|c| c.module_loads).unwrap_or(0)
     }
 
     /// The kernel `name` from `cubins` on `dev`: the cubin for the device's SM, loaded on first
     /// use (a refusal naming the fix when the build has none), then served from the cache.
     pub fn function(dev: &CudaDevice, cubins: &'static Cubins, name: &str) -> candle_core::Result<CudaFunction> {
-        let mut guard = caches().lock().map_err(|_| err("kernel cache: poisoned lock".into()))?;
-        let (modules, functions) = &mut *guard;
-        if let Some(f) = functions.get(&(dev.id(), cubins.file)).and_then(|fs| fs.get(name)) {
-            return Ok(f.clone());
-        }
-        let module = match modules.get(&(dev.id(), cubins.file)) {
-            Some(m) => m.clone(),
-            None => {
+        let mut cache = cache().lock().map_err(|_| err("kernel cache: poisoned lock".into()))?;
+        cache.function(
+            dev.id(),
+            cubins.file,
+            name,
+            || {
                 let built: Vec<u32> = cubins.archs.iter().map(|(a, _)| *a).collect();
                 let arch = pick_arch(cubins.file, &built, sm_of(dev)?).map_err(err)?;
                 let bytes = cubins.archs.iter().find(|(a, _)| *a == arch).map(|(_, b)| *b).unwrap_or_default();
-                let m = dev
-                    .cuda_stream()
+                dev.cuda_stream()
                     .context()
                     .load_module(Ptx::from_binary(bytes.to_vec()))
-                    .map_err(|e| err(format!("{} (sm_{arch} cubin) did not load on this GPU: {e:?}", cubins.file)))?;
-                modules.insert((dev.id(), cubins.file), m.clone());
-                m
-            }
-        };
-        let f = module.load_function(name).map_err(|e| err(format!("{}: no kernel {name}: {e:?}", cubins.file)))?;
-        functions.entry((dev.id(), cubins.file)).or_default().insert(name.to_string(), f.clone());
-        Ok(f)
+                    .map_err(|e| err(format!("{} (sm_{arch} cubin) did not load on this GPU: {e:?}", cubins.file)))
+            },
+            |module, name| module.load_function(name).map_err(|e| err(format!("{}: no kernel {name}: {e:?}", cubins.file))),
+        )
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::pick_arch;
+    use super::{pick_arch, KernelCache};
+
+    /// A forward launches the same kernels again and again: after the first call each one is a
+    /// lookup — no module load, no function lookup — and a second device loads its own copy.
+    #[test]
+    fn modules_and_functions_load_once_per_device() {
+        let mut cache: KernelCache<u32, String, String> = KernelCache::new();
+        let forward = |cache: &mut KernelCache<u32, String, String>, dev: u32| {
+            for (file, name) in [("attn.cu", "fwd_bf16_d64"), ("ln.cu", "layer_norm_bf16"), ("ln.cu", "add_layer_norm_bf16")] {
+                let f =
+                    cache.function(dev, file, name, || Ok::<_, ()>(format!("{file} on {dev}")), |m, n| Ok(format!("{m}: {n}"))).unwrap();
+                assert_eq!(f, format!("{file} on {dev}: {name}"));
+            }
+        };
+        forward(&mut cache, 0);
+        assert_eq!((cache.module_loads, cache.function_lookups), (2, 3));
+        for _ in 0..3 {
+            forward(&mut cache, 0);
+        }
+        assert_eq!((cache.module_loads, cache.function_lookups), (2, 3), "later forwards load nothing");
+        forward(&mut cache, 1);
+        assert_eq!((cache.module_loads, cache.function_lookups), (4, 6));
+    }
+
+    #[test]
+    fn a_failed_load_is_not_cached() {
+        let mut cache: KernelCache<u32, String, String> = KernelCache::new();
+        assert!(cache.function(0, "k.cu", "f", || Err("no cubin"), |m, n| Ok(format!("{m}{n}"))).is_err());
+        assert_eq!(cache.module_loads, 0);
+        assert!(cache.function(0, "k.cu", "f", || Ok("m".to_string()), |_, _| Err("no kernel f")).is_err());
+        assert_eq!((cache.module_loads, cache.function_lookups), (1, 0));
+        assert_eq!(cache.function(0, "k.cu", "f", || Err("reloaded"), |m, n| Ok(format!("{m}:{n}"))), Ok("m:f".to_string()));
+        assert_eq!((cache.module_loads, cache.function_lookups), (1, 1));
+    }
 
     #[test]
     fn a_cubin_runs_on_its_major_at_the_same_or_a_later_minor() {

@@ -190,7 +190,13 @@ pub struct Block {
     dtype: DType,                    // what the GEMMs write and attention reads: stage 3's activation dtype (`activation_dtype`)
     attn: attention::Implementation, // stage 2's attention kernel (`--attention-kernel` on CUDA)
     fusions: Fp8Fusions,             // producers writing E4M3 for the next GEMM (`fusions`)
+    // Whether fc1 can write fc2's E4M3 input on this device: asked at the first fused call.
+    fc1_e4m3: std::sync::OnceLock<bool>,
 }
+
+/// The row's note when fc1's E4M3 output fell back (`Block::fc1_writes_e4m3`).
+pub const FC1_FALLBACK: &str = "fp8 fusion fc1 not run: cuBLASLt has no algorithm for fc1's GELU + bias epilogue with an \
+     E4M3 output on this GPU, so fc1 wrote bf16 and fc2 quantised it with its own kernel (as --fp8-fusions ln runs)";
 
 /// Tolerance of the pre-rounded twin check (`twin`): measured ~1e-4 on CPU (emulated). On a GPU
 /// the fused attention rounds its probabilities to bf16 before P·V and the twin does not, so
@@ -363,6 +369,7 @@ impl Block {
             dtype,
             attn,
             fusions: stage.fusions(),
+            fc1_e4m3: std::sync::OnceLock::new(),
         })
     }
 }
@@ -370,6 +377,20 @@ impl Block {
 impl Forward for Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.forward_keeping(x, &mut None)
+    }
+
+    /// Steady once every producer fusion that is on has written its consumer's input: from the
+    /// second forward on (the first has no delayed scale yet, so its producers run unfused).
+    fn steady(&self) -> bool {
+        let fc1_fusion = self.fusions.fc1 && self.fc1_e4m3.get() != Some(&false); // on, and not fallen back
+        (!self.fusions.ln || (self.qkv.last_input_fused() && self.fc1.last_input_fused())) && (!fc1_fusion || self.fc2.last_input_fused())
+    }
+
+    fn ran(&self) -> Vec<String> {
+        match self.fc1_e4m3.get() {
+            Some(false) => vec![FC1_FALLBACK.into()],
+            _ => Vec::new(),
+        }
     }
 
     fn self_check(&self, x: &Tensor, _y: &Tensor) -> anyhow::Result<Option<NamedCheck>> {
@@ -450,13 +471,32 @@ impl Block {
         };
         part("fc1+gelu")?;
         keep(&h)?;
-        let m = match self.target(&self.fc2, self.fusions.fc1)? {
+        let m = match self.target(&self.fc2, self.fusions.fc1 && self.fc1_writes_e4m3(&h)?)? {
             Some(s) => Input::Fp8(self.fc1.forward_e4m3(&h, &s)?), // (B, T, FF) E4M3 for fc2: GELU, then fc2's scale, in the epilogue
             None => Input::Plain(self.fc1.forward_input(&h, None)?), // (B, T, FF): GELU in the FP8 GEMM's epilogue
         };
         part("fc2+residual")?;
         keep(&m)?;
         self.fc2.forward_input(&m, Some(&x)) // x + m W_fc2ᵀ + b_fc2, f32: the residual in the epilogue, as in stage 3
+    }
+
+    /// Run as if cuBLASLt offered no algorithm for fc1's E4M3 output (before the first forward):
+    /// the fallback's dataflow, for tests on machines where it cannot happen by itself.
+    pub fn assume_no_fc1_e4m3_algorithm(&self) {
+        let _ = self.fc1_e4m3.set(false);
+    }
+
+    /// Whether fc1 can write fc2's input in E4M3 here, asked once: cuBLASLt may offer no
+    /// algorithm for a GELU + bias epilogue with an E4M3 output. When it offers none, fc1 writes
+    /// bf16 and fc2 quantises that with its own kernel — the next configuration, the dataflow of
+    /// `--fp8-fusions ln` — and the row's notes say so (`FC1_FALLBACK`).
+    fn fc1_writes_e4m3(&self, h: &Input) -> candle_core::Result<bool> {
+        if let Some(ok) = self.fc1_e4m3.get() {
+            return Ok(*ok);
+        }
+        let (b, t, _) = h.dims3()?;
+        let ok = self.fc1.e4m3_output_supported(b * t)?;
+        Ok(*self.fc1_e4m3.get_or_init(|| ok))
     }
 
     /// Where `consumer`'s producer writes its input when the fusion is `on`: its delayed scale

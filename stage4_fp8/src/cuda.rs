@@ -1,7 +1,9 @@
 //! The FP8 GEMM through cuBLASLt's low-level API (cudarc's safe `Matmul` gives A, B, C and D one
 //! dtype; FP8 needs E4M3 inputs, a bf16 output and two scale pointers). The arguments come from
 //! `gemm::fp8_gemm_args`, a pure function tested on the CPU; this file only turns them into
-//! descriptors and launches on candle's stream.
+//! descriptors and launches on candle's stream. The descriptors, layouts and the algorithm
+//! cuBLASLt's heuristic picks depend only on the GEMM's shape and options, so they are made once
+//! per (device, shape, options) and kept (`PLANS`); a call only sets the pointers of the moment.
 
 use crate::gemm::{check_pointers, fp8_gemm_args, fp8_gemm_args_e4m3_out, Fp8Epilogue, Fp8GemmArgs};
 use candle_core::cuda::cudarc::cublaslt::{result, sys, MatmulShared};
@@ -12,6 +14,7 @@ use stage3_fused::cuda::{cuda_view, device_key, lt, wrap};
 use stage3_fused::device_cache::{Cache, DeviceKey};
 use std::ffi::c_void;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// cuBLASLt's recommended workspace on Hopper (its FP8 kernels use it for split-K and
 /// stream-K schedules); 4 MiB would do on Ada.
@@ -21,6 +24,79 @@ thread_local! {
     /// One workspace per device (its stream) and architecture, made on first use (cudarc keeps
     /// its own private); keyed as stage 3's handles are (`stage3_fused::device_cache`).
     static WORKSPACE: Cache<DeviceKey<DeviceId>, Rc<CudaSlice<u8>>> = Cache::new();
+}
+
+/// What a plan is made for: the device, the GEMM's arguments and fast accumulation.
+type PlanKey = (DeviceKey<DeviceId>, Fp8GemmArgs, bool);
+
+thread_local! {
+    /// Descriptors, layouts and chosen algorithm per (device, shape, options), made on first use.
+    static PLANS: Cache<PlanKey, Rc<Plan>> = Cache::new();
+}
+
+/// Algorithm heuristic queries so far in this process (one per plan made): a forward that
+/// meets only shapes it met before adds none.
+static HEURISTIC_QUERIES: AtomicUsize = AtomicUsize::new(0);
+
+/// How many times cuBLASLt's algorithm heuristic has been asked, in this process.
+pub fn heuristic_queries() -> usize {
+    HEURISTIC_QUERIES.load(Ordering::Relaxed)
+}
+
+/// Why a plan could not be made: cuBLASLt offers no algorithm for the configuration (a fact
+/// about this GPU and library, which a caller may answer with another configuration), or
+/// anything else (an error).
+enum PlanError {
+    NoAlgorithm(String),
+    Cuda(candle_core::Error),
+}
+
+impl From<candle_core::Error> for PlanError {
+    fn from(e: candle_core::Error) -> Self {
+        PlanError::Cuda(e)
+    }
+}
+
+impl PlanError {
+    fn into_candle(self) -> candle_core::Error {
+        match self {
+            PlanError::NoAlgorithm(m) => candle_core::Error::Msg(format!("FP8 GEMM: {m}")),
+            PlanError::Cuda(e) => e,
+        }
+    }
+}
+
+/// Whether cuBLASLt has an algorithm on `dev` for the FP8 GEMM y (tokens, n) = x (tokens, k)·Wᵀ
+/// with a bias (GELU'd if `gelu`) epilogue, writing bf16 or (`e4m3_out`) E4M3 with a D scale
+/// and amax_D. Asked once per configuration; the plan is kept for the GEMMs that follow. The
+/// heuristic reads descriptors, never memory, so the pointers it is asked with are aligned
+/// placeholders (every call sets its own). Ok(false) only when there is no algorithm.
+pub fn has_algorithm(
+    dev: &CudaDevice,
+    tokens: usize,
+    k: usize,
+    n: usize,
+    gelu: bool,
+    e4m3_out: bool,
+    fast_accum: bool,
+) -> candle_core::Result<bool> {
+    let args = match e4m3_out {
+        false => fp8_gemm_args(tokens, k, n, gelu),
+        true => fp8_gemm_args_e4m3_out(tokens, k, n, gelu),
+    }
+    .map_err(candle_core::Error::Msg)?;
+    let handle = lt(dev)?;
+    const PLACEHOLDER: u64 = 256;
+    let made = PLANS.with(|c| {
+        c.get_or_try_insert((device_key(dev)?, args, fast_accum), || {
+            plan(&args, fast_accum, *handle.handle(), [PLACEHOLDER; 7], e4m3_out.then_some((PLACEHOLDER, PLACEHOLDER))).map(Rc::new)
+        })
+    });
+    match made {
+        Ok(_) => Ok(true),
+        Err(PlanError::NoAlgorithm(_)) => Ok(false),
+        Err(PlanError::Cuda(e)) => Err(e),
+    }
 }
 
 fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
@@ -128,6 +204,7 @@ pub fn fp8_linear(
     }
     let ws_buf = workspace(&dev)?;
     let handle = lt(&dev)?;
+    let key = (device_key(&dev)?, args, fast_accum);
     let stream = dev.cuda_stream();
     {
         // The pointers, each with a guard that orders the access on candle's stream.
@@ -146,7 +223,10 @@ pub fn fp8_linear(
         let fp8_ptrs = fp8_out.as_ref().map(|((ds, _), (am, _))| (*ds, *am));
         check_pointers(&[("A (W)", a), ("B (x)", b), ("D (y)", d), ("bias", bias_ptr)]).map_err(|e| err("alignment", e))?;
         let ptrs = [a, b, d, bias_ptr, sa, sb, w];
-        launch(&args, fast_accum, *handle.handle(), ptrs, fp8_ptrs, stream.cu_stream() as sys::cudaStream_t)?;
+        let plan = PLANS
+            .with(|c| c.get_or_try_insert(key, || plan(&args, fast_accum, *handle.handle(), ptrs, fp8_ptrs).map(Rc::new)))
+            .map_err(PlanError::into_candle)?;
+        launch(&args, &plan, *handle.handle(), ptrs, fp8_ptrs, stream.cu_stream() as sys::cudaStream_t)?;
     }
     drop((xs, ws, bs, sxs, sws, out_guards));
     Ok(match (out_bf16, out_e4m3) {
@@ -156,19 +236,51 @@ pub fn fp8_linear(
     })
 }
 
-/// Descriptors from `args`, then cublasLtMatmul. ptrs: A, B, D, bias, scale_A, scale_B, workspace;
-/// `fp8_out`: (D scale, amax_D) when `args.out_e4m3`.
-fn launch(
+/// The attributes that are pointers, which change from call to call. ptrs: A, B, D, bias,
+/// scale_A, scale_B, workspace; `fp8_out`: (D scale, amax_D) when `args.out_e4m3`.
+fn set_pointers(desc: &Desc, args: &Fp8GemmArgs, ptrs: [u64; 7], fp8_out: Option<(u64, u64)>) -> candle_core::Result<()> {
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    let [_, _, _, bias, scale_a, scale_b, _] = ptrs;
+    // Device pointers to the per-tensor scales (A = W's, B = x's; see gemm.rs): D = s_A·s_B·A·B.
+    set(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a)?; // const float*
+    set(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b)?;
+    set(desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?; // const void*, bias_len values
+    match (args.out_e4m3, fp8_out) {
+        (false, None) => {}
+        // D = E4M3(scale_D · result), scale_D = 1/s of the next layer's input; amax_D = max|result|
+        // before scale_D (what TransformerEngine records as the next tensor's amax). const float*, void*.
+        (true, Some((d_scale, amax_d))) => {
+            set(desc, A::CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &d_scale)?;
+            set(desc, A::CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amax_d)?;
+        }
+        _ => return Err(err("FP8 output", "an E4M3 D needs its D scale and amax pointers, and only an E4M3 D takes them")),
+    }
+    Ok(())
+}
+
+/// One GEMM configuration, ready to launch: its layouts, its descriptor (with every attribute
+/// but the pointers set) and the algorithm cuBLASLt's heuristic chose for them.
+struct Plan {
+    a_layout: Layout,
+    b_layout: Layout,
+    c_layout: Layout,
+    d_layout: Layout,
+    desc: Desc,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+/// Descriptors and layouts from `args`, and the algorithm cuBLASLt's heuristic picks for them
+/// (asked with the first call's pointers set, as which ones are set — amax_D, the D scale — is
+/// part of the configuration).
+fn plan(
     args: &Fp8GemmArgs,
     fast_accum: bool,
     handle: sys::cublasLtHandle_t,
     ptrs: [u64; 7],
     fp8_out: Option<(u64, u64)>,
-    stream: sys::cudaStream_t,
-) -> candle_core::Result<()> {
+) -> Result<Plan, PlanError> {
     use sys::cublasLtMatmulDescAttributes_t as A;
     use sys::cudaDataType_t as T;
-    let [a, b, d, bias, scale_a, scale_b, workspace] = ptrs;
     let a_layout = layout(T::CUDA_R_8F_E4M3, args.a_rows, args.a_cols, args.lda)?;
     let b_layout = layout(T::CUDA_R_8F_E4M3, args.b_rows, args.b_cols, args.ldb)?;
     // C is bf16 (not read, β = 0); D is bf16, or E4M3 for the next layer — the FP8 table's
@@ -187,9 +299,6 @@ fn launch(
     let op = |t: bool| -> i32 { t as i32 };
     set(&desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &op(args.transa))?;
     set(&desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &op(args.transb))?;
-    // Device pointers to the per-tensor scales (A = W's, B = x's; see gemm.rs): D = s_A·s_B·A·B.
-    set(&desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a)?; // const float*
-    set(&desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b)?;
     // Hopper's FP8 tensor cores accumulate in reduced precision (a ~14-bit truncating
     // accumulator: twin.rs) unless the kernel promotes partial sums to f32 every few k-steps;
     // fast accumulation skips that promotion. TransformerEngine runs the forward pass this way
@@ -200,18 +309,8 @@ fn launch(
         Fp8Epilogue::GeluBias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
     };
     set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?; // cublasLtEpilogue_t
-    set(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?; // const void*, bias_len values
     set(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &T::CUDA_R_16BF)?; // cudaDataType: bf16, as C
-    match (args.out_e4m3, fp8_out) {
-        (false, None) => {}
-        // D = E4M3(scale_D · result), scale_D = 1/s of the next layer's input; amax_D = max|result|
-        // before scale_D (what TransformerEngine records as the next tensor's amax). const float*, void*.
-        (true, Some((d_scale, amax_d))) => {
-            set(&desc, A::CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &d_scale)?;
-            set(&desc, A::CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amax_d)?;
-        }
-        _ => return Err(err("FP8 output", "an E4M3 D needs its D scale and amax pointers, and only an E4M3 D takes them")),
-    }
+    set_pointers(&desc, args, ptrs, fp8_out)?;
     let pref = result::create_matmul_pref().map(Pref).map_err(|e| err("preference", e))?;
     // SAFETY: size_t attribute, copied by cuBLASLt.
     unsafe {
@@ -223,22 +322,40 @@ fn launch(
         )
     }
     .map_err(|e| err("workspace preference", e))?;
-    // SAFETY: every descriptor is alive and describes the allocations behind the pointers.
-    let heuristic = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, a_layout.0, b_layout.0, c_layout.0, d_layout.0, pref.0) }
-        .map_err(|e| {
-            err(
-                &format!(
-                    "cuBLASLt has no FP8 algorithm for m={} n={} k={} with the {:?} epilogue{} on this GPU (it needs SM 8.9+ and CUDA 12+){}",
-                    args.m,
-                    args.n,
-                    args.k,
-                    args.epilogue,
-                    if args.out_e4m3 { " and an E4M3 output (D scale, amax_D)" } else { "" },
-                    if args.out_e4m3 { "; --fp8-fusions ln keeps fc1's output in bf16 and quantises it in a pass of its own" } else { "" }
-                ),
-                e,
-            )
-        })?;
+    HEURISTIC_QUERIES.fetch_add(1, Ordering::Relaxed);
+    // SAFETY: every descriptor and layout is alive.
+    let heuristic = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, a_layout.0, b_layout.0, c_layout.0, d_layout.0, pref.0) };
+    let heuristic = match heuristic {
+        Ok(h) => h,
+        // No algorithm: cudarc reports an empty answer as NOT_SUPPORTED, as cuBLASLt does.
+        Err(e) if e.0 == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => {
+            return Err(PlanError::NoAlgorithm(format!(
+                "cuBLASLt has no FP8 algorithm for m={} n={} k={} with the {:?} epilogue{} on this GPU (it needs SM 8.9+ and CUDA 12+)",
+                args.m,
+                args.n,
+                args.k,
+                args.epilogue,
+                if args.out_e4m3 { " and an E4M3 output (D scale, amax_D)" } else { "" },
+            )))
+        }
+        Err(e) => return Err(err("cublasLtMatmulAlgoGetHeuristic", e).into()),
+    };
+    Ok(Plan { a_layout, b_layout, c_layout, d_layout, desc, algo: heuristic.algo })
+}
+
+/// Sets this call's pointers on `plan`'s descriptor, then cublasLtMatmul. ptrs: A, B, D, bias,
+/// scale_A, scale_B, workspace; `fp8_out`: (D scale, amax_D) when `args.out_e4m3`.
+fn launch(
+    args: &Fp8GemmArgs,
+    plan: &Plan,
+    handle: sys::cublasLtHandle_t,
+    ptrs: [u64; 7],
+    fp8_out: Option<(u64, u64)>,
+    stream: sys::cudaStream_t,
+) -> candle_core::Result<()> {
+    let [a, b, d, _, _, _, workspace] = ptrs;
+    let desc = &plan.desc;
+    set_pointers(desc, args, ptrs, fp8_out)?;
     // C is never read (β = 0): D's own buffer for a bf16 D, as cuBLASLt allows in place; no
     // pointer at all for an E4M3 D, as TransformerEngine passes it (its C layout is bf16, D's is not).
     let c = if args.out_e4m3 { 0 } else { d };
@@ -254,14 +371,14 @@ fn launch(
             &alpha as *const f32 as *const c_void,
             &beta as *const f32 as *const c_void,
             a as *const c_void,
-            a_layout.0,
+            plan.a_layout.0,
             b as *const c_void,
-            b_layout.0,
+            plan.b_layout.0,
             c as *const c_void,
-            c_layout.0,
+            plan.c_layout.0,
             d as *mut c_void,
-            d_layout.0,
-            &heuristic.algo,
+            plan.d_layout.0,
+            &plan.algo,
             workspace as *mut c_void,
             WORKSPACE_BYTES,
             stream,

@@ -37,7 +37,7 @@
 //! host, so a NaN travels to the output, where the runner's check reports it.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
 use float8::F8E4M3;
 use rayon::prelude::*;
 use stage2_sdpa::elementwise::Elementwise;
@@ -92,20 +92,47 @@ impl From<candle_core::Error> for Fp8Error {
 /// Largest finite E4M3 value.
 pub const E4M3_MAX: f32 = 448.0;
 
-/// amax = max |x| over the whole tensor, as a rank-0 f32 tensor on x's device. On the CPU one
-/// parallel pass (candle's abs then max are two single-threaded ones).
-/// Slow twin: `x.flatten_all()?.abs()?.max(0)?.to_dtype(F32)`.
+/// amax = max |x| over the whole tensor, as a rank-0 f32 tensor on x's device: a candle custom
+/// op (`Amax`), one parallel pass on the CPU (candle's abs then max are two single-threaded
+/// ones), our kernel on CUDA (`kernels/fp8.cu`: one pass, one atomic per block; an all-zero x
+/// reports the smallest normal f32, 2⁻¹²⁶, as its amax, which no scale notices).
 pub fn amax(x: &Tensor) -> candle_core::Result<Tensor> {
-    if x.device().is_cpu() {
-        let x32 = cpu_f32(x)?;
-        let v = with_host(&x32, |v| v.par_chunks(CHUNK).map(|c| c.iter().fold(0f32, |m, &a| m.max(a.abs()))).reduce(|| 0.0, f32::max))?;
-        return Tensor::new(v, x.device());
-    }
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        return crate::quant_cuda::amax(x); // our kernel (kernels/fp8.cu): one pass, one atomic per block
-    }
+    // The CUDA kernel reads f32 or bf16; f16 goes in as f32.
+    let x = if x.device().is_cuda() && x.dtype() == DType::F16 { x.to_dtype(DType::F32)? } else { x.clone() };
+    x.contiguous()?.apply_op1_no_bwd(&Amax)
+}
+
+/// Slow twin of `amax`: candle's abs, max and cast.
+pub fn amax_slow(x: &Tensor) -> candle_core::Result<Tensor> {
     x.flatten_all()?.abs()?.max(0)?.to_dtype(DType::F32)
+}
+
+/// The op behind `amax`: x (contiguous, f32/bf16/f16) → max|x|, rank 0, f32.
+struct Amax;
+
+impl CustomOp1 for Amax {
+    fn name(&self) -> &'static str {
+        "speedkit-fp8-amax"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let Some((a, b)) = xl.contiguous_offsets() else { candle_core::bail!("amax: x must be contiguous") };
+        fn max_abs<T: Copy + Sync>(v: &[T], f32_of: impl Fn(T) -> f32 + Sync) -> f32 {
+            v.par_chunks(CHUNK).map(|c| c.iter().fold(0f32, |m, &x| m.max(f32_of(x).abs()))).reduce(|| 0.0, f32::max)
+        }
+        let m = match xs {
+            CpuStorage::F32(v) => max_abs(&v[a..b], |x| x),
+            CpuStorage::BF16(v) => max_abs(&v[a..b], |x| x.to_f32()),
+            CpuStorage::F16(v) => max_abs(&v[a..b], |x| x.to_f32()),
+            x => candle_core::bail!("amax: unsupported dtype {:?} (f32, bf16 or f16)", x.dtype()),
+        };
+        Ok((CpuStorage::F32(vec![m]), Shape::from(())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, xs: &candle_core::CudaStorage, xl: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::quant_cuda::amax_fwd(xs, xl)?, Shape::from(())))
+    }
 }
 
 /// Elements per rayon task (64 KiB of f32).
@@ -845,6 +872,29 @@ impl Fp8Linear {
             false => stage3_fused::ops::linear_bias_slow(&xd, &w, &b)?,
         };
         Ok((got, want))
+    }
+
+    /// Whether this layer can write an E4M3 output for the next layer (`forward_e4m3`) for
+    /// `tokens` input rows: always when emulated; through cuBLASLt, whether it offers an
+    /// algorithm for that configuration (`cuda::has_algorithm`; fc1's GELU + bias epilogue with
+    /// an E4M3 D is the one most likely to lack one).
+    pub fn e4m3_output_supported(&self, tokens: usize) -> candle_core::Result<bool> {
+        match self.mode() {
+            Fp8Mode::Emulated => Ok(true),
+            Fp8Mode::Cublaslt => self.cublaslt_e4m3_supported(tokens),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cublaslt_e4m3_supported(&self, tokens: usize) -> candle_core::Result<bool> {
+        let (n, k) = self.weight.data.dims2()?;
+        let dev = self.weight.data.device().as_cuda_device()?;
+        crate::cuda::has_algorithm(dev, tokens, k, n, self.gelu, true, self.fast_accum)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cublaslt_e4m3_supported(&self, _tokens: usize) -> candle_core::Result<bool> {
+        candle_core::bail!("{}: FP8 GEMMs through cuBLASLt need a build with --features cuda", self.name)
     }
 
     /// What the GEMM stores.

@@ -20,14 +20,14 @@
 use stage3_fused::cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
 
 /// Whose per-tensor scale a scale pointer carries.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ScaleOf {
     Weight,
     Input,
 }
 
 /// Which epilogue cuBLASLt applies to the f32 accumulator before the bf16 store.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fp8Epilogue {
     /// + bias (CUBLASLT_EPILOGUE_BIAS)
     Bias,
@@ -36,7 +36,7 @@ pub enum Fp8Epilogue {
 }
 
 /// One FP8 GEMM in cuBLASLt's terms (column-major; see the module notes).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Fp8GemmArgs {
     /// cuBLASLt's m, n, k: out features, tokens, in features.
     pub m: u64,

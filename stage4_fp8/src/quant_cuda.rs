@@ -167,16 +167,47 @@ fn amax_into(x: &Tensor, amax_bits: &Tensor) -> candle_core::Result<()> {
     launch(dev, &format!("fp8_amax_{}", suffix(&x)), blocks(x.elem_count())?, THREADS, &[&x, amax_bits], &[T(0), I64(n), T(1)])
 }
 
-/// amax = max|x| as a rank-0 f32 tensor (one pass, one atomic per block).
-pub fn amax(x: &Tensor) -> candle_core::Result<Tensor> {
-    let bits = Tensor::zeros(1, DType::U32, x.device())?;
-    amax_into(x, &bits)?;
-    // The bits are an f32's: reinterpret on the device (a one-element copy).
-    let out = Tensor::zeros(1, DType::F32, x.device())?;
+/// max|x| as one f32: the CUDA forward of `fp8::amax` (a candle custom op). x: contiguous f32
+/// or bf16. One pass, one atomic per block, into a zeroed u32 (the f32's bits); then those
+/// bits reinterpreted as the f32 result on the device.
+pub fn amax_fwd(xs: &CudaStorage, xl: &Layout) -> candle_core::Result<CudaStorage> {
+    let dev = xs.device().clone();
+    let n = xl.shape().elem_count();
+    let stream = dev.cuda_stream();
+    let mut bits = dev.alloc_zeros::<u32>(1)?;
+    // SAFETY: fp8_scale_from_amax writes the one element before anything reads it.
+    let mut out = unsafe { dev.alloc::<f32>(1)? };
+    let name = match xs.dtype() {
+        DType::F32 => "fp8_amax_f32",
+        DType::BF16 => "fp8_amax_bf16",
+        dt => candle_core::bail!("amax on CUDA: unsupported dtype {dt:?} (f32 or bf16)"),
+    };
+    let func = function(&dev, &FP8, name)?;
+    let xf = if xs.dtype() == DType::F32 { Some(view::<f32>(xs, xl)?) } else { None };
+    let xb = if xs.dtype() == DType::BF16 { Some(view::<half::bf16>(xs, xl)?) } else { None };
+    let n64 = n as i64;
+    let mut launch = stream.launch_builder(&func);
+    match (&xf, &xb) {
+        (Some(x), _) => launch.arg(x),
+        (_, Some(x)) => launch.arg(x),
+        _ => candle_core::bail!("amax on CUDA: unsupported dtype {:?}", xs.dtype()),
+    };
+    launch.arg(&n64).arg(&mut bits);
+    let cfg = LaunchConfig { grid_dim: (blocks(n)?.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments are fp8_amax_*'s (x, n, amax_bits) in order and type.
+    unsafe { launch.launch(cfg) }.map_err(|e| err(name, e))?;
+    drop(launch);
     // scale_from_amax with pow2_margin = 448 gives s = max(amax, FLT_MIN): the amax itself
     // (FLT_MIN only for an all-zero x, where amax is then reported as FLT_MIN, not 0).
-    launch(x.device().as_cuda_device()?, "fp8_scale_from_amax", 1, 1, &[&bits, &out], &[T(0), T(1), F32(448.0)])?;
-    out.reshape(())
+    let func = function(&dev, &FP8, "fp8_scale_from_amax")?;
+    let margin = 448f32;
+    let mut launch = stream.launch_builder(&func);
+    launch.arg(&mut bits).arg(&mut out).arg(&margin);
+    let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: fp8_scale_from_amax's (amax_bits, scale, pow2_margin) in order and type.
+    unsafe { launch.launch(one) }.map_err(|e| err("fp8_scale_from_amax", e))?;
+    drop(launch);
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
 /// q = E4M3(x / s) (`s`: (1) or rank-0 f32 on x's device), with amax_bits also updated in the

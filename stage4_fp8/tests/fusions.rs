@@ -195,3 +195,44 @@ fn the_producers_match_their_slow_twins() {
         }
     }
 }
+
+/// A CUDA graph is captured once the block is steady: with a producer fusion on, from the second
+/// forward (the first has no delayed scale, so its producers run unfused); with none, from the
+/// first. Each fusion alone counts.
+#[test]
+fn the_block_is_steady_once_its_fused_producers_have_run() {
+    let shape = Preset::Tiny.shape();
+    let xs = inputs(&shape, 3);
+    for fusions in [Fp8Fusions::ALL, Fp8Fusions { ln: true, fc1: false }, Fp8Fusions { ln: false, fc1: true }] {
+        let b = block(shape, 5, fusions, PrecisionRequest::Auto);
+        b.forward(&xs[0]).unwrap();
+        assert!(!b.steady(), "{fusions:?}: the first forward ran unfused, yet the block says steady");
+        b.forward(&xs[1]).unwrap();
+        assert!(b.steady(), "{fusions:?}: the second forward ran every fusion, yet the block is not steady");
+    }
+    let b = block(shape, 5, Fp8Fusions::NONE, PrecisionRequest::Auto);
+    b.forward(&xs[0]).unwrap();
+    assert!(b.steady(), "no fusion: the first forward is the steady path");
+}
+
+/// When cuBLASLt has no algorithm for fc1's E4M3 output, stage 4 runs the next configuration:
+/// exactly `--fp8-fusions ln` (fc1 writes its activation dtype, fc2 quantises it), bit for bit,
+/// histories included; the row's notes say so, and the block is steady without the fc1 fusion.
+#[test]
+fn without_an_fc1_e4m3_algorithm_the_block_runs_the_ln_only_dataflow_and_says_so() {
+    let shape = Preset::Tiny.shape();
+    let xs = inputs(&shape, 7);
+    let fell_back = block(shape, 9, Fp8Fusions::ALL, PrecisionRequest::Auto);
+    fell_back.assume_no_fc1_e4m3_algorithm();
+    let ln_only = block(shape, 9, Fp8Fusions { ln: true, fc1: false }, PrecisionRequest::Auto);
+    let (ys, hs) = run(&fell_back, &xs);
+    let (want_ys, want_hs) = run(&ln_only, &xs);
+    for (y, w) in ys.iter().zip(&want_ys) {
+        assert_eq!(y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), w.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    }
+    assert_eq!(hs, want_hs);
+    assert!(fell_back.steady(), "steady without the fc1 fusion");
+    let notes = fell_back.ran();
+    assert!(notes.len() == 1 && notes[0].contains("fc1") && notes[0].contains("no algorithm"), "{notes:?}");
+    assert!(ln_only.ran().is_empty());
+}

@@ -10,6 +10,8 @@ struct Recorder {
     cache_on: bool,
     fail_captured_forward: bool,
     fail_end: bool,
+    /// Warm-up forwards after which the stage is steady (0 and 1: the first).
+    steady_after: usize,
 }
 
 impl CaptureSteps for Recorder {
@@ -28,6 +30,9 @@ impl CaptureSteps for Recorder {
             anyhow::bail!("h2d param cache miss during CUDA graph capture");
         }
         Ok(())
+    }
+    fn steady(&mut self) -> bool {
+        self.calls.iter().filter(|c| c.starts_with("warm-up")).count() >= self.steady_after
     }
     fn synchronize(&mut self) -> anyhow::Result<()> {
         self.calls.push("sync");
@@ -59,6 +64,21 @@ fn the_warm_up_fills_the_htod_cache_before_the_capture() {
     let mut r = Recorder::default();
     run_capture(&mut r).unwrap();
     assert_eq!(r.calls, ["cache on", "warm-up (cache on)", "sync", "begin", "captured forward", "end"]);
+}
+
+/// A stage that is steady only from its second forward (stage 4 with a producer fusion) is
+/// warmed up twice; one that never is, is not captured.
+#[test]
+fn the_warm_up_repeats_until_the_stage_is_steady() {
+    let mut r = Recorder { steady_after: 2, ..Default::default() };
+    run_capture(&mut r).unwrap();
+    assert_eq!(r.calls, ["cache on", "warm-up (cache on)", "warm-up (cache on)", "sync", "begin", "captured forward", "end"]);
+
+    let mut r = Recorder { steady_after: MAX_WARMUPS + 1, ..Default::default() };
+    let e = run_capture(&mut r).unwrap_err();
+    assert!(e.to_string().contains("steady") && e.to_string().contains("without --cuda-graph"), "{e}");
+    assert_eq!(r.calls.iter().filter(|c| c.starts_with("warm-up")).count(), MAX_WARMUPS);
+    assert!(!r.calls.contains(&"begin"), "nothing is captured: {:?}", r.calls);
 }
 
 /// A stage with its own check, as stage 4 has.

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Count the SASS instructions of each loop of a kernel, to price one trip of its main loop.
+
+Reads `cuobjdump -sass` (or `nvdisasm`) output of one function from FILE, or stdin without one. A loop is the range from
+a backward branch's target to the branch itself. For each loop it prints the instructions in the
+range, the tensor-core instructions (HMMA) among them, and the instructions per 128 HMMA, then a
+histogram by opcode for the loop with the most HMMA. Instructions that a forward branch inside the
+loop jumps over (the code of an `if` not taken) are counted apart, as `skippable`: the static
+count is what one trip issues when every such `if` runs, the count without them when none does.
+
+    cuobjdump -sass -fun flash_attn_v2_fwd_bf16_d128 k.cubin | python3 scripts/sass-loops.py
+    python3 scripts/sass-loops.py kernel.sass
+"""
+import collections
+import re
+import sys
+
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def main() -> int:
+    instrs = []  # (address, opcode, operands)
+    source = open(sys.argv[1], encoding="utf-8") if len(sys.argv) > 1 else sys.stdin
+    for line in source:
+        m = LINE.search(line)
+        if m:
+            instrs.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    if not instrs:
+        print("no SASS instructions in the input", file=sys.stderr)
+        return 1
+    index = {a: i for i, (a, _, _) in enumerate(instrs)}
+    loops = []
+    for i, (addr, op, args) in enumerate(instrs):
+        t = re.search(r"0x([0-9a-f]+)", args)
+        if op.startswith("BRA") and t and int(t.group(1), 16) < addr and int(t.group(1), 16) in index:
+            loops.append((index[int(t.group(1), 16)], i))
+    if not loops:
+        print("no loop (backward branch) found", file=sys.stderr)
+        return 1
+    best = None
+    for lo, hi in loops:
+        body = instrs[lo : hi + 1]
+        hmma = sum(op.startswith("HMMA") for _, op, _ in body)
+        skipped = set()
+        for k, (addr, op, args) in enumerate(body):
+            t = re.search(r"0x([0-9a-f]+)", args)
+            if op.startswith("BRA") and t and addr < int(t.group(1), 16) <= body[-1][0]:
+                end = int(t.group(1), 16)
+                skipped.update(j for j in range(lo + k + 1, hi + 1) if instrs[j][0] < end)
+        n, s = len(body), len(skipped)
+        per = f", {128 * (n - s) / hmma:.0f} per 128 HMMA without the skippable, {128 * n / hmma:.0f} with" if hmma else ""
+        print(f"loop 0x{instrs[lo][0]:04x}..0x{instrs[hi][0]:04x}: {n} instructions ({s} skippable), {hmma} HMMA{per}")
+        if best is None or hmma >= best[0]:  # the last of equals: the unmasked loop comes after the masked one
+            best = (hmma, lo, hi, skipped)
+    _, lo, hi, skipped = best
+    hist = collections.Counter(instrs[j][1].split(".")[0] for j in range(lo, hi + 1) if j not in skipped)
+    print("opcodes of the loop with the most HMMA (skippable left out):")
+    for op, c in hist.most_common():
+        print(f"  {op:10s} {c}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
