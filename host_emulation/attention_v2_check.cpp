@@ -22,6 +22,7 @@
 // Exit 0 when every kernel call is within tolerance and every mutation is caught.
 //
 //   bash host_emulation/run.sh attention_v2_check      (~2 min on 2 cores)
+#include <string>
 #include "../stage2_sdpa/kernels/flash_attn_v2.cu"
 
 #include <cstdio>
@@ -85,7 +86,9 @@ int main() {
     for (int at_issue = 0; at_issue < 2; ++at_issue) {
         cp_async_at_issue = at_issue;
         for (int ci = 0; ci < 6; ++ci)
-            for (int si = 0; si < 6; ++si)
+            // T = 1000 (the last shape) runs with late copies only: early copies change when a
+            // copy lands, not the arithmetic, and T = 128 already crosses four key tiles.
+            for (int si = 0; si < (at_issue ? 5 : 6); ++si)
                 for (int causal = 0; causal < 2; ++causal) {
                     const bool strided = (ci + si) % 2 == 0;  // each shape in both layouts, over the cases
                     ++n;
@@ -120,17 +123,22 @@ int main() {
         emu_mutation = mu.m;
         cp_async_at_issue = mu.at_issue;
         const bool race = mu.m == EMU_NO_BARRIER_AFTER_WAIT || mu.m == EMU_NO_OTHER_BARRIER;
-        int caught = 0, calls = 0;
-        for (int w = race ? 0 : -1; w < (race ? WARPS : 0); ++w) {
+        // Probe calls until one fails (the mutation is caught) or all have passed (it is not).
+        int calls = 0;
+        bool good = false;
+        for (int w = race ? 0 : -1; w < (race ? WARPS : 0) && !good; ++w) {
             slow_warp = w;
             for (const auto& p : probes) {
-                caught += !run(cases[p.ci], shapes[p.si], p.causal, p.strided, 7, true);
                 ++calls;
+                if (!run(cases[p.ci], shapes[p.si], p.causal, p.strided, 7, true)) {
+                    good = true;
+                    break;
+                }
             }
         }
-        const bool good = caught > 0;
-        printf("mutation (%s): %d of %d probe calls fail — %s\n", mu.what, caught, calls,
-               good ? "caught, as it must be" : "NOT CAUGHT: the check cannot see this mistake");
+        printf("mutation (%s): %s\n", mu.what,
+               good ? ("caught by probe call " + std::to_string(calls) + ", as it must be").c_str()
+                    : "NOT CAUGHT: no probe call fails, so the check cannot see this mistake");
         ok &= good;
     }
     emu_mutation = EMU_EXACT;
