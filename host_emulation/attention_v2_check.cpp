@@ -7,14 +7,16 @@
 // several heads and batches. Also requires: no ldmatrix bank conflicts (the swizzle) and no
 // misaligned ldmatrix row.
 //
-// Every call runs twice: with cp.async copies landing at their wait_group (the latest the PTX
-// memory model allows) and at issue (the earliest); a kernel must be right under both.
+// Every call runs twice (the T = 1000 shape once): with cp.async copies landing at their
+// wait_group (the latest the PTX memory model allows) and at issue (the earliest); a kernel must
+// be right under both.
 //
 // Then the mutation tests: the same kernel under an emulation with one fragment layout, the
 // .trans or the cp.async wait deliberately wrong, or one of the KV loop's two barriers deleted
 // (EmuMutation in ptx_warp.h) must fail the check; a mutation that passes means the check could
 // not tell the ISA's layout from another, or could not see the race the barrier prevents. The
-// barrier mutations run once per warp with that warp held back at every barrier and wait (a
+// probe calls of a mutation stop at the first that fails. The barrier mutations try each warp in
+// turn, held back at every barrier and wait (a
 // causal block's first warps skip its last key tiles, so no one warp sees every race), under the
 // copy timing that exposes their race: without the barrier after the wait, the other warps read
 // tile j before the held warp's late copies land; without the barrier at the end of a tile,
