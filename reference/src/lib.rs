@@ -8,8 +8,9 @@
 //!   the materialised scores with candle-nn's fused `softmax_last_dim`.
 //! - GELU: candle's tanh-approximation `gelu`, as GPT-2 uses.
 //!
-//! It runs at the precision stage 1's policy picks (`--precision` applies), with the same
-//! mixed-precision rule: LayerNorm statistics, softmax and the residual stream in f32.
+//! It runs at the precision stage 1's policy picks on a GPU (`--precision` applies), with the same
+//! mixed-precision rule: LayerNorm statistics, softmax and the residual stream in f32. On a CPU
+//! `auto` is fp32: candle's CPU matmul has no bf16 kernel, so that is the library's fastest.
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::Linear;
@@ -45,7 +46,14 @@ impl Stage for CandleNn {
     }
 
     fn choose_precision(&self, info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
-        precision::choose(info, requested)
+        match requested {
+            // The reference is what the library gives at its best: candle's CPU matmul has no
+            // bf16 kernel (it converts), so on a CPU that is fp32 whatever bf16 units it has.
+            PrecisionRequest::Auto if !info.is_cuda() => {
+                Ok((Precision::Fp32, "auto on CPU: candle-nn's GEMMs have no bf16 kernel on the CPU, so fp32 is its fastest".into()))
+            }
+            _ => precision::choose(info, requested),
+        }
     }
 
     fn switches(&self, plan: &Plan) -> GemmSwitches {
