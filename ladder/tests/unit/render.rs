@@ -1,0 +1,85 @@
+//! Unit tests of `ladder/src/render.rs`, compiled into that module (`#[path]`), so they
+//! reach its private items.
+
+use super::*;
+
+#[test]
+fn splice_touches_only_the_region() {
+    let (begin, end) = markers("results");
+    assert_eq!(begin, "<!-- results:begin -->");
+    let readme = format!("# Title\n\nintro\n\n{begin}\nold table\nold notes\n{end}\n\n## After\ntext\n");
+    let out = splice_readme(&readme, "results", "new table\n").unwrap();
+    assert_eq!(out, format!("# Title\n\nintro\n\n{begin}\nnew table\n{end}\n\n## After\ntext\n"));
+    assert_eq!(splice_readme(&out, "results", "new table\n").unwrap(), out, "idempotent");
+    // A region without its final newline still leaves the end marker on its own line.
+    assert_eq!(splice_readme(&readme, "results", "new table").unwrap(), out);
+    // An empty region is allowed and keeps the markers.
+    assert_eq!(splice_readme(&readme, "results", "").unwrap(), format!("# Title\n\nintro\n\n{begin}\n\n{end}\n\n## After\ntext\n"));
+}
+
+#[test]
+fn regions_are_independent() {
+    let (b, e) = markers("results");
+    let (gb, ge) = markers("results-gpu");
+    let readme = format!("{b}\ncpu\n{e}\n\n{gb}\nno GPU run yet\n{ge}\n");
+    let out = splice_readme(&readme, "results-gpu", "gpu table\n").unwrap();
+    assert_eq!(out, format!("{b}\ncpu\n{e}\n\n{gb}\ngpu table\n{ge}\n"));
+    assert_eq!(splice_readme(&out, "results", "cpu 2\n").unwrap(), format!("{b}\ncpu 2\n{e}\n\n{gb}\ngpu table\n{ge}\n"));
+    assert!(region_name("results-gpu").is_ok());
+    assert!(region_name("a -->").is_err() && region_name("").is_err());
+}
+
+#[test]
+fn splice_refuses_missing_duplicated_or_reversed_markers() {
+    let (begin, end) = markers("results");
+    let cases = [
+        ("no markers\n".to_string(), "has 0 and 0"),
+        (format!("{begin}\nonly begin\n"), "has 1 and 0"),
+        (format!("{begin}\na\n{end}\n{begin}\nb\n{end}\n"), "has 2 and 2"),
+        (format!("{end}\na\n{begin}\n"), "comes before"),
+    ];
+    for (readme, why) in cases {
+        let e = splice_readme(&readme, "results", "x\n").unwrap_err();
+        assert!(matches!(e, SpeedkitError::Usage(_)), "exit 2");
+        let msg = e.to_string();
+        assert!(msg.contains(why) && msg.contains("Fix:"), "{msg}");
+    }
+}
+
+#[test]
+fn milliseconds_keep_three_digits() {
+    assert_eq!(fmt_ms(451.93), "452");
+    assert_eq!(fmt_ms(21.349), "21.3");
+    assert_eq!(fmt_ms(1.2345), "1.23");
+    assert_eq!(fmt_ms(0.05213), "0.052");
+    assert_eq!(fmt_speedup(None, false), "–");
+    assert_eq!(fmt_speedup(Some(2.126), false), "2.13x");
+    assert_eq!(axis_label("seq", 512), "T = 512");
+}
+
+#[test]
+fn recorded_cpu_run_renders() {
+    // A run recorded before the report gained its provenance fields still renders.
+    let json = include_str!("../../results/cpu-dev-small.json");
+    let report: LadderReport = serde_json::from_str(json).unwrap();
+    let md = markdown_table(&report);
+    assert!(md.starts_with("| stage | precision | median ms (p10–p90) |"), "{md}");
+    assert!(md.contains("| stage0_baseline | fp32 | 452 (429–465) | 1.00x | – |"), "{md}");
+    let region = readme_region(&report, "results/cpu-dev-small.json", "results/x.svg");
+    assert!(region.contains("**CPU: AMD EPYC, 2 threads** · preset `small` (B=4 T=512"), "{region}");
+    assert!(region.contains("commit `8c37a4920778` · 2026-11-21"), "{region}");
+    assert!(region.contains("2 warm-up + 20 timed iterations"), "{region}");
+    assert!(region.contains("(results/x.svg)\n"), "{region}");
+    assert!(region.ends_with("(results/x-roofline.svg)\n"), "{region}");
+}
+
+#[test]
+fn each_region_is_rewritten_on_its_own_page_with_links_from_there() {
+    use std::path::Path;
+    assert_eq!(region_page(Path::new("README.md"), "results"), (Path::new("README.md").to_path_buf(), String::new()));
+    assert_eq!(region_page(Path::new("README.md"), "results-gpu"), (Path::new("README.md").to_path_buf(), String::new()));
+    let (page, up) = region_page(Path::new("repo/README.md"), "results-gpu-gpt2");
+    assert_eq!((page.as_path(), up.as_str()), (Path::new("repo/docs/gpu.md"), "../"));
+    let (page, _) = region_page(Path::new("README.md"), "results-gpu-ablate-te");
+    assert_eq!(page, Path::new("./docs/gpu.md"));
+}
