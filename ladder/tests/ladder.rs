@@ -180,7 +180,7 @@ fn breakdown_ablation_noise_and_roofline_end_to_end_on_tiny() {
         assert_eq!(r.timing.samples_ms.len(), 2, "{}", r.stage);
     }
 
-    // Ablation: stage 2 with its copies kept, stage 3 without each fusion and with threads and
+    // Ablation: stage 2 with its copies kept and with its row-wise CPU kernel, stage 3 without each fusion and with threads and
     // SIMD only (no fusion: the CPU's share of the step from 2 to 3 that is not fusion), stage 4
     // without each of its FP8 producer fusions, each measured and checked, each priced against
     // the stage as written. (Stage 2 runs candle's element-wise ops by default, as stage 1 does,
@@ -190,6 +190,7 @@ fn breakdown_ablation_noise_and_roofline_end_to_end_on_tiny() {
         changes,
         [
             ("stage2_sdpa", "head split/merge copies kept"),
+            ("stage2_sdpa", "row-wise online softmax, no register tiles"),
             ("stage3_fused", "without ln"),
             ("stage3_fused", "without qkv"),
             ("stage3_fused", "without epilogue"),

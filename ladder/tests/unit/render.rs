@@ -60,7 +60,7 @@ fn milliseconds_keep_three_digits() {
 #[test]
 fn recorded_cpu_run_renders() {
     // A run recorded before the report gained its provenance fields still renders.
-    let json = include_str!("../../results/cpu-dev-small.json");
+    let json = include_str!("../../../results/cpu-dev-small.json");
     let report: LadderReport = serde_json::from_str(json).unwrap();
     let md = markdown_table(&report);
     assert!(md.starts_with("| stage | precision | median ms (p10–p90) |"), "{md}");
