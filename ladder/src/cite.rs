@@ -7,8 +7,8 @@
 //! fusion buys [1.44x](results/ladder-cpu.json "records[stage=stage3_fused].speedup_vs_prev") over stage 2
 //! ```
 //!
-//! `check` verifies each such number is what the JSON holds at that path (a test runs it on
-//! README.md and docs/*.md); `update` rewrites them from the JSON (`--update-readme` does).
+//! `update` rewrites them from the JSON (`--update-readme` does); a test checks each is what the
+//! JSON holds at that path, and that prose holds no measured number without its source.
 //!
 //! Path: dot-separated keys; `name[key=value]` picks the element of an array whose `key` is
 //! `value`; `name[3]` by index. The unit is the text's suffix: `x` (ratio, 2 decimals), `ms`
@@ -21,10 +21,6 @@ use std::sync::LazyLock;
 
 /// `[text](target)`: the text on one line without a `[`, the target up to the first `)`.
 static LINK: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\[([^\[\n]*?)\]\(([^)]*)\)").unwrap());
-/// What is not prose on a line: inline code, an HTML comment, a link's text and target.
-static NOT_PROSE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"`[^`]*`|<!--.*?-->|\[[^\[]*?\]\([^)]*\)").unwrap());
-/// A number, with its exponent when one follows (`2.8e-2`).
-static NUMBER: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"[0-9]+(?:\.[0-9]+)*(?:e(?:-[0-9]*|[0-9]+))?").unwrap());
 /// A fenced code block, ``` line to ``` line: examples there are not citations.
 static FENCE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(?ms)^[ \t]*```.*?^[ \t]*```[^\n]*\n?").unwrap());
 
@@ -57,50 +53,6 @@ pub fn find(doc: &str) -> Vec<Citation> {
         }
     }
     out
-}
-
-/// Units that mark a number as a measurement (a time, a rate, a ratio, a size, an error).
-const MEASURED_UNITS: [&str; 14] = ["ms", "µs", "s", "x", "GFLOP/s", "TFLOP/s", "GB/s", "TB/s", "%", "MiB", "GiB", "MB", "GB", "KB"];
-
-/// (line, number) for each measured-looking number in `doc`'s prose that is not cited: one with a
-/// unit of `MEASURED_UNITS` or in e-notation with a decimal, outside code, links, HTML comments
-/// and generated regions (`<!-- NAME:begin -->`…`end`), and not a bound (≥ ≤ < >) or ≈1.0x.
-pub fn bare_numbers(doc: &str) -> Vec<(usize, String)> {
-    let (mut out, mut fenced, mut generated) = (Vec::new(), false, false);
-    for (i, line) in doc.lines().enumerate() {
-        let t = line.trim_start();
-        let comment = t.starts_with("<!--");
-        if t.starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        generated |= comment && t.contains(":begin");
-        if comment && t.contains(":end") {
-            generated = false;
-        } else if !fenced && !generated {
-            out.extend(numbers_in(&NOT_PROSE.replace_all(line, " ")).into_iter().map(|n| (i + 1, n)));
-        }
-    }
-    out
-}
-
-/// The measured-looking numbers of a prose line (see `bare_numbers`).
-fn numbers_in(prose: &str) -> Vec<String> {
-    let measured = |m: &regex::Match| {
-        let (before, n, after) = (&prose[..m.start()], m.as_str(), &prose[m.end()..]);
-        let starts = !before.chars().next_back().is_some_and(|c| c.is_alphanumeric() || "._-/".contains(c));
-        // A measured error has a decimal (1.8e-2); a tolerance is a round power (1e-2), a constant.
-        let e_notation = n.split_once('e').is_some_and(|(mantissa, _)| mantissa.contains('.'));
-        // The unit: right after the number or after one space, ending at a word boundary.
-        let unit = after.strip_prefix(' ').unwrap_or(after);
-        let has_unit =
-            MEASURED_UNITS.iter().any(|u| unit.strip_prefix(u).is_some_and(|r| !r.starts_with(|c: char| c.is_alphanumeric() || c == '/')));
-        // ≥ ≤ < > mark a target or bound; ≈ marks the noise label (`≈1.0x`), not a value.
-        let last3: String = before.chars().rev().take(3).collect::<Vec<_>>().into_iter().rev().collect();
-        let bound = ["≥", "≤", "<", ">", "≈"].iter().any(|b| last3.trim_end().ends_with(b));
-        starts && (has_unit || e_notation) && !bound
-    };
-    NUMBER.find_iter(prose).filter(measured).map(|m| m.as_str().to_string()).collect()
 }
 
 /// The value at `path` in `v`.
@@ -151,16 +103,6 @@ pub fn expected(c: &Citation, json: &Value) -> Result<String, String> {
     format_like(&c.text, lookup(json, &c.path)?)
 }
 
-/// Each citation in `doc` whose text is not what its JSON (read by `load`) holds, and why.
-pub fn check(doc: &str, mut load: impl FnMut(&str) -> Result<Value, String>) -> Vec<(Citation, String)> {
-    let verdict = |c: Citation| match load(&c.json).and_then(|j| expected(&c, &j)) {
-        Ok(want) if want == c.text => None,
-        Ok(want) => Some((c, format!("should read {want}"))),
-        Err(e) => Some((c, e)),
-    };
-    find(doc).into_iter().filter_map(verdict).collect()
-}
-
 /// `doc` with every citation of `json_link` rewritten from `json`; one `json` lacks is kept and named.
 pub fn update(doc: &str, json_link: &str, json: &Value) -> (String, Vec<String>) {
     let (mut out, mut last, mut stale) = (String::with_capacity(doc.len()), 0, Vec::new());
@@ -176,7 +118,3 @@ pub fn update(doc: &str, json_link: &str, json: &Value) -> (String, Vec<String>)
     }
     (out + &doc[last..], stale)
 }
-
-#[cfg(test)]
-#[path = "../tests/unit/cite.rs"]
-mod tests;

@@ -24,6 +24,7 @@ use shared::stage::{ladder_request, plan};
 use shared::timing::Stats;
 use shared::weights::save_tensors;
 use shared::{PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use sweep::Sweep;
@@ -168,17 +169,7 @@ fn merge_rounds(records: Vec<Record>) -> Option<Record> {
 /// interleaved rounds (`Measure`), each checked against stage 0's fp32 output. A stage that
 /// cannot run here, or fails, is a row saying so; the first failure is returned beside the
 /// report, so the table and files are written before the run exits with its code.
-pub fn run(args: RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
-    run_measured(args, stages, which, Measure::default())
-}
-
-/// `run`, measured as `m` says.
-pub fn run_measured(
-    args: RunArgs,
-    all: &[Box<dyn Stage>],
-    which: &[usize],
-    m: Measure,
-) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
+pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
     let session = Session::open(args, default_stages()[0].as_ref())?; // the fp32 reference: STAGES[0] as written
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
     report.ceiling = session.ceiling.clone();
@@ -470,10 +461,10 @@ pub enum Results {
 
 /// Read a JSON file written by `ladder --json`.
 pub fn load(path: &Path) -> anyhow::Result<Results> {
-    let results = load_unchecked(path)?;
-    let checked = match &results {
-        Results::Ladder(r) => check_report(r),
-        Results::Sweep(s) => check_sweep(s),
+    let mut results = load_unchecked(path)?;
+    let checked = match &mut results {
+        Results::Ladder(r) => check_report(r).map(|()| annotate_again(r)),
+        Results::Sweep(s) => check_sweep(s).map(|()| s.runs.iter_mut().for_each(annotate_again)),
     };
     checked.map_err(|why| {
         SpeedkitError::usage(format!(
@@ -484,190 +475,64 @@ pub fn load(path: &Path) -> anyhow::Result<Results> {
     Ok(results)
 }
 
-/// Most rows (stages) and sweep values a file may hold: the ladder has five stages, and a chart
-/// of thousands of bars is no chart (its width would overflow). Ablation rows count alike.
+/// Most rows (stages, ablation or reference rows, sweep values) and most breakdown parts, GEMM
+/// shapes or roofs a file may hold: a chart of thousands of bars is no chart (its width would
+/// overflow).
 const MAX_ROWS: usize = 64;
 
-/// Most parts one breakdown may hold (the block has a dozen), GEMM shapes one ceiling, and
-/// precisions the roofline draws a roof for.
-const MAX_PARTS: usize = 32;
-
-/// Longest string (in characters) the file may hold anywhere, keys included: a stage name or a
-/// reason is a line, a path at most 4096 bytes. Longer ones overflowed the table's padding
-/// ("Formatting argument out of range" at 70,000 characters).
+/// Longest string (in characters) the file may hold anywhere, keys included: a reason is a line,
+/// a path at most 4096 bytes. Longer ones overflowed the table's padding.
 pub const MAX_TEXT: usize = 4096;
 
-/// `v` must be finite, in `lo..=hi`: every number a table or chart uses is bounded, so no axis
-/// spans hundreds of decades and no label hundreds of digits.
-fn bounded(what: &str, v: f64, lo: f64, hi: f64) -> Result<(), String> {
-    if v.is_finite() && (lo..=hi).contains(&v) {
-        Ok(())
-    } else {
-        Err(format!("{what} is {v:e}, not a finite number from {lo:e} to {hi:e}"))
-    }
-}
-
-/// A file read back is untrusted input: every shape valid (n_head 0 would divide by zero), every
-/// number the table and chart use finite, non-negative and bounded, and no more rows, parts or
-/// roofs than a chart can draw.
-fn check_report(r: &LadderReport) -> Result<(), String> {
-    r.shape.validate().map_err(|e| format!("its shape {:?} is invalid ({e})", r.shape))?;
-    if r.records.len() + r.skipped.len() > MAX_ROWS || r.stages.len() > MAX_ROWS {
-        return Err(format!("it holds {} rows, more than {MAX_ROWS}", r.records.len() + r.skipped.len()));
-    }
-    if r.ablation.len() > MAX_ROWS || r.references.len() + r.references_out.len() > MAX_ROWS {
-        return Err(format!("it holds {} ablation and {} reference rows, more than {MAX_ROWS}", r.ablation.len(), r.references.len()));
-    }
-    let bandwidth = r.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
-    for rec in r.records.iter().chain(&r.references) {
-        check_record(&rec.stage, rec)?;
-        check_regimes(&rec.stage, rec, bandwidth)?;
-    }
-    for a in &r.ablation {
-        let what = format!("the ablation row {:?} of {}", a.change, a.against);
-        check_record(&what, &a.record)?;
-        check_regimes(&what, &a.record, bandwidth)?;
-        if let Some(b) = a.buys {
-            bounded(&format!("{what}'s buys"), b, 0.0, 1e9)?;
-        }
-    }
-    if let Some(c) = &r.ceiling {
-        check_ceiling("its ceiling", c)?;
-    }
-    if let Some(c) = &r.ceilings {
-        if c.tflops.len() > MAX_PARTS {
-            return Err(format!("its ceilings list {} precisions, more than {MAX_PARTS}", c.tflops.len()));
-        }
-        let (lo, hi) = shared::cli::PEAK_TFLOPS_RANGE;
-        for (name, v) in &c.tflops {
-            bounded(&format!("its ceilings' {name} TFLOP/s"), *v, lo.min(1e-6), hi)?;
-        }
-        if let Some(bw) = c.bandwidth_gbs {
-            let (lo, hi) = shared::cli::BANDWIDTH_GBS_RANGE;
-            bounded("its ceilings' bandwidth_gbs", bw, lo, hi)?;
-        }
-    }
-    Ok(())
-}
-
-/// One measured row (a stage or an ablation variant): its shape and every number drawn.
-fn check_record(what: &str, rec: &Record) -> Result<(), String> {
-    rec.shape.validate().map_err(|e| format!("{what}'s shape is invalid ({e})"))?;
-    let t = &rec.timing;
-    // Times up to 10^12 ms (31 years); rates and FLOPs above anything a device does.
-    let numbers = [
-        ("median_ms", Some(t.median_ms), 0.0, 1e12),
-        ("p10_ms", Some(t.p10_ms), 0.0, 1e12),
-        ("p90_ms", Some(t.p90_ms), 0.0, 1e12),
-        ("min_ms", Some(t.min_ms), 0.0, 1e12),
-        ("max_ms", Some(t.max_ms), 0.0, 1e12),
-        ("tokens_per_s", Some(rec.tokens_per_s), 0.0, 1e15),
-        // Drawn on the roofline's log axes: > 0.
-        ("flops_per_forward", Some(rec.flops_per_forward), 1.0, 1e21),
-        ("tflops", Some(rec.tflops), 1e-12, 1e5),
-        ("peak_tflops", rec.peak_tflops, 1e-9, 1e5),
-        ("pct_of_peak", rec.pct_of_peak, 0.0, 1e9),
-        ("speedup_vs_stage0", rec.speedup_vs_stage0, 0.0, 1e9),
-        ("speedup_vs_prev", rec.speedup_vs_prev, 0.0, 1e9),
-        ("vs_reference", rec.vs_reference, 0.0, 1e9),
-        ("check.rel_err", rec.check.as_ref().map(|c| c.rel_err), 0.0, 1e30),
-        ("check.max_abs_err", rec.check.as_ref().map(|c| c.max_abs_err), 0.0, 1e30),
-    ];
-    for (name, v, lo, hi) in numbers {
-        if let Some(v) = v {
-            bounded(&format!("{what}'s {name}"), v, lo, hi)?;
-        }
-    }
-    if t.median_ms <= 0.0 {
-        return Err(format!("{what}'s median_ms is {}, not a time > 0", t.median_ms));
-    }
-    if let Some(b) = &rec.breakdown {
-        if b.parts.len() > MAX_PARTS {
-            return Err(format!("{what}'s breakdown has {} parts, more than {MAX_PARTS}", b.parts.len()));
-        }
-        bounded(&format!("{what}'s breakdown total_ms"), b.total_ms, 0.0, 1e12)?;
-        for p in &b.parts {
-            for (name, v) in [("median_ms", p.median_ms), ("p10_ms", p.p10_ms), ("p90_ms", p.p90_ms)] {
-                bounded(&format!("{what}'s breakdown part {:?} {name}", p.name), v, 0.0, 1e12)?;
-            }
-        }
-    }
-    if let Some(c) = &rec.ceiling {
-        check_ceiling(&format!("{what}'s ceiling"), c)?;
-    }
-    Ok(())
-}
-
-/// A breakdown part's regime (its rates against the roofs, and the label) must be what its own
-/// time, shape and the run's ceilings give: the README's prose cites these fields beside a table
-/// computed from the same record, so an edited field would make them disagree.
-fn check_regimes(what: &str, rec: &Record, bandwidth: Option<f64>) -> Result<(), String> {
-    let Some(b) = &rec.breakdown else { return Ok(()) };
-    let mut again = rec.clone();
-    shared::regime::annotate(&mut again, bandwidth);
-    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1e-12);
-    for (p, q) in b.parts.iter().zip(again.breakdown.iter().flat_map(|b| &b.parts)) {
-        let (Some(got), want) = (&p.regime, &q.regime) else { continue };
-        let agrees = want.as_ref().is_some_and(|w| {
-            got.regime == w.regime
-                && [
-                    (got.flops, w.flops),
-                    (got.min_bytes, w.min_bytes),
-                    (got.gflops, w.gflops),
-                    (got.gbs, w.gbs),
-                    (got.pct_of_compute_roof, w.pct_of_compute_roof),
-                    (got.pct_of_memory_roof, w.pct_of_memory_roof),
-                ]
-                .iter()
-                .all(|&(a, b)| close(a, b))
-        });
-        if !agrees {
-            return Err(format!(
-                "{what}'s breakdown part {:?} records the regime {got:?}, but its own time, shape and ceilings give {want:?}",
-                p.name
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn check_ceiling(what: &str, c: &shared::ceiling::CpuCeiling) -> Result<(), String> {
-    if c.gemms.len() > MAX_PARTS {
-        return Err(format!("{what} lists {} GEMMs, more than {MAX_PARTS}", c.gemms.len()));
-    }
-    // GFLOP/s from 1 kFLOP/s to 100 PFLOP/s; GB/s as --bandwidth-gbs (0: not measured).
-    bounded(&format!("{what}'s gemm_gflops"), c.gemm_gflops, 1e-6, 1e8)?;
-    for g in &c.gemms {
-        bounded(&format!("{what}'s {} gflops", g.name), g.gflops, 1e-6, 1e8)?;
-    }
-    bounded(&format!("{what}'s bandwidth_gbs"), c.bandwidth_gbs, 0.0, shared::cli::BANDWIDTH_GBS_RANGE.1)
-}
-
-/// Every string in the file (keys too) at most `MAX_TEXT` characters; the error names where.
-fn check_strings(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String> {
-    let long = |s: &str| s.len() > MAX_TEXT && s.chars().count() > MAX_TEXT;
+/// A file read back is untrusted input. Everywhere in it: strings at most `MAX_TEXT` characters,
+/// and numbers 0 or from 1e-30 to 1e21 (a run writes no negative number, and no axis should
+/// span hundreds of decades). The error names where.
+fn check_value(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String> {
+    use serde_json::Value;
     let place = |at: &[String]| if at.is_empty() { "the top level".to_string() } else { at.join(".") };
+    let long = |s: &str| s.len() > MAX_TEXT && s.chars().count() > MAX_TEXT;
+    let mut each = |k: String, x: &Value| {
+        if long(&k) {
+            return Err(format!("a key in {} is {} characters long, more than {MAX_TEXT}", place(at), k.chars().count()));
+        }
+        at.push(k);
+        let r = check_value(x, at);
+        at.pop();
+        r
+    };
     match v {
-        serde_json::Value::String(s) if long(s) => {
+        Value::String(s) if long(s) => {
             Err(format!("the string at {} is {} characters long, more than {MAX_TEXT}", place(at), s.chars().count()))
         }
-        serde_json::Value::Array(a) => a.iter().enumerate().try_for_each(|(i, x)| {
-            at.push(i.to_string());
-            let r = check_strings(x, at);
-            at.pop();
-            r
-        }),
-        serde_json::Value::Object(m) => m.iter().try_for_each(|(k, x)| {
-            if long(k) {
-                return Err(format!("a key in {} is {} characters long, more than {MAX_TEXT}", place(at), k.chars().count()));
-            }
-            at.push(k.clone());
-            let r = check_strings(x, at);
-            at.pop();
-            r
-        }),
+        Value::Number(n) => match n.as_f64() {
+            Some(x) if x == 0.0 || (1e-30..=1e21).contains(&x) => Ok(()),
+            _ => Err(format!("{} is {n}, not 0 or a number from 1e-30 to 1e21", place(at))),
+        },
+        Value::Array(a) => a.iter().enumerate().try_for_each(|(i, x)| each(i.to_string(), x)),
+        Value::Object(m) => m.iter().try_for_each(|(k, x)| each(k.clone(), x)),
         _ => Ok(()),
     }
+}
+
+/// What the value check cannot see: every shape valid (n_head 0 would divide by zero), every
+/// time and FLOP count above zero (they divide, and the roofline's axes are logarithmic), and no
+/// more rows, parts or roofs than a chart can draw.
+fn check_report(r: &LadderReport) -> Result<(), String> {
+    r.shape.validate().map_err(|e| format!("its shape {:?} is invalid ({e})", r.shape))?;
+    let rows = [r.records.len() + r.skipped.len(), r.stages.len(), r.ablation.len(), r.references.len() + r.references_out.len()];
+    let roofs = [r.ceilings.as_ref().map_or(0, |c| c.tflops.len()), r.ceiling.as_ref().map_or(0, |c| c.gemms.len())];
+    if rows.iter().chain(&roofs).any(|&n| n > MAX_ROWS) {
+        return Err(format!("it holds more than {MAX_ROWS} rows, ablation rows, reference rows, roofs or GEMMs"));
+    }
+    for rec in r.records.iter().chain(&r.references).chain(r.ablation.iter().map(|a| &a.record)) {
+        rec.shape.validate().map_err(|e| format!("{}'s shape is invalid ({e})", rec.stage))?;
+        let parts = rec.breakdown.as_ref().map_or(0, |b| b.parts.len());
+        let gemms = rec.ceiling.as_ref().map_or(0, |c| c.gemms.len());
+        if rec.timing.median_ms <= 0.0 || rec.flops_per_forward <= 0.0 || rec.tflops <= 0.0 || parts.max(gemms) > MAX_ROWS {
+            return Err(format!("{}'s median_ms, flops_per_forward or tflops is 0, or it has more than {MAX_ROWS} parts", rec.stage));
+        }
+    }
+    Ok(())
 }
 
 fn check_sweep(s: &SweepReport) -> Result<(), String> {
@@ -680,20 +545,21 @@ fn check_sweep(s: &SweepReport) -> Result<(), String> {
     s.runs.iter().try_for_each(check_report)
 }
 
-fn load_unchecked(path: &Path) -> anyhow::Result<Results> {
-    // Read whole, so refused when it could not be a ladder JSON: larger than 256 MiB (they are
-    // a few kB), or not a regular file (a device such as /dev/zero reads forever).
-    if let Ok(m) = std::fs::metadata(path) {
-        if !m.is_file() || m.len() > 256 << 20 {
-            return Err(SpeedkitError::usage(format!(
-                "{} is {}, not a ladder JSON file (a few kB). Fix: pass --from the JSON a `ladder --json PATH` run wrote.",
-                path.display(),
-                if m.is_file() { format!("{} bytes", m.len()) } else { "not a regular file".into() }
-            ))
-            .into());
-        }
+/// Each breakdown part's regime computed again from the record's own time, shape and the run's
+/// ceilings, whatever the file says: the README's prose cites these fields beside a table
+/// computed from the same record, so the two always agree.
+fn annotate_again(r: &mut LadderReport) {
+    let bandwidth = r.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
+    for rec in r.records.iter_mut().chain(r.references.iter_mut()).chain(r.ablation.iter_mut().map(|a| &mut a.record)) {
+        rec.breakdown.iter_mut().flat_map(|b| &mut b.parts).for_each(|p| p.regime = None);
+        shared::regime::annotate(rec, bandwidth);
     }
-    let bytes = std::fs::read(path).map_err(|e| {
+}
+
+fn load_unchecked(path: &Path) -> anyhow::Result<Results> {
+    // At most 256 MiB (a ladder JSON is a few kB): more is cut off and fails to parse.
+    let mut bytes = Vec::new();
+    std::fs::File::open(path).and_then(|f| f.take(256 << 20).read_to_end(&mut bytes)).map_err(|e| {
         SpeedkitError::usage(format!("cannot read {} ({e}). Fix: pass --from the JSON a `ladder --json PATH` run wrote.", path.display()))
     })?;
     let bad = |e: serde_json::Error| {
@@ -703,7 +569,7 @@ fn load_unchecked(path: &Path) -> anyhow::Result<Results> {
         ))
     };
     let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(bad)?;
-    check_strings(&value, &mut Vec::new()).map_err(|why| {
+    check_value(&value, &mut Vec::new()).map_err(|why| {
         SpeedkitError::usage(format!(
             "{} cannot be rendered: {why}. A ladder run never writes that, so the file was edited or damaged. Fix: pass --from the JSON a `ladder --json PATH` run wrote (or run it again).",
             path.display()
@@ -765,12 +631,6 @@ fn link_from_readme(readme: &Path, flag: &str, path: &Path) -> Result<String, Sp
 
 /// Read the README and check its markers before a run, so a long run does not end in a refusal.
 fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
-    if std::fs::metadata(readme).is_ok_and(|m| !m.is_file()) {
-        return Err(SpeedkitError::usage(format!(
-            "--update-readme: {} is not a regular file. Fix: pass --readme the Markdown file to rewrite.",
-            readme.display()
-        )));
-    }
     let text = std::fs::read_to_string(readme).map_err(|e| {
         SpeedkitError::usage(format!(
             "--update-readme: cannot read {} ({e}). Fix: run from the repository root, or pass --readme PATH.",
@@ -886,7 +746,7 @@ fn print_extras(r: &LadderReport, markdown: bool) {
 /// The numbers docs/*.md cite from the JSON just written or rendered (`cite`), rewritten from it:
 /// the pages beside the README follow a re-recording as the README does.
 fn update_doc_citations(readme: &Path, json_link: &str, value: &serde_json::Value) -> anyhow::Result<()> {
-    for (page, text) in doc_pages(readme, false)? {
+    for (page, text) in doc_pages(readme)? {
         let (updated, stale) = cite::update(&text, json_link, value);
         for s in &stale {
             println!("note      not updated in {} (this run lacks it): {s}", page.display());
@@ -928,7 +788,7 @@ fn check_outputs(
     // Every docs page is read now (a bad one is refused before the run), but only the pages
     // citing the JSON the citations come from (the run's, or the one `render --from` reads)
     // can be rewritten, so only those are outputs.
-    let pages = if out.update_readme { doc_pages(&out.readme, true)? } else { Vec::new() };
+    let pages = if out.update_readme { doc_pages(&out.readme)? } else { Vec::new() };
     let cited = json.or_else(|| inputs.iter().find(|(flag, _)| *flag == "--from").map(|(_, p)| *p));
     let link = cited.and_then(|p| link_from_readme(&out.readme, "--json", p).ok()).map(|l| format!("../{l}"));
     if out.update_readme {
@@ -961,10 +821,9 @@ fn citing_pages<'a>(pages: &'a [(PathBuf, String)], json_link: Option<&str>) -> 
 }
 
 /// The docs/*.md pages beside the README whose cited numbers --update-readme rewrites, read and
-/// checked up front so a bad page is found before anything is written: one that is not a
-/// regular file (a FIFO would hang the read, a directory cannot be read) is skipped with a
-/// note; one that cannot be read or is not UTF-8 is exit 2 naming it.
-fn doc_pages(readme: &Path, notes: bool) -> Result<Vec<(PathBuf, String)>, SpeedkitError> {
+/// checked up front so a bad page is found before anything is written: one that cannot be read
+/// or is not UTF-8 is exit 2 naming it.
+fn doc_pages(readme: &Path) -> Result<Vec<(PathBuf, String)>, SpeedkitError> {
     let docs = readme_dir(readme).join("docs");
     let Ok(entries) = std::fs::read_dir(&docs) else { return Ok(Vec::new()) };
     let mut paths: Vec<PathBuf> =
@@ -972,13 +831,6 @@ fn doc_pages(readme: &Path, notes: bool) -> Result<Vec<(PathBuf, String)>, Speed
     paths.sort();
     let mut pages = Vec::new();
     for page in paths {
-        // metadata follows a symlink: a link to a FIFO is a FIFO.
-        if !std::fs::metadata(&page).is_ok_and(|m| m.is_file()) {
-            if notes {
-                println!("note      skipping {}: not a regular file, so its cited numbers are not updated", page.display());
-            }
-            continue;
-        }
         let bytes = std::fs::read(&page).map_err(|e| {
             SpeedkitError::usage(format!(
                 "--update-readme: cannot read {} ({e}), a page whose cited numbers it rewrites. Fix: make it readable, or move it out of {}.",
@@ -1061,7 +913,7 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
             (Results::Sweep(report), failure)
         }
         None => {
-            let (mut report, failure) = run_measured(args.clone(), &stages, &which, measure)?;
+            let (mut report, failure) = run(args.clone(), &stages, &which, measure)?;
             report.args = argv;
             (Results::Ladder(Box::new(report)), failure)
         }

@@ -146,7 +146,7 @@ pub fn run(
         }
         let outcome = args_for(args, sweep.axis, value, base.shape.d_head())
             .map_err(anyhow::Error::from)
-            .and_then(|a| crate::run_measured(a, stages, which, measure));
+            .and_then(|a| crate::run(a, stages, which, measure));
         let mut report = match outcome {
             Ok((report, f)) => {
                 failure = failure.or(f);

@@ -5,6 +5,9 @@
 
 use std::path::Path;
 
+#[path = "support/prose.rs"]
+mod prose;
+
 /// Commands CI cannot run on its GPU-less, Docker-less machine: which, and what covers them.
 struct NotRunByCi {
     rule: &'static str,
@@ -160,7 +163,7 @@ fn every_cited_number_is_in_the_json_it_names() {
         let text = std::fs::read_to_string(doc).unwrap();
         let dir = doc.parent().unwrap().to_path_buf();
         total += ladder::cite::find(&text).len();
-        let bad = ladder::cite::check(&text, |link| {
+        let bad = prose::check(&text, |link| {
             let bytes = std::fs::read(dir.join(link)).map_err(|e| format!("{link}: {e}"))?;
             serde_json::from_slice(&bytes).map_err(|e| format!("{link}: {e}"))
         });
@@ -185,7 +188,7 @@ fn no_measured_number_in_prose_goes_without_its_source() {
     let mut bad = Vec::new();
     for page in &pages {
         let text = std::fs::read_to_string(page).unwrap();
-        for (line, n) in ladder::cite::bare_numbers(&text) {
+        for (line, n) in prose::bare_numbers(&text) {
             bad.push(format!("{}:{line}: {n}", page.strip_prefix(root()).unwrap_or(page).display()));
         }
     }

@@ -7,7 +7,7 @@
 //! call: the ladder builds each stage once per round, so call N is round N.
 
 use clap::{Args, FromArgMatches};
-use ladder::{default_stages, run_measured, Measure};
+use ladder::{default_stages, Measure};
 use shared::cli::RunArgs;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::report::LadderReport;
@@ -30,7 +30,7 @@ fn args(flags: &[&str]) -> RunArgs {
 
 fn run(all: &[Box<dyn Stage>], which: &[usize], ablate: bool) -> (LadderReport, Option<anyhow::Error>) {
     let _one = RUN.lock().unwrap_or_else(|e| e.into_inner());
-    run_measured(args(&[]), all, which, Measure { rounds: 3, ablate, reference: false })
+    ladder::run(args(&[]), all, which, Measure { rounds: 3, ablate, reference: false })
         .expect("a stage leaving is a row, not an error of the run")
 }
 
