@@ -118,24 +118,13 @@ pub(crate) fn is_emulated(r: &Record) -> bool {
     r.implementation.as_deref().is_some_and(|i| i.starts_with(shared::stage::EMULATED))
 }
 
-/// An emulation's bar: light grey, outlined in the stage's colour, hatched with lines clipped to it.
-fn draw_hatched_bar(chart: &mut Bars, x: f64, median: f64, c: RGBColor) -> anyhow::Result<()> {
-    let (l, r) = (x - HALF, x + HALF);
-    chart.draw_series([Rectangle::new([(l, 0.0), (r, median)], rgb(0xe4e4e4).filled())])?;
-    // Lines `step` apart in y, each rising `rise` across the bar.
-    let y_range = chart.y_range();
-    let step = (y_range.end - y_range.start) / 40.0;
-    let rise = step * 3.0f64.min(median.max(f64::MIN_POSITIVE) / step);
-    let mut y0 = -rise;
-    while y0 < median {
-        let at = |y: f64| l + (r - l) * (y - y0) / rise;
-        let (ya, yb) = (y0.max(0.0), (y0 + rise).min(median));
-        if yb > ya {
-            chart.draw_series([PathElement::new(vec![(at(ya), ya), (at(yb), yb)], c.stroke_width(1))])?;
-        }
-        y0 += step;
-    }
-    chart.draw_series([PathElement::new(vec![(l, 0.0), (l, median), (r, median), (r, 0.0)], c.stroke_width(2))])?;
+/// An emulation's bar: light grey, outlined in the stage's colour, so it never reads as a speed.
+fn draw_emulated_bar(chart: &mut Bars, x: f64, median: f64, c: RGBColor) -> anyhow::Result<()> {
+    chart.draw_series([Rectangle::new([(x - HALF, 0.0), (x + HALF, median)], rgb(0xe4e4e4).filled())])?;
+    chart.draw_series([PathElement::new(
+        vec![(x - HALF, 0.0), (x - HALF, median), (x + HALF, median), (x + HALF, 0.0)],
+        c.stroke_width(2),
+    )])?;
     Ok(())
 }
 
@@ -163,7 +152,7 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
                 Row::Ran(r) => {
                     let t = &r.timing;
                     if is_emulated(r) {
-                        draw_hatched_bar(&mut chart, x, t.median_ms, c)?;
+                        draw_emulated_bar(&mut chart, x, t.median_ms, c)?;
                     } else {
                         chart.draw_series([Rectangle::new([(x - HALF, 0.0), (x + HALF, t.median_ms)], c.filled())])?;
                     }

@@ -374,3 +374,45 @@ fn comments_are_found_and_code_is_not() {
     assert!(paths_in(&sh[1]).is_empty());
     assert_eq!(paths_in(&sh[2]), ["docs/b.md"]);
 }
+
+/// "issue 13", "finding 8", "issue #22" — development history, which lives in CHANGELOG.md. An
+/// upstream project's bug (`candle issue #3886`, `huggingface/candle#3886`) is a reference, not
+/// history, and is allowed.
+fn history_refs(line: &str) -> Vec<String> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let mut out = Vec::new();
+    for (i, w) in words.iter().enumerate() {
+        let w = w.trim_start_matches(['(', '[']).to_ascii_lowercase();
+        let next = words.get(i + 1).map(|n| n.trim_start_matches('#'));
+        let numbered = next.is_some_and(|n| n.starts_with(|c: char| c.is_ascii_digit()));
+        let upstream = i > 0 && words[i - 1].eq_ignore_ascii_case("candle");
+        if ["issue", "issues", "finding", "findings"].contains(&w.as_str()) && numbered && !upstream {
+            out.push(format!("{w} {}", words[i + 1]));
+        }
+    }
+    out
+}
+
+#[test]
+fn no_development_history_in_docs_or_comments() {
+    let root = root();
+    let mut bad = Vec::new();
+    for page in pages(&root) {
+        for (n, line) in std::fs::read_to_string(&page).unwrap().lines().enumerate() {
+            bad.extend(history_refs(line).into_iter().map(|r| format!("{}:{} → {r}", rel(&root, &page), n + 1)));
+        }
+    }
+    let mut files = Vec::new();
+    source_files(&root, &mut files);
+    for f in files {
+        let Ok(src) = std::fs::read_to_string(&f) else { continue };
+        let ext = f.extension().unwrap().to_string_lossy().to_string();
+        let comments = if ext == "sh" || ext == "py" { hash_comments(&src) } else { c_comments(&src) };
+        for (n, line) in comments.iter().enumerate() {
+            bad.extend(history_refs(line).into_iter().map(|r| format!("{}:{} → {r}", rel(&root, &f), n + 1)));
+        }
+    }
+    assert!(bad.is_empty(), "issue numbers in README, docs or code comments (history goes to CHANGELOG.md):\n{}", bad.join("\n"));
+    assert_eq!(history_refs("Regression (issue 13, finding 8): x"), ["issue 13,", "finding 8):"]);
+    assert!(history_refs("candle issue #3886 and 2 issues remain").is_empty());
+}

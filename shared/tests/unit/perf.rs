@@ -32,7 +32,7 @@ fn bandwidths() {
     assert_eq!(peak_bandwidth_gbs("AMD EPYC 7B13"), None);
 }
 
-/// Regression (issue 13, finding 8): "NVIDIA H200 NVL" matched the H200 SXM row.
+/// Regression: "NVIDIA H200 NVL" matched the H200 SXM row.
 #[test]
 fn h200_nvl_is_not_the_sxm_part() {
     assert_eq!(peak_tflops("NVIDIA H200 NVL", Precision::Bf16), Some(835.0));
