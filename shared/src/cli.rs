@@ -175,27 +175,16 @@ pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
         if let Some(v) = v.filter(|&v| v > MAX_ITERS) {
             return Err(SpeedkitError::usage(format!(
                 "{flag} {v} is more than {MAX_ITERS} iterations, which would run for hours and hold a sample per iteration. \
-                 Fix: pass {flag} between {} and {MAX_ITERS} (10 to 100 is plenty for a stable median).",
-                if flag == "--iters" { 1 } else { 0 }
+                 Fix: pass {flag} up to {MAX_ITERS} (10 to 100 is plenty for a stable median)."
             )));
         }
     }
-    if let Some(p) = args.peak_tflops {
-        let (lo, hi) = PEAK_TFLOPS_RANGE;
-        if !(p.is_finite() && (lo..=hi).contains(&p)) {
+    let peak = ("--peak-tflops", args.peak_tflops, PEAK_TFLOPS_RANGE, "a device peak in TFLOP/s", "989 for an H100 SXM at bf16");
+    let bw = ("--bandwidth-gbs", args.bandwidth_gbs, BANDWIDTH_GBS_RANGE, "a memory bandwidth in GB/s", "20 for a laptop's STREAM triad");
+    for (flag, v, (lo, hi), what, e_g) in [peak, bw] {
+        if let Some(v) = v.filter(|v| !(v.is_finite() && (lo..=hi).contains(v))) {
             return Err(SpeedkitError::usage(format!(
-                "--peak-tflops {p:e} is not a device peak in TFLOP/s (it must be a finite number from {lo} to {hi:e}). \
-                 Fix: give the device's datasheet peak for the precision, e.g. 989 for an H100 SXM at bf16."
-            )));
-        }
-    }
-    if let Some(bw) = args.bandwidth_gbs {
-        let (lo, hi) = BANDWIDTH_GBS_RANGE;
-        if !(bw.is_finite() && (lo..=hi).contains(&bw)) {
-            return Err(SpeedkitError::usage(format!(
-                "--bandwidth-gbs {bw:e} is not a memory bandwidth in GB/s (it must be a finite number from {lo} to {hi:e}; \
-                 the roofline's axis is drawn from it). Fix: give the memory bandwidth in GB/s, e.g. 20 for a laptop's \
-                 STREAM triad or 3350 for an H100 SXM."
+                "{flag} {v:e} is not {what} (it must be a finite number from {lo} to {hi:e}). Fix: give the device's figure, e.g. {e_g}."
             )));
         }
     }

@@ -42,10 +42,17 @@ fn absolute(path: &Path) -> PathBuf {
     out
 }
 
-/// The absolute file `path` names: a symlink followed, the nearest folder that exists
-/// canonicalized, the new part below it kept. Two paths name one file when these are equal.
+/// The absolute file `path` names: a symlink followed (a dangling one to the file it would
+/// create), the nearest folder that exists canonicalized, the new part below it kept. Two paths
+/// name one file when these are equal.
 pub fn resolve(path: &Path) -> std::io::Result<PathBuf> {
-    let p = absolute(path);
+    let mut p = absolute(path);
+    for _ in 0..40 {
+        match std::fs::read_link(&p) {
+            Ok(to) if !p.exists() => p = absolute(&p.parent().unwrap_or(Path::new("/")).join(to)),
+            _ => break,
+        }
+    }
     let mut dir = p.clone();
     while !dir.exists() && dir.pop() {}
     let mut out = std::fs::canonicalize(&dir)?;

@@ -59,6 +59,11 @@ fn a_symlink_is_followed_not_replaced() {
     write("--json", &link, b"new").unwrap();
     assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
     assert_eq!(std::fs::read(&real).unwrap(), b"new");
+    // A dangling link: the file it points to is created.
+    let dangling = d.join("dangling.json");
+    std::os::unix::fs::symlink(d.join("made.json"), &dangling).unwrap();
+    write("--json", &dangling, b"made").unwrap();
+    assert_eq!(std::fs::read(d.join("made.json")).unwrap(), b"made");
     std::fs::remove_dir_all(&d).ok();
 }
 
