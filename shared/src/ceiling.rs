@@ -269,13 +269,13 @@ pub fn attention_gemms(g: &ProbeGemm, x: &[f32], w: &[f32], y: &mut [f32]) {
 /// The block's FLOPs over their time at the measured rates: each linear at its own, attention's
 /// causal FLOPs (as `perf::block_flops`) at attn_qk's and attn_pv's combined. Unmeasured: nothing.
 pub fn block_ceiling_gflops(shape: &Shape, gemms: &[GemmRate]) -> f64 {
-    let (mut flops, mut secs, mut attn_flops, mut attn_secs) = (0.0, 0.0, 0.0, 0.0);
-    for g in gemms {
-        let f = 2.0 * (g.batch * g.m * g.n * g.k) as f64;
-        let (fl, s) = if g.name.starts_with("attn_") { (&mut attn_flops, &mut attn_secs) } else { (&mut flops, &mut secs) };
-        *fl += f;
-        *s += f / (g.gflops * 1e9);
-    }
+    // (FLOPs, seconds) of the linears (`false`) or of attention's products (`true`).
+    let sum = |attn: bool| {
+        let f = |g: &GemmRate| 2.0 * (g.batch * g.m * g.n * g.k) as f64;
+        let of = gemms.iter().filter(|g| g.name.starts_with("attn_") == attn);
+        of.fold((0.0, 0.0), |(fl, s), g| (fl + f(g), s + f(g) / (g.gflops * 1e9)))
+    };
+    let ((mut flops, mut secs), (attn_flops, attn_secs)) = (sum(false), sum(true));
     if attn_secs > 0.0 {
         let causal = 2.0 * (shape.batch * shape.seq * shape.seq * shape.d_model) as f64;
         flops += causal;
