@@ -71,25 +71,22 @@ pub fn register_bf16_gemm(g: Bf16Gemm) {
 }
 
 impl CpuCeiling {
-    pub fn peak_tflops(&self) -> f64 {
-        self.gemm_gflops / 1e3
-    }
-
     /// The ceiling for rows of precision `p`: the bf16 one for bf16 where it was measured.
     pub fn peak_tflops_for(&self, p: Precision) -> f64 {
         match (&self.bf16, p) {
             (Some(b), Precision::Bf16) => b.gemm_gflops / 1e3,
-            _ => self.peak_tflops(),
+            _ => self.gemm_gflops / 1e3,
         }
     }
 
     pub fn describe(&self) -> String {
         let CpuCeiling { gemm_backend, simd, gemm_gflops, bandwidth_gbs, threads, .. } = self;
-        let each = self.gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
-        let bf16 = self.bf16.as_ref().map_or(String::new(), |b| {
-            let each = b.gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
-            format!(" · bf16 GEMM ({}) {:.1} GFLOP/s ({each})", b.kernel, b.gemm_gflops)
-        });
+        let each = |gemms: &[GemmRate]| gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
+        let bf16 = self
+            .bf16
+            .as_ref()
+            .map_or(String::new(), |b| format!(" · bf16 GEMM ({}) {:.1} GFLOP/s ({})", b.kernel, b.gemm_gflops, each(&b.gemms)));
+        let each = each(&self.gemms);
         format!(
             "{gemm_backend} · SIMD {simd} · GEMM {gemm_gflops:.1} GFLOP/s at the block's shapes ({each}){bf16} · \
              triad {bandwidth_gbs:.1} GB/s · {threads} threads"

@@ -233,12 +233,11 @@ impl Session {
         let fp32 = PrecisionRequest::Exactly(Precision::Fp32);
         let plan = plan(reference, &self.device, &self.info, self.shape, fp32, fp32, false)?;
         let stage = reference.build(&self.weights, &plan)?;
-        let y = crate::check::forward_in_pieces(&self.x, piece.batch, |x| {
+        Ok(crate::check::forward_in_pieces(&self.x, piece.batch, |x| {
             let y = stage.forward(x)?;
             self.device.synchronize()?; // one piece's working set freed before the next
             Ok(y)
-        })?;
-        Ok(y)
+        })?)
     }
 
     /// Plan, build, check and time one stage with `iters` timed iterations (the ladder's rounds

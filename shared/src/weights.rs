@@ -145,14 +145,6 @@ impl BlockWeights {
         };
         let bytes = read_file(path).map_err(&bad)?;
         let (st, meta) = parse(&bytes).map_err(&bad)?;
-        // n_head is ours (--save-weights writes it): when present it must be a positive integer dividing C.
-        let heads = meta.as_ref().and_then(|m| m.get(META_N_HEAD));
-        let n_head = heads.map(|v| v.trim().parse::<usize>().ok().filter(|&n| n > 0).ok_or(v)).transpose().map_err(|v| {
-            bad(format!(
-                "its metadata {META_N_HEAD} = {:?} is not a positive integer (correct or drop the key)",
-                v.chars().take(100).collect::<String>()
-            ))
-        })?;
         let names = st.names();
         let layers: Vec<usize> = names.iter().filter_map(|k| layer_of(k)).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
         let layer = match (layer, layers.as_slice()) {
@@ -184,9 +176,12 @@ impl BlockWeights {
             let t = if t.rank() == 2 { t.t().and_then(|t| t.contiguous()) } else { Ok(t) };
             tensors.push(t.map_err(|e| bad(format!("tensor {key}: {e}")))?);
         }
-        if let Some(h) = n_head.filter(|h| c % h != 0) {
-            return Err(bad(format!("its metadata {META_N_HEAD} = {h} does not divide C = {c} (correct or drop the key)")));
-        }
+        // n_head is ours (--save-weights writes it): when present it must be a positive integer dividing C.
+        let heads = meta.as_ref().and_then(|m| m.get(META_N_HEAD));
+        let n_head = heads.map(|v| v.trim().parse::<usize>().ok().filter(|&h| h > 0 && c % h == 0).ok_or(v)).transpose().map_err(|v| {
+            let v: String = v.chars().take(100).collect(); // a file's string, shown bounded
+            bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer dividing C = {c} (correct or drop the key)"))
+        })?;
         Ok((Self::from_tensors(tensors.try_into().expect("twelve tensors")), n_head))
     }
 }
