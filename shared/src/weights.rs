@@ -226,9 +226,12 @@ fn view_to_f32(view: &TensorView<'_>) -> Result<Tensor, String> {
     let t = view.load(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).map_err(|e| e.to_string())?;
     let v: Vec<f32> = t.flatten_all().and_then(|t| t.to_vec1()).map_err(|e| e.to_string())?;
     if let Some(flat) = v.iter().position(|x| !x.is_finite()) {
+        // Flat position -> index in the file's own dims (Conv1D: (in, out)), e.g. [3, 17].
+        let dims = view.shape();
+        let index: Vec<usize> = dims.iter().enumerate().map(|(i, d)| flat / dims[i + 1..].iter().product::<usize>() % d).collect();
         let count = v.iter().filter(|x| !x.is_finite()).count();
         return Err(format!(
-            "holds {} at flat index {flat} (the first of {count} NaN or infinite values; the block needs finite numbers, so replace them)",
+            "holds {} at index {index:?} (the first of {count} NaN or infinite values; the block needs finite numbers, so replace them)",
             v[flat]
         ));
     }
