@@ -169,10 +169,7 @@ impl Session {
         if let Some(path) = &args.save_weights {
             weights.save_gpt2(path, args.layer.unwrap_or(0), shape.n_head)?;
         }
-        let x = match x_file {
-            Some(x) => x,
-            None => random_input(&shape, args.seed)?,
-        };
+        let x = x_file.map_or_else(|| random_input(&shape, args.seed), Ok)?;
         let (warmup, iters) = match info.kind {
             DeviceKind::Cpu => (args.warmup.unwrap_or(2), args.iters.unwrap_or(10)),
             DeviceKind::Cuda => (args.warmup.unwrap_or(10), args.iters.unwrap_or(50)),
@@ -190,14 +187,10 @@ impl Session {
             args.input.as_ref().map_or(format!("N(0,1), seed {}", args.seed), |p| p.display().to_string())
         );
         println!("timing    {warmup} warm-up + {iters} timed iterations, device synchronized after each");
-        let ceiling = match info.kind {
-            DeviceKind::Cpu => {
-                let c = crate::ceiling::measure(&shape)?;
-                println!("ceiling   {} (measured now; % of peak is against it)", c.describe());
-                Some(c)
-            }
-            DeviceKind::Cuda => None,
-        };
+        let ceiling = (info.kind == DeviceKind::Cpu).then(|| crate::ceiling::measure(&shape)).transpose()?;
+        if let Some(c) = &ceiling {
+            println!("ceiling   {} (measured now; % of peak is against it)", c.describe());
+        }
 
         let mut session = Session {
             device: device.clone(),
