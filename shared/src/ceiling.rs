@@ -71,25 +71,22 @@ pub fn register_bf16_gemm(g: Bf16Gemm) {
 }
 
 impl CpuCeiling {
-    pub fn peak_tflops(&self) -> f64 {
-        self.gemm_gflops / 1e3
-    }
-
     /// The ceiling for rows of precision `p`: the bf16 one for bf16 where it was measured.
     pub fn peak_tflops_for(&self, p: Precision) -> f64 {
         match (&self.bf16, p) {
             (Some(b), Precision::Bf16) => b.gemm_gflops / 1e3,
-            _ => self.peak_tflops(),
+            _ => self.gemm_gflops / 1e3,
         }
     }
 
     pub fn describe(&self) -> String {
         let CpuCeiling { gemm_backend, simd, gemm_gflops, bandwidth_gbs, threads, .. } = self;
-        let each = self.gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
-        let bf16 = self.bf16.as_ref().map_or(String::new(), |b| {
-            let each = b.gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
-            format!(" · bf16 GEMM ({}) {:.1} GFLOP/s ({each})", b.kernel, b.gemm_gflops)
-        });
+        let each = |gemms: &[GemmRate]| gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
+        let bf16 = self
+            .bf16
+            .as_ref()
+            .map_or(String::new(), |b| format!(" · bf16 GEMM ({}) {:.1} GFLOP/s ({})", b.kernel, b.gemm_gflops, each(&b.gemms)));
+        let each = each(&self.gemms);
         format!(
             "{gemm_backend} · SIMD {simd} · GEMM {gemm_gflops:.1} GFLOP/s at the block's shapes ({each}){bf16} · \
              triad {bandwidth_gbs:.1} GB/s · {threads} threads"
@@ -104,20 +101,15 @@ pub fn simd_level() -> &'static str {
         use std::arch::is_x86_feature_detected as has;
         // The AVX-512 subsets gemm's x86-v4 kernels (pulp's V4 level) need.
         if has!("avx512f") && has!("avx512bw") && has!("avx512cd") && has!("avx512dq") && has!("avx512vl") {
-            "AVX-512"
+            return "AVX-512";
         } else if has!("avx2") && has!("fma") {
-            "AVX2+FMA"
-        } else {
-            "SSE2"
+            return "AVX2+FMA";
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        if cfg!(target_arch = "aarch64") {
-            "NEON"
-        } else {
-            "scalar"
-        }
+    match std::env::consts::ARCH {
+        "x86_64" => "SSE2",
+        "aarch64" => "NEON",
+        _ => "scalar",
     }
 }
 
@@ -145,6 +137,10 @@ pub struct ProbeGemm {
 impl ProbeGemm {
     pub fn flops(&self) -> f64 {
         2.0 * (self.batch * self.m * self.n * self.k) as f64
+    }
+
+    fn is_attention(&self) -> bool {
+        self.name.starts_with("attn_")
     }
 }
 
@@ -178,52 +174,48 @@ pub fn probe_bytes(shape: &Shape) -> u128 {
     probe_gemms(shape).into_iter().map(bytes).max().unwrap_or(0).max(3 * TRIAD_ARRAY_BYTES as u128)
 }
 
-/// Refuse (exit 2) a probe that cannot fit, before it allocates: against the memory available,
-/// then by a fallible reservation, which fails where an allocation would abort.
+/// Refuse (exit 2) a probe that cannot fit in the memory available, before it allocates.
 pub fn check_fit(shape: &Shape) -> Result<(), crate::SpeedkitError> {
-    let need = probe_bytes(shape);
-    let gib = |b: f64| b / (1u64 << 30) as f64;
-    let refuse = |have: String| {
-        crate::SpeedkitError::usage(format!(
+    let (need, gib) = (probe_bytes(shape), |b: u128| b as f64 / (1u64 << 30) as f64);
+    match crate::device::available_bytes(&Device::Cpu) {
+        Some(avail) if need > avail as u128 * 9 / 10 => Err(crate::SpeedkitError::usage(format!(
             "the CPU ceiling probe (the block's GEMMs timed alone, for % of peak) needs about {:.2} GiB of memory at its widest \
-             (x, W and y of its largest GEMM at {shape}), but {have}. Fix: lower --d-model or --ff (or --batch / --seq), \
-             or free memory (or raise `ulimit -v`).",
-            gib(need as f64)
-        ))
-    };
-    if let Some(avail) = crate::device::available_bytes(&Device::Cpu) {
-        if need > avail as u128 * 9 / 10 {
-            return Err(refuse(format!("only {:.2} GiB is available to this process", gib(avail as f64))));
-        }
+             (x, W and y of its largest GEMM at {shape}), but only {:.2} GiB is available to this process. Fix: lower --d-model \
+             or --ff (or --batch / --seq), or free memory (or raise `ulimit -v`).",
+            gib(need),
+            gib(avail as u128)
+        ))),
+        _ => Ok(()),
     }
-    let bytes = usize::try_from(need).map_err(|_| refuse("that is more than this machine can address".into()))?;
-    // Never touched, so it costs address space only.
-    Vec::<u8>::new().try_reserve_exact(bytes).map_err(|_| refuse("allocating it failed".into()))
 }
 
 /// The best time counts: a ceiling is what the machine can do, not what it usually does.
 pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
-    let dev = Device::Cpu;
     let mut gemms = Vec::new();
     for g in probe_gemms(shape) {
+        if !g.is_attention() {
+            gemms.push(linear_rate(&g, DType::F32, |x, wt| x.matmul(wt))?);
+            continue;
+        }
         let ProbeGemm { name, batch, m, n, k } = g;
-        let best = if !name.starts_with("attn_") {
-            let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
-            let wt = Tensor::randn(0f32, 0.02, (n, k), &dev)?.t()?; // (k, n) view, as the block's `linear` passes it
-            best_time(|| x.matmul(&wt).map(|_| ()))?
-        } else {
-            let x = Tensor::randn(0f32, 1.0, (batch, m, k), &dev)?.flatten_all()?.to_vec1::<f32>()?;
-            let w = Tensor::randn(0f32, 1.0, (batch, k, n), &dev)?.flatten_all()?.to_vec1::<f32>()?;
-            let mut y = vec![0f32; batch * m * n];
-            best_time(|| {
-                attention_gemms(&g, &x, &w, &mut y);
-                Ok(())
-            })?
-        };
+        let x = Tensor::randn(0f32, 1.0, batch * m * k, &Device::Cpu)?.to_vec1::<f32>()?;
+        let w = Tensor::randn(0f32, 1.0, batch * k * n, &Device::Cpu)?.to_vec1::<f32>()?;
+        let mut y = vec![0f32; batch * m * n];
+        let best = best_time(|| {
+            attention_gemms(&g, &x, &w, &mut y);
+            Ok(())
+        })?;
         gemms.push(GemmRate { name: name.into(), batch, m, n, k, gflops: g.flops() / best / 1e9 });
     }
+    // The linears in bf16 on the stage's kernel; attention at its f32 rates (stage 2's fused
+    // attention widens bf16 to f32).
     let bf16 = match BF16_GEMM.get() {
-        Some(b) => Some(measure_bf16(shape, b, &gemms)?),
+        Some(b) => {
+            let linears = probe_gemms(shape).into_iter().filter(|g| !g.is_attention()).map(|g| linear_rate(&g, DType::BF16, b.matmul));
+            let linears = linears.collect::<candle_core::Result<Vec<_>>>()?;
+            let all: Vec<GemmRate> = linears.iter().chain(gemms.iter().filter(|g| g.name.starts_with("attn_"))).cloned().collect();
+            Some(Bf16Ceiling { kernel: b.kernel.into(), gemm_gflops: block_ceiling_gflops(shape, &all), gemms: linears })
+        }
         None => None,
     };
     Ok(CpuCeiling {
@@ -243,19 +235,16 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
     })
 }
 
-/// The four linears in bf16 through `b`, timed as `measure` times them in f32.
-fn measure_bf16(shape: &Shape, b: &Bf16Gemm, f32_rates: &[GemmRate]) -> candle_core::Result<Bf16Ceiling> {
-    let dev = Device::Cpu;
-    let mut gemms = Vec::new();
-    for g in probe_gemms(shape).into_iter().filter(|g| !g.name.starts_with("attn_")) {
-        let x = Tensor::randn(0f32, 1.0, (g.m, g.k), &dev)?.to_dtype(DType::BF16)?;
-        let wt = Tensor::randn(0f32, 0.02, (g.n, g.k), &dev)?.to_dtype(DType::BF16)?.t()?;
-        let best = best_time(|| (b.matmul)(&x, &wt).map(|_| ()))?;
-        gemms.push(GemmRate { name: g.name.into(), batch: 1, m: g.m, n: g.n, k: g.k, gflops: g.flops() / best / 1e9 });
-    }
-    let attention = f32_rates.iter().filter(|g| g.name.starts_with("attn_")).cloned();
-    let gemm_gflops = block_ceiling_gflops(shape, &gemms.iter().cloned().chain(attention).collect::<Vec<_>>());
-    Ok(Bf16Ceiling { kernel: b.kernel.into(), gemms, gemm_gflops })
+/// A linear's rate: x (m, k) · Wᵀ in `dtype` through `matmul`, W passed as the block's `linear` passes it.
+fn linear_rate(
+    g: &ProbeGemm,
+    dtype: DType,
+    matmul: impl Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<GemmRate> {
+    let x = Tensor::randn(0f32, 1.0, (g.m, g.k), &Device::Cpu)?.to_dtype(dtype)?;
+    let wt = Tensor::randn(0f32, 0.02, (g.n, g.k), &Device::Cpu)?.to_dtype(dtype)?.t()?; // (k, n) view
+    let best = best_time(|| matmul(&x, &wt).map(|_| ()))?;
+    Ok(GemmRate { name: g.name.into(), batch: 1, m: g.m, n: g.n, k: g.k, gflops: g.flops() / best / 1e9 })
 }
 
 /// An attention probe shape as stage 2's CPU kernel runs its tile products (MKL builds too): one
@@ -277,13 +266,13 @@ pub fn attention_gemms(g: &ProbeGemm, x: &[f32], w: &[f32], y: &mut [f32]) {
 /// The block's FLOPs over their time at the measured rates: each linear at its own, attention's
 /// causal FLOPs (as `perf::block_flops`) at attn_qk's and attn_pv's combined. Unmeasured: nothing.
 pub fn block_ceiling_gflops(shape: &Shape, gemms: &[GemmRate]) -> f64 {
-    let (mut flops, mut secs, mut attn_flops, mut attn_secs) = (0.0, 0.0, 0.0, 0.0);
-    for g in gemms {
-        let f = 2.0 * (g.batch * g.m * g.n * g.k) as f64;
-        let (fl, s) = if g.name.starts_with("attn_") { (&mut attn_flops, &mut attn_secs) } else { (&mut flops, &mut secs) };
-        *fl += f;
-        *s += f / (g.gflops * 1e9);
-    }
+    // (FLOPs, seconds) of the linears (`false`) or of attention's products (`true`).
+    let sum = |attn: bool| {
+        let f = |g: &GemmRate| 2.0 * (g.batch * g.m * g.n * g.k) as f64;
+        let of = gemms.iter().filter(|g| g.name.starts_with("attn_") == attn);
+        of.fold((0.0, 0.0), |(fl, s), g| (fl + f(g), s + f(g) / (g.gflops * 1e9)))
+    };
+    let ((mut flops, mut secs), (attn_flops, attn_secs)) = (sum(false), sum(true));
     if attn_secs > 0.0 {
         let causal = 2.0 * (shape.batch * shape.seq * shape.seq * shape.d_model) as f64;
         flops += causal;

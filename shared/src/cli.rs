@@ -117,49 +117,30 @@ pub const PEAK_TFLOPS_RANGE: (f64, f64) = (1e-3, 1e5);
 /// Outside it the roofline's axis would span hundreds of decades.
 pub const BANDWIDTH_GBS_RANGE: (f64, f64) = (1e-3, 1e6);
 
-/// Most threads `RAYON_NUM_THREADS` may ask for: 8 per core this machine has, and at least 64.
-/// Rayon starts every thread of its pool at once (candle's CPU ops and the GEMMs run on it);
-/// 100,000 of them take minutes to start and measure nothing but the scheduler.
-pub fn max_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_mul(8).max(64)
-}
-
 /// Check the environment before clap reads it: a `SPEEDKIT_*` variable the command reads that
 /// is set but empty (clap would blame the flag, which the user never typed), and
 /// `RAYON_NUM_THREADS`, which sizes the thread pool every CPU stage runs on.
 pub fn check_env(cmd: &clap::Command) -> Result<(), SpeedkitError> {
-    fn names(cmd: &clap::Command, out: &mut Vec<(String, String)>) {
-        for a in cmd.get_arguments() {
-            if let Some(env) = a.get_env() {
-                out.push((env.to_string_lossy().into_owned(), a.get_long().map_or(a.get_id().to_string(), |l| format!("--{l}"))));
-            }
-        }
-        cmd.get_subcommands().for_each(|c| names(c, out));
-    }
-    let mut vars = Vec::new();
-    names(cmd, &mut vars);
-    for (var, flag) in vars {
-        if std::env::var_os(&var).is_some_and(|v| v.is_empty()) {
+    let args = cmd.get_arguments().chain(cmd.get_subcommands().flat_map(|c| c.get_arguments()));
+    for (var, a) in args.filter_map(|a| Some((a.get_env()?.to_string_lossy(), a))) {
+        let flag = a.get_long().map_or(a.get_id().to_string(), |l| format!("--{l}"));
+        if std::env::var_os(&*var).is_some_and(|v| v.is_empty()) {
             return Err(SpeedkitError::usage(format!(
                 "the environment variable {var} is set but empty; it stands for {flag}, and an empty value is no value. \
                  Fix: unset {var} (e.g. `unset {var}`), or give it a value."
             )));
         }
     }
-    if let Some(v) = std::env::var_os("RAYON_NUM_THREADS") {
-        let max = max_threads();
-        let v = v.to_string_lossy();
-        match v.trim().parse::<usize>() {
-            Ok(n) if n <= max => {}
-            _ => {
-                return Err(SpeedkitError::usage(format!(
-                    "RAYON_NUM_THREADS = {:?} is not a thread count from 0 (rayon's default: one per core) to {max} \
-                     (8 per core here; every thread of the pool is started at once). Fix: unset RAYON_NUM_THREADS, \
-                     or give a count up to {max}.",
-                    v.chars().take(40).collect::<String>()
-                )));
-            }
-        }
+    // Rayon starts every thread of its pool at once (candle's CPU ops and the GEMMs run on it):
+    // 100,000 of them take minutes and measure nothing but the scheduler. At most 8 per core, and 64.
+    let max = std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_mul(8).max(64);
+    if let Some(v) = std::env::var_os("RAYON_NUM_THREADS").filter(|v| v.to_string_lossy().trim().parse::<usize>().map_or(true, |n| n > max))
+    {
+        return Err(SpeedkitError::usage(format!(
+            "RAYON_NUM_THREADS = {:?} is not a thread count from 0 (rayon's default: one per core) to {max} \
+             (8 per core here; every thread of the pool is started at once). Fix: unset RAYON_NUM_THREADS, or give a count up to {max}.",
+            v.to_string_lossy().chars().take(40).collect::<String>()
+        )));
     }
     Ok(())
 }
@@ -175,27 +156,16 @@ pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
         if let Some(v) = v.filter(|&v| v > MAX_ITERS) {
             return Err(SpeedkitError::usage(format!(
                 "{flag} {v} is more than {MAX_ITERS} iterations, which would run for hours and hold a sample per iteration. \
-                 Fix: pass {flag} between {} and {MAX_ITERS} (10 to 100 is plenty for a stable median).",
-                if flag == "--iters" { 1 } else { 0 }
+                 Fix: pass {flag} up to {MAX_ITERS} (10 to 100 is plenty for a stable median)."
             )));
         }
     }
-    if let Some(p) = args.peak_tflops {
-        let (lo, hi) = PEAK_TFLOPS_RANGE;
-        if !(p.is_finite() && (lo..=hi).contains(&p)) {
+    let peak = ("--peak-tflops", args.peak_tflops, PEAK_TFLOPS_RANGE, "a device peak in TFLOP/s", "989 for an H100 SXM at bf16");
+    let bw = ("--bandwidth-gbs", args.bandwidth_gbs, BANDWIDTH_GBS_RANGE, "a memory bandwidth in GB/s", "20 for a laptop's STREAM triad");
+    for (flag, v, (lo, hi), what, e_g) in [peak, bw] {
+        if let Some(v) = v.filter(|v| !(v.is_finite() && (lo..=hi).contains(v))) {
             return Err(SpeedkitError::usage(format!(
-                "--peak-tflops {p:e} is not a device peak in TFLOP/s (it must be a finite number from {lo} to {hi:e}). \
-                 Fix: give the device's datasheet peak for the precision, e.g. 989 for an H100 SXM at bf16."
-            )));
-        }
-    }
-    if let Some(bw) = args.bandwidth_gbs {
-        let (lo, hi) = BANDWIDTH_GBS_RANGE;
-        if !(bw.is_finite() && (lo..=hi).contains(&bw)) {
-            return Err(SpeedkitError::usage(format!(
-                "--bandwidth-gbs {bw:e} is not a memory bandwidth in GB/s (it must be a finite number from {lo} to {hi:e}; \
-                 the roofline's axis is drawn from it). Fix: give the memory bandwidth in GB/s, e.g. 20 for a laptop's \
-                 STREAM triad or 3350 for an H100 SXM."
+                "{flag} {v:e} is not {what} (it must be a finite number from {lo} to {hi:e}). Fix: give the device's figure, e.g. {e_g}."
             )));
         }
     }

@@ -56,17 +56,8 @@ pub struct DeviceInfo {
 impl DeviceInfo {
     /// For tests and the precision policy's exhaustive table.
     pub fn simulated_cuda(name: &str, sm: (u32, u32)) -> Self {
-        let why = "simulated".into();
-        DeviceInfo {
-            kind: DeviceKind::Cuda,
-            ordinal: 0,
-            name: name.into(),
-            sm: Some(sm),
-            memory_bytes: None,
-            threads: 1,
-            why,
-            cpu_flags: Vec::new(),
-        }
+        let (kind, name, sm, why) = (DeviceKind::Cuda, name.into(), Some(sm), "simulated".into());
+        DeviceInfo { kind, ordinal: 0, name, sm, memory_bytes: None, threads: 1, why, cpu_flags: Vec::new() }
     }
 
     pub fn is_cuda(&self) -> bool {

@@ -1,14 +1,6 @@
 //! Everything the stages share and nothing they teach: the block's shapes and weights, the
 //! stage contract, device handling, the reference check, timing, performance arithmetic and
 //! reporting, and the runner every binary calls.
-//!
-//! Module map: `preset` (shapes) · `weights` (seeded init, GPT-2 safetensors) · `stage`
-//! (trait, Plan, precision) · `device` (selection, capabilities, global switches, memory) ·
-//! `check` (comparison, tolerances) · `timing` (warm-up, sync, stats) · `perf` (FLOPs, peaks) ·
-//! `ceiling` (the CPU's measured GEMM rate and bandwidth) · `report` (records, table, JSON) · `cli` (flags, env,
-//! exit codes) · `runner` (the one function a stage's main calls) · `error` (what a user can act
-//! on) · `output` (how every file is written: checked up front, temp file + rename, never over a
-//! device) · `breakdown` (per-part times of one forward).
 
 pub mod breakdown;
 pub mod ceiling;

@@ -25,9 +25,7 @@ fn refuse(flag: &str, path: &Path, why: &str, fix: &str) -> SpeedkitError {
 fn fix_for(e: &std::io::Error) -> &'static str {
     match e.kind() {
         ErrorKind::StorageFull | ErrorKind::QuotaExceeded => "free space on that file system, or pick a path on another one",
-        ErrorKind::ReadOnlyFilesystem => "the file system is read-only: pick a path on a writable one",
-        ErrorKind::PermissionDenied => "pick a path you may write to (or change its permissions)",
-        ErrorKind::InvalidFilename => "use a shorter file name",
+        ErrorKind::PermissionDenied | ErrorKind::ReadOnlyFilesystem => "pick a path you may write to",
         _ => "pick another path",
     }
 }
@@ -46,20 +44,20 @@ fn absolute(path: &Path) -> PathBuf {
 
 /// The absolute file `path` names: a symlink followed (a dangling one to the file it would
 /// create), the nearest folder that exists canonicalized, the new part below it kept. Two paths
-/// name one file when their resolved paths are equal.
+/// name one file when these are equal.
 pub fn resolve(path: &Path) -> std::io::Result<PathBuf> {
     let mut p = absolute(path);
     for _ in 0..40 {
-        let Ok(to) = std::fs::read_link(&p) else {
-            let mut dir = p.clone();
-            while !dir.exists() && dir.pop() {}
-            let mut out = std::fs::canonicalize(&dir)?;
-            out.extend(p.strip_prefix(&dir).into_iter().flat_map(Path::components));
-            return Ok(out);
-        };
-        p = absolute(&p.parent().unwrap_or(Path::new("/")).join(to));
+        match std::fs::read_link(&p) {
+            Ok(to) if !p.exists() => p = absolute(&p.parent().unwrap_or(Path::new("/")).join(to)),
+            _ => break,
+        }
     }
-    Err(std::io::Error::other("too many levels of symbolic links"))
+    let mut dir = p.clone();
+    while !dir.exists() && dir.pop() {}
+    let mut out = std::fs::canonicalize(&dir)?;
+    out.extend(p.strip_prefix(&dir).into_iter().flat_map(Path::components));
+    Ok(out)
 }
 
 /// Check one output path (see the module's policy). Folders missing on the way to a new file
@@ -78,7 +76,7 @@ pub fn check(flag: &str, path: &Path) -> Result<Output, SpeedkitError> {
     match std::fs::metadata(&target) {
         Ok(m) if m.is_dir() => return no("it is a directory", &inside),
         // The rename would replace the node itself (root may replace /dev/null), never write into it.
-        Ok(m) if !m.is_file() => return no("it is a device, FIFO or socket, and an output replaces its file", "name a regular file"),
+        Ok(m) if !m.is_file() => return no("it is not a regular file", "name a regular file"),
         Ok(m) if m.permissions().readonly() => return no("it is read-only", "make it writable (chmod u+w) or pick another path"),
         Err(e) if e.kind() != ErrorKind::NotFound => return no(&format!("it cannot be looked up ({e})"), fix_for(&e)),
         _ => {}

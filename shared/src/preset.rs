@@ -47,20 +47,16 @@ pub struct Shape {
 /// bigger one would fail (or wrap) deep inside a library.
 pub const MAX_TENSOR_ELEMENTS: usize = i32::MAX as usize;
 
-/// Up to two divisors of `c` below `h` and two above; never empty. C can be huge here (before the
-/// size checks), so divisors come in pairs (i, C / i) with i ≤ min(√C, 10^6).
+/// Up to two divisors of `c` below `h` and two above (`c` ≥ 1 not divisible by `h`, so never
+/// empty). C can be huge here (before the size checks), so divisors come in pairs (i, C / i)
+/// with i ≤ min(√C, 10^6).
 pub fn near_divisors(c: usize, h: usize) -> Vec<usize> {
     let mut divs: Vec<usize> =
         (1..=1_000_000usize).take_while(|i| i.saturating_mul(*i) <= c).filter(|i| c.is_multiple_of(*i)).flat_map(|i| [i, c / i]).collect();
     divs.sort_unstable();
     divs.dedup();
-    let below = divs.iter().copied().filter(|&d| d < h).rev().take(2).collect::<Vec<_>>().into_iter().rev();
-    let out: Vec<usize> = below.chain(divs.iter().copied().filter(|&d| d > h).take(2)).collect();
-    if out.is_empty() {
-        vec![1]
-    } else {
-        out
-    }
+    let split = divs.partition_point(|&d| d < h);
+    divs[split.saturating_sub(2)..split].iter().chain(divs[split..].iter().filter(|&&d| d > h).take(2)).copied().collect()
 }
 
 impl Shape {

@@ -236,9 +236,7 @@ pub fn table(rows: &[Row]) -> String {
     let mut header = vec!["stage", "technique", "prec", "median ms", "p10-p90 ms", "vs s0", "vs prev", "TFLOP/s", pct_header, "rel err",
         "max abs", "peak mem"];
     let with_ref = ran.iter().any(|r| r.vs_reference.is_some());
-    if with_ref {
-        header.push("vs ref");
-    }
+    header.extend(with_ref.then_some("vs ref"));
     let rows: Vec<Vec<String>> = rows
         .iter()
         .map(|row| match row {
@@ -280,9 +278,7 @@ pub fn table(rows: &[Row]) -> String {
     let mut out = if backends.is_empty() { String::new() } else { format!("GEMM backend: {}\n", backends.join("; ")) };
     out.push_str(&line(&header.iter().map(|h| h.to_string()).collect::<Vec<_>>()));
     out.push_str(&line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>()));
-    for row in &rows {
-        out.push_str(&line(row));
-    }
+    rows.iter().for_each(|row| out.push_str(&line(row)));
     out
 }
 

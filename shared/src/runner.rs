@@ -3,7 +3,7 @@
 //! and report.
 
 use crate::ceiling::CpuCeiling;
-use crate::check::{compare, CheckResult};
+use crate::check::compare;
 use crate::cli::{exit_with, validate, RunArgs};
 use crate::device::{self, DeviceInfo, DeviceKind, GemmSwitches, MemProbe};
 use crate::error::SpeedkitError;
@@ -75,21 +75,12 @@ pub struct Resolved {
     pub x: Option<Tensor>,
 }
 
-/// The preset used when `--preset` is not given: `small` on CPU, `te` on a GPU.
-pub fn default_preset(info: &DeviceInfo) -> Preset {
-    if info.is_cuda() {
-        Preset::Te
-    } else {
-        Preset::Small
-    }
-}
-
 /// Resolve device and shape: the preset, then the files (weights fix C and FF, the input B
 /// and T), then the flags; then validate the shape.
 pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
     validate(args)?;
     let (device, info) = device::select(args.device)?;
-    let preset = args.preset.unwrap_or_else(|| default_preset(&info));
+    let preset = args.preset.unwrap_or(if info.is_cuda() { Preset::Te } else { Preset::Small });
     let mut shape = preset.shape();
 
     // Weights from a file fix C and FF; n_head comes from --heads, then the file's
@@ -160,8 +151,7 @@ impl Session {
         }
         if let Some(avail) = device::available_bytes(&device) {
             let name = must_run.first().map_or(reference.name(), |(s, _)| s.name());
-            // On a CPU the ceiling probe runs beside the session (and before any stage), so its
-            // own buffers count too.
+            // On a CPU the ceiling probe's buffers count too: it runs beside the session.
             if info.kind == DeviceKind::Cpu {
                 widest = widest.max(crate::ceiling::probe_bytes(&shape));
             }
@@ -179,10 +169,7 @@ impl Session {
         if let Some(path) = &args.save_weights {
             weights.save_gpt2(path, args.layer.unwrap_or(0), shape.n_head)?;
         }
-        let x = match x_file {
-            Some(x) => x,
-            None => random_input(&shape, args.seed)?,
-        };
+        let x = x_file.map_or_else(|| random_input(&shape, args.seed), Ok)?;
         let (warmup, iters) = match info.kind {
             DeviceKind::Cpu => (args.warmup.unwrap_or(2), args.iters.unwrap_or(10)),
             DeviceKind::Cuda => (args.warmup.unwrap_or(10), args.iters.unwrap_or(50)),
@@ -200,15 +187,10 @@ impl Session {
             args.input.as_ref().map_or(format!("N(0,1), seed {}", args.seed), |p| p.display().to_string())
         );
         println!("timing    {warmup} warm-up + {iters} timed iterations, device synchronized after each");
-        let ceiling = match info.kind {
-            DeviceKind::Cpu => {
-                crate::ceiling::check_fit(&shape)?;
-                let c = crate::ceiling::measure(&shape)?;
-                println!("ceiling   {} (measured now; % of peak is against it)", c.describe());
-                Some(c)
-            }
-            DeviceKind::Cuda => None,
-        };
+        let ceiling = (info.kind == DeviceKind::Cpu).then(|| crate::ceiling::measure(&shape)).transpose()?;
+        if let Some(c) = &ceiling {
+            println!("ceiling   {} (measured now; % of peak is against it)", c.describe());
+        }
 
         let mut session = Session {
             device: device.clone(),
@@ -244,35 +226,22 @@ impl Session {
         let fp32 = PrecisionRequest::Exactly(Precision::Fp32);
         let plan = plan(reference, &self.device, &self.info, self.shape, fp32, fp32, false)?;
         let stage = reference.build(&self.weights, &plan)?;
-        let y = crate::check::forward_in_pieces(&self.x, piece.batch, |x| {
+        Ok(crate::check::forward_in_pieces(&self.x, piece.batch, |x| {
             let y = stage.forward(x)?;
             self.device.synchronize()?; // one piece's working set freed before the next
             Ok(y)
-        })?;
-        Ok(y)
+        })?)
     }
 
-    /// Refuse a stage whose shape it cannot address or whose working set obviously exceeds
-    /// what the device has free.
-    pub fn fits(&self, stage: &dyn Stage) -> Result<(), SpeedkitError> {
-        stage.check_shape(&self.shape)?;
-        match device::available_bytes(&self.device) {
-            Some(avail) => check_fits(stage.name(), &self.shape, stage.estimate_bytes(&self.shape), avail),
-            None => Ok(()),
-        }
-    }
-
-    /// Plan, build, check and time one stage. Errors of kind `Usage` mean "cannot run here";
+    /// Plan, build, check and time one stage with `iters` timed iterations (the ladder's rounds
+    /// take a share of `--iters` each). Errors of kind `Usage` mean "cannot run here";
     /// `CheckFailed` means it ran and is wrong.
-    pub fn run(&self, stage: &dyn Stage, asked: PrecisionRequest) -> anyhow::Result<(Record, Tensor)> {
-        self.run_with(stage, asked, self.iters)
-    }
-
-    /// `run` with the number of timed iterations given: the ladder's interleaved rounds (a
-    /// share of `--iters` each).
     pub fn run_with(&self, spec: &dyn Stage, asked: PrecisionRequest, iters: usize) -> anyhow::Result<(Record, Tensor)> {
         let plan = plan(spec, &self.device, &self.info, self.shape, asked, self.args.precision, self.args.cuda_graph)?;
-        self.fits(spec)?;
+        spec.check_shape(&self.shape)?;
+        if let Some(avail) = device::available_bytes(&self.device) {
+            check_fits(spec.name(), &self.shape, spec.estimate_bytes(&self.shape), avail)?;
+        }
         let mut probe = MemProbe::start(&self.device);
         let stage = spec.build(&self.weights, &plan)?;
         let stage = if self.args.cuda_graph { crate::graph::capture(spec.name(), stage, &self.x)? } else { stage };
@@ -288,50 +257,35 @@ impl Session {
         // Check before timing: nothing is timed until it matched the reference.
         let y = stage.forward(&self.x)?;
         self.device.synchronize()?;
-        let check: Option<CheckResult> = match &self.reference {
-            Some(r) => {
-                let c = compare(&y, r, plan.precision)?;
-                if let Some(e) = c.to_error(spec.name(), plan.precision) {
-                    return Err(e.into());
-                }
-                Some(c)
+        let (mut check, mut extra_checks) = (None, Vec::new());
+        if let Some(r) = &self.reference {
+            let c = compare(&y, r, plan.precision)?;
+            if let Some(e) = c.to_error(spec.name(), plan.precision) {
+                return Err(e.into());
             }
-            None => None,
-        };
-        // The stage's own check, on the same output (skipped with --no-check like the first);
-        // what it allocates is not the stage's memory.
-        let own_check = match &self.reference {
-            Some(_) => probe.exclude(|| stage.self_check(&self.x, &y))?,
-            None => None,
-        };
-        let extra_checks = match own_check {
-            Some(c) => {
+            check = Some(c);
+            // The stage's own check, on the same output; what it allocates is not the stage's memory.
+            if let Some(c) = probe.exclude(|| stage.self_check(&self.x, &y))? {
                 if !c.result.passed {
+                    let (name, rel, tol, nan) = (&c.name, c.result.rel_err, c.result.tolerance, c.result.non_finite);
                     return Err(SpeedkitError::CheckFailed(format!(
-                        "{} failed its own check \"{}\": relative error {:.3e} above {:.1e}{}. {} \
-                         Nothing was timed. Fix: report it with this command line.",
+                        "{} failed its own check \"{name}\": relative error {rel:.3e} above {tol:.1e} ({nan} values NaN or infinite). \
+                         {} Nothing was timed. Fix: report it with this command line.",
                         spec.name(),
-                        c.name,
-                        c.result.rel_err,
-                        c.result.tolerance,
-                        if c.result.non_finite > 0 { format!(" ({} values NaN or infinite)", c.result.non_finite) } else { String::new() },
                         c.meaning
                     ))
                     .into());
                 }
-                vec![c]
+                extra_checks.push(c);
             }
-            None => Vec::new(),
-        };
+        }
 
         let device = &self.device;
         let stats = time_forward(spec.name(), device, self.warmup, iters, || stage.forward(&self.x))?;
         // After the uninstrumented timing, never mixed into it: the same forward with a clock
         // read at each part boundary.
-        let breakdown = match self.args.breakdown {
-            true => Some(crate::breakdown::record(device, self.warmup.min(1), iters, || stage.forward(&self.x))?),
-            false => None,
-        };
+        let breakdown = self.args.breakdown.then(|| crate::breakdown::record(device, self.warmup.min(1), iters, || stage.forward(&self.x)));
+        let breakdown = breakdown.transpose()?;
         let ran = stage.ran();
         drop(stage);
         let (peak_mem_bytes, mem_method) = probe.finish();
@@ -434,7 +388,7 @@ pub fn print_details(r: &Record) {
     if let Some(i) = &r.implementation {
         println!("runs      {i}");
     }
-    let s = r.gemm_switches;
+    let (s, on_off) = (r.gemm_switches, |b: bool| if b { "on" } else { "off" });
     println!("switches  TF32 {} · reduced-precision f16 {} · bf16 {}", on_off(s.tf32), on_off(s.reduced_f16), on_off(s.reduced_bf16));
     match &r.check {
         Some(c) => println!(
@@ -462,14 +416,6 @@ pub fn print_details(r: &Record) {
     }
 }
 
-fn on_off(b: bool) -> &'static str {
-    if b {
-        "on"
-    } else {
-        "off"
-    }
-}
-
 /// The whole of a stage binary: `shared::runner::main(&[stage0_baseline::STAGE, ...,
 /// this stage's STAGE])`. `stages` lists every stage up to this one: the first is the fp32
 /// reference the output is checked against, the last is the stage that runs, and each adds the
@@ -493,7 +439,7 @@ pub fn main(stages: &[StageEntry]) -> ExitCode {
             .collect();
         crate::output::check_not_inputs(&outputs, &inputs)?;
         let session = Session::open_for(args.clone(), reference.as_ref(), &[(stage.as_ref(), args.precision)])?;
-        let (record, y) = session.run(stage.as_ref(), session.args.precision)?;
+        let (record, y) = session.run_with(stage.as_ref(), session.args.precision, session.iters)?;
         print_details(&record);
         println!();
         print!("{}", table(&[Row::Ran(&record)]));

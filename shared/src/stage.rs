@@ -49,9 +49,8 @@ pub enum PrecisionRequest {
 /// A stage's precision decision: the precision, and one sentence saying why.
 pub type PrecisionChoice = (Precision, String);
 
-/// A comma-separated list of switches, each a name in `names` (`--fusions ln,qkv`,
-/// `--fp8-fusions fc1`): "all", "none", or some of the names. Stages define their own switch
-/// lists over these helpers; `what` names the list in errors.
+/// A comma-separated list of switches (`--fusions ln,qkv`): "all", "none", or some of `names`;
+/// `what` names the list in errors.
 pub fn parse_switches<const N: usize>(s: &str, names: &[&str; N], what: &str) -> Result<[bool; N], String> {
     match s.trim() {
         "all" => return Ok([true; N]),
@@ -96,8 +95,8 @@ pub fn switch_off<const N: usize>(mut flags: [bool; N], names: &[&str; N], name:
 /// running it on hardware; the runner then reports no % of peak for it.
 pub const EMULATED: &str = "emulated";
 
-/// Everything a stage's `build` may depend on, decided before it runs. A stage's own options
-/// (its flags) live in the stage value itself; the plan holds what every stage shares.
+/// Everything a stage's `build` may depend on, decided before it runs (a stage's own flags live
+/// in the stage value).
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub device: Device,
@@ -113,9 +112,8 @@ pub struct Plan {
     pub cuda_graph: bool,
 }
 
-/// One rung of the ladder, configured by its flags: everything the runner and the ladder know
-/// about a stage comes through this trait. `build` runs once, outside timing (convert, fuse,
-/// quantize the weights; set candle's global switches); the `Forward` it returns is timed.
+/// One rung of the ladder, configured by its flags. `build` runs once, outside timing (convert,
+/// fuse, quantize the weights; set candle's global switches); the `Forward` it returns is timed.
 pub trait Stage {
     /// Crate name, e.g. "stage2_sdpa".
     fn name(&self) -> &'static str;
@@ -140,8 +138,7 @@ pub trait Stage {
         shape.validate_score_matrix()
     }
 
-    /// Bytes this stage needs at its widest point, to refuse runs that cannot fit. The default
-    /// is the naive block's (the T x T scores dominate at long T).
+    /// Bytes this stage needs at its widest point, to refuse runs that cannot fit (default: the naive block's).
     fn estimate_bytes(&self, shape: &Shape) -> u128 {
         shape.estimate_naive_bytes()
     }
@@ -152,17 +149,15 @@ pub trait Stage {
         Vec::new()
     }
 
-    /// Which implementation runs this plan, when a stage has more than one (stage 2's attention
-    /// kernel, stage 4's real or emulated FP8) or runs with a non-default option. Shown in the
-    /// table beside the precision and stored in the record, so a number is never read as
-    /// something else than what ran.
+    /// Which implementation runs this plan, when a stage has more than one (stage 4's real or
+    /// emulated FP8) or a non-default option: shown beside the precision, so a number is never
+    /// read as something else than what ran.
     fn implementation(&self, _plan: &Plan) -> Option<String> {
         None
     }
 
-    /// Refusals that depend on the whole plan (device, precision, shape and options together),
-    /// checked when the plan is made, before any weights exist, so `ladder report` shows them
-    /// too. Default: none.
+    /// Refusals that depend on the whole plan, checked when it is made, before any weights exist
+    /// (so `ladder report` shows them too).
     fn check_plan(&self, _plan: &Plan) -> Result<(), SpeedkitError> {
         Ok(())
     }
@@ -170,18 +165,17 @@ pub trait Stage {
     fn build(&self, weights: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>>;
 
     /// `ladder --ablate`: this stage with one of its changes undone, one variant per change,
-    /// each with the label its row carries ("without ln"). Default: none.
+    /// labelled as its row ("without ln").
     fn ablations(&self, _plan: &Plan) -> Vec<(String, Box<dyn Stage>)> {
         Vec::new()
     }
 
-    /// The roofline's traffic model: bytes one forward must move at `shape`, GEMM operands
-    /// at `p`, activations stored in `act` bytes per element (`crate::regime::Traffic` holds
-    /// the shared terms).
+    /// The roofline's traffic model: bytes one forward moves at `shape`, GEMM operands at `p`,
+    /// activations in `act` bytes per element (`perf::Traffic` holds the shared terms).
     fn traffic(&self, shape: &Shape, p: Precision, act: f64) -> f64;
 
-    /// `ladder selftest`: this stage's GPU building blocks, each against its CPU twin, on
-    /// `device` (on the CPU, their CPU stand-ins). Default: none.
+    /// `ladder selftest`: this stage's GPU building blocks, each against its CPU twin (on the CPU,
+    /// their CPU stand-ins).
     fn selftest(&self, _device: &Device, _info: &DeviceInfo, _rows: &mut crate::selftest::Rows) {}
 }
 
@@ -190,48 +184,33 @@ pub trait Forward {
     /// (B, T, C) -> (B, T, C)
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor>;
 
-    /// A check of this stage's own, beyond the fp32 reference, run on the output `y` of the
-    /// forward just made on `x` (stage 4: the fp32 twin on FP8-rounded operands). Default: none.
+    /// A check of the stage's own on the output `y` of the forward just made on `x` (stage 4:
+    /// the fp32 twin on FP8-rounded operands).
     fn self_check(&self, _x: &Tensor, _y: &Tensor) -> anyhow::Result<Option<NamedCheck>> {
         Ok(None)
     }
 
-    /// Whether the forward just made took the path every later one takes. Stage 4's first
-    /// forward has no delayed scale yet and runs its producers unfused; a CUDA graph captured
-    /// after it alone would run the fused kernels for the first time inside the capture. The
-    /// capture warms up until this holds (`graph::run_capture`). Default: always.
+    /// Whether the forward just made took the path every later one takes (stage 4's first has no
+    /// delayed scale yet); a CUDA graph capture warms up until it does (`graph::run_capture`).
     fn steady(&self) -> bool {
         true
     }
 
     /// Notes on what the forwards so far actually ran, where it can differ from the plan (stage
-    /// 4: a fusion cuBLASLt had no algorithm for, replaced by the next configuration). Added to
-    /// the row's notes after timing. Default: none.
+    /// 4: a fusion cuBLASLt had no algorithm for); added to the row's notes after timing.
     fn ran(&self) -> Vec<String> {
         Vec::new()
     }
 }
 
-/// How a binary or the ladder finds a stage: the flags the stage introduces, and the stage
-/// configured from parsed flags. A stage binary takes the flags of every stage up to its own
-/// (stage 4 honours stage 3's `--fusions`); the ladder takes every stage's.
+/// How a binary or the ladder finds a stage. A stage binary takes the flags of every stage up to
+/// its own (stage 4 honours stage 3's `--fusions`); the ladder takes every stage's.
 #[derive(Clone, Copy)]
 pub struct StageEntry {
     /// Adds the flags this stage introduces (`clap::Args::augment_args` of its args struct).
     pub args: fn(clap::Command) -> clap::Command,
-    /// The stage, from flags parsed by a command that `args` of it and of every earlier stage
-    /// augmented.
+    /// The stage, from flags parsed by a command `args` of it and every earlier stage augmented.
     pub make: fn(&clap::ArgMatches) -> Result<Box<dyn Stage>, clap::Error>,
-}
-
-impl StageEntry {
-    /// The stage as its flags' defaults configure it (for `ladder render`'s traffic model, and
-    /// tests).
-    pub fn default_stage(&self, earlier: &[StageEntry]) -> Box<dyn Stage> {
-        let cmd = earlier.iter().chain([self]).fold(clap::Command::new("defaults"), |c, e| (e.args)(c));
-        let m = cmd.try_get_matches_from(["defaults"]).unwrap_or_default();
-        (self.make)(&m).unwrap_or_else(|e| panic!("a stage's flags must all have defaults: {e}"))
-    }
 }
 
 /// What the ladder asks `stage` for, given the run's `--precision`: its own precision if it has
@@ -240,9 +219,8 @@ pub fn ladder_request(stage: &dyn Stage, requested: PrecisionRequest) -> Precisi
     stage.own_precision().map_or(requested, PrecisionRequest::Exactly)
 }
 
-/// Choose the precision for `asked` (the run's `--precision` in a stage binary,
-/// `ladder_request` in the ladder), assemble the plan and run the stage's plan-level refusals.
-/// `requested` is the run's `--precision`.
+/// Choose the precision for `asked` (`ladder_request` in the ladder), assemble the plan and run
+/// the stage's plan-level refusals. `requested` is the run's `--precision`.
 pub fn plan(
     stage: &dyn Stage,
     device: &Device,

@@ -145,12 +145,6 @@ impl BlockWeights {
         };
         let bytes = read_file(path).map_err(&bad)?;
         let (st, meta) = parse(&bytes).map_err(&bad)?;
-        // n_head is ours (--save-weights writes it): when present it must be a positive integer.
-        let heads = meta.as_ref().and_then(|m| m.get(META_N_HEAD));
-        let n_head = heads.map(|v| v.trim().parse::<usize>().ok().filter(|&n| n > 0).ok_or(v)).transpose().map_err(|v| {
-            let v: String = v.chars().take(100).collect(); // a file's string, shown bounded
-            bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer (correct or drop the key)"))
-        })?;
         let names = st.names();
         let layers: Vec<usize> = names.iter().filter_map(|k| layer_of(k)).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
         let layer = match (layer, layers.as_slice()) {
@@ -182,9 +176,12 @@ impl BlockWeights {
             let t = if t.rank() == 2 { t.t().and_then(|t| t.contiguous()) } else { Ok(t) };
             tensors.push(t.map_err(|e| bad(format!("tensor {key}: {e}")))?);
         }
-        if let Some(h) = n_head.filter(|h| c % h != 0) {
-            return Err(bad(format!("its metadata {META_N_HEAD} = {h} does not divide C = {c} (correct or drop the key)")));
-        }
+        // n_head is ours (--save-weights writes it): when present it must be a positive integer dividing C.
+        let heads = meta.as_ref().and_then(|m| m.get(META_N_HEAD));
+        let n_head = heads.map(|v| v.trim().parse::<usize>().ok().filter(|&h| h > 0 && c % h == 0).ok_or(v)).transpose().map_err(|v| {
+            let v: String = v.chars().take(100).collect(); // a file's string, shown bounded
+            bad(format!("its metadata {META_N_HEAD} = {v:?} is not a positive integer dividing C = {c} (correct or drop the key)"))
+        })?;
         Ok((Self::from_tensors(tensors.try_into().expect("twelve tensors")), n_head))
     }
 }
@@ -202,70 +199,25 @@ fn layer_of(key: &str) -> Option<usize> {
 /// Read a file whole, refusing one larger than half the memory available.
 fn read_file(path: &Path) -> Result<Vec<u8>, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("it cannot be read ({e})"))?;
+    // A FIFO would block and a device (/dev/zero) read forever.
     if !meta.is_file() {
-        // A device (/dev/zero, /dev/full) reads forever; a directory does not read at all.
-        return Err(format!("it is {}, not a regular file", if meta.is_dir() { "a directory" } else { "a device, FIFO or socket" }));
+        return Err("it is not a regular file".into());
     }
-    if let Some(avail) = crate::device::available_bytes(&Device::Cpu) {
-        if meta.len() > avail / 2 {
-            return Err(format!("it is {} bytes, more than half the {avail} bytes of memory available to read it into", meta.len()));
-        }
+    let len = meta.len();
+    if let Some(avail) = crate::device::available_bytes(&Device::Cpu).filter(|&a| len > a / 2) {
+        return Err(format!("it is {len} bytes, more than half the {avail} bytes of memory available to read it into"));
     }
     std::fs::read(path).map_err(|e| format!("it cannot be read ({e})"))
 }
 
 fn parse(bytes: &[u8]) -> Result<(SafeTensors<'_>, Option<HashMap<String, String>>), String> {
-    duplicate_key(bytes)?;
     let not = |e| format!("it is not a safetensors file ({e})");
     let (_, header) = SafeTensors::read_metadata(bytes).map_err(not)?;
     Ok((SafeTensors::deserialize(bytes).map_err(not)?, header.metadata().clone()))
 }
 
-/// Refuse a header that names a tensor (or metadata key) twice: the safetensors crate reads it
-/// into a map, so the last entry would silently win, the first's data read as the second.
-fn duplicate_key(bytes: &[u8]) -> Result<(), String> {
-    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
-    struct Dup(Option<String>);
-    impl<'de> Visitor<'de> for Dup {
-        type Value = Dup;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a JSON object")
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Dup, A::Error> {
-            // Read whole: serde_json refuses a map left half-read.
-            let (mut seen, mut first) = (std::collections::HashSet::new(), None);
-            while let Some(k) = map.next_key::<String>()? {
-                if k == "__metadata__" {
-                    first = first.or(map.next_value::<Dup>()?.0.map(|dup| format!("__metadata__.{dup}")));
-                } else {
-                    map.next_value::<IgnoredAny>()?;
-                }
-                if !seen.insert(k.clone()) {
-                    first = first.or(Some(k));
-                }
-            }
-            Ok(Dup(first))
-        }
-    }
-    impl<'de> serde::Deserialize<'de> for Dup {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Dup, D::Error> {
-            d.deserialize_map(Dup(None))
-        }
-    }
-    // An 8-byte little-endian length, then the JSON header (one that does not parse is left to safetensors).
-    let len = bytes.get(..8).and_then(|b| usize::try_from(u64::from_le_bytes(b.try_into().ok()?)).ok());
-    let Some(header) = len.and_then(|n| bytes.get(8..8usize.checked_add(n)?)) else { return Ok(()) };
-    match serde_json::from_slice::<Dup>(header) {
-        Ok(Dup(Some(k))) => Err(format!(
-            "its header names {:?} twice, so one entry would silently replace the other (the file is damaged or was written by hand; remove the duplicate)",
-            k.chars().take(200).collect::<String>()
-        )),
-        _ => Ok(()),
-    }
-}
-
 /// A tensor of the file as f32, refusing NaN or infinity (an f64 past f32's range too): bad input,
-/// not a failed check. The first such index is in the file's own layout (Conv1D: (in, out)).
+/// not a failed check.
 fn view_to_f32(view: &TensorView<'_>) -> Result<Tensor, String> {
     use candle_core::safetensors::Load;
     if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::F16 | Dtype::BF16) {
@@ -274,7 +226,7 @@ fn view_to_f32(view: &TensorView<'_>) -> Result<Tensor, String> {
     let t = view.load(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).map_err(|e| e.to_string())?;
     let v: Vec<f32> = t.flatten_all().and_then(|t| t.to_vec1()).map_err(|e| e.to_string())?;
     if let Some(flat) = v.iter().position(|x| !x.is_finite()) {
-        // Flat position -> index in the file's dims, e.g. [3, 17] (every dim is at least 1 here).
+        // Flat position -> index in the file's own dims (Conv1D: (in, out)), e.g. [3, 17].
         let dims = view.shape();
         let index: Vec<usize> = dims.iter().enumerate().map(|(i, d)| flat / dims[i + 1..].iter().product::<usize>() % d).collect();
         let count = v.iter().filter(|x| !x.is_finite()).count();

@@ -63,23 +63,6 @@ fn gpt2_round_trip_and_layout() {
 }
 
 #[test]
-fn duplicated_header_keys_are_named() {
-    let file = |header: &str| {
-        let mut b = (header.len() as u64).to_le_bytes().to_vec();
-        b.extend(header.as_bytes());
-        b.extend([0u8; 8]);
-        b
-    };
-    let t = r#"{"dtype":"F32","shape":[2],"data_offsets":[0,8]}"#;
-    let e = duplicate_key(&file(&format!(r#"{{"x":{t},"y":{t},"x":{t}}}"#))).unwrap_err();
-    assert!(e.contains("\"x\" twice"), "{e}");
-    let e = duplicate_key(&file(&format!(r#"{{"__metadata__":{{"n_head":"4","n_head":"0"}},"x":{t}}}"#))).unwrap_err();
-    assert!(e.contains("__metadata__.n_head"), "{e}");
-    assert!(duplicate_key(&file(&format!(r#"{{"x":{t},"y":{t}}}"#))).is_ok());
-    assert!(duplicate_key(b"short").is_ok() && duplicate_key(&file("{not json")).is_ok(), "left to the reader");
-}
-
-#[test]
 fn layer_keys() {
     assert_eq!(layer_of("h.11.ln_1.weight"), Some(11));
     assert_eq!(layer_of("transformer.h.3.ln_1.weight"), Some(3));
