@@ -521,7 +521,8 @@ impl Input {
         }
     }
 
-    /// A copy that later calls cannot change (the CUDA scale is a buffer the next call rewrites).
+    /// A copy that later calls cannot change (the scale is a view of the layer's scale buffer,
+    /// which the next call rewrites).
     pub fn kept(&self) -> candle_core::Result<Input> {
         Ok(match self {
             Input::Plain(x) => Input::Plain(x.clone()),

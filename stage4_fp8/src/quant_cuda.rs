@@ -15,7 +15,6 @@ use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg, 
 use candle_core::cuda::{CudaDevice, CudaStorage};
 use candle_core::{DType, Layout, Shape};
 use stage2_sdpa::cubin::{function, Cubins};
-use stage3_fused::cuda::view;
 use Arg::{Null, Ptr, F32, I32, I64};
 
 mod cubins {
@@ -30,25 +29,6 @@ const CHUNK: usize = 256 * 16;
 
 fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("FP8 kernel: {what}: {e:?}"))
-}
-
-/// y = s·q in f32: the CUDA forward of `fp8::dequantize`. q: contiguous E4M3; s: one f32.
-pub fn dequantize_fwd(qs: &CudaStorage, ql: &Layout, ss: &CudaStorage, sl: &Layout) -> candle_core::Result<CudaStorage> {
-    let dev = qs.device().clone();
-    let n = ql.shape().elem_count();
-    let (qv, sv) = (view::<float8::F8E4M3>(qs, ql)?, view::<f32>(ss, sl)?);
-    // SAFETY: the kernel writes every one of the n elements.
-    let mut y = unsafe { dev.alloc::<f32>(n)? };
-    let n64 = n as i64;
-    let stream = dev.cuda_stream();
-    let func = function(&dev, &FP8, "fp8_dequantize_f32")?;
-    let mut launch = stream.launch_builder(&func);
-    launch.arg(&qv).arg(&n64).arg(&sv).arg(&mut y);
-    let cfg = LaunchConfig { grid_dim: (blocks(n)?.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: the arguments are fp8_dequantize_f32's (q, n, scale, y) in order and type.
-    unsafe { launch.launch(cfg) }.map_err(|e| err("fp8_dequantize_f32", e))?;
-    drop(launch);
-    Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }
 
 /// One kernel parameter: a buffer's device pointer (its storage and layout, contiguous), a null
@@ -114,42 +94,23 @@ fn blocks(n: usize) -> candle_core::Result<u32> {
 /// bits reinterpreted as the f32 result on the device.
 pub fn amax_fwd(xs: &CudaStorage, xl: &Layout) -> candle_core::Result<CudaStorage> {
     let dev = xs.device().clone();
-    let n = xl.shape().elem_count();
-    let stream = dev.cuda_stream();
-    let mut bits = dev.alloc_zeros::<u32>(1)?;
-    // SAFETY: fp8_scale_from_amax writes the one element before anything reads it.
-    let mut out = unsafe { dev.alloc::<f32>(1)? };
-    let name = match xs.dtype() {
-        DType::F32 => "fp8_amax_f32",
-        DType::BF16 => "fp8_amax_bf16",
-        dt => candle_core::bail!("amax on CUDA: unsupported dtype {dt:?} (f32 or bf16)"),
-    };
-    let func = function(&dev, &FP8, name)?;
-    let xf = if xs.dtype() == DType::F32 { Some(view::<f32>(xs, xl)?) } else { None };
-    let xb = if xs.dtype() == DType::BF16 { Some(view::<half::bf16>(xs, xl)?) } else { None };
-    let n64 = n as i64;
-    let mut launch = stream.launch_builder(&func);
-    match (&xf, &xb) {
-        (Some(x), _) => launch.arg(x),
-        (_, Some(x)) => launch.arg(x),
-        _ => candle_core::bail!("amax on CUDA: unsupported dtype {:?}", xs.dtype()),
-    };
-    launch.arg(&n64).arg(&mut bits);
-    let cfg = LaunchConfig { grid_dim: (blocks(n)?.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: the arguments are fp8_amax_*'s (x, n, amax_bits) in order and type.
-    unsafe { launch.launch(cfg) }.map_err(|e| err(name, e))?;
-    drop(launch);
+    let one = Shape::from(1);
+    let (bits, bl) = (CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<u32>(1)?, dev.clone()), Layout::contiguous(&one));
+    amax_into_fwd(&bits, &bl, xs, xl)?;
     // scale_from_amax with pow2_margin = 448 gives s = max(amax, FLT_MIN): the amax itself
     // (FLT_MIN only for an all-zero x, where amax is then reported as FLT_MIN, not 0).
-    let func = function(&dev, &FP8, "fp8_scale_from_amax")?;
-    let margin = 448f32;
-    let mut launch = stream.launch_builder(&func);
-    launch.arg(&mut bits).arg(&mut out).arg(&margin);
-    let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: fp8_scale_from_amax's (amax_bits, scale, pow2_margin) in order and type.
-    unsafe { launch.launch(one) }.map_err(|e| err("fp8_scale_from_amax", e))?;
-    drop(launch);
-    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    let (out, ol) = output::<f32>(&dev, &one)?;
+    scale_from_amax_fwd(&out, &ol, &bits, &bl, 448.0)?;
+    Ok(out)
+}
+
+/// y = s·q in f32: the CUDA forward of `fp8::dequantize`. q: contiguous E4M3; s: one f32.
+pub fn dequantize_fwd(qs: &CudaStorage, ql: &Layout, ss: &CudaStorage, sl: &Layout) -> candle_core::Result<CudaStorage> {
+    let dev = qs.device().clone();
+    let n = ql.shape().elem_count();
+    let (y, yl) = output::<f32>(&dev, ql.shape())?;
+    launch(&dev, "fp8_dequantize_f32", blocks(n)?, THREADS, &[Ptr(qs, ql), I64(n as i64), Ptr(ss, sl), Ptr(&y, &yl)])?;
+    Ok(y)
 }
 
 /// The kernels' suffix for x's dtype (they read f32 or bf16).
@@ -161,7 +122,7 @@ fn suffix(xs: &CudaStorage, op: &str) -> candle_core::Result<&'static str> {
     }
 }
 
-/// An output buffer of `n` elements the kernel writes in full, with its contiguous layout.
+/// An output buffer of `shape` that the kernel writes in full, with its contiguous layout.
 fn output<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
     dev: &CudaDevice,
     shape: &Shape,
