@@ -1082,6 +1082,49 @@ mod state_tests {
         }
     }
 
+    /// The state on the in-place ops against the recipe spelled in candle's ops (the slow twins
+    /// in `scale`): random inputs (sizes, magnitudes over 2⁻²⁰ to 2²⁰), both recipes, history
+    /// lengths 1 to 5, margins −1 to 2, fused calls (`fused_target`, a producer, `finish_fused`)
+    /// mixed in under delayed scaling. Every scale and the final history equal bit for bit.
+    #[test]
+    fn the_state_matches_the_recipe_in_plain_ops() {
+        use crate::scale::{history_push_slow, scale_from_history_slow};
+        use shared::weights::SplitMix64;
+        let mut rng = SplitMix64::new(23);
+        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for case in 0..24u64 {
+            let recipe = if case % 2 == 0 { Fp8Recipe::Delayed } else { Fp8Recipe::Current };
+            let (history_len, margin) = (1 + (case % 5) as usize, (case % 4) as i32 - 1);
+            let mut st = ScaleState::new(ScalingConfig { recipe, history_len, margin }).unwrap();
+            let mut history: Option<Tensor> = None; // the twin's window, (history_len)
+            for call in 0..8u64 {
+                let n = 1 + (rng.next_u64() % 3000) as usize;
+                let mag = 2f32.powi((rng.next_u64() % 41) as i32 - 20);
+                let v = SplitMix64::new(1000 * case + call).normals(n).into_iter().map(|x| x * mag).collect();
+                let x = Tensor::from_vec(v, n, &Device::Cpu).unwrap();
+                let a = amax_slow(&x).unwrap().reshape(1).unwrap(); // (1)
+                let fused = history.is_some() && rng.next_u64().is_multiple_of(3);
+                let (got, want) = match (&history, fused) {
+                    (Some(h), true) => {
+                        let target = st.fused_target().unwrap().expect("delayed scaling after a call has a target");
+                        target.quantize(&x).unwrap(); // the producer: its amax into the layer's buffer
+                        st.finish_fused().unwrap();
+                        (target.scale.copy().unwrap(), scale_from_history_slow(h, margin).unwrap())
+                    }
+                    (Some(h), false) => (st.scale_for(&x).unwrap().copy().unwrap(), scale_from_history_slow(h, margin).unwrap()),
+                    (None, _) => (st.scale_for(&x).unwrap().copy().unwrap(), scale_from_amax(&a, margin).unwrap()),
+                };
+                assert_eq!(values(&got), values(&want), "case {case} call {call} ({recipe:?}, fused {fused})");
+                assert_eq!(values(&st.last_scale().unwrap()), values(&want));
+                if recipe == Fp8Recipe::Delayed {
+                    let h = history.clone().unwrap_or_else(|| Tensor::zeros(history_len, DType::F32, &Device::Cpu).unwrap());
+                    history = Some(history_push_slow(&h, &a, call == 0).unwrap());
+                }
+            }
+            assert_eq!(st.history().unwrap(), history.as_ref().map_or(Vec::new(), values), "case {case}: history");
+        }
+    }
+
     /// The two quantisers that record an amax (`quantize_recording`: E4M3 out; `Fp8Target::quantize`:
     /// s·q in f32 on the CPU) beside their slow twins on random inputs (sizes, magnitudes over
     /// 2⁻²⁰ to 2²⁰, f32 and bf16, scales that saturate the top): the values bit for bit, and the
