@@ -8,13 +8,13 @@
 //! round trip, no `cuMemFreeAsync` of memory the capture did not allocate — and every replay
 //! advances the same buffers.
 //!
-//! | op                     | writes                 | kernel                   | update                           |
-//! |------------------------|------------------------|--------------------------|----------------------------------|
-//! | `amax_into`            | amax                   | `fp8_amax_*`             | amax ← max(amax, max\|x\|)       |
-//! | `scale_from_amax_into` | scale; amax ← 0        | `fp8_scale_from_amax`    | s ← max(amax, 2⁻¹²⁶)·2^m / 448   |
-//! | `scale_from_history_into` | scale               | `fp8_scale_from_history` | s ← max(history)·2^m / 448       |
-//! | `history_push_into`    | history; amax ← 0      | `fp8_history_push`       | history ← roll(history, amax)    |
-//! | `reciprocal_into`      | 1/scale                | `fp8_reciprocal`         | inv ← 1/s                        |
+//! | op                        | writes            | kernel                   | update                         |
+//! |---------------------------|-------------------|--------------------------|--------------------------------|
+//! | `amax_into`               | amax              | `fp8_amax_*`             | amax ← max(amax, max\|x\|)     |
+//! | `scale_from_amax_into`    | scale; amax ← 0   | `fp8_scale_from_amax`    | s ← max(amax, 2⁻¹²⁶)·2^m / 448 |
+//! | `scale_from_history_into` | scale             | `fp8_scale_from_history` | s ← max(history)·2^m / 448     |
+//! | `history_push_into`       | history; amax ← 0 | `fp8_history_push`       | history ← roll(history, amax)  |
+//! | `reciprocal_into`         | 1/scale           | `fp8_reciprocal`         | inv ← 1/s                      |
 //!
 //! The amax is held as its f32 bits in a u32 on every device: for non-negative floats the bit
 //! patterns order like unsigned integers, so the kernels' `atomicMax` on the bits is a float
