@@ -505,7 +505,7 @@ impl Block {
         if !on {
             return Ok(None);
         }
-        consumer.fused_target(self.ln1_g.device())
+        consumer.fused_target()
     }
 
     /// How `layer`'s GEMM accumulates (what its twin's tolerance depends on).

@@ -24,18 +24,22 @@
 //! candle's F8E4M3 cast). On CUDA it is our own kernels (`kernels/fp8.cu` via `quant_cuda`):
 //! candle 0.11.1's CUDA F8 casts cannot be loaded (huggingface/candle#3886), so none is called.
 //! There, delayed scaling takes its amax in the cast's own pass (the scale is known before x
-//! is read), and the history is updated on the device: no host round trip, graph-safe.
+//! is read). The scale state is one set of buffers on the input's device, updated in place by
+//! candle in-place ops (`scale`), the same ops on the CPU and CUDA: no host round trip and no
+//! allocation after the first call, so a CUDA graph captures the update.
 //!
 //! **Fused producers.** With delayed scaling the scale is known before x exists, so x's producer
 //! can write it in E4M3 itself (`Fp8Linear::fused_target` → `Fp8Target`; stage 4's LayerNorms in
-//! `producers`, fc1 in `Fp8Linear::forward_e4m3`), recording its amax for this layer's history;
-//! the layer then takes the `Quantized` input as it is (`Input::Fp8`, `forward_input`).
+//! `producers`, fc1 in `Fp8Linear::forward_e4m3`), maxing its amax into this layer's amax buffer;
+//! the layer then takes the `Quantized` input as it is (`Input::Fp8`, `forward_input`) and pushes
+//! that amax into its history.
 //!
 //! **Non-finite values.** The casts saturate finite values at ±448 and keep NaN as NaN (an
 //! explicit clamp would turn NaN into ±448 silently). `Fp8Tensor::quantize` and every CPU call
 //! of `Fp8Linear` reject NaN/inf with an error; on CUDA the hot path does not read back to the
 //! host, so a NaN travels to the output, where the runner's check reports it.
 
+use crate::scale::{amax_into, history_push_into, max_abs_bits, scale_from_amax_into, scale_from_history_into, ScaleBuffers};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
 use float8::F8E4M3;
@@ -201,7 +205,15 @@ pub fn quantize(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
     check_scale(scale)?;
     // The CUDA kernel reads f32 or bf16; f16 goes in as f32.
     let x = if x.device().is_cuda() && x.dtype() == DType::F16 { x.to_dtype(DType::F32)? } else { x.clone() };
-    x.contiguous()?.apply_op2_no_bwd(&scale.to_dtype(DType::F32)?.contiguous()?, &Quantize)
+    x.contiguous()?.apply_op2_no_bwd(&scale.to_dtype(DType::F32)?.contiguous()?, &Quantize { amax_bits: None })
+}
+
+/// `quantize`, with max|x| also maxed into `amax_bits` ((1) u32, f32 bits) in the same pass:
+/// delayed scaling's cast, which records the amax of what it quantises for the history.
+pub fn quantize_recording(x: &Tensor, scale: &Tensor, amax_bits: &Tensor) -> candle_core::Result<Tensor> {
+    check_scale(scale)?;
+    let x = if x.device().is_cuda() && x.dtype() == DType::F16 { x.to_dtype(DType::F32)? } else { x.clone() };
+    x.contiguous()?.apply_op2_no_bwd(&scale.to_dtype(DType::F32)?.contiguous()?, &Quantize { amax_bits: Some(amax_bits.clone()) })
 }
 
 /// Slow twin of `quantize`: candle's ops, a division then candle's cast to F8E4M3 (CPU).
@@ -238,8 +250,11 @@ fn scale_value(s: &CpuStorage, l: &Layout) -> candle_core::Result<f32> {
     }
 }
 
-/// The op behind `quantize`: x (contiguous, f32/bf16/f16) and its scale (one f32) → E4M3.
-struct Quantize;
+/// The op behind `quantize` and `quantize_recording`: x (contiguous, f32/bf16/f16) and its scale
+/// (one f32) → E4M3; with `amax_bits` held ((1) u32), max|x| maxed into it too.
+struct Quantize {
+    amax_bits: Option<Tensor>,
+}
 
 impl CustomOp2 for Quantize {
     fn name(&self) -> &'static str {
@@ -257,6 +272,15 @@ impl CustomOp2 for Quantize {
             CpuStorage::F16(v) => par_convert(&v[a..b], |x| F8E4M3::from_f32(x.to_f32() / s)),
             x => candle_core::bail!("quantize: unsupported dtype {:?} (f32, bf16 or f16)", x.dtype()),
         };
+        if let Some(bits) = &self.amax_bits {
+            let m = match xs {
+                CpuStorage::F32(v) => max_abs_bits(&v[a..b], f32::to_bits),
+                CpuStorage::BF16(v) => max_abs_bits(&v[a..b], |x| x.to_f32().to_bits()),
+                CpuStorage::F16(v) => max_abs_bits(&v[a..b], |x| x.to_f32().to_bits()),
+                _ => unreachable!("the dtype was matched above"),
+            };
+            max_into(bits, m)?;
+        }
         Ok((CpuStorage::F8E4M3(q), xl.shape().clone()))
     }
 
@@ -268,7 +292,15 @@ impl CustomOp2 for Quantize {
         ss: &candle_core::CudaStorage,
         sl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::quant_cuda::quantize_fwd(xs, xl, ss, sl)?, xl.shape().clone()))
+        let q = match &self.amax_bits {
+            None => crate::quant_cuda::quantize_fwd(xs, xl, ss, sl, None)?,
+            Some(bits) => {
+                let (bs, bl) = bits.storage_and_layout();
+                let Storage::Cuda(bs) = &*bs else { candle_core::bail!("quantize: the amax buffer is not on the GPU") };
+                crate::quant_cuda::quantize_fwd(xs, xl, ss, sl, Some((bs, bl)))?
+            }
+        };
+        Ok((q, xl.shape().clone()))
     }
 }
 
@@ -317,6 +349,11 @@ pub fn check_finite(x: &Tensor, what: &str) -> Result<(), String> {
         .to_dtype(DType::F32)
         .and_then(|t| t.flatten_all()?.to_vec1())
         .map_err(|e| format!("cannot read {what} to check it for FP8: {e}"))?;
+    check_values(&values, what)
+}
+
+/// `check_finite` on values already in host memory.
+fn check_values(values: &[f32], what: &str) -> Result<(), String> {
     let bad = values.iter().filter(|v| !v.is_finite()).count();
     match values.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
@@ -353,47 +390,118 @@ impl Fp8Tensor {
 }
 
 /// Where a fused producer writes an FP8 GEMM's input (`Fp8Linear::fused_target`): the
-/// consuming layer's delayed scale s (q = sat(x / s)) and, on CUDA, the consumer's device
-/// buffers the producer writes into.
+/// consuming layer's delayed scale s (q = sat(x / s)) and its buffers the producer writes into.
 #[derive(Clone, Debug)]
 pub struct Fp8Target {
-    /// s: rank 0 on the CPU; on CUDA the consumer's (1) f32 scale buffer.
+    /// s, rank 0 f32: a view of the consumer's scale buffer.
     pub scale: Tensor,
-    /// CUDA: (amax_bits, inv_scale) — the consumer's (1) u32 amax buffer (f32 bits, zero on
-    /// entry) that the producer maxes |x| into, and a (1) f32 buffer for 1/s (cuBLASLt's D
-    /// scale multiplies). None on the CPU, where the producer returns its amax instead.
-    pub device: Option<(Tensor, Tensor)>,
+    /// (1) u32: the consumer's amax buffer (f32 bits, zero on entry) that the producer maxes
+    /// |x| into; the consumer pushes it into its history.
+    pub amax_bits: Tensor,
+    /// (1) f32: 1/s, written for a producer GEMM (cuBLASLt's D scale multiplies).
+    pub inv_scale: Tensor,
 }
 
 impl Fp8Target {
+    /// A target with scale s (one f32, on the producer's device) and buffers of its own, zeroed:
+    /// what a layer's state hands out, for a producer run on its own (tests, selftests).
+    pub fn new(scale: &Tensor) -> candle_core::Result<Fp8Target> {
+        check_scale(scale)?;
+        let dev = scale.device();
+        Ok(Fp8Target {
+            scale: scale.to_dtype(DType::F32)?.reshape(())?.contiguous()?,
+            amax_bits: Tensor::zeros(1, DType::U32, dev)?,
+            inv_scale: Tensor::zeros(1, DType::F32, dev)?,
+        })
+    }
+
     /// The producer's last step written out: y (its f32 output, never rounded to the activation
-    /// dtype) quantised with s, and amax(y) recorded for the consumer. What the CPU producers
-    /// run, and fc1 when emulated; on CUDA the fused kernels do it in their own pass.
+    /// dtype) quantised with s, and max|y| maxed into the consumer's amax buffer, in one pass. A
+    /// candle custom op (`QuantizeForTarget`): what the CPU producers' ops end with and fc1 runs
+    /// when emulated (s·q in f32 on the CPU, as the emulated GEMMs read it); on CUDA fp8.cu's
+    /// cast with the amax (the fused kernels do it in their own pass instead).
     pub fn quantize(&self, y: &Tensor) -> candle_core::Result<Quantized> {
-        #[cfg(feature = "cuda")]
-        if let (true, Some((amax_bits, _))) = (y.device().is_cuda(), &self.device) {
-            let data = crate::quant_cuda::quantize_with_amax(y, &self.scale, amax_bits)?;
-            return Ok(Quantized { data, scale: self.scale.clone(), amax: None });
-        }
-        if y.device().is_cpu() {
-            check_finite(y, "a fused producer's output").map_err(candle_core::Error::wrap)?;
-            // as `Fp8Linear` on the CPU
-        }
-        let data = quantize_dequantize_cpu(y, &self.scale)?; // s·q in f32, as the emulated GEMMs read it
-        Ok(Quantized { data, scale: self.scale.clone(), amax: Some(amax(y)?) })
+        // The CUDA kernel reads f32 or bf16; f16 goes in as f32.
+        let y = if y.device().is_cuda() && y.dtype() == DType::F16 { y.to_dtype(DType::F32)? } else { y.contiguous()? };
+        let op = QuantizeForTarget { amax_bits: self.amax_bits.clone() };
+        Ok(Quantized { data: y.apply_op2_no_bwd(&self.scale, &op)?, scale: self.scale.clone() })
+    }
+
+    /// Slow twin of `quantize` (CPU): candle's division and casts to E4M3 and back (s·q in f32),
+    /// and candle's abs and max for the amax (rank 0). The target's buffers are not touched.
+    pub fn quantize_slow(&self, y: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        Ok((dequantize_slow(&quantize_slow(y, &self.scale)?, &self.scale, DType::F32)?, amax_slow(y)?))
+    }
+
+    /// The amax recorded so far (since the consumer's last push), read on the host: for tests.
+    pub fn amax(&self) -> candle_core::Result<f32> {
+        crate::scale::amax_value(&self.amax_bits)
     }
 }
 
-/// An FP8 GEMM's input as a fused producer wrote it, with the consumer's scale.
+/// The op behind `Fp8Target::quantize`: y (contiguous, f32/bf16/f16) and s (one f32) → q (CUDA:
+/// E4M3; CPU: s·q in f32, finite inputs only); max|y| maxed into the held amax buffer.
+struct QuantizeForTarget {
+    amax_bits: Tensor,
+}
+
+impl CustomOp2 for QuantizeForTarget {
+    fn name(&self) -> &'static str {
+        "speedkit-fp8-quantize-for-target"
+    }
+
+    fn cpu_fwd(&self, ys: &CpuStorage, yl: &Layout, ss: &CpuStorage, sl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let s = scale_value(ss, sl)?;
+        let Some((a, b)) = yl.contiguous_offsets() else { candle_core::bail!("Fp8Target::quantize: y must be contiguous") };
+        let mut v = match ys {
+            CpuStorage::F32(v) => v[a..b].to_vec(),
+            CpuStorage::BF16(v) => stage2_sdpa::elementwise::par_convert(&v[a..b], |x| x.to_f32()),
+            CpuStorage::F16(v) => stage2_sdpa::elementwise::par_convert(&v[a..b], |x| x.to_f32()),
+            y => candle_core::bail!("Fp8Target::quantize: unsupported dtype {:?} (f32, bf16 or f16)", y.dtype()),
+        };
+        quantize_recording_cpu(&mut v, s, &self.amax_bits, "a fused producer's output")?;
+        Ok((CpuStorage::F32(v), yl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ys: &candle_core::CudaStorage,
+        yl: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (bs, bl) = self.amax_bits.storage_and_layout();
+        let Storage::Cuda(bs) = &*bs else { candle_core::bail!("Fp8Target::quantize: the amax buffer is not on the GPU") };
+        Ok((crate::quant_cuda::quantize_fwd(ys, yl, ss, sl, Some((bs, bl)))?, yl.shape().clone()))
+    }
+}
+
+/// CPU, a producer's f32 output v in place: v ← s·e4m3(v / s) (the emulation's form), its
+/// max|v| maxed into `amax_bits`. Refuses NaN and inf (`check_finite`), whose amax is no number.
+pub(crate) fn quantize_recording_cpu(v: &mut [f32], s: f32, amax_bits: &Tensor, what: &str) -> candle_core::Result<()> {
+    let m = max_abs_bits(v, f32::to_bits);
+    if m >= f32::INFINITY.to_bits() {
+        check_values(v, what).map_err(candle_core::Error::Msg)?;
+    }
+    v.par_chunks_mut(CHUNK).for_each(|c| stage2_sdpa::elementwise::map_slice_in_place(c, &|_, x| round_e4m3(x / s) * s));
+    max_into(amax_bits, m)
+}
+
+/// amax_bits ← max(amax_bits, m) for a max already taken (`max_abs_bits`) in a CPU forward:
+/// `scale::amax_into` on the one value, what the kernels' atomicMax does at a block's end.
+fn max_into(amax_bits: &Tensor, m: u32) -> candle_core::Result<()> {
+    amax_into(amax_bits, &Tensor::new(&[f32::from_bits(m)], &candle_core::Device::Cpu)?)
+}
+
+/// An FP8 GEMM's input as a fused producer wrote it, with the consumer's scale; its amax is
+/// already in the consumer's amax buffer.
 #[derive(Clone, Debug)]
 pub struct Quantized {
     /// CUDA: q in E4M3. CPU: s·q in f32 (the emulation never holds the 8-bit type).
     pub data: Tensor,
     /// s, the scale it was quantised with.
     pub scale: Tensor,
-    /// CPU: amax of the values before quantisation (rank 0), for the consumer's history. CUDA:
-    /// None — it is already in the consumer's device buffer.
-    pub amax: Option<Tensor>,
 }
 
 /// A GEMM input: in the activation dtype (the GEMM quantises it), or already in E4M3 from a
@@ -413,7 +521,8 @@ impl Input {
         }
     }
 
-    /// A copy that later calls cannot change (the CUDA scale is a buffer the next call rewrites).
+    /// A copy that later calls cannot change (the scale is a view of the layer's scale buffer,
+    /// which the next call rewrites).
     pub fn kept(&self) -> candle_core::Result<Input> {
         Ok(match self {
             Input::Plain(x) => Input::Plain(x.clone()),
@@ -439,28 +548,22 @@ impl Default for ScalingConfig {
     }
 }
 
-/// The scale state of one activation: the amax history (a rank-1 f32 tensor on the device,
-/// oldest first) and the scale the last call used (shape (1)).
+/// The scale state of one activation: one set of buffers (`scale::ScaleBuffers`: amax, scale,
+/// amax history oldest first, 1/scale) on the input's device, and the calls so far.
 ///
-/// Both are buffers allocated by the first call and then overwritten in place (`slice_set`),
-/// never replaced: under `--cuda-graph` the second call runs inside a capture, and dropping the
-/// first call's tensor there would be a `cuMemFreeAsync` of memory the graph did not allocate,
-/// which invalidates the capture. A replay then updates the same buffers.
-///
-/// On CUDA the state is `quant_cuda::DeviceScale` instead: amax, scale and history buffers that
-/// our kernels update in place, the delayed recipe's whole update on the device (graph-safe).
+/// The buffers are allocated by the first call and then only updated in place, by the in-place
+/// ops of `scale` (the same ops on the CPU and CUDA), never replaced: under `--cuda-graph` the
+/// second call runs inside a capture, and dropping the first call's tensor there would be a
+/// `cuMemFreeAsync` of memory the graph did not allocate, which invalidates the capture. A
+/// replay then updates the same buffers, the history included, with no host round trip.
 #[derive(Debug)]
 pub struct ScaleState {
     config: ScalingConfig,
-    history: Option<Tensor>,
-    last_scale: Option<Tensor>,
+    buffers: Option<ScaleBuffers>,
+    /// Calls so far (the first delayed call fills the history from its own amax).
+    calls: usize,
     /// Whether the last call's input was quantised by its producer (`Fp8Target`).
     last_fused: bool,
-    #[cfg(feature = "cuda")]
-    device: Option<crate::quant_cuda::DeviceScale>,
-    /// Calls so far on CUDA (the first delayed call fills the history from its own amax).
-    #[cfg(feature = "cuda")]
-    calls: usize,
 }
 
 impl ScaleState {
@@ -468,114 +571,82 @@ impl ScaleState {
         if config.history_len == 0 {
             return Err("an FP8 amax history of length 0 holds nothing to scale from. Fix: use a history_len of 1 or more.".into());
         }
-        Ok(ScaleState {
-            config,
-            history: None,
-            last_scale: None,
-            last_fused: false,
-            #[cfg(feature = "cuda")]
-            device: None,
-            #[cfg(feature = "cuda")]
-            calls: 0,
-        })
+        Ok(ScaleState { config, buffers: None, calls: 0, last_fused: false })
     }
 
-    /// x in E4M3 with the recipe's scale: (q, the scale used). On the CPU, `scale_for` then the
-    /// cast; on CUDA, our kernels (`quant_cuda`), the scale staying on the device.
-    pub fn quantize(&mut self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-        self.last_fused = false;
-        #[cfg(feature = "cuda")]
-        if x.device().is_cuda() {
-            let pow2_margin = 2f32.powi(self.config.margin);
-            if self.device.is_none() {
-                self.device = Some(crate::quant_cuda::DeviceScale::new(x.device(), self.config.history_len)?);
-            }
-            let Some(d) = self.device.as_ref() else { unreachable!("set above") };
-            let q = match self.config.recipe {
-                Fp8Recipe::Current => d.quantize_current(x, pow2_margin)?,
-                Fp8Recipe::Delayed => d.quantize_delayed(x, pow2_margin, self.calls == 0)?,
-            };
-            self.calls += 1;
-            return Ok((q, d.scale.clone()));
+    /// The buffers, made on `dev` by the first call.
+    fn buffers(&mut self, dev: &candle_core::Device) -> candle_core::Result<&ScaleBuffers> {
+        if self.buffers.is_none() {
+            self.buffers = Some(ScaleBuffers::new(dev, self.config.history_len)?);
         }
-        let scale = self.scale_for(x)?;
-        Ok((quantize(x, &scale)?, scale))
+        self.buffers.as_ref().ok_or_else(|| candle_core::Error::Msg("scale state: no buffers".into()))
     }
 
-    /// The scale to quantise `x` with, per the recipe; records x's amax in the history.
+    /// x in E4M3 with the recipe's scale: (q, the scale used, rank 0). Delayed scaling after the
+    /// first call takes x's amax in the cast's own pass (x read once: scale from the history,
+    /// cast + amax, push); otherwise `scale_for`, then the cast.
+    pub fn quantize(&mut self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        if self.config.recipe == Fp8Recipe::Current || self.calls == 0 {
+            let scale = self.scale_for(x)?;
+            return Ok((quantize(x, &scale)?, scale));
+        }
+        let margin = self.config.margin;
+        let b = self.buffers(x.device())?;
+        scale_from_history_into(&b.scale, &b.history, margin)?;
+        let scale = b.scale.reshape(())?;
+        let q = quantize_recording(x, &scale, &b.amax_bits)?;
+        history_push_into(&b.history, &b.amax_bits, false)?;
+        self.calls += 1;
+        self.last_fused = false;
+        Ok((q, scale))
+    }
+
+    /// The scale to quantise `x` with, per the recipe (rank 0, a view of the scale buffer: the
+    /// next call overwrites it); records x's amax in the history.
     pub fn scale_for(&mut self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let a = amax(x)?; // rank 0
-        let scale = match self.delayed_scale()? {
-            // The last calls' largest amax, not this one's: s is known before x is read.
-            Some(s) => s,
-            // current scaling, and the first delayed call (no history yet)
-            None => scale_from_amax(&a, self.config.margin)?,
-        };
-        self.record(&a, &scale, false)?;
+        let (recipe, margin, first) = (self.config.recipe, self.config.margin, self.calls == 0);
+        let b = self.buffers(x.device())?;
+        amax_into(&b.amax_bits, x)?;
+        match (recipe, first) {
+            (Fp8Recipe::Current, _) => scale_from_amax_into(&b.scale, &b.amax_bits, margin)?,
+            // No history yet: this amax fills it, so s comes from x's own amax, as current scaling.
+            (Fp8Recipe::Delayed, true) => {
+                history_push_into(&b.history, &b.amax_bits, true)?;
+                scale_from_history_into(&b.scale, &b.history, margin)?;
+            }
+            // The last calls' largest amax, not this one's (s is known before x is read); this
+            // amax only joins the history.
+            (Fp8Recipe::Delayed, false) => {
+                scale_from_history_into(&b.scale, &b.history, margin)?;
+                history_push_into(&b.history, &b.amax_bits, false)?;
+            }
+        }
+        let scale = b.scale.reshape(())?;
+        self.calls += 1;
+        self.last_fused = false;
         Ok(scale)
     }
 
-    /// Delayed scaling after the first call: s = max(history)·2^margin/448, known before the
-    /// next input exists. None for current scaling and before the first delayed call.
-    fn delayed_scale(&self) -> candle_core::Result<Option<Tensor>> {
-        match (&self.history, self.config.recipe) {
-            (Some(h), Fp8Recipe::Delayed) => Ok(Some(scale_from_amax(&h.max(0)?, self.config.margin)?)),
-            _ => Ok(None),
-        }
-    }
-
-    /// One call done: its amax `a` joins the history (delayed), `scale` becomes the last scale.
-    fn record(&mut self, a: &Tensor, scale: &Tensor, fused: bool) -> candle_core::Result<()> {
-        if self.config.recipe == Fp8Recipe::Delayed {
-            let a = a.reshape(1)?; // (1)
-            let n = self.config.history_len;
-            match &self.history {
-                None => self.history = Some(a.broadcast_as(n)?.contiguous()?), // the first amax fills the window
-                Some(h) => {
-                    // drop the oldest, append the newest: into the same buffer
-                    let rolled = if n == 1 { a.contiguous()? } else { Tensor::cat(&[&h.narrow(0, 1, n - 1)?, &a], 0)? };
-                    h.slice_set(&rolled, 0, 0)?;
-                }
-            }
-        }
-        let s1 = scale.reshape(1)?.contiguous()?; // (1)
-        match &self.last_scale {
-            None => self.last_scale = Some(s1.copy()?), // its own buffer, not the returned tensor's
-            Some(last) => last.slice_set(&s1, 0, 0)?,
-        }
-        self.last_fused = fused;
-        Ok(())
-    }
-
     /// Where a producer may write this state's next input in E4M3 (a fused LayerNorm, fc1's
-    /// E4M3 output): the delayed scale, known before the input exists. None for current scaling
-    /// and before the first delayed call, when the scale needs the input's own amax. On CUDA the
-    /// scale is updated from the history on the device, into the scale buffer the GEMM reads.
-    pub fn fused_target(&mut self, device: &candle_core::Device) -> candle_core::Result<Option<Fp8Target>> {
-        #[cfg(feature = "cuda")]
-        if device.is_cuda() {
-            let Some(d) = self.device.as_ref().filter(|_| self.calls > 0 && self.config.recipe == Fp8Recipe::Delayed) else {
-                return Ok(None);
-            };
-            d.scale_from_history(2f32.powi(self.config.margin))?;
-            return Ok(Some(Fp8Target { scale: d.scale.clone(), device: Some((d.amax_bits.clone(), d.inv_scale.clone())) }));
-        }
-        let _ = device;
-        Ok(self.delayed_scale()?.map(|scale| Fp8Target { scale, device: None }))
+    /// E4M3 output): the delayed scale, known before the input exists, updated from the history
+    /// into the scale buffer the GEMM reads. None for current scaling and before the first
+    /// delayed call, when the scale needs the input's own amax.
+    pub fn fused_target(&mut self) -> candle_core::Result<Option<Fp8Target>> {
+        let Some(b) = self.buffers.as_ref().filter(|_| self.calls > 0 && self.config.recipe == Fp8Recipe::Delayed) else {
+            return Ok(None);
+        };
+        scale_from_history_into(&b.scale, &b.history, self.config.margin)?;
+        Ok(Some(Fp8Target { scale: b.scale.reshape(())?, amax_bits: b.amax_bits.clone(), inv_scale: b.inv_scale.clone() }))
     }
 
     /// Close a call whose input its producer quantised with `fused_target`'s scale: the amax it
-    /// recorded joins the history (CUDA: from the device buffer the producer maxed it into).
-    pub fn finish_fused(&mut self, x: &Quantized) -> candle_core::Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = &self.device {
-            d.push_amax()?;
-            self.calls += 1;
-            self.last_fused = true;
-            return Ok(());
-        }
-        let a = x.amax.as_ref().ok_or_else(|| candle_core::Error::Msg("a CPU producer must return its amax".into()))?;
-        self.record(a, &x.scale, true)
+    /// maxed into the amax buffer joins the history.
+    pub fn finish_fused(&mut self) -> candle_core::Result<()> {
+        let Some(b) = &self.buffers else { candle_core::bail!("finish_fused: no fused_target was handed out before") };
+        history_push_into(&b.history, &b.amax_bits, false)?;
+        self.calls += 1;
+        self.last_fused = true;
+        Ok(())
     }
 
     /// Whether the last call's input came quantised from its producer (the twins need to know:
@@ -587,29 +658,25 @@ impl ScaleState {
     /// The amax history, oldest first (empty before the first delayed call; always empty for
     /// current scaling). Reads it on the host: for tests and reports.
     pub fn history(&self) -> candle_core::Result<Vec<f32>> {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = &self.device {
-            return if self.config.recipe == Fp8Recipe::Delayed && self.calls > 0 { d.history.to_vec1() } else { Ok(Vec::new()) };
+        match (&self.buffers, self.config.recipe) {
+            (Some(b), Fp8Recipe::Delayed) if self.calls > 0 => b.history.to_vec1(),
+            _ => Ok(Vec::new()),
         }
-        self.history.as_ref().map_or(Ok(Vec::new()), |h| h.to_vec1())
     }
 
     /// The scale the last call used (rank 0): a copy, since the buffer changes with each call.
     pub fn last_scale(&self) -> Option<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = &self.device {
-            return (self.calls > 0).then(|| d.scale.reshape(()).and_then(|s| s.copy()).ok()).flatten();
-        }
-        self.last_scale.as_ref().and_then(|s| s.reshape(()).and_then(|s| s.copy()).ok())
+        let b = self.buffers.as_ref().filter(|_| self.calls > 0)?;
+        b.scale.reshape(()).and_then(|s| s.copy()).ok()
     }
 
-    /// The state's buffers (history, last scale): the same tensors from the first call on.
+    /// The state's buffers (history under delayed scaling, scale): the same tensors from the
+    /// first call on.
     pub fn buffer_ids(&self) -> (Option<candle_core::TensorId>, Option<candle_core::TensorId>) {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = &self.device {
-            return ((self.config.recipe == Fp8Recipe::Delayed).then(|| d.history.id()), Some(d.scale.id()));
+        match &self.buffers {
+            Some(b) => ((self.config.recipe == Fp8Recipe::Delayed).then(|| b.history.id()), Some(b.scale.id())),
+            None => (None, None),
         }
-        (self.history.as_ref().map(Tensor::id), self.last_scale.as_ref().map(Tensor::id))
     }
 }
 
@@ -746,8 +813,8 @@ impl Fp8Linear {
 
     /// Where this layer's producer may write its next input in E4M3 (`ScaleState::fused_target`):
     /// Some with delayed scaling from the second call on, None when the scale is not known yet.
-    pub fn fused_target(&self, device: &candle_core::Device) -> candle_core::Result<Option<Fp8Target>> {
-        self.state()?.fused_target(device)
+    pub fn fused_target(&self) -> candle_core::Result<Option<Fp8Target>> {
+        self.state()?.fused_target()
     }
 
     /// fc1 → fc2: this layer's output written in E4M3 for the next layer (`target`, its
@@ -767,7 +834,7 @@ impl Fp8Linear {
 
     /// The GEMM's operands from its input: (q_x for cuBLASLt, s_x·q_x in f32 when emulated,
     /// s_x), the scale state advanced by one call. A plain input is quantised here; a fused
-    /// producer's already is, and its amax joins the history.
+    /// producer's already is, and the amax it recorded joins the history.
     fn operands(&self, x: &Input) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Tensor)> {
         let k = x.dims3()?.2;
         if self.weight.data.dim(1)? != k {
@@ -775,7 +842,7 @@ impl Fp8Linear {
         }
         let (xq, scale) = match x {
             Input::Fp8(q) => {
-                self.state()?.finish_fused(q)?;
+                self.state()?.finish_fused()?;
                 if q.data.device().is_cpu() {
                     return Ok((None, Some(q.data.clone()), q.scale.clone())); // already s·q in f32
                 }
@@ -924,15 +991,12 @@ impl Fp8Linear {
         target: &Fp8Target,
         (bsz, t, n): (usize, usize, usize),
     ) -> candle_core::Result<Quantized> {
-        let Some((amax_bits, inv_scale)) = &target.device else {
-            candle_core::bail!("{}: an E4M3 output on CUDA needs the next layer's device buffers", self.name)
-        };
-        crate::quant_cuda::reciprocal(&target.scale, inv_scale)?; // cuBLASLt's D scale multiplies: 1/s
+        crate::scale::reciprocal_into(&target.inv_scale, &target.scale)?; // cuBLASLt's D scale multiplies: 1/s
         let m = bsz * t;
         let (w, b) = (&self.weight.data, &self.bias);
-        let out = Some(crate::cuda::Fp8Out { d_scale: inv_scale, amax_d: amax_bits });
+        let out = Some(crate::cuda::Fp8Out { d_scale: &target.inv_scale, amax_d: &target.amax_bits });
         let y = crate::cuda::fp8_linear(&xq.reshape((m, xq.dim(2)?))?, scale, w, &self.weight.scale, b, self.gelu, self.fast_accum, out)?;
-        Ok(Quantized { data: y.reshape((bsz, t, n))?, scale: target.scale.clone(), amax: None })
+        Ok(Quantized { data: y.reshape((bsz, t, n))?, scale: target.scale.clone() })
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -1014,6 +1078,87 @@ mod state_tests {
                     assert_eq!(st.history().unwrap(), [896.0, 224.0, 1792.0]);
                 }
                 Fp8Recipe::Current => assert_eq!(scales, [2.0, 0.5, 4.0]),
+            }
+        }
+    }
+
+    /// The state on the in-place ops against the recipe spelled in candle's ops (the slow twins
+    /// in `scale`): random inputs (sizes, magnitudes over 2⁻²⁰ to 2²⁰), both recipes, history
+    /// lengths 1 to 5, margins −1 to 2, fused calls (`fused_target`, a producer, `finish_fused`)
+    /// mixed in under delayed scaling. Every scale and the final history equal bit for bit.
+    #[test]
+    fn the_state_matches_the_recipe_in_plain_ops() {
+        use crate::scale::{history_push_slow, scale_from_history_slow};
+        use shared::weights::SplitMix64;
+        let mut rng = SplitMix64::new(23);
+        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for case in 0..24u64 {
+            let recipe = if case % 2 == 0 { Fp8Recipe::Delayed } else { Fp8Recipe::Current };
+            let (history_len, margin) = (1 + (case % 5) as usize, (case % 4) as i32 - 1);
+            let mut st = ScaleState::new(ScalingConfig { recipe, history_len, margin }).unwrap();
+            let mut history: Option<Tensor> = None; // the twin's window, (history_len)
+            for call in 0..8u64 {
+                let n = 1 + (rng.next_u64() % 3000) as usize;
+                let mag = 2f32.powi((rng.next_u64() % 41) as i32 - 20);
+                let v = SplitMix64::new(1000 * case + call).normals(n).into_iter().map(|x| x * mag).collect();
+                let x = Tensor::from_vec(v, n, &Device::Cpu).unwrap();
+                let a = amax_slow(&x).unwrap().reshape(1).unwrap(); // (1)
+                let fused = history.is_some() && rng.next_u64().is_multiple_of(3);
+                let (got, want) = match (&history, fused) {
+                    (Some(h), true) => {
+                        let target = st.fused_target().unwrap().expect("delayed scaling after a call has a target");
+                        target.quantize(&x).unwrap(); // the producer: its amax into the layer's buffer
+                        st.finish_fused().unwrap();
+                        (target.scale.copy().unwrap(), scale_from_history_slow(h, margin).unwrap())
+                    }
+                    (Some(h), false) => (st.scale_for(&x).unwrap().copy().unwrap(), scale_from_history_slow(h, margin).unwrap()),
+                    (None, _) => (st.scale_for(&x).unwrap().copy().unwrap(), scale_from_amax(&a, margin).unwrap()),
+                };
+                assert_eq!(values(&got), values(&want), "case {case} call {call} ({recipe:?}, fused {fused})");
+                assert_eq!(values(&st.last_scale().unwrap()), values(&want));
+                if recipe == Fp8Recipe::Delayed {
+                    let h = history.clone().unwrap_or_else(|| Tensor::zeros(history_len, DType::F32, &Device::Cpu).unwrap());
+                    history = Some(history_push_slow(&h, &a, call == 0).unwrap());
+                }
+            }
+            assert_eq!(st.history().unwrap(), history.as_ref().map_or(Vec::new(), values), "case {case}: history");
+        }
+    }
+
+    /// The two quantisers that record an amax (`quantize_recording`: E4M3 out; `Fp8Target::quantize`:
+    /// s·q in f32 on the CPU) beside their slow twins on random inputs (sizes, magnitudes over
+    /// 2⁻²⁰ to 2²⁰, f32 and bf16, scales that saturate the top): the values bit for bit, and the
+    /// amax buffer holding the largest amax of the calls so far.
+    #[test]
+    fn the_recording_quantisers_match_their_slow_twins() {
+        use shared::weights::SplitMix64;
+        let mut rng = SplitMix64::new(11);
+        for case in 0..12u64 {
+            let target = Fp8Target::new(&Tensor::new(1.0f32, &Device::Cpu).unwrap()).unwrap();
+            let bits = Tensor::zeros(1, DType::U32, &Device::Cpu).unwrap();
+            let mut largest = 0f32;
+            for call in 0..3u64 {
+                let n = 1 + (rng.next_u64() % 5000) as usize;
+                let mag = 2f32.powi((rng.next_u64() % 41) as i32 - 20);
+                let v = SplitMix64::new(100 * case + call).normals(n).into_iter().map(|x| x * mag).collect();
+                let x = Tensor::from_vec(v, n, &Device::Cpu).unwrap();
+                let x = if case % 2 == 1 { x.to_dtype(DType::BF16).unwrap() } else { x };
+                let a = amax_slow(&x).unwrap().to_scalar::<f32>().unwrap();
+                largest = largest.max(a);
+                let s = Tensor::new(0.7 * a / E4M3_MAX, &Device::Cpu).unwrap(); // the top 30 % saturates
+
+                let q = quantize_recording(&x, &s, &bits).unwrap();
+                let want = quantize_slow(&x, &s).unwrap();
+                let (q, want) = (q.to_dtype(DType::F32).unwrap(), want.to_dtype(DType::F32).unwrap());
+                assert_eq!(q.to_vec1::<f32>().unwrap(), want.to_vec1::<f32>().unwrap(), "case {case}: quantize_recording");
+                assert_eq!(crate::scale::amax_value(&bits).unwrap(), largest, "case {case}: quantize_recording's amax");
+
+                let target = Fp8Target { scale: s.clone(), ..target.clone() };
+                let got = target.quantize(&x).unwrap();
+                let (want, want_amax) = target.quantize_slow(&x).unwrap();
+                assert_eq!(got.data.to_vec1::<f32>().unwrap(), want.to_vec1::<f32>().unwrap(), "case {case}: Fp8Target::quantize");
+                assert_eq!(want_amax.to_scalar::<f32>().unwrap(), a);
+                assert_eq!(target.amax().unwrap(), largest, "case {case}: Fp8Target::quantize's amax");
             }
         }
     }

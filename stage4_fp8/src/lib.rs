@@ -52,6 +52,7 @@ pub mod harness;
 pub mod producers;
 #[cfg(feature = "cuda")]
 pub mod quant_cuda;
+pub mod scale;
 pub mod twin;
 
 #[cfg(feature = "harness")]

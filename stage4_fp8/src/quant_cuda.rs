@@ -4,17 +4,18 @@
 //! device), the cast to E4M3 and back. candle's own F8E4M3 casts are never called on CUDA: in
 //! candle 0.11.1 their kernels cannot be found (huggingface/candle#3886).
 //!
-//! The scale state's buffers (amax bits, scale, history) are tensors made once and written in
-//! place by the kernels through their device pointers, so a CUDA graph captures the whole
+//! Each function here is the CUDA forward of a candle op defined beside its CPU forward: the
+//! casts in `fp8`, the scale state's in-place updates in `scale`, the fused producers in
+//! `producers`. The scale state's buffers (amax bits, scale, history) are made once and written
+//! in place by the kernels through their device pointers, so a CUDA graph captures the whole
 //! update — no host round trip, no allocation — and every replay advances the history.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop};
 use candle_core::cuda::{CudaDevice, CudaStorage};
-use candle_core::{DType, Layout, Storage, Tensor};
+use candle_core::{DType, Layout, Shape};
 use stage2_sdpa::cubin::{function, Cubins};
-use stage3_fused::cuda::{view, wrap};
-use Arg::{Null, Tensor as T, F32, I32, I64};
+use Arg::{Null, Ptr, F32, I32, I64};
 
 mod cubins {
     include!(concat!(env!("OUT_DIR"), "/cubins.rs"));
@@ -30,110 +31,55 @@ fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("FP8 kernel: {what}: {e:?}"))
 }
 
-/// q = E4M3(x / s): the CUDA forward of `fp8::quantize` (a candle custom op). x: contiguous f32
-/// or bf16; s: one f32.
-pub fn quantize_fwd(xs: &CudaStorage, xl: &Layout, ss: &CudaStorage, sl: &Layout) -> candle_core::Result<CudaStorage> {
-    let dev = xs.device().clone();
-    let n = xl.shape().elem_count();
-    let sv = view::<f32>(ss, sl)?;
-    // SAFETY: the kernel writes every one of the n elements before anything reads them.
-    let mut q = unsafe { dev.alloc::<float8::F8E4M3>(n)? };
-    let (n64, no_amax) = (n as i64, 0u64); // amax_bits = nullptr: no amax in this pass
-    let stream = dev.cuda_stream();
-    let name = match xs.dtype() {
-        DType::F32 => "fp8_quantize_f32",
-        DType::BF16 => "fp8_quantize_bf16",
-        dt => candle_core::bail!("quantize on CUDA: unsupported dtype {dt:?} (f32 or bf16)"),
-    };
-    let func = function(&dev, &FP8, name)?;
-    let xf = if xs.dtype() == DType::F32 { Some(view::<f32>(xs, xl)?) } else { None };
-    let xb = if xs.dtype() == DType::BF16 { Some(view::<half::bf16>(xs, xl)?) } else { None };
-    let mut launch = stream.launch_builder(&func);
-    match (&xf, &xb) {
-        (Some(x), _) => launch.arg(x),
-        (_, Some(x)) => launch.arg(x),
-        _ => candle_core::bail!("quantize on CUDA: unsupported dtype {:?}", xs.dtype()),
-    };
-    launch.arg(&n64).arg(&sv).arg(&mut q).arg(&no_amax);
-    let cfg = LaunchConfig { grid_dim: (blocks(n)?.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: the arguments are fp8_quantize_*'s (x, n, scale, q, amax_bits) in order and type.
-    unsafe { launch.launch(cfg) }.map_err(|e| err(name, e))?;
-    drop(launch);
-    Ok(CudaStorage::wrap_cuda_slice(q, dev))
-}
-
-/// y = s·q in f32: the CUDA forward of `fp8::dequantize`. q: contiguous E4M3; s: one f32.
-pub fn dequantize_fwd(qs: &CudaStorage, ql: &Layout, ss: &CudaStorage, sl: &Layout) -> candle_core::Result<CudaStorage> {
-    let dev = qs.device().clone();
-    let n = ql.shape().elem_count();
-    let (qv, sv) = (view::<float8::F8E4M3>(qs, ql)?, view::<f32>(ss, sl)?);
-    // SAFETY: the kernel writes every one of the n elements.
-    let mut y = unsafe { dev.alloc::<f32>(n)? };
-    let n64 = n as i64;
-    let stream = dev.cuda_stream();
-    let func = function(&dev, &FP8, "fp8_dequantize_f32")?;
-    let mut launch = stream.launch_builder(&func);
-    launch.arg(&qv).arg(&n64).arg(&sv).arg(&mut y);
-    let cfg = LaunchConfig { grid_dim: (blocks(n)?.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: the arguments are fp8_dequantize_f32's (q, n, scale, y) in order and type.
-    unsafe { launch.launch(cfg) }.map_err(|e| err("fp8_dequantize_f32", e))?;
-    drop(launch);
-    Ok(CudaStorage::wrap_cuda_slice(y, dev))
-}
-
-/// One kernel parameter: the device pointer of the i-th tensor passed to `launch`, a null
+/// One kernel parameter: a buffer's device pointer (its storage and layout, contiguous), a null
 /// pointer, or a scalar (`long` is i64, `int` i32, `float` f32 in the kernel's signature).
-#[derive(Clone, Copy, Debug)]
-enum Arg {
-    Tensor(usize),
+#[derive(Clone, Copy)]
+enum Arg<'a> {
+    Ptr(&'a CudaStorage, &'a Layout),
     Null,
     I64(i64),
     I32(i32),
     F32(f32),
 }
 
-/// Launch `name` with `args`, in the kernel's parameter order. Every tensor must be contiguous
-/// and on `dev`.
-fn launch(dev: &CudaDevice, name: &str, blocks: u32, threads: u32, tensors: &[&Tensor], args: &[Arg]) -> candle_core::Result<()> {
+/// Launch `name` with `args`, in the kernel's parameter order. A buffer the kernel writes is
+/// passed like one it reads: the pointer is what the kernel takes, and every launch is on
+/// candle's one stream, so the order of launches orders the accesses.
+fn launch(dev: &CudaDevice, name: &str, blocks: u32, threads: u32, args: &[Arg]) -> candle_core::Result<()> {
     let func = function(dev, &FP8, name)?;
     let stream = dev.cuda_stream();
-    let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
-    let mut ptrs = Vec::with_capacity(tensors.len());
-    let mut syncs: Vec<SyncOnDrop<'_>> = Vec::with_capacity(tensors.len());
-    for ((s, l), t) in guards.iter().zip(tensors) {
-        let Storage::Cuda(cs) = &**s else { candle_core::bail!("{name}: expected a CUDA tensor") };
-        let (start, _) = l.contiguous_offsets().ok_or_else(|| err(name, "expected a contiguous tensor"))?;
-        let ((p, g), size) = match t.dtype() {
-            DType::F32 => (cs.as_cuda_slice::<f32>()?.device_ptr(&stream), 4),
-            DType::U32 => (cs.as_cuda_slice::<u32>()?.device_ptr(&stream), 4),
-            DType::BF16 => (cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream), 2),
-            DType::F8E4M3 => (cs.as_cuda_slice::<float8::F8E4M3>()?.device_ptr(&stream), 1),
-            dt => candle_core::bail!("{name}: unsupported dtype {dt:?}"),
-        };
-        ptrs.push(p + (start * size) as u64);
-        syncs.push(g);
-    }
-    // The values, kept alive until the launch (the builder holds references to them).
-    let pointers: Vec<u64> = args
-        .iter()
-        .map(|a| match a {
-            Arg::Tensor(i) => ptrs[*i],
+    let mut pointers = Vec::with_capacity(args.len());
+    let mut syncs: Vec<SyncOnDrop<'_>> = Vec::with_capacity(args.len());
+    for a in args {
+        pointers.push(match a {
+            Ptr(cs, l) => {
+                let (start, _) = l.contiguous_offsets().ok_or_else(|| err(name, "expected a contiguous buffer"))?;
+                let ((p, g), size) = match cs.dtype() {
+                    DType::F32 => (cs.as_cuda_slice::<f32>()?.device_ptr(&stream), 4),
+                    DType::U32 => (cs.as_cuda_slice::<u32>()?.device_ptr(&stream), 4),
+                    DType::BF16 => (cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream), 2),
+                    DType::F8E4M3 => (cs.as_cuda_slice::<float8::F8E4M3>()?.device_ptr(&stream), 1),
+                    dt => candle_core::bail!("{name}: unsupported dtype {dt:?}"),
+                };
+                syncs.push(g);
+                p + (start * size) as u64
+            }
             _ => 0, // Null; unused for scalars
-        })
-        .collect();
+        });
+    }
     let mut builder = stream.launch_builder(&func);
     for (a, p) in args.iter().zip(&pointers) {
         match a {
-            Arg::Tensor(_) | Arg::Null => builder.arg(p),
-            Arg::I64(v) => builder.arg(v),
-            Arg::I32(v) => builder.arg(v),
-            Arg::F32(v) => builder.arg(v),
+            Ptr(..) | Null => builder.arg(p),
+            I64(v) => builder.arg(v),
+            I32(v) => builder.arg(v),
+            F32(v) => builder.arg(v),
         };
     }
     let cfg = LaunchConfig { grid_dim: (blocks.max(1), 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: each call site lists the kernel's parameters in its order and types (raw device
     // pointers as u64, `long` as i64, `int` as i32, `float` as f32), and the pointers come from
-    // live, contiguous tensors of the dtypes the kernel reads and writes.
+    // live, contiguous buffers of the dtypes the kernel reads and writes.
     unsafe { builder.launch(cfg) }.map_err(|e| err(name, e))?;
     drop(syncs);
     Ok(())
@@ -143,211 +89,152 @@ fn blocks(n: usize) -> candle_core::Result<u32> {
     u32::try_from(n.div_ceil(CHUNK)).map_err(|_| err("grid", format!("{n} elements need more than 2^32 blocks")))
 }
 
-/// x as the kernels read it: contiguous f32 or bf16 (f16 is converted to f32 first).
-fn readable(x: &Tensor) -> candle_core::Result<Tensor> {
-    match x.dtype() {
-        DType::F32 | DType::BF16 => x.contiguous(),
-        _ => x.to_dtype(DType::F32)?.contiguous(),
-    }
-}
-
-fn suffix(x: &Tensor) -> &'static str {
-    if x.dtype() == DType::BF16 {
-        "bf16"
-    } else {
-        "f32"
-    }
-}
-
-/// amax_bits (a (1) u32 buffer, zero on entry) ← max(amax_bits, max|x|) as f32 bits.
-fn amax_into(x: &Tensor, amax_bits: &Tensor) -> candle_core::Result<()> {
-    let dev = x.device().as_cuda_device()?;
-    let x = readable(x)?;
-    let n = x.elem_count() as i64;
-    launch(dev, &format!("fp8_amax_{}", suffix(&x)), blocks(x.elem_count())?, THREADS, &[&x, amax_bits], &[T(0), I64(n), T(1)])
-}
-
 /// max|x| as one f32: the CUDA forward of `fp8::amax` (a candle custom op). x: contiguous f32
 /// or bf16. One pass, one atomic per block, into a zeroed u32 (the f32's bits); then those
 /// bits reinterpreted as the f32 result on the device.
 pub fn amax_fwd(xs: &CudaStorage, xl: &Layout) -> candle_core::Result<CudaStorage> {
     let dev = xs.device().clone();
-    let n = xl.shape().elem_count();
-    let stream = dev.cuda_stream();
-    let mut bits = dev.alloc_zeros::<u32>(1)?;
-    // SAFETY: fp8_scale_from_amax writes the one element before anything reads it.
-    let mut out = unsafe { dev.alloc::<f32>(1)? };
-    let name = match xs.dtype() {
-        DType::F32 => "fp8_amax_f32",
-        DType::BF16 => "fp8_amax_bf16",
-        dt => candle_core::bail!("amax on CUDA: unsupported dtype {dt:?} (f32 or bf16)"),
-    };
-    let func = function(&dev, &FP8, name)?;
-    let xf = if xs.dtype() == DType::F32 { Some(view::<f32>(xs, xl)?) } else { None };
-    let xb = if xs.dtype() == DType::BF16 { Some(view::<half::bf16>(xs, xl)?) } else { None };
-    let n64 = n as i64;
-    let mut launch = stream.launch_builder(&func);
-    match (&xf, &xb) {
-        (Some(x), _) => launch.arg(x),
-        (_, Some(x)) => launch.arg(x),
-        _ => candle_core::bail!("amax on CUDA: unsupported dtype {:?}", xs.dtype()),
-    };
-    launch.arg(&n64).arg(&mut bits);
-    let cfg = LaunchConfig { grid_dim: (blocks(n)?.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: the arguments are fp8_amax_*'s (x, n, amax_bits) in order and type.
-    unsafe { launch.launch(cfg) }.map_err(|e| err(name, e))?;
-    drop(launch);
+    let one = Shape::from(1);
+    let (bits, bl) = (CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<u32>(1)?, dev.clone()), Layout::contiguous(&one));
+    amax_into_fwd(&bits, &bl, xs, xl)?;
     // scale_from_amax with pow2_margin = 448 gives s = max(amax, FLT_MIN): the amax itself
     // (FLT_MIN only for an all-zero x, where amax is then reported as FLT_MIN, not 0).
-    let func = function(&dev, &FP8, "fp8_scale_from_amax")?;
-    let margin = 448f32;
-    let mut launch = stream.launch_builder(&func);
-    launch.arg(&mut bits).arg(&mut out).arg(&margin);
-    let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: fp8_scale_from_amax's (amax_bits, scale, pow2_margin) in order and type.
-    unsafe { launch.launch(one) }.map_err(|e| err("fp8_scale_from_amax", e))?;
-    drop(launch);
-    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    let (out, ol) = output::<f32>(&dev, &one)?;
+    scale_from_amax_fwd(&out, &ol, &bits, &bl, 448.0)?;
+    Ok(out)
 }
 
-/// q = E4M3(x / s) (`s`: (1) or rank-0 f32 on x's device), with amax_bits also updated in the
-/// same pass when given.
-fn quantize_into(x: &Tensor, scale: &Tensor, amax_bits: Option<&Tensor>) -> candle_core::Result<Tensor> {
-    let dev = x.device().as_cuda_device()?.clone();
-    let x = readable(x)?;
-    let n = x.elem_count();
-    // SAFETY: the kernel writes every one of the n elements before anything reads them.
-    let q = wrap(unsafe { dev.alloc::<float8::F8E4M3>(n)? }, &dev, x.shape().clone());
-    let scale = scale.contiguous()?;
-    let n64 = n as i64;
-    let name = format!("fp8_quantize_{}", suffix(&x));
-    match amax_bits {
-        Some(bits) => launch(&dev, &name, blocks(n)?, THREADS, &[&x, &scale, &q, bits], &[T(0), I64(n64), T(1), T(2), T(3)])?,
-        // amax_bits = nullptr: no amax in this pass
-        None => launch(&dev, &name, blocks(n)?, THREADS, &[&x, &scale, &q], &[T(0), I64(n64), T(1), T(2), Null])?,
+/// y = s·q in f32: the CUDA forward of `fp8::dequantize`. q: contiguous E4M3; s: one f32.
+pub fn dequantize_fwd(qs: &CudaStorage, ql: &Layout, ss: &CudaStorage, sl: &Layout) -> candle_core::Result<CudaStorage> {
+    let dev = qs.device().clone();
+    let n = ql.shape().elem_count();
+    let (y, yl) = output::<f32>(&dev, ql.shape())?;
+    launch(&dev, "fp8_dequantize_f32", blocks(n)?, THREADS, &[Ptr(qs, ql), I64(n as i64), Ptr(ss, sl), Ptr(&y, &yl)])?;
+    Ok(y)
+}
+
+/// The kernels' suffix for x's dtype (they read f32 or bf16).
+fn suffix(xs: &CudaStorage, op: &str) -> candle_core::Result<&'static str> {
+    match xs.dtype() {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        dt => candle_core::bail!("{op} on CUDA: unsupported dtype {dt:?} (f32 or bf16)"),
     }
+}
+
+/// An output buffer of `shape` that the kernel writes in full, with its contiguous layout.
+fn output<T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    shape: &Shape,
+) -> candle_core::Result<(CudaStorage, Layout)> {
+    // SAFETY: every caller's kernel writes each of the elements before anything reads them.
+    let slice = unsafe { dev.alloc::<T>(shape.elem_count())? };
+    Ok((CudaStorage::wrap_cuda_slice(slice, dev.clone()), Layout::contiguous(shape)))
+}
+
+/// q = E4M3(x / s): the CUDA forward of `fp8::quantize` and `Fp8Target::quantize` (candle custom
+/// ops). x: contiguous f32 or bf16; s: one f32; with `amax_bits` ((1) u32) also
+/// amax ← max(amax, max|x|) in the same pass (null: no amax).
+pub fn quantize_fwd(
+    xs: &CudaStorage,
+    xl: &Layout,
+    ss: &CudaStorage,
+    sl: &Layout,
+    amax_bits: Option<(&CudaStorage, &Layout)>,
+) -> candle_core::Result<CudaStorage> {
+    let dev = xs.device().clone();
+    let n = xl.shape().elem_count();
+    let name = format!("fp8_quantize_{}", suffix(xs, "quantize")?);
+    let (q, ql) = output::<float8::F8E4M3>(&dev, xl.shape())?;
+    let amax = amax_bits.map_or(Null, |(s, l)| Ptr(s, l));
+    launch(&dev, &name, blocks(n)?, THREADS, &[Ptr(xs, xl), I64(n as i64), Ptr(ss, sl), Ptr(&q, &ql), amax])?;
     Ok(q)
 }
 
-/// `fp8::quantize`, with max|x| also maxed into `amax_bits` in the same pass (a producer's output
-/// quantised for the next layer, when no kernel of its own does it: `Fp8Target::quantize`).
-pub fn quantize_with_amax(x: &Tensor, scale: &Tensor, amax_bits: &Tensor) -> candle_core::Result<Tensor> {
-    quantize_into(x, scale, Some(amax_bits))
+/// amax_bits ← max(amax_bits, max|x|) as f32 bits: the CUDA forward of `scale::amax_into`.
+/// x: contiguous f32 or bf16.
+pub fn amax_into_fwd(bits: &CudaStorage, bl: &Layout, xs: &CudaStorage, xl: &Layout) -> candle_core::Result<()> {
+    let n = xl.shape().elem_count();
+    let name = format!("fp8_amax_{}", suffix(xs, "amax")?);
+    launch(xs.device(), &name, blocks(n)?, THREADS, &[Ptr(xs, xl), I64(n as i64), Ptr(bits, bl)])
 }
 
-/// inv ← 1/s, both (1) f32 device buffers (cuBLASLt's D scale: the GEMM multiplies by it).
-pub fn reciprocal(scale: &Tensor, inv: &Tensor) -> candle_core::Result<()> {
-    launch(scale.device().as_cuda_device()?, "fp8_reciprocal", 1, 1, &[scale, inv], &[T(0), T(1)])
+/// scale ← max(amax, FLT_MIN)·2^m/448, amax ← 0: the CUDA forward of `scale::scale_from_amax_into`.
+pub fn scale_from_amax_fwd(scale: &CudaStorage, sl: &Layout, bits: &CudaStorage, bl: &Layout, pow2_margin: f32) -> candle_core::Result<()> {
+    launch(scale.device(), "fp8_scale_from_amax", 1, 1, &[Ptr(bits, bl), Ptr(scale, sl), F32(pow2_margin)])
+}
+
+/// scale ← max(history)·2^m/448: the CUDA forward of `scale::scale_from_history_into`.
+pub fn scale_from_history_fwd(
+    scale: &CudaStorage,
+    sl: &Layout,
+    history: &CudaStorage,
+    hl: &Layout,
+    pow2_margin: f32,
+) -> candle_core::Result<()> {
+    let len = hl.shape().elem_count() as i32;
+    launch(scale.device(), "fp8_scale_from_history", 1, 1, &[Ptr(history, hl), I32(len), Ptr(scale, sl), F32(pow2_margin)])
+}
+
+/// history ← roll(history, amax) (with `fill`: every slot ← amax), amax ← 0: the CUDA forward
+/// of `scale::history_push_into`.
+pub fn history_push_fwd(history: &CudaStorage, hl: &Layout, bits: &CudaStorage, bl: &Layout, fill: bool) -> candle_core::Result<()> {
+    let len = hl.shape().elem_count() as i32;
+    launch(history.device(), "fp8_history_push", 1, 1, &[Ptr(bits, bl), Ptr(history, hl), I32(len), I32(fill as i32)])
+}
+
+/// inv ← 1/s, both one f32: the CUDA forward of `scale::reciprocal_into`.
+pub fn reciprocal_fwd(inv: &CudaStorage, il: &Layout, scale: &CudaStorage, sl: &Layout) -> candle_core::Result<()> {
+    launch(inv.device(), "fp8_reciprocal", 1, 1, &[Ptr(scale, sl), Ptr(inv, il)])
 }
 
 /// LayerNorm's launch: one block of THREADS threads per row of C.
-fn rows(x: &Tensor) -> candle_core::Result<(u32, i32)> {
-    let c = x.dim(candle_core::D::Minus1)?;
-    let rows = u32::try_from(x.elem_count() / c).map_err(|_| err("grid", "more than 2^32 rows"))?;
+fn rows(xl: &Layout) -> candle_core::Result<(u32, i32)> {
+    let c = xl.shape().dims().last().copied().unwrap_or(1).max(1);
+    let rows = u32::try_from(xl.shape().elem_count() / c).map_err(|_| err("grid", "more than 2^32 rows"))?;
     Ok((rows, c as i32))
 }
 
-/// q = E4M3(LayerNorm(x) / s), amax_bits ← max(amax_bits, max|LayerNorm(x)|) (kernels/ln_fp8.cu).
-/// x: (…, C) f32; g, b: (C) f32; s: (1) f32; amax_bits: (1) u32.
-pub fn layer_norm_e4m3(x: &Tensor, g: &Tensor, b: &Tensor, scale: &Tensor, amax_bits: &Tensor) -> candle_core::Result<Tensor> {
-    let dev = x.device().as_cuda_device()?.clone();
-    let (x, g, b) = (x.to_dtype(DType::F32)?.contiguous()?, g.contiguous()?, b.contiguous()?);
-    let (blocks, c) = rows(&x)?;
-    // SAFETY: the kernel writes every element of q (every row, every column).
-    let q = wrap(unsafe { dev.alloc::<float8::F8E4M3>(x.elem_count())? }, &dev, x.shape().clone());
+/// A buffer as an op's CUDA forward holds it: its storage and layout (contiguous).
+pub type Buf<'a> = (&'a CudaStorage, &'a Layout);
+
+fn ptr((s, l): Buf<'_>) -> Arg<'_> {
+    Ptr(s, l)
+}
+
+/// q = E4M3(LayerNorm(x) / s), amax_bits ← max(amax_bits, max|LayerNorm(x)|) in one launch of
+/// `layer_norm_e4m3` (kernels/ln_fp8.cu): the CUDA forward of `producers::layer_norm_e4m3`.
+/// x: (…, C) f32; g, b: (C) f32; s: one f32; amax_bits: (1) u32.
+pub fn layer_norm_e4m3_fwd(x: Buf, g: Buf, b: Buf, scale: Buf, amax_bits: Buf) -> candle_core::Result<CudaStorage> {
+    let dev = x.0.device().clone();
+    let (blocks, c) = rows(x.1)?;
+    let (q, ql) = output::<float8::F8E4M3>(&dev, x.1.shape())?;
     let eps = stage3_fused::ops::LN_EPS;
-    let args = [T(0), T(1), T(2), T(3), T(4), T(5), I32(c), F32(eps)];
-    launch(&dev, "layer_norm_e4m3", blocks, THREADS, &[&x, &g, &b, scale, &q, amax_bits], &args)?;
+    let args = [ptr(x), ptr(g), ptr(b), ptr(scale), Ptr(&q, &ql), ptr(amax_bits), I32(c), F32(eps)];
+    launch(&dev, "layer_norm_e4m3", blocks, THREADS, &args)?;
     Ok(q)
 }
 
-/// (x + branch, E4M3(LayerNorm(x + branch) / s)), amax as `layer_norm_e4m3`, in one launch of
-/// `add_layer_norm_16_e4m3`. x: (…, C) f32; branch: same shape, bf16.
-pub fn add_layer_norm_e4m3(
-    x: &Tensor,
-    branch: &Tensor,
-    g: &Tensor,
-    b: &Tensor,
-    scale: &Tensor,
-    amax_bits: &Tensor,
-) -> candle_core::Result<(Tensor, Tensor)> {
-    let dev = x.device().as_cuda_device()?.clone();
-    let (x, branch, g, b) = (x.contiguous()?, branch.to_dtype(DType::BF16)?.contiguous()?, g.contiguous()?, b.contiguous()?);
-    let (blocks, c) = rows(&x)?;
-    let n = x.elem_count();
-    // SAFETY: the kernel writes every element of x_out and q.
-    let x_out = wrap(unsafe { dev.alloc::<f32>(n)? }, &dev, x.shape().clone());
-    let q = wrap(unsafe { dev.alloc::<float8::F8E4M3>(n)? }, &dev, x.shape().clone());
+/// (x + branch, E4M3(LayerNorm(x + branch) / s)), amax as `layer_norm_e4m3_fwd`, in one launch
+/// of `add_layer_norm_16_e4m3`: the CUDA forward of `producers::add_layer_norm_e4m3`.
+/// x: (…, C) f32; branch: same shape, bf16.
+pub fn add_layer_norm_e4m3_fwd(
+    x: Buf,
+    branch: Buf,
+    g: Buf,
+    b: Buf,
+    scale: Buf,
+    amax_bits: Buf,
+) -> candle_core::Result<(CudaStorage, CudaStorage)> {
+    if branch.0.dtype() != DType::BF16 {
+        candle_core::bail!("add_layer_norm_e4m3 on CUDA: the branch must be bf16, got {:?}", branch.0.dtype());
+    }
+    let dev = x.0.device().clone();
+    let (blocks, c) = rows(x.1)?;
+    let (x_out, xol) = output::<f32>(&dev, x.1.shape())?;
+    let (q, ql) = output::<float8::F8E4M3>(&dev, x.1.shape())?;
     let eps = stage3_fused::ops::LN_EPS;
-    let args = [T(0), T(1), T(2), T(3), T(4), T(5), T(6), T(7), I32(c), F32(eps), I32(1)]; // bf16 = 1
-    launch(&dev, "add_layer_norm_16_e4m3", blocks, THREADS, &[&x, &branch, &g, &b, &x_out, scale, &q, amax_bits], &args)?;
+    let args = [ptr(x), ptr(branch), ptr(g), ptr(b), Ptr(&x_out, &xol), ptr(scale), Ptr(&q, &ql), ptr(amax_bits), I32(c), F32(eps), I32(1)]; // bf16 = 1
+    launch(&dev, "add_layer_norm_16_e4m3", blocks, THREADS, &args)?;
     Ok((x_out, q))
-}
-
-/// One activation's scale state on the device: what `ScaleState` holds on CUDA.
-#[derive(Debug)]
-pub struct DeviceScale {
-    /// (1) u32: the running amax's f32 bits; zero between calls (the kernels clear it).
-    pub amax_bits: Tensor,
-    /// (1) f32: the scale of the last call, read by the GEMM through its pointer.
-    pub scale: Tensor,
-    /// (history_len) f32, oldest first (delayed scaling).
-    pub history: Tensor,
-    /// (1) f32: 1/scale, for a producer GEMM writing E4M3 (cuBLASLt's D scale).
-    pub inv_scale: Tensor,
-}
-
-impl DeviceScale {
-    pub fn new(dev: &candle_core::Device, history_len: usize) -> candle_core::Result<DeviceScale> {
-        Ok(DeviceScale {
-            amax_bits: Tensor::zeros(1, DType::U32, dev)?,
-            scale: Tensor::zeros(1, DType::F32, dev)?,
-            history: Tensor::zeros(history_len, DType::F32, dev)?,
-            inv_scale: Tensor::zeros(1, DType::F32, dev)?,
-        })
-    }
-
-    /// Current scaling: amax pass, scale, cast pass (3 launches, x read twice).
-    pub fn quantize_current(&self, x: &Tensor, pow2_margin: f32) -> candle_core::Result<Tensor> {
-        let dev = x.device().as_cuda_device()?;
-        amax_into(x, &self.amax_bits)?;
-        launch(dev, "fp8_scale_from_amax", 1, 1, &[&self.amax_bits, &self.scale], &[T(0), T(1), F32(pow2_margin)])?;
-        quantize_into(x, &self.scale, None)
-    }
-
-    /// Delayed scaling: the scale from the history, then the cast with this call's amax fused
-    /// into the same pass, then the amax joins the history (3 launches, x read once). The first
-    /// call (`first`) has no history: its own amax fills it first.
-    pub fn quantize_delayed(&self, x: &Tensor, pow2_margin: f32, first: bool) -> candle_core::Result<Tensor> {
-        if first {
-            amax_into(x, &self.amax_bits)?;
-            self.push(1)?;
-        }
-        self.scale_from_history(pow2_margin)?;
-        if first {
-            return quantize_into(x, &self.scale, None); // this amax is already in the history
-        }
-        let q = quantize_into(x, &self.scale, Some(&self.amax_bits))?;
-        self.push_amax()?;
-        Ok(q)
-    }
-
-    /// scale ← max(history)·2^m/448 (the delayed scale, before the input is written).
-    pub fn scale_from_history(&self, pow2_margin: f32) -> candle_core::Result<()> {
-        let len = self.history.elem_count() as i32;
-        let dev = self.history.device().as_cuda_device()?;
-        launch(dev, "fp8_scale_from_history", 1, 1, &[&self.history, &self.scale], &[T(0), I32(len), T(1), F32(pow2_margin)])
-    }
-
-    /// The amax maxed into `amax_bits` since the last push joins the history; the buffer is cleared.
-    pub fn push_amax(&self) -> candle_core::Result<()> {
-        self.push(0)
-    }
-
-    /// `fp8_history_push`; with `fill` (the first call) the amax fills every slot.
-    fn push(&self, fill: i32) -> candle_core::Result<()> {
-        let len = self.history.elem_count() as i32;
-        let dev = self.history.device().as_cuda_device()?;
-        launch(dev, "fp8_history_push", 1, 1, &[&self.amax_bits, &self.history], &[T(0), T(1), I32(len), I32(fill)])
-    }
 }

@@ -104,26 +104,16 @@ pub fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
     if !device.is_cuda() {
         r.ran = "cpu producers (the .cu: host emulation, run.sh; the GEMM: cublaslt_model)".into();
     }
-    // A target on `device` with scale s: on CUDA, fresh device buffers as a layer's state holds.
-    let target = |s: f32| -> candle_core::Result<Fp8Target> {
-        let scale = Tensor::new(&[s], device)?;
-        Ok(match device.is_cuda() {
-            true => Fp8Target { scale, device: Some((Tensor::zeros(1, DType::U32, device)?, Tensor::zeros(1, DType::F32, device)?)) },
-            false => Fp8Target { scale: scale.reshape(())?, device: None },
-        })
-    };
-    // s·q and the amax it recorded, on the CPU (CUDA: the amax from the device buffer).
+    // A target on `device` with scale s and fresh buffers, as a layer's state holds.
+    let target = |s: f32| -> candle_core::Result<Fp8Target> { Fp8Target::new(&Tensor::new(s, device)?) };
+    // s·q and the amax it recorded in the target's amax buffer, on the CPU.
     let values = |q: &Quantized, t: &Fp8Target| -> candle_core::Result<Tensor> {
         let sq = match q.data.dtype() {
             DType::F8E4M3 => dequantize(&q.data, &q.scale, DType::F32)?,
             _ => q.data.clone(),
         };
-        let a = match (&q.amax, &t.device) {
-            (Some(a), _) => a.reshape(1)?,
-            (None, Some((bits, _))) => Tensor::from_vec(vec![f32::from_bits(bits.to_vec1::<u32>()?[0])], 1, &Device::Cpu)?,
-            (None, None) => candle_core::bail!("a producer recorded no amax"),
-        };
-        Tensor::cat(&[&sq.flatten_all()?.to_device(&Device::Cpu)?, &a.to_device(&Device::Cpu)?], 0)
+        let a = Tensor::new(&[t.amax()?], &Device::Cpu)?;
+        Tensor::cat(&[&sq.flatten_all()?.to_device(&Device::Cpu)?, &a], 0)
     };
     // C = 257 (not a multiple of the 256 threads); s = 0.8·amax/448, so the top saturates.
     // Tolerance: a code moves by one E4M3 step (2⁻³) only where the two LayerNorms' f32 values
@@ -139,7 +129,7 @@ pub fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
                 let sum = if add { (&x + br.to_dtype(DType::F32)?)? } else { x.clone() };
                 let h = stage0_baseline::layer_norm(&sum, &g, &b)?; // the slow twin, f32
                 let s = 0.8 * amax(&h)?.to_scalar::<f32>()? / 448.0;
-                let cpu = Fp8Target { scale: Tensor::new(s, &Device::Cpu)?, device: None };
+                let cpu = Fp8Target::new(&Tensor::new(s, &Device::Cpu)?)?;
                 let want = values(&cpu.quantize(&h)?, &cpu)?;
                 let on = |t: &Tensor| t.to_device(device);
                 let t = target(s)?;
@@ -181,7 +171,7 @@ pub fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
         let twin = Fp8Linear::with_output(&w, &b, true, Fp8Mode::Emulated, ScalingConfig::default(), "fc1", DType::F32)?;
         let y = twin.forward(&x)?; // f32: GELU(x̃ W̃ᵀ + b), and x's scale recorded
         let s = 0.8 * amax(&y)?.to_scalar::<f32>()? / 448.0; // fc2's scale, a little small: the top saturates
-        let cpu = Fp8Target { scale: Tensor::new(s, &Device::Cpu)?, device: None };
+        let cpu = Fp8Target::new(&Tensor::new(s, &Device::Cpu)?)?;
         let want = values(&twin.forward_e4m3(&Input::Plain(x.clone()), &cpu)?, &cpu)?;
         // The arguments cuda.rs passes, 1/s as D scale, on the operands of the call just made.
         let s_x = twin.last_input_scale().ok_or_else(|| anyhow::anyhow!("no scale recorded"))?;
