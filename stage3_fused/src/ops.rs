@@ -221,7 +221,7 @@ impl CustomOp3 for AddLayerNorm {
 /// (`stage2_sdpa::elementwise::row_stats`: shifted sums in f64, accurate for rows with a large mean),
 /// then one vectorised write pass while the row is in L1 (`map_slice` dispatches to AVX-512/AVX2).
 #[inline]
-fn normalise_row(row: &[f32], g: &[f32], b: &[f32], eps: f32, h: &mut [f32]) {
+pub fn normalise_row(row: &[f32], g: &[f32], b: &[f32], eps: f32, h: &mut [f32]) {
     let RowStats { shift, shift_minus_mean, inv_std } = row_stats(row, eps as f64);
     map_slice(h, row, &|i, v| ((v - shift) + shift_minus_mean) * inv_std * g[i] + b[i]);
 }

@@ -19,8 +19,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 use rayon::prelude::*;
-use stage2_sdpa::elementwise::{map_slice, par_convert, row_stats, RowStats};
-use stage3_fused::ops::{add_layer_norm_slow, layer_norm_slow, LN_EPS};
+use stage2_sdpa::elementwise::{map_slice, par_convert};
+use stage3_fused::ops::{add_layer_norm_slow, layer_norm_slow, normalise_row, LN_EPS};
 use std::borrow::Cow;
 use std::sync::Mutex;
 
@@ -201,15 +201,6 @@ impl CustomOp3 for AddLayerNormE4m3 {
         self.put_x_out(Storage::Cuda(x_out))?;
         Ok((q, xl.shape().clone()))
     }
-}
-
-/// Stage 3's LayerNorm row (`stage3_fused::ops`, private there): the statistics from stage 2's
-/// `row_stats`, then the same expression, so the same f32 values as stage 3's `layer_norm` —
-/// fused and unfused agree bit for bit at f32 activations (tests/fusions.rs).
-#[inline]
-fn normalise_row(row: &[f32], g: &[f32], b: &[f32], eps: f32, h: &mut [f32]) {
-    let RowStats { shift, shift_minus_mean, inv_std } = row_stats(row, eps as f64);
-    map_slice(h, row, &|i, v| ((v - shift) + shift_minus_mean) * inv_std * g[i] + b[i]);
 }
 
 /// Rows per rayon task: about 16 K values (64 KiB of f32), one row at least.
