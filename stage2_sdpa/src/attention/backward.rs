@@ -33,7 +33,8 @@
 //! Slow twins: `grads_slow`, candle's autograd through the naive attention (matmul, mask,
 //! softmax, matmul), and `small_head_bwd`, the same algorithm as scalar loops over one head.
 
-use crate::elementwise::exp_f32;
+use super::max_f32;
+use crate::elementwise::{exp_f32, sum_f32};
 use candle_core::{DType, Device, Tensor, Var, D};
 use rayon::prelude::*;
 
@@ -190,7 +191,9 @@ fn head_bwd_impl(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [
 }
 
 /// L_i = m_i + ln l_i per query row: the forward's online max and sum over the scaled scores,
-/// tile by tile (S = Q_i K_jᵀ · scale, B_r × B_c at a time), without the output.
+/// tile by tile (S = Q_i K_jᵀ · scale, B_r × B_c at a time), without the output. Inlined into
+/// `head_bwd_impl`, so its loops are compiled for the same vector width.
+#[inline(always)]
 fn log_sum_exp(q: Rows, k: Rows, t: usize, d: usize, scale: f32, causal: bool) -> Vec<f32> {
     let mut lse = vec![0f32; t];
     let mut s = vec![0f32; BR * BC];
@@ -208,10 +211,11 @@ fn log_sum_exp(q: Rows, k: Rows, t: usize, d: usize, scale: f32, causal: bool) -
                 if n == 0 {
                     continue;
                 }
-                let row = &s[r * BC..][..n];
-                let m_new = row.iter().fold(m[r], |a, &x| a.max(x)); // m' = max(m, rowmax(S))
-                let sum: f32 = row.iter().map(|&x| exp_f32(x - m_new)).sum();
-                l[r] = exp_f32(m[r] - m_new) * l[r] + sum; // l = e^(m − m')·l + rowsum(e^(S − m'))
+                // The forward's vectorised loops: 16 running maxima and sums, exp in place.
+                let row = &mut s[r * BC..][..n];
+                let m_new = max_f32(row, m[r]); // m' = max(m, rowmax(S))
+                row.iter_mut().for_each(|x| *x = exp_f32(*x - m_new));
+                l[r] = exp_f32(m[r] - m_new) * l[r] + sum_f32(row); // l = e^(m − m')·l + rowsum(e^(S − m'))
                 m[r] = m_new;
             }
         }
@@ -428,7 +432,8 @@ mod tests {
     #[test]
     fn half_precision_inputs_get_gradients_in_their_dtype() {
         // bf16/f16 q, k, v: computed in f32, returned in the input dtype; against the f32 twin
-        // on the same (rounded) inputs within 1e-2 (one bf16 rounding of each gradient).
+        // on the same (rounded) inputs within 5e-3 for bf16, 1e-3 for f16 (the rounding of dO
+        // and of each gradient to 8 or 11 bits; measured 2.8e-3 and 3.8e-4).
         let dims = (1, 70, 2, 32);
         for dtype in [DType::BF16, DType::F16] {
             let ([q, k, v], _) = inputs(dims, 5, false);
@@ -439,8 +444,8 @@ mod tests {
             let want = grads_slow(&q, &k, &v, &d_o, true).unwrap();
             for (g, w) in got.iter().zip(&want) {
                 assert_eq!(g.dtype(), dtype);
-                let e = rel_max(g, w);
-                assert!(e <= 1e-2, "{dtype:?}: {e}");
+                let (e, tol) = (rel_max(g, w), if dtype == DType::BF16 { 5e-3 } else { 1e-3 });
+                assert!(e <= tol, "{dtype:?}: {e}");
                 eprintln!("attention backward, {dtype:?} inputs, vs f32 twin: {e:.2e}");
             }
         }
