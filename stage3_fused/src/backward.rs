@@ -266,95 +266,103 @@ mod tests {
 
     #[test]
     fn layer_norm_backward_matches_the_twin() {
-        // f32: max |Δ| / max |g| ≤ 1e-5 (row means reordered; the twin's nine ops round differently;
-        // measured 2e-7).
-        let mut worst = 0f32;
-        for (i, &(bsz, t, c, _)) in SHAPES.iter().enumerate() {
-            let s = 10 * i as u64;
-            let x = (randn(&[bsz, t, c], s, 2.0) + 3.0).unwrap(); // a mean far from 0
-            let (g, b) = ((randn(&[c], s + 1, 0.1) + 1.0).unwrap(), randn(&[c], s + 2, 0.1));
-            let dy = randn(&[bsz, t, c], s + 3, 1.0);
-            let fused = grads_of(&[&x, &g, &b], |v| Ok(vec![ops::layer_norm(&v[0], &v[1], &v[2], DType::F32)?]), &[&dy]).unwrap();
-            let slow = grads_of(&[&x, &g, &b], |v| Ok(vec![ops::layer_norm_slow(&v[0], &v[1], &v[2], DType::F32)?]), &[&dy]).unwrap();
-            worst = worst.max(agree("layer_norm", &fused, &slow, 1e-5));
-            // The candle-ops version (CUDA's) on the same inputs.
-            let ops_version = layer_norm_bwd_ops(&x, &g, &dy, ops::LN_EPS).unwrap();
-            worst = worst.max(agree("layer_norm_bwd_ops", &ops_version, &slow, 1e-5));
-        }
+        let worst = SHAPES.iter().enumerate().map(|(i, &(bsz, t, c, _))| check_layer_norm((bsz, t, c), 10 * i as u64)).fold(0f32, f32::max);
         eprintln!("layer_norm backward vs autograd twin, f32: {worst:.2e}");
     }
 
     #[test]
     fn add_layer_norm_backward_matches_the_twin_and_its_forward_is_unchanged() {
-        // Both outputs carry a gradient (x_new feeds the next residual, h the MLP); f32 within 1e-5.
-        let mut worst = 0f32;
-        for (i, &(bsz, t, c, _)) in SHAPES.iter().enumerate() {
-            let s = 20 + 10 * i as u64;
-            let (x, branch) = (randn(&[bsz, t, c], s, 1.0), randn(&[bsz, t, c], s + 1, 0.5));
-            let (g, b) = ((randn(&[c], s + 2, 0.1) + 1.0).unwrap(), randn(&[c], s + 3, 0.1));
-            let (dx_new, dh) = (randn(&[bsz, t, c], s + 4, 1.0), randn(&[bsz, t, c], s + 5, 1.0));
-            let two = |(x, h): (Tensor, Tensor)| vec![x, h];
-            let fused =
-                grads_of(&[&x, &branch, &g, &b], |v| Ok(two(ops::add_layer_norm(&v[0], &v[1], &v[2], &v[3])?)), &[&dx_new, &dh]).unwrap();
-            let slow =
-                grads_of(&[&x, &branch, &g, &b], |v| Ok(two(ops::add_layer_norm_slow(&v[0], &v[1], &v[2], &v[3])?)), &[&dx_new, &dh])
-                    .unwrap();
-            worst = worst.max(agree("add_layer_norm", &fused, &slow, 1e-5));
-            // Tracked or not, the forward's numbers are the same, bit for bit.
-            let untracked = ops::add_layer_norm(&x, &branch, &g, &b).unwrap();
-            let vars: Vec<Var> = [&x, &branch, &g, &b].iter().map(|t| Var::from_tensor(t).unwrap()).collect();
-            let tracked = ops::add_layer_norm(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), vars[3].as_tensor()).unwrap();
-            assert_eq!(rel_max(&tracked.0, &untracked.0), 0.0);
-            assert_eq!(rel_max(&tracked.1, &untracked.1), 0.0);
-        }
+        let worst = SHAPES
+            .iter()
+            .enumerate()
+            .map(|(i, &(bsz, t, c, _))| check_add_layer_norm((bsz, t, c), 20 + 10 * i as u64))
+            .fold(0f32, f32::max);
         eprintln!("add_layer_norm backward vs autograd twin, f32: {worst:.2e}");
     }
 
     #[test]
     fn linear_backwards_match_their_twins() {
-        // dx, dW, db (and dr) of the three epilogues; f32 within 1e-5, bf16 operands against the
-        // f32 twin on the same (rounded) values within 2e-2 (dy reaches the op rounded to bf16,
-        // and the gradients return in bf16).
         let (mut worst, mut worst_bf16) = (0f32, 0f32);
-        for (i, &(bsz, t, k, n)) in SHAPES.iter().enumerate() {
-            let s = 100 + 10 * i as u64;
-            let (x, w, b) = (randn(&[bsz, t, k], s, 1.0), randn(&[n, k], s + 1, 0.2), randn(&[n], s + 2, 0.5));
-            let (r, dy) = (randn(&[bsz, t, n], s + 3, 1.0), randn(&[bsz, t, n], s + 4, 1.0));
-            for dtype in [DType::F32, DType::BF16] {
-                let (x, w, b) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap(), b.to_dtype(dtype).unwrap());
-                let (tol, worst) = if dtype == DType::F32 { (1e-5, &mut worst) } else { (2e-2, &mut worst_bf16) };
-                type Lin = fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>;
-                let pairs: [(&str, Lin, Lin); 2] =
-                    [("bias", ops::linear_bias, ops::linear_bias_slow), ("bias+gelu", ops::linear_bias_gelu, ops::linear_bias_gelu_slow)];
-                for (name, fused, slow) in pairs {
-                    let f32_inputs = |v: &[Tensor]| -> Vec<Tensor> { v.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect() };
-                    let a = grads_of(&[&x, &w, &b], |v| Ok(vec![fused(&v[0], &v[1], &v[2])?]), &[&dy]).unwrap();
-                    let z = grads_of(
-                        &[&x, &w, &b],
-                        |v| {
-                            let v = f32_inputs(v);
-                            Ok(vec![slow(&v[0], &v[1], &v[2])?])
-                        },
-                        &[&dy],
-                    )
-                    .unwrap();
-                    assert!(a.iter().zip([&x, &w, &b]).all(|(g, t)| g.dtype() == t.dtype()), "{name}: gradients in the operands' dtype");
-                    *worst = worst.max(agree(&format!("{name} {dtype:?} ({bsz}, {t}, {k} → {n})"), &a, &z, tol));
-                }
-                let a = grads_of(&[&x, &w, &b, &r], |v| Ok(vec![ops::linear_bias_residual(&v[0], &v[1], &v[2], &v[3])?]), &[&dy]).unwrap();
-                let z = grads_of(
-                    &[&x, &w, &b, &r],
-                    |v| {
-                        let f = |t: &Tensor| t.to_dtype(DType::F32);
-                        Ok(vec![ops::linear_bias_residual_slow(&f(&v[0])?, &f(&v[1])?, &f(&v[2])?, &v[3])?])
-                    },
-                    &[&dy],
-                )
-                .unwrap();
-                *worst = worst.max(agree(&format!("bias+residual {dtype:?}"), &a, &z, tol));
-            }
+        for (i, &shape) in SHAPES.iter().enumerate() {
+            worst = worst.max(check_linears(shape, 100 + 10 * i as u64, DType::F32));
+            worst_bf16 = worst_bf16.max(check_linears(shape, 100 + 10 * i as u64, DType::BF16));
         }
         eprintln!("linear backwards vs autograd twins: f32 {worst:.2e}, bf16 operands {worst_bf16:.2e}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 16, ..Default::default() })]
+
+        #[test]
+        fn backwards_match_their_twins_on_random_shapes(bsz in 1usize..3, t in 1usize..40, k in 1usize..100, n in 1usize..100, seed in 0u64..1 << 20) {
+            check_layer_norm((bsz, t, k), seed);
+            check_add_layer_norm((bsz, t, k), seed);
+            check_linears((bsz, t, k, n), seed, DType::F32);
+        }
+    }
+
+    /// `layer_norm`'s gradients (x, g, b) against the twin's, and the candle-ops version (CUDA's)
+    /// too; f32: max |Δ| / max |g| ≤ 1e-5 (row means reordered; the twin's nine ops round
+    /// differently; measured 2e-7). Returns the worst.
+    fn check_layer_norm((bsz, t, c): (usize, usize, usize), s: u64) -> f32 {
+        let x = (randn(&[bsz, t, c], s, 2.0) + 3.0).unwrap(); // a mean far from 0
+        let (g, b) = ((randn(&[c], s + 1, 0.1) + 1.0).unwrap(), randn(&[c], s + 2, 0.1));
+        let dy = randn(&[bsz, t, c], s + 3, 1.0);
+        let fused = grads_of(&[&x, &g, &b], |v| Ok(vec![ops::layer_norm(&v[0], &v[1], &v[2], DType::F32)?]), &[&dy]).unwrap();
+        let slow = grads_of(&[&x, &g, &b], |v| Ok(vec![ops::layer_norm_slow(&v[0], &v[1], &v[2], DType::F32)?]), &[&dy]).unwrap();
+        let ops_version = layer_norm_bwd_ops(&x, &g, &dy, ops::LN_EPS).unwrap();
+        agree("layer_norm", &fused, &slow, 1e-5).max(agree("layer_norm_bwd_ops", &ops_version, &slow, 1e-5))
+    }
+
+    /// `add_layer_norm`'s gradients (x, branch, g, b), both outputs carrying one (x_new feeds the
+    /// next residual, h the MLP), against the twin's within 1e-5 at f32; and its forward, tracked
+    /// or not, the same bit for bit. Returns the worst.
+    fn check_add_layer_norm((bsz, t, c): (usize, usize, usize), s: u64) -> f32 {
+        let (x, branch) = (randn(&[bsz, t, c], s, 1.0), randn(&[bsz, t, c], s + 1, 0.5));
+        let (g, b) = ((randn(&[c], s + 2, 0.1) + 1.0).unwrap(), randn(&[c], s + 3, 0.1));
+        let (dx_new, dh) = (randn(&[bsz, t, c], s + 4, 1.0), randn(&[bsz, t, c], s + 5, 1.0));
+        let two = |(x, h): (Tensor, Tensor)| vec![x, h];
+        let inputs = [&x, &branch, &g, &b];
+        let fused = grads_of(&inputs, |v| Ok(two(ops::add_layer_norm(&v[0], &v[1], &v[2], &v[3])?)), &[&dx_new, &dh]).unwrap();
+        let slow = grads_of(&inputs, |v| Ok(two(ops::add_layer_norm_slow(&v[0], &v[1], &v[2], &v[3])?)), &[&dx_new, &dh]).unwrap();
+        let untracked = ops::add_layer_norm(&x, &branch, &g, &b).unwrap();
+        let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+        let tracked = ops::add_layer_norm(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), vars[3].as_tensor()).unwrap();
+        assert_eq!(rel_max(&tracked.0, &untracked.0), 0.0);
+        assert_eq!(rel_max(&tracked.1, &untracked.1), 0.0);
+        agree("add_layer_norm", &fused, &slow, 1e-5)
+    }
+
+    /// dx, dW, db (and dr) of the three epilogues against their twins': f32 within 1e-5; bf16
+    /// operands against the f32 twin on the same (rounded) values within 2e-2 (dy reaches the op
+    /// rounded to bf16, and the gradients return in bf16). Returns the worst.
+    fn check_linears((bsz, t, k, n): (usize, usize, usize, usize), s: u64, dtype: DType) -> f32 {
+        let (x, w, b) = (randn(&[bsz, t, k], s, 1.0), randn(&[n, k], s + 1, 0.2), randn(&[n], s + 2, 0.5));
+        let (r, dy) = (randn(&[bsz, t, n], s + 3, 1.0), randn(&[bsz, t, n], s + 4, 1.0));
+        let (x, w, b) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap(), b.to_dtype(dtype).unwrap());
+        let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+        let f32_inputs = |v: &[Tensor]| -> Vec<Tensor> { v.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect() };
+        type Lin = fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>;
+        let pairs: [(&str, Lin, Lin); 2] =
+            [("bias", ops::linear_bias, ops::linear_bias_slow), ("bias+gelu", ops::linear_bias_gelu, ops::linear_bias_gelu_slow)];
+        let mut worst = 0f32;
+        for (name, fused, slow) in pairs {
+            let a = grads_of(&[&x, &w, &b], |v| Ok(vec![fused(&v[0], &v[1], &v[2])?]), &[&dy]).unwrap();
+            let z = grads_of(&[&x, &w, &b], |v| Ok(vec![slow(&f32_inputs(v)[0], &f32_inputs(v)[1], &f32_inputs(v)[2])?]), &[&dy]).unwrap();
+            assert!(a.iter().zip([&x, &w, &b]).all(|(g, t)| g.dtype() == t.dtype()), "{name}: gradients in the operands' dtype");
+            worst = worst.max(agree(&format!("{name} {dtype:?} ({bsz}, {t}, {k} → {n})"), &a, &z, tol));
+        }
+        let a = grads_of(&[&x, &w, &b, &r], |v| Ok(vec![ops::linear_bias_residual(&v[0], &v[1], &v[2], &v[3])?]), &[&dy]).unwrap();
+        let z = grads_of(
+            &[&x, &w, &b, &r],
+            |v| {
+                let f = f32_inputs(&v[..3]);
+                Ok(vec![ops::linear_bias_residual_slow(&f[0], &f[1], &f[2], &v[3])?])
+            },
+            &[&dy],
+        )
+        .unwrap();
+        worst.max(agree(&format!("bias+residual {dtype:?} ({bsz}, {t}, {k} → {n})"), &a, &z, tol))
     }
 
     #[test]

@@ -392,41 +392,63 @@ mod tests {
     #[test]
     fn backward_matches_the_autograd_twin() {
         // Ragged T (not a multiple of B_r = B_c = 128, and below one tile), B·n_head > 1, d_head
-        // 16/64/80, causal and not, contiguous inputs and stage 3's strided views; the gradients
-        // reach q, k, v through candle's graph (`loss.backward()`), views included.
-        // Tolerance: f32 max |Δ| / max |g| ≤ 1e-5 (sums of up to T·d products reordered by tiles;
-        // measured 7e-7).
-        let mut worst = 0f32;
-        for (i, &(dims, causal, strided)) in [
+        // 16/64/80, causal and not, contiguous inputs and stage 3's strided views.
+        let cases = [
             ((2, 37, 3, 16), true, false),
             ((1, 300, 2, 64), true, true),
             ((2, 129, 2, 80), false, true),
             ((1, 260, 1, 64), false, false),
             ((1, 1, 2, 16), true, false),
-        ]
-        .iter()
-        .enumerate()
-        {
-            let ([q, k, v], vars) = inputs(dims, 11 + i as u64, strided);
-            let d_o =
-                Tensor::from_vec(SplitMix64::new(99 + i as u64).normals(dims.0 * dims.1 * dims.2 * dims.3), dims, &Device::Cpu).unwrap();
-            let y = crate::attention::attention(&q, &k, &v, causal).unwrap();
-            let grads = (y * &d_o).unwrap().sum_all().unwrap().backward().unwrap();
-            let want = grads_slow(&q, &k, &v, &d_o, causal).unwrap();
-            let got: Vec<Tensor> = if strided {
-                let g = grads.get(vars[0].as_tensor()).expect("a gradient for the QKV tensor");
-                (0..3).map(|p| g.i((.., .., p)).unwrap()).collect()
-            } else {
-                vars.iter().map(|x| grads.get(x.as_tensor()).expect("a gradient for each input").clone()).collect()
-            };
-            for (name, g, w) in [("dq", &got[0], &want[0]), ("dk", &got[1], &want[1]), ("dv", &got[2], &want[2])] {
-                assert_eq!(g.dims(), w.dims());
-                let e = rel_max(g, w);
-                assert!(e <= 1e-5, "{dims:?} causal={causal} strided={strided} {name}: {e}");
-                worst = worst.max(e);
-            }
-        }
+        ];
+        let worst = cases
+            .iter()
+            .enumerate()
+            .map(|(i, &(dims, causal, strided))| check_against_twin(dims, causal, strided, 11 + i as u64))
+            .fold(0f32, f32::max);
         eprintln!("attention backward vs autograd twin, f32: max |Δ| / max |g| = {worst:.2e}");
+    }
+
+    /// The gradients candle's graph gives q, k, v through `attention` (`loss.backward()`, through
+    /// the views when `strided`) against the autograd twin's, dq, dk, dv each within 1e-5 at f32
+    /// (max |Δ| / max |g|: sums of up to T·d products reordered by tiles; measured 7e-7).
+    /// Returns the worst.
+    fn check_against_twin(dims: (usize, usize, usize, usize), causal: bool, strided: bool, seed: u64) -> f32 {
+        let ([q, k, v], vars) = inputs(dims, seed, strided);
+        let d_o = Tensor::from_vec(SplitMix64::new(seed + 99).normals(dims.0 * dims.1 * dims.2 * dims.3), dims, &Device::Cpu).unwrap();
+        let y = crate::attention::attention(&q, &k, &v, causal).unwrap();
+        let grads = (y * &d_o).unwrap().sum_all().unwrap().backward().unwrap();
+        let want = grads_slow(&q, &k, &v, &d_o, causal).unwrap();
+        let got: Vec<Tensor> = if strided {
+            let g = grads.get(vars[0].as_tensor()).expect("a gradient for the QKV tensor");
+            (0..3).map(|p| g.i((.., .., p)).unwrap()).collect()
+        } else {
+            vars.iter().map(|x| grads.get(x.as_tensor()).expect("a gradient for each input").clone()).collect()
+        };
+        let mut worst = 0f32;
+        for (name, g, w) in [("dq", &got[0], &want[0]), ("dk", &got[1], &want[1]), ("dv", &got[2], &want[2])] {
+            assert_eq!(g.dims(), w.dims());
+            let e = rel_max(g, w);
+            assert!(e <= 1e-5, "{dims:?} causal={causal} strided={strided} {name}: {e}");
+            worst = worst.max(e);
+        }
+        worst
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 16, ..Default::default() })]
+
+        #[test]
+        fn backward_matches_the_twin_on_random_shapes(
+            b in 1usize..3,
+            t in 1usize..300,
+            h in 1usize..4,
+            d in proptest::sample::select(vec![8usize, 16, 24, 40, 64]),
+            causal: bool,
+            strided: bool,
+            seed in 0u64..1 << 20,
+        ) {
+            check_against_twin((b, t, h, d), causal, strided, seed);
+        }
     }
 
     #[test]
