@@ -304,7 +304,8 @@ pub fn linear_bias_residual(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> c
     if [x, w, b, r].iter().any(|t| t.track_op()) {
         // Training: the residual is a fourth input, and candle records an op of three. The GEMM
         // and bias are the op (its backward: dx, dW, db); the residual add is candle's, which
-        // hands dy to r as it is. One pass more than the fused forward, in training only.
+        // hands dy to r as it is. One pass more than the fused forward, in training only, and
+        // at bf16/f16 the branch is rounded to the GEMM dtype before the add (as on CUDA).
         return r + linear_bias(x, w, b)?.to_dtype(r.dtype())?;
     }
     if x.device().is_cuda() && r.dtype() != x.dtype() {
