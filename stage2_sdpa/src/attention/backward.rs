@@ -18,14 +18,16 @@
 //!     dK_j += dSᵀ Q_i · scale                   GEMM  B_c × d × B_r
 //! ```
 //!
-//! Five tile GEMMs where the forward has two, so the backward costs about 2.5 forwards. The key
+//! Five tile GEMMs where the forward has two: 2.5 forwards' worth of FLOPs. The key
 //! tiles are the outer loop (as in the paper): dK_j and dV_j stay in one worker's cache while
 //! the query tiles stream past; dQ accumulates across key tiles in a (T, d) buffer of the head.
 //! One rayon task per (batch, head) owns all three, so nothing is shared between threads.
 //!
 //! L is recomputed here (one more Q·Kᵀ sweep with the forward's online max and sum) rather than
 //! saved by the forward: the forward kernels stay as they are, and inference pays nothing for
-//! training. The price is a sixth GEMM-sized product, about 20 % of this pass.
+//! training. The price is a sixth tile GEMM per tile pair, a sixth of this pass's FLOPs. (Where
+//! the forward has L in hand: `registers.rs` and `attend_head_tiles_impl` hold m and l when they
+//! write a row; saving m + ln l there is the hook that would remove this sweep.)
 //!
 //! On CUDA the same `bwd` runs `bwd_candle_ops`: the same equations as whole-tensor candle ops,
 //! which do materialise (B, n_head, T, T) — correct, but not FlashAttention's memory.
