@@ -19,11 +19,16 @@
 //! - CUDA with the `flash-attn` feature: candle-flash-attn instead (bf16/f16, SM 8.0+, d_head a
 //!   multiple of 8 up to 512).
 //!
+//! - Backward (`backward`): the op's `bwd`, so `loss.backward()` through `attention` gives dQ, dK
+//!   and dV: FlashAttention-2's tiled backward on the CPU (P recomputed tile by tile from each
+//!   row's log-sum-exp, no (T, T) tensor), the same equations as candle ops on CUDA.
+//!
 //! `implementation` names the one that runs; the report, the table and the JSON carry it. The
 //! slow twin is stage 1's `attention`, which materialises the scores; tests assert the two
 //! agree on random shapes.
 
 use crate::attention_cuda;
+pub mod backward;
 pub mod registers;
 use crate::elementwise::{exp_f32, sum_f32};
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, WithDType};
@@ -202,10 +207,10 @@ pub fn attention_with(imp: Implementation, q: &Tensor, k: &Tensor, v: &Tensor, c
             // reshapes, stage 3's slices of the QKV output); anything else is copied first.
             // Both kernels share the layout rules.
             if attention_cuda::kernel_strides(q.layout(), k.layout(), v.layout()).is_some() {
-                q.apply_op3_no_bwd(k, v, &op)
+                q.apply_op3(k, v, op)
             } else {
                 let (q, k, v) = (q.force_contiguous()?, k.force_contiguous()?, v.force_contiguous()?);
-                q.apply_op3_no_bwd(&k, &v, &op)
+                q.apply_op3(&k, &v, op)
             }
         }
         Implementation::FlashAttn => flash_attn(q, k, v, scale, causal),
@@ -228,7 +233,7 @@ pub fn attention_cpu(kernel: CpuKernel, q: &Tensor, k: &Tensor, v: &Tensor, caus
 /// output alike, no copy. Only a view whose d_head elements are not adjacent is copied first.
 fn cpu_views(q: &Tensor, k: &Tensor, v: &Tensor, op: FlashAttn) -> candle_core::Result<Tensor> {
     let rows = |x: &Tensor| if x.dim(3).is_ok_and(|d| d == 1) || x.stride()[3] == 1 { Ok(x.clone()) } else { x.contiguous() };
-    rows(q)?.apply_op3_no_bwd(&rows(k)?, &rows(v)?, &op)
+    rows(q)?.apply_op3(&rows(k)?, &rows(v)?, op)
 }
 
 /// q, k, v share one non-empty (B, T, n_head, d_head) shape and one dtype; returns d_head.
@@ -264,8 +269,9 @@ fn flash_attn(_q: &Tensor, _k: &Tensor, _v: &Tensor, _scale: f32, _causal: bool)
     )
 }
 
-/// Both kernels as one candle op (three inputs, one output, no backward): candle calls
-/// `cpu_fwd` for CPU tensors and `cuda_fwd` for CUDA ones.
+/// Both kernels as one candle op (three inputs, one output): candle calls `cpu_fwd` for CPU
+/// tensors and `cuda_fwd` for CUDA ones, and `bwd` when a loss is differentiated through it
+/// (candle records the op only when q, k or v is tracked, so inference pays nothing).
 #[derive(Clone, Copy)]
 struct FlashAttn {
     scale: f32,
@@ -292,6 +298,21 @@ impl CustomOp3 for FlashAttn {
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         attention_cuda::cuda_fwd(self.kernel, self.scale, self.causal, (s1, l1), (s2, l2), (s3, l3))
+    }
+
+    /// FlashAttention-2's backward (`backward`): tiled on the CPU, candle ops on CUDA. dq, dk and
+    /// dv come back contiguous in the arguments' shape and dtype; candle carries them on through
+    /// whatever views q, k and v were (stage 3's slices of one QKV output).
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        d_o: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [dq, dk, dv] = backward::attention_bwd(q, k, v, o, d_o, self.scale, self.causal)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
     }
 
     fn cpu_fwd(

@@ -53,6 +53,8 @@
 //! **Run it.** `cargo run --release -p stage3_fused` (CPU) ·
 //! `cargo run --release --features cuda -p stage3_fused -- --device cuda` (GPU).
 
+pub mod adamw;
+pub mod backward;
 pub mod cublaslt_model;
 #[cfg(feature = "cuda")]
 pub mod cuda;

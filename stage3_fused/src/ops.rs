@@ -20,9 +20,14 @@
 //! GEMMs with epilogues: bias and bias+GELU applied by the GEMM kernel before it stores, the
 //! residual read through the C operand with β = 1.
 //!
+//! Training: each op's `bwd` (kernels in `backward.rs`, beside their slow twins) runs when a loss
+//! is differentiated through it. An op is recorded for backward only when one of its inputs is
+//! tracked (a `Var`, or computed from one), so inference runs exactly as above.
+//!
 //! Lifting one into your model needs this file, `cuda.rs` and `device_cache.rs` (CUDA),
 //! `stage2_sdpa::elementwise` (the CPU loops) and candle: nothing from the benchmark harness.
 
+use crate::backward;
 use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
@@ -49,7 +54,7 @@ pub const GELU_ROWS: usize = 2048;
 /// Rows per rayon task in the row-wise passes (the LayerNorms, fc1's bias + GELU): 16 rows of
 /// C = 768 is 48 KiB, enough work (~5 µs) to amortise a task; one task per row ran 3x slower
 /// than this at (2048, 768) on 2 cores.
-const ROWS_PER_TASK: usize = 16;
+pub(crate) const ROWS_PER_TASK: usize = 16;
 
 // ---------------------------------------------------------------------------------------------
 // LayerNorm
@@ -66,7 +71,7 @@ const ROWS_PER_TASK: usize = 16;
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
     let (x, g, b) = (f32_contiguous(x)?, f32_contiguous(g)?, f32_contiguous(b)?);
     check_norm_params(&x, &g, &b, "layer_norm")?;
-    x.apply_op3_no_bwd(&g, &b, &LayerNorm { eps: LN_EPS, dtype })
+    x.apply_op3(&g, &b, LayerNorm { eps: LN_EPS, dtype })
 }
 
 /// Slow twin of `layer_norm`: the nine primitive ops (as stage 0 spells them out), then a cast.
@@ -121,6 +126,20 @@ impl CustomOp3 for LayerNorm {
         let h = crate::cuda::layer_norm(xs, xl, gs, gl, bs, bl, self.eps, self.dtype)?;
         Ok((h, xl.shape().clone()))
     }
+
+    /// dx, dg, db (f32, the arguments' shapes) in one pass per row (`backward::layer_norm_bwd`);
+    /// b is not needed, since the normalised row x̂ comes back from x's statistics.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        g: &Tensor,
+        _b: &Tensor,
+        _h: &Tensor,
+        dh: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [dx, dg, db] = backward::layer_norm_bwd(x, g, dh, self.eps)?;
+        Ok((Some(dx), Some(dg), Some(db)))
+    }
 }
 
 /// The worked example: residual add and LayerNorm in one pass, returning the new residual
@@ -129,6 +148,15 @@ impl CustomOp3 for LayerNorm {
 pub fn add_layer_norm(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
     if x.dims() != branch.dims() || x.dtype() != DType::F32 {
         candle_core::bail!("add_layer_norm: x {:?} ({:?}) and branch {:?} must match, x in f32", x.dims(), x.dtype(), branch.dims());
+    }
+    if [x, branch, g, b].iter().any(|t| t.track_op()) {
+        // Training: four inputs and two outputs, where candle records an op of at most three
+        // inputs and one output. So the graph holds the two parts: the add (candle's: dx_new
+        // reaches x and branch as it is) and `layer_norm` with its fused backward. The numbers
+        // are the fused kernel's, bit for bit: the same f32 add, the same row pass.
+        let x_new = (x + branch.to_dtype(DType::F32)?)?;
+        let h = layer_norm(&x_new, g, b, branch.dtype())?;
+        return Ok((x_new, h));
     }
     let (x, branch, g, b) = (x.contiguous()?, branch.contiguous()?, f32_contiguous(g)?, f32_contiguous(b)?);
     check_norm_params(&x, &g, &b, "add_layer_norm")?;
@@ -273,6 +301,13 @@ pub fn linear_bias_residual(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> c
     if r.dims() != [bsz, t, n] {
         candle_core::bail!("linear: residual {:?} is not the output shape ({bsz}, {t}, {n})", r.dims());
     }
+    if [x, w, b, r].iter().any(|t| t.track_op()) {
+        // Training: the residual is a fourth input, and candle records an op of three. The GEMM
+        // and bias are the op (its backward: dx, dW, db); the residual add is candle's, which
+        // hands dy to r as it is. One pass more than the fused forward, in training only, and
+        // at bf16/f16 the branch is rounded to the GEMM dtype before the add (as on CUDA).
+        return r + linear_bias(x, w, b)?.to_dtype(r.dtype())?;
+    }
     if x.device().is_cuda() && r.dtype() != x.dtype() {
         // The f32 residual stream of a bf16/f16 block cannot ride in through cuBLASLt's C
         // operand (cudarc's wrapper gives C and D one dtype): it is added after, in f32, one pass.
@@ -300,6 +335,9 @@ pub enum Epilogue<'a> {
 /// storage read inside the forward.
 struct Linear<'a> {
     epilogue: Epilogue<'a>,
+    /// Training with GELU on the CPU: the forward keeps x·Wᵀ ((B·T, N) f32, before bias and
+    /// GELU), which GELU's derivative in `bwd` needs; `None` when nothing is tracked.
+    pre_gelu: Option<Mutex<Option<Vec<f32>>>>,
 }
 
 fn linear(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue) -> candle_core::Result<Tensor> {
@@ -308,9 +346,21 @@ fn linear(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue) -> candle_core
     if k != k_w || b.dims() != [n] {
         candle_core::bail!("linear: x {:?}, W {:?}, b {:?} do not fit y = x Wᵀ + b", x.dims(), w.dims(), b.dims());
     }
+    if [x, w, b].iter().any(|t| t.track_op()) {
+        // Training: recorded with its backward. Candle's own cast keeps W and b in the graph
+        // (the parallel one below makes untracked tensors); the values are the same.
+        let same = |t: &Tensor| t.contiguous()?.to_dtype(x.dtype());
+        let epilogue = match epilogue {
+            Epilogue::Bias => Epilogue::Bias,
+            Epilogue::BiasGelu => Epilogue::BiasGelu,
+            Epilogue::BiasResidual(_) => candle_core::bail!("linear: a tracked residual is added by candle (`linear_bias_residual`)"),
+        };
+        let pre_gelu = matches!(epilogue, Epilogue::BiasGelu).then(|| Mutex::new(None));
+        return x.contiguous()?.apply_op3(&same(w)?, &same(b)?, Linear { epilogue, pre_gelu });
+    }
     let same = |t: &Tensor| stage2_sdpa::elementwise::to_dtype(&t.contiguous()?, x.dtype(), Elementwise::Parallel);
     let (x, w, b) = (x.contiguous()?, same(w)?, same(b)?);
-    x.apply_op3_no_bwd(&w, &b, &Linear { epilogue })
+    x.apply_op3_no_bwd(&w, &b, &Linear { epilogue, pre_gelu: None })
 }
 
 impl CustomOp3 for Linear<'_> {
@@ -355,6 +405,7 @@ impl CustomOp3 for Linear<'_> {
             Epilogue::BiasGelu => {} // the bias goes in with GELU, after the GEMM
         }
         let gelu = matches!(self.epilogue, Epilogue::BiasGelu);
+        let mut pre_gelu = self.pre_gelu.as_ref().map(|_| vec![0f32; m * n]); // training: x·Wᵀ, for bwd
         let rows = if gelu { GELU_ROWS } else { m.max(1) };
         for r0 in (0..m).step_by(rows) {
             let mb = rows.min(m - r0);
@@ -362,6 +413,9 @@ impl CustomOp3 for Linear<'_> {
             // GELU: the GEMM overwrites dst (β = 0: it never reads the zeros), then one pass adds the
             // bias and applies GELU; otherwise it accumulates onto the bias (and residual) rows.
             operands.gemm_into(dst, (r0, mb), (n, k), !gelu)?;
+            if let Some(keep) = pre_gelu.as_mut() {
+                keep[r0 * n..(r0 + mb) * n].copy_from_slice(dst);
+            }
             if gelu {
                 // y = gelu(acc + b), on all threads, SIMD (gelu_tanh has no libm call)
                 dst.par_chunks_mut(ROWS_PER_TASK * n).for_each(|block| {
@@ -370,6 +424,9 @@ impl CustomOp3 for Linear<'_> {
                     }
                 });
             }
+        }
+        if let (Some(slot), Some(keep)) = (&self.pre_gelu, pre_gelu) {
+            *slot.lock().map_err(|_| candle_core::Error::Msg("linear: poisoned lock".into()))? = Some(keep);
         }
         Ok((to_storage(out, out_dtype)?, Shape::from((bsz, t, n))))
     }
@@ -388,6 +445,34 @@ impl CustomOp3 for Linear<'_> {
         let n = wl.shape().dims()[0];
         let y = crate::cuda::linear(xs, xl, ws, wl, bs, bl, self.epilogue)?;
         Ok((y, Shape::from((bsz, t, n))))
+    }
+
+    /// dx, dW, db in the arguments' dtypes: the bias gradient (and GELU's derivative) in one pass
+    /// over dy (`backward`), then dx = dz·W and dW = dzᵀ·x as candle matmuls.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dz, db) = match self.epilogue {
+            Epilogue::Bias => backward::bias_bwd(dy)?,
+            Epilogue::BiasGelu => {
+                let slot = self
+                    .pre_gelu
+                    .as_ref()
+                    .map(|s| s.lock().map_err(|_| candle_core::Error::Msg("linear: poisoned lock".into())))
+                    .transpose()?;
+                backward::bias_gelu_bwd(dy, slot.as_ref().and_then(|s| s.as_deref()), b)?
+            }
+            Epilogue::BiasResidual(_) => {
+                candle_core::bail!("linear: bias + residual is never recorded for backward (see `linear_bias_residual`)")
+            }
+        };
+        let (dx, dw) = backward::linear_bwd(x, w, &dz)?;
+        Ok((Some(dx), Some(dw), Some(db.to_dtype(b.dtype())?)))
     }
 }
 
@@ -530,11 +615,14 @@ pub fn gelu_tanh(v: f32) -> f32 {
 /// `t` in f32 and contiguous: the same tensor when it already is (no copy); on the CPU the cast
 /// runs on all threads (`stage2_sdpa::elementwise::to_dtype`).
 fn f32_contiguous(t: &Tensor) -> candle_core::Result<Tensor> {
+    if t.track_op() {
+        return t.contiguous()?.to_dtype(DType::F32); // candle's cast keeps the graph; same values
+    }
     stage2_sdpa::elementwise::to_dtype(&t.contiguous()?, DType::F32, Elementwise::Parallel)
 }
 
 /// A contiguous CPU storage's values as f32: borrowed when they are f32, else widened on all threads.
-fn f32_values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<Cow<'a, [f32]>> {
+pub(crate) fn f32_values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<Cow<'a, [f32]>> {
     let Some((start, end)) = l.contiguous_offsets() else { candle_core::bail!("{what} must be contiguous") };
     Ok(match s {
         CpuStorage::F32(v) => Cow::Borrowed(&v[start..end]),

@@ -1,0 +1,502 @@
+//! The backward pass of `attention`: FlashAttention-2's (Dao 2023, Algorithm 2) on the CPU, as
+//! the `bwd` of the same candle op, so `loss.backward()` through `attention(q, k, v, causal)`
+//! gives dQ, dK, dV without ever holding a (T, T) tensor.
+//!
+//! Per (batch, head), in the paper's notation (O the forward's output, dO its gradient, L the
+//! per-row log-sum-exp of the scaled scores):
+//!
+//! ```text
+//! D_i   = rowsum(dO_i ∘ O_i)                    one pass, before any tile
+//! for each key tile K_j, V_j (B_c × d):  dK_j = dV_j = 0
+//!   for each query tile Q_i (B_r × d) that sees it:
+//!     S    = Q_i K_jᵀ · scale                   GEMM  B_r × B_c × d
+//!     P    = exp(S − L_i)  (0 where masked)     the softmax, recomputed from L: no max, no sum
+//!     dV_j += Pᵀ dO_i                           GEMM  B_c × d × B_r
+//!     dP   = dO_i V_jᵀ                          GEMM  B_r × B_c × d
+//!     dS   = P ∘ (dP − D_i)                     softmax's Jacobian, row by row
+//!     dQ_i += dS K_j · scale                    GEMM  B_r × d × B_c
+//!     dK_j += dSᵀ Q_i · scale                   GEMM  B_c × d × B_r
+//! ```
+//!
+//! Five tile GEMMs where the forward has two: 2.5 forwards' worth of FLOPs. The key
+//! tiles are the outer loop (as in the paper): dK_j and dV_j stay in one worker's cache while
+//! the query tiles stream past; dQ accumulates across key tiles in a (T, d) buffer of the head.
+//! One rayon task per (batch, head) owns all three, so nothing is shared between threads.
+//!
+//! L is recomputed here (one more Q·Kᵀ sweep with the forward's online max and sum) rather than
+//! saved by the forward: the forward kernels stay as they are, and inference pays nothing for
+//! training. The price is a sixth tile GEMM per tile pair, a sixth of this pass's FLOPs. (Where
+//! the forward has L in hand: `registers.rs` and `attend_head_tiles_impl` hold m and l when they
+//! write a row; saving m + ln l there is the hook that would remove this sweep.)
+//!
+//! On CUDA the same `bwd` runs `bwd_candle_ops`: the same equations as whole-tensor candle ops,
+//! which do materialise (B, n_head, T, T) — correct, but not FlashAttention's memory.
+//!
+//! Slow twins: `grads_slow`, candle's autograd through the naive attention (matmul, mask,
+//! softmax, matmul), and `small_head_bwd`, the same algorithm as scalar loops over one head.
+
+use super::max_f32;
+use crate::elementwise::{exp_f32, sum_f32};
+use candle_core::{DType, Device, Tensor, Var, D};
+use rayon::prelude::*;
+
+/// Query rows per tile (B_r): S, P and dP are B_r × B_c f32 (64 KiB each at 128 × 128), and with
+/// dK_j, dV_j (B_c × d) they stay in a worker's L2 while the five GEMMs run over them.
+pub const BR: usize = 128;
+/// Keys per tile (B_c).
+pub const BC: usize = 128;
+
+/// The gradients of `attention(q, k, v, causal)` for output gradient `d_o`, given the forward's
+/// output `o`. q, k, v: (B, T, n_head, d_head) in any layout (stage 3's views of one QKV output
+/// too); o and d_o the same shape. Returns (dq, dk, dv), contiguous, in q's dtype.
+pub fn attention_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    d_o: &Tensor,
+    scale: f32,
+    causal: bool,
+) -> candle_core::Result<[Tensor; 3]> {
+    if q.device().is_cuda() {
+        return bwd_candle_ops(q, k, v, o, d_o, scale, causal);
+    }
+    let (b, t, h, d) = q.dims4()?;
+    // Each input once as f32, contiguous (B, T, n_head, d_head): a head's row r is at
+    // ((b·T + r)·n_head + h)·d, rows n_head·d apart, which the tile GEMMs read in place. One copy
+    // per input (widening bf16/f16 on the way: the GEMMs are f32), small beside the five GEMMs.
+    let f32_rows = |x: &Tensor| -> candle_core::Result<Vec<f32>> { x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>() };
+    let (qv, kv, vv, ov, dov) = (f32_rows(q)?, f32_rows(k)?, f32_rows(v)?, f32_rows(o)?, f32_rows(d_o)?);
+    let grads: Vec<[Vec<f32>; 3]> = (0..b * h)
+        .into_par_iter()
+        .map(|bh| {
+            let base = (bh / h) * t * h * d + (bh % h) * d;
+            let rs = h * d;
+            let io = HeadIo {
+                q: Rows { data: &qv[base..], rs },
+                k: Rows { data: &kv[base..], rs },
+                v: Rows { data: &vv[base..], rs },
+                o: Rows { data: &ov[base..], rs },
+                d_o: Rows { data: &dov[base..], rs },
+            };
+            head_bwd(&io, t, d, scale, causal)
+        })
+        .collect();
+    // Scatter each head's (T, d) gradients into (B, T, n_head, d_head).
+    let mut out = [vec![0f32; b * t * h * d], vec![0f32; b * t * h * d], vec![0f32; b * t * h * d]];
+    for (bh, g) in grads.iter().enumerate() {
+        let base = (bh / h) * t * h * d + (bh % h) * d;
+        for (dst, src) in out.iter_mut().zip(g) {
+            for (r, row) in src.chunks_exact(d).enumerate() {
+                dst[base + r * h * d..][..d].copy_from_slice(row);
+            }
+        }
+    }
+    let [dq, dk, dv] = out;
+    let back = |g: Vec<f32>| Tensor::from_vec(g, (b, t, h, d), &Device::Cpu)?.to_dtype(q.dtype());
+    Ok([back(dq)?, back(dk)?, back(dv)?])
+}
+
+/// One head's rows inside a (B, T, n_head, d_head) buffer: row r starts at `r·rs`.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    data: &'a [f32],
+    rs: usize,
+}
+
+impl Rows<'_> {
+    fn row(&self, r: usize, d: usize) -> &[f32] {
+        &self.data[r * self.rs..][..d]
+    }
+}
+
+/// One head's inputs to the backward.
+struct HeadIo<'a> {
+    q: Rows<'a>,
+    k: Rows<'a>,
+    v: Rows<'a>,
+    o: Rows<'a>,
+    d_o: Rows<'a>,
+}
+
+/// dQ, dK, dV of one head as (T, d) rows. The element-wise loops (exp, dS) are compiled three
+/// times (baseline, AVX2+FMA, AVX-512) and picked at run time, as the forward's are; the tile
+/// GEMMs dispatch on their own.
+fn head_bwd(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: this CPU supports AVX-512F and FMA, checked on the line above.
+        return unsafe { head_bwd_avx512(io, t, d, scale, causal) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: this CPU supports AVX2 and FMA, checked on the line above.
+        return unsafe { head_bwd_avx2_fma(io, t, d, scale, causal) };
+    }
+    head_bwd_impl(io, t, d, scale, causal)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn head_bwd_avx2_fma(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
+    head_bwd_impl(io, t, d, scale, causal)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn head_bwd_avx512(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
+    head_bwd_impl(io, t, d, scale, causal)
+}
+
+#[inline(always)]
+fn head_bwd_impl(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
+    let HeadIo { q, k, v, o, d_o } = *io;
+    let lse = log_sum_exp(q, k, t, d, scale, causal); // L_i = m_i + ln l_i, (T)
+                                                      // D_i = rowsum(dO_i ∘ O_i): the Σ_j P_ij dP_ij that softmax's Jacobian subtracts, from
+                                                      // (T, d) values instead of a (T, T) row.
+    let delta: Vec<f32> = (0..t).map(|r| d_o.row(r, d).iter().zip(o.row(r, d)).map(|(a, b)| a * b).sum()).collect();
+    let (mut dq, mut dk, mut dv) = (vec![0f32; t * d], vec![0f32; t * d], vec![0f32; t * d]);
+    let (mut p, mut dp) = (vec![0f32; BR * BC], vec![0f32; BR * BC]); // P and dS in p; dP: B_r × B_c, row stride B_c
+    for j0 in (0..t).step_by(BC) {
+        let bc = BC.min(t - j0);
+        let (dk_j, dv_j) = (&mut dk[j0 * d..(j0 + bc) * d], &mut dv[j0 * d..(j0 + bc) * d]); // (B_c, d), accumulated
+        let k_j = Mat { data: &k.data[j0 * k.rs..], rows: bc, cols: d, rs: k.rs, cs: 1 };
+        let v_j = Mat { data: &v.data[j0 * v.rs..], rows: bc, cols: d, rs: v.rs, cs: 1 };
+        // Causal: query tiles wholly before this key tile see none of it.
+        let i_first = if causal { j0 / BR * BR } else { 0 };
+        for i0 in (i_first..t).step_by(BR) {
+            let br = BR.min(t - i0);
+            let q_i = Mat { data: &q.data[i0 * q.rs..], rows: br, cols: d, rs: q.rs, cs: 1 };
+            let do_i = Mat { data: &d_o.data[i0 * d_o.rs..], rows: br, cols: d, rs: d_o.rs, cs: 1 };
+            gemm_into(&mut p, BC, false, q_i, k_j.t(), scale); // S = Q_i K_jᵀ · scale
+            for r in 0..br {
+                // Keys this row sees: all, or (causal) up to its own position.
+                let n = if causal { bc.min((i0 + r + 1).saturating_sub(j0)) } else { bc };
+                let (row, l) = (&mut p[r * BC..][..bc], lse[i0 + r]);
+                row[..n].iter_mut().for_each(|s| *s = exp_f32(*s - l)); // P = exp(S − L)
+                row[n..].fill(0.0); // masked: P = 0, so dS = 0 there too
+            }
+            let p_ij = Mat { data: &p, rows: br, cols: bc, rs: BC, cs: 1 };
+            gemm_into(dv_j, d, true, p_ij.t(), do_i, 1.0); // dV_j += Pᵀ dO_i
+            gemm_into(&mut dp, BC, false, do_i, v_j.t(), 1.0); // dP = dO_i V_jᵀ
+            for r in 0..br {
+                let di = delta[i0 + r];
+                let (ds, dp) = (&mut p[r * BC..][..bc], &dp[r * BC..][..bc]);
+                ds.iter_mut().zip(dp).for_each(|(x, &g)| *x *= g - di); // dS = P ∘ (dP − D_i), in place of P
+            }
+            let ds = Mat { data: &p, rows: br, cols: bc, rs: BC, cs: 1 };
+            gemm_into(&mut dq[i0 * d..(i0 + br) * d], d, true, ds, k_j, scale); // dQ_i += dS K_j · scale
+            gemm_into(dk_j, d, true, ds.t(), q_i, scale); // dK_j += dSᵀ Q_i · scale
+        }
+    }
+    [dq, dk, dv]
+}
+
+/// L_i = m_i + ln l_i per query row: the forward's online max and sum over the scaled scores,
+/// tile by tile (S = Q_i K_jᵀ · scale, B_r × B_c at a time), without the output. Inlined into
+/// `head_bwd_impl`, so its loops are compiled for the same vector width.
+#[inline(always)]
+fn log_sum_exp(q: Rows, k: Rows, t: usize, d: usize, scale: f32, causal: bool) -> Vec<f32> {
+    let mut lse = vec![0f32; t];
+    let mut s = vec![0f32; BR * BC];
+    for i0 in (0..t).step_by(BR) {
+        let br = BR.min(t - i0);
+        let (mut m, mut l) = ([f32::NEG_INFINITY; BR], [0f32; BR]);
+        let q_i = Mat { data: &q.data[i0 * q.rs..], rows: br, cols: d, rs: q.rs, cs: 1 };
+        let kv_end = if causal { i0 + br } else { t };
+        for j0 in (0..kv_end).step_by(BC) {
+            let bc = BC.min(kv_end - j0);
+            let k_j = Mat { data: &k.data[j0 * k.rs..], rows: bc, cols: d, rs: k.rs, cs: 1 };
+            gemm_into(&mut s, BC, false, q_i, k_j.t(), scale);
+            for r in 0..br {
+                let n = if causal { bc.min((i0 + r + 1).saturating_sub(j0)) } else { bc };
+                if n == 0 {
+                    continue;
+                }
+                // The forward's vectorised loops: 16 running maxima and sums, exp in place.
+                let row = &mut s[r * BC..][..n];
+                let m_new = max_f32(row, m[r]); // m' = max(m, rowmax(S))
+                row.iter_mut().for_each(|x| *x = exp_f32(*x - m_new));
+                l[r] = exp_f32(m[r] - m_new) * l[r] + sum_f32(row); // l = e^(m − m')·l + rowsum(e^(S − m'))
+                m[r] = m_new;
+            }
+        }
+        for r in 0..br {
+            lse[i0 + r] = m[r] + l[r].ln();
+        }
+    }
+    lse
+}
+
+/// A strided f32 matrix: element (i, j) at `i·rs + j·cs`; `t()` is its transpose, no copy.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl Mat<'_> {
+    fn t(self) -> Self {
+        Mat { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
+    }
+}
+
+/// dst (a.rows × b.cols, row stride `ld`) = [dst +] beta · a · b, on one thread (rayon is busy
+/// with the other heads), through the `gemm` crate's micro-kernels.
+fn gemm_into(dst: &mut [f32], ld: usize, accumulate: bool, a: Mat, b: Mat, beta: f32) {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    assert_eq!(k, b.rows, "inner dimensions");
+    let last = |x: &Mat| (x.rows - 1) * x.rs + (x.cols - 1) * x.cs;
+    assert!(
+        m * n * k > 0 && last(&a) < a.data.len() && last(&b) < b.data.len() && (m - 1) * ld + n <= dst.len(),
+        "tiles sized by the caller"
+    );
+    // SAFETY: every element either operand or dst addresses lies inside its slice (asserted
+    // above); dst is a unique borrow, so it aliases neither operand.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            ld as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            if accumulate { 1.0 } else { 0.0 },
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// The same equations as whole-tensor candle ops, on any device: what `bwd` runs on CUDA. It
+/// materialises P and dS, (B, n_head, T, T) f32 each — FlashAttention's backward on the GPU is
+/// not built yet, and this keeps training correct there meanwhile.
+pub fn bwd_candle_ops(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    d_o: &Tensor,
+    scale: f32,
+    causal: bool,
+) -> candle_core::Result<[Tensor; 3]> {
+    let heads = |x: &Tensor| x.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous(); // (B, n_head, T, d_head)
+    let (qh, kh, vh, oh, doh) = (heads(q)?, heads(k)?, heads(v)?, heads(o)?, heads(d_o)?);
+    let p = softmax_scores(&qh, &kh, scale, causal)?; // (B, n_head, T, T)
+    let dv = p.t()?.matmul(&doh)?; // dV = Pᵀ dO
+    let dp = doh.matmul(&vh.t()?)?; // dP = dO Vᵀ
+    let delta = (&doh * &oh)?.sum_keepdim(D::Minus1)?; // D = rowsum(dO ∘ O), (B, n_head, T, 1)
+    let ds = (&p * dp.broadcast_sub(&delta)?)?; // dS = P ∘ (dP − D)
+    let dq = (ds.matmul(&kh)? * scale as f64)?; // dQ = dS K · scale
+    let dk = (ds.t()?.matmul(&qh)? * scale as f64)?; // dK = dSᵀ Q · scale
+    let back = |g: Tensor| g.transpose(1, 2)?.contiguous()?.to_dtype(q.dtype()); // (B, T, n_head, d_head)
+    Ok([back(dq)?, back(dk)?, back(dv)?])
+}
+
+/// softmax(q kᵀ · scale [+ causal mask]) over (B, n_head, T, d_head) f32 inputs: (B, n_head, T, T).
+fn softmax_scores(q: &Tensor, k: &Tensor, scale: f32, causal: bool) -> candle_core::Result<Tensor> {
+    let t = q.dim(2)?;
+    let mut s = (q.matmul(&k.t()?)? * scale as f64)?;
+    if causal {
+        let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+        s = s.broadcast_add(&Tensor::from_vec(mask, (t, t), q.device())?)?;
+    }
+    let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// The slow twin: the naive attention (matmul, mask, softmax, matmul; f32) and candle's autograd
+/// through it, for the loss ⟨attention(q, k, v), d_o⟩. q, k, v, d_o: (B, T, n_head, d_head).
+/// Returns (dq, dk, dv) in f32.
+pub fn grads_slow(q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor, causal: bool) -> candle_core::Result<[Tensor; 3]> {
+    let scale = 1.0 / (q.dim(3)? as f32).sqrt();
+    let var = |x: &Tensor| Var::from_tensor(&x.to_dtype(DType::F32)?.contiguous()?);
+    let (qv, kv, vv) = (var(q)?, var(k)?, var(v)?);
+    let heads = |x: &Tensor| x.transpose(1, 2)?.contiguous(); // (B, n_head, T, d_head)
+    let p = softmax_scores(&heads(qv.as_tensor())?, &heads(kv.as_tensor())?, scale, causal)?;
+    let y = p.matmul(&heads(vv.as_tensor())?)?.transpose(1, 2)?; // (B, T, n_head, d_head)
+    let loss = (y * d_o.to_dtype(DType::F32)?)?.sum_all()?;
+    let grads = loss.backward()?;
+    let grad = |x: &Var| grads.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("attention twin: no gradient".into()));
+    Ok([grad(&qv)?, grad(&kv)?, grad(&vv)?])
+}
+
+/// The small version: one head's backward as scalar loops, row by row (the same equations as
+/// `head_bwd_impl` without tiles or GEMMs). q, k, v, o, d_o: (T, d) rows. Returns dQ, dK, dV.
+pub fn small_head_bwd(q: &[f32], k: &[f32], v: &[f32], o: &[f32], d_o: &[f32], d: usize, causal: bool) -> [Vec<f32>; 3] {
+    let t = q.len() / d;
+    let scale = 1.0 / (d as f32).sqrt();
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    let (mut dq, mut dk, mut dv) = (vec![0f32; t * d], vec![0f32; t * d], vec![0f32; t * d]);
+    for i in 0..t {
+        let (q_i, do_i) = (&q[i * d..][..d], &d_o[i * d..][..d]);
+        let keys = if causal { i + 1 } else { t };
+        let s: Vec<f32> = (0..keys).map(|j| scale * dot(q_i, &k[j * d..][..d])).collect();
+        let m = s.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+        let lse = m + s.iter().map(|&x| (x - m).exp()).sum::<f32>().ln(); // L_i
+        let delta = dot(do_i, &o[i * d..][..d]); // D_i = dO_i · O_i
+        for (j, &s_ij) in s.iter().enumerate() {
+            let p = (s_ij - lse).exp(); // P_ij
+            let ds = p * (dot(do_i, &v[j * d..][..d]) - delta); // dS_ij = P_ij (dP_ij − D_i)
+            for c in 0..d {
+                dv[j * d + c] += p * do_i[c]; // dV_j += P_ij dO_i
+                dq[i * d + c] += scale * ds * k[j * d + c]; // dQ_i += dS_ij K_j · scale
+                dk[j * d + c] += scale * ds * q_i[c]; // dK_j += dS_ij Q_i · scale
+            }
+        }
+    }
+    [dq, dk, dv]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::IndexOp;
+    use shared::weights::SplitMix64;
+
+    /// max |a − b| / max(max |b|, 1): the worst element against the gradient's scale; absolute
+    /// for gradients below 1 throughout (dQ and dK are 0 at T = 1, up to rounding).
+    fn rel_max(a: &Tensor, b: &Tensor) -> f32 {
+        let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        worst / b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0)
+    }
+
+    /// q, k, v as views of one (B, T, 3, n_head, d_head) Var (stage 3's QKV output, strides
+    /// (3·T·C, 3·C, d, 1)) or as three contiguous Vars; returns the views and the Vars.
+    fn inputs(dims: (usize, usize, usize, usize), seed: u64, strided: bool) -> ([Tensor; 3], Vec<Var>) {
+        let (b, t, h, d) = dims;
+        let randn = |n: usize, s: u64| SplitMix64::new(s).normals(n);
+        if strided {
+            let qkv = Var::from_vec(randn(b * t * 3 * h * d, seed), (b, t, 3, h, d), &Device::Cpu).unwrap();
+            let part = |i: usize| qkv.as_tensor().i((.., .., i)).unwrap();
+            ([part(0), part(1), part(2)], vec![qkv])
+        } else {
+            let vars: Vec<Var> = (0..3).map(|i| Var::from_vec(randn(b * t * h * d, seed + i), dims, &Device::Cpu).unwrap()).collect();
+            ([vars[0].as_tensor().clone(), vars[1].as_tensor().clone(), vars[2].as_tensor().clone()], vars)
+        }
+    }
+
+    #[test]
+    fn backward_matches_the_autograd_twin() {
+        // Ragged T (not a multiple of B_r = B_c = 128, and below one tile), B·n_head > 1, d_head
+        // 16/64/80, causal and not, contiguous inputs and stage 3's strided views.
+        let cases = [
+            ((2, 37, 3, 16), true, false),
+            ((1, 300, 2, 64), true, true),
+            ((2, 129, 2, 80), false, true),
+            ((1, 260, 1, 64), false, false),
+            ((1, 1, 2, 16), true, false),
+        ];
+        let worst = cases
+            .iter()
+            .enumerate()
+            .map(|(i, &(dims, causal, strided))| check_against_twin(dims, causal, strided, 11 + i as u64))
+            .fold(0f32, f32::max);
+        eprintln!("attention backward vs autograd twin, f32: max |Δ| / max |g| = {worst:.2e}");
+    }
+
+    /// The gradients candle's graph gives q, k, v through `attention` (`loss.backward()`, through
+    /// the views when `strided`) against the autograd twin's, dq, dk, dv each within 1e-5 at f32
+    /// (max |Δ| / max |g|: sums of up to T·d products reordered by tiles; measured 7e-7).
+    /// Returns the worst.
+    fn check_against_twin(dims: (usize, usize, usize, usize), causal: bool, strided: bool, seed: u64) -> f32 {
+        let ([q, k, v], vars) = inputs(dims, seed, strided);
+        let d_o = Tensor::from_vec(SplitMix64::new(seed + 99).normals(dims.0 * dims.1 * dims.2 * dims.3), dims, &Device::Cpu).unwrap();
+        let y = crate::attention::attention(&q, &k, &v, causal).unwrap();
+        let grads = (y * &d_o).unwrap().sum_all().unwrap().backward().unwrap();
+        let want = grads_slow(&q, &k, &v, &d_o, causal).unwrap();
+        let got: Vec<Tensor> = if strided {
+            let g = grads.get(vars[0].as_tensor()).expect("a gradient for the QKV tensor");
+            (0..3).map(|p| g.i((.., .., p)).unwrap()).collect()
+        } else {
+            vars.iter().map(|x| grads.get(x.as_tensor()).expect("a gradient for each input").clone()).collect()
+        };
+        let mut worst = 0f32;
+        for (name, g, w) in [("dq", &got[0], &want[0]), ("dk", &got[1], &want[1]), ("dv", &got[2], &want[2])] {
+            assert_eq!(g.dims(), w.dims());
+            let e = rel_max(g, w);
+            assert!(e <= 1e-5, "{dims:?} causal={causal} strided={strided} {name}: {e}");
+            worst = worst.max(e);
+        }
+        worst
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 16, ..Default::default() })]
+
+        #[test]
+        fn backward_matches_the_twin_on_random_shapes(
+            b in 1usize..3,
+            t in 1usize..300,
+            h in 1usize..4,
+            d in proptest::sample::select(vec![8usize, 16, 24, 40, 64]),
+            causal: bool,
+            strided: bool,
+            seed in 0u64..1 << 20,
+        ) {
+            check_against_twin((b, t, h, d), causal, strided, seed);
+        }
+    }
+
+    #[test]
+    fn half_precision_inputs_get_gradients_in_their_dtype() {
+        // bf16/f16 q, k, v: computed in f32, returned in the input dtype; against the f32 twin
+        // on the same (rounded) inputs within 5e-3 for bf16, 1e-3 for f16 (the rounding of dO
+        // and of each gradient to 8 or 11 bits; measured 2.8e-3 and 3.8e-4).
+        let dims = (1, 70, 2, 32);
+        for dtype in [DType::BF16, DType::F16] {
+            let ([q, k, v], _) = inputs(dims, 5, false);
+            let (q, k, v) = (q.to_dtype(dtype).unwrap(), k.to_dtype(dtype).unwrap(), v.to_dtype(dtype).unwrap());
+            let d_o = Tensor::from_vec(SplitMix64::new(6).normals(70 * 64), dims, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let o = crate::attention::attention(&q, &k, &v, true).unwrap();
+            let got = attention_bwd(&q, &k, &v, &o, &d_o, 1.0 / 32f32.sqrt(), true).unwrap();
+            let want = grads_slow(&q, &k, &v, &d_o, true).unwrap();
+            for (g, w) in got.iter().zip(&want) {
+                assert_eq!(g.dtype(), dtype);
+                let (e, tol) = (rel_max(g, w), if dtype == DType::BF16 { 5e-3 } else { 1e-3 });
+                assert!(e <= tol, "{dtype:?}: {e}");
+                eprintln!("attention backward, {dtype:?} inputs, vs f32 twin: {e:.2e}");
+            }
+        }
+    }
+
+    #[test]
+    fn candle_ops_version_and_small_version_match_the_twin() {
+        // The CUDA path (`bwd_candle_ops`) runs on the CPU too, and the scalar small version
+        // on one head: both within 1e-5 of autograd, f32.
+        for causal in [true, false] {
+            let dims = (2, 45, 2, 16);
+            let ([q, k, v], _) = inputs(dims, 21, true);
+            let d_o = Tensor::from_vec(SplitMix64::new(22).normals(2 * 45 * 32), dims, &Device::Cpu).unwrap();
+            let o = crate::attention::attention(&q, &k, &v, causal).unwrap();
+            let want = grads_slow(&q, &k, &v, &d_o, causal).unwrap();
+            let ops = bwd_candle_ops(&q, &k, &v, &o, &d_o, 0.25, causal).unwrap();
+            for (g, w) in ops.iter().zip(&want) {
+                assert!(rel_max(g, w) <= 1e-5, "candle ops causal={causal}: {}", rel_max(g, w));
+            }
+            // Head (b = 1, h = 0) as (T, d) rows.
+            let head = |x: &Tensor| x.i((1, .., 0)).unwrap().contiguous().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let small = small_head_bwd(&head(&q), &head(&k), &head(&v), &head(&o), &head(&d_o), 16, causal);
+            for (g, w) in small.into_iter().zip(&want) {
+                let g = Tensor::from_vec(g, (45, 16), &Device::Cpu).unwrap();
+                let w = w.i((1, .., 0)).unwrap();
+                assert!(rel_max(&g, &w) <= 1e-5, "small causal={causal}: {}", rel_max(&g, &w));
+            }
+        }
+    }
+}

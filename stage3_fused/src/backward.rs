@@ -1,0 +1,383 @@
+//! The backward passes of `ops`' fused ops: each is the `bwd` of its candle op, so
+//! `loss.backward()` through the block runs them; each sits here beside its slow twin, candle's
+//! autograd through the op's plain-ops twin (`grads_of` on `ops::*_slow`), and a test asserts
+//! they agree on random shapes.
+//!
+//! | fused op               | its backward                                          | GEMMs after         |
+//! |------------------------|-------------------------------------------------------|---------------------|
+//! | `layer_norm`           | `layer_norm_bwd`: one pass per row of x and dy        | —                   |
+//! | `linear_bias`          | `bias_bwd`: db = Σ_rows dy, one pass                  | dx = dy·W, dW = dyᵀ·x |
+//! | `linear_bias_gelu`     | `bias_gelu_bwd`: dz = dy ∘ gelu′(z), db = Σ_rows dz, one pass | dx = dz·W, dW = dzᵀ·x |
+//! | `linear_bias_residual` | `linear_bias`'s, and dr = dy through candle's add     | as `linear_bias`    |
+//! | `add_layer_norm`       | `layer_norm_bwd`, and candle's add                    | —                   |
+//!
+//! The element-wise backward work rides on one read of the output gradient, as the forward's
+//! epilogues ride on the GEMM's output: the primitive ops' autograd makes a pass per op (GELU's
+//! nine, LayerNorm's nine, a reduction for the bias). The two GEMMs per linear are candle's
+//! matmul in f32 (bf16/f16 operands are widened; gradients return in the operands' dtype).
+//!
+//! On CUDA: LayerNorm's and the bias's backward run as candle ops (`layer_norm_bwd_ops`, a
+//! reduction), correct on any device; bias + GELU's returns an error, because the CUDA forward
+//! (a cuBLASLt epilogue) keeps no pre-activation to differentiate GELU at.
+
+use crate::ops::{f32_values, ROWS_PER_TASK};
+use candle_core::{DType, Device, Storage, Tensor, Var, D};
+use rayon::prelude::*;
+use stage2_sdpa::elementwise::{exp_f32, row_stats, RowStats};
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm
+// ---------------------------------------------------------------------------------------------
+
+/// LayerNorm's backward. x: (…, C) f32; g: (C) f32; dy: x's shape, any float dtype. Per row
+/// (x̂ = (x − mean)/σ, σ = √(var + ε), from the same one-read statistics as the forward):
+///
+/// ```text
+/// dx = (1/σ) · (g∘dy − mean(g∘dy) − x̂ · mean(g∘dy∘x̂))
+/// dg = Σ_rows dy∘x̂        db = Σ_rows dy
+/// ```
+///
+/// One read of the row for the two means (and its share of dg, db), one write of dx while the
+/// row is in L1; dg and db as per-thread partial sums, added at the end. Returns (dx, dg, db), f32.
+pub fn layer_norm_bwd(x: &Tensor, g: &Tensor, dy: &Tensor, eps: f32) -> candle_core::Result<[Tensor; 3]> {
+    if !x.device().is_cpu() {
+        return layer_norm_bwd_ops(x, g, dy, eps);
+    }
+    let c = x.dim(D::Minus1)?;
+    let (dx, dg, db) = with_f32(x, |x| {
+        with_f32(g, |g| {
+            with_f32(dy, |dy| {
+                let mut dx = vec![0f32; x.len()];
+                let rows = ROWS_PER_TASK * c;
+                let zeros = || (vec![0f32; c], vec![0f32; c]);
+                let (dg, db) = dx
+                    .par_chunks_mut(rows)
+                    .zip(x.par_chunks(rows).zip(dy.par_chunks(rows)))
+                    .fold(zeros, |(mut dg, mut db), (dx, (x, dy))| {
+                        for ((dx, x), dy) in dx.chunks_mut(c).zip(x.chunks(c)).zip(dy.chunks(c)) {
+                            layer_norm_row_bwd(x, g, dy, eps, dx, &mut dg, &mut db);
+                        }
+                        (dg, db)
+                    })
+                    .reduce(zeros, |(a_g, a_b), (b_g, b_b)| (add(a_g, &b_g), add(a_b, &b_b)));
+                Ok((dx, dg, db))
+            })
+        })
+    })?;
+    Ok([Tensor::from_vec(dx, x.shape(), &Device::Cpu)?, Tensor::from_vec(dg, c, &Device::Cpu)?, Tensor::from_vec(db, c, &Device::Cpu)?])
+}
+
+/// One row of `layer_norm_bwd`: dx written, the row's dy∘x̂ and dy added into dg and db.
+#[inline]
+fn layer_norm_row_bwd(x: &[f32], g: &[f32], dy: &[f32], eps: f32, dx: &mut [f32], dg: &mut [f32], db: &mut [f32]) {
+    let RowStats { shift, shift_minus_mean, inv_std } = row_stats(x, eps as f64);
+    let xhat = |v: f32| ((v - shift) + shift_minus_mean) * inv_std; // as the forward's normalise_row
+    let (mut sum_gdy, mut sum_gdy_xhat) = (0f32, 0f32);
+    for i in 0..x.len() {
+        let (xh, gdy) = (xhat(x[i]), g[i] * dy[i]);
+        sum_gdy += gdy;
+        sum_gdy_xhat += gdy * xh;
+        dg[i] += dy[i] * xh; // dg = Σ_rows dy∘x̂
+        db[i] += dy[i]; // db = Σ_rows dy
+    }
+    let n = x.len() as f32;
+    let (mean_gdy, mean_gdy_xhat) = (sum_gdy / n, sum_gdy_xhat / n);
+    for i in 0..x.len() {
+        dx[i] = inv_std * (g[i] * dy[i] - mean_gdy - xhat(x[i]) * mean_gdy_xhat);
+        // dx = (g∘dy − mean(g∘dy) − x̂·mean(g∘dy∘x̂)) / σ
+    }
+}
+
+/// `layer_norm_bwd` as candle ops, on any device (what CUDA runs): the same equations, a pass
+/// per op.
+pub fn layer_norm_bwd_ops(x: &Tensor, g: &Tensor, dy: &Tensor, eps: f32) -> candle_core::Result<[Tensor; 3]> {
+    let c = x.dim(D::Minus1)?;
+    let (x, dy) = (x.to_dtype(DType::F32)?, dy.to_dtype(DType::F32)?);
+    let xc = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+    let inv_std = (xc.sqr()?.mean_keepdim(D::Minus1)? + eps as f64)?.sqrt()?.recip()?; // (…, 1)
+    let xhat = xc.broadcast_mul(&inv_std)?;
+    let gdy = dy.broadcast_mul(g)?;
+    let proj = xhat.broadcast_mul(&(&gdy * &xhat)?.mean_keepdim(D::Minus1)?)?; // x̂ · mean(g∘dy∘x̂)
+    let dx = (gdy.broadcast_sub(&gdy.mean_keepdim(D::Minus1)?)? - proj)?.broadcast_mul(&inv_std)?;
+    let rows = |t: Tensor| t.reshape(((), c))?.sum(0); // Σ over every row: (C)
+    Ok([dx, rows((&dy * &xhat)?)?, rows(dy)?])
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear layers: the epilogue's backward, then two GEMMs
+// ---------------------------------------------------------------------------------------------
+
+/// The bias epilogue's backward: dz = dy as it is (no copy), db = Σ_rows dy in one parallel pass
+/// on the CPU. dy: (B, T, N). Returns (dz, db), db (N) f32.
+pub fn bias_bwd(dy: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let n = dy.dim(D::Minus1)?;
+    if !dy.device().is_cpu() {
+        return Ok((dy.clone(), dy.to_dtype(DType::F32)?.reshape(((), n))?.sum(0)?));
+    }
+    let db = with_f32(dy, |dy| Ok(column_sums(dy, n)))?;
+    Ok((dy.clone(), Tensor::from_vec(db, n, &Device::Cpu)?))
+}
+
+/// Bias + GELU's backward in one pass over dy: z = x·Wᵀ + b (x·Wᵀ kept by the forward, `pre_gelu`,
+/// (B·T, N) f32), dz = dy ∘ gelu′(z), db = Σ_rows dz. dy: (B, T, N); b: (N). Returns (dz, db) f32.
+pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    if !dy.device().is_cpu() {
+        candle_core::bail!(
+            "linear_bias_gelu: backward on CUDA is not built yet (the cuBLASLt epilogue keeps no pre-activation); \
+             train through linear_bias_gelu_slow there"
+        );
+    }
+    let Some(acc) = pre_gelu else { candle_core::bail!("linear_bias_gelu: backward without the forward's x·Wᵀ (recorded untracked?)") };
+    let n = dy.dim(D::Minus1)?;
+    let (dz, db) = with_f32(dy, |dy| {
+        with_f32(b, |b| {
+            if acc.len() != dy.len() || b.len() != n {
+                candle_core::bail!("linear_bias_gelu: kept x·Wᵀ has {} values, dy {}, b {} (N = {n})", acc.len(), dy.len(), b.len());
+            }
+            let mut dz = vec![0f32; dy.len()];
+            let rows = ROWS_PER_TASK * n;
+            let db = dz
+                .par_chunks_mut(rows)
+                .zip(dy.par_chunks(rows).zip(acc.par_chunks(rows)))
+                .fold(
+                    || vec![0f32; n],
+                    |mut db, (dz, (dy, acc))| {
+                        for ((dz, dy), acc) in dz.chunks_mut(n).zip(dy.chunks(n)).zip(acc.chunks(n)) {
+                            for j in 0..n {
+                                dz[j] = dy[j] * gelu_tanh_grad(acc[j] + b[j]); // dz = dy ∘ gelu′(x·Wᵀ + b)
+                                db[j] += dz[j]; // db = Σ_rows dz
+                            }
+                        }
+                        db
+                    },
+                )
+                .reduce(|| vec![0f32; n], |a, b| add(a, &b));
+            Ok((dz, db))
+        })
+    })?;
+    Ok((Tensor::from_vec(dz, dy.shape(), &Device::Cpu)?, Tensor::from_vec(db, n, &Device::Cpu)?))
+}
+
+/// d/dv of `ops::gelu_tanh`, v·σ(2u) with u = √(2/π)·(v + 0.044715·v³):
+/// σ(2u) + v·σ(2u)·(1 − σ(2u))·2·√(2/π)·(1 + 3·0.044715·v²). One exp, no libm (vectorises);
+/// 0 and 1 in the far tails, as the exact derivative.
+#[inline(always)]
+pub fn gelu_tanh_grad(v: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let u = SQRT_2_OVER_PI * (v + 0.044715 * v * v * v);
+    let s = 1.0 / (1.0 + exp_f32(-2.0 * u)); // σ(2u) = (1 + tanh u) / 2
+    s + v * s * (1.0 - s) * 2.0 * SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * v * v)
+}
+
+/// The two GEMMs of a linear's backward, as candle matmuls in f32: dx = dz·W ((B·T, N)·(N, K)) and
+/// dW = dzᵀ·x ((N, B·T)·(B·T, K)). x: (B, T, K); W: (N, K); dz: (B, T, N). Returns dx and dW in
+/// x's and W's dtypes.
+pub fn linear_bwd(x: &Tensor, w: &Tensor, dz: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let (bsz, t, k) = x.dims3()?;
+    let n = w.dim(0)?;
+    let dz = dz.to_dtype(DType::F32)?.reshape((bsz * t, n))?; // (B·T, N)
+    let dx = dz.matmul(&w.to_dtype(DType::F32)?)?.reshape((bsz, t, k))?.to_dtype(x.dtype())?;
+    let dw = dz.t()?.matmul(&x.to_dtype(DType::F32)?.reshape((bsz * t, k))?)?.to_dtype(w.dtype())?;
+    Ok((dx, dw))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The slow twin, and helpers
+// ---------------------------------------------------------------------------------------------
+
+/// Gradients of the loss Σ_i ⟨f(inputs)_i, upstream_i⟩ with respect to each input, by candle's
+/// autograd: with `ops::*_slow` as f, the slow twin of every backward in this file (with the
+/// fused op as f, what `bwd` computes). Returns one gradient per input (zeros where none flows).
+pub fn grads_of(
+    inputs: &[&Tensor],
+    f: impl Fn(&[Tensor]) -> candle_core::Result<Vec<Tensor>>,
+    upstream: &[&Tensor],
+) -> candle_core::Result<Vec<Tensor>> {
+    let vars = inputs.iter().map(|t| Var::from_tensor(&t.copy()?)).collect::<candle_core::Result<Vec<_>>>()?;
+    let outputs = f(&vars.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())?;
+    let mut loss = Tensor::zeros((), DType::F32, &inputs[0].device().clone())?;
+    for (y, dy) in outputs.iter().zip(upstream) {
+        loss = (loss + (y.to_dtype(DType::F32)? * dy.to_dtype(DType::F32)?)?.sum_all()?)?;
+    }
+    let grads = loss.backward()?;
+    vars.iter().map(|v| grads.get(v.as_tensor()).cloned().map_or_else(|| v.as_tensor().zeros_like(), Ok)).collect()
+}
+
+/// `f` on the values of a CPU tensor as f32 (its storage borrowed when it is f32 and contiguous).
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> candle_core::Result<R>) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let (s, l) = t.storage_and_layout();
+    let Storage::Cpu(s) = &*s else { candle_core::bail!("backward: {:?} is not on the CPU", t.device().location()) };
+    f(&f32_values(s, l, "backward input")?)
+}
+
+/// Σ over the rows of a (rows, n) matrix: per-thread partial sums over blocks of rows, then added.
+fn column_sums(v: &[f32], n: usize) -> Vec<f32> {
+    v.par_chunks(ROWS_PER_TASK * n)
+        .fold(
+            || vec![0f32; n],
+            |mut acc, block| {
+                block.chunks(n).for_each(|row| acc.iter_mut().zip(row).for_each(|(a, x)| *a += x));
+                acc
+            },
+        )
+        .reduce(|| vec![0f32; n], |a, b| add(a, &b))
+}
+
+fn add(mut a: Vec<f32>, b: &[f32]) -> Vec<f32> {
+    a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops;
+    use shared::weights::SplitMix64;
+
+    fn randn(dims: &[usize], seed: u64, std: f32) -> Tensor {
+        let v: Vec<f32> = SplitMix64::new(seed).normals(dims.iter().product()).into_iter().map(|z| z * std).collect();
+        Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+    }
+
+    /// max |a − b| / max(max |b|, 1e-3): the worst element against the gradient's scale.
+    fn rel_max(a: &Tensor, b: &Tensor) -> f32 {
+        assert_eq!(a.dims(), b.dims());
+        let v = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (a, b) = (v(a), v(b));
+        let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        worst / b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3)
+    }
+
+    /// Fused against slow gradients, input by input, within `tol`; returns the worst error.
+    fn agree(what: &str, fused: &[Tensor], slow: &[Tensor], tol: f32) -> f32 {
+        let mut worst = 0f32;
+        for (i, (a, b)) in fused.iter().zip(slow).enumerate() {
+            let e = rel_max(a, b);
+            assert!(e <= tol, "{what}, input {i}: {e} > {tol}");
+            worst = worst.max(e);
+        }
+        worst
+    }
+
+    /// (B, T, K → N) shapes: rows not a multiple of the 16-row tasks, widths not a multiple of
+    /// a SIMD vector, one row.
+    const SHAPES: [(usize, usize, usize, usize); 4] = [(2, 13, 48, 40), (1, 37, 77, 130), (3, 5, 16, 200), (1, 1, 24, 8)];
+
+    #[test]
+    fn layer_norm_backward_matches_the_twin() {
+        let worst = SHAPES.iter().enumerate().map(|(i, &(bsz, t, c, _))| check_layer_norm((bsz, t, c), 10 * i as u64)).fold(0f32, f32::max);
+        eprintln!("layer_norm backward vs autograd twin, f32: {worst:.2e}");
+    }
+
+    #[test]
+    fn add_layer_norm_backward_matches_the_twin_and_its_forward_is_unchanged() {
+        let worst = SHAPES
+            .iter()
+            .enumerate()
+            .map(|(i, &(bsz, t, c, _))| check_add_layer_norm((bsz, t, c), 20 + 10 * i as u64))
+            .fold(0f32, f32::max);
+        eprintln!("add_layer_norm backward vs autograd twin, f32: {worst:.2e}");
+    }
+
+    #[test]
+    fn linear_backwards_match_their_twins() {
+        let (mut worst, mut worst_bf16) = (0f32, 0f32);
+        for (i, &shape) in SHAPES.iter().enumerate() {
+            worst = worst.max(check_linears(shape, 100 + 10 * i as u64, DType::F32));
+            worst_bf16 = worst_bf16.max(check_linears(shape, 100 + 10 * i as u64, DType::BF16));
+        }
+        eprintln!("linear backwards vs autograd twins: f32 {worst:.2e}, bf16 operands {worst_bf16:.2e}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 16, ..Default::default() })]
+
+        #[test]
+        fn backwards_match_their_twins_on_random_shapes(bsz in 1usize..3, t in 1usize..40, k in 1usize..100, n in 1usize..100, seed in 0u64..1 << 20) {
+            check_layer_norm((bsz, t, k), seed);
+            check_add_layer_norm((bsz, t, k), seed);
+            check_linears((bsz, t, k, n), seed, DType::F32);
+        }
+    }
+
+    /// `layer_norm`'s gradients (x, g, b) against the twin's, and the candle-ops version (CUDA's)
+    /// too; f32: max |Δ| / max |g| ≤ 1e-5 (row means reordered; the twin's nine ops round
+    /// differently; measured 2e-7). Returns the worst.
+    fn check_layer_norm((bsz, t, c): (usize, usize, usize), s: u64) -> f32 {
+        let x = (randn(&[bsz, t, c], s, 2.0) + 3.0).unwrap(); // a mean far from 0
+        let (g, b) = ((randn(&[c], s + 1, 0.1) + 1.0).unwrap(), randn(&[c], s + 2, 0.1));
+        let dy = randn(&[bsz, t, c], s + 3, 1.0);
+        let fused = grads_of(&[&x, &g, &b], |v| Ok(vec![ops::layer_norm(&v[0], &v[1], &v[2], DType::F32)?]), &[&dy]).unwrap();
+        let slow = grads_of(&[&x, &g, &b], |v| Ok(vec![ops::layer_norm_slow(&v[0], &v[1], &v[2], DType::F32)?]), &[&dy]).unwrap();
+        let ops_version = layer_norm_bwd_ops(&x, &g, &dy, ops::LN_EPS).unwrap();
+        agree("layer_norm", &fused, &slow, 1e-5).max(agree("layer_norm_bwd_ops", &ops_version, &slow, 1e-5))
+    }
+
+    /// `add_layer_norm`'s gradients (x, branch, g, b), both outputs carrying one (x_new feeds the
+    /// next residual, h the MLP), against the twin's within 1e-5 at f32; and its forward, tracked
+    /// or not, the same bit for bit. Returns the worst.
+    fn check_add_layer_norm((bsz, t, c): (usize, usize, usize), s: u64) -> f32 {
+        let (x, branch) = (randn(&[bsz, t, c], s, 1.0), randn(&[bsz, t, c], s + 1, 0.5));
+        let (g, b) = ((randn(&[c], s + 2, 0.1) + 1.0).unwrap(), randn(&[c], s + 3, 0.1));
+        let (dx_new, dh) = (randn(&[bsz, t, c], s + 4, 1.0), randn(&[bsz, t, c], s + 5, 1.0));
+        let two = |(x, h): (Tensor, Tensor)| vec![x, h];
+        let inputs = [&x, &branch, &g, &b];
+        let fused = grads_of(&inputs, |v| Ok(two(ops::add_layer_norm(&v[0], &v[1], &v[2], &v[3])?)), &[&dx_new, &dh]).unwrap();
+        let slow = grads_of(&inputs, |v| Ok(two(ops::add_layer_norm_slow(&v[0], &v[1], &v[2], &v[3])?)), &[&dx_new, &dh]).unwrap();
+        let untracked = ops::add_layer_norm(&x, &branch, &g, &b).unwrap();
+        let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+        let tracked = ops::add_layer_norm(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), vars[3].as_tensor()).unwrap();
+        assert_eq!(rel_max(&tracked.0, &untracked.0), 0.0);
+        assert_eq!(rel_max(&tracked.1, &untracked.1), 0.0);
+        agree("add_layer_norm", &fused, &slow, 1e-5)
+    }
+
+    /// dx, dW, db (and dr) of the three epilogues against their twins': f32 within 1e-5; bf16
+    /// operands against the f32 twin on the same (rounded) values within 2e-2 (dy reaches the op
+    /// rounded to bf16, and the gradients return in bf16). Returns the worst.
+    fn check_linears((bsz, t, k, n): (usize, usize, usize, usize), s: u64, dtype: DType) -> f32 {
+        let (x, w, b) = (randn(&[bsz, t, k], s, 1.0), randn(&[n, k], s + 1, 0.2), randn(&[n], s + 2, 0.5));
+        let (r, dy) = (randn(&[bsz, t, n], s + 3, 1.0), randn(&[bsz, t, n], s + 4, 1.0));
+        let (x, w, b) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap(), b.to_dtype(dtype).unwrap());
+        let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+        let f32_inputs = |v: &[Tensor]| -> Vec<Tensor> { v.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect() };
+        type Lin = fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>;
+        let pairs: [(&str, Lin, Lin); 2] =
+            [("bias", ops::linear_bias, ops::linear_bias_slow), ("bias+gelu", ops::linear_bias_gelu, ops::linear_bias_gelu_slow)];
+        let mut worst = 0f32;
+        for (name, fused, slow) in pairs {
+            let a = grads_of(&[&x, &w, &b], |v| Ok(vec![fused(&v[0], &v[1], &v[2])?]), &[&dy]).unwrap();
+            let z = grads_of(&[&x, &w, &b], |v| Ok(vec![slow(&f32_inputs(v)[0], &f32_inputs(v)[1], &f32_inputs(v)[2])?]), &[&dy]).unwrap();
+            assert!(a.iter().zip([&x, &w, &b]).all(|(g, t)| g.dtype() == t.dtype()), "{name}: gradients in the operands' dtype");
+            worst = worst.max(agree(&format!("{name} {dtype:?} ({bsz}, {t}, {k} → {n})"), &a, &z, tol));
+        }
+        let a = grads_of(&[&x, &w, &b, &r], |v| Ok(vec![ops::linear_bias_residual(&v[0], &v[1], &v[2], &v[3])?]), &[&dy]).unwrap();
+        let z = grads_of(
+            &[&x, &w, &b, &r],
+            |v| {
+                let f = f32_inputs(&v[..3]);
+                Ok(vec![ops::linear_bias_residual_slow(&f[0], &f[1], &f[2], &v[3])?])
+            },
+            &[&dy],
+        )
+        .unwrap();
+        worst.max(agree(&format!("bias+residual {dtype:?} ({bsz}, {t}, {k} → {n})"), &a, &z, tol))
+    }
+
+    #[test]
+    fn gelu_derivative_matches_a_central_difference() {
+        // The derivative of the function the forward computes, in f64 differences: within 1e-4
+        // absolute over [−12, 12], and 0 and 1 in the tails.
+        for i in -1200..=1200 {
+            let v = i as f64 / 100.0;
+            let h = 1e-3;
+            let f = |x: f64| x * 0.5 * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh());
+            let want = (f(v + h) - f(v - h)) / (2.0 * h);
+            let got = gelu_tanh_grad(v as f32) as f64;
+            assert!((got - want).abs() < 1e-4, "gelu'({v}) = {got}, central difference {want}");
+        }
+        assert_eq!(gelu_tanh_grad(-100.0), 0.0);
+        assert_eq!(gelu_tanh_grad(100.0), 1.0);
+    }
+}
