@@ -16,9 +16,10 @@
 //! nine, LayerNorm's nine, a reduction for the bias). The two GEMMs per linear are candle's
 //! matmul in f32 (bf16/f16 operands are widened; gradients return in the operands' dtype).
 //!
-//! On CUDA: LayerNorm's and the bias's backward run as candle ops (`layer_norm_bwd_ops`, a
-//! reduction), correct on any device; bias + GELU's returns an error, because the CUDA forward
-//! (a cuBLASLt epilogue) keeps no pre-activation to differentiate GELU at.
+//! On CUDA: LayerNorm's, the bias's and bias + GELU's backward run as candle ops
+//! (`layer_norm_bwd_ops`, a reduction, `bias_gelu_bwd_ops`), correct on any device and tested
+//! against the CPU's passes; bias + GELU's recomputes z = x·Wᵀ + b, because the CUDA forward (a
+//! cuBLASLt epilogue) keeps no pre-activation to differentiate GELU at. Compiled, not run on a GPU.
 
 use crate::ops::{f32_values, ROWS_PER_TASK};
 use candle_core::{DType, Device, Storage, Tensor, Var, D};
@@ -119,13 +120,12 @@ pub fn bias_bwd(dy: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
 }
 
 /// Bias + GELU's backward in one pass over dy: z = x·Wᵀ + b (x·Wᵀ kept by the forward, `pre_gelu`,
-/// (B·T, N) f32), dz = dy ∘ gelu′(z), db = Σ_rows dz. dy: (B, T, N); b: (N). Returns (dz, db) f32.
-pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+/// (B·T, N) f32), dz = dy ∘ gelu′(z), db = Σ_rows dz. dy: (B, T, N); x: (B, T, K); W: (N, K);
+/// b: (N). Returns (dz, db) f32. Off the CPU, `bias_gelu_bwd_ops`: cuBLASLt's GELU epilogue keeps
+/// no pre-activation, so z is recomputed there (one more GEMM instead of a stored (B·T, N) tensor).
+pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
     if !dy.device().is_cpu() {
-        candle_core::bail!(
-            "linear_bias_gelu: backward on CUDA is not built yet (the cuBLASLt epilogue keeps no pre-activation); \
-             train through linear_bias_gelu_slow there"
-        );
+        return bias_gelu_bwd_ops(dy, x, w, b);
     }
     let Some(acc) = pre_gelu else { candle_core::bail!("linear_bias_gelu: backward without the forward's x·Wᵀ (recorded untracked?)") };
     let n = dy.dim(D::Minus1)?;
@@ -156,6 +156,23 @@ pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, b: &Tensor) -> candl
         })
     })?;
     Ok((Tensor::from_vec(dz, dy.shape(), &Device::Cpu)?, Tensor::from_vec(db, n, &Device::Cpu)?))
+}
+
+/// `bias_gelu_bwd` as candle ops, on any device (what CUDA runs): z = x·Wᵀ + b recomputed in f32,
+/// then `gelu_tanh_grad`'s expression, a pass per op.
+pub fn bias_gelu_bwd_ops(dy: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+    let (bsz, t, k) = x.dims3()?;
+    let n = w.dim(0)?;
+    let x2 = x.to_dtype(DType::F32)?.reshape((bsz * t, k))?;
+    let z = x2.matmul(&w.to_dtype(DType::F32)?.t()?)?.broadcast_add(&b.to_dtype(DType::F32)?)?; // (B·T, N)
+    let u = ((&z + z.powf(3.0)? * 0.044715)? * SQRT_2_OVER_PI)?;
+    let s = ((u * -2.0)?.exp()? + 1.0)?.recip()?; // σ(2u)
+    let ds = (((z.sqr()? * (3.0 * 0.044715))? + 1.0)? * (2.0 * SQRT_2_OVER_PI))?; // d(2u)/dz
+    let grad = (&s + ((&z * &s)? * (1.0 - &s)?)? * ds)?; // gelu′(z)
+    let dz = (dy.to_dtype(DType::F32)?.reshape((bsz * t, n))? * grad)?;
+    let db = dz.sum(0)?;
+    Ok((dz.reshape((bsz, t, n))?, db))
 }
 
 /// d/dv of `ops::gelu_tanh`, v·σ(2u) with u = √(2/π)·(v + 0.044715·v³):
@@ -363,6 +380,19 @@ mod tests {
         )
         .unwrap();
         worst.max(agree(&format!("bias+residual {dtype:?} ({bsz}, {t}, {k} → {n})"), &a, &z, tol))
+    }
+
+    /// The candle-ops bias+GELU backward (what CUDA runs) against the CPU's one pass, on the CPU.
+    #[test]
+    fn bias_gelu_backward_as_ops_matches_the_fused_pass() {
+        let (bsz, t, k, n) = (2, 37, 19, 45);
+        let (x, w, b) = (randn(&[bsz, t, k], 7, 1.0), randn(&[n, k], 8, 0.4), randn(&[n], 9, 0.5));
+        let dy = randn(&[bsz, t, n], 10, 1.0);
+        let acc: Vec<f32> = x.reshape((bsz * t, k)).unwrap().matmul(&w.t().unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let fused = bias_gelu_bwd(&dy, Some(&acc), &x, &w, &b).unwrap();
+        let ops = bias_gelu_bwd_ops(&dy, &x, &w, &b).unwrap();
+        let worst = agree("bias+gelu backward, ops vs fused", &[fused.0, fused.1], &[ops.0, ops.1], 1e-5);
+        eprintln!("bias+gelu backward as candle ops vs the fused pass: {worst:.2e}");
     }
 
     #[test]

@@ -465,7 +465,7 @@ impl CustomOp3 for Linear<'_> {
                     .as_ref()
                     .map(|s| s.lock().map_err(|_| candle_core::Error::Msg("linear: poisoned lock".into())))
                     .transpose()?;
-                backward::bias_gelu_bwd(dy, slot.as_ref().and_then(|s| s.as_deref()), b)?
+                backward::bias_gelu_bwd(dy, slot.as_ref().and_then(|s| s.as_deref()), x, w, b)?
             }
             Epilogue::BiasResidual(_) => {
                 candle_core::bail!("linear: bias + residual is never recorded for backward (see `linear_bias_residual`)")
