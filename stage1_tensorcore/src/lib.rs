@@ -36,6 +36,7 @@
 //! `cargo run --release --features cuda -p stage1_tensorcore -- --device cuda` (GPU, auto).
 
 pub mod bf16_gemm;
+pub mod loss_scale;
 pub mod precision;
 
 #[cfg(feature = "harness")]
