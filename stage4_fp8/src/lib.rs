@@ -49,6 +49,7 @@ pub mod fp8;
 pub mod gemm;
 #[cfg(feature = "harness")]
 pub mod harness;
+pub mod hybrid;
 pub mod producers;
 #[cfg(feature = "cuda")]
 pub mod quant_cuda;
