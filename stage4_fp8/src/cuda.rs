@@ -145,6 +145,9 @@ fn set<T>(desc: &Desc, attr: sys::cublasLtMatmulDescAttributes_t, value: &T) -> 
         .map_err(|e| err(&format!("{attr:?}"), e))
 }
 
+/// A storage as a custom op's forward receives it, with its layout (contiguous).
+type Operand<'a> = (&'a CudaStorage, &'a candle_core::Layout);
+
 /// y (M, N) = s_x·s_w·(x_q W_qᵀ) + b, GELU'd if `gelu`: bf16, or with `e4m3_out` (D scale =
 /// 1/s of the next layer's input, amax_D buffer) E4M3(y / s) with amax(y) written for the next
 /// layer. The CUDA forward of `gemm::Fp8Gemm`, on the storages it receives and holds: x_q (…, K)
@@ -153,14 +156,14 @@ fn set<T>(desc: &Desc, attr: sys::cublasLtMatmulDescAttributes_t, value: &T) -> 
 /// contiguous, on one CUDA device. `fast_accum`: CUBLASLT_MATMUL_DESC_FAST_ACCUM (see `plan`).
 #[allow(clippy::too_many_arguments)]
 pub fn fp8_gemm_fwd(
-    (xs, xl): (&CudaStorage, &candle_core::Layout),
-    (ws, wl): (&CudaStorage, &candle_core::Layout),
-    (bs, bl): (&CudaStorage, &candle_core::Layout),
-    (sxs, sxl): (&CudaStorage, &candle_core::Layout),
-    (sws, swl): (&CudaStorage, &candle_core::Layout),
+    (xs, xl): Operand<'_>,
+    (ws, wl): Operand<'_>,
+    (bs, bl): Operand<'_>,
+    (sxs, sxl): Operand<'_>,
+    (sws, swl): Operand<'_>,
     gelu: bool,
     fast_accum: bool,
-    e4m3_out: Option<((&CudaStorage, &candle_core::Layout), (&CudaStorage, &candle_core::Layout))>,
+    e4m3_out: Option<(Operand<'_>, Operand<'_>)>,
 ) -> candle_core::Result<CudaStorage> {
     let k = xl.shape().dims().last().copied().unwrap_or(0);
     let tokens = xl.shape().elem_count() / k.max(1);
