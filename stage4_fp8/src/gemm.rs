@@ -224,15 +224,16 @@ pub struct Fp8Out {
 
 impl Fp8Gemm {
     /// s_x, s_w: one f32 each (rank 0 or (1)); b: (N), stored as bf16 (any float dtype is cast).
-    /// Fast accumulation on (`with_fast_accum`), bf16 output (`with_e4m3_out`).
+    /// Fast accumulation on and a bf16 output unless `with_fast_accum` / `with_e4m3_out` say otherwise.
     pub fn new(x_scale: &Tensor, w_scale: &Tensor, bias: &Tensor, gelu: bool) -> candle_core::Result<Fp8Gemm> {
         check_scale(x_scale)?;
         check_scale(w_scale)?;
         if bias.rank() != 1 {
             candle_core::bail!("fp8_gemm: the bias must be (N), one value per output feature; got {:?}", bias.dims());
         }
-        // Views of the layer's buffers stay views (no copy): the GEMM reads what they hold at
-        // launch, which is what a CUDA graph replays.
+        // An f32 scale that views a layer's buffer stays that view (the cast and `contiguous`
+        // copy nothing then): the GEMM reads what the buffer holds at launch, as a CUDA graph
+        // replays it.
         let f32_of = |s: &Tensor| s.to_dtype(DType::F32)?.contiguous();
         Ok(Fp8Gemm {
             x_scale: f32_of(x_scale)?,
