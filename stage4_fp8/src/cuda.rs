@@ -1,16 +1,17 @@
-//! The FP8 GEMM through cuBLASLt's low-level API (cudarc's safe `Matmul` gives A, B, C and D one
-//! dtype; FP8 needs E4M3 inputs, a bf16 output and two scale pointers). The arguments come from
-//! `gemm::fp8_gemm_args`, a pure function tested on the CPU; this file only turns them into
-//! descriptors and launches on candle's stream. The descriptors, layouts and the algorithm
-//! cuBLASLt's heuristic picks depend only on the GEMM's shape and options, so they are made once
-//! per (device, shape, options) and kept (`PLANS`); a call only sets the pointers of the moment.
+//! The CUDA forward of the FP8 GEMM op (`gemm::Fp8Gemm`): cuBLASLt's low-level API (cudarc's safe
+//! `Matmul` gives A, B, C and D one dtype; FP8 needs E4M3 inputs, a bf16 or E4M3 output and
+//! scale pointers). The arguments come from `gemm::fp8_gemm_args`, a pure function tested on
+//! the CPU; this file only turns them into descriptors and launches on candle's stream. The
+//! descriptors, layouts and the algorithm cuBLASLt's heuristic picks depend only on the GEMM's
+//! shape and options, so they are made once per (device, shape, options) and kept (`PLANS`); a
+//! call only sets the pointers of the moment.
 
 use crate::gemm::{check_pointers, fp8_gemm_args, fp8_gemm_args_e4m3_out, Fp8Epilogue, Fp8GemmArgs};
+use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublaslt::{result, sys, MatmulShared};
 use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use candle_core::cuda::{CudaDevice, DeviceId};
-use candle_core::Tensor;
-use stage3_fused::cuda::{cuda_view, device_key, lt, wrap};
+use candle_core::cuda::{CudaDevice, CudaStorage, DeviceId};
+use stage3_fused::cuda::{device_key, lt, view};
 use stage3_fused::device_cache::{Cache, DeviceKey};
 use std::ffi::c_void;
 use std::rc::Rc;
@@ -144,54 +145,42 @@ fn set<T>(desc: &Desc, attr: sys::cublasLtMatmulDescAttributes_t, value: &T) -> 
         .map_err(|e| err(&format!("{attr:?}"), e))
 }
 
-/// An E4M3 output for the next layer (`Fp8Linear::forward_e4m3`): cuBLASLt multiplies the
-/// result by `d_scale` (1/s of the next layer's input) before the cast, and writes max|result|
-/// (before that scaling: the amax the next layer's history records) to `amax_d`.
-pub struct Fp8Out<'a> {
-    /// (1) f32: 1/s (CUBLASLT_MATMUL_DESC_D_SCALE_POINTER).
-    pub d_scale: &'a Tensor,
-    /// (1) u32 buffer holding an f32 (CUBLASLT_MATMUL_DESC_AMAX_D_POINTER): the next layer's amax.
-    pub amax_d: &'a Tensor,
-}
+/// A storage as a custom op's forward receives it, with its layout (contiguous).
+type Operand<'a> = (&'a CudaStorage, &'a candle_core::Layout);
 
-/// y (M, N) = s_x·s_w·(x_q W_qᵀ) + b, GELU'd if `gelu`: bf16, or with `e4m3_out` E4M3(y / s)
-/// with amax(y) written for the next layer. x_q: (M, K) E4M3; W_q: (N, K) E4M3; s_x, s_w: one
-/// f32 each (rank 0 or (1)); b: (N) bf16 (the FP8 table's bias type for a bf16 or an E4M3 D
-/// with a bf16 C). All on one CUDA device. `fast_accum`: CUBLASLT_MATMUL_DESC_FAST_ACCUM (see `launch`).
+/// y (M, N) = s_x·s_w·(x_q W_qᵀ) + b, GELU'd if `gelu`: bf16, or with `e4m3_out` (D scale =
+/// 1/s of the next layer's input, amax_D buffer) E4M3(y / s) with amax(y) written for the next
+/// layer. The CUDA forward of `gemm::Fp8Gemm`, on the storages it receives and holds: x_q (…, K)
+/// E4M3 (M rows); W_q (N, K) E4M3; b (N) bf16 (the FP8 table's bias type for a bf16 or an E4M3
+/// D with a bf16 C); s_x, s_w and the D scale one f32 each; amax_D one u32 (an f32's bits). All
+/// contiguous, on one CUDA device. `fast_accum`: CUBLASLT_MATMUL_DESC_FAST_ACCUM (see `plan`).
 #[allow(clippy::too_many_arguments)]
-pub fn fp8_linear(
-    xq: &Tensor,
-    x_scale: &Tensor,
-    wq: &Tensor,
-    w_scale: &Tensor,
-    bias: &Tensor,
+pub fn fp8_gemm_fwd(
+    (xs, xl): Operand<'_>,
+    (ws, wl): Operand<'_>,
+    (bs, bl): Operand<'_>,
+    (sxs, sxl): Operand<'_>,
+    (sws, swl): Operand<'_>,
     gelu: bool,
     fast_accum: bool,
-    e4m3_out: Option<Fp8Out>,
-) -> candle_core::Result<Tensor> {
-    let (tokens, k) = xq.dims2()?;
-    let n = wq.dim(0)?;
+    e4m3_out: Option<(Operand<'_>, Operand<'_>)>,
+) -> candle_core::Result<CudaStorage> {
+    let k = xl.shape().dims().last().copied().unwrap_or(0);
+    let tokens = xl.shape().elem_count() / k.max(1);
+    let (n, _) = wl.shape().dims2()?;
     let args = match e4m3_out {
         None => fp8_gemm_args(tokens, k, n, gelu),
         Some(_) => fp8_gemm_args_e4m3_out(tokens, k, n, gelu),
     }
     .map_err(candle_core::Error::Msg)?;
-    let dev = xq.device().as_cuda_device()?.clone();
-    // Fresh, contiguous allocations are 256-byte aligned (cuBLASLt wants 16).
-    let (xq, wq, bias, x_scale, w_scale) =
-        (xq.contiguous()?, wq.contiguous()?, bias.contiguous()?, x_scale.contiguous()?, w_scale.contiguous()?);
-    let ((xs, xl), (ws, wl), (bs, bl)) = (xq.storage_and_layout(), wq.storage_and_layout(), bias.storage_and_layout());
-    let ((sxs, sxl), (sws, swl)) = (x_scale.storage_and_layout(), w_scale.storage_and_layout());
-    let (xv, wv) = (cuda_view::<float8::F8E4M3>(&xs, xl)?, cuda_view::<float8::F8E4M3>(&ws, wl)?);
-    let (bv, sxv, swv) = (cuda_view::<half::bf16>(&bs, bl)?, cuda_view::<f32>(&sxs, sxl)?, cuda_view::<f32>(&sws, swl)?);
+    let dev = xs.device().clone();
+    // Fresh, contiguous allocations are 256-byte aligned (cuBLASLt wants 16); a view with an
+    // offset may not be, which `check_pointers` reports.
+    let (xv, wv) = (view::<float8::F8E4M3>(xs, xl)?, view::<float8::F8E4M3>(ws, wl)?);
+    let (bv, sxv, swv) = (view::<half::bf16>(bs, bl)?, view::<f32>(sxs, sxl)?, view::<f32>(sws, swl)?);
     // The output: bf16, or E4M3 for the next layer; its D scale and amax buffers.
-    let out_scales = match &e4m3_out {
-        Some(o) => Some((o.d_scale.contiguous()?, o.amax_d.contiguous()?)),
-        None => None,
-    };
-    let out_guards = out_scales.as_ref().map(|(d, a)| (d.storage_and_layout(), a.storage_and_layout()));
-    let out_views = match &out_guards {
-        Some(((ds, dl), (as_, al))) => Some((cuda_view::<f32>(ds, dl)?, cuda_view::<u32>(as_, al)?)),
+    let out_views = match e4m3_out {
+        Some(((ds, dl), (am, al))) => Some((view::<f32>(ds, dl)?, view::<u32>(am, al)?)),
         None => None,
     };
     // SAFETY: β = 0, so C is not read; the GEMM writes every element of D = out.
@@ -228,10 +217,9 @@ pub fn fp8_linear(
             .map_err(PlanError::into_candle)?;
         launch(&args, &plan, *handle.handle(), ptrs, fp8_ptrs, stream.cu_stream() as sys::cudaStream_t)?;
     }
-    drop((xs, ws, bs, sxs, sws, out_guards));
     Ok(match (out_bf16, out_e4m3) {
-        (Some(o), _) => wrap(o, &dev, (tokens, n)),
-        (_, Some(o)) => wrap(o, &dev, (tokens, n)),
+        (Some(o), _) => CudaStorage::wrap_cuda_slice(o, dev),
+        (_, Some(o)) => CudaStorage::wrap_cuda_slice(o, dev),
         _ => unreachable!("one output is allocated above"),
     })
 }

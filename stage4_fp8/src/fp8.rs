@@ -39,6 +39,7 @@
 //! of `Fp8Linear` reject NaN/inf with an error; on CUDA the hot path does not read back to the
 //! host, so a NaN travels to the output, where the runner's check reports it.
 
+use crate::gemm::Fp8Gemm;
 use crate::scale::{amax_into, history_push_into, max_abs_bits, scale_from_amax_into, scale_from_history_into, ScaleBuffers};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
@@ -235,7 +236,7 @@ pub fn dequantize_slow(q: &Tensor, scale: &Tensor, dtype: DType) -> candle_core:
 }
 
 /// A per-tensor scale is one f32 value: rank 0 or (1).
-fn check_scale(scale: &Tensor) -> candle_core::Result<()> {
+pub(crate) fn check_scale(scale: &Tensor) -> candle_core::Result<()> {
     if scale.elem_count() != 1 {
         candle_core::bail!("an FP8 per-tensor scale holds one value, rank 0 or (1); got {:?}", scale.dims());
     }
@@ -243,7 +244,7 @@ fn check_scale(scale: &Tensor) -> candle_core::Result<()> {
 }
 
 /// The one value of a scale's CPU storage.
-fn scale_value(s: &CpuStorage, l: &Layout) -> candle_core::Result<f32> {
+pub(crate) fn scale_value(s: &CpuStorage, l: &Layout) -> candle_core::Result<f32> {
     match s {
         CpuStorage::F32(v) => v.get(l.start_offset()).copied().ok_or_else(|| candle_core::Error::Msg("empty FP8 scale".into())),
         _ => candle_core::bail!("an FP8 scale is f32"),
@@ -490,7 +491,7 @@ pub(crate) fn quantize_recording_cpu(v: &mut [f32], s: f32, amax_bits: &Tensor, 
 
 /// amax_bits ← max(amax_bits, m) for a max already taken (`max_abs_bits`) in a CPU forward:
 /// `scale::amax_into` on the one value, what the kernels' atomicMax does at a block's end.
-fn max_into(amax_bits: &Tensor, m: u32) -> candle_core::Result<()> {
+pub(crate) fn max_into(amax_bits: &Tensor, m: u32) -> candle_core::Result<()> {
     amax_into(amax_bits, &Tensor::new(&[f32::from_bits(m)], &candle_core::Device::Cpu)?)
 }
 
@@ -806,9 +807,8 @@ impl Fp8Linear {
     /// `forward` (with the residual r when given) on an input as its producer wrote it: in the
     /// activation dtype, or already quantised with this layer's scale (`fused_target`).
     pub fn forward_input(&self, x: &Input, residual: Option<&Tensor>) -> candle_core::Result<Tensor> {
-        let (bsz, t, _) = x.dims3()?;
         let (xq, xd, scale) = self.operands(x)?;
-        self.gemm(xq.as_ref(), xd.as_ref(), &scale, (bsz, t, self.bias.dim(0)?), residual)
+        self.gemm(xq.as_ref(), xd.as_ref(), &scale, residual)
     }
 
     /// Where this layer's producer may write its next input in E4M3 (`ScaleState::fused_target`):
@@ -819,17 +819,15 @@ impl Fp8Linear {
 
     /// fc1 → fc2: this layer's output written in E4M3 for the next layer (`target`, its
     /// `fused_target`) instead of in the activation dtype, its amax recorded there. Through
-    /// cuBLASLt the GEMM's epilogue does it (D scale = 1/s, amax_D: `cuda::fp8_linear`);
+    /// cuBLASLt the GEMM's epilogue does it (D scale = 1/s, amax_D: `gemm::Fp8Gemm`);
     /// emulated, the f32 output is quantised by `target.quantize` — never stored in between.
     pub fn forward_e4m3(&self, x: &Input, target: &Fp8Target) -> candle_core::Result<Quantized> {
-        let (bsz, t, _) = x.dims3()?;
-        let n = self.bias.dim(0)?;
         let (xq, xd, scale) = self.operands(x)?;
         if let (Some((w, b)), Some(xd)) = (&self.emulated, &xd) {
             return target.quantize(&self.emulated_f32(xd, w, b)?);
         }
         let xq = xq.ok_or_else(|| candle_core::Error::Msg(format!("{}: no E4M3 input for cuBLASLt", self.name)))?;
-        self.forward_cublaslt_e4m3(&xq, &scale, target, (bsz, t, n))
+        self.forward_cublaslt_e4m3(&xq, &scale, target)
     }
 
     /// The GEMM's operands from its input: (q_x for cuBLASLt, s_x·q_x in f32 when emulated,
@@ -869,19 +867,12 @@ impl Fp8Linear {
 
     /// The GEMM on the quantised input: cuBLASLt on q_x (`xq`), or, emulated, the f32 GEMM on
     /// s_x·q_x (`xd`), then the store in the output dtype and the residual.
-    fn gemm(
-        &self,
-        xq: Option<&Tensor>,
-        xd: Option<&Tensor>,
-        scale: &Tensor,
-        (bsz, t, n): (usize, usize, usize),
-        residual: Option<&Tensor>,
-    ) -> candle_core::Result<Tensor> {
+    fn gemm(&self, xq: Option<&Tensor>, xd: Option<&Tensor>, scale: &Tensor, residual: Option<&Tensor>) -> candle_core::Result<Tensor> {
         let (Some((w, b)), Some(xd)) = (&self.emulated, xd) else {
             let xq = xq.ok_or_else(|| candle_core::Error::Msg(format!("{}: no E4M3 input for cuBLASLt", self.name)))?;
             return match residual {
-                None => self.forward_cublaslt(xq, scale, (bsz, t, n)),
-                Some(r) => r + self.forward_cublaslt(xq, scale, (bsz, t, n))?.to_dtype(r.dtype())?,
+                None => self.forward_cublaslt(xq, scale),
+                Some(r) => r + self.forward_cublaslt(xq, scale)?.to_dtype(r.dtype())?,
             };
         };
         if let (Some(r), true, false) = (residual, xd.device().is_cpu(), self.gelu) {
@@ -917,8 +908,6 @@ impl Fp8Linear {
     /// scales (+ bias, GELU) — only the accumulation (order and precision) and the output's
     /// store differ. Returns (fp8 GEMM, f32 twin), both (B, T, N). The scale state is not touched.
     pub fn gemm_twin(&self, x: &Input) -> candle_core::Result<(Tensor, Tensor)> {
-        let (bsz, t, _) = x.dims3()?;
-        let n = self.bias.dim(0)?;
         let (xq, xd, scale) = match x {
             Input::Plain(x) => {
                 let scale = self
@@ -931,7 +920,7 @@ impl Fp8Linear {
             Input::Fp8(q) if q.data.device().is_cpu() => (None, q.data.clone(), q.scale.clone()), // s·q in f32 already
             Input::Fp8(q) => (Some(q.data.clone()), dequantize(&q.data, &q.scale, DType::F32)?, q.scale.clone()),
         };
-        let got = self.gemm(xq.as_ref(), Some(&xd).filter(|_| self.emulated.is_some()), &scale, (bsz, t, n), None)?;
+        let got = self.gemm(xq.as_ref(), Some(&xd).filter(|_| self.emulated.is_some()), &scale, None)?;
         let (w, b) = (self.weight.dequantize(DType::F32)?, self.bias.to_dtype(DType::F32)?);
         // f32 GEMM (TF32 off: `Stage::switches`), + bias, GELU: stage 3's slow twins
         let want = match self.gelu {
@@ -969,45 +958,21 @@ impl Fp8Linear {
         self.out
     }
 
-    #[cfg(feature = "cuda")]
-    fn forward_cublaslt(&self, xq: &Tensor, scale: &Tensor, (bsz, t, n): (usize, usize, usize)) -> candle_core::Result<Tensor> {
-        let m = bsz * t;
-        let (w, b) = (&self.weight.data, &self.bias);
-        let y = crate::cuda::fp8_linear(&xq.reshape((m, xq.dim(2)?))?, scale, w, &self.weight.scale, b, self.gelu, self.fast_accum, None)?;
-        y.reshape((bsz, t, n))
+    /// The FP8 GEMM op over this layer's weight, bias and options, for an input of scale s_x.
+    fn gemm_op(&self, x_scale: &Tensor) -> candle_core::Result<Fp8Gemm> {
+        Ok(Fp8Gemm::new(x_scale, &self.weight.scale, &self.bias, self.gelu)?.with_fast_accum(self.fast_accum))
     }
 
-    #[cfg(not(feature = "cuda"))]
-    fn forward_cublaslt(&self, _xq: &Tensor, _scale: &Tensor, _dims: (usize, usize, usize)) -> candle_core::Result<Tensor> {
-        candle_core::bail!("{}: FP8 GEMMs through cuBLASLt need a build with --features cuda", self.name)
+    /// The GEMM through cuBLASLt (`gemm::Fp8Gemm`): q_x (B, T, K) → (B, T, N) bf16.
+    fn forward_cublaslt(&self, xq: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> {
+        self.gemm_op(scale)?.forward(xq, &self.weight.data)
     }
 
     /// The GEMM with an E4M3 output for `target` (cuBLASLt's D scale 1/s and amax_D).
-    #[cfg(feature = "cuda")]
-    fn forward_cublaslt_e4m3(
-        &self,
-        xq: &Tensor,
-        scale: &Tensor,
-        target: &Fp8Target,
-        (bsz, t, n): (usize, usize, usize),
-    ) -> candle_core::Result<Quantized> {
+    fn forward_cublaslt_e4m3(&self, xq: &Tensor, scale: &Tensor, target: &Fp8Target) -> candle_core::Result<Quantized> {
         crate::scale::reciprocal_into(&target.inv_scale, &target.scale)?; // cuBLASLt's D scale multiplies: 1/s
-        let m = bsz * t;
-        let (w, b) = (&self.weight.data, &self.bias);
-        let out = Some(crate::cuda::Fp8Out { d_scale: &target.inv_scale, amax_d: &target.amax_bits });
-        let y = crate::cuda::fp8_linear(&xq.reshape((m, xq.dim(2)?))?, scale, w, &self.weight.scale, b, self.gelu, self.fast_accum, out)?;
-        Ok(Quantized { data: y.reshape((bsz, t, n))?, scale: target.scale.clone() })
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn forward_cublaslt_e4m3(
-        &self,
-        _xq: &Tensor,
-        _s: &Tensor,
-        _t: &Fp8Target,
-        _dims: (usize, usize, usize),
-    ) -> candle_core::Result<Quantized> {
-        candle_core::bail!("{}: FP8 GEMMs through cuBLASLt need a build with --features cuda", self.name)
+        let op = self.gemm_op(scale)?.with_e4m3_out(&target.inv_scale, &target.amax_bits)?;
+        Ok(Quantized { data: op.forward(xq, &self.weight.data)?, scale: target.scale.clone() })
     }
 
     /// The weight in E4M3 with its scale.

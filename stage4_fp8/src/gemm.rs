@@ -1,5 +1,19 @@
-//! The arguments of an FP8 GEMM in cuBLASLt, worked out as a pure function so they can be
-//! tested without a GPU (`cuda.rs` only turns them into descriptors).
+//! The FP8 GEMM as a candle op (`Fp8Gemm`), and its arguments in cuBLASLt.
+//!
+//! **The op.** y = act(s_x·s_w·(q_x W_qᵀ) + b) with q_x (…, K) and W_q (N, K) in E4M3: a
+//! `CustomOp2` over (q_x, W_q) that holds the rest — both scales, the bias and, for an E4M3
+//! output, its D scale and amax_D buffer — as stage 3's `Linear` holds its residual. The store
+//! is bf16, or E4M3(y·d_scale) for the next layer with max|y| recorded (fc1 writing fc2's input).
+//! - CUDA forward: one cuBLASLt call (`cuda.rs`) on the E4M3 tensor cores, with the scales, bias,
+//!   GELU, D scale and amax_D in its epilogue; the arguments are worked out below.
+//! - CPU forward: the same contract in host code — the E4M3 rows decoded to f32 (exactly), f32 dot
+//!   products, s_x·s_w, bias and GELU (tanh form) on the f32 sum, the store rounded as cuBLASLt's
+//!   D is — so the op runs and is tested without a GPU. It is not faster than an f32 GEMM (a CPU
+//!   has no FP8 units): stage 4 on the CPU runs `Fp8Linear`'s emulated mode instead.
+//! - Slow twin: `Fp8Gemm::forward_slow`, candle's casts, matmul, add and GELU.
+//!
+//! **cuBLASLt's arguments**, worked out as a pure function so they can be tested without a GPU
+//! (`cuda.rs` only turns them into descriptors).
 //!
 //! We want y (M × N, row-major) = x (M × K) · Wᵀ, with M = B·T tokens, x and W in E4M3.
 //! cuBLASLt is column-major, and its FP8 kernels take one form only: **"TN"** — A transposed,
@@ -15,8 +29,15 @@
 //!
 //! Scales: cuBLASLt computes D = scale_A·scale_B·(A·B) (+ bias, activation) with f32 accumulation,
 //! reading scale_A and scale_B from device pointers (A_SCALE_POINTER = W's scale, B_SCALE_POINTER
-//! = x's) — the scales never visit the host. D is bf16, so no D scale (that is for FP8 outputs).
+//! = x's) — the scales never visit the host. A bf16 D takes no D scale; an E4M3 D takes one, and
+//! amax_D (`fp8_gemm_args_e4m3_out`).
 
+use crate::fp8::{amax_slow, check_scale, dequantize_slow, max_into, scale_value};
+use crate::scale::max_abs_bits;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use float8::F8E4M3;
+use rayon::prelude::*;
+use stage2_sdpa::elementwise::par_convert;
 use stage3_fused::cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
 
 /// Whose per-tensor scale a scale pointer carries.
@@ -167,9 +188,373 @@ pub fn check_pointers(ptrs: &[(&str, u64)]) -> Result<(), String> {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The op
+// ---------------------------------------------------------------------------------------------
+
+/// The FP8 GEMM y = act(s_x·s_w·(q_x W_qᵀ) + b), a candle op over (q_x, W_q): q_x (…, K) and
+/// W_q (N, K) in E4M3 → y (…, N) in bf16, or in E4M3 with `with_e4m3_out`.
+///
+/// ```no_run
+/// # use stage4_fp8::gemm::Fp8Gemm;
+/// # fn f(xq: &candle_core::Tensor, sx: &candle_core::Tensor, wq: &candle_core::Tensor, sw: &candle_core::Tensor, b: &candle_core::Tensor) -> candle_core::Result<()> {
+/// let y = Fp8Gemm::new(sx, sw, b, true)?.forward(xq, wq)?; // (B, T, K) E4M3 → (B, T, N) bf16, GELU'd
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Fp8Gemm {
+    x_scale: Tensor, // s_x: one f32 (rank 0 or (1)), read by the GEMM through its pointer
+    w_scale: Tensor, // s_w: one f32
+    bias: Tensor,    // (N) bf16: the FP8 type table's bias type for a bf16 or an E4M3 D
+    gelu: bool,      // GELU (tanh form) after the bias: CUBLASLT_EPILOGUE_GELU_BIAS
+    fast_accum: bool,
+    e4m3_out: Option<Fp8Out>,
+}
+
+/// An E4M3 output for the next layer: y is multiplied by `d_scale` (1/s of the next layer's
+/// input) before the cast, and max|y| (before that scaling: the amax the next layer's history
+/// records) goes to `amax_d`.
+#[derive(Clone, Debug)]
+pub struct Fp8Out {
+    /// (1) f32: 1/s (CUBLASLT_MATMUL_DESC_D_SCALE_POINTER).
+    pub d_scale: Tensor,
+    /// (1) u32 holding an f32's bits (CUBLASLT_MATMUL_DESC_AMAX_D_POINTER): the next layer's amax.
+    pub amax_d: Tensor,
+}
+
+impl Fp8Gemm {
+    /// s_x, s_w: one f32 each (rank 0 or (1)); b: (N), stored as bf16 (any float dtype is cast).
+    /// Fast accumulation on and a bf16 output unless `with_fast_accum` / `with_e4m3_out` say otherwise.
+    pub fn new(x_scale: &Tensor, w_scale: &Tensor, bias: &Tensor, gelu: bool) -> candle_core::Result<Fp8Gemm> {
+        check_scale(x_scale)?;
+        check_scale(w_scale)?;
+        if bias.rank() != 1 {
+            candle_core::bail!("fp8_gemm: the bias must be (N), one value per output feature; got {:?}", bias.dims());
+        }
+        // An f32 scale that views a layer's buffer stays that view (the cast and `contiguous`
+        // copy nothing then): the GEMM reads what the buffer holds at launch, as a CUDA graph
+        // replays it.
+        let f32_of = |s: &Tensor| s.to_dtype(DType::F32)?.contiguous();
+        Ok(Fp8Gemm {
+            x_scale: f32_of(x_scale)?,
+            w_scale: f32_of(w_scale)?,
+            bias: bias.to_dtype(DType::BF16)?.contiguous()?,
+            gelu,
+            fast_accum: true,
+            e4m3_out: None,
+        })
+    }
+
+    /// cuBLASLt's FP8 fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM; `cuda.rs` says what
+    /// it skips). The CPU forward accumulates in f32 either way.
+    pub fn with_fast_accum(mut self, on: bool) -> Fp8Gemm {
+        self.fast_accum = on;
+        self
+    }
+
+    /// Store E4M3(y·d_scale) instead of bf16 and record max|y| in `amax_d` ((1) u32, f32 bits).
+    /// cuBLASLt sets amax_D, the CPU forward maxes into it (as every CPU producer does): the
+    /// same value when the buffer is zero on entry, as the next layer's state leaves it.
+    pub fn with_e4m3_out(mut self, d_scale: &Tensor, amax_d: &Tensor) -> candle_core::Result<Fp8Gemm> {
+        check_scale(d_scale)?;
+        if amax_d.dtype() != DType::U32 || amax_d.elem_count() != 1 {
+            candle_core::bail!("fp8_gemm: amax_D is one u32 holding an f32's bits; got {:?} {:?}", amax_d.dtype(), amax_d.dims());
+        }
+        self.e4m3_out = Some(Fp8Out { d_scale: d_scale.to_dtype(DType::F32)?.contiguous()?, amax_d: amax_d.contiguous()? });
+        Ok(self)
+    }
+
+    /// q_x (…, K) and W_q (N, K), E4M3, on one device with the held tensors → y (…, N): bf16, or
+    /// E4M3 with `with_e4m3_out`. On CUDA, M, N and K must be multiples of 16 (`fp8_gemm_args`).
+    pub fn forward(&self, xq: &Tensor, wq: &Tensor) -> candle_core::Result<Tensor> {
+        if xq.dtype() != DType::F8E4M3 || wq.dtype() != DType::F8E4M3 {
+            candle_core::bail!(
+                "fp8_gemm: q_x and W_q must be E4M3 (got {:?} and {:?}); quantise them first (`fp8::quantize`)",
+                xq.dtype(),
+                wq.dtype()
+            );
+        }
+        self.out_dims(xq.shape(), wq.shape())?;
+        xq.contiguous()?.apply_op2_no_bwd(&wq.contiguous()?, self)
+    }
+
+    /// Slow twin of `forward` (CPU): candle's casts from E4M3 times the scales (`dequantize_slow`),
+    /// matmul, bias add and GELU in candle's ops, then candle's cast to the stored dtype (for E4M3
+    /// after multiplying by the D scale). Returns (y as stored, max|y| before the store, rank 0:
+    /// what amax_D records); no buffer is touched.
+    pub fn forward_slow(&self, xq: &Tensor, wq: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let (shape, (m, k, _)) = self.out_dims(xq.shape(), wq.shape())?;
+        let x = dequantize_slow(xq, &self.x_scale, DType::F32)?.reshape((m, k))?; // (M, K): s_x·q_x
+        let w = dequantize_slow(wq, &self.w_scale, DType::F32)?; // (N, K): s_w·W_q
+        let y = x.matmul(&w.t()?)?.broadcast_add(&self.bias.to_dtype(DType::F32)?)?; // (M, N)
+        let y = if self.gelu { stage0_baseline::gelu_tanh(&y)? } else { y };
+        let stored = match &self.e4m3_out {
+            None => y.to_dtype(DType::BF16)?,
+            Some(o) => y.broadcast_mul(&o.d_scale.reshape(())?)?.to_dtype(DType::F8E4M3)?,
+        };
+        Ok((stored.reshape(shape)?, amax_slow(&y)?))
+    }
+
+    /// y's shape (…, N) and (M, K, N) from q_x (…, K) and W_q (N, K), checked against the bias.
+    fn out_dims(&self, x: &Shape, w: &Shape) -> candle_core::Result<(Shape, (usize, usize, usize))> {
+        let (n, k) = w.dims2()?;
+        let Some((&k_x, lead)) = x.dims().split_last() else { candle_core::bail!("fp8_gemm: q_x must be (…, K), not a scalar") };
+        if k_x != k || self.bias.dims() != [n] || n == 0 || k == 0 {
+            candle_core::bail!("fp8_gemm: q_x {:?}, W_q {:?} and b {:?} do not fit y = q_x W_qᵀ + b", x.dims(), w.dims(), self.bias.dims());
+        }
+        let out: Vec<usize> = lead.iter().copied().chain([n]).collect();
+        Ok((Shape::from(out), (lead.iter().product(), k, n)))
+    }
+}
+
+impl CustomOp2 for Fp8Gemm {
+    fn name(&self) -> &'static str {
+        "speedkit-fp8-gemm"
+    }
+
+    /// y_ij = act(s_x·s_w·(x_i · w_j) + b_j) in f32, rows of y on all threads, then the store.
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (shape, (m, k, n)) = self.out_dims(xl.shape(), wl.shape())?;
+        let (CpuStorage::F8E4M3(x), CpuStorage::F8E4M3(w), Some((x0, x1)), Some((w0, w1))) =
+            (xs, ws, xl.contiguous_offsets(), wl.contiguous_offsets())
+        else {
+            candle_core::bail!("fp8_gemm: q_x and W_q must be contiguous E4M3")
+        };
+        // Decoded once per operand (exact: every E4M3 value is an f32), so the inner loop is an
+        // f32 dot product the compiler vectorises.
+        let (x, w) = (par_convert(&x[x0..x1], |q| q.to_f32()), par_convert(&w[w0..w1], |q| q.to_f32()));
+        let s = held_f32(&self.x_scale, "s_x")? * held_f32(&self.w_scale, "s_w")?; // cuBLASLt's scale_B·scale_A
+        let b = held_bias(&self.bias)?; // (N)
+        let gelu = self.gelu;
+        let mut y = vec![0f32; m * n]; // (M, N)
+        y.par_chunks_mut(n).zip(x.par_chunks(k)).for_each(|(y_row, x_row)| {
+            for ((y, w_row), b) in y_row.iter_mut().zip(w.chunks_exact(k)).zip(&b) {
+                let v = s * dot(x_row, w_row) + b;
+                *y = if gelu { stage3_fused::ops::gelu_tanh(v) } else { v };
+            }
+        });
+        let out = match &self.e4m3_out {
+            // round to nearest even, as cuBLASLt's bf16 D
+            None => CpuStorage::BF16(par_convert(&y, half::bf16::from_f32)),
+            // D = E4M3(d_scale·y), saturating; amax_D = max|y| (NaN kept, as the GPU's)
+            Some(o) => {
+                let d = held_f32(&o.d_scale, "the D scale")?;
+                let q = par_convert(&y, |v| F8E4M3::from_f32(v * d));
+                max_into(&o.amax_d, max_abs_bits(&y, f32::to_bits))?;
+                CpuStorage::F8E4M3(q)
+            }
+        };
+        Ok((out, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (shape, _) = self.out_dims(xl.shape(), wl.shape())?;
+        let ((bs, bl), (sxs, sxl), (sws, swl)) =
+            (self.bias.storage_and_layout(), self.x_scale.storage_and_layout(), self.w_scale.storage_and_layout());
+        let (Storage::Cuda(bs), Storage::Cuda(sxs), Storage::Cuda(sws)) = (&*bs, &*sxs, &*sws) else {
+            candle_core::bail!("fp8_gemm: the bias and both scales must be on the GPU")
+        };
+        let out_guards = self.e4m3_out.as_ref().map(|o| (o.d_scale.storage_and_layout(), o.amax_d.storage_and_layout()));
+        let out = match &out_guards {
+            None => None,
+            Some(((ds, dl), (am, al))) => match (&**ds, &**am) {
+                (Storage::Cuda(ds), Storage::Cuda(am)) => Some(((ds, *dl), (am, *al))),
+                _ => candle_core::bail!("fp8_gemm: the D scale and amax_D must be on the GPU"),
+            },
+        };
+        let y = crate::cuda::fp8_gemm_fwd((xs, xl), (ws, wl), (bs, bl), (sxs, sxl), (sws, swl), self.gelu, self.fast_accum, out)?;
+        Ok((y, shape))
+    }
+}
+
+/// a · b in f32 with eight running sums (the lanes of one AVX register), added at the end.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let mut acc = [0f32; 8];
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// One f32 held by the op (a scale), read on the CPU.
+fn held_f32(t: &Tensor, what: &str) -> candle_core::Result<f32> {
+    let (s, l) = t.storage_and_layout();
+    let Storage::Cpu(s) = &*s else { candle_core::bail!("fp8_gemm: {what} is not on the CPU") };
+    scale_value(s, l)
+}
+
+/// The held bias (N) bf16 as f32, read on the CPU.
+fn held_bias(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    let (s, l) = t.storage_and_layout();
+    let (Storage::Cpu(CpuStorage::BF16(v)), Some((a, b))) = (&*s, l.contiguous_offsets()) else {
+        candle_core::bail!("fp8_gemm: the bias is not a contiguous bf16 CPU tensor")
+    };
+    Ok(v[a..b].iter().map(|v| v.to_f32()).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fp8::{amax, quantize, scale_from_amax};
+    use crate::twin::{gemm_twin_tolerance, Accumulation};
+    use candle_core::Device;
+    use shared::check::compare_within;
+    use shared::weights::SplitMix64;
+
+    fn randn(dims: &[usize], seed: u64, scale: f32) -> Tensor {
+        let v = SplitMix64::new(seed).normals(dims.iter().product()).into_iter().map(|x| x * scale).collect();
+        Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+    }
+
+    fn host(t: &Tensor) -> Vec<f32> {
+        t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// (q_x, W_q, the op) for y = act(x Wᵀ + b), x: (B, T, K) ~ N(0, 1), W ~ N(0, 0.05), each
+    /// quantised with its own amax (current scaling, as a weight is).
+    fn operands(dims: (usize, usize, usize, usize), gelu: bool, seed: u64) -> (Tensor, Tensor, Fp8Gemm) {
+        let (bsz, t, k, n) = dims;
+        let (x, w, b) = (randn(&[bsz, t, k], seed, 1.0), randn(&[n, k], seed + 1, 0.05), randn(&[n], seed + 2, 0.05));
+        let (sx, sw) = (scale_from_amax(&amax(&x).unwrap(), 0).unwrap(), scale_from_amax(&amax(&w).unwrap(), 0).unwrap());
+        let op = Fp8Gemm::new(&sx, &sw, &b, gelu).unwrap();
+        (quantize(&x, &sx).unwrap(), quantize(&w, &sw).unwrap(), op)
+    }
+
+    /// How many E4M3 values differ between `got` and `want` (decoded), asserting each difference
+    /// is one step of the larger value's binade (2⁻⁹ among subnormals): two f32 sums that agree
+    /// to the last bits round apart only where they straddle a rounding boundary.
+    fn e4m3_differences(got: &[f32], want: &[f32], what: &str) -> usize {
+        let step = |v: f32| if v < 1.0 / 64.0 { 2f32.powi(-9) } else { 2f32.powi(v.log2().floor() as i32 - 3) };
+        let differ: Vec<(f32, f32)> = got.iter().zip(want).filter(|(g, w)| g != w).map(|(g, w)| (*g, *w)).collect();
+        for (g, w) in &differ {
+            assert!((g - w).abs() <= step(g.abs().max(w.abs())), "{what}: {g} vs {w} are not neighbours");
+        }
+        differ.len()
+    }
+
+    /// The op's CPU forward beside its slow twin on random ragged shapes (M = B·T, K and N from 1
+    /// to a few hundred, not multiples of 16), with and without GELU, bf16 and E4M3 outputs.
+    /// Only the f32 sum order and where s_x·s_w is applied differ, then the store:
+    /// - bf16: within the derived GEMM-twin tolerance for f32 accumulation and a bf16 store
+    ///   (`gemm_twin_tolerance(K, F32, BF16)`, 2·2⁻⁹ + 4·√K·2⁻²⁴);
+    /// - E4M3: the codes equal but where the two sums straddle a rounding boundary (each such
+    ///   code a neighbour, at most 1 % of them plus one); amax_D, maxed into the buffer over two
+    ///   calls (the second smaller), the larger call's max|y| within f32 rounding (1e-5).
+    #[test]
+    fn the_fp8_gemm_matches_its_slow_twin() {
+        let mut rng = SplitMix64::new(53);
+        let (mut worst_bf16, mut worst_amax, mut differing) = (0f64, 0f64, (0usize, 0usize));
+        for case in 0..16u64 {
+            let (bsz, t) = (1 + (case % 2) as usize, 1 + (rng.next_u64() % 150) as usize);
+            let (k, n) = (1 + (rng.next_u64() % 300) as usize, 1 + (rng.next_u64() % 200) as usize);
+            let (gelu, e4m3) = (case % 2 == 1, (case / 2) % 2 == 1);
+            let (xq, wq, op) = operands((bsz, t, k, n), gelu, 10 * case);
+            let (y, y_amax) = op.forward_slow(&xq, &wq).unwrap(); // bf16 store, max|y|
+            let what = format!("case {case}: (B, T, K, N) = ({bsz}, {t}, {k}, {n}), gelu {gelu}, E4M3 out {e4m3}");
+            if !e4m3 {
+                let got = op.forward(&xq, &wq).unwrap();
+                assert_eq!((got.dims(), got.dtype()), (&[bsz, t, n][..], DType::BF16), "{what}");
+                let tol = gemm_twin_tolerance(k, Accumulation::F32, DType::BF16);
+                let c = compare_within(&got, &y, tol).unwrap();
+                assert!(c.passed, "{what}: {c:?} (tolerance {tol:e})");
+                worst_bf16 = worst_bf16.max(c.rel_err);
+                continue;
+            }
+            // the next layer's scale a little small, so the top saturates
+            let s_next = 0.8 * y_amax.to_scalar::<f32>().unwrap() / 448.0;
+            let amax_d = Tensor::zeros(1, DType::U32, &Device::Cpu).unwrap();
+            let mut largest = 0f32;
+            for (call, x_scale) in [1.0f64, 0.5].into_iter().enumerate() {
+                // the second call's s_x halved: a smaller y, whose amax must not replace the first's
+                let sx = (&op.x_scale * x_scale).unwrap();
+                let op = Fp8Gemm { x_scale: sx, ..op.clone() }
+                    .with_e4m3_out(&Tensor::new(&[1.0 / s_next], &Device::Cpu).unwrap(), &amax_d)
+                    .unwrap();
+                let got = op.forward(&xq, &wq).unwrap();
+                let (want, want_amax) = op.forward_slow(&xq, &wq).unwrap();
+                assert_eq!((got.dims(), got.dtype()), (&[bsz, t, n][..], DType::F8E4M3), "{what}");
+                let (got, want) = (host(&got), host(&want));
+                let d = e4m3_differences(&got, &want, &what);
+                assert!(d <= got.len() / 100 + 1, "{what} call {call}: {d} of {} E4M3 values differ", got.len());
+                if call == 0 {
+                    assert!(got.iter().any(|v| v.abs() == 448.0), "{what}: nothing saturated, so a wrong D scale could pass");
+                }
+                differing = (differing.0 + d, differing.1 + got.len());
+                largest = largest.max(want_amax.to_scalar::<f32>().unwrap());
+                let recorded = crate::scale::amax_value(&amax_d).unwrap();
+                let rel = ((recorded - largest).abs() / largest) as f64;
+                assert!(rel <= 1e-5, "{what} call {call}: amax_D {recorded} vs {largest}");
+                worst_amax = worst_amax.max(rel);
+            }
+        }
+        eprintln!(
+            "Fp8Gemm vs its slow twin: bf16 rel err at most {worst_bf16:.2e}; E4M3 codes differing {} of {}; amax_D rel err at most {worst_amax:.2e}",
+            differing.0, differing.1
+        );
+    }
+
+    /// The CPU forward computes what the CUDA forward asks cuBLASLt for: the arguments
+    /// `fp8_gemm_args*` build, executed by `stage3_fused::cublaslt_model` (f64 sums, the
+    /// documented epilogue and D rounding) on the same E4M3 buffers and scales, agree with the op
+    /// within the f32-accumulation tolerance (bf16 D), and code for code up to neighbours at
+    /// rounding boundaries with amax_D within 1e-5 (E4M3 D).
+    #[test]
+    fn the_cpu_forward_executes_the_cublaslt_arguments() {
+        use stage3_fused::cublaslt_model::{matmul, matmul_fp8_out};
+        let (mut worst_bf16, mut differing) = (0f64, (0usize, 0usize));
+        for (case, &(m, k, n, gelu)) in
+            [(16, 32, 48, false), (32, 64, 16, true), (48, 160, 96, true), (64, 16, 32, false)].iter().enumerate()
+        {
+            let (xq, wq, op) = operands((1, m, k, n), gelu, 100 + case as u64);
+            let scales = (op.w_scale.to_scalar::<f32>().unwrap(), op.x_scale.to_scalar::<f32>().unwrap()); // (A = W's, B = x's)
+            let (a, b, bias) = (host(&wq), host(&xq), host(&op.bias));
+            let d = matmul(&fp8_gemm_args(m, k, n, gelu).unwrap().contract(), &a, &b, None, Some(&bias), scales).unwrap();
+            let want = Tensor::from_vec(d, (1, m, n), &Device::Cpu).unwrap();
+            let c = compare_within(&op.forward(&xq, &wq).unwrap(), &want, gemm_twin_tolerance(k, Accumulation::F32, DType::BF16)).unwrap();
+            assert!(c.passed, "case {case} bf16 D: {c:?}");
+            worst_bf16 = worst_bf16.max(c.rel_err);
+
+            let s_next = 0.8 * want.abs().unwrap().max_all().unwrap().to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap() / 448.0;
+            let amax_d = Tensor::zeros(1, DType::U32, &Device::Cpu).unwrap();
+            let op = op.with_e4m3_out(&Tensor::new(&[1.0 / s_next], &Device::Cpu).unwrap(), &amax_d).unwrap();
+            let args = fp8_gemm_args_e4m3_out(m, k, n, gelu).unwrap().contract();
+            let (d, want_amax) = matmul_fp8_out(&args, &a, &b, Some(&bias), scales, 1.0 / s_next).unwrap();
+            let got = host(&op.forward(&xq, &wq).unwrap());
+            let differ = e4m3_differences(&got, &d, &format!("case {case}"));
+            assert!(differ <= got.len() / 100 + 1, "case {case}: {differ} of {} E4M3 values differ", got.len());
+            let recorded = crate::scale::amax_value(&amax_d).unwrap();
+            assert!((recorded - want_amax).abs() <= 1e-5 * want_amax, "case {case}: amax_D {recorded} vs {want_amax}");
+            differing = (differing.0 + differ, differing.1 + got.len());
+        }
+        eprintln!(
+            "Fp8Gemm vs cublaslt_model: bf16 D rel err at most {worst_bf16:.2e}; E4M3 codes differing {} of {}",
+            differing.0, differing.1
+        );
+    }
+
+    /// What the op refuses, with the reason: operands not in E4M3, shapes that do not fit.
+    #[test]
+    fn the_fp8_gemm_refuses_what_does_not_fit() {
+        let (xq, wq, op) = operands((1, 4, 8, 6), false, 7);
+        let e = op.forward(&xq.to_dtype(DType::F32).unwrap(), &wq).unwrap_err().to_string();
+        assert!(e.contains("must be E4M3") && e.contains("quantise"), "{e}");
+        let e = op.forward(&xq, &wq.narrow(1, 0, 4).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("do not fit"), "{e}");
+        let e =
+            op.clone().with_e4m3_out(&Tensor::new(&[1f32], &Device::Cpu).unwrap(), &Tensor::zeros(1, DType::F32, &Device::Cpu).unwrap());
+        assert!(e.unwrap_err().to_string().contains("one u32"));
+    }
 
     #[test]
     fn tn_layout_for_a_qkv_gemm() {

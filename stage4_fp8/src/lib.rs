@@ -3,12 +3,12 @@
 //! **What changed.** The four matrix multiplications (qkv, proj, fc1, fc2) take E4M3 inputs —
 //! weights quantised once at build, activations on every call with a per-tensor scale from
 //! `--fp8-recipe` (delayed: an amax history; current: this tensor's amax) — and write bf16
-//! with bias (and fc1's GELU) in cuBLASLt's epilogue (`fp8::Fp8Linear`). Everything else is
-//! stage 3: its fused LayerNorm and residual kernels, stage 2's attention, LayerNorm
-//! statistics and the residual stream in f32. The activations stay in the dtype stage 3 uses
-//! at the same `--precision` (`activation_dtype`): on the CPU, f32 by default, so the GEMMs'
-//! number format is the one change; on CUDA, bf16 (what cuBLASLt's FP8 GEMMs store), and a
-//! note says so when stage 3 would run something else.
+//! with bias (and fc1's GELU) in cuBLASLt's epilogue (`fp8::Fp8Linear` on the candle op
+//! `gemm::Fp8Gemm`). Everything else is stage 3: its fused LayerNorm and residual kernels,
+//! stage 2's attention, LayerNorm statistics and the residual stream in f32. The activations
+//! stay in the dtype stage 3 uses at the same `--precision` (`activation_dtype`): on the CPU,
+//! f32 by default, so the GEMMs' number format is the one change; on CUDA, bf16 (what
+//! cuBLASLt's FP8 GEMMs store), and a note says so when stage 3 would run something else.
 //!
 //! **Why it is faster on the hardware.** Hopper's tensor cores do twice as many E4M3 FLOPs per
 //! clock as bf16 (1979 vs 989 dense TFLOP/s on H100 SXM), and E4M3 operands are half the bytes.
