@@ -1,10 +1,12 @@
 //! A bf16 GEMM for the CPU: stage 1's lesson on a CPU's own matrix units.
 //!
-//! `matmul(a, b)` is candle's `a.matmul(b)` for bf16 tensors, run on the widest bf16 unit this
-//! CPU has, f32 accumulation inside, bf16 out (as on a GPU's tensor cores). On CUDA, and for
-//! other dtypes, it is candle's matmul. Its slow twin is `matmul_slow` (widen to f32, candle's
-//! f32 matmul, narrow), and the kernel's scalar twin is `gemm_scalar`; `tests/bf16_gemm.rs`
-//! pairs them.
+//! `matmul(a, b)` is candle's `a.matmul(b)` when either operand is bf16, run on the widest bf16
+//! unit this CPU has, f32 accumulation inside, the result in a's dtype: bf16 × bf16 gives bf16
+//! (as on a GPU's tensor cores), an f32 activation × a bf16 weight gives f32, the activation
+//! rounded to bf16 as it is packed (no conversion pass). `matmul_bf16` runs two f32 operands
+//! the same way. On CUDA, and for other dtypes, it is candle's matmul. Its slow twin is
+//! `matmul_slow` (round to bf16, widen to f32, candle's f32 matmul, narrow), and the kernel's
+//! scalar twin is `gemm_scalar`; `tests/bf16_gemm.rs` pairs them.
 //!
 //! | kernel             | instruction                                 | per instruction                         |
 //! |--------------------|---------------------------------------------|-----------------------------------------|
@@ -46,6 +48,7 @@
 #[cfg(target_arch = "x86_64")]
 mod amx;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::bf16;
 use rayon::prelude::*;
@@ -150,11 +153,46 @@ fn amx_available() -> bool {
     }
 }
 
-/// A read-only view of an m × k (or k × n) bf16 matrix inside a slice: element (r, c) is
-/// `data[offset + r·rs + c·cs]`. Any strides: transposed views and stage 3's QKV views alike.
+/// An element the kernel reads: bf16 as it is, or f32 rounded to bf16 (to nearest even) as the
+/// kernel packs it, so an f32 activation needs no conversion pass of its own.
+pub trait Operand: Copy + Send + Sync + std::fmt::Debug + 'static {
+    /// The bf16 bits the instruction multiplies.
+    fn bf16_bits(self) -> u16;
+    /// The value the instruction multiplies, as f32 (for the scalar twin).
+    #[inline(always)]
+    fn rounded(self) -> f32 {
+        f32::from_bits((self.bf16_bits() as u32) << 16)
+    }
+    /// The slice itself when it is bf16 already (for MKL, which reads bf16 only).
+    fn as_bf16(data: &[Self]) -> Option<&[bf16]>;
+}
+
+impl Operand for bf16 {
+    #[inline(always)]
+    fn bf16_bits(self) -> u16 {
+        self.to_bits()
+    }
+    fn as_bf16(data: &[bf16]) -> Option<&[bf16]> {
+        Some(data)
+    }
+}
+
+impl Operand for f32 {
+    #[inline(always)]
+    fn bf16_bits(self) -> u16 {
+        bf16::from_f32(self).to_bits()
+    }
+    fn as_bf16(_: &[f32]) -> Option<&[bf16]> {
+        None
+    }
+}
+
+/// A read-only view of an m × k (or k × n) matrix of bf16 (or f32, rounded as packed) inside a
+/// slice: element (r, c) is `data[offset + r·rs + c·cs]`. Any strides: transposed views and
+/// stage 3's QKV views alike.
 #[derive(Clone, Copy, Debug)]
-pub struct MatRef<'a> {
-    pub data: &'a [bf16],
+pub struct MatRef<'a, T: Operand = bf16> {
+    pub data: &'a [T],
     pub offset: usize,
     pub rows: usize,
     pub cols: usize,
@@ -164,9 +202,9 @@ pub struct MatRef<'a> {
     pub cs: usize,
 }
 
-impl<'a> MatRef<'a> {
+impl<'a, T: Operand> MatRef<'a, T> {
     /// A row-major rows × cols matrix.
-    pub fn row_major(data: &'a [bf16], rows: usize, cols: usize) -> Self {
+    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Self {
         MatRef { data, offset: 0, rows, cols, rs: cols, cs: 1 }
     }
 
@@ -179,7 +217,7 @@ impl<'a> MatRef<'a> {
     #[inline(always)]
     fn bits(&self, r: usize, c: usize) -> u32 {
         if r < self.rows && c < self.cols {
-            self.data[self.offset + r * self.rs + c * self.cs].to_bits() as u32
+            self.data[self.offset + r * self.rs + c * self.cs].bf16_bits() as u32
         } else {
             0
         }
@@ -220,7 +258,14 @@ impl<'a> MatRef<'a> {
 /// accumulated in f32, on `kernel` (`Avx512Bf16` or `Amx`), rayon over tiles when `parallel`.
 /// An error, never a fault, when the CPU lacks the kernel or the shapes do not fit;
 /// `ConvertedF32` is the caller's f32 GEMM and is refused here.
-pub fn gemm(kernel: Kernel, c: &mut [f32], a: MatRef, b: MatRef, accumulate: bool, parallel: bool) -> Result<(), String> {
+pub fn gemm<A: Operand, B: Operand>(
+    kernel: Kernel,
+    c: &mut [f32],
+    a: MatRef<A>,
+    b: MatRef<B>,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<(), String> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if b.rows != k || c.len() != m * n {
         return Err(format!("bf16 gemm: a {m} × {k}, b {} × {n} and c ({} elements) do not fit c = a·b", b.rows, c.len()));
@@ -266,16 +311,17 @@ pub fn gemm(kernel: Kernel, c: &mut [f32], a: MatRef, b: MatRef, accumulate: boo
     Ok(())
 }
 
-/// The scalar twin: the same products and f32 sums, in k order, one element at a time.
-pub fn gemm_scalar(c: &mut [f32], a: MatRef, b: MatRef, accumulate: bool) {
+/// The scalar twin: the same products (of the operands rounded to bf16) and f32 sums, in k
+/// order, one element at a time.
+pub fn gemm_scalar<A: Operand, B: Operand>(c: &mut [f32], a: MatRef<A>, b: MatRef<B>, accumulate: bool) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert!(b.rows == k && c.len() == m * n, "c = a·b: a {m} × {k}, b {} × {n}, c {}", b.rows, c.len());
-    let at = |x: &MatRef, r: usize, col: usize| x.data[x.offset + r * x.rs + col * x.cs].to_f32();
     for i in 0..m {
         for j in 0..n {
             let mut acc = if accumulate { c[i * n + j] } else { 0.0 };
             for kk in 0..k {
-                acc += at(&a, i, kk) * at(&b, kk, j); // exact product of two bf16 in f32
+                let (x, y) = (a.data[a.offset + i * a.rs + kk * a.cs], b.data[b.offset + kk * b.rs + j * b.cs]);
+                acc += x.rounded() * y.rounded(); // exact product of two bf16 in f32
             }
             c[i * n + j] = acc;
         }
@@ -284,7 +330,7 @@ pub fn gemm_scalar(c: &mut [f32], a: MatRef, b: MatRef, accumulate: bool) {
 
 /// B (k × n) as ⌈n / NR⌉ panels of kp × NR pairs: panel q, pair p, column j at
 /// `(q·kp + p)·NR + j`. Zero past the edges.
-fn pack_b(b: MatRef, kp: usize, parallel: bool) -> Vec<u32> {
+fn pack_b<T: Operand>(b: MatRef<T>, kp: usize, parallel: bool) -> Vec<u32> {
     let panels = b.cols.div_ceil(NR);
     let mut packed = vec![0u32; panels * kp * NR];
     let whole = b.rows / 2; // pairs wholly inside k
@@ -296,7 +342,7 @@ fn pack_b(b: MatRef, kp: usize, parallel: bool) -> Vec<u32> {
                 // neighbours, read in one sweep.
                 let src = &b.data[b.offset + col * b.cs..][..2 * whole];
                 for (p, pair) in src.chunks_exact(2).enumerate() {
-                    panel[p * NR + j] = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;
+                    panel[p * NR + j] = pair[0].bf16_bits() as u32 | (pair[1].bf16_bits() as u32) << 16;
                 }
             } else {
                 for p in 0..whole {
@@ -318,7 +364,7 @@ fn pack_b(b: MatRef, kp: usize, parallel: bool) -> Vec<u32> {
 
 /// Rows i0..i0+mc of A, pairs p0..p0+kc, as ⌈mc / MR⌉ micro-panels of kc × MR pairs (row i of
 /// panel r, pair p at `(r·kc + p)·MR + i`), zero past the edges. Written into `into`.
-fn pack_a(a: MatRef, (i0, mc): (usize, usize), (p0, kc): (usize, usize), into: &mut Vec<u32>) {
+fn pack_a<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, usize), into: &mut Vec<u32>) {
     let panels = mc.div_ceil(MR);
     into.clear();
     into.resize(panels * kc * MR, 0);
@@ -332,7 +378,7 @@ fn pack_a(a: MatRef, (i0, mc): (usize, usize), (p0, kc): (usize, usize), into: &
                 // A row's elements are adjacent: a pair is two neighbours, read in one sweep.
                 let src = &a.data[a.offset + row * a.rs + 2 * p0..][..2 * whole];
                 for (p, pair) in src.chunks_exact(2).enumerate() {
-                    panel[p * MR + i] = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;
+                    panel[p * MR + i] = pair[0].bf16_bits() as u32 | (pair[1].bf16_bits() as u32) << 16;
                 }
             } else {
                 for p in 0..whole {
@@ -368,11 +414,11 @@ impl OutPtr {
 /// # Safety
 /// The block lies inside C (m × n with row length `ldc`), and no other thread writes it.
 #[allow(clippy::too_many_arguments)]
-unsafe fn block(
+unsafe fn block<T: Operand>(
     kernel: Kernel,
     c: OutPtr,
     ldc: usize,
-    a: MatRef,
+    a: MatRef<T>,
     packed_b: &[u32],
     kp: usize,
     (i0, mc): (usize, usize),
@@ -433,7 +479,7 @@ unsafe fn micro_kernel(kernel: Kernel, kc: usize, a: &[u32], b: &[u32], c: *mut 
 
 #[cfg(feature = "mkl")]
 mod mkl {
-    use super::MatRef;
+    use super::{MatRef, Operand};
     use half::bf16;
     use std::borrow::Cow;
 
@@ -463,18 +509,25 @@ mod mkl {
 
     /// A view as (pointer source, transpose flag, leading dimension) in MKL's row-major terms:
     /// rows adjacent → transposed; else columns adjacent; else copied row-major first.
-    fn operand<'a>(x: &MatRef<'a>) -> (Cow<'a, [bf16]>, i32, usize) {
+    fn operand<'a, T: Operand>(x: &MatRef<'a, T>) -> (Cow<'a, [bf16]>, i32, usize) {
+        let Some(data) = T::as_bf16(x.data) else {
+            // f32 operands: rounded to bf16 into a row-major copy (MKL reads bf16 only).
+            let v = (0..x.rows)
+                .flat_map(|r| (0..x.cols).map(move |c| bf16::from_bits(x.data[x.offset + r * x.rs + c * x.cs].bf16_bits())))
+                .collect();
+            return (Cow::Owned(v), NO_TRANS, x.cols.max(1));
+        };
         if x.cs == 1 && x.rs >= x.cols.max(1) {
-            (Cow::Borrowed(&x.data[x.offset..]), NO_TRANS, x.rs)
+            (Cow::Borrowed(&data[x.offset..]), NO_TRANS, x.rs)
         } else if x.rs == 1 && x.cs >= x.rows.max(1) {
-            (Cow::Borrowed(&x.data[x.offset..]), TRANS, x.cs)
+            (Cow::Borrowed(&data[x.offset..]), TRANS, x.cs)
         } else {
-            let v = (0..x.rows).flat_map(|r| (0..x.cols).map(move |c| x.data[x.offset + r * x.rs + c * x.cs])).collect();
+            let v = (0..x.rows).flat_map(|r| (0..x.cols).map(move |c| data[x.offset + r * x.rs + c * x.cs])).collect();
             (Cow::Owned(v), NO_TRANS, x.cols.max(1))
         }
     }
 
-    pub fn gemm(c: &mut [f32], a: MatRef, b: MatRef, accumulate: bool) -> Result<(), String> {
+    pub fn gemm<A: Operand, B: Operand>(c: &mut [f32], a: MatRef<A>, b: MatRef<B>, accumulate: bool) -> Result<(), String> {
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let dim = |v: usize| i32::try_from(v).map_err(|_| format!("bf16 gemm: dimension {v} exceeds MKL's 32-bit (LP64) interface"));
         let ((ad, ta, lda), (bd, tb, ldb)) = (operand(&a), operand(&b));
@@ -545,9 +598,11 @@ mod avx512 {
 // The candle op
 // ---------------------------------------------------------------------------------------------
 
-/// `a.matmul(b)` with bf16 GEMMs on this CPU's bf16 unit (`Kernel::detect`): a (…, M, K),
-/// b (…, K, N) or (K, N), both bf16, any strides; out (…, M, N) bf16, accumulated in f32.
-/// Everything else (CUDA tensors, other dtypes) is candle's matmul.
+/// `a.matmul(b)` with bf16 GEMMs on this CPU's bf16 unit (`Kernel::detect`) when either
+/// operand is bf16: a (…, M, K), b (…, K, N) or (K, N), each bf16 or f32 (an f32 operand is
+/// rounded to bf16 as the kernel packs it), any strides; out (…, M, N) in a's dtype, accumulated
+/// in f32. So bf16 × bf16 gives bf16, as on a GPU, and an f32 activation times a bf16 weight
+/// gives f32 with no conversion pass. Two f32 operands, and other dtypes, are candle's matmul.
 pub fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     matmul_with(a, b, Kernel::detect())
 }
@@ -555,8 +610,26 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 /// `matmul` on a given kernel (`ConvertedF32` is the slow twin's path, what a CPU without bf16
 /// instructions runs). A kernel this CPU lacks is an error.
 pub fn matmul_with(a: &Tensor, b: &Tensor, kernel: Kernel) -> candle_core::Result<Tensor> {
-    if !a.device().is_cpu() || a.dtype() != DType::BF16 || b.dtype() != DType::BF16 {
-        return a.matmul(b);
+    if a.dtype() == DType::BF16 || b.dtype() == DType::BF16 {
+        bf16_matmul(a, b, kernel)
+    } else {
+        a.matmul(b)
+    }
+}
+
+/// `a · b` as a bf16 GEMM whatever the operands' dtypes (bf16 or f32): both rounded to bf16,
+/// f32 accumulation, the result in a's dtype. For two f32 activations that still go through a
+/// bf16 GEMM (stage 1's attention products on a CPU, which keeps activations in f32). Elsewhere
+/// (CUDA, a CPU without bf16 instructions) the operands are cast to bf16 first.
+pub fn matmul_bf16(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    bf16_matmul(a, b, Kernel::detect())
+}
+
+fn bf16_matmul(a: &Tensor, b: &Tensor, kernel: Kernel) -> candle_core::Result<Tensor> {
+    let ours = |x: &Tensor| matches!(x.dtype(), DType::BF16 | DType::F32);
+    if !a.device().is_cpu() || !ours(a) || !ours(b) {
+        // A GPU's tensor cores (or another dtype): candle's matmul on bf16 operands.
+        return a.to_dtype(DType::BF16)?.matmul(&b.to_dtype(DType::BF16)?)?.to_dtype(a.dtype());
     }
     if !kernel.is_native() {
         return matmul_slow(a, b);
@@ -564,10 +637,11 @@ pub fn matmul_with(a: &Tensor, b: &Tensor, kernel: Kernel) -> candle_core::Resul
     a.apply_op2_no_bwd(b, &Bf16Matmul { kernel })
 }
 
-/// Slow twin of `matmul`: operands widened to f32, candle's f32 matmul, the result narrowed to
-/// a's dtype. What runs on a CPU without bf16 instructions ("converted to f32").
+/// Slow twin of `matmul`: operands rounded to bf16 and widened to f32, candle's f32 matmul, the
+/// result in a's dtype. What runs on a CPU without bf16 instructions ("converted to f32").
 pub fn matmul_slow(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    a.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?)?.to_dtype(a.dtype())
+    let wide = |x: &Tensor| x.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+    wide(a)?.matmul(&wide(b)?)?.to_dtype(a.dtype())
 }
 
 /// The op behind `matmul`.
@@ -581,7 +655,24 @@ impl CustomOp2 for Bf16Matmul {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (CpuStorage::BF16(a), CpuStorage::BF16(b)) = (s1, s2) else { candle_core::bail!("bf16 matmul: both operands must be bf16") };
+        let (out, shape) = match (s1, s2) {
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => self.run(a, l1, b, l2),
+            (CpuStorage::BF16(a), CpuStorage::F32(b)) => self.run(a, l1, b, l2),
+            (CpuStorage::F32(a), CpuStorage::BF16(b)) => self.run(a, l1, b, l2),
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => self.run(a, l1, b, l2),
+            _ => candle_core::bail!("bf16 matmul: operands must be bf16 or f32, got {:?} and {:?}", s1.dtype(), s2.dtype()),
+        }?;
+        let out = match s1 {
+            CpuStorage::BF16(_) => CpuStorage::BF16(out.par_iter().map(|&v| bf16::from_f32(v)).collect()),
+            _ => CpuStorage::F32(out), // f32 activations stay f32: no narrowing pass
+        };
+        Ok((out, shape))
+    }
+}
+
+impl Bf16Matmul {
+    /// The products, in f32.
+    fn run<A: Operand, B: Operand>(&self, a: &[A], l1: &Layout, b: &[B], l2: &Layout) -> candle_core::Result<(Vec<f32>, Shape)> {
         let (ad, bd) = (l1.shape().dims(), l2.shape().dims());
         if ad.len() < 2 || bd.len() < 2 {
             candle_core::bail!("bf16 matmul: operands must be at least 2-d, got {ad:?} and {bd:?}");
@@ -607,16 +698,15 @@ impl CustomOp2 for Bf16Matmul {
             out.par_chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, false))
         }
         .map_err(candle_core::Error::Msg)?;
-        let out: Vec<bf16> = out.par_iter().map(|&v| bf16::from_f32(v)).collect();
         let mut dims = batch_dims.to_vec();
         dims.extend([m, n]);
-        Ok((CpuStorage::BF16(out), Shape::from(dims)))
+        Ok((out, Shape::from(dims)))
     }
 }
 
 /// Product t of a batched operand (…, rows, cols) as a view: its offset from the layout's batch
 /// strides (broadcast batch dimensions have stride 0), its strides from the last two.
-fn batch_view<'a>(data: &'a [bf16], l: &Layout, t: usize, rows: usize, cols: usize) -> MatRef<'a> {
+fn batch_view<'a, T: Operand>(data: &'a [T], l: &Layout, t: usize, rows: usize, cols: usize) -> MatRef<'a, T> {
     let (dims, strides) = (l.shape().dims(), l.stride());
     let nb = dims.len() - 2;
     let (mut rest, mut offset) = (t, l.start_offset());

@@ -2,7 +2,7 @@
 //! precision policy's dtype.
 
 use crate::bf16_gemm::{self, Kernel};
-use crate::{attention, linear, precision};
+use crate::{attention_in, linear, precision};
 use candle_core::{DType, Tensor};
 use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
@@ -15,7 +15,7 @@ pub struct Block {
     ln1_g: Tensor,  // (C) f32
     ln1_b: Tensor,  // (C) f32
     w_q: Tensor,    // (C, C) GEMM dtype
-    b_q: Tensor,    // (C) GEMM dtype
+    b_q: Tensor,    // (C) activation dtype
     w_k: Tensor,    // (C, C)
     b_k: Tensor,    // (C)
     w_v: Tensor,    // (C, C)
@@ -31,6 +31,7 @@ pub struct Block {
     n_head: usize,
     mask: Tensor, // (T, T) f32: 0 on and below the diagonal, -inf above
     dtype: DType, // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
+    act: DType,   // activations between GEMMs: the GEMM dtype, or f32 on a CPU's bf16 unit (`precision::activation_dtype`)
 }
 
 /// Stage 1 as the runner and the ladder see it: `--precision` is its only flag, and every
@@ -76,11 +77,22 @@ impl Stage for TensorCore {
     fn notes(&self, plan: &Plan) -> Vec<String> {
         let advice = precision::alignment_advice(&plan.shape, plan.precision);
         let on = if plan.info.is_cuda() { "" } else { "on a GPU, " };
-        advice.into_iter().map(|a| format!("{on}{a}")).collect()
+        let mut notes: Vec<String> = advice.into_iter().map(|a| format!("{on}{a}")).collect();
+        if precision::activation_dtype(plan) == DType::F32 && plan.precision == Precision::Bf16 {
+            notes.push(
+                "bf16 mixed precision on the CPU: bf16 weights, activations kept in f32 and rounded to bf16 as each GEMM packs them, \
+                 f32 accumulate and f32 out; bias, GELU, mask, softmax, residual and LayerNorm run in f32 (candle's CPU element-wise \
+                 ops on bf16 convert every element to f32 and back)"
+                    .into(),
+            );
+        }
+        notes
     }
 
     fn implementation(&self, plan: &Plan) -> Option<String> {
-        precision::cpu_bf16_kernel(plan).map(|k| format!("bf16 GEMMs {k}"))
+        let act =
+            if precision::activation_dtype(plan) == DType::F32 && plan.precision == Precision::Bf16 { ", f32 activations" } else { "" };
+        precision::cpu_bf16_kernel(plan).map(|k| format!("bf16 GEMMs {k}{act}"))
     }
 
     fn build(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
@@ -98,9 +110,10 @@ impl Block {
         precision::switches(plan.precision).apply();
         let c = plan.shape.d_model;
         let dt = precision::gemm_dtype(plan.precision);
+        let act = precision::activation_dtype(plan);
         // Three separate projections, as in stage 0; cast once here, never per forward.
         let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(dt)?.contiguous()); // (C, C)
-        let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(dt)?.contiguous()); // (C)
+        let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(act)?.contiguous()); // (C): added to the GEMM's output
         Ok(Block {
             ln1_g: w.ln1_g.clone(),
             ln1_b: w.ln1_b.clone(),
@@ -111,16 +124,17 @@ impl Block {
             w_v: rows(2)?,
             b_v: bias(2)?,
             w_proj: w.w_proj.to_dtype(dt)?,
-            b_proj: w.b_proj.to_dtype(dt)?,
+            b_proj: w.b_proj.to_dtype(act)?,
             ln2_g: w.ln2_g.clone(),
             ln2_b: w.ln2_b.clone(),
             w_fc1: w.w_fc1.to_dtype(dt)?,
-            b_fc1: w.b_fc1.to_dtype(dt)?,
+            b_fc1: w.b_fc1.to_dtype(act)?,
             w_fc2: w.w_fc2.to_dtype(dt)?,
-            b_fc2: w.b_fc2.to_dtype(dt)?,
+            b_fc2: w.b_fc2.to_dtype(act)?,
             n_head: plan.shape.n_head,
             mask: causal_mask(plan.shape.seq, &plan.device)?,
             dtype: dt,
+            act,
         })
     }
 }
@@ -128,17 +142,17 @@ impl Block {
 impl Forward for Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
-        let h = layer_norm(x, &self.ln1_g, &self.ln1_b)?.to_dtype(self.dtype)?; // (B, T, C): f32 statistics, GEMM dtype out
+        let h = layer_norm(x, &self.ln1_g, &self.ln1_b)?.to_dtype(self.act)?; // (B, T, C): f32 statistics, activation dtype out
         part("qkv")?;
         let q = linear(&h, &self.w_q, &self.b_q)?; // (B, T, C)
         let k = linear(&h, &self.w_k, &self.b_k)?;
         let v = linear(&h, &self.w_v, &self.b_v)?;
         part("attention")?;
-        let a = attention(&q, &k, &v, self.n_head, &self.mask)?; // (B, T, C)
+        let a = attention_in(&q, &k, &v, self.n_head, &self.mask, self.dtype)?; // (B, T, C)
         part("proj+residual")?;
         let x = (x + linear(&a, &self.w_proj, &self.b_proj)?.to_dtype(DType::F32)?)?; // residual stream stays f32
         part("ln2")?;
-        let h = layer_norm(&x, &self.ln2_g, &self.ln2_b)?.to_dtype(self.dtype)?;
+        let h = layer_norm(&x, &self.ln2_g, &self.ln2_b)?.to_dtype(self.act)?;
         part("fc1+gelu")?;
         let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1)?)?; // (B, T, FF)
         part("fc2+residual")?;

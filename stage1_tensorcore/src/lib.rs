@@ -13,7 +13,11 @@
 //! error), and the residual stream x (it is summed into at every block; rounding it to bf16
 //! each time would compound). TF32 keeps f32 storage and only rounds GEMM inputs to 10
 //! mantissa bits inside the tensor core (candle's `set_gemm_reduced_precision_f32`); the
-//! switches are set deliberately per precision in `precision::switches`.
+//! switches are set deliberately per precision in `precision::switches`. On a CPU with a bf16
+//! unit the activations stay f32 instead (`precision::activation_dtype`): our GEMM rounds them to
+//! bf16 as it packs its operands and returns f32, because candle's CPU element-wise ops on bf16
+//! tensors convert every element to f32 and back and would eat the GEMMs' gain. Still bf16 mixed
+//! precision: bf16 weights and GEMM operands, f32 accumulation; the label says `f32 activations`.
 //!
 //! **Why it is faster on the hardware.** Tensor cores do a small matrix product per
 //! instruction: on an H100 SXM, dense bf16 peaks at ~989 TFLOP/s and TF32 at ~495, against
@@ -48,7 +52,8 @@ use candle_core::{DType, Tensor};
 use stage0_baseline::{causal_mask, merge_heads, softmax, split_heads};
 
 /// y = x Wᵀ + b for x (B, T, in), W (out, in), b (out): stage 0's `linear` with the GEMM on
-/// `bf16_gemm::matmul` (bf16 on the CPU's bf16 unit; candle's matmul otherwise).
+/// `bf16_gemm::matmul` (bf16 W on the CPU's bf16 unit, where an f32 x is rounded to bf16 as it
+/// is packed and y stays f32; candle's matmul otherwise). b in y's dtype.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let (bsz, t, c_in) = x.dims3()?;
     let c_out = w.dim(0)?;
@@ -60,11 +65,20 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor>
 /// tensor cores (on a CPU, its bf16 unit through `bf16_gemm::matmul`) in the GEMM dtype; the scores are widened to f32 for the mask and softmax.
 /// q, k, v: (B, T, C) in the GEMM dtype; `mask` (T, T) f32. Returns (B, T, C), GEMM dtype.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, mask: &Tensor) -> candle_core::Result<Tensor> {
+    attention_in(q, k, v, n_head, mask, q.dtype())
+}
+
+/// `attention` with its two products in `gemm` whatever q, k and v are stored in: on a CPU with
+/// a bf16 unit stage 1 keeps them in f32 and runs the products as bf16 GEMMs
+/// (`bf16_gemm::matmul_bf16`: operands rounded to bf16 as they are packed, f32 out), so the
+/// scores and probabilities never pass through a bf16 tensor. Returns (B, T, C) in q's dtype.
+pub fn attention_in(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, mask: &Tensor, gemm: DType) -> candle_core::Result<Tensor> {
+    let matmul = |a: &Tensor, b: &Tensor| if gemm == DType::BF16 { bf16_gemm::matmul_bf16(a, b) } else { a.matmul(b) };
     let t = q.dim(1)?;
     let (q, k, v) = (split_heads(q, n_head)?, split_heads(k, n_head)?, split_heads(v, n_head)?); // (B, n_head, T, d_head)
     let scale = 1.0 / (q.dim(candle_core::D::Minus1)? as f64).sqrt();
-    let s = (bf16_gemm::matmul(&q, &k.t()?)?.to_dtype(DType::F32)? * scale)?; // (B, n_head, T, T) f32: exp needs the range
+    let s = (matmul(&q, &k.t()?)?.to_dtype(DType::F32)? * scale)?; // (B, n_head, T, T) f32: exp needs the range
     let mask = if mask.dim(0)? == t { mask.clone() } else { causal_mask(t, q.device())? };
     let p = softmax(&s.broadcast_add(&mask)?)?.to_dtype(v.dtype())?; // probabilities in [0, 1]: bf16 holds them
-    merge_heads(&bf16_gemm::matmul(&p, &v)?) // (B, n_head, T, d_head) → (B, T, C)
+    merge_heads(&matmul(&p, &v)?) // (B, n_head, T, d_head) → (B, T, C)
 }

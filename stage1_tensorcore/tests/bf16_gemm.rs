@@ -184,3 +184,60 @@ fn matmul_op_matches_its_slow_twin() {
     let same = (bf16_gemm::matmul(&a, &b).unwrap() - a.matmul(&b).unwrap()).unwrap().abs().unwrap().max_all().unwrap();
     assert_eq!(same.to_scalar::<f32>().unwrap(), 0.0);
 }
+
+/// f32 operands, rounded to bf16 as the kernel packs them: the kernel against its scalar twin
+/// on ragged shapes (f32 A with bf16 B, as a linear's f32 activation times a bf16 weight; both
+/// f32 and strided, as attention's products), and against the twin fed operands rounded first.
+#[test]
+fn f32_operands_are_rounded_as_packed() {
+    let mut rng = Rng(0xf32);
+    for &kernel in &native() {
+        for (m, n, k) in ragged_shapes(&mut rng) {
+            let a: Vec<f32> = (0..m * k).map(|_| rng.next() * 3.0).collect(); // not bf16 values
+            let b = rng.bf16s(k * n);
+            let (av, bv) = (MatRef::row_major(&a, m, k), MatRef::row_major(&b, k, n));
+            let mut twin = vec![0f32; m * n];
+            gemm_scalar(&mut twin, av, bv, false);
+            let rounded: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
+            let mut rounded_first = vec![0f32; m * n];
+            gemm_scalar(&mut rounded_first, MatRef::row_major(&rounded, m, k), bv, false);
+            assert_eq!(twin, rounded_first, "the twin rounds f32 to bf16 (nearest even) at {m}×{n}×{k}");
+            let mut c = vec![f32::NAN; m * n];
+            gemm(kernel, &mut c, av, bv, false, true).unwrap();
+            assert_close(&c, &twin, k, 3.0, &format!("{} f32 × bf16 at {m}×{n}×{k}", kernel.name()));
+            // Both f32, B strided (every other column of a wider matrix).
+            let wide: Vec<f32> = (0..k * 2 * n).map(|_| rng.next()).collect();
+            let bw = MatRef { data: &wide, offset: 1, rows: k, cols: n, rs: 2 * n, cs: 2 };
+            let (mut want, mut got) = (vec![0f32; m * n], vec![0f32; m * n]);
+            gemm_scalar(&mut want, av, bw, false);
+            gemm(kernel, &mut got, av, bw, false, false).unwrap();
+            assert_close(&got, &want, k, 3.0, &format!("{} f32 × f32 strided at {m}×{n}×{k}", kernel.name()));
+        }
+    }
+}
+
+/// The op with f32 operands: `matmul` (f32 activation × bf16 weight) and `matmul_bf16` (two f32
+/// operands, batched, strided) give f32, against the slow twin (round, widen, f32 matmul), on
+/// every kernel including the forced fallback.
+#[test]
+fn matmul_op_with_f32_operands_gives_f32() {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1.0, (67, 131), &dev).unwrap();
+    let w = Tensor::randn(0f32, 0.02, (45, 131), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+    let q = Tensor::randn(0f32, 1.0, (2, 3, 29, 16), &dev).unwrap();
+    let kt = Tensor::randn(0f32, 1.0, (2, 29, 3, 16), &dev).unwrap().transpose(1, 2).unwrap(); // strided
+    let mut kernels = native();
+    kernels.push(Kernel::ConvertedF32);
+    for (a, b) in [(x.clone(), w.t().unwrap()), (q.clone(), kt.t().unwrap())] {
+        let want = bf16_gemm::matmul_slow(&a, &b).unwrap();
+        assert_eq!(want.dtype(), DType::F32);
+        for &kernel in &kernels {
+            // Two f32 operands: `matmul_bf16`, on the detected kernel.
+            let got =
+                if b.dtype() == DType::BF16 { bf16_gemm::matmul_with(&a, &b, kernel) } else { bf16_gemm::matmul_bf16(&a, &b) }.unwrap();
+            assert_eq!((got.dims(), got.dtype()), (want.dims(), DType::F32), "{}", kernel.name());
+            let worst = (&got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(worst < 1e-4, "{} on {:?}: {worst}", kernel.name(), a.dims());
+        }
+    }
+}

@@ -10,7 +10,9 @@
 //!   const generic); the other design, tile GEMMs on the `gemm` crate's micro-kernels
 //!   (`CpuKernel::GemmTiles`), runs head sizes that kernel has no body for, and both were
 //!   measured side by side (the criterion bench `attention`). Both read q, k and v through their
-//!   strides (stage 3's views of one QKV output too), no copy. Their slow twins: the first
+//!   strides (stage 3's views of one QKV output too), no copy. bf16 inputs on a CPU with
+//!   AVX512-BF16 run both products on `vdpbf16ps` (`registers::bf16`, P rounded to bf16 as on a
+//!   GPU); elsewhere each head is widened to f32 first. Their slow twins: the first
 //!   row-wise kernel (`CpuKernel::RowAxpy`) and stage 1's materialised attention.
 //! - CUDA: our FlashAttention-2 kernels (host side in `attention_cuda.rs`), the same op's
 //!   `cuda_fwd`: bf16/f16 on tensor cores, f32 softmax and accumulation, SM 8.0+, d_head 32, 64
@@ -337,6 +339,7 @@ impl CustomOp3 for FlashAttn {
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
                 let qkv = [(q.as_slice(), View::of(l1, q.len())?), (k, View::of(l2, k.len())?), (v, View::of(l3, v.len())?)];
                 CpuStorage::BF16(match self.cpu {
+                    CpuKernel::Registers if registers::bf16::runs(dims[3]) => self.run_bf16(qkv, dims)?,
                     CpuKernel::GemmTiles | CpuKernel::Registers => self.run_tiles(qkv, dims, widened),
                     CpuKernel::RowAxpy => self.run_rowwise(qkv, dims),
                 })
@@ -393,12 +396,12 @@ impl View {
     }
 }
 
-/// One head's q, k and v rows in f32, for the GEMM-tile kernel: slices that start at row 0 and
-/// run to the end of row T−1, with the distance between rows (`rs`).
-struct HeadRows<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+/// One head's q, k and v rows in f32 (bf16 for `registers::bf16`), for the kernels: slices that
+/// start at row 0 and run to the end of row T−1, with the distance between rows (`rs`).
+struct HeadRows<'a, T = f32> {
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
     q_rs: usize,
     k_rs: usize,
     v_rs: usize,
@@ -477,6 +480,32 @@ impl FlashAttn {
             }
         });
         out
+    }
+
+    /// The bf16 kernel (`registers::bf16`, products on AVX512-BF16), one task per (batch,
+    /// head), reading bf16 q, k and v where they are and writing bf16 output rows directly.
+    fn run_bf16<'s>(
+        &self,
+        [(q, qv), (k, kv), (v, vv)]: [(&'s [half::bf16], View); 3],
+        [b, t, h, d]: [usize; 4],
+    ) -> candle_core::Result<Vec<half::bf16>> {
+        let mut out = vec![half::bf16::ZERO; b * t * h * d];
+        let ptr = OutPtr(out.as_mut_ptr());
+        (0..b * h).into_par_iter().try_for_each(|bh| {
+            let (bi, hi) = (bh / h, bh % h);
+            let rows = |x: &'s [half::bf16], view: View| -> &'s [half::bf16] { &x[view.head(bi, hi)..][..(t - 1) * view.st + d] };
+            let head = HeadRows { q: rows(q, qv), k: rows(k, kv), v: rows(v, vv), q_rs: qv.st, k_rs: kv.st, v_rs: vv.st };
+            let base = (bi * t * h + hi) * d; // output row r of this head at base + r·n_head·d
+            let mut write = |r: usize, o: &[f32]| {
+                // SAFETY: as in `run_tiles`: row r of head (bi, hi) is inside `out` and this task's own.
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr.at(base + r * h * d), d) };
+                for (x, &y) in dst.iter_mut().zip(o) {
+                    *x = half::bf16::from_f32(y);
+                }
+            };
+            registers::bf16::attend_head(&head, t, d, self.scale, self.causal, &mut write).map_err(candle_core::Error::Msg)
+        })?;
+        Ok(out)
     }
 
     /// The row-wise twin, one task per (batch, head): each writes its (T, d_head) result, then

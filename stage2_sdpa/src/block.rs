@@ -78,8 +78,11 @@ impl Sdpa {
             label.push_str(", elementwise parallel");
         }
         if let Some(kernel) = precision::cpu_bf16_kernel(plan) {
-            // The linears; the fused attention's tile products widen bf16 to f32.
             label.push_str(&format!(", bf16 linears {kernel}"));
+            // The fused attention's products: on AVX512-BF16 where its kernel runs, else bf16
+            // widened to f32 per head.
+            let on_bf16 = imp == attention::Implementation::Cpu && !self.row_wise && attention::registers::bf16::runs(plan.shape.d_head());
+            label.push_str(if on_bf16 { ", bf16 attention avx512-bf16" } else { ", attention widened to f32" });
         }
         label
     }

@@ -29,7 +29,10 @@
 //! run already shows a gain at T = 512 (README's results give the number, from its JSON).
 //!
 //! **What it costs.** Nothing in accuracy: the same softmax, in f32, summed in another order
-//! (relative error ~1e-7 against stage 1 at fp32). The CPU runs our kernel at any precision;
+//! (relative error ~1e-7 against stage 1 at fp32). In bf16, P is rounded to bf16 before P·V
+//! on the GPU and on a CPU with AVX512-BF16 (`attention/registers/bf16.rs`: both products on
+//! `vdpbf16ps`), as FlashAttention does; other CPUs widen bf16 inputs to f32 per head. The CPU
+//! runs our kernel at any precision;
 //! on CUDA our FlashAttention-2 kernel (`kernels/flash_attn_v2.cu`, tensor cores; v1,
 //! `kernels/flash_attn.cu`, with `--attention-kernel v1`) takes bf16/f16
 //! on SM 8.0+ with d_head 32, 64 or 128 — or, built with the `flash-attn` feature,

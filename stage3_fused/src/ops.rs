@@ -393,6 +393,12 @@ impl CustomOp3 for Linear<'_> {
         let b = &b[..];
         let mut out = vec![0f32; m * n];
         let mut out_dtype = xs.dtype();
+        let gelu = matches!(self.epilogue, Epilogue::BiasGelu);
+        // bf16 out (bias or bias + GELU): the GEMM overwrites f32 rows, then one pass adds the bias
+        // (and GELU) and narrows each row while it is in L1, instead of a bias fill before the GEMM
+        // and a narrowing pass after it (two passes over the f32 output fewer).
+        let narrow = out_dtype == DType::BF16 && !matches!(self.epilogue, Epilogue::BiasResidual(_));
+        let mut narrowed = if narrow { vec![half::bf16::ZERO; m * n] } else { Vec::new() };
         match self.epilogue {
             Epilogue::BiasResidual(r) => {
                 let (rs, rl) = r.storage_and_layout();
@@ -401,34 +407,46 @@ impl CustomOp3 for Linear<'_> {
                 out.par_chunks_mut(n).zip(r.par_chunks(n)).for_each(|(o, r)| map_slice(o, r, &|i, r| r + b[i]));
                 out_dtype = rs.dtype();
             }
-            Epilogue::Bias => out.par_chunks_mut(n).for_each(|o| o.copy_from_slice(b)),
-            Epilogue::BiasGelu => {} // the bias goes in with GELU, after the GEMM
+            Epilogue::Bias if !narrow => out.par_chunks_mut(n).for_each(|o| o.copy_from_slice(b)),
+            Epilogue::Bias | Epilogue::BiasGelu => {} // the bias goes in after the GEMM
         }
-        let gelu = matches!(self.epilogue, Epilogue::BiasGelu);
+        let bias_after = gelu || narrow;
         let mut pre_gelu = self.pre_gelu.as_ref().map(|_| vec![0f32; m * n]); // training: x·Wᵀ, for bwd
         let rows = if gelu { GELU_ROWS } else { m.max(1) };
         for r0 in (0..m).step_by(rows) {
             let mb = rows.min(m - r0);
             let dst = &mut out[r0 * n..(r0 + mb) * n];
-            // GELU: the GEMM overwrites dst (β = 0: it never reads the zeros), then one pass adds the
-            // bias and applies GELU; otherwise it accumulates onto the bias (and residual) rows.
-            operands.gemm_into(dst, (r0, mb), (n, k), !gelu)?;
+            // Bias after: the GEMM overwrites dst (β = 0: it never reads the zeros), then one pass
+            // adds the bias (and applies GELU); otherwise it accumulates onto the bias (and
+            // residual) rows.
+            operands.gemm_into(dst, (r0, mb), (n, k), !bias_after)?;
             if let Some(keep) = pre_gelu.as_mut() {
                 keep[r0 * n..(r0 + mb) * n].copy_from_slice(dst);
             }
-            if gelu {
-                // y = gelu(acc + b), on all threads, SIMD (gelu_tanh has no libm call)
-                dst.par_chunks_mut(ROWS_PER_TASK * n).for_each(|block| {
-                    for row in block.chunks_exact_mut(n) {
-                        map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j]));
-                    }
-                });
+            if bias_after {
+                // y = gelu(acc + b) or acc + b, on all threads, SIMD (gelu_tanh has no libm call)
+                let epilogue = |row: &mut [f32]| match gelu {
+                    true => map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j])),
+                    false => map_slice_in_place(row, &|j, v| v + b[j]),
+                };
+                if narrow {
+                    let y = &mut narrowed[r0 * n..(r0 + mb) * n];
+                    dst.par_chunks_mut(ROWS_PER_TASK * n).zip(y.par_chunks_mut(ROWS_PER_TASK * n)).for_each(|(block, y)| {
+                        for (row, y) in block.chunks_exact_mut(n).zip(y.chunks_exact_mut(n)) {
+                            epilogue(row);
+                            narrow_bf16(row, y);
+                        }
+                    });
+                } else {
+                    dst.par_chunks_mut(ROWS_PER_TASK * n).for_each(|block| block.chunks_exact_mut(n).for_each(epilogue));
+                }
             }
         }
         if let (Some(slot), Some(keep)) = (&self.pre_gelu, pre_gelu) {
             *slot.lock().map_err(|_| candle_core::Error::Msg("linear: poisoned lock".into()))? = Some(keep);
         }
-        Ok((to_storage(out, out_dtype)?, Shape::from((bsz, t, n))))
+        let out = if narrow { CpuStorage::BF16(narrowed) } else { to_storage(out, out_dtype)? };
+        Ok((out, Shape::from((bsz, t, n))))
     }
 
     #[cfg(feature = "cuda")]
@@ -612,6 +630,31 @@ pub fn gelu_tanh(v: f32) -> f32 {
 // Storage helpers for the CPU forwards
 // ---------------------------------------------------------------------------------------------
 
+/// dst = src rounded to bf16 (nearest even): 16 at a time with AVX512-BF16's `vcvtneps2bf16`
+/// where the CPU's bf16 unit runs (`Kernel::detect`; it reads f32 denormals as zero, as its dot
+/// products do), else one at a time (`half`).
+fn narrow_bf16(src: &[f32], dst: &mut [half::bf16]) {
+    debug_assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if Kernel::detect().is_native() && Kernel::Avx512Bf16.available() {
+        // SAFETY: the CPU has AVX512-F and AVX512-BF16 (checked on the line above).
+        return unsafe { narrow_bf16_avx512(src, dst) };
+    }
+    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = half::bf16::from_f32(s));
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [half::bf16]) {
+    use std::arch::x86_64::*;
+    let (mut s, mut d) = (src.chunks_exact(16), dst.chunks_exact_mut(16));
+    for (s, d) in (&mut s).zip(&mut d) {
+        let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(s.as_ptr())));
+        _mm256_storeu_si256(d.as_mut_ptr() as *mut __m256i, h);
+    }
+    d.into_remainder().iter_mut().zip(s.remainder()).for_each(|(d, &s)| *d = half::bf16::from_f32(s));
+}
+
 /// `t` in f32 and contiguous: the same tensor when it already is (no copy); on the CPU the cast
 /// runs on all threads (`stage2_sdpa::elementwise::to_dtype`).
 fn f32_contiguous(t: &Tensor) -> candle_core::Result<Tensor> {
@@ -636,7 +679,11 @@ pub(crate) fn f32_values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candl
 fn to_storage(v: Vec<f32>, dtype: DType) -> candle_core::Result<CpuStorage> {
     Ok(match dtype {
         DType::F32 => CpuStorage::F32(v),
-        DType::BF16 => CpuStorage::BF16(par_convert(&v, half::bf16::from_f32)),
+        DType::BF16 => {
+            let mut out = vec![half::bf16::ZERO; v.len()];
+            out.par_chunks_mut(16 * 1024).zip(v.par_chunks(16 * 1024)).for_each(|(o, s)| narrow_bf16(s, o));
+            CpuStorage::BF16(out)
+        }
         DType::F16 => CpuStorage::F16(par_convert(&v, half::f16::from_f32)),
         dt => candle_core::bail!("unsupported output dtype {dt:?} (f32, bf16 or f16)"),
     })

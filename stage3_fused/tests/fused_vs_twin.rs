@@ -64,6 +64,12 @@ fn check_all(bsz: usize, t: usize, k: usize, n: usize, seed: u64) {
     )
     .unwrap();
     assert!(rel_err(&y16, &twin16) < 8e-3, "linear_bias_gelu in bf16");
+    // Bias only, bf16 out: the bias added and each row narrowed in one pass after the GEMM.
+    let y16 = ops::linear_bias(&x_b, &w_b, &b_b).unwrap();
+    assert_eq!(y16.dtype(), DType::BF16);
+    let wide = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let twin16 = ops::linear_bias_slow(&wide(&x_b), &wide(&w_b), &wide(&b_b)).unwrap();
+    assert!(rel_err(&y16, &twin16) < 8e-3, "linear_bias in bf16");
 }
 
 proptest! {

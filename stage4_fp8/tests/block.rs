@@ -69,7 +69,9 @@ fn the_twin_check_catches_scale_and_layout_bugs() {
     let mut bad = block.twin().unwrap();
     bad.fc1.w = (bad.fc1.w * 1.5).unwrap();
     let c = compare_within(&y, &bad.forward(&x).unwrap(), TWIN_TOLERANCE).unwrap();
-    assert!(!c.passed && c.rel_err > 100.0 * good.rel_err.max(1e-6), "scale bug not caught: {c:?}");
+    // The margin over the good run: ~1,000x where the fused attention keeps P in f32 as the twin
+    // does, ~75x where it rounds P to bf16 before P·V (a GPU, a CPU with AVX512-BF16).
+    assert!(!c.passed && c.rel_err > 20.0 * good.rel_err.max(1e-6), "scale bug not caught: {c:?} (good: {good:?})");
     // A wrong *input* scale by a power of two is invisible, as it should be: E4M3 rounds
     // relative to the value, so x/2s rounds exactly like x/s (barring under/overflow).
     let mut pow2 = block.twin().unwrap();

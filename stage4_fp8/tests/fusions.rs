@@ -122,7 +122,11 @@ fn the_twin_checks_hold_with_the_fusions_on() {
         assert!(b.layers().iter().filter(|l| l.last_input_fused()).count() == 3, "{preset:?}: qkv, fc1 and fc2 read fused inputs");
         let y = b.forward(&x).unwrap();
         let twin = compare_within(&y, &b.twin().unwrap().forward(&x).unwrap(), TWIN_TOLERANCE).unwrap();
-        assert!(twin.passed && twin.rel_err < 1e-3, "{preset:?}: {twin:?}");
+        // Where the fused attention rounds P to bf16 and the twin does not (a CPU with
+        // AVX512-BF16, as on a GPU), E4M3's rounding of what follows turns that into a few 1e-3:
+        // within the tolerance; elsewhere the two agree to 1e-3.
+        let close = if stage2_sdpa::attention::registers::bf16::runs(shape.d_head()) { TWIN_TOLERANCE } else { 1e-3 };
+        assert!(twin.passed && twin.rel_err < close, "{preset:?}: {twin:?}");
     }
 }
 

@@ -13,7 +13,7 @@
 //! asks first and the kernel is used only when Linux said yes. Rust's AMX intrinsics are not
 //! stable, so the instructions are written with `asm!`.
 
-use super::{MatRef, NR};
+use super::{MatRef, Operand, NR};
 
 /// Rows of C per block of four C tiles.
 const TM: usize = 32;
@@ -80,10 +80,10 @@ impl TileConfig {
 /// `request()` returned true in this process; the block lies inside C (row length `ldc`) and no
 /// other thread writes it; `packed_b` holds ⌈n / NR⌉ panels of kp × NR pairs.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn block(
+pub unsafe fn block<T: Operand>(
     c: *mut f32,
     ldc: usize,
-    a: MatRef,
+    a: MatRef<T>,
     packed_b: &[u32],
     kp: usize,
     (i0, mc): (usize, usize),

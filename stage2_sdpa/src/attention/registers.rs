@@ -26,6 +26,7 @@
 //! B_c = 512 beat 256 by ~1.5 % (fewer rescales of O).
 
 use super::HeadRows;
+pub mod bf16;
 use crate::elementwise::exp_f32;
 
 /// Query rows per block: the rows of every register tile (24 accumulators with AVX-512).
@@ -323,36 +324,7 @@ unsafe fn attend<S: Simd, const D: usize, const NV: usize>(
                 // a multiple of nr below T), and writes S columns jj..jj + nr ≤ B_c.
                 scores_tile::<S, D, NV>(&q_i, kt.as_ptr().add((j0 + jj) * D), nr, scale, &mut s, jj);
             }
-            for r in 0..MR {
-                // Keys row r may see in this step: all, or up to its own position (causal).
-                let n = if r >= mr {
-                    0 // a repeated row: P = 0, O stays 0
-                } else if causal {
-                    bc.min((i0 + r + 1).saturating_sub(j0))
-                } else {
-                    bc
-                };
-                let row = &mut s[r];
-                if n == 0 {
-                    row[..bc].fill(0.0);
-                    continue;
-                }
-                // Whole vectors of 16 from here on: the masked keys up to the next multiple of 16
-                // get S = −∞, which leaves the max alone and gives P = exp(−∞) = 0.
-                let n16 = n.next_multiple_of(16); // ≤ B_c, a multiple of 16
-                row[n..n16].fill(f32::NEG_INFINITY);
-                let m_new = super::max_f32(&row[..n16], m[r]); // m' = max(m, rowmax(S))
-                let alpha = exp_f32(m[r] - m_new); // e^(m − m'): 0 on the first step (m = −∞)
-                let row_sum = S::exp_sum(&mut row[..n16], m_new); // P = exp(S − m'), rowsum(P)
-                if n16 < bc {
-                    row[n16..bc].fill(0.0); // masked (causal diagonal): P = 0
-                }
-                l[r] = alpha * l[r] + row_sum; // l = e^(m − m')·l + rowsum(P)
-                if alpha != 1.0 {
-                    o[r].iter_mut().for_each(|x| *x *= alpha); // O = e^(m − m')·O
-                }
-                m[r] = m_new;
-            }
+            softmax_step::<S, D>(&mut s, (i0, mr), (j0, bc), causal, &mut m, &mut l, &mut o);
             // O += P V_j, one column panel of V at a time.
             for &(c0, w) in &panels {
                 // SAFETY (the pv_tile calls): rows j0..j0 + bc ≤ T of the panel, w f32 each, lie inside
@@ -376,6 +348,57 @@ unsafe fn attend<S: Simd, const D: usize, const NV: usize>(
         }
     }
     PACKED.set((kt, vp));
+}
+
+/// The online softmax for one step of B_c keys, on the block's MR rows of S (in place: S becomes
+/// P), with the running max m, sum l and output O of each row:
+/// m' = max(m, rowmax(S)); P = exp(S − m'); l = e^(m − m')·l + rowsum(P); O = e^(m − m')·O.
+/// Rows past `mr` (a last block's repeats) and keys a row may not see (causal) get P = 0. The
+/// f32 and bf16 kernels share it.
+///
+/// # Safety
+/// The CPU supports `S`'s instruction set.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn softmax_step<S: Simd, const D: usize>(
+    s: &mut [[f32; BC]; MR],
+    (i0, mr): (usize, usize),
+    (j0, bc): (usize, usize),
+    causal: bool,
+    m: &mut [f32; MR],
+    l: &mut [f32; MR],
+    o: &mut [[f32; D]; MR],
+) {
+    for r in 0..MR {
+        // Keys row r may see in this step: all, or up to its own position (causal).
+        let n = if r >= mr {
+            0 // a repeated row: P = 0, O stays 0
+        } else if causal {
+            bc.min((i0 + r + 1).saturating_sub(j0))
+        } else {
+            bc
+        };
+        let row = &mut s[r];
+        if n == 0 {
+            row[..bc].fill(0.0);
+            continue;
+        }
+        // Whole vectors of 16 from here on: the masked keys up to the next multiple of 16
+        // get S = −∞, which leaves the max alone and gives P = exp(−∞) = 0.
+        let n16 = n.next_multiple_of(16); // ≤ B_c, a multiple of 16
+        row[n..n16].fill(f32::NEG_INFINITY);
+        let m_new = super::max_f32(&row[..n16], m[r]); // m' = max(m, rowmax(S))
+        let alpha = exp_f32(m[r] - m_new); // e^(m − m'): 0 on the first step (m = −∞)
+        let row_sum = S::exp_sum(&mut row[..n16], m_new); // P = exp(S − m'), rowsum(P)
+        if n16 < bc {
+            row[n16..bc].fill(0.0); // masked (causal diagonal): P = 0
+        }
+        l[r] = alpha * l[r] + row_sum; // l = e^(m − m')·l + rowsum(P)
+        if alpha != 1.0 {
+            o[r].iter_mut().for_each(|x| *x *= alpha); // O = e^(m − m')·O
+        }
+        m[r] = m_new;
+    }
 }
 
 /// S[r][jj..jj + nr] = q_r · (keys j0 + jj..)ᵀ · scale for the MR rows, nr = NV·LANES keys: `kt` points

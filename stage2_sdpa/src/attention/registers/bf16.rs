@@ -1,0 +1,369 @@
+//! The register-blocked kernel for bf16 q, k and v on AVX512-BF16: both products on
+//! `vdpbf16ps`, as a GPU's FlashAttention runs them on bf16 tensor cores.
+//!
+//! ```text
+//! S = Q_i K_jᵀ / √d     bf16 · bf16, f32 accumulate: pairs of adjacent channels
+//! online softmax        f32 (m, l and P as in the f32 kernel: `softmax_step`)
+//! O += P V_j            P rounded to bf16, f32 accumulate: pairs of adjacent keys
+//! ```
+//!
+//! **Why it is faster.** `vdpbf16ps` adds two bf16 products into each f32 lane per instruction,
+//! twice an f32 FMA's multiply-adds, and its operands are half the bytes. The f32 kernel on bf16
+//! inputs instead widens each head's q, k and v to f32 first (a pass per head) and runs at the
+//! f32 rate.
+//!
+//! **The pair layouts.** An instruction's pairs must be adjacent in the contraction: for S, two
+//! channels of one key (K's rows already hold them side by side, so Kᵀ's panel stores each
+//! key's channel pair as one u32), for P·V two keys of one channel (V's panel stores rows 2p and
+//! 2p + 1 interleaved). q's channel pair and P's key pair are broadcast to all lanes. An odd T
+//! leaves V's last pair half empty: it is zero, and so is P there.
+//!
+//! **What it costs.** q, k and v are bf16 already; P is rounded to bf16 (8 significant bits,
+//! ~2e-3 relative) before P·V, as FlashAttention does on GPUs, while m and l are summed from the
+//! f32 P. `attend_head_scalar` is its scalar twin (the same steps one value at a time); the test
+//! below pairs them.
+
+#[cfg(target_arch = "x86_64")]
+use super::{softmax_step, Avx512};
+use super::{BC, MR};
+use crate::attention::HeadRows;
+use crate::elementwise::exp_f32;
+use half::bf16;
+use stage1_tensorcore::bf16_gemm::Kernel;
+
+/// Keys per score tile: two vectors of 16 f32.
+const NR: usize = 32;
+/// The largest compiled head size's channel pairs (d_head 128).
+const MAX_PAIRS: usize = 64;
+
+thread_local! {
+    /// Each worker's packed Kᵀ and V pair panels, reused from head to head.
+    static PACKED: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Whether bf16 attention runs on this kernel here: a compiled head size, a CPU with
+/// AVX512-BF16, and `SPEEDKIT_CPU_BF16` not set to `off` (which makes the CPU one without bf16
+/// units: the f32 kernel then runs on widened inputs).
+pub fn runs(d: usize) -> bool {
+    super::supports(d) && Kernel::detect().is_native() && Kernel::Avx512Bf16.available()
+}
+
+/// Two bf16 as the instructions read a pair: the first in the low half.
+#[inline(always)]
+fn pair(lo: bf16, hi: bf16) -> u32 {
+    lo.to_bits() as u32 | (hi.to_bits() as u32) << 16
+}
+
+/// One (batch, head) of bf16 inputs: `write(r, o)` receives output row r (normalised, f32).
+/// An error, never a fault, unless `runs(d)`.
+pub(in crate::attention) fn attend_head(
+    head: &HeadRows<bf16>,
+    t: usize,
+    d: usize,
+    scale: f32,
+    causal: bool,
+    write: &mut dyn FnMut(usize, &[f32]),
+) -> Result<(), String> {
+    if !runs(d) {
+        return Err(format!("bf16 attention: no AVX512-BF16 body for d_head {d} on this CPU (kernel {})", Kernel::detect().name()));
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `runs` checked that this CPU has AVX512-F and AVX512-BF16.
+    unsafe {
+        attend_avx512_bf16(head, t, d, scale, causal, write)
+    };
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+unsafe fn attend_avx512_bf16(head: &HeadRows<bf16>, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+    match d {
+        32 => attend::<32>(head, t, scale, causal, write),
+        64 => attend::<64>(head, t, scale, causal, write),
+        80 => attend::<80>(head, t, scale, causal, write),
+        96 => attend::<96>(head, t, scale, causal, write),
+        128 => attend::<128>(head, t, scale, causal, write),
+        _ => unreachable!("d_head {d} has no register-blocked body; `runs` checks"),
+    }
+}
+
+/// The kernel for head size D: the f32 kernel's loop (`registers::attend`) with pair panels.
+///
+/// # Safety
+/// The CPU supports AVX512-F and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn attend<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+    let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
+    assert!(
+        q.len() >= (t - 1) * q_rs + D && k.len() >= (t - 1) * k_rs + D && v.len() >= (t - 1) * v_rs + D,
+        "head rows sized by the caller"
+    );
+    let dp = D / 2; // channel pairs (every compiled D is even)
+    let (mut kt, mut vp) = PACKED.take();
+    // Kᵀ in panels of NR keys: panel p is (D/2, NR) pairs, channel pair c2 of key p·NR + jj at
+    // (p·D/2 + c2)·NR + jj; keys past T are zero.
+    kt.clear();
+    kt.resize(t.div_ceil(NR) * dp * NR, 0);
+    for (p, panel) in kt.chunks_exact_mut(dp * NR).enumerate() {
+        for jj in 0..NR.min(t - p * NR) {
+            let row = &k[(p * NR + jj) * k_rs..][..D];
+            for c2 in 0..dp {
+                panel[c2 * NR + jj] = pair(row[2 * c2], row[2 * c2 + 1]);
+            }
+        }
+    }
+    // V in column panels (first column c0, width w ≤ NR), rows paired: key pair j2 of column
+    // c0 + cc at t2·c0 + j2·w + cc, t2 = ⌈T/2⌉ pairs.
+    let t2 = t.div_ceil(2);
+    vp.clear();
+    vp.resize(t2 * D, 0);
+    let mut panels = [(0usize, 0usize); 2 * MAX_PAIRS / NR]; // (first column, width)
+    let panels = &mut panels[..D.div_ceil(NR)];
+    for (i, p) in panels.iter_mut().enumerate() {
+        *p = (i * NR, NR.min(D - i * NR));
+    }
+    for &(c0, w) in panels.iter() {
+        let panel = &mut vp[t2 * c0..][..t2 * w];
+        for j2 in 0..t2 {
+            let r0 = &v[2 * j2 * v_rs + c0..][..w];
+            let dst = &mut panel[j2 * w..][..w];
+            if 2 * j2 + 1 < t {
+                let r1 = &v[(2 * j2 + 1) * v_rs + c0..][..w];
+                for cc in 0..w {
+                    dst[cc] = pair(r0[cc], r1[cc]);
+                }
+            } else {
+                for cc in 0..w {
+                    dst[cc] = pair(r0[cc], bf16::ZERO); // an odd T: the pair's second key is zero
+                }
+            }
+        }
+    }
+    let mut s = [[0f32; BC]; MR]; // S, then P (f32), for one step
+    let mut p16 = [[0u32; BC / 2]; MR]; // P rounded to bf16, key pairs
+    let mut q_i = [[0u32; MAX_PAIRS]; MR]; // Q_i's channel pairs
+    for i0 in (0..t).step_by(MR) {
+        let mr = MR.min(t - i0);
+        for (r, qr) in q_i.iter_mut().enumerate() {
+            // A last block of fewer than MR rows repeats its last row (computed, never written).
+            let row = &q[(i0 + r.min(mr - 1)) * q_rs..][..D];
+            for c2 in 0..dp {
+                qr[c2] = pair(row[2 * c2], row[2 * c2 + 1]);
+            }
+        }
+        let mut o = [[0f32; D]; MR]; // O_i = 0
+        let (mut m, mut l) = ([f32::NEG_INFINITY; MR], [0f32; MR]); // m_i = −∞, l_i = 0
+        let kv_end = if causal { i0 + mr } else { t };
+        for j0 in (0..kv_end).step_by(BC) {
+            let bc = BC.min(kv_end - j0);
+            for jj in (0..bc).step_by(NR) {
+                // SAFETY: panel (j0 + jj)/NR of Kᵀ, D/2 · NR pairs, lies inside kt; S columns
+                // jj..jj + NR ≤ B_c.
+                scores_tile::<D>(&q_i, kt.as_ptr().add((j0 + jj) * dp), scale, &mut s, jj);
+            }
+            softmax_step::<Avx512, D>(&mut s, (i0, mr), (j0, bc), causal, &mut m, &mut l, &mut o);
+            // P to bf16, whole vectors of 16: the keys past bc are P = 0.
+            let bc16 = bc.next_multiple_of(16);
+            for (sr, pr) in s.iter_mut().zip(p16.iter_mut()) {
+                sr[bc..bc16].fill(0.0);
+                round_to_bf16(&sr[..bc16], &mut pr[..bc16 / 2]);
+            }
+            // O += P V_j over ⌈bc/2⌉ key pairs (an odd bc's last pair: P = 0 on its second key).
+            let pairs = bc.div_ceil(2);
+            for &(c0, w) in panels.iter() {
+                // SAFETY: pairs j0/2..j0/2 + pairs ≤ t2 of the panel lie inside vp; O has columns
+                // c0..c0 + w ≤ D.
+                let v_j = vp.as_ptr().add(t2 * c0 + (j0 / 2) * w);
+                if w == NR {
+                    pv_tile::<D, 2>(&p16, pairs, v_j, w, &mut o, c0);
+                } else {
+                    for x in (0..w).step_by(16) {
+                        pv_tile::<D, 1>(&p16, pairs, v_j.add(x), w, &mut o, c0 + x);
+                        // the narrower last panel
+                    }
+                }
+            }
+        }
+        // O_i = diag(l)⁻¹ · O_i
+        for (r, row) in o.iter_mut().enumerate().take(mr) {
+            let inv_l = 1.0 / l[r];
+            row.iter_mut().for_each(|x| *x *= inv_l);
+            write(i0 + r, row);
+        }
+    }
+    PACKED.set((kt, vp));
+}
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// `pairs[i]` = (bf16(p[2i]), bf16(p[2i + 1])), rounded to nearest even (`vcvtneps2bf16`, 16 at a
+/// time). p's length is a multiple of 16.
+///
+/// # Safety
+/// The CPU supports AVX512-F and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn round_to_bf16(p: &[f32], pairs: &mut [u32]) {
+    debug_assert!(p.len().is_multiple_of(16) && pairs.len() * 2 == p.len());
+    for (src, dst) in p.chunks_exact(16).zip(pairs.chunks_exact_mut(8)) {
+        let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(src.as_ptr())));
+        _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, h);
+    }
+}
+
+/// S[r][jj..jj + NR] = q_r · (keys j0 + jj..)ᵀ · scale for the MR rows: `kt` points at those
+/// keys' Kᵀ pair panel, channel pair rows NR apart. Each of the D/2 steps: 2 loads, MR
+/// broadcasts of q's pair, 2·MR `vdpbf16ps`.
+///
+/// # Safety
+/// The CPU supports AVX512-F and AVX512-BF16; kt is valid for D/2 rows of NR pairs.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // indices, as in the equation: the register tile is acc[r][x]
+unsafe fn scores_tile<const D: usize>(q_i: &[[u32; MAX_PAIRS]; MR], kt: *const u32, scale: f32, s: &mut [[f32; BC]; MR], jj: usize) {
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for c2 in 0..D / 2 {
+        let k0: __m512bh = std::mem::transmute(_mm512_loadu_si512(kt.add(c2 * NR) as *const _));
+        let k1: __m512bh = std::mem::transmute(_mm512_loadu_si512(kt.add(c2 * NR + 16) as *const _));
+        for r in 0..MR {
+            let q_rc: __m512bh = std::mem::transmute(_mm512_set1_epi32(q_i[r][c2] as i32)); // broadcast
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], q_rc, k0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], q_rc, k1);
+        }
+    }
+    let scale = _mm512_set1_ps(scale);
+    for r in 0..MR {
+        _mm512_storeu_ps(s[r][jj..].as_mut_ptr(), _mm512_mul_ps(acc[r][0], scale)); // S / √d
+        _mm512_storeu_ps(s[r][jj + 16..].as_mut_ptr(), _mm512_mul_ps(acc[r][1], scale));
+    }
+}
+
+/// O[r][c0..c0 + 16·NV] += Σ_j2 P[r][2·j2..2·j2 + 2] · V[j0 + 2·j2..][c0..] over `pairs` key
+/// pairs (`v_j` points at the panel's pair row j0/2, rows `w` apart), O's MR × NV vectors in
+/// registers for the whole sum.
+///
+/// # Safety
+/// The CPU supports AVX512-F and AVX512-BF16; v_j is valid for `pairs` rows `w` apart of 16·NV
+/// pairs; c0 + 16·NV ≤ D.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+unsafe fn pv_tile<const D: usize, const NV: usize>(
+    p: &[[u32; BC / 2]; MR],
+    pairs: usize,
+    v_j: *const u32,
+    w: usize,
+    o: &mut [[f32; D]; MR],
+    c0: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+    for r in 0..MR {
+        for x in 0..NV {
+            acc[r][x] = _mm512_loadu_ps(o[r][c0 + 16 * x..].as_ptr());
+        }
+    }
+    let mut v_row = [std::mem::transmute::<__m512, __m512bh>(_mm512_setzero_ps()); NV];
+    for j2 in 0..pairs {
+        for x in 0..NV {
+            v_row[x] = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(v_j.add(j2 * w + 16 * x) as *const _));
+        }
+        for r in 0..MR {
+            let p_rj: __m512bh = std::mem::transmute(_mm512_set1_epi32(p[r][j2] as i32)); // broadcast
+            for x in 0..NV {
+                acc[r][x] = _mm512_dpbf16_ps(acc[r][x], p_rj, v_row[x]);
+            }
+        }
+    }
+    for r in 0..MR {
+        for x in 0..NV {
+            _mm512_storeu_ps(o[r][c0 + 16 * x..].as_mut_ptr(), acc[r][x]);
+        }
+    }
+}
+
+/// The scalar twin: one query row at a time, the same B_c steps, the same f32 softmax and the
+/// same rounding of P to bf16, products of bf16 values summed in f32. Any head size.
+#[cfg_attr(not(test), allow(dead_code))] // the twin: the test below runs it
+pub(in crate::attention) fn attend_head_scalar(
+    head: &HeadRows<bf16>,
+    t: usize,
+    d: usize,
+    scale: f32,
+    causal: bool,
+    write: &mut dyn FnMut(usize, &[f32]),
+) {
+    let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
+    let mut o = vec![0f32; d];
+    for i in 0..t {
+        let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+        o.fill(0.0);
+        let end = if causal { i + 1 } else { t }; // keys row i sees
+        for j0 in (0..end).step_by(BC) {
+            let n = BC.min(end - j0);
+            let s: Vec<f32> =
+                (j0..j0 + n).map(|j| (0..d).map(|c| q[i * q_rs + c].to_f32() * k[j * k_rs + c].to_f32()).sum::<f32>() * scale).collect(); // S = q kᵀ / √d
+            let m_new = s.iter().fold(m, |a, &x| a.max(x)); // m' = max(m, rowmax(S))
+            let alpha = exp_f32(m - m_new);
+            let p: Vec<f32> = s.iter().map(|&x| exp_f32(x - m_new)).collect(); // P = exp(S − m')
+            l = alpha * l + p.iter().sum::<f32>(); // l = e^(m − m')·l + rowsum(P)
+            for (c, oc) in o.iter_mut().enumerate() {
+                let pv: f32 = p.iter().enumerate().map(|(jj, &pj)| bf16::from_f32(pj).to_f32() * v[(j0 + jj) * v_rs + c].to_f32()).sum();
+                *oc = alpha * *oc + pv; // O = e^(m − m')·O + bf16(P) V
+            }
+            m = m_new;
+        }
+        o.iter_mut().for_each(|x| *x /= l);
+        write(i, &o);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::registers::D_HEADS;
+
+    #[test]
+    fn avx512_bf16_agrees_with_its_scalar_twin() {
+        // A head read through strides (the second of 2 heads, rows 3·h·d apart as in stage 3's
+        // QKV output), T ragged (odd, not a multiple of MR or NR, one more B_c step), every
+        // compiled head size, causal and not.
+        if !runs(64) {
+            eprintln!("skipped: no AVX512-BF16 here (or SPEEDKIT_CPU_BF16=off)");
+            return;
+        }
+        for d in D_HEADS {
+            for t in [1, 13, BC + 3 * MR + 5] {
+                let h = 2;
+                let rs = 3 * h * d;
+                let data: Vec<bf16> =
+                    shared::weights::SplitMix64::new((d * t) as u64).normals(t * rs).into_iter().map(bf16::from_f32).collect();
+                let head = HeadRows { q: &data[d..], k: &data[h * d + d..], v: &data[2 * h * d + d..], q_rs: rs, k_rs: rs, v_rs: rs };
+                for causal in [true, false] {
+                    let mut want = vec![f32::NAN; t * d];
+                    attend_head_scalar(&head, t, d, 0.17, causal, &mut |r, o| want[r * d..][..d].copy_from_slice(o));
+                    let mut got = vec![f32::NAN; t * d];
+                    attend_head(&head, t, d, 0.17, causal, &mut |r, o| got[r * d..][..d].copy_from_slice(o)).unwrap();
+                    assert!(got.iter().all(|x| x.is_finite()), "d={d} t={t}: every row written, finite");
+                    let worst = want.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                    // Summation order, and the odd P on a bf16 rounding boundary that the two
+                    // exponentials (vector and scalar, an ulp apart) round to neighbours: one
+                    // bf16 ulp (2⁻⁸) of one weight ≤ 1, times |v|. A wrong pair layout or step
+                    // is off by O(|v|).
+                    let v_max = data.iter().map(|x| x.to_f32().abs()).fold(0f32, f32::max);
+                    assert!(worst < v_max / 256.0, "d={d} t={t} causal={causal}: {worst}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_run() {
+        let x = [bf16::ZERO; 48];
+        let head = HeadRows { q: &x, k: &x, v: &x, q_rs: 48, k_rs: 48, v_rs: 48 };
+        let e = attend_head(&head, 1, 48, 1.0, true, &mut |_, _| {}).unwrap_err();
+        assert!(e.contains("d_head 48"), "{e}");
+    }
+}
