@@ -105,12 +105,7 @@ impl CustomOp3 for LayerNorm {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let c = xl.shape().dims().last().copied().unwrap_or(1);
         let (x, g, b) = (f32_values(xs, xl, "x")?, f32_values(gs, gl, "g")?, f32_values(bs, bl, "b")?);
-        let mut out = vec![0f32; x.len()];
-        let rows = ROWS_PER_TASK * c;
-        out.par_chunks_mut(rows).zip(x.par_chunks(rows)).for_each(|(o, x)| {
-            o.chunks_mut(c).zip(x.chunks(c)).for_each(|(o, row)| normalise_row(row, &g, &b, self.eps, o));
-        });
-        Ok((to_storage(out, self.dtype)?, xl.shape().clone()))
+        Ok((to_storage(layer_norm_rows(&x, &g, &b, self.eps, c), self.dtype)?, xl.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -213,16 +208,7 @@ impl CustomOp3 for AddLayerNorm {
         let (bs, bl) = self.b.storage_and_layout();
         let Storage::Cpu(bs) = &*bs else { candle_core::bail!("add_layer_norm: b is not on the CPU") };
         let (x, br, g, b) = (f32_values(xs, xl, "x")?, f32_values(brs, brl, "branch")?, f32_values(gs, gl, "g")?, f32_values(bs, bl, "b")?);
-        let (mut x_out, mut h_out) = (vec![0f32; x.len()], vec![0f32; x.len()]);
-        let rows = ROWS_PER_TASK * c;
-        x_out.par_chunks_mut(rows).zip(h_out.par_chunks_mut(rows)).zip(x.par_chunks(rows).zip(br.par_chunks(rows))).for_each(
-            |((xo, ho), (xr, br))| {
-                for (((xo, ho), xr), br) in xo.chunks_mut(c).zip(ho.chunks_mut(c)).zip(xr.chunks(c)).zip(br.chunks(c)) {
-                    map_slice(xo, xr, &|i, a| a + br[i]); // the new residual stream
-                    normalise_row(xo, &g, &b, self.eps, ho);
-                }
-            },
-        );
+        let (x_out, h_out) = add_layer_norm_rows(&x, &br, &g, &b, self.eps, c);
         self.put_x_out(Storage::Cpu(CpuStorage::F32(x_out)))?;
         Ok((to_storage(h_out, brs.dtype())?, xl.shape().clone()))
     }
@@ -245,6 +231,34 @@ impl CustomOp3 for AddLayerNorm {
     }
 }
 
+/// LayerNorm over every row of C values of x (f32, row-major), on all threads: `ROWS_PER_TASK`
+/// rows per rayon task. The CPU body of `layer_norm` (and of stage 4's E4M3 LayerNorm).
+pub fn layer_norm_rows(x: &[f32], g: &[f32], b: &[f32], eps: f32, c: usize) -> Vec<f32> {
+    let mut h = vec![0f32; x.len()];
+    let rows = ROWS_PER_TASK * c.max(1);
+    h.par_chunks_mut(rows).zip(x.par_chunks(rows)).for_each(|(h, x)| {
+        h.chunks_mut(c.max(1)).zip(x.chunks(c.max(1))).for_each(|(h, row)| normalise_row(row, g, b, eps, h));
+    });
+    h
+}
+
+/// (x + branch, LayerNorm(x + branch)) over every row of C values, one pass per row while it is
+/// in L1, on all threads. The CPU body of `add_layer_norm` (and of stage 4's E4M3 version).
+pub fn add_layer_norm_rows(x: &[f32], branch: &[f32], g: &[f32], b: &[f32], eps: f32, c: usize) -> (Vec<f32>, Vec<f32>) {
+    let c = c.max(1);
+    let (mut x_out, mut h) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+    let rows = ROWS_PER_TASK * c;
+    x_out.par_chunks_mut(rows).zip(h.par_chunks_mut(rows)).zip(x.par_chunks(rows).zip(branch.par_chunks(rows))).for_each(
+        |((xo, ho), (xr, br))| {
+            for (((xo, ho), xr), br) in xo.chunks_mut(c).zip(ho.chunks_mut(c)).zip(xr.chunks(c)).zip(br.chunks(c)) {
+                map_slice(xo, xr, &|i, a| a + br[i]); // the new residual stream
+                normalise_row(xo, g, b, eps, ho);
+            }
+        },
+    );
+    (x_out, h)
+}
+
 /// h = (row − mean) / √(var + ε) · g + b, the statistics from one read of the row
 /// (`stage2_sdpa::elementwise::row_stats`: shifted sums in f64, accurate for rows with a large mean),
 /// then one vectorised write pass while the row is in L1 (`map_slice` dispatches to AVX-512/AVX2).
@@ -255,7 +269,7 @@ pub fn normalise_row(row: &[f32], g: &[f32], b: &[f32], eps: f32, h: &mut [f32])
 }
 
 /// g and b must be (C), C being x's last dimension.
-fn check_norm_params(x: &Tensor, g: &Tensor, b: &Tensor, op: &str) -> candle_core::Result<()> {
+pub fn check_norm_params(x: &Tensor, g: &Tensor, b: &Tensor, op: &str) -> candle_core::Result<()> {
     let c = x.dim(D::Minus1)?;
     if g.dims() != [c] || b.dims() != [c] {
         candle_core::bail!("{op}: g {:?} and b {:?} must be ({c}), the last dimension of x {:?}", g.dims(), b.dims(), x.dims());
@@ -665,7 +679,7 @@ fn f32_contiguous(t: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// A contiguous CPU storage's values as f32: borrowed when they are f32, else widened on all threads.
-pub(crate) fn f32_values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<Cow<'a, [f32]>> {
+pub fn f32_values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<Cow<'a, [f32]>> {
     let Some((start, end)) = l.contiguous_offsets() else { candle_core::bail!("{what} must be contiguous") };
     Ok(match s {
         CpuStorage::F32(v) => Cow::Borrowed(&v[start..end]),

@@ -15,13 +15,11 @@
 //! Slow twins: stage 3's plain-ops LayerNorm, then candle's casts with the target's scale.
 
 use crate::fp8::{amax_slow, dequantize_slow, quantize_recording_cpu, quantize_slow, Fp8Target, Quantized};
-use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
-use rayon::prelude::*;
-use stage2_sdpa::elementwise::{map_slice, par_convert};
-use stage3_fused::ops::{add_layer_norm_slow, layer_norm_slow, normalise_row, LN_EPS};
-use std::borrow::Cow;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor};
+use stage3_fused::ops::{
+    add_layer_norm_rows, add_layer_norm_slow, check_norm_params, f32_values, layer_norm_rows, layer_norm_slow, LN_EPS,
+};
 use std::sync::Mutex;
 
 /// q = E4M3(LayerNorm(x) / s) with the consumer's scale s (`target`), amax(LayerNorm(x)) maxed
@@ -65,11 +63,7 @@ impl CustomOp3 for LayerNormE4m3 {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let c = xl.shape().dims().last().copied().unwrap_or(1).max(1);
         let (x, g, b) = (f32_values(xs, xl, "x")?, f32_values(gs, gl, "g")?, f32_values(bs, bl, "b")?);
-        let mut h = vec![0f32; x.len()];
-        let rows = rows_per_task(c) * c;
-        h.par_chunks_mut(rows).zip(x.par_chunks(rows)).for_each(|(h, x)| {
-            h.chunks_mut(c).zip(x.chunks(c)).for_each(|(h, row)| normalise_row(row, &g, &b, self.eps, h));
-        });
+        let mut h = layer_norm_rows(&x, &g, &b, self.eps, c);
         quantize_recording_cpu(&mut h, held_scale(&self.scale)?, &self.amax_bits, "a fused LayerNorm's output")?;
         Ok((CpuStorage::F32(h), xl.shape().clone()))
     }
@@ -167,16 +161,7 @@ impl CustomOp3 for AddLayerNormE4m3 {
         let (bs, bl) = self.b.storage_and_layout();
         let Storage::Cpu(bs) = &*bs else { candle_core::bail!("add_layer_norm_e4m3: b is not on the CPU") };
         let (x, br, g, b) = (f32_values(xs, xl, "x")?, f32_values(brs, brl, "branch")?, f32_values(gs, gl, "g")?, f32_values(bs, bl, "b")?);
-        let (mut x_out, mut h) = (vec![0f32; x.len()], vec![0f32; x.len()]);
-        let rows = rows_per_task(c) * c;
-        x_out.par_chunks_mut(rows).zip(h.par_chunks_mut(rows)).zip(x.par_chunks(rows).zip(br.par_chunks(rows))).for_each(
-            |((xo, ho), (xr, br))| {
-                for (((xo, ho), xr), br) in xo.chunks_mut(c).zip(ho.chunks_mut(c)).zip(xr.chunks(c)).zip(br.chunks(c)) {
-                    map_slice(xo, xr, &|i, a| a + br[i]); // the new residual stream
-                    normalise_row(xo, &g, &b, self.eps, ho);
-                }
-            },
-        );
+        let (x_out, mut h) = add_layer_norm_rows(&x, &br, &g, &b, self.eps, c);
         quantize_recording_cpu(&mut h, held_scale(&self.scale)?, &self.amax_bits, "a fused LayerNorm's output")?;
         self.put_x_out(Storage::Cpu(CpuStorage::F32(x_out)))?;
         Ok((CpuStorage::F32(h), xl.shape().clone()))
@@ -203,24 +188,8 @@ impl CustomOp3 for AddLayerNormE4m3 {
     }
 }
 
-/// Rows per rayon task: about 16 K values (64 KiB of f32), one row at least.
-fn rows_per_task(c: usize) -> usize {
-    (16 * 1024 / c).max(1)
-}
-
 fn f32_contiguous(t: &Tensor) -> candle_core::Result<Tensor> {
     t.to_dtype(DType::F32)?.contiguous()
-}
-
-/// A contiguous CPU storage's values as f32 (bf16 and f16 widened, exactly).
-fn f32_values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<Cow<'a, [f32]>> {
-    let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("fused LayerNorm: {what} must be contiguous") };
-    Ok(match s {
-        CpuStorage::F32(v) => Cow::Borrowed(&v[a..b]),
-        CpuStorage::BF16(v) => Cow::Owned(par_convert(&v[a..b], |x| x.to_f32())),
-        CpuStorage::F16(v) => Cow::Owned(par_convert(&v[a..b], |x| x.to_f32())),
-        s => candle_core::bail!("fused LayerNorm: {what} is {:?}, not a float dtype", s.dtype()),
-    })
 }
 
 /// The target's scale, one f32 held by the op, read on the CPU.
@@ -232,15 +201,6 @@ fn held_scale(scale: &Tensor) -> candle_core::Result<f32> {
         }
         _ => candle_core::bail!("fused LayerNorm: the target's scale must be an f32 CPU tensor here"),
     }
-}
-
-/// g and b must be (C), C being x's last dimension.
-fn check_norm_params(x: &Tensor, g: &Tensor, b: &Tensor, op: &str) -> candle_core::Result<()> {
-    let c = x.dim(D::Minus1)?;
-    if g.dims() != [c] || b.dims() != [c] {
-        candle_core::bail!("{op}: g {:?} and b {:?} must be ({c}), the last dimension of x {:?}", g.dims(), b.dims(), x.dims());
-    }
-    Ok(())
 }
 
 #[cfg(test)]
