@@ -190,7 +190,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
             let asked = ladder_request(stage, session.args.precision);
             // A stage this device cannot run has no variants to time: its row says why.
             let Ok(plan) =
-                plan(stage, &session.device, &session.info, session.shape, asked, session.args.precision, session.args.cuda_graph)
+                plan(stage, &session.device, &session.info, session.shape, asked, session.args.precision, session.args.cuda_graph, session.args.train)
             else {
                 continue;
             };
@@ -369,7 +369,7 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
     writeln!(out, "\nwhat each stage would run (--precision {}):", precision_text(args.precision))?;
     for stage in stages {
         let asked = ladder_request(stage.as_ref(), args.precision);
-        match plan(stage.as_ref(), &device, &info, shape, asked, args.precision, args.cuda_graph) {
+        match plan(stage.as_ref(), &device, &info, shape, asked, args.precision, args.cuda_graph, args.train) {
             Ok(plan) => {
                 writeln!(out, "  {:<18} {:<5} {}", stage.name(), plan.precision.name(), plan.precision_reason)?;
                 writeln!(out, "  {:<18} {:<5} applies: {}", "", "", switches_text(stage.switches(&plan)))?;
@@ -858,7 +858,7 @@ fn check_ablate(args: &RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> a
     let undoable = which.iter().any(|&i| {
         let stage = stages[i].as_ref();
         let asked = ladder_request(stage, args.precision);
-        plan(stage, &device, &info, shape, asked, args.precision, args.cuda_graph).is_ok_and(|p| !stage.ablations(&p).is_empty())
+        plan(stage, &device, &info, shape, asked, args.precision, args.cuda_graph, args.train).is_ok_and(|p| !stage.ablations(&p).is_empty())
     });
     if !undoable {
         let names: Vec<&str> = which.iter().map(|&i| stages[i].name()).collect();

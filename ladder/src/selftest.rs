@@ -85,7 +85,7 @@ fn graphs(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
         // The plan is where a stage says this device lacks what it needs (FP8 below SM 8.9): a
         // skip. Anything after it that errs is a failure.
         let asked = shared::stage::ladder_request(stage.as_ref(), shared::PrecisionRequest::Auto);
-        let plan = match shared::stage::plan(stage.as_ref(), device, info, shape, asked, shared::PrecisionRequest::Auto, true) {
+        let plan = match shared::stage::plan(stage.as_ref(), device, info, shape, asked, shared::PrecisionRequest::Auto, true, false) {
             Ok(plan) => plan,
             Err(e) => {
                 r.skip("CUDA graph", case, e.to_string());
@@ -122,7 +122,7 @@ fn breakdown(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo)
         let shape = shared::Preset::Tiny.shape();
         let spec = stage0_baseline::Baseline;
         let fp32 = shared::PrecisionRequest::Exactly(shared::Precision::Fp32);
-        let plan = shared::stage::plan(&spec, device, info, shape, fp32, fp32, false)?;
+        let plan = shared::stage::plan(&spec, device, info, shape, fp32, fp32, false, false)?;
         let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
         let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
         let stage = shared::Stage::build(&spec, &weights, &plan)?;

@@ -87,6 +87,9 @@ pub struct RunArgs {
     /// Also time the block's named parts (ln1, qkv, attention, ...) in an instrumented forward: a sync (CPU) or CUDA event + NVTX range (GPU) at each boundary
     #[arg(long, env = "SPEEDKIT_BREAKDOWN", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub breakdown: bool,
+    /// Time a training step instead of a forward: forward, loss ⟨y, r⟩, backward to every weight and x (gradients checked against stage 0's autograd first), then the optimizer's update
+    #[arg(long, env = "SPEEDKIT_TRAIN", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
+    pub train: bool,
     /// Memory bandwidth in GB/s for the roofline's memory ceiling (for devices not in the built-in table, e.g. a CPU's STREAM figure)
     #[arg(long, env = "SPEEDKIT_BANDWIDTH_GBS")]
     pub bandwidth_gbs: Option<f64>,

@@ -139,7 +139,7 @@ impl Session {
         let Resolved { device, info, preset, shape, weights: loaded, x: x_file } = resolve(&args)?;
         let mut widest: u128 = 0;
         for (stage, asked) in must_run {
-            plan(*stage, &device, &info, shape, *asked, args.precision, args.cuda_graph)?;
+            plan(*stage, &device, &info, shape, *asked, args.precision, args.cuda_graph, args.train)?;
             stage.check_shape(&shape)?;
             widest = widest.max(stage.estimate_bytes(&shape));
         }
@@ -224,7 +224,7 @@ impl Session {
             check_fits(reference.name(), &piece, reference.estimate_bytes(&piece), avail)?;
         }
         let fp32 = PrecisionRequest::Exactly(Precision::Fp32);
-        let plan = plan(reference, &self.device, &self.info, self.shape, fp32, fp32, false)?;
+        let plan = plan(reference, &self.device, &self.info, self.shape, fp32, fp32, false, false)?;
         let stage = reference.build(&self.weights, &plan)?;
         Ok(crate::check::forward_in_pieces(&self.x, piece.batch, |x| {
             let y = stage.forward(x)?;
@@ -237,7 +237,7 @@ impl Session {
     /// take a share of `--iters` each). Errors of kind `Usage` mean "cannot run here";
     /// `CheckFailed` means it ran and is wrong.
     pub fn run_with(&self, spec: &dyn Stage, asked: PrecisionRequest, iters: usize) -> anyhow::Result<(Record, Tensor)> {
-        let plan = plan(spec, &self.device, &self.info, self.shape, asked, self.args.precision, self.args.cuda_graph)?;
+        let plan = plan(spec, &self.device, &self.info, self.shape, asked, self.args.precision, self.args.cuda_graph, self.args.train)?;
         spec.check_shape(&self.shape)?;
         if let Some(avail) = device::available_bytes(&self.device) {
             check_fits(spec.name(), &self.shape, spec.estimate_bytes(&self.shape), avail)?;

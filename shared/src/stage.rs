@@ -6,7 +6,9 @@ use crate::device::{DeviceInfo, GemmSwitches};
 use crate::error::SpeedkitError;
 use crate::preset::Shape;
 use crate::weights::BlockWeights;
-use candle_core::{Device, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+use candle_nn::Optimizer;
 use serde::{Deserialize, Serialize};
 
 /// The number format the block's matrix multiplications run in.
@@ -110,6 +112,8 @@ pub struct Plan {
     pub requested: PrecisionRequest,
     /// `--cuda-graph`: the forward will be captured once and replayed (stateful stages refuse).
     pub cuda_graph: bool,
+    /// `--train`: the step timed is forward + backward, then the optimizer's update.
+    pub train: bool,
 }
 
 /// One rung of the ladder, configured by its flags. `build` runs once, outside timing (convert,
@@ -174,6 +178,29 @@ pub trait Stage {
     /// activations in `act` bytes per element (`perf::Traffic` holds the shared terms).
     fn traffic(&self, shape: &Shape, p: Precision, act: f64) -> f64;
 
+    /// `--train`: refusals of a training plan, checked with `check_plan` before any work. The
+    /// default refuses: a stage trains only once it says how (`build_train`).
+    fn check_train(&self, _plan: &Plan) -> Result<(), SpeedkitError> {
+        Err(SpeedkitError::usage(format!(
+            "{} has no training step (no backward through its ops). Fix: drop --train, or run a stage that has one.",
+            self.name()
+        )))
+    }
+
+    /// `--train`: the forward over `w`, f32 master weights held as `Var`s that the optimizer
+    /// updates in place between steps. It must read their current values at every call (casting
+    /// or quantizing them there, as autocast does), so that `loss.backward()` reaches every one.
+    /// `Rebuild` does that for a stage whose `build` is cheap enough to run every step.
+    fn build_train(&self, _w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
+        Err(self.check_train(plan).err().unwrap_or_else(|| SpeedkitError::usage(format!("{} has no build_train", self.name()))).into())
+    }
+
+    /// `--train`: the optimizer that updates `vars` (the default: `candle_nn::AdamW`, one op
+    /// per parameter per moment).
+    fn optimizer(&self, vars: Vec<Var>, _plan: &Plan) -> anyhow::Result<Box<dyn Optimize>> {
+        Ok(Box::new(CandleAdamW(candle_nn::AdamW::new(vars, train_params())?)))
+    }
+
     /// `ladder selftest`: this stage's GPU building blocks, each against its CPU twin (on the CPU,
     /// their CPU stand-ins).
     fn selftest(&self, _device: &Device, _info: &DeviceInfo, _rows: &mut crate::selftest::Rows) {}
@@ -203,6 +230,55 @@ pub trait Forward {
     }
 }
 
+/// `--train`: an optimizer over the stage's weights.
+pub trait Optimize {
+    /// What updates the weights, for the label ("candle-nn AdamW", "fused AdamW").
+    fn name(&self) -> String;
+    /// The factor the loss is multiplied by before the backward (f16's dynamic loss scale); the
+    /// optimizer divides it out of the gradients again.
+    fn loss_scale(&self) -> f64 {
+        1.0
+    }
+    /// One update from the gradients of the scaled loss; `false` when the step was skipped
+    /// (a non-finite gradient under loss scaling).
+    fn step(&mut self, grads: &GradStore) -> anyhow::Result<bool>;
+}
+
+/// The hyper-parameters of every stage's AdamW: candle-nn's defaults but a learning rate of
+/// 1e-4, so that a few timed steps move the weights without leaving the block's range.
+pub fn train_params() -> candle_nn::ParamsAdamW {
+    candle_nn::ParamsAdamW { lr: 1e-4, ..Default::default() }
+}
+
+/// Stage 0's optimizer: `candle_nn::AdamW`.
+pub struct CandleAdamW(pub candle_nn::AdamW);
+
+impl Optimize for CandleAdamW {
+    fn name(&self) -> String {
+        "candle-nn AdamW".into()
+    }
+    fn step(&mut self, grads: &GradStore) -> anyhow::Result<bool> {
+        self.0.step(grads)?;
+        Ok(true)
+    }
+}
+
+/// A training forward that builds `stage` from the current weights at every call: the casts
+/// (and packing) `build` does happen once per step, as autocast's do, and the tracked weights
+/// reach the backward through them.
+pub struct Rebuild<S> {
+    pub stage: S,
+    pub weights: BlockWeights,
+    pub plan: Plan,
+}
+
+impl<S: Stage> Forward for Rebuild<S> {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let built = self.stage.build(&self.weights, &self.plan).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+        built.forward(x)
+    }
+}
+
 /// How a binary or the ladder finds a stage. A stage binary takes the flags of every stage up to
 /// its own (stage 4 honours stage 3's `--fusions`); the ladder takes every stage's.
 #[derive(Clone, Copy)]
@@ -229,14 +305,19 @@ pub fn plan(
     asked: PrecisionRequest,
     requested: PrecisionRequest,
     cuda_graph: bool,
+    train: bool,
 ) -> Result<Plan, SpeedkitError> {
     let (precision, precision_reason) = stage.choose_precision(info, asked)?;
-    let plan = Plan { device: device.clone(), info: info.clone(), precision, precision_reason, shape, requested, cuda_graph };
+    let plan = Plan { device: device.clone(), info: info.clone(), precision, precision_reason, shape, requested, cuda_graph, train };
     stage.check_plan(&plan)?;
+    if train {
+        stage.check_train(&plan)?;
+    }
     Ok(plan)
 }
 
-/// `plan` for a stage run alone, as its binary plans it: asked for `requested`, no CUDA graph.
+/// `plan` for a stage run alone, as its binary plans it: asked for `requested`, no CUDA graph,
+/// forward only.
 pub fn plan_alone(
     stage: &dyn Stage,
     device: &Device,
@@ -244,5 +325,5 @@ pub fn plan_alone(
     shape: Shape,
     requested: PrecisionRequest,
 ) -> Result<Plan, SpeedkitError> {
-    plan(stage, device, info, shape, requested, requested, false)
+    plan(stage, device, info, shape, requested, requested, false, false)
 }

@@ -6,7 +6,7 @@ use candle_core::Tensor;
 use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::perf::Traffic;
-use shared::stage::PrecisionChoice;
+use shared::stage::{PrecisionChoice, Rebuild};
 use shared::{BlockWeights, Forward, Plan, Precision, PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
 
 pub struct Block {
@@ -31,6 +31,7 @@ pub struct Block {
 }
 
 /// Stage 0 as the runner and the ladder see it: no flags of its own.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Baseline;
 
 /// How a binary or the ladder finds stage 0.
@@ -67,6 +68,14 @@ impl Stage for Baseline {
 
     fn build(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
         Ok(Box::new(Block::build(w, plan)?))
+    }
+
+    fn check_train(&self, _plan: &Plan) -> Result<(), SpeedkitError> {
+        Ok(()) // candle's autograd differentiates every primitive op of the forward
+    }
+
+    fn build_train(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
+        Ok(Box::new(Rebuild { stage: Baseline, weights: w.clone(), plan: plan.clone() }))
     }
 
     fn traffic(&self, shape: &Shape, p: Precision, act: f64) -> f64 {

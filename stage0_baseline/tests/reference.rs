@@ -88,6 +88,7 @@ fn plan(shape: Shape) -> Plan {
         shape,
         requested: shared::PrecisionRequest::Auto,
         cuda_graph: false,
+        train: false,
     }
 }
 

@@ -218,7 +218,7 @@ pub fn graph_delayed_scaling(r: &mut Rows, device: &Device, info: &DeviceInfo, s
     let stage = crate::Fp8 { args: crate::Args { fp8_recipe: crate::fp8::Fp8Recipe::Delayed, ..stage.args }, ..*stage };
     let auto = shared::PrecisionRequest::Auto;
     // A plan refusal (no FP8 tensor cores) is a skip, anything after it a failure.
-    let plan = match shared::stage::plan(&stage, device, info, shape, auto, auto, true) {
+    let plan = match shared::stage::plan(&stage, device, info, shape, auto, auto, true, false) {
         Ok(plan) => plan,
         Err(e) => return r.skip("CUDA graph", case, e.to_string()),
     };

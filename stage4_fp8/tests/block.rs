@@ -35,7 +35,7 @@ fn emulated_block_within_fp8_tolerance_and_twin_near_zero() {
         let spec = stage(recipe);
         // f32 activations (stage 3 at fp32), so the twin differs in accumulation order only; on a
         // CPU with a bf16 unit auto would give bf16 activations, whose rounding the twin also sees.
-        let plan = plan(&spec, &device, &info, shape, PrecisionRequest::Auto, PrecisionRequest::Exactly(Precision::Fp32), false).unwrap();
+        let plan = plan(&spec, &device, &info, shape, PrecisionRequest::Auto, PrecisionRequest::Exactly(Precision::Fp32), false, false).unwrap();
         assert_eq!(plan.precision, Precision::Fp8);
         let fused = if recipe == Fp8Recipe::Delayed { "all" } else { "none" }; // all the recipe allows
         assert_eq!(spec.implementation(&plan).unwrap(), format!("emulated, {} scaling, fp8 fusions {fused}", recipe.name()));
@@ -110,7 +110,7 @@ fn fp8_linear_matches_its_slow_twin() {
 
 fn plan_on(info: &DeviceInfo, shape: Shape, args: Args, cuda_graph: bool) -> Result<shared::Plan, shared::SpeedkitError> {
     let auto = PrecisionRequest::Auto;
-    plan(&Fp8 { args, ..Fp8::default() }, &Device::Cpu, info, shape, auto, auto, cuda_graph)
+    plan(&Fp8 { args, ..Fp8::default() }, &Device::Cpu, info, shape, auto, auto, cuda_graph, false)
 }
 
 #[test]
@@ -162,7 +162,7 @@ fn on_the_cpu_stage_4_differs_from_stage_3_only_in_the_gemms() {
         (PrecisionRequest::Exactly(Precision::Fp32), DType::F32),
     ] {
         let spec = Fp8::default();
-        let plan = plan(&spec, &device, &info, shape, PrecisionRequest::Auto, requested, false).unwrap();
+        let plan = plan(&spec, &device, &info, shape, PrecisionRequest::Auto, requested, false, false).unwrap();
         assert_eq!(spec.activation_dtype(&plan), (dtype, None), "{requested:?}");
         let notes = spec.notes(&plan);
         assert!(notes.iter().any(|n| n.contains("only the GEMMs' format differs")), "{notes:?}");
@@ -184,6 +184,7 @@ fn on_the_cpu_stage_4_differs_from_stage_3_only_in_the_gemms() {
         shape,
         requested,
         cuda_graph: false,
+        train: false,
     };
     let (dt, note) = Fp8::default().activation_dtype(&plan);
     assert_eq!(dt, DType::BF16);

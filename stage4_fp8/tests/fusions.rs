@@ -17,7 +17,7 @@ use stage4_fp8::{Args, Block, Fp8, Fp8Fusions, TWIN_TOLERANCE};
 fn block(shape: Shape, seed: u64, fp8_fusions: Fp8Fusions, requested: PrecisionRequest) -> Block {
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
     let stage = Fp8 { args: Args { fp8_fusions: Some(fp8_fusions), ..Args::default() }, ..Fp8::default() };
-    let plan = plan(&stage, &device, &info, shape, PrecisionRequest::Auto, requested, false).unwrap();
+    let plan = plan(&stage, &device, &info, shape, PrecisionRequest::Auto, requested, false, false).unwrap();
     Block::build(&BlockWeights::from_seed(&shape, seed).unwrap(), &plan, &stage).unwrap()
 }
 
