@@ -218,7 +218,7 @@ pub trait Forward {
     }
 
     /// Whether the forward just made took the path every later one takes (stage 4's first has no
-    /// delayed scale yet); a CUDA graph capture warms up until it does (`graph::run_capture`).
+    /// delayed scale yet); a CUDA graph capture warms up until it does (`cuda_graph::run_capture`).
     fn steady(&self) -> bool {
         true
     }
