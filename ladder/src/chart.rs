@@ -137,14 +137,15 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
     let top = report.records.iter().map(|r| r.timing.p90_ms.max(r.timing.median_ms)).fold(0.0, f64::max);
     let y_max = if top > 0.0 { top * 1.3 } else { 1.0 };
     svg(((175 * n as u32 + 130).max(800), 560), |root| {
+        let per = if report.records.iter().any(|r| r.train.is_some()) { "training step (forward + backward)" } else { "forward" };
         let title = if report.records.iter().any(|r| r.speedup_vs_stage0.is_some()) {
-            "Median ms per forward (lower is better); speedup over stage 0 on each bar"
+            format!("Median ms per {per} (lower is better); speedup over stage 0 on each bar")
         } else {
-            "Median ms per forward (lower is better); stage 0 did not run, so no speedups"
+            format!("Median ms per {per} (lower is better); stage 0 did not run, so no speedups")
         };
-        heading(root, title, bold(16.0, INK, HPos::Left, VPos::Top), &[describe_device(report), facts(report.shape, report)])?;
+        heading(root, &title, bold(16.0, INK, HPos::Left, VPos::Top), &[describe_device(report), facts(report.shape, report)])?;
         let body = root.margin(74, 14, 8, 20);
-        let mut chart = bar_chart(&body, 78, n, y_max, "median ms per forward (whisker: p10–p90)")?;
+        let mut chart = bar_chart(&body, 78, n, y_max, &format!("median ms per {per} (whisker: p10–p90)"))?;
         for (i, row) in rows.iter().enumerate() {
             let x = i as f64 + 0.5;
             let c = stage_colour(row.stage(), i);

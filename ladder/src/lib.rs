@@ -17,7 +17,8 @@ use clap::{Args, FromArgMatches};
 use shared::cli::{exit_with, RunArgs};
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::report::{
-    commit, write_json, Ablation, AblationOut, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, RECORD_SCHEMA, SWEEP_SCHEMA,
+    commit, write_json, Ablation, AblationOut, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, LADDER_SCHEMA_V1, RECORD_SCHEMA, SWEEP_SCHEMA,
+    SWEEP_SCHEMA_V1,
 };
 use shared::runner::Session;
 use shared::stage::{ladder_request, plan};
@@ -576,9 +577,9 @@ fn load_unchecked(path: &Path) -> anyhow::Result<Results> {
         ))
     })?;
     match value.get("schema").and_then(|s| s.as_str()) {
-        Some(LADDER_SCHEMA) => Ok(Results::Ladder(Box::new(serde_json::from_value(value).map_err(bad)?))),
-        Some(SWEEP_SCHEMA) => Ok(Results::Sweep(serde_json::from_value(value).map_err(bad)?)),
-        Some(RECORD_SCHEMA) => Err(SpeedkitError::usage(format!(
+        Some(LADDER_SCHEMA | LADDER_SCHEMA_V1) => Ok(Results::Ladder(Box::new(serde_json::from_value(value).map_err(bad)?))),
+        Some(SWEEP_SCHEMA | SWEEP_SCHEMA_V1) => Ok(Results::Sweep(serde_json::from_value(value).map_err(bad)?)),
+        Some(s) if s.starts_with(RECORD_SCHEMA.trim_end_matches("v2")) => Err(SpeedkitError::usage(format!(
             "{} is one stage's record (a stage binary's --json), not a ladder's. Fix: render the JSON of `ladder --json PATH`.",
             path.display()
         ))

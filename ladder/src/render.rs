@@ -168,6 +168,11 @@ pub fn markdown_table(report: &LadderReport) -> String {
     if with_ref {
         header.push("vs best reference".into());
     }
+    let with_train = report.records.iter().any(|r| r.train.is_some());
+    if with_train {
+        header[2] = "forward + backward ms (p10–p90)".into();
+        header.extend(strings(["optimizer ms", "worst grad error"]));
+    }
     let mut rows = report.rows();
     rows.extend(report.references.iter().map(Row::Ran).chain(report.references_out.iter().map(Row::Skipped)));
     let rows = rows
@@ -186,6 +191,7 @@ pub fn markdown_table(report: &LadderReport) -> String {
             ]
             .into_iter()
             .chain(with_ref.then(|| fmt_speedup(r.vs_reference, false)))
+            .chain(if with_train { shared::report::train_cells(r) } else { Vec::new() })
             .collect(),
             Row::Skipped(s) => [vec![s.stage.clone(), not_measured(s.failed, &s.reason)], vec!["–".into(); header.len() - 2]].concat(),
         })

@@ -18,6 +18,7 @@ pub mod runner;
 pub mod selftest;
 pub mod stage;
 pub mod timing;
+pub mod train;
 pub mod weights;
 
 /// Unit tests that allocate tens of MiB (the ceiling probe's triad) or measure the process's

@@ -16,9 +16,23 @@ use std::path::Path;
 pub const MEASURED_PEAK: &str = "measured GEMM ceiling";
 
 /// Bumped when a field changes meaning or disappears, not when one is added.
-pub const RECORD_SCHEMA: &str = "candle-speedkit/record/v1";
-pub const LADDER_SCHEMA: &str = "candle-speedkit/ladder/v1";
-pub const SWEEP_SCHEMA: &str = "candle-speedkit/sweep/v1";
+/// v2: `mode` (a training step's `timing` and `flops_per_forward` are forward + backward's).
+pub const RECORD_SCHEMA: &str = "candle-speedkit/record/v2";
+pub const LADDER_SCHEMA: &str = "candle-speedkit/ladder/v2";
+pub const SWEEP_SCHEMA: &str = "candle-speedkit/sweep/v2";
+/// The schemas before `mode`: every record in them is a forward.
+pub const LADDER_SCHEMA_V1: &str = "candle-speedkit/ladder/v1";
+pub const SWEEP_SCHEMA_V1: &str = "candle-speedkit/sweep/v1";
+
+/// What a record timed: a forward, or a training step (`--train`: forward + backward, the
+/// optimizer's update timed apart in `Record::train`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    #[default]
+    Forward,
+    Train,
+}
 
 /// One stage, measured.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -71,6 +85,11 @@ pub struct Record {
     /// than what the library gives).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vs_reference: Option<f64>,
+    #[serde(default)]
+    pub mode: Mode,
+    /// `--train`: the update's time, and the gradient and update checks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train: Option<crate::train::TrainRecord>,
 }
 
 /// A stage the ladder did not measure: it cannot run here (`failed: false`), or it failed its
@@ -237,6 +256,9 @@ pub fn table(rows: &[Row]) -> String {
         "max abs", "peak mem"];
     let with_ref = ran.iter().any(|r| r.vs_reference.is_some());
     header.extend(with_ref.then_some("vs ref"));
+    // Training rows: "median ms" is forward + backward; the update and the gradient check beside it.
+    let with_train = ran.iter().any(|r| r.train.is_some());
+    header.extend(if with_train { &["optimizer ms", "grad err"][..] } else { &[] });
     let rows: Vec<Vec<String>> = rows
         .iter()
         .map(|row| match row {
@@ -256,6 +278,7 @@ pub fn table(rows: &[Row]) -> String {
             ]
             .into_iter()
             .chain(with_ref.then(|| speedup_text(r.vs_reference, false)))
+            .chain(if with_train { train_cells(r) } else { Vec::new() })
             .collect(),
             Row::Skipped(s) => {
                 vec![s.stage.clone(), s.technique.clone(), format!("{}: {}", if s.failed { "FAILED" } else { "skipped" }, s.reason)]
@@ -280,6 +303,15 @@ pub fn table(rows: &[Row]) -> String {
     out.push_str(&line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>()));
     rows.iter().for_each(|row| out.push_str(&line(row)));
     out
+}
+
+/// A training row's update median and worst gradient error ("-" for what it lacks).
+pub fn train_cells(r: &Record) -> Vec<String> {
+    let t = r.train.as_ref();
+    vec![
+        t.map_or("-".into(), |t| format!("{:.3}", t.optimizer_timing.median_ms)),
+        t.and_then(|t| t.grad_check.as_ref()).map_or("-".into(), |c| format!("{:.1e}", c.rel_err)),
+    ]
 }
 
 /// Serialize `value` and write it to `path` by the output policy (exit 2 naming path and fix).

@@ -3,17 +3,17 @@
 //! and report.
 
 use crate::ceiling::CpuCeiling;
-use crate::check::compare;
+use crate::check::{compare, CheckResult};
 use crate::cli::{exit_with, validate, RunArgs};
 use crate::device::{self, DeviceInfo, DeviceKind, GemmSwitches, MemProbe};
 use crate::error::SpeedkitError;
 use crate::perf::{block_flops, peak_tflops};
 use crate::preset::{Preset, Shape};
-use crate::report::{table, write_json, Record, Row, MEASURED_PEAK, RECORD_SCHEMA};
-use crate::stage::{plan, Precision, PrecisionRequest, Stage, StageEntry, EMULATED};
+use crate::report::{table, write_json, Mode, Record, Row, MEASURED_PEAK, RECORD_SCHEMA};
+use crate::stage::{plan, Plan, Precision, PrecisionRequest, Stage, StageEntry, EMULATED};
 use crate::timing::time_forward;
 use crate::weights::{load_input, random_input, save_tensors, BlockWeights};
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 use clap::{Args, FromArgMatches};
 
 use std::process::ExitCode;
@@ -36,6 +36,10 @@ pub struct Session {
     pub iters: usize,
     /// The fp32 stage-0 output for `x`; `None` with --no-check.
     pub reference: Option<Tensor>,
+    /// `--train`: the loss's upstream gradient r, and stage 0's fp32 gradients for (x, r)
+    /// (`None` with --no-check).
+    pub upstream: Option<Tensor>,
+    pub reference_grads: Option<Vec<Tensor>>,
     /// On the CPU: this machine's GEMM rate at the block's shapes and its memory bandwidth,
     /// measured once when the session opens; each CPU row's % of peak is against it.
     pub ceiling: Option<CpuCeiling>,
@@ -203,11 +207,19 @@ impl Session {
             warmup,
             iters,
             reference: None,
+            upstream: None,
+            reference_grads: None,
             ceiling,
             args,
         };
+        if session.args.train {
+            session.upstream = Some(crate::train::upstream(&session.x, session.args.seed)?);
+        }
         if !session.args.no_check {
             session.reference = Some(session.reference_output(reference, crate::preset::MAX_TENSOR_ELEMENTS)?);
+            if session.args.train {
+                session.reference_grads = Some(session.reference_gradients(reference)?);
+            }
         } else {
             println!("check     skipped (--no-check): these timings vouch for nothing");
         }
@@ -233,24 +245,28 @@ impl Session {
         })?)
     }
 
-    /// Plan, build, check and time one stage with `iters` timed iterations (the ladder's rounds
-    /// take a share of `--iters` each). Errors of kind `Usage` mean "cannot run here";
-    /// `CheckFailed` means it ran and is wrong.
-    pub fn run_with(&self, spec: &dyn Stage, asked: PrecisionRequest, iters: usize) -> anyhow::Result<(Record, Tensor)> {
-        let plan = plan(spec, &self.device, &self.info, self.shape, asked, self.args.precision, self.args.cuda_graph, self.args.train)?;
-        spec.check_shape(&self.shape)?;
-        if let Some(avail) = device::available_bytes(&self.device) {
-            check_fits(spec.name(), &self.shape, spec.estimate_bytes(&self.shape), avail)?;
-        }
-        let mut probe = MemProbe::start(&self.device);
-        let stage = spec.build(&self.weights, &plan)?;
+    /// `--train`: stage 0's fp32 gradients of ⟨y, r⟩ for every weight and x, in pieces along B
+    /// as `reference_output` computes y.
+    fn reference_gradients(&self, reference: &dyn Stage) -> anyhow::Result<Vec<Tensor>> {
+        let piece = reference_piece(&self.shape, crate::preset::MAX_TENSOR_ELEMENTS)?;
+        let fp32 = PrecisionRequest::Exactly(Precision::Fp32);
+        let plan = plan(reference, &self.device, &self.info, self.shape, fp32, fp32, false, true)?;
+        let vars = crate::train::vars(&self.weights)?;
+        let forward = reference.build_train(&crate::train::weights_of(&vars), &plan)?;
+        let r = self.upstream.as_ref().expect("set with --train");
+        Ok(crate::train::reference_gradients(forward.as_ref(), &vars, &self.x, r, piece.batch)?)
+    }
+
+    /// The forward's measurement: build, check against the reference, time.
+    fn measure(&self, spec: &dyn Stage, plan: &Plan, iters: usize, probe: &mut MemProbe) -> anyhow::Result<Measured> {
+        let stage = spec.build(&self.weights, plan)?;
         let stage = if self.args.cuda_graph { crate::graph::capture(spec.name(), stage, &self.x)? } else { stage };
         let switches = GemmSwitches::current();
-        if switches != spec.switches(&plan) {
+        if switches != spec.switches(plan) {
             anyhow::bail!(
                 "{}'s build left candle's GEMM switches at {switches:?}, not the {:?} it declares",
                 spec.name(),
-                spec.switches(&plan)
+                spec.switches(plan)
             );
         }
 
@@ -287,10 +303,69 @@ impl Session {
         let breakdown = self.args.breakdown.then(|| crate::breakdown::record(device, self.warmup.min(1), iters, || stage.forward(&self.x)));
         let breakdown = breakdown.transpose()?;
         let ran = stage.ran();
-        drop(stage);
-        let (peak_mem_bytes, mem_method) = probe.finish();
+        Ok(Measured { y, stats, breakdown, check, extra_checks, ran, train: None })
+    }
 
-        let flops = block_flops(&self.shape);
+    /// `--train`'s measurement of a built plan: the gradient and update checks, then the timed steps.
+    fn measure_train(&self, spec: &dyn Stage, plan: &Plan, iters: usize, probe: &mut MemProbe) -> anyhow::Result<Measured> {
+        use crate::train::*;
+        let vars = vars(&self.weights)?;
+        let forward = spec.build_train(&weights_of(&vars), plan)?;
+        let mut opt = spec.optimizer(vars.clone(), plan)?;
+        let x = candle_core::Var::from_tensor(&self.x)?;
+        let r = self.upstream.as_ref().expect("set with --train");
+        let (y, grads) = step(forward.as_ref(), &x, r, opt.loss_scale())?;
+        self.device.synchronize()?;
+        let mut check = None;
+        let (mut grad_check, mut worst_grad, mut optimizer_check) = (None, String::new(), None);
+        if let (Some(reference), Some(ref_grads)) = (&self.reference, &self.reference_grads) {
+            let c = compare(&y, reference, plan.precision)?;
+            if let Some(e) = c.to_error(spec.name(), plan.precision) {
+                return Err(e.into());
+            }
+            check = Some(c);
+            let got = gradients(&grads, &vars, &x, opt.loss_scale())?;
+            let (g, worst) = compare_grads(&got, ref_grads, plan.precision)?;
+            if !g.passed {
+                return Err(check_failed(spec.name(), &format!("gradient of {worst}"), &g, plan).into());
+            }
+            // The update from the reference's gradients, on copies: what it allocates is not the stage's.
+            let make = |v: Vec<Var>| spec.optimizer(v, plan);
+            let o = probe.exclude(|| check_optimizer(&make, &self.weights, ref_grads))?;
+            if !o.passed {
+                return Err(check_failed(spec.name(), "optimizer update", &o, plan).into());
+            }
+            (grad_check, worst_grad, optimizer_check) = (Some(g), worst, Some(o));
+        }
+        drop(grads);
+        let (stats, optimizer_timing, parts, skipped_steps) =
+            time_steps(forward.as_ref(), opt.as_mut(), &x, r, (self.warmup, iters, self.args.breakdown))?;
+        let method = "instrumented: a synchronize after the forward and after the backward".to_string();
+        let breakdown = parts.map(|p| crate::breakdown::summarise(&p, iters, method)).transpose()?;
+        let train = TrainRecord { optimizer: opt.name(), optimizer_timing, grad_check, worst_grad, optimizer_check, skipped_steps };
+        Ok(Measured { y, stats, breakdown, check, extra_checks: Vec::new(), ran: forward.ran(), train: Some(train) })
+    }
+
+    /// Plan, build, check and time one stage with `iters` timed iterations (the ladder's rounds
+    /// take a share of `--iters` each). Errors of kind `Usage` mean "cannot run here";
+    /// `CheckFailed` means it ran and is wrong.
+    pub fn run_with(&self, spec: &dyn Stage, asked: PrecisionRequest, iters: usize) -> anyhow::Result<(Record, Tensor)> {
+        let plan = plan(spec, &self.device, &self.info, self.shape, asked, self.args.precision, self.args.cuda_graph, self.args.train)?;
+        spec.check_shape(&self.shape)?;
+        if let Some(avail) = device::available_bytes(&self.device) {
+            // A training step also holds what the forward saves for the backward, the gradients
+            // and the optimizer's moments: about four forwards' worth.
+            let need = spec.estimate_bytes(&self.shape) * if plan.train { 4 } else { 1 };
+            check_fits(spec.name(), &self.shape, need, avail)?;
+        }
+        let mut probe = MemProbe::start(&self.device);
+        let measured = if plan.train { self.measure_train(spec, &plan, iters, &mut probe)? } else { self.measure(spec, &plan, iters, &mut probe)? };
+        let Measured { y, stats, breakdown, check, extra_checks, ran, train } = measured;
+        let switches = GemmSwitches::current();
+        let (peak_mem_bytes, mem_method) = probe.finish();
+        // A training step's FLOPs: the forward's, and twice them for the backward (dX and dW).
+        let flops = block_flops(&self.shape) * if plan.train { 3.0 } else { 1.0 };
+
         let secs = stats.median_ms / 1e3;
         let tflops = flops / secs / 1e12;
         let implementation = spec.implementation(&plan);
@@ -309,6 +384,13 @@ impl Session {
         notes.extend(ran);
         if self.args.cuda_graph {
             notes.push("timed as CUDA graph replays of one captured forward (--cuda-graph)".into());
+        }
+        if let Some(t) = &train {
+            notes.push(format!(
+                "a training step: forward, loss <y, r>, backward to every weight and x (timed, 3x the forward's FLOPs); \
+                 then {} (timed apart, {:.3} ms median)",
+                t.optimizer, t.optimizer_timing.median_ms
+            ));
         }
         if emulated {
             notes.push(format!(
@@ -354,9 +436,22 @@ impl Session {
             breakdown,
             variant: None,
             vs_reference: None,
+            mode: if train.is_some() { Mode::Train } else { Mode::Forward },
+            train,
         };
         Ok((record, y))
     }
+}
+
+/// What one plan's measurement gives the record.
+struct Measured {
+    y: Tensor,
+    stats: crate::timing::Stats,
+    breakdown: Option<crate::breakdown::Breakdown>,
+    check: Option<CheckResult>,
+    extra_checks: Vec<crate::check::NamedCheck>,
+    ran: Vec<String>,
+    train: Option<crate::train::TrainRecord>,
 }
 
 /// `need` bytes against `avail` free, with 10 % headroom for the allocator and the runtime.
@@ -410,6 +505,15 @@ pub fn print_details(r: &Record) {
     );
     for n in &r.notes {
         println!("note      {n}");
+    }
+    if let Some(t) = &r.train {
+        if let (Some(g), Some(o)) = (&t.grad_check, &t.optimizer_check) {
+            println!(
+                "check     gradients: worst max|Δ|/max|ref| {:.3e} (d{}) vs stage 0's fp32 autograd (tolerance {:.0e}); update vs candle-nn AdamW {:.3e}: passed",
+                g.rel_err, t.worst_grad, g.tolerance, o.rel_err
+            );
+        }
+        println!("optimizer {}: median {:.3} ms per update ({} steps skipped)", t.optimizer, t.optimizer_timing.median_ms, t.skipped_steps);
     }
     if let Some(b) = &r.breakdown {
         print!("{}", crate::breakdown::text(b, r.timing.median_ms));

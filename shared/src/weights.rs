@@ -106,12 +106,13 @@ impl BlockWeights {
         (c, ff)
     }
 
-    fn tensors(&self) -> [&Tensor; 12] {
+    /// The twelve tensors in field order (`train::NAMES`).
+    pub fn tensors(&self) -> [&Tensor; 12] {
         let w = self;
         [&w.ln1_g, &w.ln1_b, &w.w_qkv, &w.b_qkv, &w.w_proj, &w.b_proj, &w.ln2_g, &w.ln2_b, &w.w_fc1, &w.b_fc1, &w.w_fc2, &w.b_fc2]
     }
 
-    fn from_tensors(t: [Tensor; 12]) -> Self {
+    pub fn from_tensors(t: [Tensor; 12]) -> Self {
         let [ln1_g, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_g, ln2_b, w_fc1, b_fc1, w_fc2, b_fc2] = t;
         BlockWeights { ln1_g, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_g, ln2_b, w_fc1, b_fc1, w_fc2, b_fc2 }
     }

@@ -94,7 +94,7 @@ fn json_record_holds_what_the_table_shows() {
         assert!(out.contains(col), "{col} missing from\n{out}");
     }
     let j: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    assert_eq!(j["schema"], "candle-speedkit/record/v1");
+    assert_eq!(j["schema"], "candle-speedkit/record/v2");
     assert_eq!(j["stage"], "stage0_baseline");
     assert_eq!(j["precision"], "fp32");
     assert_eq!(j["shape"]["d_model"], 128);

@@ -1,0 +1,216 @@
+//! `--train`: one training step is the forward, the loss L = ⟨y, r⟩ (r seeded, so dL/dy = r),
+//! the backward to every weight and to x, then the optimizer's update. Timed as TransformerEngine
+//! times it (forward + backward), with the update timed beside it; checked first, gradient by
+//! gradient, against stage 0's fp32 autograd, and the update against `candle_nn::AdamW`'s.
+
+use crate::check::CheckResult;
+use crate::error::SpeedkitError;
+use crate::stage::{train_params, Forward, Optimize, Plan, Precision};
+use crate::timing::Stats;
+use crate::weights::{BlockWeights, SplitMix64};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+
+/// The gradients' names, in `BlockWeights` order, then the input's.
+pub const NAMES: [&str; 13] =
+    ["ln1_g", "ln1_b", "w_qkv", "b_qkv", "w_proj", "b_proj", "ln2_g", "ln2_b", "w_fc1", "b_fc1", "w_fc2", "b_fc2", "x"];
+
+/// Largest accepted max |g − g_ref| / max |g_ref| for any one gradient of a stage at `p`: the
+/// forward's tolerance, widened for the backward's extra GEMMs and reductions in the same format.
+pub fn grad_tolerance(p: Precision) -> f64 {
+    match p {
+        Precision::Fp32 => 1e-5,
+        Precision::Tf32 => 1e-2,
+        Precision::Bf16 => 5e-2,
+        Precision::F16 => 2e-2,
+        Precision::Fp8 => 2e-1,
+    }
+}
+
+/// A training row's extra facts: the update's time, the gradient check, the update check.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainRecord {
+    /// What updated the weights ("candle-nn AdamW", "fused AdamW", ...).
+    pub optimizer: String,
+    /// The update alone, per step (the row's `timing` is forward + backward).
+    pub optimizer_timing: Stats,
+    /// The worst gradient against stage 0's autograd, and which it was (`None` with --no-check).
+    pub grad_check: Option<CheckResult>,
+    pub worst_grad: String,
+    /// One update against `candle_nn::AdamW`'s on the same gradients: max |Δθ − Δθ_ref| / max |Δθ_ref|.
+    pub optimizer_check: Option<CheckResult>,
+    /// Steps the optimizer skipped (a non-finite gradient under loss scaling).
+    pub skipped_steps: usize,
+}
+
+/// The seeded upstream gradient r (the shape of y), so L = ⟨y, r⟩ has dL/dy = r.
+pub fn upstream(x: &Tensor, seed: u64) -> candle_core::Result<Tensor> {
+    let r = SplitMix64::new(seed ^ 0x7261_696e).normals(x.elem_count()); // "rain": a stream of its own
+    Tensor::from_vec(r, x.shape(), x.device())
+}
+
+/// Fresh copies of the weights as `Var`s (each stage's run starts from the same weights).
+pub fn vars(w: &BlockWeights) -> candle_core::Result<Vec<Var>> {
+    w.tensors().into_iter().map(|t| Var::from_tensor(&t.copy()?)).collect()
+}
+
+/// The weights the vars hold, as a `BlockWeights` whose tensors are the vars themselves.
+pub fn weights_of(v: &[Var]) -> BlockWeights {
+    let t: Vec<Tensor> = v.iter().map(|v| v.as_tensor().clone()).collect();
+    BlockWeights::from_tensors(t.try_into().expect("twelve weights"))
+}
+
+/// Forward on x, the loss ⟨y, r⟩·`scale`, backward: y and every gradient.
+pub fn step(forward: &dyn Forward, x: &Var, r: &Tensor, scale: f64) -> candle_core::Result<(Tensor, GradStore)> {
+    let y = forward.forward(x.as_tensor())?;
+    let loss = (y.to_dtype(DType::F32)? * r)?.sum_all()?;
+    let loss = if scale == 1.0 { loss } else { loss.affine(scale, 0.0)? };
+    Ok((y, loss.backward()?))
+}
+
+/// The 13 gradients (weights, then x) in f32, each divided by `scale`; an error names a tensor
+/// the backward did not reach.
+pub fn gradients(grads: &GradStore, vars: &[Var], x: &Var, scale: f64) -> candle_core::Result<Vec<Tensor>> {
+    vars.iter().chain([x]).zip(NAMES).map(|(v, name)| match grads.get(v.as_tensor()) {
+        Some(g) => g.to_dtype(DType::F32)?.affine(1.0 / scale, 0.0),
+        None => candle_core::bail!("the backward reached no gradient for {name}"),
+    }).collect()
+}
+
+/// max |a − b| / max |b| and the count of non-finite values in `a`, on the host.
+fn rel_max(a: &Tensor, b: &Tensor) -> candle_core::Result<(f64, usize)> {
+    let host = |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+    let (a, b) = (host(a)?, host(b)?);
+    let bad = a.iter().filter(|v| !v.is_finite()).count();
+    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
+    let scale = b.iter().map(|y| y.abs() as f64).fold(0.0, f64::max);
+    Ok((if scale > 0.0 { diff / scale } else { diff }, bad))
+}
+
+/// Each gradient against the reference's: the worst one's error and its name.
+pub fn compare_grads(got: &[Tensor], reference: &[Tensor], p: Precision) -> candle_core::Result<(CheckResult, String)> {
+    let (mut worst, mut name, mut bad) = (0f64, NAMES[0], 0);
+    for ((g, r), n) in got.iter().zip(reference).zip(NAMES) {
+        if g.dims() != r.dims() {
+            candle_core::bail!("the gradient of {n} has shape {:?}, the reference's {:?}", g.dims(), r.dims());
+        }
+        let (e, nan) = rel_max(g, r)?;
+        bad += nan;
+        if e > worst || nan > 0 {
+            (worst, name) = (e, n);
+        }
+    }
+    let tolerance = grad_tolerance(p);
+    let result = CheckResult { rel_err: worst, max_abs_err: 0.0, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance };
+    Ok((result, name.to_string()))
+}
+
+/// stage 0's fp32 gradients for (x, r): the reference every stage's are checked against,
+/// computed in pieces of `chunk` sequences along B (weight gradients summed, x's joined).
+pub fn reference_gradients(forward: &dyn Forward, vars: &[Var], x: &Tensor, r: &Tensor, chunk: usize) -> candle_core::Result<Vec<Tensor>> {
+    let b = x.dim(0)?;
+    let mut sum: Option<Vec<Tensor>> = None;
+    let mut dx = Vec::new();
+    for start in (0..b).step_by(chunk.max(1)) {
+        let n = chunk.min(b - start);
+        let xv = Var::from_tensor(&x.narrow(0, start, n)?)?;
+        let (_, grads) = step(forward, &xv, &r.narrow(0, start, n)?, 1.0)?;
+        let mut g = gradients(&grads, vars, &xv, 1.0)?;
+        dx.push(g.pop().expect("x's gradient is last"));
+        sum = Some(match sum {
+            None => g,
+            Some(s) => s.iter().zip(&g).map(|(a, b)| a + b).collect::<candle_core::Result<_>>()?,
+        });
+        x.device().synchronize()?;
+    }
+    let mut all = sum.unwrap_or_default();
+    all.push(Tensor::cat(&dx, 0)?);
+    Ok(all)
+}
+
+/// One update of `optimizer` against `candle_nn::AdamW`'s from the same weights and gradients
+/// (`grads`, unscaled; the stage's optimizer gets them times its loss scale, as from a backward).
+pub fn check_optimizer(
+    make: &dyn Fn(Vec<Var>) -> anyhow::Result<Box<dyn Optimize>>,
+    w: &BlockWeights,
+    grads: &[Tensor],
+) -> anyhow::Result<CheckResult> {
+    let (ours, theirs) = (vars(w)?, vars(w)?);
+    let mut opt = make(ours.clone())?;
+    let store = |v: &[Var], s: f64| -> candle_core::Result<GradStore> {
+        let mut g = GradStore::default();
+        for (v, grad) in v.iter().zip(grads) {
+            g.insert(v.as_tensor(), grad.affine(s, 0.0)?);
+        }
+        Ok(g)
+    };
+    opt.step(&store(&ours, opt.loss_scale())?)?;
+    let mut reference = <candle_nn::AdamW as candle_nn::Optimizer>::new(theirs.clone(), train_params())?;
+    candle_nn::Optimizer::step(&mut reference, &store(&theirs, 1.0)?)?;
+    let (mut worst, mut bad) = (0f64, 0);
+    for ((a, b), t0) in ours.iter().zip(&theirs).zip(w.tensors()) {
+        let (e, nan) = rel_max(&(a.as_tensor() - t0)?, &(b.as_tensor() - t0)?)?;
+        (worst, bad) = (worst.max(e), bad + nan);
+    }
+    let tolerance = 1e-4; // f32 arithmetic in another order: measured below 1e-6
+    Ok(CheckResult { rel_err: worst, max_abs_err: 0.0, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance })
+}
+
+/// The timed steps: `warmup` untimed, then `iters` of forward + backward and, apart, the update.
+/// With `parts`, `iters` more with a synchronize between the forward and the backward (the
+/// breakdown's two parts; the update is timed apart already). Returns (forward + backward, update, parts, skipped steps).
+#[allow(clippy::type_complexity)]
+pub fn time_steps(
+    forward: &dyn Forward,
+    opt: &mut dyn Optimize,
+    x: &Var,
+    r: &Tensor,
+    (warmup, iters, parts): (usize, usize, bool),
+) -> anyhow::Result<(Stats, Stats, Option<Vec<Vec<(&'static str, f64)>>>, usize)> {
+    let device = x.device().clone();
+    let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+    let (mut fb, mut up, mut skipped, mut split) = (Vec::new(), Vec::new(), 0, Vec::new());
+    device.synchronize()?;
+    for i in 0..warmup + iters + if parts { iters } else { 0 } {
+        let t0 = Instant::now();
+        let instrumented = i >= warmup + iters;
+        let (y, loss_grads) = if instrumented {
+            // The forward alone, then the backward from its loss.
+            let y = forward.forward(x.as_tensor())?;
+            device.synchronize()?;
+            let f = ms(t0);
+            let t1 = Instant::now();
+            let loss = (y.to_dtype(DType::F32)? * r)?.sum_all()?.affine(opt.loss_scale(), 0.0)?;
+            let g = loss.backward()?;
+            device.synchronize()?;
+            split.push(vec![("forward", f), ("backward", ms(t1))]);
+            (y, g)
+        } else {
+            step(forward, x, r, opt.loss_scale())?
+        };
+        device.synchronize()?;
+        let t_fb = ms(t0);
+        drop(y);
+        let t1 = Instant::now();
+        skipped += usize::from(!opt.step(&loss_grads)?);
+        device.synchronize()?;
+        let t_up = ms(t1);
+        if !instrumented && i >= warmup {
+            fb.push(t_fb);
+            up.push(t_up);
+        }
+    }
+    Ok((Stats::from_samples(fb), Stats::from_samples(up), parts.then_some(split), skipped))
+}
+
+/// A failed gradient or update check, as the forward's failed check reads.
+pub fn check_failed(stage: &str, what: &str, c: &CheckResult, plan: &Plan) -> SpeedkitError {
+    SpeedkitError::CheckFailed(format!(
+        "{stage}'s {what} at {}: max |Δ| / max |ref| {:.3e} above the tolerance {:.1e} ({} values NaN or infinite), \
+         against stage 0's fp32 autograd and candle-nn's AdamW on the same weights, input and r. Nothing was timed. \
+         Fix: report it with this command line.",
+        plan.precision, c.rel_err, c.tolerance, c.non_finite
+    ))
+}
