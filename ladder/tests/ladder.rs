@@ -546,3 +546,36 @@ fn torch_reference_rows_render() {
         assert!(rec.vs_reference.is_some_and(|v| (v - best / rec.timing.median_ms).abs() < 1e-9), "{}", rec.stage);
     }
 }
+
+/// `--train`: every row a training step (mode "train", the update and the gradient check beside
+/// it), a stage without a backward a skipped row naming why; the JSON renders back with the
+/// training columns, and a forward-only file from before `mode` (schema v1) still renders.
+#[test]
+fn train_rows_are_checked_steps_and_render_back() {
+    let dir = temp_dir("train");
+    let json = dir.join("train.json");
+    let out = ladder(&[&TINY[..], &["--stages", "0,3", "--train", "--breakdown", "--json", s(&json)]].concat());
+    let report: LadderReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(report.schema, LADDER_SCHEMA);
+    for r in &report.records {
+        assert_eq!(r.mode, shared::report::Mode::Train, "{}", r.stage);
+        let t = r.train.as_ref().expect("a training row has its training facts");
+        assert!(t.grad_check.as_ref().is_some_and(|c| c.passed) && t.optimizer_check.as_ref().is_some_and(|c| c.passed), "{t:?}");
+        let parts: Vec<&str> = r.breakdown.as_ref().unwrap().parts.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(parts, ["forward", "backward"]);
+    }
+    // A stage with no training step is a row saying so, never a forward under a training label.
+    for s in &report.skipped {
+        assert!(s.reason.contains("no training step") && !s.failed, "{s:?}");
+    }
+    assert_eq!(report.records.len() + report.skipped.len(), 2, "{}{}", out.stdout, out.stderr);
+    let md = ladder(&["render", "--from", s(&json), "--markdown"]);
+    assert!(md.ok().stdout.contains("forward + backward ms") && md.stdout.contains("worst grad error"), "{}", md.stdout);
+    let mut old: serde_json::Value = serde_json::from_slice(&std::fs::read("../results/ladder-cpu.json").unwrap()).unwrap();
+    old["schema"] = "candle-speedkit/ladder/v1".into();
+    old["records"].as_array_mut().unwrap().iter_mut().for_each(|r| _ = r.as_object_mut().unwrap().remove("mode"));
+    let v1_path = dir.join("v1.json");
+    std::fs::write(&v1_path, serde_json::to_vec(&old).unwrap()).unwrap();
+    let v1 = ladder(&["render", "--from", s(&v1_path), "--markdown"]);
+    assert!(v1.ok().stdout.contains("median ms (p10–p90)") && !v1.stdout.contains("optimizer ms"), "{}", v1.stdout);
+}
