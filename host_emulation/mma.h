@@ -83,6 +83,11 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
     return r;
 }
 
+// atomicAdd on f32 global memory (the attention backward's dQ): a real atomic, since the emulated
+// threads of one block run at once.
+#include <atomic>
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+
 namespace nvcuda {
 namespace wmma {
 struct matrix_a {};
