@@ -67,18 +67,19 @@ struct Errors {
 
 template <typename T, int D>
 Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed) {
-    const int parts = strided ? 3 : 1;
+    // q, k, v, dO: four slices of one (B, T, 4, H, D) buffer as the host passes them, or four
+    // contiguous ones (the same strides, which is all the kernel asks).
+    const int parts = strided ? 4 : 1;
     const long long sb = (long long)Tn * parts * H * D, st = (long long)parts * H * D, sh = D;
-    std::vector<std::vector<T>> buf(strided ? 1 : 3, std::vector<T>((size_t)B * Tn * parts * H * D));
+    std::vector<std::vector<T>> buf(strided ? 1 : 4, std::vector<T>((size_t)B * Tn * parts * H * D));
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal;
     for (auto& b : buf)
         for (auto& x : b) x = round16<T>(normal(rng));
-    const T* qkv[3];
-    for (int p = 0; p < 3; ++p) qkv[p] = strided ? buf[0].data() + p * H * D : buf[p].data();
+    const T* qkv[4];
+    for (int p = 0; p < 4; ++p) qkv[p] = strided ? buf[0].data() + p * H * D : buf[p].data();
     const size_t n_out = (size_t)B * Tn * H * D;
-    std::vector<T> d_o(n_out);
-    for (auto& x : d_o) x = round16<T>(normal(rng));
+    auto dO = [&](int b, int h, int t, int c) { return (double)to_f(qkv[3][b * sb + t * st + h * sh + c]); };
     const float scale = 1.0f / std::sqrt((float)D);
     auto at = [&](int p, int b, int h, int t, int c) { return (double)to_f(qkv[p][b * sb + t * st + h * sh + c]); };
     auto out_at = [&](int b, int h, int t) { return ((size_t)b * Tn + t) * H * D + (size_t)h * D; };
@@ -101,18 +102,18 @@ Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed) {
                 for (int j = 0; j < n; ++j) P[(size_t)i * Tn + j] /= l;
                 lse_ref[((size_t)b * H + h) * Tn + i] = m + std::log(l);
                 // D_i from O rounded to 16 bits, as the forward would have stored it.
-                float d_i = 0;
+                float d_i = 0;  // f32, as the host's candle ops sum it
                 for (int c = 0; c < D; ++c) {
                     double o = 0;
                     for (int j = 0; j < n; ++j) o += P[(size_t)i * Tn + j] * at(2, b, h, j, c);
-                    d_i += to_f(d_o[out_at(b, h, i) + c]) * to_f(round16<T>((float)o));
+                    d_i += dO(b, h, i, c) * to_f(round16<T>((float)o));
                 }
                 delta[((size_t)b * H + h) * Tn + i] = d_i;
             }
             for (int i = 0; i < Tn; ++i)
                 for (int j = 0; j < Tn; ++j) {
                     double s = 0;
-                    for (int c = 0; c < D; ++c) s += to_f(d_o[out_at(b, h, i) + c]) * at(2, b, h, j, c);
+                    for (int c = 0; c < D; ++c) s += dO(b, h, i, c) * at(2, b, h, j, c);
                     dP[(size_t)i * Tn + j] = s;
                 }
             for (int i = 0; i < Tn; ++i)
@@ -120,7 +121,7 @@ Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed) {
                     const double p = P[(size_t)i * Tn + j];
                     const double ds = p * (dP[(size_t)i * Tn + j] - delta[((size_t)b * H + h) * Tn + i]) * scale;
                     for (int c = 0; c < D; ++c) {
-                        dv_ref[out_at(b, h, j) + c] += p * to_f(d_o[out_at(b, h, i) + c]);
+                        dv_ref[out_at(b, h, j) + c] += p * dO(b, h, i, c);
                         dq_ref[out_at(b, h, i) + c] += ds * at(1, b, h, j, c);
                         dk_ref[out_at(b, h, j) + c] += ds * at(0, b, h, i, c);
                     }
@@ -134,7 +135,7 @@ Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed) {
         flash_attn_lse<T, D>(qkv[0], qkv[1], lse.data(), Tn, sb, st, sh, scale, causal);
     });
     run_grid({tiles, (unsigned)H, (unsigned)B}, [&] {
-        flash_attn_bwd<T, D>(qkv[0], qkv[1], qkv[2], d_o.data(), lse.data(), delta.data(), dq.data(), dk.data(), dv.data(), Tn,
+        flash_attn_bwd<T, D>(qkv[0], qkv[1], qkv[2], qkv[3], lse.data(), delta.data(), dq.data(), dk.data(), dv.data(), Tn,
                              sb, st, sh, scale, causal);
     });
     return {rel(lse, lse_ref), rel(dq, dq_ref), rel(dk, dk_ref), rel(dv, dv_ref)};

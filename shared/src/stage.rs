@@ -297,6 +297,7 @@ pub fn ladder_request(stage: &dyn Stage, requested: PrecisionRequest) -> Precisi
 
 /// Choose the precision for `asked` (`ladder_request` in the ladder), assemble the plan and run
 /// the stage's plan-level refusals. `requested` is the run's `--precision`.
+#[allow(clippy::too_many_arguments)] // each is one decision of the run's flags, named at every call
 pub fn plan(
     stage: &dyn Stage,
     device: &Device,

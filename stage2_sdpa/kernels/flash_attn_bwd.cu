@@ -22,8 +22,9 @@
 // so a __syncthreads separates the two halves of each step.
 //
 // Outputs dQ (accumulated), dK and dV are f32, (B, T, n_head, d_head) contiguous; the host casts
-// them to the inputs' dtype. dO is (B, T, n_head, d_head) contiguous; q, k and v take the forward's
-// strides (stage 3's strided views read in place); L and D are (B, n_head, T) f32.
+// them to the inputs' dtype. q, k, v and dO share one set of strides, as q, k and v do in the
+// forward (the host passes four slices of one (B, T, 4, n_head, d_head) tensor); L and D are
+// (B, n_head, T) f32.
 //
 // Compiled like flash_attn.cu (build.rs: one cubin per arch) and run on the CPU by
 // host_emulation/attention_bwd_check.cpp against an f64 reference of all three gradients.
@@ -39,6 +40,9 @@ constexpr int bwd_smem_bytes() {
            + 2 * BC * D * 4   // dK_j and dV_j: f32, the whole walk
            + 2 * BR * 4;      // L_i and D_i
 }
+static_assert(bwd_smem_bytes<32>() == 66048, "keep in step with bwd_shared_mem_bytes() in src/attention_cuda.rs");
+static_assert(bwd_smem_bytes<64>() == 98816, "keep in step with bwd_shared_mem_bytes() in src/attention_cuda.rs");
+static_assert(bwd_smem_bytes<128>() == 164352, "keep in step with bwd_shared_mem_bytes() in src/attention_cuda.rs");
 static_assert(bwd_smem_bytes<128>() <= 166912, "fits SM 8.0's 163 KiB of opt-in shared memory per block");
 
 // L_i = m_i + log l_i for one query tile of head (b, h): the forward's loop without P̃ V.
@@ -140,7 +144,7 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
     q += head;
     k += head;
     v += head;
-    d_o += out_head;
+    d_o += head;
 
     load_tile<T, D, BC>(k_tile, k, j0, T_len, stride_t);
     load_tile<T, D, BC>(v_tile, v, j0, T_len, stride_t);
@@ -157,8 +161,7 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
         __syncthreads();  // K_j, V_j and the zeroed dK_j, dV_j are complete (first pass); every warp
                           // is done with Q_i−1, dO_i−1, P and dS (after)
         load_tile<T, D, BR>(q_tile, q, i0, T_len, stride_t);
-        // dO is contiguous (B, T, H, D): its row stride is H·D.
-        load_tile<T, D, BR>(do_tile, d_o, i0, T_len, out_t);
+        load_tile<T, D, BR>(do_tile, d_o, i0, T_len, stride_t);
         for (int r = threadIdx.x; r < BR; r += THREADS) {
             // A padded row: L = +∞ makes its P zero, D = 0 its dS.
             l_tile[r] = i0 + r < T_len ? lse[stats + i0 + r] : INFINITY;

@@ -76,6 +76,19 @@ pub fn shared_mem_bytes_of(kernel: AttentionKernel, d_head: usize) -> usize {
     }
 }
 
+/// The backward's dynamic shared memory per block (`bwd_smem_bytes` in flash_attn_bwd.cu): K_j,
+/// V_j, Q_i and dO_i (16-bit), S_ij then dP_ij (f32), P_ij and dS_ij (16-bit), dK_j and dV_j
+/// (f32) and one L and D per query row. 160.5 KiB at d_head 128: SM 8.0 and 9.0 (163 and 227
+/// KiB per block) take it, sm_86/89 (99 KiB) only up to d_head 64.
+pub fn bwd_shared_mem_bytes(d_head: usize) -> usize {
+    4 * BC * d_head * 2 + BR * BC * 4 + 2 * BR * BC * 2 + 2 * BC * d_head * 4 + 2 * BR * 4
+}
+
+/// The log-sum-exp kernel's: K_j (16-bit; Q_i passes through it first) and S_ij (f32).
+pub fn lse_shared_mem_bytes(d_head: usize) -> usize {
+    BC * d_head * 2 + BR * BC * 4
+}
+
 /// The kernels have one compiled instance per head size in `HEAD_SIZES`.
 pub fn check_head_size(d_head: usize) -> Result<(), String> {
     if HEAD_SIZES.contains(&d_head) {
@@ -213,7 +226,7 @@ pub fn kernel_strides(q: &candle_core::Layout, k: &candle_core::Layout, v: &cand
 }
 
 #[cfg(feature = "cuda")]
-pub use launch::{cubins_of, cuda_fwd};
+pub use launch::{cubins_of, cuda_bwd, cuda_fwd};
 
 /// The architectures build.rs compiled the kernels for (10·major + minor, from CUDA_COMPUTE_CAP);
 /// empty in a build without the `cuda` feature.
@@ -232,8 +245,9 @@ mod launch {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda::cudarc::driver::{CudaFunction, CudaView};
     use candle_core::cuda::{CudaDType, CudaStorage};
-    use candle_core::{DType, Layout, Shape};
+    use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Shape, Tensor};
 
     mod cubins {
         include!(concat!(env!("OUT_DIR"), "/cubins.rs"));
@@ -242,6 +256,8 @@ mod launch {
     /// cubin per architecture in CUDA_COMPUTE_CAP.
     pub static FLASH_ATTN: Cubins = Cubins { file: "stage2_sdpa/kernels/flash_attn.cu", archs: cubins::FLASH_ATTN };
     pub static FLASH_ATTN_V2: Cubins = Cubins { file: "stage2_sdpa/kernels/flash_attn_v2.cu", archs: cubins::FLASH_ATTN_V2 };
+    /// `kernels/flash_attn_bwd.cu`: the log-sum-exp and backward kernels.
+    pub static FLASH_ATTN_BWD: Cubins = Cubins { file: "stage2_sdpa/kernels/flash_attn_bwd.cu", archs: cubins::FLASH_ATTN_BWD };
     /// The kernel file of `kernel`, as built.
     pub fn cubins_of(kernel: AttentionKernel) -> &'static Cubins {
         match kernel {
@@ -326,6 +342,183 @@ mod launch {
         unsafe { args.launch(cfg) }.map_err(|e| err(&name, e))?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), q_l.shape().clone()))
     }
+
+    /// FlashAttention-2's backward on CUDA (`kernels/flash_attn_bwd.cu`) for q, k, v, the
+    /// forward's output o and the upstream gradient d_o, all (B, T, n_head, d_head) in bf16 or f16:
+    /// L from the log-sum-exp kernel, D = rowsum(dO ∘ O) as candle ops, then dQ, dK and dV in
+    /// one kernel (f32, cast to q's dtype here). q, k, v and dO go in as four slices of one
+    /// (B, T, 4, n_head, d_head) copy, so they share the strides the kernel takes: one copy of
+    /// 4·B·T·C values, against the Q Kᵀ the backward recomputes.
+    pub fn cuda_bwd(q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, d_o: &Tensor, scale: f32, causal: bool) -> Result<[Tensor; 3]> {
+        let (b, t, h, d) = q.dims4()?;
+        let dt = q.dtype();
+        if !matches!(dt, DType::BF16 | DType::F16) {
+            candle_core::bail!("stage 2's CUDA attention backward takes bf16 or f16, got {dt:?}");
+        }
+        let qkvo = Tensor::stack(&[q, k, v, &d_o.to_dtype(dt)?], 2)?; // (B, T, 4, n_head, d_head)
+        let lse = Tensor::zeros((b, h, t), DType::F32, q.device())?; // (B, n_head, T)
+        lse.inplace_op2(&qkvo, &Lse { scale, causal })?;
+        // D_i = Σ_c dO_ic O_ic, in f32: (B, T, n_head) → (B, n_head, T).
+        let delta = (d_o.to_dtype(DType::F32)? * o.to_dtype(DType::F32)?)?.sum(3)?.transpose(1, 2)?;
+        let stats = Tensor::stack(&[&lse, &delta], 0)?.contiguous()?; // (2, B, n_head, T): L, D
+        let grads = Tensor::zeros((3, b, t, h, d), DType::F32, q.device())?; // dQ, dK, dV
+        grads.inplace_op3(&qkvo, &stats, &Bwd { scale, causal })?;
+        let g = |i: usize| grads.get(i)?.to_dtype(dt);
+        Ok([g(0)?, g(1)?, g(2)?])
+    }
+
+    /// The stacked (B, T, 4, n_head, d_head) input as the kernels read it: q, k, v and dO each a
+    /// view from its first element, their shared (batch, row, head) strides, and (B, T, n_head, d_head).
+    #[allow(clippy::type_complexity)]
+    fn stacked<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<([CudaView<'a, T>; 4], [i64; 3], [usize; 4])> {
+        let (b, t, four, h, d) = l.shape().dims5()?;
+        let Some((start, end)) = l.contiguous_offsets().filter(|_| four == 4) else {
+            candle_core::bail!("attention backward: q, k, v and dO must come stacked, contiguous (B, T, 4, n_head, d_head)")
+        };
+        let all = s.as_cuda_slice::<T>()?.slice(start..end);
+        let views = std::array::from_fn(|p| all.slice(p * h * d..));
+        Ok((views, [t * 4 * h * d, 4 * h * d, d].map(|x| x as i64), [b, t, h, d]))
+    }
+
+    /// The function `name` of the backward's cubin, opted into `bytes` of shared memory.
+    fn bwd_function(dev: &candle_core::CudaDevice, name: &str, bytes: usize) -> Result<CudaFunction> {
+        let func = function(dev, &FLASH_ATTN_BWD, name)?;
+        if bytes > super::DEFAULT_SHARED_BYTES {
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+                .map_err(|e| err("opt into shared memory", e))?;
+        }
+        Ok(func)
+    }
+
+    /// The shape checks the forward's launch makes (head size, T, grid), and the device's
+    /// shared-memory limit against `bytes`.
+    fn check_bwd(dev: &candle_core::CudaDevice, [b, t, h, d]: [usize; 4], bytes: usize) -> Result<()> {
+        launch_config(AttentionKernel::V1, b, t, h, d, false, usize::MAX).map_err(candle_core::Error::Msg)?;
+        let ctx = dev.cuda_stream().context().clone();
+        let max = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| err("shared memory per block", e))? as usize;
+        if bytes > max {
+            candle_core::bail!(
+                "stage 2's CUDA attention backward needs {} KiB of shared memory per block at d_head = {d}, and this device \
+                 allows {} KiB. Fix: a smaller d_head (more --heads), or train on the CPU.",
+                bytes / 1024,
+                max / 1024
+            );
+        }
+        Ok(())
+    }
+
+    /// L = m + log l per query row into `lse` (B, n_head, T) f32, from the stacked input.
+    struct Lse {
+        scale: f32,
+        causal: bool,
+    }
+
+    impl InplaceOp2 for Lse {
+        fn name(&self) -> &'static str {
+            "speedkit-flash-attention-lse"
+        }
+        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
+            candle_core::bail!("the log-sum-exp kernel is CUDA's; the CPU backward computes L in its own sweep")
+        }
+        fn cuda_fwd(&self, lse: &mut CudaStorage, lse_l: &Layout, s: &CudaStorage, l: &Layout) -> Result<()> {
+            match s.dtype() {
+                DType::BF16 => self.launch::<half::bf16>("bf16", lse, lse_l, s, l),
+                DType::F16 => self.launch::<half::f16>("f16", lse, lse_l, s, l),
+                dt => candle_core::bail!("attention backward: bf16 or f16, got {dt:?}"),
+            }
+        }
+    }
+
+    impl Lse {
+        fn launch<T: CudaDType + DeviceRepr>(&self, name: &str, lse: &mut CudaStorage, lse_l: &Layout, s: &CudaStorage, l: &Layout) -> Result<()> {
+            let dev = s.device.clone();
+            let ([q, k, _, _], [sb, st, sh], [b, t, h, d]) = stacked::<T>(s, l)?;
+            let bytes = super::lse_shared_mem_bytes(d);
+            check_bwd(&dev, [b, t, h, d], bytes)?;
+            let func = bwd_function(&dev, &format!("flash_attn_lse_{name}_d{d}"), bytes)?;
+            let mut out = lse.as_cuda_slice_mut::<f32>()?.slice_mut(lse_l.start_offset()..);
+            let (t_i32, causal) = (t as i32, self.causal as i32);
+            let grid = (t.div_ceil(super::BR) as u32, h as u32, b as u32);
+            let cfg = LaunchConfig { grid_dim: grid, block_dim: (super::THREADS as u32, 1, 1), shared_mem_bytes: bytes as u32 };
+            let stream = dev.cuda_stream();
+            let mut args = stream.launch_builder(&func);
+            args.arg(&q).arg(&k).arg(&mut out).arg(&t_i32).arg(&sb).arg(&st).arg(&sh).arg(&self.scale).arg(&causal);
+            // SAFETY: the arguments are FLASH_ATTN_BWD_ENTRY's flash_attn_lse_* signature, in order;
+            // `out` holds B·n_head·T f32 (zeros made by the caller), the grid is one block per
+            // (query tile, head, batch) and the shared memory the kernel's carve-up.
+            unsafe { args.launch(cfg) }.map_err(|e| err("flash_attn_lse", e))?;
+            Ok(())
+        }
+    }
+
+    /// dQ, dK, dV into `grads` (3, B, T, n_head, d_head) f32, zeroed by the caller (dQ is
+    /// accumulated), from the stacked input and `stats` (2, B, n_head, T): L and D.
+    struct Bwd {
+        scale: f32,
+        causal: bool,
+    }
+
+    impl InplaceOp3 for Bwd {
+        fn name(&self) -> &'static str {
+            "speedkit-flash-attention-bwd"
+        }
+        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
+            candle_core::bail!("this is CUDA's attention backward; the CPU's is attention::backward")
+        }
+        fn cuda_fwd(&self, g: &mut CudaStorage, g_l: &Layout, s: &CudaStorage, l: &Layout, st: &CudaStorage, st_l: &Layout) -> Result<()> {
+            match s.dtype() {
+                DType::BF16 => self.launch::<half::bf16>("bf16", g, g_l, s, l, st, st_l),
+                DType::F16 => self.launch::<half::f16>("f16", g, g_l, s, l, st, st_l),
+                dt => candle_core::bail!("attention backward: bf16 or f16, got {dt:?}"),
+            }
+        }
+    }
+
+    impl Bwd {
+        #[allow(clippy::too_many_arguments)]
+        fn launch<T: CudaDType + DeviceRepr>(
+            &self,
+            name: &str,
+            g: &mut CudaStorage,
+            g_l: &Layout,
+            s: &CudaStorage,
+            l: &Layout,
+            stats: &CudaStorage,
+            stats_l: &Layout,
+        ) -> Result<()> {
+            let dev = s.device.clone();
+            let ([q, k, v, d_o], [sb, st, sh], [b, t, h, d]) = stacked::<T>(s, l)?;
+            let bytes = super::bwd_shared_mem_bytes(d);
+            check_bwd(&dev, [b, t, h, d], bytes)?;
+            let (Some((g0, g1)), Some((s0, s1))) = (g_l.contiguous_offsets(), stats_l.contiguous_offsets()) else {
+                candle_core::bail!("attention backward: the gradients and statistics must be contiguous")
+            };
+            let n = b * t * h * d;
+            if g1 - g0 != 3 * n || s1 - s0 != 2 * b * h * t {
+                candle_core::bail!("attention backward: gradients {:?} or statistics {:?} do not fit (B, T, n_head, d_head) = ({b}, {t}, {h}, {d})", g_l.shape(), stats_l.shape());
+            }
+            let func = bwd_function(&dev, &format!("flash_attn_bwd_{name}_d{d}"), bytes)?;
+            let all = stats.as_cuda_slice::<f32>()?.slice(s0..s1);
+            let (lse, delta) = (all.slice(..b * h * t), all.slice(b * h * t..));
+            let mut grads = g.as_cuda_slice_mut::<f32>()?.slice_mut(g0..g1);
+            let (mut dq, mut rest) = grads.split_at_mut(n);
+            let (mut dk, mut dv) = rest.split_at_mut(n);
+            let (t_i32, causal) = (t as i32, self.causal as i32);
+            let grid = (t.div_ceil(super::BC) as u32, h as u32, b as u32);
+            let cfg = LaunchConfig { grid_dim: grid, block_dim: (super::THREADS as u32, 1, 1), shared_mem_bytes: bytes as u32 };
+            let stream = dev.cuda_stream();
+            let mut args = stream.launch_builder(&func);
+            args.arg(&q).arg(&k).arg(&v).arg(&d_o).arg(&lse).arg(&delta).arg(&mut dq).arg(&mut dk).arg(&mut dv);
+            args.arg(&t_i32).arg(&sb).arg(&st).arg(&sh).arg(&self.scale).arg(&causal);
+            // SAFETY: the arguments are FLASH_ATTN_BWD_ENTRY's flash_attn_bwd_* signature, in
+            // order; dq, dk, dv are three disjoint (B, T, n_head, d_head) f32 ranges of `grads`
+            // (dq zeroed, as the kernel adds into it); one block per (key tile, head, batch).
+            unsafe { args.launch(cfg) }.map_err(|e| err("flash_attn_bwd", e))?;
+            Ok(())
+        }
+    }
 }
 
 #[cfg(test)]
@@ -382,6 +575,27 @@ mod tests {
         // The occupancy arithmetic's register count is the __launch_bounds__ the kernel asks for.
         assert!(KERNEL_V2.contains("__launch_bounds__(THREADS, 2)"));
         const { assert!(REGISTERS_PER_THREAD_V2 * THREADS * 2 <= 65_536 && REGISTERS_PER_THREAD_V2 <= 255) };
+    }
+
+    #[test]
+    fn constants_match_the_backward_kernel_source() {
+        const BWD: &str = include_str!("../kernels/flash_attn_bwd.cu");
+        assert!(BWD.contains("#include \"flash_attn.cu\""), "the backward reuses the forward's BR, BC, WARPS and tiles");
+        for d in HEAD_SIZES {
+            let line = format!("static_assert(bwd_smem_bytes<{d}>() == {}", bwd_shared_mem_bytes(d));
+            assert!(BWD.contains(&line), "flash_attn_bwd.cu lacks `{line}`");
+            for (ty, name) in [("__nv_bfloat16", "bf16"), ("__half", "f16")] {
+                let entry = format!("FLASH_ATTN_BWD_ENTRY({ty}, {name}, {d})");
+                assert!(BWD.contains(&entry), "flash_attn_bwd.cu lacks `{entry}`");
+            }
+        }
+        assert!(BWD.contains("flash_attn_lse_##TNAME##_d##D(") && BWD.contains("flash_attn_bwd_##TNAME##_d##D("));
+        // The carve-ups: K_j then S for L; the backward's eleven buffers.
+        assert!(BWD.contains("float* s_tile = reinterpret_cast<float*>(k_tile + BC * D);"));
+        assert_eq!(lse_shared_mem_bytes(128), 32 * 1024);
+        // d_head 128 needs SM 8.0/9.0's opt-in limit (163 / 227 KiB); sm_86/89 (99 KiB) stop at 64.
+        assert!(bwd_shared_mem_bytes(128) <= 166_912 && bwd_shared_mem_bytes(64) <= SM86_OPT_IN);
+        assert!(bwd_shared_mem_bytes(128) > SM86_OPT_IN);
     }
 
     #[test]
