@@ -8,9 +8,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+using std::min;
 #define __device__
 #define __global__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __shared__ static  // one array for the whole process = per block, as blocks run one at a time
 #define SPEEDKIT_HOST_EMULATION
 
@@ -19,6 +22,7 @@ struct dim3 {
 };
 extern thread_local dim3 threadIdx;
 extern dim3 blockIdx;
+extern dim3 gridDim;  // set by a check before its launch (blocks run one after another)
 
 extern std::barrier<>* block_barrier;
 extern std::barrier<>* warp_barrier[32];

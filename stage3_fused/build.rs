@@ -1,5 +1,5 @@
 //! With the `cuda` feature: nvcc compiles `kernels/add_layer_norm.cu` (the fused residual add +
-//! LayerNorm, and the plain LayerNorm) to one cubin per architecture in CUDA_COMPUTE_CAP, the
+//! LayerNorm, and the plain LayerNorm) and `kernels/adamw.cu` (the multi-tensor AdamW) to one cubin per architecture in CUDA_COMPUTE_CAP, the
 //! way stage 2 builds its attention kernels (`stage2_sdpa/kernel_build.rs`). CPU builds need no nvcc.
 
 #[path = "../stage2_sdpa/kernel_build.rs"]
@@ -7,5 +7,10 @@ mod kernel_build;
 
 fn main() {
     // sm_75: the oldest architecture CUDA 13's nvcc targets; the kernel needs nothing newer.
-    kernel_build::build_cubins("stage3_fused", &["add_layer_norm"], 75, &["kernels/add_layer_norm.cu", "../stage2_sdpa/kernel_build.rs"]);
+    kernel_build::build_cubins(
+        "stage3_fused",
+        &["add_layer_norm", "adamw"],
+        75,
+        &["kernels/add_layer_norm.cu", "kernels/adamw.cu", "../stage2_sdpa/kernel_build.rs"],
+    );
 }

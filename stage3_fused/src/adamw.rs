@@ -1,6 +1,8 @@
-//! A fused AdamW for the CPU: each parameter's update is one pass that reads θ, g, m and v and
-//! writes θ, m and v (28 bytes per f32 parameter), where `candle_nn::AdamW` runs about a dozen
-//! tensor ops per parameter, each a pass over memory with a tensor allocated for its result.
+//! A fused AdamW: each parameter's update is one pass that reads θ, g, m and v and writes θ, m
+//! and v (28 bytes per f32 parameter), where `candle_nn::AdamW` runs about a dozen tensor ops per
+//! parameter, each a pass over memory with a tensor allocated for its result. On CUDA every
+//! parameter goes in one launch (`kernels/adamw.cu`, multi-tensor: a table of the tensors and of
+//! the chunks the blocks walk).
 //!
 //! The same hyper-parameters, defaults and bias correction as `candle_nn::AdamW` (decoupled
 //! weight decay, Loshchilov & Hutter 2019), at step t:
@@ -11,18 +13,26 @@
 //! θ = θ·(1 − lr·λ) − lr · m̂ / (√v̂ + ε)
 //! ```
 //!
-//! All parameters in one `step` call; each parameter's pass runs on all threads in chunks, in
-//! place on the `Var`'s own storage (a candle in-place op), m and v held here as plain f32
-//! buffers. f32 parameters on the CPU; anything else is refused with the reason.
+//! All parameters in one `step` call. On the CPU each parameter's pass runs on all threads in
+//! chunks, in place on the `Var`'s own storage (a candle in-place op), m and v held here as plain
+//! f32 buffers; on CUDA m and v are f32 tensors beside the parameters. f32 parameters only.
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Var};
+use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
-/// Elements per rayon task: 16 Ki f32 = 64 KiB of each of θ, g, m, v, enough work (~10 µs) to
-/// amortise a task; a bias or a LayerNorm gain (C values) is one task.
-const CHUNK: usize = 16 * 1024;
+/// Elements per rayon task (and per CUDA chunk, `CHUNK` in kernels/adamw.cu): 16 Ki f32 = 64 KiB
+/// of each of θ, g, m, v, enough work (~10 µs on a core) to amortise a task; a bias or a LayerNorm
+/// gain (C values) is one task.
+pub const CHUNK: usize = 16 * 1024;
+
+/// The CUDA launch's chunk list for tensors of `lens` elements: (tensor, first element) of every
+/// CHUNK-sized piece, in tensor order.
+pub fn chunks(lens: &[i64]) -> (Vec<i32>, Vec<i64>) {
+    let pieces = lens.iter().enumerate().flat_map(|(i, &n)| (0..n).step_by(CHUNK).map(move |s| (i as i32, s)));
+    pieces.unzip()
+}
 
 /// AdamW's hyper-parameters, with `candle_nn::ParamsAdamW`'s names and defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -43,26 +53,43 @@ impl Default for ParamsAdamW {
 /// The optimizer: the parameters, their first and second moments, the step count.
 pub struct AdamW {
     vars: Vec<Var>,
-    m: Vec<Vec<f32>>, // first moment, one buffer per parameter, its element count
-    v: Vec<Vec<f32>>, // second moment
+    moments: Moments,
     step_t: usize,
     params: ParamsAdamW,
 }
 
+/// First and second moments, one per parameter, its element count.
+enum Moments {
+    Cpu(Vec<Vec<f32>>, Vec<Vec<f32>>),
+    /// On the parameters' CUDA device.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Cuda(Vec<Tensor>, Vec<Tensor>),
+}
+
 impl AdamW {
-    /// An optimizer over `vars`, f32 on the CPU; m = v = 0.
+    /// An optimizer over `vars`, f32, all on the CPU or all on one CUDA device; m = v = 0.
     pub fn new(vars: Vec<Var>, params: ParamsAdamW) -> candle_core::Result<Self> {
+        let cuda = vars.first().is_some_and(|v| v.device().is_cuda());
         for var in &vars {
-            if !var.device().is_cpu() || var.dtype() != DType::F32 {
+            if var.dtype() != DType::F32 || !var.device().same_device(vars[0].device()) || !(cuda || var.device().is_cpu()) {
                 candle_core::bail!(
-                    "fused AdamW updates f32 parameters on the CPU, got {:?} on {:?}; on CUDA it is not built yet: use candle_nn::AdamW there",
+                    "fused AdamW updates f32 parameters all on the CPU or all on one CUDA device, got {:?} on {:?}",
                     var.dtype(),
                     var.device().location()
                 );
             }
         }
-        let zeros = || vars.iter().map(|var| vec![0f32; var.elem_count()]).collect();
-        Ok(AdamW { m: zeros(), v: zeros(), vars, step_t: 0, params })
+        let moments = if cuda {
+            let zeros = || vars.iter().map(|var| var.zeros_like()).collect::<candle_core::Result<Vec<_>>>();
+            if !cfg!(feature = "cuda") {
+                candle_core::bail!("fused AdamW on CUDA needs this crate's cuda feature");
+            }
+            Moments::Cuda(zeros()?, zeros()?)
+        } else {
+            let zeros = || vars.iter().map(|var| vec![0f32; var.elem_count()]).collect();
+            Moments::Cpu(zeros(), zeros())
+        };
+        Ok(AdamW { moments, vars, step_t: 0, params })
     }
 
     pub fn learning_rate(&self) -> f64 {
@@ -88,19 +115,41 @@ impl AdamW {
             scale_v: (1.0 / (1.0 - p.beta2.powi(t))) as f32,
             eps: p.eps as f32,
         };
-        for ((var, m), v) in self.vars.iter().zip(&mut self.m).zip(&mut self.v) {
-            if let Some(g) = grads.get(var.as_tensor()) {
-                let g = g.to_dtype(DType::F32)?;
-                var.as_tensor().inplace_op2(&g, &Update { coefs, moments: Mutex::new((m, v)) })?;
+        match &mut self.moments {
+            Moments::Cpu(ms, vs) => {
+                for ((var, m), v) in self.vars.iter().zip(ms).zip(vs) {
+                    if let Some(g) = grads.get(var.as_tensor()) {
+                        let g = g.to_dtype(DType::F32)?;
+                        var.as_tensor().inplace_op2(&g, &Update { coefs, moments: Mutex::new((m, v)) })?;
+                    }
+                }
             }
+            #[cfg(feature = "cuda")]
+            Moments::Cuda(ms, vs) => {
+                // Every parameter with a gradient, in one launch.
+                let (mut theta, mut g, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                for (i, var) in self.vars.iter().enumerate() {
+                    if let Some(grad) = grads.get(var.as_tensor()) {
+                        theta.push(var.as_tensor().clone());
+                        g.push(grad.to_dtype(DType::F32)?.contiguous()?);
+                        m.push(ms[i].clone());
+                        v.push(vs[i].clone());
+                    }
+                }
+                crate::cuda::adamw_step(&theta, &g, &m, &v, coefs)?;
+            }
+            #[cfg(not(feature = "cuda"))]
+            Moments::Cuda(..) => candle_core::bail!("fused AdamW on CUDA needs this crate's cuda feature"),
         }
         Ok(())
     }
 }
 
-/// One step's constants, in f32 (the arithmetic `candle_nn::AdamW` does on f32 tensors).
-#[derive(Clone, Copy)]
-struct Coefs {
+/// One step's constants, in f32 (the arithmetic `candle_nn::AdamW` does on f32 tensors); on
+/// CUDA the kernel's `AdamWStep` argument, field for field.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct Coefs {
     lr: f32,
     decay: f32,
     beta1: f32,

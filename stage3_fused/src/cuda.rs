@@ -9,7 +9,7 @@ use crate::gemm_args::{linear_args, LinearKind};
 use crate::ops::Epilogue;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
-use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, DeviceId};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Storage, Tensor};
@@ -284,3 +284,58 @@ fn add_layer_norm_16<H: CudaDType + DeviceRepr>(
     }
     Ok(CudaStorage::wrap_cuda_slice(h_out, dev.clone()))
 }
+
+/// `kernels/adamw.cu`: AdamW over every parameter in one launch.
+pub static ADAMW: Cubins = Cubins { file: "stage3_fused/kernels/adamw.cu", archs: cubins::ADAMW };
+
+// SAFETY: `Coefs` is #[repr(C)], seven f32, the layout of the kernel's `AdamWStep` argument.
+unsafe impl DeviceRepr for crate::adamw::Coefs {}
+
+/// One AdamW step of every parameter: `theta[i]` (updated in place) with its gradient, first and
+/// second moment at `grads[i]`, `m[i]`, `v[i]` (updated in place), all f32, contiguous, on one
+/// CUDA device. One launch: a table of the tensors' pointers and lengths, and of the chunks
+/// (`adamw::chunks`) the blocks walk.
+pub fn adamw_step(theta: &[Tensor], grads: &[Tensor], m: &[Tensor], v: &[Tensor], k: crate::adamw::Coefs) -> candle_core::Result<()> {
+    let Some(first) = theta.first() else { return Ok(()) };
+    let dev = first.device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let lens: Vec<i64> = theta.iter().map(|t| t.elem_count() as i64).collect();
+    // Per tensor: θ, g, m, v. The storage guards and the pointers' stream-order records live
+    // until the launch is queued.
+    let tensors: Vec<&Tensor> = (0..theta.len()).flat_map(|i| [&theta[i], &grads[i], &m[i], &v[i]]).collect();
+    let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+    let mut ptrs = Vec::with_capacity(tensors.len());
+    let mut records = Vec::with_capacity(tensors.len());
+    for ((guard, layout), t) in guards.iter().zip(&tensors) {
+        let (Storage::Cuda(s), Some((o0, o1))) = (&**guard, layout.contiguous_offsets()) else {
+            candle_core::bail!("adamw: every θ, g, m and v must be a contiguous CUDA tensor, got {:?}", t.layout())
+        };
+        if t.dtype() != DType::F32 || o1 - o0 != t.elem_count() {
+            candle_core::bail!("adamw: f32 tensors only, got {:?}", t.dtype());
+        }
+        // The allocation's base pointer, then the tensor's first element (4 bytes an f32).
+        let (ptr, record) = s.as_cuda_slice::<f32>()?.device_ptr(&stream);
+        ptrs.push(ptr + 4 * o0 as u64);
+        records.push(record);
+    }
+    let (owners, starts) = crate::adamw::chunks(&lens);
+    let n_chunks = owners.len() as i32;
+    if n_chunks == 0 {
+        return Ok(());
+    }
+    let table = |e| err("adamw: upload the tensor table", e);
+    let (ptrs_d, lens_d) = (stream.clone_htod(&ptrs).map_err(table)?, stream.clone_htod(&lens).map_err(table)?);
+    let (owners_d, starts_d) = (stream.clone_htod(&owners).map_err(table)?, stream.clone_htod(&starts).map_err(table)?);
+    let func = function(&dev, &ADAMW, "adamw_multi")?;
+    // One block per chunk up to 65 535; the kernel's grid-stride loop takes the rest.
+    let cfg = LaunchConfig { grid_dim: ((n_chunks as u32).min(65_535), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let mut launch = stream.launch_builder(&func);
+    launch.arg(&ptrs_d).arg(&lens_d).arg(&owners_d).arg(&starts_d).arg(&n_chunks).arg(&k);
+    // SAFETY: argument order and types match adamw_multi's signature; every pointer in the table
+    // addresses its tensor's `lens` f32 values, alive (the guards above) until the launch is
+    // queued on candle's stream, where it is ordered with every other use of them.
+    unsafe { launch.launch(cfg) }.map_err(|e| err("adamw_multi", e))?;
+    drop(records);
+    Ok(())
+}
+
