@@ -9,7 +9,11 @@
 
 // The signature every FLASH_ATTN_ENTRY and FLASH_ATTN_V2_ENTRY has, with the element pointers type-erased.
 using Entry = void (*)(const void*, const void*, const void*, void*, int, long long, long long, long long, long long,
-                       long long, long long, float, int);
+                       long long, long long, float, int, float*);
+
+// The last call's log-sum-exp error (the kernels' training output, (B, n_head, T) f32):
+// ||L − L_ref|| / ||L_ref||, infinity if one is not finite.
+inline double last_lse_err = 0;
 
 // Relative error ||o − ref|| / ||ref|| of one kernel call; infinity if any output is not finite.
 template <typename T>
@@ -28,6 +32,7 @@ double check(Entry entry, int B, int Tn, int H, int D, bool causal, bool strided
     for (int p = 0; p < 3; ++p) qkv[p] = strided ? buf[0].data() + p * H * D : buf[p].data();
     std::vector<T> o((size_t)B * Tn * H * D);
     std::memset(o.data(), 0xff, o.size() * sizeof(T));  // NaN: every element must be written
+    std::vector<float> lse((size_t)B * H * Tn, NAN);
     const float scale = 1.0f / std::sqrt((float)D);
 
     gridDim = launch_grid(Tn, H, B);
@@ -45,12 +50,12 @@ double check(Entry entry, int B, int Tn, int H, int D, bool causal, bool strided
                     threads.emplace_back([&, t] {
                         threadIdx = {(unsigned)t, 0, 0};
                         entry(qkv[0], qkv[1], qkv[2], o.data(), Tn, sb, st, sh, (long long)Tn * H * D, (long long)H * D, D,
-                              scale, causal);
+                              scale, causal, lse.data());
                     });
                 for (auto& th : threads) th.join();
             }
 
-    double num = 0, den = 0;
+    double num = 0, den = 0, lnum = 0, lden = 0;
     for (int b = 0; b < B; ++b)
         for (int h = 0; h < H; ++h)
             for (int i = 0; i < Tn; ++i) {
@@ -64,6 +69,9 @@ double check(Entry entry, int B, int Tn, int H, int D, bool causal, bool strided
                     m = std::max(m, p[j] = s * scale);
                 }
                 for (int j = 0; j < n; ++j) l += (p[j] = std::exp(p[j] - m));
+                const double lse_ref = m + std::log(l), got_l = lse[((size_t)b * H + h) * Tn + i];
+                lnum += std::isfinite(got_l) ? (got_l - lse_ref) * (got_l - lse_ref) : INFINITY;
+                lden += lse_ref * lse_ref;
                 for (int c = 0; c < D; ++c) {
                     double ref = 0;
                     for (int j = 0; j < n; ++j) ref += p[j] * at(2, j, c);
@@ -74,5 +82,6 @@ double check(Entry entry, int B, int Tn, int H, int D, bool causal, bool strided
                     den += ref * ref;
                 }
             }
+    last_lse_err = std::sqrt(lnum / std::max(lden, 1e-30));
     return std::sqrt(num / den);
 }

@@ -110,7 +110,7 @@ __device__ __forceinline__ void flash_attn_fwd(const T* __restrict__ q, const T*
                                                const T* __restrict__ v, T* __restrict__ o, int T_len,
                                                long long stride_b, long long stride_t, long long stride_h,
                                                long long o_stride_b, long long o_stride_t, long long o_stride_h,
-                                               float scale, int causal) {
+                                               float scale, int causal, float* __restrict__ lse) {
     static_assert(D % WM == 0 && D % 32 == 0, "d_head: whole WMMA tiles, whole warps across a row");
     extern __shared__ __align__(128) unsigned char smem[];
     T* k_tile = reinterpret_cast<T*>(smem);                   // (B_c, d) K_j  — Q_i at the start
@@ -234,6 +234,16 @@ __device__ __forceinline__ void flash_attn_fwd(const T* __restrict__ q, const T*
     }
     __syncwarp();  // the last O stores are complete before lanes read values other lanes stored
 
+    // Training: L_i = m_i + log l_i, one f32 per row into lse (B, n_head, T), which the backward
+    // recomputes P = exp(S − L) from. Lane r writes row r (every lane holds all 16 rows' m and l).
+    if (lse != nullptr) {
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_WARP; ++r) {
+            const int i = i0 + warp * ROWS_PER_WARP + r;
+            if (lane == r && i < T_len) lse[((long long)b * gridDim.y + h) * T_len + i] = m[r] + logf(l[r]);
+        }
+    }
+
     // O_i = diag(l)⁻¹ · O_i, written out in the input dtype (rows past T are padding).
 #pragma unroll
     for (int r = 0; r < ROWS_PER_WARP; ++r) {
@@ -245,14 +255,14 @@ __device__ __forceinline__ void flash_attn_fwd(const T* __restrict__ q, const T*
 }
 
 // Entry points, one per (dtype, d_head): flash_attn_fwd_bf16_d64, flash_attn_fwd_f16_d128, ...
-// Strides are in elements; causal is 0 or 1.
+// Strides are in elements; causal is 0 or 1; lse is null, or (B, n_head, T) f32 for training.
 #define FLASH_ATTN_ENTRY(T, TNAME, D)                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS) flash_attn_fwd_##TNAME##_d##D(                 \
         const T* q, const T* k, const T* v, T* o, int T_len, long long stride_b, long long stride_t,     \
         long long stride_h, long long o_stride_b, long long o_stride_t, long long o_stride_h, float scale, \
-        int causal) {                                                                                    \
+        int causal, float* lse) {                                                                        \
         flash_attn_fwd<T, D>(q, k, v, o, T_len, stride_b, stride_t, stride_h, o_stride_b, o_stride_t,    \
-                             o_stride_h, scale, causal);                                                 \
+                             o_stride_h, scale, causal, lse);                                            \
     }
 
 FLASH_ATTN_ENTRY(__nv_bfloat16, bf16, 32)

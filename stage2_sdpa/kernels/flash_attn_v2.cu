@@ -61,6 +61,7 @@ constexpr int THREADS = WARPS * 32;  // 128
 constexpr int ROWS_PER_WARP = BR / WARPS;      // 32: two m16n8k16 tiles tall
 constexpr int M_TILES = ROWS_PER_WARP / 16;    // 2
 constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;  // L = m·ln 2 + ln l for m in log2 units
 
 static_assert(ROWS_PER_WARP == 32, "each warp owns two mma tiles' rows, and every K_j, V_j fragment feeds both");
 // Causal: the key tiles that can hold a key past some row of Q_i are those from i·B_r/B_c on.
@@ -148,7 +149,7 @@ __device__ __forceinline__ void flash_attn_v2_fwd(const T* __restrict__ q, const
                                                   const T* __restrict__ v, T* __restrict__ o, int T_len,
                                                   long long stride_b, long long stride_t, long long stride_h,
                                                   long long o_stride_b, long long o_stride_t, long long o_stride_h,
-                                                  float scale, int causal) {
+                                                  float scale, int causal, float* __restrict__ lse) {
     static_assert(D % 16 == 0 && D >= 32, "d_head: whole k-steps of 16, at least 4 chunks a row");
     constexpr int CHUNKS = D / 8;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -373,8 +374,11 @@ __device__ __forceinline__ void flash_attn_v2_fwd(const T* __restrict__ q, const
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int row = row0 + 16 * mt + 8 * hh;
-            const float inv_l = 1.0f / quad_sum(l[mt][hh]);  // every lane of the quad, shuffles included
+            const float l_row = quad_sum(l[mt][hh]);  // every lane of the quad, shuffles included
+            const float inv_l = 1.0f / l_row;
             if (row >= T_len) continue;
+            // Training: L = m·ln 2 + ln l (m is in log2 units) into lse (B, n_head, T), one lane a quad.
+            if (lse != nullptr && t == 0) lse[((long long)b * gridDim.x + h) * T_len + row] = m[mt][hh] * LN2 + logf(l_row);
             T* out = o + (long long)row * o_stride_t + 2 * t;
 #pragma unroll
             for (int n = 0; n < D / 8; ++n)
@@ -388,9 +392,9 @@ __device__ __forceinline__ void flash_attn_v2_fwd(const T* __restrict__ q, const
     extern "C" __global__ void __launch_bounds__(THREADS, 2) flash_attn_v2_fwd_##TNAME##_d##D(              \
         const T* q, const T* k, const T* v, T* o, int T_len, long long stride_b, long long stride_t,     \
         long long stride_h, long long o_stride_b, long long o_stride_t, long long o_stride_h, float scale, \
-        int causal) {                                                                                    \
+        int causal, float* lse) {                                                                        \
         flash_attn_v2_fwd<T, D>(q, k, v, o, T_len, stride_b, stride_t, stride_h, o_stride_b, o_stride_t, \
-                                o_stride_h, scale, causal);                                              \
+                                o_stride_h, scale, causal, lse);                                         \
     }
 
 FLASH_ATTN_V2_ENTRY(__nv_bfloat16, bf16, 32)

@@ -334,8 +334,10 @@ mod launch {
         let cfg = LaunchConfig { grid_dim: plan.grid, block_dim: (plan.threads, 1, 1), shared_mem_bytes: plan.shared_mem_bytes };
         let stream = dev.cuda_stream();
         let mut args = stream.launch_builder(&func);
+        // No log-sum-exp output: the backward computes L itself (`cuda_bwd`).
+        let no_lse: u64 = 0;
         args.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&t_i32);
-        args.arg(&sb).arg(&st).arg(&sh).arg(&osb).arg(&ost).arg(&osh).arg(&scale).arg(&causal_i32);
+        args.arg(&sb).arg(&st).arg(&sh).arg(&osb).arg(&ost).arg(&osh).arg(&scale).arg(&causal_i32).arg(&no_lse);
         // SAFETY: argument order and types match FLASH_ATTN_ENTRY's (and FLASH_ATTN_V2_ENTRY's,
         // the same) signature; the grid and
         // shared memory come from launch_config for this shape, checked against the device.
