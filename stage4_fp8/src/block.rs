@@ -3,7 +3,7 @@
 
 use crate::fp8::Fp8Recipe;
 use crate::fp8::{Fp8Linear, Fp8Mode, Fp8Target, Input, ScalingConfig};
-use crate::hybrid::{linear_hybrid, DelayedScale, GradScaling};
+use crate::hybrid::{DelayedScale, GradScaling, HybridLinear};
 use crate::{gemm, producers, twin};
 use candle_core::{DType, IndexOp, Tensor};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
@@ -577,7 +577,7 @@ impl Block {
 /// with the producer fusions off. The four FP8 layers live across steps: each call quantises the
 /// current master weights into them (`Fp8Linear::set_weights`) while their inputs' amax
 /// histories carry on, where a fresh `build` per step would restart every history. Each GEMM is
-/// recorded with the HYBRID backward (`hybrid::linear_hybrid`): E5M2 dY, its scale delayed with
+/// recorded with the HYBRID backward (`hybrid::HybridLinear`): E5M2 dY, its scale delayed with
 /// a history per layer as the inputs' are (current with `--fp8-recipe current`).
 pub struct TrainBlock {
     w: BlockWeights,               // the f32 master weights, tracked: the gradients' destination
@@ -625,7 +625,7 @@ impl Forward for TrainBlock {
             let layer = &layers[i];
             let (y, xq) = layer.forward_keeping_input(&x.detach())?;
             let wq = layer.weight().dequantize(DType::F32)?; // (N, K) s_w·q_w
-            linear_hybrid(x, masters[i].0, masters[i].1, &y, &xq, &wq, layer.gelu(), self.grads[i].clone())
+            HybridLinear { y, xq, wq, gelu: layer.gelu(), scaling: self.grads[i].clone() }.apply(x, masters[i].0, masters[i].1)
         };
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy

@@ -811,7 +811,7 @@ impl Fp8Linear {
         self.gemm(xq.as_ref(), xd.as_ref(), &scale, residual)
     }
 
-    /// `forward` for training (`hybrid::linear_hybrid`): also returns the input as the GEMM read
+    /// `forward` for training (`hybrid::HybridLinear`): also returns the input as the GEMM read
     /// it, s_x·q_x in f32, which the backward's dW GEMM reads. Emulated layers only.
     pub fn forward_keeping_input(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let (xq, xd, scale) = self.operands(&Input::Plain(x.clone()))?;

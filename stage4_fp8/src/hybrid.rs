@@ -17,7 +17,7 @@
 //! amax of dY over the last backward calls, known before dY is read, as the forward's activation
 //! scales are; a dY above it saturates at ±57344·s). Products accumulate in f32.
 //!
-//! **In a model** (`linear_hybrid`): the layer's forward is `Fp8Linear`'s own; the op records
+//! **In a model** (`HybridLinear`): the layer's forward is `Fp8Linear`'s own; the op records
 //! (x, W, b) → y with this backward, so `loss.backward()` reaches the f32 master weights and the
 //! input through E5M2 gradients. GELU's derivative needs the pre-activation, which the backward
 //! recomputes from the stored operands (as stage 3 does on CUDA) rather than keep it.
@@ -158,37 +158,39 @@ pub fn linear_bwd_hybrid_scaled(xq: &Tensor, wq: &Tensor, dy: &Tensor, scaling: 
     Ok((dx, dw, dy.sum(0)?))
 }
 
-/// y = act(x·Wᵀ + b) as a differentiable op: `y` is the FP8 layer's forward output (computed by
-/// `Fp8Linear` from `xq` = s_x·q_x and `wq` = s_w·q_w, f32), handed to candle as the op's result
-/// so that candle records (x, W, b) → y; the backward is `linear_bwd_hybrid_scaled`, through
-/// GELU's derivative when `gelu`. x (B, T, K), W (N, K), b (N): the tracked tensors the
-/// gradients go to (each in its own dtype: the f32 master weights, x in the activation dtype).
-/// CPU only, as the emulation.
-pub fn linear_hybrid(x: &Tensor, w: &Tensor, b: &Tensor, y: &Tensor, xq: &Tensor, wq: &Tensor, gelu: bool, scaling: GradScaling) -> candle_core::Result<Tensor> {
-    let (bsz, t, k) = x.dims3()?;
-    let n = w.dim(0)?;
-    if y.dims() != [bsz, t, n] || xq.dims() != x.dims() || wq.dims() != w.dims() || w.dim(1)? != k || b.dims() != [n] {
-        candle_core::bail!(
-            "linear_hybrid: x {:?}, W {:?}, b {:?}, y {:?}, xq {:?}, wq {:?} do not fit y = act(x Wᵀ + b)",
-            x.dims(),
-            w.dims(),
-            b.dims(),
-            y.dims(),
-            xq.dims(),
-            wq.dims()
-        );
-    }
-    let op = HybridLinear { y: y.contiguous()?, xq: xq.clone(), wq: wq.clone(), gelu, scaling };
-    x.apply_op3(w, b, op)
+/// y = act(x·Wᵀ + b) as a differentiable op: `y` is the FP8 layer's forward output, computed by
+/// `Fp8Linear` from `xq` = s_x·q_x and `wq` = s_w·q_w (f32), which `apply` hands to candle as the
+/// op's result so that candle records (x, W, b) → y; the backward is `linear_bwd_hybrid_scaled`,
+/// through GELU's derivative when `gelu`. CPU only, as the emulation.
+pub struct HybridLinear {
+    pub y: Tensor,  // (B, T, N): the FP8 forward's output
+    pub xq: Tensor, // (B, T, K) s_x·q_x f32
+    pub wq: Tensor, // (N, K) s_w·q_w f32
+    pub gelu: bool,
+    pub scaling: GradScaling, // dY's E5M2 scale
 }
 
-/// The op behind `linear_hybrid`.
-struct HybridLinear {
-    y: Tensor,  // (B, T, N): the FP8 forward's output
-    xq: Tensor, // (B, T, K) s_x·q_x f32
-    wq: Tensor, // (N, K) s_w·q_w f32
-    gelu: bool,
-    scaling: GradScaling,
+impl HybridLinear {
+    /// y, recorded as a function of x (B, T, K), W (N, K) and b (N): the tracked tensors the
+    /// gradients go to, each in its own dtype (the f32 master weights, x in the activation dtype).
+    pub fn apply(self, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+        let (bsz, t, k) = x.dims3()?;
+        let n = w.dim(0)?;
+        let (y, xq, wq) = (&self.y, &self.xq, &self.wq);
+        if y.dims() != [bsz, t, n] || xq.dims() != x.dims() || wq.dims() != w.dims() || w.dim(1)? != k || b.dims() != [n] {
+            candle_core::bail!(
+                "HybridLinear: x {:?}, W {:?}, b {:?}, y {:?}, xq {:?}, wq {:?} do not fit y = act(x Wᵀ + b)",
+                x.dims(),
+                w.dims(),
+                b.dims(),
+                y.dims(),
+                xq.dims(),
+                wq.dims()
+            );
+        }
+        let op = HybridLinear { y: y.contiguous()?, ..self };
+        x.apply_op3(w, b, op)
+    }
 }
 
 impl CustomOp3 for HybridLinear {
@@ -204,7 +206,7 @@ impl CustomOp3 for HybridLinear {
             DType::F32 => CpuStorage::F32(y.to_vec1()?),
             DType::BF16 => CpuStorage::BF16(y.to_vec1()?),
             DType::F16 => CpuStorage::F16(y.to_vec1()?),
-            dt => candle_core::bail!("linear_hybrid: y in {dt:?}; f32, bf16 or f16 expected"),
+            dt => candle_core::bail!("HybridLinear: y in {dt:?}; f32, bf16 or f16 expected"),
         };
         Ok((storage, self.y.shape().clone()))
     }
@@ -213,7 +215,7 @@ impl CustomOp3 for HybridLinear {
     /// HYBRID GEMMs on dZ; each gradient in its argument's dtype.
     fn bwd(&self, x: &Tensor, w: &Tensor, b: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         if !dy.device().is_cpu() {
-            candle_core::bail!("linear_hybrid: the HYBRID backward is emulated on the CPU only");
+            candle_core::bail!("HybridLinear: the HYBRID backward is emulated on the CPU only");
         }
         let dz = match self.gelu {
             false => dy.to_dtype(DType::F32)?,
@@ -254,12 +256,12 @@ mod tests {
         assert!(rel(&gelu_tanh_grad(z.as_tensor()).unwrap(), want) < 1e-6);
     }
 
-    /// `linear_hybrid`'s gradients against candle's autograd of act(xq·wqᵀ + b) on the same
+    /// `HybridLinear`'s gradients against candle's autograd of act(xq·wqᵀ + b) on the same
     /// E4M3-stored operands: dX and dW off by E5M2's rounding of dZ only, db exact up to f32
     /// sums (it is taken from the unquantised dZ); with and without GELU; delayed dY scaling keeps
     /// its history across calls and saturates a dY beyond it.
     #[test]
-    fn linear_hybrid_is_the_autograd_of_its_forward_up_to_e5m2() {
+    fn hybrid_linear_is_the_autograd_of_its_forward_up_to_e5m2() {
         use candle_core::Var;
         let (bsz, t, k, n) = (2, 9, 24, 40);
         let (x, w, b, r) = (randn(&[bsz, t, k], 1, 1.0), randn(&[n, k], 2, 0.2), randn(&[n], 3, 0.1), randn(&[bsz, t, n], 4, 1.0));
@@ -277,9 +279,10 @@ mod tests {
             };
             let want = grads(&xq, &wq, &|x, w, b| plain(x, w, b));
             let y = plain(&xq, &wq, &b).unwrap();
-            let ours = grads(&x, &w, &|x, w, b| linear_hybrid(x, w, b, &y, &xq, &wq, gelu, GradScaling::Current(0)));
+            let saved = || HybridLinear { y: y.clone(), xq: xq.clone(), wq: wq.clone(), gelu, scaling: GradScaling::Current(0) };
+            let ours = grads(&x, &w, &|x, w, b| saved().apply(x, w, b));
             let [ex, ew, eb] = [0, 1, 2].map(|i| rel(&ours[i], &want[i]));
-            eprintln!("linear_hybrid (gelu {gelu}) vs autograd: dX {ex:.2e}, dW {ew:.2e}, db {eb:.2e}");
+            eprintln!("HybridLinear (gelu {gelu}) vs autograd: dX {ex:.2e}, dW {ew:.2e}, db {eb:.2e}");
             assert!(ex < 0.1 && ew < 0.1 && ex > 0.0, "dX {ex}, dW {ew}");
             assert!(eb < 1e-5, "db {eb}");
         }
