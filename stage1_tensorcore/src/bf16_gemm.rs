@@ -634,7 +634,7 @@ fn bf16_matmul(a: &Tensor, b: &Tensor, kernel: Kernel) -> candle_core::Result<Te
     if !kernel.is_native() {
         return matmul_slow(a, b);
     }
-    a.apply_op2_no_bwd(b, &Bf16Matmul { kernel })
+    a.apply_op2(b, Bf16Matmul { kernel }) // recorded with its `bwd` when a or b is tracked
 }
 
 /// Slow twin of `matmul`: operands rounded to bf16 and widened to f32, candle's f32 matmul, the
@@ -667,6 +667,23 @@ impl CustomOp2 for Bf16Matmul {
             _ => CpuStorage::F32(out), // f32 activations stay f32: no narrowing pass
         };
         Ok((out, shape))
+    }
+
+    /// The backward GEMMs in the forward's precision, as autocast runs them: dA = dC·Bᵀ and
+    /// dB = Aᵀ·dC, each a bf16 GEMM on the same kernel (dC and the saved operands rounded to
+    /// bf16 as they are packed), f32 accumulation; each gradient in its argument's dtype. A B
+    /// shared by every product of a batched A, (K, N), gets the sum over the batch: one
+    /// (K, batch·M) · (batch·M, N) GEMM.
+    fn bwd(&self, a: &Tensor, b: &Tensor, _c: &Tensor, dc: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let gemm = |x: &Tensor, y: &Tensor| bf16_matmul(x, y, self.kernel); // out in x's dtype
+        let da = gemm(dc, &b.t()?)?.to_dtype(a.dtype())?; // (…, M, N) · (…, N, K)
+        let db = if b.rank() == 2 && a.rank() > 2 {
+            let (k, n) = (a.dim(candle_core::D::Minus1)?, dc.dim(candle_core::D::Minus1)?);
+            gemm(&a.reshape(((), k))?.t()?, &dc.reshape(((), n))?)? // (K, batch·M) · (batch·M, N)
+        } else {
+            gemm(&a.t()?, dc)? // (…, K, M) · (…, M, N)
+        };
+        Ok((Some(da), Some(db.to_dtype(b.dtype())?)))
     }
 }
 

@@ -2,12 +2,15 @@
 //! precision policy's dtype.
 
 use crate::bf16_gemm::{self, Kernel};
+use crate::loss_scale::LossScaler;
 use crate::{attention_in, linear, precision};
-use candle_core::{DType, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use candle_nn::Optimizer;
 use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::perf::Traffic;
-use shared::stage::PrecisionChoice;
+use shared::stage::{train_params, CandleAdamW, Optimize, PrecisionChoice, Rebuild};
 use shared::{BlockWeights, Forward, Plan, Precision, PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
 use stage0_baseline::{causal_mask, gelu_tanh, layer_norm};
 
@@ -36,6 +39,7 @@ pub struct Block {
 
 /// Stage 1 as the runner and the ladder see it: `--precision` is its only flag, and every
 /// stage has that one.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct TensorCore;
 
 /// How a binary or the ladder finds stage 1.
@@ -102,6 +106,49 @@ impl Stage for TensorCore {
     fn traffic(&self, shape: &Shape, p: Precision, act: f64) -> f64 {
         let t = Traffic::new(shape, p, act);
         t.gemms + t.naive_attention + t.unfused
+    }
+
+    fn check_train(&self, _plan: &Plan) -> Result<(), SpeedkitError> {
+        Ok(()) // candle's autograd, and on a CPU's bf16 unit `bf16_gemm`'s own backward GEMMs
+    }
+
+    /// The casts of `build` once per step, as autocast's: the weights stay f32 masters.
+    fn build_train(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
+        Ok(Box::new(Rebuild { stage: TensorCore, weights: w.clone(), plan: plan.clone() }))
+    }
+
+    /// f16: candle-nn's AdamW behind dynamic loss scaling (f16's range loses small gradients);
+    /// the other precisions keep f32's exponent range and need none.
+    fn optimizer(&self, vars: Vec<Var>, plan: &Plan) -> anyhow::Result<Box<dyn Optimize>> {
+        let adamw = candle_nn::AdamW::new(vars.clone(), train_params())?;
+        Ok(match plan.precision {
+            Precision::F16 => Box::new(LossScaledAdamW { adamw, vars, scaler: LossScaler::default() }),
+            _ => Box::new(CandleAdamW(adamw)),
+        })
+    }
+}
+
+/// Stage 1's optimizer at f16: `candle_nn::AdamW` on gradients unscaled by `LossScaler`, the
+/// step skipped (and S halved) when one overflowed.
+pub struct LossScaledAdamW {
+    pub adamw: candle_nn::AdamW,
+    pub vars: Vec<Var>,
+    pub scaler: LossScaler,
+}
+
+impl Optimize for LossScaledAdamW {
+    fn name(&self) -> String {
+        "candle-nn AdamW, dynamic loss scaling".into()
+    }
+
+    fn loss_scale(&self) -> f64 {
+        self.scaler.scale()
+    }
+
+    fn step(&mut self, grads: &GradStore) -> anyhow::Result<bool> {
+        let Some(unscaled) = self.scaler.unscale_grads(&self.vars, grads)? else { return Ok(false) };
+        self.adamw.step(&unscaled)?;
+        Ok(true)
     }
 }
 

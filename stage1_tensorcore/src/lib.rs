@@ -46,7 +46,7 @@ pub mod precision;
 #[cfg(feature = "harness")]
 mod block;
 #[cfg(feature = "harness")]
-pub use block::{register_bf16_ceiling, Block, TensorCore, STAGE};
+pub use block::{register_bf16_ceiling, Block, LossScaledAdamW, TensorCore, STAGE};
 
 use candle_core::{DType, Tensor};
 use stage0_baseline::{causal_mask, merge_heads, softmax, split_heads};

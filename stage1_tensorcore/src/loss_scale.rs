@@ -12,9 +12,11 @@
 //! value that does not overflow.
 //!
 //! Use: multiply the upstream gradient (or the loss) by `scale()`, run the backward, pass the
-//! gradients to `unscale`; apply the optimizer step only when it returns `Some`.
+//! gradients to `unscale` (or the backward's `GradStore` to `unscale_grads`); apply the optimizer
+//! step only when it returns `Some`.
 
-use candle_core::{DType, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
 
 /// The scale's state and its update rule (PyTorch's `GradScaler` defaults).
 #[derive(Clone, Debug, PartialEq)]
@@ -68,6 +70,19 @@ impl LossScaler {
             self.clean_steps = 0;
         }
         Ok(Some(unscaled))
+    }
+
+    /// `unscale` over a backward's gradients: those of `vars` (the ones that have one) divided
+    /// by S, in a store of their own for the optimizer's step, each in its parameter's dtype (the
+    /// f32 master weights); `None` when any overflowed: skip this step.
+    pub fn unscale_grads(&mut self, vars: &[Var], grads: &GradStore) -> candle_core::Result<Option<GradStore>> {
+        let (with, g): (Vec<&Var>, Vec<Tensor>) = vars.iter().filter_map(|v| Some((v, grads.get(v.as_tensor())?.clone()))).unzip();
+        let Some(unscaled) = self.unscale(&g)? else { return Ok(None) };
+        let mut store = GradStore::default();
+        for (v, g) in with.into_iter().zip(unscaled) {
+            store.insert(v.as_tensor(), g.to_dtype(v.dtype())?);
+        }
+        Ok(Some(store))
     }
 }
 

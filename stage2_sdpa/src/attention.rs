@@ -36,6 +36,7 @@ use crate::elementwise::{exp_f32, sum_f32};
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 use std::borrow::Cow;
+use std::sync::Mutex;
 
 /// Which of our two CUDA attention kernels runs: v1, `kernels/flash_attn.cu` (WMMA, the
 /// teaching kernel), or v2, `kernels/flash_attn_v2.cu` (mma.sync, S and P in registers; the
@@ -201,7 +202,7 @@ pub fn attention_with(imp: Implementation, q: &Tensor, k: &Tensor, v: &Tensor, c
     let scale = 1.0 / (d as f32).sqrt();
     // The CUDA kernel the op launches (the CPU kernels ignore it).
     let kernel = if imp == Implementation::SpeedkitCudaV1 { AttentionKernel::V1 } else { AttentionKernel::V2 };
-    let op = FlashAttn { scale, causal, cpu: CpuKernel::Registers, kernel };
+    let op = FlashAttn { scale, causal, cpu: CpuKernel::Registers, kernel, lse: None };
     match imp {
         Implementation::Cpu => cpu_views(q, k, v, op),
         Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1 => {
@@ -227,14 +228,17 @@ pub fn attention_cpu(kernel: CpuKernel, q: &Tensor, k: &Tensor, v: &Tensor, caus
     if q.device().is_cuda() {
         candle_core::bail!("attention: the CPU kernel {kernel:?} cannot run on {:?}", q.device().location());
     }
-    cpu_views(q, k, v, FlashAttn { scale: 1.0 / (d as f32).sqrt(), causal, cpu: kernel, kernel: AttentionKernel::V2 })
+    cpu_views(q, k, v, FlashAttn { scale: 1.0 / (d as f32).sqrt(), causal, cpu: kernel, kernel: AttentionKernel::V2, lse: None })
 }
 
 /// The CPU kernels read q, k and v where they are, through their strides: stage 2's contiguous
 /// (B, T, n_head, d_head) tensors and stage 3's views of its (B, T, 3, n_head, d_head) QKV
 /// output alike, no copy. Only a view whose d_head elements are not adjacent is copied first.
+/// While training (q, k or v tracked) the op keeps the forward's log-sum-exp for its backward.
 fn cpu_views(q: &Tensor, k: &Tensor, v: &Tensor, op: FlashAttn) -> candle_core::Result<Tensor> {
     let rows = |x: &Tensor| if x.dim(3).is_ok_and(|d| d == 1) || x.stride()[3] == 1 { Ok(x.clone()) } else { x.contiguous() };
+    let tracked = [q, k, v].iter().any(|x| x.track_op());
+    let op = FlashAttn { lse: tracked.then(|| Mutex::new(None)), ..op };
     rows(q)?.apply_op3(&rows(k)?, &rows(v)?, op)
 }
 
@@ -274,13 +278,16 @@ fn flash_attn(_q: &Tensor, _k: &Tensor, _v: &Tensor, _scale: f32, _causal: bool)
 /// Both kernels as one candle op (three inputs, one output): candle calls `cpu_fwd` for CPU
 /// tensors and `cuda_fwd` for CUDA ones, and `bwd` when a loss is differentiated through it
 /// (candle records the op only when q, k or v is tracked, so inference pays nothing).
-#[derive(Clone, Copy)]
 struct FlashAttn {
     scale: f32,
     causal: bool,
     cpu: CpuKernel, // which CPU kernel `cpu_fwd` runs
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd only
     kernel: AttentionKernel, // which CUDA kernel `cuda_fwd` launches
+    /// Training on the CPU (q, k or v tracked): where the forward keeps each row's log-sum-exp
+    /// L_i = m_i + ln l_i, (B, n_head, T) f32, for `bwd` to recompute P from; None otherwise,
+    /// and for the row-wise kernel, whose backward recomputes L.
+    lse: Option<Mutex<Option<Vec<f32>>>>,
 }
 
 impl CustomOp3 for FlashAttn {
@@ -302,8 +309,8 @@ impl CustomOp3 for FlashAttn {
         attention_cuda::cuda_fwd(self.kernel, self.scale, self.causal, (s1, l1), (s2, l2), (s3, l3))
     }
 
-    /// FlashAttention-2's backward (`backward`): tiled on the CPU, candle ops on CUDA. dq, dk and
-    /// dv come back contiguous in the arguments' shape and dtype; candle carries them on through
+    /// FlashAttention-2's backward (`backward`): tiled on the CPU, from the log-sum-exp the
+    /// forward kept, candle ops on CUDA. dq, dk and dv come back contiguous in the arguments' shape and dtype; candle carries them on through
     /// whatever views q, k and v were (stage 3's slices of one QKV output).
     fn bwd(
         &self,
@@ -313,7 +320,8 @@ impl CustomOp3 for FlashAttn {
         o: &Tensor,
         d_o: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let [dq, dk, dv] = backward::attention_bwd(q, k, v, o, d_o, self.scale, self.causal)?;
+        let lse = self.lse.as_ref().and_then(|slot| slot.lock().ok()?.clone()); // the forward's L, when it kept one
+        let [dq, dk, dv] = backward::attention_bwd(q, k, v, o, d_o, lse.as_deref(), self.scale, self.causal)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 
@@ -453,6 +461,8 @@ impl FlashAttn {
     ) -> Vec<T> {
         let mut out = vec![T::zero(); b * t * h * d];
         let ptr = OutPtr(out.as_mut_ptr());
+        let mut lse = self.lse_buffer(b * h * t); // (B, n_head, T) while training, else empty
+        let lse_ptr = OutPtr(lse.as_mut_ptr());
         (0..b * h).into_par_iter().for_each(|bh| {
             let (bi, hi) = (bh / h, bh % h);
             // Rows 0..T of this head in each input: from its view's offset, `st` apart.
@@ -464,13 +474,16 @@ impl FlashAttn {
             let head = HeadRows { q: &qh, k: &kh, v: &vh, q_rs, k_rs, v_rs };
             // Output row r of this head: ((b·T + r)·n_head + h)·d, rows n_head·d apart.
             let base = (bi * t * h + hi) * d;
-            let mut write = |r: usize, o: &[f32]| {
+            let mut write = |r: usize, o: &[f32], l: f32| {
                 // SAFETY: row r of head (bi, hi) lies inside `out` (base + r·h·d + d ≤ B·T·n_head·d)
                 // and no other task writes it: tasks own distinct (b, h) pairs, and the rows of
-                // different pairs do not overlap.
+                // different pairs do not overlap. The same for its L at bh·T + r in `lse`.
                 let dst = unsafe { std::slice::from_raw_parts_mut(ptr.at(base + r * h * d), d) };
                 for (x, &y) in dst.iter_mut().zip(o) {
                     *x = T::from_f64(y as f64);
+                }
+                if !lse.is_empty() {
+                    unsafe { *lse_ptr.at(bh * t + r) = l };
                 }
             };
             if self.cpu == CpuKernel::Registers && registers::supports(d) {
@@ -479,7 +492,20 @@ impl FlashAttn {
                 attend_head_tiles(&head, t, d, self.scale, self.causal, &mut write);
             }
         });
+        self.keep_lse(lse);
         out
+    }
+
+    /// A buffer for the forward's log-sum-exp, `n` long while training, else empty.
+    fn lse_buffer(&self, n: usize) -> Vec<f32> {
+        vec![0f32; if self.lse.is_some() { n } else { 0 }]
+    }
+
+    /// Keep the log-sum-exp the forward wrote for `bwd`.
+    fn keep_lse(&self, lse: Vec<f32>) {
+        if let Some(slot) = &self.lse {
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+        }
     }
 
     /// The bf16 kernel (`registers::bf16`, products on AVX512-BF16), one task per (batch,
@@ -491,20 +517,26 @@ impl FlashAttn {
     ) -> candle_core::Result<Vec<half::bf16>> {
         let mut out = vec![half::bf16::ZERO; b * t * h * d];
         let ptr = OutPtr(out.as_mut_ptr());
+        let mut lse = self.lse_buffer(b * h * t);
+        let lse_ptr = OutPtr(lse.as_mut_ptr());
         (0..b * h).into_par_iter().try_for_each(|bh| {
             let (bi, hi) = (bh / h, bh % h);
             let rows = |x: &'s [half::bf16], view: View| -> &'s [half::bf16] { &x[view.head(bi, hi)..][..(t - 1) * view.st + d] };
             let head = HeadRows { q: rows(q, qv), k: rows(k, kv), v: rows(v, vv), q_rs: qv.st, k_rs: kv.st, v_rs: vv.st };
             let base = (bi * t * h + hi) * d; // output row r of this head at base + r·n_head·d
-            let mut write = |r: usize, o: &[f32]| {
-                // SAFETY: as in `run_tiles`: row r of head (bi, hi) is inside `out` and this task's own.
+            let mut write = |r: usize, o: &[f32], l: f32| {
+                // SAFETY: as in `run_tiles`: row r of head (bi, hi) is inside `out` and this task's own, its L too.
                 let dst = unsafe { std::slice::from_raw_parts_mut(ptr.at(base + r * h * d), d) };
                 for (x, &y) in dst.iter_mut().zip(o) {
                     *x = half::bf16::from_f32(y);
                 }
+                if !lse.is_empty() {
+                    unsafe { *lse_ptr.at(bh * t + r) = l };
+                }
             };
             registers::bf16::attend_head(&head, t, d, self.scale, self.causal, &mut write).map_err(candle_core::Error::Msg)
         })?;
+        self.keep_lse(lse);
         Ok(out)
     }
 
@@ -551,7 +583,7 @@ impl FlashAttn {
 /// The softmax loops are compiled three times (baseline, AVX2+FMA, AVX-512) and picked at run
 /// time, as in the row-wise twin; the GEMMs dispatch on their own. `write(r, o)` receives output
 /// row r (normalised, f32).
-fn attend_head_tiles(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+fn attend_head_tiles(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: this CPU supports AVX-512F and FMA, checked on the line above.
@@ -567,18 +599,18 @@ fn attend_head_tiles(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bo
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_head_tiles_avx2_fma(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+unsafe fn attend_head_tiles_avx2_fma(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
     attend_head_tiles_impl(head, t, d, scale, causal, write)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn attend_head_tiles_avx512(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+unsafe fn attend_head_tiles_avx512(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
     attend_head_tiles_impl(head, t, d, scale, causal, write)
 }
 
 #[inline(always)]
-fn attend_head_tiles_impl(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+fn attend_head_tiles_impl(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
     let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
     // Every row the tile GEMMs address lies inside these slices.
     assert!(
@@ -615,7 +647,7 @@ fn attend_head_tiles_impl(head: &HeadRows, t: usize, d: usize, scale: f32, causa
         for r in 0..br {
             let (inv_l, row) = (1.0 / l[r], &mut o[r * d..][..d]);
             row.iter_mut().for_each(|x| *x *= inv_l);
-            write(i0 + r, row);
+            write(i0 + r, row, m[r] + l[r].ln()); // with L_i = m_i + ln l_i, which the backward can keep
         }
     }
 }
@@ -978,7 +1010,7 @@ mod tests {
         // The tile kernel's baseline body (scalar softmax loops) against the AVX2 and AVX-512
         // ones, on a head read through strides (the second of 2 heads, rows 3·h·d apart as in
         // stage 3's QKV output) with a ragged T (neither a multiple of B_r nor of B_c).
-        type Body = unsafe fn(&HeadRows, usize, usize, f32, bool, &mut dyn FnMut(usize, &[f32]));
+        type Body = unsafe fn(&HeadRows, usize, usize, f32, bool, &mut dyn FnMut(usize, &[f32], f32));
         let (t, h, d) = (BC + BR + 13, 2, 32);
         let rs = 3 * h * d;
         let data = shared::weights::SplitMix64::new(5).normals(t * rs);
@@ -986,10 +1018,10 @@ mod tests {
         let run = |body: Body, causal: bool| {
             let mut out = vec![0f32; t * d];
             // SAFETY: called only with bodies this CPU supports (checked by the caller).
-            unsafe { body(&head, t, d, 0.17, causal, &mut |r, o| out[r * d..][..d].copy_from_slice(o)) };
+            unsafe { body(&head, t, d, 0.17, causal, &mut |r, o, _| out[r * d..][..d].copy_from_slice(o)) };
             out
         };
-        fn baseline(h: &HeadRows, t: usize, d: usize, s: f32, c: bool, w: &mut dyn FnMut(usize, &[f32])) {
+        fn baseline(h: &HeadRows, t: usize, d: usize, s: f32, c: bool, w: &mut dyn FnMut(usize, &[f32], f32)) {
             attend_head_tiles_impl(h, t, d, s, c, w)
         }
         for causal in [true, false] {

@@ -13,7 +13,7 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::perf::Traffic;
-use shared::stage::PrecisionChoice;
+use shared::stage::{PrecisionChoice, Rebuild};
 use shared::{BlockWeights, Forward, Plan, Precision, PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
 use stage1_tensorcore::precision;
 
@@ -126,6 +126,13 @@ impl Stage for Sdpa {
             ),
             imp => format!("attention: {}", imp.description()),
         });
+        if plan.train && plan.info.is_cuda() {
+            notes.push(
+                "training on CUDA: attention's backward runs as candle ops that materialise the (B, n_head, T, T) scores \
+                 (FlashAttention-2's tiled backward is CPU-only for now)"
+                    .into(),
+            );
+        }
         notes
     }
 
@@ -172,6 +179,31 @@ impl Stage for Sdpa {
     fn selftest(&self, device: &candle_core::Device, _info: &DeviceInfo, rows: &mut shared::selftest::Rows) {
         crate::selftest::attention(rows, device);
     }
+
+    /// The attention op's backward (`attention::backward`), stage 1's bf16 GEMM's, and candle's
+    /// autograd for the rest; `--elementwise parallel` cannot train (its passes are untracked).
+    fn check_train(&self, plan: &Plan) -> Result<(), SpeedkitError> {
+        check_elementwise_trains(self.args.elementwise, plan, "stage 2")
+    }
+
+    /// The casts of `build` once per step, as autocast's: the weights stay f32 masters.
+    fn build_train(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
+        Ok(Box::new(Rebuild { stage: *self, weights: w.clone(), plan: plan.clone() }))
+    }
+}
+
+/// `--train` with `--elementwise parallel` on the CPU is refused: those passes write their
+/// outputs as new tensors outside candle's graph, so the weights before them would get no
+/// gradient. `who`: the stage whose passes they are.
+pub fn check_elementwise_trains(ew: Elementwise, plan: &Plan, who: &str) -> Result<(), SpeedkitError> {
+    if ew == Elementwise::Parallel && !plan.info.is_cuda() {
+        return Err(SpeedkitError::usage(format!(
+            "{who} cannot train with --elementwise parallel: its multi-threaded CPU passes (LayerNorm, GELU, bias, residual, casts) \
+             build their outputs outside candle's autograd graph, so no gradient would reach the weights before them. \
+             Fix: drop --elementwise parallel (and SPEEDKIT_ELEMENTWISE) for --train; candle's element-wise ops, the default, are differentiated."
+        )));
+    }
+    Ok(())
 }
 
 /// The attention implementation a run with `--attention-kernel` = `kernel` uses on this plan's

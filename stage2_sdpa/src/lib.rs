@@ -57,7 +57,7 @@ mod block;
 #[cfg(feature = "harness")]
 pub mod selftest;
 #[cfg(feature = "harness")]
-pub use block::{attention_of, Args, Block, Sdpa, STAGE};
+pub use block::{attention_of, check_elementwise_trains, Args, Block, Sdpa, STAGE};
 
 use candle_core::Tensor;
 

@@ -1,12 +1,15 @@
 //! Stage 3's block for the runner and the ladder: stage 2's forward with the element-wise work
 //! fused, each fusion switchable (`--fusions`), and the flags stage 3 introduces.
 
+use crate::adamw::{AdamW, ParamsAdamW};
 use crate::ops::{add_layer_norm, layer_norm, linear_bias, linear_bias_gelu, linear_bias_residual};
-use candle_core::{DType, IndexOp, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, IndexOp, Tensor, Var};
+use candle_nn::Optimizer;
 use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::perf::Traffic;
-use shared::stage::{describe_switches, parse_switches, switch_off, switches_on, PrecisionChoice};
+use shared::stage::{describe_switches, parse_switches, switch_off, switches_on, train_params, Optimize, PrecisionChoice, Rebuild};
 use shared::{BlockWeights, Forward, Plan, Precision, PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
 use stage1_tensorcore::precision;
 use stage2_sdpa::attention;
@@ -210,6 +213,58 @@ impl Stage for Fused {
     fn selftest(&self, device: &candle_core::Device, _info: &DeviceInfo, rows: &mut shared::selftest::Rows) {
         crate::selftest::epilogues(rows, device);
         crate::selftest::layer_norms(rows, device);
+    }
+
+    /// The fused ops' backward (`backward.rs`), stage 2's attention's and candle's autograd for
+    /// the rest. A fusion switched off runs stage 2's passes, which cannot train under
+    /// `--elementwise parallel`.
+    fn check_train(&self, plan: &Plan) -> Result<(), SpeedkitError> {
+        match self.fusions {
+            Fusions::ALL => Ok(()),
+            _ => stage2_sdpa::check_elementwise_trains(self.sdpa.args.elementwise, plan, "stage 3 with a fusion off"),
+        }
+    }
+
+    /// The casts of `build` once per step, as autocast's: the weights stay f32 masters.
+    fn build_train(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
+        Ok(Box::new(Rebuild { stage: *self, weights: w.clone(), plan: plan.clone() }))
+    }
+
+    /// The fused AdamW (`adamw.rs`) on the CPU; on CUDA, where it is not built, candle-nn's,
+    /// and the name says so.
+    fn optimizer(&self, vars: Vec<Var>, plan: &Plan) -> anyhow::Result<Box<dyn Optimize>> {
+        let p = train_params();
+        if plan.device.is_cpu() {
+            let params = ParamsAdamW { lr: p.lr, beta1: p.beta1, beta2: p.beta2, eps: p.eps, weight_decay: p.weight_decay };
+            return Ok(Box::new(FusedAdamW(AdamW::new(vars, params)?)));
+        }
+        Ok(Box::new(CandleAdamWOnCuda(candle_nn::AdamW::new(vars, p)?)))
+    }
+}
+
+/// Stage 3's optimizer on the CPU: `adamw::AdamW`, one pass per parameter.
+pub struct FusedAdamW(pub AdamW);
+
+impl Optimize for FusedAdamW {
+    fn name(&self) -> String {
+        "fused AdamW".into()
+    }
+    fn step(&mut self, grads: &GradStore) -> anyhow::Result<bool> {
+        self.0.step(grads)?;
+        Ok(true)
+    }
+}
+
+/// Stage 3's optimizer on CUDA: candle-nn's AdamW, labelled as such.
+pub struct CandleAdamWOnCuda(pub candle_nn::AdamW);
+
+impl Optimize for CandleAdamWOnCuda {
+    fn name(&self) -> String {
+        "candle-nn AdamW (stage 3's fused AdamW is CPU-only)".into()
+    }
+    fn step(&mut self, grads: &GradStore) -> anyhow::Result<bool> {
+        self.0.step(grads)?;
+        Ok(true)
     }
 }
 

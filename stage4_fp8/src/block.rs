@@ -3,6 +3,7 @@
 
 use crate::fp8::Fp8Recipe;
 use crate::fp8::{Fp8Linear, Fp8Mode, Fp8Target, Input, ScalingConfig};
+use crate::hybrid::{DelayedScale, GradScaling, HybridLinear};
 use crate::{gemm, producers, twin};
 use candle_core::{DType, IndexOp, Tensor};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
@@ -11,6 +12,7 @@ use shared::check::{compare_within, NamedCheck};
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::perf::Traffic;
 use shared::stage::{describe_switches, parse_switches, switch_off, switches_on, PrecisionChoice, EMULATED};
+use std::sync::{Arc, Mutex};
 use shared::{BlockWeights, Forward, Plan, Precision, PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
 use stage1_tensorcore::precision;
 use stage2_sdpa::attention;
@@ -270,7 +272,10 @@ impl Stage for Fp8 {
 
     fn implementation(&self, plan: &Plan) -> Option<String> {
         let recipe = self.args.fp8_recipe.name();
-        let fused = format!("fp8 fusions {}", self.fusions().describe());
+        let fused = match plan.train {
+            false => format!("fp8 fusions {}", self.fusions().describe()),
+            true => format!("fp8 fusions none (training), HYBRID backward: E5M2 dY, {recipe} scaling"),
+        };
         let mut label = match self.mode(plan) {
             Fp8Mode::Cublaslt => format!("cuBLASLt E4M3, {recipe} scaling, {fused}"),
             Fp8Mode::Emulated => format!("{EMULATED}, {recipe} scaling, {fused}"),
@@ -314,6 +319,33 @@ impl Stage for Fp8 {
 
     fn build(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
         Ok(Box::new(Block::build(w, plan, self)?))
+    }
+
+    /// Training is emulated on the CPU (`TrainBlock`), with the producer fusions off.
+    fn check_train(&self, plan: &Plan) -> Result<(), SpeedkitError> {
+        if plan.info.is_cuda() {
+            return Err(SpeedkitError::usage(
+                "stage 4 cannot train on CUDA yet: its backward is TransformerEngine's HYBRID recipe (E5M2 gradients \
+                 against the forward's E4M3 operands), and only its CPU emulation is built (hybrid.rs); no cuBLASLt FP8 \
+                 backward GEMMs exist here, and the forward's E4M3 operands live on the GPU. Fix: train stage 4 with \
+                 --device cpu (FP8's numerics, emulated), or train stage 3 on this GPU."
+                    .to_string(),
+            ));
+        }
+        match self.args.fp8_fusions {
+            Some(f) if !f.on().is_empty() => Err(SpeedkitError::usage(format!(
+                "--fp8-fusions {} cannot train: the fused producers (LayerNorm, fc1) write the next GEMM's input in E4M3 \
+                 directly, and those ops have no backward, so no gradient would reach the LayerNorms or fc1 through them. \
+                 Fix: drop --fp8-fusions (training runs them all off, and the label says so) or pass none.",
+                f.describe()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    fn build_train(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
+        self.check_train(plan)?;
+        Ok(Box::new(TrainBlock::build(w, plan, self)?))
     }
 
     fn ablations(&self, _plan: &Plan) -> Vec<(String, Box<dyn Stage>)> {
@@ -538,6 +570,78 @@ impl Block {
     /// The four FP8 layers, in forward order (qkv, proj, fc1, fc2).
     pub fn layers(&self) -> [&Fp8Linear; 4] {
         [&self.qkv, &self.proj, &self.fc1, &self.fc2]
+    }
+}
+
+/// Stage 4's training forward (`Stage::build_train`), emulated on the CPU: the block's dataflow
+/// with the producer fusions off. The four FP8 layers live across steps: each call quantises the
+/// current master weights into them (`Fp8Linear::set_weights`) while their inputs' amax
+/// histories carry on, where a fresh `build` per step would restart every history. Each GEMM is
+/// recorded with the HYBRID backward (`hybrid::HybridLinear`): E5M2 dY, its scale delayed with
+/// a history per layer as the inputs' are (current with `--fp8-recipe current`).
+pub struct TrainBlock {
+    w: BlockWeights,               // the f32 master weights, tracked: the gradients' destination
+    layers: Mutex<[Fp8Linear; 4]>, // qkv, proj, fc1, fc2: E4M3 weights of this step, the input scale states
+    grads: [GradScaling; 4],       // dY's E5M2 scale per layer
+    n_head: usize,
+    dtype: DType,                    // stage 3's activation dtype (`activation_dtype`)
+    attn: attention::Implementation, // stage 2's attention (the CPU kernel, with its backward)
+}
+
+impl TrainBlock {
+    pub fn build(w: &BlockWeights, plan: &Plan, stage: &Fp8) -> anyhow::Result<TrainBlock> {
+        let block = Block::build(w, plan, stage)?; // the layers, checked as the forward's
+        let Block { qkv, proj, fc1, fc2, n_head, dtype, attn, .. } = block;
+        let grad = || match stage.args.fp8_recipe {
+            Fp8Recipe::Delayed => GradScaling::Delayed(Arc::new(DelayedScale::new(ScalingConfig::default().history_len, 0))),
+            Fp8Recipe::Current => GradScaling::Current(0),
+        };
+        Ok(TrainBlock { w: w.clone(), layers: Mutex::new([qkv, proj, fc1, fc2]), grads: [grad(), grad(), grad(), grad()], n_head, dtype, attn })
+    }
+
+    /// The amax histories of the four layers' inputs (qkv, proj, fc1, fc2), oldest first.
+    pub fn input_amax_histories(&self) -> candle_core::Result<Vec<Vec<f32>>> {
+        let layers = self.layers.lock().map_err(|_| candle_core::Error::Msg("stage 4: layers poisoned".into()))?;
+        layers.iter().map(|l| l.input_amax_history()).collect()
+    }
+
+    /// The amax histories of the four layers' dY (empty under current scaling).
+    pub fn grad_amax_histories(&self) -> Vec<Vec<f32>> {
+        self.grads.iter().map(|g| if let GradScaling::Delayed(d) = g { d.history() } else { Vec::new() }).collect()
+    }
+}
+
+impl Forward for TrainBlock {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let w = &self.w;
+        let masters = [(&w.w_qkv, &w.b_qkv), (&w.w_proj, &w.b_proj), (&w.w_fc1, &w.b_fc1), (&w.w_fc2, &w.b_fc2)];
+        let mut layers = self.layers.lock().map_err(|_| candle_core::Error::Msg("stage 4: layers poisoned".into()))?;
+        for (layer, (wm, bm)) in layers.iter_mut().zip(masters) {
+            layer.set_weights(wm, bm).map_err(|e| candle_core::Error::Msg(e.to_string()))?; // this step's E4M3 weights
+        }
+        // Layer i on x: the FP8 forward (its delayed input scale advancing), recorded with the
+        // HYBRID backward towards x and the master W_i, b_i.
+        let linear = |i: usize, x: &Tensor| {
+            let layer = &layers[i];
+            let (y, xq) = layer.forward_keeping_input(&x.detach())?;
+            let wq = layer.weight().dequantize(DType::F32)?; // (N, K) s_w·q_w
+            HybridLinear { y, xq, wq, gelu: layer.gelu(), scaling: self.grads[i].clone() }.apply(x, masters[i].0, masters[i].1)
+        };
+        let (b, t, c) = x.dims3()?;
+        let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy
+        part("ln1")?;
+        let h = layer_norm(x, &w.ln1_g, &w.ln1_b, self.dtype)?; // (B, T, C), activation dtype
+        part("qkv")?;
+        let qkv = linear(0, &h)?.reshape(heads)?;
+        let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
+        part("attention")?;
+        let a = attention::attention_with(self.attn, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
+        part("proj+residual+ln2")?;
+        let (x, h) = add_layer_norm(x, &linear(1, &a)?, &w.ln2_g, &w.ln2_b)?; // x += proj; h = LN(x)
+        part("fc1+gelu")?;
+        let m = linear(2, &h)?; // (B, T, FF), GELU in the layer
+        part("fc2+residual")?;
+        x + linear(3, &m)?.to_dtype(DType::F32)? // the residual added by candle, after the store
     }
 }
 

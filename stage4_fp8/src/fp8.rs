@@ -811,6 +811,32 @@ impl Fp8Linear {
         self.gemm(xq.as_ref(), xd.as_ref(), &scale, residual)
     }
 
+    /// `forward` for training (`hybrid::HybridLinear`): also returns the input as the GEMM read
+    /// it, s_x·q_x in f32, which the backward's dW GEMM reads. Emulated layers only.
+    pub fn forward_keeping_input(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let (xq, xd, scale) = self.operands(&Input::Plain(x.clone()))?;
+        let xd = xd.filter(|_| self.emulated.is_some()).ok_or_else(|| {
+            candle_core::Error::Msg(format!("{}: the HYBRID backward reads the emulated operands; this layer runs cuBLASLt", self.name))
+        })?;
+        Ok((self.gemm(xq.as_ref(), Some(&xd), &scale, None)?, xd))
+    }
+
+    /// A training step's updated W and b, quantised into this layer as `new` does (W with
+    /// current scaling), while its input's scale state, the amax history, carries on. W and b
+    /// are read as values: nothing here is recorded for the backward.
+    pub fn set_weights(&mut self, w: &Tensor, b: &Tensor) -> Result<(), Fp8Error> {
+        let (w, b) = (w.detach(), b.detach());
+        if w.dims() != self.weight.data.dims() || b.dims() != self.bias.dims() {
+            return Err(Fp8Error::Refused(format!("{}: new W {:?} and b {:?} do not fit the layer's", self.name, w.dims(), b.dims())));
+        }
+        self.weight = Fp8Tensor::quantize(&w, 0, &format!("{}'s weight", self.name))?;
+        self.bias = b.to_dtype(self.out)?;
+        if self.emulated.is_some() {
+            self.emulated = Some((self.weight.dequantize(DType::F32)?, self.bias.to_dtype(DType::F32)?));
+        }
+        Ok(())
+    }
+
     /// Where this layer's producer may write its next input in E4M3 (`ScaleState::fused_target`):
     /// Some with delayed scaling from the second call on, None when the scale is not known yet.
     pub fn fused_target(&self) -> candle_core::Result<Option<Fp8Target>> {

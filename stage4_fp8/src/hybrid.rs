@@ -12,14 +12,22 @@
 //! - db = Σ_rows dY from the unquantised dY (TransformerEngine computes the bias gradient in
 //!   high precision, fused into dY's cast).
 //!
-//! Each FP8 operand carries its per-tensor scale, as in the forward; dY's scale here is current
-//! (s = amax(dY)·2^margin / 57344). Products accumulate in f32.
+//! Each FP8 operand carries its per-tensor scale, as in the forward. dY's scale is current
+//! (s = amax(dY)·2^margin / 57344, `linear_bwd_hybrid`) or delayed (`DelayedScale`: from the
+//! amax of dY over the last backward calls, known before dY is read, as the forward's activation
+//! scales are; a dY above it saturates at ±57344·s). Products accumulate in f32.
+//!
+//! **In a model** (`HybridLinear`): the layer's forward is `Fp8Linear`'s own; the op records
+//! (x, W, b) → y with this backward, so `loss.backward()` reaches the f32 master weights and the
+//! input through E5M2 gradients. GELU's derivative needs the pre-activation, which the backward
+//! recomputes from the stored operands (as stage 3 does on CUDA) rather than keep it.
 //!
 //! Emulated: every FP8 value is held as s·q in f32 (`round_e5m2`, like `fp8::round_e4m3`),
 //! so the numbers are those of an FP8 GEMM with f32 accumulation; the speed is not.
 
 use crate::fp8::{round_e4m3, E4M3_MAX};
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use std::sync::{Arc, Mutex};
 
 /// Largest finite E5M2 value.
 pub const E5M2_MAX: f32 = 57344.0;
@@ -66,31 +74,235 @@ impl Format {
 /// x in `format` with a current per-tensor scale s = amax(x)·2^margin / max, held as s·q in f32
 /// (same shape, on x's device), and s.
 pub fn fake_quantize(x: &Tensor, format: Format, margin: i32) -> candle_core::Result<(Tensor, f32)> {
+    fake_quantize_with(x, format, |amax| scale_of(amax, format, margin))
+}
+
+/// s = amax·2^margin / max (a tiny positive s for an all-zero tensor, so x / s stays 0).
+fn scale_of(amax: f32, format: Format, margin: i32) -> f32 {
+    (amax.max(f32::MIN_POSITIVE) * 2f32.powi(margin)) / format.max()
+}
+
+/// x in `format` with the scale `scale(amax(x))` picks, as s·q in f32, and s.
+fn fake_quantize_with(x: &Tensor, format: Format, scale: impl FnOnce(f32) -> f32) -> candle_core::Result<(Tensor, f32)> {
     let x32 = x.to_dtype(DType::F32)?;
     let v = x32.flatten_all()?.to_vec1::<f32>()?;
     let amax = v.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let s = (amax.max(f32::MIN_POSITIVE) * 2f32.powi(margin)) / format.max();
+    let s = scale(amax);
     let q: Vec<f32> = v.iter().map(|&x| format.round(x / s) * s).collect();
     Ok((Tensor::from_vec(q, x.shape(), x.device())?, s))
 }
 
+/// Delayed scaling of a gradient operand, TransformerEngine's for dY: s from the largest amax of
+/// the last `len` calls (the first call's own amax fills the history), and this call's amax then
+/// joins the history, oldest dropped. Shared by the backward calls of one layer across steps.
+#[derive(Debug)]
+pub struct DelayedScale {
+    history: Mutex<Vec<f32>>, // oldest first, at most `len`
+    len: usize,
+    margin: i32,
+}
+
+impl DelayedScale {
+    pub fn new(len: usize, margin: i32) -> DelayedScale {
+        DelayedScale { history: Mutex::new(Vec::with_capacity(len)), len: len.max(1), margin }
+    }
+
+    /// The E5M2 scale for a call whose operand has amax `amax`; records `amax`.
+    pub fn next(&self, amax: f32) -> f32 {
+        let mut h = self.history.lock().unwrap_or_else(|e| e.into_inner());
+        if h.is_empty() {
+            h.push(amax);
+        }
+        let s = scale_of(h.iter().fold(0f32, |m, a| m.max(*a)), Format::E5M2, self.margin);
+        if h.len() == self.len {
+            h.remove(0);
+        }
+        h.push(amax);
+        s
+    }
+
+    /// The amax history, oldest first (after the first call it holds that call's amax twice:
+    /// once as the fill, once as its record).
+    pub fn history(&self) -> Vec<f32> {
+        self.history.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// How dY's E5M2 scale is chosen.
+#[derive(Clone, Debug)]
+pub enum GradScaling {
+    /// This dY's amax·2^margin / 57344.
+    Current(i32),
+    /// From the history (`DelayedScale`).
+    Delayed(Arc<DelayedScale>),
+}
+
 /// The backward of y = x·Wᵀ + b in the HYBRID recipe (see the module notes), from the forward's
-/// E4M3 operands as s·q in f32 (`xq`: (B, T, K), `wq`: (N, K)) and dY (B, T, N) in any dtype.
-/// Returns (dX (B, T, K), dW (N, K), db (N)), f32.
+/// E4M3 operands as s·q in f32 (`xq`: (B, T, K), `wq`: (N, K)) and dY (B, T, N) in any dtype,
+/// dY's scale current. Returns (dX (B, T, K), dW (N, K), db (N)), f32.
 pub fn linear_bwd_hybrid(xq: &Tensor, wq: &Tensor, dy: &Tensor, margin: i32) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    linear_bwd_hybrid_scaled(xq, wq, dy, &GradScaling::Current(margin))
+}
+
+/// `linear_bwd_hybrid` with dY's scale per `scaling`.
+pub fn linear_bwd_hybrid_scaled(xq: &Tensor, wq: &Tensor, dy: &Tensor, scaling: &GradScaling) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
     let (bsz, t, k) = xq.dims3()?;
     let n = wq.dim(0)?;
     let dy = dy.to_dtype(DType::F32)?.reshape((bsz * t, n))?; // (B·T, N)
-    let (dy8, _) = fake_quantize(&dy, Format::E5M2, margin)?;
+    let (dy8, _) = match scaling {
+        GradScaling::Current(margin) => fake_quantize(&dy, Format::E5M2, *margin)?,
+        GradScaling::Delayed(history) => fake_quantize_with(&dy, Format::E5M2, |amax| history.next(amax))?,
+    };
     let dx = dy8.matmul(wq)?.reshape((bsz, t, k))?; // (B·T, N)·(N, K)
     let dw = dy8.t()?.matmul(&xq.reshape((bsz * t, k))?)?; // (N, B·T)·(B·T, K)
     Ok((dx, dw, dy.sum(0)?))
+}
+
+/// y = act(x·Wᵀ + b) as a differentiable op: `y` is the FP8 layer's forward output, computed by
+/// `Fp8Linear` from `xq` = s_x·q_x and `wq` = s_w·q_w (f32), which `apply` hands to candle as the
+/// op's result so that candle records (x, W, b) → y; the backward is `linear_bwd_hybrid_scaled`,
+/// through GELU's derivative when `gelu`. CPU only, as the emulation.
+pub struct HybridLinear {
+    pub y: Tensor,  // (B, T, N): the FP8 forward's output
+    pub xq: Tensor, // (B, T, K) s_x·q_x f32
+    pub wq: Tensor, // (N, K) s_w·q_w f32
+    pub gelu: bool,
+    pub scaling: GradScaling, // dY's E5M2 scale
+}
+
+impl HybridLinear {
+    /// y, recorded as a function of x (B, T, K), W (N, K) and b (N): the tracked tensors the
+    /// gradients go to, each in its own dtype (the f32 master weights, x in the activation dtype).
+    pub fn apply(self, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+        let (bsz, t, k) = x.dims3()?;
+        let n = w.dim(0)?;
+        let (y, xq, wq) = (&self.y, &self.xq, &self.wq);
+        if y.dims() != [bsz, t, n] || xq.dims() != x.dims() || wq.dims() != w.dims() || w.dim(1)? != k || b.dims() != [n] {
+            candle_core::bail!(
+                "HybridLinear: x {:?}, W {:?}, b {:?}, y {:?}, xq {:?}, wq {:?} do not fit y = act(x Wᵀ + b)",
+                x.dims(),
+                w.dims(),
+                b.dims(),
+                y.dims(),
+                xq.dims(),
+                wq.dims()
+            );
+        }
+        let op = HybridLinear { y: y.contiguous()?, ..self };
+        x.apply_op3(w, b, op)
+    }
+}
+
+impl CustomOp3 for HybridLinear {
+    fn name(&self) -> &'static str {
+        "speedkit-fp8-hybrid-linear"
+    }
+
+    /// The forward already ran (`Fp8Linear`, which advanced its input's delayed scale): its
+    /// output, as candle's storage of this op.
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let y = self.y.flatten_all()?;
+        let storage = match y.dtype() {
+            DType::F32 => CpuStorage::F32(y.to_vec1()?),
+            DType::BF16 => CpuStorage::BF16(y.to_vec1()?),
+            DType::F16 => CpuStorage::F16(y.to_vec1()?),
+            dt => candle_core::bail!("HybridLinear: y in {dt:?}; f32, bf16 or f16 expected"),
+        };
+        Ok((storage, self.y.shape().clone()))
+    }
+
+    /// dZ = dY ∘ GELU'(z) (z = xq·wqᵀ + b recomputed in f32) when the layer has GELU, then the
+    /// HYBRID GEMMs on dZ; each gradient in its argument's dtype.
+    fn bwd(&self, x: &Tensor, w: &Tensor, b: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if !dy.device().is_cpu() {
+            candle_core::bail!("HybridLinear: the HYBRID backward is emulated on the CPU only");
+        }
+        let dz = match self.gelu {
+            false => dy.to_dtype(DType::F32)?,
+            true => {
+                let (bsz, t, k) = self.xq.dims3()?;
+                let z = self.xq.reshape((bsz * t, k))?.matmul(&self.wq.t()?)?.broadcast_add(&b.to_dtype(DType::F32)?)?; // (B·T, N)
+                (dy.to_dtype(DType::F32)? * gelu_tanh_grad(&z)?.reshape(dy.shape())?)?
+            }
+        };
+        let (dx, dw, db) = linear_bwd_hybrid_scaled(&self.xq, &self.wq, &dz, &self.scaling)?;
+        Ok((Some(dx.to_dtype(x.dtype())?), Some(dw.to_dtype(w.dtype())?), Some(db.to_dtype(b.dtype())?)))
+    }
+}
+
+/// d/dz of GELU's tanh form, 0.5·z·(1 + tanh(u)), u = √(2/π)·(z + 0.044715·z³):
+/// 0.5·(1 + tanh u) + 0.5·z·(1 − tanh² u)·√(2/π)·(1 + 3·0.044715·z²).
+fn gelu_tanh_grad(z: &Tensor) -> candle_core::Result<Tensor> {
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    let z2 = z.sqr()?;
+    let th = ((z + (z.mul(&z2)? * 0.044715)?)? * k)?.tanh()?;
+    let left = ((&th + 1.0)? * 0.5)?;
+    let sech2 = th.sqr()?.affine(-1.0, 1.0)?; // 1 − tanh²
+    let right = ((z * 0.5)? * sech2)?.mul(&((z2 * (3.0 * 0.044715))? + 1.0)?)? * k;
+    left + right?
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// GELU's derivative against candle's autograd of stage 0's GELU.
+    #[test]
+    fn gelu_grad_matches_autograd() {
+        let z = candle_core::Var::from_tensor(&randn(&[4, 33], 7, 3.0)).unwrap();
+        let g = stage0_baseline::gelu_tanh(z.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        let want = g.get(z.as_tensor()).unwrap();
+        assert!(rel(&gelu_tanh_grad(z.as_tensor()).unwrap(), want) < 1e-6);
+    }
+
+    /// `HybridLinear`'s gradients against candle's autograd of act(xq·wqᵀ + b) on the same
+    /// E4M3-stored operands: dX and dW off by E5M2's rounding of dZ only, db exact up to f32
+    /// sums (it is taken from the unquantised dZ); with and without GELU; delayed dY scaling keeps
+    /// its history across calls and saturates a dY beyond it.
+    #[test]
+    fn hybrid_linear_is_the_autograd_of_its_forward_up_to_e5m2() {
+        use candle_core::Var;
+        let (bsz, t, k, n) = (2, 9, 24, 40);
+        let (x, w, b, r) = (randn(&[bsz, t, k], 1, 1.0), randn(&[n, k], 2, 0.2), randn(&[n], 3, 0.1), randn(&[bsz, t, n], 4, 1.0));
+        let (xq, _) = fake_quantize(&x, Format::E4M3, 0).unwrap();
+        let (wq, _) = fake_quantize(&w, Format::E4M3, 0).unwrap();
+        for gelu in [false, true] {
+            let act = |z: Tensor| if gelu { stage0_baseline::gelu_tanh(&z) } else { Ok(z) };
+            let plain = |xq: &Tensor, wq: &Tensor, b: &Tensor| act(xq.reshape((bsz * t, k))?.matmul(&wq.t()?)?.broadcast_add(b)?)?.reshape((bsz, t, n));
+            // Candle's autograd of the forward on the stored operands, and ours with y from it.
+            let grads = |x0: &Tensor, w0: &Tensor, f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>| {
+                let (xv, wv, bv) = (Var::from_tensor(x0).unwrap(), Var::from_tensor(w0).unwrap(), Var::from_tensor(&b).unwrap());
+                let y = f(xv.as_tensor(), wv.as_tensor(), bv.as_tensor()).unwrap();
+                let g = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                [&xv, &wv, &bv].map(|v| g.get(v.as_tensor()).unwrap().clone())
+            };
+            let want = grads(&xq, &wq, &|x, w, b| plain(x, w, b));
+            let y = plain(&xq, &wq, &b).unwrap();
+            let saved = || HybridLinear { y: y.clone(), xq: xq.clone(), wq: wq.clone(), gelu, scaling: GradScaling::Current(0) };
+            let ours = grads(&x, &w, &|x, w, b| saved().apply(x, w, b));
+            let [ex, ew, eb] = [0, 1, 2].map(|i| rel(&ours[i], &want[i]));
+            eprintln!("HybridLinear (gelu {gelu}) vs autograd: dX {ex:.2e}, dW {ew:.2e}, db {eb:.2e}");
+            assert!(ex < 0.1 && ew < 0.1 && ex > 0.0, "dX {ex}, dW {ew}");
+            assert!(eb < 1e-5, "db {eb}");
+        }
+        // Delayed: the first call scales from its own amax; a later dY beyond the history's
+        // largest amax saturates at 57344·s. With X = 1, dW's rows are dY's E5M2 values.
+        let d = Arc::new(DelayedScale::new(4, 0));
+        assert_eq!((d.next(1.0), d.history()), (1.0 / E5M2_MAX, vec![1.0, 1.0]));
+        let ones = Tensor::ones((1, 1, 3), DType::F32, &Device::Cpu).unwrap();
+        let dy8 = |dy: [f32; 2]| {
+            let dy = Tensor::new(&[[dy]], &Device::Cpu).unwrap();
+            let (_, dw, db) = linear_bwd_hybrid_scaled(&ones, &Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap(), &dy, &GradScaling::Delayed(d.clone())).unwrap();
+            assert_eq!(db.to_vec1::<f32>().unwrap(), dy.flatten_all().unwrap().to_vec1::<f32>().unwrap(), "db from the unquantised dY");
+            dw.to_vec2::<f32>().unwrap().iter().map(|row| row[0]).collect::<Vec<_>>()
+        };
+        assert_eq!(dy8([4.0, -2.0]), [1.0, -1.0], "s from the history's 1: both saturate at ±57344·s = ±1");
+        assert_eq!(dy8([4.0, -2.0]), [4.0, -2.0], "s from the 4 the call before recorded: both fit");
+        assert_eq!(d.history(), vec![1.0, 1.0, 4.0, 4.0]);
+        assert_eq!(dy8([16.0, -2.0]), [4.0, -2.0], "16 saturates at the history's 4");
+        assert_eq!(d.history(), vec![1.0, 4.0, 4.0, 16.0], "oldest dropped");
+    }
 
     /// Every f32 that is a boundary case (powers of two around E5M2's range, ties between
     /// neighbours, subnormals, the saturation threshold) and a sweep of ordinary values: bit for

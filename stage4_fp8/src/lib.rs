@@ -61,4 +61,4 @@ mod block;
 #[cfg(feature = "harness")]
 pub mod selftest;
 #[cfg(feature = "harness")]
-pub use block::{Args, Block, Fp8, Fp8Fusions, STAGE, TWIN_TOLERANCE};
+pub use block::{Args, Block, Fp8, Fp8Fusions, TrainBlock, STAGE, TWIN_TOLERANCE};

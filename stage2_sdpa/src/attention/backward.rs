@@ -23,11 +23,12 @@
 //! the query tiles stream past; dQ accumulates across key tiles in a (T, d) buffer of the head.
 //! One rayon task per (batch, head) owns all three, so nothing is shared between threads.
 //!
-//! L is recomputed here (one more Q·Kᵀ sweep with the forward's online max and sum) rather than
-//! saved by the forward: the forward kernels stay as they are, and inference pays nothing for
-//! training. The price is a sixth tile GEMM per tile pair, a sixth of this pass's FLOPs. (Where
-//! the forward has L in hand: `registers.rs` and `attend_head_tiles_impl` hold m and l when they
-//! write a row; saving m + ln l there is the hook that would remove this sweep.)
+//! L comes from the forward: while training (q, k or v tracked) the CPU kernels hand each row's
+//! L_i = m_i + ln l_i to their row writer with the row (they hold m and l there anyway), and the
+//! op keeps them, one f32 per row, for this pass; inference keeps nothing. Where no L was kept
+//! (the row-wise ablation kernel, a call of `attention_bwd` without one) it is recomputed by one
+//! more Q·Kᵀ sweep with the forward's online max and sum (`log_sum_exp`): a sixth tile GEMM per
+//! tile pair, a sixth of this pass's FLOPs.
 //!
 //! On CUDA the same `bwd` runs `bwd_candle_ops`: the same equations as whole-tensor candle ops,
 //! which do materialise (B, n_head, T, T) — correct, but not FlashAttention's memory.
@@ -47,7 +48,7 @@ pub const BR: usize = 128;
 pub const BC: usize = 128;
 
 /// The gradients of `attention(q, k, v, causal)` for output gradient `d_o`, given the forward's
-/// output `o`. q, k, v: (B, T, n_head, d_head) in any layout (stage 3's views of one QKV output
+/// output `o` and, when it kept them, its log-sum-exps `lse` ((B, n_head, T), else recomputed). q, k, v: (B, T, n_head, d_head) in any layout (stage 3's views of one QKV output
 /// too); o and d_o the same shape. Returns (dq, dk, dv), contiguous, in q's dtype.
 pub fn attention_bwd(
     q: &Tensor,
@@ -55,6 +56,7 @@ pub fn attention_bwd(
     v: &Tensor,
     o: &Tensor,
     d_o: &Tensor,
+    lse: Option<&[f32]>,
     scale: f32,
     causal: bool,
 ) -> candle_core::Result<[Tensor; 3]> {
@@ -84,6 +86,7 @@ pub fn attention_bwd(
                 v: Rows { data: &vv[base..], rs },
                 o: Rows { data: &ov[base..], rs },
                 d_o: Rows { data: &dov[base..], rs },
+                lse: lse.map(|l| &l[bh * t..][..t]),
             };
             head_bwd(&io, t, d, scale, causal)
         })
@@ -123,6 +126,8 @@ struct HeadIo<'a> {
     v: Rows<'a>,
     o: Rows<'a>,
     d_o: Rows<'a>,
+    /// The forward's L_i of this head's T rows, when it kept them (else recomputed).
+    lse: Option<&'a [f32]>,
 }
 
 /// dQ, dK, dV of one head as (T, d) rows. The element-wise loops (exp, dS) are compiled three
@@ -156,8 +161,11 @@ unsafe fn head_bwd_avx512(io: &HeadIo, t: usize, d: usize, scale: f32, causal: b
 
 #[inline(always)]
 fn head_bwd_impl(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
-    let HeadIo { q, k, v, o, d_o } = *io;
-    let lse = log_sum_exp(q, k, t, d, scale, causal); // L_i = m_i + ln l_i, (T)
+    let HeadIo { q, k, v, o, d_o, lse } = *io;
+    let lse = match lse {
+        Some(l) => std::borrow::Cow::Borrowed(l), // kept by the forward
+        None => std::borrow::Cow::Owned(log_sum_exp(q, k, t, d, scale, causal)), // L_i = m_i + ln l_i, (T)
+    };
                                                       // D_i = rowsum(dO_i ∘ O_i): the Σ_j P_ij dP_ij that softmax's Jacobian subtracts, from
                                                       // (T, d) values instead of a (T, T) row.
     let delta: Vec<f32> = (0..t).map(|r| d_o.row(r, d).iter().zip(o.row(r, d)).map(|(a, b)| a * b).sum()).collect();
@@ -382,6 +390,56 @@ mod tests {
         worst / b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0)
     }
 
+    /// While training, the forward keeps each row's L_i = m_i + ln l_i (`FlashAttn::lse`): for
+    /// every CPU kernel that keeps it (register and tile kernels in f32, the bf16 one where this
+    /// CPU runs it), L is logsumexp_j(S_ij) computed in f64, and the backward from it matches the
+    /// backward that recomputes L by its own sweep.
+    #[test]
+    fn the_forward_keeps_the_log_sum_exp_and_the_backward_uses_it() {
+        use crate::attention::{AttentionKernel, CpuKernel, FlashAttn};
+        let (b, t, h, d) = (2, 37, 3, 64);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut cases = vec![(DType::F32, CpuKernel::Registers), (DType::F32, CpuKernel::GemmTiles)];
+        if crate::attention::registers::bf16::runs(d) {
+            cases.push((DType::BF16, CpuKernel::Registers));
+        }
+        for (dt, cpu) in cases {
+            let randn = |s: u64| Tensor::from_vec(SplitMix64::new(s).normals(b * t * h * d), (b, t, h, d), &Device::Cpu).unwrap().to_dtype(dt).unwrap();
+            let (q, k, v, d_o) = (randn(1), randn(2), randn(3), randn(4));
+            for causal in [true, false] {
+                let op = FlashAttn { scale, causal, cpu, kernel: AttentionKernel::V2, lse: Some(std::sync::Mutex::new(None)) };
+                let o = q.apply_op3_no_bwd(&k, &v, &op).unwrap();
+                let lse = op.lse.unwrap().into_inner().unwrap().expect("the forward kept L");
+                let host = |x: &Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let (qh, kh) = (host(&q), host(&k));
+                let at = |bi: usize, r: usize, hi: usize| ((bi * t + r) * h + hi) * d;
+                let mut worst = 0f64;
+                for (bh, row) in lse.chunks(t).enumerate() {
+                    let (bi, hi) = (bh / h, bh % h);
+                    for (i, &l) in row.iter().enumerate() {
+                        let s: Vec<f64> = (0..if causal { i + 1 } else { t })
+                            .map(|j| (0..d).map(|c| qh[at(bi, i, hi) + c] as f64 * kh[at(bi, j, hi) + c] as f64).sum::<f64>() * scale as f64)
+                            .collect();
+                        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let want = m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+                        worst = worst.max((l as f64 - want).abs());
+                    }
+                }
+                assert!(worst < 1e-4, "{dt:?} {cpu:?} causal {causal}: L off by {worst:e}");
+                let kept = attention_bwd(&q, &k, &v, &o, &d_o, Some(&lse), scale, causal).unwrap();
+                let swept = attention_bwd(&q, &k, &v, &o, &d_o, None, scale, causal).unwrap();
+                // f32: the same numbers up to the order of f32 sums. bf16: the bf16 kernel's L
+                // (S from bf16 pair products) moves a gradient element across a bf16 rounding
+                // boundary now and then: one bf16 ulp, 2⁻⁸ of it.
+                let tol = if dt == DType::F32 { 1e-5 } else { 4e-3 };
+                for (name, a, w) in [("dq", &kept[0], &swept[0]), ("dk", &kept[1], &swept[1]), ("dv", &kept[2], &swept[2])] {
+                    let e = rel_max(a, w);
+                    assert!(e < tol, "{dt:?} {cpu:?} causal {causal}: {name} from the kept L off the recomputed one's by {e}");
+                }
+            }
+        }
+    }
+
     /// q, k, v as views of one (B, T, 3, n_head, d_head) Var (stage 3's QKV output, strides
     /// (3·T·C, 3·C, d, 1)) or as three contiguous Vars; returns the views and the Vars.
     fn inputs(dims: (usize, usize, usize, usize), seed: u64, strided: bool) -> ([Tensor; 3], Vec<Var>) {
@@ -470,7 +528,7 @@ mod tests {
             let (q, k, v) = (q.to_dtype(dtype).unwrap(), k.to_dtype(dtype).unwrap(), v.to_dtype(dtype).unwrap());
             let d_o = Tensor::from_vec(SplitMix64::new(6).normals(70 * 64), dims, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
             let o = crate::attention::attention(&q, &k, &v, true).unwrap();
-            let got = attention_bwd(&q, &k, &v, &o, &d_o, 1.0 / 32f32.sqrt(), true).unwrap();
+            let got = attention_bwd(&q, &k, &v, &o, &d_o, None, 1.0 / 32f32.sqrt(), true).unwrap();
             let want = grads_slow(&q, &k, &v, &d_o, true).unwrap();
             for (g, w) in got.iter().zip(&want) {
                 assert_eq!(g.dtype(), dtype);

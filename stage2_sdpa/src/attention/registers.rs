@@ -207,7 +207,7 @@ impl Simd for Avx2 {
 
 /// One (batch, head): `write(r, o)` receives output row r (normalised, f32). `d` must be one of
 /// `D_HEADS` (the caller checks `supports`).
-pub(super) fn attend_head(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+pub(super) fn attend_head(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: this CPU supports AVX-512F and FMA, checked on the line above.
@@ -225,14 +225,14 @@ pub(super) fn attend_head(head: &HeadRows, t: usize, d: usize, scale: f32, causa
 /// AVX-512: 12 × 32 register tiles (two vectors per row: 24 accumulators of the 32 registers).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn attend_head_avx512(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+unsafe fn attend_head_avx512(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
     by_head_size::<Avx512, 2>(head, t, d, scale, causal, write)
 }
 
 /// AVX2: 12 × 8 register tiles (one vector per row: 12 accumulators of the 16 registers).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_head_avx2_fma(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+unsafe fn attend_head_avx2_fma(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
     by_head_size::<Avx2, 1>(head, t, d, scale, causal, write)
 }
 
@@ -245,7 +245,7 @@ unsafe fn by_head_size<S: Simd, const NV: usize>(
     d: usize,
     scale: f32,
     causal: bool,
-    write: &mut dyn FnMut(usize, &[f32]),
+    write: &mut dyn FnMut(usize, &[f32], f32),
 ) {
     match d {
         32 => attend::<S, 32, NV>(head, t, scale, causal, write),
@@ -267,7 +267,7 @@ unsafe fn attend<S: Simd, const D: usize, const NV: usize>(
     t: usize,
     scale: f32,
     causal: bool,
-    write: &mut dyn FnMut(usize, &[f32]),
+    write: &mut dyn FnMut(usize, &[f32], f32),
 ) {
     let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
     assert!(
@@ -344,7 +344,7 @@ unsafe fn attend<S: Simd, const D: usize, const NV: usize>(
         for (r, row) in o.iter_mut().enumerate().take(mr) {
             let inv_l = 1.0 / l[r];
             row.iter_mut().for_each(|x| *x *= inv_l);
-            write(i0 + r, row);
+            write(i0 + r, row, m[r] + l[r].ln()); // with L_i = m_i + ln l_i, which the backward can keep
         }
     }
     PACKED.set((kt, vp));
@@ -503,8 +503,8 @@ mod tests {
         // AVX2 and AVX-512 ones, on a head read through
         // strides (the second of 2 heads, rows 3·h·d apart as in stage 3's QKV output), with a
         // ragged T (not a multiple of MR, NR or B_c) and every compiled head size.
-        type Body = unsafe fn(&HeadRows, usize, usize, f32, bool, &mut dyn FnMut(usize, &[f32]));
-        fn baseline(h: &HeadRows, t: usize, d: usize, s: f32, c: bool, w: &mut dyn FnMut(usize, &[f32])) {
+        type Body = unsafe fn(&HeadRows, usize, usize, f32, bool, &mut dyn FnMut(usize, &[f32], f32));
+        fn baseline(h: &HeadRows, t: usize, d: usize, s: f32, c: bool, w: &mut dyn FnMut(usize, &[f32], f32)) {
             // SAFETY: `Scalar` needs no instruction set.
             unsafe { by_head_size::<Scalar, 8>(h, t, d, s, c, w) }
         }
@@ -516,7 +516,7 @@ mod tests {
             let run = |body: Body, causal: bool| {
                 let mut out = vec![f32::NAN; t * d];
                 // SAFETY: called only with bodies this CPU supports (checked by the caller).
-                unsafe { body(&head, t, d, 0.17, causal, &mut |r, o| out[r * d..][..d].copy_from_slice(o)) };
+                unsafe { body(&head, t, d, 0.17, causal, &mut |r, o, _| out[r * d..][..d].copy_from_slice(o)) };
                 out
             };
             for causal in [true, false] {

@@ -62,7 +62,7 @@ pub(in crate::attention) fn attend_head(
     d: usize,
     scale: f32,
     causal: bool,
-    write: &mut dyn FnMut(usize, &[f32]),
+    write: &mut dyn FnMut(usize, &[f32], f32),
 ) -> Result<(), String> {
     if !runs(d) {
         return Err(format!("bf16 attention: no AVX512-BF16 body for d_head {d} on this CPU (kernel {})", Kernel::detect().name()));
@@ -77,7 +77,7 @@ pub(in crate::attention) fn attend_head(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
-unsafe fn attend_avx512_bf16(head: &HeadRows<bf16>, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+unsafe fn attend_avx512_bf16(head: &HeadRows<bf16>, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
     match d {
         32 => attend::<32>(head, t, scale, causal, write),
         64 => attend::<64>(head, t, scale, causal, write),
@@ -94,7 +94,7 @@ unsafe fn attend_avx512_bf16(head: &HeadRows<bf16>, t: usize, d: usize, scale: f
 /// The CPU supports AVX512-F and AVX512-BF16.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn attend<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32])) {
+unsafe fn attend<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
     let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
     assert!(
         q.len() >= (t - 1) * q_rs + D && k.len() >= (t - 1) * k_rs + D && v.len() >= (t - 1) * v_rs + D,
@@ -190,7 +190,7 @@ unsafe fn attend<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32, ca
         for (r, row) in o.iter_mut().enumerate().take(mr) {
             let inv_l = 1.0 / l[r];
             row.iter_mut().for_each(|x| *x *= inv_l);
-            write(i0 + r, row);
+            write(i0 + r, row, m[r] + l[r].ln()); // with L_i = m_i + ln l_i
         }
     }
     PACKED.set((kt, vp));
@@ -293,7 +293,7 @@ pub(in crate::attention) fn attend_head_scalar(
     d: usize,
     scale: f32,
     causal: bool,
-    write: &mut dyn FnMut(usize, &[f32]),
+    write: &mut dyn FnMut(usize, &[f32], f32),
 ) {
     let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
     let mut o = vec![0f32; d];
@@ -316,7 +316,7 @@ pub(in crate::attention) fn attend_head_scalar(
             m = m_new;
         }
         o.iter_mut().for_each(|x| *x /= l);
-        write(i, &o);
+        write(i, &o, m + l.ln());
     }
 }
 
@@ -343,9 +343,9 @@ mod tests {
                 let head = HeadRows { q: &data[d..], k: &data[h * d + d..], v: &data[2 * h * d + d..], q_rs: rs, k_rs: rs, v_rs: rs };
                 for causal in [true, false] {
                     let mut want = vec![f32::NAN; t * d];
-                    attend_head_scalar(&head, t, d, 0.17, causal, &mut |r, o| want[r * d..][..d].copy_from_slice(o));
+                    attend_head_scalar(&head, t, d, 0.17, causal, &mut |r, o, _| want[r * d..][..d].copy_from_slice(o));
                     let mut got = vec![f32::NAN; t * d];
-                    attend_head(&head, t, d, 0.17, causal, &mut |r, o| got[r * d..][..d].copy_from_slice(o)).unwrap();
+                    attend_head(&head, t, d, 0.17, causal, &mut |r, o, _| got[r * d..][..d].copy_from_slice(o)).unwrap();
                     assert!(got.iter().all(|x| x.is_finite()), "d={d} t={t}: every row written, finite");
                     let worst = want.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
                     // Summation order, and the odd P on a bf16 rounding boundary that the two
@@ -363,7 +363,7 @@ mod tests {
     fn refuses_what_it_cannot_run() {
         let x = [bf16::ZERO; 48];
         let head = HeadRows { q: &x, k: &x, v: &x, q_rs: 48, k_rs: 48, v_rs: 48 };
-        let e = attend_head(&head, 1, 48, 1.0, true, &mut |_, _| {}).unwrap_err();
+        let e = attend_head(&head, 1, 48, 1.0, true, &mut |_, _, _| {}).unwrap_err();
         assert!(e.contains("d_head 48"), "{e}");
     }
 }
