@@ -202,7 +202,9 @@ pub fn attention_with(imp: Implementation, q: &Tensor, k: &Tensor, v: &Tensor, c
     let scale = 1.0 / (d as f32).sqrt();
     // The CUDA kernel the op launches (the CPU kernels ignore it).
     let kernel = if imp == Implementation::SpeedkitCudaV1 { AttentionKernel::V1 } else { AttentionKernel::V2 };
-    let op = FlashAttn { scale, causal, cpu: CpuKernel::Registers, kernel, lse: None };
+    // While training (q, k or v tracked) the op keeps the forward's log-sum-exp for its backward.
+    let tracked = [q, k, v].iter().any(|x| x.track_op());
+    let op = FlashAttn { scale, causal, cpu: CpuKernel::Registers, kernel, lse: tracked.then(|| Mutex::new(None)) };
     match imp {
         Implementation::Cpu => cpu_views(q, k, v, op),
         Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1 => {
@@ -284,10 +286,18 @@ struct FlashAttn {
     cpu: CpuKernel, // which CPU kernel `cpu_fwd` runs
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd only
     kernel: AttentionKernel, // which CUDA kernel `cuda_fwd` launches
-    /// Training on the CPU (q, k or v tracked): where the forward keeps each row's log-sum-exp
+    /// Training (q, k or v tracked): where the forward keeps each row's log-sum-exp
     /// L_i = m_i + ln l_i, (B, n_head, T) f32, for `bwd` to recompute P from; None otherwise,
     /// and for the row-wise kernel, whose backward recomputes L.
-    lse: Option<Mutex<Option<Vec<f32>>>>,
+    lse: Option<Mutex<Option<Kept>>>,
+}
+
+/// The forward's L, where it was written: the CPU kernels' buffer, or the CUDA kernel's (a
+/// (B·n_head·T) f32 tensor on the device).
+pub(crate) enum Kept {
+    Host(Vec<f32>),
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Device(Tensor),
 }
 
 impl CustomOp3 for FlashAttn {
@@ -306,12 +316,25 @@ impl CustomOp3 for FlashAttn {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        attention_cuda::cuda_fwd(self.kernel, self.scale, self.causal, (s1, l1), (s2, l2), (s3, l3))
+        let (out, shape, lse) = attention_cuda::cuda_fwd(self.kernel, self.scale, self.causal, (s1, l1), (s2, l2), (s3, l3), self.lse.is_some())?;
+        if let (Some(slot), Some(lse)) = (&self.lse, lse) {
+            let dev = s1.device.clone();
+            let n = lse.len();
+            let l = Tensor::from_storage(
+                candle_core::Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(lse, dev)),
+                n,
+                candle_core::op::BackpropOp::none(),
+                false,
+            );
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Kept::Device(l));
+        }
+        Ok((out, shape))
     }
 
-    /// FlashAttention-2's backward (`backward`): tiled on the CPU, from the log-sum-exp the
-    /// forward kept, candle ops on CUDA. dq, dk and dv come back contiguous in the arguments' shape and dtype; candle carries them on through
-    /// whatever views q, k and v were (stage 3's slices of one QKV output).
+    /// FlashAttention-2's backward (`backward`), from the log-sum-exp the forward kept: tiled on
+    /// the CPU, our kernel on CUDA (`kernels/flash_attn_bwd.cu`). dq, dk and dv come back
+    /// contiguous in the arguments' shape and dtype; candle carries them on through whatever views
+    /// q, k and v were (stage 3's slices of one QKV output).
     fn bwd(
         &self,
         q: &Tensor,
@@ -320,8 +343,14 @@ impl CustomOp3 for FlashAttn {
         o: &Tensor,
         d_o: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let lse = self.lse.as_ref().and_then(|slot| slot.lock().ok()?.clone()); // the forward's L, when it kept one
-        let [dq, dk, dv] = backward::attention_bwd(q, k, v, o, d_o, lse.as_deref(), self.scale, self.causal)?;
+        // The forward's L, when it kept one (taken: one backward per forward).
+        let kept = self.lse.as_ref().and_then(|slot| slot.lock().ok()?.take());
+        let [dq, dk, dv] = match kept {
+            #[cfg(feature = "cuda")]
+            Some(Kept::Device(lse)) => attention_cuda::cuda_bwd(q, k, v, o, d_o, Some(&lse), self.scale, self.causal)?,
+            Some(Kept::Host(lse)) => backward::attention_bwd(q, k, v, o, d_o, Some(&lse), self.scale, self.causal)?,
+            _ => backward::attention_bwd(q, k, v, o, d_o, None, self.scale, self.causal)?,
+        };
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 
@@ -504,7 +533,7 @@ impl FlashAttn {
     /// Keep the log-sum-exp the forward wrote for `bwd`.
     fn keep_lse(&self, lse: Vec<f32>) {
         if let Some(slot) = &self.lse {
-            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Kept::Host(lse));
         }
     }
 

@@ -245,7 +245,7 @@ mod launch {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-    use candle_core::cuda::cudarc::driver::{CudaFunction, CudaView};
+    use candle_core::cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut};
     use candle_core::cuda::{CudaDType, CudaStorage};
     use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Shape, Tensor};
 
@@ -271,7 +271,9 @@ mod launch {
     }
 
     /// The kernel on q, k, v (B, T, n_head, d_head), bf16 or f16, laid out as `kernel_strides`
-    /// accepts. Returns a new contiguous (B, T, n_head, d_head) tensor's storage.
+    /// accepts. Returns a new contiguous (B, T, n_head, d_head) tensor's storage, and with
+    /// `keep_lse` (training) each row's L = m + log l, (B, n_head, T) f32, for the backward.
+    #[allow(clippy::type_complexity)]
     pub fn cuda_fwd(
         kernel: AttentionKernel,
         scale: f32,
@@ -279,10 +281,11 @@ mod launch {
         (q, q_l): (&CudaStorage, &Layout),
         (k, k_l): (&CudaStorage, &Layout),
         (v, v_l): (&CudaStorage, &Layout),
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        keep_lse: bool,
+    ) -> candle_core::Result<(CudaStorage, Shape, Option<CudaSlice<f32>>)> {
         match q.dtype() {
-            DType::BF16 => launch::<half::bf16>(kernel, "bf16", scale, causal, (q, q_l), (k, k_l), (v, v_l)),
-            DType::F16 => launch::<half::f16>(kernel, "f16", scale, causal, (q, q_l), (k, k_l), (v, v_l)),
+            DType::BF16 => launch::<half::bf16>(kernel, "bf16", scale, causal, (q, q_l), (k, k_l), (v, v_l), keep_lse),
+            DType::F16 => launch::<half::f16>(kernel, "f16", scale, causal, (q, q_l), (k, k_l), (v, v_l), keep_lse),
             dt => candle_core::bail!(
                 "stage 2's CUDA attention kernel takes bf16 or f16 (tensor-core inputs), got {dt:?}: \
                  cast q, k, v first, or use --precision bf16"
@@ -290,6 +293,7 @@ mod launch {
         }
     }
 
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn launch<T: CudaDType + DeviceRepr>(
         kernel: AttentionKernel,
         dtype: &str,
@@ -298,7 +302,8 @@ mod launch {
         (q, q_l): (&CudaStorage, &Layout),
         (k, k_l): (&CudaStorage, &Layout),
         (v, v_l): (&CudaStorage, &Layout),
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        keep_lse: bool,
+    ) -> candle_core::Result<(CudaStorage, Shape, Option<CudaSlice<f32>>)> {
         let dev = &q.device;
         let (b, t, h, d) = q_l.shape().dims4()?;
         let Some([stride_b, stride_t, stride_h]) = kernel_strides(q_l, k_l, v_l) else {
@@ -334,32 +339,59 @@ mod launch {
         let cfg = LaunchConfig { grid_dim: plan.grid, block_dim: (plan.threads, 1, 1), shared_mem_bytes: plan.shared_mem_bytes };
         let stream = dev.cuda_stream();
         let mut args = stream.launch_builder(&func);
-        // No log-sum-exp output: the backward computes L itself (`cuda_bwd`).
-        let no_lse: u64 = 0;
+        // Training: each row's L into (B, n_head, T) f32, every element written (rows < T of
+        // every head); inference passes a null pointer and the kernel writes none.
+        // SAFETY (allocation): as for `out`, the kernel writes every element.
+        let mut lse = if keep_lse { Some(unsafe { dev.alloc::<f32>(b * h * t)? }) } else { None };
+        let (lse_ptr, _record) = match &mut lse {
+            Some(l) => {
+                let (p, r) = l.device_ptr_mut(&stream);
+                (p, Some(r))
+            }
+            None => (0, None),
+        };
         args.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&t_i32);
-        args.arg(&sb).arg(&st).arg(&sh).arg(&osb).arg(&ost).arg(&osh).arg(&scale).arg(&causal_i32).arg(&no_lse);
+        args.arg(&sb).arg(&st).arg(&sh).arg(&osb).arg(&ost).arg(&osh).arg(&scale).arg(&causal_i32).arg(&lse_ptr);
         // SAFETY: argument order and types match FLASH_ATTN_ENTRY's (and FLASH_ATTN_V2_ENTRY's,
         // the same) signature; the grid and
         // shared memory come from launch_config for this shape, checked against the device.
         unsafe { args.launch(cfg) }.map_err(|e| err(&name, e))?;
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), q_l.shape().clone()))
+        drop(_record);
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), q_l.shape().clone(), lse))
     }
 
     /// FlashAttention-2's backward on CUDA (`kernels/flash_attn_bwd.cu`) for q, k, v, the
     /// forward's output o and the upstream gradient d_o, all (B, T, n_head, d_head) in bf16 or f16:
-    /// L from the log-sum-exp kernel, D = rowsum(dO ∘ O) as candle ops, then dQ, dK and dV in
+    /// L as the forward kept it (or from the log-sum-exp kernel), D = rowsum(dO ∘ O) as candle ops, then dQ, dK and dV in
     /// one kernel (f32, cast to q's dtype here). q, k, v and dO go in as four slices of one
     /// (B, T, 4, n_head, d_head) copy, so they share the strides the kernel takes: one copy of
     /// 4·B·T·C values, against the Q Kᵀ the backward recomputes.
-    pub fn cuda_bwd(q: &Tensor, k: &Tensor, v: &Tensor, o: &Tensor, d_o: &Tensor, scale: f32, causal: bool) -> Result<[Tensor; 3]> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn cuda_bwd(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        d_o: &Tensor,
+        kept_lse: Option<&Tensor>,
+        scale: f32,
+        causal: bool,
+    ) -> Result<[Tensor; 3]> {
         let (b, t, h, d) = q.dims4()?;
         let dt = q.dtype();
         if !matches!(dt, DType::BF16 | DType::F16) {
             candle_core::bail!("stage 2's CUDA attention backward takes bf16 or f16, got {dt:?}");
         }
         let qkvo = Tensor::stack(&[q, k, v, &d_o.to_dtype(dt)?], 2)?; // (B, T, 4, n_head, d_head)
-        let lse = Tensor::zeros((b, h, t), DType::F32, q.device())?; // (B, n_head, T)
-        lse.inplace_op2(&qkvo, &Lse { scale, causal })?;
+        // L: the forward's, when it kept it (training), else one more Q Kᵀ sweep (`Lse`).
+        let lse = match kept_lse {
+            Some(l) => l.reshape((b, h, t))?,
+            None => {
+                let lse = Tensor::zeros((b, h, t), DType::F32, q.device())?; // (B, n_head, T)
+                lse.inplace_op2(&qkvo, &Lse { scale, causal })?;
+                lse
+            }
+        };
         // D_i = Σ_c dO_ic O_ic, in f32: (B, T, n_head) → (B, n_head, T).
         let delta = (d_o.to_dtype(DType::F32)? * o.to_dtype(DType::F32)?)?.sum(3)?.transpose(1, 2)?;
         let stats = Tensor::stack(&[&lse, &delta], 0)?.contiguous()?; // (2, B, n_head, T): L, D

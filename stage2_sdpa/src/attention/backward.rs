@@ -50,6 +50,7 @@ pub const BC: usize = 128;
 /// The gradients of `attention(q, k, v, causal)` for output gradient `d_o`, given the forward's
 /// output `o` and, when it kept them, its log-sum-exps `lse` ((B, n_head, T), else recomputed). q, k, v: (B, T, n_head, d_head) in any layout (stage 3's views of one QKV output
 /// too); o and d_o the same shape. Returns (dq, dk, dv), contiguous, in q's dtype.
+#[allow(clippy::too_many_arguments)] // the op's five tensors, L, and the two numbers that define it
 pub fn attention_bwd(
     q: &Tensor,
     k: &Tensor,
@@ -65,7 +66,7 @@ pub fn attention_bwd(
         // TF32) goes through candle's ops.
         #[cfg(feature = "cuda")]
         if matches!(q.dtype(), DType::BF16 | DType::F16) {
-            return crate::attention_cuda::cuda_bwd(q, k, v, o, d_o, scale, causal);
+            return crate::attention_cuda::cuda_bwd(q, k, v, o, d_o, None, scale, causal);
         }
         return bwd_candle_ops(q, k, v, o, d_o, scale, causal);
     }
@@ -409,7 +410,7 @@ mod tests {
             for causal in [true, false] {
                 let op = FlashAttn { scale, causal, cpu, kernel: AttentionKernel::V2, lse: Some(std::sync::Mutex::new(None)) };
                 let o = q.apply_op3_no_bwd(&k, &v, &op).unwrap();
-                let lse = op.lse.unwrap().into_inner().unwrap().expect("the forward kept L");
+                let Some(crate::attention::Kept::Host(lse)) = op.lse.unwrap().into_inner().unwrap() else { panic!("the forward kept L on the host") };
                 let host = |x: &Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 let (qh, kh) = (host(&q), host(&k));
                 let at = |bi: usize, r: usize, hi: usize| ((bi * t + r) * h + hi) * d;
