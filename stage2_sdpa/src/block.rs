@@ -127,11 +127,15 @@ impl Stage for Sdpa {
             imp => format!("attention: {}", imp.description()),
         });
         if plan.train && plan.info.is_cuda() {
-            notes.push(
-                "training on CUDA: attention's backward runs as candle ops that materialise the (B, n_head, T, T) scores \
-                 (FlashAttention-2's tiled backward is CPU-only for now)"
-                    .into(),
-            );
+            notes.push(match plan.precision {
+                Precision::Bf16 | Precision::F16 => {
+                    "training on CUDA: attention's backward is our kernel (kernels/flash_attn_bwd.cu), from the L the forward kept".into()
+                }
+                p => format!(
+                    "training on CUDA at {p}: attention's backward runs as candle ops that materialise the (B, n_head, T, T) \
+                     scores (the backward kernel takes bf16 or f16)"
+                ),
+            });
         }
         notes
     }
