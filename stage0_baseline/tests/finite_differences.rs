@@ -14,7 +14,9 @@ use stage0_baseline::{attention, causal_mask, gelu_tanh, layer_norm, linear, Bas
 
 /// `Block::forward`'s dataflow over `w` (12 tensors in `BlockWeights` order) in their dtype.
 fn block(w: &[Tensor], x: &Tensor, n_head: usize, mask: &Tensor) -> candle_core::Result<Tensor> {
-    let [ln1_g, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_g, ln2_b, w_fc1, b_fc1, w_fc2, b_fc2] = w else { candle_core::bail!("12 weights") };
+    let [ln1_g, ln1_b, w_qkv, b_qkv, w_proj, b_proj, ln2_g, ln2_b, w_fc1, b_fc1, w_fc2, b_fc2] = w else {
+        candle_core::bail!("12 weights")
+    };
     let c = x.dim(2)?;
     let h = layer_norm(x, ln1_g, ln1_b)?;
     let part = |t: &Tensor, i: usize| t.narrow(0, i * c, c); // q, k, v rows of W_qkv, as `Block::build` splits them
@@ -29,7 +31,9 @@ fn block(w: &[Tensor], x: &Tensor, n_head: usize, mask: &Tensor) -> candle_core:
 }
 
 fn tensors(w: &BlockWeights) -> Vec<Tensor> {
-    [&w.ln1_g, &w.ln1_b, &w.w_qkv, &w.b_qkv, &w.w_proj, &w.b_proj, &w.ln2_g, &w.ln2_b, &w.w_fc1, &w.b_fc1, &w.w_fc2, &w.b_fc2].map(|t| t.clone()).to_vec()
+    [&w.ln1_g, &w.ln1_b, &w.w_qkv, &w.b_qkv, &w.w_proj, &w.b_proj, &w.ln2_g, &w.ln2_b, &w.w_fc1, &w.b_fc1, &w.w_fc2, &w.b_fc2]
+        .map(|t| t.clone())
+        .to_vec()
 }
 
 /// `t` with flat element `i` moved by `d` (f64).

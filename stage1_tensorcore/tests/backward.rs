@@ -32,8 +32,13 @@ fn backward_matches_autograd_of_the_f32_matmul_on_ragged_shapes() {
     let mut normals = |dims: &[usize]| Tensor::from_vec(rng.normals(dims.iter().product()), dims, &Device::Cpu).unwrap();
     // (a's dims, b's dims): plain, K odd, a batched with b shared (a linear's (B·T, C) · Wᵀ as
     // attention's per-head products see it), both batched (q kᵀ, p v).
-    let cases: [(&[usize], &[usize]); 5] =
-        [(&[1, 1], &[1, 1]), (&[13, 37], &[37, 45]), (&[97, 129], &[129, 33]), (&[3, 17, 31], &[31, 40]), (&[2, 3, 19, 16], &[2, 3, 16, 19])];
+    let cases: [(&[usize], &[usize]); 5] = [
+        (&[1, 1], &[1, 1]),
+        (&[13, 37], &[37, 45]),
+        (&[97, 129], &[129, 33]),
+        (&[3, 17, 31], &[31, 40]),
+        (&[2, 3, 19, 16], &[2, 3, 16, 19]),
+    ];
     let mut worst = 0f32;
     for (ad, bd) in cases {
         let (a, b) = (normals(ad), normals(bd));

@@ -628,13 +628,27 @@ fn attend_head_tiles(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bo
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_head_tiles_avx2_fma(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
+unsafe fn attend_head_tiles_avx2_fma(
+    head: &HeadRows,
+    t: usize,
+    d: usize,
+    scale: f32,
+    causal: bool,
+    write: &mut dyn FnMut(usize, &[f32], f32),
+) {
     attend_head_tiles_impl(head, t, d, scale, causal, write)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn attend_head_tiles_avx512(head: &HeadRows, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
+unsafe fn attend_head_tiles_avx512(
+    head: &HeadRows,
+    t: usize,
+    d: usize,
+    scale: f32,
+    causal: bool,
+    write: &mut dyn FnMut(usize, &[f32], f32),
+) {
     attend_head_tiles_impl(head, t, d, scale, causal, write)
 }
 

@@ -22,7 +22,10 @@ fn block_gradients_match_stage_0_autograd_on_tiny() {
     // add, a sum over the B·T rows that candle's CPU reduction accumulates in bf16 itself
     // (measured 2.8e-2, db_qkv; the other tensors ≤ 7.5e-3; it grows with B·T). The training
     // forward is `build`'s, bit for bit.
-    train::check_against_stage_0(&Sdpa::default(), &[(Precision::Fp32, 1e-5, 0.0), (Precision::Bf16, 5e-2, 0.0), (Precision::F16, 1e-2, 0.0)]);
+    train::check_against_stage_0(
+        &Sdpa::default(),
+        &[(Precision::Fp32, 1e-5, 0.0), (Precision::Bf16, 5e-2, 0.0), (Precision::F16, 1e-2, 0.0)],
+    );
     // Stage 2's ablations train too: the row-wise kernel, and the head split/merge copies.
     train::check_against_stage_0(&Sdpa { row_wise: true, ..Sdpa::default() }, &[(Precision::Fp32, 1e-5, 0.0)]);
     train::check_against_stage_0(&Sdpa { copies: true, ..Sdpa::default() }, &[(Precision::Fp32, 1e-5, 0.0)]);

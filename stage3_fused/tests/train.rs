@@ -21,7 +21,10 @@ fn block_gradients_match_stage_0_autograd_on_tiny() {
     // dw_qkv, dw_qkv) on a CPU with AVX512-BF16. The training forward adds fc2's residual after
     // the GEMM instead of in it (`tests/backward.rs`): a rounding, ≤ 1e-6 at fp32, fc2's output
     // rounded to 16 bits first at bf16/f16 (≤ 1e-3).
-    train::check_against_stage_0(&Fused::default(), &[(Precision::Fp32, 1e-5, 1e-6), (Precision::Bf16, 2e-2, 1e-3), (Precision::F16, 1e-2, 1e-3)]);
+    train::check_against_stage_0(
+        &Fused::default(),
+        &[(Precision::Fp32, 1e-5, 1e-6), (Precision::Bf16, 2e-2, 1e-3), (Precision::F16, 1e-2, 1e-3)],
+    );
     // Every fusion off: stage 2's candle passes, differentiated by candle.
     train::check_against_stage_0(&Fused { fusions: Fusions::NONE, ..Fused::default() }, &[(Precision::Fp32, 1e-5, 1e-6)]);
 }
@@ -39,7 +42,8 @@ fn one_fused_adamw_step_matches_candle_adamw() {
 #[test]
 fn elementwise_parallel_is_refused_only_where_a_fusion_is_off() {
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
-    let sdpa = stage2_sdpa::Sdpa { args: stage2_sdpa::Args { elementwise: Elementwise::Parallel, ..Default::default() }, ..Default::default() };
+    let sdpa =
+        stage2_sdpa::Sdpa { args: stage2_sdpa::Args { elementwise: Elementwise::Parallel, ..Default::default() }, ..Default::default() };
     let asked = PrecisionRequest::Exactly(Precision::Fp32);
     let train = |fusions| plan(&Fused { sdpa, fusions }, &device, &info, Preset::Tiny.shape(), asked, asked, false, true);
     assert!(train(Fusions::ALL).is_ok(), "every pass fused: stage 2's passes never run");

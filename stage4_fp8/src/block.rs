@@ -12,12 +12,12 @@ use shared::check::{compare_within, NamedCheck};
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::perf::Traffic;
 use shared::stage::{describe_switches, parse_switches, switch_off, switches_on, PrecisionChoice, EMULATED};
-use std::sync::{Arc, Mutex};
 use shared::{BlockWeights, Forward, Plan, Precision, PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
 use stage1_tensorcore::precision;
 use stage2_sdpa::attention;
 use stage3_fused::ops::{add_layer_norm, layer_norm};
 use stage3_fused::{Fused, Fusions};
+use std::sync::{Arc, Mutex};
 
 /// Stage 4's producer fusions (`--fp8-fusions ln,fc1`): the producer of an FP8 GEMM's input
 /// writes it in E4M3 with the GEMM's scale and records its amax, so the GEMM skips its own
@@ -596,7 +596,14 @@ impl TrainBlock {
             Fp8Recipe::Delayed => GradScaling::Delayed(Arc::new(DelayedScale::new(ScalingConfig::default().history_len, 0))),
             Fp8Recipe::Current => GradScaling::Current(0),
         };
-        Ok(TrainBlock { w: w.clone(), layers: Mutex::new([qkv, proj, fc1, fc2]), grads: [grad(), grad(), grad(), grad()], n_head, dtype, attn })
+        Ok(TrainBlock {
+            w: w.clone(),
+            layers: Mutex::new([qkv, proj, fc1, fc2]),
+            grads: [grad(), grad(), grad(), grad()],
+            n_head,
+            dtype,
+            attn,
+        })
     }
 
     /// The amax histories of the four layers' inputs (qkv, proj, fc1, fc2), oldest first.
@@ -617,7 +624,8 @@ impl Forward for TrainBlock {
         let masters = [(&w.w_qkv, &w.b_qkv), (&w.w_proj, &w.b_proj), (&w.w_fc1, &w.b_fc1), (&w.w_fc2, &w.b_fc2)];
         let mut layers = self.layers.lock().map_err(|_| candle_core::Error::Msg("stage 4: layers poisoned".into()))?;
         for (layer, (wm, bm)) in layers.iter_mut().zip(masters) {
-            layer.set_weights(wm, bm).map_err(|e| candle_core::Error::Msg(e.to_string()))?; // this step's E4M3 weights
+            layer.set_weights(wm, bm).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            // this step's E4M3 weights
         }
         // Layer i on x: the FP8 forward (its delayed input scale advancing), recorded with the
         // HYBRID backward towards x and the master W_i, b_i.

@@ -145,7 +145,12 @@ pub fn linear_bwd_hybrid(xq: &Tensor, wq: &Tensor, dy: &Tensor, margin: i32) -> 
 }
 
 /// `linear_bwd_hybrid` with dY's scale per `scaling`.
-pub fn linear_bwd_hybrid_scaled(xq: &Tensor, wq: &Tensor, dy: &Tensor, scaling: &GradScaling) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+pub fn linear_bwd_hybrid_scaled(
+    xq: &Tensor,
+    wq: &Tensor,
+    dy: &Tensor,
+    scaling: &GradScaling,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
     let (bsz, t, k) = xq.dims3()?;
     let n = wq.dim(0)?;
     let dy = dy.to_dtype(DType::F32)?.reshape((bsz * t, n))?; // (B·T, N)
@@ -200,7 +205,15 @@ impl CustomOp3 for HybridLinear {
 
     /// The forward already ran (`Fp8Linear`, which advanced its input's delayed scale): its
     /// output, as candle's storage of this op.
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let y = self.y.flatten_all()?;
         let storage = match y.dtype() {
             DType::F32 => CpuStorage::F32(y.to_vec1()?),
@@ -213,7 +226,14 @@ impl CustomOp3 for HybridLinear {
 
     /// dZ = dY ∘ GELU'(z) (z = xq·wqᵀ + b recomputed in f32) when the layer has GELU, then the
     /// HYBRID GEMMs on dZ; each gradient in its argument's dtype.
-    fn bwd(&self, x: &Tensor, w: &Tensor, b: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         if !dy.device().is_cpu() {
             candle_core::bail!("HybridLinear: the HYBRID backward is emulated on the CPU only");
         }
@@ -269,7 +289,9 @@ mod tests {
         let (wq, _) = fake_quantize(&w, Format::E4M3, 0).unwrap();
         for gelu in [false, true] {
             let act = |z: Tensor| if gelu { stage0_baseline::gelu_tanh(&z) } else { Ok(z) };
-            let plain = |xq: &Tensor, wq: &Tensor, b: &Tensor| act(xq.reshape((bsz * t, k))?.matmul(&wq.t()?)?.broadcast_add(b)?)?.reshape((bsz, t, n));
+            let plain = |xq: &Tensor, wq: &Tensor, b: &Tensor| {
+                act(xq.reshape((bsz * t, k))?.matmul(&wq.t()?)?.broadcast_add(b)?)?.reshape((bsz, t, n))
+            };
             // Candle's autograd of the forward on the stored operands, and ours with y from it.
             let grads = |x0: &Tensor, w0: &Tensor, f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>| {
                 let (xv, wv, bv) = (Var::from_tensor(x0).unwrap(), Var::from_tensor(w0).unwrap(), Var::from_tensor(&b).unwrap());
@@ -293,7 +315,13 @@ mod tests {
         let ones = Tensor::ones((1, 1, 3), DType::F32, &Device::Cpu).unwrap();
         let dy8 = |dy: [f32; 2]| {
             let dy = Tensor::new(&[[dy]], &Device::Cpu).unwrap();
-            let (_, dw, db) = linear_bwd_hybrid_scaled(&ones, &Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap(), &dy, &GradScaling::Delayed(d.clone())).unwrap();
+            let (_, dw, db) = linear_bwd_hybrid_scaled(
+                &ones,
+                &Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap(),
+                &dy,
+                &GradScaling::Delayed(d.clone()),
+            )
+            .unwrap();
             assert_eq!(db.to_vec1::<f32>().unwrap(), dy.flatten_all().unwrap().to_vec1::<f32>().unwrap(), "db from the unquantised dY");
             dw.to_vec2::<f32>().unwrap().iter().map(|row| row[0]).collect::<Vec<_>>()
         };

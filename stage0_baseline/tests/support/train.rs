@@ -12,7 +12,8 @@ use shared::stage::{plan, train_params};
 use shared::weights::{random_input, SplitMix64};
 use shared::{BlockWeights, Plan, Precision, PrecisionRequest, Preset, Stage};
 
-pub const NAMES: [&str; 13] = ["ln1_g", "ln1_b", "w_qkv", "b_qkv", "w_proj", "b_proj", "ln2_g", "ln2_b", "w_fc1", "b_fc1", "w_fc2", "b_fc2", "x"];
+pub const NAMES: [&str; 13] =
+    ["ln1_g", "ln1_b", "w_qkv", "b_qkv", "w_proj", "b_proj", "ln2_g", "ln2_b", "w_fc1", "b_fc1", "w_fc2", "b_fc2", "x"];
 
 /// The f32 master weights as `Var`s, as the runner holds them.
 pub fn vars(w: &BlockWeights) -> [Var; 12] {
@@ -69,7 +70,12 @@ impl Problem {
 
     /// Every weight's gradient and x's, in `NAMES` order.
     pub fn grads(&self, g: &GradStore) -> Vec<Tensor> {
-        self.wv.iter().chain([&self.xv]).zip(NAMES).map(|(v, n)| g.get(v.as_tensor()).unwrap_or_else(|| panic!("no gradient for {n}")).clone()).collect()
+        self.wv
+            .iter()
+            .chain([&self.xv])
+            .zip(NAMES)
+            .map(|(v, n)| g.get(v.as_tensor()).unwrap_or_else(|| panic!("no gradient for {n}")).clone())
+            .collect()
     }
 }
 
@@ -103,7 +109,12 @@ pub fn check_against_stage_0(stage: &dyn Stage, cases: &[(Precision, f32, f32)])
                 worst = (e, name);
             }
         }
-        eprintln!("{} block gradients vs stage 0 autograd, tiny, {p}: worst max |Δ| / max |g| = {:.2e} (d{})", stage.name(), worst.0, worst.1);
+        eprintln!(
+            "{} block gradients vs stage 0 autograd, tiny, {p}: worst max |Δ| / max |g| = {:.2e} (d{})",
+            stage.name(),
+            worst.0,
+            worst.1
+        );
         out.push((p, worst.0));
     }
     out

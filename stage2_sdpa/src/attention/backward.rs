@@ -164,11 +164,11 @@ unsafe fn head_bwd_avx512(io: &HeadIo, t: usize, d: usize, scale: f32, causal: b
 fn head_bwd_impl(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
     let HeadIo { q, k, v, o, d_o, lse } = *io;
     let lse = match lse {
-        Some(l) => std::borrow::Cow::Borrowed(l), // kept by the forward
+        Some(l) => std::borrow::Cow::Borrowed(l),                                // kept by the forward
         None => std::borrow::Cow::Owned(log_sum_exp(q, k, t, d, scale, causal)), // L_i = m_i + ln l_i, (T)
     };
-                                                      // D_i = rowsum(dO_i ∘ O_i): the Σ_j P_ij dP_ij that softmax's Jacobian subtracts, from
-                                                      // (T, d) values instead of a (T, T) row.
+    // D_i = rowsum(dO_i ∘ O_i): the Σ_j P_ij dP_ij that softmax's Jacobian subtracts, from
+    // (T, d) values instead of a (T, T) row.
     let delta: Vec<f32> = (0..t).map(|r| d_o.row(r, d).iter().zip(o.row(r, d)).map(|(a, b)| a * b).sum()).collect();
     let (mut dq, mut dk, mut dv) = (vec![0f32; t * d], vec![0f32; t * d], vec![0f32; t * d]);
     let (mut p, mut dp) = (vec![0f32; BR * BC], vec![0f32; BR * BC]); // P and dS in p; dP: B_r × B_c, row stride B_c
@@ -405,7 +405,9 @@ mod tests {
             cases.push((DType::BF16, CpuKernel::Registers));
         }
         for (dt, cpu) in cases {
-            let randn = |s: u64| Tensor::from_vec(SplitMix64::new(s).normals(b * t * h * d), (b, t, h, d), &Device::Cpu).unwrap().to_dtype(dt).unwrap();
+            let randn = |s: u64| {
+                Tensor::from_vec(SplitMix64::new(s).normals(b * t * h * d), (b, t, h, d), &Device::Cpu).unwrap().to_dtype(dt).unwrap()
+            };
             let (q, k, v, d_o) = (randn(1), randn(2), randn(3), randn(4));
             for causal in [true, false] {
                 let op = FlashAttn { scale, causal, cpu, kernel: AttentionKernel::V2, lse: Some(std::sync::Mutex::new(None)) };
@@ -419,7 +421,9 @@ mod tests {
                     let (bi, hi) = (bh / h, bh % h);
                     for (i, &l) in row.iter().enumerate() {
                         let s: Vec<f64> = (0..if causal { i + 1 } else { t })
-                            .map(|j| (0..d).map(|c| qh[at(bi, i, hi) + c] as f64 * kh[at(bi, j, hi) + c] as f64).sum::<f64>() * scale as f64)
+                            .map(|j| {
+                                (0..d).map(|c| qh[at(bi, i, hi) + c] as f64 * kh[at(bi, j, hi) + c] as f64).sum::<f64>() * scale as f64
+                            })
                             .collect();
                         let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                         let want = m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln();

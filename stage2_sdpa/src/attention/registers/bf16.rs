@@ -77,7 +77,14 @@ pub(in crate::attention) fn attend_head(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
-unsafe fn attend_avx512_bf16(head: &HeadRows<bf16>, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
+unsafe fn attend_avx512_bf16(
+    head: &HeadRows<bf16>,
+    t: usize,
+    d: usize,
+    scale: f32,
+    causal: bool,
+    write: &mut dyn FnMut(usize, &[f32], f32),
+) {
     match d {
         32 => attend::<32>(head, t, scale, causal, write),
         64 => attend::<64>(head, t, scale, causal, write),
