@@ -312,8 +312,10 @@ mod tests {
 
         #[test]
         fn backwards_match_their_twins_on_random_shapes(bsz in 1usize..3, t in 1usize..40, k in 1usize..100, n in 1usize..100, seed in 0u64..1 << 20) {
-            check_layer_norm((bsz, t, k), seed);
-            check_add_layer_norm((bsz, t, k), seed);
+            // C ≥ 3: a LayerNorm over one or two values has dx = 0 identically (x̂ is 0, or ±1
+            // whatever x is), so the comparison would be of rounding noise alone.
+            check_layer_norm((bsz, t, k.max(3)), seed);
+            check_add_layer_norm((bsz, t, k.max(3)), seed);
             check_linears((bsz, t, k, n), seed, DType::F32);
         }
     }
