@@ -23,7 +23,7 @@ pub fn grad_tolerance(p: Precision) -> f64 {
     match p {
         Precision::Fp32 => 1e-5,
         Precision::Tf32 => 1e-2,
-        Precision::Bf16 => 5e-2,
+        Precision::Bf16 => 2e-2,
         Precision::F16 => 2e-2,
         Precision::Fp8 => 2e-1,
     }

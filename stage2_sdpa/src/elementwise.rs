@@ -215,6 +215,14 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, mode: Elementwise) -> candle_c
     let (bsz, t, c_in) = x.dims3()?;
     let c_out = w.dim(0)?;
     let y = stage1_tensorcore::bf16_gemm::matmul(&x.reshape((bsz * t, c_in))?, &w.t()?)?; // (B·T, out)
+    if y.dtype() != DType::F32 && [x, w, b].iter().any(|t| t.track_op()) {
+        // Training: the bias is added in f32, so that its gradient, a sum over the B·T rows,
+        // accumulates in f32 (candle's CPU sum of a bf16 tensor accumulates in bf16, which loses
+        // the bias gradient at a few thousand rows). The output is the same bits: candle's
+        // 16-bit add is an f32 add rounded once.
+        let z = y.to_dtype(DType::F32)?.broadcast_add(&b.to_dtype(DType::F32)?)?;
+        return z.to_dtype(y.dtype())?.reshape((bsz, t, c_out));
+    }
     add(&y, b, mode)?.reshape((bsz, t, c_out))
 }
 
