@@ -5,7 +5,6 @@ use crate::adamw::{AdamW, ParamsAdamW};
 use crate::ops::{add_layer_norm, layer_norm, linear_bias, linear_bias_gelu, linear_bias_residual};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, IndexOp, Tensor, Var};
-use candle_nn::Optimizer;
 use shared::breakdown::part;
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::perf::Traffic;
@@ -230,37 +229,23 @@ impl Stage for Fused {
         Ok(Box::new(Rebuild { stage: *self, weights: w.clone(), plan: plan.clone() }))
     }
 
-    /// The fused AdamW (`adamw.rs`) on the CPU; on CUDA, where it is not built, candle-nn's,
-    /// and the name says so.
+    /// The fused AdamW (`adamw.rs`): one pass per parameter on the CPU, one multi-tensor launch
+    /// on CUDA (`kernels/adamw.cu`).
     fn optimizer(&self, vars: Vec<Var>, plan: &Plan) -> anyhow::Result<Box<dyn Optimize>> {
         let p = train_params();
-        if plan.device.is_cpu() {
-            let params = ParamsAdamW { lr: p.lr, beta1: p.beta1, beta2: p.beta2, eps: p.eps, weight_decay: p.weight_decay };
-            return Ok(Box::new(FusedAdamW(AdamW::new(vars, params)?)));
-        }
-        Ok(Box::new(CandleAdamWOnCuda(candle_nn::AdamW::new(vars, p)?)))
+        let params = ParamsAdamW { lr: p.lr, beta1: p.beta1, beta2: p.beta2, eps: p.eps, weight_decay: p.weight_decay };
+        let name = if plan.device.is_cpu() { "fused AdamW" } else { "fused AdamW (one multi-tensor launch)" };
+        Ok(Box::new(FusedAdamW(AdamW::new(vars, params)?, name)))
     }
 }
 
-/// Stage 3's optimizer on the CPU: `adamw::AdamW`, one pass per parameter.
-pub struct FusedAdamW(pub AdamW);
+/// Stage 3's optimizer: `adamw::AdamW`, one pass per parameter on the CPU, every parameter in one
+/// launch on CUDA; and its label.
+pub struct FusedAdamW(pub AdamW, pub &'static str);
 
 impl Optimize for FusedAdamW {
     fn name(&self) -> String {
-        "fused AdamW".into()
-    }
-    fn step(&mut self, grads: &GradStore) -> anyhow::Result<bool> {
-        self.0.step(grads)?;
-        Ok(true)
-    }
-}
-
-/// Stage 3's optimizer on CUDA: candle-nn's AdamW, labelled as such.
-pub struct CandleAdamWOnCuda(pub candle_nn::AdamW);
-
-impl Optimize for CandleAdamWOnCuda {
-    fn name(&self) -> String {
-        "candle-nn AdamW (stage 3's fused AdamW is CPU-only)".into()
+        self.1.into()
     }
     fn step(&mut self, grads: &GradStore) -> anyhow::Result<bool> {
         self.0.step(grads)?;

@@ -68,4 +68,4 @@ mod block;
 #[cfg(feature = "harness")]
 pub mod selftest;
 #[cfg(feature = "harness")]
-pub use block::{Args, Block, CandleAdamWOnCuda, Fused, FusedAdamW, Fusions, STAGE};
+pub use block::{Args, Block, Fused, FusedAdamW, Fusions, STAGE};
