@@ -73,7 +73,9 @@ impl AdamW {
         for var in &vars {
             if var.dtype() != DType::F32 || !var.device().same_device(vars[0].device()) || !(cuda || var.device().is_cpu()) {
                 candle_core::bail!(
-                    "fused AdamW updates f32 parameters all on the CPU or all on one CUDA device, got {:?} on {:?}",
+                    "fused AdamW updates f32 parameters all on the CPU or all on one CUDA device, got {:?} on {:?}. \
+                     Fix: keep f32 master weights on one device (cast to the GEMM dtype in the forward), or use \
+                     candle_nn::AdamW for other dtypes",
                     var.dtype(),
                     var.device().location()
                 );
