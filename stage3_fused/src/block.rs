@@ -192,10 +192,11 @@ impl Stage for Fused {
             (format!("without {name}"), Box::new(Fused { fusions: self.fusions.without(name), ..*self }))
         };
         let mut v: Vec<(String, Box<dyn Stage>)> = self.fusions.on().into_iter().map(without).collect();
-        if !plan.info.is_cuda() && !self.fusions.on().is_empty() {
+        if !plan.info.is_cuda() && !plan.train && !self.fusions.on().is_empty() {
             // Stage 3's CPU element-wise ops are multi-threaded and vectorised, stage 2's are
             // not by default: this row is stage 2 with threads and SIMD only (no fusion), so
-            // the step from 2 to 3 splits into threading and fusion.
+            // the step from 2 to 3 splits into threading and fusion. (Not while training: those
+            // threaded passes are outside candle's autograd graph.)
             let sdpa = Sdpa { args: stage2_sdpa::Args { elementwise: Elementwise::Parallel, ..self.sdpa.args }, ..self.sdpa };
             v.push(("threads and SIMD only".into(), Box::new(Fused { sdpa, fusions: Fusions::NONE })));
         }

@@ -348,9 +348,12 @@ impl Stage for Fp8 {
         Ok(Box::new(TrainBlock::build(w, plan, self)?))
     }
 
-    fn ablations(&self, _plan: &Plan) -> Vec<(String, Box<dyn Stage>)> {
+    fn ablations(&self, plan: &Plan) -> Vec<(String, Box<dyn Stage>)> {
         // The producer fusions its recipe runs, one at a time; "fp8" in the label keeps
-        // "without fp8 ln" apart from stage 3's "without ln".
+        // "without fp8 ln" apart from stage 3's "without ln". Training runs them all off already.
+        if plan.train {
+            return Vec::new();
+        }
         let fusions = self.fusions();
         let without = |name: &str| -> (String, Box<dyn Stage>) {
             let args = Args { fp8_fusions: Some(fusions.without(name)), ..self.args };
