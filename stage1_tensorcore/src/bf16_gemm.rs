@@ -49,7 +49,7 @@
 mod amx;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 use std::sync::OnceLock;
@@ -257,7 +257,8 @@ impl<'a, T: Operand> MatRef<'a, T> {
 /// c (m × n, row-major f32) = a (m × k) · b (k × n) (+ c when `accumulate`), bf16 products
 /// accumulated in f32, on `kernel` (`Avx512Bf16` or `Amx`), rayon over tiles when `parallel`.
 /// An error, never a fault, when the CPU lacks the kernel or the shapes do not fit;
-/// `ConvertedF32` is the caller's f32 GEMM and is refused here.
+/// `ConvertedF32` is the caller's f32 GEMM and is refused here. Packs b, then `gemm_packed`:
+/// a caller whose b is a weight (the same every call) packs it once with `PackedB::new`.
 pub fn gemm<A: Operand, B: Operand>(
     kernel: Kernel,
     c: &mut [f32],
@@ -272,15 +273,86 @@ pub fn gemm<A: Operand, B: Operand>(
     }
     a.check("a")?;
     b.check("b")?;
+    check_kernel(kernel)?;
+    if kernel == Kernel::Mkl {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        #[cfg(feature = "mkl")]
+        return mkl::gemm(c, a, b, accumulate);
+    }
+    if m == 0 {
+        return Ok(()); // nothing to pack b for
+    }
+    gemm_packed(c, a, &PackedB::new(kernel, b, parallel)?, accumulate, parallel)
+}
+
+/// An error unless `kernel` is ours to run and this CPU has it.
+fn check_kernel(kernel: Kernel) -> Result<(), String> {
     if !kernel.is_native() || !kernel.available() {
         return Err(format!("bf16 gemm: the {} kernel cannot run on this CPU (detected: {})", kernel.name(), Kernel::detect().name()));
     }
+    Ok(())
+}
+
+/// B (k × n) packed for `kernel` (`Avx512Bf16` or `Amx`): ⌈n / NR⌉ panels of kp × NR pairs, as
+/// `pack_b` lays them out. A linear layer's B is its weight Wᵀ, the same in every forward, so it
+/// is packed once (`PackedWeight`, when the layer is built) and `gemm_packed` reads the panels
+/// as they are: no pass over the weight per call.
+#[derive(Clone, Debug)]
+pub struct PackedB {
+    panels: Vec<u32>,
+    k: usize,
+    n: usize,
+    /// k-pairs per panel: ⌈k / 2⌉, rounded up to a whole AMX tile (`amx::TK`) for `Amx`.
+    kp: usize,
+    kernel: Kernel,
+}
+
+impl PackedB {
+    /// Packs b for `kernel`, rayon over panels when `parallel`. An error when the CPU lacks the
+    /// kernel, for `Mkl` (MKL reads bf16 matrices as they are) and for `ConvertedF32`.
+    pub fn new<T: Operand>(kernel: Kernel, b: MatRef<T>, parallel: bool) -> Result<PackedB, String> {
+        check_kernel(kernel)?;
+        if kernel == Kernel::Mkl {
+            return Err("bf16 gemm: MKL's kernel reads b unpacked; pack for avx512-bf16 or amx".into());
+        }
+        b.check("b")?;
+        // k-pairs; AMX reads them 16 at a time, so its panels are padded with zero pairs.
+        #[cfg(target_arch = "x86_64")]
+        let kp = if kernel == Kernel::Amx { b.rows.div_ceil(2).next_multiple_of(amx::TK) } else { b.rows.div_ceil(2) };
+        #[cfg(not(target_arch = "x86_64"))]
+        let kp = b.rows.div_ceil(2);
+        Ok(PackedB { panels: pack_b(b, kp, parallel), k: b.rows, n: b.cols, kp, kernel })
+    }
+
+    /// Rows of B (the GEMM's k).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Columns of B (the GEMM's n).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// The kernel the panels are laid out for.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
+}
+
+/// `gemm` with b packed already: c (m × n) = a (m × k) · b (+ c when `accumulate`), on the
+/// kernel b was packed for.
+pub fn gemm_packed<A: Operand>(c: &mut [f32], a: MatRef<A>, b: &PackedB, accumulate: bool, parallel: bool) -> Result<(), String> {
+    let (m, k, n, kp, kernel) = (a.rows, a.cols, b.n, b.kp, b.kernel);
+    if b.k != k || c.len() != m * n {
+        return Err(format!("bf16 gemm: a {m} × {k}, packed b {} × {n} and c ({} elements) do not fit c = a·b", b.k, c.len()));
+    }
+    a.check("a")?;
+    check_kernel(kernel)?;
     if m == 0 || n == 0 {
         return Ok(());
-    }
-    if kernel == Kernel::Mkl {
-        #[cfg(feature = "mkl")]
-        return mkl::gemm(c, a, b, accumulate);
     }
     if k == 0 {
         if !accumulate {
@@ -288,12 +360,6 @@ pub fn gemm<A: Operand, B: Operand>(
         }
         return Ok(());
     }
-    // k-pairs; AMX reads them 16 at a time, so its panels are padded with zero pairs.
-    #[cfg(target_arch = "x86_64")]
-    let kp = if kernel == Kernel::Amx { k.div_ceil(2).next_multiple_of(amx::TK) } else { k.div_ceil(2) };
-    #[cfg(not(target_arch = "x86_64"))]
-    let kp = k.div_ceil(2);
-    let packed_b = pack_b(b, kp, parallel);
     let out = OutPtr(c.as_mut_ptr());
     let (row_blocks, col_blocks) = (m.div_ceil(MC), n.div_ceil(NC));
     let task = |t: usize| {
@@ -301,7 +367,7 @@ pub fn gemm<A: Operand, B: Operand>(
         let (mc, nc) = (MC.min(m - i0), NC.min(n - j0));
         // SAFETY: the task's rows i0..i0+mc and columns j0..j0+nc are its own (tasks tile C
         // without overlap), and lie inside c (m × n, length checked above).
-        unsafe { block(kernel, out, n, a, &packed_b, kp, (i0, mc), (j0, nc), accumulate) }
+        unsafe { block(kernel, out, n, a, &b.panels, kp, (i0, mc), (j0, nc), accumulate) }
     };
     if parallel {
         (0..row_blocks * col_blocks).into_par_iter().for_each(task);
@@ -644,6 +710,72 @@ pub fn matmul_slow(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     wide(a)?.matmul(&wide(b)?)?.to_dtype(a.dtype())
 }
 
+/// A linear layer's weight W (n × k, as stored: y = x·Wᵀ), with Wᵀ packed once into the bf16
+/// kernel's pair panels when W is bf16 on a CPU whose bf16 unit runs our kernel. A layer builds
+/// it in `build`, outside the timed forward; every forward's `matmul_prepacked` then reads the
+/// panels as they are, where `matmul(x, &w.t())` packs W again in every call (W is the larger
+/// operand of fc1: FF × C). Otherwise (f32 or f16 W, CUDA, MKL, a CPU without bf16
+/// instructions) it holds W only and `matmul_prepacked` is `matmul`.
+#[derive(Clone, Debug)]
+pub struct PackedWeight {
+    w: Tensor,
+    packed: Option<PackedB>,
+    kernel: Kernel,
+}
+
+impl PackedWeight {
+    /// W (n × k) for the kernel this CPU runs (`Kernel::detect`).
+    pub fn new(w: &Tensor) -> candle_core::Result<PackedWeight> {
+        PackedWeight::with_kernel(w, Kernel::detect())
+    }
+
+    /// W (n × k) for a given kernel; one this CPU lacks is an error, as in `matmul_with`.
+    pub fn with_kernel(w: &Tensor, kernel: Kernel) -> candle_core::Result<PackedWeight> {
+        let (n, k) = w.dims2()?;
+        let ours = w.device().is_cpu() && w.dtype() == DType::BF16 && kernel.is_native() && kernel != Kernel::Mkl;
+        let packed = match ours {
+            false => None,
+            true => {
+                let w = w.contiguous()?;
+                let (storage, layout) = w.storage_and_layout();
+                let (candle_core::Storage::Cpu(CpuStorage::BF16(data)), Some((start, end))) = (&*storage, layout.contiguous_offsets())
+                else {
+                    candle_core::bail!("bf16 gemm: a contiguous bf16 CPU weight read as something else");
+                };
+                let wt = MatRef::row_major(&data[start..end], n, k).t(); // (k, n): W read transposed, no copy
+                Some(PackedB::new(kernel, wt, true).map_err(candle_core::Error::Msg)?)
+            }
+        };
+        Ok(PackedWeight { w: w.clone(), packed, kernel })
+    }
+
+    /// W as given (n × k).
+    pub fn weight(&self) -> &Tensor {
+        &self.w
+    }
+
+    /// Wᵀ's panels, when packed.
+    pub fn packed(&self) -> Option<&PackedB> {
+        self.packed.as_ref()
+    }
+}
+
+/// a · Wᵀ for a (…, M, K), W held by `w` (N × K): `matmul(a, &w.t())` without packing W, out
+/// (…, M, N) in a's dtype (bf16 or f32), f32 accumulation. Unpacked weights (see `PackedWeight`)
+/// run `matmul_with` on their kernel, a's leading dimensions flattened into M.
+pub fn matmul_prepacked(a: &Tensor, w: &PackedWeight) -> candle_core::Result<Tensor> {
+    match &w.packed {
+        Some(b) if a.device().is_cpu() && matches!(a.dtype(), DType::BF16 | DType::F32) => a.apply_op1_no_bwd(&Bf16MatmulPacked { b }),
+        _ => {
+            // candle's matmul takes a 2-d right-hand side only with a 2-d left: (…·M, K) · (K, N).
+            let (dims, k) = (a.dims(), a.dim(candle_core::D::Minus1)?);
+            let mut out_dims = dims[..dims.len().saturating_sub(1)].to_vec();
+            out_dims.push(w.w.dim(0)?);
+            matmul_with(&a.reshape(((), k))?, &w.w.t()?, w.kernel)?.reshape(out_dims)
+        }
+    }
+}
+
 /// The op behind `matmul`.
 struct Bf16Matmul {
     kernel: Kernel,
@@ -662,11 +794,16 @@ impl CustomOp2 for Bf16Matmul {
             (CpuStorage::F32(a), CpuStorage::F32(b)) => self.run(a, l1, b, l2),
             _ => candle_core::bail!("bf16 matmul: operands must be bf16 or f32, got {:?} and {:?}", s1.dtype(), s2.dtype()),
         }?;
-        let out = match s1 {
-            CpuStorage::BF16(_) => CpuStorage::BF16(out.par_iter().map(|&v| bf16::from_f32(v)).collect()),
-            _ => CpuStorage::F32(out), // f32 activations stay f32: no narrowing pass
-        };
-        Ok((out, shape))
+        Ok((in_dtype_of(s1, out), shape))
+    }
+}
+
+/// The products (f32) in a's dtype: bf16 activations give bf16, as on a GPU; f32 ones stay f32
+/// (no narrowing pass).
+fn in_dtype_of(a: &CpuStorage, out: Vec<f32>) -> CpuStorage {
+    match a {
+        CpuStorage::BF16(_) => CpuStorage::BF16(out.par_iter().map(|&v| bf16::from_f32(v)).collect()),
+        _ => CpuStorage::F32(out),
     }
 }
 
@@ -677,31 +814,74 @@ impl Bf16Matmul {
         if ad.len() < 2 || bd.len() < 2 {
             candle_core::bail!("bf16 matmul: operands must be at least 2-d, got {ad:?} and {bd:?}");
         }
-        let (batch_dims, m, k) = (&ad[..ad.len() - 2], ad[ad.len() - 2], ad[ad.len() - 1]);
+        let (batch_dims, k) = (&ad[..ad.len() - 2], ad[ad.len() - 1]);
         let (kb, n) = (bd[bd.len() - 2], bd[bd.len() - 1]);
         let b_batched = bd.len() > 2;
         if kb != k || (b_batched && &bd[..bd.len() - 2] != batch_dims) {
             candle_core::bail!("bf16 matmul: shapes {ad:?} and {bd:?} do not fit (…, M, K) · (…, K, N) or (K, N)");
         }
-        let batch: usize = batch_dims.iter().product();
-        let mut out = vec![0f32; batch * m * n];
-        // One product: on all threads when it is the only one, else one product per task.
-        let run = |t: usize, c: &mut [f32], parallel: bool| {
-            let av = batch_view(a, l1, t, m, k);
+        // MKL threads each product itself (OpenMP): one at a time.
+        products(a, l1, n, self.kernel == Kernel::Mkl, |t, c, av, parallel| {
             let bv = batch_view(b, l2, if b_batched { t } else { 0 }, k, n);
             gemm(self.kernel, c, av, bv, false, parallel)
-        };
-        if batch == 1 || self.kernel == Kernel::Mkl {
-            // MKL threads each product itself (OpenMP); one at a time.
-            out.chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, true))
-        } else {
-            out.par_chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, false))
-        }
-        .map_err(candle_core::Error::Msg)?;
-        let mut dims = batch_dims.to_vec();
-        dims.extend([m, n]);
-        Ok((out, Shape::from(dims)))
+        })
     }
+}
+
+/// The op behind `matmul_prepacked`: a is its one input, the packed weight its state.
+struct Bf16MatmulPacked<'a> {
+    b: &'a PackedB,
+}
+
+impl CustomOp1 for Bf16MatmulPacked<'_> {
+    fn name(&self) -> &'static str {
+        "speedkit-bf16-matmul-prepacked"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (out, shape) = match s1 {
+            CpuStorage::BF16(a) => self.run(a, l1),
+            CpuStorage::F32(a) => self.run(a, l1),
+            _ => candle_core::bail!("bf16 matmul: the activation must be bf16 or f32, got {:?}", s1.dtype()),
+        }?;
+        Ok((in_dtype_of(s1, out), shape))
+    }
+}
+
+impl Bf16MatmulPacked<'_> {
+    fn run<A: Operand>(&self, a: &[A], l1: &Layout) -> candle_core::Result<(Vec<f32>, Shape)> {
+        let ad = l1.shape().dims();
+        if ad.len() < 2 || ad[ad.len() - 1] != self.b.k {
+            candle_core::bail!("bf16 matmul: a {ad:?} does not fit (…, M, K) · Wᵀ with W ({}, {})", self.b.n, self.b.k);
+        }
+        products(a, l1, self.b.n, false, |_, c, av, parallel| gemm_packed(c, av, self.b, false, parallel))
+    }
+}
+
+/// The products of a (…, M, K) with its right-hand sides, in f32 (…, M, N): `one(t, c, a_t,
+/// parallel)` writes product t into c. One product runs on all threads; several run one per
+/// task unless `sequential`.
+fn products<A: Operand>(
+    a: &[A],
+    l1: &Layout,
+    n: usize,
+    sequential: bool,
+    one: impl Fn(usize, &mut [f32], MatRef<A>, bool) -> Result<(), String> + Sync,
+) -> candle_core::Result<(Vec<f32>, Shape)> {
+    let ad = l1.shape().dims();
+    let (batch_dims, m, k) = (&ad[..ad.len() - 2], ad[ad.len() - 2], ad[ad.len() - 1]);
+    let batch: usize = batch_dims.iter().product();
+    let mut out = vec![0f32; batch * m * n];
+    let run = |t: usize, c: &mut [f32], parallel: bool| one(t, c, batch_view(a, l1, t, m, k), parallel);
+    if batch == 1 || sequential {
+        out.chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, true))
+    } else {
+        out.par_chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, false))
+    }
+    .map_err(candle_core::Error::Msg)?;
+    let mut dims = batch_dims.to_vec();
+    dims.extend([m, n]);
+    Ok((out, Shape::from(dims)))
 }
 
 /// Product t of a batched operand (…, rows, cols) as a view: its offset from the layout's batch
