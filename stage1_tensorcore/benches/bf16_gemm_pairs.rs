@@ -7,7 +7,8 @@
 //! - `bf16 prepacked`: `bf16_gemm::matmul_prepacked` with W packed once, as the blocks hold it;
 //! - `bf16 f32-x prepacked`: stage 1's case, an f32 activation rounded to bf16 as it is packed.
 //!
-//! `cargo bench -p stage1_tensorcore --bench bf16_gemm_pairs` (`BENCH_ROUNDS=n`, default 15).
+//! `cargo bench -p stage1_tensorcore --bench bf16_gemm_pairs` (`BENCH_ROUNDS=n`, default 15;
+//! `BENCH_ONLY="bf16 prepacked"` keeps f32 and that variant).
 
 use candle_core::{DType, Device, Tensor};
 use shared::weights::SplitMix64;
@@ -47,6 +48,9 @@ fn main() {
         variants.push((s, "bf16", Box::new(move || drop(bf16_gemm::matmul(xb, wbt).unwrap()))));
         variants.push((s, "bf16 prepacked", Box::new(move || drop(bf16_gemm::matmul_prepacked(xb, packed).unwrap()))));
         variants.push((s, "bf16 f32-x prepacked", Box::new(move || drop(bf16_gemm::matmul_prepacked(x, packed).unwrap()))));
+    }
+    if let Ok(only) = std::env::var("BENCH_ONLY") {
+        variants.retain(|(_, name, _)| *name == "f32" || *name == only); // f32 stays: the ratio's denominator
     }
     for (_, _, run) in &variants {
         for _ in 0..3 {
