@@ -29,9 +29,11 @@
 //! past the edge are zero too, and their results are never stored.
 //!
 //! **Blocking and threads**, as the fp32 paths (the gemm crate, BLIS): B is packed once per
-//! call; each rayon task takes `MC` rows × `NC` columns of C and, per `KC`-pair slice of k,
-//! packs its A block (`MC × KC` pairs, 48 KiB: L2) and runs the micro-kernel over every
-//! `MR × NR` tile with one B micro-panel (`KC × NR` pairs, 16 KiB: L1) at a time.
+//! call (or once per layer: `PackedB`, `PackedWeight`); each rayon task takes `MC` rows × `NC`
+//! columns of C and, per `KC`-pair slice of k, packs its A block (`MC × KC` pairs, 144 KiB: L2)
+//! and runs the micro-kernel over every `MR × NR` tile with one B micro-panel (`KC × NR` pairs,
+//! 48 KiB, streamed from L2) at a time. Each slice loads and stores the C tile once, so the
+//! slice is long: at K = 768 (the block's C) all of k is one slice.
 //! The `MR × NR` = 12 × 32 accumulator tile is 24 zmm registers, leaving room for two B rows and
 //! the broadcast A pair.
 //!
@@ -58,9 +60,13 @@ use std::sync::OnceLock;
 pub const MR: usize = 12;
 /// Columns of C per micro-kernel tile: two zmm registers of 16 f32.
 pub const NR: usize = 32;
-/// k-pairs per slice: a B micro-panel is KC × NR × 4 bytes = 16 KiB, half of a Zen 4 L1.
-pub const KC: usize = 128;
-/// Rows of C per task: the packed A block is MC × KC × 4 bytes = 48 KiB, well within L2.
+/// k-pairs per slice: 384 pairs = 768 k. Every slice starts by loading the 24-register C tile
+/// and ends by storing it (48 accesses to C rows `n` floats apart). With 128 pairs those were
+/// ~6% of the micro-kernel's perf samples (2% now) and fc1 (K = 768) ran 12–15% slower (Zen 4,
+/// 2 cores, paired runs; qkv and proj less, fc2 the same). The B micro-panel (KC × NR × 4 bytes
+/// = 48 KiB) no longer fits a 32 KiB L1: it streams from L2 in order, the A panel stays in L1.
+pub const KC: usize = 384;
+/// Rows of C per task: the packed A block is MC × KC × 4 bytes = 144 KiB, well within L2.
 pub const MC: usize = 96;
 /// Columns of C per task: tasks = ⌈m / MC⌉ · ⌈n / NC⌉, many more than cores at the block's
 /// shapes, and each packed A block serves up to NC / NR = 24 B micro-panels.

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
-use stage1_tensorcore::bf16_gemm::{self, gemm, gemm_packed, gemm_scalar, Kernel, MatRef, PackedB, PackedWeight, MC, MR, NC, NR};
+use stage1_tensorcore::bf16_gemm::{self, gemm, gemm_packed, gemm_scalar, Kernel, MatRef, PackedB, PackedWeight, KC, MC, MR, NC, NR};
 
 /// A small deterministic generator (xorshift), values in [-1, 1) rounded to bf16.
 struct Rng(u64);
@@ -42,9 +42,11 @@ fn assert_close(got: &[f32], want: &[f32], k: usize, scale: f32, what: &str) {
     }
 }
 
-/// Shapes around the tile edges: 1, odd, just under and over MR, NR, MC, NC, and K odd.
+/// Shapes around the tile edges: 1, odd, just under and over MR, NR, MC, NC, and K odd; K over
+/// two slices of KC pairs (C carried from slice to slice), the last one ragged.
 fn ragged_shapes(rng: &mut Rng) -> Vec<(usize, usize, usize)> {
     let mut shapes = vec![(1, 1, 1), (MR, NR, 2), (MR + 1, NR - 1, 3), (MC + 5, NC + 3, 257), (2 * MC - 1, 33, 511), (13, 2 * NC + 17, 64)];
+    shapes.push((MR + 1, NR + 7, 4 * KC + 3));
     for _ in 0..6 {
         shapes.push((1 + rng.below(150), 1 + rng.below(300), 1 + 2 * rng.below(200)));
         // K odd
