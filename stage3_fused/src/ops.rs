@@ -32,7 +32,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 use rayon::prelude::*;
-use stage1_tensorcore::bf16_gemm::{self, Kernel, MatRef, PackedB, PackedWeight};
+use stage1_tensorcore::bf16_gemm::{self, narrow_bf16, Kernel, MatRef, PackedB, PackedWeight};
 use stage2_sdpa::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, Elementwise, RowStats};
 use std::borrow::Cow;
 use std::sync::Mutex;
@@ -673,31 +673,6 @@ pub fn gelu_tanh(v: f32) -> f32 {
 // ---------------------------------------------------------------------------------------------
 // Storage helpers for the CPU forwards
 // ---------------------------------------------------------------------------------------------
-
-/// dst = src rounded to bf16 (nearest even): 16 at a time with AVX512-BF16's `vcvtneps2bf16`
-/// where the CPU's bf16 unit runs (`Kernel::detect`; it reads f32 denormals as zero, as its dot
-/// products do), else one at a time (`half`).
-fn narrow_bf16(src: &[f32], dst: &mut [half::bf16]) {
-    debug_assert_eq!(src.len(), dst.len());
-    #[cfg(target_arch = "x86_64")]
-    if Kernel::detect().is_native() && Kernel::Avx512Bf16.available() {
-        // SAFETY: the CPU has AVX512-F and AVX512-BF16 (checked on the line above).
-        return unsafe { narrow_bf16_avx512(src, dst) };
-    }
-    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = half::bf16::from_f32(s));
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [half::bf16]) {
-    use std::arch::x86_64::*;
-    let (mut s, mut d) = (src.chunks_exact(16), dst.chunks_exact_mut(16));
-    for (s, d) in (&mut s).zip(&mut d) {
-        let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(s.as_ptr())));
-        _mm256_storeu_si256(d.as_mut_ptr() as *mut __m256i, h);
-    }
-    d.into_remainder().iter_mut().zip(s.remainder()).for_each(|(d, &s)| *d = half::bf16::from_f32(s));
-}
 
 /// `t` in f32 and contiguous: the same tensor when it already is (no copy); on the CPU the cast
 /// runs on all threads (`stage2_sdpa::elementwise::to_dtype`).
