@@ -280,15 +280,12 @@ pub fn gemm<A: Operand, B: Operand>(
     a.check("a")?;
     b.check("b")?;
     check_kernel(kernel)?;
+    if m == 0 || n == 0 {
+        return Ok(()); // nothing to compute (and no b to pack)
+    }
     if kernel == Kernel::Mkl {
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
         #[cfg(feature = "mkl")]
         return mkl::gemm(c, a, b, accumulate);
-    }
-    if m == 0 {
-        return Ok(()); // nothing to pack b for
     }
     gemm_packed(c, a, &PackedB::new(kernel, b, parallel)?, accumulate, parallel)
 }
