@@ -34,6 +34,8 @@
 //! and runs the micro-kernel over every `MR × NR` tile with one B micro-panel (`KC × NR` pairs,
 //! 48 KiB, streamed from L2) at a time. Each slice loads and stores the C tile once, so the
 //! slice is long: at K = 768 (the block's C) all of k is one slice.
+//! A bf16 C (`gemm_packed_bf16`, what `matmul_prepacked` gives bf16 activations) is summed per
+//! task in an f32 scratch that stays in L2 and rounded to bf16 as the task stores it.
 //! The `MR × NR` = 12 × 32 accumulator tile is 24 zmm registers, leaving room for two B rows and
 //! the broadcast A pair.
 //!
@@ -364,20 +366,71 @@ pub fn gemm_packed<A: Operand>(c: &mut [f32], a: MatRef<A>, b: &PackedB, accumul
         return Ok(());
     }
     let out = OutPtr(c.as_mut_ptr());
-    let (row_blocks, col_blocks) = (m.div_ceil(MC), n.div_ceil(NC));
-    let task = |t: usize| {
-        let (i0, j0) = ((t / col_blocks) * MC, (t % col_blocks) * NC);
-        let (mc, nc) = (MC.min(m - i0), NC.min(n - j0));
+    tasks(m, n, parallel, |(i0, mc), (j0, nc)| {
         // SAFETY: the task's rows i0..i0+mc and columns j0..j0+nc are its own (tasks tile C
         // without overlap), and lie inside c (m × n, length checked above).
         unsafe { block(kernel, out, n, a, &b.panels, kp, (i0, mc), (j0, nc), accumulate) }
+    });
+    Ok(())
+}
+
+/// `gemm_packed` with c in bf16: c (m × n) = a · b, accumulated in f32 and rounded to bf16
+/// (`narrow_bf16`). Each task computes its MC × NC block into a per-thread f32 scratch (295 KiB:
+/// it stays in L2) and narrows it as it stores it, so no m × n f32 intermediate is written,
+/// faulted in and read back by a narrowing pass (fc1's would be 24 MiB).
+pub fn gemm_packed_bf16<A: Operand>(c: &mut [bf16], a: MatRef<A>, b: &PackedB, parallel: bool) -> Result<(), String> {
+    let (m, k, n, kp, kernel) = (a.rows, a.cols, b.n, b.kp, b.kernel);
+    if b.k != k || c.len() != m * n {
+        return Err(format!("bf16 gemm: a {m} × {k}, packed b {} × {n} and c ({} elements) do not fit c = a·b", b.k, c.len()));
+    }
+    a.check("a")?;
+    check_kernel(kernel)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        c.fill(bf16::ZERO);
+        return Ok(());
+    }
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let out = OutPtr(c.as_mut_ptr());
+    tasks(m, n, parallel, |(i0, mc), (j0, nc)| {
+        SCRATCH.with_borrow_mut(|scratch| {
+            if scratch.len() < mc * nc {
+                scratch.resize(mc * nc, 0.0); // never read before written: the block overwrites it
+            }
+            // The task's rows of A and its columns' B panels (j0 is a multiple of NC, so of NR)
+            // as an m = mc, n = nc product at (0, 0), written into the scratch (row length nc).
+            let rows = MatRef { offset: a.offset + i0 * a.rs, rows: mc, ..a };
+            let panels = &b.panels[(j0 / NR) * kp * NR..];
+            // SAFETY: the scratch holds mc × nc f32 and is this thread's alone.
+            unsafe { block(kernel, OutPtr(scratch.as_mut_ptr()), nc, rows, panels, kp, (0, mc), (0, nc), false) };
+            for (r, acc) in scratch[..mc * nc].chunks_exact(nc).enumerate() {
+                // SAFETY: row i0 + r, columns j0..j0+nc of c (m × n, length checked above) are
+                // this task's alone (tasks tile C without overlap).
+                let row = unsafe { std::slice::from_raw_parts_mut(out.at((i0 + r) * n + j0), nc) };
+                narrow_bf16(acc, row);
+            }
+        })
+    });
+    Ok(())
+}
+
+/// Runs `task((i0, mc), (j0, nc))` over C (m × n) in blocks of MC rows × NC columns, on all
+/// threads when `parallel`.
+fn tasks(m: usize, n: usize, parallel: bool, task: impl Fn((usize, usize), (usize, usize)) + Sync) {
+    let (row_blocks, col_blocks) = (m.div_ceil(MC), n.div_ceil(NC));
+    let one = |t: usize| {
+        let (i0, j0) = ((t / col_blocks) * MC, (t % col_blocks) * NC);
+        task((i0, MC.min(m - i0)), (j0, NC.min(n - j0)))
     };
     if parallel {
-        (0..row_blocks * col_blocks).into_par_iter().for_each(task);
+        (0..row_blocks * col_blocks).into_par_iter().for_each(one);
     } else {
-        (0..row_blocks * col_blocks).for_each(task);
+        (0..row_blocks * col_blocks).for_each(one);
     }
-    Ok(())
 }
 
 /// The scalar twin: the same products (of the operands rounded to bf16) and f32 sums, in k
@@ -461,19 +514,20 @@ fn pack_a<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, 
     }
 }
 
-/// C written by every task at rows and columns no other task writes.
+/// C (f32, or bf16 for `gemm_packed_bf16`) written by every task at rows and columns no other
+/// task writes.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+struct OutPtr<T = f32>(*mut T);
 // SAFETY: tasks write disjoint blocks of C (see `gemm`).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+unsafe impl<T> Send for OutPtr<T> {}
+unsafe impl<T> Sync for OutPtr<T> {}
 
-impl OutPtr {
+impl<T> OutPtr<T> {
     /// The element at offset i (a method, so closures capture the Send + Sync wrapper whole).
     ///
     /// # Safety
     /// i is inside the buffer.
-    unsafe fn at(self, i: usize) -> *mut f32 {
+    unsafe fn at(self, i: usize) -> *mut T {
         self.0.add(i)
     }
 }
@@ -870,41 +924,43 @@ impl CustomOp1 for Bf16MatmulPacked<'_> {
         "speedkit-bf16-matmul-prepacked"
     }
 
+    /// bf16 activations give bf16, each task's block narrowed as it is stored
+    /// (`gemm_packed_bf16`); f32 ones give f32.
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (out, shape) = match s1 {
-            CpuStorage::BF16(a) => self.run(a, l1),
-            CpuStorage::F32(a) => self.run(a, l1),
-            _ => candle_core::bail!("bf16 matmul: the activation must be bf16 or f32, got {:?}", s1.dtype()),
-        }?;
-        Ok((in_dtype_of(s1, out), shape))
-    }
-}
-
-impl Bf16MatmulPacked<'_> {
-    fn run<A: Operand>(&self, a: &[A], l1: &Layout) -> candle_core::Result<(Vec<f32>, Shape)> {
         let ad = l1.shape().dims();
         if ad.len() < 2 || ad[ad.len() - 1] != self.b.k {
             candle_core::bail!("bf16 matmul: a {ad:?} does not fit (…, M, K) · Wᵀ with W ({}, {})", self.b.n, self.b.k);
         }
-        products(a, l1, self.b.n, false, |_, c, av, parallel| gemm_packed(c, av, self.b, false, parallel))
+        let n = self.b.n;
+        match s1 {
+            CpuStorage::BF16(a) => {
+                let (out, shape) = products(a, l1, n, false, |_, c, av, parallel| gemm_packed_bf16(c, av, self.b, parallel))?;
+                Ok((CpuStorage::BF16(out), shape))
+            }
+            CpuStorage::F32(a) => {
+                let (out, shape) = products(a, l1, n, false, |_, c, av, parallel| gemm_packed(c, av, self.b, false, parallel))?;
+                Ok((CpuStorage::F32(out), shape))
+            }
+            _ => candle_core::bail!("bf16 matmul: the activation must be bf16 or f32, got {:?}", s1.dtype()),
+        }
     }
 }
 
-/// The products of a (…, M, K) with its right-hand sides, in f32 (…, M, N): `one(t, c, a_t,
-/// parallel)` writes product t into c. One product runs on all threads; several run one per
-/// task unless `sequential`.
-fn products<A: Operand>(
+/// The products of a (…, M, K) with its right-hand sides, (…, M, N) in `O` (f32, or bf16):
+/// `one(t, c, a_t, parallel)` writes product t into c. One product runs on all threads; several
+/// run one per task unless `sequential`.
+fn products<A: Operand, O: Copy + Default + Send + Sync>(
     a: &[A],
     l1: &Layout,
     n: usize,
     sequential: bool,
-    one: impl Fn(usize, &mut [f32], MatRef<A>, bool) -> Result<(), String> + Sync,
-) -> candle_core::Result<(Vec<f32>, Shape)> {
+    one: impl Fn(usize, &mut [O], MatRef<A>, bool) -> Result<(), String> + Sync,
+) -> candle_core::Result<(Vec<O>, Shape)> {
     let ad = l1.shape().dims();
     let (batch_dims, m, k) = (&ad[..ad.len() - 2], ad[ad.len() - 2], ad[ad.len() - 1]);
     let batch: usize = batch_dims.iter().product();
-    let mut out = vec![0f32; batch * m * n];
-    let run = |t: usize, c: &mut [f32], parallel: bool| one(t, c, batch_view(a, l1, t, m, k), parallel);
+    let mut out = vec![O::default(); batch * m * n];
+    let run = |t: usize, c: &mut [O], parallel: bool| one(t, c, batch_view(a, l1, t, m, k), parallel);
     if batch == 1 || sequential {
         out.chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, true))
     } else {

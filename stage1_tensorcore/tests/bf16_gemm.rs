@@ -4,7 +4,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
-use stage1_tensorcore::bf16_gemm::{self, gemm, gemm_packed, gemm_scalar, Kernel, MatRef, PackedB, PackedWeight, KC, MC, MR, NC, NR};
+use stage1_tensorcore::bf16_gemm::{
+    self, gemm, gemm_packed, gemm_packed_bf16, gemm_scalar, Kernel, MatRef, PackedB, PackedWeight, KC, MC, MR, NC, NR,
+};
 
 /// A small deterministic generator (xorshift), values in [-1, 1) rounded to bf16.
 struct Rng(u64);
@@ -84,6 +86,12 @@ fn kernel_matches_scalar_twin_and_f32_gemm_on_ragged_shapes() {
                 let mut c = vec![f32::NAN; m * n];
                 gemm_packed(&mut c, av, &packed, false, parallel).unwrap();
                 assert_close(&c, &twin, k, 1.0, &format!("{} packed vs scalar twin at {m}×{n}×{k}", kernel.name()));
+                // bf16 out: the same f32 sums (per-task scratch), each rounded to bf16 as stored.
+                let mut c16 = vec![bf16::NAN; m * n];
+                gemm_packed_bf16(&mut c16, av, &packed, parallel).unwrap();
+                let mut narrowed = vec![bf16::ZERO; m * n];
+                bf16_gemm::narrow_bf16(&c, &mut narrowed);
+                assert!(c16.iter().zip(&narrowed).all(|(x, y)| x.to_bits() == y.to_bits()), "{} bf16 out at {m}×{n}×{k}", kernel.name());
             }
         }
     }
@@ -113,6 +121,12 @@ fn strided_and_transposed_views_and_accumulation() {
                     gemm_packed(&mut got, a, &packed, true, true).unwrap();
                     assert_close(&got, &want, k, 2.0, &format!("{} packed, strided, accumulating, {m}×{n}×{k}", kernel.name()));
                 }
+                // bf16 out from the strided A: the f32 product, rounded.
+                let (mut f, mut c16, mut narrowed) = (vec![0f32; m * n], vec![bf16::NAN; m * n], vec![bf16::ZERO; m * n]);
+                gemm_packed(&mut f, a, &packed, false, true).unwrap();
+                gemm_packed_bf16(&mut c16, a, &packed, true).unwrap();
+                bf16_gemm::narrow_bf16(&f, &mut narrowed);
+                assert!(c16.iter().zip(&narrowed).all(|(x, y)| x.to_bits() == y.to_bits()), "{} strided bf16 out", kernel.name());
             }
         }
     }
