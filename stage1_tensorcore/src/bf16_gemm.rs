@@ -844,27 +844,13 @@ impl CustomOp2 for Bf16Matmul {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (out, shape) = match (s1, s2) {
+        match (s1, s2) {
             (CpuStorage::BF16(a), CpuStorage::BF16(b)) => self.run(a, l1, b, l2),
             (CpuStorage::BF16(a), CpuStorage::F32(b)) => self.run(a, l1, b, l2),
             (CpuStorage::F32(a), CpuStorage::BF16(b)) => self.run(a, l1, b, l2),
             (CpuStorage::F32(a), CpuStorage::F32(b)) => self.run(a, l1, b, l2),
             _ => candle_core::bail!("bf16 matmul: operands must be bf16 or f32, got {:?} and {:?}", s1.dtype(), s2.dtype()),
-        }?;
-        Ok((in_dtype_of(s1, out), shape))
-    }
-}
-
-/// The products (f32) in a's dtype: bf16 activations give bf16, as on a GPU (narrowed on all
-/// threads, 16 values an instruction); f32 ones stay f32 (no narrowing pass).
-fn in_dtype_of(a: &CpuStorage, out: Vec<f32>) -> CpuStorage {
-    match a {
-        CpuStorage::BF16(_) => {
-            let mut narrow = vec![bf16::ZERO; out.len()];
-            narrow.par_chunks_mut(16 * 1024).zip(out.par_chunks(16 * 1024)).for_each(|(n, o)| narrow_bf16(o, n));
-            CpuStorage::BF16(narrow)
         }
-        _ => CpuStorage::F32(out),
     }
 }
 
@@ -894,8 +880,9 @@ unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
 }
 
 impl Bf16Matmul {
-    /// The products, in f32.
-    fn run<A: Operand, B: Operand>(&self, a: &[A], l1: &Layout, b: &[B], l2: &Layout) -> candle_core::Result<(Vec<f32>, Shape)> {
+    /// The products in a's dtype: bf16 activations give bf16, as on a GPU (`gemm_packed_bf16`,
+    /// rounded as each task stores its block; MKL's f32 result narrowed after); f32 ones stay f32.
+    fn run<A: Operand, B: Operand>(&self, a: &[A], l1: &Layout, b: &[B], l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (ad, bd) = (l1.shape().dims(), l2.shape().dims());
         if ad.len() < 2 || bd.len() < 2 {
             candle_core::bail!("bf16 matmul: operands must be at least 2-d, got {ad:?} and {bd:?}");
@@ -906,11 +893,23 @@ impl Bf16Matmul {
         if kb != k || (b_batched && &bd[..bd.len() - 2] != batch_dims) {
             candle_core::bail!("bf16 matmul: shapes {ad:?} and {bd:?} do not fit (…, M, K) · (…, K, N) or (K, N)");
         }
+        let b_of = |t: usize| batch_view(b, l2, if b_batched { t } else { 0 }, k, n);
+        let bf16_out = A::as_bf16(a).is_some();
+        if bf16_out && self.kernel != Kernel::Mkl {
+            let (out, shape) = products(a, l1, n, false, |t, c, av, parallel| {
+                gemm_packed_bf16(c, av, &PackedB::new(self.kernel, b_of(t), parallel)?, parallel)
+            })?;
+            return Ok((CpuStorage::BF16(out), shape));
+        }
         // MKL threads each product itself (OpenMP): one at a time.
-        products(a, l1, n, self.kernel == Kernel::Mkl, |t, c, av, parallel| {
-            let bv = batch_view(b, l2, if b_batched { t } else { 0 }, k, n);
-            gemm(self.kernel, c, av, bv, false, parallel)
-        })
+        let (out, shape) =
+            products(a, l1, n, self.kernel == Kernel::Mkl, |t, c, av, parallel| gemm(self.kernel, c, av, b_of(t), false, parallel))?;
+        if !bf16_out {
+            return Ok((CpuStorage::F32(out), shape));
+        }
+        let mut narrow = vec![bf16::ZERO; out.len()];
+        narrow.par_chunks_mut(16 * 1024).zip(out.par_chunks(16 * 1024)).for_each(|(n, o)| narrow_bf16(o, n));
+        Ok((CpuStorage::BF16(narrow), shape))
     }
 }
 
