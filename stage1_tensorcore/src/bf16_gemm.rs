@@ -65,8 +65,9 @@ pub const NR: usize = 32;
 /// k-pairs per slice: 384 pairs = 768 k. Every slice starts by loading the 24-register C tile
 /// and ends by storing it (48 accesses to C rows `n` floats apart). With 128 pairs those were
 /// ~6% of the micro-kernel's perf samples (2% now) and fc1 (K = 768) ran 12–15% slower (Zen 4,
-/// 2 cores, paired runs; qkv and proj less, fc2 the same). The B micro-panel (KC × NR × 4 bytes
-/// = 48 KiB) no longer fits a 32 KiB L1: it streams from L2 in order, the A panel stays in L1.
+/// 2 cores, paired runs on a loaded machine: `results/cpu-bf16/prepacked/tuning/tuning.txt`;
+/// qkv 4–10%, proj and fc2 within noise). The B micro-panel (KC × NR × 4 bytes = 48 KiB) no
+/// longer fits a 32 KiB L1: it streams from L2 in order.
 pub const KC: usize = 384;
 /// Rows of C per task: the packed A block is MC × KC × 4 bytes = 144 KiB, well within L2.
 pub const MC: usize = 96;
