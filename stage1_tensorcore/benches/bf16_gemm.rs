@@ -3,13 +3,16 @@
 //! - `f32`: candle's f32 matmul (the `gemm` crate's x86-v4 kernels, or MKL with `--features mkl`):
 //!   what stages 0–3 run at fp32;
 //! - `bf16`: `bf16_gemm::matmul` on the kernel this CPU has (`avx512-bf16`, `amx`, or
-//!   `converted to f32`; the group's name says which);
+//!   `converted to f32`; the group's name says which), W packed in every call;
+//! - `bf16-prepacked`: `bf16_gemm::matmul_prepacked`, W packed once (`PackedWeight`), as the
+//!   blocks of stages 1 and 3 hold it;
 //! - `bf16-mkl` (builds with `--features mkl`): MKL's `cblas_gemm_bf16bf16f32` through the same op;
 //! - `bf16-candle` (with `BENCH_CANDLE_BF16=1`): candle's own matmul on bf16 tensors, what stage 1
 //!   ran on a CPU before.
 //!
 //! Throughput is in FLOPs, so criterion prints GFLOP/s as "Gelem/s".
-//! `cargo bench -p stage1_tensorcore --bench bf16_gemm` (add `-- f32` for one variant).
+//! `cargo bench -p stage1_tensorcore --bench bf16_gemm` (add `-- f32` for one variant). For fp32
+//! and bf16 timed interleaved (one machine shared with other work), `--bench bf16_gemm_pairs`.
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -35,6 +38,8 @@ fn linears(c: &mut Criterion) {
         let id = |v: &str| BenchmarkId::new(v, format!("{}_{m}x{n}x{k}", g.name));
         group.bench_function(id("f32"), |b| b.iter(|| x.matmul(&w).unwrap()));
         group.bench_function(id("bf16"), |b| b.iter(|| bf16_gemm::matmul(&xb, &wb).unwrap()));
+        let packed = bf16_gemm::PackedWeight::new(&wb.t().unwrap()).unwrap(); // W (n, k), packed once
+        group.bench_function(id("bf16-prepacked"), |b| b.iter(|| bf16_gemm::matmul_prepacked(&xb, &packed).unwrap()));
         if Kernel::Mkl.available() {
             group.bench_function(id("bf16-mkl"), |b| b.iter(|| bf16_gemm::matmul_with(&xb, &wb, Kernel::Mkl).unwrap()));
         }

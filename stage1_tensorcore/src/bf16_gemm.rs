@@ -29,9 +29,13 @@
 //! past the edge are zero too, and their results are never stored.
 //!
 //! **Blocking and threads**, as the fp32 paths (the gemm crate, BLIS): B is packed once per
-//! call; each rayon task takes `MC` rows × `NC` columns of C and, per `KC`-pair slice of k,
-//! packs its A block (`MC × KC` pairs, 48 KiB: L2) and runs the micro-kernel over every
-//! `MR × NR` tile with one B micro-panel (`KC × NR` pairs, 16 KiB: L1) at a time.
+//! call (or once per layer: `PackedB`, `PackedWeight`); each rayon task takes `MC` rows × `NC`
+//! columns of C and, per `KC`-pair slice of k, packs its A block (`MC × KC` pairs, 144 KiB: L2)
+//! and runs the micro-kernel over every `MR × NR` tile with one B micro-panel (`KC × NR` pairs,
+//! 48 KiB, streamed from L2) at a time. Each slice loads and stores the C tile once, so the
+//! slice is long: at K = 768 (the block's C) all of k is one slice.
+//! A bf16 C (`gemm_packed_bf16`, what `matmul_prepacked` gives bf16 activations) is summed per
+//! task in an f32 scratch that stays in L2 and rounded to bf16 as the task stores it.
 //! The `MR × NR` = 12 × 32 accumulator tile is 24 zmm registers, leaving room for two B rows and
 //! the broadcast A pair.
 //!
@@ -49,7 +53,7 @@
 mod amx;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 use std::sync::OnceLock;
@@ -58,9 +62,14 @@ use std::sync::OnceLock;
 pub const MR: usize = 12;
 /// Columns of C per micro-kernel tile: two zmm registers of 16 f32.
 pub const NR: usize = 32;
-/// k-pairs per slice: a B micro-panel is KC × NR × 4 bytes = 16 KiB, half of a Zen 4 L1.
-pub const KC: usize = 128;
-/// Rows of C per task: the packed A block is MC × KC × 4 bytes = 48 KiB, well within L2.
+/// k-pairs per slice: 384 pairs = 768 k. Every slice starts by loading the 24-register C tile
+/// and ends by storing it (48 accesses to C rows `n` floats apart). With 128 pairs those were
+/// ~6% of the micro-kernel's perf samples (2% now) and fc1 (K = 768) ran 12–15% slower (Zen 4,
+/// 2 cores, paired runs on a loaded machine: `results/cpu-bf16/prepacked/tuning/tuning.txt`;
+/// qkv 4–10%, proj and fc2 within noise). The B micro-panel (KC × NR × 4 bytes = 48 KiB) no
+/// longer fits a 32 KiB L1: it streams from L2 in order.
+pub const KC: usize = 384;
+/// Rows of C per task: the packed A block is MC × KC × 4 bytes = 144 KiB, well within L2.
 pub const MC: usize = 96;
 /// Columns of C per task: tasks = ⌈m / MC⌉ · ⌈n / NC⌉, many more than cores at the block's
 /// shapes, and each packed A block serves up to NC / NR = 24 B micro-panels.
@@ -257,7 +266,8 @@ impl<'a, T: Operand> MatRef<'a, T> {
 /// c (m × n, row-major f32) = a (m × k) · b (k × n) (+ c when `accumulate`), bf16 products
 /// accumulated in f32, on `kernel` (`Avx512Bf16` or `Amx`), rayon over tiles when `parallel`.
 /// An error, never a fault, when the CPU lacks the kernel or the shapes do not fit;
-/// `ConvertedF32` is the caller's f32 GEMM and is refused here.
+/// `ConvertedF32` is the caller's f32 GEMM and is refused here. Packs b, then `gemm_packed`:
+/// a caller whose b is a weight (the same every call) packs it once with `PackedB::new`.
 pub fn gemm<A: Operand, B: Operand>(
     kernel: Kernel,
     c: &mut [f32],
@@ -272,15 +282,83 @@ pub fn gemm<A: Operand, B: Operand>(
     }
     a.check("a")?;
     b.check("b")?;
-    if !kernel.is_native() || !kernel.available() {
-        return Err(format!("bf16 gemm: the {} kernel cannot run on this CPU (detected: {})", kernel.name(), Kernel::detect().name()));
-    }
+    check_kernel(kernel)?;
     if m == 0 || n == 0 {
-        return Ok(());
+        return Ok(()); // nothing to compute (and no b to pack)
     }
     if kernel == Kernel::Mkl {
         #[cfg(feature = "mkl")]
         return mkl::gemm(c, a, b, accumulate);
+    }
+    gemm_packed(c, a, &PackedB::new(kernel, b, parallel)?, accumulate, parallel)
+}
+
+/// An error unless `kernel` is ours to run and this CPU has it.
+fn check_kernel(kernel: Kernel) -> Result<(), String> {
+    if !kernel.is_native() || !kernel.available() {
+        return Err(format!("bf16 gemm: the {} kernel cannot run on this CPU (detected: {})", kernel.name(), Kernel::detect().name()));
+    }
+    Ok(())
+}
+
+/// B (k × n) packed for `kernel` (`Avx512Bf16` or `Amx`): ⌈n / NR⌉ panels of kp × NR pairs, as
+/// `pack_b` lays them out. A linear layer's B is its weight Wᵀ, the same in every forward, so it
+/// is packed once (`PackedWeight`, when the layer is built) and `gemm_packed` reads the panels
+/// as they are: no pass over the weight per call.
+#[derive(Clone, Debug)]
+pub struct PackedB {
+    panels: Vec<u32>,
+    k: usize,
+    n: usize,
+    /// k-pairs per panel: ⌈k / 2⌉, rounded up to a whole AMX tile (`amx::TK`) for `Amx`.
+    kp: usize,
+    kernel: Kernel,
+}
+
+impl PackedB {
+    /// Packs b for `kernel`, rayon over panels when `parallel`. An error when the CPU lacks the
+    /// kernel, for `Mkl` (MKL reads bf16 matrices as they are) and for `ConvertedF32`.
+    pub fn new<T: Operand>(kernel: Kernel, b: MatRef<T>, parallel: bool) -> Result<PackedB, String> {
+        check_kernel(kernel)?;
+        if kernel == Kernel::Mkl {
+            return Err("bf16 gemm: MKL's kernel reads b unpacked; pack for avx512-bf16 or amx".into());
+        }
+        b.check("b")?;
+        // k-pairs; AMX reads them 16 at a time, so its panels are padded with zero pairs.
+        #[cfg(target_arch = "x86_64")]
+        let kp = if kernel == Kernel::Amx { b.rows.div_ceil(2).next_multiple_of(amx::TK) } else { b.rows.div_ceil(2) };
+        #[cfg(not(target_arch = "x86_64"))]
+        let kp = b.rows.div_ceil(2);
+        Ok(PackedB { panels: pack_b(b, kp, parallel), k: b.rows, n: b.cols, kp, kernel })
+    }
+
+    /// Rows of B (the GEMM's k).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Columns of B (the GEMM's n).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// The kernel the panels are laid out for.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
+}
+
+/// `gemm` with b packed already: c (m × n) = a (m × k) · b (+ c when `accumulate`), on the
+/// kernel b was packed for.
+pub fn gemm_packed<A: Operand>(c: &mut [f32], a: MatRef<A>, b: &PackedB, accumulate: bool, parallel: bool) -> Result<(), String> {
+    let (m, k, n, kp, kernel) = (a.rows, a.cols, b.n, b.kp, b.kernel);
+    if b.k != k || c.len() != m * n {
+        return Err(format!("bf16 gemm: a {m} × {k}, packed b {} × {n} and c ({} elements) do not fit c = a·b", b.k, c.len()));
+    }
+    a.check("a")?;
+    check_kernel(kernel)?;
+    if m == 0 || n == 0 {
+        return Ok(());
     }
     if k == 0 {
         if !accumulate {
@@ -288,27 +366,72 @@ pub fn gemm<A: Operand, B: Operand>(
         }
         return Ok(());
     }
-    // k-pairs; AMX reads them 16 at a time, so its panels are padded with zero pairs.
-    #[cfg(target_arch = "x86_64")]
-    let kp = if kernel == Kernel::Amx { k.div_ceil(2).next_multiple_of(amx::TK) } else { k.div_ceil(2) };
-    #[cfg(not(target_arch = "x86_64"))]
-    let kp = k.div_ceil(2);
-    let packed_b = pack_b(b, kp, parallel);
     let out = OutPtr(c.as_mut_ptr());
-    let (row_blocks, col_blocks) = (m.div_ceil(MC), n.div_ceil(NC));
-    let task = |t: usize| {
-        let (i0, j0) = ((t / col_blocks) * MC, (t % col_blocks) * NC);
-        let (mc, nc) = (MC.min(m - i0), NC.min(n - j0));
+    tasks(m, n, parallel, |(i0, mc), (j0, nc)| {
         // SAFETY: the task's rows i0..i0+mc and columns j0..j0+nc are its own (tasks tile C
         // without overlap), and lie inside c (m × n, length checked above).
-        unsafe { block(kernel, out, n, a, &packed_b, kp, (i0, mc), (j0, nc), accumulate) }
+        unsafe { block(kernel, out, n, a, &b.panels, kp, (i0, mc), (j0, nc), accumulate) }
+    });
+    Ok(())
+}
+
+/// `gemm_packed` with c in bf16: c (m × n) = a · b, accumulated in f32 and rounded to bf16
+/// (`narrow_bf16`). Each task computes its MC × NC block into a per-thread f32 scratch (295 KiB:
+/// it stays in L2) and narrows it as it stores it, so no m × n f32 intermediate is written,
+/// faulted in and read back by a narrowing pass (fc1's would be 24 MiB).
+pub fn gemm_packed_bf16<A: Operand>(c: &mut [bf16], a: MatRef<A>, b: &PackedB, parallel: bool) -> Result<(), String> {
+    let (m, k, n, kp, kernel) = (a.rows, a.cols, b.n, b.kp, b.kernel);
+    if b.k != k || c.len() != m * n {
+        return Err(format!("bf16 gemm: a {m} × {k}, packed b {} × {n} and c ({} elements) do not fit c = a·b", b.k, c.len()));
+    }
+    a.check("a")?;
+    check_kernel(kernel)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        c.fill(bf16::ZERO);
+        return Ok(());
+    }
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let out = OutPtr(c.as_mut_ptr());
+    tasks(m, n, parallel, |(i0, mc), (j0, nc)| {
+        SCRATCH.with_borrow_mut(|scratch| {
+            if scratch.len() < mc * nc {
+                scratch.resize(mc * nc, 0.0); // never read before written: the block overwrites it
+            }
+            // The task's rows of A and its columns' B panels (j0 is a multiple of NC, so of NR)
+            // as an m = mc, n = nc product at (0, 0), written into the scratch (row length nc).
+            let rows = MatRef { offset: a.offset + i0 * a.rs, rows: mc, ..a };
+            let panels = &b.panels[(j0 / NR) * kp * NR..];
+            // SAFETY: the scratch holds mc × nc f32 and is this thread's alone.
+            unsafe { block(kernel, OutPtr(scratch.as_mut_ptr()), nc, rows, panels, kp, (0, mc), (0, nc), false) };
+            for (r, acc) in scratch[..mc * nc].chunks_exact(nc).enumerate() {
+                // SAFETY: row i0 + r, columns j0..j0+nc of c (m × n, length checked above) are
+                // this task's alone (tasks tile C without overlap).
+                let row = unsafe { std::slice::from_raw_parts_mut(out.at((i0 + r) * n + j0), nc) };
+                narrow_bf16(acc, row);
+            }
+        })
+    });
+    Ok(())
+}
+
+/// Runs `task((i0, mc), (j0, nc))` over C (m × n) in blocks of MC rows × NC columns, on all
+/// threads when `parallel`.
+fn tasks(m: usize, n: usize, parallel: bool, task: impl Fn((usize, usize), (usize, usize)) + Sync) {
+    let (row_blocks, col_blocks) = (m.div_ceil(MC), n.div_ceil(NC));
+    let one = |t: usize| {
+        let (i0, j0) = ((t / col_blocks) * MC, (t % col_blocks) * NC);
+        task((i0, MC.min(m - i0)), (j0, NC.min(n - j0)))
     };
     if parallel {
-        (0..row_blocks * col_blocks).into_par_iter().for_each(task);
+        (0..row_blocks * col_blocks).into_par_iter().for_each(one);
     } else {
-        (0..row_blocks * col_blocks).for_each(task);
+        (0..row_blocks * col_blocks).for_each(one);
     }
-    Ok(())
 }
 
 /// The scalar twin: the same products (of the operands rounded to bf16) and f32 sums, in k
@@ -392,19 +515,20 @@ fn pack_a<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, 
     }
 }
 
-/// C written by every task at rows and columns no other task writes.
+/// C (f32, or bf16 for `gemm_packed_bf16`) written by every task at rows and columns no other
+/// task writes.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+struct OutPtr<T = f32>(*mut T);
 // SAFETY: tasks write disjoint blocks of C (see `gemm`).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+unsafe impl<T> Send for OutPtr<T> {}
+unsafe impl<T> Sync for OutPtr<T> {}
 
-impl OutPtr {
+impl<T> OutPtr<T> {
     /// The element at offset i (a method, so closures capture the Send + Sync wrapper whole).
     ///
     /// # Safety
     /// i is inside the buffer.
-    unsafe fn at(self, i: usize) -> *mut f32 {
+    unsafe fn at(self, i: usize) -> *mut T {
         self.0.add(i)
     }
 }
@@ -644,6 +768,72 @@ pub fn matmul_slow(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     wide(a)?.matmul(&wide(b)?)?.to_dtype(a.dtype())
 }
 
+/// A linear layer's weight W (n × k, as stored: y = x·Wᵀ), with Wᵀ packed once into the bf16
+/// kernel's pair panels when W is bf16 on a CPU whose bf16 unit runs our kernel. A layer builds
+/// it in `build`, outside the timed forward; every forward's `matmul_prepacked` then reads the
+/// panels as they are, where `matmul(x, &w.t())` packs W again in every call (W is the larger
+/// operand of fc1: FF × C). Otherwise (f32 or f16 W, CUDA, MKL, a CPU without bf16
+/// instructions) it holds W only and `matmul_prepacked` is `matmul`.
+#[derive(Clone, Debug)]
+pub struct PackedWeight {
+    w: Tensor,
+    packed: Option<PackedB>,
+    kernel: Kernel,
+}
+
+impl PackedWeight {
+    /// W (n × k) for the kernel this CPU runs (`Kernel::detect`).
+    pub fn new(w: &Tensor) -> candle_core::Result<PackedWeight> {
+        PackedWeight::with_kernel(w, Kernel::detect())
+    }
+
+    /// W (n × k) for a given kernel; one this CPU lacks is an error, as in `matmul_with`.
+    pub fn with_kernel(w: &Tensor, kernel: Kernel) -> candle_core::Result<PackedWeight> {
+        let (n, k) = w.dims2()?;
+        let ours = w.device().is_cpu() && w.dtype() == DType::BF16 && kernel.is_native() && kernel != Kernel::Mkl;
+        let packed = match ours {
+            false => None,
+            true => {
+                let w = w.contiguous()?;
+                let (storage, layout) = w.storage_and_layout();
+                let (candle_core::Storage::Cpu(CpuStorage::BF16(data)), Some((start, end))) = (&*storage, layout.contiguous_offsets())
+                else {
+                    candle_core::bail!("bf16 gemm: a contiguous bf16 CPU weight read as something else");
+                };
+                let wt = MatRef::row_major(&data[start..end], n, k).t(); // (k, n): W read transposed, no copy
+                Some(PackedB::new(kernel, wt, true).map_err(candle_core::Error::Msg)?)
+            }
+        };
+        Ok(PackedWeight { w: w.clone(), packed, kernel })
+    }
+
+    /// W as given (n × k).
+    pub fn weight(&self) -> &Tensor {
+        &self.w
+    }
+
+    /// Wᵀ's panels, when packed.
+    pub fn packed(&self) -> Option<&PackedB> {
+        self.packed.as_ref()
+    }
+}
+
+/// a · Wᵀ for a (…, M, K), W held by `w` (N × K): `matmul(a, &w.t())` without packing W, out
+/// (…, M, N) in a's dtype (bf16 or f32), f32 accumulation. Unpacked weights (see `PackedWeight`)
+/// run `matmul_with` on their kernel, a's leading dimensions flattened into M.
+pub fn matmul_prepacked(a: &Tensor, w: &PackedWeight) -> candle_core::Result<Tensor> {
+    match &w.packed {
+        Some(b) if a.device().is_cpu() && matches!(a.dtype(), DType::BF16 | DType::F32) => a.apply_op1_no_bwd(&Bf16MatmulPacked { b }),
+        _ => {
+            // candle's matmul takes a 2-d right-hand side only with a 2-d left: (…·M, K) · (K, N).
+            let (dims, k) = (a.dims(), a.dim(candle_core::D::Minus1)?);
+            let mut out_dims = dims[..dims.len().saturating_sub(1)].to_vec();
+            out_dims.push(w.w.dim(0)?);
+            matmul_with(&a.reshape(((), k))?, &w.w.t()?, w.kernel)?.reshape(out_dims)
+        }
+    }
+}
+
 /// The op behind `matmul`.
 struct Bf16Matmul {
     kernel: Kernel,
@@ -655,18 +845,13 @@ impl CustomOp2 for Bf16Matmul {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (out, shape) = match (s1, s2) {
+        match (s1, s2) {
             (CpuStorage::BF16(a), CpuStorage::BF16(b)) => self.run(a, l1, b, l2),
             (CpuStorage::BF16(a), CpuStorage::F32(b)) => self.run(a, l1, b, l2),
             (CpuStorage::F32(a), CpuStorage::BF16(b)) => self.run(a, l1, b, l2),
             (CpuStorage::F32(a), CpuStorage::F32(b)) => self.run(a, l1, b, l2),
             _ => candle_core::bail!("bf16 matmul: operands must be bf16 or f32, got {:?} and {:?}", s1.dtype(), s2.dtype()),
-        }?;
-        let out = match s1 {
-            CpuStorage::BF16(_) => CpuStorage::BF16(out.par_iter().map(|&v| bf16::from_f32(v)).collect()),
-            _ => CpuStorage::F32(out), // f32 activations stay f32: no narrowing pass
-        };
-        Ok((out, shape))
+        }
     }
 
     /// The backward GEMMs in the forward's precision, as autocast runs them: dA = dC·Bᵀ and
@@ -687,38 +872,121 @@ impl CustomOp2 for Bf16Matmul {
     }
 }
 
+/// dst = src rounded to bf16 (nearest even): 16 at a time with AVX512-BF16's `vcvtneps2bf16`
+/// where the CPU's bf16 unit runs (`Kernel::detect`; it reads f32 denormals as zero, as its dot
+/// products do), else one at a time (`half`).
+pub fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
+    debug_assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if Kernel::detect().is_native() && Kernel::Avx512Bf16.available() {
+        // SAFETY: the CPU has AVX512-F and AVX512-BF16 (checked on the line above).
+        return unsafe { narrow_bf16_avx512(src, dst) };
+    }
+    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = bf16::from_f32(s));
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
+    use std::arch::x86_64::{__m256i, _mm256_storeu_si256, _mm512_cvtneps_pbh, _mm512_loadu_ps};
+    let (mut s, mut d) = (src.chunks_exact(16), dst.chunks_exact_mut(16));
+    for (s, d) in (&mut s).zip(&mut d) {
+        let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(s.as_ptr())));
+        _mm256_storeu_si256(d.as_mut_ptr() as *mut __m256i, h);
+    }
+    d.into_remainder().iter_mut().zip(s.remainder()).for_each(|(d, &s)| *d = bf16::from_f32(s));
+}
+
 impl Bf16Matmul {
-    /// The products, in f32.
-    fn run<A: Operand, B: Operand>(&self, a: &[A], l1: &Layout, b: &[B], l2: &Layout) -> candle_core::Result<(Vec<f32>, Shape)> {
+    /// The products in a's dtype: bf16 activations give bf16, as on a GPU (`gemm_packed_bf16`,
+    /// rounded as each task stores its block; MKL's f32 result narrowed after); f32 ones stay f32.
+    fn run<A: Operand, B: Operand>(&self, a: &[A], l1: &Layout, b: &[B], l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (ad, bd) = (l1.shape().dims(), l2.shape().dims());
         if ad.len() < 2 || bd.len() < 2 {
             candle_core::bail!("bf16 matmul: operands must be at least 2-d, got {ad:?} and {bd:?}");
         }
-        let (batch_dims, m, k) = (&ad[..ad.len() - 2], ad[ad.len() - 2], ad[ad.len() - 1]);
+        let (batch_dims, k) = (&ad[..ad.len() - 2], ad[ad.len() - 1]);
         let (kb, n) = (bd[bd.len() - 2], bd[bd.len() - 1]);
         let b_batched = bd.len() > 2;
         if kb != k || (b_batched && &bd[..bd.len() - 2] != batch_dims) {
             candle_core::bail!("bf16 matmul: shapes {ad:?} and {bd:?} do not fit (…, M, K) · (…, K, N) or (K, N)");
         }
-        let batch: usize = batch_dims.iter().product();
-        let mut out = vec![0f32; batch * m * n];
-        // One product: on all threads when it is the only one, else one product per task.
-        let run = |t: usize, c: &mut [f32], parallel: bool| {
-            let av = batch_view(a, l1, t, m, k);
-            let bv = batch_view(b, l2, if b_batched { t } else { 0 }, k, n);
-            gemm(self.kernel, c, av, bv, false, parallel)
-        };
-        if batch == 1 || self.kernel == Kernel::Mkl {
-            // MKL threads each product itself (OpenMP); one at a time.
-            out.chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, true))
-        } else {
-            out.par_chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, false))
+        let b_of = |t: usize| batch_view(b, l2, if b_batched { t } else { 0 }, k, n);
+        let bf16_out = A::as_bf16(a).is_some();
+        if bf16_out && self.kernel != Kernel::Mkl {
+            let (out, shape) = products(a, l1, n, false, |t, c, av, parallel| {
+                gemm_packed_bf16(c, av, &PackedB::new(self.kernel, b_of(t), parallel)?, parallel)
+            })?;
+            return Ok((CpuStorage::BF16(out), shape));
         }
-        .map_err(candle_core::Error::Msg)?;
-        let mut dims = batch_dims.to_vec();
-        dims.extend([m, n]);
-        Ok((out, Shape::from(dims)))
+        // MKL threads each product itself (OpenMP): one at a time.
+        let (out, shape) =
+            products(a, l1, n, self.kernel == Kernel::Mkl, |t, c, av, parallel| gemm(self.kernel, c, av, b_of(t), false, parallel))?;
+        if !bf16_out {
+            return Ok((CpuStorage::F32(out), shape));
+        }
+        let mut narrow = vec![bf16::ZERO; out.len()];
+        narrow.par_chunks_mut(16 * 1024).zip(out.par_chunks(16 * 1024)).for_each(|(n, o)| narrow_bf16(o, n));
+        Ok((CpuStorage::BF16(narrow), shape))
     }
+}
+
+/// The op behind `matmul_prepacked`: a is its one input, the packed weight its state.
+struct Bf16MatmulPacked<'a> {
+    b: &'a PackedB,
+}
+
+impl CustomOp1 for Bf16MatmulPacked<'_> {
+    fn name(&self) -> &'static str {
+        "speedkit-bf16-matmul-prepacked"
+    }
+
+    /// bf16 activations give bf16, each task's block narrowed as it is stored
+    /// (`gemm_packed_bf16`); f32 ones give f32.
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let ad = l1.shape().dims();
+        if ad.len() < 2 || ad[ad.len() - 1] != self.b.k {
+            candle_core::bail!("bf16 matmul: a {ad:?} does not fit (…, M, K) · Wᵀ with W ({}, {})", self.b.n, self.b.k);
+        }
+        let n = self.b.n;
+        match s1 {
+            CpuStorage::BF16(a) => {
+                let (out, shape) = products(a, l1, n, false, |_, c, av, parallel| gemm_packed_bf16(c, av, self.b, parallel))?;
+                Ok((CpuStorage::BF16(out), shape))
+            }
+            CpuStorage::F32(a) => {
+                let (out, shape) = products(a, l1, n, false, |_, c, av, parallel| gemm_packed(c, av, self.b, false, parallel))?;
+                Ok((CpuStorage::F32(out), shape))
+            }
+            _ => candle_core::bail!("bf16 matmul: the activation must be bf16 or f32, got {:?}", s1.dtype()),
+        }
+    }
+}
+
+/// The products of a (…, M, K) with its right-hand sides, (…, M, N) in `O` (f32, or bf16):
+/// `one(t, c, a_t, parallel)` writes product t into c. One product runs on all threads; several
+/// run one per task unless `sequential`.
+fn products<A: Operand, O: Copy + Default + Send + Sync>(
+    a: &[A],
+    l1: &Layout,
+    n: usize,
+    sequential: bool,
+    one: impl Fn(usize, &mut [O], MatRef<A>, bool) -> Result<(), String> + Sync,
+) -> candle_core::Result<(Vec<O>, Shape)> {
+    let ad = l1.shape().dims();
+    let (batch_dims, m, k) = (&ad[..ad.len() - 2], ad[ad.len() - 2], ad[ad.len() - 1]);
+    let batch: usize = batch_dims.iter().product();
+    let mut out = vec![O::default(); batch * m * n];
+    let run = |t: usize, c: &mut [O], parallel: bool| one(t, c, batch_view(a, l1, t, m, k), parallel);
+    if batch == 1 || sequential {
+        out.chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, true))
+    } else {
+        out.par_chunks_mut((m * n).max(1)).enumerate().try_for_each(|(t, c)| run(t, c, false))
+    }
+    .map_err(candle_core::Error::Msg)?;
+    let mut dims = batch_dims.to_vec();
+    dims.extend([m, n]);
+    Ok((out, Shape::from(dims)))
 }
 
 /// Product t of a batched operand (…, rows, cols) as a view: its offset from the layout's batch

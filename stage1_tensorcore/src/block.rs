@@ -1,7 +1,7 @@
 //! Stage 1's block for the runner and the ladder: stage 0's forward with the GEMMs in the
 //! precision policy's dtype.
 
-use crate::bf16_gemm::{self, Kernel};
+use crate::bf16_gemm::{self, Kernel, PackedWeight};
 use crate::loss_scale::LossScaler;
 use crate::{attention_in, linear, precision};
 use candle_core::backprop::GradStore;
@@ -15,22 +15,22 @@ use shared::{BlockWeights, Forward, Plan, Precision, PrecisionRequest, Shape, Sp
 use stage0_baseline::{causal_mask, gelu_tanh, layer_norm};
 
 pub struct Block {
-    ln1_g: Tensor,  // (C) f32
-    ln1_b: Tensor,  // (C) f32
-    w_q: Tensor,    // (C, C) GEMM dtype
-    b_q: Tensor,    // (C) activation dtype
-    w_k: Tensor,    // (C, C)
-    b_k: Tensor,    // (C)
-    w_v: Tensor,    // (C, C)
-    b_v: Tensor,    // (C)
-    w_proj: Tensor, // (C, C)
-    b_proj: Tensor, // (C)
-    ln2_g: Tensor,  // (C) f32
-    ln2_b: Tensor,  // (C) f32
-    w_fc1: Tensor,  // (FF, C)
-    b_fc1: Tensor,  // (FF)
-    w_fc2: Tensor,  // (C, FF)
-    b_fc2: Tensor,  // (C)
+    ln1_g: Tensor,        // (C) f32
+    ln1_b: Tensor,        // (C) f32
+    w_q: PackedWeight,    // (C, C) GEMM dtype; on a CPU's bf16 unit Wᵀ packed once, here (`bf16_gemm::PackedWeight`)
+    b_q: Tensor,          // (C) activation dtype
+    w_k: PackedWeight,    // (C, C)
+    b_k: Tensor,          // (C)
+    w_v: PackedWeight,    // (C, C)
+    b_v: Tensor,          // (C)
+    w_proj: PackedWeight, // (C, C)
+    b_proj: Tensor,       // (C)
+    ln2_g: Tensor,        // (C) f32
+    ln2_b: Tensor,        // (C) f32
+    w_fc1: PackedWeight,  // (FF, C)
+    b_fc1: Tensor,        // (FF)
+    w_fc2: PackedWeight,  // (C, FF)
+    b_fc2: Tensor,        // (C)
     n_head: usize,
     mask: Tensor, // (T, T) f32: 0 on and below the diagonal, -inf above
     dtype: DType, // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
@@ -158,8 +158,10 @@ impl Block {
         let c = plan.shape.d_model;
         let dt = precision::gemm_dtype(plan.precision);
         let act = precision::activation_dtype(plan);
-        // Three separate projections, as in stage 0; cast once here, never per forward.
-        let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(dt)?.contiguous()); // (C, C)
+        // Three separate projections, as in stage 0; cast once here, never per forward, and on a
+        // CPU's bf16 unit packed once into the GEMM's pair panels (build is outside the timing).
+        let pack = |t: &Tensor| PackedWeight::new(&t.to_dtype(dt)?.contiguous()?);
+        let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| pack(&t)); // (C, C)
         let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(act)?.contiguous()); // (C): added to the GEMM's output
         Ok(Block {
             ln1_g: w.ln1_g.clone(),
@@ -170,13 +172,13 @@ impl Block {
             b_k: bias(1)?,
             w_v: rows(2)?,
             b_v: bias(2)?,
-            w_proj: w.w_proj.to_dtype(dt)?,
+            w_proj: pack(&w.w_proj)?,
             b_proj: w.b_proj.to_dtype(act)?,
             ln2_g: w.ln2_g.clone(),
             ln2_b: w.ln2_b.clone(),
-            w_fc1: w.w_fc1.to_dtype(dt)?,
+            w_fc1: pack(&w.w_fc1)?,
             b_fc1: w.b_fc1.to_dtype(act)?,
-            w_fc2: w.w_fc2.to_dtype(dt)?,
+            w_fc2: pack(&w.w_fc2)?,
             b_fc2: w.b_fc2.to_dtype(act)?,
             n_head: plan.shape.n_head,
             mask: causal_mask(plan.shape.seq, &plan.device)?,

@@ -48,16 +48,18 @@ mod block;
 #[cfg(feature = "harness")]
 pub use block::{register_bf16_ceiling, Block, LossScaledAdamW, TensorCore, STAGE};
 
+use bf16_gemm::PackedWeight;
 use candle_core::{DType, Tensor};
 use stage0_baseline::{causal_mask, merge_heads, softmax, split_heads};
 
 /// y = x Wᵀ + b for x (B, T, in), W (out, in), b (out): stage 0's `linear` with the GEMM on
-/// `bf16_gemm::matmul` (bf16 W on the CPU's bf16 unit, where an f32 x is rounded to bf16 as it
-/// is packed and y stays f32; candle's matmul otherwise). b in y's dtype.
-pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+/// `bf16_gemm::matmul_prepacked` (bf16 W on the CPU's bf16 unit, packed once when the block is
+/// built; an f32 x is rounded to bf16 as it is packed and y stays f32; candle's matmul
+/// otherwise). b in y's dtype.
+pub fn linear(x: &Tensor, w: &PackedWeight, b: &Tensor) -> candle_core::Result<Tensor> {
     let (bsz, t, c_in) = x.dims3()?;
-    let c_out = w.dim(0)?;
-    let y = bf16_gemm::matmul(&x.reshape((bsz * t, c_in))?, &w.t()?)?; // (B·T, out)
+    let c_out = w.weight().dim(0)?;
+    let y = bf16_gemm::matmul_prepacked(&x.reshape((bsz * t, c_in))?, w)?; // (B·T, out)
     y.broadcast_add(b)?.reshape((bsz, t, c_out))
 }
 

@@ -4,7 +4,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
-use stage1_tensorcore::bf16_gemm::{self, gemm, gemm_scalar, Kernel, MatRef, MC, MR, NC, NR};
+use stage1_tensorcore::bf16_gemm::{
+    self, gemm, gemm_packed, gemm_packed_bf16, gemm_scalar, Kernel, MatRef, PackedB, PackedWeight, KC, MC, MR, NC, NR,
+};
 
 /// A small deterministic generator (xorshift), values in [-1, 1) rounded to bf16.
 struct Rng(u64);
@@ -42,9 +44,11 @@ fn assert_close(got: &[f32], want: &[f32], k: usize, scale: f32, what: &str) {
     }
 }
 
-/// Shapes around the tile edges: 1, odd, just under and over MR, NR, MC, NC, and K odd.
+/// Shapes around the tile edges: 1, odd, just under and over MR, NR, MC, NC, and K odd; K over
+/// two slices of KC pairs (C carried from slice to slice), the last one ragged.
 fn ragged_shapes(rng: &mut Rng) -> Vec<(usize, usize, usize)> {
     let mut shapes = vec![(1, 1, 1), (MR, NR, 2), (MR + 1, NR - 1, 3), (MC + 5, NC + 3, 257), (2 * MC - 1, 33, 511), (13, 2 * NC + 17, 64)];
+    shapes.push((MR + 1, NR + 7, 4 * KC + 3));
     for _ in 0..6 {
         shapes.push((1 + rng.below(150), 1 + rng.below(300), 1 + 2 * rng.below(200)));
         // K odd
@@ -73,6 +77,21 @@ fn kernel_matches_scalar_twin_and_f32_gemm_on_ragged_shapes() {
                 let mut c = vec![f32::NAN; m * n]; // overwritten, never read, when not accumulating
                 gemm(kernel, &mut c, av, bv, false, parallel).unwrap();
                 assert_close(&c, &twin, k, 1.0, &format!("{} vs scalar twin at {m}×{n}×{k}", kernel.name()));
+                if kernel == Kernel::Mkl {
+                    continue; // MKL reads b unpacked
+                }
+                // B packed once, then read by `gemm_packed` (what a layer's weight gets).
+                let packed = PackedB::new(kernel, bv, parallel).unwrap();
+                assert_eq!((packed.k(), packed.n(), packed.kernel()), (k, n, kernel));
+                let mut c = vec![f32::NAN; m * n];
+                gemm_packed(&mut c, av, &packed, false, parallel).unwrap();
+                assert_close(&c, &twin, k, 1.0, &format!("{} packed vs scalar twin at {m}×{n}×{k}", kernel.name()));
+                // bf16 out: the same f32 sums (per-task scratch), each rounded to bf16 as stored.
+                let mut c16 = vec![bf16::NAN; m * n];
+                gemm_packed_bf16(&mut c16, av, &packed, parallel).unwrap();
+                let mut narrowed = vec![bf16::ZERO; m * n];
+                bf16_gemm::narrow_bf16(&c, &mut narrowed);
+                assert!(c16.iter().zip(&narrowed).all(|(x, y)| x.to_bits() == y.to_bits()), "{} bf16 out at {m}×{n}×{k}", kernel.name());
             }
         }
     }
@@ -94,6 +113,21 @@ fn strided_and_transposed_views_and_accumulation() {
             gemm_scalar(&mut want, a, b, true);
             gemm(kernel, &mut got, a, b, true, true).unwrap();
             assert_close(&got, &want, k, 2.0, &format!("{} strided, accumulating, {m}×{n}×{k}", kernel.name()));
+            if kernel != Kernel::Mkl {
+                // The same W packed once serves two products (packing does not consume it).
+                let packed = PackedB::new(kernel, b, true).unwrap();
+                for _ in 0..2 {
+                    let mut got = start.clone();
+                    gemm_packed(&mut got, a, &packed, true, true).unwrap();
+                    assert_close(&got, &want, k, 2.0, &format!("{} packed, strided, accumulating, {m}×{n}×{k}", kernel.name()));
+                }
+                // bf16 out from the strided A: the f32 product, rounded.
+                let (mut f, mut c16, mut narrowed) = (vec![0f32; m * n], vec![bf16::NAN; m * n], vec![bf16::ZERO; m * n]);
+                gemm_packed(&mut f, a, &packed, false, true).unwrap();
+                gemm_packed_bf16(&mut c16, a, &packed, true).unwrap();
+                bf16_gemm::narrow_bf16(&f, &mut narrowed);
+                assert!(c16.iter().zip(&narrowed).all(|(x, y)| x.to_bits() == y.to_bits()), "{} strided bf16 out", kernel.name());
+            }
         }
     }
 }
@@ -140,6 +174,17 @@ fn kernels_the_cpu_lacks_are_refused_not_run() {
     }
     // Shapes that do not fit are an error too.
     assert!(gemm(Kernel::detect(), &mut c, av, MatRef::row_major(&b, 1, 4), false, false).is_err());
+    // Packing: only for our kernels, and only those this CPU has; a packed b of another k refused.
+    for kernel in [Kernel::Amx, Kernel::Avx512Bf16, Kernel::Mkl, Kernel::ConvertedF32] {
+        let packed = PackedB::new(kernel, bv, false);
+        let ours = kernel.available() && matches!(kernel, Kernel::Amx | Kernel::Avx512Bf16);
+        assert_eq!(packed.is_ok(), ours, "{kernel:?}: {packed:?}");
+        if let Ok(packed) = packed {
+            let long = vec![bf16::ONE; 6];
+            let r = gemm_packed(&mut c, MatRef::row_major(&long, 2, 3), &packed, false, false);
+            assert!(r.is_err(), "{kernel:?}: a (2 × 3) · packed (2 × 2) must be refused");
+        }
+    }
 }
 
 #[test]
@@ -240,4 +285,45 @@ fn matmul_op_with_f32_operands_gives_f32() {
             assert!(worst < 1e-4, "{} on {:?}: {worst}", kernel.name(), a.dims());
         }
     }
+}
+
+/// `matmul_prepacked` (W packed once in `PackedWeight`) against its slow twin and against
+/// `matmul` on x·Wᵀ: bf16 and f32 activations, batched, ragged sizes, every kernel including the
+/// forced fallback (which holds W unpacked); f32 weights are never packed and give candle's matmul.
+#[test]
+fn prepacked_matmul_matches_matmul_and_its_slow_twin() {
+    let dev = Device::Cpu;
+    let w = Tensor::randn(0f32, 0.02, (NR + 13, 131), &dev).unwrap().to_dtype(DType::BF16).unwrap(); // (N, K), K odd
+    let x = Tensor::randn(0f32, 1.0, (2, MR + 55, 131), &dev).unwrap(); // (B, T, K)
+    let mut kernels = native();
+    kernels.push(Kernel::ConvertedF32);
+    for x in [x.clone(), x.to_dtype(DType::BF16).unwrap()] {
+        let (flat, wt) = (x.reshape(((), 131)).unwrap(), w.t().unwrap());
+        let want = bf16_gemm::matmul_slow(&flat, &wt).unwrap().reshape((2, MR + 55, NR + 13)).unwrap();
+        for &kernel in &kernels {
+            let pw = PackedWeight::with_kernel(&w, kernel).unwrap();
+            assert_eq!(pw.packed().is_some(), matches!(kernel, Kernel::Amx | Kernel::Avx512Bf16), "{}", kernel.name());
+            let got = bf16_gemm::matmul_prepacked(&x, &pw).unwrap();
+            assert_eq!((got.dims(), got.dtype()), (want.dims(), x.dtype()), "{}", kernel.name());
+            let unpacked = bf16_gemm::matmul_with(&flat, &wt, kernel).unwrap().reshape(got.dims()).unwrap();
+            let same = (got.to_dtype(DType::F32).unwrap() - unpacked.to_dtype(DType::F32).unwrap()).unwrap();
+            let same = same.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert_eq!(same, 0.0, "{}: packed once or per call, the same products in the same order", kernel.name());
+            let (got, want) = (got.to_dtype(DType::F32).unwrap(), want.to_dtype(DType::F32).unwrap());
+            let diff = (&got - &want).unwrap().abs().unwrap();
+            let bound = (want.abs().unwrap() * (1.0 / 128.0)).unwrap() + 1e-4;
+            let over = diff.gt(&bound.unwrap()).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+            assert_eq!(over, 0.0, "{} on {:?} {:?}", kernel.name(), x.dims(), x.dtype());
+        }
+    }
+    // An f32 weight is held as it is: candle's f32 matmul, unchanged.
+    let (x, wf) = (x.to_dtype(DType::F32).unwrap(), w.to_dtype(DType::F32).unwrap());
+    let pw = PackedWeight::new(&wf).unwrap();
+    assert!(pw.packed().is_none());
+    let want = x.reshape(((), 131)).unwrap().matmul(&wf.t().unwrap()).unwrap().reshape((2, MR + 55, NR + 13)).unwrap();
+    let same = (bf16_gemm::matmul_prepacked(&x, &pw).unwrap() - want).unwrap();
+    assert_eq!(same.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+    // A K that does not match W is an error, not a fault.
+    let short = Tensor::zeros((3, 130), DType::BF16, &dev).unwrap();
+    assert!(bf16_gemm::matmul_prepacked(&short, &PackedWeight::new(&w).unwrap()).is_err());
 }

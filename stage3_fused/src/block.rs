@@ -2,7 +2,7 @@
 //! fused, each fusion switchable (`--fusions`), and the flags stage 3 introduces.
 
 use crate::adamw::{AdamW, ParamsAdamW};
-use crate::ops::{add_layer_norm, layer_norm, linear_bias, linear_bias_gelu, linear_bias_residual};
+use crate::ops::{add_layer_norm, layer_norm, linear_prepacked, Epilogue};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, IndexOp, Tensor, Var};
 use shared::breakdown::part;
@@ -10,6 +10,7 @@ use shared::device::{DeviceInfo, GemmSwitches};
 use shared::perf::Traffic;
 use shared::stage::{describe_switches, parse_switches, switch_off, switches_on, train_params, Optimize, PrecisionChoice, Rebuild};
 use shared::{BlockWeights, Forward, Plan, Precision, PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
+use stage1_tensorcore::bf16_gemm::PackedWeight;
 use stage1_tensorcore::precision;
 use stage2_sdpa::attention;
 use stage2_sdpa::elementwise::{self as ew, Elementwise, LN_EPS};
@@ -114,24 +115,24 @@ impl Fused {
 }
 
 pub struct Block {
-    ln1_g: Tensor,  // (C) f32
-    ln1_b: Tensor,  // (C) f32
-    w_qkv: Tensor,  // (3C, C) GEMM dtype: q, k and v weights stacked, one GEMM
-    b_qkv: Tensor,  // (3C) GEMM dtype
-    w_proj: Tensor, // (C, C)
-    b_proj: Tensor, // (C)
-    ln2_g: Tensor,  // (C) f32
-    ln2_b: Tensor,  // (C) f32
-    w_fc1: Tensor,  // (FF, C)
-    b_fc1: Tensor,  // (FF)
-    w_fc2: Tensor,  // (C, FF)
-    b_fc2: Tensor,  // (C)
+    ln1_g: Tensor,        // (C) f32
+    ln1_b: Tensor,        // (C) f32
+    w_qkv: PackedWeight,  // (3C, C) GEMM dtype: q, k and v weights stacked, one GEMM; Wᵀ packed once on a CPU's bf16 unit
+    b_qkv: Tensor,        // (3C) GEMM dtype
+    w_proj: PackedWeight, // (C, C)
+    b_proj: Tensor,       // (C)
+    ln2_g: Tensor,        // (C) f32
+    ln2_b: Tensor,        // (C) f32
+    w_fc1: PackedWeight,  // (FF, C)
+    b_fc1: Tensor,        // (FF)
+    w_fc2: PackedWeight,  // (C, FF)
+    b_fc2: Tensor,        // (C)
     n_head: usize,
-    dtype: DType,                             // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
-    fusions: Fusions,                         // all on unless ablated (--fusions)
-    ew: Elementwise,                          // how a fusion that is off runs its passes: stage 2's `--elementwise`
-    split_qkv: Option<[(Tensor, Tensor); 3]>, // qkv fusion off only: (C, C) weights and (C) biases of q, k, v
-    attn: attention::Implementation,          // stage 2's attention kernel (`--attention-kernel` on CUDA)
+    dtype: DType,                                   // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
+    fusions: Fusions,                               // all on unless ablated (--fusions)
+    ew: Elementwise,                                // how a fusion that is off runs its passes: stage 2's `--elementwise`
+    split_qkv: Option<[(PackedWeight, Tensor); 3]>, // qkv fusion off only: (C, C) weights and (C) biases of q, k, v
+    attn: attention::Implementation,                // stage 2's attention kernel (`--attention-kernel` on CUDA)
 }
 
 impl Stage for Fused {
@@ -264,26 +265,29 @@ impl Block {
         let split_qkv = match stage.fusions.qkv {
             true => None,
             false => {
-                let part = |i: usize| -> candle_core::Result<(Tensor, Tensor)> {
-                    let w_i = w.w_qkv.narrow(0, i * c, c)?.to_dtype(dt)?.contiguous()?; // (C, C)
+                let part = |i: usize| -> candle_core::Result<(PackedWeight, Tensor)> {
+                    let w_i = PackedWeight::new(&w.w_qkv.narrow(0, i * c, c)?.to_dtype(dt)?.contiguous()?)?; // (C, C)
                     Ok((w_i, w.b_qkv.narrow(0, i * c, c)?.to_dtype(dt)?.contiguous()?))
                     // (C)
                 };
                 Some([part(0)?, part(1)?, part(2)?])
             }
         };
+        // Cast once here, never per forward, and on a CPU's bf16 unit packed once into the GEMM's
+        // pair panels (build is outside the timing; every forward would otherwise pack W again).
+        let pack = |t: &Tensor| PackedWeight::new(&t.to_dtype(dt)?);
         Ok(Block {
             ln1_g: w.ln1_g.clone(),
             ln1_b: w.ln1_b.clone(),
-            w_qkv: w.w_qkv.to_dtype(dt)?, // one (3C, C) GEMM instead of three (C, C) ones
+            w_qkv: pack(&w.w_qkv)?, // one (3C, C) GEMM instead of three (C, C) ones
             b_qkv: w.b_qkv.to_dtype(dt)?,
-            w_proj: w.w_proj.to_dtype(dt)?,
+            w_proj: pack(&w.w_proj)?,
             b_proj: w.b_proj.to_dtype(dt)?,
             ln2_g: w.ln2_g.clone(),
             ln2_b: w.ln2_b.clone(),
-            w_fc1: w.w_fc1.to_dtype(dt)?,
+            w_fc1: pack(&w.w_fc1)?,
             b_fc1: w.b_fc1.to_dtype(dt)?,
-            w_fc2: w.w_fc2.to_dtype(dt)?,
+            w_fc2: pack(&w.w_fc2)?,
             b_fc2: w.b_fc2.to_dtype(dt)?,
             n_head: plan.shape.n_head,
             dtype: dt,
@@ -331,25 +335,25 @@ impl Block {
         }
     }
 
-    fn linear(&self, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    fn linear(&self, x: &Tensor, w: &PackedWeight, b: &Tensor) -> candle_core::Result<Tensor> {
         match self.fusions.epilogue {
-            true => linear_bias(x, w, b),
-            false => ew::linear(x, w, b, self.ew), // GEMM, then a bias pass
+            true => linear_prepacked(x, w, b, Epilogue::Bias),
+            false => ew::linear(x, w.weight(), b, self.ew), // GEMM, then a bias pass
         }
     }
 
-    fn linear_gelu(&self, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    fn linear_gelu(&self, x: &Tensor, w: &PackedWeight, b: &Tensor) -> candle_core::Result<Tensor> {
         match self.fusions.epilogue {
-            true => linear_bias_gelu(x, w, b),
-            false => ew::gelu_tanh(&ew::linear(x, w, b, self.ew)?, self.ew), // GEMM, bias pass, GELU passes
+            true => linear_prepacked(x, w, b, Epilogue::BiasGelu),
+            false => ew::gelu_tanh(&ew::linear(x, w.weight(), b, self.ew)?, self.ew), // GEMM, bias pass, GELU passes
         }
     }
 
     /// r + x Wᵀ + b, f32 (r: the residual stream).
-    fn linear_residual(&self, x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> candle_core::Result<Tensor> {
+    fn linear_residual(&self, x: &Tensor, w: &PackedWeight, b: &Tensor, r: &Tensor) -> candle_core::Result<Tensor> {
         match self.fusions.epilogue {
-            true => linear_bias_residual(x, w, b, r),
-            false => ew::add(r, &ew::to_dtype(&ew::linear(x, w, b, self.ew)?, DType::F32, self.ew)?, self.ew), // GEMM, bias, cast, add passes
+            true => linear_prepacked(x, w, b, Epilogue::BiasResidual(r)),
+            false => ew::add(r, &ew::to_dtype(&ew::linear(x, w.weight(), b, self.ew)?, DType::F32, self.ew)?, self.ew), // GEMM, bias, cast, add passes
         }
     }
 
@@ -365,10 +369,10 @@ impl Block {
     }
 
     /// The qkv fusion off: three (C, C) GEMMs, as in stage 2. h: (B, T, C) → three (B, T, n_head, d_head).
-    fn three_projections(&self, h: &Tensor, [q, k, v]: [&(Tensor, Tensor); 3]) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    fn three_projections(&self, h: &Tensor, [q, k, v]: [&(PackedWeight, Tensor); 3]) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let (b, t, c) = h.dims3()?;
         let heads = (b, t, self.n_head, c / self.n_head);
-        let one = |(w, bias): &(Tensor, Tensor)| self.linear(h, w, bias)?.reshape(heads);
+        let one = |(w, bias): &(PackedWeight, Tensor)| self.linear(h, w, bias)?.reshape(heads);
         Ok((one(q)?, one(k)?, one(v)?))
     }
 }

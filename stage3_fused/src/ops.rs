@@ -32,7 +32,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 use rayon::prelude::*;
-use stage1_tensorcore::bf16_gemm::{self, Kernel, MatRef};
+use stage1_tensorcore::bf16_gemm::{self, narrow_bf16, Kernel, MatRef, PackedB, PackedWeight};
 use stage2_sdpa::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, Elementwise, RowStats};
 use std::borrow::Cow;
 use std::sync::Mutex;
@@ -283,7 +283,7 @@ pub fn check_norm_params(x: &Tensor, g: &Tensor, b: &Tensor, op: &str) -> candle
 
 /// y = x Wᵀ + b. x: (B, T, K); W: (N, K); b: (N). Output in x's dtype.
 pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    linear(x, w, b, Epilogue::Bias)
+    linear(x, w, b, Epilogue::Bias, None)
 }
 
 /// Slow twin of `linear_bias`: a GEMM, then a bias pass.
@@ -296,7 +296,7 @@ pub fn linear_bias_slow(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Resu
 
 /// y = gelu_tanh(x Wᵀ + b).
 pub fn linear_bias_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    linear(x, w, b, Epilogue::BiasGelu)
+    linear(x, w, b, Epilogue::BiasGelu, None)
 }
 
 /// Slow twin of `linear_bias_gelu`: a GEMM, a bias pass, then GELU from primitives:
@@ -327,7 +327,30 @@ pub fn linear_bias_residual(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> c
         // operand (cudarc's wrapper gives C and D one dtype): it is added after, in f32, one pass.
         return r + linear_bias(x, w, b)?.to_dtype(r.dtype())?;
     }
-    linear(x, w, b, Epilogue::BiasResidual(&r.contiguous()?))
+    linear(x, w, b, Epilogue::BiasResidual(&r.contiguous()?), None)
+}
+
+/// `linear_bias`, `linear_bias_gelu` or `linear_bias_residual` (`epilogue`) with W held by `w`:
+/// on the CPU's bf16 unit, Wᵀ's pair panels packed once when the block is built
+/// (`bf16_gemm::PackedWeight`), so no forward packs W again. Otherwise, and when anything is
+/// tracked for backward, the plain op on `w.weight()`.
+pub fn linear_prepacked(x: &Tensor, w: &PackedWeight, b: &Tensor, epilogue: Epilogue) -> candle_core::Result<Tensor> {
+    let plain = w.weight();
+    let tracked = [x, plain, b].iter().any(|t| t.track_op()) || matches!(epilogue, Epilogue::BiasResidual(r) if r.track_op());
+    let packed = w.packed().filter(|_| x.device().is_cpu() && !tracked);
+    match (epilogue, packed) {
+        (Epilogue::Bias, None) => linear_bias(x, plain, b),
+        (Epilogue::BiasGelu, None) => linear_bias_gelu(x, plain, b),
+        (Epilogue::BiasResidual(r), None) => linear_bias_residual(x, plain, b, r),
+        (Epilogue::BiasResidual(r), Some(p)) => {
+            let (bsz, t, _) = x.dims3()?;
+            if r.dims() != [bsz, t, p.n()] {
+                candle_core::bail!("linear: residual {:?} is not the output shape ({bsz}, {t}, {})", r.dims(), p.n());
+            }
+            linear(x, plain, b, Epilogue::BiasResidual(&r.contiguous()?), Some(p))
+        }
+        (epilogue, Some(p)) => linear(x, plain, b, epilogue, Some(p)),
+    }
 }
 
 /// Slow twin of `linear_bias_residual`: a GEMM, a bias pass, a cast pass, an add pass.
@@ -352,9 +375,11 @@ struct Linear<'a> {
     /// Training with GELU on the CPU: the forward keeps x·Wᵀ ((B·T, N) f32, before bias and
     /// GELU), which GELU's derivative in `bwd` needs; `None` when nothing is tracked.
     pre_gelu: Option<Mutex<Option<Vec<f32>>>>,
+    /// Wᵀ packed once for the bf16 kernel (`linear_prepacked`), used when the operands run on it.
+    packed: Option<&'a PackedB>,
 }
 
-fn linear(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue) -> candle_core::Result<Tensor> {
+fn linear(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, packed: Option<&PackedB>) -> candle_core::Result<Tensor> {
     let (_, _, k) = x.dims3()?;
     let (n, k_w) = w.dims2()?;
     if k != k_w || b.dims() != [n] {
@@ -370,11 +395,11 @@ fn linear(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue) -> candle_core
             Epilogue::BiasResidual(_) => candle_core::bail!("linear: a tracked residual is added by candle (`linear_bias_residual`)"),
         };
         let pre_gelu = matches!(epilogue, Epilogue::BiasGelu).then(|| Mutex::new(None));
-        return x.contiguous()?.apply_op3(&same(w)?, &same(b)?, Linear { epilogue, pre_gelu });
+        return x.contiguous()?.apply_op3(&same(w)?, &same(b)?, Linear { epilogue, pre_gelu, packed: None });
     }
     let same = |t: &Tensor| stage2_sdpa::elementwise::to_dtype(&t.contiguous()?, x.dtype(), Elementwise::Parallel);
     let (x, w, b) = (x.contiguous()?, same(w)?, same(b)?);
-    x.apply_op3_no_bwd(&w, &b, &Linear { epilogue, pre_gelu: None })
+    x.apply_op3_no_bwd(&w, &b, &Linear { epilogue, pre_gelu: None, packed })
 }
 
 impl CustomOp3 for Linear<'_> {
@@ -402,7 +427,7 @@ impl CustomOp3 for Linear<'_> {
         let (bsz, t, k) = xl.shape().dims3()?;
         let n = wl.shape().dims()[0];
         let m = bsz * t;
-        let operands = Operands::of(xs, xl, ws, wl)?;
+        let operands = Operands::of(xs, xl, ws, wl, self.packed)?;
         let b = f32_values(bs, bl, "b")?;
         let b = &b[..];
         let mut out = vec![0f32; m * n];
@@ -509,18 +534,20 @@ impl CustomOp3 for Linear<'_> {
 }
 
 /// The GEMM operands x (m × k) and W (n × k), row-major: bf16 in place when the CPU's bf16 unit
-/// runs them, else f32 (borrowed, or widened on all threads).
+/// runs them (with Wᵀ's panels when they were packed for that kernel), else f32 (borrowed, or
+/// widened on all threads).
 enum Operands<'a> {
-    Bf16 { x: &'a [half::bf16], w: &'a [half::bf16], kernel: Kernel },
+    Bf16 { x: &'a [half::bf16], w: &'a [half::bf16], kernel: Kernel, packed: Option<&'a PackedB> },
     F32 { x: Cow<'a, [f32]>, w: Cow<'a, [f32]> },
 }
 
 impl<'a> Operands<'a> {
-    fn of(xs: &'a CpuStorage, xl: &Layout, ws: &'a CpuStorage, wl: &Layout) -> candle_core::Result<Self> {
+    fn of(xs: &'a CpuStorage, xl: &Layout, ws: &'a CpuStorage, wl: &Layout, packed: Option<&'a PackedB>) -> candle_core::Result<Self> {
         let kernel = Kernel::detect();
+        let packed = packed.filter(|p| p.kernel() == kernel);
         match (xs, ws, xl.contiguous_offsets(), wl.contiguous_offsets()) {
             (CpuStorage::BF16(x), CpuStorage::BF16(w), Some((x0, x1)), Some((w0, w1))) if kernel.is_native() => {
-                Ok(Operands::Bf16 { x: &x[x0..x1], w: &w[w0..w1], kernel })
+                Ok(Operands::Bf16 { x: &x[x0..x1], w: &w[w0..w1], kernel, packed })
             }
             _ => Ok(Operands::F32 { x: f32_values(xs, xl, "x")?, w: f32_values(ws, wl, "W")? }),
         }
@@ -529,10 +556,13 @@ impl<'a> Operands<'a> {
     /// Rows r0..r0+mb of dst (mb × n) = x[r0..r0+mb] · Wᵀ (+ dst when `accumulate`).
     fn gemm_into(&self, dst: &mut [f32], (r0, mb): (usize, usize), (n, k): (usize, usize), accumulate: bool) -> candle_core::Result<()> {
         match self {
-            Operands::Bf16 { x, w, kernel } => {
+            Operands::Bf16 { x, w, kernel, packed } => {
                 let x = MatRef::row_major(&x[r0 * k..(r0 + mb) * k], mb, k);
-                let wt = MatRef::row_major(w, n, k).t(); // (k, n): W read transposed, no copy
-                bf16_gemm::gemm(*kernel, dst, x, wt, accumulate, true).map_err(candle_core::Error::Msg)
+                match packed {
+                    Some(wt) => bf16_gemm::gemm_packed(dst, x, wt, accumulate, true), // Wᵀ packed in `build`
+                    None => bf16_gemm::gemm(*kernel, dst, x, MatRef::row_major(w, n, k).t(), accumulate, true), // W read transposed
+                }
+                .map_err(candle_core::Error::Msg)
             }
             Operands::F32 { x, w } => {
                 gemm_into(dst, &x[r0 * k..(r0 + mb) * k], w, (mb, n, k), accumulate);
@@ -643,31 +673,6 @@ pub fn gelu_tanh(v: f32) -> f32 {
 // ---------------------------------------------------------------------------------------------
 // Storage helpers for the CPU forwards
 // ---------------------------------------------------------------------------------------------
-
-/// dst = src rounded to bf16 (nearest even): 16 at a time with AVX512-BF16's `vcvtneps2bf16`
-/// where the CPU's bf16 unit runs (`Kernel::detect`; it reads f32 denormals as zero, as its dot
-/// products do), else one at a time (`half`).
-fn narrow_bf16(src: &[f32], dst: &mut [half::bf16]) {
-    debug_assert_eq!(src.len(), dst.len());
-    #[cfg(target_arch = "x86_64")]
-    if Kernel::detect().is_native() && Kernel::Avx512Bf16.available() {
-        // SAFETY: the CPU has AVX512-F and AVX512-BF16 (checked on the line above).
-        return unsafe { narrow_bf16_avx512(src, dst) };
-    }
-    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = half::bf16::from_f32(s));
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [half::bf16]) {
-    use std::arch::x86_64::*;
-    let (mut s, mut d) = (src.chunks_exact(16), dst.chunks_exact_mut(16));
-    for (s, d) in (&mut s).zip(&mut d) {
-        let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(s.as_ptr())));
-        _mm256_storeu_si256(d.as_mut_ptr() as *mut __m256i, h);
-    }
-    d.into_remainder().iter_mut().zip(s.remainder()).for_each(|(d, &s)| *d = half::bf16::from_f32(s));
-}
 
 /// `t` in f32 and contiguous: the same tensor when it already is (no copy); on the CPU the cast
 /// runs on all threads (`stage2_sdpa::elementwise::to_dtype`).

@@ -70,6 +70,32 @@ fn check_all(bsz: usize, t: usize, k: usize, n: usize, seed: u64) {
     let wide = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
     let twin16 = ops::linear_bias_slow(&wide(&x_b), &wide(&w_b), &wide(&b_b)).unwrap();
     assert!(rel_err(&y16, &twin16) < 8e-3, "linear_bias in bf16");
+    // W packed once (`linear_prepacked`, as the block holds it): the same products as the op
+    // that packs W per call, so the same outputs, for each epilogue; and near the slow twins.
+    // An f32 W is not packed: the plain op.
+    let r16 = r.clone(); // the residual stream stays f32
+    for (wt, xt, bt) in [(&w_b, &x_b, &b_b), (&w, &x, &b)] {
+        let pw = stage1_tensorcore::bf16_gemm::PackedWeight::new(wt).unwrap();
+        let cases = [
+            (ops::Epilogue::Bias, ops::linear_bias(xt, wt, bt).unwrap(), ops::linear_bias_slow(&wide(xt), &wide(wt), &wide(bt)).unwrap()),
+            (
+                ops::Epilogue::BiasGelu,
+                ops::linear_bias_gelu(xt, wt, bt).unwrap(),
+                ops::linear_bias_gelu_slow(&wide(xt), &wide(wt), &wide(bt)).unwrap(),
+            ),
+            (
+                ops::Epilogue::BiasResidual(&r16),
+                ops::linear_bias_residual(xt, wt, bt, &r16).unwrap(),
+                ops::linear_bias_residual_slow(&wide(xt), &wide(wt), &wide(bt), &r16).unwrap(),
+            ),
+        ];
+        for (epilogue, unpacked, twin) in cases {
+            let got = ops::linear_prepacked(xt, &pw, bt, epilogue).unwrap();
+            assert_eq!((got.dims(), got.dtype()), (unpacked.dims(), unpacked.dtype()));
+            assert_eq!(rel_err(&wide(&got), &wide(&unpacked)), 0.0, "prepacked {:?} {bsz}x{t}x{k}->{n}", wt.dtype());
+            assert!(rel_err(&got, &twin) < 8e-3, "prepacked {:?} vs slow twin {bsz}x{t}x{k}->{n}", wt.dtype());
+        }
+    }
 }
 
 proptest! {
