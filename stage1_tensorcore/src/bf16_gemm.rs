@@ -790,7 +790,9 @@ impl PackedWeight {
     /// W (n × k) for a given kernel; one this CPU lacks is an error, as in `matmul_with`.
     pub fn with_kernel(w: &Tensor, kernel: Kernel) -> candle_core::Result<PackedWeight> {
         let (n, k) = w.dims2()?;
-        let ours = w.device().is_cpu() && w.dtype() == DType::BF16 && kernel.is_native() && kernel != Kernel::Mkl;
+        // A tracked weight (training) is not packed: the packed product has no backward, and the
+        // weight changes every step anyway.
+        let ours = w.device().is_cpu() && w.dtype() == DType::BF16 && kernel.is_native() && kernel != Kernel::Mkl && !w.track_op();
         let packed = match ours {
             false => None,
             true => {
@@ -820,10 +822,14 @@ impl PackedWeight {
 
 /// a · Wᵀ for a (…, M, K), W held by `w` (N × K): `matmul(a, &w.t())` without packing W, out
 /// (…, M, N) in a's dtype (bf16 or f32), f32 accumulation. Unpacked weights (see `PackedWeight`)
-/// run `matmul_with` on their kernel, a's leading dimensions flattened into M.
+/// and tracked activations (training) run `matmul_with` on their kernel, a's leading dimensions
+/// flattened into M.
 pub fn matmul_prepacked(a: &Tensor, w: &PackedWeight) -> candle_core::Result<Tensor> {
     match &w.packed {
-        Some(b) if a.device().is_cpu() && matches!(a.dtype(), DType::BF16 | DType::F32) => a.apply_op1_no_bwd(&Bf16MatmulPacked { b }),
+        // Untracked only: a tracked activation (training) takes `matmul_with`, whose op has a backward.
+        Some(b) if a.device().is_cpu() && matches!(a.dtype(), DType::BF16 | DType::F32) && !a.track_op() => {
+            a.apply_op1_no_bwd(&Bf16MatmulPacked { b })
+        }
         _ => {
             // candle's matmul takes a 2-d right-hand side only with a 2-d left: (…·M, K) · (K, N).
             let (dims, k) = (a.dims(), a.dim(candle_core::D::Minus1)?);
