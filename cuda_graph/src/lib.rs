@@ -164,7 +164,8 @@ mod imp {
     /// stored. `Ok(None)`: nothing captured.
     fn end_raw(stream: &CudaStream) -> Result<Option<sys::CUgraph>> {
         // SAFETY: the stream is candle's, capturing on this thread since `begin_capture`.
-        let graph = unsafe { result::stream::end_capture(stream.cu_stream()) }.map_err(|e| candle_core::Error::msg(format!("cuStreamEndCapture: {e:?}")))?;
+        let graph = unsafe { result::stream::end_capture(stream.cu_stream()) }
+            .map_err(|e| candle_core::Error::msg(format!("cuStreamEndCapture: {e:?}")))?;
         let graph = (!graph.is_null()).then_some(graph);
         if let Err(stored) = stream.context().check_err() {
             if let Some(g) = graph {
@@ -203,7 +204,9 @@ mod imp {
             self.x.device().synchronize()
         }
         fn begin_capture(&mut self) -> Result<()> {
-            self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| candle_core::Error::msg(format!("{e:?}")))
+            self.stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| candle_core::Error::msg(format!("{e:?}")))
         }
         fn end_capture(&mut self) -> Result<()> {
             let graph = end_raw(&self.stream)?.ok_or_else(|| candle_core::Error::msg("the capture recorded no work"))?;

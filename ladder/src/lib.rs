@@ -17,8 +17,8 @@ use clap::{Args, FromArgMatches};
 use shared::cli::{exit_with, RunArgs};
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::report::{
-    commit, write_json, Ablation, AblationOut, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, LADDER_SCHEMA_V1, RECORD_SCHEMA, SWEEP_SCHEMA,
-    SWEEP_SCHEMA_V1,
+    commit, write_json, Ablation, AblationOut, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, LADDER_SCHEMA_V1, RECORD_SCHEMA,
+    SWEEP_SCHEMA, SWEEP_SCHEMA_V1,
 };
 use shared::runner::Session;
 use shared::stage::{ladder_request, plan};
@@ -190,9 +190,16 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
             let stage = all[i].as_ref();
             let asked = ladder_request(stage, session.args.precision);
             // A stage this device cannot run has no variants to time: its row says why.
-            let Ok(plan) =
-                plan(stage, &session.device, &session.info, session.shape, asked, session.args.precision, session.args.cuda_graph, session.args.train)
-            else {
+            let Ok(plan) = plan(
+                stage,
+                &session.device,
+                &session.info,
+                session.shape,
+                asked,
+                session.args.precision,
+                session.args.cuda_graph,
+                session.args.train,
+            ) else {
                 continue;
             };
             for (change, variant) in stage.ablations(&plan) {
@@ -859,7 +866,8 @@ fn check_ablate(args: &RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> a
     let undoable = which.iter().any(|&i| {
         let stage = stages[i].as_ref();
         let asked = ladder_request(stage, args.precision);
-        plan(stage, &device, &info, shape, asked, args.precision, args.cuda_graph, args.train).is_ok_and(|p| !stage.ablations(&p).is_empty())
+        plan(stage, &device, &info, shape, asked, args.precision, args.cuda_graph, args.train)
+            .is_ok_and(|p| !stage.ablations(&p).is_empty())
     });
     if !undoable {
         let names: Vec<&str> = which.iter().map(|&i| stages[i].name()).collect();

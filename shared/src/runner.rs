@@ -359,7 +359,8 @@ impl Session {
             check_fits(spec.name(), &self.shape, need, avail)?;
         }
         let mut probe = MemProbe::start(&self.device);
-        let measured = if plan.train { self.measure_train(spec, &plan, iters, &mut probe)? } else { self.measure(spec, &plan, iters, &mut probe)? };
+        let measured =
+            if plan.train { self.measure_train(spec, &plan, iters, &mut probe)? } else { self.measure(spec, &plan, iters, &mut probe)? };
         let Measured { y, stats, breakdown, check, extra_checks, ran, train } = measured;
         let switches = GemmSwitches::current();
         let (peak_mem_bytes, mem_method) = probe.finish();

@@ -316,7 +316,8 @@ impl CustomOp3 for FlashAttn {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (out, shape, lse) = attention_cuda::cuda_fwd(self.kernel, self.scale, self.causal, (s1, l1), (s2, l2), (s3, l3), self.lse.is_some())?;
+        let (out, shape, lse) =
+            attention_cuda::cuda_fwd(self.kernel, self.scale, self.causal, (s1, l1), (s2, l2), (s3, l3), self.lse.is_some())?;
         if let (Some(slot), Some(lse)) = (&self.lse, lse) {
             let dev = s1.device.clone();
             let n = lse.len();

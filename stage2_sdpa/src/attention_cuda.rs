@@ -244,8 +244,8 @@ mod launch {
     use crate::cubin::{function, Cubins};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-    use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut};
+    use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda::{CudaDType, CudaStorage};
     use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Shape, Tensor};
 
@@ -383,7 +383,7 @@ mod launch {
             candle_core::bail!("stage 2's CUDA attention backward takes bf16 or f16, got {dt:?}");
         }
         let qkvo = Tensor::stack(&[q, k, v, &d_o.to_dtype(dt)?], 2)?; // (B, T, 4, n_head, d_head)
-        // L: the forward's, when it kept it (training), else one more Q Kᵀ sweep (`Lse`).
+                                                                      // L: the forward's, when it kept it (training), else one more Q Kᵀ sweep (`Lse`).
         let lse = match kept_lse {
             Some(l) => l.reshape((b, h, t))?,
             None => {
@@ -466,7 +466,14 @@ mod launch {
     }
 
     impl Lse {
-        fn launch<T: CudaDType + DeviceRepr>(&self, name: &str, lse: &mut CudaStorage, lse_l: &Layout, s: &CudaStorage, l: &Layout) -> Result<()> {
+        fn launch<T: CudaDType + DeviceRepr>(
+            &self,
+            name: &str,
+            lse: &mut CudaStorage,
+            lse_l: &Layout,
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> Result<()> {
             let dev = s.device.clone();
             let ([q, k, _, _], [sb, st, sh], [b, t, h, d]) = stacked::<T>(s, l)?;
             let bytes = super::lse_shared_mem_bytes(d);
@@ -531,7 +538,11 @@ mod launch {
             };
             let n = b * t * h * d;
             if g1 - g0 != 3 * n || s1 - s0 != 2 * b * h * t {
-                candle_core::bail!("attention backward: gradients {:?} or statistics {:?} do not fit (B, T, n_head, d_head) = ({b}, {t}, {h}, {d})", g_l.shape(), stats_l.shape());
+                candle_core::bail!(
+                    "attention backward: gradients {:?} or statistics {:?} do not fit (B, T, n_head, d_head) = ({b}, {t}, {h}, {d})",
+                    g_l.shape(),
+                    stats_l.shape()
+                );
             }
             let func = bwd_function(&dev, &format!("flash_attn_bwd_{name}_d{d}"), bytes)?;
             let all = stats.as_cuda_slice::<f32>()?.slice(s0..s1);

@@ -338,4 +338,3 @@ pub fn adamw_step(theta: &[Tensor], grads: &[Tensor], m: &[Tensor], v: &[Tensor]
     drop(records);
     Ok(())
 }
-

@@ -35,7 +35,8 @@ fn emulated_block_within_fp8_tolerance_and_twin_near_zero() {
         let spec = stage(recipe);
         // f32 activations (stage 3 at fp32), so the twin differs in accumulation order only; on a
         // CPU with a bf16 unit auto would give bf16 activations, whose rounding the twin also sees.
-        let plan = plan(&spec, &device, &info, shape, PrecisionRequest::Auto, PrecisionRequest::Exactly(Precision::Fp32), false, false).unwrap();
+        let plan =
+            plan(&spec, &device, &info, shape, PrecisionRequest::Auto, PrecisionRequest::Exactly(Precision::Fp32), false, false).unwrap();
         assert_eq!(plan.precision, Precision::Fp8);
         let fused = if recipe == Fp8Recipe::Delayed { "all" } else { "none" }; // all the recipe allows
         assert_eq!(spec.implementation(&plan).unwrap(), format!("emulated, {} scaling, fp8 fusions {fused}", recipe.name()));

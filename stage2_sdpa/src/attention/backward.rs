@@ -412,7 +412,9 @@ mod tests {
             for causal in [true, false] {
                 let op = FlashAttn { scale, causal, cpu, kernel: AttentionKernel::V2, lse: Some(std::sync::Mutex::new(None)) };
                 let o = q.apply_op3_no_bwd(&k, &v, &op).unwrap();
-                let Some(crate::attention::Kept::Host(lse)) = op.lse.unwrap().into_inner().unwrap() else { panic!("the forward kept L on the host") };
+                let Some(crate::attention::Kept::Host(lse)) = op.lse.unwrap().into_inner().unwrap() else {
+                    panic!("the forward kept L on the host")
+                };
                 let host = |x: &Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 let (qh, kh) = (host(&q), host(&k));
                 let at = |bi: usize, r: usize, hi: usize| ((bi * t + r) * h + hi) * d;
