@@ -1,7 +1,7 @@
 // Runs stage2_sdpa/kernels/flash_attn_bwd.cu — the real source, unchanged — on the CPU through the
-// emulation in mma.h: the log-sum-exp kernel, then the backward kernel, against an f64 reference
-// of L, dQ, dK and dV on the same 16-bit q, k, v and dO (D_i = rowsum(dO ∘ O) from the 16-bit O,
-// as the host computes it). T = 1, T not a multiple of the tile, several tiles, heads and
+// emulation in mma.h, as training runs it: the forward kernel (flash_attn.cu, which it includes)
+// writes O and L, the host's D_i = rowsum(dO ∘ O) is summed in f32 from that O, then the backward
+// kernel; against an f64 reference of L, dQ, dK and dV on the same 16-bit q, k, v and dO. T = 1, T not a multiple of the tile, several tiles, heads and
 // batches, causal and not, stage 3's strided layout and stage 2's contiguous one. Shared memory
 // and dK, dV start as NaN; dQ starts at 0, as the host zeroes it. Exit 0 when all are within tolerance.
 #include "../stage2_sdpa/kernels/flash_attn_bwd.cu"
@@ -84,9 +84,27 @@ Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed) {
     auto at = [&](int p, int b, int h, int t, int c) { return (double)to_f(qkv[p][b * sb + t * st + h * sh + c]); };
     auto out_at = [&](int b, int h, int t) { return ((size_t)b * Tn + t) * H * D + (size_t)h * D; };
 
-    // f64 reference: P = softmax(S), O = P V, then the gradients.
-    std::vector<double> lse_ref((size_t)B * H * Tn), dq_ref(n_out, 0), dk_ref(n_out, 0), dv_ref(n_out, 0);
+    // The forward as training launches it (src/attention_cuda.rs): O (contiguous (B, T, H, D)) and L.
+    std::vector<float> lse((size_t)B * H * Tn, NAN), dq(n_out, 0.0f), dk(n_out, NAN), dv(n_out, NAN);
+    std::vector<T> o(n_out);
+    std::memset(o.data(), 0xff, o.size() * sizeof(T));
+    const dim3 grid{(unsigned)((Tn + BR - 1) / BR), (unsigned)H, (unsigned)B};
+    run_grid(grid, [&] {
+        flash_attn_fwd<T, D>(qkv[0], qkv[1], qkv[2], o.data(), Tn, sb, st, sh, (long long)Tn * H * D, (long long)H * D, D, scale,
+                             causal, lse.data());
+    });
+    // D_i = Σ_c dO_ic O_ic in f32, from the forward's 16-bit O, as the host's candle ops sum it.
     std::vector<float> delta((size_t)B * H * Tn);
+    for (int b = 0; b < B; ++b)
+        for (int h = 0; h < H; ++h)
+            for (int i = 0; i < Tn; ++i) {
+                float d_i = 0;
+                for (int c = 0; c < D; ++c) d_i += (float)dO(b, h, i, c) * to_f(o[out_at(b, h, i) + c]);
+                delta[((size_t)b * H + h) * Tn + i] = d_i;
+            }
+
+    // f64 reference: P = softmax(S), then the gradients (with the D above: the backward's input).
+    std::vector<double> lse_ref((size_t)B * H * Tn), dq_ref(n_out, 0), dk_ref(n_out, 0), dv_ref(n_out, 0);
     for (int b = 0; b < B; ++b)
         for (int h = 0; h < H; ++h) {
             std::vector<double> P((size_t)Tn * Tn, 0), dP((size_t)Tn * Tn, 0);
@@ -101,14 +119,6 @@ Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed) {
                 for (int j = 0; j < n; ++j) l += (P[(size_t)i * Tn + j] = std::exp(P[(size_t)i * Tn + j] - m));
                 for (int j = 0; j < n; ++j) P[(size_t)i * Tn + j] /= l;
                 lse_ref[((size_t)b * H + h) * Tn + i] = m + std::log(l);
-                // D_i from O rounded to 16 bits, as the forward would have stored it.
-                float d_i = 0;  // f32, as the host's candle ops sum it
-                for (int c = 0; c < D; ++c) {
-                    double o = 0;
-                    for (int j = 0; j < n; ++j) o += P[(size_t)i * Tn + j] * at(2, b, h, j, c);
-                    d_i += dO(b, h, i, c) * to_f(round16<T>((float)o));
-                }
-                delta[((size_t)b * H + h) * Tn + i] = d_i;
             }
             for (int i = 0; i < Tn; ++i)
                 for (int j = 0; j < Tn; ++j) {
@@ -128,13 +138,8 @@ Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed) {
                 }
         }
 
-    // The kernels, as src/attention_cuda.rs launches them.
-    std::vector<float> lse((size_t)B * H * Tn, NAN), dq(n_out, 0.0f), dk(n_out, NAN), dv(n_out, NAN);
-    const unsigned tiles = (unsigned)((Tn + BR - 1) / BR);
-    run_grid({tiles, (unsigned)H, (unsigned)B}, [&] {
-        flash_attn_lse<T, D>(qkv[0], qkv[1], lse.data(), Tn, sb, st, sh, scale, causal);
-    });
-    run_grid({tiles, (unsigned)H, (unsigned)B}, [&] {
+    // The backward, as src/attention_cuda.rs launches it: one block per (key tile, head, batch).
+    run_grid(grid, [&] {
         flash_attn_bwd<T, D>(qkv[0], qkv[1], qkv[2], qkv[3], lse.data(), delta.data(), dq.data(), dk.data(), dv.data(), Tn,
                              sb, st, sh, scale, causal);
     });

@@ -3,7 +3,8 @@
 // and helpers (flash_attn.cu, included below).
 //
 // Given O = softmax(S) V with S = Q Kᵀ · scale (+ causal mask) and the upstream gradient dO:
-//   L_i = m_i + log l_i           one log-sum-exp per query row (flash_attn_lse_*, below), so that
+//   L_i = m_i + log l_i           one log-sum-exp per query row, written by the forward kernels
+//                                 while training (their lse pointer), so that
 //                                 P_ij = exp(S_ij − L_i) is recomputed tile by tile, never stored
 //   D_i = rowsum(dO_i ∘ O_i)      one number per query row (the host computes it: one pass)
 //   dV_j = Σ_i P_ijᵀ dO_i
@@ -45,73 +46,24 @@ static_assert(bwd_smem_bytes<64>() == 98816, "keep in step with bwd_shared_mem_b
 static_assert(bwd_smem_bytes<128>() == 164352, "keep in step with bwd_shared_mem_bytes() in src/attention_cuda.rs");
 static_assert(bwd_smem_bytes<128>() <= 166912, "fits SM 8.0's 163 KiB of opt-in shared memory per block");
 
-// L_i = m_i + log l_i for one query tile of head (b, h): the forward's loop without P̃ V.
+// S = A Bᵀ for this warp's 16 rows of A (a (16, d) tile, row stride D) against the B_c rows of
+// B (a (B_c, d) tile, stored row-major, which read column-major is Bᵀ), into out (16, B_c) f32.
+// The backward's S_ij = Q_i K_jᵀ and dP_ij = dO_i V_jᵀ, as the forward's S_ij.
 template <typename T, int D>
-__device__ __forceinline__ void flash_attn_lse(const T* __restrict__ q, const T* __restrict__ k, float* __restrict__ lse,
-                                               int T_len, long long stride_b, long long stride_t, long long stride_h,
-                                               float scale, int causal) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    T* k_tile = reinterpret_cast<T*>(smem);                     // (B_c, d) K_j — Q_i at the start
-    float* s_tile = reinterpret_cast<float*>(k_tile + BC * D);  // (B_r, B_c) S_ij
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int i_tile = blockIdx.x, i0 = i_tile * BR, h = blockIdx.y, b = blockIdx.z;
-    const long long head = b * stride_b + h * stride_h;
-    q += head;
-    k += head;
-    float* s_w = s_tile + warp * ROWS_PER_WARP * BC;
-
-    load_tile<T, D, BR>(k_tile, q, i0, T_len, stride_t);
-    __syncthreads();
-    wmma::fragment<wmma::matrix_a, WM, WM, WM, T, wmma::row_major> q_frag[D / WM];
+__device__ __forceinline__ void warp_rows_times_tile_t(float* out, const T* a_rows, const T* b_tile) {
 #pragma unroll
-    for (int kk = 0; kk < D / WM; ++kk) wmma::load_matrix_sync(q_frag[kk], k_tile + warp * ROWS_PER_WARP * D + kk * WM, D);
-    float m[ROWS_PER_WARP], l[ROWS_PER_WARP];
+    for (int n = 0; n < BC / WM; ++n) {
+        wmma::fragment<wmma::accumulator, WM, WM, WM, float> acc;
+        wmma::fill_fragment(acc, 0.0f);
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) m[r] = -INFINITY, l[r] = 0.0f;
-
-    const int T_c = T_len / BC + (T_len % BC != 0);
-    const int kv_tiles = causal ? min(i_tile + 1, T_c) : T_c;
-    for (int j_tile = 0; j_tile < kv_tiles; ++j_tile) {
-        const int j0 = j_tile * BC;
-        __syncthreads();  // every warp has its Q_i fragments (first pass) or is done with K_j−1
-        load_tile<T, D, BC>(k_tile, k, j0, T_len, stride_t);
-        __syncthreads();
-#pragma unroll
-        for (int n = 0; n < BC / WM; ++n) {  // S_ij = Q_i K_jᵀ, this warp's 16 rows
-            wmma::fragment<wmma::accumulator, WM, WM, WM, float> acc;
-            wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-            for (int kk = 0; kk < D / WM; ++kk) {
-                wmma::fragment<wmma::matrix_b, WM, WM, WM, T, wmma::col_major> kt;
-                wmma::load_matrix_sync(kt, k_tile + n * WM * D + kk * WM, D);
-                wmma::mma_sync(acc, q_frag[kk], kt, acc);
-            }
-            wmma::store_matrix_sync(s_w + n * WM, acc, BC, wmma::mem_row_major);
+        for (int kk = 0; kk < D / WM; ++kk) {
+            wmma::fragment<wmma::matrix_a, WM, WM, WM, T, wmma::row_major> a;
+            wmma::fragment<wmma::matrix_b, WM, WM, WM, T, wmma::col_major> bt;
+            wmma::load_matrix_sync(a, a_rows + kk * WM, D);
+            wmma::load_matrix_sync(bt, b_tile + n * WM * D + kk * WM, D);
+            wmma::mma_sync(acc, a, bt, acc);
         }
-        __syncwarp();
-#pragma unroll
-        for (int r = 0; r < ROWS_PER_WARP; ++r) {  // m, l as the forward's online softmax
-            const int i = i0 + warp * ROWS_PER_WARP + r;
-            float s[BC / 32], m_new = m[r], rowsum = 0.0f;
-#pragma unroll
-            for (int x = 0; x < BC / 32; ++x) {
-                const int j = j0 + lane + 32 * x;
-                s[x] = (j >= T_len || (causal && j > i)) ? -INFINITY : s_w[r * BC + lane + 32 * x] * scale;
-                m_new = fmaxf(m_new, s[x]);
-            }
-            m_new = warp_max(m_new);
-#pragma unroll
-            for (int x = 0; x < BC / 32; ++x) rowsum += expf(s[x] - m_new);
-            l[r] = expf(m[r] - m_new) * l[r] + warp_sum(rowsum);
-            m[r] = m_new;
-        }
-        __syncwarp();  // the rows are read before the next tile's S overwrites them
-    }
-    // Lane r writes row r's L (every lane holds all 16; a constant index keeps m, l in registers).
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
-        const int i = i0 + warp * ROWS_PER_WARP + r;
-        if (lane == r && i < T_len) lse[((long long)b * gridDim.y + h) * T_len + i] = m[r] + logf(l[r]);
+        wmma::store_matrix_sync(out + n * WM, acc, BC, wmma::mem_row_major);
     }
 }
 
@@ -170,20 +122,7 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
         __syncthreads();
 
         // S_ij = Q_i K_jᵀ (this warp's rows), as in the forward.
-#pragma unroll
-        for (int n = 0; n < BC / WM; ++n) {
-            wmma::fragment<wmma::accumulator, WM, WM, WM, float> acc;
-            wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-            for (int kk = 0; kk < D / WM; ++kk) {
-                wmma::fragment<wmma::matrix_a, WM, WM, WM, T, wmma::row_major> qa;
-                wmma::fragment<wmma::matrix_b, WM, WM, WM, T, wmma::col_major> kt;
-                wmma::load_matrix_sync(qa, q_tile + warp * ROWS_PER_WARP * D + kk * WM, D);
-                wmma::load_matrix_sync(kt, k_tile + n * WM * D + kk * WM, D);
-                wmma::mma_sync(acc, qa, kt, acc);
-            }
-            wmma::store_matrix_sync(s_w + n * WM, acc, BC, wmma::mem_row_major);
-        }
+        warp_rows_times_tile_t<T, D>(s_w, q_tile + warp * ROWS_PER_WARP * D, k_tile);
         __syncwarp();
 
         // P_ij = exp(S_ij · scale − L_i), 0 where masked; kept in f32 registers for dS, and
@@ -203,20 +142,7 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
         __syncwarp();  // every lane has read its S before dP overwrites the rows
 
         // dP_ij = dO_i V_jᵀ (this warp's rows), into S's place.
-#pragma unroll
-        for (int n = 0; n < BC / WM; ++n) {
-            wmma::fragment<wmma::accumulator, WM, WM, WM, float> acc;
-            wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-            for (int kk = 0; kk < D / WM; ++kk) {
-                wmma::fragment<wmma::matrix_a, WM, WM, WM, T, wmma::row_major> da;
-                wmma::fragment<wmma::matrix_b, WM, WM, WM, T, wmma::col_major> vt;
-                wmma::load_matrix_sync(da, do_tile + warp * ROWS_PER_WARP * D + kk * WM, D);
-                wmma::load_matrix_sync(vt, v_tile + n * WM * D + kk * WM, D);
-                wmma::mma_sync(acc, da, vt, acc);
-            }
-            wmma::store_matrix_sync(s_w + n * WM, acc, BC, wmma::mem_row_major);
-        }
+        warp_rows_times_tile_t<T, D>(s_w, do_tile + warp * ROWS_PER_WARP * D, v_tile);
         __syncwarp();
 
         // scale · dS_ij = scale · P_ij ∘ (dP_ij − D_i), rounded to 16 bits for dK and dQ.
@@ -286,13 +212,8 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
     }
 }
 
-// Entry points, one per (dtype, d_head): flash_attn_lse_bf16_d64, flash_attn_bwd_f16_d128, ...
+// Entry points, one per (dtype, d_head): flash_attn_bwd_bf16_d64, flash_attn_bwd_f16_d128, ...
 #define FLASH_ATTN_BWD_ENTRY(T, TNAME, D)                                                                           \
-    extern "C" __global__ void __launch_bounds__(THREADS) flash_attn_lse_##TNAME##_d##D(                            \
-        const T* q, const T* k, float* lse, int T_len, long long stride_b, long long stride_t, long long stride_h,  \
-        float scale, int causal) {                                                                                  \
-        flash_attn_lse<T, D>(q, k, lse, T_len, stride_b, stride_t, stride_h, scale, causal);                        \
-    }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(THREADS) flash_attn_bwd_##TNAME##_d##D(                            \
         const T* q, const T* k, const T* v, const T* d_o, const float* lse, const float* delta, float* dq, float* dk, \
         float* dv, int T_len, long long stride_b, long long stride_t, long long stride_h, float scale, int causal) {   \

@@ -348,7 +348,7 @@ impl CustomOp3 for FlashAttn {
         let kept = self.lse.as_ref().and_then(|slot| slot.lock().ok()?.take());
         let [dq, dk, dv] = match kept {
             #[cfg(feature = "cuda")]
-            Some(Kept::Device(lse)) => attention_cuda::cuda_bwd(q, k, v, o, d_o, Some(&lse), self.scale, self.causal)?,
+            Some(Kept::Device(lse)) => attention_cuda::cuda_bwd(q, k, v, o, d_o, &lse, self.scale, self.causal)?,
             Some(Kept::Host(lse)) => backward::attention_bwd(q, k, v, o, d_o, Some(&lse), self.scale, self.causal)?,
             _ => backward::attention_bwd(q, k, v, o, d_o, None, self.scale, self.causal)?,
         };

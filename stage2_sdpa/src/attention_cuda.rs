@@ -84,11 +84,6 @@ pub fn bwd_shared_mem_bytes(d_head: usize) -> usize {
     4 * BC * d_head * 2 + BR * BC * 4 + 2 * BR * BC * 2 + 2 * BC * d_head * 4 + 2 * BR * 4
 }
 
-/// The log-sum-exp kernel's: K_j (16-bit; Q_i passes through it first) and S_ij (f32).
-pub fn lse_shared_mem_bytes(d_head: usize) -> usize {
-    BC * d_head * 2 + BR * BC * 4
-}
-
 /// The kernels have one compiled instance per head size in `HEAD_SIZES`.
 pub fn check_head_size(d_head: usize) -> Result<(), String> {
     if HEAD_SIZES.contains(&d_head) {
@@ -247,7 +242,7 @@ mod launch {
     use candle_core::cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut};
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda::{CudaDType, CudaStorage};
-    use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Shape, Tensor};
+    use candle_core::{CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Tensor};
 
     mod cubins {
         include!(concat!(env!("OUT_DIR"), "/cubins.rs"));
@@ -362,7 +357,7 @@ mod launch {
 
     /// FlashAttention-2's backward on CUDA (`kernels/flash_attn_bwd.cu`) for q, k, v, the
     /// forward's output o and the upstream gradient d_o, all (B, T, n_head, d_head) in bf16 or f16:
-    /// L as the forward kept it (or from the log-sum-exp kernel), D = rowsum(dO ∘ O) as candle ops, then dQ, dK and dV in
+    /// L as the forward kernel wrote it while training, D = rowsum(dO ∘ O) as candle ops, then dQ, dK and dV in
     /// one kernel (f32, cast to q's dtype here). q, k, v and dO go in as four slices of one
     /// (B, T, 4, n_head, d_head) copy, so they share the strides the kernel takes: one copy of
     /// 4·B·T·C values, against the Q Kᵀ the backward recomputes.
@@ -373,7 +368,7 @@ mod launch {
         v: &Tensor,
         o: &Tensor,
         d_o: &Tensor,
-        kept_lse: Option<&Tensor>,
+        lse: &Tensor,
         scale: f32,
         causal: bool,
     ) -> Result<[Tensor; 3]> {
@@ -383,16 +378,8 @@ mod launch {
             candle_core::bail!("stage 2's CUDA attention backward takes bf16 or f16, got {dt:?}");
         }
         let qkvo = Tensor::stack(&[q, k, v, &d_o.to_dtype(dt)?], 2)?; // (B, T, 4, n_head, d_head)
-                                                                      // L: the forward's, when it kept it (training), else one more Q Kᵀ sweep (`Lse`).
-        let lse = match kept_lse {
-            Some(l) => l.reshape((b, h, t))?,
-            None => {
-                let lse = Tensor::zeros((b, h, t), DType::F32, q.device())?; // (B, n_head, T)
-                lse.inplace_op2(&qkvo, &Lse { scale, causal })?;
-                lse
-            }
-        };
-        // D_i = Σ_c dO_ic O_ic, in f32: (B, T, n_head) → (B, n_head, T).
+        let lse = lse.reshape((b, h, t))?; // (B, n_head, T), as the forward kernel wrote it
+                                           // D_i = Σ_c dO_ic O_ic, in f32: (B, T, n_head) → (B, n_head, T).
         let delta = (d_o.to_dtype(DType::F32)? * o.to_dtype(DType::F32)?)?.sum(3)?.transpose(1, 2)?;
         let stats = Tensor::stack(&[&lse, &delta], 0)?.contiguous()?; // (2, B, n_head, T): L, D
         let grads = Tensor::zeros((3, b, t, h, d), DType::F32, q.device())?; // dQ, dK, dV
@@ -401,7 +388,7 @@ mod launch {
         Ok([g(0)?, g(1)?, g(2)?])
     }
 
-    /// The stacked (B, T, 4, n_head, d_head) input as the kernels read it: q, k, v and dO each a
+    /// The stacked (B, T, 4, n_head, d_head) input as the kernel reads it: q, k, v and dO each a
     /// view from its first element, their shared (batch, row, head) strides, and (B, T, n_head, d_head).
     #[allow(clippy::type_complexity)]
     fn stacked<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<([CudaView<'a, T>; 4], [i64; 3], [usize; 4])> {
@@ -441,57 +428,6 @@ mod launch {
             );
         }
         Ok(())
-    }
-
-    /// L = m + log l per query row into `lse` (B, n_head, T) f32, from the stacked input.
-    struct Lse {
-        scale: f32,
-        causal: bool,
-    }
-
-    impl InplaceOp2 for Lse {
-        fn name(&self) -> &'static str {
-            "speedkit-flash-attention-lse"
-        }
-        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
-            candle_core::bail!("the log-sum-exp kernel is CUDA's; the CPU backward computes L in its own sweep")
-        }
-        fn cuda_fwd(&self, lse: &mut CudaStorage, lse_l: &Layout, s: &CudaStorage, l: &Layout) -> Result<()> {
-            match s.dtype() {
-                DType::BF16 => self.launch::<half::bf16>("bf16", lse, lse_l, s, l),
-                DType::F16 => self.launch::<half::f16>("f16", lse, lse_l, s, l),
-                dt => candle_core::bail!("attention backward: bf16 or f16, got {dt:?}"),
-            }
-        }
-    }
-
-    impl Lse {
-        fn launch<T: CudaDType + DeviceRepr>(
-            &self,
-            name: &str,
-            lse: &mut CudaStorage,
-            lse_l: &Layout,
-            s: &CudaStorage,
-            l: &Layout,
-        ) -> Result<()> {
-            let dev = s.device.clone();
-            let ([q, k, _, _], [sb, st, sh], [b, t, h, d]) = stacked::<T>(s, l)?;
-            let bytes = super::lse_shared_mem_bytes(d);
-            check_bwd(&dev, [b, t, h, d], bytes)?;
-            let func = bwd_function(&dev, &format!("flash_attn_lse_{name}_d{d}"), bytes)?;
-            let mut out = lse.as_cuda_slice_mut::<f32>()?.slice_mut(lse_l.start_offset()..);
-            let (t_i32, causal) = (t as i32, self.causal as i32);
-            let grid = (t.div_ceil(super::BR) as u32, h as u32, b as u32);
-            let cfg = LaunchConfig { grid_dim: grid, block_dim: (super::THREADS as u32, 1, 1), shared_mem_bytes: bytes as u32 };
-            let stream = dev.cuda_stream();
-            let mut args = stream.launch_builder(&func);
-            args.arg(&q).arg(&k).arg(&mut out).arg(&t_i32).arg(&sb).arg(&st).arg(&sh).arg(&self.scale).arg(&causal);
-            // SAFETY: the arguments are FLASH_ATTN_BWD_ENTRY's flash_attn_lse_* signature, in order;
-            // `out` holds B·n_head·T f32 (zeros made by the caller), the grid is one block per
-            // (query tile, head, batch) and the shared memory the kernel's carve-up.
-            unsafe { args.launch(cfg) }.map_err(|e| err("flash_attn_lse", e))?;
-            Ok(())
-        }
     }
 
     /// dQ, dK, dV into `grads` (3, B, T, n_head, d_head) f32, zeroed by the caller (dQ is
@@ -634,10 +570,7 @@ mod tests {
                 assert!(BWD.contains(&entry), "flash_attn_bwd.cu lacks `{entry}`");
             }
         }
-        assert!(BWD.contains("flash_attn_lse_##TNAME##_d##D(") && BWD.contains("flash_attn_bwd_##TNAME##_d##D("));
-        // The carve-ups: K_j then S for L; the backward's eleven buffers.
-        assert!(BWD.contains("float* s_tile = reinterpret_cast<float*>(k_tile + BC * D);"));
-        assert_eq!(lse_shared_mem_bytes(128), 32 * 1024);
+        assert!(BWD.contains("flash_attn_bwd_##TNAME##_d##D("));
         // d_head 128 needs SM 8.0/9.0's opt-in limit (163 / 227 KiB); sm_86/89 (99 KiB) stop at 64.
         assert!(bwd_shared_mem_bytes(128) <= 166_912 && bwd_shared_mem_bytes(64) <= SM86_OPT_IN);
         assert!(bwd_shared_mem_bytes(128) > SM86_OPT_IN);

@@ -161,18 +161,22 @@ pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, x: &Tensor, w: &Tens
 /// `bias_gelu_bwd` as candle ops, on any device (what CUDA runs): z = x·Wᵀ + b recomputed in f32,
 /// then `gelu_tanh_grad`'s expression, a pass per op.
 pub fn bias_gelu_bwd_ops(dy: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
     let (bsz, t, k) = x.dims3()?;
     let n = w.dim(0)?;
     let x2 = x.to_dtype(DType::F32)?.reshape((bsz * t, k))?;
     let z = x2.matmul(&w.to_dtype(DType::F32)?.t()?)?.broadcast_add(&b.to_dtype(DType::F32)?)?; // (B·T, N)
-    let u = ((&z + z.powf(3.0)? * 0.044715)? * SQRT_2_OVER_PI)?;
-    let s = ((u * -2.0)?.exp()? + 1.0)?.recip()?; // σ(2u)
-    let ds = (((z.sqr()? * (3.0 * 0.044715))? + 1.0)? * (2.0 * SQRT_2_OVER_PI))?; // d(2u)/dz
-    let grad = (&s + ((&z * &s)? * (1.0 - &s)?)? * ds)?; // gelu′(z)
-    let dz = (dy.to_dtype(DType::F32)?.reshape((bsz * t, n))? * grad)?;
+    let dz = (dy.to_dtype(DType::F32)?.reshape((bsz * t, n))? * gelu_tanh_grad_ops(&z)?)?;
     let db = dz.sum(0)?;
     Ok((dz.reshape((bsz, t, n))?, db))
+}
+
+/// `gelu_tanh_grad` as candle ops on a tensor of pre-activations z, any device (a pass per op).
+pub fn gelu_tanh_grad_ops(z: &Tensor) -> candle_core::Result<Tensor> {
+    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+    let u = ((z + z.powf(3.0)? * 0.044715)? * SQRT_2_OVER_PI)?;
+    let s = ((u * -2.0)?.exp()? + 1.0)?.recip()?; // σ(2u)
+    let ds = (((z.sqr()? * (3.0 * 0.044715))? + 1.0)? * (2.0 * SQRT_2_OVER_PI))?; // d(2u)/dz
+    &s + ((z * &s)? * (1.0 - &s)?)? * ds // gelu′(z)
 }
 
 /// d/dv of `ops::gelu_tanh`, v·σ(2u) with u = √(2/π)·(v + 0.044715·v³):

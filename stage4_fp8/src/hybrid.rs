@@ -27,6 +27,7 @@
 
 use crate::fp8::{round_e4m3, E4M3_MAX};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use stage3_fused::backward::gelu_tanh_grad_ops;
 use std::sync::{Arc, Mutex};
 
 /// Largest finite E5M2 value.
@@ -242,7 +243,7 @@ impl CustomOp3 for HybridLinear {
             true => {
                 let (bsz, t, k) = self.xq.dims3()?;
                 let z = self.xq.reshape((bsz * t, k))?.matmul(&self.wq.t()?)?.broadcast_add(&b.to_dtype(DType::F32)?)?; // (B·T, N)
-                (dy.to_dtype(DType::F32)? * gelu_tanh_grad(&z)?.reshape(dy.shape())?)?
+                (dy.to_dtype(DType::F32)? * gelu_tanh_grad_ops(&z)?.reshape(dy.shape())?)?
             }
         };
         let (dx, dw, db) = linear_bwd_hybrid_scaled(&self.xq, &self.wq, &dz, &self.scaling)?;
@@ -250,30 +251,21 @@ impl CustomOp3 for HybridLinear {
     }
 }
 
-/// d/dz of GELU's tanh form, 0.5·z·(1 + tanh(u)), u = √(2/π)·(z + 0.044715·z³):
-/// 0.5·(1 + tanh u) + 0.5·z·(1 − tanh² u)·√(2/π)·(1 + 3·0.044715·z²).
-fn gelu_tanh_grad(z: &Tensor) -> candle_core::Result<Tensor> {
-    let k = (2.0 / std::f64::consts::PI).sqrt();
-    let z2 = z.sqr()?;
-    let th = ((z + (z.mul(&z2)? * 0.044715)?)? * k)?.tanh()?;
-    let left = ((&th + 1.0)? * 0.5)?;
-    let sech2 = th.sqr()?.affine(-1.0, 1.0)?; // 1 − tanh²
-    let right = ((z * 0.5)? * sech2)?.mul(&((z2 * (3.0 * 0.044715))? + 1.0)?)? * k;
-    left + right?
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// GELU's derivative against candle's autograd of stage 0's GELU.
+    /// GELU's derivative as HYBRID's backward takes it (stage 3's `gelu_tanh_grad_ops`) against
+    /// candle's autograd of stage 0's GELU: within f32 rounding (its σ(2u) form rounds otherwise
+    /// than autograd's tanh; measured 1.7e-6).
     #[test]
     fn gelu_grad_matches_autograd() {
         let z = candle_core::Var::from_tensor(&randn(&[4, 33], 7, 3.0)).unwrap();
         let g = stage0_baseline::gelu_tanh(z.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
         let want = g.get(z.as_tensor()).unwrap();
-        assert!(rel(&gelu_tanh_grad(z.as_tensor()).unwrap(), want) < 1e-6);
+        let e = rel(&gelu_tanh_grad_ops(z.as_tensor()).unwrap(), want);
+        assert!(e < 1e-5, "{e}");
     }
 
     /// `HybridLinear`'s gradients against candle's autograd of act(xq·wqᵀ + b) on the same

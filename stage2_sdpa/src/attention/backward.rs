@@ -62,12 +62,8 @@ pub fn attention_bwd(
     causal: bool,
 ) -> candle_core::Result<[Tensor; 3]> {
     if q.device().is_cuda() {
-        // Our kernel (`kernels/flash_attn_bwd.cu`) takes the tensor-core dtypes; f32 (stage 3 at
-        // TF32) goes through candle's ops.
-        #[cfg(feature = "cuda")]
-        if matches!(q.dtype(), DType::BF16 | DType::F16) {
-            return crate::attention_cuda::cuda_bwd(q, k, v, o, d_o, None, scale, causal);
-        }
+        // Our CUDA kernel runs from the L its forward wrote (`FlashAttn::bwd`); without one (f32,
+        // stage 3 at TF32, which our forward kernels do not take) the backward is candle's ops.
         return bwd_candle_ops(q, k, v, o, d_o, scale, causal);
     }
     let (b, t, h, d) = q.dims4()?;
