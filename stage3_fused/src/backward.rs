@@ -388,6 +388,46 @@ mod tests {
         worst.max(agree(&format!("bias+residual {dtype:?} ({bsz}, {t}, {k} → {n})"), &a, &z, tol))
     }
 
+    /// `ops::mlp`'s paired ops (fc2's backward hands dz₁ to fc1's as h's gradient, and db₁ through
+    /// the pair) against candle's autograd through the twin, every input, f32 within 1e-5 and bf16
+    /// against the f32 twin on the same values within 3e-2 (h, dz₁ and the gradients rounded to
+    /// bf16 on the way); and the paired forward against the two fused linears' (the same values:
+    /// f32 GEMM, bias, GELU). Random shapes, FF a multiple of 8 as the CUDA path needs.
+    #[test]
+    fn mlp_pairing_matches_the_twin() {
+        let mut worst = 0f32;
+        for (i, &(bsz, t, c, ff)) in [(2, 13, 24, 40), (1, 37, 17, 64), (3, 5, 40, 8), (1, 1, 8, 16)].iter().enumerate() {
+            let s = 100 + 10 * i as u64;
+            let (x, w1, b1) = (randn(&[bsz, t, c], s, 1.0), randn(&[ff, c], s + 1, 0.3), randn(&[ff], s + 2, 0.5));
+            let (w2, b2, dy) = (randn(&[c, ff], s + 3, 0.3), randn(&[c], s + 4, 0.5), randn(&[bsz, t, c], s + 5, 1.0));
+            for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 3e-2)] {
+                let inputs: Vec<Tensor> = [&x, &w1, &b1, &w2, &b2].iter().map(|t| t.to_dtype(dtype).unwrap()).collect();
+                let refs: Vec<&Tensor> = inputs.iter().collect();
+                let fused = grads_of(&refs, |v| Ok(vec![ops::mlp(&v[0], &v[1], &v[2], &v[3], &v[4])?]), &[&dy]).unwrap();
+                let f32s = |v: &[Tensor]| -> Vec<Tensor> { v.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect() };
+                let slow = grads_of(
+                    &refs,
+                    |v| {
+                        let f = f32s(v);
+                        Ok(vec![ops::mlp_slow(&f[0], &f[1], &f[2], &f[3], &f[4])?])
+                    },
+                    &[&dy],
+                )
+                .unwrap();
+                assert!(fused.iter().zip(&refs).all(|(g, t)| g.dtype() == t.dtype()), "gradients in the operands' dtype");
+                worst = worst.max(agree(&format!("mlp {dtype:?} ({bsz}, {t}, {c}, FF {ff})"), &fused, &slow, tol));
+                let untracked = ops::mlp(refs[0], refs[1], refs[2], refs[3], refs[4]).unwrap();
+                let vars: Vec<Var> = refs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+                let tracked =
+                    ops::mlp(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), vars[3].as_tensor(), vars[4].as_tensor())
+                        .unwrap();
+                let moved = rel_max(&tracked, &untracked);
+                assert!(moved <= if dtype == DType::F32 { 1e-6 } else { 1e-2 }, "mlp {dtype:?}: the tracked forward moved by {moved}");
+            }
+        }
+        eprintln!("mlp (fc1 and fc2 paired) vs candle's autograd of the twin: {worst:.2e}");
+    }
+
     /// The candle-ops bias+GELU backward (what CUDA runs) against the CPU's one pass, on the CPU.
     #[test]
     fn bias_gelu_backward_as_ops_matches_the_fused_pass() {
