@@ -43,7 +43,7 @@ pub enum LinearKind {
 /// Whether cuBLASLt can keep GELU's pre-activation for a layer of `out_features` outputs: the aux
 /// matrix shares D's leading dimension, which must be a multiple of 8.
 pub fn gelu_aux_fits(out_features: usize) -> bool {
-    out_features % 8 == 0
+    out_features.is_multiple_of(8)
 }
 
 /// The cuBLASLt arguments of y (tokens × out) = x (tokens × in) · Wᵀ + b (+ r, GELU) in `dtype`.
