@@ -10,16 +10,20 @@
 //! | `linear_bias_gelu`     | `bias_gelu_bwd`: dz = dy ∘ gelu′(z), db = Σ_rows dz, one pass | dx = dz·W, dW = dzᵀ·x |
 //! | `linear_bias_residual` | `linear_bias`'s, and dr = dy through candle's add     | as `linear_bias`    |
 //! | `add_layer_norm`       | `layer_norm_bwd`, and candle's add                    | —                   |
+//! | `mlp` (fc1, fc2 paired)| fc2's: db₂, then dz₁ = gelu′(z) ∘ (dy·W₂), db₁; fc1's: db₁ from fc2's | dx, dW per linear |
 //!
 //! The element-wise backward work rides on one read of the output gradient, as the forward's
 //! epilogues ride on the GEMM's output: the primitive ops' autograd makes a pass per op (GELU's
 //! nine, LayerNorm's nine, a reduction for the bias). The two GEMMs per linear are candle's
 //! matmul in f32 (bf16/f16 operands are widened; gradients return in the operands' dtype).
 //!
-//! On CUDA: LayerNorm's, the bias's and bias + GELU's backward run as candle ops
-//! (`layer_norm_bwd_ops`, a reduction, `bias_gelu_bwd_ops`), correct on any device and tested
-//! against the CPU's passes; bias + GELU's recomputes z = x·Wᵀ + b, because the CUDA forward (a
-//! cuBLASLt epilogue) keeps no pre-activation to differentiate GELU at. Compiled, not run on a GPU.
+//! On CUDA the element-wise work of the linears' backward rides on cuBLASLt's GEMMs (`cuda_lt`):
+//! every weight-gradient GEMM writes db with the BGRADB epilogue, and inside `ops::mlp` fc2's
+//! data-gradient GEMM writes dz₁ and db₁ with DGELU_BGRAD, at the z fc1's forward kept
+//! (GELU_AUX_BIAS). LayerNorm's backward runs as candle ops (`layer_norm_bwd_ops`), as does
+//! bias + GELU's outside `mlp` (`bias_gelu_bwd_ops`, which recomputes z = x·Wᵀ + b: a lone
+//! `linear_bias_gelu` keeps none on CUDA); both correct on any device and tested against the
+//! CPU's passes. Compiled, not run on a GPU.
 
 use crate::ops::{f32_values, ROWS_PER_TASK};
 use candle_core::{DType, Device, Storage, Tensor, Var, D};
@@ -121,8 +125,9 @@ pub fn bias_bwd(dy: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
 
 /// Bias + GELU's backward in one pass over dy: z = x·Wᵀ + b (x·Wᵀ kept by the forward, `pre_gelu`,
 /// (B·T, N) f32), dz = dy ∘ gelu′(z), db = Σ_rows dz. dy: (B, T, N); x: (B, T, K); W: (N, K);
-/// b: (N). Returns (dz, db) f32. Off the CPU, `bias_gelu_bwd_ops`: cuBLASLt's GELU epilogue keeps
-/// no pre-activation, so z is recomputed there (one more GEMM instead of a stored (B·T, N) tensor).
+/// b: (N). Returns (dz, db) f32. Off the CPU, `bias_gelu_bwd_ops`: a lone `linear_bias_gelu` runs
+/// cuBLASLt's GELU_BIAS epilogue, which keeps no pre-activation, so z is recomputed there (one more
+/// GEMM instead of a stored (B·T, N) tensor); the block's fc1 trains through `ops::mlp` instead.
 pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
     if !dy.device().is_cpu() {
         return bias_gelu_bwd_ops(dy, x, w, b);
@@ -158,7 +163,7 @@ pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, x: &Tensor, w: &Tens
     Ok((Tensor::from_vec(dz, dy.shape(), &Device::Cpu)?, Tensor::from_vec(db, n, &Device::Cpu)?))
 }
 
-/// `bias_gelu_bwd` as candle ops, on any device (what CUDA runs): z = x·Wᵀ + b recomputed in f32,
+/// `bias_gelu_bwd` as candle ops, on any device (what CUDA runs outside `ops::mlp`): z = x·Wᵀ + b recomputed in f32,
 /// then `gelu_tanh_grad`'s expression, a pass per op.
 pub fn bias_gelu_bwd_ops(dy: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
     let (bsz, t, k) = x.dims3()?;

@@ -10,6 +10,7 @@
 //! | `linear_bias_gelu(x, w, b)`     | `linear_bias_gelu_slow`     | GEMM, bias add, then GELU's 7 element-wise ops |
 //! | `linear_bias_residual(x,w,b,r)` | `linear_bias_residual_slow` | GEMM, bias add, cast to f32, residual add  |
 //! | `add_layer_norm(x, br, g, b)`   | `add_layer_norm_slow`       | cast, residual add, then LayerNorm's nine ops, cast |
+//! | `mlp(x, w1, b1, w2, b2)`        | `mlp_slow`                  | training: fc1 and fc2 paired, GELU's derivative in fc2's backward GEMM |
 //!
 //! CPU: single passes over rows (LayerNorm) and a GEMM whose destination starts out holding the
 //! bias (and the residual), so `dst = 1·dst + 1·x·Wᵀ` adds them for free; for fc1 the GEMM writes
@@ -21,10 +22,12 @@
 //! residual read through the C operand with β = 1.
 //!
 //! Training: each op's `bwd` (kernels in `backward.rs`, beside their slow twins) runs when a loss
-//! is differentiated through it. An op is recorded for backward only when one of its inputs is
-//! tracked (a `Var`, or computed from one), so inference runs exactly as above.
+//! is differentiated through it; on CUDA the linears' backward GEMMs are cuBLASLt's with the
+//! BGRADB and (fc2 inside `mlp`) DGELU_BGRAD epilogues (`cuda_lt.rs`). An op is recorded for
+//! backward only when one of its inputs is tracked (a `Var`, or computed from one), so inference
+//! runs exactly as above.
 //!
-//! Lifting one into your model needs this file, `cuda.rs` and `device_cache.rs` (CUDA),
+//! Lifting one into your model needs this file, `cuda.rs`, `cuda_lt.rs` and `device_cache.rs` (CUDA),
 //! `stage2_sdpa::elementwise` (the CPU loops) and candle: nothing from the benchmark harness.
 
 use crate::backward;
