@@ -213,6 +213,7 @@ impl Stage for Fused {
 
     fn selftest(&self, device: &candle_core::Device, _info: &DeviceInfo, rows: &mut shared::selftest::Rows) {
         crate::selftest::epilogues(rows, device);
+        crate::selftest::training_epilogues(rows, device);
         crate::selftest::layer_norms(rows, device);
     }
 
