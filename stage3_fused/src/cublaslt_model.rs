@@ -25,10 +25,11 @@
 //! least m; its type defaults to D's (EPILOGUE_AUX_DATA_TYPE). The bias gradient is written
 //! through the bias pointer, in D's type unless BIAS_DATA_TYPE says otherwise (we never set it
 //! outside FP8, as TransformerEngine does not). The BGRAD reductions run over the GEMM's k.
-//! Transposes: the model accepts the combinations TransformerEngine runs (`cublaslt_gemm.cu`:
-//! DGELU_BGRAD on the "NN" data-gradient GEMM, BGRADB with B transposed on the "NT" weight-
-//! gradient GEMM, BGRADA with A not transposed, its mirror) and refuses the others, which we have
-//! not seen cuBLASLt promise; the call would fail on the GPU rather than compute something else.
+//! Transposes: the model accepts the combinations TransformerEngine's LayerNormMLP runs through
+//! `cublaslt_gemm.cu` (GELU's derivative on the "NN" data-gradient GEMM, BGRADB with B
+//! transposed on the "NT" weight-gradient GEMM; BGRADA with A not transposed, its mirror) and
+//! refuses the others, which we have not seen cuBLASLt promise: such a call should fail loudly
+//! rather than compute something else.
 //!
 //! with op(A) m × k, op(B) k × n, C and D m × n. A layout states its type, rows, columns and
 //! leading dimension (≥ rows); the stored A is k × m when transposed, m × k when not (B: n × k,

@@ -1,7 +1,9 @@
 //! Stage 3's training GEMMs on CUDA: cuBLASLt's low-level API, because cudarc's safe `Matmul`
 //! sets only the BIAS and GELU_BIAS epilogues, with no aux matrix and no bias gradient. Three
-//! epilogues do the element-wise work of the backward inside the GEMMs (TransformerEngine's
-//! `cublaslt_gemm.cu` uses the same three, on the same transposes):
+//! epilogues do the element-wise work of the backward inside the GEMMs. TransformerEngine's
+//! `cublaslt_gemm.cu` picks the same ones for the same requests (bias + GELU: GELU_AUX_BIAS
+//! forward, DGELU_BGRAD backward; bias alone, backward: BGRADB), and its LayerNormMLP runs its
+//! backward GEMMs on the transposes used here ("NN" data gradient, "NT" weight gradient):
 //!
 //! - GELU_AUX_BIAS, fc1's forward while training: h = gelu(z) and z = x·W₁ᵀ + b₁ from one GEMM,
 //!   z kept (in h's dtype) for the backward — the CUDA counterpart of the CPU's `pre_gelu`;
