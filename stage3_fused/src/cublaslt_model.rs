@@ -417,6 +417,59 @@ mod tests {
         assert!(matmul_fp8_out(&args, &a, &b, None, (1., 1.), 1.).unwrap_err().contains("E4M3"));
     }
 
+    /// The training epilogues on a 2×2 · 2×3 product worked by hand: which operand each BGRAD
+    /// sums, along which axis, and GELU's aux in and out.
+    #[test]
+    fn training_epilogues_by_hand() {
+        // op(A) = [[1, 2], [3, 4]] (A as is, column-major [1,3 | 2,4]); op(B) = Bᵀ with
+        // B (3×2, column-major [1,0,2 | 0,1,1]) so op(B) = [[1, 0, 2], [0, 1, 1]].
+        let (a, b) = ([1., 3., 2., 4.], [1., 0., 2., 0., 1., 1.]);
+        let base = MatmulArgs {
+            m: 2,
+            n: 3,
+            k: 2,
+            transa: false,
+            transb: true,
+            a: layout(2, 2),
+            b: layout(3, 2),
+            c: layout(2, 3),
+            d: layout(2, 3),
+            alpha: 1.0,
+            beta: 0.0,
+            epilogue: Epilogue::BgradB,
+            bias_len: 3,
+            scaled: false,
+        };
+        // A·op(B) = [[1, 2, 4], [3, 4, 10]]; column-major D = [1,3 | 2,4 | 4,10]
+        let out = matmul_ex(&base, &a, &b, None, None, None, (1., 1.)).unwrap();
+        assert_eq!(out.d, [1., 3., 2., 4., 4., 10.]);
+        assert_eq!(out.bias_grad.unwrap(), [1., 1., 3.]); // BGRADB: op(B)'s column sums over k
+        let bgrad_a = MatmulArgs { epilogue: Epilogue::BgradA, bias_len: 2, ..base };
+        assert_eq!(matmul_ex(&bgrad_a, &a, &b, None, None, None, (1., 1.)).unwrap().bias_grad.unwrap(), [3., 7.]); // op(A)'s row sums
+        assert!(matmul_ex(&MatmulArgs { bias_len: 2, ..base }, &a, &b, None, None, None, (1., 1.)).unwrap_err().contains("per column"));
+        assert!(matmul(&base, &a, &b, None, None, (1., 1.)).unwrap_err().contains("matmul_ex"));
+        // GELU_AUX_BIAS with bias (−1, −3): z = [[0, 1, 3], [0, 1, 7]] in aux (ld 8), D = GELU(z)
+        let aux = AuxLayout { dtype: DataType::F32, ld: 8 };
+        let fwd = MatmulArgs { epilogue: Epilogue::GeluAuxBias { aux }, bias_len: 2, ..base };
+        let out = matmul_ex(&fwd, &a, &b, None, Some(&[-1., -3.]), None, (1., 1.)).unwrap();
+        let z = out.aux.unwrap();
+        assert_eq!((z.len(), [z[0], z[1], z[8], z[9], z[16], z[17]]), (18, [0., 0., 1., 1., 3., 7.]));
+        assert_eq!(out.d[2], gelu_tanh(1.0) as f32);
+        // DGELU_BGRAD (data-gradient form: neither transposed) at that z: D = gelu′(z) ∘ A·B, and
+        // the bias gradient the row sums of D
+        let b_nn = [1., 0., 0., 1., 2., 1.]; // B 2×3 = [[1, 0, 2], [0, 1, 1]]: the same product
+        let bwd = MatmulArgs { transb: false, b: layout(2, 3), epilogue: Epilogue::DGeluBgrad { aux }, bias_len: 2, ..base };
+        let out = matmul_ex(&bwd, &a, &b_nn, None, None, Some(&z), (1., 1.)).unwrap();
+        let want =
+            [1. * 0.5, 3. * 0.5, 2. * gelu_tanh_grad(1.), 4. * gelu_tanh_grad(1.), 4. * gelu_tanh_grad(3.), 10. * gelu_tanh_grad(7.)];
+        assert!(out.d.iter().zip(want).all(|(d, w)| (*d as f64 - w).abs() < 1e-5), "{:?}", out.d);
+        let db = out.bias_grad.unwrap();
+        assert!((db[0] as f64 - (want[0] + want[2] + want[4])).abs() < 1e-5 && (db[1] as f64 - (want[1] + want[3] + want[5])).abs() < 1e-5);
+        let odd = MatmulArgs { epilogue: Epilogue::DGeluBgrad { aux: AuxLayout { ld: 4, ..aux } }, ..bwd };
+        assert!(matmul_ex(&odd, &a, &b_nn, None, None, Some(&z), (1., 1.)).unwrap_err().contains("multiple of 8"));
+        assert!(matmul_ex(&MatmulArgs { transa: true, ..bwd }, &a, &b_nn, None, None, Some(&z), (1., 1.)).is_err(), "NN only");
+    }
+
     /// The model's E4M3 rounding on hand-picked values: ties to even, subnormals, saturation.
     #[test]
     fn e4m3_rounding() {
