@@ -9,6 +9,7 @@
 //! |---|---|---|
 //! | attention (d_head 32/64/128, bf16/f16, causal or not, T = 67) | kernels/flash_attn.cu (v1) and flash_attn_v2.cu (v2), each vs the CPU kernel | the CPU kernel vs plain ops |
 //! | cuBLASLt epilogues (bias, bias+GELU, residual in C, residual after) | stage 3's GEMMs vs stage 0's ops | `linear_args` run by `cublaslt_model` vs stage 0's ops |
+//! | cuBLASLt training epilogues (`ops::mlp`'s dx, dW₁, db₁, dW₂, db₂; bf16/f16) | GELU_AUX_BIAS, BGRADB, DGELU_BGRAD vs stage 0's autograd | `mlp`'s CPU backward vs stage 0's autograd (the arguments: `tests/cublaslt_backward.rs`) |
 //! | FP8 GEMM (delayed, current; bias, GELU) | cuBLASLt E4M3 vs the emulated layer | `fp8_gemm_args` run by `cublaslt_model` vs the emulated layer |
 //! | NVRTC kernels (layer_norm, add_layer_norm; f32/bf16/f16; a row of mean 10⁴) | add_layer_norm.cu vs plain ops | the CPU fused ops vs plain ops |
 //! | FP8 kernels (amax; quantise + dequantise from f32 and bf16; the delayed scale update) | stage4_fp8/kernels/fp8.cu vs the CPU quantiser (candle's CPU cast) | the CPU quantiser vs candle's cast; the recipe on hand-worked amaxes |

@@ -10,16 +10,20 @@
 //! | `linear_bias_gelu`     | `bias_gelu_bwd`: dz = dy ∘ gelu′(z), db = Σ_rows dz, one pass | dx = dz·W, dW = dzᵀ·x |
 //! | `linear_bias_residual` | `linear_bias`'s, and dr = dy through candle's add     | as `linear_bias`    |
 //! | `add_layer_norm`       | `layer_norm_bwd`, and candle's add                    | —                   |
+//! | `mlp` (fc1, fc2 paired)| fc2's: db₂, then dz₁ = gelu′(z) ∘ (dy·W₂), db₁; fc1's: db₁ from fc2's | dx, dW per linear |
 //!
 //! The element-wise backward work rides on one read of the output gradient, as the forward's
 //! epilogues ride on the GEMM's output: the primitive ops' autograd makes a pass per op (GELU's
 //! nine, LayerNorm's nine, a reduction for the bias). The two GEMMs per linear are candle's
 //! matmul in f32 (bf16/f16 operands are widened; gradients return in the operands' dtype).
 //!
-//! On CUDA: LayerNorm's, the bias's and bias + GELU's backward run as candle ops
-//! (`layer_norm_bwd_ops`, a reduction, `bias_gelu_bwd_ops`), correct on any device and tested
-//! against the CPU's passes; bias + GELU's recomputes z = x·Wᵀ + b, because the CUDA forward (a
-//! cuBLASLt epilogue) keeps no pre-activation to differentiate GELU at. Compiled, not run on a GPU.
+//! On CUDA the element-wise work of the linears' backward rides on cuBLASLt's GEMMs (`cuda_lt`):
+//! every weight-gradient GEMM writes db with the BGRADB epilogue, and inside `ops::mlp` fc2's
+//! data-gradient GEMM writes dz₁ and db₁ with DGELU_BGRAD, at the z fc1's forward kept
+//! (GELU_AUX_BIAS). LayerNorm's backward runs as candle ops (`layer_norm_bwd_ops`), as does
+//! bias + GELU's outside `mlp` (`bias_gelu_bwd_ops`, which recomputes z = x·Wᵀ + b: a lone
+//! `linear_bias_gelu` keeps none on CUDA); both correct on any device and tested against the
+//! CPU's passes. Compiled, not run on a GPU.
 
 use crate::ops::{f32_values, ROWS_PER_TASK};
 use candle_core::{DType, Device, Storage, Tensor, Var, D};
@@ -121,8 +125,9 @@ pub fn bias_bwd(dy: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
 
 /// Bias + GELU's backward in one pass over dy: z = x·Wᵀ + b (x·Wᵀ kept by the forward, `pre_gelu`,
 /// (B·T, N) f32), dz = dy ∘ gelu′(z), db = Σ_rows dz. dy: (B, T, N); x: (B, T, K); W: (N, K);
-/// b: (N). Returns (dz, db) f32. Off the CPU, `bias_gelu_bwd_ops`: cuBLASLt's GELU epilogue keeps
-/// no pre-activation, so z is recomputed there (one more GEMM instead of a stored (B·T, N) tensor).
+/// b: (N). Returns (dz, db) f32. Off the CPU, `bias_gelu_bwd_ops`: a lone `linear_bias_gelu` runs
+/// cuBLASLt's GELU_BIAS epilogue, which keeps no pre-activation, so z is recomputed there (one more
+/// GEMM instead of a stored (B·T, N) tensor); the block's fc1 trains through `ops::mlp` instead.
 pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
     if !dy.device().is_cpu() {
         return bias_gelu_bwd_ops(dy, x, w, b);
@@ -158,7 +163,7 @@ pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, x: &Tensor, w: &Tens
     Ok((Tensor::from_vec(dz, dy.shape(), &Device::Cpu)?, Tensor::from_vec(db, n, &Device::Cpu)?))
 }
 
-/// `bias_gelu_bwd` as candle ops, on any device (what CUDA runs): z = x·Wᵀ + b recomputed in f32,
+/// `bias_gelu_bwd` as candle ops, on any device (what CUDA runs outside `ops::mlp`): z = x·Wᵀ + b recomputed in f32,
 /// then `gelu_tanh_grad`'s expression, a pass per op.
 pub fn bias_gelu_bwd_ops(dy: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
     let (bsz, t, k) = x.dims3()?;
@@ -386,6 +391,93 @@ mod tests {
         )
         .unwrap();
         worst.max(agree(&format!("bias+residual {dtype:?} ({bsz}, {t}, {k} → {n})"), &a, &z, tol))
+    }
+
+    /// `ops::mlp`'s paired ops (fc2's backward hands dz₁ to fc1's as h's gradient, and db₁ through
+    /// the pair) against candle's autograd through the twin, every input, f32 within 1e-5 and bf16
+    /// against the f32 twin on the same values within 3e-2 (h, dz₁ and the gradients rounded to
+    /// bf16 on the way; measured 6.8e-3); and the paired forward against the two fused linears'
+    /// (the same values: f32 GEMM, bias, GELU). Random shapes, FF a multiple of 8 as the CUDA path
+    /// needs.
+    #[test]
+    fn mlp_pairing_matches_the_twin() {
+        let mut worst = 0f32;
+        for (i, &(bsz, t, c, ff)) in [(2, 13, 24, 40), (1, 37, 17, 64), (3, 5, 40, 8), (1, 1, 8, 16)].iter().enumerate() {
+            let s = 100 + 10 * i as u64;
+            let (x, w1, b1) = (randn(&[bsz, t, c], s, 1.0), randn(&[ff, c], s + 1, 0.3), randn(&[ff], s + 2, 0.5));
+            let (w2, b2, dy) = (randn(&[c, ff], s + 3, 0.3), randn(&[c], s + 4, 0.5), randn(&[bsz, t, c], s + 5, 1.0));
+            for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 3e-2)] {
+                let inputs: Vec<Tensor> = [&x, &w1, &b1, &w2, &b2].iter().map(|t| t.to_dtype(dtype).unwrap()).collect();
+                let refs: Vec<&Tensor> = inputs.iter().collect();
+                let fused = grads_of(&refs, |v| Ok(vec![ops::mlp(&v[0], &v[1], &v[2], &v[3], &v[4])?]), &[&dy]).unwrap();
+                let f32s = |v: &[Tensor]| -> Vec<Tensor> { v.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect() };
+                let slow = grads_of(
+                    &refs,
+                    |v| {
+                        let f = f32s(v);
+                        Ok(vec![ops::mlp_slow(&f[0], &f[1], &f[2], &f[3], &f[4])?])
+                    },
+                    &[&dy],
+                )
+                .unwrap();
+                assert!(fused.iter().zip(&refs).all(|(g, t)| g.dtype() == t.dtype()), "gradients in the operands' dtype");
+                worst = worst.max(agree(&format!("mlp {dtype:?} ({bsz}, {t}, {c}, FF {ff})"), &fused, &slow, tol));
+                let untracked = ops::mlp(refs[0], refs[1], refs[2], refs[3], refs[4]).unwrap();
+                let vars: Vec<Var> = refs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+                let tracked =
+                    ops::mlp(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), vars[3].as_tensor(), vars[4].as_tensor())
+                        .unwrap();
+                let moved = rel_max(&tracked, &untracked);
+                assert!(moved <= if dtype == DType::F32 { 1e-6 } else { 1e-2 }, "mlp {dtype:?}: the tracked forward moved by {moved}");
+            }
+        }
+        eprintln!("mlp (fc1 and fc2 paired) vs candle's autograd of the twin: {worst:.2e}");
+    }
+
+    /// On a GPU: `mlp` (fc1's GELU_AUX_BIAS, BGRADB and DGELU_BGRAD in fc2's backward, `cuda_lt`)
+    /// and `linear_bias` (BGRADB) at bf16 and f16, against candle's autograd of the twins in f32 on
+    /// the CPU, on the same values: within 3e-2 of each gradient's largest value, as on the CPU.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_training_epilogues_match_the_twin() {
+        let gpu = Device::new_cuda(0).expect("needs an NVIDIA GPU");
+        let on_cpu = |v: Vec<Tensor>| -> Vec<Tensor> { v.iter().map(|t| t.to_device(&Device::Cpu).unwrap()).collect() };
+        let f32s = |v: &[Tensor]| -> Vec<Tensor> { v.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect() };
+        for (i, &(bsz, t, c, ff)) in [(2, 16, 64, 256), (1, 33, 40, 72)].iter().enumerate() {
+            let s = 200 + 10 * i as u64;
+            let (x, w1, b1) = (randn(&[bsz, t, c], s, 1.0), randn(&[ff, c], s + 1, 0.3), randn(&[ff], s + 2, 0.5));
+            let (w2, b2, dy) = (randn(&[c, ff], s + 3, 0.3), randn(&[c], s + 4, 0.5), randn(&[bsz, t, c], s + 5, 1.0));
+            for dtype in [DType::BF16, DType::F16] {
+                let cpu: Vec<Tensor> = [&x, &w1, &b1, &w2, &b2].iter().map(|t| t.to_dtype(dtype).unwrap()).collect();
+                let dev: Vec<Tensor> = cpu.iter().map(|t| t.to_device(&gpu).unwrap()).collect();
+                let (cpu, dev): (Vec<&Tensor>, Vec<&Tensor>) = (cpu.iter().collect(), dev.iter().collect());
+                let dy_gpu = dy.to_device(&gpu).unwrap();
+                let fused = grads_of(&dev, |v| Ok(vec![ops::mlp(&v[0], &v[1], &v[2], &v[3], &v[4])?]), &[&dy_gpu]).unwrap();
+                let slow = grads_of(
+                    &cpu,
+                    |v| {
+                        let f = f32s(v);
+                        Ok(vec![ops::mlp_slow(&f[0], &f[1], &f[2], &f[3], &f[4])?])
+                    },
+                    &[&dy],
+                )
+                .unwrap();
+                agree(&format!("mlp on CUDA {dtype:?} ({bsz}, {t}, {c}, FF {ff})"), &on_cpu(fused), &slow, 3e-2);
+                let dyl = randn(&[bsz, t, ff], s + 6, 1.0); // (B, T, FF): fc1 as a plain bias linear
+                let fused =
+                    grads_of(&dev[..3], |v| Ok(vec![ops::linear_bias(&v[0], &v[1], &v[2])?]), &[&dyl.to_device(&gpu).unwrap()]).unwrap();
+                let slow = grads_of(
+                    &cpu[..3],
+                    |v| {
+                        let f = f32s(v);
+                        Ok(vec![ops::linear_bias_slow(&f[0], &f[1], &f[2])?])
+                    },
+                    &[&dyl],
+                )
+                .unwrap();
+                agree(&format!("linear_bias on CUDA {dtype:?} ({bsz}, {t}, {c} → {ff})"), &on_cpu(fused), &slow, 3e-2);
+            }
+        }
     }
 
     /// The candle-ops bias+GELU backward (what CUDA runs) against the CPU's one pass, on the CPU.

@@ -2,7 +2,7 @@
 //! fused, each fusion switchable (`--fusions`), and the flags stage 3 introduces.
 
 use crate::adamw::{AdamW, ParamsAdamW};
-use crate::ops::{add_layer_norm, layer_norm, linear_prepacked, Epilogue};
+use crate::ops::{add_layer_norm, layer_norm, linear_prepacked, mlp, Epilogue};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, IndexOp, Tensor, Var};
 use shared::breakdown::part;
@@ -213,6 +213,7 @@ impl Stage for Fused {
 
     fn selftest(&self, device: &candle_core::Device, _info: &DeviceInfo, rows: &mut shared::selftest::Rows) {
         crate::selftest::epilogues(rows, device);
+        crate::selftest::training_epilogues(rows, device);
         crate::selftest::layer_norms(rows, device);
     }
 
@@ -318,6 +319,9 @@ impl Forward for Block {
         part(if self.fusions.add_ln { "proj+residual+ln2" } else { "proj+residual" })?;
         let (x, h) = self.add_layer_norm(x, &self.linear(&a, &self.w_proj, &self.b_proj)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
         part("fc1+gelu")?;
+        if let Some(y) = self.mlp_training_cuda(&h, &x)? {
+            return Ok(y); // training on CUDA: fc1 and fc2 paired (`ops::mlp`), one part
+        }
         let m = self.linear_gelu(&h, &self.w_fc1, &self.b_fc1)?; // (B, T, FF): GELU in the GEMM's epilogue
         part("fc2+residual")?;
         self.linear_residual(&m, &self.w_fc2, &self.b_fc2, &x) // x + m W_fc2ᵀ + b_fc2, f32
@@ -347,6 +351,20 @@ impl Block {
             true => linear_prepacked(x, w, b, Epilogue::BiasGelu),
             false => ew::gelu_tanh(&ew::linear(x, w.weight(), b, self.ew)?, self.ew), // GEMM, bias pass, GELU passes
         }
+    }
+
+    /// Training on CUDA with the epilogue fusion on: r + mlp(h), `ops::mlp` pairing fc1 and fc2 so
+    /// that GELU's derivative and both bias gradients come out of the backward GEMMs (cuBLASLt's
+    /// DGELU_BGRAD and BGRADB); the residual add is candle's, as `linear_bias_residual`'s while
+    /// training. `None` otherwise: the CPU keeps fc1's one-pass backward (f32 dz).
+    fn mlp_training_cuda(&self, h: &Tensor, r: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let (w1, w2) = (self.w_fc1.weight(), self.w_fc2.weight());
+        let tracked = [h, w1, &self.b_fc1, w2, &self.b_fc2].iter().any(|t| t.track_op());
+        if !(self.fusions.epilogue && tracked && h.device().is_cuda()) {
+            return Ok(None);
+        }
+        let y = mlp(h, w1, &self.b_fc1, w2, &self.b_fc2)?; // (B, T, C) in the GEMM dtype
+        Ok(Some((r + y.to_dtype(r.dtype())?)?))
     }
 
     /// r + x Wᵀ + b, f32 (r: the residual stream).

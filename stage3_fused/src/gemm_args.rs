@@ -11,8 +11,21 @@
 //! - The bias (N values) is added per row of D, i.e. per output feature: per column of y.
 //! - The residual r (M × N row-major, the output's layout) rides in through C with β = 1 when it
 //!   has the GEMM's dtype (cudarc gives C and D one type, and C is D's buffer, pre-filled with r).
+//! - Training's fc1 (GELU_AUX_BIAS) also writes z = x·Wᵀ + b to an aux matrix laid out as D
+//!   (ld N, which cuBLASLt wants a multiple of 8): z (M × N) row-major, what fc2's backward reads.
+//!
+//! The backward of y = x·Wᵀ + b, dz = ∂loss/∂(x·Wᵀ + b) (M × N), in the same column-major terms:
+//! - data gradient (`dgrad_args`), dx (M × K) = dz·W: dxᵀ (K × M) = Wᵀ (K × N) · dzᵀ (N × M).
+//!   A = W as stored (K × N column-major, ld K, not transposed), B = dz as stored (N × M, ld N,
+//!   not transposed): TransformerEngine's "NN" data-gradient GEMM. For fc2, whose input is
+//!   GELU's output, DGELU_BGRAD turns D into dz₁ = gelu′(z) ∘ dh and writes db₁ = Σ_tokens dz₁
+//!   (one per row of D = per hidden feature) through the bias pointer; the aux is fc1's z.
+//! - weight gradient (`wgrad_args`), dW (N × K) = dzᵀ·x: dWᵀ (K × N) = xᵀ (K × M) · dz (M × N).
+//!   A = x as stored (K × M, ld K, not transposed), B = dz as stored (N × M, ld N) transposed:
+//!   the "NT" weight-gradient GEMM. The GEMM's k is M (tokens), so BGRADB — the sum over k of
+//!   op(B) = dz, one value per column of D = per output feature — is db = Σ_tokens dz.
 
-use crate::cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
+use crate::cublaslt_model::{AuxLayout, DataType, Epilogue, MatmulArgs, MatrixLayout};
 
 /// What stage 3 asks the GEMM to do after x·Wᵀ.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,6 +36,14 @@ pub enum LinearKind {
     BiasGelu,
     /// + b + r, r read through C with β = 1 (r in the GEMM's dtype)
     BiasResidualInC,
+    /// gelu_tanh(· + b), keeping z = · + b in an aux matrix for the backward (training's fc1)
+    BiasGeluAux,
+}
+
+/// Whether cuBLASLt can keep GELU's pre-activation for a layer of `out_features` outputs: the aux
+/// matrix shares D's leading dimension, which must be a multiple of 8.
+pub fn gelu_aux_fits(out_features: usize) -> bool {
+    out_features.is_multiple_of(8)
 }
 
 /// The cuBLASLt arguments of y (tokens × out) = x (tokens × in) · Wᵀ + b (+ r, GELU) in `dtype`.
@@ -41,8 +62,60 @@ pub fn linear_args(tokens: usize, in_features: usize, out_features: usize, dtype
         d: layout(m, n),
         alpha: 1.0,
         beta: if kind == LinearKind::BiasResidualInC { 1.0 } else { 0.0 },
-        epilogue: if kind == LinearKind::BiasGelu { Epilogue::GeluBias } else { Epilogue::Bias },
+        epilogue: match kind {
+            LinearKind::BiasGelu => Epilogue::GeluBias,
+            LinearKind::BiasGeluAux => Epilogue::GeluAuxBias { aux: AuxLayout { dtype, ld: m as i64 } }, // z laid out as y
+            LinearKind::Bias | LinearKind::BiasResidualInC => Epilogue::Bias,
+        },
         bias_len: m,
+        scaled: false,
+    }
+}
+
+/// The data-gradient GEMM: dx (tokens × in) = dz (tokens × out) · W (out × in). With `dgelu`
+/// (the layer's input is GELU's output; `out`/`in` are fc2's), DGELU_BGRAD: D becomes
+/// gelu′(z) ∘ (dz·W) with z the aux (tokens × in row-major, fc1's GELU_AUX_BIAS aux), and its sum
+/// over tokens (in values) is written through the bias pointer.
+pub fn dgrad_args(tokens: usize, in_features: usize, out_features: usize, dtype: DataType, dgelu: bool) -> MatmulArgs {
+    let (m, n, k) = (in_features as u64, tokens as u64, out_features as u64);
+    let layout = |rows: u64, cols: u64| MatrixLayout { dtype, rows, cols, ld: rows as i64 };
+    MatmulArgs {
+        m,
+        n,
+        k,
+        transa: false,
+        transb: false,
+        a: layout(m, k), // W (out, in) row-major = in × out column-major
+        b: layout(k, n), // dz (tokens, out) row-major = out × tokens column-major
+        c: layout(m, n), // dx (tokens, in) row-major = in × tokens column-major
+        d: layout(m, n),
+        alpha: 1.0,
+        beta: 0.0,
+        epilogue: if dgelu { Epilogue::DGeluBgrad { aux: AuxLayout { dtype, ld: m as i64 } } } else { Epilogue::Default },
+        bias_len: if dgelu { m } else { 0 },
+        scaled: false,
+    }
+}
+
+/// The weight-gradient GEMM: dW (out × in) = dzᵀ · x, dz (tokens × out), x (tokens × in). With
+/// `bgrad`, BGRADB also writes db = Σ_tokens dz (out values) through the bias pointer.
+pub fn wgrad_args(tokens: usize, in_features: usize, out_features: usize, dtype: DataType, bgrad: bool) -> MatmulArgs {
+    let (m, n, k) = (in_features as u64, out_features as u64, tokens as u64);
+    let layout = |rows: u64, cols: u64| MatrixLayout { dtype, rows, cols, ld: rows as i64 };
+    MatmulArgs {
+        m,
+        n,
+        k,
+        transa: false,
+        transb: true,
+        a: layout(m, k), // x (tokens, in) row-major = in × tokens column-major
+        b: layout(n, k), // dz (tokens, out) row-major = out × tokens column-major, read transposed
+        c: layout(m, n), // dW (out, in) row-major = in × out column-major
+        d: layout(m, n),
+        alpha: 1.0,
+        beta: 0.0,
+        epilogue: if bgrad { Epilogue::BgradB } else { Epilogue::Default },
+        bias_len: if bgrad { n } else { 0 },
         scaled: false,
     }
 }

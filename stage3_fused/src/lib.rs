@@ -58,6 +58,8 @@ pub mod backward;
 pub mod cublaslt_model;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_lt;
 pub mod device_cache;
 pub mod gemm_args;
 pub mod ops;

@@ -10,6 +10,7 @@
 //! | `linear_bias_gelu(x, w, b)`     | `linear_bias_gelu_slow`     | GEMM, bias add, then GELU's 7 element-wise ops |
 //! | `linear_bias_residual(x,w,b,r)` | `linear_bias_residual_slow` | GEMM, bias add, cast to f32, residual add  |
 //! | `add_layer_norm(x, br, g, b)`   | `add_layer_norm_slow`       | cast, residual add, then LayerNorm's nine ops, cast |
+//! | `mlp(x, w1, b1, w2, b2)`        | `mlp_slow`                  | training: fc1 and fc2 paired, GELU's derivative in fc2's backward GEMM |
 //!
 //! CPU: single passes over rows (LayerNorm) and a GEMM whose destination starts out holding the
 //! bias (and the residual), so `dst = 1·dst + 1·x·Wᵀ` adds them for free; for fc1 the GEMM writes
@@ -21,10 +22,12 @@
 //! residual read through the C operand with β = 1.
 //!
 //! Training: each op's `bwd` (kernels in `backward.rs`, beside their slow twins) runs when a loss
-//! is differentiated through it. An op is recorded for backward only when one of its inputs is
-//! tracked (a `Var`, or computed from one), so inference runs exactly as above.
+//! is differentiated through it; on CUDA the linears' backward GEMMs are cuBLASLt's with the
+//! BGRADB and (fc2 inside `mlp`) DGELU_BGRAD epilogues (`cuda_lt.rs`). An op is recorded for
+//! backward only when one of its inputs is tracked (a `Var`, or computed from one), so inference
+//! runs exactly as above.
 //!
-//! Lifting one into your model needs this file, `cuda.rs` and `device_cache.rs` (CUDA),
+//! Lifting one into your model needs this file, `cuda.rs`, `cuda_lt.rs` and `device_cache.rs` (CUDA),
 //! `stage2_sdpa::elementwise` (the CPU loops) and candle: nothing from the benchmark harness.
 
 use crate::backward;
@@ -35,7 +38,7 @@ use rayon::prelude::*;
 use stage1_tensorcore::bf16_gemm::{self, narrow_bf16, Kernel, MatRef, PackedB, PackedWeight};
 use stage2_sdpa::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, Elementwise, RowStats};
 use std::borrow::Cow;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// LayerNorm's ε, as in GPT-2.
 pub const LN_EPS: f32 = 1e-5;
@@ -505,7 +508,9 @@ impl CustomOp3 for Linear<'_> {
     }
 
     /// dx, dW, db in the arguments' dtypes: the bias gradient (and GELU's derivative) in one pass
-    /// over dy (`backward`), then dx = dz·W and dW = dzᵀ·x as candle matmuls.
+    /// over dy (`backward`), then dx = dz·W and dW = dzᵀ·x as candle matmuls. On CUDA the bias
+    /// linear's db comes out of the weight-gradient GEMM (cuBLASLt's BGRADB, `cuda_lt`); bias +
+    /// GELU outside `mlp` takes GELU's derivative by candle ops, then cuBLASLt's two GEMMs.
     fn bwd(
         &self,
         x: &Tensor,
@@ -514,6 +519,12 @@ impl CustomOp3 for Linear<'_> {
         _y: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() && matches!(self.epilogue, Epilogue::Bias) {
+            let (dx, dw, db) = crate::cuda_lt::linear_bwd(x, w, dy, true)?;
+            let db = db.ok_or_else(|| candle_core::Error::Msg("linear: BGRADB wrote no bias gradient".into()))?;
+            return Ok((Some(dx), Some(dw), Some(db.to_dtype(b.dtype())?)));
+        }
         let (dz, db) = match self.epilogue {
             Epilogue::Bias => backward::bias_bwd(dy)?,
             Epilogue::BiasGelu => {
@@ -528,9 +539,187 @@ impl CustomOp3 for Linear<'_> {
                 candle_core::bail!("linear: bias + residual is never recorded for backward (see `linear_bias_residual`)")
             }
         };
-        let (dx, dw) = backward::linear_bwd(x, w, &dz)?;
+        let (dx, dw) = linear_grads(x, w, &dz)?;
         Ok((Some(dx), Some(dw), Some(db.to_dtype(b.dtype())?)))
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The MLP while training: fc1 and fc2 paired
+// ---------------------------------------------------------------------------------------------
+
+/// y = gelu_tanh(x W₁ᵀ + b₁) W₂ᵀ + b₂, fc1 and fc2 as one layer (TransformerEngine's LayerNormMLP
+/// is one module for the same reason). x: (B, T, C); W₁: (FF, C); b₁: (FF); W₂: (C, FF); b₂: (C).
+///
+/// Untracked, it is `linear_bias_gelu` then `linear_bias`. Tracked, GELU's derivative moves into
+/// fc2's backward, where on CUDA it rides on the data-gradient GEMM: cuBLASLt's DGELU_BGRAD
+/// writes dz₁ = gelu′(z) ∘ (dy W₂) instead of dh = dy W₂, and db₁ = Σ_tokens dz₁ through its bias
+/// pointer; z = x W₁ᵀ + b₁ is what fc1's forward GEMM stored beside h (GELU_AUX_BIAS). No
+/// element-wise pass and no GEMM recomputing z; the weight gradients come with BGRADB's db.
+///
+/// Candle records an op of at most three inputs, so the layer is two recorded ops, fc1 (x, W₁, b₁)
+/// and fc2 (h, W₂, b₂), sharing an `MlpPair`. **The pairing invariant**: h is made here and
+/// consumed only by fc2, never returned, so in candle's backward the gradient that reaches fc1's
+/// op is exactly what fc2's op returned for h. fc2's backward therefore returns dz₁ (not dh) as
+/// "h's gradient", and leaves db₁ in the pair; fc1's backward takes its incoming gradient as dz₁
+/// and db₁ from the pair. Were h visible, another consumer's dh would be added to dz₁ and the
+/// sum would be wrong: that is why no function hands h out. (candle's `GradStore` does hold dz₁
+/// under h's id, which nothing outside this function can name.)
+///
+/// Off CUDA the same two ops run with candle ops for dz₁ (`backward::gelu_tanh_grad_ops`), which is
+/// how the pairing is tested without a GPU; stage 3's block takes this path on CUDA only, and on
+/// the CPU keeps `linear_bias_gelu`'s one-pass backward, whose dz₁ stays f32 (here dz₁ returns
+/// in h's dtype, as cuBLASLt writes it).
+pub fn mlp(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> candle_core::Result<Tensor> {
+    if ![x, w1, b1, w2, b2].iter().any(|t| t.track_op()) {
+        return linear_bias(&linear_bias_gelu(x, w1, b1)?, w2, b2);
+    }
+    let (_, _, c) = x.dims3()?;
+    let (ff, c1) = w1.dims2()?;
+    if c1 != c || b1.dims() != [ff] || w2.dims() != [c, ff] || b2.dims() != [c] {
+        candle_core::bail!(
+            "mlp: x {:?}, W1 {:?}, b1 {:?}, W2 {:?}, b2 {:?} do not fit",
+            x.dims(),
+            w1.dims(),
+            b1.dims(),
+            w2.dims(),
+            b2.dims()
+        );
+    }
+    if x.device().is_cuda() && !crate::gemm_args::gelu_aux_fits(ff) {
+        // cuBLASLt's aux matrix (z) needs a leading dimension that is a multiple of 8: the two
+        // linears' own backward (GELU's derivative by candle ops) instead.
+        return linear_bias(&linear_bias_gelu(x, w1, b1)?, w2, b2);
+    }
+    let same = |t: &Tensor| t.contiguous()?.to_dtype(x.dtype()); // candle's cast: keeps the graph
+    let pair = Arc::new(MlpPair::default());
+    let h = x.contiguous()?.apply_op3(&same(w1)?, &same(b1)?, MlpHalf { fc2: false, pair: pair.clone() })?; // (B, T, FF)
+    h.apply_op3(&same(w2)?, &same(b2)?, MlpHalf { fc2: true, pair }) // (B, T, C)
+}
+
+/// Slow twin of `mlp`: the two linears' slow twins.
+pub fn mlp_slow(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> candle_core::Result<Tensor> {
+    linear_bias_slow(&linear_bias_gelu_slow(x, w1, b1)?, w2, b2)
+}
+
+/// What `mlp`'s two ops hand each other (see the pairing invariant at `mlp`).
+#[derive(Default)]
+struct MlpPair {
+    /// z = x W₁ᵀ + b₁ (B, T, FF), written by fc1's forward: cuBLASLt's aux output in h's dtype on
+    /// CUDA, f32 on the CPU.
+    z: Mutex<Option<Tensor>>,
+    /// db₁ (FF), written by fc2's backward for fc1's.
+    db1: Mutex<Option<Tensor>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> candle_core::Result<std::sync::MutexGuard<'_, T>> {
+    m.lock().map_err(|_| candle_core::Error::Msg("mlp: poisoned lock".into()))
+}
+
+/// One of `mlp`'s two ops: fc1 (inputs x, W₁, b₁; output h = gelu(z)) or fc2 (h, W₂, b₂; y).
+struct MlpHalf {
+    fc2: bool,
+    pair: Arc<MlpPair>,
+}
+
+impl CustomOp3 for MlpHalf {
+    fn name(&self) -> &'static str {
+        if self.fc2 {
+            "speedkit-mlp-fc2"
+        } else {
+            "speedkit-mlp-fc1"
+        }
+    }
+
+    /// The f32 GEMM (`gemm_into`), then the bias (and GELU, keeping z) row by row.
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (bsz, t, k) = xl.shape().dims3()?;
+        let n = wl.shape().dims()[0];
+        let (x, w, b) = (f32_values(xs, xl, "x")?, f32_values(ws, wl, "W")?, f32_values(bs, bl, "b")?);
+        let mut out = vec![0f32; bsz * t * n];
+        gemm_into(&mut out, &x, &w, (bsz * t, n, k), false);
+        out.par_chunks_mut(n).for_each(|row| map_slice_in_place(row, &|j, v| v + b[j])); // z = x·Wᵀ + b
+        if !self.fc2 {
+            *locked(&self.pair.z)? = Some(Tensor::from_vec(out.clone(), (bsz, t, n), &candle_core::Device::Cpu)?);
+            out.par_chunks_mut(n).for_each(|row| map_slice_in_place(row, &|_, v| gelu_tanh(v)));
+        }
+        Ok((to_storage(out, xs.dtype())?, Shape::from((bsz, t, n))))
+    }
+
+    /// fc1: GELU_AUX_BIAS (h and z from one GEMM); fc2: the BIAS epilogue, as `linear_bias`.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+        bs: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (bsz, t, _) = xl.shape().dims3()?;
+        let n = wl.shape().dims()[0];
+        let shape = Shape::from((bsz, t, n));
+        if self.fc2 {
+            return Ok((crate::cuda::linear(xs, xl, ws, wl, bs, bl, Epilogue::Bias)?, shape));
+        }
+        let (h, z) = crate::cuda_lt::linear_gelu_aux(xs, xl, ws, wl, bs, bl)?; // z: (B, T, FF), h's dtype
+        *locked(&self.pair.z)? = Some(Tensor::from_storage(Storage::Cuda(z), shape.clone(), BackpropOp::none(), false));
+        Ok((h, shape))
+    }
+
+    /// fc2 (x = h, w = W₂, b = b₂, dy): dW₂ and db₂, then dz₁ = gelu′(z) ∘ (dy W₂) and db₁, which it
+    /// leaves in the pair; it returns dz₁ as h's gradient. fc1 (dy = dz₁): dx and dW₁, db₁ from the
+    /// pair. On CUDA: cuBLASLt's BGRADB and DGELU_BGRAD epilogues (`cuda_lt`).
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if !self.fc2 {
+            let db1 = locked(&self.pair.db1)?.clone();
+            let db1 =
+                db1.ok_or_else(|| candle_core::Error::Msg("mlp: fc1's backward ran before fc2's left db1 (h used outside mlp?)".into()))?;
+            let (dx, dw) = linear_grads(x, w, dy)?;
+            return Ok((Some(dx), Some(dw), Some(db1.to_dtype(b.dtype())?)));
+        }
+        let z = locked(&self.pair.z)?.clone();
+        let z = z.ok_or_else(|| candle_core::Error::Msg("mlp: fc2's backward without fc1's z".into()))?;
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let (dz1, db1, dw, db) = crate::cuda_lt::mlp_fc2_bwd(x, w, dy, &z)?;
+            *locked(&self.pair.db1)? = Some(db1);
+            return Ok((Some(dz1), Some(dw), Some(db.to_dtype(b.dtype())?)));
+        }
+        let (dz, db) = backward::bias_bwd(dy)?;
+        let (dh, dw) = backward::linear_bwd(x, w, &dz)?;
+        let ff = x.dim(D::Minus1)?;
+        let dz1 = (dh.to_dtype(DType::F32)? * backward::gelu_tanh_grad_ops(&z.to_dtype(DType::F32)?)?)?; // (B, T, FF)
+        *locked(&self.pair.db1)? = Some(dz1.reshape(((), ff))?.sum(0)?);
+        Ok((Some(dz1.to_dtype(x.dtype())?), Some(dw), Some(db.to_dtype(b.dtype())?)))
+    }
+}
+
+/// dx = dz·W and dW = dzᵀ·x of a linear whose bias gradient comes from elsewhere: cuBLASLt's two
+/// GEMMs on CUDA (`cuda_lt::linear_bwd`), candle's matmuls (`backward::linear_bwd`) otherwise.
+fn linear_grads(x: &Tensor, w: &Tensor, dz: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let (dx, dw, _) = crate::cuda_lt::linear_bwd(x, w, dz, false)?;
+        return Ok((dx, dw));
+    }
+    backward::linear_bwd(x, w, dz)
 }
 
 /// The GEMM operands x (m × k) and W (n × k), row-major: bf16 in place when the CPU's bf16 unit

@@ -1,6 +1,7 @@
-//! Stage 3's rows of `ladder selftest`: the cuBLASLt epilogues and the LayerNorm kernels
-//! alone, against stage 0's ops (on the CPU: the argument builders run by the cuBLASLt
-//! contract model, and the CPU fused ops).
+//! Stage 3's rows of `ladder selftest`: the cuBLASLt epilogues (the forward's, and the training
+//! ones through `ops::mlp`'s gradients) and the LayerNorm kernels alone, against stage 0's ops
+//! (on the CPU: the argument builders run by the cuBLASLt contract model, `mlp`'s CPU backward,
+//! and the CPU fused ops).
 
 use candle_core::{DType, Device, Tensor};
 use shared::selftest::{randn, Rows};
@@ -83,6 +84,50 @@ pub fn epilogues(r: &mut Rows, device: &Device) {
             }
             Ok((Tensor::from_vec(d, (bsz, t, n), &Device::Cpu)?, want, tol))
         });
+    }
+}
+
+/// `ops::mlp`'s gradients at bf16 and f16 — on CUDA fc1's GELU_AUX_BIAS, fc2's BGRADB and
+/// DGELU_BGRAD, fc1's plain backward GEMMs — against candle's autograd through stage 0's ops in
+/// f32 on the same (rounded) values, one row per gradient.
+pub fn training_epilogues(r: &mut Rows, device: &Device) {
+    if !device.is_cuda() {
+        r.ran = "ops::mlp's CPU backward (GELU's derivative by candle ops)".into();
+    }
+    // M = 80 tokens, C = 96, FF = 128 (a multiple of 8: the aux matrix's leading dimension).
+    let (bsz, t, c, ff) = (2, 40, 96, 128);
+    for dtype in [DType::BF16, DType::F16] {
+        for (i, name) in ["dx", "dW1", "db1", "dW2", "db2"].into_iter().enumerate() {
+            let case = format!("mlp {name} {dtype:?} M={} C={c} FF={ff}", bsz * t);
+            r.compare("cuBLASLt training epilogues", case, || {
+                let inputs = [
+                    randn(&[bsz, t, c], 20, 1.0, 0.0)?,
+                    randn(&[ff, c], 21, 0.1, 0.0)?,
+                    randn(&[ff], 22, 0.1, 0.0)?,
+                    randn(&[c, ff], 23, 0.1, 0.0)?,
+                    randn(&[c], 24, 0.1, 0.0)?,
+                ];
+                let dy = randn(&[bsz, t, c], 25, 1.0, 0.0)?;
+                let rounded = inputs.iter().map(|x| x.to_dtype(dtype)?.to_dtype(DType::F32)).collect::<candle_core::Result<Vec<_>>>()?;
+                let want = crate::backward::grads_of(
+                    &rounded.iter().collect::<Vec<_>>(),
+                    |v| {
+                        let h = stage0_baseline::gelu_tanh(&stage0_baseline::linear(&v[0], &v[1], &v[2])?)?;
+                        Ok(vec![stage0_baseline::linear(&h, &v[3], &v[4])?])
+                    },
+                    &[&dy],
+                )?;
+                let on = rounded.iter().map(|x| x.to_dtype(dtype)?.to_device(device)).collect::<candle_core::Result<Vec<_>>>()?;
+                let got = crate::backward::grads_of(
+                    &on.iter().collect::<Vec<_>>(),
+                    |v| Ok(vec![crate::ops::mlp(&v[0], &v[1], &v[2], &v[3], &v[4])?]),
+                    &[&dy.to_device(device)?],
+                )?;
+                // h, z, dz₁ and the gradients rounded to the GEMM's dtype on the way
+                let tol = if dtype == DType::BF16 { 2e-2 } else { 3e-3 };
+                Ok((got[i].clone(), want[i].clone(), tol))
+            });
+        }
     }
 }
 

@@ -7,7 +7,7 @@
 
 use candle_core::{Device, Tensor};
 use proptest::prelude::*;
-use stage3_fused::cublaslt_model::{matmul, DataType};
+use stage3_fused::cublaslt_model::{matmul, matmul_ex, DataType};
 use stage3_fused::gemm_args::{linear_args, LinearKind};
 
 fn values(len: usize, seed: u64, dtype: DataType) -> Vec<f32> {
@@ -27,28 +27,36 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     (num / den).sqrt()
 }
 
-/// Model D (column-major N × M = row-major M × N) vs the slow twin, for one shape.
+/// Model D (column-major N × M = row-major M × N) vs the slow twin, for one shape; with
+/// GELU_AUX_BIAS also the aux (z = x Wᵀ + b) vs the twin's pre-activation, N rounded up to a
+/// multiple of 8 (the aux's leading dimension must be).
 fn check(bsz: usize, t: usize, k: usize, n: usize, kind: LinearKind, dtype: DataType, seed: u64) -> f64 {
     let m = bsz * t;
+    let n = if kind == LinearKind::BiasGeluAux { n.next_multiple_of(8) } else { n };
     let (x, w, b, r) =
         (values(m * k, seed, dtype), values(n * k, seed + 1, dtype), values(n, seed + 2, dtype), values(m * n, seed + 3, dtype));
     let args = linear_args(m, k, n, dtype, kind);
     // The CUDA path's buffers: A = W as stored, B = x as stored, C = D = out (holding r when fused).
     let c = (kind == LinearKind::BiasResidualInC).then_some(&r[..]);
-    let d = matmul(&args, &w, &x, c, Some(&b), (1.0, 1.0)).unwrap();
+    let out = matmul_ex(&args, &w, &x, c, Some(&b), None, (1.0, 1.0)).unwrap();
     // The slow twin, in f32 on the same values.
     let dev = Device::Cpu;
     let xt = Tensor::from_vec(x, (bsz, t, k), &dev).unwrap();
     let wt = Tensor::from_vec(w, (n, k), &dev).unwrap();
     let bt = Tensor::from_vec(b, n, &dev).unwrap();
-    let y = stage0_baseline::linear(&xt, &wt, &bt).unwrap();
+    let z = stage0_baseline::linear(&xt, &wt, &bt).unwrap();
     let y = match kind {
-        LinearKind::Bias => y,
-        LinearKind::BiasGelu => stage0_baseline::gelu_tanh(&y).unwrap(),
-        LinearKind::BiasResidualInC => (y + Tensor::from_vec(r, (bsz, t, n), &dev).unwrap()).unwrap(),
+        LinearKind::Bias => z.clone(),
+        LinearKind::BiasGelu | LinearKind::BiasGeluAux => stage0_baseline::gelu_tanh(&z).unwrap(),
+        LinearKind::BiasResidualInC => (&z + Tensor::from_vec(r, (bsz, t, n), &dev).unwrap()).unwrap(),
     };
-    let want: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
-    rel_err(&d, &want)
+    let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+    let e = rel_err(&out.d, &flat(&y));
+    match (kind, out.aux) {
+        (LinearKind::BiasGeluAux, Some(aux)) => e.max(rel_err(&aux, &flat(&z))),
+        (LinearKind::BiasGeluAux, None) => panic!("GELU_AUX_BIAS wrote no aux"),
+        _ => e,
+    }
 }
 
 /// D is rounded to its type: bf16 keeps 8 significant bits (~2e-3 relative), f16 11; f32 differs
@@ -66,7 +74,7 @@ proptest! {
     #[test]
     fn model_of_the_cuda_arguments_matches_the_twin(
         bsz in 1usize..3, t in 16usize..160, k in 16usize..320, n in 16usize..320,
-        kind in prop::sample::select(vec![LinearKind::Bias, LinearKind::BiasGelu, LinearKind::BiasResidualInC]),
+        kind in prop::sample::select(vec![LinearKind::Bias, LinearKind::BiasGelu, LinearKind::BiasResidualInC, LinearKind::BiasGeluAux]),
         dtype in prop::sample::select(vec![DataType::F32, DataType::Bf16, DataType::F16]),
         seed in 0u64..1000,
     ) {
@@ -79,7 +87,7 @@ proptest! {
 #[test]
 fn edges() {
     for (bsz, t, k, n) in [(1, 16, 16, 16), (2, 17, 300, 16), (1, 300, 16, 301), (3, 16, 31, 47)] {
-        for kind in [LinearKind::Bias, LinearKind::BiasGelu, LinearKind::BiasResidualInC] {
+        for kind in [LinearKind::Bias, LinearKind::BiasGelu, LinearKind::BiasResidualInC, LinearKind::BiasGeluAux] {
             let e = check(bsz, t, k, n, kind, DataType::F32, 7);
             assert!(e < 1e-5, "{kind:?} B={bsz} T={t} K={k} N={n}: {e:.2e}");
         }

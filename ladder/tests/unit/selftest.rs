@@ -10,7 +10,16 @@ fn cpu_selftest_passes_and_covers_every_block() {
     let (device, info) = shared::device::select(shared::device::DeviceRequest::Cpu).unwrap();
     let rep = run(&device, &info);
     assert_eq!(rep.failed, 0, "{}", table(&rep));
-    for block in ["attention", "cuBLASLt epilogue", "FP8 GEMM", "FP8 kernel", "NVRTC kernel", "breakdown", "memory probe"] {
+    for block in [
+        "attention",
+        "cuBLASLt epilogue",
+        "cuBLASLt training epilogues",
+        "FP8 GEMM",
+        "FP8 kernel",
+        "NVRTC kernel",
+        "breakdown",
+        "memory probe",
+    ] {
         assert!(rep.results.iter().any(|c| c.block == block && c.status == "pass"), "{block} missing");
     }
     assert!(rep.results.iter().any(|c| c.block == "CUDA graph" && c.status == "skipped"), "a CPU has no graph to replay");
