@@ -44,10 +44,10 @@ fn workspace(dev: &CudaDevice) -> candle_core::Result<Rc<(CudaSlice<u8>, usize)>
     WORKSPACE.with(|c| c.get_or_try_insert(key, || Ok(Rc::new((unsafe { dev.alloc::<u8>(bytes)? }, bytes)))))
 }
 
-/// cuBLASLt descriptors, destroyed when dropped.
-struct MatLayout(sys::cublasLtMatrixLayout_t);
-struct Desc(sys::cublasLtMatmulDesc_t);
-struct Pref(sys::cublasLtMatmulPreference_t);
+/// cuBLASLt descriptors, destroyed when dropped (stage 4's FP8 GEMMs use them too).
+pub struct MatLayout(pub sys::cublasLtMatrixLayout_t);
+pub struct Desc(pub sys::cublasLtMatmulDesc_t);
+pub struct Pref(pub sys::cublasLtMatmulPreference_t);
 
 impl Drop for MatLayout {
     fn drop(&mut self) {

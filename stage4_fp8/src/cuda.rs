@@ -12,6 +12,7 @@ use candle_core::cuda::cudarc::cublaslt::{result, sys, MatmulShared};
 use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use candle_core::cuda::{CudaDevice, CudaStorage, DeviceId};
 use stage3_fused::cuda::{device_key, lt, view};
+use stage3_fused::cuda_lt::{Desc, MatLayout as Layout, Pref};
 use stage3_fused::device_cache::{Cache, DeviceKey};
 use std::ffi::c_void;
 use std::rc::Rc;
@@ -108,30 +109,6 @@ fn workspace(dev: &CudaDevice) -> candle_core::Result<Rc<CudaSlice<u8>>> {
     let key = device_key(dev)?;
     // SAFETY: cuBLASLt uses the workspace as scratch; nothing reads it before writing.
     WORKSPACE.with(|c| c.get_or_try_insert(key, || Ok(Rc::new(unsafe { dev.alloc::<u8>(WORKSPACE_BYTES)? }))))
-}
-
-/// cuBLASLt descriptors, destroyed when dropped.
-struct Layout(sys::cublasLtMatrixLayout_t);
-struct Desc(sys::cublasLtMatmulDesc_t);
-struct Pref(sys::cublasLtMatmulPreference_t);
-
-impl Drop for Layout {
-    fn drop(&mut self) {
-        // SAFETY: created by create_matrix_layout, destroyed once.
-        let _ = unsafe { result::destroy_matrix_layout(self.0) };
-    }
-}
-impl Drop for Desc {
-    fn drop(&mut self) {
-        // SAFETY: created by create_matmul_desc, destroyed once.
-        let _ = unsafe { result::destroy_matmul_desc(self.0) };
-    }
-}
-impl Drop for Pref {
-    fn drop(&mut self) {
-        // SAFETY: created by create_matmul_pref, destroyed once.
-        let _ = unsafe { result::destroy_matmul_pref(self.0) };
-    }
 }
 
 fn layout(dtype: sys::cudaDataType, rows: u64, cols: u64, ld: i64) -> candle_core::Result<Layout> {
