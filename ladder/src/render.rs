@@ -32,13 +32,9 @@ pub fn fmt_ms(ms: f64) -> String {
     }
 }
 
-/// "2.13x"; "≈1.0x" when the p10–p90 intervals overlap (the JSON keeps the ratio); "–" for none.
+/// `speedup_text` ("≈1.0x" within noise; the JSON keeps the ratio), with "–" for none.
 pub fn fmt_speedup(v: Option<f64>, within_noise: bool) -> String {
-    match v {
-        None => "–".into(),
-        Some(_) if within_noise => "≈1.0x".into(),
-        Some(v) => format!("{v:.2}x"),
-    }
+    v.map_or("–".into(), |_| shared::report::speedup_text(v, within_noise))
 }
 
 /// "452 (429–465)": median and p10–p90.
@@ -144,18 +140,7 @@ fn table((header, rows): Grid, markdown: bool) -> String {
         let rule = format!("|{}\n", "---|".repeat(header.len()));
         return std::iter::once(row(&header)).chain([rule]).chain(rows.iter().map(|r| row(r))).collect();
     }
-    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for row in &rows {
-        for (w, c) in widths.iter_mut().zip(row) {
-            *w = (*w).max(c.chars().count());
-        }
-    }
-    let line = |cells: &[String]| -> String {
-        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect();
-        padded.join("  ").trim_end().to_string() + "\n"
-    };
-    let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
-    [&header, &rule].into_iter().chain(&rows).map(|r| line(r)).collect()
+    shared::report::columns(&header, &rows)
 }
 
 /// The ladder's table as GitHub markdown; GFLOP/s on a CPU (a few hundred at most), TFLOP/s on a GPU.

@@ -219,6 +219,12 @@ impl GemmSwitches {
         *APPLIED.lock().unwrap_or_else(|e| e.into_inner()) = self;
     }
 
+    /// "TF32 on · reduced-precision f16 off · bf16 off"
+    pub fn describe(self) -> String {
+        let on = |b: bool| if b { "on" } else { "off" };
+        format!("TF32 {} · reduced-precision f16 {} · bf16 {}", on(self.tf32), on(self.reduced_f16), on(self.reduced_bf16))
+    }
+
     /// The switches in force. Without CUDA candle's stand-in getters always answer `true`, so
     /// this is what was last applied.
     pub fn current() -> GemmSwitches {

@@ -285,24 +285,27 @@ pub fn table(rows: &[Row]) -> String {
             }
         })
         .collect();
-    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
-    for row in &rows {
-        // A skipped row's reason runs across the remaining columns; it does not widen them.
-        let cells = if row.len() == header.len() { &row[..] } else { &row[..2] };
-        widths.iter_mut().zip(cells).for_each(|(w, cell)| *w = (*w).max(cell.chars().count()));
-    }
-    // Trailing padding (the last cell's) is trimmed away.
-    let line = |cells: &[String]| {
-        cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect::<Vec<_>>().join("  ").trim_end().to_string() + "\n"
-    };
     let with_simd = |r: &&Record| r.gemm_backend.as_ref().map(|b| r.simd.as_ref().map_or(b.clone(), |s| format!("{b} · SIMD {s}")));
     let mut seen = std::collections::HashSet::new();
     let backends: Vec<String> = ran.iter().filter_map(with_simd).filter(|b| seen.insert(b.clone())).collect();
-    let mut out = if backends.is_empty() { String::new() } else { format!("GEMM backend: {}\n", backends.join("; ")) };
-    out.push_str(&line(&header.iter().map(|h| h.to_string()).collect::<Vec<_>>()));
-    out.push_str(&line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>()));
-    rows.iter().for_each(|row| out.push_str(&line(row)));
-    out
+    let out = if backends.is_empty() { String::new() } else { format!("GEMM backend: {}\n", backends.join("; ")) };
+    out + &columns(&header.iter().map(|h| h.to_string()).collect::<Vec<_>>(), &rows)
+}
+
+/// A terminal table: the header, a rule, and the rows, each column padded to its widest cell,
+/// trailing padding trimmed. A row shorter than the header (a skipped row's reason) runs its
+/// last cell across the remaining columns without widening them.
+pub fn columns(header: &[String], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        let cells = if row.len() == header.len() { &row[..] } else { &row[..row.len().saturating_sub(1)] };
+        widths.iter_mut().zip(cells).for_each(|(w, cell)| *w = (*w).max(cell.chars().count()));
+    }
+    let line = |cells: &[String]| {
+        cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect::<Vec<_>>().join("  ").trim_end().to_string() + "\n"
+    };
+    let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
+    [header, &rule[..]].into_iter().chain(rows.iter().map(|r| &r[..])).map(line).collect()
 }
 
 /// A training row's update median and worst gradient error ("-" for what it lacks).

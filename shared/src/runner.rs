@@ -257,6 +257,16 @@ impl Session {
         Ok(crate::train::reference_gradients(forward.as_ref(), &vars, &self.x, r, piece.batch)?)
     }
 
+    /// `y` against the reference (`None` with --no-check); a failed check is the error.
+    fn check(&self, y: &Tensor, spec: &dyn Stage, plan: &Plan) -> anyhow::Result<Option<CheckResult>> {
+        let Some(reference) = &self.reference else { return Ok(None) };
+        let c = compare(y, reference, plan.precision)?;
+        match c.to_error(spec.name(), plan.precision) {
+            Some(e) => Err(e.into()),
+            None => Ok(Some(c)),
+        }
+    }
+
     /// The forward's measurement: build, check against the reference, time.
     fn measure(&self, spec: &dyn Stage, plan: &Plan, iters: usize, probe: &mut MemProbe) -> anyhow::Result<Measured> {
         let stage = spec.build(&self.weights, plan)?;
@@ -273,13 +283,8 @@ impl Session {
         // Check before timing: nothing is timed until it matched the reference.
         let y = stage.forward(&self.x)?;
         self.device.synchronize()?;
-        let (mut check, mut extra_checks) = (None, Vec::new());
-        if let Some(r) = &self.reference {
-            let c = compare(&y, r, plan.precision)?;
-            if let Some(e) = c.to_error(spec.name(), plan.precision) {
-                return Err(e.into());
-            }
-            check = Some(c);
+        let (check, mut extra_checks) = (self.check(&y, spec, plan)?, Vec::new());
+        if check.is_some() {
             // The stage's own check, on the same output; what it allocates is not the stage's memory.
             if let Some(c) = probe.exclude(|| stage.self_check(&self.x, &y))? {
                 if !c.result.passed {
@@ -301,9 +306,7 @@ impl Session {
         // After the uninstrumented timing, never mixed into it: the same forward with a clock
         // read at each part boundary.
         let breakdown = self.args.breakdown.then(|| crate::breakdown::record(device, self.warmup.min(1), iters, || stage.forward(&self.x)));
-        let breakdown = breakdown.transpose()?;
-        let ran = stage.ran();
-        Ok(Measured { y, stats, breakdown, check, extra_checks, ran, train: None })
+        Ok(Measured { y, stats, breakdown: breakdown.transpose()?, check, extra_checks, ran: stage.ran(), train: None })
     }
 
     /// `--train`'s measurement of a built plan: the gradient and update checks, then the timed steps.
@@ -316,14 +319,9 @@ impl Session {
         let r = self.upstream.as_ref().expect("set with --train");
         let (y, grads) = step(forward.as_ref(), &x, r, opt.loss_scale())?;
         self.device.synchronize()?;
-        let mut check = None;
+        let check = self.check(&y, spec, plan)?;
         let (mut grad_check, mut worst_grad, mut optimizer_check) = (None, String::new(), None);
-        if let (Some(reference), Some(ref_grads)) = (&self.reference, &self.reference_grads) {
-            let c = compare(&y, reference, plan.precision)?;
-            if let Some(e) = c.to_error(spec.name(), plan.precision) {
-                return Err(e.into());
-            }
-            check = Some(c);
+        if let Some(ref_grads) = &self.reference_grads {
             let got = gradients(&grads, &vars, &x, opt.loss_scale())?;
             let (g, worst) = compare_grads(&got, ref_grads, plan.precision)?;
             if !g.passed {
@@ -484,8 +482,7 @@ pub fn print_details(r: &Record) {
     if let Some(i) = &r.implementation {
         println!("runs      {i}");
     }
-    let (s, on_off) = (r.gemm_switches, |b: bool| if b { "on" } else { "off" });
-    println!("switches  TF32 {} · reduced-precision f16 {} · bf16 {}", on_off(s.tf32), on_off(s.reduced_f16), on_off(s.reduced_bf16));
+    println!("switches  {}", r.gemm_switches.describe());
     match &r.check {
         Some(c) => println!(
             "check     rel err {:.3e}, max abs {:.3e} vs fp32 reference (tolerance {:.0e}): passed",
@@ -538,11 +535,7 @@ pub fn main(stages: &[StageEntry]) -> ExitCode {
         // Every output path is checked before any work (writable, not a directory, no two on
         // one file, none an input), so a run never ends in a refusal to save it.
         let outputs = crate::output::check_all(&crate::cli::output_flags(&args))?;
-        let inputs: Vec<(&str, &std::path::Path)> = [("--weights", &args.weights), ("--input", &args.input)]
-            .into_iter()
-            .filter_map(|(f, p)| p.as_deref().map(|p| (f, p)))
-            .collect();
-        crate::output::check_not_inputs(&outputs, &inputs)?;
+        crate::output::check_not_inputs(&outputs, &crate::cli::input_flags(&args))?;
         let session = Session::open_for(args.clone(), reference.as_ref(), &[(stage.as_ref(), args.precision)])?;
         let (record, y) = session.run_with(stage.as_ref(), session.args.precision, session.iters)?;
         print_details(&record);
