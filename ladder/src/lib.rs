@@ -338,10 +338,9 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
 pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<String> {
     use std::fmt::Write;
     if let Some((flag, _)) = shared::cli::output_flags(args).first() {
-        return Err(SpeedkitError::usage(format!(
+        anyhow::bail!(SpeedkitError::usage(format!(
             "`ladder report` runs nothing, so there is nothing for {flag} to write. Fix: drop {flag}, or run `ladder {flag} PATH` (without `report`)."
-        ))
-        .into());
+        )));
     }
     let shared::runner::Resolved { device, info, shape, .. } = shared::runner::resolve(args)?;
     let mut out = String::new();
@@ -623,19 +622,10 @@ fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
     Ok(text)
 }
 
-fn create_parent(path: &Path) -> anyhow::Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| SpeedkitError::usage(format!("cannot create {} ({e}). Fix: pick a writable path.", dir.display())))?;
-    }
-    Ok(())
-}
-
-/// Write by the output policy; the error names `flag`, the path and the fix for its cause.
+/// Write by the output policy (missing folders created); the error names `flag`, the path and
+/// the fix for its cause.
 fn write_text(path: &Path, text: &str, flag: &str) -> anyhow::Result<()> {
-    create_parent(path)?;
-    shared::output::write(flag, path, text.as_bytes())?;
-    Ok(())
+    Ok(shared::output::write(flag, path, text.as_bytes())?)
 }
 
 /// Print the table, write the chart, and rewrite the README's results region, as asked.
@@ -837,14 +827,13 @@ fn check_ablate(args: &RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> a
     });
     if !undoable {
         let names: Vec<&str> = which.iter().map(|&i| stages[i].name()).collect();
-        return Err(SpeedkitError::usage(format!(
+        anyhow::bail!(SpeedkitError::usage(format!(
             "--ablate times each stage with one of its changes undone (stage 2's head split/merge, stage 3's fusions, \
              stage 4's FP8 fusions), but none of the stages in this run ({}) has a change to undo on this device with \
              these flags, so it would add no rows. Fix: include stage 2, 3 or 4 in --stages (with some --fusions or \
              --fp8-fusions on), or drop --ablate.",
             names.join(", ")
-        ))
-        .into());
+        )));
     }
     Ok(())
 }
@@ -853,11 +842,10 @@ fn check_ablate(args: &RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> a
 fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -> anyhow::Result<()> {
     let which = select(ladder.stages.as_deref())?;
     if ladder.ablate && ladder.sweep.is_some() {
-        return Err(SpeedkitError::usage(
+        anyhow::bail!(SpeedkitError::usage(
             "--ablate adds rows to one ladder run, and a sweep is several runs. Fix: drop --ablate, or run the ablation \
              at one shape (e.g. --seq 2048) without --sweep.",
-        )
-        .into());
+        ));
     }
     let out = &ladder.output;
     if out.update_readme {
@@ -895,7 +883,6 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     // are written only when every stage passed (paths the user named are written either way).
     let json = path_or_default(&args.json, &results, &out.readme, out.update_readme && failure.is_none(), "json");
     if let Some(path) = &json {
-        create_parent(path)?;
         match &results {
             Results::Ladder(r) => write_json(path, r)?,
             Results::Sweep(s) => write_json(path, s)?,
@@ -958,11 +945,10 @@ pub fn main() -> ExitCode {
                     let failed = r.skipped.iter().filter(|s| s.failed).map(|s| s.stage.clone());
                     let failed = failed.chain(r.ablation_out.iter().filter(|o| o.failed).map(|o| format!("{} ({})", o.against, o.change)));
                     if let Some(bad) = failed.into_iter().next() {
-                        return Err(SpeedkitError::usage(format!(
+                        anyhow::bail!(SpeedkitError::usage(format!(
                             "{} records a run in which {bad} FAILED, and the README only shows runs that passed. Fix: render it with --markdown or --svg, or run the ladder again.",
                             args.from.display(),
-                        ))
-                        .into());
+                        )));
                     }
                 }
             }

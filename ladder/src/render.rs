@@ -2,7 +2,7 @@
 
 use crate::provenance::date_utc;
 use itertools::Itertools;
-use shared::report::{fmt_bytes, LadderReport, Record, Row, SweepReport};
+use shared::report::{fmt_bytes, precision_label, LadderReport, Record, Row, SweepReport};
 use shared::{Preset, Shape, SpeedkitError};
 
 /// A table: its header, then its rows.
@@ -112,11 +112,6 @@ fn breakdown_grid(report: &LadderReport) -> Grid {
         })
         .collect();
     (header, rows)
-}
-
-/// "bf16", or "fp8 (emulated)" when the stage says which implementation ran.
-pub fn precision_label(r: &Record) -> String {
-    format!("{}{}", r.precision, r.implementation.as_ref().map(|i| format!(" ({i})")).unwrap_or_default())
 }
 
 /// Relative error against the fp32 reference, or "unchecked" (--no-check).

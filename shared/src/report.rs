@@ -235,6 +235,11 @@ impl LadderReport {
     }
 }
 
+/// "bf16", or "fp8 (emulated)" when the stage says which implementation ran.
+pub fn precision_label(r: &Record) -> String {
+    format!("{}{}", r.precision, r.implementation.as_ref().map(|i| format!(" ({i})")).unwrap_or_default())
+}
+
 /// "280.0 MiB" or "3.25 GiB"; "n/a" when not measured.
 pub fn fmt_bytes(b: Option<u64>) -> String {
     match b {
@@ -265,7 +270,7 @@ pub fn table(rows: &[Row]) -> String {
             Row::Ran(r) => [
                 r.stage.clone(),
                 r.technique.clone(),
-                r.implementation.as_ref().map_or(r.precision.to_string(), |i| format!("{} ({i})", r.precision)),
+                precision_label(r),
                 format!("{:.3}", r.timing.median_ms),
                 format!("{:.3}-{:.3}", r.timing.p10_ms, r.timing.p90_ms),
                 speedup_text(r.speedup_vs_stage0, r.noise_vs_stage0),

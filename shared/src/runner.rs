@@ -25,7 +25,6 @@ pub struct Session {
     pub device: Device,
     pub info: DeviceInfo,
     pub shape: Shape,
-    pub preset: Preset,
     /// On `device`, f32.
     pub weights: BlockWeights,
     /// "seed 0" or "path (layer N)".
@@ -105,11 +104,10 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
             let (b, t, c) = x.dims3()?;
             let c_model = loaded.as_ref().map(|w| w.dims().0).or(args.d_model).unwrap_or(shape.d_model);
             if c != c_model {
-                return Err(SpeedkitError::usage(format!(
+                anyhow::bail!(SpeedkitError::usage(format!(
                     "the input file {} has C = {c} channels but the block has C = {c_model}. Fix: give an input of shape (B, T, {c_model}) or a matching --d-model / --weights.",
                     path.display()
-                ))
-                .into());
+                )));
             }
             agree_with_file("input", path, &[("--batch", args.batch, b), ("--seq", args.seq, t)])?;
             (shape.batch, shape.seq, shape.d_model) = (b, t, c);
@@ -200,7 +198,6 @@ impl Session {
             device: device.clone(),
             info,
             shape,
-            preset,
             weights: weights.to_device(&device)?,
             weights_source,
             x: x.to_device(&device)?,
@@ -289,13 +286,12 @@ impl Session {
             if let Some(c) = probe.exclude(|| stage.self_check(&self.x, &y))? {
                 if !c.result.passed {
                     let (name, rel, tol, nan) = (&c.name, c.result.rel_err, c.result.tolerance, c.result.non_finite);
-                    return Err(SpeedkitError::CheckFailed(format!(
+                    anyhow::bail!(SpeedkitError::CheckFailed(format!(
                         "{} failed its own check \"{name}\": relative error {rel:.3e} above {tol:.1e} ({nan} values NaN or infinite). \
                          {} Nothing was timed. Fix: report it with this command line.",
                         spec.name(),
                         c.meaning
-                    ))
-                    .into());
+                    )));
                 }
                 extra_checks.push(c);
             }
