@@ -97,20 +97,11 @@ pub fn new_report(info: &DeviceInfo, shape: Shape, names: Vec<String>) -> Ladder
         candle_version: versions["candle-core"].clone(),
         cuda_build: cfg!(feature = "cuda"),
         unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-        records: Vec::new(),
-        skipped: Vec::new(),
         stages: names,
-        args: Vec::new(),
         versions,
         cuda_driver_version: provenance::cuda_driver_version(info),
         nvidia_driver: provenance::nvidia_driver(info),
-        ceiling: None,
-        ablation: Vec::new(),
-        ablation_out: Vec::new(),
-        ceilings: None,
-        rounds: None,
-        references: Vec::new(),
-        references_out: Vec::new(),
+        ..Default::default()
     }
 }
 
@@ -126,12 +117,6 @@ pub struct Measure {
     pub ablate: bool,
     /// Also run the reference rows (`reference::REFERENCES`).
     pub reference: bool,
-}
-
-impl Default for Measure {
-    fn default() -> Self {
-        Measure { rounds: 3, ablate: false, reference: false }
-    }
 }
 
 /// One thing the rounds time: a stage as written (`change: None`), an ablation variant, or a

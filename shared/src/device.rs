@@ -27,16 +27,17 @@ impl std::str::FromStr for DeviceRequest {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
+    #[default]
     Cpu,
     Cuda,
 }
 
 /// What the stages need to choose a precision, and what the report prints. `sm`: the CUDA
 /// compute capability; `None` on CPU.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct DeviceInfo {
     pub kind: DeviceKind,
     pub ordinal: usize,
@@ -199,7 +200,7 @@ fn open_cuda(n: usize, why: String) -> Result<(Device, DeviceInfo), SpeedkitErro
 /// off), so stages run one after another in one process never inherit each other's numerics. On
 /// CPU they change nothing. `tf32`: f32 GEMMs on TF32 tensor cores (10-bit mantissa inputs, f32
 /// accumulate); `reduced_*`: f16 / bf16 GEMMs may accumulate in reduced precision.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GemmSwitches {
     pub tf32: bool,
     pub reduced_f16: bool,

@@ -35,7 +35,7 @@ pub enum Mode {
 }
 
 /// One stage, measured.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     pub schema: String,
     pub stage: String,
@@ -103,7 +103,7 @@ pub struct Skipped {
 }
 
 /// The ladder's JSON: every record, plus where and what it ran on.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LadderReport {
     pub schema: String,
     pub device: DeviceInfo,

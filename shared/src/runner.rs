@@ -423,16 +423,11 @@ impl Session {
             extra_checks,
             peak_mem_bytes,
             mem_method: mem_method.into(),
-            speedup_vs_stage0: None,
-            speedup_vs_prev: None,
             notes,
-            noise_vs_stage0: false,
-            noise_vs_prev: false,
             breakdown,
-            variant: None,
-            vs_reference: None,
             mode: if train.is_some() { Mode::Train } else { Mode::Forward },
             train,
+            ..Default::default() // the speedups, set by the ladder
         };
         Ok((record, y))
     }
