@@ -46,8 +46,9 @@ fn strings<const N: usize>(cells: [&str; N]) -> Vec<String> {
     cells.map(String::from).to_vec()
 }
 
-/// `ladder --ablate`'s table: each variant (or why it did not run), and what the undone change buys.
-fn ablation_grid(report: &LadderReport) -> Grid {
+/// `ladder --ablate`'s table, as GitHub markdown or for the terminal: each variant (or why it did
+/// not run), and what the undone change buys.
+pub fn ablation_table(report: &LadderReport, markdown: bool) -> String {
     let header = strings(["stage", "undone", "median ms (p10–p90)", "stage as written", "what it buys"]);
     let ran = report.ablation.iter().map(|a| {
         let full = report.records.iter().find(|r| r.stage == a.against);
@@ -58,7 +59,7 @@ fn ablation_grid(report: &LadderReport) -> Grid {
         .ablation_out
         .iter()
         .map(|o| vec![o.against.clone(), o.change.clone(), not_measured(o.failed, &o.reason), "–".into(), "–".into()]);
-    (header, ran.chain(out).collect())
+    table((header, ran.chain(out).collect()), markdown)
 }
 
 /// What the tags in the breakdown's cells mean (`shared::regime`).
@@ -69,23 +70,14 @@ compute roof is one rate for the whole block (its FLOPs over their time at each 
 own shape runs faster than the block's mix, or that ran in a quicker moment than the probe's few timings, can show above \
 100 %; the JSON's `ceiling.gemms` holds each shape's own rate. The JSON holds each part's FLOPs, minimum bytes, GFLOP/s and GB/s.";
 
-/// `--ablate`'s table, as GitHub markdown or for the terminal.
-pub fn ablation_table(report: &LadderReport, markdown: bool) -> String {
-    table(ablation_grid(report), markdown)
-}
-
-/// `--breakdown`'s table, as GitHub markdown or for the terminal.
-pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
-    table(breakdown_grid(report), markdown)
-}
-
 /// The names of the parts in `records`' breakdowns, in first-seen order.
 pub(crate) fn part_names(records: &[&Record]) -> Vec<String> {
     records.iter().flat_map(|r| r.breakdown.iter().flat_map(|b| &b.parts)).map(|p| p.name.clone()).unique().collect()
 }
 
-/// `--breakdown`'s table: a row per stage, a column per part (forward order), total and median.
-fn breakdown_grid(report: &LadderReport) -> Grid {
+/// `--breakdown`'s table, as GitHub markdown or for the terminal: a row per stage, a column per
+/// part (forward order), total and median.
+pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
     let with: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
     let mut parts = part_names(&with);
     let order = |name: &str| shared::breakdown::PARTS.iter().position(|p| name.starts_with(p)).unwrap_or(usize::MAX);
@@ -111,7 +103,7 @@ fn breakdown_grid(report: &LadderReport) -> Grid {
             row
         })
         .collect();
-    (header, rows)
+    table((header, rows), markdown)
 }
 
 /// Relative error against the fp32 reference, or "unchecked" (--no-check).
@@ -317,20 +309,17 @@ fn sweep_grid(sweep: &SweepReport) -> Grid {
     (header, rows)
 }
 
-fn sweep_note(sweep: &SweepReport) -> String {
-    let d_model = if sweep.axis == "d_model" { " (FF = 4·C and d_head fixed unless --ff / --heads were given)" } else { "" };
-    format!("cells: median ms · speedup over stage 0 at the same {}{d_model}", axis_symbol(&sweep.axis))
-}
-
 /// Every value's ladder, then the stage × value summary: GitHub markdown or the terminal's tables.
 pub fn sweep_tables(sweep: &SweepReport, markdown: bool) -> String {
     let runs = sweep.values.iter().zip(&sweep.runs).map(|(v, run)| match markdown {
         true => format!("\n#### {} · {}\n\n{}", axis_label(&sweep.axis, *v), describe_shape(&run.shape), markdown_table(run)),
         false => format!("\n{} · {}\n{}", axis_label(&sweep.axis, *v), run.shape, run.table()),
     });
+    let d_model = if sweep.axis == "d_model" { " (FF = 4·C and d_head fixed unless --ff / --heads were given)" } else { "" };
+    let note = format!("cells: median ms · speedup over stage 0 at the same {}{d_model}", axis_symbol(&sweep.axis));
     let summary = match markdown {
-        true => format!("\n#### Sweep over {}: {}\n\n", sweep.axis, sweep_note(sweep)),
-        false => format!("\nsweep over {} ({})\n", sweep.axis, sweep_note(sweep)),
+        true => format!("\n#### Sweep over {}: {note}\n\n", sweep.axis),
+        false => format!("\nsweep over {} ({note})\n", sweep.axis),
     };
     runs.collect::<String>() + &summary + &table(sweep_grid(sweep), markdown)
 }
