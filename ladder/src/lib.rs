@@ -121,6 +121,7 @@ pub struct Measure {
 
 /// One thing the rounds time: a stage as written (`change: None`), an ablation variant, or a
 /// reference row (`reference`: `variant` is the reference, `stage` unused).
+#[derive(Default)]
 struct Entry {
     stage: usize,
     /// The ablation variant or the reference, when this entry is one.
@@ -166,15 +167,8 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
     report.ceiling = session.ceiling.clone();
     let mut failure = None;
-    let entry = |stage: usize, variant: Option<Box<dyn Stage>>, change: Option<String>| Entry {
-        stage,
-        variant,
-        change,
-        reference: false,
-        records: Vec::new(),
-        y: None,
-        out: false,
-    };
+    let entry =
+        |stage: usize, variant: Option<Box<dyn Stage>>, change: Option<String>| Entry { stage, variant, change, ..Default::default() };
     let mut entries: Vec<Entry> = which.iter().map(|&i| entry(i, None, None)).collect();
     if m.ablate {
         for &i in which {
@@ -203,10 +197,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
                 continue;
             }
             let spec = if e.reference { e.variant.as_deref().expect("a reference entry holds its stage") } else { all[e.stage].as_ref() };
-            let label = match &e.change {
-                Some(c) => format!("{} ({c})", spec.name()),
-                None => spec.name().to_string(),
-            };
+            let label = e.change.as_ref().map_or(spec.name().to_string(), |c| format!("{} ({c})", spec.name()));
             let run = e.variant.as_deref().unwrap_or(spec);
             match session.run_with(run, ladder_request(spec, session.args.precision), iters) {
                 Ok((mut record, y)) => {
@@ -245,9 +236,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
                             failed,
                         }),
                     }
-                    if failed && failure.is_none() {
-                        failure = Some(err);
-                    }
+                    failure = failure.or(failed.then_some(err));
                 }
             }
         }

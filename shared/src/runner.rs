@@ -194,24 +194,23 @@ impl Session {
             println!("ceiling   {} (measured now; % of peak is against it)", c.describe());
         }
 
+        let x = x.to_device(&device)?;
+        let upstream = args.train.then(|| crate::train::upstream(&x, args.seed)).transpose()?;
         let mut session = Session {
             device: device.clone(),
             info,
             shape,
             weights: weights.to_device(&device)?,
             weights_source,
-            x: x.to_device(&device)?,
+            x,
             warmup,
             iters,
             reference: None,
-            upstream: None,
+            upstream,
             reference_grads: None,
             ceiling,
             args,
         };
-        if session.args.train {
-            session.upstream = Some(crate::train::upstream(&session.x, session.args.seed)?);
-        }
         if !session.args.no_check {
             session.reference = Some(session.reference_output(reference, crate::preset::MAX_TENSOR_ELEMENTS)?);
             if session.args.train {
