@@ -609,16 +609,12 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         return Err(sweep_and_readme().into());
     }
     println!();
-    match (results, out.markdown) {
-        (Results::Ladder(r), false) => {
-            print!("{}", r.table());
-            print_extras(r, false);
+    match results {
+        Results::Ladder(r) => {
+            print!("{}", if out.markdown { render::markdown_table(r) } else { r.table() });
+            print_extras(r, out.markdown);
         }
-        (Results::Ladder(r), true) => {
-            print!("{}", render::markdown_table(r));
-            print_extras(r, true);
-        }
-        (Results::Sweep(s), md) => print!("{}", render::sweep_tables(s, md)),
+        Results::Sweep(s) => print!("{}", render::sweep_tables(s, out.markdown)),
     }
     let svg_path = path_or_default(&out.svg, results, &out.readme, out.update_readme, "svg");
     if let Some(path) = &svg_path {
@@ -868,18 +864,11 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     if let Some(path) = &json {
         println!("saved     JSON to {}", path.display());
     }
-    match failure {
-        Some(e) => {
-            if ladder.output.update_readme {
-                println!(
-                    "not updating {} or its results files: a stage failed (the recorded results stay as they were)",
-                    ladder.output.readme.display()
-                );
-            }
-            Err(e)
-        }
-        None => Ok(()),
+    if failure.is_some() && ladder.output.update_readme {
+        let readme = ladder.output.readme.display();
+        println!("not updating {readme} or its results files: a stage failed (the recorded results stay as they were)");
     }
+    failure.map_or(Ok(()), Err)
 }
 
 pub fn main() -> ExitCode {
