@@ -335,7 +335,8 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
         let c = shared::ceiling::measure(&shape)?;
         writeln!(out, "ceiling   {}", c.describe())?;
     }
-    writeln!(out, "\nwhat each stage would run (--precision {}):", precision_text(args.precision))?;
+    let asked = if let PrecisionRequest::Exactly(p) = args.precision { p.name() } else { "auto" };
+    writeln!(out, "\nwhat each stage would run (--precision {asked}):")?;
     for stage in stages {
         match ladder_plan(stage.as_ref(), &device, &info, shape, args) {
             Ok(plan) => {
@@ -355,13 +356,6 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
         }
     }
     Ok(out)
-}
-
-fn precision_text(p: PrecisionRequest) -> String {
-    match p {
-        PrecisionRequest::Auto => "auto".into(),
-        PrecisionRequest::Exactly(p) => p.name().into(),
-    }
 }
 
 /// What to make of a run, or of a recorded one (`ladder render`).
@@ -538,11 +532,8 @@ fn annotate_again(r: &mut LadderReport) {
 }
 
 /// The README's folder ("." for a bare file name).
-fn readme_dir(readme: &Path) -> PathBuf {
-    match readme.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
+pub(crate) fn readme_dir(readme: &Path) -> PathBuf {
+    readme.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf()
 }
 
 /// Where --update-readme puts a file it was not given a path for: results/ladder-<kind>.<ext>

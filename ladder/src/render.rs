@@ -208,10 +208,7 @@ pub const REGION_PAGES: &[(&str, &str)] = &[
 /// that page ("../" for docs/gpu.md).
 pub fn region_page(readme: &std::path::Path, region: &str) -> (std::path::PathBuf, String) {
     match REGION_PAGES.iter().find(|(r, _)| *r == region) {
-        Some((_, page)) => {
-            let dir = readme.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-            (dir.join(page), "../".repeat(page.matches('/').count()))
-        }
+        Some((_, page)) => (crate::readme_dir(readme).join(page), "../".repeat(page.matches('/').count())),
         None => (readme.to_path_buf(), String::new()),
     }
 }
