@@ -352,10 +352,8 @@ impl Session {
             check_fits(spec.name(), &self.shape, need, avail)?;
         }
         let mut probe = MemProbe::start(&self.device);
-        let measured =
+        let Measured { y, stats, breakdown, check, extra_checks, ran, train } =
             if plan.train { self.measure_train(spec, &plan, iters, &mut probe)? } else { self.measure(spec, &plan, iters, &mut probe)? };
-        let Measured { y, stats, breakdown, check, extra_checks, ran, train } = measured;
-        let switches = GemmSwitches::current();
         let (peak_mem_bytes, mem_method) = probe.finish();
         // A training step's FLOPs: the forward's, and twice them for the backward (dX and dW).
         let flops = block_flops(&self.shape) * if plan.train { 3.0 } else { 1.0 };
@@ -405,7 +403,7 @@ impl Session {
             shape: self.shape,
             seed: self.args.seed,
             weights: self.weights_source.clone(),
-            gemm_switches: switches,
+            gemm_switches: GemmSwitches::current(),
             warmup: self.warmup,
             iters,
             tokens_per_s: self.shape.tokens() as f64 / secs,
