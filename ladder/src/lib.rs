@@ -13,6 +13,7 @@ pub mod roofline;
 pub mod selftest;
 pub mod sweep;
 
+use candle_core::Device;
 use clap::{Args, FromArgMatches};
 use shared::cli::{exit_with, RunArgs};
 use shared::device::{DeviceInfo, GemmSwitches};
@@ -21,7 +22,7 @@ use shared::report::{
     SWEEP_SCHEMA, SWEEP_SCHEMA_V1,
 };
 use shared::runner::Session;
-use shared::stage::{ladder_request, plan};
+use shared::stage::{ladder_request, plan, Plan};
 use shared::timing::Stats;
 use shared::weights::save_tensors;
 use shared::{PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
@@ -80,6 +81,11 @@ pub fn select(requested: Option<&[usize]>) -> Result<Vec<usize>, SpeedkitError> 
     Ok(which)
 }
 
+/// `stage`'s plan in a ladder run with `args`: asked for `ladder_request`.
+fn ladder_plan(stage: &dyn Stage, device: &Device, info: &DeviceInfo, shape: Shape, args: &RunArgs) -> Result<Plan, SpeedkitError> {
+    plan(stage, device, info, shape, ladder_request(stage, args.precision), args.precision, args.cuda_graph, args.train)
+}
+
 /// A ladder report with no rows yet: where, what, when, and which stages were asked for.
 pub fn new_report(info: &DeviceInfo, shape: Shape, names: Vec<String>) -> LadderReport {
     let versions = provenance::versions();
@@ -91,20 +97,11 @@ pub fn new_report(info: &DeviceInfo, shape: Shape, names: Vec<String>) -> Ladder
         candle_version: versions["candle-core"].clone(),
         cuda_build: cfg!(feature = "cuda"),
         unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-        records: Vec::new(),
-        skipped: Vec::new(),
         stages: names,
-        args: Vec::new(),
         versions,
         cuda_driver_version: provenance::cuda_driver_version(info),
         nvidia_driver: provenance::nvidia_driver(info),
-        ceiling: None,
-        ablation: Vec::new(),
-        ablation_out: Vec::new(),
-        ceilings: None,
-        rounds: None,
-        references: Vec::new(),
-        references_out: Vec::new(),
+        ..Default::default()
     }
 }
 
@@ -122,14 +119,9 @@ pub struct Measure {
     pub reference: bool,
 }
 
-impl Default for Measure {
-    fn default() -> Self {
-        Measure { rounds: 3, ablate: false, reference: false }
-    }
-}
-
 /// One thing the rounds time: a stage as written (`change: None`), an ablation variant, or a
 /// reference row (`reference`: `variant` is the reference, `stage` unused).
+#[derive(Default)]
 struct Entry {
     stage: usize,
     /// The ablation variant or the reference, when this entry is one.
@@ -175,33 +167,14 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
     report.ceiling = session.ceiling.clone();
     let mut failure = None;
-    let entry = |stage: usize, variant: Option<Box<dyn Stage>>, change: Option<String>| Entry {
-        stage,
-        variant,
-        change,
-        reference: false,
-        records: Vec::new(),
-        y: None,
-        out: false,
-    };
+    let entry =
+        |stage: usize, variant: Option<Box<dyn Stage>>, change: Option<String>| Entry { stage, variant, change, ..Default::default() };
     let mut entries: Vec<Entry> = which.iter().map(|&i| entry(i, None, None)).collect();
     if m.ablate {
         for &i in which {
             let stage = all[i].as_ref();
-            let asked = ladder_request(stage, session.args.precision);
             // A stage this device cannot run has no variants to time: its row says why.
-            let Ok(plan) = plan(
-                stage,
-                &session.device,
-                &session.info,
-                session.shape,
-                asked,
-                session.args.precision,
-                session.args.cuda_graph,
-                session.args.train,
-            ) else {
-                continue;
-            };
+            let Ok(plan) = ladder_plan(stage, &session.device, &session.info, session.shape, &session.args) else { continue };
             for (change, variant) in stage.ablations(&plan) {
                 entries.push(entry(i, Some(variant), Some(change)));
             }
@@ -224,10 +197,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
                 continue;
             }
             let spec = if e.reference { e.variant.as_deref().expect("a reference entry holds its stage") } else { all[e.stage].as_ref() };
-            let label = match &e.change {
-                Some(c) => format!("{} ({c})", spec.name()),
-                None => spec.name().to_string(),
-            };
+            let label = e.change.as_ref().map_or(spec.name().to_string(), |c| format!("{} ({c})", spec.name()));
             let run = e.variant.as_deref().unwrap_or(spec);
             match session.run_with(run, ladder_request(spec, session.args.precision), iters) {
                 Ok((mut record, y)) => {
@@ -266,9 +236,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
                             failed,
                         }),
                     }
-                    if failed && failure.is_none() {
-                        failure = Some(err);
-                    }
+                    failure = failure.or(failed.then_some(err));
                 }
             }
         }
@@ -292,36 +260,30 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
             Some(_) => variants.push((e.stage, record)),
         }
     }
-    let timing_of = |i: usize, measured: &[(usize, Record)]| measured.iter().find(|(s, _)| *s == i).map(|(_, r)| r.timing.clone());
-    let (stage0, timings): (Option<Stats>, Vec<(usize, Stats)>) =
-        (timing_of(0, &measured), measured.iter().map(|(i, r)| (*i, r.timing.clone())).collect());
+    let timings: Vec<(usize, Stats)> = measured.iter().map(|(i, r)| (*i, r.timing.clone())).collect();
+    let timing_of = |i: usize| timings.iter().find(|(s, _)| *s == i).map(|(_, t)| t);
     let best_reference = report.references.iter().map(|r| r.timing.median_ms).reduce(f64::min);
-    for r in &mut report.references {
-        if let Some(b) = &stage0 {
-            r.speedup_vs_stage0 = Some(b.median_ms / r.timing.median_ms);
-            r.noise_vs_stage0 = shared::report::overlaps(b, &r.timing);
-        }
-        r.vs_reference = best_reference.map(|best| best / r.timing.median_ms);
-    }
-    for (i, record) in &mut measured {
+    // Each stage's row (its number), then each reference row (none).
+    let rows = measured.iter_mut().map(|(i, r)| (Some(*i), r)).chain(report.references.iter_mut().map(|r| (None, r)));
+    for (i, record) in rows {
         let t = record.timing.clone();
         record.vs_reference = best_reference.map(|best| best / t.median_ms);
-        if let Some(b) = &stage0 {
+        if let Some(b) = timing_of(0) {
             record.speedup_vs_stage0 = Some(b.median_ms / t.median_ms);
-            record.noise_vs_stage0 = *i != 0 && shared::report::overlaps(b, &t);
+            record.noise_vs_stage0 = i != Some(0) && shared::report::overlaps(b, &t);
         }
-        if let Some((_, p)) = timings.iter().find(|(j, _)| j + 1 == *i) {
+        if let Some(p) = i.and_then(|i| i.checked_sub(1)).and_then(timing_of) {
             record.speedup_vs_prev = Some(p.median_ms / t.median_ms);
             record.noise_vs_prev = shared::report::overlaps(p, &t);
         }
     }
     for (i, record) in variants {
-        let full = timing_of(i, &measured);
+        let full = timing_of(i);
         report.ablation.push(Ablation {
             against: all[i].name().into(),
             change: record.variant.clone().unwrap_or_default(),
-            buys: full.as_ref().map(|f| record.timing.median_ms / f.median_ms),
-            buys_within_noise: full.as_ref().is_some_and(|f| shared::report::overlaps(f, &record.timing)),
+            buys: full.map(|f| record.timing.median_ms / f.median_ms),
+            buys_within_noise: full.is_some_and(|f| shared::report::overlaps(f, &record.timing)),
             record,
         });
     }
@@ -350,10 +312,9 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
 pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<String> {
     use std::fmt::Write;
     if let Some((flag, _)) = shared::cli::output_flags(args).first() {
-        return Err(SpeedkitError::usage(format!(
+        anyhow::bail!(SpeedkitError::usage(format!(
             "`ladder report` runs nothing, so there is nothing for {flag} to write. Fix: drop {flag}, or run `ladder {flag} PATH` (without `report`)."
-        ))
-        .into());
+        )));
     }
     let shared::runner::Resolved { device, info, shape, .. } = shared::runner::resolve(args)?;
     let mut out = String::new();
@@ -366,7 +327,7 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
         versions["candle-core"],
         commit()
     )?;
-    writeln!(out, "switches  now: {} (process-wide; every stage's build sets all three)", switches_text(GemmSwitches::current()))?;
+    writeln!(out, "switches  now: {} (process-wide; every stage's build sets all three)", GemmSwitches::current().describe())?;
     writeln!(out, "shape     {shape}")?;
     if !info.is_cuda() {
         // The ceiling a CPU row's % of peak is against, measured now (under a second on `small`).
@@ -374,13 +335,13 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
         let c = shared::ceiling::measure(&shape)?;
         writeln!(out, "ceiling   {}", c.describe())?;
     }
-    writeln!(out, "\nwhat each stage would run (--precision {}):", precision_text(args.precision))?;
+    let asked = if let PrecisionRequest::Exactly(p) = args.precision { p.name() } else { "auto" };
+    writeln!(out, "\nwhat each stage would run (--precision {asked}):")?;
     for stage in stages {
-        let asked = ladder_request(stage.as_ref(), args.precision);
-        match plan(stage.as_ref(), &device, &info, shape, asked, args.precision, args.cuda_graph, args.train) {
+        match ladder_plan(stage.as_ref(), &device, &info, shape, args) {
             Ok(plan) => {
                 writeln!(out, "  {:<18} {:<5} {}", stage.name(), plan.precision.name(), plan.precision_reason)?;
-                writeln!(out, "  {:<18} {:<5} applies: {}", "", "", switches_text(stage.switches(&plan)))?;
+                writeln!(out, "  {:<18} {:<5} applies: {}", "", "", stage.switches(&plan).describe())?;
                 if let Some(imp) = stage.implementation(&plan) {
                     writeln!(out, "  {:<18} {:<5} runs: {imp}", "", "")?;
                 }
@@ -395,18 +356,6 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
         }
     }
     Ok(out)
-}
-
-fn switches_text(s: GemmSwitches) -> String {
-    let on = |b: bool| if b { "on" } else { "off" };
-    format!("TF32 {} · reduced-precision f16 {} · bf16 {}", on(s.tf32), on(s.reduced_f16), on(s.reduced_bf16))
-}
-
-fn precision_text(p: PrecisionRequest) -> String {
-    match p {
-        PrecisionRequest::Auto => "auto".into(),
-        PrecisionRequest::Exactly(p) => p.name().into(),
-    }
 }
 
 /// What to make of a run, or of a recorded one (`ladder render`).
@@ -467,19 +416,37 @@ pub enum Results {
     Sweep(SweepReport),
 }
 
-/// Read a JSON file written by `ladder --json`.
+/// Read a JSON file written by `ladder --json`: untrusted input, checked before it is rendered.
 pub fn load(path: &Path) -> anyhow::Result<Results> {
-    let mut results = load_unchecked(path)?;
-    let checked = match &mut results {
+    let pass = "Fix: pass --from the JSON a `ladder --json PATH` run wrote";
+    let usage = |why: String| SpeedkitError::usage(format!("{} {why}", path.display()));
+    let damaged = |why: String| {
+        usage(format!(
+            "cannot be rendered: {why}. A ladder run never writes that, so the file was edited or damaged. {pass} (or run it again)."
+        ))
+    };
+    // At most 256 MiB (a ladder JSON is a few kB): more is cut off and fails to parse.
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(256 << 20).read_to_end(&mut bytes))
+        .map_err(|e| SpeedkitError::usage(format!("cannot read {} ({e}). {pass}.", path.display())))?;
+    let bad = |e: serde_json::Error| usage(format!("is not a ladder JSON file ({e}). {pass}."));
+    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(bad)?;
+    check_value(&value, &mut Vec::new()).map_err(damaged)?;
+    let mut results = match value.get("schema").and_then(|s| s.as_str()) {
+        Some(LADDER_SCHEMA | LADDER_SCHEMA_V1) => Results::Ladder(Box::new(serde_json::from_value(value).map_err(bad)?)),
+        Some(SWEEP_SCHEMA | SWEEP_SCHEMA_V1) => Results::Sweep(serde_json::from_value(value).map_err(bad)?),
+        Some(s) if s.starts_with(RECORD_SCHEMA.trim_end_matches("v2")) => {
+            let why = "is one stage's record (a stage binary's --json), not a ladder's. Fix: render the JSON of `ladder --json PATH`.";
+            return Err(usage(why.into()).into());
+        }
+        other => return Err(usage(format!("has schema {other:?}; this ladder reads {LADDER_SCHEMA} and {SWEEP_SCHEMA}. {pass}.")).into()),
+    };
+    match &mut results {
         Results::Ladder(r) => check_report(r).map(|()| annotate_again(r)),
         Results::Sweep(s) => check_sweep(s).map(|()| s.runs.iter_mut().for_each(annotate_again)),
-    };
-    checked.map_err(|why| {
-        SpeedkitError::usage(format!(
-            "{} cannot be rendered: {why}. A ladder run never writes that, so the file was edited or damaged. Fix: pass --from the JSON a `ladder --json PATH` run wrote (or run it again).",
-            path.display()
-        ))
-    })?;
+    }
+    .map_err(damaged)?;
     Ok(results)
 }
 
@@ -564,47 +531,9 @@ fn annotate_again(r: &mut LadderReport) {
     }
 }
 
-fn load_unchecked(path: &Path) -> anyhow::Result<Results> {
-    // At most 256 MiB (a ladder JSON is a few kB): more is cut off and fails to parse.
-    let mut bytes = Vec::new();
-    std::fs::File::open(path).and_then(|f| f.take(256 << 20).read_to_end(&mut bytes)).map_err(|e| {
-        SpeedkitError::usage(format!("cannot read {} ({e}). Fix: pass --from the JSON a `ladder --json PATH` run wrote.", path.display()))
-    })?;
-    let bad = |e: serde_json::Error| {
-        SpeedkitError::usage(format!(
-            "{} is not a ladder JSON file ({e}). Fix: pass --from the JSON a `ladder --json PATH` run wrote.",
-            path.display()
-        ))
-    };
-    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(bad)?;
-    check_value(&value, &mut Vec::new()).map_err(|why| {
-        SpeedkitError::usage(format!(
-            "{} cannot be rendered: {why}. A ladder run never writes that, so the file was edited or damaged. Fix: pass --from the JSON a `ladder --json PATH` run wrote (or run it again).",
-            path.display()
-        ))
-    })?;
-    match value.get("schema").and_then(|s| s.as_str()) {
-        Some(LADDER_SCHEMA | LADDER_SCHEMA_V1) => Ok(Results::Ladder(Box::new(serde_json::from_value(value).map_err(bad)?))),
-        Some(SWEEP_SCHEMA | SWEEP_SCHEMA_V1) => Ok(Results::Sweep(serde_json::from_value(value).map_err(bad)?)),
-        Some(s) if s.starts_with(RECORD_SCHEMA.trim_end_matches("v2")) => Err(SpeedkitError::usage(format!(
-            "{} is one stage's record (a stage binary's --json), not a ladder's. Fix: render the JSON of `ladder --json PATH`.",
-            path.display()
-        ))
-        .into()),
-        other => Err(SpeedkitError::usage(format!(
-            "{} has schema {other:?}; this ladder reads {LADDER_SCHEMA} and {SWEEP_SCHEMA}. Fix: pass --from the JSON a `ladder --json PATH` run wrote.",
-            path.display()
-        ))
-        .into()),
-    }
-}
-
 /// The README's folder ("." for a bare file name).
-fn readme_dir(readme: &Path) -> PathBuf {
-    match readme.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
+pub(crate) fn readme_dir(readme: &Path) -> PathBuf {
+    readme.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf()
 }
 
 /// Where --update-readme puts a file it was not given a path for: results/ladder-<kind>.<ext>
@@ -612,6 +541,15 @@ fn readme_dir(readme: &Path) -> PathBuf {
 fn default_beside_readme(readme: &Path, report: &DeviceInfo, ext: &str) -> PathBuf {
     let kind = if report.is_cuda() { "cuda" } else { "cpu" };
     readme_dir(readme).join("results").join(format!("ladder-{kind}.{ext}"))
+}
+
+/// `given`, else with `beside` (--update-readme) a ladder run's default beside the README.
+fn path_or_default(given: &Option<PathBuf>, results: &Results, readme: &Path, beside: bool, ext: &str) -> Option<PathBuf> {
+    match (results, given, beside) {
+        (_, Some(p), _) => Some(p.clone()),
+        (Results::Ladder(r), None, true) => Some(default_beside_readme(readme, &r.device, ext)),
+        _ => None,
+    }
 }
 
 /// `path` as a link from the README: relative to its folder, with forward slashes. Refused
@@ -649,19 +587,10 @@ fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
     Ok(text)
 }
 
-fn create_parent(path: &Path) -> anyhow::Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| SpeedkitError::usage(format!("cannot create {} ({e}). Fix: pick a writable path.", dir.display())))?;
-    }
-    Ok(())
-}
-
-/// Write by the output policy; the error names `flag`, the path and the fix for its cause.
+/// Write by the output policy (missing folders created); the error names `flag`, the path and
+/// the fix for its cause.
 fn write_text(path: &Path, text: &str, flag: &str) -> anyhow::Result<()> {
-    create_parent(path)?;
-    shared::output::write(flag, path, text.as_bytes())?;
-    Ok(())
+    Ok(shared::output::write(flag, path, text.as_bytes())?)
 }
 
 /// Print the table, write the chart, and rewrite the README's results region, as asked.
@@ -671,22 +600,14 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         return Err(sweep_and_readme().into());
     }
     println!();
-    match (results, out.markdown) {
-        (Results::Ladder(r), false) => {
-            print!("{}", r.table());
-            print_extras(r, false);
+    match results {
+        Results::Ladder(r) => {
+            print!("{}", if out.markdown { render::markdown_table(r) } else { r.table() });
+            print_extras(r, out.markdown);
         }
-        (Results::Ladder(r), true) => {
-            print!("{}", render::markdown_table(r));
-            print_extras(r, true);
-        }
-        (Results::Sweep(s), md) => print!("{}", render::sweep_tables(s, md)),
+        Results::Sweep(s) => print!("{}", render::sweep_tables(s, out.markdown)),
     }
-    let svg_path = match (results, &out.svg, out.update_readme) {
-        (_, Some(p), _) => Some(p.clone()),
-        (Results::Ladder(r), None, true) => Some(default_beside_readme(&out.readme, &r.device, "svg")),
-        _ => None,
-    };
+    let svg_path = path_or_default(&out.svg, results, &out.readme, out.update_readme, "svg");
     if let Some(path) = &svg_path {
         let svg = match results {
             Results::Ladder(r) => chart::ladder_svg(r)?,
@@ -696,12 +617,10 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         println!("\nsaved     chart to {}", path.display());
         if let Results::Ladder(r) = results {
             // Beside the bar chart, from the same report: the roofline, and the breakdown if recorded.
-            let beside = |what: &str| PathBuf::from(render::sibling(&path.to_string_lossy(), what));
-            let roofline = beside("roofline");
+            let [roofline, b] = chart_siblings(path);
             write_text(&roofline, &roofline::roofline_svg(r)?, "--svg (the roofline chart beside it)")?;
             println!("saved     roofline to {}", roofline.display());
             if r.records.iter().any(|rec| rec.breakdown.is_some()) {
-                let b = beside("breakdown");
                 write_text(&b, &chart::breakdown_svg(r)?, "--svg (the breakdown chart beside it)")?;
                 println!("saved     breakdown chart to {}", b.display());
             }
@@ -816,9 +735,9 @@ fn check_outputs(
     Ok(())
 }
 
-/// The charts written beside the bar chart at `svg`.
-fn chart_siblings(svg: &Path) -> Vec<PathBuf> {
-    ["roofline", "breakdown"].map(|w| PathBuf::from(render::sibling(&svg.to_string_lossy(), w))).to_vec()
+/// The charts written beside the bar chart at `svg`: the roofline and the breakdown.
+fn chart_siblings(svg: &Path) -> [PathBuf; 2] {
+    ["roofline", "breakdown"].map(|w| PathBuf::from(render::sibling(&svg.to_string_lossy(), w)))
 }
 
 /// The pages among `pages` that cite `json_link` (as a docs page links it, `../results/...`):
@@ -865,20 +784,17 @@ fn check_ablate(args: &RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> a
     let shared::runner::Resolved { device, info, shape, .. } = shared::runner::resolve(args)?;
     let undoable = which.iter().any(|&i| {
         let stage = stages[i].as_ref();
-        let asked = ladder_request(stage, args.precision);
-        plan(stage, &device, &info, shape, asked, args.precision, args.cuda_graph, args.train)
-            .is_ok_and(|p| !stage.ablations(&p).is_empty())
+        ladder_plan(stage, &device, &info, shape, args).is_ok_and(|p| !stage.ablations(&p).is_empty())
     });
     if !undoable {
         let names: Vec<&str> = which.iter().map(|&i| stages[i].name()).collect();
-        return Err(SpeedkitError::usage(format!(
+        anyhow::bail!(SpeedkitError::usage(format!(
             "--ablate times each stage with one of its changes undone (stage 2's head split/merge, stage 3's fusions, \
              stage 4's FP8 fusions), but none of the stages in this run ({}) has a change to undo on this device with \
              these flags, so it would add no rows. Fix: include stage 2, 3 or 4 in --stages (with some --fusions or \
              --fp8-fusions on), or drop --ablate.",
             names.join(", ")
-        ))
-        .into());
+        )));
     }
     Ok(())
 }
@@ -887,11 +803,10 @@ fn check_ablate(args: &RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> a
 fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -> anyhow::Result<()> {
     let which = select(ladder.stages.as_deref())?;
     if ladder.ablate && ladder.sweep.is_some() {
-        return Err(SpeedkitError::usage(
+        anyhow::bail!(SpeedkitError::usage(
             "--ablate adds rows to one ladder run, and a sweep is several runs. Fix: drop --ablate, or run the ablation \
              at one shape (e.g. --seq 2048) without --sweep.",
-        )
-        .into());
+        ));
     }
     let out = &ladder.output;
     if out.update_readme {
@@ -911,9 +826,7 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     if ladder.ablate {
         check_ablate(&args, &stages, &which)?;
     }
-    let inputs: Vec<(&str, &Path)> =
-        [("--weights", &args.weights), ("--input", &args.input)].into_iter().filter_map(|(f, p)| p.as_deref().map(|p| (f, p))).collect();
-    check_outputs(Some(&args), out, planned_json.as_deref(), planned_svg.as_deref(), &inputs)?;
+    check_outputs(Some(&args), out, planned_json.as_deref(), planned_svg.as_deref(), &shared::cli::input_flags(&args))?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let measure = Measure { rounds: ladder.rounds as usize, ablate: ladder.ablate, reference: ladder.reference };
     let (results, failure) = match &ladder.sweep {
@@ -929,13 +842,8 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     };
     // A failed run never replaces the recorded results: the default files beside the README
     // are written only when every stage passed (paths the user named are written either way).
-    let json = match (&results, &args.json, out.update_readme && failure.is_none()) {
-        (_, Some(p), _) => Some(p.clone()),
-        (Results::Ladder(r), None, true) => Some(default_beside_readme(&out.readme, &r.device, "json")),
-        _ => None,
-    };
+    let json = path_or_default(&args.json, &results, &out.readme, out.update_readme && failure.is_none(), "json");
     if let Some(path) = &json {
-        create_parent(path)?;
         match &results {
             Results::Ladder(r) => write_json(path, r)?,
             Results::Sweep(s) => write_json(path, s)?,
@@ -947,18 +855,11 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     if let Some(path) = &json {
         println!("saved     JSON to {}", path.display());
     }
-    match failure {
-        Some(e) => {
-            if ladder.output.update_readme {
-                println!(
-                    "not updating {} or its results files: a stage failed (the recorded results stay as they were)",
-                    ladder.output.readme.display()
-                );
-            }
-            Err(e)
-        }
-        None => Ok(()),
+    if failure.is_some() && ladder.output.update_readme {
+        let readme = ladder.output.readme.display();
+        println!("not updating {readme} or its results files: a stage failed (the recorded results stay as they were)");
     }
+    failure.map_or(Ok(()), Err)
 }
 
 pub fn main() -> ExitCode {
@@ -998,24 +899,18 @@ pub fn main() -> ExitCode {
                     let failed = r.skipped.iter().filter(|s| s.failed).map(|s| s.stage.clone());
                     let failed = failed.chain(r.ablation_out.iter().filter(|o| o.failed).map(|o| format!("{} ({})", o.against, o.change)));
                     if let Some(bad) = failed.into_iter().next() {
-                        return Err(SpeedkitError::usage(format!(
+                        anyhow::bail!(SpeedkitError::usage(format!(
                             "{} records a run in which {bad} FAILED, and the README only shows runs that passed. Fix: render it with --markdown or --svg, or run the ladder again.",
                             args.from.display(),
-                        ))
-                        .into());
+                        )));
                     }
                 }
             }
-            let svg = match (&results, &args.output.svg, args.output.update_readme) {
-                (_, Some(p), _) => Some(p.clone()),
-                (Results::Ladder(r), None, true) => Some(default_beside_readme(&args.output.readme, &r.device, "svg")),
-                _ => None,
-            };
-            let json_link = if args.output.update_readme { Some(args.from.as_path()) } else { None };
+            let svg = path_or_default(&args.output.svg, &results, &args.output.readme, args.output.update_readme, "svg");
             // Every output, the charts beside --svg and the README included, against the file read.
             check_outputs(None, &args.output, None, svg.as_deref(), &[("--from", args.from.as_path())])?;
-            if let Some(j) = json_link {
-                link_from_readme(&args.output.readme, "--from", j)?;
+            if args.output.update_readme {
+                link_from_readme(&args.output.readme, "--from", &args.from)?;
             }
             emit(&results, &args.output, Some(&args.from))
         }

@@ -2,7 +2,7 @@
 
 use crate::provenance::date_utc;
 use itertools::Itertools;
-use shared::report::{fmt_bytes, LadderReport, Record, Row, SweepReport};
+use shared::report::{fmt_bytes, precision_label, LadderReport, Record, Row, SweepReport};
 use shared::{Preset, Shape, SpeedkitError};
 
 /// A table: its header, then its rows.
@@ -32,13 +32,9 @@ pub fn fmt_ms(ms: f64) -> String {
     }
 }
 
-/// "2.13x"; "≈1.0x" when the p10–p90 intervals overlap (the JSON keeps the ratio); "–" for none.
+/// `speedup_text` ("≈1.0x" within noise; the JSON keeps the ratio), with "–" for none.
 pub fn fmt_speedup(v: Option<f64>, within_noise: bool) -> String {
-    match v {
-        None => "–".into(),
-        Some(_) if within_noise => "≈1.0x".into(),
-        Some(v) => format!("{v:.2}x"),
-    }
+    v.map_or("–".into(), |_| shared::report::speedup_text(v, within_noise))
 }
 
 /// "452 (429–465)": median and p10–p90.
@@ -50,8 +46,9 @@ fn strings<const N: usize>(cells: [&str; N]) -> Vec<String> {
     cells.map(String::from).to_vec()
 }
 
-/// `ladder --ablate`'s table: each variant (or why it did not run), and what the undone change buys.
-fn ablation_grid(report: &LadderReport) -> Grid {
+/// `ladder --ablate`'s table, as GitHub markdown or for the terminal: each variant (or why it did
+/// not run), and what the undone change buys.
+pub fn ablation_table(report: &LadderReport, markdown: bool) -> String {
     let header = strings(["stage", "undone", "median ms (p10–p90)", "stage as written", "what it buys"]);
     let ran = report.ablation.iter().map(|a| {
         let full = report.records.iter().find(|r| r.stage == a.against);
@@ -62,7 +59,7 @@ fn ablation_grid(report: &LadderReport) -> Grid {
         .ablation_out
         .iter()
         .map(|o| vec![o.against.clone(), o.change.clone(), not_measured(o.failed, &o.reason), "–".into(), "–".into()]);
-    (header, ran.chain(out).collect())
+    table((header, ran.chain(out).collect()), markdown)
 }
 
 /// What the tags in the breakdown's cells mean (`shared::regime`).
@@ -73,23 +70,14 @@ compute roof is one rate for the whole block (its FLOPs over their time at each 
 own shape runs faster than the block's mix, or that ran in a quicker moment than the probe's few timings, can show above \
 100 %; the JSON's `ceiling.gemms` holds each shape's own rate. The JSON holds each part's FLOPs, minimum bytes, GFLOP/s and GB/s.";
 
-/// `--ablate`'s table, as GitHub markdown or for the terminal.
-pub fn ablation_table(report: &LadderReport, markdown: bool) -> String {
-    table(ablation_grid(report), markdown)
-}
-
-/// `--breakdown`'s table, as GitHub markdown or for the terminal.
-pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
-    table(breakdown_grid(report), markdown)
-}
-
 /// The names of the parts in `records`' breakdowns, in first-seen order.
 pub(crate) fn part_names(records: &[&Record]) -> Vec<String> {
     records.iter().flat_map(|r| r.breakdown.iter().flat_map(|b| &b.parts)).map(|p| p.name.clone()).unique().collect()
 }
 
-/// `--breakdown`'s table: a row per stage, a column per part (forward order), total and median.
-fn breakdown_grid(report: &LadderReport) -> Grid {
+/// `--breakdown`'s table, as GitHub markdown or for the terminal: a row per stage, a column per
+/// part (forward order), total and median.
+pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
     let with: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
     let mut parts = part_names(&with);
     let order = |name: &str| shared::breakdown::PARTS.iter().position(|p| name.starts_with(p)).unwrap_or(usize::MAX);
@@ -115,12 +103,7 @@ fn breakdown_grid(report: &LadderReport) -> Grid {
             row
         })
         .collect();
-    (header, rows)
-}
-
-/// "bf16", or "fp8 (emulated)" when the stage says which implementation ran.
-pub fn precision_label(r: &Record) -> String {
-    format!("{}{}", r.precision, r.implementation.as_ref().map(|i| format!(" ({i})")).unwrap_or_default())
+    table((header, rows), markdown)
 }
 
 /// Relative error against the fp32 reference, or "unchecked" (--no-check).
@@ -144,18 +127,7 @@ fn table((header, rows): Grid, markdown: bool) -> String {
         let rule = format!("|{}\n", "---|".repeat(header.len()));
         return std::iter::once(row(&header)).chain([rule]).chain(rows.iter().map(|r| row(r))).collect();
     }
-    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for row in &rows {
-        for (w, c) in widths.iter_mut().zip(row) {
-            *w = (*w).max(c.chars().count());
-        }
-    }
-    let line = |cells: &[String]| -> String {
-        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect();
-        padded.join("  ").trim_end().to_string() + "\n"
-    };
-    let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
-    [&header, &rule].into_iter().chain(&rows).map(|r| line(r)).collect()
+    shared::report::columns(&header, &rows)
 }
 
 /// The ladder's table as GitHub markdown; GFLOP/s on a CPU (a few hundred at most), TFLOP/s on a GPU.
@@ -236,10 +208,7 @@ pub const REGION_PAGES: &[(&str, &str)] = &[
 /// that page ("../" for docs/gpu.md).
 pub fn region_page(readme: &std::path::Path, region: &str) -> (std::path::PathBuf, String) {
     match REGION_PAGES.iter().find(|(r, _)| *r == region) {
-        Some((_, page)) => {
-            let dir = readme.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-            (dir.join(page), "../".repeat(page.matches('/').count()))
-        }
+        Some((_, page)) => (crate::readme_dir(readme).join(page), "../".repeat(page.matches('/').count())),
         None => (readme.to_path_buf(), String::new()),
     }
 }
@@ -337,20 +306,17 @@ fn sweep_grid(sweep: &SweepReport) -> Grid {
     (header, rows)
 }
 
-fn sweep_note(sweep: &SweepReport) -> String {
-    let d_model = if sweep.axis == "d_model" { " (FF = 4·C and d_head fixed unless --ff / --heads were given)" } else { "" };
-    format!("cells: median ms · speedup over stage 0 at the same {}{d_model}", axis_symbol(&sweep.axis))
-}
-
 /// Every value's ladder, then the stage × value summary: GitHub markdown or the terminal's tables.
 pub fn sweep_tables(sweep: &SweepReport, markdown: bool) -> String {
     let runs = sweep.values.iter().zip(&sweep.runs).map(|(v, run)| match markdown {
         true => format!("\n#### {} · {}\n\n{}", axis_label(&sweep.axis, *v), describe_shape(&run.shape), markdown_table(run)),
         false => format!("\n{} · {}\n{}", axis_label(&sweep.axis, *v), run.shape, run.table()),
     });
+    let d_model = if sweep.axis == "d_model" { " (FF = 4·C and d_head fixed unless --ff / --heads were given)" } else { "" };
+    let note = format!("cells: median ms · speedup over stage 0 at the same {}{d_model}", axis_symbol(&sweep.axis));
     let summary = match markdown {
-        true => format!("\n#### Sweep over {}: {}\n\n", sweep.axis, sweep_note(sweep)),
-        false => format!("\nsweep over {} ({})\n", sweep.axis, sweep_note(sweep)),
+        true => format!("\n#### Sweep over {}: {note}\n\n", sweep.axis),
+        false => format!("\nsweep over {} ({note})\n", sweep.axis),
     };
     runs.collect::<String>() + &summary + &table(sweep_grid(sweep), markdown)
 }

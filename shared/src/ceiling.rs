@@ -209,15 +209,13 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
     }
     // The linears in bf16 on the stage's kernel; attention at its f32 rates (stage 2's fused
     // attention widens bf16 to f32).
-    let bf16 = match BF16_GEMM.get() {
-        Some(b) => {
-            let linears = probe_gemms(shape).into_iter().filter(|g| !g.is_attention()).map(|g| linear_rate(&g, DType::BF16, b.matmul));
-            let linears = linears.collect::<candle_core::Result<Vec<_>>>()?;
-            let all: Vec<GemmRate> = linears.iter().chain(gemms.iter().filter(|g| g.name.starts_with("attn_"))).cloned().collect();
-            Some(Bf16Ceiling { kernel: b.kernel.into(), gemm_gflops: block_ceiling_gflops(shape, &all), gemms: linears })
-        }
-        None => None,
-    };
+    let bf16 = BF16_GEMM.get().map(|b| {
+        let linears = probe_gemms(shape).into_iter().filter(|g| !g.is_attention()).map(|g| linear_rate(&g, DType::BF16, b.matmul));
+        let linears = linears.collect::<candle_core::Result<Vec<_>>>()?;
+        let all: Vec<GemmRate> = linears.iter().chain(gemms.iter().filter(|g| g.name.starts_with("attn_"))).cloned().collect();
+        Ok::<_, candle_core::Error>(Bf16Ceiling { kernel: b.kernel.into(), gemm_gflops: block_ceiling_gflops(shape, &all), gemms: linears })
+    });
+    let bf16 = bf16.transpose()?;
     Ok(CpuCeiling {
         gemm_backend: gemm_backend(),
         simd: simd_level().into(),

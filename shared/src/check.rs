@@ -50,8 +50,7 @@ pub fn compare_within(y: &Tensor, reference: &Tensor, tolerance: f64) -> candle_
     if y.dims() != reference.dims() {
         candle_core::bail!("output shape {:?} differs from the reference's {:?}", y.dims(), reference.dims());
     }
-    let host = |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
-    let (y, r) = (host(y)?, host(reference)?);
+    let (y, r) = (host_f32(y)?, host_f32(reference)?);
     let (mut diff2, mut ref2, mut max_abs, mut non_finite) = (0f64, 0f64, 0f64, 0usize);
     for (&a, &b) in y.iter().zip(&r) {
         if !a.is_finite() {
@@ -65,6 +64,11 @@ pub fn compare_within(y: &Tensor, reference: &Tensor, tolerance: f64) -> candle_
     }
     let rel_err = if ref2 > 0.0 { (diff2 / ref2).sqrt() } else { diff2.sqrt() };
     Ok(CheckResult { rel_err, max_abs_err: max_abs, tolerance, non_finite, passed: non_finite == 0 && rel_err <= tolerance })
+}
+
+/// `t`'s elements as f32 on the host, flattened.
+pub(crate) fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
 }
 
 /// How many sequences the fp32 reference (stage 0) computes at once so its (b, n_head, T, T)

@@ -192,10 +192,16 @@ pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
 
 /// The output paths among the runner's flags, by flag, for `output::check_all`.
 pub fn output_flags(args: &RunArgs) -> Vec<(&'static str, &std::path::Path)> {
-    [("--json", &args.json), ("--save-output", &args.save_output), ("--save-weights", &args.save_weights)]
-        .into_iter()
-        .filter_map(|(f, p)| p.as_deref().map(|p| (f, p)))
-        .collect()
+    given([("--json", &args.json), ("--save-output", &args.save_output), ("--save-weights", &args.save_weights)])
+}
+
+/// The input paths among the runner's flags, by flag, for `output::check_not_inputs`.
+pub fn input_flags(args: &RunArgs) -> Vec<(&'static str, &std::path::Path)> {
+    given([("--weights", &args.weights), ("--input", &args.input)])
+}
+
+fn given<'a, const N: usize>(flags: [(&'static str, &'a Option<PathBuf>); N]) -> Vec<(&'static str, &'a std::path::Path)> {
+    flags.into_iter().filter_map(|(f, p)| p.as_deref().map(|p| (f, p))).collect()
 }
 
 #[cfg(test)]

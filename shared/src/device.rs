@@ -27,16 +27,17 @@ impl std::str::FromStr for DeviceRequest {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
+    #[default]
     Cpu,
     Cuda,
 }
 
 /// What the stages need to choose a precision, and what the report prints. `sm`: the CUDA
 /// compute capability; `None` on CPU.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct DeviceInfo {
     pub kind: DeviceKind,
     pub ordinal: usize,
@@ -199,7 +200,7 @@ fn open_cuda(n: usize, why: String) -> Result<(Device, DeviceInfo), SpeedkitErro
 /// off), so stages run one after another in one process never inherit each other's numerics. On
 /// CPU they change nothing. `tf32`: f32 GEMMs on TF32 tensor cores (10-bit mantissa inputs, f32
 /// accumulate); `reduced_*`: f16 / bf16 GEMMs may accumulate in reduced precision.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GemmSwitches {
     pub tf32: bool,
     pub reduced_f16: bool,
@@ -217,6 +218,12 @@ impl GemmSwitches {
         candle_core::cuda::set_gemm_reduced_precision_f16(self.reduced_f16);
         candle_core::cuda::set_gemm_reduced_precision_bf16(self.reduced_bf16);
         *APPLIED.lock().unwrap_or_else(|e| e.into_inner()) = self;
+    }
+
+    /// "TF32 on · reduced-precision f16 off · bf16 off"
+    pub fn describe(self) -> String {
+        let on = |b: bool| if b { "on" } else { "off" };
+        format!("TF32 {} · reduced-precision f16 {} · bf16 {}", on(self.tf32), on(self.reduced_f16), on(self.reduced_bf16))
     }
 
     /// The switches in force. Without CUDA candle's stand-in getters always answer `true`, so

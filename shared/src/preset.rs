@@ -34,7 +34,7 @@ impl Preset {
 }
 
 /// The block's dimensions in the literature's names: B, T, C, n_head and the MLP width FF (4·C in GPT-2).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Shape {
     pub batch: usize,
     pub seq: usize,

@@ -35,7 +35,7 @@ pub enum Mode {
 }
 
 /// One stage, measured.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     pub schema: String,
     pub stage: String,
@@ -103,7 +103,7 @@ pub struct Skipped {
 }
 
 /// The ladder's JSON: every record, plus where and what it ran on.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LadderReport {
     pub schema: String,
     pub device: DeviceInfo,
@@ -235,6 +235,11 @@ impl LadderReport {
     }
 }
 
+/// "bf16", or "fp8 (emulated)" when the stage says which implementation ran.
+pub fn precision_label(r: &Record) -> String {
+    format!("{}{}", r.precision, r.implementation.as_ref().map(|i| format!(" ({i})")).unwrap_or_default())
+}
+
 /// "280.0 MiB" or "3.25 GiB"; "n/a" when not measured.
 pub fn fmt_bytes(b: Option<u64>) -> String {
     match b {
@@ -265,7 +270,7 @@ pub fn table(rows: &[Row]) -> String {
             Row::Ran(r) => [
                 r.stage.clone(),
                 r.technique.clone(),
-                r.implementation.as_ref().map_or(r.precision.to_string(), |i| format!("{} ({i})", r.precision)),
+                precision_label(r),
                 format!("{:.3}", r.timing.median_ms),
                 format!("{:.3}-{:.3}", r.timing.p10_ms, r.timing.p90_ms),
                 speedup_text(r.speedup_vs_stage0, r.noise_vs_stage0),
@@ -285,24 +290,27 @@ pub fn table(rows: &[Row]) -> String {
             }
         })
         .collect();
-    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
-    for row in &rows {
-        // A skipped row's reason runs across the remaining columns; it does not widen them.
-        let cells = if row.len() == header.len() { &row[..] } else { &row[..2] };
-        widths.iter_mut().zip(cells).for_each(|(w, cell)| *w = (*w).max(cell.chars().count()));
-    }
-    // Trailing padding (the last cell's) is trimmed away.
-    let line = |cells: &[String]| {
-        cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect::<Vec<_>>().join("  ").trim_end().to_string() + "\n"
-    };
     let with_simd = |r: &&Record| r.gemm_backend.as_ref().map(|b| r.simd.as_ref().map_or(b.clone(), |s| format!("{b} · SIMD {s}")));
     let mut seen = std::collections::HashSet::new();
     let backends: Vec<String> = ran.iter().filter_map(with_simd).filter(|b| seen.insert(b.clone())).collect();
-    let mut out = if backends.is_empty() { String::new() } else { format!("GEMM backend: {}\n", backends.join("; ")) };
-    out.push_str(&line(&header.iter().map(|h| h.to_string()).collect::<Vec<_>>()));
-    out.push_str(&line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>()));
-    rows.iter().for_each(|row| out.push_str(&line(row)));
-    out
+    let out = if backends.is_empty() { String::new() } else { format!("GEMM backend: {}\n", backends.join("; ")) };
+    out + &columns(&header.iter().map(|h| h.to_string()).collect::<Vec<_>>(), &rows)
+}
+
+/// A terminal table: the header, a rule, and the rows, each column padded to its widest cell,
+/// trailing padding trimmed. A row shorter than the header (a skipped row's reason) runs its
+/// last cell across the remaining columns without widening them.
+pub fn columns(header: &[String], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        let cells = if row.len() == header.len() { &row[..] } else { &row[..row.len().saturating_sub(1)] };
+        widths.iter_mut().zip(cells).for_each(|(w, cell)| *w = (*w).max(cell.chars().count()));
+    }
+    let line = |cells: &[String]| {
+        cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect::<Vec<_>>().join("  ").trim_end().to_string() + "\n"
+    };
+    let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
+    [header, &rule[..]].into_iter().chain(rows.iter().map(|r| &r[..])).map(line).collect()
 }
 
 /// A training row's update median and worst gradient error ("-" for what it lacks).

@@ -25,7 +25,6 @@ pub struct Session {
     pub device: Device,
     pub info: DeviceInfo,
     pub shape: Shape,
-    pub preset: Preset,
     /// On `device`, f32.
     pub weights: BlockWeights,
     /// "seed 0" or "path (layer N)".
@@ -105,11 +104,10 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
             let (b, t, c) = x.dims3()?;
             let c_model = loaded.as_ref().map(|w| w.dims().0).or(args.d_model).unwrap_or(shape.d_model);
             if c != c_model {
-                return Err(SpeedkitError::usage(format!(
+                anyhow::bail!(SpeedkitError::usage(format!(
                     "the input file {} has C = {c} channels but the block has C = {c_model}. Fix: give an input of shape (B, T, {c_model}) or a matching --d-model / --weights.",
                     path.display()
-                ))
-                .into());
+                )));
             }
             agree_with_file("input", path, &[("--batch", args.batch, b), ("--seq", args.seq, t)])?;
             (shape.batch, shape.seq, shape.d_model) = (b, t, c);
@@ -196,25 +194,23 @@ impl Session {
             println!("ceiling   {} (measured now; % of peak is against it)", c.describe());
         }
 
+        let x = x.to_device(&device)?;
+        let upstream = args.train.then(|| crate::train::upstream(&x, args.seed)).transpose()?;
         let mut session = Session {
             device: device.clone(),
             info,
             shape,
-            preset,
             weights: weights.to_device(&device)?,
             weights_source,
-            x: x.to_device(&device)?,
+            x,
             warmup,
             iters,
             reference: None,
-            upstream: None,
+            upstream,
             reference_grads: None,
             ceiling,
             args,
         };
-        if session.args.train {
-            session.upstream = Some(crate::train::upstream(&session.x, session.args.seed)?);
-        }
         if !session.args.no_check {
             session.reference = Some(session.reference_output(reference, crate::preset::MAX_TENSOR_ELEMENTS)?);
             if session.args.train {
@@ -257,6 +253,16 @@ impl Session {
         Ok(crate::train::reference_gradients(forward.as_ref(), &vars, &self.x, r, piece.batch)?)
     }
 
+    /// `y` against the reference (`None` with --no-check); a failed check is the error.
+    fn check(&self, y: &Tensor, spec: &dyn Stage, plan: &Plan) -> anyhow::Result<Option<CheckResult>> {
+        let Some(reference) = &self.reference else { return Ok(None) };
+        let c = compare(y, reference, plan.precision)?;
+        match c.to_error(spec.name(), plan.precision) {
+            Some(e) => Err(e.into()),
+            None => Ok(Some(c)),
+        }
+    }
+
     /// The forward's measurement: build, check against the reference, time.
     fn measure(&self, spec: &dyn Stage, plan: &Plan, iters: usize, probe: &mut MemProbe) -> anyhow::Result<Measured> {
         let stage = spec.build(&self.weights, plan)?;
@@ -273,24 +279,18 @@ impl Session {
         // Check before timing: nothing is timed until it matched the reference.
         let y = stage.forward(&self.x)?;
         self.device.synchronize()?;
-        let (mut check, mut extra_checks) = (None, Vec::new());
-        if let Some(r) = &self.reference {
-            let c = compare(&y, r, plan.precision)?;
-            if let Some(e) = c.to_error(spec.name(), plan.precision) {
-                return Err(e.into());
-            }
-            check = Some(c);
+        let (check, mut extra_checks) = (self.check(&y, spec, plan)?, Vec::new());
+        if check.is_some() {
             // The stage's own check, on the same output; what it allocates is not the stage's memory.
             if let Some(c) = probe.exclude(|| stage.self_check(&self.x, &y))? {
                 if !c.result.passed {
                     let (name, rel, tol, nan) = (&c.name, c.result.rel_err, c.result.tolerance, c.result.non_finite);
-                    return Err(SpeedkitError::CheckFailed(format!(
+                    anyhow::bail!(SpeedkitError::CheckFailed(format!(
                         "{} failed its own check \"{name}\": relative error {rel:.3e} above {tol:.1e} ({nan} values NaN or infinite). \
                          {} Nothing was timed. Fix: report it with this command line.",
                         spec.name(),
                         c.meaning
-                    ))
-                    .into());
+                    )));
                 }
                 extra_checks.push(c);
             }
@@ -301,9 +301,7 @@ impl Session {
         // After the uninstrumented timing, never mixed into it: the same forward with a clock
         // read at each part boundary.
         let breakdown = self.args.breakdown.then(|| crate::breakdown::record(device, self.warmup.min(1), iters, || stage.forward(&self.x)));
-        let breakdown = breakdown.transpose()?;
-        let ran = stage.ran();
-        Ok(Measured { y, stats, breakdown, check, extra_checks, ran, train: None })
+        Ok(Measured { y, stats, breakdown: breakdown.transpose()?, check, extra_checks, ran: stage.ran(), train: None })
     }
 
     /// `--train`'s measurement of a built plan: the gradient and update checks, then the timed steps.
@@ -316,14 +314,9 @@ impl Session {
         let r = self.upstream.as_ref().expect("set with --train");
         let (y, grads) = step(forward.as_ref(), &x, r, opt.loss_scale())?;
         self.device.synchronize()?;
-        let mut check = None;
+        let check = self.check(&y, spec, plan)?;
         let (mut grad_check, mut worst_grad, mut optimizer_check) = (None, String::new(), None);
-        if let (Some(reference), Some(ref_grads)) = (&self.reference, &self.reference_grads) {
-            let c = compare(&y, reference, plan.precision)?;
-            if let Some(e) = c.to_error(spec.name(), plan.precision) {
-                return Err(e.into());
-            }
-            check = Some(c);
+        if let Some(ref_grads) = &self.reference_grads {
             let got = gradients(&grads, &vars, &x, opt.loss_scale())?;
             let (g, worst) = compare_grads(&got, ref_grads, plan.precision)?;
             if !g.passed {
@@ -359,10 +352,8 @@ impl Session {
             check_fits(spec.name(), &self.shape, need, avail)?;
         }
         let mut probe = MemProbe::start(&self.device);
-        let measured =
+        let Measured { y, stats, breakdown, check, extra_checks, ran, train } =
             if plan.train { self.measure_train(spec, &plan, iters, &mut probe)? } else { self.measure(spec, &plan, iters, &mut probe)? };
-        let Measured { y, stats, breakdown, check, extra_checks, ran, train } = measured;
-        let switches = GemmSwitches::current();
         let (peak_mem_bytes, mem_method) = probe.finish();
         // A training step's FLOPs: the forward's, and twice them for the backward (dX and dW).
         let flops = block_flops(&self.shape) * if plan.train { 3.0 } else { 1.0 };
@@ -412,7 +403,7 @@ impl Session {
             shape: self.shape,
             seed: self.args.seed,
             weights: self.weights_source.clone(),
-            gemm_switches: switches,
+            gemm_switches: GemmSwitches::current(),
             warmup: self.warmup,
             iters,
             tokens_per_s: self.shape.tokens() as f64 / secs,
@@ -429,16 +420,11 @@ impl Session {
             extra_checks,
             peak_mem_bytes,
             mem_method: mem_method.into(),
-            speedup_vs_stage0: None,
-            speedup_vs_prev: None,
             notes,
-            noise_vs_stage0: false,
-            noise_vs_prev: false,
             breakdown,
-            variant: None,
-            vs_reference: None,
             mode: if train.is_some() { Mode::Train } else { Mode::Forward },
             train,
+            ..Default::default() // the speedups, set by the ladder
         };
         Ok((record, y))
     }
@@ -484,8 +470,7 @@ pub fn print_details(r: &Record) {
     if let Some(i) = &r.implementation {
         println!("runs      {i}");
     }
-    let (s, on_off) = (r.gemm_switches, |b: bool| if b { "on" } else { "off" });
-    println!("switches  TF32 {} · reduced-precision f16 {} · bf16 {}", on_off(s.tf32), on_off(s.reduced_f16), on_off(s.reduced_bf16));
+    println!("switches  {}", r.gemm_switches.describe());
     match &r.check {
         Some(c) => println!(
             "check     rel err {:.3e}, max abs {:.3e} vs fp32 reference (tolerance {:.0e}): passed",
@@ -538,11 +523,7 @@ pub fn main(stages: &[StageEntry]) -> ExitCode {
         // Every output path is checked before any work (writable, not a directory, no two on
         // one file, none an input), so a run never ends in a refusal to save it.
         let outputs = crate::output::check_all(&crate::cli::output_flags(&args))?;
-        let inputs: Vec<(&str, &std::path::Path)> = [("--weights", &args.weights), ("--input", &args.input)]
-            .into_iter()
-            .filter_map(|(f, p)| p.as_deref().map(|p| (f, p)))
-            .collect();
-        crate::output::check_not_inputs(&outputs, &inputs)?;
+        crate::output::check_not_inputs(&outputs, &crate::cli::input_flags(&args))?;
         let session = Session::open_for(args.clone(), reference.as_ref(), &[(stage.as_ref(), args.precision)])?;
         let (record, y) = session.run_with(stage.as_ref(), session.args.precision, session.iters)?;
         print_details(&record);

@@ -12,9 +12,10 @@ use candle_nn::Optimizer;
 use serde::{Deserialize, Serialize};
 
 /// The number format the block's matrix multiplications run in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
+    #[default]
     Fp32,
     Tf32,
     Bf16,

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Stats {
     pub median_ms: f64,
     pub p10_ms: f64,

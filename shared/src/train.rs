@@ -9,7 +9,7 @@ use crate::stage::{train_params, Forward, Optimize, Plan, Precision};
 use crate::timing::Stats;
 use crate::weights::{BlockWeights, SplitMix64};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
@@ -85,8 +85,7 @@ pub fn gradients(grads: &GradStore, vars: &[Var], x: &Var, scale: f64) -> candle
 
 /// max |a − b| / max |b| and the count of non-finite values in `a`, on the host.
 fn rel_max(a: &Tensor, b: &Tensor) -> candle_core::Result<(f64, usize)> {
-    let host = |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
-    let (a, b) = (host(a)?, host(b)?);
+    let (a, b) = (crate::check::host_f32(a)?, crate::check::host_f32(b)?);
     let bad = a.iter().filter(|v| !v.is_finite()).count();
     let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
     let scale = b.iter().map(|y| y.abs() as f64).fold(0.0, f64::max);

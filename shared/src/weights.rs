@@ -90,10 +90,9 @@ fn gpt2_shapes(c: usize, ff: usize) -> [Vec<usize>; 12] {
 const META_N_HEAD: &str = "n_head";
 
 impl BlockWeights {
-    /// The recipe above, on the host: each field's stream is named by the field.
+    /// The recipe above, on the host: each field's stream is named by the field (`train::NAMES`).
     pub fn from_seed(shape: &Shape, seed: u64) -> candle_core::Result<Self> {
-        let names = ["ln1_g", "ln1_b", "w_qkv", "b_qkv", "w_proj", "b_proj", "ln2_g", "ln2_b", "w_fc1", "b_fc1", "w_fc2", "b_fc2"];
-        let t = names.into_iter().zip(gpt2_shapes(shape.d_model, shape.ff)).map(|(name, mut dims)| {
+        let t = crate::train::NAMES.into_iter().zip(gpt2_shapes(shape.d_model, shape.ff)).map(|(name, mut dims)| {
             dims.reverse(); // GPT-2's (in, out) to ours
             normal_tensor(seed, name, &dims, if name.ends_with("_g") { 1.0 } else { 0.0 }, 0.02)
         });
