@@ -425,11 +425,7 @@ pub fn load(path: &Path) -> anyhow::Result<Results> {
             "cannot be rendered: {why}. A ladder run never writes that, so the file was edited or damaged. {pass} (or run it again)."
         ))
     };
-    // At most 256 MiB (a ladder JSON is a few kB): more is cut off and fails to parse.
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(256 << 20).read_to_end(&mut bytes))
-        .map_err(|e| SpeedkitError::usage(format!("cannot read {} ({e}). {pass}.", path.display())))?;
+    let bytes = read_capped(path).map_err(|e| SpeedkitError::usage(format!("cannot read {} ({e}). {pass}.", path.display())))?;
     let bad = |e: serde_json::Error| usage(format!("is not a ladder JSON file ({e}). {pass}."));
     let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(bad)?;
     check_value(&value, &mut Vec::new()).map_err(damaged)?;
@@ -575,9 +571,24 @@ fn link_from_readme(readme: &Path, flag: &str, path: &Path) -> Result<String, Sp
     Ok(rel.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect::<Vec<_>>().join("/"))
 }
 
+/// The file's bytes, refused past `MAX_READ` (never cut short: a README read in part would be
+/// written back in part): a device such as /dev/zero never ends, and a README, docs page or
+/// ladder JSON is far smaller.
+fn read_capped(path: &Path) -> std::io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?.take(MAX_READ + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_READ {
+        return Err(std::io::Error::other(format!("it is larger than {} MiB", MAX_READ >> 20)));
+    }
+    Ok(bytes)
+}
+
+/// Most bytes read from any one input file (256 MiB).
+const MAX_READ: u64 = 256 << 20;
+
 /// Read the README and check its markers before a run, so a long run does not end in a refusal.
 fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
-    let text = std::fs::read_to_string(readme).map_err(|e| {
+    let text = read_capped(readme).and_then(|b| String::from_utf8(b).map_err(std::io::Error::other)).map_err(|e| {
         SpeedkitError::usage(format!(
             "--update-readme: cannot read {} ({e}). Fix: run from the repository root, or pass --readme PATH.",
             readme.display()
@@ -758,7 +769,7 @@ fn doc_pages(readme: &Path) -> Result<Vec<(PathBuf, String)>, SpeedkitError> {
     paths.sort();
     let mut pages = Vec::new();
     for page in paths {
-        let bytes = std::fs::read(&page).map_err(|e| {
+        let bytes = read_capped(&page).map_err(|e| {
             SpeedkitError::usage(format!(
                 "--update-readme: cannot read {} ({e}), a page whose cited numbers it rewrites. Fix: make it readable, or move it out of {}.",
                 page.display(),

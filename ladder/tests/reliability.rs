@@ -113,6 +113,17 @@ fn class8_update_readme_link_checked_before_running() {
     assert!(!d.join("outside.svg").exists() && !d.join("repo/results").exists());
 }
 
+// A --readme (or --from) that never ends, such as /dev/zero, is refused after a bounded read
+// (exit 2), before any stage runs, instead of filling memory.
+#[test]
+fn endless_readme_or_from_is_refused() {
+    let d = scratch("endless");
+    let o = ladder_in(&d, &with_s(&["--stages", "0", "--update-readme", "--readme=/dev/zero"]));
+    refused(&o);
+    assert!(o.text.contains("/dev/zero") && !o.text.contains("ran "), "{}", o.text);
+    refused(&ladder_in(&d, &["render", "--from=/dev/zero"]));
+}
+
 // Class 9: `ladder report` does not silently ignore output flags; --peak-tflops is bounded;
 // a sweep value whose 4·C overflows is a skipped row, not a wrapped shape.
 #[test]
