@@ -571,12 +571,16 @@ fn link_from_readme(readme: &Path, flag: &str, path: &Path) -> Result<String, Sp
     Ok(rel.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect::<Vec<_>>().join("/"))
 }
 
-/// The file's bytes, refused past `MAX_READ` (never cut short: a README read in part would be
-/// written back in part): a device such as /dev/zero never ends, and a README, docs page or
-/// ladder JSON is far smaller.
+/// The bytes of a regular file, refused past `MAX_READ` (never cut short: a README read in part
+/// would be written back in part). A device or pipe is refused before it is read: /dev/zero
+/// never ends, and reading /dev/stdout (a pipe) waits for ever.
 fn read_capped(path: &Path) -> std::io::Result<Vec<u8>> {
+    let file = std::fs::File::open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other("it is not a regular file"));
+    }
     let mut bytes = Vec::new();
-    std::fs::File::open(path)?.take(MAX_READ + 1).read_to_end(&mut bytes)?;
+    file.take(MAX_READ + 1).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > MAX_READ {
         return Err(std::io::Error::other(format!("it is larger than {} MiB", MAX_READ >> 20)));
     }

@@ -113,15 +113,17 @@ fn class8_update_readme_link_checked_before_running() {
     assert!(!d.join("outside.svg").exists() && !d.join("repo/results").exists());
 }
 
-// A --readme (or --from) that never ends, such as /dev/zero, is refused after a bounded read
-// (exit 2), before any stage runs, instead of filling memory.
+// A --readme or --from that is not a regular file (/dev/zero never ends; /dev/stdout, a pipe
+// here, waits for ever) is refused (exit 2) before any stage runs, instead of filling memory or
+// hanging.
 #[test]
-fn endless_readme_or_from_is_refused() {
+fn device_or_pipe_readme_or_from_is_refused() {
     let d = scratch("endless");
     let o = ladder_in(&d, &with_s(&["--stages", "0", "--update-readme", "--readme=/dev/zero"]));
     refused(&o);
     assert!(o.text.contains("/dev/zero") && !o.text.contains("ran "), "{}", o.text);
     refused(&ladder_in(&d, &["render", "--from=/dev/zero"]));
+    refused(&ladder_in(&d, &["render", "--from=/dev/stdout"]));
 }
 
 // Class 9: `ladder report` does not silently ignore output flags; --peak-tflops is bounded;
