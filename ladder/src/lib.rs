@@ -572,15 +572,14 @@ fn link_from_readme(readme: &Path, flag: &str, path: &Path) -> Result<String, Sp
 }
 
 /// The bytes of a regular file, refused past `MAX_READ` (never cut short: a README read in part
-/// would be written back in part). A device or pipe is refused before it is read: /dev/zero
-/// never ends, and reading /dev/stdout (a pipe) waits for ever.
+/// would be written back in part). A device or pipe is refused before it is opened: /dev/zero
+/// never ends, reading /dev/stdout (a pipe) waits for ever, and opening a FIFO waits for a writer.
 fn read_capped(path: &Path) -> std::io::Result<Vec<u8>> {
-    let file = std::fs::File::open(path)?;
-    if !file.metadata()?.is_file() {
+    if !std::fs::metadata(path)?.is_file() {
         return Err(std::io::Error::other("it is not a regular file"));
     }
     let mut bytes = Vec::new();
-    file.take(MAX_READ + 1).read_to_end(&mut bytes)?;
+    std::fs::File::open(path)?.take(MAX_READ + 1).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > MAX_READ {
         return Err(std::io::Error::other(format!("it is larger than {} MiB", MAX_READ >> 20)));
     }

@@ -114,8 +114,8 @@ fn class8_update_readme_link_checked_before_running() {
 }
 
 // A --readme or --from that is not a regular file (/dev/zero never ends; /dev/stdout, a pipe
-// here, waits for ever) is refused (exit 2) before any stage runs, instead of filling memory or
-// hanging.
+// here, waits for ever; a FIFO waits for a writer) is refused (exit 2) before any stage runs,
+// instead of filling memory or hanging.
 #[test]
 fn device_or_pipe_readme_or_from_is_refused() {
     let d = scratch("endless");
@@ -124,6 +124,9 @@ fn device_or_pipe_readme_or_from_is_refused() {
     assert!(o.text.contains("/dev/zero") && !o.text.contains("ran "), "{}", o.text);
     refused(&ladder_in(&d, &["render", "--from=/dev/zero"]));
     refused(&ladder_in(&d, &["render", "--from=/dev/stdout"]));
+    // A FIFO with no writer: refused before it is opened (opening it would wait for a writer).
+    assert!(Command::new("mkfifo").arg(d.join("fifo.json")).status().unwrap().success());
+    refused(&ladder_in(&d, &["render", "--from=fifo.json"]));
 }
 
 // Class 9: `ladder report` does not silently ignore output flags; --peak-tflops is bounded;
