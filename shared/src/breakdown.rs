@@ -1,6 +1,6 @@
 //! `--breakdown`: where the milliseconds go inside one forward. A stage's `forward` calls
 //! `part("ln1")?`, ... where each part begins (a no-op outside `record`): on the CPU a synchronize
-//! and a clock read; on a GPU a CUDA event (the queue keeps going) and an NVTX range for `nsys`.
+//! and a clock read; on a GPU a CUDA event (the queue keeps going).
 //! Boundaries stop work overlapping across them, so the total stands beside the uninstrumented median.
 
 use crate::timing::Stats;
@@ -57,8 +57,6 @@ struct Recorder {
     device: Device,
     /// (part, when it began), in order.
     marks: Vec<(&'static str, Clock)>,
-    #[cfg(feature = "cuda")]
-    nvtx: Option<&'static nvtx::Nvtx>,
 }
 
 thread_local! {
@@ -81,19 +79,6 @@ impl Recorder {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = &self.device {
             let event = d.cuda_stream().record_event(Some(TIMING_EVENT)).map_err(candle_core::Error::wrap)?;
-            if let Some(nvtx) = self.nvtx {
-                let name = next.map(|n| std::ffi::CString::new(n).unwrap_or_default());
-                // SAFETY: NVTX ignores a pop without a push; a push copies the NUL-terminated
-                // name, which lives across the call.
-                unsafe {
-                    if !self.marks.is_empty() {
-                        (nvtx.pop)();
-                    }
-                    if let Some(n) = &name {
-                        (nvtx.push)(n.as_ptr());
-                    }
-                }
-            }
             self.marks.push((next.unwrap_or(""), Clock::Event(event)));
             return Ok(());
         }
@@ -116,35 +101,6 @@ impl Recorder {
     }
 }
 
-/// NVTX v2's two range calls, from libnvToolsExt loaded at run time (CUDA 12.x ships it, CUDA 13
-/// does not: then CUDA events only). `nsys` intercepts these calls by this library's name.
-#[cfg(feature = "cuda")]
-mod nvtx {
-    use std::ffi::{c_char, c_int};
-    use std::sync::OnceLock;
-
-    pub struct Nvtx {
-        _lib: libloading::Library,
-        pub push: unsafe extern "C" fn(*const c_char) -> c_int,
-        pub pop: unsafe extern "C" fn() -> c_int,
-    }
-
-    pub fn get() -> Option<&'static Nvtx> {
-        static NVTX: OnceLock<Option<Nvtx>> = OnceLock::new();
-        NVTX.get_or_init(|| {
-            ["libnvToolsExt.so.1", "libnvToolsExt.so"].iter().find_map(|name| {
-                // SAFETY: libnvToolsExt's initialisers only set up NVTX's injection hooks.
-                let lib = unsafe { libloading::Library::new(*name) }.ok()?;
-                // SAFETY: the symbols have these C signatures in nvToolsExt.h (NVTX v2).
-                let push = unsafe { *lib.get::<unsafe extern "C" fn(*const c_char) -> c_int>(b"nvtxRangePushA\0").ok()? };
-                let pop = unsafe { *lib.get::<unsafe extern "C" fn() -> c_int>(b"nvtxRangePop\0").ok()? };
-                Some(Nvtx { _lib: lib, push, pop })
-            })
-        })
-        .as_ref()
-    }
-}
-
 /// Run `forward` `warmup` + `iters` times with the boundaries recorded; a forward that marks no
 /// part is an error (the stage is not instrumented).
 pub fn record(
@@ -153,25 +109,10 @@ pub fn record(
     iters: usize,
     mut forward: impl FnMut() -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<Breakdown> {
-    #[cfg(feature = "cuda")]
-    let nvtx = if device.is_cuda() { nvtx::get() } else { None };
-    let method = match device {
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => format!(
-            "instrumented: a CUDA event at each part boundary{}",
-            if nvtx.is_some() { " and an NVTX range per part" } else { " (libnvToolsExt not found: no NVTX ranges)" }
-        ),
-        _ => "instrumented: device synchronize at each part boundary".into(),
-    };
+    let method = if device.is_cuda() { "a CUDA event" } else { "device synchronize" };
     let mut samples = Vec::with_capacity(iters);
     for i in 0..warmup + iters {
-        let rec = Recorder {
-            device: device.clone(),
-            marks: Vec::new(),
-            #[cfg(feature = "cuda")]
-            nvtx,
-        };
-        RECORDER.with(|r| *r.borrow_mut() = Some(rec));
+        RECORDER.with(|r| *r.borrow_mut() = Some(Recorder { device: device.clone(), marks: Vec::new() }));
         let y = forward();
         // The recorder comes off whatever the forward did; the forward's end closes the last part.
         let mut rec = RECORDER.with(|r| r.borrow_mut().take()).expect("the recorder installed above");
@@ -186,7 +127,7 @@ pub fn record(
             samples.push(times);
         }
     }
-    summarise(&samples, iters, method)
+    summarise(&samples, iters, format!("instrumented: {method} at each part boundary"))
 }
 
 /// Per-part percentiles and the median total of per-iteration (part, ms) lists.

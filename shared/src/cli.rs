@@ -84,7 +84,7 @@ pub struct RunArgs {
     /// Write x and the block's output as safetensors, to compare with another framework
     #[arg(long, env = "SPEEDKIT_SAVE_OUTPUT")]
     pub save_output: Option<PathBuf>,
-    /// Also time the block's named parts (ln1, qkv, attention, ...) in an instrumented forward: a sync (CPU) or CUDA event + NVTX range (GPU) at each boundary
+    /// Also time the block's named parts (ln1, qkv, attention, ...) in an instrumented forward: a sync (CPU) or CUDA event (GPU) at each boundary
     #[arg(long, env = "SPEEDKIT_BREAKDOWN", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub breakdown: bool,
     /// Time a training step instead of a forward: forward, loss ⟨y, r⟩, backward to every weight and x (gradients checked against stage 0's autograd first), then the optimizer's update

@@ -1,6 +1,5 @@
-//! The one path every stage binary and the ladder take: resolve flags into a device, shape,
-//! weights and input; compute the fp32 reference; then per stage plan, build, check, time
-//! and report.
+//! The one path every stage binary and the ladder take: resolve the flags, compute the fp32
+//! reference, then per stage plan, build, check, time and report.
 
 use crate::ceiling::CpuCeiling;
 use crate::check::{compare, CheckResult};
@@ -18,29 +17,25 @@ use clap::{Args, FromArgMatches};
 
 use std::process::ExitCode;
 
-/// Everything the stages share in one run: same device, same weights, same input, and the
-/// reference output they are checked against.
+/// What every stage of one run shares: device, f32 weights and input x (B, T, C) on it, and the
+/// reference they are checked against.
 pub struct Session {
     pub args: RunArgs,
     pub device: Device,
     pub info: DeviceInfo,
     pub shape: Shape,
-    /// On `device`, f32.
     pub weights: BlockWeights,
     /// "seed 0" or "path (layer N)".
     pub weights_source: String,
-    /// (B, T, C) on `device`, f32.
     pub x: Tensor,
     pub warmup: usize,
     pub iters: usize,
-    /// The fp32 stage-0 output for `x`; `None` with --no-check.
+    /// Stage 0's fp32 output for `x`, and with `--train` its gradients for (x, r), r the loss's
+    /// upstream gradient; `None` with --no-check.
     pub reference: Option<Tensor>,
-    /// `--train`: the loss's upstream gradient r, and stage 0's fp32 gradients for (x, r)
-    /// (`None` with --no-check).
     pub upstream: Option<Tensor>,
     pub reference_grads: Option<Vec<Tensor>>,
-    /// On the CPU: this machine's GEMM rate at the block's shapes and its memory bandwidth,
-    /// measured once when the session opens; each CPU row's % of peak is against it.
+    /// CPU: the GEMM rate and bandwidth measured when the session opens, for % of peak.
     pub ceiling: Option<CpuCeiling>,
 }
 
@@ -62,13 +57,11 @@ fn reference_piece(shape: &Shape, limit: usize) -> Result<Shape, SpeedkitError> 
     Ok(Shape { batch: crate::check::reference_batch_chunk(shape, limit)?, ..*shape })
 }
 
-/// Bytes as GiB for messages.
 fn gib(b: u128) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
-/// What the flags and files resolve to before anything runs: the device, the shape, and the
-/// weights and input if they came from files. Shared by runs and by `ladder report`.
+/// What the flags and files resolve to before anything runs (shared with `ladder report`).
 pub struct Resolved {
     pub device: Device,
     pub info: DeviceInfo,
@@ -98,23 +91,21 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
         shape.n_head = args.heads.or(meta_heads).unwrap_or(if c.is_multiple_of(64) { c / 64 } else { shape.n_head });
         loaded = Some(w);
     }
-    let x_file = match &args.input {
-        Some(path) => {
-            let x = load_input(path)?;
-            let (b, t, c) = x.dims3()?;
-            let c_model = loaded.as_ref().map(|w| w.dims().0).or(args.d_model).unwrap_or(shape.d_model);
-            if c != c_model {
-                anyhow::bail!(SpeedkitError::usage(format!(
-                    "the input file {} has C = {c} channels but the block has C = {c_model}. Fix: give an input of shape (B, T, {c_model}) or a matching --d-model / --weights.",
-                    path.display()
-                )));
-            }
-            agree_with_file("input", path, &[("--batch", args.batch, b), ("--seq", args.seq, t)])?;
-            (shape.batch, shape.seq, shape.d_model) = (b, t, c);
-            Some(x)
+    let mut x_file = None;
+    if let Some(path) = &args.input {
+        let x = load_input(path)?;
+        let (b, t, c) = x.dims3()?;
+        let c_model = loaded.as_ref().map(|w| w.dims().0).or(args.d_model).unwrap_or(shape.d_model);
+        if c != c_model {
+            anyhow::bail!(SpeedkitError::usage(format!(
+                "the input file {} has C = {c} channels but the block has C = {c_model}. Fix: give an input of shape (B, T, {c_model}) or a matching --d-model / --weights.",
+                path.display()
+            )));
         }
-        None => None,
-    };
+        agree_with_file("input", path, &[("--batch", args.batch, b), ("--seq", args.seq, t)])?;
+        (shape.batch, shape.seq, shape.d_model) = (b, t, c);
+        x_file = Some(x);
+    }
     shape.batch = args.batch.unwrap_or(shape.batch);
     shape.seq = args.seq.unwrap_or(shape.seq);
     if loaded.is_none() {
@@ -132,11 +123,8 @@ impl Session {
         Self::open_for(args, reference, &[])
     }
 
-    /// `open`, after refusing up front — before any weights are made or anything runs — every
-    /// stage in `must_run` whose plan this device refuses (e.g. `--precision tf32` on a CPU),
-    /// and a run whose memory cannot fit: the session's weights, x and reference, plus the
-    /// widest of the reference and `must_run` stages. (The ladder passes none: a stage that
-    /// cannot run there is a row.)
+    /// `open`, refusing first, before any work, each `must_run` stage whose plan this device refuses
+    /// and a run that cannot fit (the ladder passes none: a stage that cannot run there is a row).
     pub fn open_for(args: RunArgs, reference: &dyn Stage, must_run: &[(&dyn Stage, PrecisionRequest)]) -> anyhow::Result<Session> {
         let Resolved { device, info, preset, shape, weights: loaded, x: x_file } = resolve(&args)?;
         let mut widest: u128 = 0;
@@ -172,10 +160,8 @@ impl Session {
             weights.save_gpt2(path, args.layer.unwrap_or(0), shape.n_head)?;
         }
         let x = x_file.map_or_else(|| random_input(&shape, args.seed), Ok)?;
-        let (warmup, iters) = match info.kind {
-            DeviceKind::Cpu => (args.warmup.unwrap_or(2), args.iters.unwrap_or(10)),
-            DeviceKind::Cuda => (args.warmup.unwrap_or(10), args.iters.unwrap_or(50)),
-        };
+        let (w, i) = if info.is_cuda() { (10, 50) } else { (2, 10) };
+        let (warmup, iters) = (args.warmup.unwrap_or(w), args.iters.unwrap_or(i));
 
         println!("device    {}", info.describe());
         println!(
@@ -222,9 +208,8 @@ impl Session {
         Ok(session)
     }
 
-    /// The fp32 output of `reference` (stage 0) for the session's x, computed in pieces along B
-    /// so that no piece's (b, n_head, T, T) scores pass `limit` elements (`check::
-    /// reference_batch_chunk`; the runner passes 2^31 - 1, tests a small limit).
+    /// Stage 0's fp32 output for x, in pieces along B whose scores hold at most `limit` elements
+    /// (`check::reference_batch_chunk`; tests pass a small limit).
     pub fn reference_output(&self, reference: &dyn Stage, limit: usize) -> anyhow::Result<Tensor> {
         let piece = reference_piece(&self.shape, limit)?;
         reference.check_shape(&piece)?;
@@ -241,8 +226,7 @@ impl Session {
         })?)
     }
 
-    /// `--train`: stage 0's fp32 gradients of ⟨y, r⟩ for every weight and x, in pieces along B
-    /// as `reference_output` computes y.
+    /// `--train`: stage 0's fp32 gradients of ⟨y, r⟩ for every weight and x, in pieces along B.
     fn reference_gradients(&self, reference: &dyn Stage) -> anyhow::Result<Vec<Tensor>> {
         let piece = reference_piece(&self.shape, crate::preset::MAX_TENSOR_ELEMENTS)?;
         let fp32 = PrecisionRequest::Exactly(Precision::Fp32);
@@ -263,8 +247,8 @@ impl Session {
         }
     }
 
-    /// The forward's measurement: build, check against the reference, time.
-    fn measure(&self, spec: &dyn Stage, plan: &Plan, iters: usize, probe: &mut MemProbe) -> anyhow::Result<Measured> {
+    /// Build, check against the reference, time: y, what `ran`, and the record's measured fields.
+    fn measure(&self, spec: &dyn Stage, plan: &Plan, iters: usize, probe: &mut MemProbe) -> anyhow::Result<(Tensor, Vec<String>, Record)> {
         let stage = spec.build(&self.weights, plan)?;
         let stage = if self.args.cuda_graph { crate::graph::capture(spec.name(), stage, &self.x)? } else { stage };
         let switches = GemmSwitches::current();
@@ -301,11 +285,17 @@ impl Session {
         // After the uninstrumented timing, never mixed into it: the same forward with a clock
         // read at each part boundary.
         let breakdown = self.args.breakdown.then(|| crate::breakdown::record(device, self.warmup.min(1), iters, || stage.forward(&self.x)));
-        Ok(Measured { y, stats, breakdown: breakdown.transpose()?, check, extra_checks, ran: stage.ran(), train: None })
+        Ok((y, stage.ran(), Record { timing: stats, breakdown: breakdown.transpose()?, check, extra_checks, ..Default::default() }))
     }
 
-    /// `--train`'s measurement of a built plan: the gradient and update checks, then the timed steps.
-    fn measure_train(&self, spec: &dyn Stage, plan: &Plan, iters: usize, probe: &mut MemProbe) -> anyhow::Result<Measured> {
+    /// `measure` for `--train`: the gradient and update checks, then the timed steps.
+    fn measure_train(
+        &self,
+        spec: &dyn Stage,
+        plan: &Plan,
+        iters: usize,
+        probe: &mut MemProbe,
+    ) -> anyhow::Result<(Tensor, Vec<String>, Record)> {
         use crate::train::*;
         let vars = vars(&self.weights)?;
         let forward = spec.build_train(&weights_of(&vars), plan)?;
@@ -336,12 +326,11 @@ impl Session {
         let method = "instrumented: a synchronize after the forward and after the backward".to_string();
         let breakdown = parts.map(|p| crate::breakdown::summarise(&p, iters, method)).transpose()?;
         let train = TrainRecord { optimizer: opt.name(), optimizer_timing, grad_check, worst_grad, optimizer_check, skipped_steps };
-        Ok(Measured { y, stats, breakdown, check, extra_checks: Vec::new(), ran: forward.ran(), train: Some(train) })
+        Ok((y, forward.ran(), Record { timing: stats, breakdown, check, mode: Mode::Train, train: Some(train), ..Default::default() }))
     }
 
-    /// Plan, build, check and time one stage with `iters` timed iterations (the ladder's rounds
-    /// take a share of `--iters` each). Errors of kind `Usage` mean "cannot run here";
-    /// `CheckFailed` means it ran and is wrong.
+    /// Plan, build, check and time one stage over `iters` (a ladder round's share of `--iters`).
+    /// A `Usage` error means "cannot run here"; `CheckFailed`, it ran and is wrong.
     pub fn run_with(&self, spec: &dyn Stage, asked: PrecisionRequest, iters: usize) -> anyhow::Result<(Record, Tensor)> {
         let plan = plan(spec, &self.device, &self.info, self.shape, asked, self.args.precision, self.args.cuda_graph, self.args.train)?;
         spec.check_shape(&self.shape)?;
@@ -352,13 +341,13 @@ impl Session {
             check_fits(spec.name(), &self.shape, need, avail)?;
         }
         let mut probe = MemProbe::start(&self.device);
-        let Measured { y, stats, breakdown, check, extra_checks, ran, train } =
+        let (y, ran, measured) =
             if plan.train { self.measure_train(spec, &plan, iters, &mut probe)? } else { self.measure(spec, &plan, iters, &mut probe)? };
         let (peak_mem_bytes, mem_method) = probe.finish();
         // A training step's FLOPs: the forward's, and twice them for the backward (dX and dW).
         let flops = block_flops(&self.shape) * if plan.train { 3.0 } else { 1.0 };
 
-        let secs = stats.median_ms / 1e3;
+        let secs = measured.timing.median_ms / 1e3;
         let tflops = flops / secs / 1e12;
         let implementation = spec.implementation(&plan);
         let emulated = implementation.as_deref().is_some_and(|i| i.starts_with(EMULATED));
@@ -377,7 +366,7 @@ impl Session {
         if self.args.cuda_graph {
             notes.push("timed as CUDA graph replays of one captured forward (--cuda-graph)".into());
         }
-        if let Some(t) = &train {
+        if let Some(t) = &measured.train {
             notes.push(format!(
                 "a training step: forward, loss <y, r>, backward to every weight and x (timed, 3x the forward's FLOPs); \
                  then {} (timed apart, {:.3} ms median)",
@@ -415,30 +404,13 @@ impl Session {
             gemm_backend: Some(if self.info.is_cuda() { "cuBLAS/cuBLASLt".into() } else { crate::ceiling::gemm_backend() }),
             simd: (!self.info.is_cuda()).then(|| crate::ceiling::simd_level().to_string()),
             ceiling: self.ceiling.clone(),
-            timing: stats,
-            check,
-            extra_checks,
             peak_mem_bytes,
             mem_method: mem_method.into(),
             notes,
-            breakdown,
-            mode: if train.is_some() { Mode::Train } else { Mode::Forward },
-            train,
-            ..Default::default() // the speedups, set by the ladder
+            ..measured // timing, checks, breakdown, mode and train; the speedups are the ladder's
         };
         Ok((record, y))
     }
-}
-
-/// What one plan's measurement gives the record.
-struct Measured {
-    y: Tensor,
-    stats: crate::timing::Stats,
-    breakdown: Option<crate::breakdown::Breakdown>,
-    check: Option<CheckResult>,
-    extra_checks: Vec<crate::check::NamedCheck>,
-    ran: Vec<String>,
-    train: Option<crate::train::TrainRecord>,
 }
 
 /// `need` bytes against `avail` free, with 10 % headroom for the allocator and the runtime.
@@ -506,10 +478,8 @@ pub fn print_details(r: &Record) {
     }
 }
 
-/// The whole of a stage binary: `shared::runner::main(&[stage0_baseline::STAGE, ...,
-/// this stage's STAGE])`. `stages` lists every stage up to this one: the first is the fp32
-/// reference the output is checked against, the last is the stage that runs, and each adds the
-/// flags it introduces (a later stage honours an earlier one's, as stage 4 runs stage 3's fusions).
+/// The whole of a stage binary. `stages` lists every stage up to this one: the first is the fp32
+/// reference, the last runs, and each adds its flags (stage 4 honours stage 3's fusions).
 pub fn main(stages: &[StageEntry]) -> ExitCode {
     let cmd = stages.iter().fold(RunArgs::augment_args(clap::Command::new("stage")), |c, e| (e.args)(c));
     if let Err(e) = crate::cli::check_env(&cmd) {
