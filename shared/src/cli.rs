@@ -95,8 +95,8 @@ pub struct RunArgs {
     pub bandwidth_gbs: Option<f64>,
 }
 
-/// Run `body` and turn its error into a message on stderr and the exit code it deserves
-/// (see `error`). Panics are not caught: they are bugs, and should look like bugs.
+/// Run `body`; an error becomes a message on stderr and its exit code (`error::classify`).
+/// Panics are not caught: they are bugs, and should look like bugs.
 pub fn exit_with(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     match body() {
         Ok(()) => ExitCode::SUCCESS,
@@ -108,21 +108,17 @@ pub fn exit_with(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     }
 }
 
-/// Most timed (or warm-up) iterations a run takes: each sample is kept, and a million of the
-/// tiny preset's forwards already take minutes; a larger count is a typo, not a measurement.
+/// Most timed (or warm-up) iterations: a million tiny forwards take minutes; more is a typo.
 pub const MAX_ITERS: usize = 1_000_000;
 
-/// The range `--peak-tflops` must lie in: from 1 GFLOP/s (a slow CPU core) to 100 PFLOP/s,
-/// far above any device today. Outside it the % of peak would be noise or overflow.
+/// `--peak-tflops`: 1 GFLOP/s (a slow CPU core) to 100 PFLOP/s; outside, % of peak is noise or overflow.
 pub const PEAK_TFLOPS_RANGE: (f64, f64) = (1e-3, 1e5);
 
-/// The range `--bandwidth-gbs` must lie in: from 1 MB/s to 1 PB/s (an H200 has 4.8 TB/s).
-/// Outside it the roofline's axis would span hundreds of decades.
+/// `--bandwidth-gbs`: 1 MB/s to 1 PB/s (an H200 has 4.8 TB/s).
 pub const BANDWIDTH_GBS_RANGE: (f64, f64) = (1e-3, 1e6);
 
-/// Check the environment before clap reads it: a `SPEEDKIT_*` variable the command reads that
-/// is set but empty (clap would blame the flag, which the user never typed), and
-/// `RAYON_NUM_THREADS`, which sizes the thread pool every CPU stage runs on.
+/// Check the environment before clap reads it: a `SPEEDKIT_*` variable set but empty (clap would
+/// blame the flag, which the user never typed), and `RAYON_NUM_THREADS`.
 pub fn check_env(cmd: &clap::Command) -> Result<(), SpeedkitError> {
     let args = cmd.get_arguments().chain(cmd.get_subcommands().flat_map(|c| c.get_arguments()));
     for (var, a) in args.filter_map(|a| Some((a.get_env()?.to_string_lossy(), a))) {
@@ -150,16 +146,11 @@ pub fn check_env(cmd: &clap::Command) -> Result<(), SpeedkitError> {
 
 /// Validate flags that clap cannot check by type.
 pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
-    if args.iters == Some(0) {
-        return Err(SpeedkitError::usage(
-            "--iters is 0: at least one timed iteration is needed to report a time. Fix: pass --iters 1 or more (or drop it for the default).",
-        ));
-    }
-    for (flag, v) in [("--iters", args.iters), ("--warmup", args.warmup)] {
-        if let Some(v) = v.filter(|&v| v > MAX_ITERS) {
+    for (flag, v, min) in [("--iters", args.iters, 1), ("--warmup", args.warmup, 0)] {
+        if let Some(v) = v.filter(|v| !(min..=MAX_ITERS).contains(v)) {
             return Err(SpeedkitError::usage(format!(
-                "{flag} {v} is more than {MAX_ITERS} iterations, which would run for hours and hold a sample per iteration. \
-                 Fix: pass {flag} up to {MAX_ITERS} (10 to 100 is plenty for a stable median)."
+                "{flag} is {v}, not from {min} to {MAX_ITERS}: a time needs one timed iteration, and past {MAX_ITERS} a run \
+                 would take hours, holding a sample per iteration. Fix: pass {flag} from {min} to {MAX_ITERS} (10 to 100 is plenty), or drop it."
             )));
         }
     }
@@ -190,12 +181,12 @@ pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
     Ok(())
 }
 
-/// The output paths among the runner's flags, by flag, for `output::check_all`.
+/// The runner's output paths, by flag.
 pub fn output_flags(args: &RunArgs) -> Vec<(&'static str, &std::path::Path)> {
     given([("--json", &args.json), ("--save-output", &args.save_output), ("--save-weights", &args.save_weights)])
 }
 
-/// The input paths among the runner's flags, by flag, for `output::check_not_inputs`.
+/// The runner's input paths, by flag.
 pub fn input_flags(args: &RunArgs) -> Vec<(&'static str, &std::path::Path)> {
     given([("--weights", &args.weights), ("--input", &args.input)])
 }

@@ -35,21 +35,20 @@ pub enum DeviceKind {
     Cuda,
 }
 
-/// What the stages need to choose a precision, and what the report prints. `sm`: the CUDA
-/// compute capability; `None` on CPU.
+/// What the stages need to choose a precision, and what the report prints.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct DeviceInfo {
     pub kind: DeviceKind,
     pub ordinal: usize,
     pub name: String,
+    /// The CUDA compute capability; `None` on CPU.
     pub sm: Option<(u32, u32)>,
     pub memory_bytes: Option<u64>,
     /// candle's CPU worker threads (1 on CUDA).
     pub threads: usize,
     /// "requested", or what `auto` found.
     pub why: String,
-    /// On a CPU, which of the SIMD and matrix-unit flags the kernels care about it reports
-    /// (/proc/cpuinfo: avx2, avx512f, avx512_bf16, amx_bf16, ...), for the tables' header.
+    /// On a CPU, which of `CPU_FLAGS` /proc/cpuinfo reports, for the tables' header.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cpu_flags: Vec<String>,
 }
@@ -111,7 +110,7 @@ pub fn select(req: DeviceRequest) -> Result<(Device, DeviceInfo), SpeedkitError>
     }
 }
 
-/// The /proc/cpuinfo flags `DeviceInfo::cpu_flags` reports, when present.
+/// The SIMD and matrix-unit flags the kernels care about.
 const CPU_FLAGS: [&str; 9] = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"];
 
 fn cpu_info(why: &str) -> DeviceInfo {
@@ -196,10 +195,9 @@ fn open_cuda(n: usize, why: String) -> Result<(Device, DeviceInfo), SpeedkitErro
     Ok((device, info))
 }
 
-/// candle's process-wide GEMM switches: every stage's `build` sets all three (stage 0 turns them
-/// off), so stages run one after another in one process never inherit each other's numerics. On
-/// CPU they change nothing. `tf32`: f32 GEMMs on TF32 tensor cores (10-bit mantissa inputs, f32
-/// accumulate); `reduced_*`: f16 / bf16 GEMMs may accumulate in reduced precision.
+/// candle's process-wide GEMM switches (no-ops on CPU): every stage's `build` sets all three, so no
+/// stage inherits another's numerics. `tf32`: f32 GEMMs on TF32 tensor cores; `reduced_*`: f16 /
+/// bf16 GEMMs may accumulate in reduced precision.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GemmSwitches {
     pub tf32: bool,
@@ -220,7 +218,6 @@ impl GemmSwitches {
         *APPLIED.lock().unwrap_or_else(|e| e.into_inner()) = self;
     }
 
-    /// "TF32 on · reduced-precision f16 off · bf16 off"
     pub fn describe(self) -> String {
         let on = |b: bool| if b { "on" } else { "off" };
         format!("TF32 {} · reduced-precision f16 {} · bf16 {}", on(self.tf32), on(self.reduced_f16), on(self.reduced_bf16))
@@ -252,13 +249,10 @@ pub fn available_bytes(device: &Device) -> Option<u64> {
     }
 }
 
-/// The peak memory a stretch of work needs, from a high-water mark reset at the start, so an
-/// allocation freed before the end still counts. CPU (Linux): VmHWM, reset through
-/// /proc/self/clear_refs after handing free heap back to the OS. CUDA: `USED_MEM_HIGH` of the
-/// default pool (where cudarc allocates) plus the graph pool's. Total − free memory cannot see a
-/// transient such as stage 0's T×T scores: freed blocks go back to the driver at the next synchronize.
+/// The peak memory a stretch of work needs, from a high-water mark reset at the start, so a
+/// transient freed before the end (stage 0's T×T scores) still counts. CPU (Linux): VmHWM, reset
+/// through /proc/self/clear_refs. CUDA: `USED_MEM_HIGH` of the default pool plus the graph pool's.
 pub struct MemProbe {
-    /// `None` when the counters cannot be read.
     start: Option<u64>,
     peak: u64,
     method: &'static str,
@@ -311,7 +305,7 @@ impl MemProbe {
         self.peak = self.peak.max(self.counters.high().unwrap_or(0));
     }
 
-    /// Run `f` (a stage's own check, which may build a bigger twin) without counting what it allocates.
+    /// Run `f` (a stage's own check) without counting what it allocates.
     pub fn exclude<T>(&mut self, f: impl FnOnce() -> T) -> T {
         self.fold_high();
         let out = f();

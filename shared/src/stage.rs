@@ -25,13 +25,7 @@ pub enum Precision {
 
 impl Precision {
     pub fn name(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Tf32 => "tf32",
-            Precision::Bf16 => "bf16",
-            Precision::F16 => "f16",
-            Precision::Fp8 => "fp8",
-        }
+        ["fp32", "tf32", "bf16", "f16", "fp8"][self as usize]
     }
 }
 
@@ -52,8 +46,7 @@ pub enum PrecisionRequest {
 /// A stage's precision decision: the precision, and one sentence saying why.
 pub type PrecisionChoice = (Precision, String);
 
-/// A comma-separated list of switches (`--fusions ln,qkv`): "all", "none", or some of `names`;
-/// `what` names the list in errors.
+/// A comma-separated list of switches (`--fusions ln,qkv`): "all", "none", or some of `names`.
 pub fn parse_switches<const N: usize>(s: &str, names: &[&str; N], what: &str) -> Result<[bool; N], String> {
     match s.trim() {
         "all" => return Ok([true; N]),
@@ -94,26 +87,21 @@ pub fn switch_off<const N: usize>(mut flags: [bool; N], names: &[&str; N], name:
     flags
 }
 
-/// What `Stage::implementation` starts with when the stage imitates a number format instead of
-/// running it on hardware; the runner then reports no % of peak for it.
+/// How `Stage::implementation` starts when the stage imitates a number format: no % of peak then.
 pub const EMULATED: &str = "emulated";
 
-/// Everything a stage's `build` may depend on, decided before it runs (a stage's own flags live
-/// in the stage value).
+/// Everything a stage's `build` may depend on besides its own flags, decided before it runs.
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub device: Device,
     pub info: DeviceInfo,
     pub precision: Precision,
-    /// One sentence: why this precision (the policy's decision or the user's override).
+    /// One sentence: why this precision.
     pub precision_reason: String,
     pub shape: Shape,
-    /// The run's `--precision`, for stages that follow another stage's choice (stage 4 keeps
-    /// stage 3's activation precision at the same request, so FP8 is its only change).
+    /// The run's `--precision` (stage 4 keeps stage 3's activation precision at the same request).
     pub requested: PrecisionRequest,
-    /// `--cuda-graph`: the forward will be captured once and replayed (stateful stages refuse).
     pub cuda_graph: bool,
-    /// `--train`: the step timed is forward + backward, then the optimizer's update.
     pub train: bool,
 }
 
@@ -122,23 +110,20 @@ pub struct Plan {
 pub trait Stage {
     /// Crate name, e.g. "stage2_sdpa".
     fn name(&self) -> &'static str;
-    /// One line: the technique this stage adds.
     fn technique(&self) -> &'static str;
-    /// The precision this stage *is*, when it is one (stage 0: fp32, stage 4: fp8): the ladder
-    /// asks it for that, whatever `--precision` says for the stages in between.
+    /// The precision this stage *is* (stage 0: fp32, stage 4: fp8), which the ladder asks it for
+    /// whatever `--precision` says.
     fn own_precision(&self) -> Option<Precision> {
         None
     }
 
-    /// The precision this stage runs at on this device for this request, and why; an error
-    /// (exit 2) when the request is something this stage or device cannot do.
+    /// The precision this stage runs at here for this request, and why; exit 2 if it cannot.
     fn choose_precision(&self, info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError>;
 
     /// candle's global GEMM switches this stage runs with; `build` must apply them.
     fn switches(&self, plan: &Plan) -> GemmSwitches;
 
-    /// Shape limits beyond `Shape::validate` (the default: the naive (B, n_head, T, T) score
-    /// matrix must be addressable).
+    /// Shape limits beyond `Shape::validate` (default: the naive scores must be addressable).
     fn check_shape(&self, shape: &Shape) -> Result<(), SpeedkitError> {
         shape.validate_score_matrix()
     }
@@ -148,39 +133,34 @@ pub trait Stage {
         shape.estimate_naive_bytes()
     }
 
-    /// What the reader should know about running this plan (misaligned dimensions, a
-    /// precision that is slow on this device, ...). Printed and stored with the record.
+    /// What the reader should know about this plan (a precision slow here, ...), kept with the record.
     fn notes(&self, _plan: &Plan) -> Vec<String> {
         Vec::new()
     }
 
-    /// Which implementation runs this plan, when a stage has more than one (stage 4's real or
-    /// emulated FP8) or a non-default option: shown beside the precision, so a number is never
-    /// read as something else than what ran.
+    /// Which implementation runs this plan, when there is a choice (stage 4's real or emulated
+    /// FP8): shown beside the precision, so a number is never read as something else.
     fn implementation(&self, _plan: &Plan) -> Option<String> {
         None
     }
 
-    /// Refusals that depend on the whole plan, checked when it is made, before any weights exist
-    /// (so `ladder report` shows them too).
+    /// Refusals that depend on the whole plan, checked before any weights exist (`ladder report` too).
     fn check_plan(&self, _plan: &Plan) -> Result<(), SpeedkitError> {
         Ok(())
     }
 
     fn build(&self, weights: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>>;
 
-    /// `ladder --ablate`: this stage with one of its changes undone, one variant per change,
-    /// labelled as its row ("without ln").
+    /// `ladder --ablate`: one variant per change undone, labelled as its row ("without ln").
     fn ablations(&self, _plan: &Plan) -> Vec<(String, Box<dyn Stage>)> {
         Vec::new()
     }
 
-    /// The roofline's traffic model: bytes one forward moves at `shape`, GEMM operands at `p`,
-    /// activations in `act` bytes per element (`perf::Traffic` holds the shared terms).
+    /// Bytes one forward moves (GEMM operands at `p`, activations `act` bytes), from `perf::Traffic`.
     fn traffic(&self, shape: &Shape, p: Precision, act: f64) -> f64;
 
-    /// `--train`: refusals of a training plan, checked with `check_plan` before any work. The
-    /// default refuses: a stage trains only once it says how (`build_train`).
+    /// `--train`: refusals of a training plan (the default refuses: a stage has no backward until
+    /// it says how, `build_train`).
     fn check_train(&self, _plan: &Plan) -> Result<(), SpeedkitError> {
         Err(SpeedkitError::usage(format!(
             "{} has no training step (no backward through its ops). Fix: drop --train, or run a stage that has one.",
@@ -188,22 +168,19 @@ pub trait Stage {
         )))
     }
 
-    /// `--train`: the forward over `w`, f32 master weights held as `Var`s that the optimizer
-    /// updates in place between steps. It must read their current values at every call (casting
-    /// or quantizing them there, as autocast does), so that `loss.backward()` reaches every one.
-    /// `Rebuild` does that for a stage whose `build` is cheap enough to run every step.
+    /// `--train`: the forward over `w`, f32 master weights held as `Var`s the optimizer updates in
+    /// place. It must read (cast, quantize) them at every call, as autocast does, so the backward
+    /// reaches each one; `Rebuild` does that by running `build` every step.
     fn build_train(&self, _w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
         Err(self.check_train(plan).err().unwrap_or_else(|| SpeedkitError::usage(format!("{} has no build_train", self.name()))).into())
     }
 
-    /// `--train`: the optimizer that updates `vars` (the default: `candle_nn::AdamW`, one op
-    /// per parameter per moment).
+    /// `--train`: the optimizer that updates `vars` (default: `candle_nn::AdamW`).
     fn optimizer(&self, vars: Vec<Var>, _plan: &Plan) -> anyhow::Result<Box<dyn Optimize>> {
         Ok(Box::new(CandleAdamW(candle_nn::AdamW::new(vars, train_params())?)))
     }
 
-    /// `ladder selftest`: this stage's GPU building blocks, each against its CPU twin (on the CPU,
-    /// their CPU stand-ins).
+    /// `ladder selftest`: this stage's GPU building blocks (on a CPU, their stand-ins) against CPU twins.
     fn selftest(&self, _device: &Device, _info: &DeviceInfo, _rows: &mut crate::selftest::Rows) {}
 }
 
@@ -212,20 +189,19 @@ pub trait Forward {
     /// (B, T, C) -> (B, T, C)
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor>;
 
-    /// A check of the stage's own on the output `y` of the forward just made on `x` (stage 4:
-    /// the fp32 twin on FP8-rounded operands).
+    /// The stage's own check of the forward `y` just made on `x` (stage 4: an fp32 twin on FP8 operands).
     fn self_check(&self, _x: &Tensor, _y: &Tensor) -> anyhow::Result<Option<NamedCheck>> {
         Ok(None)
     }
 
     /// Whether the forward just made took the path every later one takes (stage 4's first has no
-    /// delayed scale yet); a CUDA graph capture warms up until it does (`cuda_graph::run_capture`).
+    /// delayed scale yet); a CUDA graph capture warms up until it does.
     fn steady(&self) -> bool {
         true
     }
 
-    /// Notes on what the forwards so far actually ran, where it can differ from the plan (stage
-    /// 4: a fusion cuBLASLt had no algorithm for); added to the row's notes after timing.
+    /// What the forwards actually ran where it can differ from the plan (stage 4: a fusion
+    /// cuBLASLt had no algorithm for); added to the row's notes.
     fn ran(&self) -> Vec<String> {
         Vec::new()
     }
@@ -233,10 +209,9 @@ pub trait Forward {
 
 /// `--train`: an optimizer over the stage's weights.
 pub trait Optimize {
-    /// What updates the weights, for the label ("candle-nn AdamW", "fused AdamW").
+    /// "candle-nn AdamW", "fused AdamW", ...
     fn name(&self) -> String;
-    /// The factor the loss is multiplied by before the backward (f16's dynamic loss scale); the
-    /// optimizer divides it out of the gradients again.
+    /// The loss's factor before the backward (f16's dynamic loss scale), divided out again in `step`.
     fn loss_scale(&self) -> f64 {
         1.0
     }
@@ -245,8 +220,7 @@ pub trait Optimize {
     fn step(&mut self, grads: &GradStore) -> anyhow::Result<bool>;
 }
 
-/// The hyper-parameters of every stage's AdamW: candle-nn's defaults but a learning rate of
-/// 1e-4, so that a few timed steps move the weights without leaving the block's range.
+/// Every stage's AdamW: candle-nn's defaults but lr 1e-4, so timed steps keep the block in range.
 pub fn train_params() -> candle_nn::ParamsAdamW {
     candle_nn::ParamsAdamW { lr: 1e-4, ..Default::default() }
 }
@@ -264,9 +238,8 @@ impl Optimize for CandleAdamW {
     }
 }
 
-/// A training forward that builds `stage` from the current weights at every call: the casts
-/// (and packing) `build` does happen once per step, as autocast's do, and the tracked weights
-/// reach the backward through them.
+/// A training forward that runs `build` on the current weights at every call, so its casts happen
+/// once per step, as autocast's do, and the backward reaches the weights through them.
 pub struct Rebuild<S> {
     pub stage: S,
     pub weights: BlockWeights,
@@ -280,24 +253,20 @@ impl<S: Stage> Forward for Rebuild<S> {
     }
 }
 
-/// How a binary or the ladder finds a stage. A stage binary takes the flags of every stage up to
-/// its own (stage 4 honours stage 3's `--fusions`); the ladder takes every stage's.
+/// How a binary or the ladder finds a stage: `args` adds the flags it introduces, `make` builds it
+/// from flags parsed by a command that `args` of it and every earlier stage augmented.
 #[derive(Clone, Copy)]
 pub struct StageEntry {
-    /// Adds the flags this stage introduces (`clap::Args::augment_args` of its args struct).
     pub args: fn(clap::Command) -> clap::Command,
-    /// The stage, from flags parsed by a command `args` of it and every earlier stage augmented.
     pub make: fn(&clap::ArgMatches) -> Result<Box<dyn Stage>, clap::Error>,
 }
 
-/// What the ladder asks `stage` for, given the run's `--precision`: its own precision if it has
-/// one, else the request.
+/// What the ladder asks `stage` for: its own precision if it has one, else the run's request.
 pub fn ladder_request(stage: &dyn Stage, requested: PrecisionRequest) -> PrecisionRequest {
     stage.own_precision().map_or(requested, PrecisionRequest::Exactly)
 }
 
-/// Choose the precision for `asked` (`ladder_request` in the ladder), assemble the plan and run
-/// the stage's plan-level refusals. `requested` is the run's `--precision`.
+/// Choose the precision for `asked`, assemble the plan and run the stage's plan-level refusals.
 #[allow(clippy::too_many_arguments)] // each is one decision of the run's flags, named at every call
 pub fn plan(
     stage: &dyn Stage,
@@ -318,8 +287,7 @@ pub fn plan(
     Ok(plan)
 }
 
-/// `plan` for a stage run alone, as its binary plans it: asked for `requested`, no CUDA graph,
-/// forward only.
+/// `plan` for a stage run alone: asked for `requested`, no CUDA graph, forward only.
 pub fn plan_alone(
     stage: &dyn Stage,
     device: &Device,
