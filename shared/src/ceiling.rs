@@ -1,9 +1,7 @@
 //! A measured ceiling for "% of peak" on a CPU, where no datasheet number means much: this
-//! machine's GEMM rate at the block's own GEMM shapes (the four linears, attention's Q·Kᵀ and P·V
-//! per head) with this binary's backend, and its memory bandwidth (STREAM triad). Attention's thin
-//! shapes (k = d_head) run slower even as bare GEMMs, so they get their own rate. Where the CPU
-//! has a bf16 unit and a stage registered its bf16 GEMM (`register_bf16_gemm`), the linears are
-//! also timed in bf16, and bf16 rows' % of peak is against that ceiling.
+//! machine's GEMM rate at the block's own GEMM shapes (attention's thin ones, k = d_head, run
+//! slower even bare, so they get their own rate) and its memory bandwidth (STREAM triad). With a
+//! bf16 GEMM registered (`register_bf16_gemm`), the linears are timed in bf16 too, for bf16 rows.
 
 use crate::preset::Shape;
 use crate::Precision;
@@ -11,7 +9,6 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
-/// One `ProbeGemm`, measured.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GemmRate {
     pub name: String,
@@ -21,7 +18,6 @@ pub struct GemmRate {
     pub m: usize,
     pub n: usize,
     pub k: usize,
-    /// 2·batch·m·n·k / best time.
     pub gflops: f64,
 }
 
@@ -29,8 +25,7 @@ fn one() -> usize {
     1
 }
 
-/// The CPU ceiling: `gemm_gflops` (`block_ceiling_gflops`) is the compute roof of % of peak and
-/// the roofline, `bandwidth_gbs` (`triad_gbs`) the memory slope.
+/// `gemm_gflops` (`block_ceiling_gflops`) is the compute roof, `bandwidth_gbs` (triad) the memory one.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CpuCeiling {
     pub gemm_backend: String,
@@ -40,14 +35,13 @@ pub struct CpuCeiling {
     pub bandwidth_gbs: f64,
     pub threads: usize,
     pub method: String,
-    /// The linears timed in bf16 on the CPU's bf16 unit; absent without one (and in older records).
+    /// The linears timed in bf16; absent without a bf16 unit (and in older records).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bf16: Option<Bf16Ceiling>,
 }
 
-/// The bf16 ceiling: `kernel` ran the four linears at `gemms`' rates; `gemm_gflops` weighs them
-/// as `block_ceiling_gflops` does, with attention at its f32 rates (stage 2's fused attention
-/// widens bf16 to f32).
+/// `kernel` ran the linears at `gemms`' rates; `gemm_gflops` has attention at its f32 rates (stage 2's
+/// fused attention widens bf16 to f32).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Bf16Ceiling {
     pub kernel: String,
@@ -55,8 +49,7 @@ pub struct Bf16Ceiling {
     pub gemm_gflops: f64,
 }
 
-/// A bf16 matmul for the probe to time, `a (m, k) · b (k, n)` on bf16 tensors, and the name of
-/// the kernel it runs. Stage 1 owns it (`bf16_gemm`); its stages register it when they are made.
+/// A bf16 matmul `a (m, k) · b (k, n)` for the probe, and its kernel's name (stage 1 registers it).
 #[derive(Clone, Copy, Debug)]
 pub struct Bf16Gemm {
     pub kernel: &'static str,
@@ -71,7 +64,7 @@ pub fn register_bf16_gemm(g: Bf16Gemm) {
 }
 
 impl CpuCeiling {
-    /// The ceiling for rows of precision `p`: the bf16 one for bf16 where it was measured.
+    /// The bf16 ceiling for bf16 rows where it was measured, else the f32 one.
     pub fn peak_tflops_for(&self, p: Precision) -> f64 {
         match (&self.bf16, p) {
             (Some(b), Precision::Bf16) => b.gemm_gflops / 1e3,
@@ -123,8 +116,8 @@ pub fn gemm_backend() -> String {
     }
 }
 
-/// One GEMM shape of the block: `batch` products y (m × n) = x (m × k) · w (k × n). Names: "qkv",
-/// "proj", "fc1", "fc2" (the linears, batch 1), "attn_qk", "attn_pv" (batch: heads).
+/// `batch` products y (m × n) = x (m × k) · w (k × n): "qkv", "proj", "fc1", "fc2" (batch 1),
+/// "attn_qk", "attn_pv" (batch: heads).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProbeGemm {
     pub name: &'static str,
@@ -139,17 +132,17 @@ impl ProbeGemm {
         2.0 * (self.batch * self.m * self.n * self.k) as f64
     }
 
-    fn is_attention(&self) -> bool {
-        self.name.starts_with("attn_")
+    /// The rate of one best time of it.
+    fn rate(&self, best_s: f64) -> GemmRate {
+        let ProbeGemm { name, batch, m, n, k } = *self;
+        GemmRate { name: name.into(), batch, m, n, k, gflops: self.flops() / best_s / 1e9 }
     }
 }
 
-/// Score elements (batch · T · T) the attention probe may hold (64 MiB): once every thread has
-/// several heads the rate no longer depends on their number.
+/// Score elements the attention probe may hold (64 MiB): past a few heads per thread the rate holds.
 const ATTENTION_PROBE_SCORES: usize = 16 << 20;
 
-/// The four linears (m = B·T), then S = Q·Kᵀ (T × T × d_head) and O = P·V (T × d_head × T) over as
-/// many heads as fit.
+/// The four linears (m = B·T), then Q·Kᵀ and P·V over as many heads as fit.
 pub fn probe_gemms(shape: &Shape) -> Vec<ProbeGemm> {
     let (m, c, ff) = (shape.batch * shape.seq, shape.d_model, shape.ff);
     let linear = |name, n, k| ProbeGemm { name, batch: 1, m, n, k };
@@ -191,29 +184,22 @@ pub fn check_fit(shape: &Shape) -> Result<(), crate::SpeedkitError> {
 
 /// The best time counts: a ceiling is what the machine can do, not what it usually does.
 pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
-    let mut gemms = Vec::new();
-    for g in probe_gemms(shape) {
-        if !g.is_attention() {
-            gemms.push(linear_rate(&g, DType::F32, |x, wt| x.matmul(wt))?);
-            continue;
-        }
-        let ProbeGemm { name, batch, m, n, k } = g;
-        let x = Tensor::randn(0f32, 1.0, batch * m * k, &Device::Cpu)?.to_vec1::<f32>()?;
-        let w = Tensor::randn(0f32, 1.0, batch * k * n, &Device::Cpu)?.to_vec1::<f32>()?;
-        let mut y = vec![0f32; batch * m * n];
+    let (linears, attention): (Vec<_>, Vec<_>) = probe_gemms(shape).into_iter().partition(|g| !g.name.starts_with("attn_"));
+    let mut gemms = linears.iter().map(|g| linear_rate(g, DType::F32, |x, wt| x.matmul(wt))).collect::<candle_core::Result<Vec<_>>>()?;
+    for g in attention {
+        let x = Tensor::randn(0f32, 1.0, g.batch * g.m * g.k, &Device::Cpu)?.to_vec1::<f32>()?;
+        let w = Tensor::randn(0f32, 1.0, g.batch * g.k * g.n, &Device::Cpu)?.to_vec1::<f32>()?;
+        let mut y = vec![0f32; g.batch * g.m * g.n];
         let best = best_time(|| {
             attention_gemms(&g, &x, &w, &mut y);
             Ok(())
         })?;
-        gemms.push(GemmRate { name: name.into(), batch, m, n, k, gflops: g.flops() / best / 1e9 });
+        gemms.push(g.rate(best));
     }
-    // The linears in bf16 on the stage's kernel; attention at its f32 rates (stage 2's fused
-    // attention widens bf16 to f32).
     let bf16 = BF16_GEMM.get().map(|b| {
-        let linears = probe_gemms(shape).into_iter().filter(|g| !g.is_attention()).map(|g| linear_rate(&g, DType::BF16, b.matmul));
-        let linears = linears.collect::<candle_core::Result<Vec<_>>>()?;
-        let all: Vec<GemmRate> = linears.iter().chain(gemms.iter().filter(|g| g.name.starts_with("attn_"))).cloned().collect();
-        Ok::<_, candle_core::Error>(Bf16Ceiling { kernel: b.kernel.into(), gemm_gflops: block_ceiling_gflops(shape, &all), gemms: linears })
+        let bf16: Vec<_> = linears.iter().map(|g| linear_rate(g, DType::BF16, b.matmul)).collect::<candle_core::Result<_>>()?;
+        let all: Vec<GemmRate> = bf16.iter().chain(&gemms[linears.len()..]).cloned().collect();
+        Ok::<_, candle_core::Error>(Bf16Ceiling { kernel: b.kernel.into(), gemm_gflops: block_ceiling_gflops(shape, &all), gemms: bf16 })
     });
     let bf16 = bf16.transpose()?;
     Ok(CpuCeiling {
@@ -241,12 +227,11 @@ fn linear_rate(
 ) -> candle_core::Result<GemmRate> {
     let x = Tensor::randn(0f32, 1.0, (g.m, g.k), &Device::Cpu)?.to_dtype(dtype)?;
     let wt = Tensor::randn(0f32, 0.02, (g.n, g.k), &Device::Cpu)?.to_dtype(dtype)?.t()?; // (k, n) view
-    let best = best_time(|| matmul(&x, &wt).map(|_| ()))?;
-    Ok(GemmRate { name: g.name.into(), batch: 1, m: g.m, n: g.n, k: g.k, gflops: g.flops() / best / 1e9 })
+    Ok(g.rate(best_time(|| matmul(&x, &wt).map(|_| ()))?))
 }
 
-/// An attention probe shape as stage 2's CPU kernel runs its tile products (MKL builds too): one
-/// single-threaded gemm-crate product per head, rayon over heads; attn_qk reads K (n × k) transposed.
+/// An attention shape as stage 2's CPU kernel runs it (MKL builds too): a single-threaded gemm-crate
+/// product per head, rayon over heads; attn_qk reads K (n × k) transposed.
 pub fn attention_gemms(g: &ProbeGemm, x: &[f32], w: &[f32], y: &mut [f32]) {
     use gemm::{gemm, Parallelism::None as Serial};
     use rayon::prelude::*;
@@ -262,7 +247,7 @@ pub fn attention_gemms(g: &ProbeGemm, x: &[f32], w: &[f32], y: &mut [f32]) {
 }
 
 /// The block's FLOPs over their time at the measured rates: each linear at its own, attention's
-/// causal FLOPs (as `perf::block_flops`) at attn_qk's and attn_pv's combined. Unmeasured: nothing.
+/// causal FLOPs (as `perf::block_flops`) at attn_qk's and attn_pv's combined.
 pub fn block_ceiling_gflops(shape: &Shape, gemms: &[GemmRate]) -> f64 {
     // (FLOPs, seconds) of the linears (`false`) or of attention's products (`true`).
     let sum = |attn: bool| {
@@ -294,8 +279,7 @@ fn best_time(mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Res
     Ok(best)
 }
 
-/// STREAM triad a = b + s·c over three arrays of `bytes` each, in GB/s: 12 bytes per element
-/// (write-allocate traffic not counted, as STREAM does).
+/// STREAM triad a = b + s·c over three arrays of `bytes` each, in GB/s (12 bytes per element, as STREAM counts).
 fn triad_gbs(bytes: usize) -> f64 {
     use rayon::prelude::*;
     let n = bytes / 4;
