@@ -66,14 +66,12 @@ pub fn compare_within(y: &Tensor, reference: &Tensor, tolerance: f64) -> candle_
     Ok(CheckResult { rel_err, max_abs_err: max_abs, tolerance, non_finite, passed: non_finite == 0 && rel_err <= tolerance })
 }
 
-/// `t`'s elements as f32 on the host, flattened.
 pub(crate) fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
     t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
 }
 
-/// How many sequences the fp32 reference (stage 0) computes at once so its (b, n_head, T, T)
-/// scores hold at most `limit` elements: sequences are independent, so in pieces along B it still
-/// checks shapes whose whole score matrix would not fit (te at T = 4096). Exit 2 if one is too many.
+/// How many sequences the fp32 reference computes at once so its scores hold at most `limit`
+/// elements: in pieces along B it checks shapes whose whole score matrix would not fit.
 pub fn reference_batch_chunk(shape: &crate::Shape, limit: usize) -> Result<usize, SpeedkitError> {
     let per_sequence = shape.n_head.checked_mul(shape.seq).and_then(|n| n.checked_mul(shape.seq));
     match per_sequence {
@@ -99,7 +97,6 @@ pub fn forward_in_pieces(
 }
 
 impl CheckResult {
-    /// When the check failed: what, by how much, and what to do.
     pub fn to_error(&self, stage: &str, precision: Precision) -> Option<SpeedkitError> {
         let what = if self.passed {
             return None;

@@ -31,7 +31,7 @@ pub fn capture(name: &str, stage: Box<dyn Forward>, x: &Tensor) -> anyhow::Resul
     Ok(Box::new(Graphed { graph, stage }))
 }
 
-/// A captured stage: `forward` replays the graph, `self_check` and `ran` ask the stage itself.
+/// `forward` replays the graph; `self_check` and `ran` ask the stage itself.
 pub struct Graphed {
     graph: cuda_graph::Graph,
     // Owns the weights the graph reads: declared last, so dropped after the graph.

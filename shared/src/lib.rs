@@ -21,9 +21,8 @@ pub mod timing;
 pub mod train;
 pub mod weights;
 
-/// Unit tests that allocate tens of MiB (the ceiling probe's triad) or measure the process's
-/// peak RSS (`MemProbe` on the CPU) hold this, so one does not show up in the other's peak:
-/// cargo runs a crate's tests as threads of one process.
+/// Held by unit tests that allocate tens of MiB or measure peak RSS, so one does not show up in
+/// the other's peak (a crate's tests are threads of one process).
 #[cfg(test)]
 pub(crate) static BIG_ALLOCATION_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 

@@ -9,7 +9,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 
-/// One checked output: the flag that named it, the path as given, and the file it resolves to.
+/// One checked output: the flag that named it, the path as given, the file it resolves to.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Output {
     pub flag: String,
@@ -21,7 +21,6 @@ fn refuse(flag: &str, path: &Path, why: &str, fix: &str) -> SpeedkitError {
     SpeedkitError::usage(format!("cannot write {flag} {}: {why}. Fix: {fix}.", path.display()))
 }
 
-/// The fix that matches an I/O error's cause.
 fn fix_for(e: &std::io::Error) -> &'static str {
     match e.kind() {
         ErrorKind::StorageFull | ErrorKind::QuotaExceeded => "free space on that file system, or pick a path on another one",
@@ -42,9 +41,8 @@ fn absolute(path: &Path) -> PathBuf {
     out
 }
 
-/// The absolute file `path` names: a symlink followed (a dangling one to the file it would
-/// create), the nearest folder that exists canonicalized, the new part below it kept. Two paths
-/// name one file when these are equal.
+/// The absolute file `path` names (two paths name one file when these are equal): symlinks followed
+/// (a dangling one to the file it would create), the nearest folder that exists canonicalized.
 pub fn resolve(path: &Path) -> std::io::Result<PathBuf> {
     let mut p = absolute(path);
     for _ in 0..40 {
@@ -60,8 +58,8 @@ pub fn resolve(path: &Path) -> std::io::Result<PathBuf> {
     Ok(out)
 }
 
-/// Check one output path (see the module's policy). Folders missing on the way to a new file
-/// are fine when the nearest one that exists can take a file: the write creates them.
+/// Check one output path. Missing folders are fine when the nearest one that exists can take a
+/// file: the write creates them.
 pub fn check(flag: &str, path: &Path) -> Result<Output, SpeedkitError> {
     let no = |why: &str, fix: &str| Err(refuse(flag, path, why, fix));
     if path.as_os_str().is_empty() {
@@ -91,8 +89,7 @@ pub fn check(flag: &str, path: &Path) -> Result<Output, SpeedkitError> {
     Ok(Output { flag: flag.into(), path: path.to_path_buf(), target })
 }
 
-/// Refuse an output that is also an input of the run (`--from`, `--weights`, `--input`):
-/// the run would overwrite what it reads.
+/// Refuse an output that is also an input of the run (`--from`, `--weights`, `--input`).
 pub fn check_not_inputs(outputs: &[Output], inputs: &[(&str, &Path)]) -> Result<(), SpeedkitError> {
     for (in_flag, in_path) in inputs {
         let Ok(read) = resolve(in_path) else { continue };
@@ -122,7 +119,7 @@ pub fn check_all(outputs: &[(&str, &Path)]) -> Result<Vec<Output>, SpeedkitError
 }
 
 impl Output {
-    /// Write `bytes` by the policy; the error names the flag, the path and a fix (exit 2).
+    /// Write `bytes` by the policy (exit 2 naming the flag, the path and a fix).
     pub fn write(&self, bytes: &[u8]) -> Result<(), SpeedkitError> {
         replace(&self.target, bytes).map_err(|e| {
             refuse(&self.flag, &self.path, &format!("writing failed ({e}); the old file is intact, no temp file left"), fix_for(&e))

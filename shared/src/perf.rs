@@ -38,7 +38,6 @@ fn known(name: &str) -> Option<&'static Gpu> {
     PEAKS.iter().find(|(frag, ..)| name.contains(frag))
 }
 
-/// Datasheet GB/s of the device called `name`, if known.
 pub fn peak_bandwidth_gbs(name: &str) -> Option<f64> {
     known(name).map(|p| p.5)
 }
@@ -63,11 +62,10 @@ pub fn operand_bytes(p: Precision) -> f64 {
     }
 }
 
-/// The roofline's traffic terms, which each stage's `Stage::traffic` combines: the minimum bytes
-/// each op moves if nothing stays in cache between ops (docs/measuring.md), GEMM operands at `p`,
-/// activations in `act` bytes. `pass_c`: one read + write of an (N, C) activation. `unfused`:
-/// the passes around the GEMMs (stage 3's header table): over (N, C), LayerNorm 1 with its cast 8,
-/// q/k/v bias 3, proj's bias + residual + LayerNorm 2 11, fc2's bias + residual 3; bias + GELU 10 over (N, FF).
+/// The roofline's traffic terms `Stage::traffic` combines: the minimum bytes each op moves if
+/// nothing stays in cache (docs/measuring.md). `pass_c`: one read + write of an (N, C) activation.
+/// `unfused`: the passes around the GEMMs (stage 3's header table): over (N, C), LayerNorm 1 with
+/// its cast 8, q/k/v bias 3, proj's bias + residual + LayerNorm 2 11, fc2's 3; bias + GELU 10 over (N, FF).
 pub struct Traffic {
     /// Input (N·K), weight (K·M), output (N·M); at fp8 also the pass that quantises each input.
     pub gemms: f64,

@@ -5,8 +5,8 @@ use crate::error::SpeedkitError;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// The named shapes. `tiny` keeps the test suite fast, `small` is one GPT-2 small layer,
-/// `gpt2` is the seed tutorial's shape and `te` is TransformerEngine's getting-started shape.
+/// `tiny` keeps the tests fast, `small` is one GPT-2 small layer, `gpt2` the seed tutorial's
+/// shape, `te` TransformerEngine's getting-started shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Preset {
@@ -27,7 +27,6 @@ impl Preset {
         Shape { batch, seq, d_model, n_head, ff }
     }
 
-    /// The name as `--preset` spells it.
     pub fn name(self) -> String {
         format!("{self:?}").to_lowercase()
     }
@@ -43,13 +42,11 @@ pub struct Shape {
     pub ff: usize,
 }
 
-/// Largest tensor we accept: cuBLAS and most element-wise kernels index with 32-bit ints, so a
-/// bigger one would fail (or wrap) deep inside a library.
+/// Largest tensor we accept: cuBLAS and most kernels index with 32-bit ints.
 pub const MAX_TENSOR_ELEMENTS: usize = i32::MAX as usize;
 
-/// Up to two divisors of `c` below `h` and two above (`c` ≥ 1 not divisible by `h`, so never
-/// empty). C can be huge here (before the size checks), so divisors come in pairs (i, C / i)
-/// with i ≤ min(√C, 10^6).
+/// Up to two divisors of `c` below `h` and two above. C may be huge here (before the size
+/// checks): divisors come in pairs (i, C / i), i ≤ min(√C, 10^6).
 pub fn near_divisors(c: usize, h: usize) -> Vec<usize> {
     let mut divs: Vec<usize> =
         (1..=1_000_000usize).take_while(|i| i.saturating_mul(*i) <= c).filter(|i| c.is_multiple_of(*i)).flat_map(|i| [i, c / i]).collect();
@@ -70,7 +67,6 @@ impl Shape {
         self.batch.saturating_mul(self.seq)
     }
 
-    /// Reject shapes the block cannot compute, naming the reason and the fix.
     pub fn validate(&self) -> Result<(), SpeedkitError> {
         self.validate_as(None)
     }
@@ -135,9 +131,8 @@ impl Shape {
         Ok(())
     }
 
-    /// Bytes of the naive fp32 block (stage 0, the reference) at its widest, to refuse runs that
-    /// cannot fit: weights, plus three (B, n_head, T, T) tensors (scores, exponentials,
-    /// probabilities) and a few (B, T, C) in attention, or ~4 (B, T, FF) in the MLP.
+    /// Bytes of the naive fp32 block at its widest: weights, plus three (B, n_head, T, T) tensors
+    /// and a few (B, T, C) in attention, or ~4 (B, T, FF) in the MLP.
     pub fn estimate_naive_bytes(&self) -> u128 {
         let (b, t, c, h, ff) = (self.batch as u128, self.seq as u128, self.d_model as u128, self.n_head as u128, self.ff as u128);
         // u128 holds every product of validated dims; saturating keeps unvalidated ones sane.

@@ -1,11 +1,9 @@
 //! Each `--breakdown` part's regime: is its time explained by the compute roof, the memory roof,
 //! or neither? FLOPs: GEMMs 2·M·N·K (attention 2·B·T²·C, causal), LayerNorm 7 per element, bias or
-//! residual 1, GELU 9. Minimum bytes: inputs, weights and output each moved once, nothing cached
-//! between parts (attention: q, k, v in, output out; stage 0's T × T passes are what fusion deletes).
-//! Roofline time = max(FLOPs / compute roof, bytes / memory roof); reaching `EXPLAINED` of the larger
-//! term's rate is compute- or memory-bound, else unexplained: neither roof accounts for the time, which
-//! goes to work beyond the minimum (extra passes, launches, syncs, scalar code, latency). The name is
-//! what is measured; it is not "overhead" in the sense of launch or framework overhead alone.
+//! residual 1, GELU 9. Minimum bytes: inputs, weights and output each moved once (attention: q, k,
+//! v in, output out). Reaching `EXPLAINED` of the larger roofline term's rate is compute- or
+//! memory-bound, else unexplained: the time goes to work beyond the minimum (extra passes,
+//! launches, syncs, scalar code, latency), not only "overhead".
 
 use crate::breakdown::PARTS as PART_NAMES;
 use crate::perf::operand_bytes;
@@ -18,10 +16,9 @@ use serde::{Deserialize, Serialize};
 /// 70–100 % of the measured rate, a good element-wise pass 40–90 % of STREAM, a scalar part far less.
 pub const EXPLAINED: f64 = 0.3;
 
-/// The regime of a part under `EXPLAINED` of both roofs.
 pub const UNEXPLAINED: &str = "unexplained";
 
-/// Reads a recorded regime, mapping the name files written before the rename used ("overhead").
+/// Files written before the rename say "overhead" for "unexplained".
 fn regime_name<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
     let name = String::deserialize(d)?;
     Ok(if name == "overhead" { UNEXPLAINED.to_string() } else { name })
@@ -48,8 +45,7 @@ pub struct PartRegime {
     pub gbs: f64,
     pub pct_of_compute_roof: f64,
     pub pct_of_memory_roof: f64,
-    /// "compute-bound", "memory-bound" or "unexplained". Files written before the rename say
-    /// "overhead" for the last; it reads as "unexplained".
+    /// "compute-bound", "memory-bound" or "unexplained".
     #[serde(deserialize_with = "regime_name")]
     pub regime: String,
 }
@@ -132,9 +128,8 @@ pub fn tag(r: &PartRegime) -> String {
     format!("{letter} {pct:.0}%")
 }
 
-/// Fill `r`'s breakdown parts' `regime`: compute roof as its % of peak (else the CPU probe's), memory
-/// roof `bandwidth_gbs` (else the triad's). Activations are at the record's precision, except FP8
-/// (stage 4 keeps stage 3's: 16-bit on a GPU, f32 on a CPU).
+/// Fill `r`'s breakdown parts' `regime`: compute roof its peak (else the CPU probe's), memory roof
+/// `bandwidth_gbs` (else the triad's). FP8's activations are stage 3's: 16-bit on a GPU, f32 on a CPU.
 pub fn annotate(r: &mut Record, bandwidth_gbs: Option<f64>) {
     let gflops = r.peak_tflops.map(|t| t * 1e3).or(r.ceiling.as_ref().map(|c| c.gemm_gflops));
     let gbs = bandwidth_gbs.or(r.ceiling.as_ref().map(|c| c.bandwidth_gbs));

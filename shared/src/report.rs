@@ -15,17 +15,15 @@ use std::path::Path;
 /// `Record::peak_source` of a CPU row whose % of peak is against the measured GEMM ceiling.
 pub const MEASURED_PEAK: &str = "measured GEMM ceiling";
 
-/// Bumped when a field changes meaning or disappears, not when one is added.
-/// v2: `mode` (a training step's `timing` and `flops_per_forward` are forward + backward's).
+/// Bumped when a field changes meaning or disappears, not when one is added. v2: `mode` (a training
+/// step's `timing` and `flops_per_forward` are forward + backward's); every v1 record is a forward.
 pub const RECORD_SCHEMA: &str = "candle-speedkit/record/v2";
 pub const LADDER_SCHEMA: &str = "candle-speedkit/ladder/v2";
 pub const SWEEP_SCHEMA: &str = "candle-speedkit/sweep/v2";
-/// The schemas before `mode`: every record in them is a forward.
 pub const LADDER_SCHEMA_V1: &str = "candle-speedkit/ladder/v1";
 pub const SWEEP_SCHEMA_V1: &str = "candle-speedkit/sweep/v1";
 
-/// What a record timed: a forward, or a training step (`--train`: forward + backward, the
-/// optimizer's update timed apart in `Record::train`).
+/// What a record timed: a forward, or (`--train`) forward + backward, the update apart in `Record::train`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
@@ -34,7 +32,6 @@ pub enum Mode {
     Train,
 }
 
-/// One stage, measured.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     pub schema: String,
@@ -42,7 +39,6 @@ pub struct Record {
     pub technique: String,
     pub precision: Precision,
     pub precision_reason: String,
-    /// Which implementation ran, for stages with more than one (e.g. "emulated" FP8).
     pub implementation: Option<String>,
     pub device: DeviceInfo,
     pub shape: Shape,
@@ -59,13 +55,11 @@ pub struct Record {
     pub pct_of_peak: Option<f64>,
     /// "datasheet", "--peak-tflops" or `MEASURED_PEAK`.
     pub peak_source: Option<String>,
-    pub gemm_backend: Option<String>,
     /// `gemm_backend`, `simd` and `ceiling` are `None` on a GPU.
+    pub gemm_backend: Option<String>,
     pub simd: Option<String>,
     pub ceiling: Option<CpuCeiling>,
-    /// `None` with --no-check.
     pub check: Option<CheckResult>,
-    /// `Stage::self_check`, e.g. stage 4's fp8-rounded fp32 twin.
     #[serde(default)]
     pub extra_checks: Vec<NamedCheck>,
     pub peak_mem_bytes: Option<u64>,
@@ -79,21 +73,18 @@ pub struct Record {
     #[serde(default)]
     pub noise_vs_prev: bool,
     pub breakdown: Option<Breakdown>,
-    /// An ablation row (`ladder --ablate`): what this run changed, e.g. "without ln".
+    /// `ladder --ablate`: what this row changed, e.g. "without ln".
     pub variant: Option<String>,
-    /// `ladder --reference`: the fastest reference row's median over this row's (above 1: faster
-    /// than what the library gives).
+    /// `ladder --reference`: the fastest reference row's median over this row's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vs_reference: Option<f64>,
     #[serde(default)]
     pub mode: Mode,
-    /// `--train`: the update's time, and the gradient and update checks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub train: Option<crate::train::TrainRecord>,
 }
 
-/// A stage the ladder did not measure: it cannot run here (`failed: false`), or it failed its
-/// check against the reference (`failed: true`).
+/// A stage the ladder did not measure: it cannot run here, or (`failed`) it failed its check.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Skipped {
     pub stage: String,
@@ -102,7 +93,6 @@ pub struct Skipped {
     pub failed: bool,
 }
 
-/// The ladder's JSON: every record, plus where and what it ran on.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LadderReport {
     pub schema: String,
@@ -115,37 +105,33 @@ pub struct LadderReport {
     pub unix_time: u64,
     pub records: Vec<Record>,
     pub skipped: Vec<Skipped>,
-    /// The stages asked for, in ladder order, which rows follow (older files: empty).
+    /// The stages asked for, in ladder order (older files: empty).
     #[serde(default)]
     pub stages: Vec<String>,
-    /// The command line after the program name, so a reader can rerun it.
+    /// The command line after the program name.
     #[serde(default)]
     pub args: Vec<String>,
-    /// candle-core, speedkit, rustc, and cudarc (and candle-flash-attn) in CUDA builds.
     #[serde(default)]
     pub versions: BTreeMap<String, String>,
     /// cuDriverGetVersion, e.g. "13.0"; the kernel driver (/proc/driver/nvidia/version), e.g. "580.65.06".
     pub cuda_driver_version: Option<String>,
     pub nvidia_driver: Option<String>,
     pub ceiling: Option<CpuCeiling>,
-    /// `--ablate`: each variant, measured in the same interleaved rounds as the rows.
+    /// `--ablate`: each variant, measured in the same rounds as the rows, and those that did not run.
     #[serde(default)]
     pub ablation: Vec<Ablation>,
-    /// `--ablate` variants that did not run (refused: skipped; broke or failed a check: failed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ablation_out: Vec<AblationOut>,
     pub ceilings: Option<Ceilings>,
     /// Interleaved rounds the timed iterations were split into (older files: 1).
     pub rounds: Option<usize>,
-    /// `--reference`: the block on what a user would otherwise reach for (the `reference` crate),
-    /// timed in the same rounds; and those that did not run.
+    /// `--reference`: the `reference` crate's blocks, timed in the same rounds; and those that did not run.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub references: Vec<Record>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub references_out: Vec<Skipped>,
 }
 
-/// One ablation row: a stage with one of its sub-techniques undone.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Ablation {
     /// e.g. "stage3_fused".
@@ -159,7 +145,6 @@ pub struct Ablation {
     pub buys_within_noise: bool,
 }
 
-/// An ablation variant that left the rounds, with why (as `Skipped` is for a stage).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AblationOut {
     pub against: String,
@@ -168,7 +153,6 @@ pub struct AblationOut {
     pub failed: bool,
 }
 
-/// The roofline's ceilings, each `None` when unknown.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Ceilings {
     /// TFLOP/s per precision name ("fp32", "bf16", ...).
@@ -178,8 +162,7 @@ pub struct Ceilings {
     pub source: String,
 }
 
-/// `ladder --sweep`: one ladder run per value of one dimension ("seq", "batch" or "d_model"); a
-/// shape that cannot run has every stage skipped.
+/// `ladder --sweep`: one ladder run per value of `axis` ("seq", "batch" or "d_model").
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SweepReport {
     pub schema: String,
@@ -322,15 +305,14 @@ pub fn train_cells(r: &Record) -> Vec<String> {
     ]
 }
 
-/// Serialize `value` and write it to `path` by the output policy (exit 2 naming path and fix).
+/// `value` as JSON to `path`, by the output policy.
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
     let mut bytes = serde_json::to_vec_pretty(value)?;
     bytes.push(b'\n');
     Ok(crate::output::write("--json", path, &bytes)?)
 }
 
-/// The git commit this binary was built from ("-dirty" when its source differed), embedded by
-/// shared/build.rs so it is right wherever the binary runs; "unknown" when built without git.
+/// The git commit this binary was built from ("-dirty", "unknown"), embedded by shared/build.rs.
 pub fn commit() -> String {
     env!("SPEEDKIT_COMMIT").to_string()
 }

@@ -1,13 +1,11 @@
 //! The rows of `ladder selftest`: each GPU building block alone, on small shapes, against its
-//! CPU twin. Each stage adds the rows of its own blocks (`Stage::selftest`); the ladder runs
-//! them and writes the report (ladder/src/selftest.rs).
+//! CPU twin; each stage adds its own (`Stage::selftest`).
 
 use crate::check::compare_within;
 use crate::weights::SplitMix64;
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 
-/// One row of the table.
 #[derive(Clone, Debug, Serialize)]
 pub struct Check {
     pub block: String,
@@ -22,7 +20,6 @@ pub struct Check {
     pub detail: String,
 }
 
-/// The rows of `ladder selftest` as they are made: each stage's `Stage::selftest` adds its own.
 pub struct Rows {
     pub rows: Vec<Check>,
     /// What the next rows ran on: "cuda", or the CPU stand-in's name.
@@ -35,9 +32,8 @@ impl Rows {
         self.rows.push(Check { block: block.into(), case, ran: self.ran.clone(), status: status.into(), rel_err, tolerance, detail });
     }
 
-    /// Record a comparison: pass when rel. error < tolerance and all values finite. Any error is
-    /// a failure, whatever its kind (on the first H100 run a CUDA error wrapped as "cannot run
-    /// here" showed as skipped); only `skip` skips.
+    /// Pass when rel. error < tolerance and all values finite. Any error is a failure, whatever
+    /// its kind (a CUDA error wrapped as "cannot run here" once showed as skipped); only `skip` skips.
     pub fn compare(&mut self, block: &str, case: String, f: impl FnOnce() -> anyhow::Result<(Tensor, Tensor, f64)>) {
         match f().and_then(|(got, want, tol)| Ok((compare_within(&got, &want, tol)?, tol))) {
             Ok((c, tol)) => {
@@ -48,15 +44,13 @@ impl Rows {
         }
     }
 
-    /// A row this device cannot run because it lacks the hardware feature (`why` names it, e.g.
-    /// FP8 tensor cores below SM 8.9). Nothing else is a skip.
+    /// A row this device lacks the hardware for (`why` names it, e.g. FP8 tensor cores below SM 8.9).
     pub fn skip(&mut self, block: &str, case: String, why: String) {
         self.push(block, case, "skipped", None, crate::error::strip_backtrace(&why))
     }
 
-    /// A configuration this device's libraries do not offer (cuBLASLt with no algorithm for it)
-    /// and that the stage replaces with another at run time: not a failure, and `why` says
-    /// what runs instead.
+    /// A configuration this device's libraries do not offer (no cuBLASLt algorithm) and the stage
+    /// replaces at run time: not a failure; `why` says what runs instead.
     pub fn unsupported(&mut self, block: &str, case: String, why: String) {
         self.push(block, case, "unsupported", None, crate::error::strip_backtrace(&why))
     }
@@ -70,8 +64,7 @@ impl Rows {
     }
 }
 
-/// An error as one paragraph for the table and the JSON: no backtrace (candle appends one to
-/// its errors' text when RUST_BACKTRACE is set, 20 lines per cell on the H100 run).
+/// An error as one paragraph, without the backtrace candle appends when RUST_BACKTRACE is set.
 pub fn message(e: &anyhow::Error) -> String {
     crate::error::strip_backtrace(&format!("{e:#}"))
 }

@@ -17,8 +17,8 @@ use std::time::Instant;
 pub const NAMES: [&str; 13] =
     ["ln1_g", "ln1_b", "w_qkv", "b_qkv", "w_proj", "b_proj", "ln2_g", "ln2_b", "w_fc1", "b_fc1", "w_fc2", "b_fc2", "x"];
 
-/// Largest accepted max |g − g_ref| / max |g_ref| for any one gradient of a stage at `p`: the
-/// forward's tolerance, widened for the backward's extra GEMMs and reductions in the same format.
+/// Largest accepted max |g − g_ref| / max |g_ref| for any one gradient at `p`: the forward's,
+/// widened for the backward's extra GEMMs and reductions.
 pub fn grad_tolerance(p: Precision) -> f64 {
     match p {
         Precision::Fp32 => 1e-5,
@@ -29,10 +29,8 @@ pub fn grad_tolerance(p: Precision) -> f64 {
     }
 }
 
-/// A training row's extra facts: the update's time, the gradient check, the update check.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainRecord {
-    /// What updated the weights ("candle-nn AdamW", "fused AdamW", ...).
     pub optimizer: String,
     /// The update alone, per step (the row's `timing` is forward + backward).
     pub optimizer_timing: Stats,
@@ -41,7 +39,7 @@ pub struct TrainRecord {
     pub worst_grad: String,
     /// One update against `candle_nn::AdamW`'s on the same gradients: max |Δθ − Δθ_ref| / max |Δθ_ref|.
     pub optimizer_check: Option<CheckResult>,
-    /// Steps the optimizer skipped (a non-finite gradient under loss scaling).
+    /// Steps skipped for a non-finite gradient under loss scaling.
     pub skipped_steps: usize,
 }
 
@@ -56,7 +54,7 @@ pub fn vars(w: &BlockWeights) -> candle_core::Result<Vec<Var>> {
     w.tensors().into_iter().map(|t| Var::from_tensor(&t.copy()?)).collect()
 }
 
-/// The weights the vars hold, as a `BlockWeights` whose tensors are the vars themselves.
+/// A `BlockWeights` whose tensors are the vars themselves.
 pub fn weights_of(v: &[Var]) -> BlockWeights {
     let t: Vec<Tensor> = v.iter().map(|v| v.as_tensor().clone()).collect();
     BlockWeights::from_tensors(t.try_into().expect("twelve weights"))
@@ -70,8 +68,7 @@ pub fn step(forward: &dyn Forward, x: &Var, r: &Tensor, scale: f64) -> candle_co
     Ok((y, loss.backward()?))
 }
 
-/// The 13 gradients (weights, then x) in f32, each divided by `scale`; an error names a tensor
-/// the backward did not reach.
+/// The 13 gradients (weights, then x) in f32, each divided by `scale`.
 pub fn gradients(grads: &GradStore, vars: &[Var], x: &Var, scale: f64) -> candle_core::Result<Vec<Tensor>> {
     vars.iter()
         .chain([x])
@@ -110,8 +107,7 @@ pub fn compare_grads(got: &[Tensor], reference: &[Tensor], p: Precision) -> cand
     Ok((result, name.to_string()))
 }
 
-/// stage 0's fp32 gradients for (x, r): the reference every stage's are checked against,
-/// computed in pieces of `chunk` sequences along B (weight gradients summed, x's joined).
+/// Stage 0's fp32 gradients for (x, r) in pieces of `chunk` sequences (weight gradients summed, x's joined).
 pub fn reference_gradients(forward: &dyn Forward, vars: &[Var], x: &Tensor, r: &Tensor, chunk: usize) -> candle_core::Result<Vec<Tensor>> {
     let b = x.dim(0)?;
     let mut sum: Option<Vec<Tensor>> = None;
@@ -161,9 +157,9 @@ pub fn check_optimizer(
     Ok(CheckResult { rel_err: worst, max_abs_err: 0.0, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance })
 }
 
-/// The timed steps: `warmup` untimed, then `iters` of forward + backward and, apart, the update.
-/// With `parts`, `iters` more with a synchronize between the forward and the backward (the
-/// breakdown's two parts; the update is timed apart already). Returns (forward + backward, update, parts, skipped steps).
+/// `warmup` untimed steps, then `iters` timed (forward + backward, and apart the update); with
+/// `parts`, `iters` more with a synchronize between forward and backward. Returns (forward +
+/// backward, update, parts, skipped steps).
 #[allow(clippy::type_complexity)]
 pub fn time_steps(
     forward: &dyn Forward,
@@ -208,7 +204,6 @@ pub fn time_steps(
     Ok((Stats::from_samples(fb), Stats::from_samples(up), parts.then_some(split), skipped))
 }
 
-/// A failed gradient or update check, as the forward's failed check reads.
 pub fn check_failed(stage: &str, what: &str, c: &CheckResult, plan: &Plan) -> SpeedkitError {
     SpeedkitError::CheckFailed(format!(
         "{stage}'s {what} at {}: max |Δ| / max |ref| {:.3e} above the tolerance {:.1e} ({} values NaN or infinite), \

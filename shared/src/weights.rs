@@ -12,7 +12,7 @@ use safetensors::{tensor::TensorView, Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::Path;
 
-/// Parameters in the block's own orientation (out_features, in_features), f32.
+/// f32 parameters, matrices (out_features, in_features).
 #[derive(Clone, Debug)]
 pub struct BlockWeights {
     pub ln1_g: Tensor,  // (C)
@@ -90,7 +90,7 @@ fn gpt2_shapes(c: usize, ff: usize) -> [Vec<usize>; 12] {
 const META_N_HEAD: &str = "n_head";
 
 impl BlockWeights {
-    /// The recipe above, on the host: each field's stream is named by the field (`train::NAMES`).
+    /// The recipe above, each field's stream named by the field (`train::NAMES`).
     pub fn from_seed(shape: &Shape, seed: u64) -> candle_core::Result<Self> {
         let t = crate::train::NAMES.into_iter().zip(gpt2_shapes(shape.d_model, shape.ff)).map(|(name, mut dims)| {
             dims.reverse(); // GPT-2's (in, out) to ours
@@ -105,7 +105,6 @@ impl BlockWeights {
         (c, ff)
     }
 
-    /// The twelve tensors in field order (`train::NAMES`).
     pub fn tensors(&self) -> [&Tensor; 12] {
         let w = self;
         [&w.ln1_g, &w.ln1_b, &w.w_qkv, &w.b_qkv, &w.w_proj, &w.b_proj, &w.ln2_g, &w.ln2_b, &w.w_fc1, &w.b_fc1, &w.w_fc2, &w.b_fc2]
@@ -121,8 +120,7 @@ impl BlockWeights {
         Ok(Self::from_tensors(t.try_into().expect("twelve tensors")))
     }
 
-    /// Write as layer `layer` of a GPT-2 checkpoint (`h.{layer}.ln_1.weight`, ..., matrices
-    /// transposed to Conv1D layout), with n_head in the file's metadata.
+    /// Write as layer `layer` of a GPT-2 checkpoint (Conv1D layout), with n_head in the metadata.
     pub fn save_gpt2(&self, path: &Path, layer: usize, n_head: usize) -> anyhow::Result<()> {
         let named = self.tensors().into_iter().zip(GPT2_NAMES).map(|(t, name)| {
             let t = if t.rank() == 2 { t.t()? } else { t.clone() };
@@ -216,8 +214,7 @@ fn parse(bytes: &[u8]) -> Result<(SafeTensors<'_>, Option<HashMap<String, String
     Ok((SafeTensors::deserialize(bytes).map_err(not)?, header.metadata().clone()))
 }
 
-/// A tensor of the file as f32, refusing NaN or infinity (an f64 past f32's range too): bad input,
-/// not a failed check.
+/// A tensor of the file as f32, refusing NaN or infinity (bad input, not a failed check).
 fn view_to_f32(view: &TensorView<'_>) -> Result<Tensor, String> {
     use candle_core::safetensors::Load;
     if !matches!(view.dtype(), Dtype::F32 | Dtype::F64 | Dtype::F16 | Dtype::BF16) {
@@ -261,7 +258,6 @@ pub fn load_input(path: &Path) -> Result<Tensor, SpeedkitError> {
     view_to_f32(&view).map_err(|e| bad(format!("tensor {key} {e}")))
 }
 
-/// Save named tensors as f32 to a safetensors file.
 pub fn save_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> anyhow::Result<()> {
     save("--save-output", path, tensors.iter().map(|(n, t)| (n.to_string(), (*t).clone())).collect(), None)
 }
