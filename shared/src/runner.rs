@@ -4,7 +4,7 @@
 use crate::ceiling::CpuCeiling;
 use crate::check::{compare, CheckResult};
 use crate::cli::{exit_with, validate, RunArgs};
-use crate::device::{self, DeviceInfo, DeviceKind, GemmSwitches, MemProbe};
+use crate::device::{self, DeviceInfo, GemmSwitches, MemProbe};
 use crate::error::SpeedkitError;
 use crate::perf::{block_flops, peak_tflops};
 use crate::preset::{Preset, Shape};
@@ -139,14 +139,12 @@ impl Session {
             reference.check_shape(&piece)?;
             widest = widest.max(reference.estimate_bytes(&piece));
         }
-        if let Some(avail) = device::available_bytes(&device) {
-            let name = must_run.first().map_or(reference.name(), |(s, _)| s.name());
-            // On a CPU the ceiling probe's buffers count too: it runs beside the session.
-            if info.kind == DeviceKind::Cpu {
-                widest = widest.max(crate::ceiling::probe_bytes(&shape));
-            }
-            check_fits(name, &shape, shape.estimate_session_bytes().saturating_add(widest), avail)?;
+        // On a CPU the ceiling probe's buffers count too: it runs beside the session.
+        if !info.is_cuda() {
+            widest = widest.max(crate::ceiling::probe_bytes(&shape));
         }
+        let (name, avail) = (must_run.first().map_or(reference.name(), |(s, _)| s.name()), device::available_bytes(&device));
+        check_fits(name, &shape, shape.estimate_session_bytes().saturating_add(widest), avail)?;
         if args.cuda_graph {
             crate::graph::prepare(&device)?;
         }
@@ -175,7 +173,7 @@ impl Session {
             args.input.as_ref().map_or(format!("N(0,1), seed {}", args.seed), |p| p.display().to_string())
         );
         println!("timing    {warmup} warm-up + {iters} timed iterations, device synchronized after each");
-        let ceiling = (info.kind == DeviceKind::Cpu).then(|| crate::ceiling::measure(&shape)).transpose()?;
+        let ceiling = (!info.is_cuda()).then(|| crate::ceiling::measure(&shape)).transpose()?;
         if let Some(c) = &ceiling {
             println!("ceiling   {} (measured now; % of peak is against it)", c.describe());
         }
@@ -213,9 +211,7 @@ impl Session {
     pub fn reference_output(&self, reference: &dyn Stage, limit: usize) -> anyhow::Result<Tensor> {
         let piece = reference_piece(&self.shape, limit)?;
         reference.check_shape(&piece)?;
-        if let Some(avail) = device::available_bytes(&self.device) {
-            check_fits(reference.name(), &piece, reference.estimate_bytes(&piece), avail)?;
-        }
+        check_fits(reference.name(), &piece, reference.estimate_bytes(&piece), device::available_bytes(&self.device))?;
         let fp32 = PrecisionRequest::Exactly(Precision::Fp32);
         let plan = plan(reference, &self.device, &self.info, self.shape, fp32, fp32, false, false)?;
         let stage = reference.build(&self.weights, &plan)?;
@@ -334,12 +330,10 @@ impl Session {
     pub fn run_with(&self, spec: &dyn Stage, asked: PrecisionRequest, iters: usize) -> anyhow::Result<(Record, Tensor)> {
         let plan = plan(spec, &self.device, &self.info, self.shape, asked, self.args.precision, self.args.cuda_graph, self.args.train)?;
         spec.check_shape(&self.shape)?;
-        if let Some(avail) = device::available_bytes(&self.device) {
-            // A training step also holds what the forward saves for the backward, the gradients
-            // and the optimizer's moments: about four forwards' worth.
-            let need = spec.estimate_bytes(&self.shape) * if plan.train { 4 } else { 1 };
-            check_fits(spec.name(), &self.shape, need, avail)?;
-        }
+        // A training step also holds what the forward saves for the backward, the gradients and
+        // the optimizer's moments: about four forwards' worth.
+        let need = spec.estimate_bytes(&self.shape) * if plan.train { 4 } else { 1 };
+        check_fits(spec.name(), &self.shape, need, device::available_bytes(&self.device))?;
         let mut probe = MemProbe::start(&self.device);
         let (y, ran, measured) =
             if plan.train { self.measure_train(spec, &plan, iters, &mut probe)? } else { self.measure(spec, &plan, iters, &mut probe)? };
@@ -413,11 +407,9 @@ impl Session {
     }
 }
 
-/// `need` bytes against `avail` free, with 10 % headroom for the allocator and the runtime.
-pub fn check_fits(stage: &str, s: &Shape, need: u128, avail: u64) -> Result<(), SpeedkitError> {
-    if need <= avail as u128 * 9 / 10 {
-        return Ok(());
-    }
+/// `need` bytes against `avail` free (if known), with 10 % headroom for the allocator and the runtime.
+pub fn check_fits(stage: &str, s: &Shape, need: u128, avail: Option<u64>) -> Result<(), SpeedkitError> {
+    let Some(avail) = avail.filter(|&a| need > a as u128 * 9 / 10) else { return Ok(()) };
     let scores = 4 * (s.batch as u128 * s.n_head as u128).saturating_mul(s.seq as u128 * s.seq as u128);
     // Name the larger of the two usual culprits: the T × T scores or the weights (C and FF).
     let (c, ff) = (s.d_model as u128, s.ff as u128);

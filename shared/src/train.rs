@@ -63,9 +63,13 @@ pub fn weights_of(v: &[Var]) -> BlockWeights {
 /// Forward on x, the loss ⟨y, r⟩·`scale`, backward: y and every gradient.
 pub fn step(forward: &dyn Forward, x: &Var, r: &Tensor, scale: f64) -> candle_core::Result<(Tensor, GradStore)> {
     let y = forward.forward(x.as_tensor())?;
+    Ok((y.clone(), backward(&y, r, scale)?))
+}
+
+/// The gradients of the loss ⟨y, r⟩·`scale`.
+fn backward(y: &Tensor, r: &Tensor, scale: f64) -> candle_core::Result<GradStore> {
     let loss = (y.to_dtype(DType::F32)? * r)?.sum_all()?;
-    let loss = if scale == 1.0 { loss } else { loss.affine(scale, 0.0)? };
-    Ok((y, loss.backward()?))
+    if scale == 1.0 { loss } else { loss.affine(scale, 0.0)? }.backward()
 }
 
 /// The 13 gradients (weights, then x) in f32, each divided by `scale`.
@@ -175,22 +179,17 @@ pub fn time_steps(
     for i in 0..warmup + iters + if parts { iters } else { 0 } {
         let t0 = Instant::now();
         let instrumented = i >= warmup + iters;
-        let (y, loss_grads) = if instrumented {
-            // The forward alone, then the backward from its loss.
-            let y = forward.forward(x.as_tensor())?;
-            device.synchronize()?;
-            let f = ms(t0);
-            let t1 = Instant::now();
-            let loss = (y.to_dtype(DType::F32)? * r)?.sum_all()?.affine(opt.loss_scale(), 0.0)?;
-            let g = loss.backward()?;
-            device.synchronize()?;
-            split.push(vec![("forward", f), ("backward", ms(t1))]);
-            (y, g)
-        } else {
-            step(forward, x, r, opt.loss_scale())?
-        };
+        let y = forward.forward(x.as_tensor())?;
+        if instrumented {
+            device.synchronize()?; // the forward alone, then the backward from its loss
+        }
+        let t_f = ms(t0);
+        let loss_grads = backward(&y, r, opt.loss_scale())?;
         device.synchronize()?;
         let t_fb = ms(t0);
+        if instrumented {
+            split.push(vec![("forward", t_f), ("backward", t_fb - t_f)]);
+        }
         drop(y);
         let t1 = Instant::now();
         skipped += usize::from(!opt.step(&loss_grads)?);
