@@ -163,17 +163,14 @@ pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
             )));
         }
     }
-    if args.breakdown && args.cuda_graph {
-        return Err(SpeedkitError::usage(
-            "--breakdown times each part of a forward as it runs, and a CUDA graph replays the whole forward as one \
-             launch, so there is no part boundary to time. Fix: drop one of --breakdown and --cuda-graph.",
-        ));
-    }
-    if args.train && args.cuda_graph {
-        return Err(SpeedkitError::usage(
-            "--cuda-graph replays one captured forward, and --train times forward, backward and the optimizer's update, \
-             whose gradients a replay of the forward alone does not make. Fix: drop one of --train and --cuda-graph.",
-        ));
+    let breakdown = "--breakdown times each part of a forward as it runs, and a CUDA graph replays the whole forward as one launch, \
+                     so there is no part boundary to time";
+    let train = "--cuda-graph replays one captured forward, and --train times forward, backward and the optimizer's update, \
+                 whose gradients a replay of the forward alone does not make";
+    for (on, flag, why) in [(args.breakdown, "--breakdown", breakdown), (args.train, "--train", train)] {
+        if on && args.cuda_graph {
+            return Err(SpeedkitError::usage(format!("{why}. Fix: drop one of {flag} and --cuda-graph.")));
+        }
     }
     if args.layer.is_some() && args.weights.is_none() && args.save_weights.is_none() {
         return Err(SpeedkitError::usage("--layer picks a layer of --weights (or names the one --save-weights writes), but neither was given. Fix: add --weights PATH or drop --layer."));

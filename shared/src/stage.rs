@@ -72,19 +72,16 @@ pub fn switches_on<const N: usize>(flags: [bool; N], names: &[&'static str; N]) 
 
 /// "all", "none", or the list of those on, as the flag takes it.
 pub fn describe_switches<const N: usize>(flags: [bool; N], names: &[&'static str; N]) -> String {
-    match flags {
-        f if f.iter().all(|on| *on) => "all".into(),
-        f if f.iter().all(|on| !on) => "none".into(),
-        f => switches_on(f, names).join(","),
+    match switches_on(flags, names) {
+        on if on.len() == N => "all".into(),
+        on if on.is_empty() => "none".into(),
+        on => on.join(","),
     }
 }
 
-/// `flags` with the one named `name` (in `names`) off.
-pub fn switch_off<const N: usize>(mut flags: [bool; N], names: &[&str; N], name: &str) -> [bool; N] {
-    if let Some(i) = names.iter().position(|n| *n == name) {
-        flags[i] = false;
-    }
-    flags
+/// `flags` with the one named `name` off.
+pub fn switch_off<const N: usize>(flags: [bool; N], names: &[&str; N], name: &str) -> [bool; N] {
+    std::array::from_fn(|i| flags[i] && names[i] != name)
 }
 
 /// How `Stage::implementation` starts when the stage imitates a number format: no % of peak then.
