@@ -64,12 +64,9 @@ impl DeviceInfo {
         self.kind == DeviceKind::Cuda
     }
 
-    /// bf16 tensor cores and TF32 arrived together with Ampere (SM 8.0).
+    /// bf16 tensor cores and TF32 arrived together with Ampere (SM 8.0): this answers for both.
     pub fn has_bf16_tensor_cores(&self) -> bool {
         self.sm >= Some((8, 0))
-    }
-    pub fn has_tf32(&self) -> bool {
-        self.has_bf16_tensor_cores()
     }
     /// Volta (SM 7.0) onwards.
     pub fn has_f16_tensor_cores(&self) -> bool {
@@ -84,10 +81,10 @@ impl DeviceInfo {
         let DeviceInfo { ordinal, name, threads, why, .. } = self;
         let mem = self.memory_bytes.map(|b| format!(", {:.1} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_default();
         let yes_no = |b: bool| if b { "yes" } else { "no" };
-        let (bf16, tf32, fp8) = (yes_no(self.has_bf16_tensor_cores()), yes_no(self.has_tf32()), yes_no(self.has_fp8_tensor_cores()));
+        let (bf16, fp8) = (yes_no(self.has_bf16_tensor_cores()), yes_no(self.has_fp8_tensor_cores()));
         match self.sm {
             Some((ma, mi)) => {
-                format!("cuda:{ordinal} {name} (SM {ma}.{mi}{mem}; bf16 tensor cores: {bf16}, TF32: {tf32}, FP8: {fp8}) [{why}]")
+                format!("cuda:{ordinal} {name} (SM {ma}.{mi}{mem}; bf16 tensor cores: {bf16}, TF32: {bf16}, FP8: {fp8}) [{why}]")
             }
             None => format!("cpu {name} ({threads} threads{mem}; no tensor cores: every precision runs on the SIMD units) [{why}]"),
         }
@@ -96,30 +93,31 @@ impl DeviceInfo {
 
 /// `auto` takes GPU 0 when this build has CUDA and a GPU answers, else the CPU, and says why.
 pub fn select(req: DeviceRequest) -> Result<(Device, DeviceInfo), SpeedkitError> {
-    match req {
-        DeviceRequest::Cpu => Ok((Device::Cpu, cpu_info("requested with --device cpu"))),
-        DeviceRequest::Cuda(n) => open_cuda(n, format!("requested with --device cuda:{n}")),
+    let why = match req {
+        DeviceRequest::Cpu => "requested with --device cpu".into(),
+        DeviceRequest::Cuda(n) => return open_cuda(n, format!("requested with --device cuda:{n}")),
+        DeviceRequest::Auto if !cfg!(feature = "cuda") => {
+            "auto: this build has no CUDA support (build with --features cuda for the GPU)".into()
+        }
         DeviceRequest::Auto => match cuda_device_count() {
-            _ if !cfg!(feature = "cuda") => {
-                Ok((Device::Cpu, cpu_info("auto: this build has no CUDA support (build with --features cuda for the GPU)")))
-            }
-            Ok(n) if n > 0 => open_cuda(0, format!("auto: first of {n} CUDA device(s)")),
-            Ok(_) => Ok((Device::Cpu, cpu_info("auto: CUDA build, but the driver reports no GPU"))),
-            Err(e) => Ok((Device::Cpu, cpu_info(&format!("auto: CUDA build, but no usable driver/GPU ({e})")))),
+            Ok(n) if n > 0 => return open_cuda(0, format!("auto: first of {n} CUDA device(s)")),
+            Ok(_) => "auto: CUDA build, but the driver reports no GPU".into(),
+            Err(e) => format!("auto: CUDA build, but no usable driver/GPU ({e})"),
         },
-    }
+    };
+    Ok((Device::Cpu, cpu_info(why)))
 }
 
 /// The SIMD and matrix-unit flags the kernels care about.
 const CPU_FLAGS: [&str; 9] = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"];
 
-fn cpu_info(why: &str) -> DeviceInfo {
+fn cpu_info(why: String) -> DeviceInfo {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let field = |key: &str| info.lines().find(|l| l.starts_with(key)).and_then(|l| l.split(':').nth(1)).map(str::trim);
     let name = field("model name").map_or_else(|| std::env::consts::ARCH.to_string(), String::from);
     let have: Vec<&str> = field("flags").unwrap_or_default().split_whitespace().collect();
     let cpu_flags = CPU_FLAGS.iter().filter(|f| have.contains(f)).map(|f| f.to_string()).collect();
-    let (memory_bytes, threads, why) = (proc_bytes("/proc/meminfo", "MemTotal:"), candle_core::utils::get_num_threads(), why.into());
+    let (memory_bytes, threads, why) = (proc_bytes("/proc/meminfo", "MemTotal:"), candle_core::utils::get_num_threads(), why);
     DeviceInfo { kind: DeviceKind::Cpu, ordinal: 0, name, sm: None, memory_bytes, threads, why, cpu_flags }
 }
 

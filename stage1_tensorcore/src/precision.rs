@@ -85,7 +85,7 @@ pub fn choose_with(info: &DeviceInfo, requested: PrecisionRequest, cpu: Kernel) 
             Precision::Tf32 if !info.is_cuda() => {
                 refuse(p, "TF32 is a tensor-core input format and the CPU has none", "use --precision fp32 on the CPU, or run on an SM 8.0+ GPU")
             }
-            Precision::Tf32 if !info.has_tf32() => {
+            Precision::Tf32 if !info.has_bf16_tensor_cores() => {
                 refuse(p, "TF32 tensor cores arrived with Ampere (SM 8.0)", "use --precision f16 or fp32 on this GPU")
             }
             Precision::Tf32 => Ok((p, format!("requested: f32 storage, GEMMs on TF32 tensor cores ({sm})"))),
