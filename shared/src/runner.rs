@@ -241,17 +241,13 @@ impl Session {
         }
     }
 
-    /// Build, check against the reference, time: y, what `ran`, and the record's measured fields.
-    fn measure(&self, spec: &dyn Stage, plan: &Plan, iters: usize, probe: &mut MemProbe) -> anyhow::Result<(Tensor, Vec<String>, Record)> {
-        let stage = spec.build(&self.weights, plan)?;
-        let stage = if self.args.cuda_graph { crate::graph::capture(spec.name(), stage, &self.x)? } else { stage };
-        let switches = GemmSwitches::current();
-        if switches != spec.switches(plan) {
-            anyhow::bail!(
-                "{}'s build left candle's GEMM switches at {switches:?}, not the {:?} it declares",
-                spec.name(),
-                spec.switches(plan)
-            );
+    /// Build, check against the reference, time.
+    fn measure(&self, spec: &dyn Stage, plan: &Plan, iters: usize, probe: &mut MemProbe) -> anyhow::Result<Measured> {
+        let (name, stage) = (spec.name(), spec.build(&self.weights, plan)?);
+        let stage = if self.args.cuda_graph { crate::graph::capture(name, stage, &self.x)? } else { stage };
+        let (switches, declared) = (GemmSwitches::current(), spec.switches(plan));
+        if switches != declared {
+            anyhow::bail!("{name}'s build left candle's GEMM switches at {switches:?}, not the {declared:?} it declares");
         }
 
         // Check before timing: nothing is timed until it matched the reference.
@@ -262,12 +258,11 @@ impl Session {
             // The stage's own check, on the same output; what it allocates is not the stage's memory.
             if let Some(c) = probe.exclude(|| stage.self_check(&self.x, &y))? {
                 if !c.result.passed {
-                    let (name, rel, tol, nan) = (&c.name, c.result.rel_err, c.result.tolerance, c.result.non_finite);
+                    let (rel, tol, nan) = (c.result.rel_err, c.result.tolerance, c.result.non_finite);
                     anyhow::bail!(SpeedkitError::CheckFailed(format!(
-                        "{} failed its own check \"{name}\": relative error {rel:.3e} above {tol:.1e} ({nan} values NaN or infinite). \
+                        "{name} failed its own check \"{}\": relative error {rel:.3e} above {tol:.1e} ({nan} values NaN or infinite). \
                          {} Nothing was timed. Fix: report it with this command line.",
-                        spec.name(),
-                        c.meaning
+                        c.name, c.meaning
                     )));
                 }
                 extra_checks.push(c);
@@ -275,7 +270,7 @@ impl Session {
         }
 
         let device = &self.device;
-        let stats = time_forward(spec.name(), device, self.warmup, iters, || stage.forward(&self.x))?;
+        let stats = time_forward(name, device, self.warmup, iters, || stage.forward(&self.x))?;
         // After the uninstrumented timing, never mixed into it: the same forward with a clock
         // read at each part boundary.
         let breakdown = self.args.breakdown.then(|| crate::breakdown::record(device, self.warmup.min(1), iters, || stage.forward(&self.x)));
@@ -283,13 +278,7 @@ impl Session {
     }
 
     /// `measure` for `--train`: the gradient and update checks, then the timed steps.
-    fn measure_train(
-        &self,
-        spec: &dyn Stage,
-        plan: &Plan,
-        iters: usize,
-        probe: &mut MemProbe,
-    ) -> anyhow::Result<(Tensor, Vec<String>, Record)> {
+    fn measure_train(&self, spec: &dyn Stage, plan: &Plan, iters: usize, probe: &mut MemProbe) -> anyhow::Result<Measured> {
         use crate::train::*;
         let vars = vars(&self.weights)?;
         let forward = spec.build_train(&weights_of(&vars), plan)?;
@@ -365,13 +354,11 @@ impl Session {
                 t.optimizer, t.optimizer_timing.median_ms
             ));
         }
+        let p = plan.precision;
         if emulated {
-            notes.push(format!(
-                "{} is emulated here: the time measures the emulation, not {} hardware (no % of peak)",
-                plan.precision, plan.precision
-            ));
+            notes.push(format!("{p} is emulated here: the time measures the emulation, not {p} hardware (no % of peak)"));
         } else if peak.is_none() {
-            notes.push(format!("no {} peak known for this device: pass --peak-tflops for % of peak", plan.precision));
+            notes.push(format!("no {p} peak known for this device: pass --peak-tflops for % of peak"));
         }
         let record = Record {
             schema: RECORD_SCHEMA.into(),
@@ -405,6 +392,9 @@ impl Session {
     }
 }
 
+/// y, what the forwards `ran`, and the record's measured fields (timing, checks, breakdown, train).
+type Measured = (Tensor, Vec<String>, Record);
+
 /// `need` bytes against `avail` free (if known), with 10 % headroom for the allocator and the runtime.
 pub fn check_fits(stage: &str, s: &Shape, need: u128, avail: Option<u64>) -> Result<(), SpeedkitError> {
     let Some(avail) = avail.filter(|&a| need > a as u128 * 9 / 10) else { return Ok(()) };
@@ -433,13 +423,10 @@ pub fn print_details(r: &Record) {
         println!("runs      {i}");
     }
     println!("switches  {}", r.gemm_switches.describe());
-    match &r.check {
-        Some(c) => println!(
-            "check     rel err {:.3e}, max abs {:.3e} vs fp32 reference (tolerance {:.0e}): passed",
-            c.rel_err, c.max_abs_err, c.tolerance
-        ),
-        None => println!("check     skipped"),
-    }
+    let check = r.check.as_ref().map(|c| (c.rel_err, c.max_abs_err, c.tolerance));
+    let check = check
+        .map_or("skipped".into(), |(e, m, t)| format!("rel err {e:.3e}, max abs {m:.3e} vs fp32 reference (tolerance {t:.0e}): passed"));
+    println!("check     {check}");
     for c in &r.extra_checks {
         println!("check     {}: rel err {:.3e} (tolerance {:.0e}): passed — {}", c.name, c.result.rel_err, c.result.tolerance, c.meaning);
     }
