@@ -56,8 +56,11 @@ pub struct DeviceInfo {
 impl DeviceInfo {
     /// For tests and the precision policy's exhaustive table.
     pub fn simulated_cuda(name: &str, sm: (u32, u32)) -> Self {
-        let (kind, name, sm, why) = (DeviceKind::Cuda, name.into(), Some(sm), "simulated".into());
-        DeviceInfo { kind, ordinal: 0, name, sm, memory_bytes: None, threads: 1, why, cpu_flags: Vec::new() }
+        Self::cuda(0, name.into(), Some(sm), None, "simulated".into())
+    }
+
+    fn cuda(ordinal: usize, name: String, sm: Option<(u32, u32)>, memory_bytes: Option<u64>, why: String) -> Self {
+        DeviceInfo { kind: DeviceKind::Cuda, ordinal, name, sm, memory_bytes, threads: 1, why, cpu_flags: Vec::new() }
     }
 
     pub fn is_cuda(&self) -> bool {
@@ -180,16 +183,8 @@ fn open_cuda(n: usize, why: String) -> Result<(Device, DeviceInfo), SpeedkitErro
     // SAFETY: no tensor of this device is used on another stream (cudarc's condition).
     unsafe { cuda.disable_event_tracking() };
     let ctx = cuda.cuda_stream().context().clone();
-    let info = DeviceInfo {
-        kind: DeviceKind::Cuda,
-        ordinal: n,
-        name: ctx.name().unwrap_or_else(|_| "unknown NVIDIA GPU".into()),
-        sm: ctx.compute_capability().map(|(a, b)| (a as u32, b as u32)).ok(),
-        memory_bytes: ctx.total_mem().ok().map(|b| b as u64),
-        threads: 1,
-        why,
-        cpu_flags: Vec::new(),
-    };
+    let (name, sm) = (ctx.name().unwrap_or_else(|_| "unknown NVIDIA GPU".into()), ctx.compute_capability().ok());
+    let info = DeviceInfo::cuda(n, name, sm.map(|(a, b)| (a as u32, b as u32)), ctx.total_mem().ok().map(|b| b as u64), why);
     Ok((device, info))
 }
 
@@ -270,8 +265,7 @@ trait MemCounters {
     }
 }
 
-struct NoCounters;
-impl MemCounters for NoCounters {}
+impl MemCounters for () {}
 
 impl MemProbe {
     pub fn start(device: &Device) -> MemProbe {
@@ -284,9 +278,9 @@ impl MemProbe {
             #[cfg(feature = "cuda")]
             Device::Cuda(d) => match cuda_pool::PoolCounters::new(d) {
                 Ok(c) => (Box::new(c), "cuda: high-water mark of the default memory pool (+ graph pool)"),
-                Err(_) => (Box::new(NoCounters), none),
+                Err(_) => (Box::new(()), none),
             },
-            _ => (Box::new(NoCounters), none),
+            _ => (Box::new(()), none),
         };
         MemProbe::with_counters(counters, method)
     }

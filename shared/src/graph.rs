@@ -5,7 +5,7 @@ use crate::error::SpeedkitError;
 use crate::stage::Forward;
 use candle_core::Tensor;
 
-/// Refuses the CPU (exit 2); on CUDA, `cuda_graph::prepare`.
+/// Refuses the CPU (exit 2). (`device::select` already did `cuda_graph::prepare`'s work on CUDA.)
 pub fn prepare(device: &candle_core::Device) -> Result<(), SpeedkitError> {
     if !device.is_cuda() {
         return Err(SpeedkitError::usage(
@@ -13,7 +13,6 @@ pub fn prepare(device: &candle_core::Device) -> Result<(), SpeedkitError> {
              Fix: drop --cuda-graph, or run on a GPU with --device cuda (a --features cuda build).",
         ));
     }
-    cuda_graph::prepare(device);
     Ok(())
 }
 
