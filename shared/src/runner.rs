@@ -86,8 +86,7 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
         let (w, meta_heads) = BlockWeights::load_gpt2(path, args.layer)?;
         let (c, ff) = w.dims();
         agree_with_file("weights", path, &[("--d-model", args.d_model, c), ("--ff", args.ff, ff)])?;
-        shape.d_model = c;
-        shape.ff = ff;
+        (shape.d_model, shape.ff) = (c, ff);
         shape.n_head = args.heads.or(meta_heads).unwrap_or(if c.is_multiple_of(64) { c / 64 } else { shape.n_head });
         loaded = Some(w);
     }
@@ -106,8 +105,7 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
         (shape.batch, shape.seq, shape.d_model) = (b, t, c);
         x_file = Some(x);
     }
-    shape.batch = args.batch.unwrap_or(shape.batch);
-    shape.seq = args.seq.unwrap_or(shape.seq);
+    (shape.batch, shape.seq) = (args.batch.unwrap_or(shape.batch), args.seq.unwrap_or(shape.seq));
     if loaded.is_none() {
         shape.d_model = args.d_model.unwrap_or(shape.d_model);
         shape.ff = args.ff.unwrap_or(shape.ff);
@@ -162,16 +160,10 @@ impl Session {
         let (warmup, iters) = (args.warmup.unwrap_or(w), args.iters.unwrap_or(i));
 
         println!("device    {}", info.describe());
-        println!(
-            "shape     {}{} · {:.2} GFLOP per forward",
-            if args.preset.is_some() { format!("{} ", preset.name()) } else { format!("{} (default) ", preset.name()) },
-            shape,
-            block_flops(&shape) / 1e9
-        );
-        println!(
-            "data      weights: {weights_source} · input: {}",
-            args.input.as_ref().map_or(format!("N(0,1), seed {}", args.seed), |p| p.display().to_string())
-        );
+        let default = if args.preset.is_some() { "" } else { " (default)" };
+        println!("shape     {}{default} {shape} · {:.2} GFLOP per forward", preset.name(), block_flops(&shape) / 1e9);
+        let input = args.input.as_ref().map_or(format!("N(0,1), seed {}", args.seed), |p| p.display().to_string());
+        println!("data      weights: {weights_source} · input: {input}");
         println!("timing    {warmup} warm-up + {iters} timed iterations, device synchronized after each");
         let ceiling = (!info.is_cuda()).then(|| crate::ceiling::measure(&shape)).transpose()?;
         if let Some(c) = &ceiling {
@@ -419,9 +411,6 @@ pub fn check_fits(stage: &str, s: &Shape, need: u128, avail: Option<u64>) -> Res
 /// Print one record's details that do not fit the table.
 pub fn print_details(r: &Record) {
     println!("precision {} ({}) — {}", r.precision, r.stage, r.precision_reason);
-    if let Some(i) = &r.implementation {
-        println!("runs      {i}");
-    }
     println!("switches  {}", r.gemm_switches.describe());
     let check = r.check.as_ref().map(|c| (c.rel_err, c.max_abs_err, c.tolerance));
     let check = check
