@@ -146,11 +146,10 @@ impl Session {
         if args.cuda_graph {
             crate::graph::prepare(&device)?;
         }
-        let (weights, weights_source) = match loaded {
-            Some(w) => {
-                (w, format!("{} (layer {})", args.weights.as_ref().unwrap().display(), args.layer.map_or("only".into(), |l| l.to_string())))
-            }
-            None => (BlockWeights::from_seed(&shape, args.seed)?, format!("seed {}", args.seed)),
+        let layer = args.layer.map_or("only".into(), |l| l.to_string());
+        let (weights, weights_source) = match (loaded, &args.weights) {
+            (Some(w), Some(path)) => (w, format!("{} (layer {layer})", path.display())),
+            _ => (BlockWeights::from_seed(&shape, args.seed)?, format!("seed {}", args.seed)),
         };
         if let Some(path) = &args.save_weights {
             weights.save_gpt2(path, args.layer.unwrap_or(0), shape.n_head)?;
@@ -225,11 +224,10 @@ impl Session {
 
     /// `y` against the reference (`None` with --no-check); a failed check is the error.
     fn check(&self, y: &Tensor, spec: &dyn Stage, plan: &Plan) -> anyhow::Result<Option<CheckResult>> {
-        let Some(reference) = &self.reference else { return Ok(None) };
-        let c = compare(y, reference, plan.precision)?;
-        match c.to_error(spec.name(), plan.precision) {
+        let c = self.reference.as_ref().map(|r| compare(y, r, plan.precision)).transpose()?;
+        match c.as_ref().and_then(|c| c.to_error(spec.name(), plan.precision)) {
             Some(e) => Err(e.into()),
-            None => Ok(Some(c)),
+            None => Ok(c),
         }
     }
 

@@ -267,8 +267,7 @@ fn save(flag: &str, path: &Path, tensors: Vec<(String, Tensor)>, meta: Option<Ha
         .into_iter()
         .map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)))
         .collect::<candle_core::Result<Vec<_>>>()?;
-    crate::output::write(flag, path, &safetensors::serialize(host, meta)?)?;
-    Ok(())
+    Ok(crate::output::write(flag, path, &safetensors::serialize(host, meta)?)?)
 }
 
 #[cfg(test)]
