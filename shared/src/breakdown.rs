@@ -4,7 +4,7 @@
 //! Boundaries stop work overlapping across them, so the total stands beside the uninstrumented median.
 
 use crate::timing::Stats;
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::time::Instant;
@@ -64,7 +64,7 @@ thread_local! {
 }
 
 /// A part of the block begins here (a no-op unless this thread is recording).
-pub fn part(name: &'static str) -> candle_core::Result<()> {
+pub fn part(name: &'static str) -> Result<()> {
     RECORDER.with(|r| r.borrow_mut().as_mut().map_or(Ok(()), |rec| rec.boundary(Some(name))))
 }
 
@@ -75,7 +75,7 @@ const TIMING_EVENT: candle_core::cuda::cudarc::driver::sys::CUevent_flags =
 
 impl Recorder {
     /// Close the open part (if any) and open `next` (if any).
-    fn boundary(&mut self, next: Option<&'static str>) -> candle_core::Result<()> {
+    fn boundary(&mut self, next: Option<&'static str>) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = &self.device {
             let event = d.cuda_stream().record_event(Some(TIMING_EVENT)).map_err(candle_core::Error::wrap)?;
@@ -88,7 +88,7 @@ impl Recorder {
     }
 
     /// (part, ms) for the forward just recorded; waits for the GPU first.
-    fn times(&self) -> candle_core::Result<Vec<(&'static str, f64)>> {
+    fn times(&self) -> Result<Vec<(&'static str, f64)>> {
         self.device.synchronize()?;
         let ms = |w: &[(&'static str, Clock)]| match (&w[0].1, &w[1].1) {
             (Clock::Host(a), Clock::Host(b)) => Ok((w[0].0, (*b - *a).as_secs_f64() * 1e3)),
@@ -103,12 +103,7 @@ impl Recorder {
 
 /// Run `forward` `warmup` + `iters` times with the boundaries recorded; a forward that marks no
 /// part is an error (the stage is not instrumented).
-pub fn record(
-    device: &Device,
-    warmup: usize,
-    iters: usize,
-    mut forward: impl FnMut() -> candle_core::Result<Tensor>,
-) -> candle_core::Result<Breakdown> {
+pub fn record(device: &Device, warmup: usize, iters: usize, mut forward: impl FnMut() -> Result<Tensor>) -> Result<Breakdown> {
     let method = if device.is_cuda() { "a CUDA event" } else { "device synchronize" };
     let mut samples = Vec::with_capacity(iters);
     for i in 0..warmup + iters {
@@ -131,7 +126,7 @@ pub fn record(
 }
 
 /// Per-part percentiles and the median total of per-iteration (part, ms) lists.
-pub fn summarise(samples: &[Vec<(&'static str, f64)>], iters: usize, method: String) -> candle_core::Result<Breakdown> {
+pub fn summarise(samples: &[Vec<(&'static str, f64)>], iters: usize, method: String) -> Result<Breakdown> {
     let Some(first) = samples.first() else { candle_core::bail!("breakdown: no timed iteration") };
     if samples.iter().any(|s| s.iter().map(|p| p.0).ne(first.iter().map(|p| p.0))) {
         candle_core::bail!("breakdown: the forward marked different parts on different iterations");

@@ -2,7 +2,7 @@
 
 use crate::error::SpeedkitError;
 use crate::stage::Precision;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// Largest accepted ||y − ref||₂ / ||ref||₂ for a stage running at `p`.
@@ -42,11 +42,11 @@ pub struct NamedCheck {
 }
 
 /// Compare `y` against `reference` (any devices, any float dtypes), in f64 on the host.
-pub fn compare(y: &Tensor, reference: &Tensor, precision: Precision) -> candle_core::Result<CheckResult> {
+pub fn compare(y: &Tensor, reference: &Tensor, precision: Precision) -> Result<CheckResult> {
     compare_within(y, reference, tolerance(precision))
 }
 
-pub fn compare_within(y: &Tensor, reference: &Tensor, tolerance: f64) -> candle_core::Result<CheckResult> {
+pub fn compare_within(y: &Tensor, reference: &Tensor, tolerance: f64) -> Result<CheckResult> {
     if y.dims() != reference.dims() {
         candle_core::bail!("output shape {:?} differs from the reference's {:?}", y.dims(), reference.dims());
     }
@@ -66,13 +66,13 @@ pub fn compare_within(y: &Tensor, reference: &Tensor, tolerance: f64) -> candle_
     Ok(CheckResult { rel_err, max_abs_err: max_abs, tolerance, non_finite, passed: non_finite == 0 && rel_err <= tolerance })
 }
 
-pub(crate) fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+pub(crate) fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
     t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
 }
 
 /// How many sequences the fp32 reference computes at once so its scores hold at most `limit`
 /// elements: in pieces along B it checks shapes whose whole score matrix would not fit.
-pub fn reference_batch_chunk(shape: &crate::Shape, limit: usize) -> Result<usize, SpeedkitError> {
+pub fn reference_batch_chunk(shape: &crate::Shape, limit: usize) -> std::result::Result<usize, SpeedkitError> {
     let per_sequence = shape.n_head.checked_mul(shape.seq).and_then(|n| n.checked_mul(shape.seq));
     match per_sequence {
         Some(n) if n > 0 && n <= limit => Ok((limit / n).clamp(1, shape.batch.max(1))),
@@ -86,14 +86,10 @@ pub fn reference_batch_chunk(shape: &crate::Shape, limit: usize) -> Result<usize
 }
 
 /// `forward` over `x` (B, T, C) in pieces of `chunk` sequences along B, joined again.
-pub fn forward_in_pieces(
-    x: &Tensor,
-    chunk: usize,
-    forward: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
-) -> candle_core::Result<Tensor> {
+pub fn forward_in_pieces(x: &Tensor, chunk: usize, forward: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
     let b = x.dim(0)?;
     let pieces = (0..b).step_by(chunk.max(1)).map(|start| forward(&x.narrow(0, start, chunk.min(b - start))?)); // (chunk, T, C)
-    Tensor::cat(&pieces.collect::<candle_core::Result<Vec<_>>>()?, 0) // (B, T, C)
+    Tensor::cat(&pieces.collect::<Result<Vec<_>>>()?, 0) // (B, T, C)
 }
 
 impl CheckResult {

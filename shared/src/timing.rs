@@ -1,7 +1,7 @@
 //! Timing: warm up, then per iteration run, synchronize and take wall time (GPU work is
 //! asynchronous: without the synchronize the clock stops when kernels are queued, not finished).
 
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
@@ -33,13 +33,7 @@ impl Stats {
 
 /// Run `f` `warmup` times untimed, then `iters` times timed. Progress goes to stderr after 2 s:
 /// one updating line on a terminal, a line every 10 s in a log.
-pub fn time_forward(
-    label: &str,
-    device: &Device,
-    warmup: usize,
-    iters: usize,
-    mut f: impl FnMut() -> candle_core::Result<Tensor>,
-) -> candle_core::Result<Stats> {
+pub fn time_forward(label: &str, device: &Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<Tensor>) -> Result<Stats> {
     let (start, tty) = (Instant::now(), std::io::stderr().is_terminal());
     let every = if tty { Duration::from_millis(200) } else { Duration::from_secs(10) };
     let mut last_shown: Option<Instant> = None;
