@@ -5,7 +5,7 @@
 
 use crate::preset::Shape;
 use crate::Precision;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
@@ -53,7 +53,7 @@ pub struct Bf16Ceiling {
 #[derive(Clone, Copy, Debug)]
 pub struct Bf16Gemm {
     pub kernel: &'static str,
-    pub matmul: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    pub matmul: fn(&Tensor, &Tensor) -> Result<Tensor>,
 }
 
 static BF16_GEMM: std::sync::OnceLock<Bf16Gemm> = std::sync::OnceLock::new();
@@ -168,7 +168,7 @@ pub fn probe_bytes(shape: &Shape) -> u128 {
 }
 
 /// Refuse (exit 2) a probe that cannot fit in the memory available, before it allocates.
-pub fn check_fit(shape: &Shape) -> Result<(), crate::SpeedkitError> {
+pub fn check_fit(shape: &Shape) -> std::result::Result<(), crate::SpeedkitError> {
     let (need, gib) = (probe_bytes(shape), |b: u128| b as f64 / (1u64 << 30) as f64);
     match crate::device::available_bytes(&Device::Cpu) {
         Some(avail) if need > avail as u128 * 9 / 10 => Err(crate::SpeedkitError::usage(format!(
@@ -183,9 +183,9 @@ pub fn check_fit(shape: &Shape) -> Result<(), crate::SpeedkitError> {
 }
 
 /// The best time counts: a ceiling is what the machine can do, not what it usually does.
-pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
+pub fn measure(shape: &Shape) -> Result<CpuCeiling> {
     let (linears, attention): (Vec<_>, Vec<_>) = probe_gemms(shape).into_iter().partition(|g| !g.name.starts_with("attn_"));
-    let mut gemms = linears.iter().map(|g| linear_rate(g, DType::F32, |x, wt| x.matmul(wt))).collect::<candle_core::Result<Vec<_>>>()?;
+    let mut gemms = linears.iter().map(|g| linear_rate(g, DType::F32, |x, wt| x.matmul(wt))).collect::<Result<Vec<_>>>()?;
     for g in attention {
         let x = Tensor::randn(0f32, 1.0, g.batch * g.m * g.k, &Device::Cpu)?.to_vec1::<f32>()?;
         let w = Tensor::randn(0f32, 1.0, g.batch * g.k * g.n, &Device::Cpu)?.to_vec1::<f32>()?;
@@ -197,7 +197,7 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
         gemms.push(g.rate(best));
     }
     let bf16 = BF16_GEMM.get().map(|b| {
-        let bf16: Vec<_> = linears.iter().map(|g| linear_rate(g, DType::BF16, b.matmul)).collect::<candle_core::Result<_>>()?;
+        let bf16: Vec<_> = linears.iter().map(|g| linear_rate(g, DType::BF16, b.matmul)).collect::<Result<_>>()?;
         let all: Vec<GemmRate> = bf16.iter().chain(&gemms[linears.len()..]).cloned().collect();
         Ok::<_, candle_core::Error>(Bf16Ceiling { kernel: b.kernel.into(), gemm_gflops: block_ceiling_gflops(shape, &all), gemms: bf16 })
     });
@@ -220,11 +220,7 @@ pub fn measure(shape: &Shape) -> candle_core::Result<CpuCeiling> {
 }
 
 /// A linear's rate: x (m, k) · Wᵀ in `dtype` through `matmul`, W passed as the block's `linear` passes it.
-fn linear_rate(
-    g: &ProbeGemm,
-    dtype: DType,
-    matmul: impl Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
-) -> candle_core::Result<GemmRate> {
+fn linear_rate(g: &ProbeGemm, dtype: DType, matmul: impl Fn(&Tensor, &Tensor) -> Result<Tensor>) -> Result<GemmRate> {
     let x = Tensor::randn(0f32, 1.0, (g.m, g.k), &Device::Cpu)?.to_dtype(dtype)?;
     let wt = Tensor::randn(0f32, 0.02, (g.n, g.k), &Device::Cpu)?.to_dtype(dtype)?.t()?; // (k, n) view
     Ok(g.rate(best_time(|| matmul(&x, &wt).map(|_| ()))?))
@@ -265,7 +261,7 @@ pub fn block_ceiling_gflops(shape: &Shape, gemms: &[GemmRate]) -> f64 {
 }
 
 /// One untimed call (page faults, packing buffers), then the best of up to 3 within 0.5 s, in s.
-fn best_time(mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Result<f64> {
+fn best_time(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     let (start, mut best) = (Instant::now(), f64::INFINITY);
     for _ in 0..3 {
