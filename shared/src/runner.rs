@@ -322,14 +322,12 @@ impl Session {
         let tflops = flops / secs / 1e12;
         let implementation = spec.implementation(&plan);
         let emulated = implementation.as_deref().is_some_and(|i| i.starts_with(EMULATED));
+        let p = plan.precision;
         let (peak, peak_source) = match (self.args.peak_tflops, &self.ceiling) {
             _ if emulated => (None, None), // an emulation's speed is not the number format's: no % of its peak
-            (Some(p), _) => (Some(p), Some("--peak-tflops")),
-            (None, _) if self.info.is_cuda() => {
-                let p = peak_tflops(&self.info.name, plan.precision);
-                (p, p.map(|_| "datasheet"))
-            }
-            (None, Some(c)) => (Some(c.peak_tflops_for(plan.precision)), Some(MEASURED_PEAK)),
+            (Some(v), _) => (Some(v), Some("--peak-tflops")),
+            (None, _) if self.info.is_cuda() => peak_tflops(&self.info.name, p).map_or((None, None), |v| (Some(v), Some("datasheet"))),
+            (None, Some(c)) => (Some(c.peak_tflops_for(p)), Some(MEASURED_PEAK)),
             (None, None) => (None, None),
         };
         let mut notes = spec.notes(&plan);
@@ -344,7 +342,6 @@ impl Session {
                 t.optimizer, t.optimizer_timing.median_ms
             ));
         }
-        let p = plan.precision;
         if emulated {
             notes.push(format!("{p} is emulated here: the time measures the emulation, not {p} hardware (no % of peak)"));
         } else if peak.is_none() {
