@@ -75,10 +75,8 @@ impl CpuCeiling {
     pub fn describe(&self) -> String {
         let CpuCeiling { gemm_backend, simd, gemm_gflops, bandwidth_gbs, threads, .. } = self;
         let each = |gemms: &[GemmRate]| gemms.iter().map(|g| format!("{} {:.0}", g.name, g.gflops)).collect::<Vec<_>>().join(", ");
-        let bf16 = self
-            .bf16
-            .as_ref()
-            .map_or(String::new(), |b| format!(" · bf16 GEMM ({}) {:.1} GFLOP/s ({})", b.kernel, b.gemm_gflops, each(&b.gemms)));
+        let bf16 = |b: &Bf16Ceiling| format!(" · bf16 GEMM ({}) {:.1} GFLOP/s ({})", b.kernel, b.gemm_gflops, each(&b.gemms));
+        let bf16 = self.bf16.as_ref().map_or(String::new(), bf16);
         let each = each(&self.gemms);
         format!(
             "{gemm_backend} · SIMD {simd} · GEMM {gemm_gflops:.1} GFLOP/s at the block's shapes ({each}){bf16} · \

@@ -149,8 +149,8 @@ pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
     for (flag, v, min) in [("--iters", args.iters, 1), ("--warmup", args.warmup, 0)] {
         if let Some(v) = v.filter(|v| !(min..=MAX_ITERS).contains(v)) {
             return Err(SpeedkitError::usage(format!(
-                "{flag} is {v}, not from {min} to {MAX_ITERS}: a time needs one timed iteration, and past {MAX_ITERS} a run \
-                 would take hours, holding a sample per iteration. Fix: pass {flag} from {min} to {MAX_ITERS} (10 to 100 is plenty), or drop it."
+                "{flag} is {v}, not from {min} to {MAX_ITERS}: a time needs one timed iteration, and more would run for hours \
+                 holding a sample each. Fix: pass {flag} from {min} to {MAX_ITERS} (10 to 100 is plenty), or drop it."
             )));
         }
     }

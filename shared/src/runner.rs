@@ -407,9 +407,10 @@ pub fn check_fits(stage: &str, s: &Shape, need: u128, avail: Option<u64>) -> Res
 pub fn print_details(r: &Record) {
     println!("precision {} ({}) — {}", r.precision, r.stage, r.precision_reason);
     println!("switches  {}", r.gemm_switches.describe());
-    let check = r.check.as_ref().map(|c| (c.rel_err, c.max_abs_err, c.tolerance));
-    let check = check
-        .map_or("skipped".into(), |(e, m, t)| format!("rel err {e:.3e}, max abs {m:.3e} vs fp32 reference (tolerance {t:.0e}): passed"));
+    let passed = |c: &CheckResult| {
+        format!("rel err {:.3e}, max abs {:.3e} vs fp32 reference (tolerance {:.0e}): passed", c.rel_err, c.max_abs_err, c.tolerance)
+    };
+    let check = r.check.as_ref().map_or("skipped".into(), passed);
     println!("check     {check}");
     for c in &r.extra_checks {
         println!("check     {}: rel err {:.3e} (tolerance {:.0e}): passed — {}", c.name, c.result.rel_err, c.result.tolerance, c.meaning);

@@ -74,14 +74,11 @@ fn backward(y: &Tensor, r: &Tensor, scale: f64) -> candle_core::Result<GradStore
 
 /// The 13 gradients (weights, then x) in f32, each divided by `scale`.
 pub fn gradients(grads: &GradStore, vars: &[Var], x: &Var, scale: f64) -> candle_core::Result<Vec<Tensor>> {
-    vars.iter()
-        .chain([x])
-        .zip(NAMES)
-        .map(|(v, name)| match grads.get(v.as_tensor()) {
-            Some(g) => g.to_dtype(DType::F32)?.affine(1.0 / scale, 0.0),
-            None => candle_core::bail!("the backward reached no gradient for {name}"),
-        })
-        .collect()
+    let grad = |(v, name): (&Var, &str)| match grads.get(v.as_tensor()) {
+        Some(g) => g.to_dtype(DType::F32)?.affine(1.0 / scale, 0.0),
+        None => candle_core::bail!("the backward reached no gradient for {name}"),
+    };
+    vars.iter().chain([x]).zip(NAMES).map(grad).collect()
 }
 
 /// max |a − b| / max |b| and the count of non-finite values in `a`, on the host.

@@ -263,10 +263,8 @@ pub fn save_tensors(path: &Path, tensors: &[(&str, &Tensor)]) -> anyhow::Result<
 }
 
 fn save(flag: &str, path: &Path, tensors: Vec<(String, Tensor)>, meta: Option<HashMap<String, String>>) -> anyhow::Result<()> {
-    let host = tensors
-        .into_iter()
-        .map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)))
-        .collect::<candle_core::Result<Vec<_>>>()?;
+    let on_host = |(n, t): (String, Tensor)| Ok((n, t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?));
+    let host = tensors.into_iter().map(on_host).collect::<candle_core::Result<Vec<_>>>()?;
     Ok(crate::output::write(flag, path, &safetensors::serialize(host, meta)?)?)
 }
 
