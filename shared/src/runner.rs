@@ -189,7 +189,13 @@ impl Session {
         if !session.args.no_check {
             session.reference = Some(session.reference_output(reference, crate::preset::MAX_TENSOR_ELEMENTS)?);
             if session.args.train {
-                session.reference_grads = Some(session.reference_gradients(reference)?);
+                // Stage 0's fp32 gradients of ⟨y, r⟩ for every weight and x, in pieces along B.
+                let (s, fp32) = (&session, PrecisionRequest::Exactly(Precision::Fp32));
+                let plan = plan(reference, &s.device, &s.info, s.shape, fp32, fp32, false, true)?;
+                let (vars, r) = (crate::train::vars(&s.weights)?, s.upstream.as_ref().expect("set with --train"));
+                let forward = reference.build_train(&crate::train::weights_of(&vars), &plan)?;
+                let chunk = reference_piece(&s.shape, crate::preset::MAX_TENSOR_ELEMENTS)?.batch;
+                session.reference_grads = Some(crate::train::reference_gradients(forward.as_ref(), &vars, &s.x, r, chunk)?);
             }
         } else {
             println!("check     skipped (--no-check): these timings vouch for nothing");
@@ -209,17 +215,6 @@ impl Session {
             self.device.synchronize()?; // one piece's working set freed before the next
             Ok(y)
         })?)
-    }
-
-    /// `--train`: stage 0's fp32 gradients of ⟨y, r⟩ for every weight and x, in pieces along B.
-    fn reference_gradients(&self, reference: &dyn Stage) -> anyhow::Result<Vec<Tensor>> {
-        let piece = reference_piece(&self.shape, crate::preset::MAX_TENSOR_ELEMENTS)?;
-        let fp32 = PrecisionRequest::Exactly(Precision::Fp32);
-        let plan = plan(reference, &self.device, &self.info, self.shape, fp32, fp32, false, true)?;
-        let vars = crate::train::vars(&self.weights)?;
-        let forward = reference.build_train(&crate::train::weights_of(&vars), &plan)?;
-        let r = self.upstream.as_ref().expect("set with --train");
-        Ok(crate::train::reference_gradients(forward.as_ref(), &vars, &self.x, r, piece.batch)?)
     }
 
     /// `y` against the reference (`None` with --no-check); a failed check is the error.

@@ -57,13 +57,9 @@ pub fn time_forward(label: &str, device: &Device, warmup: usize, iters: usize, m
         device.synchronize()?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         drop(y);
-        match i.checked_sub(warmup) {
-            None => progress("warm-up", i + 1, warmup, ms),
-            Some(j) => {
-                samples.push(ms);
-                progress("timing", j + 1, iters, ms);
-            }
-        }
+        samples.extend((i >= warmup).then_some(ms));
+        let (phase, done, total) = if i < warmup { ("warm-up", i + 1, warmup) } else { ("timing", i + 1 - warmup, iters) };
+        progress(phase, done, total, ms);
     }
     if tty && last_shown.is_some() {
         let _ = write!(std::io::stderr().lock(), "\r{:78}\r", "");
