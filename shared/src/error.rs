@@ -34,11 +34,9 @@ pub fn classify(err: &anyhow::Error) -> (u8, String) {
             if !(text.contains("OUT_OF_MEMORY") || text.contains("out of memory")) {
                 return (EXIT_FAILURE, text);
             }
+            let why = "The chosen shape does not fit next to what else is on this device";
             let fix = "Fix: lower --batch or --seq, pick a smaller --preset, or free the device.";
-            (
-                EXIT_USAGE,
-                format!("the device ran out of memory ({text}). The chosen shape does not fit next to what else is on this device. {fix}"),
-            )
+            (EXIT_USAGE, format!("the device ran out of memory ({text}). {why}. {fix}"))
         }
     }
 }

@@ -73,10 +73,8 @@ impl Shape {
 
     /// `validate`, naming B and T by the `input` file that fixed them, when one did.
     pub fn validate_as(&self, input: Option<&Path>) -> Result<(), SpeedkitError> {
-        let (b, t) = match input {
-            Some(p) => (format!("B (from the input file {})", p.display()), format!("T (from the input file {})", p.display())),
-            None => ("--batch (B)".to_string(), "--seq (T)".to_string()),
-        };
+        let from = |d: &str, flag: &str| input.map_or(format!("{flag} ({d})"), |p| format!("{d} (from the input file {})", p.display()));
+        let (b, t) = (from("B", "--batch"), from("T", "--seq"));
         let Shape { batch, seq, d_model: c, n_head: h, ff } = *self;
         let dims = [(&*b, batch), (&*t, seq), ("--d-model (C)", c), ("--heads (n_head)", h), ("--ff (FF)", ff)];
         if let Some((flag, _)) = dims.iter().find(|(_, v)| *v == 0) {
