@@ -81,31 +81,31 @@ pub fn gradients(grads: &GradStore, vars: &[Var], x: &Var, scale: f64) -> candle
     vars.iter().chain([x]).zip(NAMES).map(grad).collect()
 }
 
-/// max |a − b| / max |b| and the count of non-finite values in `a`, on the host.
-fn rel_max(a: &Tensor, b: &Tensor) -> candle_core::Result<(f64, usize)> {
-    let (a, b) = (crate::check::host_f32(a)?, crate::check::host_f32(b)?);
-    let bad = a.iter().filter(|v| !v.is_finite()).count();
-    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
-    let scale = b.iter().map(|y| y.abs() as f64).fold(0.0, f64::max);
-    Ok((if scale > 0.0 { diff / scale } else { diff }, bad))
+/// The worst max |a − b| / max |b| over pairs of `got` and `reference` (on the host) against
+/// `tolerance`, and which pair it was (the first with a NaN or infinity in `got`, if any).
+fn worst(got: &[Tensor], reference: &[Tensor], tolerance: f64) -> candle_core::Result<(CheckResult, usize)> {
+    let (mut worst, mut at, mut bad) = (0f64, 0, 0);
+    for (i, (a, b)) in got.iter().zip(reference).enumerate() {
+        let (a, b) = (crate::check::host_f32(a)?, crate::check::host_f32(b)?);
+        let nan = a.iter().filter(|v| !v.is_finite()).count();
+        let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
+        let scale = b.iter().map(|y| y.abs() as f64).fold(0.0, f64::max);
+        let e = if scale > 0.0 { diff / scale } else { diff };
+        if bad == 0 && (e > worst || nan > 0) {
+            at = i;
+        }
+        (worst, bad) = (worst.max(e), bad + nan);
+    }
+    Ok((CheckResult { rel_err: worst, max_abs_err: 0.0, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance }, at))
 }
 
 /// Each gradient against the reference's: the worst one's error and its name.
 pub fn compare_grads(got: &[Tensor], reference: &[Tensor], p: Precision) -> candle_core::Result<(CheckResult, String)> {
-    let (mut worst, mut name, mut bad) = (0f64, NAMES[0], 0);
-    for ((g, r), n) in got.iter().zip(reference).zip(NAMES) {
-        if g.dims() != r.dims() {
-            candle_core::bail!("the gradient of {n} has shape {:?}, the reference's {:?}", g.dims(), r.dims());
-        }
-        let (e, nan) = rel_max(g, r)?;
-        bad += nan;
-        if e > worst || nan > 0 {
-            (worst, name) = (e, n);
-        }
+    if let Some(((g, r), n)) = got.iter().zip(reference).zip(NAMES).find(|((g, r), _)| g.dims() != r.dims()) {
+        candle_core::bail!("the gradient of {n} has shape {:?}, the reference's {:?}", g.dims(), r.dims());
     }
-    let tolerance = grad_tolerance(p);
-    let result = CheckResult { rel_err: worst, max_abs_err: 0.0, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance };
-    Ok((result, name.to_string()))
+    let (result, at) = worst(got, reference, grad_tolerance(p))?;
+    Ok((result, NAMES[at].to_string()))
 }
 
 /// Stage 0's fp32 gradients for (x, r) in pieces of `chunk` sequences (weight gradients summed, x's joined).
@@ -149,13 +149,9 @@ pub fn check_optimizer(
     opt.step(&store(&ours, opt.loss_scale())?)?;
     let mut reference = <candle_nn::AdamW as candle_nn::Optimizer>::new(theirs.clone(), train_params())?;
     candle_nn::Optimizer::step(&mut reference, &store(&theirs, 1.0)?)?;
-    let (mut worst, mut bad) = (0f64, 0);
-    for ((a, b), t0) in ours.iter().zip(&theirs).zip(w.tensors()) {
-        let (e, nan) = rel_max(&(a.as_tensor() - t0)?, &(b.as_tensor() - t0)?)?;
-        (worst, bad) = (worst.max(e), bad + nan);
-    }
+    let delta = |v: &[Var]| v.iter().zip(w.tensors()).map(|(v, t0)| v.as_tensor() - t0).collect::<candle_core::Result<Vec<_>>>();
     let tolerance = 1e-4; // f32 arithmetic in another order: measured below 1e-6
-    Ok(CheckResult { rel_err: worst, max_abs_err: 0.0, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance })
+    Ok(worst(&delta(&ours)?, &delta(&theirs)?, tolerance)?.0)
 }
 
 /// `warmup` untimed steps, then `iters` timed (forward + backward, and apart the update); with
