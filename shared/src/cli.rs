@@ -98,14 +98,10 @@ pub struct RunArgs {
 /// Run `body`; an error becomes a message on stderr and its exit code (`error::classify`).
 /// Panics are not caught: they are bugs, and should look like bugs.
 pub fn exit_with(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
-    match body() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            let (code, msg) = classify(&e);
-            eprintln!("error: {msg}");
-            ExitCode::from(code)
-        }
-    }
+    let Err(e) = body() else { return ExitCode::SUCCESS };
+    let (code, msg) = classify(&e);
+    eprintln!("error: {msg}");
+    ExitCode::from(code)
 }
 
 /// Most timed (or warm-up) iterations: a million tiny forwards take minutes; more is a typo.

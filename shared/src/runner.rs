@@ -220,10 +220,8 @@ impl Session {
     /// `y` against the reference (`None` with --no-check); a failed check is the error.
     fn check(&self, y: &Tensor, spec: &dyn Stage, plan: &Plan) -> anyhow::Result<Option<CheckResult>> {
         let c = self.reference.as_ref().map(|r| compare(y, r, plan.precision)).transpose()?;
-        match c.as_ref().and_then(|c| c.to_error(spec.name(), plan.precision)) {
-            Some(e) => Err(e.into()),
-            None => Ok(c),
-        }
+        let failed = c.as_ref().and_then(|c| c.to_error(spec.name(), plan.precision));
+        failed.map_or(Ok(c), |e| Err(e.into()))
     }
 
     /// Build, check against the reference, time.
