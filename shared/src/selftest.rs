@@ -12,7 +12,7 @@ pub struct Check {
     pub case: String,
     /// What ran: "cuda", or the CPU stand-in's name.
     pub ran: String,
-    /// "pass", "FAIL", "skipped" or "error".
+    /// "pass", "FAIL", "skipped", "unsupported" or "error".
     pub status: String,
     pub rel_err: Option<f64>,
     pub tolerance: Option<f64>,
