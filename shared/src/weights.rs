@@ -188,10 +188,7 @@ impl BlockWeights {
 fn layer_of(key: &str) -> Option<usize> {
     let rest = key.strip_suffix(".ln_1.weight")?;
     let idx = rest.rfind("h.")?;
-    if idx > 0 && !rest[..idx].ends_with('.') {
-        return None;
-    }
-    rest[idx + 2..].parse().ok()
+    (idx == 0 || rest[..idx].ends_with('.')).then(|| rest[idx + 2..].parse().ok()).flatten()
 }
 
 /// Read a file whole, refusing one larger than half the memory available.
