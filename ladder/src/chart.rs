@@ -3,7 +3,7 @@
 //! drawing needs font files; the viewer's sans-serif font renders it.
 
 use crate::provenance::date_utc;
-use crate::render::{axis_symbol, describe_device, fmt_ms, fmt_rel_err, part_names, sweep_stages};
+use crate::render::{axis_symbol, describe_device, part_names, sweep_stages};
 use itertools::Itertools;
 use plotters::chart::MeshStyle;
 use plotters::coord::ranged1d::ValueFormatter;
@@ -11,6 +11,7 @@ use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+use shared::report::{fmt_ms, fmt_rel_err};
 use shared::report::{LadderReport, Record, Row, SweepReport};
 
 pub(crate) type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;

@@ -6,7 +6,6 @@
 //! `cargo run --release --features cuda -p ladder -- --device cuda` (GPU).
 
 pub mod chart;
-pub mod cite;
 pub mod provenance;
 pub mod render;
 pub mod roofline;
@@ -616,7 +615,7 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
     println!();
     match results {
         Results::Ladder(r) => {
-            print!("{}", if out.markdown { render::markdown_table(r) } else { r.table() });
+            print!("{}", r.table(out.markdown));
             print_extras(r, out.markdown);
         }
         Results::Sweep(s) => print!("{}", render::sweep_tables(s, out.markdown)),
@@ -652,15 +651,6 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         let json_link = format!("{up}{}", link_from_readme(&out.readme, "--json", json)?);
         let region = render::readme_region(report, &json_link, &format!("{up}{}", link_from_readme(&out.readme, "--svg", svg)?));
         let updated = render::splice_readme(&text, &out.readme_region, &region)?;
-        // The prose's numbers cited from this JSON (`cite`), rewritten from it too.
-        let value = serde_json::to_value(report)?;
-        let (updated, stale) = cite::update(&updated, &json_link, &value);
-        for s in &stale {
-            println!("note      not updated in {} (this run lacks it): {s}", out.readme.display());
-        }
-        if up.is_empty() {
-            update_doc_citations(&out.readme, &format!("../{json_link}"), &value)?;
-        }
         if updated == text {
             println!("unchanged {}: its {} region already shows this run", page.display(), out.readme_region);
         } else {
@@ -682,22 +672,6 @@ fn print_extras(r: &LadderReport, markdown: bool) {
         print!("{}", render::breakdown_table(r, markdown));
         println!("{}", render::REGIME_LEGEND.replace("**", ""));
     }
-}
-
-/// The numbers docs/*.md cite from the JSON just written or rendered (`cite`), rewritten from it:
-/// the pages beside the README follow a re-recording as the README does.
-fn update_doc_citations(readme: &Path, json_link: &str, value: &serde_json::Value) -> anyhow::Result<()> {
-    for (page, text) in doc_pages(readme)? {
-        let (updated, stale) = cite::update(&text, json_link, value);
-        for s in &stale {
-            println!("note      not updated in {} (this run lacks it): {s}", page.display());
-        }
-        if updated != text {
-            write_text(&page, &updated, "--update-readme (a docs page)")?;
-            println!("updated   {}: numbers cited from {json_link}", page.display());
-        }
-    }
-    Ok(())
 }
 
 fn sweep_and_readme() -> SpeedkitError {
@@ -726,15 +700,9 @@ fn check_outputs(
     // The roofline and breakdown charts are written beside the bar chart (`render::sibling`).
     let beside: Vec<PathBuf> = svg.iter().flat_map(|p| chart_siblings(p)).collect();
     list.extend(beside.iter().map(|p| ("--svg (the chart beside it)", p.as_path())));
-    // Every docs page is read now (a bad one is refused before the run), but only the pages
-    // citing the JSON the citations come from (the run's, or the one `render --from` reads)
-    // can be rewritten, so only those are outputs.
-    let pages = if out.update_readme { doc_pages(&out.readme)? } else { Vec::new() };
-    let cited = json.or_else(|| inputs.iter().find(|(flag, _)| *flag == "--from").map(|(_, p)| *p));
-    let link = cited.and_then(|p| link_from_readme(&out.readme, "--json", p).ok()).map(|l| format!("../{l}"));
+    let page = render::region_page(&out.readme, &out.readme_region).0;
     if out.update_readme {
-        list.push(("--readme", out.readme.as_path()));
-        list.extend(citing_pages(&pages, link.as_deref()).into_iter().map(|p| ("--update-readme (a docs page)", p)));
+        list.push(("--readme", page.as_path()));
     }
     let checked = shared::output::check_all(&list)?;
     shared::output::check_not_inputs(&checked, inputs)?;
@@ -752,44 +720,6 @@ fn check_outputs(
 /// The charts written beside the bar chart at `svg`: the roofline and the breakdown.
 fn chart_siblings(svg: &Path) -> [PathBuf; 2] {
     ["roofline", "breakdown"].map(|w| PathBuf::from(render::sibling(&svg.to_string_lossy(), w)))
-}
-
-/// The pages among `pages` that cite `json_link` (as a docs page links it, `../results/...`):
-/// the only ones `update_doc_citations` may rewrite.
-fn citing_pages<'a>(pages: &'a [(PathBuf, String)], json_link: Option<&str>) -> Vec<&'a Path> {
-    let cites = |text: &str| cite::find(text).iter().any(|c| Some(c.json.as_str()) == json_link);
-    pages.iter().filter(|(_, text)| cites(text)).map(|(p, _)| p.as_path()).collect()
-}
-
-/// The docs/*.md pages beside the README whose cited numbers --update-readme rewrites, read and
-/// checked up front so a bad page is found before anything is written: one that cannot be read
-/// or is not UTF-8 is exit 2 naming it.
-fn doc_pages(readme: &Path) -> Result<Vec<(PathBuf, String)>, SpeedkitError> {
-    let docs = readme_dir(readme).join("docs");
-    let Ok(entries) = std::fs::read_dir(&docs) else { return Ok(Vec::new()) };
-    let mut paths: Vec<PathBuf> =
-        entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "md")).collect();
-    paths.sort();
-    let mut pages = Vec::new();
-    for page in paths {
-        let bytes = read_capped(&page).map_err(|e| {
-            SpeedkitError::usage(format!(
-                "--update-readme: cannot read {} ({e}), a page whose cited numbers it rewrites. Fix: make it readable, or move it out of {}.",
-                page.display(),
-                docs.display()
-            ))
-        })?;
-        let text = String::from_utf8(bytes).map_err(|e| {
-            SpeedkitError::usage(format!(
-                "--update-readme: {} is not UTF-8 text (invalid byte at offset {}), so its cited numbers cannot be rewritten. Fix: save it as UTF-8, or move it out of {}.",
-                page.display(),
-                e.utf8_error().valid_up_to(),
-                docs.display()
-            ))
-        })?;
-        pages.push((page, text));
-    }
-    Ok(pages)
 }
 
 /// `--ablate` with nothing to undo: no stage of the run has a variant with one change undone

@@ -2,11 +2,8 @@
 
 use crate::provenance::date_utc;
 use itertools::Itertools;
-use shared::report::{fmt_bytes, precision_label, LadderReport, Record, Row, SweepReport};
+use shared::report::{fmt_ms, fmt_timing, not_measured, speedup_text, table, Grid, LadderReport, Record, Row, SweepReport};
 use shared::{Preset, Shape, SpeedkitError};
-
-/// A table: its header, then its rows.
-type Grid = (Vec<String>, Vec<Vec<String>>);
 
 /// The lines around README region `name`.
 pub fn markers(name: &str) -> (String, String) {
@@ -22,26 +19,6 @@ pub fn region_name(s: &str) -> Result<String, String> {
     }
 }
 
-/// Milliseconds to about three significant digits: "452", "21.3", "1.23", "0.052".
-pub fn fmt_ms(ms: f64) -> String {
-    match ms {
-        m if m >= 100.0 => format!("{m:.0}"),
-        m if m >= 10.0 => format!("{m:.1}"),
-        m if m >= 1.0 => format!("{m:.2}"),
-        m => format!("{m:.3}"),
-    }
-}
-
-/// `speedup_text` ("≈1.0x" within noise; the JSON keeps the ratio), with "–" for none.
-pub fn fmt_speedup(v: Option<f64>, within_noise: bool) -> String {
-    v.map_or("–".into(), |_| shared::report::speedup_text(v, within_noise))
-}
-
-/// "452 (429–465)": median and p10–p90.
-fn fmt_timing(t: &shared::timing::Stats) -> String {
-    format!("{} ({}–{})", fmt_ms(t.median_ms), fmt_ms(t.p10_ms), fmt_ms(t.p90_ms))
-}
-
 fn strings<const N: usize>(cells: [&str; N]) -> Vec<String> {
     cells.map(String::from).to_vec()
 }
@@ -53,12 +30,9 @@ pub fn ablation_table(report: &LadderReport, markdown: bool) -> String {
     let ran = report.ablation.iter().map(|a| {
         let full = report.records.iter().find(|r| r.stage == a.against);
         let full = full.map_or("–".into(), |r| format!("{} ms", fmt_ms(r.timing.median_ms)));
-        vec![a.against.clone(), a.change.clone(), fmt_timing(&a.record.timing), full, fmt_speedup(a.buys, a.buys_within_noise)]
+        vec![a.against.clone(), a.change.clone(), fmt_timing(&a.record.timing), full, speedup_text(a.buys, a.buys_within_noise)]
     });
-    let out = report
-        .ablation_out
-        .iter()
-        .map(|o| vec![o.against.clone(), o.change.clone(), not_measured(o.failed, &o.reason), "–".into(), "–".into()]);
+    let out = report.ablation_out.iter().map(|o| vec![o.against.clone(), o.change.clone(), not_measured(o.failed, &o.reason)]);
     table((header, ran.chain(out).collect()), markdown)
 }
 
@@ -104,71 +78,6 @@ pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
         })
         .collect();
     table((header, rows), markdown)
-}
-
-/// Relative error against the fp32 reference, or "unchecked" (--no-check).
-pub fn fmt_rel_err(r: &Record) -> String {
-    match &r.check {
-        None => "unchecked".into(),
-        Some(c) if c.rel_err == 0.0 => "0".into(),
-        Some(c) => format!("{:.1e}", c.rel_err),
-    }
-}
-
-/// "skipped: why" or "FAILED: why", on one line.
-fn not_measured(failed: bool, reason: &str) -> String {
-    format!("{}: {}", if failed { "FAILED" } else { "skipped" }, reason.split_whitespace().join(" "))
-}
-
-/// GitHub markdown, or columns padded to their widest cell for the terminal.
-fn table((header, rows): Grid, markdown: bool) -> String {
-    if markdown {
-        let row = |cells: &[String]| format!("| {} |\n", cells.iter().map(|c| c.replace('|', "\\|").replace('\n', " ")).join(" | "));
-        let rule = format!("|{}\n", "---|".repeat(header.len()));
-        return std::iter::once(row(&header)).chain([rule]).chain(rows.iter().map(|r| row(r))).collect();
-    }
-    shared::report::columns(&header, &rows)
-}
-
-/// The ladder's table as GitHub markdown; GFLOP/s on a CPU (a few hundred at most), TFLOP/s on a GPU.
-pub fn markdown_table(report: &LadderReport) -> String {
-    let (unit, scale) = if report.device.is_cuda() { ("TFLOP/s", 1.0) } else { ("GFLOP/s", 1e3) };
-    let mut header =
-        strings(["stage", "precision", "median ms (p10–p90)", "vs stage 0", "vs previous", unit, "% of peak", "rel. error", "peak mem"]);
-    // With reference rows (`ladder --reference`): each row's speed against the fastest of them.
-    let with_ref = !report.references.is_empty();
-    if with_ref {
-        header.push("vs best reference".into());
-    }
-    let with_train = report.records.iter().any(|r| r.train.is_some());
-    if with_train {
-        header[2] = "forward + backward ms (p10–p90)".into();
-        header.extend(strings(["optimizer ms", "worst grad error"]));
-    }
-    let mut rows = report.rows();
-    rows.extend(report.references.iter().map(Row::Ran).chain(report.references_out.iter().map(Row::Skipped)));
-    let rows = rows
-        .iter()
-        .map(|row| match row {
-            Row::Ran(r) => [
-                if report.references.iter().any(|x| std::ptr::eq(x, *r)) { format!("reference: {}", r.stage) } else { r.stage.clone() },
-                precision_label(r),
-                fmt_timing(&r.timing),
-                fmt_speedup(r.speedup_vs_stage0, r.noise_vs_stage0),
-                fmt_speedup(r.speedup_vs_prev, r.noise_vs_prev),
-                format!("{:.1}", r.tflops * scale),
-                r.pct_of_peak.map_or("–".into(), |p| format!("{p:.1}%")),
-                fmt_rel_err(r),
-                fmt_bytes(r.peak_mem_bytes),
-            ]
-            .into_iter()
-            .chain(with_ref.then(|| fmt_speedup(r.vs_reference, false)))
-            .chain(if with_train { shared::report::train_cells(r) } else { Vec::new() })
-            .collect(),
-            Row::Skipped(s) => [vec![s.stage.clone(), not_measured(s.failed, &s.reason)], vec!["–".into(); header.len() - 2]].concat(),
-        })
-        .collect();
-    table((header, rows), true)
 }
 
 /// "CPU: AMD EPYC, 2 threads" or "GPU: NVIDIA H100 80GB HBM3 (SM 9.0), driver 580.65.06, CUDA 13.0".
@@ -227,7 +136,7 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
     facts.extend((!report.args.is_empty()).then(|| format!("`ladder {}`", report.args.join(" "))));
     facts.push(format!("data: [{json_link}]({json_link})"));
     let mut out = format!("<!-- Written by `ladder --update-readme` from {json_link}: rerun it rather than editing by hand. -->\n");
-    out += &format!("{}\n\n{}", facts.join(" · "), markdown_table(report));
+    out += &format!("{}\n\n{}", facts.join(" · "), report.table(true));
     if !report.records.iter().any(|r| r.speedup_vs_stage0.is_some()) {
         out += "\nStage 0 did not run, so there are no speedups over it.\n";
     }
@@ -294,7 +203,7 @@ pub(crate) fn sweep_stages(sweep: &SweepReport) -> Vec<String> {
 fn sweep_grid(sweep: &SweepReport) -> Grid {
     let header = std::iter::once("stage".to_string()).chain(sweep.values.iter().map(|&v| axis_label(&sweep.axis, v))).collect();
     let cell = |run: &LadderReport, stage: &str| match run.rows().into_iter().find(|r| r.stage() == stage) {
-        Some(Row::Ran(r)) => format!("{} ms · {}", fmt_ms(r.timing.median_ms), fmt_speedup(r.speedup_vs_stage0, false)),
+        Some(Row::Ran(r)) => format!("{} ms · {}", fmt_ms(r.timing.median_ms), speedup_text(r.speedup_vs_stage0, false)),
         Some(Row::Skipped(s)) if s.failed => "FAILED".into(),
         Some(Row::Skipped(_)) => "skipped".into(),
         None => "–".into(),
@@ -309,8 +218,8 @@ fn sweep_grid(sweep: &SweepReport) -> Grid {
 /// Every value's ladder, then the stage × value summary: GitHub markdown or the terminal's tables.
 pub fn sweep_tables(sweep: &SweepReport, markdown: bool) -> String {
     let runs = sweep.values.iter().zip(&sweep.runs).map(|(v, run)| match markdown {
-        true => format!("\n#### {} · {}\n\n{}", axis_label(&sweep.axis, *v), describe_shape(&run.shape), markdown_table(run)),
-        false => format!("\n{} · {}\n{}", axis_label(&sweep.axis, *v), run.shape, run.table()),
+        true => format!("\n#### {} · {}\n\n{}", axis_label(&sweep.axis, *v), describe_shape(&run.shape), run.table(true)),
+        false => format!("\n{} · {}\n{}", axis_label(&sweep.axis, *v), run.shape, run.table(false)),
     });
     let d_model = if sweep.axis == "d_model" { " (FF = 4·C and d_head fixed unless --ff / --heads were given)" } else { "" };
     let note = format!("cells: median ms · speedup over stage 0 at the same {}{d_model}", axis_symbol(&sweep.axis));

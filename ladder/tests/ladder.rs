@@ -115,7 +115,7 @@ fn ladder_end_to_end_on_tiny() {
     let (json, svg) = (dir.join("ladder.json"), dir.join("ladder.svg"));
     let o = run_tiny(&["--json", s(&json), "--svg", s(&svg)]);
     o.ok();
-    assert!(o.stdout.contains("vs s0") && o.stdout.contains("stage0_baseline"), "{}", o.stdout);
+    assert!(o.stdout.contains("vs stage 0") && o.stdout.contains("stage0_baseline"), "{}", o.stdout);
 
     // JSON: the report, every stage a row (run or skipped), and where it ran.
     let report: LadderReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
