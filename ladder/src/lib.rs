@@ -104,17 +104,13 @@ pub fn new_report(info: &DeviceInfo, shape: Shape, names: Vec<String>) -> Ladder
     }
 }
 
-/// How the ladder measures: the timed iterations split into interleaved rounds, and whether to
-/// add the ablation rows.
+/// How the ladder measures: `--rounds`, `--ablate` (`Stage::ablations`), `--reference`.
 #[derive(Clone, Copy, Debug)]
 pub struct Measure {
-    /// Each round runs every stage (and variant) once with its share of `--iters`, the order
-    /// rotated by one each round, so drift in the machine's speed (other work, heat) is spread
-    /// over every row instead of landing on whichever ran last.
+    /// Each round runs every row once with its share of `--iters`, the order rotated each round,
+    /// so drift in the machine's speed (other work, heat) is spread over every row.
     pub rounds: usize,
-    /// Also run each stage with each of its changes undone in turn (`Stage::ablations`).
     pub ablate: bool,
-    /// Also run the reference rows (`reference::REFERENCES`).
     pub reference: bool,
 }
 
@@ -123,7 +119,6 @@ pub struct Measure {
 #[derive(Default)]
 struct Entry {
     stage: usize,
-    /// The ablation variant or the reference, when this entry is one.
     variant: Option<Box<dyn Stage>>,
     change: Option<String>,
     reference: bool,
@@ -133,9 +128,7 @@ struct Entry {
 }
 
 /// The records of one stage's rounds as one: samples pooled, percentiles and rates recomputed,
-/// the largest peak memory kept.
-/// `None` for a stage with no records (skipped or failed: it left the rounds, and its rows were
-/// cleared).
+/// the largest peak memory kept; `None` for a stage that left the rounds (skipped or failed).
 fn merge_rounds(records: Vec<Record>) -> Option<Record> {
     let mut records = records.into_iter();
     let mut first = records.next()?;
@@ -157,10 +150,9 @@ fn merge_rounds(records: Vec<Record>) -> Option<Record> {
     Some(first)
 }
 
-/// Run the stages `which` (indices into `stages`, as `STAGES` lists them) in one process, in
-/// interleaved rounds (`Measure`), each checked against stage 0's fp32 output. A stage that
-/// cannot run here, or fails, is a row saying so; the first failure is returned beside the
-/// report, so the table and files are written before the run exits with its code.
+/// Run the stages `which` (indices into `all`) in interleaved rounds (`Measure`), each checked
+/// against stage 0's fp32 output. A stage that cannot run here, or fails, is a row saying so; the
+/// first failure is returned beside the report, so the table and files are written before exiting.
 pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
     let session = Session::open(args, default_stages()[0].as_ref())?; // the fp32 reference: STAGES[0] as written
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
@@ -210,9 +202,8 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
                     e.records.push(record);
                 }
                 Err(err) => {
-                    // Every error is a row, the ladder's promise: "skipped" when the stage cannot
-                    // run here, "FAILED" when it ran and is wrong or broke (the run then exits with
-                    // that error's code, after the table and files).
+                    // Every error is a row: "skipped" when the stage cannot run here, "FAILED" when it
+                    // ran and is wrong or broke (the run then exits with that error's code).
                     let (reason, failed) = match err.downcast_ref::<SpeedkitError>() {
                         Some(SpeedkitError::Usage(m)) => (m.clone(), false),
                         Some(SpeedkitError::CheckFailed(m)) => (m.clone(), true),
@@ -221,8 +212,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
                     let reason = shared::error::strip_backtrace(&reason).replace('\n', " ");
                     println!("{}    {label}: {reason}", if failed { "FAILED" } else { "skipped" });
                     e.out = true;
-                    // A stage that leaves in a later round leaves whole: its earlier rounds' records
-                    // are not a row on their own (they would be timed on fewer rounds than the rest).
+                    // A stage that leaves in a later round leaves whole (fewer rounds are no row).
                     e.records.clear();
                     let skipped = Skipped { stage: spec.name().into(), technique: spec.technique().into(), reason, failed };
                     match &e.change {
@@ -445,9 +435,8 @@ pub fn load(path: &Path) -> anyhow::Result<Results> {
     Ok(results)
 }
 
-/// Most rows (stages, ablation or reference rows, sweep values) and most breakdown parts, GEMM
-/// shapes or roofs a file may hold: a chart of thousands of bars is no chart (its width would
-/// overflow).
+/// Most rows (stages, ablation or reference rows, sweep values), breakdown parts, GEMM shapes or
+/// roofs a file may hold: a chart of thousands of bars is no chart (its width would overflow).
 const MAX_ROWS: usize = 64;
 
 /// Longest string (in characters) the file may hold anywhere, keys included: a reason is a line,
@@ -515,9 +504,8 @@ fn check_sweep(s: &SweepReport) -> Result<(), String> {
     s.runs.iter().try_for_each(check_report)
 }
 
-/// Each breakdown part's regime computed again from the record's own time, shape and the run's
-/// ceilings, whatever the file says: the README's prose cites these fields beside a table
-/// computed from the same record, so the two always agree.
+/// Each breakdown part's regime computed again from the record and the run's ceilings, whatever
+/// the file says, so the prose citing these fields and the table always agree.
 fn annotate_again(r: &mut LadderReport) {
     let bandwidth = r.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
     for rec in r.records.iter_mut().chain(r.references.iter_mut()).chain(r.ablation.iter_mut().map(|a| &mut a.record)) {
@@ -531,8 +519,7 @@ pub(crate) fn readme_dir(readme: &Path) -> PathBuf {
     readme.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf()
 }
 
-/// Where --update-readme puts a file it was not given a path for: results/ladder-<kind>.<ext>
-/// beside the README.
+/// Where --update-readme puts a file it was not given a path for: results/ladder-<kind>.<ext>.
 fn default_beside_readme(readme: &Path, report: &DeviceInfo, ext: &str) -> PathBuf {
     let kind = if report.is_cuda() { "cuda" } else { "cpu" };
     readme_dir(readme).join("results").join(format!("ladder-{kind}.{ext}"))
@@ -600,23 +587,22 @@ fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
     Ok(text)
 }
 
-/// Write by the output policy (missing folders created); the error names `flag`, the path and
-/// the fix for its cause.
-fn write_text(path: &Path, text: &str, flag: &str) -> anyhow::Result<()> {
-    Ok(shared::output::write(flag, path, text.as_bytes())?)
-}
-
 /// Print the table, write the chart, and rewrite the README's results region, as asked.
 /// `json` is where the run's JSON is (or was just written), for the README's data link.
 pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow::Result<()> {
-    if out.update_readme && matches!(results, Results::Sweep(_)) {
-        return Err(sweep_and_readme().into());
-    }
     println!();
     match results {
         Results::Ladder(r) => {
             print!("{}", r.table(out.markdown));
-            print_extras(r, out.markdown);
+            if !r.ablation.is_empty() || !r.ablation_out.is_empty() {
+                println!("\none change at a time (--ablate): \"what it buys\" = variant median / stage median, ≈1.0x within p10-p90 noise");
+                print!("{}", render::ablation_table(r, out.markdown));
+            }
+            if r.records.iter().any(|rec| rec.breakdown.is_some()) {
+                println!("\nwhere the time goes (--breakdown, instrumented: a sync at each part boundary)");
+                print!("{}", render::breakdown_table(r, out.markdown));
+                println!("{}", render::REGIME_LEGEND.replace("**", ""));
+            }
         }
         Results::Sweep(s) => print!("{}", render::sweep_tables(s, out.markdown)),
     }
@@ -626,15 +612,15 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
             Results::Ladder(r) => chart::ladder_svg(r)?,
             Results::Sweep(s) => chart::sweep_svg(s)?,
         };
-        write_text(path, &svg, "--svg")?;
+        shared::output::write("--svg", path, svg.as_bytes())?;
         println!("\nsaved     chart to {}", path.display());
         if let Results::Ladder(r) = results {
             // Beside the bar chart, from the same report: the roofline, and the breakdown if recorded.
             let [roofline, b] = chart_siblings(path);
-            write_text(&roofline, &roofline::roofline_svg(r)?, "--svg (the roofline chart beside it)")?;
+            shared::output::write("--svg (the roofline chart beside it)", &roofline, roofline::roofline_svg(r)?.as_bytes())?;
             println!("saved     roofline to {}", roofline.display());
             if r.records.iter().any(|rec| rec.breakdown.is_some()) {
-                write_text(&b, &chart::breakdown_svg(r)?, "--svg (the breakdown chart beside it)")?;
+                shared::output::write("--svg (the breakdown chart beside it)", &b, chart::breakdown_svg(r)?.as_bytes())?;
                 println!("saved     breakdown chart to {}", b.display());
             }
         }
@@ -654,24 +640,11 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         if updated == text {
             println!("unchanged {}: its {} region already shows this run", page.display(), out.readme_region);
         } else {
-            write_text(&page, &updated, "--readme")?;
+            shared::output::write("--readme", &page, updated.as_bytes())?;
             println!("updated   {}: {} region rewritten from {}", page.display(), out.readme_region, json.display());
         }
     }
     Ok(())
-}
-
-/// The ablation and breakdown tables under the main one, when the run has them.
-fn print_extras(r: &LadderReport, markdown: bool) {
-    if !r.ablation.is_empty() || !r.ablation_out.is_empty() {
-        println!("\none change at a time (--ablate): \"what it buys\" = variant median / stage median, ≈1.0x within p10-p90 noise");
-        print!("{}", render::ablation_table(r, markdown));
-    }
-    if r.records.iter().any(|rec| rec.breakdown.is_some()) {
-        println!("\nwhere the time goes (--breakdown, instrumented: a sync at each part boundary)");
-        print!("{}", render::breakdown_table(r, markdown));
-        println!("{}", render::REGIME_LEGEND.replace("**", ""));
-    }
 }
 
 fn sweep_and_readme() -> SpeedkitError {
@@ -681,9 +654,8 @@ fn sweep_and_readme() -> SpeedkitError {
     )
 }
 
-/// Every file a run or render will write, checked before anything runs: each path alone
-/// (`shared::output::check`), no two on one file, and with --update-readme the JSON and chart
-/// under the README's folder so it can link them. `json` and `svg` are the paths after defaults.
+/// Every file a run or render will write, checked before anything runs (`shared::output`), and
+/// with --update-readme the JSON and chart under the README's folder so it can link them.
 fn check_outputs(
     args: Option<&RunArgs>,
     out: &OutputArgs,
@@ -701,18 +673,11 @@ fn check_outputs(
     let beside: Vec<PathBuf> = svg.iter().flat_map(|p| chart_siblings(p)).collect();
     list.extend(beside.iter().map(|p| ("--svg (the chart beside it)", p.as_path())));
     let page = render::region_page(&out.readme, &out.readme_region).0;
-    if out.update_readme {
-        list.push(("--readme", page.as_path()));
-    }
+    list.extend(out.update_readme.then_some(("--readme", page.as_path())));
     let checked = shared::output::check_all(&list)?;
     shared::output::check_not_inputs(&checked, inputs)?;
-    if out.update_readme {
-        if let Some(p) = json {
-            link_from_readme(&out.readme, json_flag, p)?;
-        }
-        if let Some(p) = svg {
-            link_from_readme(&out.readme, "--svg", p)?;
-        }
+    for (flag, p) in [(json_flag, json), ("--svg", svg)].into_iter().filter(|_| out.update_readme) {
+        p.map(|p| link_from_readme(&out.readme, flag, p)).transpose()?;
     }
     Ok(())
 }
@@ -839,15 +804,14 @@ pub fn main() -> ExitCode {
             let results = load(&args.from)?;
             if args.output.update_readme {
                 read_readme(&render::region_page(&args.output.readme, &args.output.readme_region).0, &args.output.readme_region)?;
-                if let Results::Ladder(r) = &results {
-                    let failed = r.skipped.iter().filter(|s| s.failed).map(|s| s.stage.clone());
-                    let failed = failed.chain(r.ablation_out.iter().filter(|o| o.failed).map(|o| format!("{} ({})", o.against, o.change)));
-                    if let Some(bad) = failed.into_iter().next() {
-                        anyhow::bail!(SpeedkitError::usage(format!(
-                            "{} records a run in which {bad} FAILED, and the README only shows runs that passed. Fix: render it with --markdown or --svg, or run the ladder again.",
-                            args.from.display(),
-                        )));
-                    }
+                let Results::Ladder(r) = &results else { return Err(sweep_and_readme().into()) };
+                let failed = r.skipped.iter().filter(|s| s.failed).map(|s| s.stage.clone());
+                let failed = failed.chain(r.ablation_out.iter().filter(|o| o.failed).map(|o| format!("{} ({})", o.against, o.change)));
+                if let Some(bad) = failed.into_iter().next() {
+                    anyhow::bail!(SpeedkitError::usage(format!(
+                        "{} records a run in which {bad} FAILED, and the README only shows runs that passed. Fix: render it with --markdown or --svg, or run the ladder again.",
+                        args.from.display(),
+                    )));
                 }
             }
             let svg = path_or_default(&args.output.svg, &results, &args.output.readme, args.output.update_readme, "svg");

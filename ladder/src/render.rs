@@ -102,23 +102,16 @@ pub fn describe_shape(shape: &Shape) -> String {
     }
 }
 
-/// Which page holds each region that is not in the README: the README shows the CPU run
-/// (`results`) and one GPU run (`results-gpu`); the GPU's other runs are on docs/gpu.md. Paths are
-/// relative to the README's folder.
-pub const REGION_PAGES: &[(&str, &str)] = &[
-    ("results-gpu-ablate-te", "docs/gpu.md"),
-    ("results-gpu-graph", "docs/gpu.md"),
-    ("results-gpu-gpt2", "docs/gpu.md"),
-    ("results-gpu-ablate-gpt2", "docs/gpu.md"),
-];
+/// The regions on docs/gpu.md: the README shows the CPU run (`results`) and one GPU run
+/// (`results-gpu`); the GPU's other runs are on that page.
+pub const GPU_PAGE_REGIONS: [&str; 4] = ["results-gpu-ablate-te", "results-gpu-graph", "results-gpu-gpt2", "results-gpu-ablate-gpt2"];
 
-/// The page `--update-readme` rewrites for `region` (`readme` itself, or the page beside it that
-/// holds the region), and the prefix that turns a link from the README's folder into one from
-/// that page ("../" for docs/gpu.md).
+/// The page `--update-readme` rewrites for `region` (`readme`, or docs/gpu.md beside it), and the
+/// prefix that turns a link from the README's folder into one from that page.
 pub fn region_page(readme: &std::path::Path, region: &str) -> (std::path::PathBuf, String) {
-    match REGION_PAGES.iter().find(|(r, _)| *r == region) {
-        Some((_, page)) => (crate::readme_dir(readme).join(page), "../".repeat(page.matches('/').count())),
-        None => (readme.to_path_buf(), String::new()),
+    match GPU_PAGE_REGIONS.contains(&region) {
+        true => (crate::readme_dir(readme).join("docs/gpu.md"), "../".into()),
+        false => (readme.to_path_buf(), String::new()),
     }
 }
 

@@ -22,6 +22,15 @@ impl Axis {
             Axis::DModel => "d_model",
         }
     }
+
+    /// The flag that sets this dimension.
+    fn flag(self, a: &mut RunArgs) -> &mut Option<usize> {
+        match self {
+            Axis::Seq => &mut a.seq,
+            Axis::Batch => &mut a.batch,
+            Axis::DModel => &mut a.d_model,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,12 +68,7 @@ pub fn check_values(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> 
         )));
     }
     let axis = sweep.axis;
-    let given = match axis {
-        Axis::Seq => args.seq,
-        Axis::Batch => args.batch,
-        Axis::DModel => args.d_model,
-    };
-    if given.is_some() {
+    if axis.flag(&mut args.clone()).is_some() {
         let (flag, name) = (format!("--{}", axis.name().replace('_', "-")), axis.name());
         return Err(SpeedkitError::usage(format!(
             "{flag} and --sweep {name}=... both set the same dimension. Fix: drop {flag}; the sweep sets it for each run."
@@ -81,39 +85,34 @@ pub fn check_values(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> 
             "--weights and --input fix C from their files, so a sweep cannot vary d_model. Fix: drop them, or sweep seq or batch.",
         ));
     }
-    let one_file =
-        [("--save-output", &args.save_output), ("--save-weights", &args.save_weights)].into_iter().find(|(_, path)| path.is_some());
-    match one_file {
-        Some((flag, _)) => Err(SpeedkitError::usage(format!(
+    if let Some((flag, _)) = [("--save-output", &args.save_output), ("--save-weights", &args.save_weights)].iter().find(|f| f.1.is_some()) {
+        return Err(SpeedkitError::usage(format!(
             "{flag} writes one file per run, and a sweep's runs would overwrite each other. Fix: drop {flag}, or run the one shape you want without --sweep."
-        ))),
-        None => Ok(()),
+        )));
     }
+    Ok(())
 }
 
 /// The flags for one value, or why that value cannot run (it becomes skipped rows).
 fn args_for(args: &RunArgs, axis: Axis, value: usize, d_head: usize) -> Result<RunArgs, SpeedkitError> {
     let mut a = args.clone();
     a.json = None;
-    match axis {
-        Axis::Seq => a.seq = Some(value),
-        Axis::Batch => a.batch = Some(value),
-        Axis::DModel => {
-            a.d_model = Some(value);
-            let ff = value.checked_mul(4).ok_or_else(|| {
-                SpeedkitError::usage(format!("C = {value} is too large: FF = 4·C overflows. Fix: sweep d_model values below 2^31."))
-            })?;
-            a.ff = args.ff.or(Some(ff));
-            if args.heads.is_none() {
-                if value == 0 || !value.is_multiple_of(d_head) {
-                    return Err(SpeedkitError::usage(format!(
-                        "C = {value} is not a positive multiple of d_head = {d_head}, which the sweep keeps fixed (n_head = C / d_head). \
-                         Fix: sweep multiples of {d_head}, or pass --heads to fix n_head instead."
-                    )));
-                }
-                a.heads = Some(value / d_head);
-            }
+    *axis.flag(&mut a) = Some(value);
+    if axis != Axis::DModel {
+        return Ok(a);
+    }
+    let ff = value.checked_mul(4).ok_or_else(|| {
+        SpeedkitError::usage(format!("C = {value} is too large: FF = 4·C overflows. Fix: sweep d_model values below 2^31."))
+    })?;
+    a.ff = args.ff.or(Some(ff));
+    if args.heads.is_none() {
+        if value == 0 || !value.is_multiple_of(d_head) {
+            return Err(SpeedkitError::usage(format!(
+                "C = {value} is not a positive multiple of d_head = {d_head}, which the sweep keeps fixed (n_head = C / d_head). \
+                 Fix: sweep multiples of {d_head}, or pass --heads to fix n_head instead."
+            )));
         }
+        a.heads = Some(value / d_head);
     }
     Ok(a)
 }
@@ -128,7 +127,6 @@ pub fn run(
     argv: &[String],
     measure: crate::Measure,
 ) -> anyhow::Result<(SweepReport, Option<anyhow::Error>)> {
-    check_values(args, sweep)?;
     let base = shared::runner::resolve(args)?;
     let (mut runs, mut failure) = (Vec::new(), None);
     for &value in &sweep.values {

@@ -261,12 +261,8 @@ impl LadderReport {
     pub fn table(&self, markdown: bool) -> String {
         let mut rows = self.rows();
         rows.extend(self.references.iter().map(Row::Ran).chain(self.references_out.iter().map(Row::Skipped)));
-        let grid = grid(&rows, &self.references, self.device.is_cuda());
-        if markdown {
-            table(grid, true)
-        } else {
-            gemm_backends(&rows) + &table(grid, false)
-        }
+        let backends = if markdown { String::new() } else { gemm_backends(&rows) };
+        backends + &table(grid(&rows, &self.references, self.device.is_cuda()), markdown)
     }
 }
 
@@ -333,17 +329,10 @@ pub fn grid(rows: &[Row], references: &[Record], cuda: bool) -> Grid {
 /// "GEMM backend: ...\n" for the backends (and SIMD levels) the rows ran on; empty when none says.
 pub fn gemm_backends(rows: &[Row]) -> String {
     let with_simd = |r: &Record| r.gemm_backend.as_ref().map(|b| r.simd.as_ref().map_or(b.clone(), |s| format!("{b} · SIMD {s}")));
-    let mut backends: Vec<String> = Vec::new();
-    for b in rows.iter().filter_map(|r| if let Row::Ran(r) = r { with_simd(r) } else { None }) {
-        if !backends.contains(&b) {
-            backends.push(b);
-        }
-    }
-    if backends.is_empty() {
-        String::new()
-    } else {
-        format!("GEMM backend: {}\n", backends.join("; "))
-    }
+    let mut all: Vec<String> = rows.iter().filter_map(|r| if let Row::Ran(r) = r { with_simd(r) } else { None }).collect();
+    let mut seen = std::collections::HashSet::new();
+    all.retain(|b| seen.insert(b.clone()));
+    (!all.is_empty()).then(|| format!("GEMM backend: {}\n", all.join("; "))).unwrap_or_default()
 }
 
 /// `grid` as GitHub markdown, or for the terminal as columns padded to their widest cell,
