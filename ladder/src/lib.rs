@@ -32,8 +32,7 @@ use sweep::Sweep;
 
 /// The stages, in order: adding a stage is one crate and one line here. The first is the
 /// baseline: speedups are against it, every stage is checked against its fp32 output, and it
-/// always runs at fp32 (`--precision` applies to the stages without a precision of their own;
-/// see `shared::stage::ladder_request`).
+/// always runs at fp32 (`shared::stage::ladder_request`).
 pub const STAGES: [StageEntry; 5] =
     [stage0_baseline::STAGE, stage1_tensorcore::STAGE, stage2_sdpa::STAGE, stage3_fused::STAGE, stage4_fp8::STAGE];
 
@@ -53,26 +52,17 @@ pub fn default_stages() -> Vec<Box<dyn Stage>> {
     stages_from(&m).unwrap_or_else(|e| panic!("every stage flag has a default: {e}"))
 }
 
-/// `--stages 0,2,4` as indices into `stages()`, in ladder order whatever order they were given
-/// in; all stages when `None`.
+/// `--stages 0,2,4` as indices into `STAGES`, in ladder order whatever order they were given in;
+/// all stages when `None`.
 pub fn select(requested: Option<&[usize]>) -> Result<Vec<usize>, SpeedkitError> {
     let all = default_stages();
     let Some(requested) = requested else {
         return Ok((0..all.len()).collect());
     };
-    let valid = || all.iter().enumerate().map(|(i, s)| format!("{i} {}", s.name())).collect::<Vec<_>>().join(", ");
-    if requested.is_empty() {
-        return Err(SpeedkitError::usage(format!(
-            "--stages is empty. Fix: list stage numbers, e.g. --stages 0,2; the stages are {}.",
-            valid()
-        )));
-    }
-    if let Some(bad) = requested.iter().find(|&&i| i >= all.len()) {
-        return Err(SpeedkitError::usage(format!(
-            "--stages names stage {bad}, but the ladder has {} stages. Fix: pick among {}.",
-            all.len(),
-            valid()
-        )));
+    let bad = requested.iter().find(|&&i| i >= all.len()).map(|b| format!("names stage {b}, but the ladder has {} stages", all.len()));
+    if let Some(bad) = bad.or(requested.is_empty().then(|| "is empty".into())) {
+        let valid = all.iter().enumerate().map(|(i, s)| format!("{i} {}", s.name())).collect::<Vec<_>>().join(", ");
+        return Err(SpeedkitError::usage(format!("--stages {bad}. Fix: list stage numbers among {valid}, e.g. --stages 0,2.")));
     }
     let mut which = requested.to_vec();
     which.sort_unstable();
@@ -158,8 +148,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
     report.ceiling = session.ceiling.clone();
     let mut failure = None;
-    let entry =
-        |stage: usize, variant: Option<Box<dyn Stage>>, change: Option<String>| Entry { stage, variant, change, ..Default::default() };
+    let entry = |stage, variant, change| Entry { stage, variant, change, ..Default::default() };
     let mut entries: Vec<Entry> = which.iter().map(|&i| entry(i, None, None)).collect();
     if m.ablate {
         for &i in which {
@@ -218,9 +207,9 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
                     match &e.change {
                         None if e.reference => report.references_out.push(skipped),
                         None => report.skipped.push(skipped),
-                        Some(change) => report.ablation_out.push(AblationOut {
+                        Some(c) => report.ablation_out.push(AblationOut {
                             against: skipped.stage,
-                            change: change.clone(),
+                            change: c.clone(),
                             reason: skipped.reason,
                             failed,
                         }),
@@ -520,18 +509,9 @@ pub(crate) fn readme_dir(readme: &Path) -> PathBuf {
 }
 
 /// Where --update-readme puts a file it was not given a path for: results/ladder-<kind>.<ext>.
-fn default_beside_readme(readme: &Path, report: &DeviceInfo, ext: &str) -> PathBuf {
-    let kind = if report.is_cuda() { "cuda" } else { "cpu" };
+fn default_beside_readme(readme: &Path, info: &DeviceInfo, ext: &str) -> PathBuf {
+    let kind = if info.is_cuda() { "cuda" } else { "cpu" };
     readme_dir(readme).join("results").join(format!("ladder-{kind}.{ext}"))
-}
-
-/// `given`, else with `beside` (--update-readme) a ladder run's default beside the README.
-fn path_or_default(given: &Option<PathBuf>, results: &Results, readme: &Path, beside: bool, ext: &str) -> Option<PathBuf> {
-    match (results, given, beside) {
-        (_, Some(p), _) => Some(p.clone()),
-        (Results::Ladder(r), None, true) => Some(default_beside_readme(readme, &r.device, ext)),
-        _ => None,
-    }
 }
 
 /// `path` as a link from the README: relative to its folder, with forward slashes. Refused
@@ -587,9 +567,9 @@ fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
     Ok(text)
 }
 
-/// Print the table, write the chart, and rewrite the README's results region, as asked.
+/// Print the table, write the chart to `svg`, and rewrite the README's results region, as asked.
 /// `json` is where the run's JSON is (or was just written), for the README's data link.
-pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow::Result<()> {
+pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>, svg_path: Option<&Path>) -> anyhow::Result<()> {
     println!();
     match results {
         Results::Ladder(r) => {
@@ -606,8 +586,7 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         }
         Results::Sweep(s) => print!("{}", render::sweep_tables(s, out.markdown)),
     }
-    let svg_path = path_or_default(&out.svg, results, &out.readme, out.update_readme, "svg");
-    if let Some(path) = &svg_path {
+    if let Some(path) = svg_path {
         let svg = match results {
             Results::Ladder(r) => chart::ladder_svg(r)?,
             Results::Sweep(s) => chart::sweep_svg(s)?,
@@ -626,11 +605,8 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
         }
     }
     if out.update_readme {
-        let Results::Ladder(report) = results else {
-            return Err(sweep_and_readme().into());
-        };
-        let (Some(json), Some(svg)) = (json, &svg_path) else {
-            anyhow::bail!("--update-readme needs the run's JSON and chart paths");
+        let (Results::Ladder(report), Some(json), Some(svg)) = (results, json, svg_path) else {
+            anyhow::bail!("--update-readme needs one ladder run's JSON and chart paths");
         };
         let (page, up) = render::region_page(&out.readme, &out.readme_region);
         let text = read_readme(&page, &out.readme_region)?;
@@ -647,11 +623,18 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow:
     Ok(())
 }
 
-fn sweep_and_readme() -> SpeedkitError {
-    SpeedkitError::usage(
-        "--update-readme writes one ladder run into the README's results region, and a sweep is several. \
-         Fix: drop --update-readme and use --markdown and --svg for the sweep's tables and chart.",
-    )
+/// With --update-readme: refuse a sweep, and check the page's markers now, before any work.
+fn check_readme(out: &OutputArgs, sweep: bool) -> anyhow::Result<()> {
+    if out.update_readme && sweep {
+        anyhow::bail!(SpeedkitError::usage(
+            "--update-readme writes one ladder run into the README's results region, and a sweep is several. \
+             Fix: drop --update-readme and use --markdown and --svg for the sweep's tables and chart.",
+        ));
+    }
+    if out.update_readme {
+        read_readme(&render::region_page(&out.readme, &out.readme_region).0, &out.readme_region)?;
+    }
+    Ok(())
 }
 
 /// Every file a run or render will write, checked before anything runs (`shared::output`), and
@@ -718,12 +701,7 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
         ));
     }
     let out = &ladder.output;
-    if out.update_readme {
-        if ladder.sweep.is_some() {
-            return Err(sweep_and_readme().into());
-        }
-        read_readme(&render::region_page(&out.readme, &out.readme_region).0, &out.readme_region)?;
-    }
+    check_readme(out, ladder.sweep.is_some())?;
     shared::cli::validate(&args)?;
     if let Some(s) = &ladder.sweep {
         sweep::check_values(&args, s)?;
@@ -751,7 +729,7 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     };
     // A failed run never replaces the recorded results: the default files beside the README
     // are written only when every stage passed (paths the user named are written either way).
-    let json = path_or_default(&args.json, &results, &out.readme, out.update_readme && failure.is_none(), "json");
+    let (json, svg) = if failure.is_none() { (planned_json, planned_svg) } else { (args.json.clone(), out.svg.clone()) };
     if let Some(path) = &json {
         match &results {
             Results::Ladder(r) => write_json(path, r)?,
@@ -760,7 +738,7 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     }
     // A failed check is reported in the table and the files, but never becomes the README's.
     let out = OutputArgs { update_readme: out.update_readme && failure.is_none(), ..out.clone() };
-    emit(&results, &out, json.as_deref())?;
+    emit(&results, &out, json.as_deref(), svg.as_deref())?;
     if let Some(path) = &json {
         println!("saved     JSON to {}", path.display());
     }
@@ -802,9 +780,8 @@ pub fn main() -> ExitCode {
         Some(("render", sub)) => {
             let args = RenderArgs::from_arg_matches(sub)?;
             let results = load(&args.from)?;
-            if args.output.update_readme {
-                read_readme(&render::region_page(&args.output.readme, &args.output.readme_region).0, &args.output.readme_region)?;
-                let Results::Ladder(r) = &results else { return Err(sweep_and_readme().into()) };
+            check_readme(&args.output, matches!(results, Results::Sweep(_)))?;
+            if let (true, Results::Ladder(r)) = (args.output.update_readme, &results) {
                 let failed = r.skipped.iter().filter(|s| s.failed).map(|s| s.stage.clone());
                 let failed = failed.chain(r.ablation_out.iter().filter(|o| o.failed).map(|o| format!("{} ({})", o.against, o.change)));
                 if let Some(bad) = failed.into_iter().next() {
@@ -814,13 +791,16 @@ pub fn main() -> ExitCode {
                     )));
                 }
             }
-            let svg = path_or_default(&args.output.svg, &results, &args.output.readme, args.output.update_readme, "svg");
+            let svg = args.output.svg.clone().or_else(|| match &results {
+                Results::Ladder(r) if args.output.update_readme => Some(default_beside_readme(&args.output.readme, &r.device, "svg")),
+                _ => None,
+            });
             // Every output, the charts beside --svg and the README included, against the file read.
             check_outputs(None, &args.output, None, svg.as_deref(), &[("--from", args.from.as_path())])?;
             if args.output.update_readme {
                 link_from_readme(&args.output.readme, "--from", &args.from)?;
             }
-            emit(&results, &args.output, Some(&args.from))
+            emit(&results, &args.output, Some(&args.from), svg.as_deref())
         }
         _ => run_command(RunArgs::from_arg_matches(&matches)?, LadderArgs::from_arg_matches(&matches)?, stages_from(&matches)?),
     })
