@@ -139,11 +139,9 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
     let y_max = if top > 0.0 { top * 1.3 } else { 1.0 };
     svg(((175 * n as u32 + 130).max(800), 560), |root| {
         let per = if report.records.iter().any(|r| r.train.is_some()) { "training step (forward + backward)" } else { "forward" };
-        let title = if report.records.iter().any(|r| r.speedup_vs_stage0.is_some()) {
-            format!("Median ms per {per} (lower is better); speedup over stage 0 on each bar")
-        } else {
-            format!("Median ms per {per} (lower is better); stage 0 did not run, so no speedups")
-        };
+        let s0 = report.records.iter().any(|r| r.speedup_vs_stage0.is_some());
+        let speedups = if s0 { "speedup over stage 0 on each bar" } else { "stage 0 did not run, so no speedups" };
+        let title = format!("Median ms per {per} (lower is better); {speedups}");
         heading(root, &title, bold(16.0, INK, HPos::Left, VPos::Top), &[describe_device(report), facts(report.shape, report)])?;
         let body = root.margin(74, 14, 8, 20);
         let mut chart = bar_chart(&body, 78, n, y_max, &format!("median ms per {per} (whisker: p10–p90)"))?;
@@ -251,12 +249,7 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     let (lo, hi) = if hi > 0.0 { (lo * 0.6, hi * 1.8) } else { (0.1, 1.0) };
     let s_max = all.filter_map(|(_, r)| r.speedup_vs_stage0).fold(1.0f64, f64::max) * 1.2;
     let x_range = || -0.5f64..k as f64 - 0.5;
-    let x_desc = match sweep.axis.as_str() {
-        "seq" => "T (tokens per sequence)",
-        "batch" => "B (sequences per forward)",
-        "d_model" => "C (model width)",
-        other => other,
-    };
+    let x_desc = crate::render::AXES.iter().find(|a| a.0 == sweep.axis).map_or(sweep.axis.clone(), |a| format!("{} ({})", a.1, a.2));
     let across = |y: f64, style: ShapeStyle| PathElement::new(vec![(-0.5, y), (k as f64 - 0.5, y)], style);
     svg(((110 * k as u32 + 300).max(800), h), |root| {
         let title = format!("Sweep over {}: median ms per stage, and its speedup over stage 0", axis_symbol(&sweep.axis));
@@ -269,7 +262,7 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
         mesh(&mut ms, TRANSPARENT)
             .disable_x_mesh()
             .x_labels(0)
-            .x_desc(x_desc)
+            .x_desc(&x_desc)
             .y_desc("median ms (log scale)")
             .y_label_formatter(&|_| String::new())
             .draw()?;
@@ -303,7 +296,7 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
         mesh(&mut up, GRID)
             .disable_x_mesh()
             .x_labels(0)
-            .x_desc(x_desc)
+            .x_desc(&x_desc)
             .y_desc("speedup over stage 0 (above 1 pays)")
             .y_label_formatter(&|v| format!("{v:.1}x"))
             .draw()?;

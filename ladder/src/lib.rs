@@ -297,14 +297,8 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
     let shared::runner::Resolved { device, info, shape, .. } = shared::runner::resolve(args)?;
     let mut out = String::new();
     writeln!(out, "device    {}", info.describe())?;
-    let versions = provenance::versions();
-    writeln!(
-        out,
-        "build     cuda feature {} · candle-core {} · commit {}",
-        if cfg!(feature = "cuda") { "on" } else { "off (CPU only; build with --features cuda for the GPU)" },
-        versions["candle-core"],
-        commit()
-    )?;
+    let cuda = if cfg!(feature = "cuda") { "on" } else { "off (CPU only; build with --features cuda for the GPU)" };
+    writeln!(out, "build     cuda feature {cuda} · candle-core {} · commit {}", provenance::versions()["candle-core"], commit())?;
     writeln!(out, "switches  now: {} (process-wide; every stage's build sets all three)", GemmSwitches::current().describe())?;
     writeln!(out, "shape     {shape}")?;
     if !info.is_cuda() {
@@ -319,15 +313,12 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
         match ladder_plan(stage.as_ref(), &device, &info, shape, args) {
             Ok(plan) => {
                 writeln!(out, "  {:<18} {:<5} {}", stage.name(), plan.precision.name(), plan.precision_reason)?;
-                writeln!(out, "  {:<18} {:<5} applies: {}", "", "", stage.switches(&plan).describe())?;
-                if let Some(imp) = stage.implementation(&plan) {
-                    writeln!(out, "  {:<18} {:<5} runs: {imp}", "", "")?;
-                }
-                if let Err(e) = stage.check_shape(&shape) {
-                    writeln!(out, "  {:<18} {:<5} cannot run this shape: {e}", "", "")?;
-                }
-                for note in stage.notes(&plan) {
-                    writeln!(out, "  {:<18} {:<5} note: {note}", "", "")?;
+                let mut more = vec![format!("applies: {}", stage.switches(&plan).describe())];
+                more.extend(stage.implementation(&plan).map(|i| format!("runs: {i}")));
+                more.extend(stage.check_shape(&shape).err().map(|e| format!("cannot run this shape: {e}")));
+                more.extend(stage.notes(&plan).iter().map(|n| format!("note: {n}")));
+                for line in more {
+                    writeln!(out, "{:27}{line}", "")?;
                 }
             }
             Err(e) => writeln!(out, "  {:<18} skipped: {e}", stage.name())?,

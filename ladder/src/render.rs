@@ -12,21 +12,14 @@ pub fn markers(name: &str) -> (String, String) {
 
 /// `--readme-region`: letters, digits, '-' and '_', so the name cannot break the comment.
 pub fn region_name(s: &str) -> Result<String, String> {
-    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-        Ok(s.to_string())
-    } else {
-        Err(format!("'{s}' is not a region name; use letters, digits, '-' and '_', e.g. results-gpu"))
-    }
-}
-
-fn strings<const N: usize>(cells: [&str; N]) -> Vec<String> {
-    cells.map(String::from).to_vec()
+    let ok = !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    ok.then(|| s.to_string()).ok_or_else(|| format!("'{s}' is not a region name; use letters, digits, '-' and '_', e.g. results-gpu"))
 }
 
 /// `ladder --ablate`'s table, as GitHub markdown or for the terminal: each variant (or why it did
 /// not run), and what the undone change buys.
 pub fn ablation_table(report: &LadderReport, markdown: bool) -> String {
-    let header = strings(["stage", "undone", "median ms (p10–p90)", "stage as written", "what it buys"]);
+    let header = ["stage", "undone", "median ms (p10–p90)", "stage as written", "what it buys"].map(String::from).to_vec();
     let ran = report.ablation.iter().map(|a| {
         let full = report.records.iter().find(|r| r.stage == a.against);
         let full = full.map_or("–".into(), |r| format!("{} ms", fmt_ms(r.timing.median_ms)));
@@ -58,7 +51,7 @@ pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
     parts.sort_by_key(|p| order(p)); // stable: a fused part sits after its first part's own column
     let mut header = vec!["stage".to_string()];
     header.extend(parts.iter().map(|p| format!("{p} ms")));
-    header.extend(strings(["total (instrumented)", "median (uninstrumented)"]));
+    header.extend(["total (instrumented)", "median (uninstrumented)"].map(String::from));
     let bandwidth = report.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
     let rows = with
         .iter()
@@ -96,10 +89,8 @@ pub fn describe_device(report: &LadderReport) -> String {
 
 /// The preset's name when the shape is one, and the dimensions.
 pub fn describe_shape(shape: &Shape) -> String {
-    match [Preset::Tiny, Preset::Small, Preset::Gpt2, Preset::Te].into_iter().find(|p| p.shape() == *shape) {
-        Some(p) => format!("preset `{}` ({shape})", p.name()),
-        None => format!("{shape}"),
-    }
+    let preset = [Preset::Tiny, Preset::Small, Preset::Gpt2, Preset::Te].into_iter().find(|p| p.shape() == *shape);
+    preset.map_or(format!("{shape}"), |p| format!("preset `{}` ({shape})", p.name()))
 }
 
 /// The regions on docs/gpu.md: the README shows the CPU run (`results`) and one GPU run
@@ -172,14 +163,13 @@ pub fn splice_readme(readme: &str, name: &str, region: &str) -> Result<String, S
     Ok(format!("{}\n{region}{newline}{}", &readme[..b], &readme[e..]))
 }
 
+/// Each swept dimension as the JSON names it, the literature's letter, and what it counts.
+pub const AXES: [(&str, &str, &str); 3] =
+    [("seq", "T", "tokens per sequence"), ("batch", "B", "sequences per forward"), ("d_model", "C", "model width")];
+
 /// The literature's letter for a swept dimension: T, B or C.
 pub fn axis_symbol(axis: &str) -> &str {
-    match axis {
-        "seq" => "T",
-        "batch" => "B",
-        "d_model" => "C",
-        other => other,
-    }
+    AXES.iter().find(|a| a.0 == axis).map_or(axis, |a| a.1)
 }
 
 /// How a swept value is written: "T = 512", "B = 8", "C = 1024".

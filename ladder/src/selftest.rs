@@ -1,9 +1,7 @@
 //! `ladder selftest`: each GPU building block alone, on small shapes, against its CPU twin — the
-//! first command to run on a new GPU, and the JSON to send back when something is wrong
-//! (docs/gpu.md). On the CPU the same list runs through the CPU stand-ins: the CPU kernels, the
-//! cuBLASLt contract model executing the real argument builders, the capture sequence on a
-//! recording model, the CPU memory probe. So CI runs the list too; a CPU pass says the logic
-//! is right, not that the GPU code works.
+//! first command to run on a new GPU, and the JSON to send back (docs/gpu.md). On the CPU the same
+//! list runs through the CPU stand-ins, so CI runs it too; a CPU pass says the logic is right, not
+//! that the GPU code works.
 //!
 //! | block | on CUDA | on the CPU |
 //! |---|---|---|
@@ -96,8 +94,8 @@ fn graphs(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
         r.compare("CUDA graph", case, || {
             let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
             let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
-            // The capture runs one warm-up forward and records the second; its second replay is
-            // the third call, so a stage with state (delayed scaling) is compared at call 3.
+            // The capture runs a warm-up and records the second call; its second replay is the
+            // third, so a stage with state (delayed scaling) is compared at call 3.
             let plain = stage.build(&weights, &plan)?;
             let mut want = plain.forward(&x)?;
             for _ in 0..2 {
@@ -113,10 +111,8 @@ fn graphs(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
     }
 }
 
-/// `--breakdown`'s recorder on this device: stage 0 at tiny, every part of the block timed,
-/// each time finite and not negative, the parts' sum above zero. On CUDA this is the event path
-/// that failed on the first H100 run (events created without timing); on the CPU the
-/// synchronize-and-clock path.
+/// `--breakdown`'s recorder on this device (CUDA events, or synchronize-and-clock on the CPU):
+/// stage 0 at tiny, every part of the block timed (`check_breakdown`).
 fn breakdown(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
     r.ran = if device.is_cuda() { "cuda".into() } else { "cpu (synchronize + clock)".into() };
     let res = (|| -> anyhow::Result<String> {
@@ -134,8 +130,8 @@ fn breakdown(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo)
     r.outcome("breakdown", "records on this device (stage 0, tiny)".into(), res);
 }
 
-/// What a recorded breakdown of a stage 0–2 forward must hold: the block's parts in order, each
-/// time finite and not negative, a positive total.
+/// A stage 0–2 forward's breakdown: the block's parts in order, each time finite and not
+/// negative, a positive total.
 fn check_breakdown(b: &shared::breakdown::Breakdown) -> anyhow::Result<()> {
     let names: Vec<&str> = b.parts.iter().map(|p| p.name.as_str()).collect();
     anyhow::ensure!(names == shared::breakdown::PARTS, "parts {names:?}, not the block's {:?}", shared::breakdown::PARTS);
@@ -201,8 +197,7 @@ pub struct SelftestArgs {
 /// The subcommand: run, print the table, write the JSON; an error (exit 1) if anything failed.
 pub fn command(args: &SelftestArgs) -> anyhow::Result<()> {
     let req: shared::device::DeviceRequest = args.device.parse().map_err(shared::SpeedkitError::usage)?;
-    // Checked by the output policy before anything runs (a directory, a device, a folder that
-    // cannot take a new file, a closed /dev/fd/N), so a run never ends in a refusal to save it.
+    // Checked by the output policy before anything runs, so a run never ends in a refusal to save it.
     let out = shared::output::check("--json", &args.json)?;
     let (device, info) = shared::device::select(req)?;
     let rep = run(&device, &info);
