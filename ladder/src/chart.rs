@@ -129,9 +129,8 @@ fn draw_emulated_bar(chart: &mut Bars, x: f64, median: f64, c: RGBColor) -> anyh
     Ok(())
 }
 
-/// The ladder chart: one bar per stage (median ms, p10–p90 whisker), the speedup over stage 0
-/// and the median written on each bar, and under each bar its precision and relative error
-/// against the fp32 reference. A stage that did not run keeps its slot, labelled "skipped".
+/// The ladder chart: a bar per stage (median ms, p10–p90 whisker, speedup over stage 0), its
+/// precision and error under it; a stage that did not run keeps its slot, labelled "skipped".
 pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
     let rows = report.rows();
     let n = rows.len().max(1);
@@ -195,13 +194,8 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
 
 /// The shape's dimensions other than the swept one (and those that follow it in a d_model sweep).
 fn shape_without(s: &shared::Shape, axis: &str) -> String {
-    let dims = [
-        ("B", s.batch, "batch"),
-        ("T", s.seq, "seq"),
-        ("C", s.d_model, "d_model"),
-        ("n_head", s.n_head, "d_model"),
-        ("FF", s.ff, "d_model"),
-    ];
+    let c = "d_model";
+    let dims = [("B", s.batch, "batch"), ("T", s.seq, "seq"), ("C", s.d_model, c), ("n_head", s.n_head, c), ("FF", s.ff, c)];
     dims.iter().filter(|(_, _, a)| *a != axis).map(|(n, v, _)| format!("{n}={v}")).join(" ")
 }
 
@@ -335,8 +329,7 @@ fn part_colour(part: &str) -> RGBColor {
     rgb(PART_COLOURS.iter().find(|(name, _)| part.starts_with(name)).map_or(0x7f7f7f, |(_, c)| *c))
 }
 
-/// `--breakdown`'s chart: one stacked bar per stage (the instrumented parts, bottom to top in
-/// forward order) with a tick at the uninstrumented median beside it.
+/// `--breakdown`'s chart: a bar of stacked parts per stage, a tick at the uninstrumented median.
 pub fn breakdown_svg(report: &LadderReport) -> anyhow::Result<String> {
     let rows: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
     let n = rows.len().max(1);

@@ -2,8 +2,7 @@
 //! against the same fp32 reference and timed the same way, in one table — and, for readers,
 //! the same run as GitHub markdown, an SVG chart, the README's results region, or a sweep.
 //!
-//! Run it: `cargo run --release -p ladder` (CPU) ·
-//! `cargo run --release --features cuda -p ladder -- --device cuda` (GPU).
+//! Run it: `cargo run --release -p ladder` (CPU) · `cargo run --release --features cuda -p ladder -- --device cuda` (GPU).
 
 pub mod chart;
 pub mod provenance;
@@ -36,7 +35,6 @@ use sweep::Sweep;
 pub const STAGES: [StageEntry; 5] =
     [stage0_baseline::STAGE, stage1_tensorcore::STAGE, stage2_sdpa::STAGE, stage3_fused::STAGE, stage4_fp8::STAGE];
 
-/// `cmd` with every stage's flags.
 pub fn with_stage_args(cmd: clap::Command) -> clap::Command {
     STAGES.iter().fold(cmd, |c, e| (e.args)(c))
 }
@@ -140,9 +138,8 @@ fn merge_rounds(records: Vec<Record>) -> Option<Record> {
     Some(first)
 }
 
-/// Run the stages `which` (indices into `all`) in interleaved rounds (`Measure`), each checked
-/// against stage 0's fp32 output. A stage that cannot run here, or fails, is a row saying so; the
-/// first failure is returned beside the report, so the table and files are written before exiting.
+/// Run the stages `which` (indices into `all`) in interleaved rounds, each checked against stage 0's
+/// fp32 output. A stage that cannot run here, or fails, is a row; the first failure is returned.
 pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
     let session = Session::open(args, default_stages()[0].as_ref())?; // the fp32 reference: STAGES[0] as written
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
@@ -241,7 +238,6 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     let timings: Vec<(usize, Stats)> = measured.iter().map(|(i, r)| (*i, r.timing.clone())).collect();
     let timing_of = |i: usize| timings.iter().find(|(s, _)| *s == i).map(|(_, t)| t);
     let best_reference = report.references.iter().map(|r| r.timing.median_ms).reduce(f64::min);
-    // Each stage's row (its number), then each reference row (none).
     let rows = measured.iter_mut().map(|(i, r)| (Some(*i), r)).chain(report.references.iter_mut().map(|r| (None, r)));
     for (i, record) in rows {
         let t = record.timing.clone();
@@ -268,11 +264,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     report.records = measured.into_iter().map(|(_, r)| r).collect();
     report.ceilings =
         roofline::ceilings(&session.info, &session.args, session.ceiling.as_ref(), report.records.iter().map(|r| r.precision));
-    // Each breakdown part's FLOPs, minimum bytes and regime against these ceilings.
-    let bandwidth = report.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
-    for r in report.records.iter_mut().chain(report.ablation.iter_mut().map(|a| &mut a.record)).chain(report.references.iter_mut()) {
-        shared::regime::annotate(r, bandwidth);
-    }
+    annotate(&mut report); // each breakdown part's FLOPs, minimum bytes and regime against these ceilings
     if !which.contains(&0) {
         println!("note      stage 0 was not selected: no speedups over it");
     }
@@ -285,8 +277,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     Ok((report, failure))
 }
 
-/// `ladder report`: the device, candle's global switches now, and for every stage the
-/// precision, switches and notes it would run with, and why — without running anything.
+/// `ladder report`: the device, candle's switches, and what every stage would run and why.
 pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<String> {
     use std::fmt::Write;
     if let Some((flag, _)) = shared::cli::output_flags(args).first() {
@@ -379,7 +370,9 @@ pub struct RenderArgs {
     pub output: OutputArgs,
 }
 
-/// A ladder run or a sweep: what the outputs are made from.
+/// A ladder run or a sweep: what the outputs are made from (its JSON is the report's own).
+#[derive(serde::Serialize)]
+#[serde(untagged)]
 pub enum Results {
     Ladder(Box<LadderReport>),
     Sweep(SweepReport),
@@ -408,24 +401,22 @@ pub fn load(path: &Path) -> anyhow::Result<Results> {
         other => return Err(usage(format!("has schema {other:?}; this ladder reads {LADDER_SCHEMA} and {SWEEP_SCHEMA}. {pass}.")).into()),
     };
     match &mut results {
-        Results::Ladder(r) => check_report(r).map(|()| annotate_again(r)),
-        Results::Sweep(s) => check_sweep(s).map(|()| s.runs.iter_mut().for_each(annotate_again)),
+        Results::Ladder(r) => check_report(r).map(|()| annotate(r)),
+        Results::Sweep(s) => check_sweep(s).map(|()| s.runs.iter_mut().for_each(annotate)),
     }
     .map_err(damaged)?;
     Ok(results)
 }
 
-/// Most rows (stages, ablation or reference rows, sweep values), breakdown parts, GEMM shapes or
-/// roofs a file may hold: a chart of thousands of bars is no chart (its width would overflow).
+/// Most rows, breakdown parts, GEMM shapes or roofs a file may hold: a chart of thousands of bars
+/// is no chart (its width would overflow).
 const MAX_ROWS: usize = 64;
 
-/// Longest string (in characters) the file may hold anywhere, keys included: a reason is a line,
-/// a path at most 4096 bytes. Longer ones overflowed the table's padding.
+/// Longest string (in characters) a file may hold anywhere, keys included (longer ones overflowed the padding).
 pub const MAX_TEXT: usize = 4096;
 
-/// A file read back is untrusted input. Everywhere in it: strings at most `MAX_TEXT` characters,
-/// and numbers 0 or from 1e-30 to 1e21 (a run writes no negative number, and no axis should
-/// span hundreds of decades). The error names where.
+/// Everywhere in a file read back: strings at most `MAX_TEXT` characters, numbers 0 or from 1e-30
+/// to 1e21 (a run writes no negative number; no axis should span hundreds of decades).
 fn check_value(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String> {
     use serde_json::Value;
     let place = |at: &[String]| if at.is_empty() { "the top level".to_string() } else { at.join(".") };
@@ -453,9 +444,8 @@ fn check_value(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String
     }
 }
 
-/// What the value check cannot see: every shape valid (n_head 0 would divide by zero), every
-/// time and FLOP count above zero (they divide, and the roofline's axes are logarithmic), and no
-/// more rows, parts or roofs than a chart can draw.
+/// What `check_value` cannot see: every shape valid, every time and FLOP count above zero (they
+/// divide; the roofline's axes are logarithmic), no more rows, parts or roofs than a chart draws.
 fn check_report(r: &LadderReport) -> Result<(), String> {
     r.shape.validate().map_err(|e| format!("its shape {:?} is invalid ({e})", r.shape))?;
     let rows = [r.records.len() + r.skipped.len(), r.stages.len(), r.ablation.len(), r.references.len() + r.references_out.len()];
@@ -484,9 +474,9 @@ fn check_sweep(s: &SweepReport) -> Result<(), String> {
     s.runs.iter().try_for_each(check_report)
 }
 
-/// Each breakdown part's regime computed again from the record and the run's ceilings, whatever
-/// the file says, so the prose citing these fields and the table always agree.
-fn annotate_again(r: &mut LadderReport) {
+/// Each breakdown part's regime computed (again) from the record and the run's ceilings, whatever
+/// a file says, so the prose citing these fields and the table always agree.
+fn annotate(r: &mut LadderReport) {
     let bandwidth = r.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
     for rec in r.records.iter_mut().chain(r.references.iter_mut()).chain(r.ablation.iter_mut().map(|a| &mut a.record)) {
         rec.breakdown.iter_mut().flat_map(|b| &mut b.parts).for_each(|p| p.regime = None);
@@ -558,8 +548,7 @@ fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
     Ok(text)
 }
 
-/// Print the table, write the chart to `svg`, and rewrite the README's results region, as asked.
-/// `json` is where the run's JSON is (or was just written), for the README's data link.
+/// Print the table, write the charts, and rewrite the README's region (linking `json`), as asked.
 pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>, svg_path: Option<&Path>) -> anyhow::Result<()> {
     println!();
     match results {
@@ -661,8 +650,7 @@ fn chart_siblings(svg: &Path) -> [PathBuf; 2] {
     ["roofline", "breakdown"].map(|w| PathBuf::from(render::sibling(&svg.to_string_lossy(), w)))
 }
 
-/// `--ablate` with nothing to undo: no stage of the run has a variant with one change undone
-/// on this device with these flags. Refused before any weights exist.
+/// `--ablate` with nothing to undo on this device with these flags, refused before any work.
 fn check_ablate(args: &RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> anyhow::Result<()> {
     let shared::runner::Resolved { device, info, shape, .. } = shared::runner::resolve(args)?;
     let undoable = which.iter().any(|&i| {
@@ -718,14 +706,10 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
             (Results::Ladder(Box::new(report)), failure)
         }
     };
-    // A failed run never replaces the recorded results: the default files beside the README
-    // are written only when every stage passed (paths the user named are written either way).
+    // A failed run never replaces the recorded results (paths the user named are written either way).
     let (json, svg) = if failure.is_none() { (planned_json, planned_svg) } else { (args.json.clone(), out.svg.clone()) };
     if let Some(path) = &json {
-        match &results {
-            Results::Ladder(r) => write_json(path, r)?,
-            Results::Sweep(s) => write_json(path, s)?,
-        }
+        write_json(path, &results)?;
     }
     // A failed check is reported in the table and the files, but never becomes the README's.
     let out = OutputArgs { update_readme: out.update_readme && failure.is_none(), ..out.clone() };

@@ -16,8 +16,7 @@ pub fn region_name(s: &str) -> Result<String, String> {
     ok.then(|| s.to_string()).ok_or_else(|| format!("'{s}' is not a region name; use letters, digits, '-' and '_', e.g. results-gpu"))
 }
 
-/// `ladder --ablate`'s table, as GitHub markdown or for the terminal: each variant (or why it did
-/// not run), and what the undone change buys.
+/// `--ablate`'s table: each variant (or why it did not run), and what the undone change buys.
 pub fn ablation_table(report: &LadderReport, markdown: bool) -> String {
     let header = ["stage", "undone", "median ms (p10–p90)", "stage as written", "what it buys"].map(String::from).to_vec();
     let ran = report.ablation.iter().map(|a| {
@@ -42,8 +41,7 @@ pub(crate) fn part_names(records: &[&Record]) -> Vec<String> {
     records.iter().flat_map(|r| r.breakdown.iter().flat_map(|b| &b.parts)).map(|p| p.name.clone()).unique().collect()
 }
 
-/// `--breakdown`'s table, as GitHub markdown or for the terminal: a row per stage, a column per
-/// part (forward order), total and median.
+/// `--breakdown`'s table: a row per stage, a column per part (forward order), total and median.
 pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
     let with: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
     let mut parts = part_names(&with);
@@ -52,13 +50,10 @@ pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
     let mut header = vec!["stage".to_string()];
     header.extend(parts.iter().map(|p| format!("{p} ms")));
     header.extend(["total (instrumented)", "median (uninstrumented)"].map(String::from));
-    let bandwidth = report.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
     let rows = with
         .iter()
         .map(|&r| {
-            // Recomputed, not read: older files have none, and a file's own figures are not trusted.
-            let mut r = r.clone();
-            shared::regime::annotate(&mut r, bandwidth);
+            // Each part's regime as `ladder::run` or `ladder::load` computed it (never a file's own).
             let b = r.breakdown.as_ref().expect("filtered");
             let cell = |p: &shared::breakdown::PartTime| match &p.regime {
                 Some(g) => format!("{} · {}", fmt_ms(p.median_ms), shared::regime::tag(g)),
@@ -93,8 +88,7 @@ pub fn describe_shape(shape: &Shape) -> String {
     preset.map_or(format!("{shape}"), |p| format!("preset `{}` ({shape})", p.name()))
 }
 
-/// The regions on docs/gpu.md: the README shows the CPU run (`results`) and one GPU run
-/// (`results-gpu`); the GPU's other runs are on that page.
+/// The regions on docs/gpu.md (the README shows `results` and `results-gpu`).
 pub const GPU_PAGE_REGIONS: [&str; 4] = ["results-gpu-ablate-te", "results-gpu-graph", "results-gpu-gpt2", "results-gpu-ablate-gpt2"];
 
 /// The page `--update-readme` rewrites for `region` (`readme`, or docs/gpu.md beside it), and the

@@ -58,8 +58,7 @@ impl std::str::FromStr for Sweep {
 /// Most values one sweep takes: each is a whole ladder run.
 pub const MAX_VALUES: usize = 64;
 
-/// Refuse, before any run, too many values, flags that fix the swept dimension, or flags that
-/// would write one file per value over each other.
+/// Refuse, before any run, too many values, flags that fix the swept dimension or write one file.
 pub fn check_values(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
     if sweep.values.len() > MAX_VALUES {
         return Err(SpeedkitError::usage(format!(
@@ -117,8 +116,7 @@ fn args_for(args: &RunArgs, axis: Axis, value: usize, d_head: usize) -> Result<R
     Ok(a)
 }
 
-/// Run the ladder once per value, a value whose shape cannot run here becoming skipped rows with
-/// the reason; returns the first check failure, if any, after every value has run.
+/// The ladder once per value (one that cannot run here is skipped rows), and the first failure.
 pub fn run(
     args: &RunArgs,
     stages: &[Box<dyn shared::Stage>],
