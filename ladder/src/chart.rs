@@ -119,16 +119,6 @@ pub(crate) fn is_emulated(r: &Record) -> bool {
     r.implementation.as_deref().is_some_and(|i| i.starts_with(shared::stage::EMULATED))
 }
 
-/// An emulation's bar: light grey, outlined in the stage's colour, so it never reads as a speed.
-fn draw_emulated_bar(chart: &mut Bars, x: f64, median: f64, c: RGBColor) -> anyhow::Result<()> {
-    chart.draw_series([Rectangle::new([(x - HALF, 0.0), (x + HALF, median)], rgb(0xe4e4e4).filled())])?;
-    chart.draw_series([PathElement::new(
-        vec![(x - HALF, 0.0), (x - HALF, median), (x + HALF, median), (x + HALF, 0.0)],
-        c.stroke_width(2),
-    )])?;
-    Ok(())
-}
-
 /// The ladder chart: a bar per stage (median ms, p10–p90 whisker, speedup over stage 0), its
 /// precision and error under it; a stage that did not run keeps its slot, labelled "skipped".
 pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
@@ -147,13 +137,15 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
         for (i, row) in rows.iter().enumerate() {
             let x = i as f64 + 0.5;
             let c = stage_colour(row.stage(), i);
+            let frame = |top: f64| vec![(x - HALF, 0.0), (x - HALF, top), (x + HALF, top), (x + HALF, 0.0)];
             match row {
                 Row::Ran(r) => {
                     let t = &r.timing;
+                    // An emulation's bar is light grey, outlined in the stage's colour: never read as a speed.
+                    let fill = if is_emulated(r) { rgb(0xe4e4e4) } else { c };
+                    chart.draw_series([Rectangle::new([(x - HALF, 0.0), (x + HALF, t.median_ms)], fill.filled())])?;
                     if is_emulated(r) {
-                        draw_emulated_bar(&mut chart, x, t.median_ms, c)?;
-                    } else {
-                        chart.draw_series([Rectangle::new([(x - HALF, 0.0), (x + HALF, t.median_ms)], c.filled())])?;
+                        chart.draw_series([PathElement::new(frame(t.median_ms), c.stroke_width(2))])?;
                     }
                     let caps = [[(x - 0.06, t.p10_ms), (x + 0.06, t.p10_ms)], [(x - 0.06, t.p90_ms), (x + 0.06, t.p90_ms)]];
                     chart.draw_series([PathElement::new(vec![(x, t.p10_ms), (x, t.p90_ms)], INK.stroke_width(1))])?;
@@ -172,8 +164,7 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
                 }
                 Row::Skipped(s) => {
                     let (word, ink) = if s.failed { ("FAILED check", FAIL) } else { ("skipped", MUTED) };
-                    let frame = vec![(x - HALF, 0.0), (x - HALF, y_max * 0.25), (x + HALF, y_max * 0.25), (x + HALF, 0.0)];
-                    chart.draw_series([PathElement::new(frame, ink.stroke_width(1))])?;
+                    chart.draw_series([PathElement::new(frame(y_max * 0.25), ink.stroke_width(1))])?;
                     note(&mut chart, (x, y_max * 0.125), (0, 0), word, text(13.0, ink, HPos::Center, VPos::Center))?;
                 }
             }

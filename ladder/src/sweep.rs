@@ -5,7 +5,8 @@ use shared::cli::RunArgs;
 use shared::report::{Skipped, SweepReport, SWEEP_SCHEMA};
 use shared::SpeedkitError;
 
-/// The dimension a sweep varies: T, B, or C (FF = 4·C and d_head kept unless --ff / --heads given).
+/// The dimension a sweep varies: T, B, or C (FF = 4·C and d_head kept unless --ff / --heads given);
+/// in `render::AXES` order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Axis {
     Seq,
@@ -16,11 +17,7 @@ pub enum Axis {
 impl Axis {
     /// As the JSON stores it.
     pub fn name(self) -> &'static str {
-        match self {
-            Axis::Seq => "seq",
-            Axis::Batch => "batch",
-            Axis::DModel => "d_model",
-        }
+        crate::render::AXES[self as usize].0
     }
 
     /// The flag that sets this dimension.
