@@ -102,8 +102,7 @@ pub struct Measure {
     pub reference: bool,
 }
 
-/// One thing the rounds time: a stage as written (`change: None`), an ablation variant, or a
-/// reference row (`reference`: `variant` is the reference, `stage` unused).
+/// One thing the rounds time: a stage as written, an ablation variant (`change`), or a reference row.
 #[derive(Default)]
 struct Entry {
     stage: usize,
@@ -125,10 +124,7 @@ fn merge_rounds(records: Vec<Record>) -> Option<Record> {
         samples.extend(&r.timing.samples_ms);
         first.iters += r.iters;
         first.peak_mem_bytes = first.peak_mem_bytes.max(r.peak_mem_bytes);
-        first.breakdown = match (&first.breakdown, &r.breakdown) {
-            (Some(a), Some(b)) => shared::breakdown::merge(a, b),
-            _ => None,
-        };
+        first.breakdown = first.breakdown.as_ref().zip(r.breakdown.as_ref()).and_then(|(a, b)| shared::breakdown::merge(a, b));
     }
     first.timing = Stats::from_samples(samples);
     let secs = first.timing.median_ms / 1e3;
@@ -147,21 +143,17 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     let mut failure = None;
     let entry = |stage, variant, change| Entry { stage, variant, change, ..Default::default() };
     let mut entries: Vec<Entry> = which.iter().map(|&i| entry(i, None, None)).collect();
-    if m.ablate {
-        for &i in which {
-            let stage = all[i].as_ref();
-            // A stage this device cannot run has no variants to time: its row says why.
-            let Ok(plan) = ladder_plan(stage, &session.device, &session.info, session.shape, &session.args) else { continue };
-            for (change, variant) in stage.ablations(&plan) {
-                entries.push(entry(i, Some(variant), Some(change)));
-            }
+    for &i in which.iter().filter(|_| m.ablate) {
+        let stage = all[i].as_ref();
+        // A stage this device cannot run has no variants to time: its row says why.
+        let Ok(plan) = ladder_plan(stage, &session.device, &session.info, session.shape, &session.args) else { continue };
+        for (change, variant) in stage.ablations(&plan) {
+            entries.push(entry(i, Some(variant), Some(change)));
         }
     }
-    if m.reference {
-        for r in &reference::REFERENCES {
-            let stage = (r.make)(&clap::ArgMatches::default()).map_err(|e| anyhow::anyhow!("a reference row: {e}"))?;
-            entries.push(Entry { reference: true, ..entry(0, Some(stage), None) });
-        }
+    for r in reference::REFERENCES.iter().filter(|_| m.reference) {
+        let stage = (r.make)(&clap::ArgMatches::default()).map_err(|e| anyhow::anyhow!("a reference row: {e}"))?;
+        entries.push(Entry { reference: true, ..entry(0, Some(stage), None) });
     }
     let rounds = m.rounds.clamp(1, session.iters);
     report.rounds = Some(rounds);
@@ -270,8 +262,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     }
     if let Some(path) = &session.args.save_output {
         // x, then each stage's output as y_<stage>, for comparison outside the program.
-        let mut named: Vec<(&str, &candle_core::Tensor)> = vec![("x", &session.x)];
-        named.extend(outputs.iter().map(|(n, t)| (n.as_str(), t)));
+        let named: Vec<_> = std::iter::once(("x", &session.x)).chain(outputs.iter().map(|(n, t)| (n.as_str(), t))).collect();
         save_tensors(path, &named)?;
     }
     Ok((report, failure))
@@ -682,9 +673,7 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     let out = &ladder.output;
     check_readme(out, ladder.sweep.is_some())?;
     shared::cli::validate(&args)?;
-    if let Some(s) = &ladder.sweep {
-        sweep::check_values(&args, s)?;
-    }
+    ladder.sweep.as_ref().map(|s| sweep::check_values(&args, s)).transpose()?;
     // The default results paths depend on the device kind (results/ladder-cpu.* or -cuda.*).
     let default_kind = if out.update_readme { Some(shared::device::select(args.device)?.1) } else { None };
     let planned_json = args.json.clone().or_else(|| default_kind.as_ref().map(|i| default_beside_readme(&out.readme, i, "json")));
@@ -708,9 +697,7 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     };
     // A failed run never replaces the recorded results (paths the user named are written either way).
     let (json, svg) = if failure.is_none() { (planned_json, planned_svg) } else { (args.json.clone(), out.svg.clone()) };
-    if let Some(path) = &json {
-        write_json(path, &results)?;
-    }
+    json.as_ref().map(|path| write_json(path, &results)).transpose()?;
     // A failed check is reported in the table and the files, but never becomes the README's.
     let out = OutputArgs { update_readme: out.update_readme && failure.is_none(), ..out.clone() };
     emit(&results, &out, json.as_deref(), svg.as_deref())?;
@@ -725,10 +712,9 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
 }
 
 pub fn main() -> ExitCode {
-    let about = "Every stage of the transformer block side by side: same weights, same input, checked, timed";
     // `about` after `augment_args`: the flag structs' doc comments would otherwise replace it.
     let cmd = with_stage_args(LadderArgs::augment_args(RunArgs::augment_args(clap::Command::new("ladder"))))
-        .about(about)
+        .about("Every stage of the transformer block side by side: same weights, same input, checked, timed")
         .subcommand(
             with_stage_args(RunArgs::augment_args(clap::Command::new("report")))
                 .about("Print the device, candle's global switches, and what every stage would run and why"),

@@ -123,10 +123,8 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
     let memory = |x: f64| (bw.unwrap_or(f64::NAN) * 10f64.powf(x)).log10();
 
     svg((820, 560), |root| {
-        let ceiling_text = match ceil {
-            Some(c) => format!("ceilings: {}", c.source),
-            None => "no ceilings known: pass --peak-tflops and --bandwidth-gbs to draw them".into(),
-        };
+        let ceiling_text = ceil
+            .map_or("no ceilings known: pass --peak-tflops and --bandwidth-gbs to draw them".into(), |c| format!("ceilings: {}", c.source));
         let x_axis = "x: the block's FLOPs / the bytes its ops must read and write with nothing cached between ops";
         let lines = [describe_device(report), crate::chart::facts(report.shape, report), ceiling_text, x_axis.into()];
         heading(root, "Roofline: achieved GFLOP/s against FLOPs per byte moved (log-log)", text(16.0, INK, HPos::Left, VPos::Top), &lines)?;

@@ -149,22 +149,17 @@ fn memory(r: &mut shared::selftest::Rows, device: &Device) {
     const BYTES: u64 = 64 << 20;
     let res = (|| -> anyhow::Result<String> {
         let probe = MemProbe::start(device);
-        {
-            // Allocated and freed before the end: only a high-water mark sees it.
-            let t = Tensor::ones((BYTES / 4) as usize, DType::F32, device)?;
-            device.synchronize()?;
-            drop(t);
-        }
+        // Allocated and freed before the end: only a high-water mark sees it.
+        let t = Tensor::ones((BYTES / 4) as usize, DType::F32, device)?;
+        device.synchronize()?;
+        drop(t);
         device.synchronize()?;
         let (peak, method) = probe.finish();
         let peak = peak.ok_or_else(|| anyhow::anyhow!("the probe could not measure ({method})"))?;
+        let mib = peak as f64 / (1u64 << 20) as f64;
         // 60 of 64 MiB: the CPU's RSS counts pages, and a few of them may already be resident.
-        anyhow::ensure!(
-            peak >= BYTES / 16 * 15,
-            "a transient 64 MiB allocation showed as {:.1} MiB ({method})",
-            peak as f64 / (1u64 << 20) as f64
-        );
-        Ok(format!("{:.1} MiB seen for 64 MiB ({method})", peak as f64 / (1u64 << 20) as f64))
+        anyhow::ensure!(peak >= BYTES / 16 * 15, "a transient 64 MiB allocation showed as {mib:.1} MiB ({method})");
+        Ok(format!("{mib:.1} MiB seen for 64 MiB ({method})"))
     })();
     r.outcome("memory probe", "transient 64 MiB allocation".into(), res);
 }

@@ -332,7 +332,11 @@ pub fn gemm_backends(rows: &[Row]) -> String {
     let mut all: Vec<String> = rows.iter().filter_map(|r| if let Row::Ran(r) = r { with_simd(r) } else { None }).collect();
     let mut seen = std::collections::HashSet::new();
     all.retain(|b| seen.insert(b.clone()));
-    (!all.is_empty()).then(|| format!("GEMM backend: {}\n", all.join("; "))).unwrap_or_default()
+    if all.is_empty() {
+        String::new()
+    } else {
+        format!("GEMM backend: {}\n", all.join("; "))
+    }
 }
 
 /// `grid` as GitHub markdown, or for the terminal as columns padded to their widest cell,
