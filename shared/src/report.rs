@@ -266,11 +266,6 @@ impl LadderReport {
     }
 }
 
-/// "bf16", or "fp8 (emulated)" when the stage says which implementation ran.
-pub fn precision_label(r: &Record) -> String {
-    format!("{}{}", r.precision, r.implementation.as_ref().map(|i| format!(" ({i})")).unwrap_or_default())
-}
-
 /// "280.0 MiB" or "3.25 GiB"; "n/a" when not measured.
 pub fn fmt_bytes(b: Option<u64>) -> String {
     match b {
@@ -307,7 +302,7 @@ pub fn grid(rows: &[Row], references: &[Record], cuda: bool) -> Grid {
         .map(|row| match row {
             Row::Ran(r) => [
                 if references.iter().any(|x| std::ptr::eq(x, *r)) { format!("reference: {}", r.stage) } else { r.stage.clone() },
-                precision_label(r),
+                format!("{}{}", r.precision, r.implementation.as_ref().map(|i| format!(" ({i})")).unwrap_or_default()),
                 fmt_timing(&r.timing),
                 speedup_text(r.speedup_vs_stage0, r.noise_vs_stage0),
                 speedup_text(r.speedup_vs_prev, r.noise_vs_prev),

@@ -12,7 +12,7 @@
 //!
 //! Path: dot-separated keys; `name[key=value]` picks the element of an array whose `key` is
 //! `value`; `name[3]` by index. The unit is the text's suffix: `x` (ratio, 2 decimals), `ms`
-//! (`render::fmt_ms`), `MiB` (bytes shown in MiB, 1 decimal), `GiB` (2 decimals), `%`
+//! (`shared::report::fmt_ms`), `MiB` (bytes shown in MiB, 1 decimal), `GiB` (2 decimals), `%`
 //! (1 decimal), `e` notation (e.g. `1.8e-2`, 1 decimal), or none (as the JSON's integer).
 
 use regex::Regex;
