@@ -286,8 +286,7 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
     if !info.is_cuda() {
         // The ceiling a CPU row's % of peak is against, measured now (under a second on `small`).
         shared::ceiling::check_fit(&shape)?;
-        let c = shared::ceiling::measure(&shape)?;
-        writeln!(out, "ceiling   {}", c.describe())?;
+        writeln!(out, "ceiling   {}", shared::ceiling::measure(&shape)?.describe())?;
     }
     let asked = if let PrecisionRequest::Exactly(p) = args.precision { p.name() } else { "auto" };
     writeln!(out, "\nwhat each stage would run (--precision {asked}):")?;
@@ -529,13 +528,13 @@ const MAX_READ: u64 = 256 << 20;
 
 /// Read the README and check its markers before a run, so a long run does not end in a refusal.
 fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
+    let name = readme.display();
     let text = read_capped(readme).and_then(|b| String::from_utf8(b).map_err(std::io::Error::other)).map_err(|e| {
         SpeedkitError::usage(format!(
-            "--update-readme: cannot read {} ({e}). Fix: run from the repository root, or pass --readme PATH.",
-            readme.display()
+            "--update-readme: cannot read {name} ({e}). Fix: run from the repository root, or pass --readme PATH."
         ))
     })?;
-    render::splice_readme(&text, region, "").map_err(|e| SpeedkitError::usage(format!("{}: {e}", readme.display())))?;
+    render::splice_readme(&text, region, "").map_err(|e| SpeedkitError::usage(format!("{name}: {e}")))?;
     Ok(text)
 }
 

@@ -57,23 +57,21 @@ pub const MAX_VALUES: usize = 64;
 
 /// Refuse, before any run, too many values, flags that fix the swept dimension or write one file.
 pub fn check_values(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
-    if sweep.values.len() > MAX_VALUES {
+    let (n, axis, name) = (sweep.values.len(), sweep.axis, sweep.axis.name());
+    if n > MAX_VALUES {
         return Err(SpeedkitError::usage(format!(
-            "--sweep has {} values; each is a whole ladder run. Fix: sweep at most {MAX_VALUES} values.",
-            sweep.values.len()
+            "--sweep has {n} values; each is a whole ladder run. Fix: sweep at most {MAX_VALUES} values."
         )));
     }
-    let axis = sweep.axis;
     if axis.flag(&mut args.clone()).is_some() {
-        let (flag, name) = (format!("--{}", axis.name().replace('_', "-")), axis.name());
+        let flag = format!("--{}", name.replace('_', "-"));
         return Err(SpeedkitError::usage(format!(
             "{flag} and --sweep {name}=... both set the same dimension. Fix: drop {flag}; the sweep sets it for each run."
         )));
     }
     if args.input.is_some() && axis != Axis::DModel {
         return Err(SpeedkitError::usage(format!(
-            "--input fixes B and T from its file, so it cannot be swept over {}. Fix: drop --input, or sweep d_model.",
-            axis.name()
+            "--input fixes B and T from its file, so it cannot be swept over {name}. Fix: drop --input, or sweep d_model."
         )));
     }
     if (args.weights.is_some() || args.input.is_some()) && axis == Axis::DModel {
