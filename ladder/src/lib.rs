@@ -1,6 +1,5 @@
-//! The ladder: every stage in one process, on the same device, weights and input, checked
-//! against the same fp32 reference and timed the same way, in one table — and, for readers,
-//! the same run as GitHub markdown, an SVG chart, the README's results region, or a sweep.
+//! The ladder: every stage in one process on the same device, weights and input, checked against one fp32
+//! reference and timed alike, in one table (or markdown, an SVG chart, the README's region, a sweep).
 //!
 //! Run it: `cargo run --release -p ladder` (CPU) · `cargo run --release --features cuda -p ladder -- --device cuda` (GPU).
 
@@ -29,9 +28,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use sweep::Sweep;
 
-/// The stages, in order: adding a stage is one crate and one line here. The first is the
-/// baseline: speedups are against it, every stage is checked against its fp32 output, and it
-/// always runs at fp32 (`shared::stage::ladder_request`).
+/// The stages, in order (a new stage is one crate and one line here). The first is the baseline: speedups are
+/// against it, every stage is checked against its fp32 output, and it always runs at fp32 (`ladder_request`).
 pub const STAGES: [StageEntry; 5] =
     [stage0_baseline::STAGE, stage1_tensorcore::STAGE, stage2_sdpa::STAGE, stage3_fused::STAGE, stage4_fp8::STAGE];
 
@@ -50,8 +48,7 @@ pub fn default_stages() -> Vec<Box<dyn Stage>> {
     stages_from(&m).unwrap_or_else(|e| panic!("every stage flag has a default: {e}"))
 }
 
-/// `--stages 0,2,4` as indices into `STAGES`, in ladder order whatever order they were given in;
-/// all stages when `None`.
+/// `--stages 0,2,4` as indices into `STAGES`, in ladder order whatever the order given; all when `None`.
 pub fn select(requested: Option<&[usize]>) -> Result<Vec<usize>, SpeedkitError> {
     let all = default_stages();
     let Some(requested) = requested else {
@@ -95,8 +92,7 @@ pub fn new_report(info: &DeviceInfo, shape: Shape, names: Vec<String>) -> Ladder
 /// How the ladder measures: `--rounds`, `--ablate` (`Stage::ablations`), `--reference`.
 #[derive(Clone, Copy, Debug)]
 pub struct Measure {
-    /// Each round runs every row once with its share of `--iters`, the order rotated each round,
-    /// so drift in the machine's speed (other work, heat) is spread over every row.
+    /// Each round runs every row once with its share of `--iters`, order rotated, so drift is spread over every row.
     pub rounds: usize,
     pub ablate: bool,
     pub reference: bool,
@@ -114,8 +110,7 @@ struct Entry {
     out: bool, // skipped or failed: not run again
 }
 
-/// The records of one stage's rounds as one: samples pooled, percentiles and rates recomputed,
-/// the largest peak memory kept; `None` for a stage that left the rounds (skipped or failed).
+/// One stage's rounds as one record (samples pooled, rates recomputed, largest peak memory); `None` if it left.
 fn merge_rounds(records: Vec<Record>) -> Option<Record> {
     let mut records = records.into_iter();
     let mut first = records.next()?;
@@ -134,8 +129,8 @@ fn merge_rounds(records: Vec<Record>) -> Option<Record> {
     Some(first)
 }
 
-/// Run the stages `which` (indices into `all`) in interleaved rounds, each checked against stage 0's
-/// fp32 output. A stage that cannot run here, or fails, is a row; the first failure is returned.
+/// Run the stages `which` in interleaved rounds, each checked against stage 0's fp32 output. A stage that
+/// cannot run here, or fails, is a row; the first failure is returned.
 pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
     let session = Session::open(args, default_stages()[0].as_ref())?; // the fp32 reference: STAGES[0] as written
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
@@ -209,8 +204,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
         }
     }
 
-    // The rows: speedups against stage 0 only, and "vs previous" only against stage N-1 —
-    // never against whichever stage happens to come before in a --stages selection.
+    // Speedups against stage 0 only, "vs previous" only against stage N-1 (not the row before it in --stages).
     let mut outputs: Vec<(String, candle_core::Tensor)> = Vec::new();
     let mut measured: Vec<(usize, Record)> = Vec::new();
     let mut variants: Vec<(usize, Record)> = Vec::new();
@@ -398,15 +392,14 @@ pub fn load(path: &Path) -> anyhow::Result<Results> {
     Ok(results)
 }
 
-/// Most rows, breakdown parts, GEMM shapes or roofs a file may hold: a chart of thousands of bars
-/// is no chart (its width would overflow).
+/// Most rows, breakdown parts, GEMM shapes or roofs a file may hold: a chart's width would overflow.
 const MAX_ROWS: usize = 64;
 
 /// Longest string (in characters) a file may hold anywhere, keys included (longer ones overflowed the padding).
 pub const MAX_TEXT: usize = 4096;
 
-/// Everywhere in a file read back: strings at most `MAX_TEXT` characters, numbers 0 or from 1e-30
-/// to 1e21 (a run writes no negative number; no axis should span hundreds of decades).
+/// Everywhere in a file: strings of at most `MAX_TEXT` characters, numbers 0 or from 1e-30 to 1e21 (a run writes
+/// no negative number; no axis should span hundreds of decades).
 fn check_value(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String> {
     use serde_json::Value;
     let place = |at: &[String]| if at.is_empty() { "the top level".to_string() } else { at.join(".") };
@@ -434,8 +427,8 @@ fn check_value(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String
     }
 }
 
-/// What `check_value` cannot see: every shape valid, every time and FLOP count above zero (they
-/// divide; the roofline's axes are logarithmic), no more rows, parts or roofs than a chart draws.
+/// What `check_value` cannot see: valid shapes, times and FLOPs above zero (they divide; the roofline is
+/// logarithmic), no more rows, parts or roofs than a chart draws.
 fn check_report(r: &LadderReport) -> Result<(), String> {
     r.shape.validate().map_err(|e| format!("its shape {:?} is invalid ({e})", r.shape))?;
     let rows = [r.records.len() + r.skipped.len(), r.stages.len(), r.ablation.len(), r.references.len() + r.references_out.len()];
@@ -464,8 +457,7 @@ fn check_sweep(s: &SweepReport) -> Result<(), String> {
     s.runs.iter().try_for_each(check_report)
 }
 
-/// Each breakdown part's regime computed (again) from the record and the run's ceilings, whatever
-/// a file says, so the prose citing these fields and the table always agree.
+/// Each breakdown part's regime computed from the record and the run's ceilings, whatever a file says.
 fn annotate(r: &mut LadderReport) {
     let bandwidth = r.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
     for rec in r.records.iter_mut().chain(r.references.iter_mut()).chain(r.ablation.iter_mut().map(|a| &mut a.record)) {
@@ -485,8 +477,7 @@ fn default_beside_readme(readme: &Path, info: &DeviceInfo, ext: &str) -> PathBuf
     readme_dir(readme).join("results").join(format!("ladder-{kind}.{ext}"))
 }
 
-/// `path` as a link from the README: relative to its folder, with forward slashes. Refused
-/// when `path` is outside that folder, where the link would not work on GitHub.
+/// `path` as a link from the README's folder; refused outside it, where the link would not work on GitHub.
 fn link_from_readme(readme: &Path, flag: &str, path: &Path) -> Result<String, SpeedkitError> {
     // Resolved as the output policy does, so this works before the file exists (checked up front).
     let canon = |p: &Path| {
@@ -508,9 +499,8 @@ fn link_from_readme(readme: &Path, flag: &str, path: &Path) -> Result<String, Sp
     Ok(rel.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect::<Vec<_>>().join("/"))
 }
 
-/// The bytes of a regular file, refused past `MAX_READ` (never cut short: a README read in part
-/// would be written back in part). A device or pipe is refused before it is opened: /dev/zero
-/// never ends, reading /dev/stdout (a pipe) waits for ever, and opening a FIFO waits for a writer.
+/// The bytes of a regular file, refused past `MAX_READ` (a README read in part would be written back in part).
+/// A device or pipe is refused unopened: /dev/zero never ends, a pipe or FIFO may wait for ever.
 fn read_capped(path: &Path) -> std::io::Result<Vec<u8>> {
     if !std::fs::metadata(path)?.is_file() {
         return Err(std::io::Error::other("it is not a regular file"));
@@ -595,20 +585,21 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>, svg_path: 
 
 /// With --update-readme: refuse a sweep, and check the page's markers now, before any work.
 fn check_readme(out: &OutputArgs, sweep: bool) -> anyhow::Result<()> {
-    if out.update_readme && sweep {
-        anyhow::bail!(SpeedkitError::usage(
-            "--update-readme writes one ladder run into the README's results region, and a sweep is several. \
-             Fix: drop --update-readme and use --markdown and --svg for the sweep's tables and chart.",
-        ));
-    }
     if out.update_readme {
+        anyhow::ensure!(
+            !sweep,
+            SpeedkitError::usage(
+                "--update-readme writes one ladder run into the README's results region, and a sweep is several. \
+                 Fix: drop --update-readme and use --markdown and --svg for the sweep's tables and chart.",
+            )
+        );
         read_readme(&render::region_page(&out.readme, &out.readme_region).0, &out.readme_region)?;
     }
     Ok(())
 }
 
-/// Every file a run or render will write, checked before anything runs (`shared::output`), and
-/// with --update-readme the JSON and chart under the README's folder so it can link them.
+/// Every file a run or render will write, checked before anything runs, and with --update-readme the JSON
+/// and chart under the README's folder so it can link them.
 fn check_outputs(
     args: Option<&RunArgs>,
     out: &OutputArgs,

@@ -18,10 +18,7 @@ pub fn versions() -> BTreeMap<String, String> {
 
 /// The CUDA version the driver the run used supports, e.g. "13.0"; `None` off a GPU.
 pub fn cuda_driver_version(info: &DeviceInfo) -> Option<String> {
-    if !info.is_cuda() {
-        return None;
-    }
-    driver_api_version().map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10))
+    info.is_cuda().then(driver_api_version).flatten().map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10))
 }
 
 #[cfg(feature = "cuda")]
@@ -42,10 +39,8 @@ fn driver_api_version() -> Option<i32> {
 /// The NVIDIA kernel module's version, e.g. "580.65.06"; `None` off a GPU or when
 /// /proc/driver/nvidia/version is absent (containers may hide it).
 pub fn nvidia_driver(info: &DeviceInfo) -> Option<String> {
-    if !info.is_cuda() {
-        return None;
-    }
-    parse_nvidia_version(&std::fs::read_to_string("/proc/driver/nvidia/version").ok()?)
+    let text = info.is_cuda().then(|| std::fs::read_to_string("/proc/driver/nvidia/version").ok()).flatten()?;
+    parse_nvidia_version(&text)
 }
 
 /// "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 ..." → "580.65.06".

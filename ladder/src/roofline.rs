@@ -113,11 +113,7 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
     let ys: Vec<f64> = pts.iter().map(|p| p.gflops.log10()).chain(peaks.iter().map(|(_, p)| p.log10())).collect();
     let lo_hi = |v: &[f64]| {
         let (lo, hi) = v.iter().fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-        if lo > hi {
-            (0.0, 1.0)
-        } else {
-            ((lo - 0.3).floor(), (hi + 0.3).ceil())
-        }
+        (lo <= hi).then(|| ((lo - 0.3).floor(), (hi + 0.3).ceil())).unwrap_or((0.0, 1.0))
     };
     let ((x0, x1), (y0, y1)) = (lo_hi(&xs), lo_hi(&ys));
     let memory = |x: f64| (bw.unwrap_or(f64::NAN) * 10f64.powf(x)).log10();

@@ -84,30 +84,26 @@ fn graphs(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
         // The plan is where a stage says this device lacks what it needs (FP8 below SM 8.9): a
         // skip. Anything after it that errs is a failure.
         let asked = shared::stage::ladder_request(stage.as_ref(), shared::PrecisionRequest::Auto);
-        let plan = match shared::stage::plan(stage.as_ref(), device, info, shape, asked, shared::PrecisionRequest::Auto, true, false) {
-            Ok(plan) => plan,
-            Err(e) => {
-                r.skip("CUDA graph", case, e.to_string());
-                continue;
-            }
-        };
-        r.compare("CUDA graph", case, || {
-            let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
-            let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
-            // The capture runs a warm-up and records the second call; its second replay is the
-            // third, so a stage with state (delayed scaling) is compared at call 3.
-            let plain = stage.build(&weights, &plan)?;
-            let mut want = plain.forward(&x)?;
-            for _ in 0..2 {
-                want = plain.forward(&x)?;
-            }
-            let graphed = shared::graph::capture(stage.name(), stage.build(&weights, &plan)?, &x)?;
-            graphed.forward(&x)?;
-            let replayed = graphed.forward(&x)?.copy()?; // the second replay
+        match shared::stage::plan(stage.as_ref(), device, info, shape, asked, shared::PrecisionRequest::Auto, true, false) {
+            Err(e) => r.skip("CUDA graph", case, e.to_string()),
+            Ok(plan) => r.compare("CUDA graph", case, || {
+                let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
+                let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
+                // The capture runs a warm-up and records the second call; its second replay is the
+                // third, so a stage with state (delayed scaling) is compared at call 3.
+                let plain = stage.build(&weights, &plan)?;
+                for _ in 0..2 {
+                    plain.forward(&x)?;
+                }
+                let want = plain.forward(&x)?;
+                let graphed = shared::graph::capture(stage.name(), stage.build(&weights, &plan)?, &x)?;
+                graphed.forward(&x)?;
+                let replayed = graphed.forward(&x)?.copy()?; // the second replay
 
-            // The same kernels on the same input; only a GEMM algorithm choice could differ.
-            Ok((replayed, want, 1e-3))
-        });
+                // The same kernels on the same input; only a GEMM algorithm choice could differ.
+                Ok((replayed, want, 1e-3))
+            }),
+        }
     }
 }
 
@@ -143,9 +139,7 @@ fn check_breakdown(b: &shared::breakdown::Breakdown) -> anyhow::Result<()> {
 }
 
 fn memory(r: &mut shared::selftest::Rows, device: &Device) {
-    if !device.is_cuda() {
-        r.ran = "cpu probe".into();
-    }
+    r.ran = if device.is_cuda() { "cuda" } else { "cpu probe" }.into();
     const BYTES: u64 = 64 << 20;
     let res = (|| -> anyhow::Result<String> {
         let probe = MemProbe::start(device);
@@ -201,8 +195,8 @@ pub fn command(args: &SelftestArgs) -> anyhow::Result<()> {
     bytes.push(b'\n');
     out.write(&bytes)?;
     println!("wrote {} — attach it to a bug report (docs/gpu.md)", args.json.display());
+    // Exit 1: a building block is broken (a wrong result or an error), whatever its kind.
     if rep.failed > 0 {
-        // Exit 1: a building block is broken (a wrong result or an error), whatever its kind.
         anyhow::bail!("selftest: {} of {} checks failed (see the table and {}).", rep.failed, rep.results.len(), args.json.display());
     }
     Ok(())

@@ -58,33 +58,22 @@ pub const MAX_VALUES: usize = 64;
 /// Refuse, before any run, too many values, flags that fix the swept dimension or write one file.
 pub fn check_values(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
     let (n, axis, name) = (sweep.values.len(), sweep.axis, sweep.axis.name());
-    if n > MAX_VALUES {
-        return Err(SpeedkitError::usage(format!(
-            "--sweep has {n} values; each is a whole ladder run. Fix: sweep at most {MAX_VALUES} values."
-        )));
-    }
-    if axis.flag(&mut args.clone()).is_some() {
-        let flag = format!("--{}", name.replace('_', "-"));
-        return Err(SpeedkitError::usage(format!(
-            "{flag} and --sweep {name}=... both set the same dimension. Fix: drop {flag}; the sweep sets it for each run."
-        )));
-    }
-    if args.input.is_some() && axis != Axis::DModel {
-        return Err(SpeedkitError::usage(format!(
-            "--input fixes B and T from its file, so it cannot be swept over {name}. Fix: drop --input, or sweep d_model."
-        )));
-    }
-    if (args.weights.is_some() || args.input.is_some()) && axis == Axis::DModel {
-        return Err(SpeedkitError::usage(
-            "--weights and --input fix C from their files, so a sweep cannot vary d_model. Fix: drop them, or sweep seq or batch.",
-        ));
-    }
-    if let Some((flag, _)) = [("--save-output", &args.save_output), ("--save-weights", &args.save_weights)].iter().find(|f| f.1.is_some()) {
-        return Err(SpeedkitError::usage(format!(
-            "{flag} writes one file per run, and a sweep's runs would overwrite each other. Fix: drop {flag}, or run the one shape you want without --sweep."
-        )));
-    }
-    Ok(())
+    let flag = format!("--{}", name.replace('_', "-"));
+    let saves = [("--save-output", &args.save_output), ("--save-weights", &args.save_weights)].into_iter().find(|f| f.1.is_some());
+    let why = if n > MAX_VALUES {
+        format!("--sweep has {n} values; each is a whole ladder run. Fix: sweep at most {MAX_VALUES} values.")
+    } else if axis.flag(&mut args.clone()).is_some() {
+        format!("{flag} and --sweep {name}=... both set the same dimension. Fix: drop {flag}; the sweep sets it for each run.")
+    } else if args.input.is_some() && axis != Axis::DModel {
+        format!("--input fixes B and T from its file, so it cannot be swept over {name}. Fix: drop --input, or sweep d_model.")
+    } else if (args.weights.is_some() || args.input.is_some()) && axis == Axis::DModel {
+        "--weights and --input fix C from their files, so a sweep cannot vary d_model. Fix: drop them, or sweep seq or batch.".into()
+    } else if let Some((f, _)) = saves {
+        format!("{f} writes one file per run, and a sweep's runs would overwrite each other. Fix: drop {f}, or run the one shape you want without --sweep.")
+    } else {
+        return Ok(());
+    };
+    Err(SpeedkitError::usage(why))
 }
 
 /// The flags for one value, or why that value cannot run (it becomes skipped rows).
