@@ -1,6 +1,5 @@
-//! Charts for the README and for sweeps, drawn with plotters' SVG backend. Text is written as
-//! SVG `<text>` elements (plotters built without its `ttf` feature), so neither building nor
-//! drawing needs font files; the viewer's sans-serif font renders it.
+//! Charts for the README and sweeps, drawn with plotters' SVG backend. Text is SVG `<text>` (plotters without its
+//! `ttf` feature), so neither building nor drawing needs font files; the viewer's sans-serif font renders it.
 
 use crate::provenance::date_utc;
 use crate::render::{axis_symbol, describe_device, part_names, sweep_stages};
@@ -41,18 +40,16 @@ pub(crate) fn text(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'
 }
 
 fn bold(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
-    let plain = text(size, colour, h, v);
-    TextStyle { font: plain.font.clone().style(FontStyle::Bold), ..plain }
+    TextStyle { font: ("sans-serif", size * 1.24, FontStyle::Bold).into_font(), ..text(size, colour, h, v) }
 }
 
 pub(crate) fn svg(size: (u32, u32), draw: impl FnOnce(&Area) -> anyhow::Result<()>) -> anyhow::Result<String> {
     let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
-        root.fill(&WHITE)?;
-        draw(&root)?;
-        root.present()?;
-    }
+    let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
+    root.fill(&WHITE)?;
+    draw(&root)?;
+    root.present()?;
+    drop(root);
     Ok(svg)
 }
 
@@ -69,10 +66,12 @@ pub(crate) fn facts(shape: impl std::fmt::Display, report: &LadderReport) -> Str
     format!("{shape} · commit {} · {}", report.commit, date_utc(report.unix_time))
 }
 
-/// The axis text and grid every chart here shares; `grid` colours the major lines.
+/// The axis text and grid every chart here shares; `grid` colours the major lines, and with `x_labels` 0 there are
+/// no vertical lines nor x labels (the caller labels its columns).
 pub(crate) fn mesh<'a, 'b, X, Y, DB>(
     chart: &'b mut ChartContext<'a, DB, Cartesian2d<X, Y>>,
     grid: impl Into<ShapeStyle>,
+    x_labels: usize,
 ) -> MeshStyle<'a, 'b, X, Y, DB>
 where
     X: Ranged + ValueFormatter<X::ValueType>,
@@ -83,7 +82,11 @@ where
     m.axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
         .label_style(text(12.0, INK, HPos::Center, VPos::Center))
         .bold_line_style(grid)
-        .light_line_style(TRANSPARENT);
+        .light_line_style(TRANSPARENT)
+        .x_labels(x_labels);
+    if x_labels == 0 {
+        m.disable_x_mesh();
+    }
     m
 }
 
@@ -93,13 +96,7 @@ fn bar_chart<'a, 'b>(area: &'a Area<'b>, x_label_area: u32, n: usize, y_max: f64
         ChartBuilder::on(area).x_label_area_size(x_label_area).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
     // Tick labels with as many decimals as the axis' scale needs: 0 from 20 ms, 1 from 2 ms, else 2.
     let digits = [20.0, 2.0].iter().filter(|&&t| y_max < t).count();
-    mesh(&mut chart, GRID)
-        .disable_x_mesh()
-        .x_labels(0)
-        .y_labels(6)
-        .y_desc(y_desc)
-        .y_label_formatter(&|v| format!("{v:.digits$}"))
-        .draw()?;
+    mesh(&mut chart, GRID, 0).y_labels(6).y_desc(y_desc).y_label_formatter(&|v| format!("{v:.digits$}")).draw()?;
     Ok(chart)
 }
 
@@ -119,8 +116,7 @@ pub(crate) fn is_emulated(r: &Record) -> bool {
     r.implementation.as_deref().is_some_and(|i| i.starts_with(shared::stage::EMULATED))
 }
 
-/// The ladder chart: a bar per stage (median ms, p10–p90 whisker, speedup over stage 0), its
-/// precision and error under it; a stage that did not run keeps its slot, labelled "skipped".
+/// The ladder chart: a bar per stage (median, p10–p90 whisker, speedup over stage 0; precision and error under it).
 pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
     let rows = report.rows();
     let n = rows.len().max(1);
@@ -217,8 +213,7 @@ fn value_labels(root: &Area, values: &[usize], at: impl Fn(f64) -> (i32, i32)) -
     Ok(())
 }
 
-/// The sweep chart: median ms per stage (log scale) over the swept values, and below it each
-/// stage's speedup over stage 0 at the same value; a technique pays where its line crosses 1.
+/// The sweep chart: median ms per stage (log scale) over the swept values; below, each one's speedup over stage 0.
 pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     let k = sweep.values.len().max(1);
     let h = 760u32;
@@ -244,13 +239,7 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
 
         let mut ms =
             ChartBuilder::on(&upper).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(x_range(), (lo..hi).log_scale())?;
-        mesh(&mut ms, TRANSPARENT)
-            .disable_x_mesh()
-            .x_labels(0)
-            .x_desc(&x_desc)
-            .y_desc("median ms (log scale)")
-            .y_label_formatter(&|_| String::new())
-            .draw()?;
+        mesh(&mut ms, TRANSPARENT, 0).x_desc(&x_desc).y_desc("median ms (log scale)").y_label_formatter(&|_| String::new()).draw()?;
         for (i, (stage, points)) in stages.iter().zip(&series).enumerate() {
             let c = stage_colour(stage, i);
             let line: Vec<(f64, f64)> = points.iter().map(|(j, r)| (*j as f64, r.timing.median_ms)).collect();
@@ -278,9 +267,7 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
             .draw()?;
 
         let mut up = ChartBuilder::on(&lower).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(x_range(), 0f64..s_max)?;
-        mesh(&mut up, GRID)
-            .disable_x_mesh()
-            .x_labels(0)
+        mesh(&mut up, GRID, 0)
             .x_desc(&x_desc)
             .y_desc("speedup over stage 0 (above 1 pays)")
             .y_label_formatter(&|v| format!("{v:.1}x"))

@@ -51,9 +51,8 @@ pub fn default_stages() -> Vec<Box<dyn Stage>> {
 /// `--stages 0,2,4` as indices into `STAGES`, in ladder order whatever the order given; all when `None`.
 pub fn select(requested: Option<&[usize]>) -> Result<Vec<usize>, SpeedkitError> {
     let all = default_stages();
-    let Some(requested) = requested else {
-        return Ok((0..all.len()).collect());
-    };
+    let every: Vec<usize> = (0..all.len()).collect();
+    let requested = requested.unwrap_or(&every);
     let bad = requested.iter().find(|&&i| i >= all.len()).map(|b| format!("names stage {b}, but the ladder has {} stages", all.len()));
     if let Some(bad) = bad.or(requested.is_empty().then(|| "is empty".into())) {
         let valid = all.iter().enumerate().map(|(i, s)| format!("{i} {}", s.name())).collect::<Vec<_>>().join(", ");
@@ -427,8 +426,7 @@ fn check_value(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String
     }
 }
 
-/// What `check_value` cannot see: valid shapes, times and FLOPs above zero (they divide; the roofline is
-/// logarithmic), no more rows, parts or roofs than a chart draws.
+/// What `check_value` cannot see: valid shapes, times and FLOPs above zero (they divide), at most `MAX_ROWS` of each.
 fn check_report(r: &LadderReport) -> Result<(), String> {
     r.shape.validate().map_err(|e| format!("its shape {:?} is invalid ({e})", r.shape))?;
     let rows = [r.records.len() + r.skipped.len(), r.stages.len(), r.ablation.len(), r.references.len() + r.references_out.len()];
@@ -598,8 +596,7 @@ fn check_readme(out: &OutputArgs, sweep: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Every file a run or render will write, checked before anything runs, and with --update-readme the JSON
-/// and chart under the README's folder so it can link them.
+/// Every file a run or render writes, checked up front; with --update-readme, the JSON and chart under the README's folder.
 fn check_outputs(
     args: Option<&RunArgs>,
     out: &OutputArgs,

@@ -1,5 +1,4 @@
-//! Where a run's numbers come from, beyond the device: exact crate and compiler versions, the
-//! GPU driver, and the date — what the JSON carries and the README prints above a table.
+//! Where a run's numbers come from beyond the device: exact crate, compiler and GPU driver versions, and the date.
 
 use shared::device::DeviceInfo;
 use std::collections::BTreeMap;
@@ -36,8 +35,7 @@ fn driver_api_version() -> Option<i32> {
     None
 }
 
-/// The NVIDIA kernel module's version, e.g. "580.65.06"; `None` off a GPU or when
-/// /proc/driver/nvidia/version is absent (containers may hide it).
+/// The NVIDIA kernel module's version, e.g. "580.65.06"; `None` off a GPU or when a container hides /proc's file.
 pub fn nvidia_driver(info: &DeviceInfo) -> Option<String> {
     let text = info.is_cuda().then(|| std::fs::read_to_string("/proc/driver/nvidia/version").ok()).flatten()?;
     parse_nvidia_version(&text)

@@ -1,7 +1,6 @@
-//! The roofline: each stage's achieved FLOP/s against its arithmetic intensity, under the
-//! device's compute (flat) and memory-bandwidth (slope) ceilings. FLOPs are the block's useful
-//! work (`shared::perf::block_flops`); bytes are the minimum its ops must move with nothing cached
-//! between them (each stage's `Stage::traffic`), so fusion raises the intensity by deleting passes.
+//! The roofline: each stage's achieved FLOP/s against its arithmetic intensity, under the device's compute (flat)
+//! and bandwidth (slope) ceilings. FLOPs are the block's useful work; bytes the minimum its ops must move with
+//! nothing cached between them (`Stage::traffic`), so fusion raises the intensity by deleting passes.
 
 use crate::chart::{heading, is_emulated, mesh, note, stage_colour, svg, text, GRID, INK};
 use crate::render::describe_device;
@@ -128,8 +127,7 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
             .x_label_area_size(50)
             .y_label_area_size(64)
             .build_cartesian_2d(x0..x1, y0..y1)?;
-        mesh(&mut chart, GRID)
-            .x_labels((x1 - x0) as usize + 1)
+        mesh(&mut chart, GRID, (x1 - x0) as usize + 1)
             .y_labels((y1 - y0) as usize + 1)
             .x_label_formatter(&|v| pow10(*v))
             .y_label_formatter(&|v| pow10(*v))

@@ -1,7 +1,6 @@
-//! `ladder selftest`: each GPU building block alone, on small shapes, against its CPU twin — the
-//! first command to run on a new GPU, and the JSON to send back (docs/gpu.md). On the CPU the same
-//! list runs through the CPU stand-ins, so CI runs it too; a CPU pass says the logic is right, not
-//! that the GPU code works.
+//! `ladder selftest`: each GPU building block alone, on small shapes, against its CPU twin — the first command
+//! on a new GPU, and the JSON to send back (docs/gpu.md). On the CPU the same list runs through the CPU
+//! stand-ins (CI runs it): a CPU pass says the logic is right, not that the GPU code works.
 //!
 //! | block | on CUDA | on the CPU |
 //! |---|---|---|
@@ -107,8 +106,7 @@ fn graphs(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
     }
 }
 
-/// `--breakdown`'s recorder on this device (CUDA events, or synchronize-and-clock on the CPU):
-/// stage 0 at tiny, every part of the block timed (`check_breakdown`).
+/// `--breakdown`'s recorder on this device (CUDA events, or synchronize + clock): stage 0 at tiny, every part timed.
 fn breakdown(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
     r.ran = if device.is_cuda() { "cuda".into() } else { "cpu (synchronize + clock)".into() };
     let res = (|| -> anyhow::Result<String> {
@@ -126,8 +124,7 @@ fn breakdown(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo)
     r.outcome("breakdown", "records on this device (stage 0, tiny)".into(), res);
 }
 
-/// A stage 0–2 forward's breakdown: the block's parts in order, each time finite and not
-/// negative, a positive total.
+/// A stage 0–2 forward's breakdown: the block's parts in order, each time finite and not negative, a positive total.
 fn check_breakdown(b: &shared::breakdown::Breakdown) -> anyhow::Result<()> {
     let names: Vec<&str> = b.parts.iter().map(|p| p.name.as_str()).collect();
     anyhow::ensure!(names == shared::breakdown::PARTS, "parts {names:?}, not the block's {:?}", shared::breakdown::PARTS);

@@ -5,8 +5,7 @@ use shared::cli::RunArgs;
 use shared::report::{Skipped, SweepReport, SWEEP_SCHEMA};
 use shared::SpeedkitError;
 
-/// The dimension a sweep varies: T, B, or C (FF = 4·C and d_head kept unless --ff / --heads given);
-/// in `render::AXES` order.
+/// The dimension a sweep varies: T, B, or C (FF = 4·C and d_head kept unless --ff / --heads given), in `AXES` order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Axis {
     Seq,
