@@ -672,14 +672,9 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let measure = Measure { rounds: ladder.rounds as usize, ablate: ladder.ablate, reference: ladder.reference };
     let (results, failure) = match &ladder.sweep {
-        Some(s) => {
-            let (report, failure) = sweep::run(&args, &stages, s, &which, &argv, measure)?;
-            (Results::Sweep(report), failure)
-        }
+        Some(s) => sweep::run(&args, &stages, s, &which, &argv, measure).map(|(r, f)| (Results::Sweep(r), f))?,
         None => {
-            let (mut report, failure) = run(args.clone(), &stages, &which, measure)?;
-            report.args = argv;
-            (Results::Ladder(Box::new(report)), failure)
+            run(args.clone(), &stages, &which, measure).map(|(r, f)| (Results::Ladder(Box::new(LadderReport { args: argv, ..r })), f))?
         }
     };
     // A failed run never replaces the recorded results (paths the user named are written either way).

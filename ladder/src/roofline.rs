@@ -61,15 +61,9 @@ pub fn ceilings(
         return None;
     }
     let unflagged = args.peak_tflops.is_none() || args.bandwidth_gbs.is_none();
-    let sources: Vec<&str> = [
-        (args.peak_tflops.is_some(), "--peak-tflops"),
-        (args.bandwidth_gbs.is_some(), "--bandwidth-gbs"),
-        (gpu && unflagged, "datasheet"),
-        (measured.is_some() && unflagged, "measured: GEMM at the block's shapes + STREAM triad"),
-    ]
-    .into_iter()
-    .filter_map(|(on, source)| on.then_some(source))
-    .collect();
+    let used = [args.peak_tflops.is_some(), args.bandwidth_gbs.is_some(), gpu && unflagged, measured.is_some() && unflagged];
+    let names = ["--peak-tflops", "--bandwidth-gbs", "datasheet", "measured: GEMM at the block's shapes + STREAM triad"];
+    let sources: Vec<&str> = names.into_iter().zip(used).filter_map(|(name, used)| used.then_some(name)).collect();
     Some(Ceilings { tflops, bandwidth_gbs, source: format!("{} ({})", sources.join(" + "), info.name) })
 }
 
@@ -112,7 +106,7 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
     let ys: Vec<f64> = pts.iter().map(|p| p.gflops.log10()).chain(peaks.iter().map(|(_, p)| p.log10())).collect();
     let lo_hi = |v: &[f64]| {
         let (lo, hi) = v.iter().fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-        (lo <= hi).then(|| ((lo - 0.3).floor(), (hi + 0.3).ceil())).unwrap_or((0.0, 1.0))
+        Some(((lo - 0.3).floor(), (hi + 0.3).ceil())).filter(|_| lo <= hi).unwrap_or((0.0, 1.0))
     };
     let ((x0, x1), (y0, y1)) = (lo_hi(&xs), lo_hi(&ys));
     let memory = |x: f64| (bw.unwrap_or(f64::NAN) * 10f64.powf(x)).log10();
