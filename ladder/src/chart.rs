@@ -1,9 +1,8 @@
-//! Charts for the README and for sweeps, drawn with plotters' SVG backend. Text is written as
-//! SVG `<text>` elements (plotters built without its `ttf` feature), so neither building nor
-//! drawing needs font files; the viewer's sans-serif font renders it.
+//! Charts for the README and sweeps, drawn with plotters' SVG backend. Text is SVG `<text>` (plotters without its
+//! `ttf` feature), so neither building nor drawing needs font files; the viewer's sans-serif font renders it.
 
 use crate::provenance::date_utc;
-use crate::render::{axis_symbol, describe_device, fmt_ms, fmt_rel_err, part_names, sweep_stages};
+use crate::render::{axis_symbol, describe_device, part_names, sweep_stages};
 use itertools::Itertools;
 use plotters::chart::MeshStyle;
 use plotters::coord::ranged1d::ValueFormatter;
@@ -11,6 +10,7 @@ use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+use shared::report::{fmt_ms, fmt_rel_err};
 use shared::report::{LadderReport, Record, Row, SweepReport};
 
 pub(crate) type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
@@ -40,18 +40,16 @@ pub(crate) fn text(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'
 }
 
 fn bold(size: f64, colour: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
-    let plain = text(size, colour, h, v);
-    TextStyle { font: plain.font.clone().style(FontStyle::Bold), ..plain }
+    TextStyle { font: ("sans-serif", size * 1.24, FontStyle::Bold).into_font(), ..text(size, colour, h, v) }
 }
 
 pub(crate) fn svg(size: (u32, u32), draw: impl FnOnce(&Area) -> anyhow::Result<()>) -> anyhow::Result<String> {
     let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
-        root.fill(&WHITE)?;
-        draw(&root)?;
-        root.present()?;
-    }
+    let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
+    root.fill(&WHITE)?;
+    draw(&root)?;
+    root.present()?;
+    drop(root);
     Ok(svg)
 }
 
@@ -68,10 +66,12 @@ pub(crate) fn facts(shape: impl std::fmt::Display, report: &LadderReport) -> Str
     format!("{shape} · commit {} · {}", report.commit, date_utc(report.unix_time))
 }
 
-/// The axis text and grid every chart here shares; `grid` colours the major lines.
+/// The axis text and grid every chart here shares; `grid` colours the major lines, and with `x_labels` 0 there are
+/// no vertical lines nor x labels (the caller labels its columns).
 pub(crate) fn mesh<'a, 'b, X, Y, DB>(
     chart: &'b mut ChartContext<'a, DB, Cartesian2d<X, Y>>,
     grid: impl Into<ShapeStyle>,
+    x_labels: usize,
 ) -> MeshStyle<'a, 'b, X, Y, DB>
 where
     X: Ranged + ValueFormatter<X::ValueType>,
@@ -82,7 +82,11 @@ where
     m.axis_desc_style(text(13.0, INK, HPos::Center, VPos::Center))
         .label_style(text(12.0, INK, HPos::Center, VPos::Center))
         .bold_line_style(grid)
-        .light_line_style(TRANSPARENT);
+        .light_line_style(TRANSPARENT)
+        .x_labels(x_labels);
+    if x_labels == 0 {
+        m.disable_x_mesh();
+    }
     m
 }
 
@@ -92,13 +96,7 @@ fn bar_chart<'a, 'b>(area: &'a Area<'b>, x_label_area: u32, n: usize, y_max: f64
         ChartBuilder::on(area).x_label_area_size(x_label_area).y_label_area_size(64).build_cartesian_2d(0f64..n as f64, 0f64..y_max)?;
     // Tick labels with as many decimals as the axis' scale needs: 0 from 20 ms, 1 from 2 ms, else 2.
     let digits = [20.0, 2.0].iter().filter(|&&t| y_max < t).count();
-    mesh(&mut chart, GRID)
-        .disable_x_mesh()
-        .x_labels(0)
-        .y_labels(6)
-        .y_desc(y_desc)
-        .y_label_formatter(&|v| format!("{v:.digits$}"))
-        .draw()?;
+    mesh(&mut chart, GRID, 0).y_labels(6).y_desc(y_desc).y_label_formatter(&|v| format!("{v:.digits$}")).draw()?;
     Ok(chart)
 }
 
@@ -118,19 +116,7 @@ pub(crate) fn is_emulated(r: &Record) -> bool {
     r.implementation.as_deref().is_some_and(|i| i.starts_with(shared::stage::EMULATED))
 }
 
-/// An emulation's bar: light grey, outlined in the stage's colour, so it never reads as a speed.
-fn draw_emulated_bar(chart: &mut Bars, x: f64, median: f64, c: RGBColor) -> anyhow::Result<()> {
-    chart.draw_series([Rectangle::new([(x - HALF, 0.0), (x + HALF, median)], rgb(0xe4e4e4).filled())])?;
-    chart.draw_series([PathElement::new(
-        vec![(x - HALF, 0.0), (x - HALF, median), (x + HALF, median), (x + HALF, 0.0)],
-        c.stroke_width(2),
-    )])?;
-    Ok(())
-}
-
-/// The ladder chart: one bar per stage (median ms, p10–p90 whisker), the speedup over stage 0
-/// and the median written on each bar, and under each bar its precision and relative error
-/// against the fp32 reference. A stage that did not run keeps its slot, labelled "skipped".
+/// The ladder chart: a bar per stage (median, p10–p90 whisker, speedup over stage 0; precision and error under it).
 pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
     let rows = report.rows();
     let n = rows.len().max(1);
@@ -138,24 +124,24 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
     let y_max = if top > 0.0 { top * 1.3 } else { 1.0 };
     svg(((175 * n as u32 + 130).max(800), 560), |root| {
         let per = if report.records.iter().any(|r| r.train.is_some()) { "training step (forward + backward)" } else { "forward" };
-        let title = if report.records.iter().any(|r| r.speedup_vs_stage0.is_some()) {
-            format!("Median ms per {per} (lower is better); speedup over stage 0 on each bar")
-        } else {
-            format!("Median ms per {per} (lower is better); stage 0 did not run, so no speedups")
-        };
+        let s0 = report.records.iter().any(|r| r.speedup_vs_stage0.is_some());
+        let speedups = if s0 { "speedup over stage 0 on each bar" } else { "stage 0 did not run, so no speedups" };
+        let title = format!("Median ms per {per} (lower is better); {speedups}");
         heading(root, &title, bold(16.0, INK, HPos::Left, VPos::Top), &[describe_device(report), facts(report.shape, report)])?;
         let body = root.margin(74, 14, 8, 20);
         let mut chart = bar_chart(&body, 78, n, y_max, &format!("median ms per {per} (whisker: p10–p90)"))?;
         for (i, row) in rows.iter().enumerate() {
             let x = i as f64 + 0.5;
             let c = stage_colour(row.stage(), i);
+            let frame = |top: f64| vec![(x - HALF, 0.0), (x - HALF, top), (x + HALF, top), (x + HALF, 0.0)];
             match row {
                 Row::Ran(r) => {
                     let t = &r.timing;
+                    // An emulation's bar is light grey, outlined in the stage's colour: never read as a speed.
+                    let fill = if is_emulated(r) { rgb(0xe4e4e4) } else { c };
+                    chart.draw_series([Rectangle::new([(x - HALF, 0.0), (x + HALF, t.median_ms)], fill.filled())])?;
                     if is_emulated(r) {
-                        draw_emulated_bar(&mut chart, x, t.median_ms, c)?;
-                    } else {
-                        chart.draw_series([Rectangle::new([(x - HALF, 0.0), (x + HALF, t.median_ms)], c.filled())])?;
+                        chart.draw_series([PathElement::new(frame(t.median_ms), c.stroke_width(2))])?;
                     }
                     let caps = [[(x - 0.06, t.p10_ms), (x + 0.06, t.p10_ms)], [(x - 0.06, t.p90_ms), (x + 0.06, t.p90_ms)]];
                     chart.draw_series([PathElement::new(vec![(x, t.p10_ms), (x, t.p90_ms)], INK.stroke_width(1))])?;
@@ -174,8 +160,7 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
                 }
                 Row::Skipped(s) => {
                     let (word, ink) = if s.failed { ("FAILED check", FAIL) } else { ("skipped", MUTED) };
-                    let frame = vec![(x - HALF, 0.0), (x - HALF, y_max * 0.25), (x + HALF, y_max * 0.25), (x + HALF, 0.0)];
-                    chart.draw_series([PathElement::new(frame, ink.stroke_width(1))])?;
+                    chart.draw_series([PathElement::new(frame(y_max * 0.25), ink.stroke_width(1))])?;
                     note(&mut chart, (x, y_max * 0.125), (0, 0), word, text(13.0, ink, HPos::Center, VPos::Center))?;
                 }
             }
@@ -196,13 +181,8 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
 
 /// The shape's dimensions other than the swept one (and those that follow it in a d_model sweep).
 fn shape_without(s: &shared::Shape, axis: &str) -> String {
-    let dims = [
-        ("B", s.batch, "batch"),
-        ("T", s.seq, "seq"),
-        ("C", s.d_model, "d_model"),
-        ("n_head", s.n_head, "d_model"),
-        ("FF", s.ff, "d_model"),
-    ];
+    let c = "d_model";
+    let dims = [("B", s.batch, "batch"), ("T", s.seq, "seq"), ("C", s.d_model, c), ("n_head", s.n_head, c), ("FF", s.ff, c)];
     dims.iter().filter(|(_, _, a)| *a != axis).map(|(n, v, _)| format!("{n}={v}")).join(" ")
 }
 
@@ -233,8 +213,7 @@ fn value_labels(root: &Area, values: &[usize], at: impl Fn(f64) -> (i32, i32)) -
     Ok(())
 }
 
-/// The sweep chart: median ms per stage (log scale) over the swept values, and below it each
-/// stage's speedup over stage 0 at the same value; a technique pays where its line crosses 1.
+/// The sweep chart: median ms per stage (log scale) over the swept values; below, each one's speedup over stage 0.
 pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     let k = sweep.values.len().max(1);
     let h = 760u32;
@@ -250,12 +229,7 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     let (lo, hi) = if hi > 0.0 { (lo * 0.6, hi * 1.8) } else { (0.1, 1.0) };
     let s_max = all.filter_map(|(_, r)| r.speedup_vs_stage0).fold(1.0f64, f64::max) * 1.2;
     let x_range = || -0.5f64..k as f64 - 0.5;
-    let x_desc = match sweep.axis.as_str() {
-        "seq" => "T (tokens per sequence)",
-        "batch" => "B (sequences per forward)",
-        "d_model" => "C (model width)",
-        other => other,
-    };
+    let x_desc = crate::render::AXES.iter().find(|a| a.0 == sweep.axis).map_or(sweep.axis.clone(), |a| format!("{} ({})", a.1, a.2));
     let across = |y: f64, style: ShapeStyle| PathElement::new(vec![(-0.5, y), (k as f64 - 0.5, y)], style);
     svg(((110 * k as u32 + 300).max(800), h), |root| {
         let title = format!("Sweep over {}: median ms per stage, and its speedup over stage 0", axis_symbol(&sweep.axis));
@@ -265,13 +239,7 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
 
         let mut ms =
             ChartBuilder::on(&upper).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(x_range(), (lo..hi).log_scale())?;
-        mesh(&mut ms, TRANSPARENT)
-            .disable_x_mesh()
-            .x_labels(0)
-            .x_desc(x_desc)
-            .y_desc("median ms (log scale)")
-            .y_label_formatter(&|_| String::new())
-            .draw()?;
+        mesh(&mut ms, TRANSPARENT, 0).x_desc(&x_desc).y_desc("median ms (log scale)").y_label_formatter(&|_| String::new()).draw()?;
         for (i, (stage, points)) in stages.iter().zip(&series).enumerate() {
             let c = stage_colour(stage, i);
             let line: Vec<(f64, f64)> = points.iter().map(|(j, r)| (*j as f64, r.timing.median_ms)).collect();
@@ -299,10 +267,8 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
             .draw()?;
 
         let mut up = ChartBuilder::on(&lower).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(x_range(), 0f64..s_max)?;
-        mesh(&mut up, GRID)
-            .disable_x_mesh()
-            .x_labels(0)
-            .x_desc(x_desc)
+        mesh(&mut up, GRID, 0)
+            .x_desc(&x_desc)
             .y_desc("speedup over stage 0 (above 1 pays)")
             .y_label_formatter(&|v| format!("{v:.1}x"))
             .draw()?;
@@ -341,8 +307,7 @@ fn part_colour(part: &str) -> RGBColor {
     rgb(PART_COLOURS.iter().find(|(name, _)| part.starts_with(name)).map_or(0x7f7f7f, |(_, c)| *c))
 }
 
-/// `--breakdown`'s chart: one stacked bar per stage (the instrumented parts, bottom to top in
-/// forward order) with a tick at the uninstrumented median beside it.
+/// `--breakdown`'s chart: a bar of stacked parts per stage, a tick at the uninstrumented median.
 pub fn breakdown_svg(report: &LadderReport) -> anyhow::Result<String> {
     let rows: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
     let n = rows.len().max(1);

@@ -1,12 +1,9 @@
-//! The ladder: every stage in one process, on the same device, weights and input, checked
-//! against the same fp32 reference and timed the same way, in one table — and, for readers,
-//! the same run as GitHub markdown, an SVG chart, the README's results region, or a sweep.
+//! The ladder: every stage in one process on the same device, weights and input, checked against one fp32
+//! reference and timed alike, in one table (or markdown, an SVG chart, the README's region, a sweep).
 //!
-//! Run it: `cargo run --release -p ladder` (CPU) ·
-//! `cargo run --release --features cuda -p ladder -- --device cuda` (GPU).
+//! Run it: `cargo run --release -p ladder` (CPU) · `cargo run --release --features cuda -p ladder -- --device cuda` (GPU).
 
 pub mod chart;
-pub mod cite;
 pub mod provenance;
 pub mod render;
 pub mod roofline;
@@ -31,14 +28,11 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use sweep::Sweep;
 
-/// The stages, in order: adding a stage is one crate and one line here. The first is the
-/// baseline: speedups are against it, every stage is checked against its fp32 output, and it
-/// always runs at fp32 (`--precision` applies to the stages without a precision of their own;
-/// see `shared::stage::ladder_request`).
+/// The stages, in order (a new stage is one crate and one line here). The first is the baseline: speedups are
+/// against it, every stage is checked against its fp32 output, and it always runs at fp32 (`ladder_request`).
 pub const STAGES: [StageEntry; 5] =
     [stage0_baseline::STAGE, stage1_tensorcore::STAGE, stage2_sdpa::STAGE, stage3_fused::STAGE, stage4_fp8::STAGE];
 
-/// `cmd` with every stage's flags.
 pub fn with_stage_args(cmd: clap::Command) -> clap::Command {
     STAGES.iter().fold(cmd, |c, e| (e.args)(c))
 }
@@ -54,26 +48,15 @@ pub fn default_stages() -> Vec<Box<dyn Stage>> {
     stages_from(&m).unwrap_or_else(|e| panic!("every stage flag has a default: {e}"))
 }
 
-/// `--stages 0,2,4` as indices into `stages()`, in ladder order whatever order they were given
-/// in; all stages when `None`.
+/// `--stages 0,2,4` as indices into `STAGES`, in ladder order whatever the order given; all when `None`.
 pub fn select(requested: Option<&[usize]>) -> Result<Vec<usize>, SpeedkitError> {
     let all = default_stages();
-    let Some(requested) = requested else {
-        return Ok((0..all.len()).collect());
-    };
-    let valid = || all.iter().enumerate().map(|(i, s)| format!("{i} {}", s.name())).collect::<Vec<_>>().join(", ");
-    if requested.is_empty() {
-        return Err(SpeedkitError::usage(format!(
-            "--stages is empty. Fix: list stage numbers, e.g. --stages 0,2; the stages are {}.",
-            valid()
-        )));
-    }
-    if let Some(bad) = requested.iter().find(|&&i| i >= all.len()) {
-        return Err(SpeedkitError::usage(format!(
-            "--stages names stage {bad}, but the ladder has {} stages. Fix: pick among {}.",
-            all.len(),
-            valid()
-        )));
+    let every: Vec<usize> = (0..all.len()).collect();
+    let requested = requested.unwrap_or(&every);
+    let bad = requested.iter().find(|&&i| i >= all.len()).map(|b| format!("names stage {b}, but the ladder has {} stages", all.len()));
+    if let Some(bad) = bad.or(requested.is_empty().then(|| "is empty".into())) {
+        let valid = all.iter().enumerate().map(|(i, s)| format!("{i} {}", s.name())).collect::<Vec<_>>().join(", ");
+        return Err(SpeedkitError::usage(format!("--stages {bad}. Fix: list stage numbers among {valid}, e.g. --stages 0,2.")));
     }
     let mut which = requested.to_vec();
     which.sort_unstable();
@@ -105,26 +88,19 @@ pub fn new_report(info: &DeviceInfo, shape: Shape, names: Vec<String>) -> Ladder
     }
 }
 
-/// How the ladder measures: the timed iterations split into interleaved rounds, and whether to
-/// add the ablation rows.
+/// How the ladder measures: `--rounds`, `--ablate` (`Stage::ablations`), `--reference`.
 #[derive(Clone, Copy, Debug)]
 pub struct Measure {
-    /// Each round runs every stage (and variant) once with its share of `--iters`, the order
-    /// rotated by one each round, so drift in the machine's speed (other work, heat) is spread
-    /// over every row instead of landing on whichever ran last.
+    /// Each round runs every row once with its share of `--iters`, order rotated, so drift is spread over every row.
     pub rounds: usize,
-    /// Also run each stage with each of its changes undone in turn (`Stage::ablations`).
     pub ablate: bool,
-    /// Also run the reference rows (`reference::REFERENCES`).
     pub reference: bool,
 }
 
-/// One thing the rounds time: a stage as written (`change: None`), an ablation variant, or a
-/// reference row (`reference`: `variant` is the reference, `stage` unused).
+/// One thing the rounds time: a stage as written, an ablation variant (`change`), or a reference row.
 #[derive(Default)]
 struct Entry {
     stage: usize,
-    /// The ablation variant or the reference, when this entry is one.
     variant: Option<Box<dyn Stage>>,
     change: Option<String>,
     reference: bool,
@@ -133,10 +109,7 @@ struct Entry {
     out: bool, // skipped or failed: not run again
 }
 
-/// The records of one stage's rounds as one: samples pooled, percentiles and rates recomputed,
-/// the largest peak memory kept.
-/// `None` for a stage with no records (skipped or failed: it left the rounds, and its rows were
-/// cleared).
+/// One stage's rounds as one record (samples pooled, rates recomputed, largest peak memory); `None` if it left.
 fn merge_rounds(records: Vec<Record>) -> Option<Record> {
     let mut records = records.into_iter();
     let mut first = records.next()?;
@@ -145,10 +118,7 @@ fn merge_rounds(records: Vec<Record>) -> Option<Record> {
         samples.extend(&r.timing.samples_ms);
         first.iters += r.iters;
         first.peak_mem_bytes = first.peak_mem_bytes.max(r.peak_mem_bytes);
-        first.breakdown = match (&first.breakdown, &r.breakdown) {
-            (Some(a), Some(b)) => shared::breakdown::merge(a, b),
-            _ => None,
-        };
+        first.breakdown = first.breakdown.as_ref().zip(r.breakdown.as_ref()).and_then(|(a, b)| shared::breakdown::merge(a, b));
     }
     first.timing = Stats::from_samples(samples);
     let secs = first.timing.median_ms / 1e3;
@@ -158,33 +128,26 @@ fn merge_rounds(records: Vec<Record>) -> Option<Record> {
     Some(first)
 }
 
-/// Run the stages `which` (indices into `stages`, as `STAGES` lists them) in one process, in
-/// interleaved rounds (`Measure`), each checked against stage 0's fp32 output. A stage that
-/// cannot run here, or fails, is a row saying so; the first failure is returned beside the
-/// report, so the table and files are written before the run exits with its code.
+/// Run the stages `which` in interleaved rounds, each checked against stage 0's fp32 output. A stage that
+/// cannot run here, or fails, is a row; the first failure is returned.
 pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
     let session = Session::open(args, default_stages()[0].as_ref())?; // the fp32 reference: STAGES[0] as written
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
     report.ceiling = session.ceiling.clone();
     let mut failure = None;
-    let entry =
-        |stage: usize, variant: Option<Box<dyn Stage>>, change: Option<String>| Entry { stage, variant, change, ..Default::default() };
+    let entry = |stage, variant, change| Entry { stage, variant, change, ..Default::default() };
     let mut entries: Vec<Entry> = which.iter().map(|&i| entry(i, None, None)).collect();
-    if m.ablate {
-        for &i in which {
-            let stage = all[i].as_ref();
-            // A stage this device cannot run has no variants to time: its row says why.
-            let Ok(plan) = ladder_plan(stage, &session.device, &session.info, session.shape, &session.args) else { continue };
-            for (change, variant) in stage.ablations(&plan) {
-                entries.push(entry(i, Some(variant), Some(change)));
-            }
+    for &i in which.iter().filter(|_| m.ablate) {
+        let stage = all[i].as_ref();
+        // A stage this device cannot run has no variants to time: its row says why.
+        let Ok(plan) = ladder_plan(stage, &session.device, &session.info, session.shape, &session.args) else { continue };
+        for (change, variant) in stage.ablations(&plan) {
+            entries.push(entry(i, Some(variant), Some(change)));
         }
     }
-    if m.reference {
-        for r in &reference::REFERENCES {
-            let stage = (r.make)(&clap::ArgMatches::default()).map_err(|e| anyhow::anyhow!("a reference row: {e}"))?;
-            entries.push(Entry { reference: true, ..entry(0, Some(stage), None) });
-        }
+    for r in reference::REFERENCES.iter().filter(|_| m.reference) {
+        let stage = (r.make)(&clap::ArgMatches::default()).map_err(|e| anyhow::anyhow!("a reference row: {e}"))?;
+        entries.push(Entry { reference: true, ..entry(0, Some(stage), None) });
     }
     let rounds = m.rounds.clamp(1, session.iters);
     report.rounds = Some(rounds);
@@ -211,9 +174,8 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
                     e.records.push(record);
                 }
                 Err(err) => {
-                    // Every error is a row, the ladder's promise: "skipped" when the stage cannot
-                    // run here, "FAILED" when it ran and is wrong or broke (the run then exits with
-                    // that error's code, after the table and files).
+                    // Every error is a row: "skipped" when the stage cannot run here, "FAILED" when it
+                    // ran and is wrong or broke (the run then exits with that error's code).
                     let (reason, failed) = match err.downcast_ref::<SpeedkitError>() {
                         Some(SpeedkitError::Usage(m)) => (m.clone(), false),
                         Some(SpeedkitError::CheckFailed(m)) => (m.clone(), true),
@@ -222,16 +184,15 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
                     let reason = shared::error::strip_backtrace(&reason).replace('\n', " ");
                     println!("{}    {label}: {reason}", if failed { "FAILED" } else { "skipped" });
                     e.out = true;
-                    // A stage that leaves in a later round leaves whole: its earlier rounds' records
-                    // are not a row on their own (they would be timed on fewer rounds than the rest).
+                    // A stage that leaves in a later round leaves whole (fewer rounds are no row).
                     e.records.clear();
                     let skipped = Skipped { stage: spec.name().into(), technique: spec.technique().into(), reason, failed };
                     match &e.change {
                         None if e.reference => report.references_out.push(skipped),
                         None => report.skipped.push(skipped),
-                        Some(change) => report.ablation_out.push(AblationOut {
+                        Some(c) => report.ablation_out.push(AblationOut {
                             against: skipped.stage,
-                            change: change.clone(),
+                            change: c.clone(),
                             reason: skipped.reason,
                             failed,
                         }),
@@ -242,8 +203,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
         }
     }
 
-    // The rows: speedups against stage 0 only, and "vs previous" only against stage N-1 —
-    // never against whichever stage happens to come before in a --stages selection.
+    // Speedups against stage 0 only, "vs previous" only against stage N-1 (not the row before it in --stages).
     let mut outputs: Vec<(String, candle_core::Tensor)> = Vec::new();
     let mut measured: Vec<(usize, Record)> = Vec::new();
     let mut variants: Vec<(usize, Record)> = Vec::new();
@@ -263,7 +223,6 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     let timings: Vec<(usize, Stats)> = measured.iter().map(|(i, r)| (*i, r.timing.clone())).collect();
     let timing_of = |i: usize| timings.iter().find(|(s, _)| *s == i).map(|(_, t)| t);
     let best_reference = report.references.iter().map(|r| r.timing.median_ms).reduce(f64::min);
-    // Each stage's row (its number), then each reference row (none).
     let rows = measured.iter_mut().map(|(i, r)| (Some(*i), r)).chain(report.references.iter_mut().map(|r| (None, r)));
     for (i, record) in rows {
         let t = record.timing.clone();
@@ -290,25 +249,19 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     report.records = measured.into_iter().map(|(_, r)| r).collect();
     report.ceilings =
         roofline::ceilings(&session.info, &session.args, session.ceiling.as_ref(), report.records.iter().map(|r| r.precision));
-    // Each breakdown part's FLOPs, minimum bytes and regime against these ceilings.
-    let bandwidth = report.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
-    for r in report.records.iter_mut().chain(report.ablation.iter_mut().map(|a| &mut a.record)).chain(report.references.iter_mut()) {
-        shared::regime::annotate(r, bandwidth);
-    }
+    annotate(&mut report); // each breakdown part's FLOPs, minimum bytes and regime against these ceilings
     if !which.contains(&0) {
         println!("note      stage 0 was not selected: no speedups over it");
     }
     if let Some(path) = &session.args.save_output {
         // x, then each stage's output as y_<stage>, for comparison outside the program.
-        let mut named: Vec<(&str, &candle_core::Tensor)> = vec![("x", &session.x)];
-        named.extend(outputs.iter().map(|(n, t)| (n.as_str(), t)));
+        let named: Vec<_> = std::iter::once(("x", &session.x)).chain(outputs.iter().map(|(n, t)| (n.as_str(), t))).collect();
         save_tensors(path, &named)?;
     }
     Ok((report, failure))
 }
 
-/// `ladder report`: the device, candle's global switches now, and for every stage the
-/// precision, switches and notes it would run with, and why — without running anything.
+/// `ladder report`: the device, candle's switches, and what every stage would run and why.
 pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<String> {
     use std::fmt::Write;
     if let Some((flag, _)) = shared::cli::output_flags(args).first() {
@@ -319,21 +272,14 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
     let shared::runner::Resolved { device, info, shape, .. } = shared::runner::resolve(args)?;
     let mut out = String::new();
     writeln!(out, "device    {}", info.describe())?;
-    let versions = provenance::versions();
-    writeln!(
-        out,
-        "build     cuda feature {} · candle-core {} · commit {}",
-        if cfg!(feature = "cuda") { "on" } else { "off (CPU only; build with --features cuda for the GPU)" },
-        versions["candle-core"],
-        commit()
-    )?;
+    let cuda = if cfg!(feature = "cuda") { "on" } else { "off (CPU only; build with --features cuda for the GPU)" };
+    writeln!(out, "build     cuda feature {cuda} · candle-core {} · commit {}", provenance::versions()["candle-core"], commit())?;
     writeln!(out, "switches  now: {} (process-wide; every stage's build sets all three)", GemmSwitches::current().describe())?;
     writeln!(out, "shape     {shape}")?;
     if !info.is_cuda() {
         // The ceiling a CPU row's % of peak is against, measured now (under a second on `small`).
         shared::ceiling::check_fit(&shape)?;
-        let c = shared::ceiling::measure(&shape)?;
-        writeln!(out, "ceiling   {}", c.describe())?;
+        writeln!(out, "ceiling   {}", shared::ceiling::measure(&shape)?.describe())?;
     }
     let asked = if let PrecisionRequest::Exactly(p) = args.precision { p.name() } else { "auto" };
     writeln!(out, "\nwhat each stage would run (--precision {asked}):")?;
@@ -341,15 +287,12 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
         match ladder_plan(stage.as_ref(), &device, &info, shape, args) {
             Ok(plan) => {
                 writeln!(out, "  {:<18} {:<5} {}", stage.name(), plan.precision.name(), plan.precision_reason)?;
-                writeln!(out, "  {:<18} {:<5} applies: {}", "", "", stage.switches(&plan).describe())?;
-                if let Some(imp) = stage.implementation(&plan) {
-                    writeln!(out, "  {:<18} {:<5} runs: {imp}", "", "")?;
-                }
-                if let Err(e) = stage.check_shape(&shape) {
-                    writeln!(out, "  {:<18} {:<5} cannot run this shape: {e}", "", "")?;
-                }
-                for note in stage.notes(&plan) {
-                    writeln!(out, "  {:<18} {:<5} note: {note}", "", "")?;
+                let mut more = vec![format!("applies: {}", stage.switches(&plan).describe())];
+                more.extend(stage.implementation(&plan).map(|i| format!("runs: {i}")));
+                more.extend(stage.check_shape(&shape).err().map(|e| format!("cannot run this shape: {e}")));
+                more.extend(stage.notes(&plan).iter().map(|n| format!("note: {n}")));
+                for line in more {
+                    writeln!(out, "{:27}{line}", "")?;
                 }
             }
             Err(e) => writeln!(out, "  {:<18} skipped: {e}", stage.name())?,
@@ -410,7 +353,9 @@ pub struct RenderArgs {
     pub output: OutputArgs,
 }
 
-/// A ladder run or a sweep: what the outputs are made from.
+/// A ladder run or a sweep: what the outputs are made from (its JSON is the report's own).
+#[derive(serde::Serialize)]
+#[serde(untagged)]
 pub enum Results {
     Ladder(Box<LadderReport>),
     Sweep(SweepReport),
@@ -439,25 +384,21 @@ pub fn load(path: &Path) -> anyhow::Result<Results> {
         other => return Err(usage(format!("has schema {other:?}; this ladder reads {LADDER_SCHEMA} and {SWEEP_SCHEMA}. {pass}.")).into()),
     };
     match &mut results {
-        Results::Ladder(r) => check_report(r).map(|()| annotate_again(r)),
-        Results::Sweep(s) => check_sweep(s).map(|()| s.runs.iter_mut().for_each(annotate_again)),
+        Results::Ladder(r) => check_report(r).map(|()| annotate(r)),
+        Results::Sweep(s) => check_sweep(s).map(|()| s.runs.iter_mut().for_each(annotate)),
     }
     .map_err(damaged)?;
     Ok(results)
 }
 
-/// Most rows (stages, ablation or reference rows, sweep values) and most breakdown parts, GEMM
-/// shapes or roofs a file may hold: a chart of thousands of bars is no chart (its width would
-/// overflow).
+/// Most rows, breakdown parts, GEMM shapes or roofs a file may hold: a chart's width would overflow.
 const MAX_ROWS: usize = 64;
 
-/// Longest string (in characters) the file may hold anywhere, keys included: a reason is a line,
-/// a path at most 4096 bytes. Longer ones overflowed the table's padding.
+/// Longest string (in characters) a file may hold anywhere, keys included (longer ones overflowed the padding).
 pub const MAX_TEXT: usize = 4096;
 
-/// A file read back is untrusted input. Everywhere in it: strings at most `MAX_TEXT` characters,
-/// and numbers 0 or from 1e-30 to 1e21 (a run writes no negative number, and no axis should
-/// span hundreds of decades). The error names where.
+/// Everywhere in a file: strings of at most `MAX_TEXT` characters, numbers 0 or from 1e-30 to 1e21 (a run writes
+/// no negative number; no axis should span hundreds of decades).
 fn check_value(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String> {
     use serde_json::Value;
     let place = |at: &[String]| if at.is_empty() { "the top level".to_string() } else { at.join(".") };
@@ -485,9 +426,7 @@ fn check_value(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String
     }
 }
 
-/// What the value check cannot see: every shape valid (n_head 0 would divide by zero), every
-/// time and FLOP count above zero (they divide, and the roofline's axes are logarithmic), and no
-/// more rows, parts or roofs than a chart can draw.
+/// What `check_value` cannot see: valid shapes, times and FLOPs above zero (they divide), at most `MAX_ROWS` of each.
 fn check_report(r: &LadderReport) -> Result<(), String> {
     r.shape.validate().map_err(|e| format!("its shape {:?} is invalid ({e})", r.shape))?;
     let rows = [r.records.len() + r.skipped.len(), r.stages.len(), r.ablation.len(), r.references.len() + r.references_out.len()];
@@ -516,10 +455,8 @@ fn check_sweep(s: &SweepReport) -> Result<(), String> {
     s.runs.iter().try_for_each(check_report)
 }
 
-/// Each breakdown part's regime computed again from the record's own time, shape and the run's
-/// ceilings, whatever the file says: the README's prose cites these fields beside a table
-/// computed from the same record, so the two always agree.
-fn annotate_again(r: &mut LadderReport) {
+/// Each breakdown part's regime computed from the record and the run's ceilings, whatever a file says.
+fn annotate(r: &mut LadderReport) {
     let bandwidth = r.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
     for rec in r.records.iter_mut().chain(r.references.iter_mut()).chain(r.ablation.iter_mut().map(|a| &mut a.record)) {
         rec.breakdown.iter_mut().flat_map(|b| &mut b.parts).for_each(|p| p.regime = None);
@@ -532,24 +469,13 @@ pub(crate) fn readme_dir(readme: &Path) -> PathBuf {
     readme.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf()
 }
 
-/// Where --update-readme puts a file it was not given a path for: results/ladder-<kind>.<ext>
-/// beside the README.
-fn default_beside_readme(readme: &Path, report: &DeviceInfo, ext: &str) -> PathBuf {
-    let kind = if report.is_cuda() { "cuda" } else { "cpu" };
+/// Where --update-readme puts a file it was not given a path for: results/ladder-<kind>.<ext>.
+fn default_beside_readme(readme: &Path, info: &DeviceInfo, ext: &str) -> PathBuf {
+    let kind = if info.is_cuda() { "cuda" } else { "cpu" };
     readme_dir(readme).join("results").join(format!("ladder-{kind}.{ext}"))
 }
 
-/// `given`, else with `beside` (--update-readme) a ladder run's default beside the README.
-fn path_or_default(given: &Option<PathBuf>, results: &Results, readme: &Path, beside: bool, ext: &str) -> Option<PathBuf> {
-    match (results, given, beside) {
-        (_, Some(p), _) => Some(p.clone()),
-        (Results::Ladder(r), None, true) => Some(default_beside_readme(readme, &r.device, ext)),
-        _ => None,
-    }
-}
-
-/// `path` as a link from the README: relative to its folder, with forward slashes. Refused
-/// when `path` is outside that folder, where the link would not work on GitHub.
+/// `path` as a link from the README's folder; refused outside it, where the link would not work on GitHub.
 fn link_from_readme(readme: &Path, flag: &str, path: &Path) -> Result<String, SpeedkitError> {
     // Resolved as the output policy does, so this works before the file exists (checked up front).
     let canon = |p: &Path| {
@@ -571,9 +497,8 @@ fn link_from_readme(readme: &Path, flag: &str, path: &Path) -> Result<String, Sp
     Ok(rel.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect::<Vec<_>>().join("/"))
 }
 
-/// The bytes of a regular file, refused past `MAX_READ` (never cut short: a README read in part
-/// would be written back in part). A device or pipe is refused before it is opened: /dev/zero
-/// never ends, reading /dev/stdout (a pipe) waits for ever, and opening a FIFO waits for a writer.
+/// The bytes of a regular file, refused past `MAX_READ` (a README read in part would be written back in part).
+/// A device or pipe is refused unopened: /dev/zero never ends, a pipe or FIFO may wait for ever.
 fn read_capped(path: &Path) -> std::io::Result<Vec<u8>> {
     if !std::fs::metadata(path)?.is_file() {
         return Err(std::io::Error::other("it is not a regular file"));
@@ -591,125 +516,87 @@ const MAX_READ: u64 = 256 << 20;
 
 /// Read the README and check its markers before a run, so a long run does not end in a refusal.
 fn read_readme(readme: &Path, region: &str) -> Result<String, SpeedkitError> {
+    let name = readme.display();
     let text = read_capped(readme).and_then(|b| String::from_utf8(b).map_err(std::io::Error::other)).map_err(|e| {
         SpeedkitError::usage(format!(
-            "--update-readme: cannot read {} ({e}). Fix: run from the repository root, or pass --readme PATH.",
-            readme.display()
+            "--update-readme: cannot read {name} ({e}). Fix: run from the repository root, or pass --readme PATH."
         ))
     })?;
-    render::splice_readme(&text, region, "").map_err(|e| SpeedkitError::usage(format!("{}: {e}", readme.display())))?;
+    render::splice_readme(&text, region, "").map_err(|e| SpeedkitError::usage(format!("{name}: {e}")))?;
     Ok(text)
 }
 
-/// Write by the output policy (missing folders created); the error names `flag`, the path and
-/// the fix for its cause.
-fn write_text(path: &Path, text: &str, flag: &str) -> anyhow::Result<()> {
-    Ok(shared::output::write(flag, path, text.as_bytes())?)
-}
-
-/// Print the table, write the chart, and rewrite the README's results region, as asked.
-/// `json` is where the run's JSON is (or was just written), for the README's data link.
-pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>) -> anyhow::Result<()> {
-    if out.update_readme && matches!(results, Results::Sweep(_)) {
-        return Err(sweep_and_readme().into());
-    }
+/// Print the table, write the charts, and rewrite the README's region (linking `json`), as asked.
+pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>, svg_path: Option<&Path>) -> anyhow::Result<()> {
     println!();
     match results {
         Results::Ladder(r) => {
-            print!("{}", if out.markdown { render::markdown_table(r) } else { r.table() });
-            print_extras(r, out.markdown);
+            print!("{}", r.table(out.markdown));
+            if !r.ablation.is_empty() || !r.ablation_out.is_empty() {
+                println!("\none change at a time (--ablate): \"what it buys\" = variant median / stage median, ≈1.0x within p10-p90 noise");
+                print!("{}", render::ablation_table(r, out.markdown));
+            }
+            if r.records.iter().any(|rec| rec.breakdown.is_some()) {
+                println!("\nwhere the time goes (--breakdown, instrumented: a sync at each part boundary)");
+                print!("{}", render::breakdown_table(r, out.markdown));
+                println!("{}", render::REGIME_LEGEND.replace("**", ""));
+            }
         }
         Results::Sweep(s) => print!("{}", render::sweep_tables(s, out.markdown)),
     }
-    let svg_path = path_or_default(&out.svg, results, &out.readme, out.update_readme, "svg");
-    if let Some(path) = &svg_path {
+    if let Some(path) = svg_path {
         let svg = match results {
             Results::Ladder(r) => chart::ladder_svg(r)?,
             Results::Sweep(s) => chart::sweep_svg(s)?,
         };
-        write_text(path, &svg, "--svg")?;
+        shared::output::write("--svg", path, svg.as_bytes())?;
         println!("\nsaved     chart to {}", path.display());
         if let Results::Ladder(r) = results {
             // Beside the bar chart, from the same report: the roofline, and the breakdown if recorded.
             let [roofline, b] = chart_siblings(path);
-            write_text(&roofline, &roofline::roofline_svg(r)?, "--svg (the roofline chart beside it)")?;
+            shared::output::write("--svg (the roofline chart beside it)", &roofline, roofline::roofline_svg(r)?.as_bytes())?;
             println!("saved     roofline to {}", roofline.display());
             if r.records.iter().any(|rec| rec.breakdown.is_some()) {
-                write_text(&b, &chart::breakdown_svg(r)?, "--svg (the breakdown chart beside it)")?;
+                shared::output::write("--svg (the breakdown chart beside it)", &b, chart::breakdown_svg(r)?.as_bytes())?;
                 println!("saved     breakdown chart to {}", b.display());
             }
         }
     }
     if out.update_readme {
-        let Results::Ladder(report) = results else {
-            return Err(sweep_and_readme().into());
-        };
-        let (Some(json), Some(svg)) = (json, &svg_path) else {
-            anyhow::bail!("--update-readme needs the run's JSON and chart paths");
+        let (Results::Ladder(report), Some(json), Some(svg)) = (results, json, svg_path) else {
+            anyhow::bail!("--update-readme needs one ladder run's JSON and chart paths");
         };
         let (page, up) = render::region_page(&out.readme, &out.readme_region);
         let text = read_readme(&page, &out.readme_region)?;
         let json_link = format!("{up}{}", link_from_readme(&out.readme, "--json", json)?);
         let region = render::readme_region(report, &json_link, &format!("{up}{}", link_from_readme(&out.readme, "--svg", svg)?));
         let updated = render::splice_readme(&text, &out.readme_region, &region)?;
-        // The prose's numbers cited from this JSON (`cite`), rewritten from it too.
-        let value = serde_json::to_value(report)?;
-        let (updated, stale) = cite::update(&updated, &json_link, &value);
-        for s in &stale {
-            println!("note      not updated in {} (this run lacks it): {s}", out.readme.display());
-        }
-        if up.is_empty() {
-            update_doc_citations(&out.readme, &format!("../{json_link}"), &value)?;
-        }
         if updated == text {
             println!("unchanged {}: its {} region already shows this run", page.display(), out.readme_region);
         } else {
-            write_text(&page, &updated, "--readme")?;
+            shared::output::write("--readme", &page, updated.as_bytes())?;
             println!("updated   {}: {} region rewritten from {}", page.display(), out.readme_region, json.display());
         }
     }
     Ok(())
 }
 
-/// The ablation and breakdown tables under the main one, when the run has them.
-fn print_extras(r: &LadderReport, markdown: bool) {
-    if !r.ablation.is_empty() || !r.ablation_out.is_empty() {
-        println!("\none change at a time (--ablate): \"what it buys\" = variant median / stage median, ≈1.0x within p10-p90 noise");
-        print!("{}", render::ablation_table(r, markdown));
-    }
-    if r.records.iter().any(|rec| rec.breakdown.is_some()) {
-        println!("\nwhere the time goes (--breakdown, instrumented: a sync at each part boundary)");
-        print!("{}", render::breakdown_table(r, markdown));
-        println!("{}", render::REGIME_LEGEND.replace("**", ""));
-    }
-}
-
-/// The numbers docs/*.md cite from the JSON just written or rendered (`cite`), rewritten from it:
-/// the pages beside the README follow a re-recording as the README does.
-fn update_doc_citations(readme: &Path, json_link: &str, value: &serde_json::Value) -> anyhow::Result<()> {
-    for (page, text) in doc_pages(readme)? {
-        let (updated, stale) = cite::update(&text, json_link, value);
-        for s in &stale {
-            println!("note      not updated in {} (this run lacks it): {s}", page.display());
-        }
-        if updated != text {
-            write_text(&page, &updated, "--update-readme (a docs page)")?;
-            println!("updated   {}: numbers cited from {json_link}", page.display());
-        }
+/// With --update-readme: refuse a sweep, and check the page's markers now, before any work.
+fn check_readme(out: &OutputArgs, sweep: bool) -> anyhow::Result<()> {
+    if out.update_readme {
+        anyhow::ensure!(
+            !sweep,
+            SpeedkitError::usage(
+                "--update-readme writes one ladder run into the README's results region, and a sweep is several. \
+                 Fix: drop --update-readme and use --markdown and --svg for the sweep's tables and chart.",
+            )
+        );
+        read_readme(&render::region_page(&out.readme, &out.readme_region).0, &out.readme_region)?;
     }
     Ok(())
 }
 
-fn sweep_and_readme() -> SpeedkitError {
-    SpeedkitError::usage(
-        "--update-readme writes one ladder run into the README's results region, and a sweep is several. \
-         Fix: drop --update-readme and use --markdown and --svg for the sweep's tables and chart.",
-    )
-}
-
-/// Every file a run or render will write, checked before anything runs: each path alone
-/// (`shared::output::check`), no two on one file, and with --update-readme the JSON and chart
-/// under the README's folder so it can link them. `json` and `svg` are the paths after defaults.
+/// Every file a run or render writes, checked up front; with --update-readme, the JSON and chart under the README's folder.
 fn check_outputs(
     args: Option<&RunArgs>,
     out: &OutputArgs,
@@ -726,25 +613,12 @@ fn check_outputs(
     // The roofline and breakdown charts are written beside the bar chart (`render::sibling`).
     let beside: Vec<PathBuf> = svg.iter().flat_map(|p| chart_siblings(p)).collect();
     list.extend(beside.iter().map(|p| ("--svg (the chart beside it)", p.as_path())));
-    // Every docs page is read now (a bad one is refused before the run), but only the pages
-    // citing the JSON the citations come from (the run's, or the one `render --from` reads)
-    // can be rewritten, so only those are outputs.
-    let pages = if out.update_readme { doc_pages(&out.readme)? } else { Vec::new() };
-    let cited = json.or_else(|| inputs.iter().find(|(flag, _)| *flag == "--from").map(|(_, p)| *p));
-    let link = cited.and_then(|p| link_from_readme(&out.readme, "--json", p).ok()).map(|l| format!("../{l}"));
-    if out.update_readme {
-        list.push(("--readme", out.readme.as_path()));
-        list.extend(citing_pages(&pages, link.as_deref()).into_iter().map(|p| ("--update-readme (a docs page)", p)));
-    }
+    let page = render::region_page(&out.readme, &out.readme_region).0;
+    list.extend(out.update_readme.then_some(("--readme", page.as_path())));
     let checked = shared::output::check_all(&list)?;
     shared::output::check_not_inputs(&checked, inputs)?;
-    if out.update_readme {
-        if let Some(p) = json {
-            link_from_readme(&out.readme, json_flag, p)?;
-        }
-        if let Some(p) = svg {
-            link_from_readme(&out.readme, "--svg", p)?;
-        }
+    for (flag, p) in [(json_flag, json), ("--svg", svg)].into_iter().filter(|_| out.update_readme) {
+        p.map(|p| link_from_readme(&out.readme, flag, p)).transpose()?;
     }
     Ok(())
 }
@@ -754,46 +628,7 @@ fn chart_siblings(svg: &Path) -> [PathBuf; 2] {
     ["roofline", "breakdown"].map(|w| PathBuf::from(render::sibling(&svg.to_string_lossy(), w)))
 }
 
-/// The pages among `pages` that cite `json_link` (as a docs page links it, `../results/...`):
-/// the only ones `update_doc_citations` may rewrite.
-fn citing_pages<'a>(pages: &'a [(PathBuf, String)], json_link: Option<&str>) -> Vec<&'a Path> {
-    let cites = |text: &str| cite::find(text).iter().any(|c| Some(c.json.as_str()) == json_link);
-    pages.iter().filter(|(_, text)| cites(text)).map(|(p, _)| p.as_path()).collect()
-}
-
-/// The docs/*.md pages beside the README whose cited numbers --update-readme rewrites, read and
-/// checked up front so a bad page is found before anything is written: one that cannot be read
-/// or is not UTF-8 is exit 2 naming it.
-fn doc_pages(readme: &Path) -> Result<Vec<(PathBuf, String)>, SpeedkitError> {
-    let docs = readme_dir(readme).join("docs");
-    let Ok(entries) = std::fs::read_dir(&docs) else { return Ok(Vec::new()) };
-    let mut paths: Vec<PathBuf> =
-        entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "md")).collect();
-    paths.sort();
-    let mut pages = Vec::new();
-    for page in paths {
-        let bytes = read_capped(&page).map_err(|e| {
-            SpeedkitError::usage(format!(
-                "--update-readme: cannot read {} ({e}), a page whose cited numbers it rewrites. Fix: make it readable, or move it out of {}.",
-                page.display(),
-                docs.display()
-            ))
-        })?;
-        let text = String::from_utf8(bytes).map_err(|e| {
-            SpeedkitError::usage(format!(
-                "--update-readme: {} is not UTF-8 text (invalid byte at offset {}), so its cited numbers cannot be rewritten. Fix: save it as UTF-8, or move it out of {}.",
-                page.display(),
-                e.utf8_error().valid_up_to(),
-                docs.display()
-            ))
-        })?;
-        pages.push((page, text));
-    }
-    Ok(pages)
-}
-
-/// `--ablate` with nothing to undo: no stage of the run has a variant with one change undone
-/// on this device with these flags. Refused before any weights exist.
+/// `--ablate` with nothing to undo on this device with these flags, refused before any work.
 fn check_ablate(args: &RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> anyhow::Result<()> {
     let shared::runner::Resolved { device, info, shape, .. } = shared::runner::resolve(args)?;
     let undoable = which.iter().any(|&i| {
@@ -823,16 +658,9 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
         ));
     }
     let out = &ladder.output;
-    if out.update_readme {
-        if ladder.sweep.is_some() {
-            return Err(sweep_and_readme().into());
-        }
-        read_readme(&render::region_page(&out.readme, &out.readme_region).0, &out.readme_region)?;
-    }
+    check_readme(out, ladder.sweep.is_some())?;
     shared::cli::validate(&args)?;
-    if let Some(s) = &ladder.sweep {
-        sweep::check_values(&args, s)?;
-    }
+    ladder.sweep.as_ref().map(|s| sweep::check_values(&args, s)).transpose()?;
     // The default results paths depend on the device kind (results/ladder-cpu.* or -cuda.*).
     let default_kind = if out.update_readme { Some(shared::device::select(args.device)?.1) } else { None };
     let planned_json = args.json.clone().or_else(|| default_kind.as_ref().map(|i| default_beside_readme(&out.readme, i, "json")));
@@ -844,28 +672,17 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let measure = Measure { rounds: ladder.rounds as usize, ablate: ladder.ablate, reference: ladder.reference };
     let (results, failure) = match &ladder.sweep {
-        Some(s) => {
-            let (report, failure) = sweep::run(&args, &stages, s, &which, &argv, measure)?;
-            (Results::Sweep(report), failure)
-        }
+        Some(s) => sweep::run(&args, &stages, s, &which, &argv, measure).map(|(r, f)| (Results::Sweep(r), f))?,
         None => {
-            let (mut report, failure) = run(args.clone(), &stages, &which, measure)?;
-            report.args = argv;
-            (Results::Ladder(Box::new(report)), failure)
+            run(args.clone(), &stages, &which, measure).map(|(r, f)| (Results::Ladder(Box::new(LadderReport { args: argv, ..r })), f))?
         }
     };
-    // A failed run never replaces the recorded results: the default files beside the README
-    // are written only when every stage passed (paths the user named are written either way).
-    let json = path_or_default(&args.json, &results, &out.readme, out.update_readme && failure.is_none(), "json");
-    if let Some(path) = &json {
-        match &results {
-            Results::Ladder(r) => write_json(path, r)?,
-            Results::Sweep(s) => write_json(path, s)?,
-        }
-    }
+    // A failed run never replaces the recorded results (paths the user named are written either way).
+    let (json, svg) = if failure.is_none() { (planned_json, planned_svg) } else { (args.json.clone(), out.svg.clone()) };
+    json.as_ref().map(|path| write_json(path, &results)).transpose()?;
     // A failed check is reported in the table and the files, but never becomes the README's.
     let out = OutputArgs { update_readme: out.update_readme && failure.is_none(), ..out.clone() };
-    emit(&results, &out, json.as_deref())?;
+    emit(&results, &out, json.as_deref(), svg.as_deref())?;
     if let Some(path) = &json {
         println!("saved     JSON to {}", path.display());
     }
@@ -877,10 +694,9 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
 }
 
 pub fn main() -> ExitCode {
-    let about = "Every stage of the transformer block side by side: same weights, same input, checked, timed";
     // `about` after `augment_args`: the flag structs' doc comments would otherwise replace it.
     let cmd = with_stage_args(LadderArgs::augment_args(RunArgs::augment_args(clap::Command::new("ladder"))))
-        .about(about)
+        .about("Every stage of the transformer block side by side: same weights, same input, checked, timed")
         .subcommand(
             with_stage_args(RunArgs::augment_args(clap::Command::new("report")))
                 .about("Print the device, candle's global switches, and what every stage would run and why"),
@@ -907,26 +723,27 @@ pub fn main() -> ExitCode {
         Some(("render", sub)) => {
             let args = RenderArgs::from_arg_matches(sub)?;
             let results = load(&args.from)?;
-            if args.output.update_readme {
-                read_readme(&render::region_page(&args.output.readme, &args.output.readme_region).0, &args.output.readme_region)?;
-                if let Results::Ladder(r) = &results {
-                    let failed = r.skipped.iter().filter(|s| s.failed).map(|s| s.stage.clone());
-                    let failed = failed.chain(r.ablation_out.iter().filter(|o| o.failed).map(|o| format!("{} ({})", o.against, o.change)));
-                    if let Some(bad) = failed.into_iter().next() {
-                        anyhow::bail!(SpeedkitError::usage(format!(
-                            "{} records a run in which {bad} FAILED, and the README only shows runs that passed. Fix: render it with --markdown or --svg, or run the ladder again.",
-                            args.from.display(),
-                        )));
-                    }
+            check_readme(&args.output, matches!(results, Results::Sweep(_)))?;
+            if let (true, Results::Ladder(r)) = (args.output.update_readme, &results) {
+                let failed = r.skipped.iter().filter(|s| s.failed).map(|s| s.stage.clone());
+                let failed = failed.chain(r.ablation_out.iter().filter(|o| o.failed).map(|o| format!("{} ({})", o.against, o.change)));
+                if let Some(bad) = failed.into_iter().next() {
+                    anyhow::bail!(SpeedkitError::usage(format!(
+                        "{} records a run in which {bad} FAILED, and the README only shows runs that passed. Fix: render it with --markdown or --svg, or run the ladder again.",
+                        args.from.display(),
+                    )));
                 }
             }
-            let svg = path_or_default(&args.output.svg, &results, &args.output.readme, args.output.update_readme, "svg");
+            let svg = args.output.svg.clone().or_else(|| match &results {
+                Results::Ladder(r) if args.output.update_readme => Some(default_beside_readme(&args.output.readme, &r.device, "svg")),
+                _ => None,
+            });
             // Every output, the charts beside --svg and the README included, against the file read.
             check_outputs(None, &args.output, None, svg.as_deref(), &[("--from", args.from.as_path())])?;
             if args.output.update_readme {
                 link_from_readme(&args.output.readme, "--from", &args.from)?;
             }
-            emit(&results, &args.output, Some(&args.from))
+            emit(&results, &args.output, Some(&args.from), svg.as_deref())
         }
         _ => run_command(RunArgs::from_arg_matches(&matches)?, LadderArgs::from_arg_matches(&matches)?, stages_from(&matches)?),
     })

@@ -1,5 +1,4 @@
-//! Where a run's numbers come from, beyond the device: exact crate and compiler versions, the
-//! GPU driver, and the date — what the JSON carries and the README prints above a table.
+//! Where a run's numbers come from beyond the device: exact crate, compiler and GPU driver versions, and the date.
 
 use shared::device::DeviceInfo;
 use std::collections::BTreeMap;
@@ -18,10 +17,7 @@ pub fn versions() -> BTreeMap<String, String> {
 
 /// The CUDA version the driver the run used supports, e.g. "13.0"; `None` off a GPU.
 pub fn cuda_driver_version(info: &DeviceInfo) -> Option<String> {
-    if !info.is_cuda() {
-        return None;
-    }
-    driver_api_version().map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10))
+    info.is_cuda().then(driver_api_version).flatten().map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10))
 }
 
 #[cfg(feature = "cuda")]
@@ -39,13 +35,10 @@ fn driver_api_version() -> Option<i32> {
     None
 }
 
-/// The NVIDIA kernel module's version, e.g. "580.65.06"; `None` off a GPU or when
-/// /proc/driver/nvidia/version is absent (containers may hide it).
+/// The NVIDIA kernel module's version, e.g. "580.65.06"; `None` off a GPU or when a container hides /proc's file.
 pub fn nvidia_driver(info: &DeviceInfo) -> Option<String> {
-    if !info.is_cuda() {
-        return None;
-    }
-    parse_nvidia_version(&std::fs::read_to_string("/proc/driver/nvidia/version").ok()?)
+    let text = info.is_cuda().then(|| std::fs::read_to_string("/proc/driver/nvidia/version").ok()).flatten()?;
+    parse_nvidia_version(&text)
 }
 
 /// "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 ..." → "580.65.06".

@@ -2,11 +2,8 @@
 
 use crate::provenance::date_utc;
 use itertools::Itertools;
-use shared::report::{fmt_bytes, precision_label, LadderReport, Record, Row, SweepReport};
+use shared::report::{fmt_ms, fmt_timing, not_measured, speedup_text, table, Grid, LadderReport, Record, Row, SweepReport};
 use shared::{Preset, Shape, SpeedkitError};
-
-/// A table: its header, then its rows.
-type Grid = (Vec<String>, Vec<Vec<String>>);
 
 /// The lines around README region `name`.
 pub fn markers(name: &str) -> (String, String) {
@@ -15,50 +12,19 @@ pub fn markers(name: &str) -> (String, String) {
 
 /// `--readme-region`: letters, digits, '-' and '_', so the name cannot break the comment.
 pub fn region_name(s: &str) -> Result<String, String> {
-    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-        Ok(s.to_string())
-    } else {
-        Err(format!("'{s}' is not a region name; use letters, digits, '-' and '_', e.g. results-gpu"))
-    }
+    let ok = !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    ok.then(|| s.to_string()).ok_or_else(|| format!("'{s}' is not a region name; use letters, digits, '-' and '_', e.g. results-gpu"))
 }
 
-/// Milliseconds to about three significant digits: "452", "21.3", "1.23", "0.052".
-pub fn fmt_ms(ms: f64) -> String {
-    match ms {
-        m if m >= 100.0 => format!("{m:.0}"),
-        m if m >= 10.0 => format!("{m:.1}"),
-        m if m >= 1.0 => format!("{m:.2}"),
-        m => format!("{m:.3}"),
-    }
-}
-
-/// `speedup_text` ("≈1.0x" within noise; the JSON keeps the ratio), with "–" for none.
-pub fn fmt_speedup(v: Option<f64>, within_noise: bool) -> String {
-    v.map_or("–".into(), |_| shared::report::speedup_text(v, within_noise))
-}
-
-/// "452 (429–465)": median and p10–p90.
-fn fmt_timing(t: &shared::timing::Stats) -> String {
-    format!("{} ({}–{})", fmt_ms(t.median_ms), fmt_ms(t.p10_ms), fmt_ms(t.p90_ms))
-}
-
-fn strings<const N: usize>(cells: [&str; N]) -> Vec<String> {
-    cells.map(String::from).to_vec()
-}
-
-/// `ladder --ablate`'s table, as GitHub markdown or for the terminal: each variant (or why it did
-/// not run), and what the undone change buys.
+/// `--ablate`'s table: each variant (or why it did not run), and what the undone change buys.
 pub fn ablation_table(report: &LadderReport, markdown: bool) -> String {
-    let header = strings(["stage", "undone", "median ms (p10–p90)", "stage as written", "what it buys"]);
+    let header = ["stage", "undone", "median ms (p10–p90)", "stage as written", "what it buys"].map(String::from).to_vec();
     let ran = report.ablation.iter().map(|a| {
         let full = report.records.iter().find(|r| r.stage == a.against);
         let full = full.map_or("–".into(), |r| format!("{} ms", fmt_ms(r.timing.median_ms)));
-        vec![a.against.clone(), a.change.clone(), fmt_timing(&a.record.timing), full, fmt_speedup(a.buys, a.buys_within_noise)]
+        vec![a.against.clone(), a.change.clone(), fmt_timing(&a.record.timing), full, speedup_text(a.buys, a.buys_within_noise)]
     });
-    let out = report
-        .ablation_out
-        .iter()
-        .map(|o| vec![o.against.clone(), o.change.clone(), not_measured(o.failed, &o.reason), "–".into(), "–".into()]);
+    let out = report.ablation_out.iter().map(|o| vec![o.against.clone(), o.change.clone(), not_measured(o.failed, &o.reason)]);
     table((header, ran.chain(out).collect()), markdown)
 }
 
@@ -75,8 +41,7 @@ pub(crate) fn part_names(records: &[&Record]) -> Vec<String> {
     records.iter().flat_map(|r| r.breakdown.iter().flat_map(|b| &b.parts)).map(|p| p.name.clone()).unique().collect()
 }
 
-/// `--breakdown`'s table, as GitHub markdown or for the terminal: a row per stage, a column per
-/// part (forward order), total and median.
+/// `--breakdown`'s table: a row per stage, a column per part (forward order), total and median.
 pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
     let with: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
     let mut parts = part_names(&with);
@@ -84,14 +49,11 @@ pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
     parts.sort_by_key(|p| order(p)); // stable: a fused part sits after its first part's own column
     let mut header = vec!["stage".to_string()];
     header.extend(parts.iter().map(|p| format!("{p} ms")));
-    header.extend(strings(["total (instrumented)", "median (uninstrumented)"]));
-    let bandwidth = report.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
+    header.extend(["total (instrumented)", "median (uninstrumented)"].map(String::from));
     let rows = with
         .iter()
         .map(|&r| {
-            // Recomputed, not read: older files have none, and a file's own figures are not trusted.
-            let mut r = r.clone();
-            shared::regime::annotate(&mut r, bandwidth);
+            // Each part's regime as `ladder::run` or `ladder::load` computed it (never a file's own).
             let b = r.breakdown.as_ref().expect("filtered");
             let cell = |p: &shared::breakdown::PartTime| match &p.regime {
                 Some(g) => format!("{} · {}", fmt_ms(p.median_ms), shared::regime::tag(g)),
@@ -104,71 +66,6 @@ pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
         })
         .collect();
     table((header, rows), markdown)
-}
-
-/// Relative error against the fp32 reference, or "unchecked" (--no-check).
-pub fn fmt_rel_err(r: &Record) -> String {
-    match &r.check {
-        None => "unchecked".into(),
-        Some(c) if c.rel_err == 0.0 => "0".into(),
-        Some(c) => format!("{:.1e}", c.rel_err),
-    }
-}
-
-/// "skipped: why" or "FAILED: why", on one line.
-fn not_measured(failed: bool, reason: &str) -> String {
-    format!("{}: {}", if failed { "FAILED" } else { "skipped" }, reason.split_whitespace().join(" "))
-}
-
-/// GitHub markdown, or columns padded to their widest cell for the terminal.
-fn table((header, rows): Grid, markdown: bool) -> String {
-    if markdown {
-        let row = |cells: &[String]| format!("| {} |\n", cells.iter().map(|c| c.replace('|', "\\|").replace('\n', " ")).join(" | "));
-        let rule = format!("|{}\n", "---|".repeat(header.len()));
-        return std::iter::once(row(&header)).chain([rule]).chain(rows.iter().map(|r| row(r))).collect();
-    }
-    shared::report::columns(&header, &rows)
-}
-
-/// The ladder's table as GitHub markdown; GFLOP/s on a CPU (a few hundred at most), TFLOP/s on a GPU.
-pub fn markdown_table(report: &LadderReport) -> String {
-    let (unit, scale) = if report.device.is_cuda() { ("TFLOP/s", 1.0) } else { ("GFLOP/s", 1e3) };
-    let mut header =
-        strings(["stage", "precision", "median ms (p10–p90)", "vs stage 0", "vs previous", unit, "% of peak", "rel. error", "peak mem"]);
-    // With reference rows (`ladder --reference`): each row's speed against the fastest of them.
-    let with_ref = !report.references.is_empty();
-    if with_ref {
-        header.push("vs best reference".into());
-    }
-    let with_train = report.records.iter().any(|r| r.train.is_some());
-    if with_train {
-        header[2] = "forward + backward ms (p10–p90)".into();
-        header.extend(strings(["optimizer ms", "worst grad error"]));
-    }
-    let mut rows = report.rows();
-    rows.extend(report.references.iter().map(Row::Ran).chain(report.references_out.iter().map(Row::Skipped)));
-    let rows = rows
-        .iter()
-        .map(|row| match row {
-            Row::Ran(r) => [
-                if report.references.iter().any(|x| std::ptr::eq(x, *r)) { format!("reference: {}", r.stage) } else { r.stage.clone() },
-                precision_label(r),
-                fmt_timing(&r.timing),
-                fmt_speedup(r.speedup_vs_stage0, r.noise_vs_stage0),
-                fmt_speedup(r.speedup_vs_prev, r.noise_vs_prev),
-                format!("{:.1}", r.tflops * scale),
-                r.pct_of_peak.map_or("–".into(), |p| format!("{p:.1}%")),
-                fmt_rel_err(r),
-                fmt_bytes(r.peak_mem_bytes),
-            ]
-            .into_iter()
-            .chain(with_ref.then(|| fmt_speedup(r.vs_reference, false)))
-            .chain(if with_train { shared::report::train_cells(r) } else { Vec::new() })
-            .collect(),
-            Row::Skipped(s) => [vec![s.stage.clone(), not_measured(s.failed, &s.reason)], vec!["–".into(); header.len() - 2]].concat(),
-        })
-        .collect();
-    table((header, rows), true)
 }
 
 /// "CPU: AMD EPYC, 2 threads" or "GPU: NVIDIA H100 80GB HBM3 (SM 9.0), driver 580.65.06, CUDA 13.0".
@@ -187,29 +84,19 @@ pub fn describe_device(report: &LadderReport) -> String {
 
 /// The preset's name when the shape is one, and the dimensions.
 pub fn describe_shape(shape: &Shape) -> String {
-    match [Preset::Tiny, Preset::Small, Preset::Gpt2, Preset::Te].into_iter().find(|p| p.shape() == *shape) {
-        Some(p) => format!("preset `{}` ({shape})", p.name()),
-        None => format!("{shape}"),
-    }
+    let preset = [Preset::Tiny, Preset::Small, Preset::Gpt2, Preset::Te].into_iter().find(|p| p.shape() == *shape);
+    preset.map_or(format!("{shape}"), |p| format!("preset `{}` ({shape})", p.name()))
 }
 
-/// Which page holds each region that is not in the README: the README shows the CPU run
-/// (`results`) and one GPU run (`results-gpu`); the GPU's other runs are on docs/gpu.md. Paths are
-/// relative to the README's folder.
-pub const REGION_PAGES: &[(&str, &str)] = &[
-    ("results-gpu-ablate-te", "docs/gpu.md"),
-    ("results-gpu-graph", "docs/gpu.md"),
-    ("results-gpu-gpt2", "docs/gpu.md"),
-    ("results-gpu-ablate-gpt2", "docs/gpu.md"),
-];
+/// The regions on docs/gpu.md (the README shows `results` and `results-gpu`).
+pub const GPU_PAGE_REGIONS: [&str; 4] = ["results-gpu-ablate-te", "results-gpu-graph", "results-gpu-gpt2", "results-gpu-ablate-gpt2"];
 
-/// The page `--update-readme` rewrites for `region` (`readme` itself, or the page beside it that
-/// holds the region), and the prefix that turns a link from the README's folder into one from
-/// that page ("../" for docs/gpu.md).
+/// The page `--update-readme` rewrites for `region` (`readme`, or docs/gpu.md beside it), and the
+/// prefix that turns a link from the README's folder into one from that page.
 pub fn region_page(readme: &std::path::Path, region: &str) -> (std::path::PathBuf, String) {
-    match REGION_PAGES.iter().find(|(r, _)| *r == region) {
-        Some((_, page)) => (crate::readme_dir(readme).join(page), "../".repeat(page.matches('/').count())),
-        None => (readme.to_path_buf(), String::new()),
+    match GPU_PAGE_REGIONS.contains(&region) {
+        true => (crate::readme_dir(readme).join("docs/gpu.md"), "../".into()),
+        false => (readme.to_path_buf(), String::new()),
     }
 }
 
@@ -227,7 +114,7 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
     facts.extend((!report.args.is_empty()).then(|| format!("`ladder {}`", report.args.join(" "))));
     facts.push(format!("data: [{json_link}]({json_link})"));
     let mut out = format!("<!-- Written by `ladder --update-readme` from {json_link}: rerun it rather than editing by hand. -->\n");
-    out += &format!("{}\n\n{}", facts.join(" · "), markdown_table(report));
+    out += &format!("{}\n\n{}", facts.join(" · "), report.table(true));
     if !report.records.iter().any(|r| r.speedup_vs_stage0.is_some()) {
         out += "\nStage 0 did not run, so there are no speedups over it.\n";
     }
@@ -270,14 +157,13 @@ pub fn splice_readme(readme: &str, name: &str, region: &str) -> Result<String, S
     Ok(format!("{}\n{region}{newline}{}", &readme[..b], &readme[e..]))
 }
 
+/// Each swept dimension as the JSON names it, the literature's letter, and what it counts.
+pub const AXES: [(&str, &str, &str); 3] =
+    [("seq", "T", "tokens per sequence"), ("batch", "B", "sequences per forward"), ("d_model", "C", "model width")];
+
 /// The literature's letter for a swept dimension: T, B or C.
 pub fn axis_symbol(axis: &str) -> &str {
-    match axis {
-        "seq" => "T",
-        "batch" => "B",
-        "d_model" => "C",
-        other => other,
-    }
+    AXES.iter().find(|a| a.0 == axis).map_or(axis, |a| a.1)
 }
 
 /// How a swept value is written: "T = 512", "B = 8", "C = 1024".
@@ -294,7 +180,7 @@ pub(crate) fn sweep_stages(sweep: &SweepReport) -> Vec<String> {
 fn sweep_grid(sweep: &SweepReport) -> Grid {
     let header = std::iter::once("stage".to_string()).chain(sweep.values.iter().map(|&v| axis_label(&sweep.axis, v))).collect();
     let cell = |run: &LadderReport, stage: &str| match run.rows().into_iter().find(|r| r.stage() == stage) {
-        Some(Row::Ran(r)) => format!("{} ms · {}", fmt_ms(r.timing.median_ms), fmt_speedup(r.speedup_vs_stage0, false)),
+        Some(Row::Ran(r)) => format!("{} ms · {}", fmt_ms(r.timing.median_ms), speedup_text(r.speedup_vs_stage0, false)),
         Some(Row::Skipped(s)) if s.failed => "FAILED".into(),
         Some(Row::Skipped(_)) => "skipped".into(),
         None => "–".into(),
@@ -309,8 +195,8 @@ fn sweep_grid(sweep: &SweepReport) -> Grid {
 /// Every value's ladder, then the stage × value summary: GitHub markdown or the terminal's tables.
 pub fn sweep_tables(sweep: &SweepReport, markdown: bool) -> String {
     let runs = sweep.values.iter().zip(&sweep.runs).map(|(v, run)| match markdown {
-        true => format!("\n#### {} · {}\n\n{}", axis_label(&sweep.axis, *v), describe_shape(&run.shape), markdown_table(run)),
-        false => format!("\n{} · {}\n{}", axis_label(&sweep.axis, *v), run.shape, run.table()),
+        true => format!("\n#### {} · {}\n\n{}", axis_label(&sweep.axis, *v), describe_shape(&run.shape), run.table(true)),
+        false => format!("\n{} · {}\n{}", axis_label(&sweep.axis, *v), run.shape, run.table(false)),
     });
     let d_model = if sweep.axis == "d_model" { " (FF = 4·C and d_head fixed unless --ff / --heads were given)" } else { "" };
     let note = format!("cells: median ms · speedup over stage 0 at the same {}{d_model}", axis_symbol(&sweep.axis));

@@ -1,7 +1,6 @@
-//! The roofline: each stage's achieved FLOP/s against its arithmetic intensity, under the
-//! device's compute (flat) and memory-bandwidth (slope) ceilings. FLOPs are the block's useful
-//! work (`shared::perf::block_flops`); bytes are the minimum its ops must move with nothing cached
-//! between them (each stage's `Stage::traffic`), so fusion raises the intensity by deleting passes.
+//! The roofline: each stage's achieved FLOP/s against its arithmetic intensity, under the device's compute (flat)
+//! and bandwidth (slope) ceilings. FLOPs are the block's useful work; bytes the minimum its ops must move with
+//! nothing cached between them (`Stage::traffic`), so fusion raises the intensity by deleting passes.
 
 use crate::chart::{heading, is_emulated, mesh, note, stage_colour, svg, text, GRID, INK};
 use crate::render::describe_device;
@@ -62,15 +61,9 @@ pub fn ceilings(
         return None;
     }
     let unflagged = args.peak_tflops.is_none() || args.bandwidth_gbs.is_none();
-    let sources: Vec<&str> = [
-        (args.peak_tflops.is_some(), "--peak-tflops"),
-        (args.bandwidth_gbs.is_some(), "--bandwidth-gbs"),
-        (gpu && unflagged, "datasheet"),
-        (measured.is_some() && unflagged, "measured: GEMM at the block's shapes + STREAM triad"),
-    ]
-    .into_iter()
-    .filter_map(|(on, source)| on.then_some(source))
-    .collect();
+    let used = [args.peak_tflops.is_some(), args.bandwidth_gbs.is_some(), gpu && unflagged, measured.is_some() && unflagged];
+    let names = ["--peak-tflops", "--bandwidth-gbs", "datasheet", "measured: GEMM at the block's shapes + STREAM triad"];
+    let sources: Vec<&str> = names.into_iter().zip(used).filter_map(|(name, used)| used.then_some(name)).collect();
     Some(Ceilings { tflops, bandwidth_gbs, source: format!("{} ({})", sources.join(" + "), info.name) })
 }
 
@@ -113,20 +106,14 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
     let ys: Vec<f64> = pts.iter().map(|p| p.gflops.log10()).chain(peaks.iter().map(|(_, p)| p.log10())).collect();
     let lo_hi = |v: &[f64]| {
         let (lo, hi) = v.iter().fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-        if lo > hi {
-            (0.0, 1.0)
-        } else {
-            ((lo - 0.3).floor(), (hi + 0.3).ceil())
-        }
+        Some(((lo - 0.3).floor(), (hi + 0.3).ceil())).filter(|_| lo <= hi).unwrap_or((0.0, 1.0))
     };
     let ((x0, x1), (y0, y1)) = (lo_hi(&xs), lo_hi(&ys));
     let memory = |x: f64| (bw.unwrap_or(f64::NAN) * 10f64.powf(x)).log10();
 
     svg((820, 560), |root| {
-        let ceiling_text = match ceil {
-            Some(c) => format!("ceilings: {}", c.source),
-            None => "no ceilings known: pass --peak-tflops and --bandwidth-gbs to draw them".into(),
-        };
+        let ceiling_text = ceil
+            .map_or("no ceilings known: pass --peak-tflops and --bandwidth-gbs to draw them".into(), |c| format!("ceilings: {}", c.source));
         let x_axis = "x: the block's FLOPs / the bytes its ops must read and write with nothing cached between ops";
         let lines = [describe_device(report), crate::chart::facts(report.shape, report), ceiling_text, x_axis.into()];
         heading(root, "Roofline: achieved GFLOP/s against FLOPs per byte moved (log-log)", text(16.0, INK, HPos::Left, VPos::Top), &lines)?;
@@ -134,8 +121,7 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
             .x_label_area_size(50)
             .y_label_area_size(64)
             .build_cartesian_2d(x0..x1, y0..y1)?;
-        mesh(&mut chart, GRID)
-            .x_labels((x1 - x0) as usize + 1)
+        mesh(&mut chart, GRID, (x1 - x0) as usize + 1)
             .y_labels((y1 - y0) as usize + 1)
             .x_label_formatter(&|v| pow10(*v))
             .y_label_formatter(&|v| pow10(*v))

@@ -1,9 +1,6 @@
-//! `ladder selftest`: each GPU building block alone, on small shapes, against its CPU twin — the
-//! first command to run on a new GPU, and the JSON to send back when something is wrong
-//! (docs/gpu.md). On the CPU the same list runs through the CPU stand-ins: the CPU kernels, the
-//! cuBLASLt contract model executing the real argument builders, the capture sequence on a
-//! recording model, the CPU memory probe. So CI runs the list too; a CPU pass says the logic
-//! is right, not that the GPU code works.
+//! `ladder selftest`: each GPU building block alone, on small shapes, against its CPU twin — the first command
+//! on a new GPU, and the JSON to send back (docs/gpu.md). On the CPU the same list runs through the CPU
+//! stand-ins (CI runs it): a CPU pass says the logic is right, not that the GPU code works.
 //!
 //! | block | on CUDA | on the CPU |
 //! |---|---|---|
@@ -86,37 +83,30 @@ fn graphs(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
         // The plan is where a stage says this device lacks what it needs (FP8 below SM 8.9): a
         // skip. Anything after it that errs is a failure.
         let asked = shared::stage::ladder_request(stage.as_ref(), shared::PrecisionRequest::Auto);
-        let plan = match shared::stage::plan(stage.as_ref(), device, info, shape, asked, shared::PrecisionRequest::Auto, true, false) {
-            Ok(plan) => plan,
-            Err(e) => {
-                r.skip("CUDA graph", case, e.to_string());
-                continue;
-            }
-        };
-        r.compare("CUDA graph", case, || {
-            let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
-            let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
-            // The capture runs one warm-up forward and records the second; its second replay is
-            // the third call, so a stage with state (delayed scaling) is compared at call 3.
-            let plain = stage.build(&weights, &plan)?;
-            let mut want = plain.forward(&x)?;
-            for _ in 0..2 {
-                want = plain.forward(&x)?;
-            }
-            let graphed = shared::graph::capture(stage.name(), stage.build(&weights, &plan)?, &x)?;
-            graphed.forward(&x)?;
-            let replayed = graphed.forward(&x)?.copy()?; // the second replay
+        match shared::stage::plan(stage.as_ref(), device, info, shape, asked, shared::PrecisionRequest::Auto, true, false) {
+            Err(e) => r.skip("CUDA graph", case, e.to_string()),
+            Ok(plan) => r.compare("CUDA graph", case, || {
+                let weights = shared::BlockWeights::from_seed(&shape, 1)?.to_device(device)?;
+                let x = shared::weights::random_input(&shape, 2)?.to_device(device)?;
+                // The capture runs a warm-up and records the second call; its second replay is the
+                // third, so a stage with state (delayed scaling) is compared at call 3.
+                let plain = stage.build(&weights, &plan)?;
+                for _ in 0..2 {
+                    plain.forward(&x)?;
+                }
+                let want = plain.forward(&x)?;
+                let graphed = shared::graph::capture(stage.name(), stage.build(&weights, &plan)?, &x)?;
+                graphed.forward(&x)?;
+                let replayed = graphed.forward(&x)?.copy()?; // the second replay
 
-            // The same kernels on the same input; only a GEMM algorithm choice could differ.
-            Ok((replayed, want, 1e-3))
-        });
+                // The same kernels on the same input; only a GEMM algorithm choice could differ.
+                Ok((replayed, want, 1e-3))
+            }),
+        }
     }
 }
 
-/// `--breakdown`'s recorder on this device: stage 0 at tiny, every part of the block timed,
-/// each time finite and not negative, the parts' sum above zero. On CUDA this is the event path
-/// that failed on the first H100 run (events created without timing); on the CPU the
-/// synchronize-and-clock path.
+/// `--breakdown`'s recorder on this device (CUDA events, or synchronize + clock): stage 0 at tiny, every part timed.
 fn breakdown(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
     r.ran = if device.is_cuda() { "cuda".into() } else { "cpu (synchronize + clock)".into() };
     let res = (|| -> anyhow::Result<String> {
@@ -134,8 +124,7 @@ fn breakdown(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo)
     r.outcome("breakdown", "records on this device (stage 0, tiny)".into(), res);
 }
 
-/// What a recorded breakdown of a stage 0–2 forward must hold: the block's parts in order, each
-/// time finite and not negative, a positive total.
+/// A stage 0–2 forward's breakdown: the block's parts in order, each time finite and not negative, a positive total.
 fn check_breakdown(b: &shared::breakdown::Breakdown) -> anyhow::Result<()> {
     let names: Vec<&str> = b.parts.iter().map(|p| p.name.as_str()).collect();
     anyhow::ensure!(names == shared::breakdown::PARTS, "parts {names:?}, not the block's {:?}", shared::breakdown::PARTS);
@@ -147,28 +136,21 @@ fn check_breakdown(b: &shared::breakdown::Breakdown) -> anyhow::Result<()> {
 }
 
 fn memory(r: &mut shared::selftest::Rows, device: &Device) {
-    if !device.is_cuda() {
-        r.ran = "cpu probe".into();
-    }
+    r.ran = if device.is_cuda() { "cuda" } else { "cpu probe" }.into();
     const BYTES: u64 = 64 << 20;
     let res = (|| -> anyhow::Result<String> {
         let probe = MemProbe::start(device);
-        {
-            // Allocated and freed before the end: only a high-water mark sees it.
-            let t = Tensor::ones((BYTES / 4) as usize, DType::F32, device)?;
-            device.synchronize()?;
-            drop(t);
-        }
+        // Allocated and freed before the end: only a high-water mark sees it.
+        let t = Tensor::ones((BYTES / 4) as usize, DType::F32, device)?;
+        device.synchronize()?;
+        drop(t);
         device.synchronize()?;
         let (peak, method) = probe.finish();
         let peak = peak.ok_or_else(|| anyhow::anyhow!("the probe could not measure ({method})"))?;
+        let mib = peak as f64 / (1u64 << 20) as f64;
         // 60 of 64 MiB: the CPU's RSS counts pages, and a few of them may already be resident.
-        anyhow::ensure!(
-            peak >= BYTES / 16 * 15,
-            "a transient 64 MiB allocation showed as {:.1} MiB ({method})",
-            peak as f64 / (1u64 << 20) as f64
-        );
-        Ok(format!("{:.1} MiB seen for 64 MiB ({method})", peak as f64 / (1u64 << 20) as f64))
+        anyhow::ensure!(peak >= BYTES / 16 * 15, "a transient 64 MiB allocation showed as {mib:.1} MiB ({method})");
+        Ok(format!("{mib:.1} MiB seen for 64 MiB ({method})"))
     })();
     r.outcome("memory probe", "transient 64 MiB allocation".into(), res);
 }
@@ -201,8 +183,7 @@ pub struct SelftestArgs {
 /// The subcommand: run, print the table, write the JSON; an error (exit 1) if anything failed.
 pub fn command(args: &SelftestArgs) -> anyhow::Result<()> {
     let req: shared::device::DeviceRequest = args.device.parse().map_err(shared::SpeedkitError::usage)?;
-    // Checked by the output policy before anything runs (a directory, a device, a folder that
-    // cannot take a new file, a closed /dev/fd/N), so a run never ends in a refusal to save it.
+    // Checked by the output policy before anything runs, so a run never ends in a refusal to save it.
     let out = shared::output::check("--json", &args.json)?;
     let (device, info) = shared::device::select(req)?;
     let rep = run(&device, &info);
@@ -211,8 +192,8 @@ pub fn command(args: &SelftestArgs) -> anyhow::Result<()> {
     bytes.push(b'\n');
     out.write(&bytes)?;
     println!("wrote {} — attach it to a bug report (docs/gpu.md)", args.json.display());
+    // Exit 1: a building block is broken (a wrong result or an error), whatever its kind.
     if rep.failed > 0 {
-        // Exit 1: a building block is broken (a wrong result or an error), whatever its kind.
         anyhow::bail!("selftest: {} of {} checks failed (see the table and {}).", rep.failed, rep.results.len(), args.json.display());
     }
     Ok(())

@@ -5,7 +5,7 @@ use shared::cli::RunArgs;
 use shared::report::{Skipped, SweepReport, SWEEP_SCHEMA};
 use shared::SpeedkitError;
 
-/// The dimension a sweep varies: T, B, or C (FF = 4·C and d_head kept unless --ff / --heads given).
+/// The dimension a sweep varies: T, B, or C (FF = 4·C and d_head kept unless --ff / --heads given), in `AXES` order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Axis {
     Seq,
@@ -16,10 +16,15 @@ pub enum Axis {
 impl Axis {
     /// As the JSON stores it.
     pub fn name(self) -> &'static str {
+        crate::render::AXES[self as usize].0
+    }
+
+    /// The flag that sets this dimension.
+    fn flag(self, a: &mut RunArgs) -> &mut Option<usize> {
         match self {
-            Axis::Seq => "seq",
-            Axis::Batch => "batch",
-            Axis::DModel => "d_model",
+            Axis::Seq => &mut a.seq,
+            Axis::Batch => &mut a.batch,
+            Axis::DModel => &mut a.d_model,
         }
     }
 }
@@ -49,77 +54,52 @@ impl std::str::FromStr for Sweep {
 /// Most values one sweep takes: each is a whole ladder run.
 pub const MAX_VALUES: usize = 64;
 
-/// Refuse, before any run, too many values, flags that fix the swept dimension, or flags that
-/// would write one file per value over each other.
+/// Refuse, before any run, too many values, flags that fix the swept dimension or write one file.
 pub fn check_values(args: &RunArgs, sweep: &Sweep) -> Result<(), SpeedkitError> {
-    if sweep.values.len() > MAX_VALUES {
-        return Err(SpeedkitError::usage(format!(
-            "--sweep has {} values; each is a whole ladder run. Fix: sweep at most {MAX_VALUES} values.",
-            sweep.values.len()
-        )));
-    }
-    let axis = sweep.axis;
-    let given = match axis {
-        Axis::Seq => args.seq,
-        Axis::Batch => args.batch,
-        Axis::DModel => args.d_model,
+    let (n, axis, name) = (sweep.values.len(), sweep.axis, sweep.axis.name());
+    let flag = format!("--{}", name.replace('_', "-"));
+    let saves = [("--save-output", &args.save_output), ("--save-weights", &args.save_weights)].into_iter().find(|f| f.1.is_some());
+    let why = if n > MAX_VALUES {
+        format!("--sweep has {n} values; each is a whole ladder run. Fix: sweep at most {MAX_VALUES} values.")
+    } else if axis.flag(&mut args.clone()).is_some() {
+        format!("{flag} and --sweep {name}=... both set the same dimension. Fix: drop {flag}; the sweep sets it for each run.")
+    } else if args.input.is_some() && axis != Axis::DModel {
+        format!("--input fixes B and T from its file, so it cannot be swept over {name}. Fix: drop --input, or sweep d_model.")
+    } else if (args.weights.is_some() || args.input.is_some()) && axis == Axis::DModel {
+        "--weights and --input fix C from their files, so a sweep cannot vary d_model. Fix: drop them, or sweep seq or batch.".into()
+    } else if let Some((f, _)) = saves {
+        format!("{f} writes one file per run, and a sweep's runs would overwrite each other. Fix: drop {f}, or run the one shape you want without --sweep.")
+    } else {
+        return Ok(());
     };
-    if given.is_some() {
-        let (flag, name) = (format!("--{}", axis.name().replace('_', "-")), axis.name());
-        return Err(SpeedkitError::usage(format!(
-            "{flag} and --sweep {name}=... both set the same dimension. Fix: drop {flag}; the sweep sets it for each run."
-        )));
-    }
-    if args.input.is_some() && axis != Axis::DModel {
-        return Err(SpeedkitError::usage(format!(
-            "--input fixes B and T from its file, so it cannot be swept over {}. Fix: drop --input, or sweep d_model.",
-            axis.name()
-        )));
-    }
-    if (args.weights.is_some() || args.input.is_some()) && axis == Axis::DModel {
-        return Err(SpeedkitError::usage(
-            "--weights and --input fix C from their files, so a sweep cannot vary d_model. Fix: drop them, or sweep seq or batch.",
-        ));
-    }
-    let one_file =
-        [("--save-output", &args.save_output), ("--save-weights", &args.save_weights)].into_iter().find(|(_, path)| path.is_some());
-    match one_file {
-        Some((flag, _)) => Err(SpeedkitError::usage(format!(
-            "{flag} writes one file per run, and a sweep's runs would overwrite each other. Fix: drop {flag}, or run the one shape you want without --sweep."
-        ))),
-        None => Ok(()),
-    }
+    Err(SpeedkitError::usage(why))
 }
 
 /// The flags for one value, or why that value cannot run (it becomes skipped rows).
 fn args_for(args: &RunArgs, axis: Axis, value: usize, d_head: usize) -> Result<RunArgs, SpeedkitError> {
     let mut a = args.clone();
     a.json = None;
-    match axis {
-        Axis::Seq => a.seq = Some(value),
-        Axis::Batch => a.batch = Some(value),
-        Axis::DModel => {
-            a.d_model = Some(value);
-            let ff = value.checked_mul(4).ok_or_else(|| {
-                SpeedkitError::usage(format!("C = {value} is too large: FF = 4·C overflows. Fix: sweep d_model values below 2^31."))
-            })?;
-            a.ff = args.ff.or(Some(ff));
-            if args.heads.is_none() {
-                if value == 0 || !value.is_multiple_of(d_head) {
-                    return Err(SpeedkitError::usage(format!(
-                        "C = {value} is not a positive multiple of d_head = {d_head}, which the sweep keeps fixed (n_head = C / d_head). \
-                         Fix: sweep multiples of {d_head}, or pass --heads to fix n_head instead."
-                    )));
-                }
-                a.heads = Some(value / d_head);
-            }
+    *axis.flag(&mut a) = Some(value);
+    if axis != Axis::DModel {
+        return Ok(a);
+    }
+    let ff = value.checked_mul(4).ok_or_else(|| {
+        SpeedkitError::usage(format!("C = {value} is too large: FF = 4·C overflows. Fix: sweep d_model values below 2^31."))
+    })?;
+    a.ff = args.ff.or(Some(ff));
+    if args.heads.is_none() {
+        if value == 0 || !value.is_multiple_of(d_head) {
+            return Err(SpeedkitError::usage(format!(
+                "C = {value} is not a positive multiple of d_head = {d_head}, which the sweep keeps fixed (n_head = C / d_head). \
+                 Fix: sweep multiples of {d_head}, or pass --heads to fix n_head instead."
+            )));
         }
+        a.heads = Some(value / d_head);
     }
     Ok(a)
 }
 
-/// Run the ladder once per value, a value whose shape cannot run here becoming skipped rows with
-/// the reason; returns the first check failure, if any, after every value has run.
+/// The ladder once per value (one that cannot run here is skipped rows), and the first failure.
 pub fn run(
     args: &RunArgs,
     stages: &[Box<dyn shared::Stage>],
@@ -128,7 +108,6 @@ pub fn run(
     argv: &[String],
     measure: crate::Measure,
 ) -> anyhow::Result<(SweepReport, Option<anyhow::Error>)> {
-    check_values(args, sweep)?;
     let base = shared::runner::resolve(args)?;
     let (mut runs, mut failure) = (Vec::new(), None);
     for &value in &sweep.values {

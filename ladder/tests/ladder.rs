@@ -115,7 +115,7 @@ fn ladder_end_to_end_on_tiny() {
     let (json, svg) = (dir.join("ladder.json"), dir.join("ladder.svg"));
     let o = run_tiny(&["--json", s(&json), "--svg", s(&svg)]);
     o.ok();
-    assert!(o.stdout.contains("vs s0") && o.stdout.contains("stage0_baseline"), "{}", o.stdout);
+    assert!(o.stdout.contains("vs stage 0") && o.stdout.contains("stage0_baseline"), "{}", o.stdout);
 
     // JSON: the report, every stage a row (run or skipped), and where it ran.
     let report: LadderReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
@@ -351,7 +351,7 @@ fn update_readme_rewrites_only_its_region_and_is_idempotent() {
     assert!(both.starts_with(&text) && !both.contains("No GPU run"), "{both}");
     assert_eq!(markdown_tables(&both).len(), 2);
 
-    // A region that lives on docs/gpu.md (`render::REGION_PAGES`) is written there, with links
+    // A region that lives on docs/gpu.md (`render::GPU_PAGE_REGIONS`) is written there, with links
     // from that page, and the README is left alone.
     std::fs::create_dir_all(dir.join("docs")).unwrap();
     let page = "# GPU\n\n<!-- results-gpu-gpt2:begin -->\nold\n<!-- results-gpu-gpt2:end -->\n";

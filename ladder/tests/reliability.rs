@@ -199,74 +199,6 @@ fn class_c_outputs_never_overwrite_the_from_file() {
     assert!(!d.join("run.svg").exists(), "written before the refusal");
 }
 
-// every docs page --update-readme touches is checked before anything is
-// written: one that cannot be read (a folder) or is not UTF-8 is exit 2 naming it.
-#[test]
-fn class_d_docs_pages_checked_up_front() {
-    let d = scratch("r3d");
-    let readme = "# t\n<!-- results:begin -->\nold\n<!-- results:end -->\n";
-    std::fs::write(d.join("README.md"), readme).unwrap();
-    std::fs::write(d.join("run.json"), serde_json::to_vec(&recorded()).unwrap()).unwrap();
-    std::fs::create_dir_all(d.join("docs")).unwrap();
-    for (page, why) in [("bad.md", "UTF-8"), ("folder.md", "cannot read")] {
-        if page == "bad.md" {
-            std::fs::write(d.join("docs/bad.md"), b"\xff\xfe not utf-8\n").unwrap();
-        } else {
-            std::fs::create_dir_all(d.join("docs/folder.md")).unwrap();
-        }
-        for args in [&with_s(&["--stages", "0", "--update-readme"])[..], &["render", "--from", "run.json", "--update-readme"]] {
-            let o = ladder_in(&d, args);
-            refused(&o);
-            assert!(o.text.contains(page) && o.text.contains(why) && !o.text.contains("ran "), "{}", o.text);
-            assert!(!d.join("results").exists(), "results written before the refusal");
-            assert_eq!(std::fs::read_to_string(d.join("README.md")).unwrap(), readme);
-        }
-        if page == "bad.md" {
-            std::fs::remove_file(d.join("docs/bad.md")).unwrap();
-        } else {
-            std::fs::remove_dir(d.join("docs/folder.md")).unwrap();
-        }
-    }
-    let o = ladder_in(&d, &["render", "--from", "run.json", "--update-readme"]);
-    assert_eq!(o.code, Some(0), "{}", o.text);
-    assert!(d.join("results/ladder-cpu.svg").exists());
-}
-
-// With --update-readme only the docs pages that cite the JSON are outputs: a read-only page
-// citing nothing, or another run's JSON, does not stop it; a read-only page citing this JSON is
-// refused before anything is written. Read-only means no write bit, refused for root too, so
-// this holds where CI runs as root.
-#[test]
-fn update_readme_outputs_only_the_pages_it_rewrites() {
-    use std::os::unix::fs::PermissionsExt;
-    let d = scratch("pages");
-    std::fs::create_dir_all(d.join("docs")).unwrap();
-    std::fs::create_dir_all(d.join("results")).unwrap();
-    let readme = "# t\n<!-- results:begin -->\nold\n<!-- results:end -->\n";
-    std::fs::write(d.join("README.md"), readme).unwrap();
-    write_json(&d.join("results/run.json"), &recorded());
-    let read_only = |name: &str, text: &str| {
-        let p = d.join("docs").join(name);
-        std::fs::write(&p, text).unwrap();
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o444)).unwrap();
-    };
-    let plain = "# Notes\nNothing cited here, only [a link](other.md).\n";
-    read_only("plain.md", plain);
-    read_only("other.md", "[1 ms](../results/ladder-cuda.json \"records[0].timing.median_ms\") on another run.\n");
-    let args = ["render", "--from", "results/run.json", "--update-readme"];
-    let o = ladder_in(&d, &args);
-    assert_eq!(o.code, Some(0), "{}", o.text);
-    let rendered = std::fs::read_to_string(d.join("README.md")).unwrap();
-    assert!(rendered != readme && rendered.contains("results/run.json"), "{rendered}");
-    assert_eq!(std::fs::read_to_string(d.join("docs/plain.md")).unwrap(), plain);
-    read_only("cites.md", "Stage 0 takes [1 ms](../results/run.json \"records[0].timing.median_ms\").\n");
-    std::fs::remove_file(d.join("results/ladder-cpu.svg")).unwrap();
-    let o = ladder_in(&d, &args);
-    refused(&o);
-    assert!(o.text.contains("cites.md") && o.text.contains("read-only"), "{}", o.text);
-    assert!(!d.join("results/ladder-cpu.svg").exists(), "the chart was written before the refusal");
-}
-
 // selftest's --json is checked before it runs; a refused --json gets a fix
 // that names --json, not --svg.
 #[test]
@@ -434,8 +366,8 @@ fn render_all(path: &Path) {
     if let Ok(results) = load(path) {
         match results {
             Results::Ladder(r) => {
-                let _ = r.table();
-                let _ = ladder::render::markdown_table(&r);
+                let _ = r.table(false);
+                let _ = r.table(true);
                 let _ = ladder::render::readme_region(&r, "a.json", "a.svg");
                 let _ = ladder::chart::ladder_svg(&r);
                 let _ = ladder::chart::breakdown_svg(&r);

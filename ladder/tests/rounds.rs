@@ -125,8 +125,8 @@ fn fail(mut all: Vec<Box<dyn Stage>>, i: usize, f: Failing) -> Vec<Box<dyn Stage
 /// What every output of a report makes of it, without a panic: the table, the markdown, the
 /// JSON round trip, and both charts.
 fn outputs(r: &LadderReport) -> String {
-    let text = r.table();
-    let md = ladder::render::markdown_table(r);
+    let text = r.table(false);
+    let md = r.table(true);
     let back: LadderReport = serde_json::from_str(&serde_json::to_string(r).unwrap()).unwrap();
     // (Floats may differ in their last digit through serde_json; the rows may not.)
     assert_eq!((names(&back), &back.skipped, &back.ablation_out), (names(r), &r.skipped, &r.ablation_out));

@@ -176,13 +176,42 @@ pub fn overlaps(a: &Stats, b: &Stats) -> bool {
     a.p10_ms <= b.p90_ms && b.p10_ms <= a.p90_ms
 }
 
-/// "1.49x", or "≈1.0x" when within noise.
+/// "1.49x", or "≈1.0x" when within noise (the JSON keeps the ratio); "–" for none.
 pub fn speedup_text(v: Option<f64>, within_noise: bool) -> String {
     match v {
-        None => "-".into(),
+        None => "–".into(),
         Some(_) if within_noise => "≈1.0x".into(),
         Some(v) => format!("{v:.2}x"),
     }
+}
+
+/// Milliseconds to about three significant digits: "452", "21.3", "1.23", "0.052".
+pub fn fmt_ms(ms: f64) -> String {
+    match ms {
+        m if m >= 100.0 => format!("{m:.0}"),
+        m if m >= 10.0 => format!("{m:.1}"),
+        m if m >= 1.0 => format!("{m:.2}"),
+        m => format!("{m:.3}"),
+    }
+}
+
+/// "452 (429–465)": median and p10–p90.
+pub fn fmt_timing(t: &Stats) -> String {
+    format!("{} ({}–{})", fmt_ms(t.median_ms), fmt_ms(t.p10_ms), fmt_ms(t.p90_ms))
+}
+
+/// Relative error against the fp32 reference, or "unchecked" (--no-check).
+pub fn fmt_rel_err(r: &Record) -> String {
+    match &r.check {
+        None => "unchecked".into(),
+        Some(c) if c.rel_err == 0.0 => "0".into(),
+        Some(c) => format!("{:.1e}", c.rel_err),
+    }
+}
+
+/// "skipped: why" or "FAILED: why", on one line.
+pub fn not_measured(failed: bool, reason: &str) -> String {
+    format!("{}: {}", if failed { "FAILED" } else { "skipped" }, reason.split_whitespace().collect::<Vec<_>>().join(" "))
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -210,17 +239,14 @@ impl LadderReport {
         rows
     }
 
-    /// The stages' rows, then the reference rows.
-    pub fn table(&self) -> String {
+    /// The stages' rows, then the reference rows: GitHub markdown, or the terminal's columns
+    /// under the GEMM backends that ran.
+    pub fn table(&self, markdown: bool) -> String {
         let mut rows = self.rows();
         rows.extend(self.references.iter().map(Row::Ran).chain(self.references_out.iter().map(Row::Skipped)));
-        table(&rows)
+        let backends = if markdown { String::new() } else { gemm_backends(&rows) };
+        backends + &table(grid(&rows, &self.references, self.device.is_cuda()), markdown)
     }
-}
-
-/// "bf16", or "fp8 (emulated)" when the stage says which implementation ran.
-pub fn precision_label(r: &Record) -> String {
-    format!("{}{}", r.precision, r.implementation.as_ref().map(|i| format!(" ({i})")).unwrap_or_default())
 }
 
 /// "280.0 MiB" or "3.25 GiB"; "n/a" when not measured.
@@ -232,60 +258,78 @@ pub fn fmt_bytes(b: Option<u64>) -> String {
     }
 }
 
-/// The human table, one line per row in the order given, under the GEMM backends that ran.
-pub fn table(rows: &[Row]) -> String {
-    let ran: Vec<&Record> = rows.iter().filter_map(|r| if let Row::Ran(r) = r { Some(*r) } else { None }).collect();
-    // "% peak" is against the measured GEMM ceiling when every row that has one says so (CPU).
-    let sources: Vec<_> = ran.iter().filter(|r| r.pct_of_peak.is_some()).map(|r| r.peak_source.as_deref()).collect();
-    let measured = !sources.is_empty() && sources.iter().all(|s| *s == Some(MEASURED_PEAK));
-    let pct_header = if measured { "% of measured GEMM" } else { "% peak" };
-    #[rustfmt::skip]
-    let mut header = vec!["stage", "technique", "prec", "median ms", "p10-p90 ms", "vs s0", "vs prev", "TFLOP/s", pct_header, "rel err",
-        "max abs", "peak mem"];
-    let with_ref = ran.iter().any(|r| r.vs_reference.is_some());
-    header.extend(with_ref.then_some("vs ref"));
-    // Training rows: "median ms" is forward + backward; the update and the gradient check beside it.
-    let with_train = ran.iter().any(|r| r.train.is_some());
-    header.extend(if with_train { &["optimizer ms", "grad err"][..] } else { &[] });
-    let rows: Vec<Vec<String>> = rows
+/// A table: its header, then its rows. A row shorter than the header (why a row did not run)
+/// runs across the rest in the terminal, and is filled with "–" in markdown.
+pub type Grid = (Vec<String>, Vec<Vec<String>>);
+
+/// The ladder's grid (a stage binary's is one row); `references` are the reference rows among
+/// `rows`, each stage's "vs best reference" against the fastest of them. GFLOP/s on a CPU (a
+/// few hundred at most), TFLOP/s on a GPU.
+pub fn grid(rows: &[Row], references: &[Record], cuda: bool) -> Grid {
+    let (unit, scale) = if cuda { ("TFLOP/s", 1.0) } else { ("GFLOP/s", 1e3) };
+    let mut header: Vec<String> =
+        ["stage", "precision", "median ms (p10–p90)", "vs stage 0", "vs previous", unit, "% of peak", "rel. error", "peak mem"]
+            .map(String::from)
+            .to_vec();
+    let with_ref = !references.is_empty();
+    if with_ref {
+        header.push("vs best reference".into());
+    }
+    let with_train = rows.iter().any(|r| matches!(r, Row::Ran(r) if r.train.is_some()));
+    if with_train {
+        header[2] = "forward + backward ms (p10–p90)".into();
+        header.extend(["optimizer ms".into(), "worst grad error".into()]);
+    }
+    let rows = rows
         .iter()
         .map(|row| match row {
             Row::Ran(r) => [
-                r.stage.clone(),
-                r.technique.clone(),
-                precision_label(r),
-                format!("{:.3}", r.timing.median_ms),
-                format!("{:.3}-{:.3}", r.timing.p10_ms, r.timing.p90_ms),
+                if references.iter().any(|x| std::ptr::eq(x, *r)) { format!("reference: {}", r.stage) } else { r.stage.clone() },
+                format!("{}{}", r.precision, r.implementation.as_ref().map(|i| format!(" ({i})")).unwrap_or_default()),
+                fmt_timing(&r.timing),
                 speedup_text(r.speedup_vs_stage0, r.noise_vs_stage0),
                 speedup_text(r.speedup_vs_prev, r.noise_vs_prev),
-                format!("{:.4}", r.tflops),
-                r.pct_of_peak.map_or("-".into(), |v| format!("{v:.1}%")),
-                r.check.as_ref().map_or("unchecked".into(), |c| format!("{:.2e}", c.rel_err)),
-                r.check.as_ref().map_or("-".into(), |c| format!("{:.2e}", c.max_abs_err)),
+                format!("{:.1}", r.tflops * scale),
+                r.pct_of_peak.map_or("–".into(), |p| format!("{p:.1}%")),
+                fmt_rel_err(r),
                 fmt_bytes(r.peak_mem_bytes),
             ]
             .into_iter()
             .chain(with_ref.then(|| speedup_text(r.vs_reference, false)))
             .chain(if with_train { train_cells(r) } else { Vec::new() })
             .collect(),
-            Row::Skipped(s) => {
-                vec![s.stage.clone(), s.technique.clone(), format!("{}: {}", if s.failed { "FAILED" } else { "skipped" }, s.reason)]
-            }
+            Row::Skipped(s) => vec![s.stage.clone(), not_measured(s.failed, &s.reason)],
         })
         .collect();
-    let with_simd = |r: &&Record| r.gemm_backend.as_ref().map(|b| r.simd.as_ref().map_or(b.clone(), |s| format!("{b} · SIMD {s}")));
-    let mut seen = std::collections::HashSet::new();
-    let backends: Vec<String> = ran.iter().filter_map(with_simd).filter(|b| seen.insert(b.clone())).collect();
-    let out = if backends.is_empty() { String::new() } else { format!("GEMM backend: {}\n", backends.join("; ")) };
-    out + &columns(&header.iter().map(|h| h.to_string()).collect::<Vec<_>>(), &rows)
+    (header, rows)
 }
 
-/// A terminal table: the header, a rule, and the rows, each column padded to its widest cell,
-/// trailing padding trimmed. A row shorter than the header (a skipped row's reason) runs its
-/// last cell across the remaining columns without widening them.
-pub fn columns(header: &[String], rows: &[Vec<String>]) -> String {
+/// "GEMM backend: ...\n" for the backends (and SIMD levels) the rows ran on; empty when none says.
+pub fn gemm_backends(rows: &[Row]) -> String {
+    let with_simd = |r: &Record| r.gemm_backend.as_ref().map(|b| r.simd.as_ref().map_or(b.clone(), |s| format!("{b} · SIMD {s}")));
+    let mut all: Vec<String> = rows.iter().filter_map(|r| if let Row::Ran(r) = r { with_simd(r) } else { None }).collect();
+    let mut seen = std::collections::HashSet::new();
+    all.retain(|b| seen.insert(b.clone()));
+    if all.is_empty() {
+        String::new()
+    } else {
+        format!("GEMM backend: {}\n", all.join("; "))
+    }
+}
+
+/// `grid` as GitHub markdown, or for the terminal as columns padded to their widest cell,
+/// trailing padding trimmed.
+pub fn table((header, rows): Grid, markdown: bool) -> String {
+    if markdown {
+        let row = |cells: &[String]| {
+            let cells = cells.iter().map(|c| c.replace('|', "\\|").replace('\n', " ")).chain(std::iter::repeat("–".to_string()));
+            format!("| {} |\n", cells.take(header.len()).collect::<Vec<_>>().join(" | "))
+        };
+        let rule = format!("|{}\n", "---|".repeat(header.len()));
+        return std::iter::once(row(&header)).chain([rule]).chain(rows.iter().map(|r| row(r))).collect();
+    }
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for row in rows {
+    for row in &rows {
         let cells = if row.len() == header.len() { &row[..] } else { &row[..row.len().saturating_sub(1)] };
         widths.iter_mut().zip(cells).for_each(|(w, cell)| *w = (*w).max(cell.chars().count()));
     }
@@ -293,7 +337,7 @@ pub fn columns(header: &[String], rows: &[Vec<String>]) -> String {
         cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect::<Vec<_>>().join("  ").trim_end().to_string() + "\n"
     };
     let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
-    [header, &rule[..]].into_iter().chain(rows.iter().map(|r| &r[..])).map(line).collect()
+    [&header[..], &rule[..]].into_iter().chain(rows.iter().map(|r| &r[..])).map(line).collect()
 }
 
 /// A training row's update median and worst gradient error ("-" for what it lacks).

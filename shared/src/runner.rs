@@ -8,7 +8,7 @@ use crate::device::{self, DeviceInfo, GemmSwitches, MemProbe};
 use crate::error::SpeedkitError;
 use crate::perf::{block_flops, peak_tflops};
 use crate::preset::{Preset, Shape};
-use crate::report::{table, write_json, Mode, Record, Row, MEASURED_PEAK, RECORD_SCHEMA};
+use crate::report::{gemm_backends, grid, table, write_json, Mode, Record, Row, MEASURED_PEAK, RECORD_SCHEMA};
 use crate::stage::{plan, Plan, Precision, PrecisionRequest, Stage, StageEntry, EMULATED};
 use crate::timing::time_forward;
 use crate::weights::{load_input, random_input, save_tensors, BlockWeights};
@@ -446,7 +446,8 @@ pub fn main(stages: &[StageEntry]) -> ExitCode {
         let (record, y) = session.run_with(stage.as_ref(), session.args.precision, session.iters)?;
         print_details(&record);
         println!();
-        print!("{}", table(&[Row::Ran(&record)]));
+        let rows = [Row::Ran(&record)];
+        print!("{}{}", gemm_backends(&rows), table(grid(&rows, &[], record.device.is_cuda()), false));
         if let Some(path) = &session.args.save_output {
             save_tensors(path, &[("x", &session.x), ("y", &y)])?;
             println!("saved     x and y to {}", path.display());

@@ -1,7 +1,7 @@
-//! The docs checks' reading of prose: which numbers are citations (`ladder::cite`), and which
+//! The docs checks' reading of prose: which numbers are citations (`cite`), and which
 //! measured-looking numbers are not.
 
-use ladder::cite::{expected, find, update, Citation};
+use crate::cite::{expected, find, update, Citation};
 use regex::Regex;
 use serde_json::Value;
 use std::sync::LazyLock;

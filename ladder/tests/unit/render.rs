@@ -52,8 +52,8 @@ fn milliseconds_keep_three_digits() {
     assert_eq!(fmt_ms(21.349), "21.3");
     assert_eq!(fmt_ms(1.2345), "1.23");
     assert_eq!(fmt_ms(0.05213), "0.052");
-    assert_eq!(fmt_speedup(None, false), "–");
-    assert_eq!(fmt_speedup(Some(2.126), false), "2.13x");
+    assert_eq!(speedup_text(None, false), "–");
+    assert_eq!(speedup_text(Some(2.126), false), "2.13x");
     assert_eq!(axis_label("seq", 512), "T = 512");
 }
 
@@ -62,7 +62,7 @@ fn recorded_cpu_run_renders() {
     // A run recorded before the report gained its provenance fields still renders.
     let json = include_str!("../../../results/cpu-dev-small.json");
     let report: LadderReport = serde_json::from_str(json).unwrap();
-    let md = markdown_table(&report);
+    let md = report.table(true);
     assert!(md.starts_with("| stage | precision | median ms (p10–p90) |"), "{md}");
     assert!(md.contains("| stage0_baseline | fp32 | 452 (429–465) | 1.00x | – |"), "{md}");
     let region = readme_region(&report, "results/cpu-dev-small.json", "results/x.svg");

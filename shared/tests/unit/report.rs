@@ -29,7 +29,7 @@ fn noise_is_overlapping_p10_p90_intervals() {
     assert!(!overlaps(&st(10.0, 11.0, 12.0), &st(12.5, 13.0, 14.0)));
     assert_eq!(speedup_text(Some(1.18), true), "≈1.0x");
     assert_eq!(speedup_text(Some(1.18), false), "1.18x");
-    assert_eq!(speedup_text(None, false), "-");
+    assert_eq!(speedup_text(None, false), "–");
 }
 
 #[test]

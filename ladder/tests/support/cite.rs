@@ -7,12 +7,12 @@
 //! fusion buys [1.44x](results/ladder-cpu.json "records[stage=stage3_fused].speedup_vs_prev") over stage 2
 //! ```
 //!
-//! `update` rewrites them from the JSON (`--update-readme` does); a test checks each is what the
-//! JSON holds at that path, and that prose holds no measured number without its source.
+//! `ladder/tests/readme.rs` checks each is what the JSON holds at that path, and that prose holds no
+//! measured number without its source; with `SPEEDKIT_BLESS_CITATIONS=1` it rewrites stale ones (`update`).
 //!
 //! Path: dot-separated keys; `name[key=value]` picks the element of an array whose `key` is
 //! `value`; `name[3]` by index. The unit is the text's suffix: `x` (ratio, 2 decimals), `ms`
-//! (`render::fmt_ms`), `MiB` (bytes shown in MiB, 1 decimal), `GiB` (2 decimals), `%`
+//! (`shared::report::fmt_ms`), `MiB` (bytes shown in MiB, 1 decimal), `GiB` (2 decimals), `%`
 //! (1 decimal), `e` notation (e.g. `1.8e-2`, 1 decimal), or none (as the JSON's integer).
 
 use regex::Regex;
@@ -89,7 +89,7 @@ pub fn format_like(like: &str, value: &Value) -> Result<String, String> {
     let t = like.trim();
     Ok(match () {
         _ if t.ends_with('x') => format!("{v:.2}x"),
-        _ if t.ends_with(" ms") => format!("{} ms", crate::render::fmt_ms(v)),
+        _ if t.ends_with(" ms") => format!("{} ms", shared::report::fmt_ms(v)),
         _ if t.ends_with(" MiB") => format!("{:.1} MiB", v / (1u64 << 20) as f64),
         _ if t.ends_with(" GiB") => format!("{:.2} GiB", v / (1u64 << 30) as f64),
         _ if t.ends_with('%') => format!("{v:.1}%"),
