@@ -131,7 +131,7 @@ fn merge_rounds(records: Vec<Record>) -> Option<Record> {
 /// Run the stages `which` in interleaved rounds, each checked against stage 0's fp32 output. A stage that
 /// cannot run here, or fails, is a row; the first failure is returned.
 pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
-    let session = Session::open(args, default_stages()[0].as_ref())?; // the fp32 reference: STAGES[0] as written
+    let session = Session::open(args, default_stages()[0].as_ref(), &[])?; // the fp32 reference: STAGES[0] as written
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
     report.ceiling = session.ceiling.clone();
     let mut failure = None;
@@ -428,14 +428,14 @@ fn check_value(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String
 
 /// What `check_value` cannot see: valid shapes, times and FLOPs above zero (they divide), at most `MAX_ROWS` of each.
 fn check_report(r: &LadderReport) -> Result<(), String> {
-    r.shape.validate().map_err(|e| format!("its shape {:?} is invalid ({e})", r.shape))?;
+    r.shape.validate(None).map_err(|e| format!("its shape {:?} is invalid ({e})", r.shape))?;
     let rows = [r.records.len() + r.skipped.len(), r.stages.len(), r.ablation.len(), r.references.len() + r.references_out.len()];
     let roofs = [r.ceilings.as_ref().map_or(0, |c| c.tflops.len()), r.ceiling.as_ref().map_or(0, |c| c.gemms.len())];
     if rows.iter().chain(&roofs).any(|&n| n > MAX_ROWS) {
         return Err(format!("it holds more than {MAX_ROWS} rows, ablation rows, reference rows, roofs or GEMMs"));
     }
     for rec in r.records.iter().chain(&r.references).chain(r.ablation.iter().map(|a| &a.record)) {
-        rec.shape.validate().map_err(|e| format!("{}'s shape is invalid ({e})", rec.stage))?;
+        rec.shape.validate(None).map_err(|e| format!("{}'s shape is invalid ({e})", rec.stage))?;
         let parts = rec.breakdown.as_ref().map_or(0, |b| b.parts.len());
         let gemms = rec.ceiling.as_ref().map_or(0, |c| c.gemms.len());
         if rec.timing.median_ms <= 0.0 || rec.flops_per_forward <= 0.0 || rec.tflops <= 0.0 || parts.max(gemms) > MAX_ROWS {

@@ -1,19 +1,7 @@
 //! `ladder selftest`: each GPU building block alone, on small shapes, against its CPU twin — the first command
 //! on a new GPU, and the JSON to send back (docs/gpu.md). On the CPU the same list runs through the CPU
 //! stand-ins (CI runs it): a CPU pass says the logic is right, not that the GPU code works.
-//!
-//! | block | on CUDA | on the CPU |
-//! |---|---|---|
-//! | attention (d_head 32/64/128, bf16/f16, causal or not, T = 67) | kernels/flash_attn.cu (v1) and flash_attn_v2.cu (v2), each vs the CPU kernel | the CPU kernel vs plain ops |
-//! | cuBLASLt epilogues (bias, bias+GELU, residual in C, residual after) | stage 3's GEMMs vs stage 0's ops | `linear_args` run by `cublaslt_model` vs stage 0's ops |
-//! | cuBLASLt training epilogues (`ops::mlp`'s dx, dW₁, db₁, dW₂, db₂; bf16/f16) | GELU_AUX_BIAS, BGRADB, DGELU_BGRAD vs stage 0's autograd | `mlp`'s CPU backward vs stage 0's autograd (the arguments: `tests/cublaslt_backward.rs`) |
-//! | FP8 GEMM (delayed, current; bias, GELU) | cuBLASLt E4M3 vs the emulated layer | `fp8_gemm_args` run by `cublaslt_model` vs the emulated layer |
-//! | NVRTC kernels (layer_norm, add_layer_norm; f32/bf16/f16; a row of mean 10⁴) | add_layer_norm.cu vs plain ops | the CPU fused ops vs plain ops |
-//! | FP8 kernels (amax; quantise + dequantise from f32 and bf16; the delayed scale update) | stage4_fp8/kernels/fp8.cu vs the CPU quantiser (candle's CPU cast) | the CPU quantiser vs candle's cast; the recipe on hand-worked amaxes |
-//! | FP8 producer fusions (LayerNorm and add+LayerNorm writing E4M3 + amax; fc1's GEMM writing E4M3 with D scale and amax_D) | kernels/ln_fp8.cu and cuBLASLt's E4M3 output vs the CPU producers | the CPU producers vs plain LayerNorm + quantiser; `fp8_gemm_args_e4m3_out` run by `cublaslt_model` vs the emulated fc1 |
-//! | graph capture + replay, each stage (tiny) | replay vs an uncaptured forward | skipped (the order of steps is a unit test) |
-//! | breakdown (stage 0, tiny) | CUDA timing events at each part boundary | synchronize + clock |
-//! | memory probe | a 64 MiB allocation must show up | same, CPU probe |
+//! docs/gpu.md lists every block, what runs on CUDA and what on the CPU.
 //!
 //! A row is "skipped" only when this device lacks the hardware feature it needs (FP8 tensor
 //! cores below SM 8.9, as a stage's plan says); any error is a failure (exit 1).

@@ -13,7 +13,7 @@ use shared::{Precision, PrecisionRequest};
 fn a_reference_in_pieces_is_the_reference_and_checks_a_fused_stage() {
     let flags = ["t", "--preset", "tiny", "--batch", "3", "--warmup", "0", "--iters", "1"];
     let m = RunArgs::augment_args(clap::Command::new("t")).try_get_matches_from(flags).unwrap();
-    let session = Session::open(RunArgs::from_arg_matches(&m).unwrap(), &stage0_baseline::Baseline).unwrap();
+    let session = Session::open(RunArgs::from_arg_matches(&m).unwrap(), &stage0_baseline::Baseline, &[]).unwrap();
     let s = session.shape;
     let per_sequence = s.n_head * s.seq * s.seq;
     // Two sequences' scores at a time: the whole (3, n_head, T, T) matrix is past the limit.

@@ -67,12 +67,8 @@ impl Shape {
         self.batch.saturating_mul(self.seq)
     }
 
-    pub fn validate(&self) -> Result<(), SpeedkitError> {
-        self.validate_as(None)
-    }
-
-    /// `validate`, naming B and T by the `input` file that fixed them, when one did.
-    pub fn validate_as(&self, input: Option<&Path>) -> Result<(), SpeedkitError> {
+    /// Refuse an impossible shape, naming B and T by the `input` file that fixed them, when one did.
+    pub fn validate(&self, input: Option<&Path>) -> Result<(), SpeedkitError> {
         let from = |d: &str, flag: &str| input.map_or(format!("{flag} ({d})"), |p| format!("{d} (from the input file {})", p.display()));
         let (b, t) = (from("B", "--batch"), from("T", "--seq"));
         let Shape { batch, seq, d_model: c, n_head: h, ff } = *self;

@@ -18,12 +18,6 @@ pub const EXPLAINED: f64 = 0.3;
 
 pub const UNEXPLAINED: &str = "unexplained";
 
-/// Files written before the rename say "overhead" for "unexplained".
-fn regime_name<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    let name = String::deserialize(d)?;
-    Ok(if name == "overhead" { UNEXPLAINED.to_string() } else { name })
-}
-
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PartWork {
     pub flops: f64,
@@ -46,7 +40,6 @@ pub struct PartRegime {
     pub pct_of_compute_roof: f64,
     pub pct_of_memory_roof: f64,
     /// "compute-bound", "memory-bound" or "unexplained".
-    #[serde(deserialize_with = "regime_name")]
     pub regime: String,
 }
 

@@ -296,7 +296,10 @@ pub fn grid(rows: &[Row], references: &[Record], cuda: bool) -> Grid {
             ]
             .into_iter()
             .chain(with_ref.then(|| speedup_text(r.vs_reference, false)))
-            .chain(if with_train { train_cells(r) } else { Vec::new() })
+            .chain(r.train.as_ref().filter(|_| with_train).map_or(vec![], |t| {
+                let grad = t.grad_check.as_ref().map_or("-".into(), |c| format!("{:.1e}", c.rel_err));
+                vec![format!("{:.3}", t.optimizer_timing.median_ms), grad]
+            }))
             .collect(),
             Row::Skipped(s) => vec![s.stage.clone(), not_measured(s.failed, &s.reason)],
         })
@@ -338,15 +341,6 @@ pub fn table((header, rows): Grid, markdown: bool) -> String {
     };
     let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
     [&header[..], &rule[..]].into_iter().chain(rows.iter().map(|r| &r[..])).map(line).collect()
-}
-
-/// A training row's update median and worst gradient error ("-" for what it lacks).
-pub fn train_cells(r: &Record) -> Vec<String> {
-    let t = r.train.as_ref();
-    vec![
-        t.map_or("-".into(), |t| format!("{:.3}", t.optimizer_timing.median_ms)),
-        t.and_then(|t| t.grad_check.as_ref()).map_or("-".into(), |c| format!("{:.1e}", c.rel_err)),
-    ]
 }
 
 /// `value` as JSON to `path`, by the output policy.

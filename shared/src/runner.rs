@@ -111,19 +111,15 @@ pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
         shape.ff = args.ff.unwrap_or(shape.ff);
         shape.n_head = args.heads.unwrap_or(shape.n_head);
     }
-    shape.validate_as(args.input.as_deref())?;
+    shape.validate(args.input.as_deref())?;
     Ok(Resolved { device, info, preset, shape, weights: loaded, x: x_file })
 }
 
 impl Session {
-    /// Resolve the flags, print what will run, and compute the reference with `reference`.
-    pub fn open(args: RunArgs, reference: &dyn Stage) -> anyhow::Result<Session> {
-        Self::open_for(args, reference, &[])
-    }
-
-    /// `open`, refusing first, before any work, each `must_run` stage whose plan this device refuses
-    /// and a run that cannot fit (the ladder passes none: a stage that cannot run there is a row).
-    pub fn open_for(args: RunArgs, reference: &dyn Stage, must_run: &[(&dyn Stage, PrecisionRequest)]) -> anyhow::Result<Session> {
+    /// Resolve the flags, print what will run, and compute the reference with `reference`; first,
+    /// before any work, refuse each `must_run` stage whose plan this device refuses and a run that
+    /// cannot fit (the ladder passes none: a stage that cannot run there is a row).
+    pub fn open(args: RunArgs, reference: &dyn Stage, must_run: &[(&dyn Stage, PrecisionRequest)]) -> anyhow::Result<Session> {
         let Resolved { device, info, preset, shape, weights: loaded, x: x_file } = resolve(&args)?;
         let mut widest: u128 = 0;
         for (stage, asked) in must_run {
@@ -206,7 +202,7 @@ impl Session {
     /// Stage 0's fp32 output for x, in pieces along B whose scores hold at most `limit` elements
     /// (`check::reference_batch_chunk`; tests pass a small limit).
     pub fn reference_output(&self, reference: &dyn Stage, limit: usize) -> anyhow::Result<Tensor> {
-        let piece = reference_piece(&self.shape, limit)?; // open_for checked its shape and memory
+        let piece = reference_piece(&self.shape, limit)?; // open checked its shape and memory
         let fp32 = PrecisionRequest::Exactly(Precision::Fp32);
         let plan = plan(reference, &self.device, &self.info, self.shape, fp32, fp32, false, false)?;
         let stage = reference.build(&self.weights, &plan)?;
@@ -442,7 +438,7 @@ pub fn main(stages: &[StageEntry]) -> ExitCode {
         // one file, none an input), so a run never ends in a refusal to save it.
         let outputs = crate::output::check_all(&crate::cli::output_flags(&args))?;
         crate::output::check_not_inputs(&outputs, &crate::cli::input_flags(&args))?;
-        let session = Session::open_for(args.clone(), reference.as_ref(), &[(stage.as_ref(), args.precision)])?;
+        let session = Session::open(args.clone(), reference.as_ref(), &[(stage.as_ref(), args.precision)])?;
         let (record, y) = session.run_with(stage.as_ref(), session.args.precision, session.iters)?;
         print_details(&record);
         println!();

@@ -3,7 +3,6 @@
 
 use candle_core::{Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
-use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -31,24 +30,10 @@ impl Stats {
     }
 }
 
-/// Run `f` `warmup` times untimed, then `iters` times timed. Progress goes to stderr after 2 s:
-/// one updating line on a terminal, a line every 10 s in a log.
+/// Run `f` `warmup` times untimed, then `iters` times timed. After 10 s, a progress line goes to
+/// stderr every 10 s.
 pub fn time_forward(label: &str, device: &Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<Tensor>) -> Result<Stats> {
-    let (start, tty) = (Instant::now(), std::io::stderr().is_terminal());
-    let every = if tty { Duration::from_millis(200) } else { Duration::from_secs(10) };
-    let mut last_shown: Option<Instant> = None;
-    let mut progress = |phase: &str, done: usize, total: usize, last_ms: f64| {
-        let now = Instant::now();
-        if now - start < Duration::from_secs(2) || last_shown.is_some_and(|l| now - l < every) {
-            return;
-        }
-        last_shown = Some(now);
-        let eta = last_ms * (total - done) as f64 / 1e3;
-        let line = format!("[{label}] {phase} {done}/{total} ({last_ms:.1} ms/iter, ~{eta:.0} s left)");
-        let mut err = std::io::stderr().lock();
-        let _ = if tty { write!(err, "\r{line:<78}") } else { writeln!(err, "{line}") };
-        let _ = err.flush();
-    };
+    let (start, mut shown) = (Instant::now(), Duration::ZERO);
     device.synchronize()?;
     let mut samples = Vec::with_capacity(iters);
     for i in 0..warmup + iters {
@@ -58,11 +43,11 @@ pub fn time_forward(label: &str, device: &Device, warmup: usize, iters: usize, m
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         drop(y);
         samples.extend((i >= warmup).then_some(ms));
-        let (phase, done, total) = if i < warmup { ("warm-up", i + 1, warmup) } else { ("timing", i + 1 - warmup, iters) };
-        progress(phase, done, total, ms);
-    }
-    if tty && last_shown.is_some() {
-        let _ = write!(std::io::stderr().lock(), "\r{:78}\r", "");
+        if start.elapsed() >= shown + Duration::from_secs(10) {
+            shown = start.elapsed();
+            let left = ms * (warmup + iters - i - 1) as f64 / 1e3;
+            eprintln!("[{label}] {} of {} warm-up + timed iterations ({ms:.1} ms each, ~{left:.0} s left)", i + 1, warmup + iters);
+        }
     }
     Ok(Stats::from_samples(samples))
 }

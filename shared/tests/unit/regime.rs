@@ -57,14 +57,3 @@ fn labels_follow_the_roof_that_explains_the_time() {
     assert_eq!(att.regime, UNEXPLAINED);
     assert!(classify(part_work("qkv", &s, 4.0, 4.0).unwrap(), 0.0, roofs()).is_none());
 }
-
-#[test]
-fn a_recorded_overhead_reads_as_unexplained() {
-    let old =
-        r#"{"flops":1.0,"min_bytes":1.0,"gflops":1.0,"gbs":1.0,"pct_of_compute_roof":1.0,"pct_of_memory_roof":1.0,"regime":"overhead"}"#;
-    let r: PartRegime = serde_json::from_str(old).unwrap();
-    assert_eq!(r.regime, UNEXPLAINED);
-    assert_eq!(tag(&r), "U 1%");
-    let new = serde_json::to_string(&r).unwrap();
-    assert!(new.contains(r#""regime":"unexplained""#), "{new}");
-}
