@@ -167,11 +167,11 @@ pub fn probe_bytes(shape: &Shape) -> u128 {
 
 /// Refuse (exit 2) a probe that cannot fit in the memory available, before it allocates.
 pub fn check_fit(shape: &Shape) -> std::result::Result<(), crate::SpeedkitError> {
-    let (need, gib) = (probe_bytes(shape), |b: u128| b as f64 / (1u64 << 30) as f64);
+    let (need, gib) = (probe_bytes(shape), crate::runner::gib);
     let Some(avail) = crate::device::available_bytes(&Device::Cpu).filter(|&a| need > a as u128 * 9 / 10) else { return Ok(()) };
     Err(crate::SpeedkitError::usage(format!(
-        "the CPU ceiling probe (the block's GEMMs timed alone, for % of peak) needs about {:.2} GiB of memory at its widest \
-         (x, W and y of its largest GEMM at {shape}), but only {:.2} GiB is available to this process. Fix: lower --d-model \
+        "the CPU ceiling probe (the block's GEMMs timed alone, for % of peak) needs about {} of memory at its widest \
+         (x, W and y of its largest GEMM at {shape}), but only {} is available to this process. Fix: lower --d-model \
          or --ff (or --batch / --seq), or free memory (or raise `ulimit -v`).",
         gib(need),
         gib(avail as u128)

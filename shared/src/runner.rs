@@ -57,7 +57,7 @@ fn reference_piece(shape: &Shape, limit: usize) -> Result<Shape, SpeedkitError> 
     Ok(Shape { batch: crate::check::reference_batch_chunk(shape, limit)?, ..*shape })
 }
 
-fn gib(b: u128) -> String {
+pub(crate) fn gib(b: u128) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
