@@ -16,7 +16,7 @@ speedkit_cuda_toolchain() (
     # `if source ...` or `source ... || ...`, and there bash ignores `set -e` in every function
     # called, this one included. So each command that can fail is checked, and every path is
     # absolute: the only folder written is the cache (pip's temporary files included).
-    cache="$1" link_stub="$2"
+    cache="$1" link_stub="$2" workspace="$3"  # workspace: the checkout whose Cargo.lock names cudarc
     cu="$cache/nvidia/cu13"
     fail() { echo "cuda-toolchain: $*" >&2; return 1; }
     if [ ! -x "$cu/bin/nvcc" ]; then
@@ -57,8 +57,17 @@ speedkit_cuda_toolchain() (
     if [ ! -e "$lib/libcuda.so.1" ]; then
         # cudarc 0.19.10 declares the driver API as indented `fn cuXxx(` lines inside
         # `extern "C"` blocks of src/driver/sys/mod.rs (not `pub fn`): 514 names.
-        sys=$(find "$HOME/.cargo/registry/src" -path '*/cudarc-0.19.*/src/driver/sys/mod.rs' 2> /dev/null | sort -V | tail -1) || true  # no registry yet: checked next
-        [ -n "$sys" ] || fail "cudarc 0.19's source is not in ~/.cargo/registry, and the link stub is built from it. Fix: run \`cargo fetch\` in the workspace first." || return 1
+        # A CPU build never downloads cudarc (the cuda feature's dependency): fetch the lock file's
+        # crates first when its source is missing (a fresh machine, or a fresh CARGO_HOME).
+        registry="${CARGO_HOME:-$HOME/.cargo}/registry/src"
+        find_sys() { find "$registry" -path '*/cudarc-0.19.*/src/driver/sys/mod.rs' 2> /dev/null | sort -V | tail -1; }
+        sys=$(find_sys) || true  # no registry yet: fetched next
+        if [ -z "$sys" ] && [ -n "$workspace" ]; then
+            echo "cuda-toolchain: cudarc's source is not in $registry yet: cargo fetch --locked" >&2
+            (cd "$workspace" && cargo fetch --locked) >&2 || fail "cargo fetch --locked failed in $workspace (its message is above), and the link stub is built from cudarc's source. Fix: make crates.io reachable and source this again." || return 1
+            sys=$(find_sys) || true
+        fi
+        [ -n "$sys" ] || fail "cudarc 0.19's source is not in $registry, and the link stub is built from it. Fix: run \`cargo fetch --locked\` in the workspace first." || return 1
         tmp=$(mktemp -d "$lib/.stub.XXXXXX") || fail "cannot write into $lib. Fix: check that folder's permissions." || return 1
         if ! grep -oE '^\s+fn cu[A-Za-z0-9_]+' "$sys" | sed -E 's/^\s+fn //' | sort -u \
             | sed -E 's/(.*)/int \1(void){return 100;}/' > "$tmp/cuda_stub.c"; then
@@ -86,7 +95,8 @@ speedkit_cuda_root="${SPEEDKIT_CUDA_CACHE:-$HOME/.cache/candle-speedkit/cuda13}"
 speedkit_cuda_cu="$speedkit_cuda_root/nvidia/cu13"
 speedkit_cuda_stub=0
 [ "${1:-}" = "--link-stub" ] && speedkit_cuda_stub=1
-if speedkit_cuda_toolchain "$speedkit_cuda_root" "$speedkit_cuda_stub"; then
+speedkit_cuda_ws=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." 2> /dev/null && [ -f Cargo.lock ] && pwd) || speedkit_cuda_ws=""
+if speedkit_cuda_toolchain "$speedkit_cuda_root" "$speedkit_cuda_stub" "$speedkit_cuda_ws"; then
     export CUDA_HOME="$speedkit_cuda_cu" CUDA_PATH="$speedkit_cuda_cu" PATH="$speedkit_cuda_cu/bin:$PATH"
     # sm_90 (Hopper): the GPUs this project is measured on. Set it before sourcing to target
     # others. candle's own kernels are then built as sm_90a (cudaforge adds the `a` from 90 up):
@@ -97,10 +107,10 @@ if speedkit_cuda_toolchain "$speedkit_cuda_root" "$speedkit_cuda_stub"; then
         export LIBRARY_PATH="$speedkit_cuda_cu/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
     fi
     echo "cuda-toolchain: $(nvcc --version | tail -1) at $speedkit_cuda_cu, CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP" >&2
-    unset speedkit_cuda_root speedkit_cuda_cu speedkit_cuda_stub
+    unset speedkit_cuda_root speedkit_cuda_cu speedkit_cuda_stub speedkit_cuda_ws
     unset -f speedkit_cuda_toolchain
 else
-    unset speedkit_cuda_root speedkit_cuda_cu speedkit_cuda_stub
+    unset speedkit_cuda_root speedkit_cuda_cu speedkit_cuda_stub speedkit_cuda_ws
     unset -f speedkit_cuda_toolchain
     echo "cuda-toolchain: failed (see above)" >&2
     # `return` when sourced, `exit` when run.

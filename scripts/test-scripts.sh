@@ -75,54 +75,73 @@ touch "$tmp/afile"
 
 # ---- gpu-check.sh ----------------------------------------------------------------------------
 gc=("$repo/scripts/gpu-check.sh" --device cpu)
-expect "gpu-check --list: every step, its timeout, an estimate" 0 "estimate" "${gc[@]}" --list
-if awk 'NR > 1 && $2 ~ /^[0-9]+$/ { n++; if ($2 > 480) bad = 1 } END { exit !(n >= 10 && !bad) }' "$tmp/out"; then
-    ok "gpu-check --list: at least 10 steps, none with a timeout over 8 minutes"
+expect "gpu-check --list: both parts, their timeouts, an estimate" 0 "estimate" "${gc[@]}" --list
+if "${gc[@]}" --list | awk '$2 ~ /^[0-9]+$/ && $3 == "s" { n++; if ($2 > 300) big = 1 } END { exit !(n >= 12 && !big) }'; then
+    ok "gpu-check --list: at least 12 steps, none with a timeout over 5 minutes"
 else
-    bad "gpu-check --list: at least 10 steps, none with a timeout over 8 minutes" "see the table"
+    bad "gpu-check --list: at least 12 steps, none with a timeout over 5 minutes" "see the table"
 fi
 expect "gpu-check --help" 0 "--only" "${gc[@]}" --help
-expect "gpu-check: unknown argument refused" 2 "unknown argument" "${gc[@]}" --bin "$tmp/ladder-fail" --bogus
-expect "gpu-check: --out without a value refused" 2 "needs a value" "${gc[@]}" --bin "$tmp/ladder-fail" --out
-expect "gpu-check: a missing --bin refused" 2 "no executable ladder binary" "${gc[@]}" --bin "$tmp/no-such-ladder" --out "$tmp/unused"
+expect "gpu-check: no --part refused" 2 "no --part given" "${gc[@]}" --bin "$tmp/ladder-fail"
+expect "gpu-check: --part 3 refused" 2 "is not a part" "${gc[@]}" --bin "$tmp/ladder-fail" --part 3
+expect "gpu-check: --deadline over 590 s refused" 2 "from 30 to 590" "${gc[@]}" --bin "$tmp/ladder-fail" --part 1 --deadline 900
+expect "gpu-check: --deadline not a number refused" 2 "from 30 to 590" "${gc[@]}" --bin "$tmp/ladder-fail" --part 1 --deadline 5m
+expect "gpu-check: unknown argument refused" 2 "unknown argument" "${gc[@]}" --bin "$tmp/ladder-fail" --part 1 --bogus
+expect "gpu-check: --out without a value refused" 2 "needs a value" "${gc[@]}" --bin "$tmp/ladder-fail" --part 1 --out
+expect "gpu-check: a missing --bin refused" 2 "no executable ladder binary" "${gc[@]}" --part 1 --bin "$tmp/no-such-ladder" --out "$tmp/unused"
 [ -e "$tmp/unused" ] && bad "gpu-check: a refused run creates no --out" "$tmp/unused exists"
-expect "gpu-check: --out that is a file refused" 2 "is a file" "${gc[@]}" --bin "$tmp/ladder-fail" --out "$tmp/afile"
-expect "gpu-check: --out under a file (cannot be created) refused" 2 "cannot be created" "${gc[@]}" --bin "$tmp/ladder-fail" --out "$tmp/afile/sub"
-expect "gpu-check: --out in /proc (not writable, even by root) refused" 2 "cannot be created" "${gc[@]}" --bin "$tmp/ladder-fail" --out /proc/gpu-check-test
+expect "gpu-check: a missing --scripts refused" 2 "is not a folder" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --scripts "$tmp/no-such-dir" --out "$tmp/unused"
+expect "gpu-check: --out that is a file refused" 2 "is a file" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --out "$tmp/afile"
+expect "gpu-check: --archive-to that is a file refused" 2 "is a file" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --out "$tmp/unused2" --archive-to "$tmp/afile"
+expect "gpu-check: --out under a file (cannot be created) refused" 2 "cannot be created" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --out "$tmp/afile/sub"
+expect "gpu-check: --out in /proc (not writable, even by root) refused" 2 "cannot be created" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --out /proc/gpu-check-test
 if [ "$(id -u)" = 0 ]; then
     skip "gpu-check: --out in a chmod 555 folder refused" "root writes into read-only folders; /proc above covers it"
 else
     mkdir -p "$tmp/ro" && chmod 555 "$tmp/ro"
-    expect "gpu-check: --out in a chmod 555 folder refused" 2 "cannot" "${gc[@]}" --bin "$tmp/ladder-fail" --out "$tmp/ro/sub"
-    expect "gpu-check: --out that is a chmod 555 folder refused" 2 "cannot write" "${gc[@]}" --bin "$tmp/ladder-fail" --out "$tmp/ro"
-    chmod 755 "$tmp/ro"
+    expect "gpu-check: --out in a chmod 555 folder refused" 2 "cannot" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --out "$tmp/ro/sub"
+    expect "gpu-check: --out that is a chmod 555 folder refused" 2 "cannot write" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --out "$tmp/ro"
 fi
-expect "gpu-check --only: an unknown name refused with the list" 2 "ablate-te" "${gc[@]}" --bin "$tmp/ladder-fail" --only selftest,bogus
-expect "gpu-check --only: names are exact, not patterns" 2 "not a step" "${gc[@]}" --bin "$tmp/ladder-fail" --only ladder
-expect "gpu-check --only '': refused" 2 "names no step" "${gc[@]}" --bin "$tmp/ladder-fail" --only ''
-expect "gpu-check: no step ran (only n/a steps selected) -> exit 1" 1 "no step ran" "${gc[@]}" --bin "$tmp/ladder-fail" --only ladder-te-cuda-graph --out "$tmp/out-na"
+expect "gpu-check --only: an unknown name refused with the list" 2 "ablate-te" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --only selftest,bogus
+expect "gpu-check --only: a step of the other part refused" 2 "not a step of part 1" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --only ncu-attention-t4096
+expect "gpu-check --only: names are exact, not patterns" 2 "not a step" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --only ladder
+expect "gpu-check --only '': refused" 2 "names no step" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --only ''
+expect "gpu-check: no step ran (only n/a steps selected) -> exit 1" 1 "no step ran" "${gc[@]}" --part 2 --bin "$tmp/ladder-fail" --only ncu-attention-t4096 --out "$tmp/out-na"
 
-expect "gpu-check: every step failed -> exit 1" 1 "9 of 9 step(s) did not pass" "${gc[@]}" --bin "$tmp/ladder-fail" --out "$tmp/out-fail"
-run_dir=$(find "$tmp/out-fail" -mindepth 1 -maxdepth 1 -name 'gpu-check-*' | head -1)
-archives=$(find "$run_dir" -maxdepth 1 -name '*.tar.gz' | wc -l)
-if [ "$archives" = 10 ] && archive_has "$run_dir/selftest.tar.gz" "/selftest/wrote-here.txt$"; then
-    ok "gpu-check: one archive per step that ran (9) and the summary's, each with the step's files"
+# Every ladder step fails (the torch and sdpa steps are n/a or fail without a GPU).
+expect "gpu-check: failing steps -> exit 1" 1 "step(s) did not pass" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --only probe,selftest,report,ladder-te --out "$tmp/out-fail"
+run_dir=$(find "$tmp/out-fail" -mindepth 1 -maxdepth 1 -type d -name 'gpu-check-part1-*' | head -1)
+one=$(find "$tmp/out-fail" -mindepth 1 -maxdepth 1 -name '*.tar.gz' | wc -l)
+if [ "$one" = 1 ] && archive_has "$run_dir.tar.gz" "/selftest/wrote-here.txt$" && archive_has "$run_dir.tar.gz" "/ladder-te/ladder-te.log$" \
+    && archive_has "$run_dir.tar.gz" "summary.tsv$" && ! archive_has "$run_dir.tar.gz" "/scratch"; then
+    ok "gpu-check: one archive for the part, beside its folder, holding every step's files and the summary, not scratch/"
 else
-    bad "gpu-check: one archive per step that ran (9) and the summary's, each with the step's files" "$archives archives in $run_dir"
+    bad "gpu-check: one archive for the part, beside its folder, holding every step's files and the summary, not scratch/" "$one archives in $tmp/out-fail"
 fi
-if [ -z "$(find "$tmp" -name wrote-here.txt -not -path "$tmp/out-fail/*")" ] && [ "$(ls -A "$tmp/out-fail")" = "$(basename "$run_dir")" ]; then
-    ok "gpu-check: nothing written outside --out, one run folder inside it"
+if [ -z "$(find "$tmp" -name wrote-here.txt -not -path "$tmp/out-fail/*")" ] && [ "$(find "$tmp/out-fail" -mindepth 1 -maxdepth 1 | wc -l)" = 2 ]; then
+    ok "gpu-check: nothing written outside --out, one folder and its archive inside it"
 else
-    bad "gpu-check: nothing written outside --out, one run folder inside it" "$(find "$tmp" -name wrote-here.txt)"
+    bad "gpu-check: nothing written outside --out, one folder and its archive inside it" "$(ls -A "$tmp/out-fail")"
 fi
 
-expect "gpu-check: passing steps -> exit 0, --out created when missing" 0 "0 of 2 step(s) did not pass" \
-    "${gc[@]}" --bin "$tmp/ladder-pass" --only selftest,ladder-te --out "$tmp/new/deeper"
-run_dir=$(find "$tmp/new/deeper" -mindepth 1 -maxdepth 1 -name 'gpu-check-*' | head -1)
-if archive_has "$run_dir/ladder-te.tar.gz" "/ladder-te/ladder-te.json$" && archive_has "$run_dir/summary.tar.gz" "summary.tsv$"; then
-    ok "gpu-check: a step's archive holds its JSON; summary.tar.gz its table"
+expect "gpu-check: passing steps -> exit 0, --out created when missing, --archive-to gets the archive alone" 0 "0 of 2 step(s) did not pass" \
+    "${gc[@]}" --part 1 --bin "$tmp/ladder-pass" --only selftest,ladder-te --out "$tmp/new/deeper" --archive-to "$tmp/ret"
+if [ "$(find "$tmp/ret" -mindepth 1 | wc -l)" = 1 ] && archive_has "$tmp/ret/"gpu-check-part1-*.tar.gz "/ladder-te/ladder-te.json$"; then
+    ok "gpu-check: --archive-to holds one file, the archive, with the step's JSON"
 else
-    bad "gpu-check: a step's archive holds its JSON; summary.tar.gz its table" "no archives in ${run_dir:-$tmp/new/deeper}"
+    bad "gpu-check: --archive-to holds one file, the archive, with the step's JSON" "$(ls -A "$tmp/ret")"
+fi
+
+# A step killed at the deadline: the archive, re-packed after every step, keeps the ones that ended.
+printf '#!/bin/sh\ncase "$*" in *selftest*) echo "{}" > selftest.json ;; *) sleep 60 ;; esac\n' > "$tmp/ladder-slow"
+chmod +x "$tmp/ladder-slow"
+expect "gpu-check: a step cut by the deadline -> exit 1, the next one not run" 1 "not run (" \
+    "${gc[@]}" --part 1 --bin "$tmp/ladder-slow" --only selftest,report,train-small-d128 --deadline 30 --out "$tmp/out-late"
+late_dir=$(find "$tmp/out-late" -mindepth 1 -maxdepth 1 -type d -name 'gpu-check-part1-*' | head -1)
+if archive_has "$late_dir.tar.gz" "/selftest/selftest.json$" && grep -q "timeout" "$late_dir/summary.tsv" && grep -q "not run: deadline" "$late_dir/summary.tsv"; then
+    ok "gpu-check: the deadline cuts the step under way, skips the rest, and the archive keeps the finished step"
+else
+    bad "gpu-check: the deadline cuts the step under way, skips the rest, and the archive keeps the finished step" "$(cat "$late_dir/summary.tsv" 2> /dev/null)"
 fi
 
 # ---- exercises.sh: each exercise of docs/stages.md, with fake binaries -----------------------
@@ -194,18 +213,25 @@ chmod +x "$cu/bin/nvcc"
 expect "cuda-toolchain --link-stub: an incomplete cache returns non-zero" 3 "cache is incomplete" "${st[@]}" "$tmp/tc-half" --link-stub
 expect "cuda-toolchain: sourced, it exports CUDA_HOME, CUDA_COMPUTE_CAP and PATH" 0 \
     "CUDA_HOME=$cu CUDA_COMPUTE_CAP=90 LIBRARY_PATH=unset PATH=$cu/bin" env -u CUDA_COMPUTE_CAP -u LIBRARY_PATH "${st[@]}" "$tmp/tc-half"
-# With the libraries (empty fakes) but no cudarc source in ~/.cargo: refused.
+# With the libraries (empty fakes) but no cudarc source in CARGO_HOME (a fresh machine): it runs
+# `cargo fetch --locked` (here the fake cargo, which fails), then refuses.
 mkdir -p "$cu/lib" "$tmp/home-empty"
 for l in cublas.so.13 cublasLt.so.13 cudart.so.13 nvrtc.so.13 curand.so.10; do : > "$cu/lib/lib$l"; done
-expect "cuda-toolchain --link-stub: no cudarc source returns non-zero" 3 "cudarc 0.19's source" \
-    env HOME="$tmp/home-empty" "${st[@]}" "$tmp/tc-half" --link-stub
+expect "cuda-toolchain --link-stub: no cudarc source and a failing cargo fetch return non-zero" 3 "cargo fetch --locked failed" \
+    env -u CARGO_HOME HOME="$tmp/home-empty" "${st[@]}" "$tmp/tc-half" --link-stub
+if grep -q "^cargo fetch --locked" "$tmp/ran" 2> /dev/null; then
+    ok "cuda-toolchain --link-stub: no cudarc source: it fetches the lock file's crates"
+else
+    bad "cuda-toolchain --link-stub: no cudarc source: it fetches the lock file's crates" "cargo fetch was not run"
+fi
+rm -f "$tmp/ran"
 # With a cudarc source of 120 driver functions: the stub is built into the cache, not the cwd.
 if command -v gcc > /dev/null; then
     sys="$tmp/home/.cargo/registry/src/index/cudarc-0.19.10/src/driver/sys"
     mkdir -p "$sys"
     { echo 'extern "C" {'; for i in $(seq 120); do echo "    fn cuFake$i();"; done; echo '}'; } > "$sys/mod.rs"
     expect "cuda-toolchain --link-stub: builds the stub and exports LIBRARY_PATH" 0 "LIBRARY_PATH=$cu/lib" \
-        env -u LIBRARY_PATH HOME="$tmp/home" "${st[@]}" "$tmp/tc-half" --link-stub
+        env -u LIBRARY_PATH -u CARGO_HOME HOME="$tmp/home" "${st[@]}" "$tmp/tc-half" --link-stub
     if [ -e "$cu/lib/libcuda.so.1" ] && [ -L "$cu/lib/libcublas.so" ] && [ -z "$(find "$cu/lib" -name '.stub.*')" ]; then
         ok "cuda-toolchain --link-stub: libcuda.so.1 and the links are in the cache, no temporary folder left"
     else

@@ -1,8 +1,14 @@
 #!/usr/bin/env python3
 """PyTorch reference rows for a recorded ladder run: the same block, the same weights and the same
-input in PyTorch, checked against the run's fp32 stage-0 output and timed on this machine. The rows
-join the run's JSON as reference rows (the ladder's schema, `references`), so `ladder render` shows
-them beside the candle-nn row, and every row's "vs best reference" is recomputed over all of them.
+input in PyTorch, checked against the run's fp32 stage-0 output and timed on the run's device (the
+CPU, or the run's CUDA GPU: run it on the machine that recorded the run). The rows join the run's
+JSON as reference rows (the ladder's schema, `references`), so `ladder render` shows them beside the
+candle-nn row, and every row's "vs best reference" is recomputed over all of them.
+
+A `--train` run gets training rows, timed as the ladder times them: forward, the loss <y, r> and
+backward to every weight and x together, the optimizer's update (torch.optim.AdamW, fused on CUDA)
+apart. Their check is the forward output's; their gradients are not checked (no stage-0 gradients
+are saved), and each row's notes say so.
 
     ladder --preset small --reference --json run.json --save-weights w.safetensors --save-output io.safetensors
     scripts/torch-reference.py --ladder-json run.json --weights w.safetensors --io io.safetensors --out run-torch.json
@@ -11,7 +17,9 @@ them beside the candle-nn row, and every row's "vs best reference" is recomputed
 Rows: PyTorch eager fp32 (F.scaled_dot_product_attention), eager with bf16 autocast, and
 torch.compile with bf16 autocast (needs a C++ compiler; a variant that cannot run here is a
 reference row "not run" with the reason). Timed after the ladder's run, not in its interleaved
-rounds, with the ladder's warm-up and iteration counts and its thread count.
+rounds, with the ladder's warm-up and iteration counts and its thread count; on CUDA each iteration
+ends with torch.cuda.synchronize() (wall time, as the ladder), fp32 has TF32 off (as stage 0), and
+peak memory is torch.cuda.max_memory_allocated.
 
 Exit code: 0 when every row that ran passed its check, 1 when one failed it, 2 for a usage error
 (arguments, files, torch not installed), before any work. --out is written whole or not at all
@@ -25,7 +33,7 @@ import sys
 import tempfile
 import time
 
-SCHEMA = "candle-speedkit/ladder/v1"
+SCHEMAS = ("candle-speedkit/ladder/v1", "candle-speedkit/ladder/v2")
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}  # shared::check::tolerance
 GPT2 = ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
         "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]
@@ -69,15 +77,16 @@ def load_run(path):
             run = json.load(fh)
     except (OSError, ValueError) as e:
         usage(f"--ladder-json {path} is not a ladder JSON ({e}). Fix: pass the file `ladder --json PATH` wrote.")
-    if not isinstance(run, dict) or run.get("schema") != SCHEMA:
-        usage(f"--ladder-json {path} has schema {run.get('schema') if isinstance(run, dict) else None!r}, not {SCHEMA}. "
+    if not isinstance(run, dict) or run.get("schema") not in SCHEMAS:
+        usage(f"--ladder-json {path} has schema {run.get('schema') if isinstance(run, dict) else None!r}, not one of {SCHEMAS}. "
               f"Fix: pass one ladder run's JSON (not a sweep's or a stage binary's).")
     stage0 = [r for r in run.get("records", []) if r.get("stage") == "stage0_baseline"]
     if not stage0:
         usage(f"--ladder-json {path} has no stage0_baseline row, so there is no speedup to compute and no reference "
               f"output to check against. Fix: run the ladder with stage 0 (the default --stages).")
-    if run["device"].get("kind") != "cpu":
-        usage("--ladder-json records a GPU run; this script times PyTorch on the CPU only. Fix: pass a CPU run.")
+    if run["device"].get("kind") not in ("cpu", "cuda"):
+        usage(f"--ladder-json records a run on {run['device'].get('kind')!r}; this script times the CPU and CUDA. "
+              f"Fix: pass a CPU or CUDA run.")
     return run, stage0[0]
 
 
@@ -140,36 +149,80 @@ def main():
         if w[n].dim() == 2:
             w[n] = w[n].t().contiguous()  # GPT-2's Conv1D (in, out) to F.linear's (out, in)
     shape = run["shape"]
-    x, want = tensors["x"].float(), tensors["y_stage0_baseline"].float()
+    cuda = run["device"]["kind"] == "cuda"
+    train = stage0.get("mode") == "train"  # a --train run (schema v2); v1 runs are forward runs
+    if cuda and not torch.cuda.is_available():
+        usage("--ladder-json records a CUDA run, but this PyTorch sees no CUDA GPU. Fix: run this script on the machine "
+              "that recorded the run, with a CUDA build of PyTorch.")
+    dev = torch.device(f"cuda:{run['device'].get('ordinal', 0)}" if cuda else "cpu")
+    x, want = tensors["x"].float().to(dev), tensors["y_stage0_baseline"].float()
     if list(x.shape) != [shape["batch"], shape["seq"], shape["d_model"]]:
         usage(f"--io's x has shape {list(x.shape)}, but the run's shape is {shape}. Fix: pass files from the same run.")
-    torch.set_num_threads(run["device"]["threads"])
+    w = {n: t.to(dev) for n, t in w.items()}
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as stage 0: TF32 off
+        torch.backends.cudnn.allow_tf32 = False
+    else:
+        torch.set_num_threads(run["device"]["threads"])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     warmup, iters = stage0["warmup"], stage0["iters"]
-    forward = block(torch, F, w, shape["n_head"])
     t0 = stage0["timing"]["median_ms"]
     rows, out, failed = [], [], False
     for name in a.variants:
         row, precision, bf16, compiled = VARIANTS[name]
         try:
+            params = {n: t.clone().requires_grad_(train) for n, t in w.items()}  # fp32 masters, as autocast trains
+            forward = block(torch, F, params, shape["n_head"])
             f = torch.compile(forward) if compiled else forward
+            autocast = lambda: torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16)
+            if train:
+                r = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dev)  # the upstream gradient dL/dy
+                xg = x.clone().requires_grad_(True)
+                opt = torch.optim.AdamW(list(params.values()), lr=1e-4, **({"fused": True} if cuda else {"foreach": True}))
 
-            def once():
-                with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                    return f(x)
+                def once():
+                    for p_ in [xg, *params.values()]:
+                        p_.grad = None
+                    with autocast():
+                        y = f(xg)
+                    (y.float() * r).sum().backward()  # L = <y, r>: dL/dy = r
+                    return y
 
-            y = once().float()  # the check comes before any timing
+                with torch.no_grad(), autocast():
+                    y = f(x).float().cpu()  # the check comes before any timing
+            else:
+                def once():
+                    with torch.inference_mode(), autocast():
+                        return f(x)
+
+                y = once().float().cpu()  # the check comes before any timing
             for _ in range(warmup):
                 once()
-            samples = []
+                if train:
+                    opt.step()
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(dev)
+            samples, opt_samples = [], []
             for _ in range(iters):
                 start = time.perf_counter()
                 once()
+                sync()
                 samples.append((time.perf_counter() - start) * 1e3)
+                if train:
+                    start = time.perf_counter()
+                    opt.step()
+                    sync()
+                    opt_samples.append((time.perf_counter() - start) * 1e3)
+            peak = torch.cuda.max_memory_allocated(dev) if cuda else None
         except Exception as e:  # a variant this machine cannot run (no compiler for torch.compile) is a row saying so
             out.append({"stage": row, "technique": "reference: PyTorch", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                         "failed": False})
             print(f"torch-reference: {row} not run: {out[-1]['reason']}", file=sys.stderr)
             continue
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()
         d = (y - want).double()
         finite = torch.isfinite(y)
         rel = math.sqrt(float((d[finite] ** 2).sum()) / max(float((want.double() ** 2).sum()), 1e-300))
@@ -178,21 +231,28 @@ def main():
         failed |= not check["passed"]
         t = stats(samples)
         secs = t["median_ms"] / 1e3
-        rec = dict(stage0)  # device, shape, seed, weights, ceiling and the rest as the run recorded them
+        rec = dict(stage0)  # device, shape, seed, weights, ceiling, mode and the rest as the run recorded them
+        notes = ["timed by scripts/torch-reference.py after the ladder's run, not in its interleaved rounds"]
+        if train:
+            notes.append("training step as the ladder times it (forward + <y, r> + backward), the update apart; "
+                         "the check is the forward output's, the gradients are not checked")
+            rec["train"] = {"optimizer": f"torch.optim.AdamW({'fused' if cuda else 'foreach'})", "optimizer_timing": stats(opt_samples),
+                            "grad_check": None, "worst_grad": "", "optimizer_check": None, "skipped_steps": 0}
         rec.update({
             "stage": row, "technique": f"reference: PyTorch {torch.__version__}, F.scaled_dot_product_attention" +
             (", torch.compile" if compiled else ""),
             "precision": precision, "precision_reason": "bf16 autocast (LayerNorm and softmax in f32)" if bf16 else "fp32",
-            "implementation": f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}",
+            "implementation": f"torch {torch.__version__}, " + (torch.cuda.get_device_name(dev) if cuda else torch.backends.cpu.get_cpu_capability()),
             "gemm_switches": {"tf32": False, "reduced_f16": False, "reduced_bf16": False},
             "iters": iters, "timing": t, "tokens_per_s": shape["batch"] * shape["seq"] / secs,
             "tflops": stage0["flops_per_forward"] / secs / 1e12, "check": check, "extra_checks": [],
-            "peak_mem_bytes": None, "mem_method": "not measured (PyTorch)", "speedup_vs_stage0": t0 / t["median_ms"],
+            "peak_mem_bytes": peak, "mem_method": "torch.cuda.max_memory_allocated" if cuda else "not measured (PyTorch)",
+            "speedup_vs_stage0": t0 / t["median_ms"],
             "speedup_vs_prev": None, "noise_vs_stage0": False, "noise_vs_prev": False, "breakdown": None, "variant": None,
-            "notes": ["timed by scripts/torch-reference.py after the ladder's run, not in its interleaved rounds"],
+            "notes": notes,
         })
-        peak = stage0.get("peak_tflops")
-        rec["pct_of_peak"] = 100 * rec["tflops"] / peak if peak and precision == "fp32" else None
+        peak_tflops = stage0.get("peak_tflops")
+        rec["pct_of_peak"] = 100 * rec["tflops"] / peak_tflops if peak_tflops and precision == "fp32" else None
         if precision != "fp32":
             rec["peak_tflops"] = rec["peak_source"] = None
         rows.append(rec)
