@@ -8,10 +8,12 @@
 #   target/gpu-bundle/candle-speedkit-gpu-<commit>.tar.gz
 #     candle-speedkit-gpu-<commit>/bin/ladder   (CUDA_COMPUTE_CAP, default 90: H100/H200 only)
 #     candle-speedkit-gpu-<commit>/gpu-check.sh
+#     candle-speedkit-gpu-<commit>/torch-reference.py, sdpa-bench.py   (PyTorch's rows, on the GPU)
 #     candle-speedkit-gpu-<commit>/BUILD.txt    (commit, toolchain, arch, libraries it needs)
 #
-# On the GPU machine: tar xzf the archive, cd into it, ./gpu-check.sh (needs the NVIDIA driver
-# 580+ and the CUDA 13 libraries: cuBLAS, cuBLASLt, cudart, NVRTC, cuRAND; no Rust, no network).
+# On the GPU machine: tar xzf the archive, cd into it, ./gpu-check.sh --part 1, then --part 2
+# (needs the NVIDIA driver 580+ and the CUDA 13 libraries: cuBLAS, cuBLASLt, cudart, NVRTC, cuRAND; no
+# Rust, no network; PyTorch for the reference steps). docs/gpu.md gives the two commands.
 #
 # Usage: scripts/gpu-bundle.sh [--help]   (no other arguments; the rest is set by the env)
 # Env: CARGO_TARGET_DIR (default target/cuda-link: kept apart from the CPU build's target/),
@@ -53,7 +55,7 @@ stage="$root/target/gpu-bundle/$name"
 rm -rf "$root/target/gpu-bundle" && mkdir -p "$stage/bin"   # one archive, this commit's
 cp "$CARGO_TARGET_DIR/release/ladder" "$stage/bin/ladder"
 strip "$stage/bin/ladder"
-cp scripts/gpu-check.sh "$stage/"
+cp scripts/gpu-check.sh scripts/torch-reference.py scripts/sdpa-bench.py "$stage/"
 {
     echo "candle-speedkit GPU bundle"
     echo "commit            $commit"
@@ -64,7 +66,7 @@ cp scripts/gpu-check.sh "$stage/"
     echo "CUDA_COMPUTE_CAP  $CUDA_COMPUTE_CAP (90: candle's kernels are sm_90a PTX, which loads on SM 9.0 only; docs/gpu.md)"
     echo "features          cuda (our own attention kernel; no flash-attn: it cannot be built offline)"
     echo "needs at run time $(readelf -d "$stage/bin/ladder" | awk '/NEEDED/ {gsub(/[][]/, "", $5); printf "%s ", $5}')and libnvrtc-builtins.so.13.0 beside libnvrtc.so.13"
-    echo "run               ./gpu-check.sh   (see its --help)"
+    echo "run               ./gpu-check.sh --part 1, then --part 2   (see its --help and docs/gpu.md)"
 } > "$stage/BUILD.txt"
 archive="$root/target/gpu-bundle/$name.tar.gz"
 tar -czf "$archive" -C "$root/target/gpu-bundle" "$name"

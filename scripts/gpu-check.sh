@@ -224,7 +224,7 @@ cap_logs() {  # a runaway log keeps its first and last 2 MiB, so the archive sta
 
 # ---- CUDA libraries, wherever this machine keeps them --------------------------------------
 # The binary links libcuda.so.1 (the driver) and libcublas/libcublasLt/libcudart .so.13, and
-# libcurand.so.10. They may be under the system CUDA folder, a Python environment's nvidia/
+# loads libnvrtc.so.13 (+ libnvrtc-builtins.so.13.0 beside it) and libcurand.so.10. They may be under the system CUDA folder, a Python environment's nvidia/
 # packages, or conda.
 find_lib_dir() {
     local lib="$1" roots=(/usr/local/cuda /usr/local /opt /usr/lib /usr/lib64 /usr/lib/x86_64-linux-gnu "$HOME/.local")
@@ -249,8 +249,8 @@ find_lib_dir() {
 if [ "$device" != cpu ]; then
     libs_found=()
     libs_missing=()
-    for lib in libcublas.so.13 libcublasLt.so.13 libcudart.so.13 libcurand.so.10; do
-        if ldconfig -p 2> /dev/null | grep -- "$lib " > /dev/null; then
+    for lib in libcublas.so.13 libcublasLt.so.13 libcudart.so.13 libnvrtc.so.13 libnvrtc-builtins.so.13.0 libcurand.so.10; do
+        if ldconfig -p 2> /dev/null | grep -- "$lib " > /dev/null && [ "$lib" != libnvrtc-builtins.so.13.0 ]; then
             libs_found+=("$lib (ldconfig)")
         elif d=$(find_lib_dir "$lib"); then
             libs_found+=("$lib $d")

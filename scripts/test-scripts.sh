@@ -144,6 +144,12 @@ else
     bad "gpu-check: the deadline cuts the step under way, skips the rest, and the archive keeps the finished step" "$(cat "$late_dir/summary.tsv" 2> /dev/null)"
 fi
 
+# ---- sdpa-bench.py: refusals before any work ---------------------------------------------------
+sb=(python3 "$repo/scripts/sdpa-bench.py")
+expect "sdpa-bench: a --seq that is not a list of integers refused" 2 "is not a list of integers" "${sb[@]}" --seq 512,x
+expect "sdpa-bench: a --json in a missing folder refused" 2 "not writable" "${sb[@]}" --json "$tmp/no-such-dir/s.json"
+expect "sdpa-bench: no CUDA GPU (or no torch) -> exit 2 naming the fix" 2 "Fix:" "${sb[@]}" --seq 64
+
 # ---- exercises.sh: each exercise of docs/stages.md, with fake binaries -----------------------
 ex=(bash "$repo/scripts/exercises.sh")
 expect "exercises: a missing binaries folder refused" 2 "is not a folder" "${ex[@]}" "$tmp/no-such-bin"
