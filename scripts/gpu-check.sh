@@ -276,7 +276,7 @@ export L="$bin" S="$scripts" X="$run/scratch" D="--device $device"
 if [ "$device" = cpu ]; then
     # The orchestration on the CPU: every step at tiny, two iterations.
     export TE="--preset tiny --warmup 1 --iters 2 --rounds 1" TE_B4="--preset tiny --batch 1 --warmup 1 --iters 2 --rounds 1"
-    export D128="--preset tiny --d-model 256 --heads 2 --seq 100 --warmup 1 --iters 2 --rounds 1"
+    export D128="--preset tiny --d-model 256 --heads 2 --seq 100 --warmup 1 --iters 2 --rounds 1" SMALL128="--preset tiny --d-model 256 --heads 2 --seq 100 --iters 2 --rounds 1"
     export T4096="--preset tiny --seq 128" SDPA="--seq 64,128 --batch 1 --heads 2 --d-head 64 --iters 2 --warmup 1"
     export SWEEP="seq=32,64" GPT2="--preset tiny --warmup 1 --iters 2 --rounds 1"
 else
@@ -284,6 +284,8 @@ else
     export D128="--preset tiny --d-model 256 --heads 2 --seq 200 --warmup 0 --iters 1 --rounds 1"
     export T4096="--preset te --seq 4096" SDPA="--seq 512,1024,2048,4096" SWEEP="seq=512,1024,2048,4096"
     export GPT2="--preset gpt2 --iters 20 --rounds 1"
+    # d_head 768 / 6 = 128 and T = 500: the attention kernels' last tile is padded.
+    export SMALL128="--preset small --heads 6 --seq 500 --iters 10 --rounds 1"
 fi
 cs="compute-sanitizer --print-limit 20 --error-exitcode 1"
 
@@ -311,11 +313,10 @@ step_cmd() {
             ! grep "not found" ldd.txt' ;;
         selftest) cmd='"$L" selftest $D --json selftest.json' ;;
         report) cmd='"$L" report $D' ;;
-        # d_head 768 / 6 = 128 and T = 500: the attention kernels' last tile is padded.
-        train-small-d128) cmd='"$L" $D --preset small --heads 6 --seq 500 --iters 10 --rounds 1 --train --json train-small-d128.json' ;;
+        train-small-d128) cmd='"$L" $D $SMALL128 --train --json train-small-d128.json' ;;
         # --save-weights / --save-output: PyTorch's rows (next step) run on the same weights and input.
         ladder-te) cmd='"$L" $D $TE --breakdown --json ladder-te.json --svg ladder-te.svg --save-weights "$X/te-weights.safetensors" --save-output "$X/te-io.safetensors"' ;;
-        torch-te) cmd='python3 "$S/torch-reference.py" --ladder-json ladder-te.json --weights "$X/te-weights.safetensors" --io "$X/te-io.safetensors" --out ladder-te-torch.json' ;;
+        torch-te) cmd='python3 "$S/torch-reference.py" --ladder-json ../ladder-te/ladder-te.json --weights "$X/te-weights.safetensors" --io "$X/te-io.safetensors" --out ladder-te-torch.json' ;;
         # Batch 8 first; refused up front or out of memory (exit 2): batch 4.
         train-te) cmd='"$L" $D $TE --train --breakdown --json train-te.json --svg train-te.svg --save-weights "$X/train-weights.safetensors" --save-output "$X/train-io.safetensors"
             rc=$?; [ $rc = 2 ] || exit $rc; echo "gpu-check: batch 8 refused or out of memory (exit 2): batch 4"
