@@ -323,10 +323,11 @@ step_cmd() {
             "$L" $D $TE_B4 --train --breakdown --json train-te-b4.json --svg train-te-b4.svg --save-weights "$X/train-weights.safetensors" --save-output "$X/train-io.safetensors"' ;;
         torch-te-train) cmd='j=$(ls ../train-te/train-te*.json | head -1); python3 "$S/torch-reference.py" --variants eager-fp32,eager-bf16 --ladder-json "$j" --weights "$X/train-weights.safetensors" --io "$X/train-io.safetensors" --out train-te-torch.json' ;;
         attention-sdpa) cmd='python3 "$S/sdpa-bench.py" $SDPA --json sdpa.json' ;;
-        # Our kernels alone: Nsight Compute's kernel timer on every launch of flash_attn* (v2 and v1
-        # forward, the backward), at the GPU's own clocks, over the same T; one process, --sweep.
-        attention-kernels) cmd='ncu --clock-control none --kernel-name regex:flash_attn --metrics gpu__time_duration.sum --csv
-            "$L" $D --preset te --stages 2 --ablate --train --no-check --warmup 1 --iters 2 --rounds 1 --sweep $SWEEP > ncu-times.csv' ;;
+        # Our kernels alone: Nsight Compute's kernel timer on every launch of flash_attn* at the
+        # GPU's own clocks, over the same T (--sweep): v2 and the backward (--train), then v1.
+        attention-kernels) cmd='n=(ncu --clock-control none --kernel-name regex:flash_attn --metrics gpu__time_duration.sum --csv)
+            "${n[@]}" "$L" $D --preset te --stages 2 --train --no-check --warmup 1 --iters 2 --rounds 1 --sweep $SWEEP > ncu-times-v2-bwd.csv; a=$?
+            "${n[@]}" "$L" $D --preset te --stages 2 --attention-kernel v1 --no-check --warmup 1 --iters 2 --rounds 1 --sweep $SWEEP > ncu-times-v1.csv && exit $a' ;;
         ablate-te) cmd='"$L" $D $TE --stages 2,3,4 --ablate --breakdown --json ablate-te.json --svg ablate-te.svg' ;;
         ladder-gpt2-cuda-graph) cmd='"$L" $D $GPT2 --cuda-graph --json ladder-gpt2-cuda-graph.json' ;;
         fp8-no-fast-accum-te) cmd='SPEEDKIT_FP8_FAST_ACCUM=off "$L" $D $TE --stages 4 --json fp8-no-fast-accum-te.json' ;;
