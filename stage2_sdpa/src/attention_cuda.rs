@@ -377,7 +377,9 @@ mod launch {
         if !matches!(dt, DType::BF16 | DType::F16) {
             candle_core::bail!("stage 2's CUDA attention backward takes bf16 or f16, got {dt:?}");
         }
-        let qkvo = Tensor::stack(&[q, k, v, &d_o.to_dtype(dt)?], 2)?; // (B, T, 4, n_head, d_head)
+        // candle's stack of strided views (stage 3 splits q, k, v out of one fused QKV output)
+        // comes back as a transposed view, not contiguous: the kernel needs one contiguous block.
+        let qkvo = Tensor::stack(&[q, k, v, &d_o.to_dtype(dt)?], 2)?.contiguous()?; // (B, T, 4, n_head, d_head)
         let lse = lse.reshape((b, h, t))?; // (B, n_head, T), as the forward kernel wrote it
                                            // D_i = Σ_c dO_ic O_ic, in f32: (B, T, n_head) → (B, n_head, T).
         let delta = (d_o.to_dtype(DType::F32)? * o.to_dtype(DType::F32)?)?.sum(3)?.transpose(1, 2)?;
