@@ -221,7 +221,8 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
                     }
                     // Stop the rounds: what has run keeps its rounds so far, what has not is a row saying why.
                     for other in entries.iter_mut().filter(|o| !o.out && o.records.is_empty()) {
-                        let reason = format!("did not run: the earlier sticky CUDA fault in {label} left the device unusable in this process");
+                        let reason =
+                            format!("did not run: the earlier sticky CUDA fault in {label} left the device unusable in this process");
                         leave(&mut report, other, other.spec(all), reason, true);
                         other.out = true;
                     }

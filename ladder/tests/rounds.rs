@@ -52,7 +52,9 @@ fn err(how: How, what: String) -> anyhow::Error {
         How::Refused => SpeedkitError::usage(format!("refused by the test: {what}")).into(),
         How::Wrong => SpeedkitError::CheckFailed(format!("wrong by the test: {what}")).into(),
         How::Broke => anyhow::anyhow!("broken by the test: {what}"),
-        How::Sticky => anyhow::anyhow!("DriverError(CUDA_ERROR_ILLEGAL_ADDRESS, \"an illegal memory access was encountered\") by the test: {what}"),
+        How::Sticky => {
+            anyhow::anyhow!("DriverError(CUDA_ERROR_ILLEGAL_ADDRESS, \"an illegal memory access was encountered\") by the test: {what}")
+        }
     }
 }
 
@@ -89,6 +91,9 @@ impl Stage for Failing {
     }
     fn estimate_bytes(&self, shape: &Shape) -> u128 {
         self.inner.estimate_bytes(shape)
+    }
+    fn estimate_train_bytes(&self, shape: &Shape) -> shared::train::TrainBytes {
+        self.inner.estimate_train_bytes(shape)
     }
     fn build(&self, w: &BlockWeights, p: &Plan) -> anyhow::Result<Box<dyn Forward>> {
         if !self.variants {
@@ -194,7 +199,11 @@ fn a_sticky_cuda_fault_stops_the_rounds_and_keeps_what_ran() {
     assert_eq!(CALLS[7].load(Ordering::SeqCst), 1, "stage 2 not built again");
     let want: Vec<(String, bool)> = ["stage2_sdpa", "stage3_fused", "stage4_fp8"].iter().map(|s| (s.to_string(), true)).collect();
     assert_eq!(rows(&r), want);
-    assert!(r.skipped[0].reason.contains("CUDA_ERROR_ILLEGAL_ADDRESS") && r.skipped[0].reason.contains("sticky"), "{}", r.skipped[0].reason);
+    assert!(
+        r.skipped[0].reason.contains("CUDA_ERROR_ILLEGAL_ADDRESS") && r.skipped[0].reason.contains("sticky"),
+        "{}",
+        r.skipped[0].reason
+    );
     for s in &r.skipped[1..] {
         assert!(s.reason.contains("did not run") && s.reason.contains("sticky CUDA fault in stage2_sdpa"), "{}", s.reason);
     }
