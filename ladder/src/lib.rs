@@ -109,6 +109,32 @@ struct Entry {
     out: bool, // skipped or failed: not run again
 }
 
+impl Entry {
+    /// The stage this entry stands for: its reference's own, or the ladder's stage (a variant's too).
+    fn spec<'a>(&'a self, all: &'a [Box<dyn Stage>]) -> &'a dyn Stage {
+        if self.reference {
+            self.variant.as_deref().expect("a reference entry holds its stage")
+        } else {
+            all[self.stage].as_ref()
+        }
+    }
+
+    fn label(&self, spec: &dyn Stage) -> String {
+        self.change.as_ref().map_or(spec.name().to_string(), |c| format!("{} ({c})", spec.name()))
+    }
+}
+
+/// `e` as a skipped or FAILED row of its kind (stage, ablation variant, reference).
+fn leave(report: &mut LadderReport, e: &Entry, spec: &dyn Stage, reason: String, failed: bool) {
+    println!("{}    {}: {reason}", if failed { "FAILED" } else { "skipped" }, e.label(spec));
+    let skipped = Skipped { stage: spec.name().into(), technique: spec.technique().into(), reason, failed };
+    match &e.change {
+        None if e.reference => report.references_out.push(skipped),
+        None => report.skipped.push(skipped),
+        Some(c) => report.ablation_out.push(AblationOut { against: skipped.stage, change: c.clone(), reason: skipped.reason, failed }),
+    }
+}
+
 /// One stage's rounds as one record (samples pooled, rates recomputed, largest peak memory); `None` if it left.
 fn merge_rounds(records: Vec<Record>) -> Option<Record> {
     let mut records = records.into_iter();
@@ -134,7 +160,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     let session = Session::open(args, default_stages()[0].as_ref(), &[])?; // the fp32 reference: STAGES[0] as written
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
     report.ceiling = session.ceiling.clone();
-    let mut failure = None;
+    let (mut failure, mut sticky) = (None, false);
     let entry = |stage, variant, change| Entry { stage, variant, change, ..Default::default() };
     let mut entries: Vec<Entry> = which.iter().map(|&i| entry(i, None, None)).collect();
     for &i in which.iter().filter(|_| m.ablate) {
@@ -151,7 +177,7 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     }
     let rounds = m.rounds.clamp(1, session.iters);
     report.rounds = Some(rounds);
-    for round in 0..rounds {
+    'rounds: for round in 0..rounds {
         let iters = session.iters / rounds + usize::from(round < session.iters % rounds);
         let n = entries.len();
         for j in 0..n {
@@ -159,8 +185,8 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
             if e.out {
                 continue;
             }
-            let spec = if e.reference { e.variant.as_deref().expect("a reference entry holds its stage") } else { all[e.stage].as_ref() };
-            let label = e.change.as_ref().map_or(spec.name().to_string(), |c| format!("{} ({c})", spec.name()));
+            let spec = e.spec(all);
+            let label = e.label(spec);
             let run = e.variant.as_deref().unwrap_or(spec);
             match session.run_with(run, ladder_request(spec, session.args.precision), iters) {
                 Ok((mut record, y)) => {
@@ -182,22 +208,27 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
                         None => (format!("error: {}", shared::error::classify(&err).1), true),
                     };
                     let reason = shared::error::strip_backtrace(&reason).replace('\n', " ");
-                    println!("{}    {label}: {reason}", if failed { "FAILED" } else { "skipped" });
-                    e.out = true;
+                    // A sticky fault poisons the CUDA context: every later CUDA call in this process fails.
+                    let sticky_fault = shared::error::is_sticky_cuda_fault(&err);
+                    let why = "a sticky CUDA fault: later work on this device in this process could not run, so the rounds stopped here";
+                    let reason = if sticky_fault { format!("{reason} ({why})") } else { reason };
+                    leave(&mut report, e, spec, reason, failed);
                     // A stage that leaves in a later round leaves whole (fewer rounds are no row).
-                    e.records.clear();
-                    let skipped = Skipped { stage: spec.name().into(), technique: spec.technique().into(), reason, failed };
-                    match &e.change {
-                        None if e.reference => report.references_out.push(skipped),
-                        None => report.skipped.push(skipped),
-                        Some(c) => report.ablation_out.push(AblationOut {
-                            against: skipped.stage,
-                            change: c.clone(),
-                            reason: skipped.reason,
-                            failed,
-                        }),
+                    (e.out, e.records) = (true, Vec::new());
+                    if !sticky_fault {
+                        failure = failure.or(failed.then_some(err));
+                        continue;
                     }
-                    failure = failure.or(failed.then_some(err));
+                    // Stop the rounds: what has run keeps its rounds so far, what has not is a row saying why.
+                    for other in entries.iter_mut().filter(|o| !o.out && o.records.is_empty()) {
+                        let reason =
+                            format!("did not run: the earlier sticky CUDA fault in {label} left the device unusable in this process");
+                        leave(&mut report, other, other.spec(all), reason, true);
+                        other.out = true;
+                    }
+                    println!("stopped   in round {} of {rounds}: the rows that ran keep the rounds they finished", round + 1);
+                    (sticky, failure) = (true, Some(err));
+                    break 'rounds;
                 }
             }
         }
@@ -253,7 +284,9 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     if !which.contains(&0) {
         println!("note      stage 0 was not selected: no speedups over it");
     }
-    if let Some(path) = &session.args.save_output {
+    if let (Some(path), true) = (&session.args.save_output, sticky) {
+        println!("not saved {}: the sticky CUDA fault leaves no tensor on the device readable", path.display());
+    } else if let Some(path) = &session.args.save_output {
         // x, then each stage's output as y_<stage>, for comparison outside the program.
         let named: Vec<_> = std::iter::once(("x", &session.x)).chain(outputs.iter().map(|(n, t)| (n.as_str(), t))).collect();
         save_tensors(path, &named)?;

@@ -99,7 +99,8 @@ fn args_for(args: &RunArgs, axis: Axis, value: usize, d_head: usize) -> Result<R
     Ok(a)
 }
 
-/// The ladder once per value (one that cannot run here is skipped rows), and the first failure.
+/// The ladder once per value (one that cannot run here is skipped rows), and the first failure. A sticky
+/// CUDA fault ends the sweep at its value: no later work on the device can run in this process.
 pub fn run(
     args: &RunArgs,
     stages: &[Box<dyn shared::Stage>],
@@ -126,9 +127,11 @@ pub fn run(
         let outcome = args_for(args, sweep.axis, value, base.shape.d_head())
             .map_err(anyhow::Error::from)
             .and_then(|a| crate::run(a, stages, which, measure));
+        let mut sticky = false;
         let mut report = match outcome {
             Ok((report, f)) => {
-                failure = failure.or(f);
+                sticky = f.as_ref().is_some_and(shared::error::is_sticky_cuda_fault);
+                failure = if sticky { f } else { failure.or(f) };
                 report
             }
             Err(e) => {
@@ -148,8 +151,13 @@ pub fn run(
         };
         report.args = argv.to_vec();
         runs.push(report);
+        if sticky {
+            println!("stopped   the sweep at {label}: a sticky CUDA fault leaves the device unusable in this process");
+            break;
+        }
     }
-    let report = SweepReport { schema: SWEEP_SCHEMA.into(), axis: sweep.axis.name().into(), values: sweep.values.clone(), runs };
+    let values = sweep.values[..runs.len()].to_vec();
+    let report = SweepReport { schema: SWEEP_SCHEMA.into(), axis: sweep.axis.name().into(), values, runs };
     Ok((report, failure))
 }
 

@@ -1,5 +1,6 @@
 //! Every way a stage can leave the ladder's interleaved rounds, on the CPU: refused in round 1,
-//! broken in a later round, every stage out, ablation variants out, and in a sweep. Each is a
+//! broken in a later round, every stage out, ablation variants out, a sticky CUDA fault that
+//! stops the rounds, and in a sweep. Each is a
 //! row (skipped or FAILED, with why); the table, JSON and charts are still made; the run's
 //! error says what happened (exit 2 for "cannot run here", 3 for a failed check, 1 otherwise).
 //!
@@ -35,7 +36,7 @@ fn run(all: &[Box<dyn Stage>], which: &[usize], ablate: bool) -> (LadderReport, 
 }
 
 /// Calls of each test's failing builds, one counter per test.
-static CALLS: [AtomicUsize; 8] = [const { AtomicUsize::new(0) }; 8];
+static CALLS: [AtomicUsize; 9] = [const { AtomicUsize::new(0) }; 9];
 
 /// How a failing build errs.
 #[derive(Clone, Copy)]
@@ -43,6 +44,7 @@ enum How {
     Refused, // SpeedkitError::Usage: the stage cannot run here ("skipped")
     Wrong,   // SpeedkitError::CheckFailed ("FAILED", exit 3)
     Broke,   // any other error ("FAILED", exit 1)
+    Sticky,  // a CUDA fault that poisons the context, as the driver words it ("FAILED", the rounds stop)
 }
 
 fn err(how: How, what: String) -> anyhow::Error {
@@ -50,6 +52,9 @@ fn err(how: How, what: String) -> anyhow::Error {
         How::Refused => SpeedkitError::usage(format!("refused by the test: {what}")).into(),
         How::Wrong => SpeedkitError::CheckFailed(format!("wrong by the test: {what}")).into(),
         How::Broke => anyhow::anyhow!("broken by the test: {what}"),
+        How::Sticky => {
+            anyhow::anyhow!("DriverError(CUDA_ERROR_ILLEGAL_ADDRESS, \"an illegal memory access was encountered\") by the test: {what}")
+        }
     }
 }
 
@@ -86,6 +91,9 @@ impl Stage for Failing {
     }
     fn estimate_bytes(&self, shape: &Shape) -> u128 {
         self.inner.estimate_bytes(shape)
+    }
+    fn estimate_train_bytes(&self, shape: &Shape) -> shared::train::TrainBytes {
+        self.inner.estimate_train_bytes(shape)
     }
     fn build(&self, w: &BlockWeights, p: &Plan) -> anyhow::Result<Box<dyn Forward>> {
         if !self.variants {
@@ -175,6 +183,41 @@ fn failed_in_a_later_round_is_a_failed_row_without_its_earlier_rounds() {
     assert_eq!(names(&r), ["stage1_tensorcore"]);
     assert!(r.records[0].speedup_vs_stage0.is_none(), "no stage 0 row, no speedup over it");
     assert!(r.skipped[0].failed && r.skipped[0].reason.contains("broken by the test: call 3"), "{:?}", r.skipped);
+    outputs(&r);
+}
+
+#[test]
+fn a_sticky_cuda_fault_stops_the_rounds_and_keeps_what_ran() {
+    let rows = |r: &LadderReport| r.skipped.iter().map(|s| (s.stage.clone(), s.failed)).collect::<Vec<_>>();
+    // Stage 2 faults in round 1 (call 1): stages 0 and 1 ran before it and keep that round;
+    // stages 3 and 4, not yet run, are FAILED rows naming the fault, and nothing runs after it.
+    let (r, failure) = run(&fail_on_call(2, 7, 1, How::Sticky), &[0, 1, 2, 3, 4], false);
+    let failure = failure.expect("the fault is the run's error");
+    assert!(shared::error::is_sticky_cuda_fault(&failure), "{failure:#}");
+    assert_eq!(names(&r), ["stage0_baseline", "stage1_tensorcore"]);
+    assert!(r.records.iter().all(|rec| rec.iters == 1 && rec.check.is_some()), "one round of three each");
+    assert_eq!(CALLS[7].load(Ordering::SeqCst), 1, "stage 2 not built again");
+    let want: Vec<(String, bool)> = ["stage2_sdpa", "stage3_fused", "stage4_fp8"].iter().map(|s| (s.to_string(), true)).collect();
+    assert_eq!(rows(&r), want);
+    assert!(
+        r.skipped[0].reason.contains("CUDA_ERROR_ILLEGAL_ADDRESS") && r.skipped[0].reason.contains("sticky"),
+        "{}",
+        r.skipped[0].reason
+    );
+    for s in &r.skipped[1..] {
+        assert!(s.reason.contains("did not run") && s.reason.contains("sticky CUDA fault in stage2_sdpa"), "{}", s.reason);
+    }
+    let out = outputs(&r);
+    assert!(out.contains("did not run"), "{out}");
+
+    // Stage 2 faults in round 2 (call 2), where the order is 1, 2, 3, 4, 0: every stage ran round 1,
+    // stage 1 ran round 2 too, so all but stage 2 keep their records.
+    let (r, failure) = run(&fail_on_call(2, 8, 2, How::Sticky), &[0, 1, 2, 3, 4], false);
+    assert!(failure.is_some_and(|f| shared::error::is_sticky_cuda_fault(&f)));
+    assert_eq!(names(&r), ["stage0_baseline", "stage1_tensorcore", "stage3_fused", "stage4_fp8"]);
+    assert_eq!(r.records.iter().map(|rec| rec.iters).collect::<Vec<_>>(), [1, 2, 1, 1]);
+    assert_eq!(rows(&r), [("stage2_sdpa".to_string(), true)]);
+    assert!(r.records[2].speedup_vs_stage0.is_some(), "the rows that ran are compared as usual");
     outputs(&r);
 }
 

@@ -41,6 +41,31 @@ pub fn classify(err: &anyhow::Error) -> (u8, String) {
     }
 }
 
+/// Whether `err` is a CUDA fault that poisons the context: after an illegal address, a kernel
+/// trap or a failed launch, every later CUDA call in this process fails with the same error, so
+/// nothing more can run on the device. Out-of-memory is not one (the next, smaller allocation
+/// works). Classified by the driver's error names and messages, which reach us only as text.
+pub fn is_sticky_cuda_fault(err: &anyhow::Error) -> bool {
+    const STICKY: [&str; 14] = [
+        "CUDA_ERROR_ILLEGAL_ADDRESS",
+        "CUDA_ERROR_LAUNCH_FAILED",
+        "CUDA_ERROR_MISALIGNED_ADDRESS",
+        "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+        "CUDA_ERROR_HARDWARE_STACK_ERROR",
+        "CUDA_ERROR_INVALID_PC",
+        "CUDA_ERROR_ASSERT",
+        "CUDA_ERROR_ECC_UNCORRECTABLE",
+        "an illegal memory access",
+        "unspecified launch failure",
+        "misaligned address",
+        "illegal instruction",
+        "device-side assert",
+        "uncorrectable ECC error",
+    ];
+    let text = format!("{err:#}");
+    STICKY.iter().any(|s| text.contains(s))
+}
+
 /// `text` without the backtrace candle appends when RUST_BACKTRACE is set: a message is one paragraph.
 pub fn strip_backtrace(text: &str) -> String {
     let end = |t: &str| t.starts_with("0: ") || t == "stack backtrace:" || t.starts_with("disabled backtrace");

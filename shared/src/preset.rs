@@ -5,6 +5,12 @@ use crate::error::SpeedkitError;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+/// (B, n_head, T, T), (B, T, FF) and (B, T, C) f32 tensors a naive training step holds at its peak
+/// (`Shape::estimate_naive_train_bytes`).
+const NAIVE_TRAIN_SCORES: u128 = 20;
+const NAIVE_TRAIN_FF: u128 = 20;
+const NAIVE_TRAIN_C: u128 = 80;
+
 /// `tiny` keeps the tests fast, `small` is one GPT-2 small layer, `gpt2` the seed tutorial's
 /// shape, `te` TransformerEngine's getting-started shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -134,6 +140,31 @@ impl Shape {
         let attention = (3 * b * h).saturating_mul(t * t).saturating_add(8 * b * t * c);
         let mlp = (4 * b * t).saturating_mul(ff).saturating_add(4 * b * t * c);
         weights.saturating_add(attention.max(mlp)).saturating_mul(4)
+    }
+
+    /// One training step of the naive fp32 block (stages 0 and 1, and the reference's gradients), by
+    /// part. candle's autograd keeps every forward tensor until the backward ends, and each op's
+    /// backward adds temporaries of its output's size:
+    /// - params: weights, gradients and AdamW's m and v, 4 f32 copies of 4C² + 2C·FF (+ vectors);
+    /// - scores: the forward keeps six (B, n_head, T, T) tensors (q·kᵀ, scaled, masked, shifted, exp,
+    ///   p); the backward of the broadcast max/sum/division adds more of that size (the divisor's
+    ///   square, gradient accumulators, and the reductions back from each broadcast);
+    /// - activations: the (B, T, FF) chain of fc1 and GELU (x², x³, inner, tanh, ...) with their
+    ///   gradients, and the LayerNorms' and residuals' (B, T, C) tensors.
+    ///
+    /// The counts are fitted to stage 0's measured CPU peaks (peak RSS growth, VmHWM), varying
+    /// n_head, FF and T one at a time at B=1: within 2 % of each. At B=4 T=2048 C=768 n_head=12
+    /// FF=3072 it gives 18.86 GiB against the 18.78 GiB recorded in results/train-memory/ (+0.4 %);
+    /// at T=512, 1.98 GiB against 2.04 GiB in results/ladder-cpu-train.json (-3 %, within the fit
+    /// check's 10 % headroom). At `te` it is 123 GiB, 80 of them the T × T tensors.
+    pub fn estimate_naive_train_bytes(&self) -> crate::train::TrainBytes {
+        let (b, t, c, h, ff) = (self.batch as u128, self.seq as u128, self.d_model as u128, self.n_head as u128, self.ff as u128);
+        let weights = (4 * c * c).saturating_add(2 * c * ff).saturating_add(9 * c + ff);
+        crate::train::TrainBytes {
+            params: weights.saturating_mul(4 * 4),
+            scores: (NAIVE_TRAIN_SCORES * b * h).saturating_mul(t * t).saturating_mul(4),
+            activations: (NAIVE_TRAIN_FF * b * t).saturating_mul(ff).saturating_add(NAIVE_TRAIN_C * b * t * c).saturating_mul(4),
+        }
     }
 
     /// What a run holds beside each stage's working set: f32 weights, x and the reference output.

@@ -121,10 +121,15 @@ impl Session {
     /// cannot fit (the ladder passes none: a stage that cannot run there is a row).
     pub fn open(args: RunArgs, reference: &dyn Stage, must_run: &[(&dyn Stage, PrecisionRequest)]) -> anyhow::Result<Session> {
         let Resolved { device, info, preset, shape, weights: loaded, x: x_file } = resolve(&args)?;
+        let (session_bytes, avail) = (shape.estimate_session_bytes(), device::available_bytes(&device));
         let mut widest: u128 = 0;
         for (stage, asked) in must_run {
             plan(*stage, &device, &info, shape, *asked, args.precision, args.cuda_graph, args.train)?;
             stage.check_shape(&shape)?;
+            if args.train {
+                let step = stage.estimate_train_bytes(&shape);
+                check_fits(stage.name(), &shape, session_bytes.saturating_add(step.total()), Some(step), avail)?;
+            }
             widest = widest.max(stage.estimate_bytes(&shape));
         }
         if !args.no_check {
@@ -132,13 +137,19 @@ impl Session {
             let piece = reference_piece(&shape, crate::preset::MAX_TENSOR_ELEMENTS)?;
             reference.check_shape(&piece)?;
             widest = widest.max(reference.estimate_bytes(&piece));
+            if args.train {
+                // Its gradients run in pieces sized to the free memory then (`reference_gradients`): one sequence must fit.
+                let step = reference.estimate_train_bytes(&Shape { batch: 1, ..shape });
+                let who = format!("{} (the fp32 reference's gradients, one sequence at a time)", reference.name());
+                check_fits(&who, &shape, session_bytes.saturating_add(step.total()), Some(step), avail)?;
+            }
         }
         // On a CPU the ceiling probe's buffers count too: it runs beside the session.
         if !info.is_cuda() {
             widest = widest.max(crate::ceiling::probe_bytes(&shape));
         }
-        let (name, avail) = (must_run.first().map_or(reference.name(), |(s, _)| s.name()), device::available_bytes(&device));
-        check_fits(name, &shape, shape.estimate_session_bytes().saturating_add(widest), avail)?;
+        let name = must_run.first().map_or(reference.name(), |(s, _)| s.name());
+        check_fits(name, &shape, session_bytes.saturating_add(widest), None, avail)?;
         if args.cuda_graph {
             crate::graph::prepare(&device)?;
         }
@@ -185,13 +196,11 @@ impl Session {
         if !session.args.no_check {
             session.reference = Some(session.reference_output(reference, crate::preset::MAX_TENSOR_ELEMENTS)?);
             if session.args.train {
-                // Stage 0's fp32 gradients of ⟨y, r⟩ for every weight and x, in pieces along B.
-                let (s, fp32) = (&session, PrecisionRequest::Exactly(Precision::Fp32));
-                let plan = plan(reference, &s.device, &s.info, s.shape, fp32, fp32, false, true)?;
-                let (vars, r) = (crate::train::vars(&s.weights)?, s.upstream.as_ref().expect("set with --train"));
-                let forward = reference.build_train(&crate::train::weights_of(&vars), &plan)?;
-                let chunk = reference_piece(&s.shape, crate::preset::MAX_TENSOR_ELEMENTS)?.batch;
-                session.reference_grads = Some(crate::train::reference_gradients(forward.as_ref(), &vars, &s.x, r, chunk)?);
+                let (chunk, grads) = session.reference_gradients(reference, device::available_bytes(&session.device))?;
+                if chunk < shape.batch {
+                    println!("check     reference gradients in pieces of {chunk} of the {} sequences (to fit free memory)", shape.batch);
+                }
+                session.reference_grads = Some(grads);
             }
         } else {
             println!("check     skipped (--no-check): these timings vouch for nothing");
@@ -211,6 +220,21 @@ impl Session {
             self.device.synchronize()?; // one piece's working set freed before the next
             Ok(y)
         })?)
+    }
+
+    /// Stage 0's fp32 gradients of ⟨y, r⟩ for every weight and x (`--train`), in pieces along B:
+    /// as many sequences at a time as `avail` free bytes hold by `reference`'s training-step
+    /// estimate (rows of a batch are independent, so weight gradients sum over pieces and dx joins).
+    /// Returns the piece's size, in sequences, and the gradients.
+    pub fn reference_gradients(&self, reference: &dyn Stage, avail: Option<u64>) -> anyhow::Result<(usize, Vec<Tensor>)> {
+        let fp32 = PrecisionRequest::Exactly(Precision::Fp32);
+        let plan = plan(reference, &self.device, &self.info, self.shape, fp32, fp32, false, true)?;
+        let r = self.upstream.as_ref().ok_or_else(|| anyhow::anyhow!("the reference gradients need --train's upstream r"))?;
+        let vars = crate::train::vars(&self.weights)?;
+        let forward = reference.build_train(&crate::train::weights_of(&vars), &plan)?;
+        let limit = reference_piece(&self.shape, crate::preset::MAX_TENSOR_ELEMENTS)?.batch;
+        let chunk = crate::train::piece_batch(&self.shape, limit, avail, |s| reference.estimate_train_bytes(s).total());
+        Ok((chunk, crate::train::reference_gradients(forward.as_ref(), &vars, &self.x, r, chunk)?))
     }
 
     /// `y` against the reference (`None` with --no-check); a failed check is the error.
@@ -297,9 +321,10 @@ impl Session {
         let plan = plan(spec, &self.device, &self.info, self.shape, asked, self.args.precision, self.args.cuda_graph, self.args.train)?;
         spec.check_shape(&self.shape)?;
         // A training step also holds what the forward saves for the backward, the gradients and
-        // the optimizer's moments: about four forwards' worth.
-        let need = spec.estimate_bytes(&self.shape) * if plan.train { 4 } else { 1 };
-        check_fits(spec.name(), &self.shape, need, device::available_bytes(&self.device))?;
+        // the optimizer's moments (`Stage::estimate_train_bytes`).
+        let step = plan.train.then(|| spec.estimate_train_bytes(&self.shape));
+        let need = step.map_or_else(|| spec.estimate_bytes(&self.shape), |t| t.total());
+        check_fits(spec.name(), &self.shape, need, step, device::available_bytes(&self.device))?;
         let mut probe = MemProbe::start(&self.device);
         let (y, ran, measured) =
             if plan.train { self.measure_train(spec, &plan, iters, &mut probe)? } else { self.measure(spec, &plan, iters, &mut probe)? };
@@ -372,21 +397,29 @@ impl Session {
 type Measured = (Tensor, Vec<String>, Record);
 
 /// `need` bytes against `avail` free (if known), with 10 % headroom for the allocator and the runtime.
-pub fn check_fits(stage: &str, s: &Shape, need: u128, avail: Option<u64>) -> Result<(), SpeedkitError> {
+/// `train`: a training step's parts, named in the refusal (largest first).
+pub fn check_fits(
+    stage: &str,
+    s: &Shape,
+    need: u128,
+    train: Option<crate::train::TrainBytes>,
+    avail: Option<u64>,
+) -> Result<(), SpeedkitError> {
     let Some(avail) = avail.filter(|&a| need > a as u128 * 9 / 10) else { return Ok(()) };
     let scores = 4 * (s.batch as u128 * s.n_head as u128).saturating_mul(s.seq as u128 * s.seq as u128);
     // Name the larger of the two usual culprits: the T × T scores or the weights (C and FF).
     let (c, ff) = (s.d_model as u128, s.ff as u128);
     let weights = c.saturating_mul(c).saturating_mul(16).saturating_add(c.saturating_mul(ff).saturating_mul(8));
-    let why = if scores >= weights {
-        format!("naive attention's (B, n_head, T, T) scores alone would be {} in f32", gib(scores))
-    } else {
-        format!("the block's weights alone are {} in f32", gib(weights))
+    let why = match train {
+        Some(t) => format!("a training step (--train): {}", t.describe()),
+        None if scores >= weights => format!("naive attention's (B, n_head, T, T) scores alone would be {} in f32", gib(scores)),
+        None => format!("the block's weights alone are {} in f32", gib(weights)),
     };
+    let drop_train = if train.is_some() { ", or drop --train" } else { "" };
     Err(SpeedkitError::usage(format!(
         "{stage} needs about {} at its widest for {s} ({why}), but {} is available to this process (free memory, \
          or the address-space limit `ulimit -v` leaves). Fix: lower --batch or --seq (or --d-model / --ff, which size \
-         the weights), or pick a smaller --preset.",
+         the weights), or pick a smaller --preset{drop_train}.",
         gib(need),
         gib(avail as u128)
     )))

@@ -130,6 +130,11 @@ pub trait Stage {
         shape.estimate_naive_bytes()
     }
 
+    /// `--train`: bytes of one training step by part (default: the naive block's, stage 0's autograd).
+    fn estimate_train_bytes(&self, shape: &Shape) -> crate::train::TrainBytes {
+        shape.estimate_naive_train_bytes()
+    }
+
     /// What the reader should know about this plan (a precision slow here, ...), kept with the record.
     fn notes(&self, _plan: &Plan) -> Vec<String> {
         Vec::new()

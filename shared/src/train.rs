@@ -29,6 +29,45 @@ pub fn grad_tolerance(p: Precision) -> f64 {
     }
 }
 
+/// One training step's memory by part, in bytes (`Stage::estimate_train_bytes`), so a refusal
+/// can say which part to shrink.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrainBytes {
+    /// The f32 weights as the optimizer's `Var`s, their gradients, and AdamW's two moments.
+    pub params: u128,
+    /// (B, n_head, T, T) tensors naive attention's autograd holds at once (none when fused).
+    pub scores: u128,
+    /// (B, T, C) and (B, T, FF) tensors the backward holds: saved activations and temporaries.
+    pub activations: u128,
+}
+
+impl TrainBytes {
+    pub fn total(&self) -> u128 {
+        self.params.saturating_add(self.scores).saturating_add(self.activations)
+    }
+
+    /// The parts, largest first, as "what it is 1.23 GiB".
+    pub fn describe(&self) -> String {
+        let mut parts = [
+            (self.scores, "naive attention's (B, n_head, T, T) tensors kept for the backward"),
+            (self.activations, "the (B, T, C) and (B, T, FF) activations kept for the backward"),
+            (self.params, "weights, gradients and AdamW's two moments (f32)"),
+        ];
+        parts.sort_by_key(|p| std::cmp::Reverse(p.0));
+        let parts: Vec<String> =
+            parts.iter().filter(|(b, _)| *b > 0).map(|(b, what)| format!("{what} {}", crate::runner::gib(*b))).collect();
+        parts.join(", ")
+    }
+}
+
+/// The most sequences (up to `limit`) whose training step, by `need`, fits 90 % of `avail` bytes;
+/// all `limit` when `avail` is unknown, 1 when none fits (the runner refused that case up front).
+pub fn piece_batch(shape: &crate::Shape, limit: usize, avail: Option<u64>, need: impl Fn(&crate::Shape) -> u128) -> usize {
+    let Some(avail) = avail else { return limit.max(1) };
+    let fits = |b: usize| need(&crate::Shape { batch: b, ..*shape }) <= avail as u128 * 9 / 10;
+    (1..=limit.max(1)).rev().find(|&b| fits(b)).unwrap_or(1)
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainRecord {
     pub optimizer: String,
@@ -204,3 +243,7 @@ pub fn check_failed(stage: &str, what: &str, c: &CheckResult, plan: &Plan) -> Sp
         plan.precision, c.rel_err, c.tolerance, c.non_finite
     ))
 }
+
+#[cfg(test)]
+#[path = "../tests/unit/train.rs"]
+mod tests;

@@ -111,6 +111,10 @@ impl Stage for Sdpa {
         crate::harness::estimate_fused_bytes(shape)
     }
 
+    fn estimate_train_bytes(&self, shape: &Shape) -> shared::train::TrainBytes {
+        crate::harness::estimate_fused_train_bytes(shape)
+    }
+
     fn switches(&self, plan: &Plan) -> GemmSwitches {
         precision::switches(plan.precision)
     }

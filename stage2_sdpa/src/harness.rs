@@ -7,6 +7,7 @@ use crate::attention::{AttentionKernel, Implementation};
 use crate::{attention_cuda, cubin};
 use candle_core::Device;
 use shared::device::DeviceInfo;
+use shared::train::TrainBytes;
 use shared::{Precision, Shape, SpeedkitError};
 
 /// What a stage runs on `device` with `--attention-kernel` = `kernel` (None: the default).
@@ -71,6 +72,27 @@ pub fn estimate_fused_bytes(s: &Shape) -> u128 {
     let (b, t, c, ff) = (s.batch as u128, s.seq as u128, s.d_model as u128, s.ff as u128);
     4 * (4 * c * c + 2 * c * ff + 9 * c + ff + 10 * b * t * c + 4 * b * t * ff)
 }
+
+/// One training step of a block with fused attention, by part: weights, gradients and AdamW's
+/// moments (4 f32 copies), and the (B, T, C) and (B, T, FF) tensors the backward holds: the
+/// attention keeps only its output and the log-sum-exp (B, n_head, T), never the T × T scores.
+/// Fitted to stage 2's measured CPU peaks (bf16 on an AVX512-BF16 CPU) like
+/// `Shape::estimate_naive_train_bytes`, rounded up: at B=4 T=2048 C=768 n_head=12 FF=3072 it gives
+/// 4.04 GiB against the 3.91 GiB recorded in results/train-memory/ (+3.5 %); at T=512, 1.09 GiB
+/// against stage 2's 1.07 and stage 4's 1.15 GiB in results/ladder-cpu-train.json (+2 %, -5 %).
+/// Stage 3's fused backward holds less (0.58 GiB there). At `te` it is 45 GiB.
+pub fn estimate_fused_train_bytes(s: &Shape) -> TrainBytes {
+    let (b, t, c, ff) = (s.batch as u128, s.seq as u128, s.d_model as u128, s.ff as u128);
+    TrainBytes {
+        params: 16 * (4 * c * c + 2 * c * ff + 9 * c + ff),
+        scores: 0,
+        activations: 4 * (FUSED_TRAIN_FF * b * t * ff + FUSED_TRAIN_C * b * t * c),
+    }
+}
+
+/// (B, T, FF) and (B, T, C) f32 tensors a fused training step holds at its peak.
+const FUSED_TRAIN_FF: u128 = 24;
+const FUSED_TRAIN_C: u128 = 72;
 
 #[cfg(test)]
 mod tests {

@@ -164,6 +164,10 @@ impl Stage for Fused {
         stage2_sdpa::harness::estimate_fused_bytes(shape)
     }
 
+    fn estimate_train_bytes(&self, shape: &Shape) -> shared::train::TrainBytes {
+        stage2_sdpa::harness::estimate_fused_train_bytes(shape)
+    }
+
     fn switches(&self, plan: &Plan) -> GemmSwitches {
         precision::switches(plan.precision)
     }

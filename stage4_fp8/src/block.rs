@@ -294,6 +294,10 @@ impl Stage for Fp8 {
         stage2_sdpa::harness::estimate_fused_bytes(shape)
     }
 
+    fn estimate_train_bytes(&self, shape: &Shape) -> shared::train::TrainBytes {
+        stage2_sdpa::harness::estimate_fused_train_bytes(shape)
+    }
+
     fn switches(&self, _plan: &Plan) -> GemmSwitches {
         // TF32 off: the emulated GEMMs and the twin check must be true f32.
         GemmSwitches::OFF

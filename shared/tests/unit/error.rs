@@ -24,3 +24,33 @@ fn codes() {
     assert!(msg.contains("lower --batch"));
     assert_eq!(classify(&anyhow::anyhow!("disk on fire")).0, EXIT_FAILURE);
 }
+
+#[test]
+fn sticky_cuda_faults_are_told_from_the_rest() {
+    let sticky = [
+        "DriverError(CUDA_ERROR_ILLEGAL_ADDRESS, \"an illegal memory access was encountered\")",
+        "an illegal memory access was encountered",
+        "DriverError(CUDA_ERROR_LAUNCH_FAILED, \"unspecified launch failure\")",
+        "unspecified launch failure",
+        "DriverError(CUDA_ERROR_MISALIGNED_ADDRESS, \"misaligned address\")",
+        "DriverError(CUDA_ERROR_ILLEGAL_INSTRUCTION, \"an illegal instruction was encountered\")",
+        "device-side assert triggered",
+    ];
+    for t in sticky {
+        assert!(is_sticky_cuda_fault(&anyhow::anyhow!("{t}")), "{t}");
+    }
+    // Found in the context chain too, as a stage's error wraps the driver's.
+    assert!(is_sticky_cuda_fault(&anyhow::anyhow!("unspecified launch failure").context("stage4_fp8 forward")));
+    let not = [
+        "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")",
+        "DriverError(CUDA_ERROR_INVALID_VALUE, \"invalid argument\")",
+        "DriverError(CUDA_ERROR_NOT_FOUND, \"named symbol not found\")",
+        "shape mismatch in matmul, lhs: [2, 3], rhs: [4, 5]",
+        "disk on fire",
+    ];
+    for t in not {
+        assert!(!is_sticky_cuda_fault(&anyhow::anyhow!("{t}")), "{t}");
+    }
+    let e: anyhow::Error = SpeedkitError::CheckFailed("relative error 1e-1 exceeds the tolerance".into()).into();
+    assert!(!is_sticky_cuda_fault(&e));
+}

@@ -1,0 +1,54 @@
+//! `--train`'s memory on the CPU: the fp32 reference's gradients in pieces sized by free memory
+//! equal the one-piece ones, and a training step that cannot fit is refused before any work.
+
+use clap::{Args, FromArgMatches};
+use shared::cli::RunArgs;
+use shared::runner::Session;
+use shared::train::compare_grads;
+use shared::{Precision, Shape};
+use std::process::Command;
+
+fn args(flags: &[&str]) -> RunArgs {
+    let base = ["t", "--preset", "tiny", "--warmup", "0", "--iters", "1"];
+    let m = RunArgs::augment_args(clap::Command::new("t")).try_get_matches_from(base.iter().chain(flags)).unwrap();
+    RunArgs::from_arg_matches(&m).unwrap()
+}
+
+#[test]
+fn reference_gradients_in_pieces_equal_one_piece() {
+    let stages = ladder::default_stages();
+    let stage0 = stages[0].as_ref();
+    let session = Session::open(args(&["--train"]), stage0, &[]).unwrap();
+    let b = session.shape.batch;
+    assert!(b >= 2, "tiny has B = {b}: nothing to split");
+    // With the free memory unknown: one piece of the whole batch, as the session computed it.
+    let (chunk, whole) = session.reference_gradients(stage0, None).unwrap();
+    assert_eq!(chunk, b);
+    let (same, _) = compare_grads(&whole, session.reference_grads.as_ref().unwrap(), Precision::Fp32).unwrap();
+    assert!(same.passed && same.rel_err == 0.0, "{same:?}");
+    // Free memory that holds one sequence's training step but not two: pieces of one sequence.
+    let one = stage0.estimate_train_bytes(&Shape { batch: 1, ..session.shape }).total();
+    let (chunk, pieces) = session.reference_gradients(stage0, Some((one * 10 / 9 + 1) as u64)).unwrap();
+    assert_eq!(chunk, 1);
+    // Weight gradients summed over pieces, dx joined: equal to the one-piece ones but for f32 summation order.
+    let (same, worst) = compare_grads(&pieces, &whole, Precision::Fp32).unwrap();
+    assert!(same.passed && same.rel_err < 1e-6, "d{worst}: {same:?}");
+}
+
+#[test]
+fn a_training_step_that_cannot_fit_is_refused_before_any_work() {
+    // ~3.8 GiB of address space: the forward's reference at B=4 T=2048 would fit (~3 GiB), but one
+    // sequence of stage 0's training step keeps several (n_head, T, T) tensors (over 4 GiB).
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 4000000 && exec \"$0\" --train --stages 0 --preset small --seq 2048 --batch 4 --iters 1 --warmup 0")
+        .arg(env!("CARGO_BIN_EXE_ladder"))
+        .output()
+        .unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(2), "{out}{err}");
+    for want in ["training step (--train)", "(B, n_head, T, T) tensors", "is available", "lower --batch or --seq", "drop --train"] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    assert!(!out.contains("ceiling") && !out.contains("ran "), "refused before any work: {out}");
+}
