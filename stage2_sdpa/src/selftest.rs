@@ -78,9 +78,12 @@ pub fn attention_backward(r: &mut Rows, device: &Device) {
                     let got = [grad(&qv)?, grad(&kv)?, grad(&vv)?];
                     Ok((got, grads_slow(&q, &k, &v, &d_o, causal)?))
                 })();
-                // 16-bit gradients from 16-bit O; on CUDA P and dS also rounded to 16 bits as
-                // tensor-core operands (f32 accumulation throughout).
-                let tol = if dtype == DType::BF16 { 3e-2 } else { 5e-3 };
+                // 16-bit gradients from a 16-bit O; on CUDA P and dS also rounded to 16 bits as
+                // tensor-core operands (f32 accumulation throughout). The kernel's own rounding
+                // under host emulation: ~2e-3 (bf16), ~2e-4 (f16) against f64; bf16's tolerance is
+                // the training check's for bf16 gradients (`shared::train::grad_tolerance`), f16
+                // has 3 more bits.
+                let tol = if dtype == DType::BF16 { 2e-2 } else { 5e-3 };
                 for (i, name) in ["dQ", "dK", "dV"].into_iter().enumerate() {
                     let case = format!("{name} {dtype:?} d_head={d} causal={causal} B={b} T={t} n_head={h}");
                     r.compare("attention backward", case, || match &res {

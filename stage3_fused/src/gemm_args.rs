@@ -160,8 +160,8 @@ mod tests {
         for ptr in (0..2048u64).step_by(7) {
             for ld in [0u64, 1, 2, 6, 16, 48, 100, 512, 1536] {
                 let a = alignment(ptr, ld) as u64;
-                assert!(a.is_power_of_two() && a <= 256 && ptr % a == 0 && ld % a == 0, "ptr {ptr} ld {ld}: {a}");
-                assert!(a == 256 || ptr % (2 * a) != 0 || ld % (2 * a) != 0, "ptr {ptr} ld {ld}: {a} is not the largest");
+                assert!(a.is_power_of_two() && a <= 256 && ptr.is_multiple_of(a) && ld.is_multiple_of(a), "ptr {ptr} ld {ld}: {a}");
+                assert!(a == 256 || !ptr.is_multiple_of(2 * a) || !ld.is_multiple_of(2 * a), "ptr {ptr} ld {ld}: {a} is not the largest");
             }
         }
     }
