@@ -66,6 +66,7 @@ pub fn run(device: &Device, info: &DeviceInfo) -> SelftestReport {
 }
 
 fn graphs(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
+    r.ran = if device.is_cuda() { "cuda".into() } else { String::new() };
     if !device.is_cuda() {
         // The order of a capture's steps is a unit test of `shared::graph`; the replay needs a GPU.
         r.skip("CUDA graph", "capture + replay (every stage, tiny)".into(), "needs a GPU".into());

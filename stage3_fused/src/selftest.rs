@@ -214,7 +214,7 @@ pub fn adamw(r: &mut Rows, device: &Device) {
     // multiply-add, the GPU's √ and division), ~1e-7 relative; the fp32 check's tolerance.
     let tol = 1e-5;
     for (j, name) in ["θ", "m", "v"].into_iter().enumerate() {
-        let case = format!("{name} after {steps} steps, 4 tensors of 1, 37×19, {}, 3×5×7 values", CHUNK + 5);
+        let case = format!("{name} after {steps} steps: 4 tensors of 1, 37×19, {}, 3×5×7", CHUNK + 5);
         r.compare("fused AdamW", case, || match &res {
             Ok(pairs) => Ok((pairs[j].0.clone(), pairs[j].1.clone(), tol)),
             Err(e) => Err(anyhow::anyhow!(shared::selftest::message(e))),
