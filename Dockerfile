@@ -6,8 +6,9 @@
 #
 # Opt in to candle-flash-attn instead of our kernel (its build fetches CUTLASS, so it needs the
 # network): --build-arg FEATURES=cuda,flash-attn. Every table says which attention ran.
-# The devel image: stage 3 and 4 compile their hand-written kernels with NVRTC at run time. The host needs the NVIDIA Container Toolkit
-# and a driver for CUDA 13 (580 or newer).
+# The devel image: the build runs nvcc, which compiles our hand-written kernels (stages 2–4) to
+# machine code (cubins) for CUDA_COMPUTE_CAP, and candle's own kernels to PTX. The host needs the
+# NVIDIA Container Toolkit and a driver for CUDA 13 (580 or newer).
 FROM nvidia/cuda:13.0.2-devel-ubuntu24.04
 
 # nvidia-smi does not exist while `docker build` runs, so the GPU architecture the CUDA kernels

@@ -3,6 +3,9 @@
 //! stand-ins (CI runs it): a CPU pass says the logic is right, not that the GPU code works.
 //! docs/gpu.md lists every block, what runs on CUDA and what on the CPU.
 //!
+//! The rows run stage by stage, then the breakdown and memory probe, and the CUDA graph captures
+//! last, so a fault a capture leaves behind cannot fail a row after it.
+//!
 //! A row is "skipped" only when this device lacks the hardware feature it needs (FP8 tensor
 //! cores below SM 8.9, as a stage's plan says); any error is a failure (exit 1).
 
@@ -34,15 +37,18 @@ pub struct SelftestReport {
 pub fn run(device: &Device, info: &DeviceInfo) -> SelftestReport {
     let start = Instant::now();
     let mut r = shared::selftest::Rows { rows: Vec::new(), ran: if device.is_cuda() { "cuda".into() } else { String::new() } };
-    // Graphs first, on a device with no other tensors yet (event tracking is off from
-    // `device::select` on, before any tensor exists).
-    graphs(&mut r, device, info);
     for stage in crate::default_stages() {
         r.ran = if device.is_cuda() { "cuda".into() } else { String::new() };
         stage.selftest(device, info, &mut r);
     }
     breakdown(&mut r, device, info);
     memory(&mut r, device);
+    // Graphs last: a capture that goes wrong can leave a sticky CUDA fault that fails every
+    // later call, and here no row comes after them. Nothing else needs them first: a capture
+    // needs every tensor it reads untracked by events, and `device::select` turned event
+    // tracking off before the first tensor of the process existed, so every tensor made since
+    // (the earlier rows' caches too: cuBLASLt handles, workspaces, loaded modules) is untracked.
+    graphs(&mut r, device, info);
     let count = |s: &str| r.rows.iter().filter(|c| c.status == s).count();
     SelftestReport {
         schema: SELFTEST_SCHEMA,
@@ -60,6 +66,7 @@ pub fn run(device: &Device, info: &DeviceInfo) -> SelftestReport {
 }
 
 fn graphs(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
+    r.ran = if device.is_cuda() { "cuda".into() } else { String::new() };
     if !device.is_cuda() {
         // The order of a capture's steps is a unit test of `shared::graph`; the replay needs a GPU.
         r.skip("CUDA graph", "capture + replay (every stage, tiny)".into(), "needs a GPU".into());
@@ -92,6 +99,8 @@ fn graphs(r: &mut shared::selftest::Rows, device: &Device, info: &DeviceInfo) {
             }),
         }
     }
+    // Stage 4's scale update inside a graph (its flags' defaults, delayed scaling).
+    stage4_fp8::selftest::graph_delayed_scaling(r, device, info, &stage4_fp8::Fp8::default());
 }
 
 /// `--breakdown`'s recorder on this device (CUDA events, or synchronize + clock): stage 0 at tiny, every part timed.

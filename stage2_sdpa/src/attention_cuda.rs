@@ -47,11 +47,20 @@ pub const MAX_GRID_YZ: usize = 65_535;
 /// d_head 128, 167 at 64 and 123 at 32, no spills (`__launch_bounds__(128, 2)`); sm_80: 244,
 /// 163, 119. The largest, 244 × 128 threads = 31 K a block, fits two blocks in 64 K registers.
 pub const REGISTERS_PER_THREAD_V2: usize = 244;
-/// Registers per thread the occupancy arithmetic assumes for v1. `nvcc -cubin -Xptxas -v` (CUDA 13.0)
-/// reports 80–128 for the six entry points on sm_80 and sm_90, no spills: at most
-/// 128 × THREADS = 16 K registers a block, so four blocks fit one SM's 64 K and shared memory,
-/// not registers, is what limits blocks per SM (`blocks_per_sm`).
-pub const REGISTERS_PER_THREAD: usize = 128;
+/// Registers per thread the occupancy arithmetic assumes for v1 at `d_head`: the most of its
+/// entry points there. `nvcc -cubin -arch=sm_90 -Xptxas -v` (CUDA 13.0) reports, f16 / bf16, 96 / 96
+/// at d_head 32, 104 / 96 at 64 and 128 / 168 at 128 (the bf16 one, with the log-sum-exp
+/// epilogue, is the largest), no spills; sm_80: 96 / 96, 96 / 128, 128 / 168, and its f16 d_head 64
+/// spills 20 bytes. At d_head 128, 168 × THREADS = 21 K registers a block lets three blocks share
+/// one SM's 64 K, and shared memory allows two; at 64, 128 × THREADS = 16 K lets four; so on an
+/// H100 shared memory, not registers, limits blocks per SM at d_head 64 and 128 (`blocks_per_sm`).
+pub fn registers_per_thread(d_head: usize) -> usize {
+    if d_head > 64 {
+        168
+    } else {
+        128
+    }
+}
 
 /// Dynamic shared memory a block needs for 16-bit inputs, in bytes: K_j and V_j (B_c × d,
 /// 16-bit; Q_i passes through K_j's buffer first), S_ij (B_r × B_c, f32), P̃_ij (B_r × B_c,
@@ -192,7 +201,7 @@ pub fn launch_config(
 pub fn blocks_per_sm(kernel: AttentionKernel, d_head: usize, shared_per_sm: usize) -> usize {
     let by_shared = shared_per_sm / (shared_mem_bytes_of(kernel, d_head) + 1024);
     let registers = match kernel {
-        AttentionKernel::V1 => REGISTERS_PER_THREAD,
+        AttentionKernel::V1 => registers_per_thread(d_head),
         AttentionKernel::V2 => REGISTERS_PER_THREAD_V2,
     };
     let by_registers = 65_536 / (registers * THREADS);

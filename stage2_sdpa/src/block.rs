@@ -186,6 +186,7 @@ impl Stage for Sdpa {
 
     fn selftest(&self, device: &candle_core::Device, _info: &DeviceInfo, rows: &mut shared::selftest::Rows) {
         crate::selftest::attention(rows, device);
+        crate::selftest::attention_backward(rows, device);
     }
 
     /// The attention op's backward (`attention::backward`), stage 1's bf16 GEMM's, and candle's

@@ -1,5 +1,6 @@
-//! Stage 2's rows of `ladder selftest`: the attention kernels alone, against the CPU kernel
-//! (on CUDA) or plain ops (on the CPU).
+//! Stage 2's rows of `ladder selftest`: the attention kernels alone, the forward against the CPU
+//! kernel (on CUDA) or plain ops (on the CPU), the backward against candle's autograd through
+//! plain ops.
 
 use candle_core::{DType, Device, Tensor};
 use shared::selftest::{randn, Rows};
@@ -43,6 +44,51 @@ pub fn attention(r: &mut Rows, device: &Device) {
                         } else {
                             Ok((attention_with(imp, &q, &k, &v, causal)?, attention_twin(&q, &k, &v, causal)?, tol))
                         }
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// The attention backward alone, as training runs it: dQ, dK and dV through `loss.backward()`
+/// (the forward keeps each row's log-sum-exp, the op's `bwd` starts from it), on CUDA our kernel
+/// (`kernels/flash_attn_bwd.cu`), on the CPU the tiled backward; both against the slow twin,
+/// candle's autograd through the naive attention in f32 on the same 16-bit values.
+pub fn attention_backward(r: &mut Rows, device: &Device) {
+    use crate::attention::{attention_with, backward::grads_slow, Implementation};
+    use candle_core::Var;
+    r.ran = if device.is_cuda() { "cuda".into() } else { "cpu tiled backward (the .cu: host emulation, run.sh)".into() };
+    // The v2 forward writes L on CUDA; the backward kernel is the same after either forward.
+    let imp = if device.is_cuda() { Implementation::SpeedkitCuda } else { Implementation::Cpu };
+    // T = 100 and 200: neither a multiple of the 64-row tiles, so the last query and key tiles
+    // are partial; with causal, the diagonal tile is partial too.
+    for dtype in [DType::BF16, DType::F16] {
+        for (b, t, h, d) in [(2, 100, 2, 64), (1, 200, 2, 128)] {
+            for causal in [false, true] {
+                let res = (|| -> anyhow::Result<([Tensor; 3], [Tensor; 3])> {
+                    let mk = |seed| -> anyhow::Result<Tensor> { Ok(randn(&[b, t, h, d], seed, 1.0, 0.0)?.to_dtype(dtype)?) };
+                    let (q, k, v) = (mk(31)?, mk(32)?, mk(33)?);
+                    let d_o = randn(&[b, t, h, d], 34, 1.0, 0.0)?; // f32: the loss's ⟨o, dO⟩ takes it as it is
+                    let on = |x: &Tensor| -> anyhow::Result<Var> { Ok(Var::from_tensor(&x.to_device(device)?)?) };
+                    let (qv, kv, vv) = (on(&q)?, on(&k)?, on(&v)?);
+                    let o = attention_with(imp, qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), causal)?;
+                    let grads = (o.to_dtype(DType::F32)? * d_o.to_device(device)?)?.sum_all()?.backward()?;
+                    let grad = |x: &Var| grads.get(x.as_tensor()).cloned().ok_or_else(|| anyhow::anyhow!("no gradient reached q, k or v"));
+                    let got = [grad(&qv)?, grad(&kv)?, grad(&vv)?];
+                    Ok((got, grads_slow(&q, &k, &v, &d_o, causal)?))
+                })();
+                // 16-bit gradients from a 16-bit O; on CUDA P and dS also rounded to 16 bits as
+                // tensor-core operands (f32 accumulation throughout). The kernel's own rounding
+                // under host emulation: ~2e-3 (bf16), ~2e-4 (f16) against f64; bf16's tolerance is
+                // the training check's for bf16 gradients (`shared::train::grad_tolerance`), f16
+                // has 3 more bits.
+                let tol = if dtype == DType::BF16 { 2e-2 } else { 5e-3 };
+                for (i, name) in ["dQ", "dK", "dV"].into_iter().enumerate() {
+                    let case = format!("{name} {dtype:?} d_head={d} causal={causal} B={b} T={t} n_head={h}");
+                    r.compare("attention backward", case, || match &res {
+                        Ok((got, want)) => Ok((got[i].clone(), want[i].clone(), tol)),
+                        Err(e) => Err(anyhow::anyhow!(shared::selftest::message(e))),
                     });
                 }
             }

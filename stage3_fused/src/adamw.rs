@@ -94,6 +94,21 @@ impl AdamW {
         Ok(AdamW { moments, vars, step_t: 0, params })
     }
 
+    /// Each parameter's first and second moments (m, v), as tensors on the parameters' device.
+    pub fn moments(&self) -> candle_core::Result<Vec<[Tensor; 2]>> {
+        match &self.moments {
+            Moments::Cpu(ms, vs) => ms
+                .iter()
+                .zip(vs)
+                .zip(&self.vars)
+                .map(|((m, v), var)| {
+                    Ok([Tensor::from_slice(m, var.shape(), var.device())?, Tensor::from_slice(v, var.shape(), var.device())?])
+                })
+                .collect(),
+            Moments::Cuda(ms, vs) => Ok(ms.iter().zip(vs).map(|(m, v)| [m.clone(), v.clone()]).collect()),
+        }
+    }
+
     pub fn learning_rate(&self) -> f64 {
         self.params.lr
     }
@@ -145,6 +160,17 @@ impl AdamW {
         }
         Ok(())
     }
+}
+
+/// The slow twin: one parameter's step `t` (counted from 1) as plain candle ops, the equations
+/// above line by line in f32. Returns the new (θ, m, v).
+pub fn step_twin(theta: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, p: ParamsAdamW, t: i32) -> candle_core::Result<[Tensor; 3]> {
+    let m = ((m * p.beta1)? + (g * (1.0 - p.beta1))?)?; // m = β1·m + (1 − β1)·g
+    let v = ((v * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?; // v = β2·v + (1 − β2)·g²
+    let m_hat = (&m / (1.0 - p.beta1.powi(t)))?; // m̂ = m / (1 − β1ᵗ)
+    let v_hat = (&v / (1.0 - p.beta2.powi(t)))?; // v̂ = v / (1 − β2ᵗ)
+    let theta = ((theta * (1.0 - p.lr * p.weight_decay))? - ((m_hat / (v_hat.sqrt()? + p.eps)?)? * p.lr)?)?; // θ·(1 − lr·λ) − lr·m̂/(√v̂ + ε)
+    Ok([theta, m, v])
 }
 
 /// One step's constants, in f32 (the arithmetic `candle_nn::AdamW` does on f32 tensors); on
@@ -262,6 +288,36 @@ mod tests {
             assert!((ours[1].as_tensor() - init(1)).unwrap().abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.1);
         }
         eprintln!("fused AdamW vs candle_nn::AdamW, 3 steps: max |Δθ| = {worst:.2e}");
+    }
+
+    #[test]
+    fn the_twin_steps_as_the_fused_optimizer_does() {
+        // θ, m and v after 3 steps of the fused CPU pass and of the plain-ops twin: both f32, the
+        // same equations (the fused pass may contract multiply-adds).
+        let shapes: [&[usize]; 3] = [&[CHUNK + 3], &[5, 7], &[1]];
+        let init =
+            |i: usize| Tensor::from_vec(SplitMix64::new(i as u64).normals(shapes[i].iter().product()), shapes[i], &Device::Cpu).unwrap();
+        let vars: Vec<Var> = (0..shapes.len()).map(|i| Var::from_tensor(&init(i)).unwrap()).collect();
+        let params = ParamsAdamW { lr: 0.01, beta1: 0.8, beta2: 0.95, eps: 1e-6, weight_decay: 0.1 };
+        let mut fused = AdamW::new(vars.clone(), params).unwrap();
+        let mut twin: Vec<[Tensor; 3]> =
+            (0..shapes.len()).map(|i| [init(i), init(i).zeros_like().unwrap(), init(i).zeros_like().unwrap()]).collect();
+        for step in 1..=3 {
+            let mut grads = GradStore::default();
+            for (i, (var, state)) in vars.iter().zip(twin.iter_mut()).enumerate() {
+                let g = Tensor::from_vec(SplitMix64::new(10 * step as u64 + i as u64).normals(var.elem_count()), var.shape(), &Device::Cpu)
+                    .unwrap();
+                *state = step_twin(&state[0], &g, &state[1], &state[2], params, step).unwrap();
+                grads.insert(var.as_tensor(), g);
+            }
+            fused.step(&grads).unwrap();
+        }
+        for ((var, [m, v]), [theta, tm, tv]) in vars.iter().zip(fused.moments().unwrap()).zip(&twin) {
+            for (got, want) in [(var.as_tensor(), theta), (&m, tm), (&v, tv)] {
+                let d = (got - want).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+                assert!(d <= 1e-6, "max |Δ| = {d}");
+            }
+        }
     }
 
     #[test]

@@ -219,6 +219,7 @@ impl Stage for Fused {
         crate::selftest::epilogues(rows, device);
         crate::selftest::training_epilogues(rows, device);
         crate::selftest::layer_norms(rows, device);
+        crate::selftest::adamw(rows, device);
     }
 
     /// The fused ops' backward (`backward.rs`), stage 2's attention's and candle's autograd for

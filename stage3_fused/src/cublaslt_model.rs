@@ -63,6 +63,15 @@ pub enum DataType {
 }
 
 impl DataType {
+    /// Bytes per element.
+    pub fn size_in_bytes(self) -> u64 {
+        match self {
+            DataType::F32 => 4,
+            DataType::Bf16 | DataType::F16 => 2,
+            DataType::E4m3 => 1,
+        }
+    }
+
     /// `v` rounded to this type (round to nearest even, saturating for E4M3 as the cast does).
     pub fn round(self, v: f64) -> f64 {
         match self {

@@ -17,7 +17,7 @@
 use crate::cublaslt_model::{DataType, Epilogue, MatmulArgs};
 use crate::cuda::{cuda_view, device_key, lt, view, wrap};
 use crate::device_cache::{Cache, DeviceKey};
-use crate::gemm_args::{dgrad_args, linear_args, wgrad_args, LinearKind};
+use crate::gemm_args::{alignments, dgrad_args, linear_args, wgrad_args, LinearKind};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublaslt::{result, sys, MatmulShared};
 use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
@@ -97,6 +97,24 @@ fn set<T>(desc: &Desc, attr: sys::cublasLtMatmulDescAttributes_t, value: &T) -> 
         .map_err(|e| err(&format!("{attr:?}"), e))
 }
 
+/// The minimum-alignment preferences of A, B, C and D, in bytes (`gemm_args::alignments`): the
+/// heuristic then offers only algorithms that work at those alignments. (Stage 4's plans too.)
+pub fn set_alignments(pref: &Pref, align: [u32; 4]) -> candle_core::Result<()> {
+    use sys::cublasLtMatmulPreferenceAttributes_t as P;
+    let attrs = [
+        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+        P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+    ];
+    for (attr, bytes) in attrs.into_iter().zip(align) {
+        // SAFETY: a uint32_t attribute, copied by cuBLASLt.
+        unsafe { result::set_matmul_pref_attribute(pref.0, attr, &bytes as *const u32 as *const c_void, std::mem::size_of::<u32>()) }
+            .map_err(|e| err(&format!("{attr:?}"), e))?;
+    }
+    Ok(())
+}
+
 /// Device pointers of one GEMM: A, B, D (also C: β = 0 never reads it), and the bias and aux
 /// pointers when the epilogue has them (0 when not).
 struct Ptrs {
@@ -159,6 +177,10 @@ unsafe fn matmul(dev: &CudaDevice, args: &MatmulArgs, p: Ptrs) -> candle_core::R
         )
     }
     .map_err(|e| err("workspace preference", e))?;
+    // This call's alignments (C is D's buffer): without them cuBLASLt assumes 256 bytes and may
+    // pick a kernel whose wide loads fault on a view 16 bytes into its allocation.
+    let align = alignments([p.a, p.b, p.d, p.d], [&args.a, &args.b, &args.c, &args.d]);
+    set_alignments(&pref, align)?;
     let handle = lt(dev)?;
     // The heuristic reads the descriptor's bias and aux pointers for their alignment, so it is
     // asked with this call's pointers set. (No plan cache: one query per GEMM, as cudarc's own.)

@@ -119,3 +119,62 @@ pub fn wgrad_args(tokens: usize, in_features: usize, out_features: usize, dtype:
         scaled: false,
     }
 }
+
+/// cuBLASLt assumes every matrix is 256-byte aligned unless a preference says less
+/// (`CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{A,B,C,D}_BYTES`), and may pick a kernel whose vector
+/// loads need that much. What a matrix at device address `ptr`, its columns `ld_bytes` apart,
+/// can promise: the largest power of two dividing both, capped at 256. A null pointer (a C that
+/// is never read) promises the cap.
+pub fn alignment(ptr: u64, ld_bytes: u64) -> u32 {
+    const CAP: u64 = 256;
+    // `x | CAP` has bit 8 set, so its trailing zeros are those of x, at most 8 (also for x = 0).
+    1 << (ptr | CAP).trailing_zeros().min((ld_bytes | CAP).trailing_zeros())
+}
+
+/// The four alignment preferences of one GEMM, A, B, C and D, from each matrix's pointer and
+/// layout (its leading dimension in bytes). A plan made for these alignments is valid for any
+/// call whose alignments are at least these.
+pub fn alignments(ptrs: [u64; 4], layouts: [&MatrixLayout; 4]) -> [u32; 4] {
+    std::array::from_fn(|i| alignment(ptrs[i], layouts[i].ld as u64 * layouts[i].dtype.size_in_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alignment_is_the_largest_power_of_two_dividing_pointer_and_stride() {
+        let base = 0x7f00_0000_0000u64; // a fresh allocation: 256-byte aligned and more
+        assert_eq!(alignment(base, 768 * 2), 256, "capped at cuBLASLt's default");
+        assert_eq!(alignment(base + 0x100, 4096), 256);
+        assert_eq!(alignment(base + 0x80, 4096), 128);
+        assert_eq!(alignment(base + 0x10, 4096), 16, "a view 16 bytes into its allocation");
+        assert_eq!(alignment(base + 0x30, 4096), 16);
+        assert_eq!(alignment(base + 2, 4096), 2);
+        assert_eq!(alignment(base, 100), 4, "columns 100 bytes apart: every other column starts 4-byte aligned");
+        assert_eq!(alignment(base, 24), 8);
+        assert_eq!(alignment(base + 8, 64), 8, "the smaller of the two");
+        assert_eq!(alignment(0, 0), 256, "a null C, never read");
+        assert_eq!(alignment(1, 4096), 1);
+        // Every value is a power of two, at most 256, and divides both pointer and stride.
+        for ptr in (0..2048u64).step_by(7) {
+            for ld in [0u64, 1, 2, 6, 16, 48, 100, 512, 1536] {
+                let a = alignment(ptr, ld) as u64;
+                assert!(a.is_power_of_two() && a <= 256 && ptr.is_multiple_of(a) && ld.is_multiple_of(a), "ptr {ptr} ld {ld}: {a}");
+                assert!(a == 256 || !ptr.is_multiple_of(2 * a) || !ld.is_multiple_of(2 * a), "ptr {ptr} ld {ld}: {a} is not the largest");
+            }
+        }
+    }
+
+    #[test]
+    fn alignments_read_each_matrix_stride_in_bytes() {
+        // bf16 fc1 at C = 100 (x: ld 100 elements = 200 bytes, 8-byte aligned columns) into 3072 features.
+        let args = linear_args(80, 100, 3072, DataType::Bf16, LinearKind::Bias);
+        let base = 0x7f00_0000_0000u64;
+        assert_eq!(alignments([base, base, base, base], [&args.a, &args.b, &args.c, &args.d]), [8, 8, 256, 256]);
+        assert_eq!(alignments([base + 16, base, 0, base + 32], [&args.a, &args.b, &args.c, &args.d]), [8, 8, 256, 32]);
+        // An f32 GEMM at ld 96: 384 bytes, 128-byte aligned columns.
+        let args = linear_args(80, 96, 96, DataType::F32, LinearKind::Bias);
+        assert_eq!(alignments([base; 4], [&args.a, &args.b, &args.c, &args.d]), [128; 4]);
+    }
+}

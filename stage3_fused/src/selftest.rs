@@ -1,7 +1,7 @@
 //! Stage 3's rows of `ladder selftest`: the cuBLASLt epilogues (the forward's, and the training
 //! ones through `ops::mlp`'s gradients) and the LayerNorm kernels alone, against stage 0's ops
 //! (on the CPU: the argument builders run by the cuBLASLt contract model, `mlp`'s CPU backward,
-//! and the CPU fused ops).
+//! and the CPU fused ops); and the fused AdamW against its plain-ops twin.
 
 use candle_core::{DType, Device, Tensor};
 use shared::selftest::{randn, Rows};
@@ -141,7 +141,7 @@ pub fn layer_norms(r: &mut Rows, device: &Device) {
             for add in [false, true] {
                 let name = if add { "add_layer_norm" } else { "layer_norm" };
                 let case = format!("{name} {dtype:?} rows=5 C=257 row mean {mean}");
-                r.compare("NVRTC kernel", case, || {
+                r.compare("LayerNorm kernel", case, || {
                     let (g, b) = (randn(&[257], 12, 0.1, 1.0)?, randn(&[257], 13, 0.1, 0.0)?);
                     let x = randn(&[5, 257], 14, 1.0, mean)?;
                     let br = randn(&[5, 257], 15, 1.0, 0.0)?.to_dtype(dtype)?;
@@ -165,5 +165,59 @@ pub fn layer_norms(r: &mut Rows, device: &Device) {
                 });
             }
         }
+    }
+}
+
+/// The fused AdamW alone: four parameters of odd sizes (one element; 37 × 19; one chunk and five
+/// elements, so a chunk is partial; 3 × 5 × 7), three steps with the same gradients, on CUDA
+/// every parameter in one launch of `kernels/adamw.cu`, on the CPU the fused pass; θ, m and v
+/// against the plain-ops twin (`adamw::step_twin`) in f32.
+pub fn adamw(r: &mut Rows, device: &Device) {
+    use crate::adamw::{step_twin, AdamW, ParamsAdamW, CHUNK};
+    use candle_core::{backprop::GradStore, Var};
+    r.ran = if device.is_cuda() { "cuda".into() } else { "cpu fused AdamW (the .cu: host emulation, run.sh)".into() };
+    let shapes: [&[usize]; 4] = [&[1], &[37, 19], &[CHUNK + 5], &[3, 5, 7]];
+    let steps = 3;
+    // Non-default hyper-parameters, so each one is exercised: a large λ, a small β2.
+    let params = ParamsAdamW { lr: 0.01, beta1: 0.8, beta2: 0.95, eps: 1e-6, weight_decay: 0.1 };
+    let res = (|| -> anyhow::Result<[(Tensor, Tensor); 3]> {
+        let init: Vec<Tensor> =
+            shapes.iter().enumerate().map(|(i, s)| randn(s, 40 + i as u64, 1.0, 0.0)).collect::<candle_core::Result<_>>()?;
+        let vars: Vec<Var> = init.iter().map(|t| Var::from_tensor(&t.to_device(device)?)).collect::<candle_core::Result<_>>()?;
+        let mut fused = AdamW::new(vars.clone(), params)?;
+        let mut twin: Vec<[Tensor; 3]> =
+            init.iter().map(|t| Ok([t.clone(), t.zeros_like()?, t.zeros_like()?])).collect::<candle_core::Result<_>>()?;
+        for step in 1..=steps {
+            let mut grads = GradStore::default();
+            for (i, (var, state)) in vars.iter().zip(twin.iter_mut()).enumerate() {
+                let g = randn(shapes[i], 50 + 10 * step as u64 + i as u64, 1.0, 0.0)?;
+                *state = step_twin(&state[0], &g, &state[1], &state[2], params, step)?;
+                grads.insert(var.as_tensor(), g.to_device(device)?);
+            }
+            fused.step(&grads)?;
+        }
+        // Every parameter's values end to end, one row per quantity.
+        let flat = |ts: Vec<Tensor>| -> candle_core::Result<Tensor> {
+            let ts = ts.iter().map(|t| t.to_device(&Device::Cpu)?.flatten_all()).collect::<candle_core::Result<Vec<_>>>()?;
+            Tensor::cat(&ts, 0)
+        };
+        let moments = fused.moments()?;
+        let got = |f: &dyn Fn(usize) -> Tensor| flat((0..shapes.len()).map(f).collect());
+        let want = |j: usize| flat(twin.iter().map(|s| s[j].clone()).collect());
+        Ok([
+            (got(&|i| vars[i].as_tensor().clone())?, want(0)?),
+            (got(&|i| moments[i][0].clone())?, want(1)?),
+            (got(&|i| moments[i][1].clone())?, want(2)?),
+        ])
+    })();
+    // f32 on both sides, the same equations: only the order of rounding differs (a fused
+    // multiply-add, the GPU's √ and division), ~1e-7 relative; the fp32 check's tolerance.
+    let tol = 1e-5;
+    for (j, name) in ["θ", "m", "v"].into_iter().enumerate() {
+        let case = format!("{name} after {steps} steps: 4 tensors of 1, 37×19, {}, 3×5×7", CHUNK + 5);
+        r.compare("fused AdamW", case, || match &res {
+            Ok(pairs) => Ok((pairs[j].0.clone(), pairs[j].1.clone(), tol)),
+            Err(e) => Err(anyhow::anyhow!(shared::selftest::message(e))),
+        });
     }
 }

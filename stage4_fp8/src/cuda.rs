@@ -3,16 +3,16 @@
 //! scale pointers). The arguments come from `gemm::fp8_gemm_args`, a pure function tested on
 //! the CPU; this file only turns them into descriptors and launches on candle's stream. The
 //! descriptors, layouts and the algorithm cuBLASLt's heuristic picks depend only on the GEMM's
-//! shape and options, so they are made once per (device, shape, options) and kept (`PLANS`); a
-//! call only sets the pointers of the moment.
+//! shape, options and the alignment of its operands, so they are made once per (device, shape,
+//! options, alignments) and kept (`PLANS`); a call only sets the pointers of the moment.
 
-use crate::gemm::{check_pointers, fp8_gemm_args, fp8_gemm_args_e4m3_out, Fp8Epilogue, Fp8GemmArgs};
+use crate::gemm::{check_pointers, fp8_alignments, fp8_gemm_args, fp8_gemm_args_e4m3_out, Fp8Epilogue, Fp8GemmArgs};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublaslt::{result, sys, MatmulShared};
 use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use candle_core::cuda::{CudaDevice, CudaStorage, DeviceId};
 use stage3_fused::cuda::{device_key, lt, view};
-use stage3_fused::cuda_lt::{Desc, MatLayout as Layout, Pref};
+use stage3_fused::cuda_lt::{set_alignments, Desc, MatLayout as Layout, Pref};
 use stage3_fused::device_cache::{Cache, DeviceKey};
 use std::ffi::c_void;
 use std::rc::Rc;
@@ -28,8 +28,10 @@ thread_local! {
     static WORKSPACE: Cache<DeviceKey<DeviceId>, Rc<CudaSlice<u8>>> = Cache::new();
 }
 
-/// What a plan is made for: the device, the GEMM's arguments and fast accumulation.
-type PlanKey = (DeviceKey<DeviceId>, Fp8GemmArgs, bool);
+/// What a plan is made for: the device, the GEMM's arguments, fast accumulation, and the
+/// alignments in bytes of A, B, C and D it was asked for (an algorithm chosen for 256-byte
+/// aligned operands may need all 256).
+type PlanKey = (DeviceKey<DeviceId>, Fp8GemmArgs, bool, [u32; 4]);
 
 thread_local! {
     /// Descriptors, layouts and chosen algorithm per (device, shape, options), made on first use.
@@ -70,9 +72,10 @@ impl PlanError {
 
 /// Whether cuBLASLt has an algorithm on `dev` for the FP8 GEMM y (tokens, n) = x (tokens, k)·Wᵀ
 /// with a bias (GELU'd if `gelu`) epilogue, writing bf16 or (`e4m3_out`) E4M3 with a D scale
-/// and amax_D. Asked once per configuration; the plan is kept for the GEMMs that follow. The
-/// heuristic reads descriptors, never memory, so the pointers it is asked with are aligned
-/// placeholders (every call sets its own). Ok(false) only when there is no algorithm.
+/// and amax_D. The heuristic reads descriptors, never memory, so the pointers it is asked with
+/// are placeholders, 16 bytes aligned: the least a call accepts (`check_pointers`), so the answer
+/// holds for every call (a call makes its own plan for its own alignments, or finds this one).
+/// Ok(false) only when there is no algorithm.
 pub fn has_algorithm(
     dev: &CudaDevice,
     tokens: usize,
@@ -88,10 +91,11 @@ pub fn has_algorithm(
     }
     .map_err(candle_core::Error::Msg)?;
     let handle = lt(dev)?;
-    const PLACEHOLDER: u64 = 256;
+    const PLACEHOLDER: u64 = 16;
+    let align = fp8_alignments(&args, [PLACEHOLDER, PLACEHOLDER, c_pointer(&args, PLACEHOLDER), PLACEHOLDER]);
     let made = PLANS.with(|c| {
-        c.get_or_try_insert((device_key(dev)?, args, fast_accum), || {
-            plan(&args, fast_accum, *handle.handle(), [PLACEHOLDER; 7], e4m3_out.then_some((PLACEHOLDER, PLACEHOLDER))).map(Rc::new)
+        c.get_or_try_insert((device_key(dev)?, args, fast_accum, align), || {
+            plan(&args, fast_accum, *handle.handle(), [PLACEHOLDER; 7], e4m3_out.then_some((PLACEHOLDER, PLACEHOLDER)), align).map(Rc::new)
         })
     });
     match made {
@@ -170,7 +174,6 @@ pub fn fp8_gemm_fwd(
     }
     let ws_buf = workspace(&dev)?;
     let handle = lt(&dev)?;
-    let key = (device_key(&dev)?, args, fast_accum);
     let stream = dev.cuda_stream();
     {
         // The pointers, each with a guard that orders the access on candle's stream.
@@ -189,8 +192,10 @@ pub fn fp8_gemm_fwd(
         let fp8_ptrs = fp8_out.as_ref().map(|((ds, _), (am, _))| (*ds, *am));
         check_pointers(&[("A (W)", a), ("B (x)", b), ("D (y)", d), ("bias", bias_ptr)]).map_err(|e| err("alignment", e))?;
         let ptrs = [a, b, d, bias_ptr, sa, sb, w];
+        let align = fp8_alignments(&args, [a, b, c_pointer(&args, d), d]);
+        let key = (device_key(&dev)?, args, fast_accum, align);
         let plan = PLANS
-            .with(|c| c.get_or_try_insert(key, || plan(&args, fast_accum, *handle.handle(), ptrs, fp8_ptrs).map(Rc::new)))
+            .with(|c| c.get_or_try_insert(key, || plan(&args, fast_accum, *handle.handle(), ptrs, fp8_ptrs, align).map(Rc::new)))
             .map_err(PlanError::into_candle)?;
         launch(&args, &plan, *handle.handle(), ptrs, fp8_ptrs, stream.cu_stream() as sys::cudaStream_t)?;
     }
@@ -236,13 +241,14 @@ struct Plan {
 
 /// Descriptors and layouts from `args`, and the algorithm cuBLASLt's heuristic picks for them
 /// (asked with the first call's pointers set, as which ones are set — amax_D, the D scale — is
-/// part of the configuration).
+/// part of the configuration), among those that work at `align` (A, B, C, D in bytes).
 fn plan(
     args: &Fp8GemmArgs,
     fast_accum: bool,
     handle: sys::cublasLtHandle_t,
     ptrs: [u64; 7],
     fp8_out: Option<(u64, u64)>,
+    align: [u32; 4],
 ) -> Result<Plan, PlanError> {
     use sys::cublasLtMatmulDescAttributes_t as A;
     use sys::cudaDataType_t as T;
@@ -287,6 +293,7 @@ fn plan(
         )
     }
     .map_err(|e| err("workspace preference", e))?;
+    set_alignments(&pref, align)?;
     HEURISTIC_QUERIES.fetch_add(1, Ordering::Relaxed);
     // SAFETY: every descriptor and layout is alive.
     let heuristic = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, a_layout.0, b_layout.0, c_layout.0, d_layout.0, pref.0) };
@@ -308,6 +315,16 @@ fn plan(
     Ok(Plan { a_layout, b_layout, c_layout, d_layout, desc, algo: heuristic.algo })
 }
 
+/// C is never read (β = 0): D's own buffer for a bf16 D, as cuBLASLt allows in place; no
+/// pointer at all for an E4M3 D, as TransformerEngine passes it (its C layout is bf16, D's is not).
+fn c_pointer(args: &Fp8GemmArgs, d: u64) -> u64 {
+    if args.out_e4m3 {
+        0
+    } else {
+        d
+    }
+}
+
 /// Sets this call's pointers on `plan`'s descriptor, then cublasLtMatmul. ptrs: A, B, D, bias,
 /// scale_A, scale_B, workspace; `fp8_out`: (D scale, amax_D) when `args.out_e4m3`.
 fn launch(
@@ -321,9 +338,7 @@ fn launch(
     let [a, b, d, _, _, _, workspace] = ptrs;
     let desc = &plan.desc;
     set_pointers(desc, args, ptrs, fp8_out)?;
-    // C is never read (β = 0): D's own buffer for a bf16 D, as cuBLASLt allows in place; no
-    // pointer at all for an E4M3 D, as TransformerEngine passes it (its C layout is bf16, D's is not).
-    let c = if args.out_e4m3 { 0 } else { d };
+    let c = c_pointer(args, d);
     let contract = args.contract(); // α = 1, β = 0: what the CPU model executes in the tests
     let (alpha, beta) = (contract.alpha, contract.beta);
     // SAFETY: A, B are k·m and k·n E4M3 values, D m·n bf16 or E4M3 (C: D's buffer or null, never

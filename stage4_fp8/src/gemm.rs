@@ -178,6 +178,14 @@ impl Fp8GemmArgs {
     }
 }
 
+/// The minimum-alignment preferences (bytes) of a call's A, B, C and D (pointers in that order;
+/// C's is 0 for an E4M3 D, which gets no C), each layout's leading dimension counted in its own
+/// element size: E4M3 A and B, bf16 C, bf16 or E4M3 D (`stage3_fused::gemm_args::alignment`).
+pub fn fp8_alignments(args: &Fp8GemmArgs, ptrs: [u64; 4]) -> [u32; 4] {
+    let c = args.contract();
+    stage3_fused::gemm_args::alignments(ptrs, [&c.a, &c.b, &c.c, &c.d])
+}
+
 /// cuBLASLt requires 16-byte-aligned A, B, C, D and bias pointers for FP8. candle's allocations
 /// are 256-byte aligned; a view with an offset may not be, which is why inputs are made
 /// contiguous (a fresh allocation) first.
@@ -595,6 +603,20 @@ mod tests {
         }
         assert!(fp8_gemm_args(16, 16, 16, false).is_ok());
         assert!(check_dims(16, 4096, 16384).is_ok());
+    }
+
+    #[test]
+    fn fp8_alignments_count_each_matrix_in_its_own_element_size() {
+        let base = 0x7f00_0000_0000u64;
+        // K = 48, N = 80: A and B columns 48 bytes apart (E4M3), D's 80 elements apart: 160 bytes
+        // as bf16, 80 as E4M3.
+        let bf16_out = fp8_gemm_args(32, 48, 80, false).unwrap();
+        assert_eq!(fp8_alignments(&bf16_out, [base; 4]), [16, 16, 32, 32]);
+        let e4m3_out = fp8_gemm_args_e4m3_out(32, 48, 80, false).unwrap();
+        assert_eq!(fp8_alignments(&e4m3_out, [base, base + 16, 0, base]), [16, 16, 32, 16]);
+        // The te shapes: every stride a multiple of 256 bytes, so the pointers decide.
+        let te = fp8_gemm_args(16384, 4096, 16384, true).unwrap();
+        assert_eq!(fp8_alignments(&te, [base, base + 0x40, base + 0x100, base + 0x100]), [256, 64, 256, 256]);
     }
 
     #[test]

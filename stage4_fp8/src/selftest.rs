@@ -208,6 +208,7 @@ pub fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
 /// replays must advance the amax history. The input grows ×4 after the capture; a history
 /// frozen at the captured call would saturate the top of every activation (a large error).
 /// CUDA only: on the CPU the capture's order of steps is checked for every stage instead.
+/// `ladder selftest` runs it with its other graph rows, after every row that captures nothing.
 pub fn graph_delayed_scaling(r: &mut Rows, device: &Device, info: &DeviceInfo, stage: &crate::Fp8) {
     use shared::Stage;
     if !device.is_cuda() {

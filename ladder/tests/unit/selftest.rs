@@ -3,7 +3,7 @@
 
 use super::*;
 
-/// The CPU side of the list passes, covers every block, and the JSON carries what a bug
+/// The CPU side of the list passes, covers every block, runs the graph rows last, and the JSON carries what a bug
 /// report needs.
 #[test]
 fn cpu_selftest_passes_and_covers_every_block() {
@@ -16,7 +16,9 @@ fn cpu_selftest_passes_and_covers_every_block() {
         "cuBLASLt training epilogues",
         "FP8 GEMM",
         "FP8 kernel",
-        "NVRTC kernel",
+        "LayerNorm kernel",
+        "attention backward",
+        "fused AdamW",
         "breakdown",
         "memory probe",
     ] {
@@ -25,6 +27,15 @@ fn cpu_selftest_passes_and_covers_every_block() {
     assert!(rep.results.iter().any(|c| c.block == "CUDA graph" && c.status == "skipped"), "a CPU has no graph to replay");
     assert_eq!(rep.results.iter().filter(|c| c.block == "FP8 kernel" && c.status == "pass").count(), 4, "amax, 2 casts, delayed update");
     assert_eq!(rep.results.iter().filter(|c| c.block == "attention").count(), 12, "3 d_head × 2 dtypes × causal or not");
+    assert_eq!(
+        rep.results.iter().filter(|c| c.block == "attention backward").count(),
+        24,
+        "dQ, dK, dV × 2 shapes × 2 dtypes × causal or not"
+    );
+    assert_eq!(rep.results.iter().filter(|c| c.block == "fused AdamW").count(), 3, "θ, m, v");
+    // The graph rows last: a sticky CUDA fault a capture leaves cannot fail a row after it.
+    let first_graph = rep.results.iter().position(|c| c.block == "CUDA graph").expect("a graph row");
+    assert!(rep.results[first_graph..].iter().all(|c| c.block == "CUDA graph" && c.ran.is_empty()), "{}", table(&rep));
     let json = serde_json::to_value(&rep).unwrap();
     for key in ["device", "nvidia_driver", "cuda_driver_version", "commit", "versions", "results"] {
         assert!(json.get(key).is_some(), "{key}");
