@@ -5,7 +5,7 @@
 #   part 1  library probe, `ladder selftest`, `report`, `--train` at small with d_head 128 and
 #           T = 500 (not a multiple of the tile), the te ladder (all five stages), PyTorch's block
 #           on the same weights (scripts/torch-reference.py), the te training step with
-#           --breakdown (batch 4 when batch 8 is refused or runs out of memory) and PyTorch's, the
+#           --breakdown at batch 8 and at batch 4 (where stage 0 fits) and PyTorch's, the
 #           attention kernels alone (ours v1, v2 and the backward under Nsight Compute's timer,
 #           PyTorch's SDPA FlashAttention-2 and cuDNN, T 512-4096), --ablate at te
 #   part 2  CUDA graphs, FP8 without fast accumulation, racecheck and memcheck of the forward and
@@ -56,16 +56,16 @@ step_table=(
     "1 train-small-d128           120   20"
     "1 ladder-te                  150   45"
     "1 torch-te                   120   30"
-    "1 train-te                   200   60"
+    "1 train-te                   200   90"
     "1 torch-te-train             120   30"
     "1 attention-sdpa              90   25"
     "1 attention-kernels          120   40"
     "1 ablate-te                  120   40"
-    "2 ladder-gpt2-cuda-graph     120   25"
-    "2 fp8-no-fast-accum-te       120   25"
     "2 racecheck-attention-d128   150   60"
     "2 memcheck-train-d128        150   60"
     "2 ncu-attention-t4096        200   90"
+    "2 ladder-gpt2-cuda-graph     120   25"
+    "2 fp8-no-fast-accum-te       120   25"
 )
 step_names=()
 for row in "${step_table[@]}"; do read -r _ n _ <<< "$row"; step_names+=("$n"); done
@@ -280,9 +280,9 @@ if [ "$device" = cpu ]; then
     export T4096="--preset tiny --seq 128" SDPA="--seq 64,128 --batch 1 --heads 2 --d-head 64 --iters 2 --warmup 1"
     export SWEEP="seq=32,64" GPT2="--preset tiny --warmup 1 --iters 2 --rounds 1"
 else
-    export TE="--preset te --iters 10 --rounds 1" TE_B4="--preset te --batch 4 --iters 10 --rounds 1"
+    export TE="--preset te --iters 10 --rounds 1" TE_B4="--preset te --batch 4 --iters 5 --rounds 1"
     export D128="--preset tiny --d-model 256 --heads 2 --seq 200 --warmup 0 --iters 1 --rounds 1"
-    export T4096="--preset te --seq 4096" SDPA="--seq 512,1024,2048,4096" SWEEP="seq=512,1024,2048,4096"
+    export T4096="--preset te --batch 4 --seq 4096" SDPA="--seq 512,1024,2048,4096" SWEEP="seq=512,1024,2048,4096"
     export GPT2="--preset gpt2 --iters 20 --rounds 1"
     # d_head 768 / 6 = 128 and T = 500: the attention kernels' last tile is padded.
     export SMALL128="--preset small --heads 6 --seq 500 --iters 10 --rounds 1"
@@ -317,11 +317,11 @@ step_cmd() {
         # --save-weights / --save-output: PyTorch's rows (next step) run on the same weights and input.
         ladder-te) cmd='"$L" $D $TE --breakdown --json ladder-te.json --svg ladder-te.svg --save-weights "$X/te-weights.safetensors" --save-output "$X/te-io.safetensors"' ;;
         torch-te) cmd='python3 "$S/torch-reference.py" --ladder-json ../ladder-te/ladder-te.json --weights "$X/te-weights.safetensors" --io "$X/te-io.safetensors" --out ladder-te-torch.json' ;;
-        # Batch 8 first; refused up front or out of memory (exit 2): batch 4.
-        train-te) cmd='"$L" $D $TE --train --breakdown --json train-te.json --svg train-te.svg --save-weights "$X/train-weights.safetensors" --save-output "$X/train-io.safetensors"
-            rc=$?; [ $rc = 2 ] || exit $rc; echo "gpu-check: batch 8 refused or out of memory (exit 2): batch 4"
-            "$L" $D $TE_B4 --train --breakdown --json train-te-b4.json --svg train-te-b4.svg --save-weights "$X/train-weights.safetensors" --save-output "$X/train-io.safetensors"' ;;
-        torch-te-train) cmd='j=$(ls ../train-te/train-te*.json | head -1); python3 "$S/torch-reference.py" --variants eager-fp32,eager-bf16 --ladder-json "$j" --weights "$X/train-weights.safetensors" --io "$X/train-io.safetensors" --out train-te-torch.json' ;;
+        # Batch 8, where the naive-attention stages (0, 1) cannot fit a training step and are
+        # skipped rows; then batch 4, where every stage that trains here fits.
+        train-te) cmd='"$L" $D $TE --train --breakdown --json train-te.json --svg train-te.svg --save-weights "$X/train-weights.safetensors" --save-output "$X/train-io.safetensors"; a=$?
+            "$L" $D $TE_B4 --train --breakdown --json train-te-b4.json --svg train-te-b4.svg && exit $a' ;;
+        torch-te-train) cmd='python3 "$S/torch-reference.py" --variants eager-fp32,eager-bf16 --ladder-json ../train-te/train-te.json --weights "$X/train-weights.safetensors" --io "$X/train-io.safetensors" --out train-te-torch.json' ;;
         attention-sdpa) cmd='python3 "$S/sdpa-bench.py" $SDPA --json sdpa.json' ;;
         # Our kernels alone: Nsight Compute's kernel timer on every launch of flash_attn* at the
         # GPU's own clocks, over the same T (--sweep): v2 and the backward (--train), then v1.
