@@ -5,8 +5,8 @@ grid, the median of the launches' gpu__time_duration, the shape the grid stands 
 
     scripts/ncu-times.py --batch 8 --heads 32 --d-head 128 ncu-times-v2-bwd.csv ncu-times-v1.csv --json kernel-times.json
 
-The grid tells T: the forward kernels launch (T/64, n_head, B) blocks (v1) or (n_head, B, T/64)
-(v2), the backward (T/64, n_head, B); B, n_head and d_head come from the flags (the run's
+The grid tells T: v1's forward and the backward launch (T/64, n_head, B) blocks, v2's forward
+(n_head, B, T/128); B, n_head and d_head come from the flags (the run's
 shape). FLOPs, causal (half the T x T products): forward 4·B·n_head·T²·d_head / 2, backward 2.5x
 that (five T x T products against two). Lines that are not CSV (the program's own output, ncu's
 ==PROF== notes) are skipped.
@@ -21,7 +21,10 @@ import statistics
 import sys
 import tempfile
 
-TILE = 64  # rows of Q per block in every kernel (BLOCK_M)
+# Rows of Q per block: v1 (flash_attn_fwd_*) and the backward 64, v2 (flash_attn_v2_fwd_*) 128
+# (stage2_sdpa/src/attention_cuda.rs: BR, BR_V2).
+def rows_per_block(name):
+    return 128 if name.startswith("flash_attn_v2_fwd") else 64
 
 
 def usage(msg):
@@ -58,7 +61,7 @@ def main():
     for (name, grid), ms in sorted(times.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         tiles = grid[2] if name.startswith("flash_attn_v2_fwd") else grid[0]
         batch = grid[1] if name.startswith("flash_attn_v2_fwd") else grid[2]
-        t = tiles * TILE
+        t = tiles * rows_per_block(name)
         fwd = 4 * batch * a.heads * t * t * a.d_head / 2
         flops = 2.5 * fwd if "_bwd_" in name else fwd
         med = statistics.median(ms)
