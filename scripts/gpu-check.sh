@@ -319,9 +319,10 @@ step_cmd() {
         torch-te) cmd='python3 "$S/torch-reference.py" --ladder-json ../ladder-te/ladder-te.json --weights "$X/te-weights.safetensors" --io "$X/te-io.safetensors" --out ladder-te-torch.json' ;;
         # Batch 8, where the naive-attention stages (0, 1) cannot fit a training step and are
         # skipped rows; then batch 4, where every stage that trains here fits.
-        train-te) cmd='"$L" $D $TE --train --breakdown --json train-te.json --svg train-te.svg --save-weights "$X/train-weights.safetensors" --save-output "$X/train-io.safetensors"; a=$?
-            "$L" $D $TE_B4 --train --breakdown --json train-te-b4.json --svg train-te-b4.svg && exit $a' ;;
-        torch-te-train) cmd='python3 "$S/torch-reference.py" --variants eager-fp32,eager-bf16 --ladder-json ../train-te/train-te.json --weights "$X/train-weights.safetensors" --io "$X/train-io.safetensors" --out train-te-torch.json' ;;
+        train-te) cmd='"$L" $D $TE --train --breakdown --json train-te.json --svg train-te.svg; a=$?
+            "$L" $D $TE_B4 --train --breakdown --json train-te-b4.json --svg train-te-b4.svg --save-weights "$X/train-weights.safetensors" --save-output "$X/train-io.safetensors" && exit $a' ;;
+        # At batch 4: PyTorch's rows are checked against stage 0's output, which batch 8 has not.
+        torch-te-train) cmd='python3 "$S/torch-reference.py" --variants eager-fp32,eager-bf16 --ladder-json ../train-te/train-te-b4.json --weights "$X/train-weights.safetensors" --io "$X/train-io.safetensors" --out train-te-torch.json' ;;
         attention-sdpa) cmd='python3 "$S/sdpa-bench.py" $SDPA --json sdpa.json' ;;
         # Our kernels alone: Nsight Compute's kernel timer on every launch of flash_attn* at the
         # GPU's own clocks, over the same T (--sweep): v2 and the backward (--train), then v1.
@@ -339,10 +340,10 @@ step_cmd() {
         # GPU's own clocks (ncu locks them by default: 14.4 ms locked against 11.6 ms seen for v1).
         # The sections answer the kernel's questions: launch and occupancy, warp stalls, pipe use,
         # the memory tables, per-line counters (-lineinfo builds), shared-memory bank conflicts.
-        ncu-attention-t4096) cmd='ncu --clock-control none --kernel-name regex:flash_attn --filter-mode per-launch-config
-            --launch-count 1 --section LaunchStats --section Occupancy --section WarpStateStats
-            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters
-            --metrics "$smem" --import-source yes --export attention-t4096
+        ncu-attention-t4096) cmd='ncu --clock-control none --kernel-name regex:flash_attn --filter-mode per-launch-config \
+            --launch-count 1 --section LaunchStats --section Occupancy --section WarpStateStats \
+            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters \
+            --metrics "$smem" --import-source yes --export attention-t4096 \
             "$L" $D $T4096 --stages 2 --ablate --train --warmup 0 --iters 1 --rounds 1 --no-check > ncu.txt' ;;
         *) echo "gpu-check: step $1 is in step_table but has no command in step_cmd" >&2; exit 2 ;;
     esac

@@ -144,6 +144,21 @@ else
     bad "gpu-check: the deadline cuts the step under way, skips the rest, and the archive keeps the finished step" "$(cat "$late_dir/summary.tsv" 2> /dev/null)"
 fi
 
+# The profiler steps' commands, as a GPU machine would run them: fake ncu and compute-sanitizer
+# record their arguments (a command split over lines must reach ncu whole, the ladder last).
+mkdir -p "$tmp/gpu-tools"
+for tool in ncu compute-sanitizer; do
+    printf '#!/bin/sh\necho "$*" >> "%s/%s.args"\n' "$tmp" "$tool" > "$tmp/gpu-tools/$tool"
+done
+chmod +x "$tmp/gpu-tools"/*
+PATH="$tmp/gpu-tools:$PATH" "$repo/scripts/gpu-check.sh" --part 2 --device cuda --bin "$tmp/ladder-pass" --only racecheck-attention-d128,ncu-attention-t4096 --out "$tmp/out-tools" > "$tmp/out" 2>&1
+if grep -q -- "--section SourceCounters.*--export attention-t4096 $tmp/ladder-pass --device cuda" "$tmp/ncu.args" 2> /dev/null \
+    && grep -q -- "--tool racecheck $tmp/ladder-pass --device cuda .*--train" "$tmp/compute-sanitizer.args" 2> /dev/null; then
+    ok "gpu-check: ncu and compute-sanitizer get their whole command lines, the ladder and its flags last"
+else
+    bad "gpu-check: ncu and compute-sanitizer get their whole command lines, the ladder and its flags last" "ncu: $(cat "$tmp/ncu.args" 2> /dev/null)"
+fi
+
 # ---- sdpa-bench.py: refusals before any work ---------------------------------------------------
 sb=(python3 "$repo/scripts/sdpa-bench.py")
 expect "sdpa-bench: a --seq that is not a list of integers refused" 2 "is not a list of integers" "${sb[@]}" --seq 512,x
