@@ -46,26 +46,26 @@ die() {  # a usage or setup error: one paragraph on stderr, before anything runs
 }
 
 # ---- the steps, in run order (most valuable first, profilers last) ---------------------------
-# part, name, timeout in seconds, and the expected seconds on an H100: an estimate from what the
-# step runs (presets, iterations, the first H100 run's times), not a measurement. Their commands
-# are in step_cmd below.
+# part, name, timeout in seconds, and the expected seconds on an H100: measured where an H100 run
+# finished the step (results/h100-82d46a0, results/h100-db5a7c9), else an estimate from what the
+# step runs (train-small-d128, memcheck and ncu stopped early there). Commands: step_cmd below.
 step_table=(
-    "1 probe                       30    5"
-    "1 selftest                   120   40"
-    "1 report                      30    3"
-    "1 train-small-d128           120   20"
-    "1 ladder-te                  150   45"
-    "1 torch-te                   120   30"
-    "1 train-te                   200   90"
-    "1 torch-te-train             120   30"
-    "1 attention-sdpa              90   25"
-    "1 attention-kernels          120   40"
-    "1 ablate-te                  120   40"
-    "2 racecheck-attention-d128   150   60"
+    "1 probe                       30    7"
+    "1 selftest                   120   20"
+    "1 report                      30    1"
+    "1 train-small-d128           120   15"
+    "1 ladder-te                  150   55"
+    "1 torch-te                   120   35"
+    "1 train-te                   200   95"
+    "1 torch-te-train             120   25"
+    "1 attention-sdpa              90   15"
+    "1 attention-kernels          120   50"
+    "2 racecheck-attention-d128   150   70"
     "2 memcheck-train-d128        150   60"
     "2 ncu-attention-t4096        200   90"
-    "2 ladder-gpt2-cuda-graph     120   25"
-    "2 fp8-no-fast-accum-te       120   25"
+    "2 ablate-te                  120   65"
+    "2 ladder-gpt2-cuda-graph     120    5"
+    "2 fp8-no-fast-accum-te       120   21"
 )
 step_names=()
 for row in "${step_table[@]}"; do read -r _ n _ <<< "$row"; step_names+=("$n"); done
@@ -75,7 +75,7 @@ list_steps() {
     for part in 1 2; do
         total=0; worst=0
         echo "part $part"
-        printf '  %-28s %8s  %s\n' step timeout "expected on an H100 (estimate)"
+        printf '  %-28s %8s  %s\n' step timeout "expected on an H100"
         for row in "${step_table[@]}"; do
             read -r p n limit est <<< "$row"
             [ "$p" = "$part" ] || continue
@@ -84,7 +84,7 @@ list_steps() {
         done
         echo "  total: ~$total s expected; the part stops at its deadline (default 340 s) even if the steps' timeouts add to $worst s."
     done
-    echo "Estimates from each step's presets and iterations, not measurements. The graph, FP8, sanitizer"
+    echo "Expected: measured on an H100 where a run finished the step, else estimated. The graph, FP8, sanitizer"
     echo "and ncu steps need a GPU (and compute-sanitizer / ncu on PATH); the torch and sdpa steps python3 with torch."
 }
 
@@ -278,11 +278,12 @@ if [ "$device" = cpu ]; then
     export TE="--preset tiny --warmup 1 --iters 2 --rounds 1" TE_B4="--preset tiny --batch 1 --warmup 1 --iters 2 --rounds 1"
     export D128="--preset tiny --d-model 256 --heads 2 --seq 100 --warmup 1 --iters 2 --rounds 1" SMALL128="--preset tiny --d-model 256 --heads 2 --seq 100 --iters 2 --rounds 1"
     export T4096="--preset tiny --seq 128" SDPA="--seq 64,128 --batch 1 --heads 2 --d-head 64 --iters 2 --warmup 1"
-    export SWEEP="seq=32,64" GPT2="--preset tiny --warmup 1 --iters 2 --rounds 1"
+    export SWEEP="--sweep seq=32,64" GPT2="--preset tiny --warmup 1 --iters 2 --rounds 1"
 else
     export TE="--preset te --iters 10 --rounds 1" TE_B4="--preset te --batch 4 --iters 5 --rounds 1"
     export D128="--preset tiny --d-model 256 --heads 2 --seq 200 --warmup 0 --iters 1 --rounds 1"
-    export T4096="--preset te --batch 4 --seq 4096" SDPA="--seq 512,1024,2048,4096" SWEEP="seq=512,1024,2048,4096"
+    # Batch 4: stage 2's training step at T = 4096 does not fit an 80 GB GPU at batch 8.
+    export T4096="--preset te --batch 4 --seq 4096" SDPA="--seq 512,1024,2048,4096" SWEEP="--batch 4 --sweep seq=512,1024,2048,4096"
     export GPT2="--preset gpt2 --iters 20 --rounds 1"
     # d_head 768 / 6 = 128 and T = 500: the attention kernels' last tile is padded.
     export SMALL128="--preset small --heads 6 --seq 500 --iters 10 --rounds 1"
@@ -327,8 +328,8 @@ step_cmd() {
         # Our kernels alone: Nsight Compute's kernel timer on every launch of flash_attn* at the
         # GPU's own clocks, over the same T (--sweep): v2 and the backward (--train), then v1.
         attention-kernels) cmd='n=(ncu --clock-control none --kernel-name regex:flash_attn --metrics gpu__time_duration.sum --csv)
-            "${n[@]}" "$L" $D --preset te --stages 2 --train --no-check --warmup 1 --iters 2 --rounds 1 --sweep $SWEEP > ncu-times-v2-bwd.csv; a=$?
-            "${n[@]}" "$L" $D --preset te --stages 2 --attention-kernel v1 --no-check --warmup 1 --iters 2 --rounds 1 --sweep $SWEEP > ncu-times-v1.csv && exit $a' ;;
+            "${n[@]}" "$L" $D --preset te --stages 2 --train --no-check --warmup 1 --iters 2 --rounds 1 $SWEEP > ncu-times-v2-bwd.csv; a=$?
+            "${n[@]}" "$L" $D --preset te --stages 2 --attention-kernel v1 --no-check --warmup 1 --iters 2 --rounds 1 $SWEEP > ncu-times-v1.csv && exit $a' ;;
         ablate-te) cmd='"$L" $D $TE --stages 2,3,4 --ablate --breakdown --json ablate-te.json --svg ablate-te.svg' ;;
         ladder-gpt2-cuda-graph) cmd='"$L" $D $GPT2 --cuda-graph --json ladder-gpt2-cuda-graph.json' ;;
         fp8-no-fast-accum-te) cmd='SPEEDKIT_FP8_FAST_ACCUM=off "$L" $D $TE --stages 4 --json fp8-no-fast-accum-te.json' ;;

@@ -102,7 +102,7 @@ else
     expect "gpu-check: --out in a chmod 555 folder refused" 2 "cannot" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --out "$tmp/ro/sub"
     expect "gpu-check: --out that is a chmod 555 folder refused" 2 "cannot write" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --out "$tmp/ro"
 fi
-expect "gpu-check --only: an unknown name refused with the list" 2 "ablate-te" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --only selftest,bogus
+expect "gpu-check --only: an unknown name refused with the list" 2 "attention-kernels" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --only selftest,bogus
 expect "gpu-check --only: a step of the other part refused" 2 "not a step of part 1" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --only ncu-attention-t4096
 expect "gpu-check --only: names are exact, not patterns" 2 "not a step" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --only ladder
 expect "gpu-check --only '': refused" 2 "names no step" "${gc[@]}" --part 1 --bin "$tmp/ladder-fail" --only ''

@@ -30,3 +30,29 @@ fn a_training_step_names_its_largest_part_first() {
     // A fused stage has no T x T part to name.
     assert!(!TrainBytes { scores: 0, ..t }.describe().contains("n_head, T, T"));
 }
+
+#[test]
+fn an_update_rounded_in_another_order_passes_and_a_wrong_one_fails() {
+    // θ near 1 (LayerNorm gains), an update of lr = 1e-4 as AdamW's first step makes it; the first
+    // two are values where one rounding (FMA) and two give different f32 results.
+    let before = vec![vec![1.0249665f32, 1.0021392, -0.984375, 0.0625, 0.0]];
+    let step = |decay: f32, fma: bool| -> Vec<Vec<f32>> {
+        let u = [-0.5f32, 1.0, 0.999, -1.0, 0.5]; // m̂ / (√v̂ + ε)
+        let row = before[0].iter().zip(u).map(|(&t, u)| if fma { t.mul_add(decay, -1e-4 * u) } else { t * decay - 1e-4 * u }).collect();
+        vec![row]
+    };
+    let decay = 1.0 - 1e-4 * 0.01;
+    let (reference, fused) = (step(decay, false), step(decay, true));
+    // The two orders of rounding differ, by at most an ulp or two of θ.
+    let raw = update_error(&fused, &reference, &before).max_abs_err;
+    assert!(raw > 0.0 && raw <= 2.5e-7, "the FMA order should differ from the separate one by an ulp of θ: {raw}");
+    let r = update_error(&fused, &reference, &before);
+    assert!(r.passed && r.rel_err == 0.0, "{r:?}");
+    // Without the weight decay: eight ulps of θ ≈ 1, caught.
+    let r = update_error(&step(1.0, true), &reference, &before);
+    assert!(!r.passed && r.rel_err > 1e-3, "{r:?}");
+    // A NaN is never forgiven.
+    let mut nan = fused.clone();
+    nan[0][4] = f32::NAN;
+    assert!(!update_error(&nan, &reference, &before).passed);
+}
