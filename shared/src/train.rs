@@ -111,6 +111,46 @@ fn backward(y: &Tensor, r: &Tensor, scale: f64) -> candle_core::Result<GradStore
     if scale == 1.0 { loss } else { loss.affine(scale, 0.0)? }.backward()
 }
 
+/// Most overflowed steps `accepted_step` lets the loss scale skip: 2^16 halved 24 times is 2^-8,
+/// far below any scale a usable f16 backward needs.
+pub const MAX_SKIPPED: usize = 24;
+
+/// y and the 13 unscaled gradients of the first step `opt`'s loss scale does not overflow: what
+/// the gradient check compares. A loss-scaled optimizer starts at a scale that may overflow by
+/// design (f16: 2^16); such a step goes to `opt.step`, which skips it and lowers the scale, and
+/// the step runs again at the new scale, at most `MAX_SKIPPED` times. Past that, or when the
+/// optimizer takes a step whose gradients are not all finite, the gradients are returned as
+/// they are and the check fails naming the first non-finite one. A clean step never reaches
+/// `opt.step`: the weights stay those the reference's gradients were taken at.
+pub fn accepted_step(
+    forward: &dyn Forward,
+    opt: &mut dyn Optimize,
+    vars: &[Var],
+    x: &Var,
+    r: &Tensor,
+) -> anyhow::Result<(Tensor, Vec<Tensor>)> {
+    let mut skipped = 0;
+    loop {
+        let scale = opt.loss_scale();
+        let (y, grads) = step(forward, x, r, scale)?;
+        let got = gradients(&grads, vars, x, scale)?;
+        if scale == 1.0 || skipped == MAX_SKIPPED || all_finite(&got)? || opt.step(&grads)? {
+            return Ok((y, got));
+        }
+        skipped += 1;
+    }
+}
+
+/// Whether every element of every tensor is finite (Σ|g| in f32 is, for any usable gradient).
+fn all_finite(ts: &[Tensor]) -> candle_core::Result<bool> {
+    for t in ts {
+        if !t.to_dtype(DType::F32)?.abs()?.sum_all()?.to_scalar::<f32>()?.is_finite() {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 /// The 13 gradients (weights, then x) in f32, each divided by `scale`.
 pub fn gradients(grads: &GradStore, vars: &[Var], x: &Var, scale: f64) -> candle_core::Result<Vec<Tensor>> {
     let grad = |(v, name): (&Var, &str)| match grads.get(v.as_tensor()) {

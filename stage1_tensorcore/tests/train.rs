@@ -58,3 +58,28 @@ fn the_f16_optimizer_skips_an_overflowed_step_and_unscales_a_clean_one() {
     candle_nn::AdamW::new(vec![twin.clone()], train_params()).unwrap().step(&same).unwrap();
     assert_eq!(w.as_tensor().to_vec1::<f32>().unwrap(), twin.as_tensor().to_vec1::<f32>().unwrap());
 }
+
+/// The stage binary's f16 training check: the first step at S = 2^16 overflows f16 by design and
+/// the scaler skips it; the check compares the first step it accepts, unscaled, so it passes
+/// (it failed before on the skipped step's non-finite gradients).
+#[test]
+fn the_f16_training_check_passes_on_the_first_accepted_step() {
+    let json = std::env::temp_dir().join(format!("speedkit-stage1-f16-train-{}.json", std::process::id()));
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_stage1_tensorcore"))
+        .args(["--device", "cpu", "--preset", "tiny", "--train", "--precision", "f16", "--warmup", "0", "--iters", "1"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{text}");
+    let record: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).ok();
+    let g = &record["train"]["grad_check"];
+    assert_eq!(g["passed"], true, "{g}");
+    assert_eq!(g["non_finite"], 0, "{g}");
+    // Unscaled: a gradient still carrying S (≥ 1) would be off by orders of magnitude.
+    let e = g["rel_err"].as_f64().unwrap();
+    assert!(e > 0.0 && e <= 2e-2, "f16 gradients differ from fp32's by rounding, within the tolerance: {e}");
+    assert_eq!(record["train"]["optimizer"], "candle-nn AdamW, dynamic loss scaling");
+}
