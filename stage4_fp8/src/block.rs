@@ -106,7 +106,8 @@ pub struct Args {
     #[arg(long, env = "SPEEDKIT_FP8_EMULATE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub fp8_emulate: bool,
     /// Stage 4 on Hopper/Ada: cuBLASLt's FP8 fast accumulation (on: faster, partial sums kept in the tensor cores' ~14-bit accumulator; off: promoted to f32 every few k-steps); the twin check's tolerance follows it
-    #[arg(long, env = "SPEEDKIT_FP8_FAST_ACCUM", default_value = "on", value_parser = PossibleValuesParser::new(["on", "off"]).map(|s| s == "on"))]
+    // `Set`: a `bool` field's inferred action is SetTrue, which hands its own "true" to this parser.
+    #[arg(long, env = "SPEEDKIT_FP8_FAST_ACCUM", action = clap::ArgAction::Set, default_value = "on", value_parser = PossibleValuesParser::new(["on", "off"]).map(|s| s == "on"))]
     pub fp8_fast_accum: bool,
     /// Stage 4: which producers write E4M3 for the next GEMM, so it skips its quantise pass: ln (both LayerNorms, for qkv and fc1), fc1 (its GEMM, for fc2), all or none [default: all the recipe allows: all with delayed scaling, none with current]
     #[arg(long, env = "SPEEDKIT_FP8_FUSIONS")]
