@@ -128,8 +128,11 @@ pub fn check_env(cmd: &clap::Command) -> Result<(), SpeedkitError> {
     }
     // Rayon starts every thread of its pool at once (candle's CPU ops and the GEMMs run on it):
     // 100,000 of them take minutes and measure nothing but the scheduler. At most 8 per core, and 64.
+    // Parsed as rayon-core and candle parse it, untrimmed (`usize::from_str`): a value they would
+    // ignore for one thread per core (" 1 ") is refused, not passed on as another count.
     let max = std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_mul(8).max(64);
-    if let Some(v) = std::env::var_os("RAYON_NUM_THREADS").filter(|v| v.to_string_lossy().trim().parse::<usize>().map_or(true, |n| n > max))
+    if let Some(v) =
+        std::env::var_os("RAYON_NUM_THREADS").filter(|v| v.to_str().and_then(|s| s.parse::<usize>().ok()).is_none_or(|n| n > max))
     {
         return Err(SpeedkitError::usage(format!(
             "RAYON_NUM_THREADS = {:?} is not a thread count from 0 (rayon's default: one per core) to {max} \

@@ -413,6 +413,8 @@ fn class_j_rayon_threads_are_bounded() {
     refused(&o);
     assert!(o.text.contains("RAYON_NUM_THREADS") && t0.elapsed().as_secs() < 30, "{}", o.text);
     refused(&stage0_in(&d, &with_s(&[]), &[("RAYON_NUM_THREADS", "many")]));
+    // Rayon parses the value untrimmed: " 1 " would pass a trimmed check and run one per core.
+    refused(&stage0_in(&d, &with_s(&[]), &[("RAYON_NUM_THREADS", " 1 ")]));
     let o = stage0_in(&d, &with_s(&[]), &[("RAYON_NUM_THREADS", "2")]);
     assert_eq!(o.code, Some(0), "{}", o.text);
 }

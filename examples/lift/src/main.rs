@@ -11,6 +11,7 @@ const B: usize = 2;
 const WARMUP: usize = 2;
 
 fn main() -> candle_core::Result<()> {
+    check_rayon_threads();
     let iters = iters_from_args();
     let (cfg, device) = (Config::small(), Device::Cpu);
     let t = cfg.block_size;
@@ -76,6 +77,25 @@ fn iters_from_args() -> usize {
             _ => usage(&format!("--iters takes a positive whole number, got {n:?}")),
         },
         _ => usage(&format!("unknown arguments {args:?}")),
+    }
+}
+
+/// Refuse a `RAYON_NUM_THREADS` the pool cannot start (or would ignore) before candle starts it.
+/// Rayon starts every thread at once, and a pool of 100,000 fails inside candle's first op:
+/// at most 8 per core, and 64. Parsed as rayon-core and candle parse it, untrimmed
+/// (`usize::from_str`), so a value they would ignore for one thread per core (" 1 ") is refused
+/// rather than run with another count than it says.
+fn check_rayon_threads() {
+    let max = std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_mul(8).max(64);
+    let Some(v) = std::env::var_os("RAYON_NUM_THREADS") else { return };
+    if v.to_str().and_then(|s| s.parse::<usize>().ok()).is_none_or(|n| n > max) {
+        let shown: String = v.to_string_lossy().chars().take(40).collect();
+        eprintln!(
+            "lift: RAYON_NUM_THREADS = {shown:?} is not a thread count from 0 (rayon's default: one per core) to {max} \
+             (8 per core here; every thread of the pool is started at once). Fix: unset RAYON_NUM_THREADS, or give a \
+             count up to {max}, with no spaces."
+        );
+        std::process::exit(2);
     }
 }
 
