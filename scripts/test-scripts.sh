@@ -311,6 +311,84 @@ if python3 -c "import torch" 2> /dev/null; then
 else
     expect "torch-reference: PyTorch missing -> exit 2 naming the fix" 2 "pip install torch" "${tr[@]}" --ladder-json "${run_ok[0]}" --weights "$tmp/w.safetensors" --io "$tmp/io.safetensors" --out "$tmp/o.json"
 fi
+# Files checked against the run's shape before PyTorch is imported: a fresh tiny ladder run's when a
+# ladder binary is built (LADDER, or the release build), else a tiny copy of the recorded run and
+# safetensors files written here (the format is an 8-byte header length, a JSON header, the data).
+cat > "$tmp/st.py" << 'EOF'
+import json, struct, sys
+def write(path, shapes):  # shapes: {name: [dims]}, f32 zeros
+    head, off = {}, 0
+    for name, dims in shapes.items():
+        n = 4
+        for d in dims:
+            n *= d
+        head[name] = {"dtype": "F32", "shape": dims, "data_offsets": [off, off + n]}
+        off += n
+    h = json.dumps(head).encode()
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(h)) + h + bytes(off))
+def gpt2(c, ff):
+    return {"h.0.ln_1.weight": [c], "h.0.ln_1.bias": [c], "h.0.attn.c_attn.weight": [c, 3 * c], "h.0.attn.c_attn.bias": [3 * c],
+            "h.0.attn.c_proj.weight": [c, c], "h.0.attn.c_proj.bias": [c], "h.0.ln_2.weight": [c], "h.0.ln_2.bias": [c],
+            "h.0.mlp.c_fc.weight": [c, ff], "h.0.mlp.c_fc.bias": [ff], "h.0.mlp.c_proj.weight": [ff, c], "h.0.mlp.c_proj.bias": [c]}
+kind, path = sys.argv[1], sys.argv[2]
+if kind == "run":  # argv[3]: the recorded run to copy, with a tiny shape
+    run = json.load(open(sys.argv[3]))
+    run["shape"] = {"batch": 2, "seq": 4, "d_model": 8, "n_head": 2, "ff": 32}
+    json.dump(run, open(path, "w"))
+elif kind == "weights":  # argv[3], argv[4]: C and FF
+    write(path, gpt2(int(sys.argv[3]), int(sys.argv[4])))
+elif kind == "io":  # argv[3..5]: B, T, C; argv[6]: "no-y" leaves y out
+    dims = [int(v) for v in sys.argv[3:6]]
+    write(path, {"x": dims} if sys.argv[6:] == ["no-y"] else {"x": dims, "y_stage0_baseline": dims})
+EOF
+ladder_bin=${LADDER:-${CARGO_TARGET_DIR:-$repo/target}/release/ladder}
+tr_in="$tmp/tr"
+mkdir -p "$tr_in"
+if [ -x "$ladder_bin" ] && (cd "$tr_in" && "$ladder_bin" --device cpu --preset tiny --stages 0 --warmup 0 --iters 1 \
+        --json run.json --save-weights w.safetensors --save-output io.safetensors) > "$tmp/out" 2>&1; then
+    ok "torch-reference: a fresh tiny ladder run ($ladder_bin) wrote the files to check"
+    python3 "$tmp/st.py" weights "$tr_in/w-wide.safetensors" 256 512  # C 256 where the run has 128
+    python3 "$tmp/st.py" io "$tr_in/io-no-y.safetensors" 2 64 128 no-y
+else
+    skip "torch-reference: a fresh tiny ladder run" "no ladder binary at $ladder_bin; a tiny copy of the recorded run instead"
+    python3 "$tmp/st.py" run "$tr_in/run.json" "${run_ok[0]}"
+    python3 "$tmp/st.py" weights "$tr_in/w.safetensors" 8 32
+    python3 "$tmp/st.py" io "$tr_in/io.safetensors" 2 4 8
+    python3 "$tmp/st.py" weights "$tr_in/w-wide.safetensors" 16 32
+    python3 "$tmp/st.py" io "$tr_in/io-no-y.safetensors" 2 4 8 no-y
+fi
+tri=(--ladder-json "$tr_in/run.json" --out "$tmp/o.json")
+expect "torch-reference: weights of another width refused, naming the file and the tensor" 2 \
+    "--weights $tr_in/w-wide.safetensors: tensor h.0.ln_1.weight" "${tr[@]}" "${tri[@]}" --weights "$tr_in/w-wide.safetensors" --io "$tr_in/io.safetensors"
+expect "torch-reference: --io without y_stage0_baseline refused" 2 "has no tensor y_stage0_baseline" \
+    "${tr[@]}" "${tri[@]}" --weights "$tr_in/w.safetensors" --io "$tr_in/io-no-y.safetensors"
+head -c 200 "$tr_in/w.safetensors" > "$tr_in/w-cut.safetensors"
+expect "torch-reference: truncated weights refused" 2 "w-cut.safetensors is not a safetensors file" \
+    "${tr[@]}" "${tri[@]}" --weights "$tr_in/w-cut.safetensors" --io "$tr_in/io.safetensors"
+expect "torch-reference: a JSON as --weights refused" 2 "is not a safetensors file" \
+    "${tr[@]}" "${tri[@]}" --weights "$tr_in/run.json" --io "$tr_in/io.safetensors"
+python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); del r["shape"]["ff"]; json.dump(r, open(sys.argv[2], "w"))' \
+    "$tr_in/run.json" "$tr_in/run-no-ff.json"
+expect "torch-reference: a run JSON without its shape's ff refused" 2 "lacks ff" \
+    "${tr[@]}" --ladder-json "$tr_in/run-no-ff.json" --out "$tmp/o.json" --weights "$tr_in/w.safetensors" --io "$tr_in/io.safetensors"
+cp "$tr_in/w.safetensors" "$tr_in/w-locked.safetensors"
+chmod 000 "$tr_in/w-locked.safetensors"
+as_user=()  # root reads files without read permission: as root, the check runs as nobody
+if [ -r "$tr_in/w-locked.safetensors" ] && command -v runuser > /dev/null && [ -x /usr/bin/python3 ]; then
+    chmod 711 "$tmp" "$tr_in" && chmod 644 "$tr_in/run.json" "$tr_in/io.safetensors"
+    as_user=(runuser -u nobody -- /usr/bin/python3)
+elif [ ! -r "$tr_in/w-locked.safetensors" ]; then
+    as_user=(python3)
+fi
+if [ "${#as_user[@]}" = 0 ]; then
+    skip "torch-reference: an unreadable input reported as such" "this user reads files without read permission, and runuser is missing"
+else
+    expect "torch-reference: an unreadable input reported as such" 2 "w-locked.safetensors cannot be read: Permission denied" \
+        "${as_user[@]}" "$repo/scripts/torch-reference.py" "${tri[@]}" --weights "$tr_in/w-locked.safetensors" --io "$tr_in/io.safetensors"
+fi
+chmod 600 "$tr_in/w-locked.safetensors"
+chmod 700 "$tmp"
 [ -e "$tmp/o.json" ] && bad "torch-reference: a refused run writes no --out" "$tmp/o.json exists"
 
 # ---- sass-loops.py ---------------------------------------------------------------------------

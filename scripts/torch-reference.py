@@ -21,8 +21,8 @@ rounds, with the ladder's warm-up and iteration counts and its thread count; on 
 ends with torch.cuda.synchronize() (wall time, as the ladder), fp32 has TF32 off (as stage 0), and
 peak memory is torch.cuda.max_memory_allocated.
 
-Exit code: 0 when every row that ran passed its check, 1 when one failed it, 2 for a usage error
-(arguments, files, torch not installed), before any work. --out is written whole or not at all
+Exit code: 0 when every row that ran passed its check, 1 when one failed it or no row ran, 2 for a
+usage error (arguments, unreadable or mismatched files, torch not installed), before any work. --out is written whole or not at all
 (a temporary file beside it, then renamed) and is never one of the inputs.
 """
 import argparse
@@ -62,6 +62,11 @@ def parse_args():
     for flag, path in [("--ladder-json", a.ladder_json), ("--weights", a.weights), ("--io", a.io)]:
         if not os.path.isfile(path):
             usage(f"{flag} {path} is not a file. Fix: pass the file the ladder run wrote (see --help).")
+        try:
+            open(path, "rb").close()
+        except OSError as e:
+            usage(f"{flag} {path} cannot be read: {e.strerror or e}. Fix: make it readable (e.g. chmod u+r {path}), "
+                  f"or pass a copy you can read.")
     out_dir = os.path.dirname(os.path.abspath(a.out))
     if os.path.isdir(a.out) or not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         usage(f"--out {a.out} is a folder, or its folder does not exist or is not writable. Fix: pass a file path in a writable folder.")
@@ -80,14 +85,93 @@ def load_run(path):
     if not isinstance(run, dict) or run.get("schema") not in SCHEMAS:
         usage(f"--ladder-json {path} has schema {run.get('schema') if isinstance(run, dict) else None!r}, not one of {SCHEMAS}. "
               f"Fix: pass one ladder run's JSON (not a sweep's or a stage binary's).")
-    stage0 = [r for r in run.get("records", []) if r.get("stage") == "stage0_baseline"]
+    records = run.get("records")
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        usage(f"--ladder-json {path} has no list of records. Fix: pass the unedited file `ladder --json PATH` wrote.")
+    for key in ("references", "references_out"):
+        if not isinstance(run.get(key, []), list) or not all(isinstance(r, dict) and isinstance(r.get("stage"), str)
+                                                              for r in run.get(key, [])):
+            usage(f"--ladder-json {path}: {key} is not a list of rows. Fix: pass the unedited file `ladder --json PATH` wrote.")
+    stage0 = [r for r in records if r.get("stage") == "stage0_baseline"]
     if not stage0:
         usage(f"--ladder-json {path} has no stage0_baseline row, so there is no speedup to compute and no reference "
               f"output to check against. Fix: run the ladder with stage 0 (the default --stages).")
+    fields = [(run, "shape", dict), (run, "device", dict), (stage0[0], "warmup", int), (stage0[0], "iters", int),
+              (stage0[0], "timing", dict), (stage0[0], "flops_per_forward", (int, float))]
+    fields += [(run.get("shape"), k, int) for k in ("batch", "seq", "d_model", "n_head", "ff")]
+    fields += [(stage0[0].get("timing"), "median_ms", (int, float))]
+    for obj, key, kind in fields:
+        if not isinstance(obj, dict) or not isinstance(obj.get(key), kind) or isinstance(obj.get(key), bool):
+            usage(f"--ladder-json {path} lacks {key} (or it is not a {getattr(kind, '__name__', 'number')}), which the "
+                  f"PyTorch rows need. Fix: pass the unedited file `ladder --json PATH` wrote.")
     if run["device"].get("kind") not in ("cpu", "cuda"):
         usage(f"--ladder-json records a run on {run['device'].get('kind')!r}; this script times the CPU and CUDA. "
               f"Fix: pass a CPU or CUDA run.")
+    if run["device"]["kind"] == "cpu" and not isinstance(run["device"].get("threads"), int):
+        usage(f"--ladder-json {path} lacks device.threads (the CPU run's thread count). Fix: pass the unedited file "
+              f"`ladder --json PATH` wrote.")
     return run, stage0[0]
+
+
+FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+def safetensors_header(flag, path):
+    """{name: (dtype, shape)} from a safetensors file's header (8-byte little-endian length, then
+    JSON), read without PyTorch so a wrong file is refused before it is imported."""
+    bad = f"{flag} {path} is not a safetensors file"
+    fix = "Fix: pass the file the same ladder run wrote (--save-weights for --weights, --save-output for --io)."
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            n = int.from_bytes(fh.read(8), "little") if size >= 8 else 0
+            if not 0 < n <= min(size - 8, 100 << 20):
+                usage(f"{bad} (its header length {n} does not fit its {size} bytes). {fix}")
+            head = json.loads(fh.read(n))
+    except OSError as e:
+        usage(f"{flag} {path} cannot be read: {e.strerror or e}. Fix: make it readable, or pass a copy you can read.")
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        usage(f"{bad} (its header is not JSON: {e}). {fix}")
+    if not isinstance(head, dict):
+        usage(f"{bad} (its header is not a table of tensors). {fix}")
+    out = {}
+    for name, t in head.items():
+        if name == "__metadata__":
+            continue
+        ok = isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list) \
+            and all(isinstance(d, int) and d >= 0 for d in t["shape"]) and isinstance(t.get("data_offsets"), list) \
+            and len(t["data_offsets"]) == 2 and all(isinstance(o, int) for o in t["data_offsets"])
+        if not ok or not 0 <= t["data_offsets"][0] <= t["data_offsets"][1] <= size - 8 - n:
+            usage(f"{bad} (tensor {name!r} has a malformed entry or lies past the file's end: truncated?). {fix}")
+        out[name] = (t["dtype"], t["shape"])
+    return out
+
+
+def check_inputs(a, shape):
+    """Refuse weights or io tensors whose names, dtypes or shapes are not the run's, naming the
+    file and the tensor, before PyTorch is imported."""
+    b, t, c, ff = shape["batch"], shape["seq"], shape["d_model"], shape["ff"]
+    head = safetensors_header("--weights", a.weights)
+    layers = sorted({k.split(".")[1] for k in head if k.startswith("h.") and k.endswith(".ln_1.weight")})
+    if len(layers) != 1:
+        usage(f"--weights {a.weights} holds layers {layers}, not one. Fix: pass the --save-weights file of the run.")
+    # GPT-2's Conv1D layout, (in, out), as --save-weights writes it.
+    want = {"ln_1.weight": [c], "ln_1.bias": [c], "attn.c_attn.weight": [c, 3 * c], "attn.c_attn.bias": [3 * c],
+            "attn.c_proj.weight": [c, c], "attn.c_proj.bias": [c], "ln_2.weight": [c], "ln_2.bias": [c],
+            "mlp.c_fc.weight": [c, ff], "mlp.c_fc.bias": [ff], "mlp.c_proj.weight": [ff, c], "mlp.c_proj.bias": [c]}
+    expected = {f"h.{layers[0]}.{n}": s for n, s in want.items()}
+    expected_io = {"x": [b, t, c], "y_stage0_baseline": [b, t, c]}
+    for flag, path, tensors, need in [("--weights", a.weights, head, expected),
+                                      ("--io", a.io, safetensors_header("--io", a.io), expected_io)]:
+        for name, dims in need.items():
+            if name not in tensors:
+                usage(f"{flag} {path} has no tensor {name}. Fix: pass the {'--save-weights' if flag == '--weights' else '--save-output'} "
+                      f"file of the same ladder run.")
+            dtype, got = tensors[name]
+            if dtype not in FLOATS or got != dims:
+                usage(f"{flag} {path}: tensor {name} is {dtype} {got}, but the run (B={b} T={t} C={c} FF={ff}) needs a "
+                      f"float tensor of shape {dims}. Fix: pass the files written by the same ladder run as --ladder-json.")
+    return layers[0]
 
 
 def stats(samples):
@@ -131,20 +215,19 @@ VARIANTS = {
 def main():
     a = parse_args()
     run, stage0 = load_run(a.ladder_json)
+    layer = check_inputs(a, run["shape"])
     try:
         import torch
         import torch.nn.functional as F
         from safetensors.torch import load_file
     except ImportError as e:
         usage(f"cannot import PyTorch ({e}). Fix: pip install torch safetensors (a CPU build is enough).")
-    tensors = load_file(a.io)
-    if "x" not in tensors or "y_stage0_baseline" not in tensors:
-        usage(f"--io {a.io} lacks x or y_stage0_baseline. Fix: pass the --save-output file of the same ladder run.")
-    raw = load_file(a.weights)
-    layers = sorted({k.split(".")[1] for k in raw if k.startswith("h.") and k.endswith(".ln_1.weight")})
-    if len(layers) != 1:
-        usage(f"--weights {a.weights} holds layers {layers}, not one. Fix: pass the --save-weights file of the run.")
-    w = {n: raw[f"h.{layers[0]}.{n}"].float() for n in GPT2}
+    try:
+        tensors, raw = load_file(a.io), load_file(a.weights)
+    except Exception as e:  # safetensors raises its own error types; the header was checked above
+        usage(f"cannot load --io {a.io} or --weights {a.weights}: {type(e).__name__}: {e}. Fix: pass the files the same "
+              f"ladder run wrote.")
+    w = {n: raw[f"h.{layer}.{n}"].float() for n in GPT2}
     for n in GPT2:
         if w[n].dim() == 2:
             w[n] = w[n].t().contiguous()  # GPT-2's Conv1D (in, out) to F.linear's (out, in)
@@ -155,9 +238,7 @@ def main():
         usage("--ladder-json records a CUDA run, but this PyTorch sees no CUDA GPU. Fix: run this script on the machine "
               "that recorded the run, with a CUDA build of PyTorch.")
     dev = torch.device(f"cuda:{run['device'].get('ordinal', 0)}" if cuda else "cpu")
-    x, want = tensors["x"].float().to(dev), tensors["y_stage0_baseline"].float()
-    if list(x.shape) != [shape["batch"], shape["seq"], shape["d_model"]]:
-        usage(f"--io's x has shape {list(x.shape)}, but the run's shape is {shape}. Fix: pass files from the same run.")
+    x, want = tensors["x"].float().to(dev), tensors["y_stage0_baseline"].float()  # shapes checked by check_inputs
     w = {n: t.to(dev) for n, t in w.items()}
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as stage 0: TF32 off
@@ -272,7 +353,10 @@ def main():
         fh.write("\n")
     os.replace(tmp, a.out)
     print(f"torch-reference: wrote {a.out} ({len(rows)} PyTorch rows)")
-    sys.exit(1 if failed else 0)
+    if not rows:
+        print(f"torch-reference: no PyTorch row ran ({len(out)} not run, each with its reason above and in "
+              f"references_out). Fix: see the reasons; --variants eager-fp32 needs nothing but PyTorch.", file=sys.stderr)
+    sys.exit(1 if failed or not rows else 0)
 
 
 if __name__ == "__main__":
