@@ -4,10 +4,15 @@
 # code span is `cargo run --release -p CRATE -- ARGS`; it runs as BIN_DIR/CRATE ARGS --preset tiny
 # (ARGS that set a dimension, such as --seq 2048, still win over the preset).
 #
-#   scripts/exercises.sh [BIN_DIR]    # BIN_DIR: the release binaries [target/release]
+#   scripts/exercises.sh [BIN_DIR]    # BIN_DIR: the release binaries [the repository's target/release]
 set -euo pipefail
+# A relative BIN_DIR is the caller's, so it is made absolute before the cd into the repository.
+bin=${1:-}
+if [ -n "$bin" ] && [ "${bin#/}" = "$bin" ]; then
+    bin="$PWD/$bin"
+fi
 cd "$(dirname "$0")/.."
-bin=${1:-target/release}
+bin=${bin:-target/release}
 doc=docs/stages.md
 stages=5
 if [ ! -d "$bin" ]; then

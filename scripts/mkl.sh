@@ -11,6 +11,18 @@
 # mkl-include, intel-openmp); the static MKL is linked into the binary, libiomp5.so is loaded
 # at run time from $MKLROOT/lib (hence LD_LIBRARY_PATH).
 set -euo pipefail
+usage="usage: eval \"\$(scripts/mkl.sh)\"   (installs MKL once into \$SPEEDKIT_MKL_PREFIX [~/.cache/candle-speedkit/mkl] and prints the exports to build with --features mkl); no arguments"
+case "${1-}" in
+    -h | --help)
+        echo "$usage"
+        exit 0
+        ;;
+    "") [ $# -eq 0 ] || { echo "mkl.sh: an empty argument. $usage" >&2; exit 2; } ;;
+    *)
+        echo "mkl.sh: unknown arguments: $*. Fix: run it with none. $usage" >&2
+        exit 2
+        ;;
+esac
 prefix="${SPEEDKIT_MKL_PREFIX:-$HOME/.cache/candle-speedkit/mkl}"
 if [ ! -f "$prefix/lib/libmkl_core.a" ] || [ ! -f "$prefix/include/mkl.h" ] || [ ! -e "$prefix/lib/libiomp5.so" ]; then
     work="$(mktemp -d)"

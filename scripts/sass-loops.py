@@ -10,6 +10,9 @@ count is what one trip issues when every such `if` runs, the count without them 
 
     cuobjdump -sass -fun flash_attn_v2_fwd_bf16_d128 k.cubin | python3 scripts/sass-loops.py
     python3 scripts/sass-loops.py kernel.sass
+
+Exit code: 0 with a loop found, 1 for an input with no SASS or no loop, 2 for a usage error (an
+unknown argument, a file that is missing, a folder, unreadable or not text).
 """
 import collections
 import re
@@ -18,10 +21,47 @@ import sys
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
+USAGE = "usage: sass-loops.py [FILE]  (FILE: `cuobjdump -sass` output of one function; stdin without it or with -)"
+
+
+def refuse(msg: str) -> None:
+    print(f"sass-loops: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def read_input(args: list) -> str:
+    """The listing's text, from the one FILE argument or stdin; a one-line refusal for anything else."""
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\n" + USAGE)
+        sys.exit(0)
+    if len(args) > 1 or (args and args[0].startswith("-") and args[0] != "-"):
+        refuse(f"unexpected arguments {' '.join(args)}. Fix: pass at most one file. {USAGE}")
+    path = args[0] if args and args[0] != "-" else None
+    name = path or "stdin"
+    try:
+        if path is None:
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as fh:
+                data = fh.read()
+    except IsADirectoryError:
+        refuse(f"{path} is a folder, not a SASS listing. Fix: pass one file of `cuobjdump -sass` output.")
+    except FileNotFoundError:
+        refuse(f"{path} does not exist. Fix: pass a file of `cuobjdump -sass` output (see --help).")
+    except OSError as e:
+        refuse(f"cannot read {name}: {e.strerror or e}. Fix: pass a readable file of `cuobjdump -sass` output.")
+    try:
+        if b"\0" in data:
+            raise UnicodeError
+        return data.decode("utf-8")
+    except UnicodeError:
+        refuse(f"{name} is not text (a cubin or other binary?). Fix: disassemble it first: "
+               f"cuobjdump -sass -fun KERNEL FILE.cubin | python3 scripts/sass-loops.py")
+
+
 def main() -> int:
     instrs = []  # (address, opcode, operands)
-    source = open(sys.argv[1], encoding="utf-8") if len(sys.argv) > 1 else sys.stdin
-    for line in source:
+    for line in read_input(sys.argv[1:]).splitlines():
         m = LINE.search(line)
         if m:
             instrs.append((int(m.group(1), 16), m.group(3), m.group(4)))

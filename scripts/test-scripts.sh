@@ -181,6 +181,8 @@ if [ "$(grep -c -- '--preset tiny' "$tmp/ex-calls" 2> /dev/null)" = 5 ] && grep 
 else
     bad "exercises: each command ran as written, plus --preset tiny" "$(cat "$tmp/ex-calls" 2> /dev/null)"
 fi
+# expect runs in $tmp/cwd.N: ../ex-bin is the caller's folder, not one under the repository.
+expect "exercises: a relative BIN_DIR is the caller's folder" 0 "all 5 exercises ran" "${ex[@]}" ../ex-bin
 printf '#!/usr/bin/env bash\nexit 3\n' > "$tmp/ex-bin/stage0_baseline"
 expect "exercises: a failing exercise fails the script" 3 "exercise: cargo run --release -p stage0_baseline" "${ex[@]}" "$tmp/ex-bin"
 
@@ -405,6 +407,20 @@ expect "sass-loops: a loop's instructions, its skippable ones and its HMMA" 0 \
     "loop 0x0010..0x0050: 5 instructions (1 skippable), 2 HMMA, 256 per 128 HMMA without the skippable, 320 with" \
     python3 "$sl" "$tmp/loop.sass"
 expect "sass-loops: no SASS in the input -> exit 1" 1 "no SASS instructions" python3 "$sl" /dev/null
+expect "sass-loops --help: usage, exit 0" 0 "usage: sass-loops.py" python3 "$sl" --help
+expect "sass-loops: a missing file refused" 2 "$tmp/none.sass does not exist" python3 "$sl" "$tmp/none.sass"
+expect "sass-loops: a folder refused" 2 "is a folder" python3 "$sl" "$tmp"
+printf 'ELF\0\377\376binary' > "$tmp/k.cubin"
+expect "sass-loops: binary input refused" 2 "is not text" python3 "$sl" "$tmp/k.cubin"
+expect "sass-loops: two files refused" 2 "unexpected arguments" python3 "$sl" "$tmp/loop.sass" "$tmp/loop.sass"
+
+# ---- mkl.sh: --help and bad arguments before any download ------------------------------------
+rm -f "$tmp/ran"
+mk=(env SPEEDKIT_MKL_PREFIX="$tmp/mkl" bash "$repo/scripts/mkl.sh")
+expect "mkl --help: usage, exit 0" 0 "usage:" "${mk[@]}" --help
+expect "mkl: an unknown argument -> exit 2" 2 "unknown arguments: --prefix" "${mk[@]}" --prefix /opt/mkl
+nothing_ran "mkl: --help and a refusal download nothing"
+[ -e "$tmp/mkl" ] && bad "mkl: --help and a refusal create no prefix" "$tmp/mkl exists"
 
 echo
 echo "test-scripts: $passed passed, $failed failed, $skipped skipped"
