@@ -3,11 +3,10 @@
 --csv`, as gpu-check.sh's attention-kernels step writes them) as one JSON: per kernel and launch
 grid, the median of the launches' gpu__time_duration, the shape the grid stands for, and TFLOP/s.
 
-    scripts/ncu-times.py --batch 8 --heads 32 --d-head 128 ncu-times-v2-bwd.csv ncu-times-v1.csv --json kernel-times.json
+    scripts/ncu-times.py --d-head 128 ncu-times-v2-bwd.csv ncu-times-v1.csv --json kernel-times.json
 
-The grid tells T: v1's forward and the backward launch (T/64, n_head, B) blocks, v2's forward
-(n_head, B, T/128); B, n_head and d_head come from the flags (the run's
-shape). FLOPs, causal (half the T x T products): forward 4·B·n_head·T²·d_head / 2, backward 2.5x
+The grid tells the shape: v1's forward and the backward launch (T/64, n_head, B) blocks, v2's
+forward (n_head, B, T/128); d_head, which no grid shows, comes from the flag. FLOPs, causal (half the T x T products): forward 4·B·n_head·T²·d_head / 2, backward 2.5x
 that (five T x T products against two). Lines that are not CSV (the program's own output, ncu's
 ==PROF== notes) are skipped.
 Exit code: 0, or 2 for a usage error (a missing or empty file, no kernel row), before writing.
@@ -35,8 +34,6 @@ def usage(msg):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("csv", nargs="+", help="ncu --csv output files")
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--heads", type=int, required=True)
     p.add_argument("--d-head", type=int, required=True)
     p.add_argument("--json", help="where to write the table (optional)")
     a = p.parse_args()
@@ -59,17 +56,15 @@ def main():
         usage("no gpu__time_duration.sum rows in the files. Fix: pass the output of ncu --csv --metrics gpu__time_duration.sum.")
     out = []
     for (name, grid), ms in sorted(times.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        tiles = grid[2] if name.startswith("flash_attn_v2_fwd") else grid[0]
-        batch = grid[1] if name.startswith("flash_attn_v2_fwd") else grid[2]
+        # (tiles, n_head, B), or v2's (n_head, B, tiles)
+        tiles, heads, batch = (grid[2], grid[0], grid[1]) if name.startswith("flash_attn_v2_fwd") else grid
         t = tiles * rows_per_block(name)
-        fwd = 4 * batch * a.heads * t * t * a.d_head / 2
+        fwd = 4 * batch * heads * t * t * a.d_head / 2
         flops = 2.5 * fwd if "_bwd_" in name else fwd
         med = statistics.median(ms)
-        out.append({"kernel": name, "grid": list(grid), "batch": batch, "n_head": a.heads, "seq": t, "d_head": a.d_head,
+        out.append({"kernel": name, "grid": list(grid), "batch": batch, "n_head": heads, "seq": t, "d_head": a.d_head,
                     "launches": len(ms), "median_ms": med, "min_ms": min(ms), "max_ms": max(ms), "tflops": flops / med / 1e9})
         print(f"ncu-times: {name:32} B {batch} T {t:5}: {med:9.3f} ms over {len(ms)} launches, {flops / med / 1e9:6.1f} TFLOP/s")
-    if batch != a.batch:
-        print(f"ncu-times: note: the grids say B = {batch}, --batch says {a.batch}; the grids' B is used", file=sys.stderr)
     if a.json:
         doc = {"schema": "candle-speedkit/ncu-times/1", "source": [os.path.basename(c) for c in a.csv],
                "timing": "Nsight Compute gpu__time_duration.sum per launch (--clock-control none), median over launches",

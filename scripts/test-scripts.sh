@@ -159,6 +159,30 @@ else
     bad "gpu-check: ncu and compute-sanitizer get their whole command lines, the ladder and its flags last" "ncu: $(cat "$tmp/ncu.args" 2> /dev/null)"
 fi
 
+# ---- ncu-times.py: the shape from each kernel's grid --------------------------------------------
+nt=(python3 "$repo/scripts/ncu-times.py")
+{
+    echo 'noise from the program'
+    echo '"ID","Kernel Name","Block Size","Grid Size","Metric Name","Metric Unit","Metric Value"'
+    echo '"0","flash_attn_v2_fwd_bf16_d128","(128, 1, 1)","(32, 8, 16)","gpu__time_duration.sum","ns","1,000,000"'
+    echo '"1","flash_attn_bwd_bf16_d128","(128, 1, 1)","(32, 32, 8)","gpu__time_duration.sum","msecond","2"'
+    echo '"2","flash_attn_bwd_bf16_d128","(128, 1, 1)","(32, 32, 8)","gpu__time_duration.sum","msecond","4"'
+} > "$tmp/ncu.csv"
+if "${nt[@]}" --d-head 128 "$tmp/ncu.csv" --json "$tmp/kt.json" > /dev/null 2>&1 && python3 - "$tmp/kt.json" << 'PY'
+import json, sys
+rows = {r["kernel"]: r for r in json.load(open(sys.argv[1]))["rows"]}
+v2, bwd = rows["flash_attn_v2_fwd_bf16_d128"], rows["flash_attn_bwd_bf16_d128"]
+assert (v2["batch"], v2["n_head"], v2["seq"], v2["median_ms"]) == (8, 32, 2048, 1.0), v2
+assert (bwd["batch"], bwd["n_head"], bwd["seq"], bwd["median_ms"], bwd["launches"]) == (8, 32, 2048, 3.0, 2), bwd
+assert abs(bwd["tflops"] - 2.5 * 4 * 8 * 32 * 2048**2 * 128 / 2 / 3.0 / 1e9) < 1e-6
+PY
+then
+    ok "ncu-times: B, n_head and T from each kernel's grid (v2's order differs), the median over launches, TFLOP/s"
+else
+    bad "ncu-times: B, n_head and T from each kernel's grid (v2's order differs), the median over launches, TFLOP/s" "$(cat "$tmp/kt.json" 2> /dev/null)"
+fi
+expect "ncu-times: a file with no ncu rows refused" 2 "no CSV rows" "${nt[@]}" --d-head 128 "$tmp/afile"
+
 # ---- sdpa-bench.py: refusals before any work ---------------------------------------------------
 sb=(python3 "$repo/scripts/sdpa-bench.py")
 expect "sdpa-bench: a --seq that is not a list of integers refused" 2 "is not a list of integers" "${sb[@]}" --seq 512,x
