@@ -671,10 +671,11 @@ fn check_ablate(args: &RunArgs, stages: &[Box<dyn Stage>], which: &[usize]) -> a
     if !undoable {
         let names: Vec<&str> = which.iter().map(|&i| stages[i].name()).collect();
         anyhow::bail!(SpeedkitError::usage(format!(
-            "--ablate times each stage with one of its changes undone (stage 2's head split/merge, stage 3's fusions, \
-             stage 4's FP8 fusions), but none of the stages in this run ({}) has a change to undo on this device with \
-             these flags, so it would add no rows. Fix: include stage 2, 3 or 4 in --stages (with some --fusions or \
-             --fp8-fusions on), or drop --ablate.",
+            "--ablate times each stage with one of its changes undone (on a CPU stage 0's engine passes, stage 2's head \
+             split/merge and kernel, stage 3's fusions, stage 4's FP8 fusions), but none of the stages in this run ({}) \
+             has a change to undo on this device with these flags, so it would add no rows. Fix: include stage 2, 3 or 4 \
+             in --stages (with some --fusions or --fp8-fusions on), or stage 0 on a CPU without --elementwise candle, or \
+             drop --ablate.",
             names.join(", ")
         )));
     }

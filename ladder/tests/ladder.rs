@@ -180,22 +180,21 @@ fn breakdown_ablation_noise_and_roofline_end_to_end_on_tiny() {
         assert_eq!(r.timing.samples_ms.len(), 2, "{}", r.stage);
     }
 
-    // Ablation: stage 2 with its copies kept and with its row-wise CPU kernel, stage 3 without each fusion and with threads and
-    // SIMD only (no fusion: the CPU's share of the step from 2 to 3 that is not fusion), stage 4
-    // without each of its FP8 producer fusions, each measured and checked, each priced against
-    // the stage as written. (Stage 2 runs candle's element-wise ops by default, as stage 1 does,
-    // so there is no element-wise row for it unless --elementwise parallel.)
+    // Ablation: stage 0 on candle's element-wise ops (what the engine's passes buy every stage),
+    // stage 2 with its copies kept and with its row-wise CPU kernel, stage 3 without each fusion
+    // (its slow twin on the same engine), stage 4 without each of its FP8 producer fusions, each
+    // measured and checked, each priced against the stage as written.
     let changes: Vec<(&str, &str)> = report.ablation.iter().map(|a| (a.against.as_str(), a.change.as_str())).collect();
     assert_eq!(
         changes,
         [
+            ("stage0_baseline", "candle's element-wise ops"),
             ("stage2_sdpa", "head split/merge copies kept"),
             ("stage2_sdpa", "row-wise online softmax, no register tiles"),
             ("stage3_fused", "without ln"),
             ("stage3_fused", "without qkv"),
             ("stage3_fused", "without epilogue"),
             ("stage3_fused", "without add-ln"),
-            ("stage3_fused", "threads and SIMD only"),
             ("stage4_fp8", "without fp8 ln"),
             ("stage4_fp8", "without fp8 fc1"),
         ]
@@ -235,7 +234,7 @@ fn breakdown_ablation_noise_and_roofline_end_to_end_on_tiny() {
     // drawn once per precision measured: fp32, and bf16 where a bf16 unit ran the bf16 rows;
     // the emulated FP8 stage gets no roof of its own.
     let roofs: Vec<&String> = roof.iter().filter(|t| t.contains(" peak ") && t.ends_with("GFLOP/s")).collect();
-    let bf16_unit = stage1_tensorcore::bf16_gemm::Kernel::detect().is_native();
+    let bf16_unit = cpu_kernels::bf16_gemm::Kernel::detect().is_native();
     assert_eq!(roofs.len(), 1 + bf16_unit as usize, "{roof:?}");
     assert!(roofs.iter().any(|r| r.starts_with("fp32")) && !roofs.iter().any(|r| r.contains("fp8")), "{roofs:?}");
     assert_eq!(roofs.iter().any(|r| r.starts_with("bf16")), bf16_unit, "{roofs:?}");
@@ -466,7 +465,7 @@ fn report_lists_every_stage_with_its_reason() {
         assert!(o.stdout.contains(spec.name()), "{} missing:\n{}", spec.name(), o.stdout);
     }
     let why =
-        if stage1_tensorcore::bf16_gemm::Kernel::detect().is_native() { "auto on CPU: this CPU's" } else { "auto on CPU: no bf16 units" };
+        if cpu_kernels::bf16_gemm::Kernel::detect().is_native() { "auto on CPU: this CPU's" } else { "auto on CPU: no bf16 units" };
     assert!(o.stdout.contains(why), "{}", o.stdout);
     // An override the device cannot do is reported per stage, not a crash.
     let o = ladder(&["report", "--preset", "tiny", "--precision", "tf32"]);

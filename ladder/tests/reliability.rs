@@ -289,7 +289,7 @@ fn edited_regimes_are_recomputed_on_render() {
 fn class_h_ablate_with_nothing_to_undo() {
     let d = scratch("r3h");
     for extra in [
-        &["--stages", "0"][..],
+        &["--stages", "0", "--elementwise", "candle"][..], // the engine's passes are the only thing stage 0 undoes
         &["--stages", "3", "--fusions", "none"],
         &["--stages", "4", "--fp8-recipe", "current"], // current scaling runs no FP8 fusion
         &["--stages", "4", "--fp8-fusions", "none"],

@@ -23,6 +23,10 @@ pub struct PartTime {
     pub samples_ms: Vec<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub regime: Option<crate::regime::PartRegime>,
+    /// The kernels this part ran, in order ("name ×n" for n runs), as each code path named itself
+    /// when it executed (`cpu_kernels::trace`): what ran, not what the flags asked for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kernels: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -40,7 +44,7 @@ impl Breakdown {
     fn from_samples(parts: Vec<(String, Vec<f64>)>, total: Vec<f64>, iters: usize, method: String) -> Breakdown {
         let part = |(name, samples)| {
             let Stats { median_ms, p10_ms, p90_ms, samples_ms, .. } = Stats::from_samples(samples);
-            PartTime { name, median_ms, p10_ms, p90_ms, samples_ms, regime: None }
+            PartTime { name, median_ms, p10_ms, p90_ms, samples_ms, regime: None, kernels: Vec::new() }
         };
         let Stats { median_ms: total_ms, samples_ms: total_samples_ms, .. } = Stats::from_samples(total);
         Breakdown { parts: parts.into_iter().map(part).collect(), total_ms, total_samples_ms, iters, method }
@@ -57,6 +61,8 @@ struct Recorder {
     device: Device,
     /// (part, when it began), in order.
     marks: Vec<(&'static str, Clock)>,
+    /// The kernels each closed part ran, in order (`cpu_kernels::trace`).
+    kernels: Vec<Vec<String>>,
 }
 
 thread_local! {
@@ -76,6 +82,10 @@ const TIMING_EVENT: candle_core::cuda::cudarc::driver::sys::CUevent_flags =
 impl Recorder {
     /// Close the open part (if any) and open `next` (if any).
     fn boundary(&mut self, next: Option<&'static str>) -> Result<()> {
+        let ran = cpu_kernels::trace::take(); // what the part now closing ran
+        if !self.marks.is_empty() {
+            self.kernels.push(ran);
+        }
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = &self.device {
             let event = d.cuda_stream().record_event(Some(TIMING_EVENT)).map_err(candle_core::Error::wrap)?;
@@ -106,13 +116,18 @@ impl Recorder {
 pub fn record(device: &Device, warmup: usize, iters: usize, mut forward: impl FnMut() -> Result<Tensor>) -> Result<Breakdown> {
     let method = if device.is_cuda() { "a CUDA event" } else { "device synchronize" };
     let mut samples = Vec::with_capacity(iters);
+    let mut kernels = Vec::new();
     for i in 0..warmup + iters {
-        RECORDER.with(|r| *r.borrow_mut() = Some(Recorder { device: device.clone(), marks: Vec::new() }));
+        RECORDER.with(|r| *r.borrow_mut() = Some(Recorder { device: device.clone(), marks: Vec::new(), kernels: Vec::new() }));
+        cpu_kernels::trace::start();
         let y = forward();
         // The recorder comes off whatever the forward did; the forward's end closes the last part.
         let mut rec = RECORDER.with(|r| r.borrow_mut().take()).expect("the recorder installed above");
+        let closed = if y.is_ok() { rec.boundary(None) } else { Ok(()) };
+        cpu_kernels::trace::stop(); // recording ends whatever the forward did
         let y = y?;
-        rec.boundary(None)?;
+        closed?;
+        kernels = std::mem::take(&mut rec.kernels);
         drop(y);
         let times = rec.times()?;
         if times.is_empty() {
@@ -122,7 +137,11 @@ pub fn record(device: &Device, warmup: usize, iters: usize, mut forward: impl Fn
             samples.push(times);
         }
     }
-    summarise(&samples, iters, format!("instrumented: {method} at each part boundary"))
+    let mut b = summarise(&samples, iters, format!("instrumented: {method} at each part boundary"))?;
+    for (part, ran) in b.parts.iter_mut().zip(kernels) {
+        part.kernels = ran;
+    }
+    Ok(b)
 }
 
 /// Per-part percentiles and the median total of per-iteration (part, ms) lists.

@@ -5,7 +5,9 @@ use crate::device::DeviceRequest;
 use crate::error::{classify, SpeedkitError};
 use crate::preset::Preset;
 use crate::stage::{Precision, PrecisionRequest};
+use clap::builder::TypedValueParser;
 use clap::ValueEnum;
+use cpu_kernels::elementwise::Elementwise;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -54,6 +56,9 @@ pub struct RunArgs {
     /// Timed iterations, at least 1 [default: 10 on CPU, 50 on GPU]
     #[arg(long, env = "SPEEDKIT_ITERS")]
     pub iters: Option<usize>,
+    /// CPU element-wise work (LayerNorm, GELU, bias, residual, casts) of every stage: parallel (the engine's passes, multi-threaded and vectorised, one per op) or candle (candle's own ops, single-threaded), to measure what the engine buys
+    #[arg(long, env = "SPEEDKIT_ELEMENTWISE", default_value = "parallel", value_parser = clap::builder::PossibleValuesParser::new(["parallel", "candle"]).map(|s| if s == "candle" { Elementwise::Candle } else { Elementwise::Parallel }))]
+    pub elementwise: Elementwise,
     /// Seed for the weights and the input (same seed, same block, on every device)
     #[arg(long, env = "SPEEDKIT_SEED", default_value_t = 0)]
     pub seed: u64,

@@ -74,6 +74,7 @@ pub struct Resolved {
 /// Resolve device and shape: the preset, then the files (weights fix C and FF, the input B
 /// and T), then the flags; then validate the shape.
 pub fn resolve(args: &RunArgs) -> anyhow::Result<Resolved> {
+    cpu_kernels::elementwise::set_mode(args.elementwise); // every stage and block from here on reads it
     validate(args)?;
     let (device, info) = device::select(args.device)?;
     let preset = args.preset.unwrap_or(if info.is_cuda() { Preset::Te } else { Preset::Small });

@@ -1,95 +1,44 @@
-//! Stage 0's block for the runner and the ladder: the weights as the baseline holds them, and
-//! the forward, every op from `crate`'s primitives.
+//! Stage 0's block: the weights as the baseline holds them, and the forward, every op from
+//! `crate`'s primitives — on a CPU each element-wise one a pass of the engine
+//! (`cpu_kernels::elementwise`, multi-threaded and vectorised, one pass per op), its GEMMs
+//! candle's f32 matmul.
 
-use crate::{attention, causal_mask, gelu_tanh, layer_norm, linear};
+use crate::{attention, causal_mask, Baseline};
 use candle_core::Tensor;
+use cpu_kernels::bf16_gemm::PackedWeight;
+use cpu_kernels::elementwise::{self as ew, gelu_tanh, layer_norm, linear, Elementwise, LN_EPS};
 use shared::breakdown::part;
-use shared::device::{DeviceInfo, GemmSwitches};
-use shared::perf::Traffic;
-use shared::stage::{PrecisionChoice, Rebuild};
-use shared::{BlockWeights, Forward, Plan, Precision, PrecisionRequest, Shape, SpeedkitError, Stage, StageEntry};
+use shared::{BlockWeights, Forward, Plan, Stage};
 
 pub struct Block {
-    ln1_g: Tensor,  // (C)
-    ln1_b: Tensor,  // (C)
-    w_q: Tensor,    // (C, C)
-    b_q: Tensor,    // (C)
-    w_k: Tensor,    // (C, C)
-    b_k: Tensor,    // (C)
-    w_v: Tensor,    // (C, C)
-    b_v: Tensor,    // (C)
-    w_proj: Tensor, // (C, C)
-    b_proj: Tensor, // (C)
-    ln2_g: Tensor,  // (C)
-    ln2_b: Tensor,  // (C)
-    w_fc1: Tensor,  // (FF, C)
-    b_fc1: Tensor,  // (FF)
-    w_fc2: Tensor,  // (C, FF)
-    b_fc2: Tensor,  // (C)
+    ln1_g: Tensor,        // (C)
+    ln1_b: Tensor,        // (C)
+    w_q: PackedWeight,    // (C, C) f32
+    b_q: Tensor,          // (C)
+    w_k: PackedWeight,    // (C, C)
+    b_k: Tensor,          // (C)
+    w_v: PackedWeight,    // (C, C)
+    b_v: Tensor,          // (C)
+    w_proj: PackedWeight, // (C, C)
+    b_proj: Tensor,       // (C)
+    ln2_g: Tensor,        // (C)
+    ln2_b: Tensor,        // (C)
+    w_fc1: PackedWeight,  // (FF, C)
+    b_fc1: Tensor,        // (FF)
+    w_fc2: PackedWeight,  // (C, FF)
+    b_fc2: Tensor,        // (C)
     n_head: usize,
-    mask: Tensor, // (T, T): 0 on and below the diagonal, -inf above
-}
-
-/// Stage 0 as the runner and the ladder see it: no flags of its own.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Baseline;
-
-/// How a binary or the ladder finds stage 0.
-pub const STAGE: StageEntry = StageEntry { args: |c| c, make: |_| Ok(Box::new(Baseline)) };
-
-impl Stage for Baseline {
-    fn name(&self) -> &'static str {
-        "stage0_baseline"
-    }
-
-    fn technique(&self) -> &'static str {
-        "fp32, every op spelled out, full T x T attention"
-    }
-
-    fn own_precision(&self) -> Option<Precision> {
-        Some(Precision::Fp32)
-    }
-
-    fn choose_precision(&self, _info: &DeviceInfo, requested: PrecisionRequest) -> Result<PrecisionChoice, SpeedkitError> {
-        match requested {
-            PrecisionRequest::Auto | PrecisionRequest::Exactly(Precision::Fp32) => {
-                Ok((Precision::Fp32, "the baseline is fp32 by definition (TF32 off)".into()))
-            }
-            PrecisionRequest::Exactly(p) => Err(SpeedkitError::usage(format!(
-                "stage0_baseline runs fp32 only (it is the reference), but --precision {p} was given. \
-                 Fix: drop --precision here, or run stage 1 and later, where lower precision is the technique."
-            ))),
-        }
-    }
-
-    fn switches(&self, _plan: &Plan) -> GemmSwitches {
-        GemmSwitches::OFF
-    }
-
-    fn build(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
-        Ok(Box::new(Block::build(w, plan)?))
-    }
-
-    fn check_train(&self, _plan: &Plan) -> Result<(), SpeedkitError> {
-        Ok(()) // candle's autograd differentiates every primitive op of the forward
-    }
-
-    fn build_train(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
-        Ok(Box::new(Rebuild { stage: Baseline, weights: w.clone(), plan: plan.clone() }))
-    }
-
-    fn traffic(&self, shape: &Shape, p: Precision, act: f64) -> f64 {
-        let t = Traffic::new(shape, p, act);
-        t.gemms + t.naive_attention + t.unfused
-    }
+    mask: Tensor,    // (T, T): 0 on and below the diagonal, -inf above
+    ew: Elementwise, // the engine's passes, or candle's ops (`--elementwise`)
 }
 
 impl Block {
-    pub fn build(w: &BlockWeights, plan: &Plan) -> anyhow::Result<Block> {
+    pub fn build(w: &BlockWeights, plan: &Plan, ew: Elementwise) -> anyhow::Result<Block> {
         Baseline.switches(plan).apply();
         let c = plan.shape.d_model;
         // Three separate projections, as a first implementation would write them.
-        let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| t.contiguous()); // (C, C)
+        let pack = |t: &Tensor| PackedWeight::new(&t.contiguous()?); // f32: held as it is, candle's matmul runs it
+        let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| pack(&t)); // (C, C)
         let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.contiguous()); // (C)
         Ok(Block {
             ln1_g: w.ln1_g.clone(),
@@ -100,37 +49,45 @@ impl Block {
             b_k: bias(1)?,
             w_v: rows(2)?,
             b_v: bias(2)?,
-            w_proj: w.w_proj.clone(),
+            w_proj: pack(&w.w_proj)?,
             b_proj: w.b_proj.clone(),
             ln2_g: w.ln2_g.clone(),
             ln2_b: w.ln2_b.clone(),
-            w_fc1: w.w_fc1.clone(),
+            w_fc1: pack(&w.w_fc1)?,
             b_fc1: w.b_fc1.clone(),
-            w_fc2: w.w_fc2.clone(),
+            w_fc2: pack(&w.w_fc2)?,
             b_fc2: w.b_fc2.clone(),
             n_head: plan.shape.n_head,
             mask: causal_mask(plan.shape.seq, &plan.device)?,
+            ew,
         })
+    }
+
+    /// Causal self-attention over the full (B, n_head, T, T) score matrix (`crate::attention`).
+    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+        cpu_kernels::trace::ran("attention: materialised scores (candle ops)");
+        attention(q, k, v, self.n_head, &self.mask) // (B, T, C)
     }
 }
 
 impl Forward for Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let e = self.ew;
         part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
-        let h = layer_norm(x, &self.ln1_g, &self.ln1_b)?; // (B, T, C)
+        let h = layer_norm(x, &self.ln1_g, &self.ln1_b, LN_EPS, e)?; // (B, T, C)
         part("qkv")?;
-        let q = linear(&h, &self.w_q, &self.b_q)?; // (B, T, C)
-        let k = linear(&h, &self.w_k, &self.b_k)?;
-        let v = linear(&h, &self.w_v, &self.b_v)?;
+        let q = linear(&h, &self.w_q, &self.b_q, e)?; // (B, T, C)
+        let k = linear(&h, &self.w_k, &self.b_k, e)?;
+        let v = linear(&h, &self.w_v, &self.b_v, e)?;
         part("attention")?;
-        let a = attention(&q, &k, &v, self.n_head, &self.mask)?; // (B, T, C)
+        let a = self.attention(&q, &k, &v)?; // (B, T, C)
         part("proj+residual")?;
-        let x = (x + linear(&a, &self.w_proj, &self.b_proj)?)?;
+        let x = ew::add(x, &linear(&a, &self.w_proj, &self.b_proj, e)?, e)?;
         part("ln2")?;
-        let h = layer_norm(&x, &self.ln2_g, &self.ln2_b)?;
+        let h = layer_norm(&x, &self.ln2_g, &self.ln2_b, LN_EPS, e)?;
         part("fc1+gelu")?;
-        let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1)?)?; // (B, T, FF)
+        let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1, e)?, e)?; // (B, T, FF)
         part("fc2+residual")?;
-        x + linear(&m, &self.w_fc2, &self.b_fc2)?
+        ew::add(&x, &linear(&m, &self.w_fc2, &self.b_fc2, e)?, e)
     }
 }

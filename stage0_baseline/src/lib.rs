@@ -21,7 +21,11 @@
 #[cfg(feature = "harness")]
 mod block;
 #[cfg(feature = "harness")]
-pub use block::{Baseline, Block, STAGE};
+mod stage;
+#[cfg(feature = "harness")]
+pub use block::Block;
+#[cfg(feature = "harness")]
+pub use stage::{elementwise_label, Baseline, BaselineCandleOps, STAGE};
 
 use candle_core::{Tensor, D};
 

@@ -103,7 +103,7 @@ fn stage0_matches_f64_loops_on_tiny() {
     let shape = Preset::Tiny.shape();
     let w = BlockWeights::from_seed(&shape, 42).unwrap();
     let x = random_input(&shape, 42).unwrap();
-    let y = host(&Block::build(&w, &plan(shape)).unwrap().forward(&x).unwrap());
+    let y = host(&Block::build(&w, &plan(shape), Default::default()).unwrap().forward(&x).unwrap());
     let r = block_f64(&shape, &w, &host(&x));
     let e = rel_err(&y, &r);
     assert!(e < 1e-5, "relative error {e}");
@@ -117,7 +117,7 @@ fn stage0_matches_f64_loops_on_odd_shape() {
     let shape = Shape { batch: 3, seq: 7, d_model: 12, n_head: 1, ff: 20 };
     let w = BlockWeights::from_seed(&shape, 1).unwrap();
     let x = random_input(&shape, 1).unwrap();
-    let y = host(&Block::build(&w, &plan(shape)).unwrap().forward(&x).unwrap());
+    let y = host(&Block::build(&w, &plan(shape), Default::default()).unwrap().forward(&x).unwrap());
     let e = rel_err(&y, &block_f64(&shape, &w, &host(&x)));
     assert!(e < 1e-5, "relative error {e}");
 }
@@ -132,8 +132,8 @@ fn weights_round_trip_through_safetensors_gives_identical_output() {
     let path = dir.join("layer.safetensors");
     w.save_gpt2(&path, 0, shape.n_head).unwrap();
     let (back, _) = BlockWeights::load_gpt2(&path, Some(0)).unwrap();
-    let y1 = host(&Block::build(&w, &plan(shape)).unwrap().forward(&x).unwrap());
-    let y2 = host(&Block::build(&back, &plan(shape)).unwrap().forward(&x).unwrap());
+    let y1 = host(&Block::build(&w, &plan(shape), Default::default()).unwrap().forward(&x).unwrap());
+    let y2 = host(&Block::build(&back, &plan(shape), Default::default()).unwrap().forward(&x).unwrap());
     assert_eq!(y1, y2);
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -39,16 +39,19 @@
 //! bf16` (CPU as one without bf16 units: bf16 numerics, converted) ·
 //! `cargo run --release --features cuda -p stage1_tensorcore -- --device cuda` (GPU, auto).
 
-pub mod bf16_gemm;
 pub mod loss_scale;
 pub mod precision;
 
 #[cfg(feature = "harness")]
 mod block;
 #[cfg(feature = "harness")]
-pub use block::{register_bf16_ceiling, Block, LossScaledAdamW, TensorCore, STAGE};
+mod stage;
+#[cfg(feature = "harness")]
+pub use block::Block;
+#[cfg(feature = "harness")]
+pub use stage::{register_bf16_ceiling, LossScaledAdamW, TensorCore, STAGE};
 
-use bf16_gemm::PackedWeight;
+use cpu_kernels::bf16_gemm::{self, PackedWeight};
 use candle_core::{DType, Tensor};
 use stage0_baseline::{causal_mask, merge_heads, softmax, split_heads};
 

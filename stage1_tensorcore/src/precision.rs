@@ -18,7 +18,7 @@
 //! softmax and the residual stream in f32 as stage 1 does). The rest of this file is the
 //! benchmark's version, which also explains its choice and refuses impossible requests.
 
-use crate::bf16_gemm::Kernel;
+use cpu_kernels::bf16_gemm::Kernel;
 use candle_core::{DType, Device};
 #[cfg(feature = "harness")]
 use shared::device::{DeviceInfo, GemmSwitches};

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use shared::weights::SplitMix64;
-use stage1_tensorcore::bf16_gemm::{self, Kernel};
+use cpu_kernels::bf16_gemm::{self, Kernel};
 
 /// max |a − b| / max |b|.
 fn rel_max(a: &Tensor, b: &Tensor) -> f32 {

@@ -3,7 +3,7 @@
 //! overrides the device cannot honour exit 2 with the reason; bf16 without a bf16 unit runs
 //! converted and says it is slower there.
 
-use stage1_tensorcore::bf16_gemm::Kernel;
+use cpu_kernels::bf16_gemm::Kernel;
 use std::process::{Command, Output};
 
 fn run_with(cpu_bf16: &str, args: &[&str]) -> Output {

@@ -8,7 +8,7 @@
 //! This file holds the host side: the launch arithmetic — grid, threads, shared memory, tiles
 //! skipped, occupancy — as pure functions tested on any machine, and, with the `cuda` feature,
 //! the launch itself: the cubin that `build.rs` compiled with nvcc for the device's
-//! architecture, loaded once per device (`crate::cubin`) and launched on candle's stream as the
+//! architecture, loaded once per device (`kernel_build::cubin`) and launched on candle's stream as the
 //! `cuda_fwd` of the same candle op (`attention::FlashAttn`) whose `cpu_fwd` is the CPU kernel.
 //!
 //! Layout: (B, T, n_head, d_head), read through strides, so a view costs nothing: stage 2's
@@ -245,7 +245,7 @@ pub fn built_archs() -> Vec<u32> {
 mod launch {
     use super::{kernel_name, kernel_strides, launch_config};
     use crate::attention::AttentionKernel;
-    use crate::cubin::{function, Cubins};
+    use kernel_build::cubin::{function, Cubins};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
     use candle_core::cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut};

@@ -4,7 +4,8 @@
 //! `elementwise`) depend on candle alone.
 
 use crate::attention::{AttentionKernel, Implementation};
-use crate::{attention_cuda, cubin};
+use crate::attention_cuda;
+use kernel_build::cubin;
 use candle_core::Device;
 use shared::device::DeviceInfo;
 use shared::train::TrainBytes;

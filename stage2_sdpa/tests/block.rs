@@ -68,14 +68,14 @@ fn binary_runs_and_names_its_attention() {
     std::fs::remove_file(&json).ok();
     assert!(record.contains(r#""implementation": "speedkit cpu attn (register-blocked CPU kernel)""#), "{record}");
     // A head size the register kernel has no body for runs the tile-GEMM kernel, and says so;
-    // --elementwise parallel is in the label too.
+    // --elementwise candle (candle's ops instead of the engine's passes) is in the label too.
     let o = Command::new(env!("CARGO_BIN_EXE_stage2_sdpa"))
-        .args(["--preset", "tiny", "--warmup", "0", "--iters", "1", "--heads", "8", "--elementwise", "parallel"])
+        .args(["--preset", "tiny", "--warmup", "0", "--iters", "1", "--heads", "8", "--elementwise", "candle"])
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
-    assert!(out.contains("tile-GEMM CPU kernel at d_head 16") && out.contains("elementwise parallel"), "{out}");
+    assert!(out.contains("tile-GEMM CPU kernel at d_head 16") && out.contains("candle's element-wise ops"), "{out}");
 }
 
 /// A flag this device cannot honour is refused in the plan, before weights, the reference or

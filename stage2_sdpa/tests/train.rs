@@ -1,16 +1,12 @@
 //! Stage 2 trains through the contract (`build_train`, `optimizer`): its block gradients, through
 //! the fused attention's FlashAttention-2 backward, against stage 0's autograd at every
-//! precision it runs on the CPU; one optimizer step against `candle_nn::AdamW`; and the refusal
-//! of what cannot train.
+//! precision it runs on the CPU; one optimizer step against `candle_nn::AdamW`.
 
 #[path = "../../stage0_baseline/tests/support/train.rs"]
 mod train;
 
-use shared::device::{select, DeviceRequest};
-use shared::stage::plan;
-use shared::{Precision, PrecisionRequest, Preset};
-use stage2_sdpa::elementwise::Elementwise;
-use stage2_sdpa::{Args, Sdpa};
+use shared::Precision;
+use stage2_sdpa::Sdpa;
 
 #[test]
 fn block_gradients_match_stage_0_autograd_on_tiny() {
@@ -37,14 +33,4 @@ fn one_step_matches_candle_adamw() {
         let (name, skipped) = train::step_matches_candle_adamw(&Sdpa::default(), p, 0.0);
         assert_eq!((name.as_str(), skipped), ("candle-nn AdamW", 0));
     }
-}
-
-#[test]
-fn elementwise_parallel_is_refused_for_training() {
-    let (device, info) = select(DeviceRequest::Cpu).unwrap();
-    let stage = Sdpa { args: Args { elementwise: Elementwise::Parallel, ..Args::default() }, ..Sdpa::default() };
-    let asked = PrecisionRequest::Exactly(Precision::Fp32);
-    let e = plan(&stage, &device, &info, Preset::Tiny.shape(), asked, asked, false, true).unwrap_err().to_string();
-    assert!(e.contains("--elementwise parallel") && e.contains("Fix:"), "{e}");
-    assert!(plan(&stage, &device, &info, Preset::Tiny.shape(), asked, asked, false, false).is_ok(), "the forward still runs it");
 }

@@ -4,7 +4,7 @@
 //!   i.e. the GEMM backend this build uses, and attention's Q·Kᵀ and P·V per head through the gemm
 //!   crate, rayon over heads (`shared::ceiling::attention_gemms`, as stage 2's kernel runs them) (`gemm` x86-v4 by default; MKL with `--features mkl`, after `eval "$(scripts/mkl.sh)"`).
 //!   Throughput is in FLOPs, so criterion prints GFLOP/s as "Gelem/s".
-//! - `elementwise`: `stage2_sdpa::elementwise` (parallel, vectorised, one pass per op) against its
+//! - `elementwise`: `cpu_kernels::elementwise` (parallel, vectorised, one pass per op) against its
 //!   slow twin, candle's own ops (`Elementwise::Candle`): LayerNorm, GELU, bias add, cast.
 //! - `fused`: stage 3's fused ops against their slow twins beside them in `ops.rs` (plain candle ops).
 //!
@@ -13,7 +13,7 @@
 use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use shared::weights::SplitMix64;
-use stage2_sdpa::elementwise::{self as ew, Elementwise};
+use cpu_kernels::elementwise::{self as ew, Elementwise};
 use std::time::Duration;
 
 const C: usize = 768;

@@ -28,7 +28,7 @@
 use crate::ops::{f32_values, ROWS_PER_TASK};
 use candle_core::{DType, Device, Storage, Tensor, Var, D};
 use rayon::prelude::*;
-use stage2_sdpa::elementwise::{exp_f32, row_stats, RowStats};
+use cpu_kernels::elementwise::{exp_f32, row_stats, RowStats};
 
 // ---------------------------------------------------------------------------------------------
 // LayerNorm

@@ -1,9 +1,9 @@
 //! The CUDA forwards of the fused ops (`ops.rs` holds the custom ops that call them): cuBLASLt
 //! GEMMs with epilogues, and the residual-add + LayerNorm kernel (`kernels/add_layer_norm.cu`,
 //! compiled to a cubin per architecture by build.rs, loaded once per device by
-//! `stage2_sdpa::cubin`).
+//! `kernel_build::cubin`).
 
-use crate::cublaslt_model::{DataType, Epilogue as ModelEpilogue};
+use cublaslt_model::{DataType, Epilogue as ModelEpilogue};
 use crate::device_cache::{Cache, DeviceKey};
 use crate::gemm_args::{linear_args, LinearKind};
 use crate::ops::Epilogue;
@@ -13,7 +13,7 @@ use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRe
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, DeviceId};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Storage, Tensor};
-use stage2_sdpa::cubin::{function, Cubins};
+use kernel_build::cubin::{function, Cubins};
 use std::sync::Arc;
 
 fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {

@@ -14,7 +14,7 @@
 //! `tests/cublaslt_backward.rs`); this file turns them into descriptors and launches on candle's
 //! stream with the handle `cuda::lt` keeps. Compiled, not run on a GPU.
 
-use crate::cublaslt_model::{DataType, Epilogue, MatmulArgs};
+use cublaslt_model::{DataType, Epilogue, MatmulArgs};
 use crate::cuda::{cuda_view, device_key, lt, view, wrap};
 use crate::device_cache::{Cache, DeviceKey};
 use crate::gemm_args::{alignments, dgrad_args, linear_args, wgrad_args, LinearKind};
@@ -86,7 +86,7 @@ fn model_type(dt: DType) -> candle_core::Result<DataType> {
     })
 }
 
-fn layout(l: &crate::cublaslt_model::MatrixLayout) -> candle_core::Result<MatLayout> {
+fn layout(l: &cublaslt_model::MatrixLayout) -> candle_core::Result<MatLayout> {
     result::create_matrix_layout(cuda_type(l.dtype)?, l.rows, l.cols, l.ld).map(MatLayout).map_err(|e| err("matrix layout", e))
 }
 

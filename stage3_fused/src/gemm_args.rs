@@ -1,5 +1,5 @@
 //! The arguments of stage 3's cuBLASLt GEMMs, worked out as a pure function so they can be
-//! executed on the CPU by `crate::cublaslt_model` and compared with each op's slow twin
+//! executed on the CPU by `cublaslt_model` and compared with each op's slow twin
 //! (`tests/cublaslt_contract.rs`); `cuda.rs` only copies them into cudarc's `MatmulConfig`.
 //!
 //! We want y (M × N, row-major) = x (M × K) · Wᵀ + b, M = B·T tokens. cuBLASLt is column-major,
@@ -25,7 +25,7 @@
 //!   the "NT" weight-gradient GEMM. The GEMM's k is M (tokens), so BGRADB — the sum over k of
 //!   op(B) = dz, one value per column of D = per output feature — is db = Σ_tokens dz.
 
-use crate::cublaslt_model::{AuxLayout, DataType, Epilogue, MatmulArgs, MatrixLayout};
+use cublaslt_model::{AuxLayout, DataType, Epilogue, MatmulArgs, MatrixLayout};
 
 /// What stage 3 asks the GEMM to do after x·Wᵀ.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -55,12 +55,12 @@
 
 pub mod adamw;
 pub mod backward;
-pub mod cublaslt_model;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod cuda_lt;
 pub mod device_cache;
+#[cfg(any(feature = "cuda", feature = "harness"))]
 pub mod gemm_args;
 pub mod ops;
 pub mod small;
@@ -70,4 +70,8 @@ mod block;
 #[cfg(feature = "harness")]
 pub mod selftest;
 #[cfg(feature = "harness")]
-pub use block::{Args, Block, Fused, FusedAdamW, Fusions, STAGE};
+mod stage;
+#[cfg(feature = "harness")]
+pub use block::Block;
+#[cfg(feature = "harness")]
+pub use stage::{Args, Fused, FusedAdamW, Fusions, STAGE};

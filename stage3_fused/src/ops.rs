@@ -28,15 +28,15 @@
 //! runs exactly as above.
 //!
 //! Lifting one into your model needs this file, `cuda.rs`, `cuda_lt.rs` and `device_cache.rs` (CUDA),
-//! `stage2_sdpa::elementwise` (the CPU loops) and candle: nothing from the benchmark harness.
+//! `cpu_kernels::elementwise` (the CPU loops) and candle: nothing from the benchmark harness.
 
 use crate::backward;
 use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 use rayon::prelude::*;
-use stage1_tensorcore::bf16_gemm::{self, narrow_bf16, Kernel, MatRef, PackedB, PackedWeight};
-use stage2_sdpa::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, Elementwise, RowStats};
+use cpu_kernels::bf16_gemm::{self, narrow_bf16, Kernel, MatRef, PackedB, PackedWeight};
+use cpu_kernels::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, Elementwise, RowStats};
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
@@ -106,6 +106,7 @@ impl CustomOp3 for LayerNorm {
         bs: &CpuStorage,
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_kernels::trace::ran("fused layer_norm: one pass per row (CPU)");
         let c = xl.shape().dims().last().copied().unwrap_or(1);
         let (x, g, b) = (f32_values(xs, xl, "x")?, f32_values(gs, gl, "g")?, f32_values(bs, bl, "b")?);
         Ok((to_storage(layer_norm_rows(&x, &g, &b, self.eps, c), self.dtype)?, xl.shape().clone()))
@@ -121,6 +122,7 @@ impl CustomOp3 for LayerNorm {
         bs: &candle_core::CudaStorage,
         bl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cpu_kernels::trace::ran("fused layer_norm: kernels/add_layer_norm.cu");
         let h = crate::cuda::layer_norm(xs, xl, gs, gl, bs, bl, self.eps, self.dtype)?;
         Ok((h, xl.shape().clone()))
     }
@@ -207,6 +209,7 @@ impl CustomOp3 for AddLayerNorm {
         gs: &CpuStorage,
         gl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_kernels::trace::ran("fused add+layer_norm: one pass per row (CPU)");
         let c = xl.shape().dims().last().copied().unwrap_or(1);
         let (bs, bl) = self.b.storage_and_layout();
         let Storage::Cpu(bs) = &*bs else { candle_core::bail!("add_layer_norm: b is not on the CPU") };
@@ -226,6 +229,7 @@ impl CustomOp3 for AddLayerNorm {
         gs: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cpu_kernels::trace::ran("fused add+layer_norm: kernels/add_layer_norm.cu");
         let (bs, bl) = self.b.storage_and_layout();
         let Storage::Cuda(bs) = &*bs else { candle_core::bail!("add_layer_norm: b is not on the GPU") };
         let (x_out, h) = crate::cuda::add_layer_norm(xs, xl, brs, brl, gs, gl, bs, bl, self.eps)?;
@@ -263,7 +267,7 @@ pub fn add_layer_norm_rows(x: &[f32], branch: &[f32], g: &[f32], b: &[f32], eps:
 }
 
 /// h = (row − mean) / √(var + ε) · g + b, the statistics from one read of the row
-/// (`stage2_sdpa::elementwise::row_stats`: shifted sums in f64, accurate for rows with a large mean),
+/// (`cpu_kernels::elementwise::row_stats`: shifted sums in f64, accurate for rows with a large mean),
 /// then one vectorised write pass while the row is in L1 (`map_slice` dispatches to AVX-512/AVX2).
 #[inline]
 pub fn normalise_row(row: &[f32], g: &[f32], b: &[f32], eps: f32, h: &mut [f32]) {
@@ -400,8 +404,10 @@ fn linear(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, packed: Option
         let pre_gelu = matches!(epilogue, Epilogue::BiasGelu).then(|| Mutex::new(None));
         return x.contiguous()?.apply_op3(&same(w)?, &same(b)?, Linear { epilogue, pre_gelu, packed: None });
     }
-    let same = |t: &Tensor| stage2_sdpa::elementwise::to_dtype(&t.contiguous()?, x.dtype(), Elementwise::Parallel);
-    let (x, w, b) = (x.contiguous()?, same(w)?, same(b)?);
+    let same = |t: &Tensor| cpu_kernels::elementwise::to_dtype(&t.contiguous()?, x.dtype(), Elementwise::Parallel);
+    // W's packed panels are what the GEMM reads: W itself goes in as it is (no per-forward cast).
+    let w = if packed.is_some() && x.device().is_cpu() { w.contiguous()? } else { same(w)? };
+    let (x, b) = (x.contiguous()?, same(b)?);
     x.apply_op3_no_bwd(&w, &b, &Linear { epilogue, pre_gelu: None, packed })
 }
 
@@ -431,6 +437,14 @@ impl CustomOp3 for Linear<'_> {
         let n = wl.shape().dims()[0];
         let m = bsz * t;
         let operands = Operands::of(xs, xl, ws, wl, self.packed)?;
+        cpu_kernels::trace::ran_with(|| {
+            let epilogue = match self.epilogue {
+                Epilogue::Bias => "bias",
+                Epilogue::BiasGelu => "bias+gelu",
+                Epilogue::BiasResidual(_) => "bias+residual",
+            };
+            format!("fused linear: {}, {epilogue} in its output pass", operands.name())
+        });
         let b = f32_values(bs, bl, "b")?;
         let b = &b[..];
         let mut out = vec![0f32; m * n];
@@ -586,6 +600,7 @@ pub fn mlp(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> ca
             b2.dims()
         );
     }
+    #[cfg(feature = "cuda")]
     if x.device().is_cuda() && !crate::gemm_args::gelu_aux_fits(ff) {
         // cuBLASLt's aux matrix (z) needs a leading dimension that is a multiple of 8: the two
         // linears' own backward (GELU's derivative by candle ops) instead.
@@ -645,7 +660,7 @@ impl CustomOp3 for MlpHalf {
         let n = wl.shape().dims()[0];
         let (x, w, b) = (f32_values(xs, xl, "x")?, f32_values(ws, wl, "W")?, f32_values(bs, bl, "b")?);
         let mut out = vec![0f32; bsz * t * n];
-        gemm_into(&mut out, &x, &w, (bsz * t, n, k), false);
+        cpu_kernels::f32_gemm::gemm_into(&mut out, &x, &w, (bsz * t, n, k), false);
         out.par_chunks_mut(n).for_each(|row| map_slice_in_place(row, &|j, v| v + b[j])); // z = x·Wᵀ + b
         if !self.fc2 {
             *locked(&self.pair.z)? = Some(Tensor::from_vec(out.clone(), (bsz, t, n), &candle_core::Device::Cpu)?);
@@ -727,6 +742,9 @@ fn linear_grads(x: &Tensor, w: &Tensor, dz: &Tensor) -> candle_core::Result<(Ten
 /// widened on all threads).
 enum Operands<'a> {
     Bf16 { x: &'a [half::bf16], w: &'a [half::bf16], kernel: Kernel, packed: Option<&'a PackedB> },
+    /// f32 activations against Wᵀ packed for the bf16 kernel: x rounded to bf16 as it is packed
+    /// (stage 1's mixed precision on a CPU with a bf16 unit), f32 out.
+    F32Packed { x: &'a [f32], packed: &'a PackedB },
     F32 { x: Cow<'a, [f32]>, w: Cow<'a, [f32]> },
 }
 
@@ -737,6 +755,9 @@ impl<'a> Operands<'a> {
         match (xs, ws, xl.contiguous_offsets(), wl.contiguous_offsets()) {
             (CpuStorage::BF16(x), CpuStorage::BF16(w), Some((x0, x1)), Some((w0, w1))) if kernel.is_native() => {
                 Ok(Operands::Bf16 { x: &x[x0..x1], w: &w[w0..w1], kernel, packed })
+            }
+            (CpuStorage::F32(x), _, Some((x0, x1)), _) if kernel.is_native() && packed.is_some() => {
+                Ok(Operands::F32Packed { x: &x[x0..x1], packed: packed.expect("checked on the line above") })
             }
             _ => Ok(Operands::F32 { x: f32_values(xs, xl, "x")?, w: f32_values(ws, wl, "W")? }),
         }
@@ -753,105 +774,33 @@ impl<'a> Operands<'a> {
                 }
                 .map_err(candle_core::Error::Msg)
             }
+            Operands::F32Packed { x, packed } => {
+                bf16_gemm::gemm_packed(dst, MatRef::row_major(&x[r0 * k..(r0 + mb) * k], mb, k), packed, accumulate, true)
+                    .map_err(candle_core::Error::Msg)
+            }
             Operands::F32 { x, w } => {
-                gemm_into(dst, &x[r0 * k..(r0 + mb) * k], w, (mb, n, k), accumulate);
+                cpu_kernels::f32_gemm::gemm_into(dst, &x[r0 * k..(r0 + mb) * k], w, (mb, n, k), accumulate);
                 Ok(())
             }
         }
     }
-}
 
-/// dst (m × n, row-major) = x (m × k, row-major) · Wᵀ (+ dst when `accumulate`), W (n × k,
-/// row-major). With the `mkl` feature: MKL's sgemm (β = 1 accumulates onto dst, β = 0 overwrites it), the library candle's matmul uses in that
-/// build, so stage 3 runs the same GEMM as stages 0–2. (MKL could also pre-pack W once in
-/// `build` with cblas_sgemm_pack; not done here, see docs/cpu.md.)
-#[cfg(feature = "mkl")]
-fn gemm_into(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize), accumulate: bool) {
-    extern "C" {
-        // MKL's CBLAS, linked by intel-mkl-src through candle-core's `mkl` feature.
-        fn cblas_sgemm(
-            layout: i32,
-            transa: i32,
-            transb: i32,
-            m: i32,
-            n: i32,
-            k: i32,
-            alpha: f32,
-            a: *const f32,
-            lda: i32,
-            b: *const f32,
-            ldb: i32,
-            beta: f32,
-            c: *mut f32,
-            ldc: i32,
-        );
-    }
-    const ROW_MAJOR: i32 = 101;
-    const NO_TRANS: i32 = 111;
-    const TRANS: i32 = 112;
-    assert!(dst.len() == m * n && x.len() == m * k && w.len() == n * k, "gemm operands sized by the caller");
-    let dim = |v: usize| i32::try_from(v).expect("GEMM dimension fits MKL's 32-bit (LP64) interface");
-    // SAFETY: the slices hold exactly m·n, m·k and n·k elements (asserted above), row-major with
-    // leading dimensions k (x), k (W, read transposed) and n (dst); dst is unique.
-    unsafe {
-        cblas_sgemm(
-            ROW_MAJOR,
-            NO_TRANS,
-            TRANS,
-            dim(m),
-            dim(n),
-            dim(k),
-            1.0,
-            x.as_ptr(),
-            dim(k),
-            w.as_ptr(),
-            dim(k),
-            if accumulate { 1.0 } else { 0.0 },
-            dst.as_mut_ptr(),
-            dim(n),
-        )
-    }
-}
-
-/// dst (m × n, row-major) = x (m × k, row-major) · Wᵀ (+ dst when `accumulate`), W (n × k,
-/// row-major), via the gemm crate (candle's own CPU GEMM): W is read as the k × n right-hand side
-/// with column stride k.
-#[cfg(not(feature = "mkl"))]
-fn gemm_into(dst: &mut [f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize), accumulate: bool) {
-    let threads = candle_core::utils::get_num_threads();
-    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    assert!(dst.len() == m * n && x.len() == m * k && w.len() == n * k, "gemm operands sized by the caller");
-    // SAFETY: the three slices hold exactly m·n, m·k and n·k elements (asserted above) and the
-    // strides below address them row-major, so every access is in bounds; dst is unique.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,          // dst column stride
-            n as isize, // dst row stride
-            accumulate, // read dst: it holds the bias (and residual) to accumulate onto
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr(),
-            k as isize, // rhs[kk][j] = W[j][kk]: next column is the next row of W
-            1,
-            1.0, // alpha: dst keeps its value (when read)
-            1.0, // beta: + x·Wᵀ
-            false,
-            false,
-            false,
-            parallelism,
-        )
+    /// The GEMM these operands run, for the kernel trace.
+    fn name(&self) -> String {
+        match self {
+            Operands::Bf16 { kernel, packed: Some(_), .. } => format!("gemm bf16: {}, prepacked W", kernel.name()),
+            Operands::Bf16 { kernel, packed: None, .. } => format!("gemm bf16: {}", kernel.name()),
+            Operands::F32Packed { packed, .. } => format!("gemm bf16: {}, prepacked W", packed.kernel().name()),
+            Operands::F32 { .. } if cfg!(feature = "mkl") => "gemm f32: mkl sgemm".into(),
+            Operands::F32 { .. } => "gemm f32: gemm crate".into(),
+        }
     }
 }
 
 /// GPT-2's GELU, tanh approximation: 0.5·v·(1 + tanh(u)), u = √(2/π)·(v + 0.044715·v³).
 /// Since 1 + tanh(u) = 2·sigmoid(2u), this is v / (1 + e^(−2u)): one exp and one division,
 /// about three times cheaper than libm's tanhf, and exact in the limits (v→±∞ gives v or −0).
-/// The exp is `stage2_sdpa::elementwise::exp_f32` (no libm call), so loops over GELU vectorise.
+/// The exp is `cpu_kernels::elementwise::exp_f32` (no libm call), so loops over GELU vectorise.
 #[inline(always)]
 pub fn gelu_tanh(v: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -864,12 +813,12 @@ pub fn gelu_tanh(v: f32) -> f32 {
 // ---------------------------------------------------------------------------------------------
 
 /// `t` in f32 and contiguous: the same tensor when it already is (no copy); on the CPU the cast
-/// runs on all threads (`stage2_sdpa::elementwise::to_dtype`).
+/// runs on all threads (`cpu_kernels::elementwise::to_dtype`).
 fn f32_contiguous(t: &Tensor) -> candle_core::Result<Tensor> {
     if t.track_op() {
         return t.contiguous()?.to_dtype(DType::F32); // candle's cast keeps the graph; same values
     }
-    stage2_sdpa::elementwise::to_dtype(&t.contiguous()?, DType::F32, Elementwise::Parallel)
+    cpu_kernels::elementwise::to_dtype(&t.contiguous()?, DType::F32, Elementwise::Parallel)
 }
 
 /// A contiguous CPU storage's values as f32: borrowed when they are f32, else widened on all threads.

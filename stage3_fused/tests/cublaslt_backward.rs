@@ -1,6 +1,6 @@
 //! Stage 3's training GEMMs on CUDA without a GPU: the arguments `gemm_args` builds for them
 //! (fc1's forward with GELU_AUX_BIAS; every linear's weight gradient with BGRADB; fc2's data
-//! gradient with DGELU_BGRAD, fc1's without) are executed by `stage3_fused::cublaslt_model` on
+//! gradient with DGELU_BGRAD, fc1's without) are executed by `cublaslt_model` on
 //! the buffers the CUDA path hands over — W, x and dy as stored, fc1's aux output as fc2's aux
 //! input, fc2's dz output as fc1's dz — and every result must equal candle's autograd of the plain
 //! function (stage 0's `linear` and `gelu_tanh`: the slow twin): dx, dW₁, db₁, dz₁, dW₂, db₂.
@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use proptest::prelude::*;
-use stage3_fused::cublaslt_model::{matmul_ex, DataType, Epilogue};
+use cublaslt_model::{matmul_ex, DataType, Epilogue};
 use stage3_fused::gemm_args::{dgrad_args, linear_args, wgrad_args, LinearKind};
 
 fn values(len: usize, seed: u64, dtype: DataType) -> Vec<f32> {

@@ -1,5 +1,5 @@
 //! Stage 3's cuBLASLt GEMMs without a GPU: the arguments `gemm_args::linear_args` builds (the
-//! ones `cuda.rs` passes to cuBLASLt) are executed by `stage3_fused::cublaslt_model`, a CPU model of
+//! ones `cuda.rs` passes to cuBLASLt) are executed by `cublaslt_model`, a CPU model of
 //! cuBLASLt's documented contract, on the buffers the CUDA path hands over (W and x as stored,
 //! the residual in D's buffer), and the model's D must equal each op's slow twin (stage 0's
 //! plain ops). Random non-square shapes prove the row/column-major mapping, the transposes,
@@ -7,7 +7,7 @@
 
 use candle_core::{Device, Tensor};
 use proptest::prelude::*;
-use stage3_fused::cublaslt_model::{matmul, matmul_ex, DataType};
+use cublaslt_model::{matmul, matmul_ex, DataType};
 use stage3_fused::gemm_args::{linear_args, LinearKind};
 
 fn values(len: usize, seed: u64, dtype: DataType) -> Vec<f32> {

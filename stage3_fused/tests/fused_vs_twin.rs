@@ -75,7 +75,7 @@ fn check_all(bsz: usize, t: usize, k: usize, n: usize, seed: u64) {
     // An f32 W is not packed: the plain op.
     let r16 = r.clone(); // the residual stream stays f32
     for (wt, xt, bt) in [(&w_b, &x_b, &b_b), (&w, &x, &b)] {
-        let pw = stage1_tensorcore::bf16_gemm::PackedWeight::new(wt).unwrap();
+        let pw = cpu_kernels::bf16_gemm::PackedWeight::new(wt).unwrap();
         let cases = [
             (ops::Epilogue::Bias, ops::linear_bias(xt, wt, bt).unwrap(), ops::linear_bias_slow(&wide(xt), &wide(wt), &wide(bt)).unwrap()),
             (

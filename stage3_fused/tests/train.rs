@@ -1,15 +1,11 @@
 //! Stage 3 trains through the contract (`build_train`, `optimizer`): its block gradients against
 //! stage 0's autograd at every precision it runs on the CPU (all fusions, and none), one step of
-//! its fused AdamW against `candle_nn::AdamW` on the same gradients, and the refusal of what
-//! cannot train.
+//! its fused AdamW against `candle_nn::AdamW` on the same gradients.
 
 #[path = "../../stage0_baseline/tests/support/train.rs"]
 mod train;
 
-use shared::device::{select, DeviceRequest};
-use shared::stage::plan;
-use shared::{Precision, PrecisionRequest, Preset};
-use stage2_sdpa::elementwise::Elementwise;
+use shared::Precision;
 use stage3_fused::{Fused, Fusions};
 
 #[test]
@@ -37,16 +33,4 @@ fn one_fused_adamw_step_matches_candle_adamw() {
         let (name, skipped) = train::step_matches_candle_adamw(&Fused::default(), p, 1e-6);
         assert_eq!((name.as_str(), skipped), ("fused AdamW", 0));
     }
-}
-
-#[test]
-fn elementwise_parallel_is_refused_only_where_a_fusion_is_off() {
-    let (device, info) = select(DeviceRequest::Cpu).unwrap();
-    let sdpa =
-        stage2_sdpa::Sdpa { args: stage2_sdpa::Args { elementwise: Elementwise::Parallel, ..Default::default() }, ..Default::default() };
-    let asked = PrecisionRequest::Exactly(Precision::Fp32);
-    let train = |fusions| plan(&Fused { sdpa, fusions }, &device, &info, Preset::Tiny.shape(), asked, asked, false, true);
-    assert!(train(Fusions::ALL).is_ok(), "every pass fused: stage 2's passes never run");
-    let e = train(Fusions::ALL.without("ln")).unwrap_err().to_string();
-    assert!(e.contains("--elementwise parallel") && e.contains("Fix:"), "{e}");
 }

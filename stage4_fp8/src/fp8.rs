@@ -45,7 +45,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
 use float8::F8E4M3;
 use rayon::prelude::*;
-use stage2_sdpa::elementwise::Elementwise;
+use cpu_kernels::elementwise::Elementwise;
 use std::sync::Mutex;
 
 /// How an activation's FP8 scale is picked (the module notes above).
@@ -145,7 +145,7 @@ const CHUNK: usize = 16 * 1024;
 
 /// x as contiguous f32 on the CPU, cast in parallel when it is bf16/f16.
 fn cpu_f32(x: &Tensor) -> candle_core::Result<Tensor> {
-    stage2_sdpa::elementwise::to_dtype(&x.contiguous()?, DType::F32, Elementwise::Parallel)
+    cpu_kernels::elementwise::to_dtype(&x.contiguous()?, DType::F32, Elementwise::Parallel)
 }
 
 fn with_host<R>(x32: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
@@ -182,7 +182,7 @@ pub fn quantize_dequantize_cpu(x: &Tensor, scale: &Tensor) -> candle_core::Resul
     let out = with_host(&x32, |v| {
         let mut out = vec![0f32; v.len()];
         out.par_chunks_mut(CHUNK).zip(v.par_chunks(CHUNK)).for_each(|(o, v)| {
-            stage2_sdpa::elementwise::map_slice(o, v, &|_, x| round_e4m3(x / s) * s);
+            cpu_kernels::elementwise::map_slice(o, v, &|_, x| round_e4m3(x / s) * s);
             // x / s as quantize divides
         });
         out
@@ -227,7 +227,7 @@ pub fn quantize_slow(x: &Tensor, scale: &Tensor) -> candle_core::Result<Tensor> 
 pub fn dequantize(q: &Tensor, scale: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
     check_scale(scale)?;
     let y = q.contiguous()?.apply_op2_no_bwd(&scale.to_dtype(DType::F32)?.contiguous()?, &Dequantize)?;
-    stage2_sdpa::elementwise::to_dtype(&y, dtype, Elementwise::Parallel)
+    cpu_kernels::elementwise::to_dtype(&y, dtype, Elementwise::Parallel)
 }
 
 /// Slow twin of `dequantize`: candle's cast from F8E4M3, a multiplication, a cast (CPU).
@@ -263,7 +263,7 @@ impl CustomOp2 for Quantize {
     }
 
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ss: &CpuStorage, sl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        use stage2_sdpa::elementwise::par_convert;
+        use cpu_kernels::elementwise::par_convert;
         let s = scale_value(ss, sl)?;
         let Some((a, b)) = xl.contiguous_offsets() else { candle_core::bail!("quantize: x must be contiguous") };
         // x / s in f32, then the float8 crate's round-to-nearest-even, saturating cast
@@ -317,7 +317,7 @@ impl CustomOp2 for Dequantize {
         let s = scale_value(ss, sl)?;
         let Some((a, b)) = ql.contiguous_offsets() else { candle_core::bail!("dequantize: q must be contiguous") };
         let CpuStorage::F8E4M3(q) = qs else { candle_core::bail!("dequantize: q must be F8E4M3, got {:?}", qs.dtype()) };
-        let y = stage2_sdpa::elementwise::par_convert(&q[a..b], |q| q.to_f32() * s);
+        let y = cpu_kernels::elementwise::par_convert(&q[a..b], |q| q.to_f32() * s);
         Ok((CpuStorage::F32(y), ql.shape().clone()))
     }
 
@@ -456,8 +456,8 @@ impl CustomOp2 for QuantizeForTarget {
         let Some((a, b)) = yl.contiguous_offsets() else { candle_core::bail!("Fp8Target::quantize: y must be contiguous") };
         let mut v = match ys {
             CpuStorage::F32(v) => v[a..b].to_vec(),
-            CpuStorage::BF16(v) => stage2_sdpa::elementwise::par_convert(&v[a..b], |x| x.to_f32()),
-            CpuStorage::F16(v) => stage2_sdpa::elementwise::par_convert(&v[a..b], |x| x.to_f32()),
+            CpuStorage::BF16(v) => cpu_kernels::elementwise::par_convert(&v[a..b], |x| x.to_f32()),
+            CpuStorage::F16(v) => cpu_kernels::elementwise::par_convert(&v[a..b], |x| x.to_f32()),
             y => candle_core::bail!("Fp8Target::quantize: unsupported dtype {:?} (f32, bf16 or f16)", y.dtype()),
         };
         quantize_recording_cpu(&mut v, s, &self.amax_bits, "a fused producer's output")?;
@@ -485,7 +485,7 @@ pub(crate) fn quantize_recording_cpu(v: &mut [f32], s: f32, amax_bits: &Tensor, 
     if m >= f32::INFINITY.to_bits() {
         check_values(v, what).map_err(candle_core::Error::Msg)?;
     }
-    v.par_chunks_mut(CHUNK).for_each(|c| stage2_sdpa::elementwise::map_slice_in_place(c, &|_, x| round_e4m3(x / s) * s));
+    v.par_chunks_mut(CHUNK).for_each(|c| cpu_kernels::elementwise::map_slice_in_place(c, &|_, x| round_e4m3(x / s) * s));
     max_into(amax_bits, m)
 }
 
@@ -905,7 +905,7 @@ impl Fp8Linear {
             return stage3_fused::ops::linear_bias_residual(xd, w, b, r); // stage 3's fused residual epilogue
         }
         // the store cuBLASLt makes (bf16), or stage 3's dtype on the CPU
-        let y = stage2_sdpa::elementwise::to_dtype(&self.emulated_f32(xd, w, b)?, self.out, Elementwise::Parallel)?;
+        let y = cpu_kernels::elementwise::to_dtype(&self.emulated_f32(xd, w, b)?, self.out, Elementwise::Parallel)?;
         match residual {
             None => Ok(y),
             Some(r) => r + y.to_dtype(r.dtype())?,

@@ -37,8 +37,8 @@ use crate::scale::max_abs_bits;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
 use float8::F8E4M3;
 use rayon::prelude::*;
-use stage2_sdpa::elementwise::par_convert;
-use stage3_fused::cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
+use cpu_kernels::elementwise::par_convert;
+use cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
 
 /// Whose per-tensor scale a scale pointer carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -149,7 +149,7 @@ pub fn fp8_gemm_args_e4m3_out(tokens: usize, in_features: usize, out_features: u
 }
 
 impl Fp8GemmArgs {
-    /// The same call in the terms of `stage3_fused::cublaslt_model` (the CPU model of cuBLASLt's
+    /// The same call in the terms of `cublaslt_model` (the CPU model of cuBLASLt's
     /// contract), so the tests can execute exactly these arguments: E4M3 A and B, bf16 C/D
     /// (one layout, β = 0), α = 1, both scale pointers set. With `out_e4m3`, D is E4M3 and C
     /// stays bf16 (`cublaslt_model::matmul_fp8_out` executes it).
@@ -513,13 +513,13 @@ mod tests {
     }
 
     /// The CPU forward computes what the CUDA forward asks cuBLASLt for: the arguments
-    /// `fp8_gemm_args*` build, executed by `stage3_fused::cublaslt_model` (f64 sums, the
+    /// `fp8_gemm_args*` build, executed by `cublaslt_model` (f64 sums, the
     /// documented epilogue and D rounding) on the same E4M3 buffers and scales, agree with the op
     /// within the f32-accumulation tolerance (bf16 D), and code for code up to neighbours at
     /// rounding boundaries with amax_D within 1e-5 (E4M3 D).
     #[test]
     fn the_cpu_forward_executes_the_cublaslt_arguments() {
-        use stage3_fused::cublaslt_model::{matmul, matmul_fp8_out};
+        use cublaslt_model::{matmul, matmul_fp8_out};
         let (mut worst_bf16, mut differing) = (0f64, (0usize, 0usize));
         for (case, &(m, k, n, gelu)) in
             [(16, 32, 48, false), (32, 64, 16, true), (48, 160, 96, true), (64, 16, 32, false)].iter().enumerate()

@@ -8,7 +8,7 @@ use shared::selftest::{randn, Rows};
 pub fn fp8(r: &mut Rows, device: &Device, info: &DeviceInfo) {
     use crate::fp8::Fp8Recipe;
     use crate::fp8::{quantize, Fp8Linear, Fp8Mode, ScalingConfig};
-    use stage3_fused::cublaslt_model::matmul;
+    use cublaslt_model::matmul;
     if !device.is_cuda() {
         r.ran = "cublaslt_model(fp8_gemm_args)".into();
     }
@@ -188,7 +188,7 @@ pub fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
         let args = crate::gemm::fp8_gemm_args_e4m3_out(tok, k, n, true).map_err(anyhow::Error::msg)?.contract();
         let scales = (twin.weight().scale.to_scalar::<f32>()?, s_x.to_scalar::<f32>()?);
         let xq = quantize(&x, &s_x)?;
-        let (d, amax_d) = stage3_fused::cublaslt_model::matmul_fp8_out(
+        let (d, amax_d) = cublaslt_model::matmul_fp8_out(
             &args,
             &host(&twin.weight().data)?,
             &host(&xq)?,

@@ -1,12 +1,12 @@
 //! Stage 4's FP8 GEMM without a GPU: the arguments `gemm::fp8_gemm_args` builds (the ones
-//! `cuda.rs` turns into cuBLASLt descriptors) are executed by `stage3_fused::cublaslt_model`, a CPU
+//! `cuda.rs` turns into cuBLASLt descriptors) are executed by `cublaslt_model`, a CPU
 //! model of cuBLASLt's documented contract (D = scale_A·scale_B·op(A)·op(B) + bias, GELU), on
 //! the E4M3 buffers and scales the CUDA path passes (A = W_q with W's scale, B = x_q with x's),
 //! and the model's D must equal the emulated `Fp8Linear` (the slow twin) under both recipes.
 
 use candle_core::{DType, Device, Tensor};
 use proptest::prelude::*;
-use stage3_fused::cublaslt_model::matmul;
+use cublaslt_model::matmul;
 use stage4_fp8::fp8::Fp8Recipe;
 use stage4_fp8::fp8::{quantize, Fp8Linear, Fp8Mode, ScalingConfig};
 use stage4_fp8::gemm::fp8_gemm_args;
@@ -72,7 +72,7 @@ proptest! {
 /// amax_D its max |·|.
 #[test]
 fn fc1_writing_e4m3_for_fc2_matches_its_slow_twin() {
-    use stage3_fused::cublaslt_model::matmul_fp8_out;
+    use cublaslt_model::matmul_fp8_out;
     use stage4_fp8::fp8::{amax, dequantize, scale_from_amax};
     use stage4_fp8::gemm::fp8_gemm_args_e4m3_out;
     let (tokens, k, n) = (32, 64, 256); // fc1: C → FF

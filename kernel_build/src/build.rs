@@ -1,10 +1,10 @@
-//! How every crate with hand-written CUDA kernels builds them (stages 2, 3 and 4 include this
-//! file from their `build.rs` with `#[path]`; `tests/kernel_build.rs` pins the pure part down).
+//! How every crate with hand-written CUDA kernels builds them (stages 2, 3 and 4 call
+//! `build_cubins` from their `build.rs`; `tests/kernel_build.rs` pins the pure part down).
 //!
 //! With the `cuda` feature, nvcc compiles each `.cu` file at build time to a cubin — machine
 //! code — for every architecture listed in `CUDA_COMPUTE_CAP` (candle's variable: `90`, or a
 //! list such as `80,90`; 80 when unset), and writes `$OUT_DIR/cubins.rs`, which the crate
-//! includes: one `&[(arch, bytes)]` table per kernel file. At run time `stage2_sdpa::cubin`
+//! includes: one `&[(arch, bytes)]` table per kernel file. At run time `kernel_build::cubin`
 //! picks the cubin for the device's SM and loads it once per device. The driver loads machine
 //! code as it is: no PTX for it to compile, so no run-time compiler, and no "PTX was built by
 //! a newer toolkit than this driver" refusal. CPU builds do nothing here and need no nvcc.
@@ -54,7 +54,6 @@ pub fn cubin_archs(requested: Option<&str>, min: u32, krate: &str) -> Result<(Ve
 /// Compiles `kernels/<name>.cu` for each architecture in CUDA_COMPUTE_CAP and writes the table
 /// `<NAME>: &[(u32, &[u8])]` per kernel into `$OUT_DIR/cubins.rs`. Call from `build.rs`.
 /// `sources` lists every file the kernels read (for cargo's rerun-if-changed).
-#[allow(dead_code)] // tests/kernel_build.rs includes this file for `cubin_archs` alone
 pub fn build_cubins(krate: &str, kernels: &[&str], min_arch: u32, sources: &[&str]) {
     for s in sources {
         println!("cargo:rerun-if-changed={s}");
@@ -75,7 +74,7 @@ pub fn build_cubins(krate: &str, kernels: &[&str], min_arch: u32, sources: &[&st
         .or_else(|| std::env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("bin/nvcc")).filter(|p| p.exists()))
         .unwrap_or_else(|| PathBuf::from("nvcc"));
     let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let mut table = String::from("// Written by build.rs (kernel_build.rs): one cubin per architecture and kernel file.\n");
+    let mut table = String::from("// Written by build.rs (kernel_build::build): one cubin per architecture and kernel file.\n");
     for name in kernels {
         let mut rows = Vec::new();
         for arch in &archs {

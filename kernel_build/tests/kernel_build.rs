@@ -1,8 +1,6 @@
-//! Which architectures build.rs compiles cubins for (`kernel_build.rs`, shared by stages 2–4).
+//! Which architectures build.rs compiles cubins for (`kernel_build::build`, shared by stages 2–4).
 
-#[path = "../kernel_build.rs"]
-mod kernel_build;
-use kernel_build::cubin_archs;
+use kernel_build::build::cubin_archs;
 
 #[test]
 fn arch_specific_requests_build_plain_cubins() {

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
-use stage1_tensorcore::bf16_gemm::{
+use cpu_kernels::bf16_gemm::{
     self, gemm, gemm_packed, gemm_packed_bf16, gemm_scalar, Kernel, MatRef, PackedB, PackedWeight, KC, MC, MR, NC, NR,
 };
 

@@ -737,6 +737,7 @@ pub fn matmul_with(a: &Tensor, b: &Tensor, kernel: Kernel) -> candle_core::Resul
     if a.dtype() == DType::BF16 || b.dtype() == DType::BF16 {
         bf16_matmul(a, b, kernel)
     } else {
+        crate::trace::ran_with(|| format!("gemm {:?}: candle matmul", a.dtype()).to_lowercase());
         a.matmul(b)
     }
 }
@@ -753,9 +754,11 @@ fn bf16_matmul(a: &Tensor, b: &Tensor, kernel: Kernel) -> candle_core::Result<Te
     let ours = |x: &Tensor| matches!(x.dtype(), DType::BF16 | DType::F32);
     if !a.device().is_cpu() || !ours(a) || !ours(b) {
         // A GPU's tensor cores (or another dtype): candle's matmul on bf16 operands.
+        crate::trace::ran("gemm bf16: candle matmul");
         return a.to_dtype(DType::BF16)?.matmul(&b.to_dtype(DType::BF16)?)?.to_dtype(a.dtype());
     }
     if !kernel.is_native() {
+        crate::trace::ran("gemm bf16: converted to f32 (candle matmul)");
         return matmul_slow(a, b);
     }
     a.apply_op2(b, Bf16Matmul { kernel }) // recorded with its `bwd` when a or b is tracked
@@ -851,6 +854,7 @@ impl CustomOp2 for Bf16Matmul {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        crate::trace::ran_with(|| format!("gemm bf16: {}", self.kernel.name()));
         match (s1, s2) {
             (CpuStorage::BF16(a), CpuStorage::BF16(b)) => self.run(a, l1, b, l2),
             (CpuStorage::BF16(a), CpuStorage::F32(b)) => self.run(a, l1, b, l2),
@@ -955,6 +959,7 @@ impl CustomOp1 for Bf16MatmulPacked<'_> {
             candle_core::bail!("bf16 matmul: a {ad:?} does not fit (…, M, K) · Wᵀ with W ({}, {})", self.b.n, self.b.k);
         }
         let n = self.b.n;
+        crate::trace::ran_with(|| format!("gemm bf16: {}, prepacked W", self.b.kernel.name()));
         match s1 {
             CpuStorage::BF16(a) => {
                 let (out, shape) = products(a, l1, n, false, |_, c, av, parallel| gemm_packed_bf16(c, av, self.b, parallel))?;

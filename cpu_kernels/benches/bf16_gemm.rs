@@ -17,7 +17,7 @@
 use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use shared::weights::SplitMix64;
-use stage1_tensorcore::bf16_gemm::{self, Kernel};
+use cpu_kernels::bf16_gemm::{self, Kernel};
 use std::time::Duration;
 
 fn randn(dims: &[usize], seed: u64, std: f32) -> Tensor {

@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use shared::weights::SplitMix64;
-use stage1_tensorcore::bf16_gemm::{self, Kernel};
+use cpu_kernels::bf16_gemm::{self, Kernel};
 use std::time::Instant;
 
 fn randn(dims: &[usize], seed: u64, std: f32) -> Tensor {

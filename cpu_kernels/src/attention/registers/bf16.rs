@@ -29,7 +29,7 @@ use super::{BC, MR};
 use crate::attention::HeadRows;
 use crate::elementwise::exp_f32;
 use half::bf16;
-use stage1_tensorcore::bf16_gemm::Kernel;
+use crate::bf16_gemm::Kernel;
 
 /// Keys per score tile: two vectors of 16 f32.
 const NR: usize = 32;
