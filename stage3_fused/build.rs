@@ -4,10 +4,5 @@
 
 fn main() {
     // sm_75: the oldest architecture CUDA 13's nvcc targets; the kernel needs nothing newer.
-    kernel_build::build::build_cubins(
-        "stage3_fused",
-        &["add_layer_norm", "adamw"],
-        75,
-        &["kernels/add_layer_norm.cu", "kernels/adamw.cu"],
-    );
+    kernel_build::build::build_cubins("stage3_fused", &["add_layer_norm", "adamw"], 75, &["kernels/add_layer_norm.cu", "kernels/adamw.cu"]);
 }

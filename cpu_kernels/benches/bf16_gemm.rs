@@ -15,9 +15,9 @@
 //! and bf16 timed interleaved (one machine shared with other work), `--bench bf16_gemm_pairs`.
 
 use candle_core::{DType, Device, Tensor};
+use cpu_kernels::bf16_gemm::{self, Kernel};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use shared::weights::SplitMix64;
-use cpu_kernels::bf16_gemm::{self, Kernel};
 use std::time::Duration;
 
 fn randn(dims: &[usize], seed: u64, std: f32) -> Tensor {

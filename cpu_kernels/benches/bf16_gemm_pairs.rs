@@ -11,8 +11,8 @@
 //! `BENCH_ONLY="bf16 prepacked"` keeps f32 and that variant).
 
 use candle_core::{DType, Device, Tensor};
-use shared::weights::SplitMix64;
 use cpu_kernels::bf16_gemm::{self, Kernel};
+use shared::weights::SplitMix64;
 use std::time::Instant;
 
 fn randn(dims: &[usize], seed: u64, std: f32) -> Tensor {

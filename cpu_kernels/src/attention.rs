@@ -57,7 +57,6 @@ pub enum CpuKernel {
     RowAxpy,
 }
 
-
 /// One CPU attention forward: which kernel, its softmax scale and causality, and the dtype the
 /// two products run in. `products` is the inputs' dtype, or bf16 for f32 inputs under bf16
 /// mixed precision (stage 1's policy on a CPU with a bf16 unit: activations stay f32 and are
@@ -880,5 +879,4 @@ mod tests {
             assert_eq!(max_f32(&vec![-1f32; n], 7.0), 7.0);
         }
     }
-
 }

@@ -243,7 +243,13 @@ fn ran(op: &str, engine: bool) {
 /// `f(at, out)` fills f32 elements [at, at + len) and a bf16 output rounds each chunk once as it
 /// stores it. Chunks are whole multiples of `row` elements (at least `CHUNK`), so `f` can work
 /// row by row.
-fn produce(n: usize, row: usize, dtype: DType, shape: &candle_core::Shape, f: impl Fn(usize, &mut [f32]) + Sync) -> candle_core::Result<Tensor> {
+fn produce(
+    n: usize,
+    row: usize,
+    dtype: DType,
+    shape: &candle_core::Shape,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) -> candle_core::Result<Tensor> {
     let chunk = (CHUNK / row.max(1)).max(1) * row.max(1);
     match dtype {
         DType::BF16 => {
@@ -625,7 +631,11 @@ mod tests {
             let x = rand(&[3, 40], 1, 1.0).to_dtype(dt).unwrap();
             let (g, b) = (rand(&[40], 2, 0.1).affine(1.0, 1.0).unwrap(), rand(&[40], 3, 0.1));
             crate::trace::start();
-            let y = gelu_tanh(&add(&layer_norm(&x, &g, &b, LN_EPS, Elementwise::Parallel).unwrap(), &x, Elementwise::Parallel).unwrap(), Elementwise::Parallel).unwrap();
+            let y = gelu_tanh(
+                &add(&layer_norm(&x, &g, &b, LN_EPS, Elementwise::Parallel).unwrap(), &x, Elementwise::Parallel).unwrap(),
+                Elementwise::Parallel,
+            )
+            .unwrap();
             let ran = crate::trace::stop();
             assert!(ran.iter().all(|k| k.contains("engine pass")), "{dt:?}: {ran:?}");
             assert_eq!(y.dtype(), dt);

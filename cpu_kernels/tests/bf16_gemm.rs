@@ -3,10 +3,10 @@
 //! accumulation, NaN and inf, batched candle tensors, and the conversion fallback.
 
 use candle_core::{DType, Device, Tensor};
-use half::bf16;
 use cpu_kernels::bf16_gemm::{
     self, gemm, gemm_packed, gemm_packed_bf16, gemm_scalar, Kernel, MatRef, PackedB, PackedWeight, KC, MC, MR, NC, NR,
 };
+use half::bf16;
 
 /// A small deterministic generator (xorshift), values in [-1, 1) rounded to bf16.
 struct Rng(u64);

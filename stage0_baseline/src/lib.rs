@@ -12,6 +12,15 @@
 //! that is more memory traffic than all the weights. fp32 GEMMs run on the CUDA cores, not the
 //! tensor cores (on an H100: ~67 TFLOP/s instead of ~989 for bf16).
 //!
+//! **On a CPU: the engine.** candle's CPU element-wise kernels run on one thread (and `tanh`
+//! scalar), which would swamp every comparison above this stage. So on a CPU every stage, this
+//! one included, runs its element-wise ops as the engine's passes (`cpu_kernels::elementwise`:
+//! each primitive op still one pass over memory, but on all threads and vectorised; LayerNorm in
+//! four passes), and its GEMMs on the engine's (`cpu_kernels::bf16_gemm`; candle's f32 matmul at
+//! fp32). The engine is the same under every stage, so each stage's gain is its technique's.
+//! `--elementwise candle` runs candle's own ops instead, and `ladder --ablate` prices the engine
+//! against them in stage 0's row.
+//!
 //! **What to expect.** The reference speed every later stage is measured against, and the
 //! reference output every stage is checked against (relative error 0 by construction).
 //!

@@ -3,7 +3,7 @@
 //! **What changed.** The matrix multiplications run in a tensor-core format; everything else
 //! is stage 0. `precision::choose` picks it per device (bf16 on SM 8.0+, f16 on SM 7.x, fp32
 //! where there are no tensor cores; on a CPU bf16 where it has AVX512-BF16 or AMX-BF16, else
-//! fp32); `--precision` overrides. On a CPU the bf16 GEMMs run on `bf16_gemm`, our kernel for
+//! fp32); `--precision` overrides. On a CPU the bf16 GEMMs run on `cpu_kernels::bf16_gemm`, the engine's kernel for
 //! the CPU's own bf16 dot-product units.
 //!
 //! **The mixed-precision rule (as PyTorch's autocast).** Weights are cast once, in `build`.
@@ -15,9 +15,9 @@
 //! mantissa bits inside the tensor core (candle's `set_gemm_reduced_precision_f32`); the
 //! switches are set deliberately per precision in `precision::switches`. On a CPU with a bf16
 //! unit the activations stay f32 instead (`precision::activation_dtype`): our GEMM rounds them to
-//! bf16 as it packs its operands and returns f32, because candle's CPU element-wise ops on bf16
-//! tensors convert every element to f32 and back and would eat the GEMMs' gain. Still bf16 mixed
-//! precision: bf16 weights and GEMM operands, f32 accumulation; the label says `f32 activations`.
+//! bf16 as it packs its operands and returns f32, so no cast pass runs between the ops (the
+//! engine's element-wise passes compute in f32 either way). Still bf16 mixed precision: bf16
+//! weights and GEMM operands, f32 accumulation; the label says `f32 activations`.
 //!
 //! **Why it is faster on the hardware.** Tensor cores do a small matrix product per
 //! instruction: on an H100 SXM, dense bf16 peaks at ~989 TFLOP/s and TF32 at ~495, against
@@ -51,8 +51,8 @@ pub use block::Block;
 #[cfg(feature = "harness")]
 pub use stage::{register_bf16_ceiling, LossScaledAdamW, TensorCore, STAGE};
 
-use cpu_kernels::bf16_gemm::{self, PackedWeight};
 use candle_core::{DType, Tensor};
+use cpu_kernels::bf16_gemm::{self, PackedWeight};
 use stage0_baseline::{causal_mask, merge_heads, softmax, split_heads};
 
 /// y = x Wᵀ + b for x (B, T, in), W (out, in), b (out): stage 0's `linear` with the GEMM on

@@ -18,8 +18,8 @@
 //! softmax and the residual stream in f32 as stage 1 does). The rest of this file is the
 //! benchmark's version, which also explains its choice and refuses impossible requests.
 
-use cpu_kernels::bf16_gemm::Kernel;
 use candle_core::{DType, Device};
+use cpu_kernels::bf16_gemm::Kernel;
 #[cfg(feature = "harness")]
 use shared::device::{DeviceInfo, GemmSwitches};
 #[cfg(feature = "harness")]
@@ -157,11 +157,11 @@ pub fn activation_dtype(plan: &shared::Plan) -> DType {
 }
 
 #[cfg(feature = "harness")]
-/// The GEMM dtype, except bf16 on a CPU whose bf16 unit runs `bf16_gemm` (`cpu`): f32 there.
-/// That kernel rounds f32 operands to bf16 as it packs them and returns f32, so the GEMMs are
-/// bf16 either way, while candle's CPU element-wise ops run bf16 tensors one element at a time
-/// through f32 conversions, slower than in f32. On a GPU every element-wise kernel is fast in
-/// bf16 and the activations' bytes halve.
+/// The GEMM dtype, except bf16 on a CPU whose bf16 unit runs `cpu_kernels::bf16_gemm` (`cpu`):
+/// f32 there. That kernel rounds f32 operands to bf16 as it packs them and returns f32, so the
+/// GEMMs are bf16 either way, no cast pass runs between the ops, and the engine's element-wise
+/// passes compute in f32 whatever they store (a bf16 pass widens, computes and rounds). On a GPU
+/// every element-wise kernel reads and writes bf16 directly and the activations' bytes halve.
 pub fn activation_dtype_for(cuda: bool, p: Precision, cpu: Kernel) -> DType {
     match gemm_dtype(p) {
         DType::BF16 if !cuda && cpu.is_native() => DType::F32,

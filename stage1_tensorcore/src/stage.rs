@@ -60,8 +60,8 @@ impl Stage for TensorCore {
         if precision::activation_dtype(plan) == DType::F32 && plan.precision == Precision::Bf16 {
             notes.push(
                 "bf16 mixed precision on the CPU: bf16 weights, activations kept in f32 and rounded to bf16 as each GEMM packs them, \
-                 f32 accumulate and f32 out; bias, GELU, mask, softmax, residual and LayerNorm run in f32 (candle's CPU element-wise \
-                 ops on bf16 convert every element to f32 and back)"
+                 f32 accumulate and f32 out; bias, GELU, mask, softmax, residual and LayerNorm run in f32 (no cast pass between the ops; \
+                 the engine's passes compute in f32 either way)"
                     .into(),
             );
         }
@@ -128,4 +128,3 @@ impl Optimize for LossScaledAdamW {
         Ok(true)
     }
 }
-

@@ -4,8 +4,8 @@
 //! of dC apart), on ragged shapes, batched and broadcast.
 
 use candle_core::{DType, Device, Tensor, Var};
-use shared::weights::SplitMix64;
 use cpu_kernels::bf16_gemm::{self, Kernel};
+use shared::weights::SplitMix64;
 
 /// max |a − b| / max |b|.
 fn rel_max(a: &Tensor, b: &Tensor) -> f32 {

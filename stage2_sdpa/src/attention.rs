@@ -30,9 +30,9 @@
 //! agree on random shapes.
 
 use crate::attention_cuda;
-pub use cpu_kernels::attention::{backward, registers, CpuKernel, BC, BR, ROW_BC, ROW_BR};
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use cpu_kernels::attention::CpuAttention;
+pub use cpu_kernels::attention::{backward, registers, CpuKernel, BC, BR, ROW_BC, ROW_BR};
 use std::sync::Mutex;
 
 /// Which of our two CUDA attention kernels runs: v1, `kernels/flash_attn.cu` (WMMA, the
@@ -264,7 +264,7 @@ fn flash_attn(_q: &Tensor, _k: &Tensor, _v: &Tensor, _scale: f32, _causal: bool)
 struct FlashAttn {
     scale: f32,
     causal: bool,
-    cpu: CpuKernel, // which CPU kernel `cpu_fwd` runs
+    cpu: CpuKernel,          // which CPU kernel `cpu_fwd` runs
     products: Option<DType>, // on the CPU: bf16 products for f32 inputs (bf16 mixed precision), else the inputs' dtype
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd only
     kernel: AttentionKernel, // which CUDA kernel `cuda_fwd` launches

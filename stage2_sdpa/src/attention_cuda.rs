@@ -245,13 +245,13 @@ pub fn built_archs() -> Vec<u32> {
 mod launch {
     use super::{kernel_name, kernel_strides, launch_config};
     use crate::attention::AttentionKernel;
-    use kernel_build::cubin::{function, Cubins};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
     use candle_core::cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut};
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda::{CudaDType, CudaStorage};
     use candle_core::{CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Tensor};
+    use kernel_build::cubin::{function, Cubins};
 
     mod cubins {
         include!(concat!(env!("OUT_DIR"), "/cubins.rs"));

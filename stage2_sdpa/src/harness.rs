@@ -5,8 +5,8 @@
 
 use crate::attention::{AttentionKernel, Implementation};
 use crate::attention_cuda;
-use kernel_build::cubin;
 use candle_core::Device;
+use kernel_build::cubin;
 use shared::device::DeviceInfo;
 use shared::train::TrainBytes;
 use shared::{Precision, Shape, SpeedkitError};

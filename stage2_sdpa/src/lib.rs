@@ -6,7 +6,7 @@
 //! T × T scores never exist. The kernels below are that loop plus named engineering steps. On the
 //! CPU: (1) SIMD dot products and one axpy per key into O's row, rayon over batch × heads — the
 //! row-wise kernel, `attention::CpuKernel::RowAxpy`; (2) register blocking — 12 query rows × 32
-//! keys of S and of O held in AVX-512 registers, `attention/registers.rs`, the default. Measured
+//! keys of S and of O held in AVX-512 registers, `cpu_kernels::attention::registers`, the default. Measured
 //! apart (criterion, `results/cpu-issue22-intel/attention-bench.txt`), the algorithm buys 3.2x
 //! over the materialised attention (145.6 → 45.6 ms at `small`) and the register blocking 5.6x
 //! more (→ 8.2 ms): on a CPU the engineering is the larger gain. On CUDA: tensor
@@ -30,7 +30,7 @@
 //!
 //! **What it costs.** Nothing in accuracy: the same softmax, in f32, summed in another order
 //! (relative error ~1e-7 against stage 1 at fp32). In bf16, P is rounded to bf16 before P·V
-//! on the GPU and on a CPU with AVX512-BF16 (`attention/registers/bf16.rs`: both products on
+//! on the GPU and on a CPU with AVX512-BF16 (`cpu_kernels::attention::registers::bf16`: both products on
 //! `vdpbf16ps`), as FlashAttention does; other CPUs widen bf16 inputs to f32 per head. The CPU
 //! runs our kernel at any precision;
 //! on CUDA our FlashAttention-2 kernel (`kernels/flash_attn_v2.cu`, tensor cores; v1,

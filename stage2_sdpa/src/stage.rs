@@ -153,7 +153,7 @@ impl Stage for Sdpa {
         let mut v: Vec<(String, Box<dyn Stage>)> = vec![("head split/merge copies kept".into(), Box::new(Sdpa { copies: true, ..*self }))];
         // Our attention kernel's second step undone: v1 (WMMA) where v2 runs by default.
         if attention_of(plan, self.args.attention_kernel) == attention::Implementation::SpeedkitCuda {
-            let args = Args { attention_kernel: Some(AttentionKernel::V1), ..self.args };
+            let args = Args { attention_kernel: Some(AttentionKernel::V1) };
             v.push(("v1 instead of v2".into(), Box::new(Sdpa { args, ..*self })));
         }
         if attention_of(plan, self.args.attention_kernel) == attention::Implementation::Cpu {

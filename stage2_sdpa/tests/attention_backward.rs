@@ -2,9 +2,9 @@
 //! against its slow twins: candle's autograd through the materialised attention (`grads_slow`),
 //! the candle-ops version CUDA runs without our kernel, and the scalar small version; and the
 //! log-sum-exp the forward keeps for it.
+use candle_core::IndexOp;
 use candle_core::{DType, Device, Tensor, Var};
 use cpu_kernels::attention::backward::{attention_bwd, bwd_candle_ops, grads_slow, small_head_bwd};
-use candle_core::IndexOp;
 use shared::weights::SplitMix64;
 
 /// max |a − b| / max(max |b|, 1): the worst element against the gradient's scale; absolute
@@ -30,9 +30,8 @@ fn the_forward_keeps_the_log_sum_exp_and_the_backward_uses_it() {
         cases.push((DType::BF16, CpuKernel::Registers));
     }
     for (dt, cpu) in cases {
-        let randn = |s: u64| {
-            Tensor::from_vec(SplitMix64::new(s).normals(b * t * h * d), (b, t, h, d), &Device::Cpu).unwrap().to_dtype(dt).unwrap()
-        };
+        let randn =
+            |s: u64| Tensor::from_vec(SplitMix64::new(s).normals(b * t * h * d), (b, t, h, d), &Device::Cpu).unwrap().to_dtype(dt).unwrap();
         let (q, k, v, d_o) = (randn(1), randn(2), randn(3), randn(4));
         for causal in [true, false] {
             let op = CpuAttention::new(cpu, scale, causal, true);
@@ -46,9 +45,7 @@ fn the_forward_keeps_the_log_sum_exp_and_the_backward_uses_it() {
                 let (bi, hi) = (bh / h, bh % h);
                 for (i, &l) in row.iter().enumerate() {
                     let s: Vec<f64> = (0..if causal { i + 1 } else { t })
-                        .map(|j| {
-                            (0..d).map(|c| qh[at(bi, i, hi) + c] as f64 * kh[at(bi, j, hi) + c] as f64).sum::<f64>() * scale as f64
-                        })
+                        .map(|j| (0..d).map(|c| qh[at(bi, i, hi) + c] as f64 * kh[at(bi, j, hi) + c] as f64).sum::<f64>() * scale as f64)
                         .collect();
                     let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let want = m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln();

@@ -11,9 +11,9 @@
 //! `cargo bench -p stage3_fused --bench cpu_ops` (add `-- gemm` for one group).
 
 use candle_core::{DType, Device, Tensor};
+use cpu_kernels::elementwise::{self as ew, Elementwise};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use shared::weights::SplitMix64;
-use cpu_kernels::elementwise::{self as ew, Elementwise};
 use std::time::Duration;
 
 const C: usize = 768;

@@ -27,8 +27,8 @@
 
 use crate::ops::{f32_values, ROWS_PER_TASK};
 use candle_core::{DType, Device, Storage, Tensor, Var, D};
-use rayon::prelude::*;
 use cpu_kernels::elementwise::{exp_f32, row_stats, RowStats};
+use rayon::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
 // LayerNorm

@@ -25,11 +25,11 @@ pub struct Block {
     w_fc2: PackedWeight,  // (C, FF)
     b_fc2: Tensor,        // (C)
     n_head: usize,
-    attn: attention::Implementation,                // stage 2's attention kernel (`--attention-kernel` on CUDA)
-    dtype: DType,                                   // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
-    act: DType,                                     // activations between GEMMs: the GEMM dtype, or f32 on a CPU's bf16 unit (`precision::activation_dtype`)
-    ew: Elementwise,                                // the engine's passes, or candle's ops (`--elementwise`), for a fusion that is off
-    fusions: Fusions,                               // all on unless ablated (--fusions)
+    attn: attention::Implementation, // stage 2's attention kernel (`--attention-kernel` on CUDA)
+    dtype: DType,                    // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
+    act: DType,       // activations between GEMMs: the GEMM dtype, or f32 on a CPU's bf16 unit (`precision::activation_dtype`)
+    ew: Elementwise,  // the engine's passes, or candle's ops (`--elementwise`), for a fusion that is off
+    fusions: Fusions, // all on unless ablated (--fusions)
     split_qkv: Option<[(PackedWeight, Tensor); 3]>, // qkv fusion off only: (C, C) weights and (C) biases of q, k, v
 }
 
@@ -78,7 +78,8 @@ impl Block {
     /// Stage 2's fused attention on (B, T, n_head, d_head) views (of the one QKV output here).
     fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
         let products = (self.dtype != self.act).then_some(self.dtype);
-        stage2_sdpa::attention_opts(self.attn, CpuKernel::Registers, products, q, k, v, true) // (B, T, n_head, d_head)
+        stage2_sdpa::attention_opts(self.attn, CpuKernel::Registers, products, q, k, v, true)
+        // (B, T, n_head, d_head)
     }
 }
 

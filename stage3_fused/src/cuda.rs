@@ -3,7 +3,6 @@
 //! compiled to a cubin per architecture by build.rs, loaded once per device by
 //! `kernel_build::cubin`).
 
-use cublaslt_model::{DataType, Epilogue as ModelEpilogue};
 use crate::device_cache::{Cache, DeviceKey};
 use crate::gemm_args::{linear_args, LinearKind};
 use crate::ops::Epilogue;
@@ -13,6 +12,7 @@ use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRe
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, DeviceId};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Storage, Tensor};
+use cublaslt_model::{DataType, Epilogue as ModelEpilogue};
 use kernel_build::cubin::{function, Cubins};
 use std::sync::Arc;
 

@@ -14,7 +14,6 @@
 //! `tests/cublaslt_backward.rs`); this file turns them into descriptors and launches on candle's
 //! stream with the handle `cuda::lt` keeps. Compiled, not run on a GPU.
 
-use cublaslt_model::{DataType, Epilogue, MatmulArgs};
 use crate::cuda::{cuda_view, device_key, lt, view, wrap};
 use crate::device_cache::{Cache, DeviceKey};
 use crate::gemm_args::{alignments, dgrad_args, linear_args, wgrad_args, LinearKind};
@@ -23,6 +22,7 @@ use candle_core::cuda::cudarc::cublaslt::{result, sys, MatmulShared};
 use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, DeviceId};
 use candle_core::{DType, Layout, Tensor};
+use cublaslt_model::{DataType, Epilogue, MatmulArgs};
 use std::ffi::c_void;
 use std::rc::Rc;
 

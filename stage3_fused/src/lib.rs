@@ -38,8 +38,9 @@
 //! (fc2's residual stays two launches on CUDA at bf16/f16: the f32 residual stream cannot ride
 //! in through cuBLASLt's C operand when C and D share the GEMM's 16-bit dtype in cudarc's
 //! wrapper; at TF32 it does, with β = 1.) Expect the gain to be largest where the block is
-//! memory- or launch-bound: small shapes on a GPU, and everything on a CPU, where stage 2's
-//! element-wise ops run single-threaded passes over DRAM.
+//! memory- or launch-bound: small shapes on a GPU, and on a CPU, where each of stage 2's
+//! element-wise passes (threaded and vectorised on the engine, `cpu_kernels::elementwise`) still
+//! reads and writes a whole activation that does not fit in cache.
 //!
 //! **What it costs.** Nothing in accuracy — the same arithmetic in another order (LayerNorm
 //! statistics in f64 on CPU, f32 on CUDA). On CUDA, stage 3 needs bf16, f16 or TF32: cudarc's

@@ -34,9 +34,9 @@ use crate::backward;
 use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
-use rayon::prelude::*;
 use cpu_kernels::bf16_gemm::{self, narrow_bf16, Kernel, MatRef, PackedB, PackedWeight};
 use cpu_kernels::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, Elementwise, RowStats};
+use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
@@ -422,7 +422,8 @@ impl CustomOp3 for Linear<'_> {
 
     /// The destination is filled with the bias (plus the residual) row by row, then the GEMM
     /// accumulates into it: dst = 1·dst + 1·x·Wᵀ. bf16 operands run on the CPU's bf16 unit
-    /// (stage 1's `bf16_gemm`, f32 accumulation into dst) where it has one; otherwise, and for
+    /// (the engine's `bf16_gemm`, f32 accumulation into dst; f32 activations rounded to bf16 as
+    /// they are packed, against W's prepacked panels) where it has one; otherwise, and for
     /// f16, they are widened to f32 first, as candle's own CPU matmul does.
     fn cpu_fwd(
         &self,
@@ -741,11 +742,22 @@ fn linear_grads(x: &Tensor, w: &Tensor, dz: &Tensor) -> candle_core::Result<(Ten
 /// runs them (with Wᵀ's panels when they were packed for that kernel), else f32 (borrowed, or
 /// widened on all threads).
 enum Operands<'a> {
-    Bf16 { x: &'a [half::bf16], w: &'a [half::bf16], kernel: Kernel, packed: Option<&'a PackedB> },
+    Bf16 {
+        x: &'a [half::bf16],
+        w: &'a [half::bf16],
+        kernel: Kernel,
+        packed: Option<&'a PackedB>,
+    },
     /// f32 activations against Wᵀ packed for the bf16 kernel: x rounded to bf16 as it is packed
     /// (stage 1's mixed precision on a CPU with a bf16 unit), f32 out.
-    F32Packed { x: &'a [f32], packed: &'a PackedB },
-    F32 { x: Cow<'a, [f32]>, w: Cow<'a, [f32]> },
+    F32Packed {
+        x: &'a [f32],
+        packed: &'a PackedB,
+    },
+    F32 {
+        x: Cow<'a, [f32]>,
+        w: Cow<'a, [f32]>,
+    },
 }
 
 impl<'a> Operands<'a> {

@@ -7,8 +7,8 @@ use candle_core::{DType, Device, Tensor};
 use shared::selftest::{randn, Rows};
 
 pub fn epilogues(r: &mut Rows, device: &Device) {
-    use cublaslt_model::{matmul, DataType};
     use crate::gemm_args::{linear_args, LinearKind};
+    use cublaslt_model::{matmul, DataType};
     if !device.is_cuda() {
         r.ran = "cublaslt_model(linear_args)".into();
     }

@@ -226,4 +226,3 @@ impl Optimize for FusedAdamW {
         Ok(true)
     }
 }
-

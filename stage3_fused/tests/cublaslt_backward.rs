@@ -8,8 +8,8 @@
 //! axis the bias gradient lies.
 
 use candle_core::{DType, Device, Tensor, Var};
-use proptest::prelude::*;
 use cublaslt_model::{matmul_ex, DataType, Epilogue};
+use proptest::prelude::*;
 use stage3_fused::gemm_args::{dgrad_args, linear_args, wgrad_args, LinearKind};
 
 fn values(len: usize, seed: u64, dtype: DataType) -> Vec<f32> {

@@ -6,8 +6,8 @@
 //! the leading dimensions, the bias axis and the residual through C.
 
 use candle_core::{Device, Tensor};
-use proptest::prelude::*;
 use cublaslt_model::{matmul, matmul_ex, DataType};
+use proptest::prelude::*;
 use stage3_fused::gemm_args::{linear_args, LinearKind};
 
 fn values(len: usize, seed: u64, dtype: DataType) -> Vec<f32> {

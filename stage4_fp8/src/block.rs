@@ -514,7 +514,8 @@ impl Block {
         let qkv = self.qkv.forward_input(&h, None)?.reshape(heads)?; // one FP8 GEMM, bias in its epilogue
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
         part("attention")?;
-        let a = stage2_sdpa::attention_opts(self.attn, attention::CpuKernel::Registers, self.products, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
+        let a =
+            stage2_sdpa::attention_opts(self.attn, attention::CpuKernel::Registers, self.products, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
         part("proj+residual+ln2")?;
         keep(&Input::Plain(a.clone()))?;
         let p = self.proj.forward(&a)?;
@@ -671,7 +672,8 @@ impl Forward for TrainBlock {
         let qkv = linear(0, &h)?.reshape(heads)?;
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
         part("attention")?;
-        let a = stage2_sdpa::attention_opts(self.attn, attention::CpuKernel::Registers, self.products, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
+        let a =
+            stage2_sdpa::attention_opts(self.attn, attention::CpuKernel::Registers, self.products, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
         part("proj+residual+ln2")?;
         let (x, h) = add_layer_norm(x, &linear(1, &a)?, &w.ln2_g, &w.ln2_b)?; // x += proj; h = LN(x)
         part("fc1+gelu")?;

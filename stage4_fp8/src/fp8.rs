@@ -43,9 +43,9 @@ use crate::gemm::Fp8Gemm;
 use crate::scale::{amax_into, history_push_into, max_abs_bits, scale_from_amax_into, scale_from_history_into, ScaleBuffers};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use cpu_kernels::elementwise::Elementwise;
 use float8::F8E4M3;
 use rayon::prelude::*;
-use cpu_kernels::elementwise::Elementwise;
 use std::sync::Mutex;
 
 /// How an activation's FP8 scale is picked (the module notes above).
@@ -866,6 +866,7 @@ impl Fp8Linear {
         }
         let (xq, scale) = match x {
             Input::Fp8(q) => {
+                cpu_kernels::trace::ran("fp8: input in E4M3 from its producer");
                 self.state()?.finish_fused()?;
                 if q.data.device().is_cpu() {
                     return Ok((None, Some(q.data.clone()), q.scale.clone())); // already s·q in f32
@@ -876,6 +877,7 @@ impl Fp8Linear {
                 // Free to check on the CPU (the data is already host memory); see the module notes.
                 check_finite(x, &format!("the input of {}", self.name)).map_err(candle_core::Error::Msg)?;
                 let scale = self.state()?.scale_for(x)?;
+                cpu_kernels::trace::ran("fp8: quantise the input to E4M3 (CPU pass)");
                 // s_x·q_x in f32 in one parallel pass (`quantize_dequantize_cpu`), never the 8-bit type
                 return Ok((None, Some(quantize_dequantize_cpu(x, &scale)?), scale));
             }
@@ -896,12 +898,14 @@ impl Fp8Linear {
     fn gemm(&self, xq: Option<&Tensor>, xd: Option<&Tensor>, scale: &Tensor, residual: Option<&Tensor>) -> candle_core::Result<Tensor> {
         let (Some((w, b)), Some(xd)) = (&self.emulated, xd) else {
             let xq = xq.ok_or_else(|| candle_core::Error::Msg(format!("{}: no E4M3 input for cuBLASLt", self.name)))?;
+            cpu_kernels::trace::ran("fp8 gemm: cuBLASLt E4M3");
             return match residual {
                 None => self.forward_cublaslt(xq, scale),
                 Some(r) => r + self.forward_cublaslt(xq, scale)?.to_dtype(r.dtype())?,
             };
         };
         if let (Some(r), true, false) = (residual, xd.device().is_cpu(), self.gelu) {
+            cpu_kernels::trace::ran("fp8 gemm: emulated (E4M3 values, f32 GEMM)");
             return stage3_fused::ops::linear_bias_residual(xd, w, b, r); // stage 3's fused residual epilogue
         }
         // the store cuBLASLt makes (bf16), or stage 3's dtype on the CPU
@@ -914,6 +918,7 @@ impl Fp8Linear {
 
     /// Emulated: act(xd Wᵀ + b) in f32, before any store.
     fn emulated_f32(&self, xd: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+        cpu_kernels::trace::ran("fp8 gemm: emulated (E4M3 values, f32 GEMM)");
         if xd.device().is_cpu() {
             // stage 3's fused f32 GEMM + epilogue (the CPU has no FP8 to be faster with)
             return match self.gelu {

@@ -35,10 +35,10 @@
 use crate::fp8::{amax_slow, check_scale, dequantize_slow, max_into, scale_value};
 use crate::scale::max_abs_bits;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
-use float8::F8E4M3;
-use rayon::prelude::*;
 use cpu_kernels::elementwise::par_convert;
 use cublaslt_model::{DataType, Epilogue, MatmulArgs, MatrixLayout};
+use float8::F8E4M3;
+use rayon::prelude::*;
 
 /// Whose per-tensor scale a scale pointer carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

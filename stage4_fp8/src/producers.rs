@@ -25,6 +25,7 @@ use std::sync::Mutex;
 /// q = E4M3(LayerNorm(x) / s) with the consumer's scale s (`target`), amax(LayerNorm(x)) maxed
 /// into its amax buffer. x: (B, T, C), f32 (other dtypes are widened first); g, b: (C).
 pub fn layer_norm_e4m3(x: &Tensor, g: &Tensor, b: &Tensor, target: &Fp8Target) -> candle_core::Result<Quantized> {
+    cpu_kernels::trace::ran("fp8 producer: layer_norm writing E4M3");
     let (x, g, b) = (f32_contiguous(x)?, f32_contiguous(g)?, f32_contiguous(b)?);
     check_norm_params(&x, &g, &b, "layer_norm_e4m3")?;
     let op = LayerNormE4m3 { scale: target.scale.clone(), amax_bits: target.amax_bits.clone(), eps: LN_EPS };
@@ -96,6 +97,7 @@ pub fn add_layer_norm_e4m3(
     b: &Tensor,
     target: &Fp8Target,
 ) -> candle_core::Result<(Tensor, Quantized)> {
+    cpu_kernels::trace::ran("fp8 producer: add+layer_norm writing E4M3");
     if x.dims() != branch.dims() || x.dtype() != DType::F32 {
         candle_core::bail!("add_layer_norm_e4m3: x {:?} ({:?}) and branch {:?} must match, x in f32", x.dims(), x.dtype(), branch.dims());
     }

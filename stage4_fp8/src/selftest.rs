@@ -188,15 +188,9 @@ pub fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
         let args = crate::gemm::fp8_gemm_args_e4m3_out(tok, k, n, true).map_err(anyhow::Error::msg)?.contract();
         let scales = (twin.weight().scale.to_scalar::<f32>()?, s_x.to_scalar::<f32>()?);
         let xq = quantize(&x, &s_x)?;
-        let (d, amax_d) = cublaslt_model::matmul_fp8_out(
-            &args,
-            &host(&twin.weight().data)?,
-            &host(&xq)?,
-            Some(&host(twin.bias())?),
-            scales,
-            1.0 / s,
-        )
-        .map_err(anyhow::Error::msg)?;
+        let (d, amax_d) =
+            cublaslt_model::matmul_fp8_out(&args, &host(&twin.weight().data)?, &host(&xq)?, Some(&host(twin.bias())?), scales, 1.0 / s)
+                .map_err(anyhow::Error::msg)?;
         let mut got: Vec<f32> = d.iter().map(|q| q * s).collect(); // read back with fc2's scale
         got.push(amax_d);
         // a value on a rounding boundary may land on the neighbour (1/s multiplies, the CPU divides)

@@ -5,8 +5,8 @@
 //! and the model's D must equal the emulated `Fp8Linear` (the slow twin) under both recipes.
 
 use candle_core::{DType, Device, Tensor};
-use proptest::prelude::*;
 use cublaslt_model::matmul;
+use proptest::prelude::*;
 use stage4_fp8::fp8::Fp8Recipe;
 use stage4_fp8::fp8::{quantize, Fp8Linear, Fp8Mode, ScalingConfig};
 use stage4_fp8::gemm::fp8_gemm_args;

@@ -100,7 +100,10 @@ fn fused_agrees_with_unfused_at_bf16_activations_within_the_derived_bound() {
         let (got, _) = run(&block(shape, 60 + i as u64, Fp8Fusions::ALL, requested), &xs);
         for (k, (g, w)) in got.iter().zip(&want).enumerate() {
             let c = compare_within(g, w, bound).unwrap();
-            println!("{shape:?} call {k}: fused vs unfused rel err {:.2e} (bound {bound:.1e}, bf16 activations: {bf16_activations})", c.rel_err);
+            println!(
+                "{shape:?} call {k}: fused vs unfused rel err {:.2e} (bound {bound:.1e}, bf16 activations: {bf16_activations})",
+                c.rel_err
+            );
             assert!(c.passed, "{shape:?} call {k}: {c:?} (bound {bound:.1e})");
             if bf16_activations {
                 // not vacuous: from the second call on the fusions skip a bf16 rounding

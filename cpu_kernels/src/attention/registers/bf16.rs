@@ -27,9 +27,9 @@
 use super::{softmax_step, Avx512};
 use super::{BC, MR};
 use crate::attention::HeadRows;
+use crate::bf16_gemm::Kernel;
 use crate::elementwise::exp_f32;
 use half::bf16;
-use crate::bf16_gemm::Kernel;
 
 /// Keys per score tile: two vectors of 16 f32.
 const NR: usize = 32;
