@@ -57,16 +57,12 @@ pub enum CpuKernel {
     RowAxpy,
 }
 
-/// One CPU attention forward: which kernel, its softmax scale and causality, and the dtype the
-/// two products run in. `products` is the inputs' dtype, or bf16 for f32 inputs under bf16
-/// mixed precision (stage 1's policy on a CPU with a bf16 unit: activations stay f32 and are
-/// rounded to bf16 where the products read them, as the GEMMs round theirs when they pack).
+/// One CPU attention forward: which kernel, and its softmax scale and causality.
 #[derive(Debug)]
 pub struct CpuAttention {
     pub scale: f32,
     pub causal: bool,
     pub cpu: CpuKernel,
-    pub products: Option<DType>,
     /// Training: where the forward keeps each row's log-sum-exp L_i = m_i + ln l_i,
     /// (B, n_head, T) f32, for the backward to recompute P from; None otherwise.
     lse: Option<Mutex<Option<Vec<f32>>>>,
@@ -75,12 +71,7 @@ pub struct CpuAttention {
 impl CpuAttention {
     /// `kernel` with softmax scale `scale`; `keep_lse`: keep L for the backward (`take_lse`).
     pub fn new(kernel: CpuKernel, scale: f32, causal: bool, keep_lse: bool) -> CpuAttention {
-        CpuAttention { scale, causal, cpu: kernel, products: None, lse: keep_lse.then(|| Mutex::new(None)) }
-    }
-
-    /// The same, with the products in `dtype` (bf16 for f32 inputs: see the struct).
-    pub fn with_products(self, dtype: Option<DType>) -> CpuAttention {
-        CpuAttention { products: dtype, ..self }
+        CpuAttention { scale, causal, cpu: kernel, lse: keep_lse.then(|| Mutex::new(None)) }
     }
 
     /// The log-sum-exp the last forward kept (taken: one backward per forward).
@@ -90,7 +81,7 @@ impl CpuAttention {
 
     /// What `forward` runs for inputs of `dtype` at head size `d`, in words (the kernel trace).
     pub fn kernel_name(&self, dtype: DType, d: usize) -> &'static str {
-        let bf16_pairs = registers::bf16::runs(d) && (dtype == DType::BF16 || (dtype == DType::F32 && self.products == Some(DType::BF16)));
+        let bf16_pairs = registers::bf16::runs(d) && dtype == DType::BF16;
         match self.cpu {
             CpuKernel::RowAxpy => "attention: row-wise online softmax (CPU)",
             CpuKernel::Registers if bf16_pairs => "attention: register-blocked, bf16 pairs (avx512-bf16)",
@@ -115,17 +106,6 @@ impl CpuAttention {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
                 let qkv = [(q.as_slice(), View::of(l1, q.len())?), (k, View::of(l2, k.len())?), (v, View::of(l3, v.len())?)];
                 CpuStorage::F32(match self.cpu {
-                    CpuKernel::Registers if self.products == Some(DType::BF16) && registers::bf16::runs(dims[3]) => {
-                        // bf16 mixed precision on f32 activations: the inputs rounded to bf16 once
-                        // (as a GEMM rounds its operands when it packs them), then the bf16 kernel,
-                        // f32 out. The backward recomputes L from the f32 inputs (none kept here).
-                        let narrow = |x: &[f32]| crate::elementwise::par_convert(x, half::bf16::from_f32);
-                        let (q, k, v) = (narrow(q), narrow(k), narrow(v));
-                        let qkv = [(q.as_slice(), qkv[0].1), (k.as_slice(), qkv[1].1), (v.as_slice(), qkv[2].1)];
-                        let out = self.run_bf16(qkv, dims)?;
-                        let _ = self.take_lse(); // L of the rounded inputs: the backward recomputes it from the f32 ones
-                        out
-                    }
                     CpuKernel::GemmTiles | CpuKernel::Registers => self.run_tiles(qkv, dims, borrowed),
                     CpuKernel::RowAxpy => self.run_rowwise(qkv, dims),
                 })

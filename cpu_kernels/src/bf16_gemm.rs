@@ -380,6 +380,23 @@ pub fn gemm_packed<A: Operand>(c: &mut [f32], a: MatRef<A>, b: &PackedB, accumul
 /// it stays in L2) and narrows it as it stores it, so no m × n f32 intermediate is written,
 /// faulted in and read back by a narrowing pass (fc1's would be 24 MiB).
 pub fn gemm_packed_bf16<A: Operand>(c: &mut [bf16], a: MatRef<A>, b: &PackedB, parallel: bool) -> Result<(), String> {
+    gemm_packed_bf16_with(c, a, b, parallel, None)
+}
+
+/// A GEMM's output pass: `epilogue(j0, row)` gets each f32 accumulator row segment, columns
+/// j0..j0 + row.len() of one output row, while the task's block is still in L2, before it is
+/// rounded and stored (a bias add, bias + GELU).
+pub type Epilogue<'a> = &'a (dyn Fn(usize, &mut [f32]) + Sync);
+
+/// `gemm_packed_bf16` with an output pass (`Epilogue`) applied to each block before it is
+/// rounded to bf16: c = epilogue(a · b), no m × n pass of its own.
+pub fn gemm_packed_bf16_with<A: Operand>(
+    c: &mut [bf16],
+    a: MatRef<A>,
+    b: &PackedB,
+    parallel: bool,
+    epilogue: Option<Epilogue>,
+) -> Result<(), String> {
     let (m, k, n, kp, kernel) = (a.rows, a.cols, b.n, b.kp, b.kernel);
     if b.k != k || c.len() != m * n {
         return Err(format!("bf16 gemm: a {m} × {k}, packed b {} × {n} and c ({} elements) do not fit c = a·b", b.k, c.len()));
@@ -390,7 +407,14 @@ pub fn gemm_packed_bf16<A: Operand>(c: &mut [bf16], a: MatRef<A>, b: &PackedB, p
         return Ok(());
     }
     if k == 0 {
-        c.fill(bf16::ZERO);
+        let mut zeros = vec![0f32; n];
+        for row in c.chunks_exact_mut(n) {
+            zeros.fill(0.0);
+            if let Some(epilogue) = epilogue {
+                epilogue(0, &mut zeros);
+            }
+            narrow_bf16(&zeros, row);
+        }
         return Ok(());
     }
     thread_local! {
@@ -408,7 +432,10 @@ pub fn gemm_packed_bf16<A: Operand>(c: &mut [bf16], a: MatRef<A>, b: &PackedB, p
             let panels = &b.panels[(j0 / NR) * kp * NR..];
             // SAFETY: the scratch holds mc × nc f32 and is this thread's alone.
             unsafe { block(kernel, OutPtr(scratch.as_mut_ptr()), nc, rows, panels, kp, (0, mc), (0, nc), false) };
-            for (r, acc) in scratch[..mc * nc].chunks_exact(nc).enumerate() {
+            for (r, acc) in scratch[..mc * nc].chunks_exact_mut(nc).enumerate() {
+                if let Some(epilogue) = epilogue {
+                    epilogue(j0, acc);
+                }
                 // SAFETY: row i0 + r, columns j0..j0+nc of c (m × n, length checked above) are
                 // this task's alone (tasks tile C without overlap).
                 let row = unsafe { std::slice::from_raw_parts_mut(out.at((i0 + r) * n + j0), nc) };

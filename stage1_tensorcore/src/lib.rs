@@ -13,11 +13,9 @@
 //! error), and the residual stream x (it is summed into at every block; rounding it to bf16
 //! each time would compound). TF32 keeps f32 storage and only rounds GEMM inputs to 10
 //! mantissa bits inside the tensor core (candle's `set_gemm_reduced_precision_f32`); the
-//! switches are set deliberately per precision in `precision::switches`. On a CPU with a bf16
-//! unit the activations stay f32 instead (`precision::activation_dtype`): our GEMM rounds them to
-//! bf16 as it packs its operands and returns f32, so no cast pass runs between the ops (the
-//! engine's element-wise passes compute in f32 either way). Still bf16 mixed precision: bf16
-//! weights and GEMM operands, f32 accumulation; the label says `f32 activations`.
+//! switches are set deliberately per precision in `precision::switches`. On a CPU the same rule
+//! holds: activations in bf16 between the ops, the engine's element-wise passes reading and
+//! writing bf16 (computing in f32 inside), the GEMMs on the CPU's bf16 unit.
 //!
 //! **Why it is faster on the hardware.** Tensor cores do a small matrix product per
 //! instruction: on an H100 SXM, dense bf16 peaks at ~989 TFLOP/s and TF32 at ~495, against
@@ -73,10 +71,9 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, mask: &Tenso
     attention_in(q, k, v, n_head, mask, q.dtype())
 }
 
-/// `attention` with its two products in `gemm` whatever q, k and v are stored in: on a CPU with
-/// a bf16 unit stage 1 keeps them in f32 and runs the products as bf16 GEMMs
-/// (`bf16_gemm::matmul_bf16`: operands rounded to bf16 as they are packed, f32 out), so the
-/// scores and probabilities never pass through a bf16 tensor. Returns (B, T, C) in q's dtype.
+/// `attention` with its two products in `gemm` whatever q, k and v are stored in (bf16 GEMMs on
+/// a CPU's bf16 unit through `bf16_gemm::matmul_bf16`: operands rounded to bf16 as they are
+/// packed). Returns (B, T, C) in q's dtype.
 pub fn attention_in(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, mask: &Tensor, gemm: DType) -> candle_core::Result<Tensor> {
     let matmul = |a: &Tensor, b: &Tensor| if gemm == DType::BF16 { bf16_gemm::matmul_bf16(a, b) } else { a.matmul(b) };
     let t = q.dim(1)?;

@@ -149,25 +149,6 @@ pub fn gemm_dtype(p: Precision) -> DType {
     }
 }
 
-#[cfg(feature = "harness")]
-/// The dtype of a plan's activations between GEMMs (LayerNorm's output, q, k, v, the scores'
-/// GEMM operands, GELU's input): see `activation_dtype_for`.
-pub fn activation_dtype(plan: &shared::Plan) -> DType {
-    activation_dtype_for(plan.info.is_cuda(), plan.precision, Kernel::detect())
-}
-
-#[cfg(feature = "harness")]
-/// The GEMM dtype, except bf16 on a CPU whose bf16 unit runs `cpu_kernels::bf16_gemm` (`cpu`):
-/// f32 there. That kernel rounds f32 operands to bf16 as it packs them and returns f32, so the
-/// GEMMs are bf16 either way, no cast pass runs between the ops, and the engine's element-wise
-/// passes compute in f32 whatever they store (a bf16 pass widens, computes and rounds). On a GPU
-/// every element-wise kernel reads and writes bf16 directly and the activations' bytes halve.
-pub fn activation_dtype_for(cuda: bool, p: Precision, cpu: Kernel) -> DType {
-    match gemm_dtype(p) {
-        DType::BF16 if !cuda && cpu.is_native() => DType::F32,
-        dt => dt,
-    }
-}
 
 #[cfg(feature = "harness")]
 /// Tensor cores work on tiles whose inner dimensions are multiples of 8 elements (16 bytes of
@@ -280,16 +261,6 @@ mod tests {
         }
         let (p, why) = choose_with(&cpu(), PrecisionRequest::Auto, Kernel::ConvertedF32).unwrap();
         assert!(p == Fp32 && why.contains("no bf16 units"), "{why}");
-    }
-
-    #[test]
-    fn activations_are_f32_only_on_a_cpu_bf16_unit() {
-        assert_eq!(activation_dtype_for(false, Bf16, Kernel::Avx512Bf16), DType::F32);
-        assert_eq!(activation_dtype_for(false, Bf16, Kernel::Amx), DType::F32);
-        assert_eq!(activation_dtype_for(false, Bf16, Kernel::ConvertedF32), DType::BF16); // what it ran before: bf16 numerics, converted
-        assert_eq!(activation_dtype_for(true, Bf16, Kernel::Avx512Bf16), DType::BF16);
-        assert_eq!(activation_dtype_for(false, F16, Kernel::Avx512Bf16), DType::F16);
-        assert_eq!(activation_dtype_for(false, Fp32, Kernel::Avx512Bf16), DType::F32);
     }
 
     #[test]

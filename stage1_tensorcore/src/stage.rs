@@ -3,7 +3,7 @@
 use crate::loss_scale::LossScaler;
 use crate::{precision, Block};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Var};
+use candle_core::Var;
 use candle_nn::Optimizer;
 use cpu_kernels::bf16_gemm::{self, Kernel};
 use cpu_kernels::elementwise as ew;
@@ -56,22 +56,11 @@ impl Stage for TensorCore {
     fn notes(&self, plan: &Plan) -> Vec<String> {
         let advice = precision::alignment_advice(&plan.shape, plan.precision);
         let on = if plan.info.is_cuda() { "" } else { "on a GPU, " };
-        let mut notes: Vec<String> = advice.into_iter().map(|a| format!("{on}{a}")).collect();
-        if precision::activation_dtype(plan) == DType::F32 && plan.precision == Precision::Bf16 {
-            notes.push(
-                "bf16 mixed precision on the CPU: bf16 weights, activations kept in f32 and rounded to bf16 as each GEMM packs them, \
-                 f32 accumulate and f32 out; bias, GELU, mask, softmax, residual and LayerNorm run in f32 (no cast pass between the ops; \
-                 the engine's passes compute in f32 either way)"
-                    .into(),
-            );
-        }
-        notes
+        advice.into_iter().map(|a| format!("{on}{a}")).collect()
     }
 
     fn implementation(&self, plan: &Plan) -> Option<String> {
-        let act =
-            if precision::activation_dtype(plan) == DType::F32 && plan.precision == Precision::Bf16 { ", f32 activations" } else { "" };
-        let gemms = precision::cpu_bf16_kernel(plan).map(|k| format!("bf16 GEMMs {k}{act}"));
+        let gemms = precision::cpu_bf16_kernel(plan).map(|k| format!("bf16 GEMMs {k}"));
         let parts: Vec<String> = gemms.into_iter().chain(stage0_baseline::elementwise_label(plan, ew::mode())).collect();
         (!parts.is_empty()).then(|| parts.join(", "))
     }

@@ -30,7 +30,7 @@
 //! agree on random shapes.
 
 use crate::attention_cuda;
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 use cpu_kernels::attention::CpuAttention;
 pub use cpu_kernels::attention::{backward, registers, CpuKernel, BC, BR, ROW_BC, ROW_BR};
 use std::sync::Mutex;
@@ -157,22 +157,11 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_cor
 /// `attention` through a chosen implementation, to compare them (benches, GPU tests); an error,
 /// never a substitute, when this build or q's device cannot run it.
 pub fn attention_with(imp: Implementation, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_core::Result<Tensor> {
-    attention_opts(imp, CpuKernel::Registers, None, q, k, v, causal)
+    attention_opts(imp, CpuKernel::Registers, q, k, v, causal)
 }
 
-/// `attention_with`, and on the CPU a chosen kernel (`cpu`) and the dtype of its two products:
-/// `Some(BF16)` with f32 q, k and v runs the bf16 kernel on them rounded to bf16, f32 out — bf16
-/// mixed precision on f32 activations, as stage 1 keeps them on a CPU with a bf16 unit (its
-/// attention runs its products as bf16 GEMMs the same way). `None`: the inputs' dtype.
-pub fn attention_opts(
-    imp: Implementation,
-    cpu: CpuKernel,
-    products: Option<DType>,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    causal: bool,
-) -> candle_core::Result<Tensor> {
+/// `attention_with`, on the CPU through a chosen kernel (`cpu`; CUDA ignores it).
+pub fn attention_opts(imp: Implementation, cpu: CpuKernel, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_core::Result<Tensor> {
     let d = check_inputs(q, k, v)?;
     if (imp == Implementation::Cpu) == q.device().is_cuda() {
         candle_core::bail!("attention: {} cannot run on {:?}", imp.name(), q.device().location());
@@ -182,7 +171,7 @@ pub fn attention_opts(
     let kernel = if imp == Implementation::SpeedkitCudaV1 { AttentionKernel::V1 } else { AttentionKernel::V2 };
     // While training (q, k or v tracked) the op keeps the forward's log-sum-exp for its backward.
     let tracked = [q, k, v].iter().any(|x| x.track_op());
-    let op = FlashAttn { scale, causal, cpu, products, kernel, lse: tracked.then(|| Mutex::new(None)) };
+    let op = FlashAttn { scale, causal, cpu, kernel, lse: tracked.then(|| Mutex::new(None)) };
     match imp {
         Implementation::Cpu => cpu_views(q, k, v, op),
         Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1 => {
@@ -211,7 +200,7 @@ pub fn attention_cpu(kernel: CpuKernel, q: &Tensor, k: &Tensor, v: &Tensor, caus
     if q.device().is_cuda() {
         candle_core::bail!("attention: the CPU kernel {kernel:?} cannot run on {:?}", q.device().location());
     }
-    attention_opts(Implementation::Cpu, kernel, None, q, k, v, causal)
+    attention_opts(Implementation::Cpu, kernel, q, k, v, causal)
 }
 
 /// The CPU kernels read q, k and v where they are, through their strides: stage 2's contiguous
@@ -265,7 +254,6 @@ struct FlashAttn {
     scale: f32,
     causal: bool,
     cpu: CpuKernel,          // which CPU kernel `cpu_fwd` runs
-    products: Option<DType>, // on the CPU: bf16 products for f32 inputs (bf16 mixed precision), else the inputs' dtype
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd only
     kernel: AttentionKernel, // which CUDA kernel `cuda_fwd` launches
     /// Training (q, k or v tracked): where the forward keeps each row's log-sum-exp
@@ -338,8 +326,7 @@ impl CustomOp3 for FlashAttn {
     }
 
     /// The engine's CPU kernels (`cpu_kernels::attention`): register-blocked by default, the
-    /// row-wise first kernel for the ablation; f32 inputs under bf16 mixed precision run the bf16
-    /// kernel (`products`).
+    /// row-wise first kernel for the ablation.
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -349,7 +336,7 @@ impl CustomOp3 for FlashAttn {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let op = CpuAttention::new(self.cpu, self.scale, self.causal, self.lse.is_some()).with_products(self.products);
+        let op = CpuAttention::new(self.cpu, self.scale, self.causal, self.lse.is_some());
         let out = op.forward((s1, l1), (s2, l2), (s3, l3))?;
         if let (Some(slot), Some(lse)) = (&self.lse, op.take_lse()) {
             *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(Kept::Host(lse));

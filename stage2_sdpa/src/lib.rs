@@ -69,17 +69,10 @@ use candle_core::Tensor;
 /// Each is copied into (B, n_head, T, d_head) as `split_heads` does; the CPU kernel reads
 /// (B, T, n_head, d_head) rows and copies it back (so on the CPU each input pays two copies,
 /// an upper bound on stage 1's one; the CUDA kernel reads the head-major view in place). The
-/// `products`: as `attention_opts`. The
 /// output is copied out to (B, n_head, T, d_head), as stage 1's attention returns it, and back
 /// into (B, T, C) rows, as `merge_heads` does.
-pub fn attention_with_copies(
-    imp: attention::Implementation,
-    products: Option<candle_core::DType>,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-) -> candle_core::Result<Tensor> {
+pub fn attention_with_copies(imp: attention::Implementation, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
     let split = |t: &Tensor| t.transpose(1, 2)?.contiguous()?.transpose(1, 2); // copy to (B, n_head, T, d_head), viewed back
-    let a = attention_opts(imp, attention::CpuKernel::Registers, products, &split(q)?, &split(k)?, &split(v)?, true)?; // (B, T, n_head, d_head)
+    let a = attention_opts(imp, attention::CpuKernel::Registers, &split(q)?, &split(k)?, &split(v)?, true)?; // (B, T, n_head, d_head)
     a.transpose(1, 2)?.contiguous()?.transpose(1, 2)?.contiguous() // the merge: (B, n_head, T, d_head) copy, then (B, T, n_head, d_head) rows
 }

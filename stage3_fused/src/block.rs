@@ -15,7 +15,7 @@ pub struct Block {
     ln1_g: Tensor,        // (C) f32
     ln1_b: Tensor,        // (C) f32
     w_qkv: PackedWeight,  // (3C, C) GEMM dtype: q, k and v weights stacked, one GEMM; Wᵀ packed once on a CPU's bf16 unit
-    b_qkv: Tensor,        // (3C) activation dtype
+    b_qkv: Tensor,        // (3C) GEMM dtype
     w_proj: PackedWeight, // (C, C)
     b_proj: Tensor,       // (C)
     ln2_g: Tensor,        // (C) f32
@@ -27,7 +27,6 @@ pub struct Block {
     n_head: usize,
     attn: attention::Implementation, // stage 2's attention kernel (`--attention-kernel` on CUDA)
     dtype: DType,                    // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
-    act: DType,       // activations between GEMMs: the GEMM dtype, or f32 on a CPU's bf16 unit (`precision::activation_dtype`)
     ew: Elementwise,  // the engine's passes, or candle's ops (`--elementwise`), for a fusion that is off
     fusions: Fusions, // all on unless ablated (--fusions)
     split_qkv: Option<[(PackedWeight, Tensor); 3]>, // qkv fusion off only: (C, C) weights and (C) biases of q, k, v
@@ -40,7 +39,6 @@ impl Block {
         let attn = stage2_sdpa::harness::for_run(&plan.device, stage.sdpa.args.attention_kernel)?;
         let c = plan.shape.d_model;
         let dt = precision::gemm_dtype(plan.precision);
-        let act = precision::activation_dtype(plan);
         // Cast once here, never per forward, and on a CPU's bf16 unit packed once into the GEMM's
         // pair panels (build is outside the timing; every forward would otherwise pack W again).
         let pack = |t: &Tensor| PackedWeight::new(&t.to_dtype(dt)?.contiguous()?);
@@ -48,7 +46,7 @@ impl Block {
             true => None,
             false => {
                 let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| pack(&t)); // (C, C)
-                let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(act)?.contiguous()); // (C)
+                let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(dt)?.contiguous()); // (C)
                 Some([(rows(0)?, bias(0)?), (rows(1)?, bias(1)?), (rows(2)?, bias(2)?)])
             }
         };
@@ -56,19 +54,18 @@ impl Block {
             ln1_g: w.ln1_g.clone(),
             ln1_b: w.ln1_b.clone(),
             w_qkv: pack(&w.w_qkv)?, // one (3C, C) GEMM instead of three (C, C) ones
-            b_qkv: w.b_qkv.to_dtype(act)?,
+            b_qkv: w.b_qkv.to_dtype(dt)?,
             w_proj: pack(&w.w_proj)?,
-            b_proj: w.b_proj.to_dtype(act)?,
+            b_proj: w.b_proj.to_dtype(dt)?,
             ln2_g: w.ln2_g.clone(),
             ln2_b: w.ln2_b.clone(),
             w_fc1: pack(&w.w_fc1)?,
-            b_fc1: w.b_fc1.to_dtype(act)?,
+            b_fc1: w.b_fc1.to_dtype(dt)?,
             w_fc2: pack(&w.w_fc2)?,
-            b_fc2: w.b_fc2.to_dtype(act)?,
+            b_fc2: w.b_fc2.to_dtype(dt)?,
             n_head: plan.shape.n_head,
             attn,
             dtype: dt,
-            act,
             ew,
             fusions: stage.fusions,
             split_qkv,
@@ -77,8 +74,7 @@ impl Block {
 
     /// Stage 2's fused attention on (B, T, n_head, d_head) views (of the one QKV output here).
     fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
-        let products = (self.dtype != self.act).then_some(self.dtype);
-        stage2_sdpa::attention_opts(self.attn, CpuKernel::Registers, products, q, k, v, true)
+        stage2_sdpa::attention_opts(self.attn, CpuKernel::Registers, q, k, v, true)
         // (B, T, n_head, d_head)
     }
 }
@@ -88,7 +84,7 @@ impl Forward for Block {
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy
         part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
-        let h = self.layer_norm(x, &self.ln1_g, &self.ln1_b)?; // (B, T, C): one kernel, activation dtype out
+        let h = self.layer_norm(x, &self.ln1_g, &self.ln1_b)?; // (B, T, C): one kernel, GEMM dtype out
         part("qkv")?;
         let (q, k, v) = match &self.split_qkv {
             None => {
@@ -117,8 +113,8 @@ impl Forward for Block {
 impl Block {
     fn layer_norm(&self, x: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
         match self.fusions.ln {
-            true => layer_norm(x, g, b, self.act),
-            false => ew::to_dtype(&ew::layer_norm(x, g, b, LN_EPS, self.ew)?, self.act, self.ew), // stage 2's passes, then its cast
+            true => layer_norm(x, g, b, self.dtype),
+            false => ew::to_dtype(&ew::layer_norm(x, g, b, LN_EPS, self.ew)?, self.dtype, self.ew), // stage 2's passes, then its cast
         }
     }
 
@@ -158,10 +154,10 @@ impl Block {
         }
     }
 
-    /// (x + branch in f32, LayerNorm of it in the activation dtype).
+    /// (x + branch in f32, LayerNorm of it in the GEMM dtype).
     fn add_layer_norm(&self, x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         if self.fusions.add_ln {
-            return add_layer_norm(x, branch, g, b); // h in the branch's dtype: the activation dtype
+            return add_layer_norm(x, branch, g, b); // h in the branch's dtype: the GEMM dtype
         }
         let x = ew::add(x, &ew::to_dtype(branch, DType::F32, self.ew)?, self.ew)?; // the add, a pass of its own
         part("ln2")?;

@@ -467,6 +467,18 @@ impl CustomOp3 for Linear<'_> {
             Epilogue::Bias if !narrow => out.par_chunks_mut(n).for_each(|o| o.copy_from_slice(b)),
             Epilogue::Bias | Epilogue::BiasGelu => {} // the bias goes in after the GEMM
         }
+        if let (true, None, Operands::Bf16 { x, packed: Some(wt), .. }) = (narrow, &self.pre_gelu, &operands) {
+            // bf16 out with W packed: bias (and GELU) applied to each block of the GEMM's f32
+            // accumulator while it is in L2, then rounded as it is stored — the output pass of
+            // the GEMM itself, no m × n f32 buffer and no pass of its own.
+            let mut y = vec![half::bf16::ZERO; m * n];
+            let epilogue = |j0: usize, row: &mut [f32]| match gelu {
+                true => map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j0 + j])),
+                false => map_slice_in_place(row, &|j, v| v + b[j0 + j]),
+            };
+            bf16_gemm::gemm_packed_bf16_with(&mut y, MatRef::row_major(x, m, k), wt, true, Some(&epilogue)).map_err(candle_core::Error::Msg)?;
+            return Ok((CpuStorage::BF16(y), Shape::from((bsz, t, n))));
+        }
         let bias_after = gelu || narrow;
         let mut pre_gelu = self.pre_gelu.as_ref().map(|_| vec![0f32; m * n]); // training: x·Wᵀ, for bwd
         let rows = if gelu { GELU_ROWS } else { m.max(1) };

@@ -151,18 +151,6 @@ impl Fp8 {
         Fp8Fusions::effective(self.args.fp8_fusions, self.args.fp8_recipe)
     }
 
-    /// The dtype stage 3's attention products run in at this plan's request, when its
-    /// activations are f32 on a CPU's bf16 unit (stage 3's `attention`): `None` otherwise.
-    pub fn attention_products(&self, plan: &Plan) -> Option<DType> {
-        let request = match plan.requested {
-            PrecisionRequest::Exactly(Precision::Fp8) => PrecisionRequest::Auto,
-            r => r,
-        };
-        let p = self.fused.choose_precision(&plan.info, request).ok()?.0;
-        let (gemm, act) = (precision::gemm_dtype(p), self.activation_dtype(plan).0);
-        (!plan.info.is_cuda() && gemm != act).then_some(gemm)
-    }
-
     /// The activation dtype stage 4 runs with, and a note when it must differ from stage 3's at
     /// the same `--precision` (`Plan::requested`). Stage 3 is asked as the ladder asks it:
     /// fp8 (this stage's own precision) means stage 3's auto choice.
@@ -171,8 +159,7 @@ impl Fp8 {
             PrecisionRequest::Exactly(Precision::Fp8) => PrecisionRequest::Auto,
             r => r,
         };
-        let stage3_precision = self.fused.choose_precision(&plan.info, request).ok().map(|(p, _)| p);
-        let stage3 = stage3_precision.map(precision::gemm_dtype);
+        let stage3 = self.fused.choose_precision(&plan.info, request).ok().map(|(p, _)| precision::gemm_dtype(p));
         if plan.info.is_cuda() {
             // cuBLASLt's FP8 GEMMs store bf16 (and stage 2's CUDA attention reads bf16 or f16).
             let note = match stage3 {
@@ -184,10 +171,8 @@ impl Fp8 {
             };
             return (DType::BF16, note);
         }
-        // Stage 3's activation dtype on this CPU (f32 on a bf16 unit: its GEMMs round as they pack).
-        let kernel = cpu_kernels::bf16_gemm::Kernel::detect();
-        match stage3_precision {
-            Some(p) => (precision::activation_dtype_for(false, p, kernel), None),
+        match stage3 {
+            Some(dt) => (dt, None),
             None => {
                 (DType::F32, Some("activations in f32: stage 3 cannot run this --precision, so stage 4 keeps the CPU's default".into()))
             }
@@ -206,7 +191,6 @@ pub struct Block {
     fc2: Fp8Linear,  // (C, FF) E4M3
     n_head: usize,
     dtype: DType,                    // what the GEMMs write and attention reads: stage 3's activation dtype (`activation_dtype`)
-    products: Option<DType>,         // attention's products, as stage 3's (`attention_products`)
     attn: attention::Implementation, // stage 2's attention kernel (`--attention-kernel` on CUDA)
     fusions: Fp8Fusions,             // producers writing E4M3 for the next GEMM (`fusions`)
     // Whether fc1 can write fc2's E4M3 input on this device: asked at the first fused call.
@@ -425,7 +409,6 @@ impl Block {
             fc2: linear(&w.w_fc2, &w.b_fc2, false, "fc2")?,
             n_head: plan.shape.n_head,
             dtype,
-            products: stage.attention_products(plan),
             attn,
             fusions: stage.fusions(),
             fc1_e4m3: std::sync::OnceLock::new(),
@@ -514,8 +497,7 @@ impl Block {
         let qkv = self.qkv.forward_input(&h, None)?.reshape(heads)?; // one FP8 GEMM, bias in its epilogue
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
         part("attention")?;
-        let a =
-            stage2_sdpa::attention_opts(self.attn, attention::CpuKernel::Registers, self.products, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
+        let a = attention::attention_with(self.attn, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
         part("proj+residual+ln2")?;
         keep(&Input::Plain(a.clone()))?;
         let p = self.proj.forward(&a)?;
@@ -612,14 +594,13 @@ pub struct TrainBlock {
     grads: [GradScaling; 4],       // dY's E5M2 scale per layer
     n_head: usize,
     dtype: DType,                    // stage 3's activation dtype (`activation_dtype`)
-    products: Option<DType>,         // attention's products, as stage 3's (`attention_products`)
     attn: attention::Implementation, // stage 2's attention (the CPU kernel, with its backward)
 }
 
 impl TrainBlock {
     pub fn build(w: &BlockWeights, plan: &Plan, stage: &Fp8) -> anyhow::Result<TrainBlock> {
         let block = Block::build(w, plan, stage)?; // the layers, checked as the forward's
-        let Block { qkv, proj, fc1, fc2, n_head, dtype, products, attn, .. } = block;
+        let Block { qkv, proj, fc1, fc2, n_head, dtype, attn, .. } = block;
         let grad = || match stage.args.fp8_recipe {
             Fp8Recipe::Delayed => GradScaling::Delayed(Arc::new(DelayedScale::new(ScalingConfig::default().history_len, 0))),
             Fp8Recipe::Current => GradScaling::Current(0),
@@ -630,7 +611,6 @@ impl TrainBlock {
             grads: [grad(), grad(), grad(), grad()],
             n_head,
             dtype,
-            products,
             attn,
         })
     }
@@ -672,8 +652,7 @@ impl Forward for TrainBlock {
         let qkv = linear(0, &h)?.reshape(heads)?;
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
         part("attention")?;
-        let a =
-            stage2_sdpa::attention_opts(self.attn, attention::CpuKernel::Registers, self.products, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
+        let a = attention::attention_with(self.attn, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
         part("proj+residual+ln2")?;
         let (x, h) = add_layer_norm(x, &linear(1, &a)?, &w.ln2_g, &w.ln2_b)?; // x += proj; h = LN(x)
         part("fc1+gelu")?;

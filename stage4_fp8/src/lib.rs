@@ -7,7 +7,7 @@
 //! `gemm::Fp8Gemm`). Everything else is stage 3: its fused LayerNorm and residual kernels,
 //! stage 2's attention, LayerNorm statistics and the residual stream in f32. The activations
 //! stay in the dtype stage 3 uses at the same `--precision` (`activation_dtype`): on the CPU,
-//! f32 by default, so the GEMMs' number format is the one change; on CUDA, bf16 (what
+//! stage 3's GEMM dtype, so the GEMMs' number format is the one change; on CUDA, bf16 (what
 //! cuBLASLt's FP8 GEMMs store), and a note says so when stage 3 would run something else.
 //!
 //! **Why it is faster on the hardware.** Hopper's tensor cores do twice as many E4M3 FLOPs per

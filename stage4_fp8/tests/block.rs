@@ -150,21 +150,16 @@ fn refusals_name_cause_and_fix() {
 
 #[test]
 fn on_the_cpu_stage_4_differs_from_stage_3_only_in_the_gemms() {
-    // Activations in stage 3's dtype at the same --precision (f32 on a CPU with a bf16 unit, whose
-    // GEMMs round as they pack; bf16 as asked on one without), and no note of a forced difference;
+    // Activations in stage 3's dtype at the same --precision (by default bf16 on a CPU with a bf16
+    // unit and f32 on one without, bf16 or fp32 when asked), and no note of a forced difference;
     // on a GPU, bf16 with a note when stage 3 would run something else.
     let (device, info) = select(DeviceRequest::Cpu).unwrap();
     let shape = Preset::Tiny.shape();
-    // Stage 3's activations: f32 on a CPU's bf16 unit (its GEMMs round as they pack), else the GEMM dtype.
-    let act = |p| stage1_tensorcore::precision::activation_dtype_for(false, p, cpu_kernels::bf16_gemm::Kernel::detect());
-    let auto = match stage1_tensorcore::precision::auto_dtype(&device).unwrap() {
-        DType::BF16 => Precision::Bf16,
-        _ => Precision::Fp32,
-    };
+    let auto = stage1_tensorcore::precision::auto_dtype(&device).unwrap();
     for (requested, dtype) in [
-        (PrecisionRequest::Auto, act(auto)),
-        (PrecisionRequest::Exactly(Precision::Fp8), act(auto)),
-        (PrecisionRequest::Exactly(Precision::Bf16), act(Precision::Bf16)),
+        (PrecisionRequest::Auto, auto),
+        (PrecisionRequest::Exactly(Precision::Fp8), auto),
+        (PrecisionRequest::Exactly(Precision::Bf16), DType::BF16),
         (PrecisionRequest::Exactly(Precision::Fp32), DType::F32),
     ] {
         let spec = Fp8::default();
