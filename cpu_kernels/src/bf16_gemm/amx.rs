@@ -100,9 +100,19 @@ pub unsafe fn block<T: Operand>(
         // Rows i0..i0+mc, pairs p0..p0+kc, row-major in panels of TM rows (zero rows past m).
         packed_a.clear();
         packed_a.resize(mc.div_ceil(TM) * TM * kc, 0u32);
+        let whole = a.cs == 1 && 2 * (p0 + kc) <= a.cols; // every pair of the slice inside a row
         for (r, row) in packed_a.chunks_mut(kc).enumerate().take(mc) {
-            for (p, pair) in row.iter_mut().enumerate() {
-                *pair = a.pair_along_cols(i0 + r, p0 + p);
+            if whole && i0 + r < a.rows {
+                // A row's 2·kc adjacent elements, paired in order: no edge tests per element.
+                let start = a.offset + (i0 + r) * a.rs + 2 * p0;
+                let src = &a.data[start..start + 2 * kc];
+                for (pair, two) in row.iter_mut().zip(src.chunks_exact(2)) {
+                    *pair = two[0].bf16_bits() as u32 | ((two[1].bf16_bits() as u32) << 16);
+                }
+            } else {
+                for (p, pair) in row.iter_mut().enumerate() {
+                    *pair = a.pair_along_cols(i0 + r, p0 + p);
+                }
             }
         }
         let load = accumulate || p0 > 0;
@@ -111,6 +121,11 @@ pub unsafe fn block<T: Operand>(
             let b_panel = packed_b[((j / NR) * kp + p0) * NR..][..kc * NR].as_ptr();
             for ir in (0..mc).step_by(TM) {
                 let (i, mr) = (i0 + ir, TM.min(mc - ir));
+                if mr == TM && nr == NR {
+                    // A whole 32 × 32 block: the C tiles load from and store to C itself.
+                    tile_product_in_place(kc, packed_a[ir * kc..].as_ptr(), b_panel, c.add(i * ldc + j), ldc * 4, load);
+                    continue;
+                }
                 tile.fill(0.0);
                 if load {
                     for r in 0..mr {
@@ -129,6 +144,52 @@ pub unsafe fn block<T: Operand>(
         }
     }
     core::arch::asm!("tilerelease", options(nostack, nomem));
+}
+
+/// `tile_product` on a 32 × 32 block of C where it lies (rows `ldc_bytes` apart): C's tiles are
+/// loaded from it (`load`) or zeroed, and stored back, with no staging copy.
+///
+/// # Safety
+/// As `tile_product`, and the block at `c` is 32 rows of 32 f32 inside C, this task's own.
+unsafe fn tile_product_in_place(kc: usize, a: *const u32, b: *const u32, c: *mut f32, ldc_bytes: usize, load: bool) {
+    let (lda, ldb) = (kc * 4, NR * 4); // bytes between rows
+    let cb = c as *mut u8;
+    if load {
+        core::arch::asm!(
+            "tileloadd tmm0, [{c0} + {ldc}*1]",
+            "tileloadd tmm1, [{c0} + {ldc}*1 + 64]",
+            "tileloadd tmm2, [{c1} + {ldc}*1]",
+            "tileloadd tmm3, [{c1} + {ldc}*1 + 64]",
+            c0 = in(reg) cb, c1 = in(reg) cb.add(16 * ldc_bytes), ldc = in(reg) ldc_bytes,
+            options(nostack, readonly),
+        );
+    } else {
+        core::arch::asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+    }
+    for step in 0..kc / TK {
+        let a0 = (a as *const u8).add(step * TK * 4);
+        let b0 = (b as *const u8).add(step * TK * ldb);
+        core::arch::asm!(
+            "tileloadd tmm4, [{a0} + {lda}*1]",
+            "tileloadd tmm5, [{a1} + {lda}*1]",
+            "tileloadd tmm6, [{b0} + {ldb}*1]",
+            "tileloadd tmm7, [{b0} + {ldb}*1 + 64]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) a0, a1 = in(reg) a0.add(16 * lda), lda = in(reg) lda, b0 = in(reg) b0, ldb = in(reg) ldb,
+            options(nostack, readonly),
+        );
+    }
+    core::arch::asm!(
+        "tilestored [{c0} + {ldc}*1], tmm0",
+        "tilestored [{c0} + {ldc}*1 + 64], tmm1",
+        "tilestored [{c1} + {ldc}*1], tmm2",
+        "tilestored [{c1} + {ldc}*1 + 64], tmm3",
+        c0 = in(reg) cb, c1 = in(reg) cb.add(16 * ldc_bytes), ldc = in(reg) ldc_bytes,
+        options(nostack),
+    );
 }
 
 /// C (32 × 32 f32, rows 128 bytes apart) += A (32 rows × kc pairs, row-major) · B (kc pairs ×
