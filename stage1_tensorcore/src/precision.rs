@@ -149,7 +149,6 @@ pub fn gemm_dtype(p: Precision) -> DType {
     }
 }
 
-
 #[cfg(feature = "harness")]
 /// Tensor cores work on tiles whose inner dimensions are multiples of 8 elements (16 bytes of
 /// bf16/f16; 16 elements for FP8). A GEMM dimension that is not gets padded internally or

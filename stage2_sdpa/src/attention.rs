@@ -161,7 +161,14 @@ pub fn attention_with(imp: Implementation, q: &Tensor, k: &Tensor, v: &Tensor, c
 }
 
 /// `attention_with`, on the CPU through a chosen kernel (`cpu`; CUDA ignores it).
-pub fn attention_opts(imp: Implementation, cpu: CpuKernel, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_core::Result<Tensor> {
+pub fn attention_opts(
+    imp: Implementation,
+    cpu: CpuKernel,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+) -> candle_core::Result<Tensor> {
     let d = check_inputs(q, k, v)?;
     if (imp == Implementation::Cpu) == q.device().is_cuda() {
         candle_core::bail!("attention: {} cannot run on {:?}", imp.name(), q.device().location());
@@ -253,7 +260,7 @@ fn flash_attn(_q: &Tensor, _k: &Tensor, _v: &Tensor, _scale: f32, _causal: bool)
 struct FlashAttn {
     scale: f32,
     causal: bool,
-    cpu: CpuKernel,          // which CPU kernel `cpu_fwd` runs
+    cpu: CpuKernel, // which CPU kernel `cpu_fwd` runs
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd only
     kernel: AttentionKernel, // which CUDA kernel `cuda_fwd` launches
     /// Training (q, k or v tracked): where the forward keeps each row's log-sum-exp

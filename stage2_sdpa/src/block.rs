@@ -31,7 +31,7 @@ pub struct Block {
     copies: bool,                    // ablation only (`ladder --ablate`): keep stages 0-1's head split/merge copies
     row_wise: bool,                  // ablation only: the CPU's row-wise kernel instead of the register-blocked one
     dtype: DType,                    // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
-    ew: Elementwise, // the engine's passes, or candle's ops (`--elementwise`)
+    ew: Elementwise,                 // the engine's passes, or candle's ops (`--elementwise`)
 }
 
 impl Block {

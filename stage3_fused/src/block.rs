@@ -27,8 +27,8 @@ pub struct Block {
     n_head: usize,
     attn: attention::Implementation, // stage 2's attention kernel (`--attention-kernel` on CUDA)
     dtype: DType,                    // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
-    ew: Elementwise,  // the engine's passes, or candle's ops (`--elementwise`), for a fusion that is off
-    fusions: Fusions, // all on unless ablated (--fusions)
+    ew: Elementwise,                 // the engine's passes, or candle's ops (`--elementwise`), for a fusion that is off
+    fusions: Fusions,                // all on unless ablated (--fusions)
     split_qkv: Option<[(PackedWeight, Tensor); 3]>, // qkv fusion off only: (C, C) weights and (C) biases of q, k, v
 }
 

@@ -476,7 +476,8 @@ impl CustomOp3 for Linear<'_> {
                 true => map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j0 + j])),
                 false => map_slice_in_place(row, &|j, v| v + b[j0 + j]),
             };
-            bf16_gemm::gemm_packed_bf16_with(&mut y, MatRef::row_major(x, m, k), wt, true, Some(&epilogue)).map_err(candle_core::Error::Msg)?;
+            bf16_gemm::gemm_packed_bf16_with(&mut y, MatRef::row_major(x, m, k), wt, true, Some(&epilogue))
+                .map_err(candle_core::Error::Msg)?;
             return Ok((CpuStorage::BF16(y), Shape::from((bsz, t, n))));
         }
         let bias_after = gelu || narrow;

@@ -61,4 +61,8 @@ mod block;
 #[cfg(feature = "harness")]
 pub mod selftest;
 #[cfg(feature = "harness")]
-pub use block::{Args, Block, Fp8, Fp8Fusions, TrainBlock, STAGE, TWIN_TOLERANCE};
+mod stage;
+#[cfg(feature = "harness")]
+pub use block::{Block, TrainBlock, FC1_FALLBACK, TWIN_TOLERANCE};
+#[cfg(feature = "harness")]
+pub use stage::{Args, Fp8, Fp8Fusions, STAGE};
