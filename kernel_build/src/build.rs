@@ -4,7 +4,7 @@
 //! With the `cuda` feature, nvcc compiles each `.cu` file at build time to a cubin — machine
 //! code — for every architecture listed in `CUDA_COMPUTE_CAP` (candle's variable: `90`, or a
 //! list such as `80,90`; 80 when unset), and writes `$OUT_DIR/cubins.rs`, which the crate
-//! includes: one `&[(arch, bytes)]` table per kernel file. At run time `kernel_build::cubin`
+//! includes: one `&[(arch, bytes)]` table per kernel file. At run time `kernel_cache`
 //! picks the cubin for the device's SM and loads it once per device. The driver loads machine
 //! code as it is: no PTX for it to compile, so no run-time compiler, and no "PTX was built by
 //! a newer toolkit than this driver" refusal. CPU builds do nothing here and need no nvcc.

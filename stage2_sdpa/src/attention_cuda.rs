@@ -8,7 +8,7 @@
 //! This file holds the host side: the launch arithmetic — grid, threads, shared memory, tiles
 //! skipped, occupancy — as pure functions tested on any machine, and, with the `cuda` feature,
 //! the launch itself: the cubin that `build.rs` compiled with nvcc for the device's
-//! architecture, loaded once per device (`kernel_build::cubin`) and launched on candle's stream as the
+//! architecture, loaded once per device (`kernel_cache`) and launched on candle's stream as the
 //! `cuda_fwd` of the same candle op (`attention::FlashAttn`) whose `cpu_fwd` is the CPU kernel.
 //!
 //! Layout: (B, T, n_head, d_head), read through strides, so a view costs nothing: stage 2's
@@ -251,7 +251,7 @@ mod launch {
     use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda::{CudaDType, CudaStorage};
     use candle_core::{CpuStorage, DType, InplaceOp3, Layout, Result, Shape, Tensor};
-    use kernel_build::cubin::{function, Cubins};
+    use kernel_cache::{function, Cubins};
 
     mod cubins {
         include!(concat!(env!("OUT_DIR"), "/cubins.rs"));

@@ -6,7 +6,6 @@
 use crate::attention::{AttentionKernel, Implementation};
 use crate::attention_cuda;
 use candle_core::Device;
-use kernel_build::cubin;
 use shared::device::DeviceInfo;
 use shared::train::TrainBytes;
 use shared::{Precision, Shape, SpeedkitError};
@@ -54,7 +53,7 @@ fn check_cuda(imp: Implementation, built: &[u32], info: &DeviceInfo, p: Precisio
         )));
     }
     if let (Implementation::SpeedkitCuda | Implementation::SpeedkitCudaV1, false, Some((major, minor))) = (imp, built.is_empty(), info.sm) {
-        if let Err(e) = cubin::pick_arch(&format!("{who} ({})", info.name), built, 10 * major + minor) {
+        if let Err(e) = kernel_cache::pick_arch(&format!("{who} ({})", info.name), built, 10 * major + minor) {
             return Err(SpeedkitError::usage(format!("{e} Or run stage 2 with --device cpu.")));
         }
     }

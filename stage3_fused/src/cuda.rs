@@ -1,7 +1,7 @@
 //! The CUDA forwards of the fused ops (`ops.rs` holds the custom ops that call them): cuBLASLt
 //! GEMMs with epilogues, and the residual-add + LayerNorm kernel (`kernels/add_layer_norm.cu`,
 //! compiled to a cubin per architecture by build.rs, loaded once per device by
-//! `kernel_build::cubin`).
+//! `kernel_cache`).
 
 use crate::device_cache::{Cache, DeviceKey};
 use crate::gemm_args::{linear_args, LinearKind};
@@ -13,7 +13,7 @@ use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, DeviceId};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Storage, Tensor};
 use cublaslt_model::{DataType, Epilogue as ModelEpilogue};
-use kernel_build::cubin::{function, Cubins};
+use kernel_cache::{function, Cubins};
 use std::sync::Arc;
 
 fn err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {

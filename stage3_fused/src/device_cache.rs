@@ -1,5 +1,5 @@
 //! Per-device caches for the CUDA paths: the cuBLASLt handle and workspace (stages 3 and 4).
-//! (Kernel modules have their own cache, per device and kernel file: `kernel_build::cubin`.)
+//! (Kernel modules have their own cache, per device and kernel file: `kernel_cache`.)
 //!
 //! The key is the device itself — candle's `DeviceId`, unique per `CudaDevice` and so per
 //! stream — and its compute capability. A GPU ordinal is not enough: two `CudaDevice`s on GPU 0

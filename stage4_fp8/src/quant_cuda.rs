@@ -14,7 +14,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop};
 use candle_core::cuda::{CudaDevice, CudaStorage};
 use candle_core::{DType, Layout, Shape};
-use kernel_build::cubin::{function, Cubins};
+use kernel_cache::{function, Cubins};
 use Arg::{Null, Ptr, F32, I32, I64};
 
 mod cubins {

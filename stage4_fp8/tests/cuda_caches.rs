@@ -1,7 +1,7 @@
 //! On a GPU (`--features cuda`, SM 8.9+ for FP8): once a layer has run, running it again does no
-//! host work that could be done once — no kernel module is loaded (`kernel_build::cubin`) and
+//! host work that could be done once — no kernel module is loaded (`kernel_cache`) and
 //! cuBLASLt's algorithm heuristic is not asked again (`stage4_fp8::cuda`'s plan cache). The
-//! caches' logic is tested without a GPU in `kernel_build::cubin`'s tests.
+//! caches' logic is tested without a GPU in `kernel_cache`'s tests.
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
@@ -20,14 +20,14 @@ fn a_forward_after_the_first_loads_no_module_and_asks_no_heuristic() {
         let scaling = ScalingConfig { recipe, ..ScalingConfig::default() };
         let layer = Fp8Linear::new(&w, &b, true, Fp8Mode::Cublaslt, scaling, "fc1").unwrap();
         let first = layer.forward(&x).unwrap();
-        let (loads, queries) = (kernel_build::cubin::module_loads(), stage4_fp8::cuda::heuristic_queries());
+        let (loads, queries) = (kernel_cache::module_loads(), stage4_fp8::cuda::heuristic_queries());
         assert!(queries >= 1, "the first forward asked cuBLASLt for an algorithm");
         for _ in 0..3 {
             let y = layer.forward(&x).unwrap();
             assert_eq!(y.dims(), first.dims());
         }
         dev.synchronize().unwrap();
-        assert_eq!(kernel_build::cubin::module_loads(), loads, "{recipe:?}: a later forward loaded a kernel module");
+        assert_eq!(kernel_cache::module_loads(), loads, "{recipe:?}: a later forward loaded a kernel module");
         assert_eq!(stage4_fp8::cuda::heuristic_queries(), queries, "{recipe:?}: a later forward asked the heuristic again");
     }
 }

@@ -1,4 +1,4 @@
-//! Loading the kernels `build.rs` compiled (`kernel_build::build`): each kernel file comes as one
+//! Loading the kernels `build.rs` compiled (`kernel_build`): each kernel file comes as one
 //! cubin (machine code) per architecture in CUDA_COMPUTE_CAP at build time. At run time the op
 //! picks the cubin for the device's SM, or refuses with the fix when the build has none, and
 //! loads it once per device: later launches find the function in a cache and do no module work.
