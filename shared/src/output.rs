@@ -94,7 +94,15 @@ pub fn check(flag: &str, path: &Path) -> Result<Output, SpeedkitError> {
     if path.as_os_str().is_empty() {
         return Err(SpeedkitError::usage(format!("{flag} is an empty path. Fix: give a file name, e.g. {flag} out.json, or drop {flag}.")));
     }
-    let stream = "Fix: write to a file and cat it, e.g. `--json out.json` then `cat out.json`";
+    // "--svg (the chart beside it)" -> --svg; --update-readme's own JSON -> --json.
+    let bare = flag.split(' ').next().filter(|f| *f != "--update-readme").unwrap_or("--json");
+    let file = match bare {
+        "--svg" => "out.svg",
+        "--save-weights" | "--save-output" => "out.safetensors",
+        "--readme" => "README.md",
+        _ => "out.json",
+    };
+    let stream = format!("Fix: write to a file and cat it, e.g. `{bare} {file}` then `cat {file}`");
     if path.as_os_str() == "-" {
         return Err(SpeedkitError::usage(format!(
             "{flag} -: outputs are files, and '-' would be a file named '-' in this folder, not standard output. {stream}."

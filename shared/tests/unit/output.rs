@@ -236,7 +236,7 @@ fn streams_and_dash_are_refused() {
         for flag in ["--json", "--svg", "--save-weights", "--save-output"] {
             let e = check(flag, Path::new(place)).unwrap_err().to_string();
             assert!(e.contains(&format!("{flag} {place}")) && e.contains("not a file of its own"), "{e}");
-            assert!(e.contains("write to a file and cat it"), "{e}");
+            assert!(e.contains("write to a file and cat it") && e.contains(&format!("e.g. `{flag} out.")), "{e}");
         }
     }
     // Behind a link: to the stream itself, and through a linked folder.
