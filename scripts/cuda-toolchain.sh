@@ -91,6 +91,14 @@ speedkit_cuda_toolchain() (
     [ -e "$lib/libcuda.so" ] || ln -sf libcuda.so.1 "$lib/libcuda.so" || fail "cannot write the link libcuda.so in $lib." || return 1
 )
 
+# One optional argument, --link-stub; anything else is refused before any install (a typo such as
+# --link_stub would otherwise set up no link stub without a word).
+if [ $# -gt 1 ] || { [ $# = 1 ] && [ "$1" != "--link-stub" ]; }; then
+    echo "cuda-toolchain: unknown argument(s): $*; it takes none, or --link-stub. Fix: source scripts/cuda-toolchain.sh [--link-stub] (a script that sources it with no arguments passes its own: give it none). Nothing was installed." >&2
+    # `return` when sourced, `exit` when run.
+    # shellcheck disable=SC2317 # reached when the script is run, not sourced
+    return 2 2>/dev/null || exit 2
+fi
 speedkit_cuda_root="${SPEEDKIT_CUDA_CACHE:-$HOME/.cache/candle-speedkit/cuda13}"
 speedkit_cuda_cu="$speedkit_cuda_root/nvidia/cu13"
 speedkit_cuda_stub=0

@@ -254,6 +254,17 @@ fi
 expect "cuda-toolchain: run, not sourced, a failure exits non-zero" 1 "pip could not install" \
     "${no_index[@]}" SPEEDKIT_CUDA_CACHE="$tmp/tc-empty2" bash "$repo/scripts/cuda-toolchain.sh"
 
+# An unknown argument: refused before anything is installed (no pip, no cache folder).
+expect "cuda-toolchain --bogus (run): refused with exit 2" 2 "unknown argument(s): --bogus" \
+    env SPEEDKIT_CUDA_CACHE="$tmp/tc-bogus" bash "$repo/scripts/cuda-toolchain.sh" --bogus
+expect "cuda-toolchain --link-stub --bogus (sourced): returns non-zero, exports nothing" 3 "CUDA_HOME=unset" \
+    env -u CUDA_HOME "${st[@]}" "$tmp/tc-bogus" --link-stub --bogus
+if [ -e "$tmp/tc-bogus" ] || grep -q "^pip" "$tmp/ran" 2> /dev/null; then
+    bad "cuda-toolchain: an unknown argument installs nothing" "$(ls -d "$tmp/tc-bogus" 2>&1; cat "$tmp/ran" 2>&1)"
+else
+    ok "cuda-toolchain: an unknown argument installs nothing"
+fi
+
 # A cache with nvcc (a fake) but no lib/: the link stub's step refuses.
 cu="$tmp/tc-half/nvidia/cu13"
 mkdir -p "$cu/bin"

@@ -88,6 +88,9 @@ pub enum Kernel {
     ConvertedF32,
 }
 
+/// The values `SPEEDKIT_CPU_BF16` takes, matched ignoring ASCII case (`Kernel::detect_with`).
+pub const REQUESTS: [&str; 5] = ["auto", "off", "f32", "avx512-bf16", "mkl"];
+
 impl Kernel {
     /// The label reports and tables carry.
     pub fn name(self) -> &'static str {
@@ -122,8 +125,12 @@ impl Kernel {
         *KERNEL.get_or_init(|| Kernel::detect_with(std::env::var("SPEEDKIT_CPU_BF16").ok().as_deref()))
     }
 
-    /// `detect` with the override given: `None` or `"auto"` picks the fastest available.
+    /// `detect` with the override given, matched ignoring ASCII case (`OFF` is `off`): `None` or
+    /// `"auto"` picks the fastest available. The binaries refuse a value not in `REQUESTS` before
+    /// any work (`shared::cli::check_cpu_bf16`); here one is taken as auto.
     pub fn detect_with(request: Option<&str>) -> Kernel {
+        let request = request.map(str::to_ascii_lowercase);
+        let request = request.as_deref();
         if request == Some("mkl") && Kernel::Mkl.available() {
             return Kernel::Mkl;
         }

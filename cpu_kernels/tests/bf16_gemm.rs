@@ -192,6 +192,9 @@ fn detection_falls_back_when_told_to() {
     assert_eq!(Kernel::detect_with(Some("off")), Kernel::ConvertedF32);
     assert_eq!(Kernel::detect_with(Some("f32")), Kernel::ConvertedF32);
     assert_ne!(Kernel::detect_with(Some("avx512-bf16")), Kernel::Amx);
+    // Case does not matter: `OFF` is `off`, not auto.
+    assert_eq!(Kernel::detect_with(Some("OFF")), Kernel::ConvertedF32);
+    assert_ne!(Kernel::detect_with(Some("AVX512-BF16")), Kernel::Amx);
     let auto = Kernel::detect_with(None);
     assert!(auto.available());
     // On a CPU with a bf16 unit, auto finds it; without one, conversion.

@@ -11,7 +11,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use shared::report::{fmt_ms, fmt_rel_err};
-use shared::report::{LadderReport, Record, Row, SweepReport};
+use shared::report::{LadderReport, Mode, Record, Row, SweepReport};
 
 pub(crate) type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
 type Bars<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
@@ -123,7 +123,7 @@ pub fn ladder_svg(report: &LadderReport) -> anyhow::Result<String> {
     let top = report.records.iter().map(|r| r.timing.p90_ms.max(r.timing.median_ms)).fold(0.0, f64::max);
     let y_max = if top > 0.0 { top * 1.3 } else { 1.0 };
     svg(((175 * n as u32 + 130).max(800), 560), |root| {
-        let per = if report.records.iter().any(|r| r.train.is_some()) { "training step (forward + backward)" } else { "forward" };
+        let per = if report.mode() == Some(Mode::Train) { "training step (forward + backward)" } else { "forward" };
         let s0 = report.records.iter().any(|r| r.speedup_vs_stage0.is_some());
         let speedups = if s0 { "speedup over stage 0 on each bar" } else { "stage 0 did not run, so no speedups" };
         let title = format!("Median ms per {per} (lower is better); {speedups}");
@@ -232,14 +232,19 @@ pub fn sweep_svg(sweep: &SweepReport) -> anyhow::Result<String> {
     let x_desc = crate::render::AXES.iter().find(|a| a.0 == sweep.axis).map_or(sweep.axis.clone(), |a| format!("{} ({})", a.1, a.2));
     let across = |y: f64, style: ShapeStyle| PathElement::new(vec![(-0.5, y), (k as f64 - 0.5, y)], style);
     svg(((110 * k as u32 + 300).max(800), h), |root| {
-        let title = format!("Sweep over {}: median ms per stage, and its speedup over stage 0", axis_symbol(&sweep.axis));
+        let per = if sweep.runs.first().and_then(|r| r.mode()) == Some(Mode::Train) { " per training step" } else { "" };
+        let title = format!("Sweep over {}: median ms{per} per stage, and its speedup over stage 0", axis_symbol(&sweep.axis));
         let facts = sweep.runs.first().map(|f| vec![describe_device(f), facts(shape_without(&f.shape, &sweep.axis), f)]);
         heading(root, &title, bold(16.0, INK, HPos::Left, VPos::Top), &facts.unwrap_or_default())?;
         let (upper, lower) = root.margin(74, 8, 8, 20).split_vertically(h / 2 - 40);
 
         let mut ms =
             ChartBuilder::on(&upper).x_label_area_size(40).y_label_area_size(64).build_cartesian_2d(x_range(), (lo..hi).log_scale())?;
-        mesh(&mut ms, TRANSPARENT, 0).x_desc(&x_desc).y_desc("median ms (log scale)").y_label_formatter(&|_| String::new()).draw()?;
+        mesh(&mut ms, TRANSPARENT, 0)
+            .x_desc(&x_desc)
+            .y_desc(format!("median ms{per} (log scale)"))
+            .y_label_formatter(&|_| String::new())
+            .draw()?;
         for (i, (stage, points)) in stages.iter().zip(&series).enumerate() {
             let c = stage_colour(stage, i);
             let line: Vec<(f64, f64)> = points.iter().map(|(j, r)| (*j as f64, r.timing.median_ms)).collect();
@@ -315,11 +320,16 @@ pub fn breakdown_svg(report: &LadderReport) -> anyhow::Result<String> {
     let top = rows.iter().filter_map(|r| r.breakdown.as_ref().map(|b| b.total_ms.max(r.timing.median_ms))).fold(0.0, f64::max);
     let y_max = if top > 0.0 { top * 1.15 } else { 1.0 };
     svg((w, 560), |root| {
-        let title = "Where the time goes: ms per part of the block, instrumented (a sync at each part boundary)";
+        let train = report.mode() == Some(Mode::Train);
+        let title = match train {
+            true => "Where the time goes: ms per part of a training step, instrumented (a sync between forward and backward)",
+            false => "Where the time goes: ms per part of the block, instrumented (a sync at each part boundary)",
+        };
         let facts = format!("{} · black tick: the uninstrumented median", facts(report.shape, report));
         heading(root, title, bold(16.0, INK, HPos::Left, VPos::Top), &[describe_device(report), facts])?;
         let (body, legend) = root.margin(74, 14, 8, 20).split_horizontally(w as i32 - 230);
-        let mut chart = bar_chart(&body, 40, n, y_max, "ms per forward (instrumented)")?;
+        let y_desc = if train { "ms per training step (instrumented)" } else { "ms per forward (instrumented)" };
+        let mut chart = bar_chart(&body, 40, n, y_max, y_desc)?;
         for (i, r) in rows.iter().enumerate() {
             let b = r.breakdown.as_ref().expect("filtered above");
             let x = i as f64 + 0.5;

@@ -15,8 +15,8 @@ use clap::{Args, FromArgMatches};
 use shared::cli::{exit_with, RunArgs};
 use shared::device::{DeviceInfo, GemmSwitches};
 use shared::report::{
-    commit, write_json, Ablation, AblationOut, LadderReport, Record, Skipped, SweepReport, LADDER_SCHEMA, LADDER_SCHEMA_V1, RECORD_SCHEMA,
-    SWEEP_SCHEMA, SWEEP_SCHEMA_V1,
+    commit, write_json, Ablation, AblationOut, LadderReport, Mode, Record, Skipped, SweepReport, LADDER_SCHEMA, LADDER_SCHEMA_V1,
+    RECORD_SCHEMA, SWEEP_SCHEMA, SWEEP_SCHEMA_V1,
 };
 use shared::runner::Session;
 use shared::stage::{ladder_request, plan, Plan};
@@ -343,13 +343,13 @@ pub struct OutputArgs {
     /// Write a chart as SVG: median ms per stage with the speedup over stage 0 on each bar and the error under it (a sweep: ms and speedup over the swept values)
     #[arg(long, env = "SPEEDKIT_SVG")]
     pub svg: Option<PathBuf>,
-    /// Rewrite one region of --readme (between its markers) from this run, and write the chart it links, and a run's JSON [default: results/ladder-<cpu|cuda>.svg and .json beside the README]
+    /// Rewrite one region of --readme (between its markers) from this run, and write the chart it links, and a run's JSON [default: results/ladder-<cpu|cuda>.svg and .json beside the README; ladder-<cpu|cuda>-train.* for --train]
     #[arg(long, env = "SPEEDKIT_UPDATE_README", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     pub update_readme: bool,
     /// The README that --update-readme rewrites
     #[arg(long, env = "SPEEDKIT_README", default_value = "README.md")]
     pub readme: PathBuf,
-    /// Which region of the README --update-readme rewrites: the lines between `<!-- NAME:begin -->` and `<!-- NAME:end -->`
+    /// Which region of the README --update-readme rewrites: the lines between `<!-- NAME:begin -->` and `<!-- NAME:end -->`; a region with a `train` word in its name (results-train) takes training runs only, any other forward runs only
     #[arg(long, env = "SPEEDKIT_README_REGION", default_value = "results", value_parser = render::region_name)]
     pub readme_region: String,
 }
@@ -461,6 +461,9 @@ fn check_value(v: &serde_json::Value, at: &mut Vec<String>) -> Result<(), String
 
 /// What `check_value` cannot see: valid shapes, times and FLOPs above zero (they divide), at most `MAX_ROWS` of each.
 fn check_report(r: &LadderReport) -> Result<(), String> {
+    if r.mode().is_none() {
+        return Err("its records mix forward and training (`mode`) rows, and one table or chart cannot be labelled for both".into());
+    }
     r.shape.validate(None).map_err(|e| format!("its shape {:?} is invalid ({e})", r.shape))?;
     let rows = [r.records.len() + r.skipped.len(), r.stages.len(), r.ablation.len(), r.references.len() + r.references_out.len()];
     let roofs = [r.ceilings.as_ref().map_or(0, |c| c.tflops.len()), r.ceiling.as_ref().map_or(0, |c| c.gemms.len())];
@@ -485,7 +488,11 @@ fn check_sweep(s: &SweepReport) -> Result<(), String> {
     if !["seq", "batch", "d_model"].contains(&s.axis.as_str()) {
         return Err(format!("its axis {:?} is not seq, batch or d_model", s.axis));
     }
-    s.runs.iter().try_for_each(check_report)
+    s.runs.iter().try_for_each(check_report)?;
+    if s.runs.windows(2).any(|w| w[0].mode() != w[1].mode()) {
+        return Err("its runs mix forward and training (`mode`) runs, and one chart cannot be labelled for both".into());
+    }
+    Ok(())
 }
 
 /// Each breakdown part's regime computed from the record and the run's ceilings, whatever a file says.
@@ -502,10 +509,12 @@ pub(crate) fn readme_dir(readme: &Path) -> PathBuf {
     readme.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf()
 }
 
-/// Where --update-readme puts a file it was not given a path for: results/ladder-<kind>.<ext>.
-fn default_beside_readme(readme: &Path, info: &DeviceInfo, ext: &str) -> PathBuf {
+/// Where --update-readme puts a file it was not given a path for: results/ladder-<kind>.<ext>, and
+/// results/ladder-<kind>-train.<ext> for training steps, so neither replaces the other's files.
+fn default_beside_readme(readme: &Path, info: &DeviceInfo, mode: Mode, ext: &str) -> PathBuf {
     let kind = if info.is_cuda() { "cuda" } else { "cpu" };
-    readme_dir(readme).join("results").join(format!("ladder-{kind}.{ext}"))
+    let train = if mode == Mode::Train { "-train" } else { "" };
+    readme_dir(readme).join("results").join(format!("ladder-{kind}{train}.{ext}"))
 }
 
 /// `path` as a link from the README's folder; refused outside it, where the link would not work on GitHub.
@@ -695,10 +704,16 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     check_readme(out, ladder.sweep.is_some())?;
     shared::cli::validate(&args)?;
     ladder.sweep.as_ref().map(|s| sweep::check_values(&args, s)).transpose()?;
-    // The default results paths depend on the device kind (results/ladder-cpu.* or -cuda.*).
+    // The default results paths depend on the device kind and the mode (results/ladder-cpu.*, -cuda.*,
+    // -cpu-train.*, -cuda-train.*); a training run goes into a training region only, a forward into a forward one.
+    let mode = if args.train { Mode::Train } else { Mode::Forward };
+    if out.update_readme {
+        render::check_region_mode(&out.readme_region, mode, "this run")?;
+    }
     let default_kind = if out.update_readme { Some(shared::device::select(args.device)?.1) } else { None };
-    let planned_json = args.json.clone().or_else(|| default_kind.as_ref().map(|i| default_beside_readme(&out.readme, i, "json")));
-    let planned_svg = out.svg.clone().or_else(|| default_kind.as_ref().map(|i| default_beside_readme(&out.readme, i, "svg")));
+    let beside = |ext| default_kind.as_ref().map(|i| default_beside_readme(&out.readme, i, mode, ext));
+    let planned_json = args.json.clone().or_else(|| beside("json"));
+    let planned_svg = out.svg.clone().or_else(|| beside("svg"));
     if ladder.ablate {
         check_ablate(&args, &stages, &which)?;
     }
@@ -768,8 +783,14 @@ pub fn main() -> ExitCode {
                     )));
                 }
             }
+            if let (true, Results::Ladder(r)) = (args.output.update_readme, &results) {
+                // `load` refused a file whose records mix modes.
+                render::check_region_mode(&args.output.readme_region, r.mode().unwrap_or_default(), &args.from.display().to_string())?;
+            }
             let svg = args.output.svg.clone().or_else(|| match &results {
-                Results::Ladder(r) if args.output.update_readme => Some(default_beside_readme(&args.output.readme, &r.device, "svg")),
+                Results::Ladder(r) if args.output.update_readme => {
+                    Some(default_beside_readme(&args.output.readme, &r.device, r.mode().unwrap_or_default(), "svg"))
+                }
                 _ => None,
             });
             // Every output, the charts beside --svg and the README included, against the file read.

@@ -2,7 +2,7 @@
 
 use crate::provenance::date_utc;
 use itertools::Itertools;
-use shared::report::{fmt_ms, fmt_timing, not_measured, speedup_text, table, Grid, LadderReport, Record, Row, SweepReport};
+use shared::report::{fmt_ms, fmt_timing, not_measured, speedup_text, table, Grid, LadderReport, Mode, Record, Row, SweepReport};
 use shared::{Preset, Shape, SpeedkitError};
 
 /// The lines around README region `name`.
@@ -91,6 +91,38 @@ pub fn describe_shape(shape: &Shape) -> String {
 /// The regions on docs/gpu.md (the README shows `results` and `results-gpu`).
 pub const GPU_PAGE_REGIONS: [&str; 4] = ["results-gpu-ablate-te", "results-gpu-graph", "results-gpu-gpt2", "results-gpu-ablate-gpt2"];
 
+/// What README region `name` shows: training steps when a word of its name (split at '-' and '_')
+/// is `train` (`results-train`), forwards otherwise (`results`, `results-gpu`, docs/gpu.md's).
+pub fn region_mode(name: &str) -> Mode {
+    if name.split(['-', '_']).any(|w| w == "train") {
+        Mode::Train
+    } else {
+        Mode::Forward
+    }
+}
+
+/// Refuse results of `mode` (described by `what`, e.g. "this run" or "x.json") for a region that
+/// shows the other mode: a training table would replace the forward one, or the other way round.
+pub fn check_region_mode(region: &str, mode: Mode, what: &str) -> Result<(), SpeedkitError> {
+    let shows = region_mode(region);
+    if shows == mode {
+        return Ok(());
+    }
+    let (times, fix) = match mode {
+        Mode::Train => ("training steps (--train)", "pass --readme-region results-train (the training region)"),
+        Mode::Forward => ("forwards", "pass a forward region, e.g. --readme-region results (results-gpu for a GPU run)"),
+    };
+    Err(SpeedkitError::usage(format!(
+        "{what} times {times}, but the README region {region} shows {}s, so its table would be replaced by results of \
+         the other kind. Fix: {fix}, or {}.",
+        shows.per(),
+        match mode {
+            Mode::Train => "render or run a forward (no --train) into this region",
+            Mode::Forward => "render or run a --train run into this region",
+        }
+    )))
+}
+
 /// The page `--update-readme` rewrites for `region` (`readme`, or docs/gpu.md beside it), and the
 /// prefix that turns a link from the README's folder into one from that page.
 pub fn region_page(readme: &std::path::Path, region: &str) -> (std::path::PathBuf, String) {
@@ -118,7 +150,9 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
     if !report.records.iter().any(|r| r.speedup_vs_stage0.is_some()) {
         out += "\nStage 0 did not run, so there are no speedups over it.\n";
     }
-    out += &format!("\n![median ms per stage, with the speedup over stage 0 on each bar]({svg_link})\n");
+    let train = report.mode() == Some(Mode::Train);
+    let per = if train { " per training step" } else { "" };
+    out += &format!("\n![median ms{per} per stage, with the speedup over stage 0 on each bar]({svg_link})\n");
     if !report.ablation.is_empty() || !report.ablation_out.is_empty() {
         out += "\n**One change at a time** (`--ablate`): each technique undone alone; \"what it buys\" is the variant's median over the stage's.\n\n";
         out += &ablation_table(report, true);
@@ -126,9 +160,11 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
     if report.records.iter().any(|r| r.breakdown.is_some()) {
         out += "\n**Where the time goes** (`--breakdown`, instrumented: a sync at each part boundary, so its total differs a little from the median).\n\n";
         out += &format!("{}\n{REGIME_LEGEND}\n", breakdown_table(report, true));
-        out += &format!("\n![ms per part of the block, per stage]({})\n", sibling(svg_link, "breakdown"));
+        let of = if train { "a training step" } else { "the block" };
+        out += &format!("\n![ms per part of {of}, per stage]({})\n", sibling(svg_link, "breakdown"));
     }
-    out + &format!("\n![roofline: achieved GFLOP/s against FLOPs per byte]({})\n", sibling(svg_link, "roofline"))
+    let roofline = if train { "roofline of a training step" } else { "roofline" };
+    out + &format!("\n![{roofline}: achieved GFLOP/s against FLOPs per byte]({})\n", sibling(svg_link, "roofline"))
 }
 
 /// "results/ladder-cpu.svg" → "results/ladder-cpu-roofline.svg": the charts written beside the bar chart.
@@ -199,7 +235,9 @@ pub fn sweep_tables(sweep: &SweepReport, markdown: bool) -> String {
         false => format!("\n{} · {}\n{}", axis_label(&sweep.axis, *v), run.shape, run.table(false)),
     });
     let d_model = if sweep.axis == "d_model" { " (FF = 4·C and d_head fixed unless --ff / --heads were given)" } else { "" };
-    let note = format!("cells: median ms · speedup over stage 0 at the same {}{d_model}", axis_symbol(&sweep.axis));
+    let train = sweep.runs.first().and_then(|r| r.mode()) == Some(Mode::Train);
+    let per = if train { " per training step" } else { "" };
+    let note = format!("cells: median ms{per} · speedup over stage 0 at the same {}{d_model}", axis_symbol(&sweep.axis));
     let summary = match markdown {
         true => format!("\n#### Sweep over {}: {note}\n\n", sweep.axis),
         false => format!("\nsweep over {} ({note})\n", sweep.axis),

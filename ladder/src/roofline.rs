@@ -10,7 +10,7 @@ use shared::ceiling::CpuCeiling;
 use shared::cli::RunArgs;
 use shared::device::DeviceInfo;
 use shared::perf::{operand_bytes, peak_bandwidth_gbs, peak_tflops};
-use shared::report::{Ceilings, LadderReport, Record};
+use shared::report::{Ceilings, LadderReport, Mode, Record};
 use shared::Precision;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -114,9 +114,19 @@ pub fn roofline_svg(report: &LadderReport) -> anyhow::Result<String> {
     svg((820, 560), |root| {
         let ceiling_text = ceil
             .map_or("no ceilings known: pass --peak-tflops and --bandwidth-gbs to draw them".into(), |c| format!("ceilings: {}", c.source));
-        let x_axis = "x: the block's FLOPs / the bytes its ops must read and write with nothing cached between ops";
+        // A training step's FLOPs are forward + backward's; the traffic model counts the forward's bytes.
+        let (title, x_axis) = match report.mode() == Some(Mode::Train) {
+            true => (
+                "Roofline of a training step (forward + backward): achieved GFLOP/s against FLOPs per byte (log-log)",
+                "x: the training step's FLOPs (forward + backward) / the bytes the forward's ops must read and write (the model counts the forward only)",
+            ),
+            false => (
+                "Roofline: achieved GFLOP/s against FLOPs per byte moved (log-log)",
+                "x: the block's FLOPs / the bytes its ops must read and write with nothing cached between ops",
+            ),
+        };
         let lines = [describe_device(report), crate::chart::facts(report.shape, report), ceiling_text, x_axis.into()];
-        heading(root, "Roofline: achieved GFLOP/s against FLOPs per byte moved (log-log)", text(16.0, INK, HPos::Left, VPos::Top), &lines)?;
+        heading(root, title, text(16.0, INK, HPos::Left, VPos::Top), &lines)?;
         let mut chart = ChartBuilder::on(&root.margin(106, 14, 8, 20))
             .x_label_area_size(50)
             .y_label_area_size(64)

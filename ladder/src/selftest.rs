@@ -182,6 +182,7 @@ pub fn command(args: &SelftestArgs) -> anyhow::Result<()> {
     let req: shared::device::DeviceRequest = args.device.parse().map_err(shared::SpeedkitError::usage)?;
     // Checked by the output policy before anything runs, so a run never ends in a refusal to save it.
     let out = shared::output::check("--json", &args.json)?;
+    shared::cli::check_cpu_bf16(std::env::var_os("SPEEDKIT_CPU_BF16").as_deref())?; // the CPU blocks' bf16 kernel
     let (device, info) = shared::device::select(req)?;
     let rep = run(&device, &info);
     print!("{}", table(&rep));

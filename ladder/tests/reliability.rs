@@ -545,3 +545,154 @@ fn generated_ladder_flags_exit_0_2_or_3_and_never_panic() {
     assert!(std::fs::metadata(d.join("fifo")).unwrap().file_type().is_fifo(), "an output replaced the FIFO");
     assert!(d.join("adir").is_dir() && !d.join("newname").exists());
 }
+
+/// The ladder in `dir` as `ladder_env`, its stdout redirected to the file `stdout` (as `> f` does).
+fn ladder_to_file(dir: &Path, args: &[&str], stdout: &Path) -> Out {
+    let mut c = Command::new("timeout");
+    c.current_dir(dir).arg("120").arg(env!("CARGO_BIN_EXE_ladder")).args(args);
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("SPEEDKIT_")) {
+        c.env_remove(k);
+    }
+    c.stdout(std::fs::File::create(stdout).unwrap());
+    let o = c.output().unwrap();
+    Out { code: o.status.code(), text: String::from_utf8_lossy(&o.stderr).into_owned() }
+}
+
+// `--svg /dev/stdout > f` replaced f with the chart (and, as root, made /dev/stdout-roofline.svg);
+// `--json -` wrote a file named '-'. Every output flag refuses streams up front; nothing is written.
+#[test]
+fn streams_and_dash_are_refused_for_every_output_flag() {
+    let d = scratch("streams");
+    let f = d.join("f");
+    let streams = ["/dev/stdout", "/dev/stderr", "/dev/fd/1", "/proc/self/fd/1"];
+    for flag in ["--svg", "--json", "--save-weights", "--save-output"] {
+        for path in streams.iter().copied().chain(["-"]) {
+            let o = ladder_to_file(&d, &with_s(&["--stages", "0", flag, path]), &f);
+            refused(&o);
+            assert!(o.text.contains(&format!("{flag} {path}")) && o.text.contains("cat it"), "{}", o.text);
+            // Refused before any work: the table never printed, so the redirect target is still empty.
+            assert_eq!(std::fs::read(&f).unwrap(), b"", "{flag} {path} wrote into the redirected stdout");
+        }
+    }
+    for path in ["/dev/stdout", "-"] {
+        let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("../results/ladder-cpu.json");
+        let o = ladder_to_file(&d, &["render", "--from", from.to_str().unwrap(), "--svg", path], &f);
+        refused(&o);
+        assert_eq!(std::fs::read(&f).unwrap(), b"");
+    }
+    // --update-readme's targets: --readme itself.
+    let o = ladder_to_file(&d, &with_s(&["--stages", "0", "--update-readme", "--readme", "/dev/stdout"]), &f);
+    refused(&o);
+    let left: Vec<_> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left, ["f"], "a refused run left files behind");
+    assert!(!Path::new("/dev/stdout-roofline.svg").exists() && !Path::new("/dev/stdout-breakdown.svg").exists());
+}
+
+// SPEEDKIT_CPU_BF16 set to garbage, empty or an unknown case meant auto without a word.
+#[test]
+fn cpu_bf16_unknown_values_are_refused_before_work() {
+    let d = scratch("cpubf16");
+    for bad in ["garbage", "", "of", "amx"] {
+        let o = ladder_env(&d, &with_s(&["--stages", "0", "--json", "x.json"]), &[("SPEEDKIT_CPU_BF16", bad)]);
+        refused(&o);
+        assert!(o.text.contains("SPEEDKIT_CPU_BF16") && o.text.contains(&format!("{bad:?}")), "{}", o.text);
+        assert!(o.text.contains("auto, off, f32, avx512-bf16, mkl") && !o.text.contains("ran "), "{}", o.text);
+        assert!(!d.join("x.json").exists());
+    }
+    for sub in [&["report", "--preset", "tiny"][..], &["selftest", "--device", "cpu", "--json", "s.json"]] {
+        let o = ladder_env(&d, sub, &[("SPEEDKIT_CPU_BF16", "garbage")]);
+        refused(&o);
+        assert!(o.text.contains("SPEEDKIT_CPU_BF16") && !d.join("s.json").exists(), "{sub:?}: {}", o.text);
+    }
+    // Case does not matter: OFF is off (the run goes ahead).
+    let o = ladder_env(&d, &with_s(&["--stages", "0"]), &[("SPEEDKIT_CPU_BF16", "OFF")]);
+    assert_eq!(o.code, Some(0), "{}", o.text);
+}
+
+fn readme_with(d: &Path, regions: &[&str]) -> String {
+    let text: String = regions.iter().map(|r| format!("## {r}\n<!-- {r}:begin -->\nold {r}\n<!-- {r}:end -->\n")).collect();
+    std::fs::write(d.join("README.md"), &text).unwrap();
+    text
+}
+
+fn files_under(d: &Path) -> Vec<String> {
+    let mut all: Vec<String> =
+        std::fs::read_dir(d).map_or(vec![], |r| r.map(|e| e.unwrap().file_name().to_string_lossy().into()).collect());
+    all.sort();
+    all
+}
+
+// `ladder --train --update-readme --readme-region results-train` wrote results/ladder-cpu.json and its
+// charts: the forward region's files. A training run's defaults are results/ladder-cpu-train.*.
+#[test]
+fn training_run_writes_its_own_default_files() {
+    let d = scratch("trainpaths");
+    readme_with(&d, &["results", "results-train"]);
+    let o = ladder_in(&d, &with_s(&["--stages", "0", "--train", "--update-readme", "--readme-region", "results-train"]));
+    assert_eq!(o.code, Some(0), "{}", o.text);
+    let want = ["ladder-cpu-train-roofline.svg", "ladder-cpu-train.json", "ladder-cpu-train.svg"];
+    assert_eq!(files_under(&d.join("results")), want, "{}", o.text);
+    let readme = std::fs::read_to_string(d.join("README.md")).unwrap();
+    assert!(readme.contains("old results\n") && !readme.contains("old results-train"), "{readme}");
+    assert!(readme.contains("(results/ladder-cpu-train.json)") && readme.contains("forward + backward ms"), "{readme}");
+}
+
+// A training run or JSON into a forward region, or a forward one into the training region, is
+// refused before any work: the README and the results files are as they were.
+#[test]
+fn regions_refuse_the_other_mode() {
+    let d = scratch("regionmode");
+    let readme = readme_with(&d, &["results", "results-gpu", "results-train"]);
+    std::fs::create_dir_all(d.join("results")).unwrap();
+    let recorded = Path::new(env!("CARGO_MANIFEST_DIR")).join("../results");
+    for f in ["ladder-cpu.json", "ladder-cpu-train.json"] {
+        std::fs::copy(recorded.join(f), d.join("results").join(f)).unwrap();
+    }
+    let before = files_under(&d.join("results"));
+    let runs: [(&[&str], &str); 4] = [
+        (&["--train", "--update-readme"], "this run times training steps"),
+        (&["--train", "--update-readme", "--readme-region", "results-gpu"], "this run times training steps"),
+        (&["--update-readme", "--readme-region", "results-train"], "this run times forwards"),
+        (&["--train", "--update-readme", "--readme-region", "results", "--json", "results/t.json"], "results-train"),
+    ];
+    for (flags, says) in runs {
+        let mut args = with_s(&["--stages", "0"]);
+        args.extend(flags);
+        let o = ladder_in(&d, &args);
+        refused(&o);
+        assert!(o.text.contains(says) && !o.text.contains("ran "), "{flags:?}: {}", o.text);
+    }
+    let renders = [
+        ("results/ladder-cpu-train.json", "results", "times training steps"),
+        ("results/ladder-cpu-train.json", "results-gpu", "times training steps"),
+        ("results/ladder-cpu.json", "results-train", "times forwards"),
+    ];
+    for (from, region, says) in renders {
+        let o = ladder_in(&d, &["render", "--from", from, "--update-readme", "--readme-region", region]);
+        refused(&o);
+        assert!(o.text.contains(from) && o.text.contains(says) && o.text.contains(region), "{}", o.text);
+    }
+    assert_eq!(std::fs::read_to_string(d.join("README.md")).unwrap(), readme);
+    assert_eq!(files_under(&d.join("results")), before);
+    // Each into its own region: accepted, and the training one keeps to its own chart files.
+    let o = ladder_in(&d, &["render", "--from", "results/ladder-cpu-train.json", "--update-readme", "--readme-region", "results-train"]);
+    assert_eq!(o.code, Some(0), "{}", o.text);
+    assert!(d.join("results/ladder-cpu-train.svg").exists() && !d.join("results/ladder-cpu.svg").exists());
+}
+
+// A file whose records mix forward and training rows cannot be labelled: refused, nothing written.
+#[test]
+fn render_refuses_mixed_modes() {
+    let d = scratch("mixedmode");
+    let mut v = recorded();
+    v["records"][1]["mode"] = "train".into();
+    std::fs::write(d.join("x.json"), serde_json::to_vec(&v).unwrap()).unwrap();
+    for extra in [&[][..], &["--markdown"], &["--svg", "z.svg"]] {
+        let mut args = vec!["render", "--from", "x.json"];
+        args.extend(extra);
+        let o = ladder_in(&d, &args);
+        refused(&o);
+        assert!(o.text.contains("mix forward and training"), "{}", o.text);
+    }
+    assert_eq!(files_under(&d), ["x.json"]);
+}

@@ -148,8 +148,33 @@ pub fn check_env(cmd: &clap::Command) -> Result<(), SpeedkitError> {
     Ok(())
 }
 
-/// Validate flags that clap cannot check by type.
+/// `SPEEDKIT_CPU_BF16` (environment only, read by `cpu_kernels::bf16_gemm::Kernel::detect`): one of
+/// `REQUESTS`, ignoring ASCII case, and `mkl` only in a build with MKL; an unknown value would
+/// silently mean auto.
+pub fn check_cpu_bf16(value: Option<&std::ffi::OsStr>) -> Result<(), SpeedkitError> {
+    use cpu_kernels::bf16_gemm::{Kernel, REQUESTS};
+    let Some(value) = value else { return Ok(()) };
+    let shown: String = value.to_string_lossy().chars().take(40).collect();
+    let valid = REQUESTS.join(", ");
+    let Some(v) = value.to_str().map(str::to_ascii_lowercase).filter(|v| REQUESTS.contains(&v.as_str())) else {
+        return Err(SpeedkitError::usage(format!(
+            "the environment variable SPEEDKIT_CPU_BF16 is {shown:?}, which is none of {valid} (case does not matter); it picks \
+             the CPU's bf16 GEMM kernel, and an unknown value would quietly mean auto. Fix: unset SPEEDKIT_CPU_BF16 (auto), or \
+             set it to one of {valid}, e.g. SPEEDKIT_CPU_BF16=off."
+        )));
+    };
+    if v == "mkl" && !Kernel::Mkl.available() {
+        return Err(SpeedkitError::usage(
+            "the environment variable SPEEDKIT_CPU_BF16 is mkl, which asks for MKL's bf16 GEMM, but this build has no MKL, so \
+             it would quietly mean auto. Fix: build with --features mkl (scripts/mkl.sh sets it up), or unset SPEEDKIT_CPU_BF16.",
+        ));
+    }
+    Ok(())
+}
+
+/// Validate flags that clap cannot check by type, and `SPEEDKIT_CPU_BF16`.
 pub fn validate(args: &RunArgs) -> Result<(), SpeedkitError> {
+    check_cpu_bf16(std::env::var_os("SPEEDKIT_CPU_BF16").as_deref())?;
     for (flag, v, min) in [("--iters", args.iters, 1), ("--warmup", args.warmup, 0)] {
         if let Some(v) = v.filter(|v| !(min..=MAX_ITERS).contains(v)) {
             return Err(SpeedkitError::usage(format!(

@@ -58,12 +58,63 @@ pub fn resolve(path: &Path) -> std::io::Result<PathBuf> {
     Ok(out)
 }
 
+/// Where `path`, or a symlink it leads through, is a stream or process entry rather than a file:
+/// `/dev/stdout`, `/dev/stderr`, `/dev/stdin`, anything in `/dev/fd` or `/proc`, or a name directly in
+/// `/dev` (device nodes, never outputs; `/dev/shm`'s files are fine). Looked at as given and after each
+/// link, each with its folder canonicalized, so `fd/1` with `fd -> /dev/fd` is caught too.
+fn stream_behind(path: &Path) -> Option<String> {
+    let is_stream = |p: &Path| {
+        let parent = p.parent().unwrap_or(Path::new("/"));
+        let folder = std::fs::canonicalize(parent).unwrap_or_else(|_| parent.to_path_buf());
+        let dev = [Path::new("/dev"), Path::new("/dev/fd")].iter().any(|d| *d == parent || *d == folder);
+        let proc = [parent, folder.as_path()].iter().any(|f| f.starts_with("/proc"));
+        (dev || proc || p.starts_with("/proc") || p.starts_with("/dev/fd")).then(|| match p.to_str() {
+            Some("/dev/stdout") => "standard output".to_string(),
+            Some("/dev/stderr") => "standard error".to_string(),
+            Some("/dev/stdin") => "standard input".to_string(),
+            _ if proc || p.starts_with("/proc") => format!("{} under /proc (a process's entry)", p.display()),
+            _ => format!("{} in /dev (a device or an open file descriptor)", p.display()),
+        })
+    };
+    let mut p = absolute(path);
+    for _ in 0..40 {
+        if let Some(place) = is_stream(&p) {
+            return Some(place);
+        }
+        let Ok(to) = std::fs::read_link(&p) else { break };
+        p = absolute(&p.parent().unwrap_or(Path::new("/")).join(to));
+    }
+    None
+}
+
 /// Check one output path. Missing folders are fine when the nearest one that exists can take a
 /// file: the write creates them.
 pub fn check(flag: &str, path: &Path) -> Result<Output, SpeedkitError> {
     let no = |why: &str, fix: &str| Err(refuse(flag, path, why, fix));
     if path.as_os_str().is_empty() {
         return Err(SpeedkitError::usage(format!("{flag} is an empty path. Fix: give a file name, e.g. {flag} out.json, or drop {flag}.")));
+    }
+    // "--svg (the chart beside it)" -> --svg; --update-readme's own JSON -> --json.
+    let bare = flag.split(' ').next().filter(|f| *f != "--update-readme").unwrap_or("--json");
+    let file = match bare {
+        "--svg" => "out.svg",
+        "--save-weights" | "--save-output" => "out.safetensors",
+        "--readme" => "README.md",
+        _ => "out.json",
+    };
+    let stream = format!("Fix: write to a file and cat it, e.g. `{bare} {file}` then `cat {file}`");
+    if path.as_os_str() == "-" {
+        return Err(SpeedkitError::usage(format!(
+            "{flag} -: outputs are files, and '-' would be a file named '-' in this folder, not standard output. {stream}."
+        )));
+    }
+    if let Some(place) = stream_behind(path) {
+        return Err(SpeedkitError::usage(format!(
+            "cannot write {flag} {}: it is {place}, not a file of its own. An output is written to a temp file renamed \
+             over its path (or the file a link points to), which here would replace the device or the file the stream \
+             was sent to, and the charts beside --svg would be made in that folder. {stream}.",
+            path.display()
+        )));
     }
     let inside = format!("name a file inside it, e.g. {}", path.join("out").display());
     // "newname/" names a folder; writing a file called "newname" would not be what was asked.

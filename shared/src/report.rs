@@ -32,6 +32,16 @@ pub enum Mode {
     Train,
 }
 
+impl Mode {
+    /// What one timing covers, for titles and axes: "forward" or "training step".
+    pub fn per(self) -> &'static str {
+        match self {
+            Mode::Forward => "forward",
+            Mode::Train => "training step",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     pub schema: String,
@@ -230,6 +240,17 @@ impl Row<'_> {
 }
 
 impl LadderReport {
+    /// What every record (rows, reference rows, ablation rows) timed; forward when there is none
+    /// (a run whose every stage was skipped: its arguments say `--train` if it was one); `None`
+    /// when they differ, which no run writes (the renderers refuse such a file).
+    pub fn mode(&self) -> Option<Mode> {
+        let all = self.records.iter().chain(&self.references).chain(self.ablation.iter().map(|a| &a.record));
+        let mut modes = all.map(|r| r.mode);
+        let asked = if self.args.iter().any(|a| a == "--train") { Mode::Train } else { Mode::Forward };
+        let first = modes.next().unwrap_or(asked);
+        modes.all(|m| m == first).then_some(first)
+    }
+
     /// Every row in ladder order.
     pub fn rows(&self) -> Vec<Row<'_>> {
         let mut rows: Vec<Row> = self.records.iter().map(Row::Ran).chain(self.skipped.iter().map(Row::Skipped)).collect();
@@ -275,7 +296,8 @@ pub fn grid(rows: &[Row], references: &[Record], cuda: bool) -> Grid {
     if with_ref {
         header.push("vs best reference".into());
     }
-    let with_train = rows.iter().any(|r| matches!(r, Row::Ran(r) if r.train.is_some()));
+    // The header follows what the rows timed (`mode`), whether or not they carry a `train` record.
+    let with_train = rows.iter().any(|r| matches!(r, Row::Ran(r) if r.mode == Mode::Train));
     if with_train {
         header[2] = "forward + backward ms (p10–p90)".into();
         header.extend(["optimizer ms".into(), "worst grad error".into()]);
@@ -296,10 +318,14 @@ pub fn grid(rows: &[Row], references: &[Record], cuda: bool) -> Grid {
             ]
             .into_iter()
             .chain(with_ref.then(|| speedup_text(r.vs_reference, false)))
-            .chain(r.train.as_ref().filter(|_| with_train).map_or(vec![], |t| {
-                let grad = t.grad_check.as_ref().map_or("-".into(), |c| format!("{:.1e}", c.rel_err));
-                vec![format!("{:.3}", t.optimizer_timing.median_ms), grad]
-            }))
+            .chain(match (&r.train, with_train) {
+                (_, false) => vec![],
+                (None, true) => vec!["–".into(), "–".into()],
+                (Some(t), true) => {
+                    let grad = t.grad_check.as_ref().map_or("-".into(), |c| format!("{:.1e}", c.rel_err));
+                    vec![format!("{:.3}", t.optimizer_timing.median_ms), grad]
+                }
+            })
             .collect(),
             Row::Skipped(s) => vec![s.stage.clone(), not_measured(s.failed, &s.reason)],
         })

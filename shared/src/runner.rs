@@ -307,8 +307,10 @@ impl Session {
             (grad_check, worst_grad, optimizer_check) = (Some(g), worst, Some(o));
         }
         drop(got);
+        let total = crate::train::total_steps(self.warmup, iters, self.args.breakdown);
+        let mut progress = crate::timing::Progress::new(spec.name(), "training steps", total);
         let (stats, optimizer_timing, parts, skipped_steps) =
-            time_steps(forward.as_ref(), opt.as_mut(), &x, r, (self.warmup, iters, self.args.breakdown))?;
+            time_steps(forward.as_ref(), opt.as_mut(), &x, r, (self.warmup, iters, self.args.breakdown), &mut progress)?;
         let method = "instrumented: a synchronize after the forward and after the backward".to_string();
         let breakdown = parts.map(|p| crate::breakdown::summarise(&p, iters, method)).transpose()?;
         let train = TrainRecord { optimizer: opt.name(), optimizer_timing, grad_check, worst_grad, optimizer_check, skipped_steps };

@@ -30,10 +30,62 @@ impl Stats {
     }
 }
 
-/// Run `f` `warmup` times untimed, then `iters` times timed. After 10 s, a progress line goes to
-/// stderr every 10 s.
-pub fn time_forward(label: &str, device: &Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<Tensor>) -> Result<Stats> {
-    let (start, mut shown) = (Instant::now(), Duration::ZERO);
+/// How often a timing loop says how far it is (the first line after this long too).
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+
+/// A timing loop's progress on stderr: after `every`, a line every `every`, so a run of minutes
+/// is not silent until its table. The forward loop and the training loop print the same line.
+pub struct Progress {
+    label: String,
+    /// "iterations" or "training steps".
+    what: &'static str,
+    total: usize,
+    every: Duration,
+    start: Instant,
+    shown: Duration,
+    /// Lines printed so far, and the last one.
+    pub printed: usize,
+    pub last: Option<String>,
+}
+
+impl Progress {
+    pub fn new(label: &str, what: &'static str, total: usize) -> Progress {
+        Progress::every(label, what, total, PROGRESS_EVERY)
+    }
+
+    pub fn every(label: &str, what: &'static str, total: usize, every: Duration) -> Progress {
+        let (label, start) = (label.to_string(), Instant::now());
+        Progress { label, what, total, every, start, shown: Duration::ZERO, printed: 0, last: None }
+    }
+
+    /// Iteration `i` (from 0) took `ms`: print the line if one is due.
+    pub fn tick(&mut self, i: usize, ms: f64) {
+        if self.start.elapsed() < self.shown + self.every {
+            return;
+        }
+        self.shown = self.start.elapsed();
+        let left = ms * self.total.saturating_sub(i + 1) as f64 / 1e3;
+        let (label, what, total) = (&self.label, self.what, self.total);
+        let line = format!("[{label}] {} of {total} warm-up + timed {what} ({ms:.1} ms each, ~{left:.0} s left)", i + 1);
+        eprintln!("{line}");
+        (self.printed, self.last) = (self.printed + 1, Some(line));
+    }
+}
+
+/// Run `f` `warmup` times untimed, then `iters` times timed, with a progress line on stderr every
+/// `PROGRESS_EVERY` after the first `PROGRESS_EVERY`.
+pub fn time_forward(label: &str, device: &Device, warmup: usize, iters: usize, f: impl FnMut() -> Result<Tensor>) -> Result<Stats> {
+    time_forward_with(&mut Progress::new(label, "iterations", warmup + iters), device, warmup, iters, f)
+}
+
+/// `time_forward` reporting to `progress`.
+pub fn time_forward_with(
+    progress: &mut Progress,
+    device: &Device,
+    warmup: usize,
+    iters: usize,
+    mut f: impl FnMut() -> Result<Tensor>,
+) -> Result<Stats> {
     device.synchronize()?;
     let mut samples = Vec::with_capacity(iters);
     for i in 0..warmup + iters {
@@ -43,11 +95,7 @@ pub fn time_forward(label: &str, device: &Device, warmup: usize, iters: usize, m
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         drop(y);
         samples.extend((i >= warmup).then_some(ms));
-        if start.elapsed() >= shown + Duration::from_secs(10) {
-            shown = start.elapsed();
-            let left = ms * (warmup + iters - i - 1) as f64 / 1e3;
-            eprintln!("[{label}] {} of {} warm-up + timed iterations ({ms:.1} ms each, ~{left:.0} s left)", i + 1, warmup + iters);
-        }
+        progress.tick(i, ms);
     }
     Ok(Stats::from_samples(samples))
 }

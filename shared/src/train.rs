@@ -6,7 +6,7 @@
 use crate::check::CheckResult;
 use crate::error::SpeedkitError;
 use crate::stage::{train_params, Forward, Optimize, Plan, Precision};
-use crate::timing::Stats;
+use crate::timing::{Progress, Stats};
 use crate::weights::{BlockWeights, SplitMix64};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -256,8 +256,9 @@ pub fn update_error(got: &[Vec<f32>], reference: &[Vec<f32>], before: &[Vec<f32>
 }
 
 /// `warmup` untimed steps, then `iters` timed (forward + backward, and apart the update); with
-/// `parts`, `iters` more with a synchronize between forward and backward. Returns (forward +
-/// backward, update, parts, skipped steps).
+/// `parts`, `iters` more with a synchronize between forward and backward. Each step reports to
+/// `progress` (`Progress::new(label, "training steps", total_steps(..))`: a line every 10 s, as the
+/// forward's loop prints). Returns (forward + backward, update, parts, skipped steps).
 #[allow(clippy::type_complexity)]
 pub fn time_steps(
     forward: &dyn Forward,
@@ -265,12 +266,13 @@ pub fn time_steps(
     x: &Var,
     r: &Tensor,
     (warmup, iters, parts): (usize, usize, bool),
+    progress: &mut Progress,
 ) -> anyhow::Result<(Stats, Stats, Option<Vec<Vec<(&'static str, f64)>>>, usize)> {
     let device = x.device().clone();
     let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
     let (mut fb, mut up, mut skipped, mut split) = (Vec::new(), Vec::new(), 0, Vec::new());
     device.synchronize()?;
-    for i in 0..warmup + iters + if parts { iters } else { 0 } {
+    for i in 0..total_steps(warmup, iters, parts) {
         let t0 = Instant::now();
         let instrumented = i >= warmup + iters;
         let y = forward.forward(x.as_tensor())?;
@@ -293,8 +295,14 @@ pub fn time_steps(
             fb.push(t_fb);
             up.push(t_up);
         }
+        progress.tick(i, t_fb + t_up);
     }
     Ok((Stats::from_samples(fb), Stats::from_samples(up), parts.then_some(split), skipped))
+}
+
+/// The steps `time_steps` runs: warm-up, timed, and with `parts` the instrumented ones.
+pub fn total_steps(warmup: usize, iters: usize, parts: bool) -> usize {
+    warmup + iters + if parts { iters } else { 0 }
 }
 
 pub fn check_failed(stage: &str, what: &str, c: &CheckResult, plan: &Plan) -> SpeedkitError {

@@ -207,8 +207,39 @@ fn read_file(path: &Path) -> Result<Vec<u8>, String> {
 
 fn parse(bytes: &[u8]) -> Result<(SafeTensors<'_>, Option<HashMap<String, String>>), String> {
     let not = |e| format!("it is not a safetensors file ({e})");
+    // The header is read into a map, where a repeated key silently keeps its last entry: a tensor
+    // named twice is two claims on one name, and which is meant cannot be told.
+    if let Some(key) = duplicate_key(bytes) {
+        return Err(format!("its header names {key:?} twice (each tensor name may appear once; which entry is meant cannot be told)"));
+    }
     let (_, header) = SafeTensors::read_metadata(bytes).map_err(not)?;
     Ok((SafeTensors::deserialize(bytes).map_err(not)?, header.metadata().clone()))
+}
+
+/// The first key a safetensors header's JSON object holds twice; `None` when none is (or the
+/// header is not a JSON object: `SafeTensors::deserialize` then says what is wrong).
+fn duplicate_key(bytes: &[u8]) -> Option<String> {
+    use serde::de::{IgnoredAny, MapAccess, Visitor};
+    struct FirstRepeat;
+    impl<'de> Visitor<'de> for FirstRepeat {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<String>, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            while let Some(key) = map.next_key::<String>()? {
+                map.next_value::<IgnoredAny>()?;
+                if !seen.insert(key.clone()) {
+                    return Ok(Some(key));
+                }
+            }
+            Ok(None)
+        }
+    }
+    let len = usize::try_from(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
+    let header = bytes.get(8..8usize.checked_add(len)?)?;
+    serde::Deserializer::deserialize_map(&mut serde_json::Deserializer::from_slice(header), FirstRepeat).ok().flatten()
 }
 
 /// A tensor of the file as f32, refusing NaN or infinity (bad input, not a failed check).

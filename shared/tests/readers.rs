@@ -54,6 +54,10 @@ fn damaged_safetensors_are_refused_never_panic() {
                 bytes = (h.len() as u64).to_le_bytes().to_vec();
                 bytes.extend(h.as_bytes());
                 bytes.extend(&good[8 + header_len..]);
+                std::fs::write(&p, &bytes).unwrap();
+                let e = BlockWeights::load_gpt2(&p, None).unwrap_err();
+                prop_assert!(usage(&e, &format!("{key:?} twice")), "the repeated key is not named: {e}");
+                prop_assert!(!e.to_string().contains("NaN"), "a repeated key blamed on values: {e}");
             }
             6 => {
                 // a tensor's rank changed (its shape flattened), named in the refusal

@@ -319,8 +319,8 @@ fn class_c_output_onto_an_input_is_refused() {
 #[test]
 fn class_e_unwritable_outputs_refused_before_the_run() {
     let d = scratch("r3e");
-    // A closed /dev/fd/N and /proc resolve to folders that take no file.
-    let mut cases = vec![("--json", "/dev/fd/99", "cannot be created")];
+    // A /dev/fd/N (closed or not) and /proc are no files of their own.
+    let mut cases = vec![("--json", "/dev/fd/99", "not a file of its own")];
     if Path::new("/proc/self").exists() {
         cases.push(("--json", "/proc/speedkit-x.json", "/proc"));
         cases.push(("--save-output", "/proc/speedkit-x.safetensors", "/proc"));
@@ -391,7 +391,7 @@ fn class_i_messages_are_precise() {
     let o = stage0_in(&d, &with_s(&["--weights", "rank1.safetensors"]), &[]);
     refused(&o);
     assert!(o.text.contains("attn.c_attn.weight") && o.text.contains("2 dimensions"), "{}", o.text);
-    // A duplicated header key with its own data leaves a gap safetensors refuses, naming it, not blamed on NaN.
+    // A duplicated header key with its own data is refused naming the key, not blamed on NaN.
     let t = r#"{"dtype":"F32","shape":[1,1,128],"data_offsets":[0,512]}"#;
     let h = format!(r#"{{"x":{t},"x":{{"dtype":"F32","shape":[1,1,128],"data_offsets":[512,1024]}}}}"#);
     let mut dup = (h.len() as u64).to_le_bytes().to_vec();
@@ -401,7 +401,7 @@ fn class_i_messages_are_precise() {
     std::fs::write(d.join("dup.safetensors"), dup).unwrap();
     let o = stage0_in(&d, &with_s(&["--input", "dup.safetensors"]), &[]);
     refused(&o);
-    assert!(o.text.contains("dup.safetensors") && o.text.contains("`x`") && !o.text.contains("NaN"), "{}", o.text);
+    assert!(o.text.contains("dup.safetensors") && o.text.contains("\"x\" twice") && !o.text.contains("NaN"), "{}", o.text);
 }
 
 // a thread pool of 100,000 is refused at once, a sane one runs.

@@ -83,3 +83,20 @@ fn each_region_is_rewritten_on_its_own_page_with_links_from_there() {
     let (page, _) = region_page(Path::new("README.md"), "results-gpu-ablate-te");
     assert_eq!(page, Path::new("./docs/gpu.md"));
 }
+
+#[test]
+fn regions_take_their_own_mode_only() {
+    assert_eq!(region_mode("results-train"), Mode::Train);
+    assert_eq!(region_mode("results_gpu_train"), Mode::Train);
+    for forward in ["results", "results-gpu", "results-trained", "trainers", "results-gpu-ablate-te"] {
+        assert_eq!(region_mode(forward), Mode::Forward, "{forward}");
+    }
+    for region in std::iter::once("results").chain(GPU_PAGE_REGIONS).chain(["results-gpu"]) {
+        let e = check_region_mode(region, Mode::Train, "t.json").unwrap_err().to_string();
+        assert!(e.contains("t.json times training steps") && e.contains(region) && e.contains("results-train"), "{e}");
+        assert!(check_region_mode(region, Mode::Forward, "t.json").is_ok());
+    }
+    let e = check_region_mode("results-train", Mode::Forward, "f.json").unwrap_err().to_string();
+    assert!(e.contains("f.json times forwards") && e.contains("shows training steps") && e.contains("Fix:"), "{e}");
+    assert!(check_region_mode("results-train", Mode::Train, "t.json").is_ok());
+}

@@ -33,3 +33,21 @@ fn precision_flag() {
     assert_eq!("BF16".parse::<PrecisionRequest>().unwrap(), PrecisionRequest::Exactly(Precision::Bf16));
     assert!("fp4".parse::<PrecisionRequest>().is_err());
 }
+
+#[test]
+fn cpu_bf16_values_are_checked() {
+    use std::ffi::OsStr;
+    assert!(check_cpu_bf16(None).is_ok());
+    // Case does not matter (`Kernel::detect_with` lowercases too).
+    for ok in ["auto", "off", "OFF", "Off", "f32", "avx512-bf16", "AVX512-BF16"] {
+        assert!(check_cpu_bf16(Some(OsStr::new(ok))).is_ok(), "{ok}");
+    }
+    for bad in ["", "garbage", "of", "0", "false", "amx", " off"] {
+        let e = check_cpu_bf16(Some(OsStr::new(bad))).unwrap_err().to_string();
+        assert!(e.contains("SPEEDKIT_CPU_BF16") && e.contains(&format!("{bad:?}")), "{e}");
+        assert!(e.contains("auto, off, f32, avx512-bf16, mkl") && e.contains("Fix:"), "{e}");
+    }
+    // mkl only where it is built: otherwise it would quietly mean auto.
+    let mkl = check_cpu_bf16(Some(OsStr::new("MKL")));
+    assert_eq!(mkl.is_ok(), cpu_kernels::bf16_gemm::Kernel::Mkl.available(), "{mkl:?}");
+}

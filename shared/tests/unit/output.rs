@@ -75,7 +75,7 @@ fn devices_fifos_folders_and_read_only_files_are_refused_never_replaced() {
     for dev in ["/dev/null", "/dev/full"] {
         if std::fs::metadata(dev).is_ok_and(|m| m.file_type().is_char_device()) {
             let e = check("--json", Path::new(dev)).unwrap_err().to_string();
-            assert!(e.contains(dev) && e.contains("not a regular file") && e.contains("Fix:"), "{e}");
+            assert!(e.contains(dev) && e.contains("in /dev") && e.contains("Fix:"), "{e}");
         }
     }
     let fifo = d.join("fifo");
@@ -140,7 +140,7 @@ fn paths_are_checked_up_front_and_the_check_creates_nothing() {
     for place in ["/proc/speedkit-x.json", "/dev/fd/987"] {
         if Path::new("/proc/self").exists() {
             let e = check("--json", Path::new(place)).unwrap_err().to_string();
-            assert!(e.contains(place) && e.contains("cannot be created"), "{e}");
+            assert!(e.contains(place) && e.contains("not a file of its own") && e.contains("Fix:"), "{e}");
         }
     }
     check("--json", &d.join("new/deep/x.json")).unwrap();
@@ -219,6 +219,42 @@ fn a_sigterm_during_the_check_leaves_no_file() {
         assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
         let left: Vec<_> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert!(left.is_empty(), "round {round}: {left:?} left behind");
+    }
+    std::fs::remove_dir_all(&d).ok();
+}
+
+/// Streams are not outputs: `-`, /dev/stdout and the like (as given or behind a link) are refused,
+/// and nothing is written; the file a shell redirected stdout to is never replaced.
+#[test]
+fn streams_and_dash_are_refused() {
+    let d = scratch("streams");
+    let e = check("--json", Path::new("-")).unwrap_err().to_string();
+    assert!(e.contains("--json -") && e.contains("not standard output") && e.contains("cat it"), "{e}");
+    let mut places = vec!["/dev/stdout", "/dev/stderr", "/dev/stdin", "/dev/fd/1", "/dev/fd/2", "/dev/stdout-roofline.svg"];
+    places.extend(Path::new("/proc/self").exists().then_some(["/proc/self/fd/1", "/proc/self/fd/2"]).into_iter().flatten());
+    for place in places {
+        for flag in ["--json", "--svg", "--save-weights", "--save-output"] {
+            let e = check(flag, Path::new(place)).unwrap_err().to_string();
+            assert!(e.contains(&format!("{flag} {place}")) && e.contains("not a file of its own"), "{e}");
+            assert!(e.contains("write to a file and cat it") && e.contains(&format!("e.g. `{flag} out.")), "{e}");
+        }
+    }
+    // Behind a link: to the stream itself, and through a linked folder.
+    std::os::unix::fs::symlink("/dev/stdout", d.join("out.json")).unwrap();
+    std::os::unix::fs::symlink("/dev/fd", d.join("fd")).unwrap();
+    for p in [d.join("out.json"), d.join("fd/1")] {
+        let e = check("--svg", &p).unwrap_err().to_string();
+        assert!(e.contains("not a file of its own") && e.contains("cat it"), "{e}");
+    }
+    assert!(write("--json", &d.join("out.json"), b"x").is_err());
+    assert!(std::fs::symlink_metadata(d.join("out.json")).unwrap().file_type().is_symlink());
+    // Files are still fine: a link to a regular file, and a file in a folder under /dev (/dev/shm).
+    std::fs::write(d.join("real.json"), b"old").unwrap();
+    std::os::unix::fs::symlink(d.join("real.json"), d.join("link.json")).unwrap();
+    write("--json", &d.join("link.json"), b"new").unwrap();
+    assert_eq!(std::fs::read(d.join("real.json")).unwrap(), b"new");
+    if Path::new("/dev/shm").is_dir() {
+        check("--json", Path::new("/dev/shm/speedkit-never-written.json")).unwrap();
     }
     std::fs::remove_dir_all(&d).ok();
 }

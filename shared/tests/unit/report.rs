@@ -39,3 +39,25 @@ fn json_write_to_a_directory_is_usage_error_naming_the_path() {
     assert_eq!(code, crate::error::EXIT_USAGE);
     assert!(msg.contains("is a directory") && msg.contains("Fix:"), "{msg}");
 }
+
+/// The table's header follows the records' `mode`, with or without their `train` record; a
+/// report's mode is `None` when its records mix modes.
+#[test]
+fn table_header_follows_the_mode() {
+    let rec = |mode| Record { stage: "stage0_baseline".into(), mode, timing: Stats::from_samples(vec![1.0]), ..Default::default() };
+    let report = |modes: &[Mode]| LadderReport { records: modes.iter().map(|&m| rec(m)).collect(), ..Default::default() };
+    let train = report(&[Mode::Train, Mode::Train]);
+    assert_eq!(train.mode(), Some(Mode::Train));
+    let md = train.table(true);
+    assert!(md.starts_with("| stage | precision | forward + backward ms (p10–p90) |") && md.contains("| optimizer ms |"), "{md}");
+    assert!(md.lines().nth(2).unwrap().ends_with("| – | – |"), "{md}");
+    let forward = report(&[Mode::Forward]);
+    assert_eq!(forward.mode(), Some(Mode::Forward));
+    let t = forward.table(false);
+    assert!(t.lines().next().unwrap().contains("median ms (p10–p90)") && !t.contains("backward") && !t.contains("optimizer"), "{t}");
+    assert_eq!(report(&[Mode::Forward, Mode::Train]).mode(), None);
+    // No record at all: the arguments say what was asked.
+    assert_eq!(LadderReport { args: vec!["--train".into()], ..Default::default() }.mode(), Some(Mode::Train));
+    assert_eq!(LadderReport::default().mode(), Some(Mode::Forward));
+    assert_eq!((Mode::Forward.per(), Mode::Train.per()), ("forward", "training step"));
+}

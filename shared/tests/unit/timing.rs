@@ -28,3 +28,11 @@ fn times_each_iteration_and_excludes_warmup() {
     // calls are not among the samples.
     assert!(s.min_ms >= 2.0 && s.max_ms < 400.0, "{s:?}");
 }
+
+#[test]
+fn the_forward_loop_reports_progress() {
+    let mut p = Progress::every("stage_t", "iterations", 5, Duration::ZERO);
+    time_forward_with(&mut p, &Device::Cpu, 2, 3, || Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)).unwrap();
+    assert_eq!(p.printed, 5);
+    assert!(p.last.as_deref().unwrap().starts_with("[stage_t] 5 of 5 warm-up + timed iterations ("), "{:?}", p.last);
+}

@@ -56,3 +56,41 @@ fn an_update_rounded_in_another_order_passes_and_a_wrong_one_fails() {
     nan[0][4] = f32::NAN;
     assert!(!update_error(&nan, &reference, &before).passed);
 }
+
+/// A training run of minutes printed nothing until its table: the step loop reports progress as
+/// the forward's does (here every step, with the interval at zero).
+#[test]
+fn training_steps_report_progress() {
+    struct Scale(Var);
+    impl Forward for Scale {
+        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+            x.broadcast_mul(self.0.as_tensor())
+        }
+    }
+    struct Nothing;
+    impl Optimize for Nothing {
+        fn name(&self) -> String {
+            "none".into()
+        }
+        fn step(&mut self, _: &GradStore) -> anyhow::Result<bool> {
+            Ok(true)
+        }
+    }
+    let dev = candle_core::Device::Cpu;
+    let w = Var::from_tensor(&Tensor::ones(4, DType::F32, &dev).unwrap()).unwrap();
+    let x = Var::from_tensor(&Tensor::ones((1, 2, 4), DType::F32, &dev).unwrap()).unwrap();
+    let r = Tensor::ones((1, 2, 4), DType::F32, &dev).unwrap();
+    for parts in [false, true] {
+        let total = total_steps(1, 3, parts);
+        let mut progress = Progress::every("stage_t", "training steps", total, std::time::Duration::ZERO);
+        let (fb, _, split, _) = time_steps(&Scale(w.clone()), &mut Nothing, &x, &r, (1, 3, parts), &mut progress).unwrap();
+        assert_eq!((fb.samples_ms.len(), split.map_or(0, |s| s.len())), (3, if parts { 3 } else { 0 }));
+        assert_eq!(progress.printed, total);
+        let last = progress.last.unwrap();
+        assert!(last.starts_with(&format!("[stage_t] {total} of {total} warm-up + timed training steps")), "{last}");
+    }
+    // At the default interval a short run prints nothing.
+    let mut quiet = Progress::new("stage_t", "training steps", 4);
+    time_steps(&Scale(w), &mut Nothing, &x, &r, (1, 3, false), &mut quiet).unwrap();
+    assert_eq!(quiet.printed, 0);
+}

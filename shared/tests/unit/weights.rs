@@ -69,3 +69,31 @@ fn layer_keys() {
     assert_eq!(layer_of("transformer.h.3.ln_2.weight"), None);
     assert_eq!(layer_of("xh.3.ln_1.weight"), None);
 }
+
+/// A header naming one tensor twice (with different data) is refused naming the key, not blamed
+/// on the values the later entry points at.
+#[test]
+fn repeated_header_key_is_named() {
+    let dir = std::env::temp_dir().join(format!("speedkit-dupkey-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("w.safetensors");
+    BlockWeights::from_seed(&crate::preset::Preset::Tiny.shape(), 0).unwrap().save_gpt2(&p, 0, 4).unwrap();
+    let good = std::fs::read(&p).unwrap();
+    let n = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&good[8..8 + n]).unwrap().trim_end();
+    // The bias entry repeated at the end with its data moved onto the gain's bytes.
+    let v: serde_json::Value = serde_json::from_str(header).unwrap();
+    let key = "h.0.ln_1.bias";
+    let mut entry = v[key].clone();
+    entry["data_offsets"] = v["h.0.ln_1.weight"]["data_offsets"].clone();
+    let h = format!("{},\"{key}\":{entry}}}", header.strip_suffix('}').unwrap());
+    let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(h.as_bytes());
+    bytes.extend(&good[8 + n..]);
+    std::fs::write(&p, &bytes).unwrap();
+    let e = BlockWeights::load_gpt2(&p, None).unwrap_err().to_string();
+    assert!(e.contains("\"h.0.ln_1.bias\" twice") && e.contains("w.safetensors") && e.contains("Fix"), "{e}");
+    assert!(!e.contains("NaN"), "{e}");
+    assert_eq!(duplicate_key(&good), None);
+    std::fs::remove_dir_all(&dir).ok();
+}
