@@ -743,7 +743,8 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
 }
 
 pub fn main() -> ExitCode {
-    // `about` after `augment_args`: the flag structs' doc comments would otherwise replace it.
+    shared::output::clean_up_on_signals(); // a signal mid-write leaves no temp file
+                                           // `about` after `augment_args`: the flag structs' doc comments would otherwise replace it.
     let cmd = with_stage_args(LadderArgs::augment_args(RunArgs::augment_args(clap::Command::new("ladder"))))
         .about("Every stage of the transformer block side by side: same weights, same input, checked, timed")
         .subcommand(

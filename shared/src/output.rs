@@ -183,19 +183,59 @@ pub fn write(flag: &str, path: &Path, bytes: &[u8]) -> Result<(), SpeedkitError>
     check(flag, path)?.write(bytes)
 }
 
+/// Temp files being written right now: what the signal thread (`clean_up_on_signals`) removes
+/// when SIGINT, SIGTERM or SIGHUP ends the process in the middle of a write.
+static PENDING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+fn pending() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    PENDING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// From now on a SIGINT, SIGTERM or SIGHUP first deletes the temp file being written, if any,
+/// then ends the process as the signal would have (its default action, so the exit status still
+/// says which signal). A thread receives the signal, so the removal is ordinary code, not a signal
+/// handler's; it holds `PENDING`'s lock from the removal to the end, so no write starts a temp file
+/// after it. Every binary calls this first thing; calling it again does nothing.
+pub fn clean_up_on_signals() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+        let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]) else { return };
+        std::thread::spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                let files = pending();
+                for f in files.iter() {
+                    let _ = std::fs::remove_file(f);
+                }
+                let _ = signal_hook::low_level::emulate_default_handler(sig);
+                std::process::exit(128 + sig); // not reached: the default action ends the process
+            }
+        });
+    });
+}
+
 /// A temp file beside `target`, written whole and synced, then renamed over it.
 fn replace(target: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = target.parent().unwrap_or(Path::new("/"));
     std::fs::create_dir_all(dir)?;
+    // Created and registered under one lock, so a signal finds it either not yet made or listed.
+    let mut files = pending();
     // Mode 0666 less the umask, like a file the shell creates (tempfile's is 0600); an existing file keeps its mode.
     let mut tmp = tempfile::Builder::new().permissions(std::fs::Permissions::from_mode(0o666)).tempfile_in(dir)?;
-    if let Ok(m) = std::fs::metadata(target) {
-        tmp.as_file().set_permissions(m.permissions())?;
-    }
-    tmp.write_all(bytes)?;
-    tmp.as_file().sync_all()?; // a full disk can first show here
-    tmp.persist(target)?; // on an error the temp file is dropped, which deletes it
-    Ok(())
+    let path = tmp.path().to_path_buf();
+    files.push(path.clone());
+    drop(files);
+    let result = (move || -> std::io::Result<()> {
+        if let Ok(m) = std::fs::metadata(target) {
+            tmp.as_file().set_permissions(m.permissions())?;
+        }
+        tmp.write_all(bytes)?;
+        tmp.as_file().sync_all()?; // a full disk can first show here
+        tmp.persist(target)?; // on an error the temp file is dropped, which deletes it
+        Ok(())
+    })();
+    pending().retain(|p| p != &path); // renamed or deleted by now: nothing left to clean up
+    result
 }
 
 #[cfg(test)]

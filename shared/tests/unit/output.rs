@@ -223,6 +223,51 @@ fn a_sigterm_during_the_check_leaves_no_file() {
     std::fs::remove_dir_all(&d).ok();
 }
 
+/// A signal in the middle of a write leaves no temp file: a child (this test binary, re-run) with
+/// `clean_up_on_signals` installed writes 8 MiB to one output in a loop and is sent SIGTERM,
+/// SIGINT or SIGHUP at a different moment each round; afterwards the folder holds the output,
+/// whole, or nothing, and the child ended by that signal.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_signal_mid_write_leaves_no_temp_file() {
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    const LEN: usize = 8 << 20;
+    if let Ok(dir) = std::env::var("SPEEDKIT_TEST_WRITE_LOOP") {
+        clean_up_on_signals();
+        let out = PathBuf::from(dir).join("out.json");
+        let bytes = vec![b'x'; LEN];
+        write("--json", &out, &bytes).unwrap();
+        eprintln!("SPEEDKIT-WRITING");
+        loop {
+            write("--json", &out, &bytes).unwrap();
+        }
+    }
+    let d = scratch("signal-mid-write");
+    for round in 0..24u64 {
+        let sig = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP][round as usize % 3];
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "output::tests::a_signal_mid_write_leaves_no_temp_file", "--nocapture", "--test-threads", "1"])
+            .env("SPEEDKIT_TEST_WRITE_LOOP", &d)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        assert!(stderr.lines().map_while(Result::ok).any(|l| l.contains("SPEEDKIT-WRITING")), "the child never wrote");
+        std::thread::sleep(std::time::Duration::from_micros(round * 1297));
+        let mid_write = !leftovers(&d).is_empty(); // a temp file was there a moment before the signal
+                                                   // SAFETY: kill sends a signal to our own child, whose pid we hold and have not reaped.
+        assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, sig) }, 0);
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal(), Some(sig), "round {round}: {status:?}");
+        assert!(leftovers(&d).is_empty(), "round {round} (signal {sig}, mid-write {mid_write}): {:?} left behind", leftovers(&d));
+        let out = d.join("out.json");
+        assert_eq!(std::fs::metadata(&out).map(|m| m.len() as usize).unwrap_or(LEN), LEN, "round {round}: a partial output");
+    }
+    std::fs::remove_dir_all(&d).ok();
+}
+
 /// Streams are not outputs: `-`, /dev/stdout and the like (as given or behind a link) are refused,
 /// and nothing is written; the file a shell redirected stdout to is never replaced.
 #[test]
