@@ -39,6 +39,10 @@ fi
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
+# Every crate the CUDA build reads, cudarc's source for the link stub included, before the
+# 1.2 GB toolchain install: a machine that cannot reach crates.io fails here, in seconds.
+cargo fetch --locked || die "cargo fetch --locked failed (its message is above): the CUDA build and the link stub read crates a CPU build never downloads. Fix: make crates.io reachable, then run this again."
+
 # shellcheck source=scripts/cuda-toolchain.sh
 source scripts/cuda-toolchain.sh --link-stub
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target/cuda-link}"
