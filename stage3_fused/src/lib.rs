@@ -61,7 +61,7 @@ pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod cuda_lt;
 pub mod device_cache;
-#[cfg(any(feature = "cuda", feature = "harness"))]
+#[cfg(feature = "cublaslt-args")]
 pub mod gemm_args;
 pub mod ops;
 pub mod small;
