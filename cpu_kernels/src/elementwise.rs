@@ -233,9 +233,15 @@ fn fast(ts: &[&Tensor]) -> bool {
 
 /// The trace's name for an op that ran on the engine or as candle's op.
 fn ran(op: &str, engine: bool) {
-    match engine {
-        true => trace::ran_with(|| format!("{op}: engine pass ({})", simd())),
-        false => trace::ran_with(|| format!("{op}: candle")),
+    ran_passes(op, 1, engine)
+}
+
+/// `ran` for an op the engine runs in `passes` passes (LayerNorm's four, GELU's nine).
+fn ran_passes(op: &str, passes: usize, engine: bool) {
+    match (engine, passes) {
+        (true, 1) => trace::ran_with(|| format!("{op}: engine pass ({})", simd())),
+        (true, n) => trace::ran_with(|| format!("{op}: engine passes ×{n} ({})", simd())),
+        (false, _) => trace::ran_with(|| format!("{op}: candle")),
     }
 }
 
@@ -388,7 +394,7 @@ pub fn par_convert<S: Copy + Sync, D: Copy + Send + Default>(src: &[S], f: impl 
 /// (mean, sub, sqr, mean, +ε, sqrt, div, ·g, +b) — the candle branch below.
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64, mode: Elementwise) -> candle_core::Result<Tensor> {
     let engine = mode == Elementwise::Parallel && fast(&[x]) && fast(&[g, b]) && g.dtype() == DType::F32;
-    ran("layer_norm (4 passes)", engine);
+    ran_passes("layer_norm", 4, engine);
     if !engine {
         let mean = x.mean_keepdim(candle_core::D::Minus1)?; // (B, T, 1)
         let xc = x.broadcast_sub(&mean)?;
@@ -511,7 +517,7 @@ pub fn sum_f32(row: &[f32]) -> f32 {
 /// `tanh_f32` (vectorised) instead of libm's. Slow twin: `stage0_baseline::gelu_tanh`.
 pub fn gelu_tanh(x: &Tensor, mode: Elementwise) -> candle_core::Result<Tensor> {
     let engine = mode == Elementwise::Parallel && fast(&[x]);
-    ran("gelu (9 passes)", engine);
+    ran_passes("gelu", 9, engine);
     if !engine {
         let x3 = (x.sqr()? * x)?;
         let inner = ((x + (x3 * 0.044715)?)? * (2.0 / std::f64::consts::PI).sqrt())?;
@@ -637,13 +643,13 @@ mod tests {
             )
             .unwrap();
             let ran = crate::trace::stop();
-            assert!(ran.iter().all(|k| k.contains("engine pass")), "{dt:?}: {ran:?}");
+            assert!(ran.iter().all(|k| k.contains(": engine pass")), "{dt:?}: {ran:?}");
             assert_eq!(y.dtype(), dt);
             let v = candle_core::Var::from_tensor(&x.to_dtype(DType::F32).unwrap()).unwrap();
             crate::trace::start();
             let y = gelu_tanh(&add(v.as_tensor(), v.as_tensor(), Elementwise::Parallel).unwrap(), Elementwise::Parallel).unwrap();
             let ran = crate::trace::stop();
-            assert_eq!(ran, ["add: candle", "gelu (9 passes): candle"]);
+            assert_eq!(ran, ["add: candle", "gelu: candle"]);
             let grads = y.sum_all().unwrap().backward().unwrap();
             assert!(grads.get(v.as_tensor()).is_some(), "a gradient reaches the tracked input");
         }
