@@ -154,9 +154,32 @@ fn merge_rounds(records: Vec<Record>) -> Option<Record> {
     Some(first)
 }
 
+/// `--train` where no selected stage's training step fits: refused before any work (the reference
+/// gradients alone can take minutes, and every row would then be skipped), with the first stage's
+/// paragraph. A run where some stage fits goes on, and the others are rows that say why.
+fn check_some_training_step_fits(args: &RunArgs, all: &[Box<dyn Stage>], which: &[usize]) -> anyhow::Result<()> {
+    if !args.train || which.is_empty() {
+        return Ok(());
+    }
+    let shared::runner::Resolved { device, shape, .. } = shared::runner::resolve(args)?;
+    let (session, avail) = (shape.estimate_session_bytes(), shared::device::available_bytes(&device));
+    let mut refusals: Vec<SpeedkitError> = which
+        .iter()
+        .filter_map(|&i| {
+            let step = all[i].estimate_train_bytes(&shape);
+            shared::runner::check_fits(all[i].name(), &shape, session.saturating_add(step.total()), Some(step), avail).err()
+        })
+        .collect();
+    match refusals.len() == which.len() {
+        true => Err(refusals.remove(0).into()),
+        false => Ok(()),
+    }
+}
+
 /// Run the stages `which` in interleaved rounds, each checked against stage 0's fp32 output. A stage that
 /// cannot run here, or fails, is a row; the first failure is returned.
 pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -> anyhow::Result<(LadderReport, Option<anyhow::Error>)> {
+    check_some_training_step_fits(&args, all, which)?;
     let session = Session::open(args, default_stages()[0].as_ref(), &[])?; // the fp32 reference: STAGES[0] as written
     let mut report = new_report(&session.info, session.shape, which.iter().map(|&i| all[i].name().to_string()).collect());
     report.ceiling = session.ceiling.clone();
@@ -323,6 +346,12 @@ pub fn report(args: &RunArgs, stages: &[Box<dyn Stage>]) -> anyhow::Result<Strin
                 let mut more = vec![format!("applies: {}", stage.switches(&plan).describe())];
                 more.extend(stage.implementation(&plan).map(|i| format!("runs: {i}")));
                 more.extend(stage.check_shape(&shape).err().map(|e| format!("cannot run this shape: {e}")));
+                if args.train {
+                    // The estimate the run's up-front memory check uses (`Stage::estimate_train_bytes`).
+                    let step = stage.estimate_train_bytes(&shape);
+                    let total = shared::report::fmt_bytes(Some(u64::try_from(step.total()).unwrap_or(u64::MAX)));
+                    more.push(format!("memory: a training step needs about {total} (estimate: {})", step.describe()));
+                }
                 more.extend(stage.notes(&plan).iter().map(|n| format!("note: {n}")));
                 for line in more {
                     writeln!(out, "{:27}{line}", "")?;

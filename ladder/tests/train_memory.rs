@@ -52,3 +52,39 @@ fn a_training_step_that_cannot_fit_is_refused_before_any_work() {
     }
     assert!(!out.contains("ceiling") && !out.contains("ran "), "refused before any work: {out}");
 }
+
+#[test]
+fn report_gives_each_stages_training_step_estimate() {
+    // The estimate the up-front check uses, per stage, before anything runs (`ladder report --train`).
+    let o = Command::new(env!("CARGO_BIN_EXE_ladder")).args(["report", "--train", "--preset", "small", "--seq", "2048"]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    let lines: Vec<&str> = out.lines().filter(|l| l.contains("memory: a training step needs about")).collect();
+    let stages = ladder::default_stages();
+    assert_eq!(lines.len(), stages.len(), "{out}");
+    let shape = Shape { seq: 2048, ..shared::Preset::Small.shape() };
+    for (line, stage) in lines.iter().zip(&stages) {
+        let total = shared::report::fmt_bytes(Some(stage.estimate_train_bytes(&shape).total() as u64));
+        assert!(line.contains(&format!("about {total} (estimate: ")), "{}: {line}", stage.name());
+    }
+    // Stage 0 keeps the (B, n_head, T, T) tensors, its largest part; stage 2 keeps none.
+    assert!(lines[0].contains("(estimate: naive attention's (B, n_head, T, T)"), "{}", lines[0]);
+    assert!(!lines[2].contains("naive attention"), "{}", lines[2]);
+}
+
+#[test]
+fn a_ladder_whose_every_stage_cannot_fit_is_refused_before_the_reference() {
+    // 2 GiB of address space: one sequence of the fp32 reference's gradients at T = 512 fits, no
+    // stage-0 training step of B = 8 does. Without the check the reference gradients would run
+    // first, then the only row be skipped; with a stage that fits beside it the run goes on.
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 2000000 && exec \"$0\" --train --stages 0 --preset small --seq 512 --batch 8 --iters 1 --warmup 0")
+        .arg(env!("CARGO_BIN_EXE_ladder"))
+        .output()
+        .unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(2), "{out}{err}");
+    assert!(err.contains("stage0_baseline needs about") && err.contains("a training step (--train)"), "{err}");
+    assert!(!out.contains("ceiling") && !out.contains("ran "), "refused before any work: {out}");
+}
