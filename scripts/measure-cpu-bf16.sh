@@ -21,7 +21,12 @@ rounds="${ROUNDS:-2}"
 case "${1:-}" in /*|"") out_arg="${1:-}" ;; *) out_arg="$PWD/$1" ;; esac
 cd "$(dirname "$0")/.."
 out="${out_arg:-results/cpu-bf16/$(git rev-parse --short HEAD)}"
-mkdir -p "$out"
+if ! mkdir -p "$out" 2> /dev/null || [ ! -w "$out" ]; then
+    echo "measure-cpu-bf16: cannot create or write the output folder $out. Fix: pass a folder you can write (see --help)." >&2
+    exit 2
+fi
+# Any other failure names the step that failed (set -e would otherwise end the script in silence).
+trap 'echo "measure-cpu-bf16: failed at line $LINENO: $BASH_COMMAND (exit $?); the runs so far are in $out. Fix: read the message above, or the run log named in that command." >&2' ERR
 cargo build --release --quiet -p ladder
 {
     echo "command: scripts/measure-cpu-bf16.sh $* (ROUNDS=$rounds)"

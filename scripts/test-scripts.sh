@@ -310,7 +310,11 @@ expect "measure-cpu: two arguments refused" 2 "at most one argument" bash "$repo
 nothing_ran "measure-cpu: cargo did not run for the refused requests"
 expect "measure-cpu-bf16: ROUNDS=0 refused" 2 "ROUNDS=0" env ROUNDS=0 bash "$repo/scripts/measure-cpu-bf16.sh" "$tmp/bf16-out"
 expect "measure-cpu-bf16: two arguments refused" 2 "at most one argument" bash "$repo/scripts/measure-cpu-bf16.sh" "$tmp/bf16-out" extra
+expect "measure-cpu-bf16: an output folder it cannot create is refused" 2 "cannot create or write the output folder" bash "$repo/scripts/measure-cpu-bf16.sh" /proc/speedkit-no-such/out
 nothing_ran "measure-cpu-bf16: cargo did not run for the refused requests"
+# A failing step names itself: the fake cargo exits 1 at the build.
+expect "measure-cpu-bf16: a failed build names the step" 1 "failed at line" bash "$repo/scripts/measure-cpu-bf16.sh" "$tmp/bf16-fail"
+rm -f "$tmp/ran"
 
 # ---- cpu-compare.py --------------------------------------------------------------------------
 # run_json DIR NAME ROUND MEDIAN_MS SEQ: a ladder --json record with the fields the script reads.
