@@ -123,9 +123,10 @@ pub unsafe fn block<T: Operand>(
                 let (i, mr) = (i0 + ir, TM.min(mc - ir));
                 if mr == TM && nr == NR {
                     // A whole 32 × 32 block: the C tiles load from and store to C itself.
-                    tile_product_in_place(kc, packed_a[ir * kc..].as_ptr(), b_panel, c.add(i * ldc + j), ldc * 4, load);
+                    tile_product(kc, packed_a[ir * kc..].as_ptr(), b_panel, c.add(i * ldc + j), ldc * 4, load);
                     continue;
                 }
+                // An edge block: staged in a 32 × 32 buffer (zeros past the edge), then copied back.
                 tile.fill(0.0);
                 if load {
                     for r in 0..mr {
@@ -134,7 +135,7 @@ pub unsafe fn block<T: Operand>(
                         }
                     }
                 }
-                tile_product(kc, packed_a[ir * kc..].as_ptr(), b_panel, tile.as_mut_ptr());
+                tile_product(kc, packed_a[ir * kc..].as_ptr(), b_panel, tile.as_mut_ptr(), NR * 4, load);
                 for r in 0..mr {
                     for q in 0..nr {
                         *c.add((i + r) * ldc + j + q) = tile[r * NR + q];
@@ -146,12 +147,15 @@ pub unsafe fn block<T: Operand>(
     core::arch::asm!("tilerelease", options(nostack, nomem));
 }
 
-/// `tile_product` on a 32 × 32 block of C where it lies (rows `ldc_bytes` apart): C's tiles are
-/// loaded from it (`load`) or zeroed, and stored back, with no staging copy.
+/// C (32 × 32 f32, rows `ldc_bytes` apart) = A (32 rows × kc pairs, row-major) · B (kc pairs ×
+/// 32 columns, rows 128 bytes apart) (+ C when `load`; else C's tiles start at zero), 16 pairs
+/// per step: C00 += A0·B0, C01 += A0·B1, C10 += A1·B0, C11 += A1·B1. C is read and written
+/// where it lies: C itself for a whole block, the staging buffer for an edge one.
 ///
 /// # Safety
-/// As `tile_product`, and the block at `c` is 32 rows of 32 f32 inside C, this task's own.
-unsafe fn tile_product_in_place(kc: usize, a: *const u32, b: *const u32, c: *mut f32, ldc_bytes: usize, load: bool) {
+/// Tiles are configured (`ldtilecfg` with `TileConfig::all_16_by_64`); kc is a multiple of 16;
+/// the pointers address what the comment above says, and the block at `c` is this task's own.
+unsafe fn tile_product(kc: usize, a: *const u32, b: *const u32, c: *mut f32, ldc_bytes: usize, load: bool) {
     let (lda, ldb) = (kc * 4, NR * 4); // bytes between rows
     let cb = c as *mut u8;
     if load {
@@ -188,50 +192,6 @@ unsafe fn tile_product_in_place(kc: usize, a: *const u32, b: *const u32, c: *mut
         "tilestored [{c1} + {ldc}*1], tmm2",
         "tilestored [{c1} + {ldc}*1 + 64], tmm3",
         c0 = in(reg) cb, c1 = in(reg) cb.add(16 * ldc_bytes), ldc = in(reg) ldc_bytes,
-        options(nostack),
-    );
-}
-
-/// C (32 × 32 f32, rows 128 bytes apart) += A (32 rows × kc pairs, row-major) · B (kc pairs ×
-/// 32 columns, rows 128 bytes apart), 16 pairs per step: C00 += A0·B0, C01 += A0·B1,
-/// C10 += A1·B0, C11 += A1·B1.
-///
-/// # Safety
-/// Tiles are configured (`ldtilecfg` with `TileConfig::all_16_by_64`); kc is a multiple of 16;
-/// the pointers address what the comment above says.
-unsafe fn tile_product(kc: usize, a: *const u32, b: *const u32, c: *mut f32) {
-    let (ldc, lda, ldb) = (NR * 4, kc * 4, NR * 4); // bytes between rows
-    let cb = c as *mut u8;
-    core::arch::asm!(
-        "tileloadd tmm0, [{c0} + {ldc}*1]",
-        "tileloadd tmm1, [{c0} + {ldc}*1 + 64]",
-        "tileloadd tmm2, [{c1} + {ldc}*1]",
-        "tileloadd tmm3, [{c1} + {ldc}*1 + 64]",
-        c0 = in(reg) cb, c1 = in(reg) cb.add(16 * ldc), ldc = in(reg) ldc,
-        options(nostack, readonly),
-    );
-    for step in 0..kc / TK {
-        let a0 = (a as *const u8).add(step * TK * 4);
-        let b0 = (b as *const u8).add(step * TK * ldb);
-        core::arch::asm!(
-            "tileloadd tmm4, [{a0} + {lda}*1]",
-            "tileloadd tmm5, [{a1} + {lda}*1]",
-            "tileloadd tmm6, [{b0} + {ldb}*1]",
-            "tileloadd tmm7, [{b0} + {ldb}*1 + 64]",
-            "tdpbf16ps tmm0, tmm4, tmm6",
-            "tdpbf16ps tmm1, tmm4, tmm7",
-            "tdpbf16ps tmm2, tmm5, tmm6",
-            "tdpbf16ps tmm3, tmm5, tmm7",
-            a0 = in(reg) a0, a1 = in(reg) a0.add(16 * lda), lda = in(reg) lda, b0 = in(reg) b0, ldb = in(reg) ldb,
-            options(nostack, readonly),
-        );
-    }
-    core::arch::asm!(
-        "tilestored [{c0} + {ldc}*1], tmm0",
-        "tilestored [{c0} + {ldc}*1 + 64], tmm1",
-        "tilestored [{c1} + {ldc}*1], tmm2",
-        "tilestored [{c1} + {ldc}*1 + 64], tmm3",
-        c0 = in(reg) cb, c1 = in(reg) cb.add(16 * ldc), ldc = in(reg) ldc,
         options(nostack),
     );
 }
