@@ -245,12 +245,6 @@ impl<'a, T: Operand> MatRef<'a, T> {
         self.bits(r, 2 * p) | (self.bits(r, 2 * p + 1) << 16)
     }
 
-    /// The pair (2p, c), (2p + 1, c).
-    #[inline(always)]
-    fn pair_along_rows(&self, p: usize, c: usize) -> u32 {
-        self.bits(2 * p, c) | (self.bits(2 * p + 1, c) << 16)
-    }
-
     fn check(&self, what: &str) -> Result<(), String> {
         if self.rows == 0 || self.cols == 0 {
             return Ok(());
@@ -486,31 +480,12 @@ pub fn gemm_scalar<A: Operand, B: Operand>(c: &mut [f32], a: MatRef<A>, b: MatRe
 }
 
 /// B (k × n) as ⌈n / NR⌉ panels of kp × NR pairs: panel q, pair p, column j at
-/// `(q·kp + p)·NR + j`. Zero past the edges.
+/// `(q·kp + p)·NR + j`. Zero past the edges. A panel is NR rows of Bᵀ, paired along Bᵀ's rows.
 fn pack_b<T: Operand>(b: MatRef<T>, kp: usize, parallel: bool) -> Vec<u32> {
     let panels = b.cols.div_ceil(NR);
     let mut packed = vec![0u32; panels * kp * NR];
-    let whole = b.rows / 2; // pairs wholly inside k
-    let fill = |(q, panel): (usize, &mut [u32])| {
-        for j in 0..NR.min(b.cols - q * NR) {
-            let col = q * NR + j;
-            if b.rs == 1 && whole > 0 {
-                // A column's elements are adjacent (B is a transposed weight, x·Wᵀ): a pair is two
-                // neighbours, read in one sweep.
-                let src = &b.data[b.offset + col * b.cs..][..2 * whole];
-                for (p, pair) in src.chunks_exact(2).enumerate() {
-                    panel[p * NR + j] = pair[0].bf16_bits() as u32 | (pair[1].bf16_bits() as u32) << 16;
-                }
-            } else {
-                for p in 0..whole {
-                    panel[p * NR + j] = b.pair_along_rows(p, col);
-                }
-            }
-            for p in whole..kp {
-                panel[p * NR + j] = b.pair_along_rows(p, col);
-            }
-        }
-    };
+    let bt = b.t();
+    let fill = |(q, panel): (usize, &mut [u32])| pack_pairs(&bt, (q * NR, NR), (0, kp), panel, (1, NR));
     if parallel {
         packed.par_chunks_mut(kp * NR).enumerate().for_each(fill);
     } else {
@@ -525,26 +500,55 @@ fn pack_a<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, 
     let panels = mc.div_ceil(MR);
     into.clear();
     into.resize(panels * kc * MR, 0);
-    // Pairs wholly inside k; an odd K's last pair (and the padding after it) is done one by one.
-    let whole = kc.min((a.cols / 2).saturating_sub(p0));
-    for r in 0..panels {
-        let panel = &mut into[r * kc * MR..][..kc * MR];
-        for i in 0..MR.min(mc - r * MR) {
-            let row = i0 + r * MR + i;
-            if a.cs == 1 && whole > 0 {
-                // A row's elements are adjacent: a pair is two neighbours, read in one sweep.
-                let src = &a.data[a.offset + row * a.rs + 2 * p0..][..2 * whole];
-                for (p, pair) in src.chunks_exact(2).enumerate() {
-                    panel[p * MR + i] = pair[0].bf16_bits() as u32 | (pair[1].bf16_bits() as u32) << 16;
-                }
-            } else {
-                for p in 0..whole {
-                    panel[p * MR + i] = a.pair_along_cols(row, p0 + p);
-                }
+    for (r, panel) in into.chunks_mut(kc * MR).enumerate() {
+        pack_pairs(&a, (i0 + r * MR, MR.min(mc - r * MR)), (p0, kc), panel, (1, MR));
+    }
+}
+
+/// Rows i0..i0+mr of A, pairs p0..p0+kc (pair p: columns 2p and 2p + 1, the lower in the low
+/// half), each pair's u32 at `out[r·r_step + p·p_step]`; `out` arrives zeroed, and rows past A's
+/// edge stay zero. Read in memory order for the two layouts the GEMMs meet: row-major A (a pair
+/// is two neighbours: activations, a weight read as Wᵀ) and column-major A (a row's elements are
+/// a column apart, and row after row is contiguous: the backward's dZᵀ, and a row-major B read
+/// as B's panels). Any other stride, element by element.
+#[inline]
+fn pack_pairs<T: Operand>(
+    a: &MatRef<T>,
+    (i0, mr): (usize, usize),
+    (p0, kc): (usize, usize),
+    out: &mut [u32],
+    (r_step, p_step): (usize, usize),
+) {
+    let rows = mr.min(a.rows.saturating_sub(i0));
+    let whole = kc.min((a.cols / 2).saturating_sub(p0)); // pairs wholly inside a row
+    let bits = |v: T| v.bf16_bits() as u32;
+    if a.cs == 1 && whole > 0 {
+        for r in 0..rows {
+            let src = &a.data[a.offset + (i0 + r) * a.rs + 2 * p0..][..2 * whole];
+            for (p, two) in src.chunks_exact(2).enumerate() {
+                out[r * r_step + p * p_step] = bits(two[0]) | bits(two[1]) << 16;
             }
-            for p in whole..kc {
-                panel[p * MR + i] = a.pair_along_cols(row, p0 + p);
+        }
+    } else if a.rs == 1 && whole > 0 && rows > 0 {
+        for p in 0..whole {
+            let col = 2 * (p0 + p);
+            let lo = &a.data[a.offset + i0 + col * a.cs..][..rows];
+            let hi = &a.data[a.offset + i0 + (col + 1) * a.cs..][..rows];
+            for (r, (&lo, &hi)) in lo.iter().zip(hi).enumerate() {
+                out[r * r_step + p * p_step] = bits(lo) | bits(hi) << 16;
             }
+        }
+    } else {
+        for r in 0..rows {
+            for p in 0..whole {
+                out[r * r_step + p * p_step] = a.pair_along_cols(i0 + r, p0 + p);
+            }
+        }
+    }
+    // An odd K's last pair (half zero) and the zero pairs past K, one by one.
+    for r in 0..rows {
+        for p in whole..kc {
+            out[r * r_step + p * p_step] = a.pair_along_cols(i0 + r, p0 + p);
         }
     }
 }

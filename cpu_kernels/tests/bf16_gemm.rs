@@ -132,6 +132,43 @@ fn strided_and_transposed_views_and_accumulation() {
     }
 }
 
+/// The backward's orientations on ragged shapes: dX = dZ·W reads W (n × k, row-major) as B
+/// itself, and dW = dZᵀ·X reads dZ transposed as A (column-major: a row's elements a column
+/// apart); both packed in memory order (`pack_pairs`). K odd, and every size just off the tiles.
+#[test]
+fn backward_orientations_match_the_scalar_twin_on_ragged_shapes() {
+    let mut rng = Rng(0xbac_4a2d);
+    let mut shapes = vec![(1, 1, 1), (MR + 1, NR - 1, 3), (MC + 5, NR + 3, 257), (33, 2 * NR + 1, 2 * KC + 5), (2 * MC + 7, 45, 130)];
+    for _ in 0..4 {
+        shapes.push((1 + rng.below(200), 1 + rng.below(200), 1 + 2 * rng.below(150)));
+    }
+    for &kernel in &native() {
+        for &(m, n, k) in &shapes {
+            // A column-major: the m × k operand is the transpose of a stored k × m matrix.
+            let stored = rng.bf16s(k * m);
+            let a = MatRef::row_major(&stored, k, m).t();
+            // B row-major k × n, as a weight W read untransposed (dX = dZ·W).
+            let w = rng.bf16s(k * n);
+            let b = MatRef::row_major(&w, k, n);
+            // And f32 operands in the same orientations, rounded as packed.
+            let stored32: Vec<f32> = stored.iter().map(|v| v.to_f32() * 1.001).collect();
+            let a32 = MatRef::row_major(&stored32, k, m).t();
+            for (what, parallel) in [("sequential", false), ("parallel", true)] {
+                let mut want = vec![0f32; m * n];
+                gemm_scalar(&mut want, a, b, false);
+                let mut got = vec![f32::NAN; m * n];
+                gemm(kernel, &mut got, a, b, false, parallel).unwrap();
+                assert_close(&got, &want, k, 1.0, &format!("{} column-major A · row-major B, {what}, {m}×{n}×{k}", kernel.name()));
+                let mut want = vec![0f32; m * n];
+                gemm_scalar(&mut want, a32, b, false);
+                let mut got = vec![f32::NAN; m * n];
+                gemm(kernel, &mut got, a32, b, false, parallel).unwrap();
+                assert_close(&got, &want, k, 1.0, &format!("{} f32 column-major A, {what}, {m}×{n}×{k}", kernel.name()));
+            }
+        }
+    }
+}
+
 #[test]
 fn nan_and_inf_propagate_as_in_an_f32_gemm() {
     let (m, n, k) = (MR + 3, NR + 5, 9);

@@ -100,21 +100,7 @@ pub unsafe fn block<T: Operand>(
         // Rows i0..i0+mc, pairs p0..p0+kc, row-major in panels of TM rows (zero rows past m).
         packed_a.clear();
         packed_a.resize(mc.div_ceil(TM) * TM * kc, 0u32);
-        let whole = a.cs == 1 && 2 * (p0 + kc) <= a.cols; // every pair of the slice inside a row
-        for (r, row) in packed_a.chunks_mut(kc).enumerate().take(mc) {
-            if whole && i0 + r < a.rows {
-                // A row's 2·kc adjacent elements, paired in order: no edge tests per element.
-                let start = a.offset + (i0 + r) * a.rs + 2 * p0;
-                let src = &a.data[start..start + 2 * kc];
-                for (pair, two) in row.iter_mut().zip(src.chunks_exact(2)) {
-                    *pair = two[0].bf16_bits() as u32 | ((two[1].bf16_bits() as u32) << 16);
-                }
-            } else {
-                for (p, pair) in row.iter_mut().enumerate() {
-                    *pair = a.pair_along_cols(i0 + r, p0 + p);
-                }
-            }
-        }
+        super::pack_pairs(&a, (i0, mc), (p0, kc), &mut packed_a, (kc, 1));
         let load = accumulate || p0 > 0;
         for jr in (0..nc).step_by(NR) {
             let (j, nr) = (j0 + jr, NR.min(nc - jr));
