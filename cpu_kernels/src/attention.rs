@@ -52,6 +52,10 @@ pub enum CpuKernel {
     /// tiles in vector registers, d_head a const generic (`registers::D_HEADS`; other head
     /// sizes run `GemmTiles`). The default: faster than `GemmTiles` in the criterion bench.
     Registers,
+    /// `Registers` with bf16 products whatever the inputs' dtype: f32 q, k and v (a training
+    /// step on the CPU keeps its tracked tensors f32) are rounded to bf16 once, as the bf16
+    /// kernel reads them, and its output widened back to f32. bf16 inputs run `Registers`.
+    RegistersBf16,
     /// The first CPU kernel: one query row at a time, scores by broadcast-FMA, then one axpy per
     /// key into an O row in memory (load/store-bound, ~10 % of the GEMM rate). The slow twin.
     RowAxpy,
@@ -81,13 +85,16 @@ impl CpuAttention {
 
     /// What `forward` runs for inputs of `dtype` at head size `d`, in words (the kernel trace).
     pub fn kernel_name(&self, dtype: DType, d: usize) -> &'static str {
-        let bf16_pairs = registers::bf16::runs(d) && dtype == DType::BF16;
+        let bf16_pairs =
+            registers::bf16::runs(d) && (dtype == DType::BF16 || (self.cpu == CpuKernel::RegistersBf16 && dtype == DType::F32));
         match self.cpu {
             CpuKernel::RowAxpy => "attention: row-wise online softmax (CPU)",
-            CpuKernel::Registers if bf16_pairs => "attention: register-blocked, bf16 pairs (avx512-bf16)",
-            CpuKernel::Registers if registers::supports(d) && dtype == DType::F32 => "attention: register-blocked, f32",
-            CpuKernel::Registers if registers::supports(d) => "attention: register-blocked, widened to f32",
-            CpuKernel::Registers | CpuKernel::GemmTiles => "attention: tile GEMMs (gemm crate)",
+            CpuKernel::Registers | CpuKernel::RegistersBf16 if bf16_pairs => "attention: register-blocked, bf16 pairs (avx512-bf16)",
+            CpuKernel::Registers | CpuKernel::RegistersBf16 if registers::supports(d) && dtype == DType::F32 => {
+                "attention: register-blocked, f32"
+            }
+            CpuKernel::Registers | CpuKernel::RegistersBf16 if registers::supports(d) => "attention: register-blocked, widened to f32",
+            CpuKernel::Registers | CpuKernel::RegistersBf16 | CpuKernel::GemmTiles => "attention: tile GEMMs (gemm crate)",
         }
     }
 
@@ -103,25 +110,42 @@ impl CpuAttention {
         let shape = l1.shape().clone();
         crate::trace::ran(self.kernel_name(candle_core::backend::BackendStorage::dtype(s1), dims[3]));
         let out = match (s1, s2, s3) {
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v))
+                if self.cpu == CpuKernel::RegistersBf16 && registers::bf16::runs(dims[3]) =>
+            {
+                // Each input rounded to bf16 once (all threads), then the bf16 kernel, writing f32 rows.
+                let narrow = |x: &[f32]| {
+                    let mut out = vec![half::bf16::ZERO; x.len()];
+                    out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, s)| crate::bf16_gemm::narrow_bf16(s, o));
+                    out
+                };
+                let (qb, kb, vb) = (narrow(q), narrow(k), narrow(v));
+                let qkv = [
+                    (qb.as_slice(), View::of(l1, q.len())?),
+                    (kb.as_slice(), View::of(l2, k.len())?),
+                    (vb.as_slice(), View::of(l3, v.len())?),
+                ];
+                CpuStorage::F32(self.run_bf16::<f32>(qkv, dims)?)
+            }
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
                 let qkv = [(q.as_slice(), View::of(l1, q.len())?), (k, View::of(l2, k.len())?), (v, View::of(l3, v.len())?)];
                 CpuStorage::F32(match self.cpu {
-                    CpuKernel::GemmTiles | CpuKernel::Registers => self.run_tiles(qkv, dims, borrowed),
+                    CpuKernel::GemmTiles | CpuKernel::Registers | CpuKernel::RegistersBf16 => self.run_tiles(qkv, dims, borrowed),
                     CpuKernel::RowAxpy => self.run_rowwise(qkv, dims),
                 })
             }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
                 let qkv = [(q.as_slice(), View::of(l1, q.len())?), (k, View::of(l2, k.len())?), (v, View::of(l3, v.len())?)];
                 CpuStorage::BF16(match self.cpu {
-                    CpuKernel::Registers if registers::bf16::runs(dims[3]) => self.run_bf16(qkv, dims)?,
-                    CpuKernel::GemmTiles | CpuKernel::Registers => self.run_tiles(qkv, dims, widened),
+                    CpuKernel::Registers | CpuKernel::RegistersBf16 if registers::bf16::runs(dims[3]) => self.run_bf16(qkv, dims)?,
+                    CpuKernel::GemmTiles | CpuKernel::Registers | CpuKernel::RegistersBf16 => self.run_tiles(qkv, dims, widened),
                     CpuKernel::RowAxpy => self.run_rowwise(qkv, dims),
                 })
             }
             (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
                 let qkv = [(q.as_slice(), View::of(l1, q.len())?), (k, View::of(l2, k.len())?), (v, View::of(l3, v.len())?)];
                 CpuStorage::F16(match self.cpu {
-                    CpuKernel::GemmTiles | CpuKernel::Registers => self.run_tiles(qkv, dims, widened),
+                    CpuKernel::GemmTiles | CpuKernel::Registers | CpuKernel::RegistersBf16 => self.run_tiles(qkv, dims, widened),
                     CpuKernel::RowAxpy => self.run_rowwise(qkv, dims),
                 })
             }
@@ -272,7 +296,7 @@ impl CpuAttention {
                     unsafe { *lse_ptr.at(bh * t + r) = l };
                 }
             };
-            if self.cpu == CpuKernel::Registers && registers::supports(d) {
+            if matches!(self.cpu, CpuKernel::Registers | CpuKernel::RegistersBf16) && registers::supports(d) {
                 registers::attend_head(&head, t, d, self.scale, self.causal, &mut write);
             } else {
                 attend_head_tiles(&head, t, d, self.scale, self.causal, &mut write);

@@ -820,6 +820,8 @@ pub struct PackedWeight {
     w: Tensor,
     packed: Option<PackedB>,
     kernel: Kernel,
+    /// The products run in bf16 whatever W's dtype (`PackedWeight::bf16_master`).
+    bf16_master: bool,
 }
 
 impl PackedWeight {
@@ -847,7 +849,21 @@ impl PackedWeight {
                 Some(PackedB::new(kernel, wt, true).map_err(candle_core::Error::Msg)?)
             }
         };
-        Ok(PackedWeight { w: w.clone(), packed, kernel })
+        Ok(PackedWeight { w: w.clone(), packed, kernel, bf16_master: false })
+    }
+
+    /// An f32 master weight W (n × k) whose products run in bf16 on this CPU's bf16 unit: what a
+    /// training step on the CPU holds. W is tracked (the optimizer updates it) and goes into the
+    /// GEMM as it is, rounded to bf16 as the kernel packs it (no cast pass, no bf16 copy); its
+    /// gradient comes back in f32 from a bf16 GEMM with f32 accumulation (`Bf16Matmul::bwd`).
+    pub fn bf16_master(w: &Tensor) -> candle_core::Result<PackedWeight> {
+        w.dims2()?;
+        Ok(PackedWeight { w: w.clone(), packed: None, kernel: Kernel::detect(), bf16_master: true })
+    }
+
+    /// Whether the products run in bf16 (a bf16 W, or an f32 master from `bf16_master`).
+    pub fn bf16_products(&self) -> bool {
+        self.bf16_master || self.w.dtype() == DType::BF16
     }
 
     /// W as given (n × k).
@@ -863,7 +879,8 @@ impl PackedWeight {
 
 /// a · Wᵀ for a (…, M, K), W held by `w` (N × K): `matmul(a, &w.t())` without packing W, out
 /// (…, M, N) in a's dtype (bf16 or f32), f32 accumulation. Unpacked weights (see `PackedWeight`)
-/// and tracked activations (training) run `matmul_with` on their kernel, a's leading dimensions
+/// and tracked activations (training) run `matmul_with` on their kernel (an f32 master from
+/// `PackedWeight::bf16_master`: the bf16 GEMM on f32 operands, f32 out), a's leading dimensions
 /// flattened into M.
 pub fn matmul_prepacked(a: &Tensor, w: &PackedWeight) -> candle_core::Result<Tensor> {
     match &w.packed {
@@ -876,7 +893,11 @@ pub fn matmul_prepacked(a: &Tensor, w: &PackedWeight) -> candle_core::Result<Ten
             let (dims, k) = (a.dims(), a.dim(candle_core::D::Minus1)?);
             let mut out_dims = dims[..dims.len().saturating_sub(1)].to_vec();
             out_dims.push(w.w.dim(0)?);
-            matmul_with(&a.reshape(((), k))?, &w.w.t()?, w.kernel)?.reshape(out_dims)
+            let a2 = a.reshape(((), k))?;
+            match w.bf16_master {
+                true => bf16_matmul(&a2, &w.w.t()?, w.kernel)?.reshape(out_dims),
+                false => matmul_with(&a2, &w.w.t()?, w.kernel)?.reshape(out_dims),
+            }
         }
     }
 }

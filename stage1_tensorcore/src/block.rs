@@ -28,6 +28,7 @@ pub struct Block {
     n_head: usize,
     mask: Tensor,    // (T, T) f32: 0 on and below the diagonal, -inf above
     dtype: DType,    // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
+    act: DType,      // activations: the GEMM dtype (f32 in a training step on the CPU, `precision::activation_dtype`)
     ew: Elementwise, // the engine's passes, or candle's ops (`--elementwise`)
 }
 
@@ -35,12 +36,12 @@ impl Block {
     pub fn build(w: &BlockWeights, plan: &Plan, ew: Elementwise) -> anyhow::Result<Block> {
         precision::switches(plan.precision).apply();
         let c = plan.shape.d_model;
-        let dt = precision::gemm_dtype(plan.precision);
+        let (dt, act) = (precision::gemm_dtype(plan.precision), precision::activation_dtype(plan));
         // Three separate projections, as in stage 0; cast once here, never per forward, and on a
         // CPU's bf16 unit packed once into the GEMM's pair panels (build is outside the timing).
-        let pack = |t: &Tensor| PackedWeight::new(&t.to_dtype(dt)?.contiguous()?);
+        let pack = |t: &Tensor| precision::weight(t, plan);
         let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| pack(&t)); // (C, C)
-        let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(dt)?.contiguous()); // (C): added to the GEMM's output
+        let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(act)?.contiguous()); // (C): added to the GEMM's output
         Ok(Block {
             ln1_g: w.ln1_g.clone(),
             ln1_b: w.ln1_b.clone(),
@@ -51,16 +52,17 @@ impl Block {
             w_v: rows(2)?,
             b_v: bias(2)?,
             w_proj: pack(&w.w_proj)?,
-            b_proj: w.b_proj.to_dtype(dt)?,
+            b_proj: w.b_proj.to_dtype(act)?,
             ln2_g: w.ln2_g.clone(),
             ln2_b: w.ln2_b.clone(),
             w_fc1: pack(&w.w_fc1)?,
-            b_fc1: w.b_fc1.to_dtype(dt)?,
+            b_fc1: w.b_fc1.to_dtype(act)?,
             w_fc2: pack(&w.w_fc2)?,
-            b_fc2: w.b_fc2.to_dtype(dt)?,
+            b_fc2: w.b_fc2.to_dtype(act)?,
             n_head: plan.shape.n_head,
             mask: causal_mask(plan.shape.seq, &plan.device)?,
             dtype: dt,
+            act,
             ew,
         })
     }
@@ -77,7 +79,7 @@ impl Forward for Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let e = self.ew;
         part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
-        let h = ew::to_dtype(&layer_norm(x, &self.ln1_g, &self.ln1_b, LN_EPS, e)?, self.dtype, e)?; // (B, T, C): f32 statistics, GEMM dtype out
+        let h = ew::to_dtype(&layer_norm(x, &self.ln1_g, &self.ln1_b, LN_EPS, e)?, self.act, e)?; // (B, T, C): f32 statistics, GEMM dtype out
         part("qkv")?;
         let q = linear(&h, &self.w_q, &self.b_q, e)?; // (B, T, C)
         let k = linear(&h, &self.w_k, &self.b_k, e)?;
@@ -87,7 +89,7 @@ impl Forward for Block {
         part("proj+residual")?;
         let x = ew::add(x, &ew::to_dtype(&linear(&a, &self.w_proj, &self.b_proj, e)?, DType::F32, e)?, e)?; // residual stream stays f32
         part("ln2")?;
-        let h = ew::to_dtype(&layer_norm(&x, &self.ln2_g, &self.ln2_b, LN_EPS, e)?, self.dtype, e)?;
+        let h = ew::to_dtype(&layer_norm(&x, &self.ln2_g, &self.ln2_b, LN_EPS, e)?, self.act, e)?;
         part("fc1+gelu")?;
         let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1, e)?, e)?; // (B, T, FF)
         part("fc2+residual")?;

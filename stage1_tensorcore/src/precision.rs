@@ -150,6 +150,41 @@ pub fn gemm_dtype(p: Precision) -> DType {
 }
 
 #[cfg(feature = "harness")]
+/// Whether this plan is a training step on the CPU with bf16 GEMMs: then the tensors candle's
+/// autograd records stay f32 (`activation_dtype`) and the weights go in as their f32 masters
+/// (`PackedWeight::bf16_master`), while every GEMM and the attention still multiply bf16 operands,
+/// rounded as the kernels read them. The reason is candle's CPU autograd: it adds each gradient
+/// into a zero tensor of the recorded tensor's dtype, and its CPU add of two bf16 tensors runs
+/// many times slower than its f32 add (`results/train-engine/candle-add.txt`), so every
+/// recorded bf16 activation and weight cast would cost the training step a slow pass per use.
+pub fn trains_f32_on_cpu(plan: &shared::Plan) -> bool {
+    plan.train && plan.device.is_cpu() && gemm_dtype(plan.precision) == DType::BF16
+}
+
+#[cfg(feature = "harness")]
+/// The dtype the block's activations are stored in: the GEMM dtype, except in a training step on
+/// the CPU at bf16 (`trains_f32_on_cpu`), f32.
+pub fn activation_dtype(plan: &shared::Plan) -> DType {
+    if trains_f32_on_cpu(plan) {
+        DType::F32
+    } else {
+        gemm_dtype(plan.precision)
+    }
+}
+
+#[cfg(feature = "harness")]
+/// A linear layer's weight W (n × k, f32 master) for this plan: cast to the GEMM dtype once and,
+/// on a CPU's bf16 unit, packed once (`PackedWeight::new`); in a training step on the CPU at bf16,
+/// the f32 master itself with bf16 products (`PackedWeight::bf16_master`).
+pub fn weight(w: &candle_core::Tensor, plan: &shared::Plan) -> candle_core::Result<cpu_kernels::bf16_gemm::PackedWeight> {
+    use cpu_kernels::bf16_gemm::PackedWeight;
+    match trains_f32_on_cpu(plan) {
+        true => PackedWeight::bf16_master(w),
+        false => PackedWeight::new(&w.to_dtype(gemm_dtype(plan.precision))?.contiguous()?),
+    }
+}
+
+#[cfg(feature = "harness")]
 /// Tensor cores work on tiles whose inner dimensions are multiples of 8 elements (16 bytes of
 /// bf16/f16; 16 elements for FP8). A GEMM dimension that is not gets padded internally or
 /// falls back to slower kernels. One warning per misaligned dimension, with the padded size.

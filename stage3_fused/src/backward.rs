@@ -14,8 +14,9 @@
 //!
 //! The element-wise backward work rides on one read of the output gradient, as the forward's
 //! epilogues ride on the GEMM's output: the primitive ops' autograd makes a pass per op (GELU's
-//! nine, LayerNorm's nine, a reduction for the bias). The two GEMMs per linear are candle's
-//! matmul in f32 (bf16/f16 operands are widened; gradients return in the operands' dtype).
+//! nine, LayerNorm's nine, a reduction for the bias). The two GEMMs per linear run on the engine's
+//! bf16 GEMM when the forward's did (`linear_bwd`: operands read where they lie, f32
+//! accumulation), candle's f32 matmul otherwise; gradients return in the operands' dtype.
 //!
 //! On CUDA the element-wise work of the linears' backward rides on cuBLASLt's GEMMs (`cuda_lt`):
 //! every weight-gradient GEMM writes db with the BGRADB epilogue, and inside `ops::mlp` fc2's
@@ -26,7 +27,8 @@
 //! CPU's passes. Compiled, not run on a GPU.
 
 use crate::ops::{f32_values, ROWS_PER_TASK};
-use candle_core::{DType, Device, Storage, Tensor, Var, D};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var, D};
+use cpu_kernels::bf16_gemm::{self, Kernel, MatRef, Operand};
 use cpu_kernels::elementwise::{exp_f32, row_stats, RowStats};
 use rayon::prelude::*;
 
@@ -195,16 +197,83 @@ pub fn gelu_tanh_grad(v: f32) -> f32 {
     s + v * s * (1.0 - s) * 2.0 * SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * v * v)
 }
 
-/// The two GEMMs of a linear's backward, as candle matmuls in f32: dx = dz·W ((B·T, N)·(N, K)) and
-/// dW = dzᵀ·x ((N, B·T)·(B·T, K)). x: (B, T, K); W: (N, K); dz: (B, T, N). Returns dx and dW in
-/// x's and W's dtypes.
-pub fn linear_bwd(x: &Tensor, w: &Tensor, dz: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+/// The two GEMMs of a linear's backward: dx = dz·W ((B·T, N)·(N, K)) and dW = dzᵀ·x
+/// ((N, B·T)·(B·T, K)). x: (B, T, K); W: (N, K); dz: (B, T, N). Returns dx and dW in x's and W's
+/// dtypes.
+///
+/// When the forward's products were bf16 (bf16 operands, or f32 masters with `bf16_master`) and
+/// this CPU's bf16 unit runs the engine's kernel, both are the engine's bf16 GEMMs, as autocast
+/// runs them: f32 accumulation, each operand read where it lies and rounded to bf16 as it is
+/// packed — W untransposed as B, dz transposed as A (both in memory order), x as B — so no
+/// (B·T, ·) tensor is widened or copied first. Otherwise (fp32, f16, a CPU without a bf16
+/// unit) candle's matmuls in f32.
+pub fn linear_bwd(x: &Tensor, w: &Tensor, dz: &Tensor, bf16_master: bool) -> candle_core::Result<(Tensor, Tensor)> {
     let (bsz, t, k) = x.dims3()?;
     let n = w.dim(0)?;
-    let dz = dz.to_dtype(DType::F32)?.reshape((bsz * t, n))?; // (B·T, N)
+    let m = bsz * t;
+    let kernel = Kernel::detect();
+    let bf16 = bf16_master || [x, w].iter().any(|t| t.dtype() == DType::BF16);
+    let ours = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::BF16);
+    if x.device().is_cpu() && bf16 && kernel.is_native() && [x, w, dz].into_iter().all(ours) {
+        cpu_kernels::trace::ran_with(|| format!("linear backward: gemm bf16 ×2 ({})", kernel.name()));
+        let (xc, wc, dzc) = (x.contiguous()?, w.contiguous()?, dz.contiguous()?);
+        let mut dx = vec![0f32; m * k];
+        let mut dw = vec![0f32; n * k];
+        with_vals(&dzc, |dzv| {
+            with_vals(&wc, |wv| gemm_vals(kernel, &mut dx, (dzv, m, n, false), (wv, n, k)))?; // dx = dz·W
+            with_vals(&xc, |xv| gemm_vals(kernel, &mut dw, (dzv, m, n, true), (xv, m, k)))
+            // dW = dzᵀ·x
+        })?;
+        let dx = Tensor::from_vec(dx, (bsz, t, k), &Device::Cpu)?;
+        let dw = Tensor::from_vec(dw, (n, k), &Device::Cpu)?;
+        let cast = |v: Tensor, dt: DType| cpu_kernels::elementwise::to_dtype(&v, dt, cpu_kernels::elementwise::Elementwise::Parallel);
+        return Ok((cast(dx, x.dtype())?, cast(dw, w.dtype())?));
+    }
+    let dz = dz.to_dtype(DType::F32)?.reshape((m, n))?; // (B·T, N)
     let dx = dz.matmul(&w.to_dtype(DType::F32)?)?.reshape((bsz, t, k))?.to_dtype(x.dtype())?;
-    let dw = dz.t()?.matmul(&x.to_dtype(DType::F32)?.reshape((bsz * t, k))?)?.to_dtype(w.dtype())?;
+    let dw = dz.t()?.matmul(&x.to_dtype(DType::F32)?.reshape((m, k))?)?.to_dtype(w.dtype())?;
     Ok((dx, dw))
+}
+
+/// A contiguous CPU tensor's values, f32 or bf16, where they lie.
+#[derive(Clone, Copy)]
+enum Vals<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+}
+
+fn with_vals<R>(t: &Tensor, f: impl FnOnce(Vals) -> candle_core::Result<R>) -> candle_core::Result<R> {
+    let (s, l) = t.storage_and_layout();
+    match (&*s, l.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => f(Vals::F32(&v[a..b])),
+        (Storage::Cpu(CpuStorage::BF16(v)), Some((a, b))) => f(Vals::Bf16(&v[a..b])),
+        _ => candle_core::bail!("linear backward: expected a contiguous f32 or bf16 CPU tensor, got {:?}", t.dtype()),
+    }
+}
+
+/// c = a · b on the engine's bf16 `kernel`, all threads: a is a row-major (rows × cols) matrix,
+/// read transposed when `t`; b a row-major (rows × cols) matrix.
+fn gemm_vals(
+    kernel: Kernel,
+    c: &mut [f32],
+    (a, ar, ac, t): (Vals, usize, usize, bool),
+    (b, br, bc): (Vals, usize, usize),
+) -> candle_core::Result<()> {
+    fn view<T: Operand>(v: &[T], rows: usize, cols: usize, t: bool) -> MatRef<'_, T> {
+        let m = MatRef::row_major(v, rows, cols);
+        if t {
+            m.t()
+        } else {
+            m
+        }
+    }
+    match (a, b) {
+        (Vals::F32(a), Vals::F32(b)) => bf16_gemm::gemm(kernel, c, view(a, ar, ac, t), view(b, br, bc, false), false, true),
+        (Vals::F32(a), Vals::Bf16(b)) => bf16_gemm::gemm(kernel, c, view(a, ar, ac, t), view(b, br, bc, false), false, true),
+        (Vals::Bf16(a), Vals::F32(b)) => bf16_gemm::gemm(kernel, c, view(a, ar, ac, t), view(b, br, bc, false), false, true),
+        (Vals::Bf16(a), Vals::Bf16(b)) => bf16_gemm::gemm(kernel, c, view(a, ar, ac, t), view(b, br, bc, false), false, true),
+    }
+    .map_err(candle_core::Error::Msg)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -26,9 +26,10 @@ pub struct Block {
     b_fc2: Tensor,        // (C)
     n_head: usize,
     attn: attention::Implementation, // stage 2's attention kernel (`--attention-kernel` on CUDA)
-    dtype: DType,                    // GEMM operand dtype: bf16, f16, or f32 (fp32 and TF32)
-    ew: Elementwise,                 // the engine's passes, or candle's ops (`--elementwise`), for a fusion that is off
-    fusions: Fusions,                // all on unless ablated (--fusions)
+    dtype: DType, // activations: the GEMM dtype, bf16, f16 or f32 (f32 in a training step on the CPU, `precision::activation_dtype`)
+    bf16_attention: bool, // f32 activations with bf16 products (training on the CPU): attention's too
+    ew: Elementwise, // the engine's passes, or candle's ops (`--elementwise`), for a fusion that is off
+    fusions: Fusions, // all on unless ablated (--fusions)
     split_qkv: Option<[(PackedWeight, Tensor); 3]>, // qkv fusion off only: (C, C) weights and (C) biases of q, k, v
 }
 
@@ -38,15 +39,15 @@ impl Block {
         stage.check_plan(plan)?;
         let attn = stage2_sdpa::harness::for_run(&plan.device, stage.sdpa.args.attention_kernel)?;
         let c = plan.shape.d_model;
-        let dt = precision::gemm_dtype(plan.precision);
+        let (dt, act) = (precision::gemm_dtype(plan.precision), precision::activation_dtype(plan));
         // Cast once here, never per forward, and on a CPU's bf16 unit packed once into the GEMM's
         // pair panels (build is outside the timing; every forward would otherwise pack W again).
-        let pack = |t: &Tensor| PackedWeight::new(&t.to_dtype(dt)?.contiguous()?);
+        let pack = |t: &Tensor| precision::weight(t, plan);
         let split_qkv = match stage.fusions.qkv {
             true => None,
             false => {
                 let rows = |i: usize| w.w_qkv.narrow(0, i * c, c).and_then(|t| pack(&t)); // (C, C)
-                let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(dt)?.contiguous()); // (C)
+                let bias = |i: usize| w.b_qkv.narrow(0, i * c, c).and_then(|t| t.to_dtype(act)?.contiguous()); // (C)
                 Some([(rows(0)?, bias(0)?), (rows(1)?, bias(1)?), (rows(2)?, bias(2)?)])
             }
         };
@@ -54,18 +55,19 @@ impl Block {
             ln1_g: w.ln1_g.clone(),
             ln1_b: w.ln1_b.clone(),
             w_qkv: pack(&w.w_qkv)?, // one (3C, C) GEMM instead of three (C, C) ones
-            b_qkv: w.b_qkv.to_dtype(dt)?,
+            b_qkv: w.b_qkv.to_dtype(act)?,
             w_proj: pack(&w.w_proj)?,
-            b_proj: w.b_proj.to_dtype(dt)?,
+            b_proj: w.b_proj.to_dtype(act)?,
             ln2_g: w.ln2_g.clone(),
             ln2_b: w.ln2_b.clone(),
             w_fc1: pack(&w.w_fc1)?,
-            b_fc1: w.b_fc1.to_dtype(dt)?,
+            b_fc1: w.b_fc1.to_dtype(act)?,
             w_fc2: pack(&w.w_fc2)?,
-            b_fc2: w.b_fc2.to_dtype(dt)?,
+            b_fc2: w.b_fc2.to_dtype(act)?,
             n_head: plan.shape.n_head,
             attn,
-            dtype: dt,
+            dtype: act,
+            bf16_attention: act != dt,
             ew,
             fusions: stage.fusions,
             split_qkv,
@@ -74,7 +76,8 @@ impl Block {
 
     /// Stage 2's fused attention on (B, T, n_head, d_head) views (of the one QKV output here).
     fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
-        stage2_sdpa::attention_opts(self.attn, CpuKernel::Registers, q, k, v, true)
+        let cpu = if self.bf16_attention { CpuKernel::RegistersBf16 } else { CpuKernel::Registers };
+        stage2_sdpa::attention_opts(self.attn, cpu, q, k, v, true)
         // (B, T, n_head, d_head)
     }
 }

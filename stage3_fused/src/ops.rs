@@ -290,7 +290,7 @@ pub fn check_norm_params(x: &Tensor, g: &Tensor, b: &Tensor, op: &str) -> candle
 
 /// y = x Wᵀ + b. x: (B, T, K); W: (N, K); b: (N). Output in x's dtype.
 pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    linear(x, w, b, Epilogue::Bias, None)
+    linear(x, w, b, Epilogue::Bias, None, false)
 }
 
 /// Slow twin of `linear_bias`: a GEMM, then a bias pass.
@@ -303,7 +303,7 @@ pub fn linear_bias_slow(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Resu
 
 /// y = gelu_tanh(x Wᵀ + b).
 pub fn linear_bias_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    linear(x, w, b, Epilogue::BiasGelu, None)
+    linear(x, w, b, Epilogue::BiasGelu, None, false)
 }
 
 /// Slow twin of `linear_bias_gelu`: a GEMM, a bias pass, then GELU from primitives:
@@ -317,6 +317,11 @@ pub fn linear_bias_gelu_slow(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core:
 
 /// y = r + x Wᵀ + b, in r's dtype (the f32 residual stream).
 pub fn linear_bias_residual(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> candle_core::Result<Tensor> {
+    linear_residual(x, w, b, r, false)
+}
+
+/// `linear_bias_residual`, with bf16 products on f32 operands when `bf16_master` (see `Linear`).
+fn linear_residual(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor, bf16_master: bool) -> candle_core::Result<Tensor> {
     let (bsz, t, _) = x.dims3()?;
     let n = w.dim(0)?;
     if r.dims() != [bsz, t, n] {
@@ -327,14 +332,14 @@ pub fn linear_bias_residual(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> c
         // and bias are the op (its backward: dx, dW, db); the residual add is candle's, which
         // hands dy to r as it is. One pass more than the fused forward, in training only, and
         // at bf16/f16 the branch is rounded to the GEMM dtype before the add (as on CUDA).
-        return r + linear_bias(x, w, b)?.to_dtype(r.dtype())?;
+        return r + linear(x, w, b, Epilogue::Bias, None, bf16_master)?.to_dtype(r.dtype())?;
     }
     if x.device().is_cuda() && r.dtype() != x.dtype() {
         // The f32 residual stream of a bf16/f16 block cannot ride in through cuBLASLt's C
         // operand (cudarc's wrapper gives C and D one dtype): it is added after, in f32, one pass.
         return r + linear_bias(x, w, b)?.to_dtype(r.dtype())?;
     }
-    linear(x, w, b, Epilogue::BiasResidual(&r.contiguous()?), None)
+    linear(x, w, b, Epilogue::BiasResidual(&r.contiguous()?), None, bf16_master)
 }
 
 /// `linear_bias`, `linear_bias_gelu` or `linear_bias_residual` (`epilogue`) with W held by `w`:
@@ -345,18 +350,18 @@ pub fn linear_prepacked(x: &Tensor, w: &PackedWeight, b: &Tensor, epilogue: Epil
     let plain = w.weight();
     let tracked = [x, plain, b].iter().any(|t| t.track_op()) || matches!(epilogue, Epilogue::BiasResidual(r) if r.track_op());
     let packed = w.packed().filter(|_| x.device().is_cpu() && !tracked);
+    let master = w.bf16_products() && plain.dtype() == DType::F32; // an f32 master with bf16 products (training)
     match (epilogue, packed) {
-        (Epilogue::Bias, None) => linear_bias(x, plain, b),
-        (Epilogue::BiasGelu, None) => linear_bias_gelu(x, plain, b),
-        (Epilogue::BiasResidual(r), None) => linear_bias_residual(x, plain, b, r),
+        (Epilogue::BiasResidual(r), None) => linear_residual(x, plain, b, r, master),
+        (epilogue, None) => linear(x, plain, b, epilogue, None, master),
         (Epilogue::BiasResidual(r), Some(p)) => {
             let (bsz, t, _) = x.dims3()?;
             if r.dims() != [bsz, t, p.n()] {
                 candle_core::bail!("linear: residual {:?} is not the output shape ({bsz}, {t}, {})", r.dims(), p.n());
             }
-            linear(x, plain, b, Epilogue::BiasResidual(&r.contiguous()?), Some(p))
+            linear(x, plain, b, Epilogue::BiasResidual(&r.contiguous()?), Some(p), false)
         }
-        (epilogue, Some(p)) => linear(x, plain, b, epilogue, Some(p)),
+        (epilogue, Some(p)) => linear(x, plain, b, epilogue, Some(p), false),
     }
 }
 
@@ -384,9 +389,20 @@ struct Linear<'a> {
     pre_gelu: Option<Mutex<Option<Vec<f32>>>>,
     /// Wᵀ packed once for the bf16 kernel (`linear_prepacked`), used when the operands run on it.
     packed: Option<&'a PackedB>,
+    /// f32 x and W multiplied in bf16 on the CPU's bf16 unit (rounded as packed), f32 out, and the
+    /// backward's GEMMs likewise: a training step's f32 master weight with bf16 products
+    /// (`PackedWeight::bf16_master`).
+    bf16_master: bool,
 }
 
-fn linear(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, packed: Option<&PackedB>) -> candle_core::Result<Tensor> {
+fn linear(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    epilogue: Epilogue,
+    packed: Option<&PackedB>,
+    bf16_master: bool,
+) -> candle_core::Result<Tensor> {
     let (_, _, k) = x.dims3()?;
     let (n, k_w) = w.dims2()?;
     if k != k_w || b.dims() != [n] {
@@ -402,13 +418,13 @@ fn linear(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, packed: Option
             Epilogue::BiasResidual(_) => candle_core::bail!("linear: a tracked residual is added by candle (`linear_bias_residual`)"),
         };
         let pre_gelu = matches!(epilogue, Epilogue::BiasGelu).then(|| Mutex::new(None));
-        return x.contiguous()?.apply_op3(&same(w)?, &same(b)?, Linear { epilogue, pre_gelu, packed: None });
+        return x.contiguous()?.apply_op3(&same(w)?, &same(b)?, Linear { epilogue, pre_gelu, packed: None, bf16_master });
     }
     let same = |t: &Tensor| cpu_kernels::elementwise::to_dtype(&t.contiguous()?, x.dtype(), Elementwise::Parallel);
     // W's packed panels are what the GEMM reads: W itself goes in as it is (no per-forward cast).
     let w = if packed.is_some() && x.device().is_cpu() { w.contiguous()? } else { same(w)? };
     let (x, b) = (x.contiguous()?, same(b)?);
-    x.apply_op3_no_bwd(&w, &b, &Linear { epilogue, pre_gelu: None, packed })
+    x.apply_op3_no_bwd(&w, &b, &Linear { epilogue, pre_gelu: None, packed, bf16_master })
 }
 
 impl CustomOp3 for Linear<'_> {
@@ -437,7 +453,7 @@ impl CustomOp3 for Linear<'_> {
         let (bsz, t, k) = xl.shape().dims3()?;
         let n = wl.shape().dims()[0];
         let m = bsz * t;
-        let operands = Operands::of(xs, xl, ws, wl, self.packed)?;
+        let operands = Operands::of(xs, xl, ws, wl, self.packed, self.bf16_master)?;
         cpu_kernels::trace::ran_with(|| {
             let epilogue = match self.epilogue {
                 Epilogue::Bias => "bias",
@@ -567,7 +583,7 @@ impl CustomOp3 for Linear<'_> {
                 candle_core::bail!("linear: bias + residual is never recorded for backward (see `linear_bias_residual`)")
             }
         };
-        let (dx, dw) = linear_grads(x, w, &dz)?;
+        let (dx, dw) = linear_grads(x, w, &dz, self.bf16_master)?;
         Ok((Some(dx), Some(dw), Some(db.to_dtype(b.dtype())?)))
     }
 }
@@ -720,7 +736,7 @@ impl CustomOp3 for MlpHalf {
             let db1 = locked(&self.pair.db1)?.clone();
             let db1 =
                 db1.ok_or_else(|| candle_core::Error::Msg("mlp: fc1's backward ran before fc2's left db1 (h used outside mlp?)".into()))?;
-            let (dx, dw) = linear_grads(x, w, dy)?;
+            let (dx, dw) = linear_grads(x, w, dy, false)?;
             return Ok((Some(dx), Some(dw), Some(db1.to_dtype(b.dtype())?)));
         }
         let z = locked(&self.pair.z)?.clone();
@@ -732,7 +748,7 @@ impl CustomOp3 for MlpHalf {
             return Ok((Some(dz1), Some(dw), Some(db.to_dtype(b.dtype())?)));
         }
         let (dz, db) = backward::bias_bwd(dy)?;
-        let (dh, dw) = backward::linear_bwd(x, w, &dz)?;
+        let (dh, dw) = backward::linear_bwd(x, w, &dz, false)?;
         let ff = x.dim(D::Minus1)?;
         let dz1 = (dh.to_dtype(DType::F32)? * backward::gelu_tanh_grad_ops(&z.to_dtype(DType::F32)?)?)?; // (B, T, FF)
         *locked(&self.pair.db1)? = Some(dz1.reshape(((), ff))?.sum(0)?);
@@ -741,14 +757,15 @@ impl CustomOp3 for MlpHalf {
 }
 
 /// dx = dz·W and dW = dzᵀ·x of a linear whose bias gradient comes from elsewhere: cuBLASLt's two
-/// GEMMs on CUDA (`cuda_lt::linear_bwd`), candle's matmuls (`backward::linear_bwd`) otherwise.
-fn linear_grads(x: &Tensor, w: &Tensor, dz: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+/// GEMMs on CUDA (`cuda_lt::linear_bwd`); on the CPU the engine's bf16 GEMMs when the forward's
+/// products were bf16 (`backward::linear_bwd`), candle's f32 matmuls at fp32.
+fn linear_grads(x: &Tensor, w: &Tensor, dz: &Tensor, bf16_master: bool) -> candle_core::Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
         let (dx, dw, _) = crate::cuda_lt::linear_bwd(x, w, dz, false)?;
         return Ok((dx, dw));
     }
-    backward::linear_bwd(x, w, dz)
+    backward::linear_bwd(x, w, dz, bf16_master)
 }
 
 /// The GEMM operands x (m × k) and W (n × k), row-major: bf16 in place when the CPU's bf16 unit
@@ -767,6 +784,13 @@ enum Operands<'a> {
         x: &'a [f32],
         packed: &'a PackedB,
     },
+    /// f32 x and W (a training step's master weight) multiplied in bf16, each rounded as it is
+    /// packed, f32 out.
+    F32AsBf16 {
+        x: &'a [f32],
+        w: &'a [f32],
+        kernel: Kernel,
+    },
     F32 {
         x: Cow<'a, [f32]>,
         w: Cow<'a, [f32]>,
@@ -774,10 +798,20 @@ enum Operands<'a> {
 }
 
 impl<'a> Operands<'a> {
-    fn of(xs: &'a CpuStorage, xl: &Layout, ws: &'a CpuStorage, wl: &Layout, packed: Option<&'a PackedB>) -> candle_core::Result<Self> {
+    fn of(
+        xs: &'a CpuStorage,
+        xl: &Layout,
+        ws: &'a CpuStorage,
+        wl: &Layout,
+        packed: Option<&'a PackedB>,
+        bf16_master: bool,
+    ) -> candle_core::Result<Self> {
         let kernel = Kernel::detect();
         let packed = packed.filter(|p| p.kernel() == kernel);
         match (xs, ws, xl.contiguous_offsets(), wl.contiguous_offsets()) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), Some((x0, x1)), Some((w0, w1))) if bf16_master && kernel.is_native() => {
+                Ok(Operands::F32AsBf16 { x: &x[x0..x1], w: &w[w0..w1], kernel })
+            }
             (CpuStorage::BF16(x), CpuStorage::BF16(w), Some((x0, x1)), Some((w0, w1))) if kernel.is_native() => {
                 Ok(Operands::Bf16 { x: &x[x0..x1], w: &w[w0..w1], kernel, packed })
             }
@@ -803,6 +837,10 @@ impl<'a> Operands<'a> {
                 bf16_gemm::gemm_packed(dst, MatRef::row_major(&x[r0 * k..(r0 + mb) * k], mb, k), packed, accumulate, true)
                     .map_err(candle_core::Error::Msg)
             }
+            Operands::F32AsBf16 { x, w, kernel } => {
+                let x = MatRef::row_major(&x[r0 * k..(r0 + mb) * k], mb, k);
+                bf16_gemm::gemm(*kernel, dst, x, MatRef::row_major(w, n, k).t(), accumulate, true).map_err(candle_core::Error::Msg)
+            }
             Operands::F32 { x, w } => {
                 cpu_kernels::f32_gemm::gemm_into(dst, &x[r0 * k..(r0 + mb) * k], w, (mb, n, k), accumulate);
                 Ok(())
@@ -816,6 +854,7 @@ impl<'a> Operands<'a> {
             Operands::Bf16 { kernel, packed: Some(_), .. } => format!("gemm bf16: {}, prepacked W", kernel.name()),
             Operands::Bf16 { kernel, packed: None, .. } => format!("gemm bf16: {}", kernel.name()),
             Operands::F32Packed { packed, .. } => format!("gemm bf16: {}, prepacked W", packed.kernel().name()),
+            Operands::F32AsBf16 { kernel, .. } => format!("gemm bf16: {}, f32 operands rounded as packed", kernel.name()),
             Operands::F32 { .. } if cfg!(feature = "mkl") => "gemm f32: mkl sgemm".into(),
             Operands::F32 { .. } => "gemm f32: gemm crate".into(),
         }
