@@ -32,6 +32,10 @@ pub struct PartTime {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Breakdown {
     pub parts: Vec<PartTime>,
+    /// A training step's backward by part (`--train --breakdown`), in the order it runs (the
+    /// forward's parts reversed), then the optimizer's update; empty for a forward.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub backward: Vec<PartTime>,
     /// Median of the per-iteration sums of the parts.
     pub total_ms: f64,
     #[serde(default)]
@@ -42,13 +46,18 @@ pub struct Breakdown {
 
 impl Breakdown {
     fn from_samples(parts: Vec<(String, Vec<f64>)>, total: Vec<f64>, iters: usize, method: String) -> Breakdown {
-        let part = |(name, samples)| {
-            let Stats { median_ms, p10_ms, p90_ms, samples_ms, .. } = Stats::from_samples(samples);
-            PartTime { name, median_ms, p10_ms, p90_ms, samples_ms, regime: None, kernels: Vec::new() }
-        };
         let Stats { median_ms: total_ms, samples_ms: total_samples_ms, .. } = Stats::from_samples(total);
-        Breakdown { parts: parts.into_iter().map(part).collect(), total_ms, total_samples_ms, iters, method }
+        Breakdown { parts: part_times(parts), backward: Vec::new(), total_ms, total_samples_ms, iters, method }
     }
+}
+
+/// (name, samples) as parts with their percentiles.
+fn part_times(parts: Vec<(String, Vec<f64>)>) -> Vec<PartTime> {
+    let part = |(name, samples)| {
+        let Stats { median_ms, p10_ms, p90_ms, samples_ms, .. } = Stats::from_samples(samples);
+        PartTime { name, median_ms, p10_ms, p90_ms, samples_ms, regime: None, kernels: Vec::new() }
+    };
+    parts.into_iter().map(part).collect()
 }
 
 enum Clock {
@@ -72,6 +81,153 @@ thread_local! {
 /// A part of the block begins here (a no-op unless this thread is recording).
 pub fn part(name: &'static str) -> Result<()> {
     RECORDER.with(|r| r.borrow_mut().as_mut().map_or(Ok(()), |rec| rec.boundary(Some(name))))
+}
+
+/// Part `name` begins here and takes `xs` as its inputs: `part(name)` for the forward's clock,
+/// and, while a training step's backward is being recorded (`record_backward`), each input
+/// passed through an identity op whose backward stamps the moment the part's backward is done.
+/// candle's backward visits an op only after every op that used its output, so that op's
+/// backward runs once all of the part's ops have run theirs. Otherwise the inputs come back as
+/// they are.
+pub fn enter<const N: usize>(name: &'static str, xs: [&Tensor; N]) -> Result<[Tensor; N]> {
+    part(name)?;
+    let marking = BACKWARD.with(|b| b.borrow().as_ref().is_some_and(|log| log.marking));
+    let mark = |x: &Tensor| match marking && x.track_op() {
+        true => x.apply_op1(Enter(name)),
+        false => Ok(x.clone()),
+    };
+    let mut out = Vec::with_capacity(N);
+    for x in xs {
+        out.push(mark(x)?);
+    }
+    Ok(out.try_into().unwrap_or_else(|_| unreachable!("N inputs, N outputs")))
+}
+
+/// The identity op `enter` puts on a part's input: its forward copies, its backward hands the
+/// gradient on and stamps the part done.
+struct Enter(&'static str);
+
+impl candle_core::CustomOp1 for Enter {
+    fn name(&self) -> &'static str {
+        "speedkit-breakdown-enter"
+    }
+
+    fn cpu_fwd(&self, s: &candle_core::CpuStorage, l: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        // SAFETY: every element is written by the copy below before anything reads it.
+        let mut out = unsafe { candle_core::cpu_backend::CpuDevice.alloc_uninit(l.shape(), s.dtype())? };
+        s.copy_strided_src(&mut out, 0, l)?;
+        Ok((out, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &candle_core::Layout) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        // SAFETY: every element is written by the copy below before anything reads it.
+        let mut out = unsafe { s.device().alloc_uninit(l.shape(), s.dtype())? };
+        s.copy_strided_src(&mut out, 0, l)?;
+        Ok((out, l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        grad.device().synchronize()?; // the part's backward work, queued on a GPU, is done
+        let now = Instant::now();
+        BACKWARD.with(|b| {
+            if let Some(log) = b.borrow_mut().as_mut() {
+                log.stamps.push((self.0, now, cpu_kernels::trace::take()));
+            }
+        });
+        Ok(Some(grad.clone()))
+    }
+}
+
+/// What one recorded backward saw: when it began, and each part input's gradient completion
+/// (part, when, the kernels run since the stamp before).
+struct BackwardLog {
+    /// Whether `enter` marks inputs (the instrumented forward of a recorded step).
+    marking: bool,
+    start: Option<Instant>,
+    stamps: Vec<(&'static str, Instant, Vec<String>)>,
+}
+
+thread_local! {
+    static BACKWARD: RefCell<Option<BackwardLog>> = const { RefCell::new(None) };
+}
+
+/// One instrumented training step's backward by part: `forward` runs with every `enter` marking
+/// its inputs, then `backward` (on the forward's output); returns its result and (part, ms, the
+/// kernels it ran) in the order the backward ran them — the forward's parts reversed. A part's
+/// backward runs from the end of the one before it (the first: from the backward's start) to its
+/// inputs' gradients being complete; the first part of the forward runs to the backward's end.
+pub fn record_backward<T, R>(
+    forward: impl FnOnce() -> Result<T>,
+    backward: impl FnOnce(&T) -> Result<R>,
+) -> Result<(T, R, Vec<(&'static str, f64, Vec<String>)>)> {
+    BACKWARD.with(|b| *b.borrow_mut() = Some(BackwardLog { marking: true, start: None, stamps: Vec::new() }));
+    let y = forward();
+    let y = match y {
+        Ok(y) => y,
+        Err(e) => {
+            BACKWARD.with(|b| b.borrow_mut().take());
+            return Err(e);
+        }
+    };
+    cpu_kernels::trace::start();
+    BACKWARD.with(|b| {
+        if let Some(log) = b.borrow_mut().as_mut() {
+            log.marking = false;
+            log.start = Some(Instant::now());
+        }
+    });
+    let out = backward(&y);
+    let end = Instant::now();
+    let tail = cpu_kernels::trace::take();
+    cpu_kernels::trace::stop();
+    let log = BACKWARD.with(|b| b.borrow_mut().take()).expect("installed above");
+    let out = out?;
+    let start = log.start.expect("set above");
+    // The first stamp of each part closes it; later stamps of a closed part (its other inputs)
+    // hand their kernels to the part still open.
+    let mut parts: Vec<(&'static str, f64, Vec<String>)> = Vec::new();
+    let (mut from, mut pending) = (start, Vec::new());
+    for (name, at, ran) in log.stamps {
+        pending.extend(ran);
+        if parts.iter().any(|p| p.0 == name) {
+            continue;
+        }
+        parts.push((name, (at - from).as_secs_f64() * 1e3, group(std::mem::take(&mut pending))));
+        from = at;
+    }
+    pending.extend(tail);
+    match parts.last_mut() {
+        Some(last) => {
+            last.1 += (end - from).as_secs_f64() * 1e3;
+            let mut ran = std::mem::take(&mut last.2);
+            ran.extend(pending);
+            last.2 = group(ran);
+        }
+        None => candle_core::bail!("breakdown: the backward stamped no part (the forward does not call shared::breakdown::enter)"),
+    }
+    Ok((y, out, parts))
+}
+
+/// Kernel names as `trace::take` gives them ("name ×n", first-run order) pooled across several
+/// takes the same way: one entry per name, in first-run order, with the total count.
+fn group(ran: Vec<String>) -> Vec<String> {
+    let split = |s: &str| -> (String, usize) {
+        match s.rsplit_once(" ×") {
+            Some((n, k)) if k.parse::<usize>().is_ok() => (n.to_string(), k.parse().unwrap_or(1)),
+            _ => (s.to_string(), 1),
+        }
+    };
+    let mut out: Vec<(String, usize)> = Vec::new();
+    for (name, n) in ran.iter().map(|s| split(s)) {
+        match out.iter_mut().find(|(k, _)| *k == name) {
+            Some((_, k)) => *k += n,
+            None => out.push((name, n)),
+        }
+    }
+    out.into_iter().map(|(name, n)| if n == 1 { name } else { format!("{name} ×{n}") }).collect()
 }
 
 /// Timing on: with cudarc's default, CU_EVENT_DISABLE_TIMING, cuEventElapsedTime fails.
@@ -160,9 +316,24 @@ pub fn merge(a: &Breakdown, b: &Breakdown) -> Option<Breakdown> {
     if a.parts.iter().map(|p| &p.name).ne(b.parts.iter().map(|p| &p.name)) {
         return None;
     }
+    if a.backward.iter().map(|p| &p.name).ne(b.backward.iter().map(|p| &p.name)) {
+        return None;
+    }
     let pooled = |x: &[f64], y: &[f64]| x.iter().chain(y).copied().collect();
-    let parts = a.parts.iter().zip(&b.parts).map(|(p, q)| (p.name.clone(), pooled(&p.samples_ms, &q.samples_ms))).collect();
-    Some(Breakdown::from_samples(parts, pooled(&a.total_samples_ms, &b.total_samples_ms), a.iters + b.iters, a.method.clone()))
+    let pool = |x: &[PartTime], y: &[PartTime]| -> Vec<(String, Vec<f64>)> {
+        x.iter().zip(y).map(|(p, q)| (p.name.clone(), pooled(&p.samples_ms, &q.samples_ms))).collect()
+    };
+    let total = pooled(&a.total_samples_ms, &b.total_samples_ms);
+    let mut merged = Breakdown::from_samples(pool(&a.parts, &b.parts), total, a.iters + b.iters, a.method.clone());
+    let mut backward = part_times(pool(&a.backward, &b.backward));
+    for ((m, p), q) in merged.parts.iter_mut().zip(&a.parts).zip(&b.parts) {
+        m.kernels = if p.kernels.is_empty() { q.kernels.clone() } else { p.kernels.clone() };
+    }
+    for (m, p) in backward.iter_mut().zip(&a.backward) {
+        m.kernels = p.kernels.clone();
+    }
+    merged.backward = backward;
+    Some(merged)
 }
 
 /// One line per part, then the total beside the uninstrumented median.
@@ -174,6 +345,14 @@ pub fn text(b: &Breakdown, uninstrumented_ms: f64) -> String {
         out += &format!("  {name:<width$}  {median_ms:>9.3} ms  ({pct:>5.1} %)  p10-p90 {p10_ms:.3}-{p90_ms:.3}\n");
     }
     out += &format!("  {:<width$}  {:>9.3} ms  (uninstrumented median {uninstrumented_ms:.3} ms)\n", "total", b.total_ms);
+    if !b.backward.is_empty() {
+        out += "the backward by part, in the order it runs, and the optimizer's update\n";
+        let width = b.backward.iter().map(|p| p.name.len()).max().unwrap_or(0);
+        for p in &b.backward {
+            let regime = p.regime.as_ref().map(|g| format!("  {}", crate::regime::tag(g))).unwrap_or_default();
+            out += &format!("  {:<width$}  {:>9.3} ms{regime}  {}\n", p.name, p.median_ms, p.kernels.join(", "));
+        }
+    }
     out
 }
 

@@ -311,8 +311,7 @@ impl Session {
         let mut progress = crate::timing::Progress::new(spec.name(), "training steps", total);
         let (stats, optimizer_timing, parts, skipped_steps) =
             time_steps(forward.as_ref(), opt.as_mut(), &x, r, (self.warmup, iters, self.args.breakdown), &mut progress)?;
-        let method = "instrumented: a synchronize after the forward and after the backward".to_string();
-        let breakdown = parts.map(|p| crate::breakdown::summarise(&p, iters, method)).transpose()?;
+        let breakdown = parts.map(|p| p.summarise(iters)).transpose()?;
         let train = TrainRecord { optimizer: opt.name(), optimizer_timing, grad_check, worst_grad, optimizer_check, skipped_steps };
         Ok((y, forward.ran(), Record { timing: stats, breakdown, check, mode: Mode::Train, train: Some(train), ..Default::default() }))
     }

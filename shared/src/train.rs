@@ -255,11 +255,37 @@ pub fn update_error(got: &[Vec<f32>], reference: &[Vec<f32>], before: &[Vec<f32>
     CheckResult { rel_err: worst, max_abs_err: raw, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance }
 }
 
+/// `--train --breakdown`'s instrumented steps: per step, the forward and the backward (a
+/// synchronize between them), the backward by part (`breakdown::record_backward`) and the update;
+/// and the kernels each backward part ran in the last step.
+#[derive(Default)]
+pub struct StepParts {
+    pub split: Vec<Vec<(&'static str, f64)>>,
+    pub backward: Vec<Vec<(&'static str, f64)>>,
+    pub kernels: Vec<Vec<String>>,
+}
+
+impl StepParts {
+    /// The breakdown: `parts` forward and backward, `backward` by part then the optimizer, each
+    /// backward part with the kernels it ran.
+    pub fn summarise(self, iters: usize) -> candle_core::Result<crate::breakdown::Breakdown> {
+        let method = "instrumented: a synchronize after the forward and after the backward; the backward by part at each \
+                      part input's completed gradient"
+            .to_string();
+        let mut b = crate::breakdown::summarise(&self.split, iters, method.clone())?;
+        b.backward = crate::breakdown::summarise(&self.backward, iters, method)?.parts;
+        for (part, ran) in b.backward.iter_mut().zip(self.kernels) {
+            part.kernels = ran;
+        }
+        Ok(b)
+    }
+}
+
 /// `warmup` untimed steps, then `iters` timed (forward + backward, and apart the update); with
-/// `parts`, `iters` more with a synchronize between forward and backward. Each step reports to
-/// `progress` (`Progress::new(label, "training steps", total_steps(..))`: a line every 10 s, as the
-/// forward's loop prints). Returns (forward + backward, update, parts, skipped steps).
-#[allow(clippy::type_complexity)]
+/// `parts`, `iters` more, instrumented (`StepParts`). Each step reports to `progress`
+/// (`Progress::new(label, "training steps", total_steps(..))`: a line every 10 s, as the
+/// forward's loop prints). Returns (forward + backward, update, the instrumented parts, skipped
+/// steps).
 pub fn time_steps(
     forward: &dyn Forward,
     opt: &mut dyn Optimize,
@@ -267,31 +293,46 @@ pub fn time_steps(
     r: &Tensor,
     (warmup, iters, parts): (usize, usize, bool),
     progress: &mut Progress,
-) -> anyhow::Result<(Stats, Stats, Option<Vec<Vec<(&'static str, f64)>>>, usize)> {
+) -> anyhow::Result<(Stats, Stats, Option<StepParts>, usize)> {
     let device = x.device().clone();
     let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
-    let (mut fb, mut up, mut skipped, mut split) = (Vec::new(), Vec::new(), 0, Vec::new());
+    let (mut fb, mut up, mut skipped, mut split) = (Vec::new(), Vec::new(), 0, StepParts::default());
     device.synchronize()?;
     for i in 0..total_steps(warmup, iters, parts) {
         let t0 = Instant::now();
         let instrumented = i >= warmup + iters;
-        let y = forward.forward(x.as_tensor())?;
-        if instrumented {
-            device.synchronize()?; // the forward alone, then the backward from its loss
-        }
-        let t_f = ms(t0);
-        let loss_grads = backward(&y, r, opt.loss_scale())?;
-        device.synchronize()?;
-        let t_fb = ms(t0);
-        if instrumented {
-            split.push(vec![("forward", t_f), ("backward", t_fb - t_f)]);
-        }
-        drop(y);
+        let (t_fb, loss_grads) = match instrumented {
+            false => {
+                let y = forward.forward(x.as_tensor())?;
+                let grads = backward(&y, r, opt.loss_scale())?;
+                device.synchronize()?;
+                (ms(t0), grads)
+            }
+            true => {
+                let mut t_f = 0.0;
+                let fwd = || {
+                    let y = forward.forward(x.as_tensor())?;
+                    device.synchronize()?; // the forward alone, then the backward from its loss
+                    t_f = ms(t0);
+                    Ok(y)
+                };
+                let (_, grads, by_part) = crate::breakdown::record_backward(fwd, |y| backward(y, r, opt.loss_scale()))?;
+                device.synchronize()?;
+                let t_fb = ms(t0);
+                split.split.push(vec![("forward", t_f), ("backward", t_fb - t_f)]);
+                split.backward.push(by_part.iter().map(|p| (p.0, p.1)).collect());
+                split.kernels = by_part.into_iter().map(|p| p.2).collect();
+                (t_fb, grads)
+            }
+        };
         let t1 = Instant::now();
         skipped += usize::from(!opt.step(&loss_grads)?);
         device.synchronize()?;
         let t_up = ms(t1);
-        if !instrumented && i >= warmup {
+        if instrumented {
+            split.backward.last_mut().expect("pushed above").push(("optimizer", t_up));
+            split.kernels.push(vec![opt.name()]);
+        } else if i >= warmup {
             fb.push(t_fb);
             up.push(t_up);
         }

@@ -5,7 +5,7 @@ use crate::{attention_opts, attention_with_copies, Sdpa};
 use candle_core::{DType, Tensor};
 use cpu_kernels::bf16_gemm::PackedWeight;
 use cpu_kernels::elementwise::{self as ew, gelu_tanh, layer_norm, linear, Elementwise, LN_EPS};
-use shared::breakdown::part;
+use shared::breakdown::enter;
 use shared::{BlockWeights, Forward, Plan, Stage};
 use stage1_tensorcore::precision;
 
@@ -96,21 +96,21 @@ impl Block {
 impl Forward for Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let e = self.ew;
-        part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
-        let h = ew::to_dtype(&layer_norm(x, &self.ln1_g, &self.ln1_b, LN_EPS, e)?, self.act, e)?; // (B, T, C): f32 statistics, GEMM dtype out
-        part("qkv")?;
+        let [x] = enter("ln1", [x])?; // a no-op unless --breakdown is recording (shared::breakdown)
+        let h = ew::to_dtype(&layer_norm(&x, &self.ln1_g, &self.ln1_b, LN_EPS, e)?, self.act, e)?; // (B, T, C): f32 statistics, GEMM dtype out
+        let [h] = enter("qkv", [&h])?;
         let q = linear(&h, &self.w_q, &self.b_q, e)?; // (B, T, C)
         let k = linear(&h, &self.w_k, &self.b_k, e)?;
         let v = linear(&h, &self.w_v, &self.b_v, e)?;
-        part("attention")?;
+        let [q, k, v] = enter("attention", [&q, &k, &v])?;
         let a = self.attention(&q, &k, &v)?; // (B, T, C)
-        part("proj+residual")?;
-        let x = ew::add(x, &ew::to_dtype(&linear(&a, &self.w_proj, &self.b_proj, e)?, DType::F32, e)?, e)?; // residual stream stays f32
-        part("ln2")?;
+        let [a] = enter("proj+residual", [&a])?;
+        let x = ew::add(&x, &ew::to_dtype(&linear(&a, &self.w_proj, &self.b_proj, e)?, DType::F32, e)?, e)?; // residual stream stays f32
+        let [x] = enter("ln2", [&x])?;
         let h = ew::to_dtype(&layer_norm(&x, &self.ln2_g, &self.ln2_b, LN_EPS, e)?, self.act, e)?;
-        part("fc1+gelu")?;
+        let [h] = enter("fc1+gelu", [&h])?;
         let m = gelu_tanh(&linear(&h, &self.w_fc1, &self.b_fc1, e)?, e)?; // (B, T, FF)
-        part("fc2+residual")?;
+        let [m] = enter("fc2+residual", [&m])?;
         ew::add(&x, &ew::to_dtype(&linear(&m, &self.w_fc2, &self.b_fc2, e)?, DType::F32, e)?, e)
     }
 }

@@ -6,7 +6,7 @@ use crate::{Fused, Fusions};
 use candle_core::{DType, IndexOp, Tensor};
 use cpu_kernels::bf16_gemm::PackedWeight;
 use cpu_kernels::elementwise::{self as ew, Elementwise, LN_EPS};
-use shared::breakdown::part;
+use shared::breakdown::enter;
 use shared::{BlockWeights, Forward, Plan, Stage};
 use stage1_tensorcore::precision;
 use stage2_sdpa::attention::{self, CpuKernel};
@@ -86,26 +86,30 @@ impl Forward for Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy
-        part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
-        let h = self.layer_norm(x, &self.ln1_g, &self.ln1_b)?; // (B, T, C): one kernel, GEMM dtype out
-        part("qkv")?;
+        let [x] = enter("ln1", [x])?; // a no-op unless --breakdown is recording (shared::breakdown)
+        let h = self.layer_norm(&x, &self.ln1_g, &self.ln1_b)?; // (B, T, C): one kernel, GEMM dtype out
+        let [h] = enter("qkv", [&h])?;
         let (q, k, v) = match &self.split_qkv {
             None => {
                 let qkv = self.linear(&h, &self.w_qkv, &self.b_qkv)?.reshape(heads)?; // one GEMM, bias in its epilogue
+                let [qkv] = enter("attention", [&qkv])?;
                 (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?) // (B, T, n_head, d_head) views
             }
-            Some([q, k, v]) => self.three_projections(&h, [q, k, v])?, // ablation: stage 2's three GEMMs
+            Some([q, k, v]) => {
+                let (q, k, v) = self.three_projections(&h, [q, k, v])?; // ablation: stage 2's three GEMMs
+                let [q, k, v] = enter("attention", [&q, &k, &v])?;
+                (q, k, v)
+            }
         };
-        part("attention")?;
         let a = self.attention(&q, &k, &v)?.reshape((b, t, c))?; // (B, T, C)
-        part(if self.fusions.add_ln { "proj+residual+ln2" } else { "proj+residual" })?;
-        let (x, h) = self.add_layer_norm(x, &self.linear(&a, &self.w_proj, &self.b_proj)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
-        part("fc1+gelu")?;
+        let [a] = enter(if self.fusions.add_ln { "proj+residual+ln2" } else { "proj+residual" }, [&a])?;
+        let (x, h) = self.add_layer_norm(&x, &self.linear(&a, &self.w_proj, &self.b_proj)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
+        let [h] = enter("fc1+gelu", [&h])?;
         if let Some(y) = self.mlp_training_cuda(&h, &x)? {
             return Ok(y); // training on CUDA: fc1 and fc2 paired (`ops::mlp`), one part
         }
         let m = self.linear_gelu(&h, &self.w_fc1, &self.b_fc1)?; // (B, T, FF): GELU in the GEMM's epilogue
-        part("fc2+residual")?;
+        let [m] = enter("fc2+residual", [&m])?;
         self.linear_residual(&m, &self.w_fc2, &self.b_fc2, &x) // x + m W_fc2ᵀ + b_fc2, f32
     }
 }
@@ -163,7 +167,7 @@ impl Block {
             return add_layer_norm(x, branch, g, b); // h in the branch's dtype: the GEMM dtype
         }
         let x = ew::add(x, &ew::to_dtype(branch, DType::F32, self.ew)?, self.ew)?; // the add, a pass of its own
-        part("ln2")?;
+        let [x] = enter("ln2", [&x])?;
         let h = self.layer_norm(&x, g, b)?;
         Ok((x, h))
     }

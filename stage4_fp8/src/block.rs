@@ -6,7 +6,7 @@ use crate::hybrid::{DelayedScale, GradScaling, HybridLinear};
 use crate::{producers, twin};
 use crate::{Fp8, Fp8Fusions};
 use candle_core::{DType, IndexOp, Tensor};
-use shared::breakdown::part;
+use shared::breakdown::{enter, part};
 use shared::check::{compare_within, NamedCheck};
 use shared::{BlockWeights, Forward, Plan, Stage};
 use stage2_sdpa::attention;
@@ -303,18 +303,18 @@ impl Forward for TrainBlock {
         };
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy
-        part("ln1")?;
-        let h = layer_norm(x, &w.ln1_g, &w.ln1_b, self.dtype)?; // (B, T, C), activation dtype
-        part("qkv")?;
+        let [x] = enter("ln1", [x])?;
+        let h = layer_norm(&x, &w.ln1_g, &w.ln1_b, self.dtype)?; // (B, T, C), activation dtype
+        let [h] = enter("qkv", [&h])?;
         let qkv = linear(0, &h)?.reshape(heads)?;
+        let [qkv] = enter("attention", [&qkv])?;
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
-        part("attention")?;
         let a = attention::attention_with(self.attn, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
-        part("proj+residual+ln2")?;
-        let (x, h) = add_layer_norm(x, &linear(1, &a)?, &w.ln2_g, &w.ln2_b)?; // x += proj; h = LN(x)
-        part("fc1+gelu")?;
+        let [a] = enter("proj+residual+ln2", [&a])?;
+        let (x, h) = add_layer_norm(&x, &linear(1, &a)?, &w.ln2_g, &w.ln2_b)?; // x += proj; h = LN(x)
+        let [h] = enter("fc1+gelu", [&h])?;
         let m = linear(2, &h)?; // (B, T, FF), GELU in the layer
-        part("fc2+residual")?;
+        let [m] = enter("fc2+residual", [&m])?;
         x + linear(3, &m)?.to_dtype(DType::F32)? // the residual added by candle, after the store
     }
 }
