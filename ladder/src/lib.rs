@@ -528,7 +528,7 @@ fn check_sweep(s: &SweepReport) -> Result<(), String> {
 fn annotate(r: &mut LadderReport) {
     let bandwidth = r.ceilings.as_ref().and_then(|c| c.bandwidth_gbs);
     for rec in r.records.iter_mut().chain(r.references.iter_mut()).chain(r.ablation.iter_mut().map(|a| &mut a.record)) {
-        rec.breakdown.iter_mut().flat_map(|b| &mut b.parts).for_each(|p| p.regime = None);
+        rec.breakdown.iter_mut().flat_map(|b| b.parts.iter_mut().chain(&mut b.backward)).for_each(|p| p.regime = None);
         shared::regime::annotate(rec, bandwidth);
     }
 }
@@ -610,6 +610,10 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>, svg_path: 
             if r.records.iter().any(|rec| rec.breakdown.is_some()) {
                 println!("\nwhere the time goes (--breakdown, instrumented: a sync at each part boundary)");
                 print!("{}", render::breakdown_table(r, out.markdown));
+                if r.records.iter().any(|rec| rec.breakdown.as_ref().is_some_and(|b| !b.backward.is_empty())) {
+                    println!("\nthe backward by part (--train --breakdown: each part's backward, in the order it runs, then the optimizer's update)");
+                    print!("{}", render::backward_table(r, out.markdown));
+                }
                 println!("{}", render::REGIME_LEGEND.replace("**", ""));
             }
         }

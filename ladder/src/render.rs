@@ -68,6 +68,38 @@ pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
     table((header, rows), markdown)
 }
 
+/// `--train --breakdown`'s second table: a row per stage, a column per part's backward (in the
+/// order the backward runs them: the forward's reversed), then the optimizer's update.
+pub fn backward_table(report: &LadderReport, markdown: bool) -> String {
+    let with: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.as_ref().is_some_and(|b| !b.backward.is_empty())).collect();
+    let mut parts: Vec<String> =
+        with.iter().flat_map(|r| r.breakdown.iter().flat_map(|b| &b.backward)).map(|p| p.name.clone()).unique().collect();
+    let order = |name: &str| match name {
+        "optimizer" => usize::MAX,
+        _ => usize::MAX - 1 - shared::breakdown::PARTS.iter().position(|p| name.starts_with(p)).unwrap_or(0),
+    };
+    parts.sort_by_key(|p| order(p));
+    let mut header = vec!["stage".to_string()];
+    header.extend(parts.iter().map(|p| format!("{p} ms")));
+    header.push("backward (sum)".into());
+    let rows = with
+        .iter()
+        .map(|&r| {
+            let b = r.breakdown.as_ref().expect("filtered");
+            let cell = |p: &shared::breakdown::PartTime| match &p.regime {
+                Some(g) => format!("{} · {}", fmt_ms(p.median_ms), shared::regime::tag(g)),
+                None => fmt_ms(p.median_ms),
+            };
+            let mut row = vec![r.stage.clone()];
+            row.extend(parts.iter().map(|name| b.backward.iter().find(|p| &p.name == name).map_or("–".into(), cell)));
+            let sum: f64 = b.backward.iter().filter(|p| p.name != "optimizer").map(|p| p.median_ms).sum();
+            row.push(format!("{} ms", fmt_ms(sum)));
+            row
+        })
+        .collect();
+    table((header, rows), markdown)
+}
+
 /// "CPU: AMD EPYC, 2 threads" or "GPU: NVIDIA H100 80GB HBM3 (SM 9.0), driver 580.65.06, CUDA 13.0".
 pub fn describe_device(report: &LadderReport) -> String {
     let d = &report.device;
@@ -160,6 +192,10 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
     if report.records.iter().any(|r| r.breakdown.is_some()) {
         out += "\n**Where the time goes** (`--breakdown`, instrumented: a sync at each part boundary, so its total differs a little from the median).\n\n";
         out += &format!("{}\n{REGIME_LEGEND}\n", breakdown_table(report, true));
+        if report.records.iter().any(|r| r.breakdown.as_ref().is_some_and(|b| !b.backward.is_empty())) {
+            out += "\n**The backward by part** (`--train --breakdown`: each part's backward, timed from the one before it to its inputs' gradients being complete, in the order it runs; then the optimizer's update).\n\n";
+            out += &format!("{}\n", backward_table(report, true));
+        }
         let of = if train { "a training step" } else { "the block" };
         out += &format!("\n![ms per part of {of}, per stage]({})\n", sibling(svg_link, "breakdown"));
     }

@@ -87,6 +87,23 @@ pub fn part_work(name: &str, s: &Shape, operand: f64, act: f64) -> Option<PartWo
     Some(w)
 }
 
+/// A part's backward (`--train --breakdown`): a linear's two GEMMs (dX = dZ·W, dW = dZᵀ·X) are
+/// twice its forward's FLOPs, attention's five tile GEMMs (S recomputed, dV, dP, dQ, dK) two and
+/// a half times its two; element-wise work about twice (the forward's values and the output
+/// gradient in, the input gradient out), and the minimum bytes twice the forward's (each input
+/// read again, its gradient written). "optimizer": AdamW over the block's weights, about 12 FLOPs
+/// per parameter; θ, g and both moments read and θ and the moments written, f32: 28 bytes each.
+pub fn backward_work(name: &str, s: &Shape, operand: f64, act: f64) -> Option<PartWork> {
+    if name == "optimizer" {
+        let (c, ff) = (s.d_model as f64, s.ff as f64);
+        let params = 4.0 * c * c + 2.0 * c * ff + 9.0 * c + ff; // qkv, proj, fc1, fc2 weights and biases, two LayerNorms
+        return Some(PartWork { flops: 12.0 * params, min_bytes: 28.0 * params });
+    }
+    let w = part_work(name, s, operand, act)?;
+    let attention = components(name)?.contains(&"attention");
+    Some(PartWork { flops: w.flops * if attention { 2.5 } else { 2.0 }, min_bytes: 2.0 * w.min_bytes })
+}
+
 pub fn classify(work: PartWork, ms: f64, roofs: Roofs) -> Option<PartRegime> {
     if !(ms > 0.0 && roofs.gflops > 0.0 && roofs.gbs > 0.0) {
         return None;
@@ -136,6 +153,9 @@ pub fn annotate(r: &mut Record, bandwidth_gbs: Option<f64>) {
     let shape = r.shape;
     for p in r.breakdown.iter_mut().flat_map(|b| &mut b.parts) {
         p.regime = part_work(&p.name, &shape, operand, act).and_then(|w| classify(w, p.median_ms, Roofs { gflops, gbs }));
+    }
+    for p in r.breakdown.iter_mut().flat_map(|b| &mut b.backward) {
+        p.regime = backward_work(&p.name, &shape, operand, act).and_then(|w| classify(w, p.median_ms, Roofs { gflops, gbs }));
     }
 }
 

@@ -51,6 +51,7 @@ pub fn layer_norm_bwd(x: &Tensor, g: &Tensor, dy: &Tensor, eps: f32) -> candle_c
         return layer_norm_bwd_ops(x, g, dy, eps);
     }
     let c = x.dim(D::Minus1)?;
+    cpu_kernels::trace::ran("layer_norm backward: one pass");
     let (dx, dg, db) = with_f32(x, |x| {
         with_f32(g, |g| {
             with_f32(dy, |dy| {
@@ -121,6 +122,7 @@ pub fn bias_bwd(dy: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
     if !dy.device().is_cpu() {
         return Ok((dy.clone(), dy.to_dtype(DType::F32)?.reshape(((), n))?.sum(0)?));
     }
+    cpu_kernels::trace::ran("bias backward: one pass");
     let db = with_f32(dy, |dy| Ok(column_sums(dy, n)))?;
     Ok((dy.clone(), Tensor::from_vec(db, n, &Device::Cpu)?))
 }
@@ -136,6 +138,7 @@ pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, x: &Tensor, w: &Tens
     }
     let Some(acc) = pre_gelu else { candle_core::bail!("linear_bias_gelu: backward without the forward's x·Wᵀ (recorded untracked?)") };
     let n = dy.dim(D::Minus1)?;
+    cpu_kernels::trace::ran("bias+gelu backward: one pass");
     let (dz, db) = with_f32(dy, |dy| {
         with_f32(b, |b| {
             if acc.len() != dy.len() || b.len() != n {

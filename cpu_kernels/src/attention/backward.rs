@@ -67,6 +67,12 @@ pub fn attention_bwd(
         return bwd_candle_ops(q, k, v, o, d_o, scale, causal);
     }
     let (b, t, h, d) = q.dims4()?;
+    crate::trace::ran_with(|| {
+        format!(
+            "attention backward: FlashAttention-2 tiles, f32 tile GEMMs (gemm crate){}",
+            if lse.is_none() { ", L recomputed" } else { "" }
+        )
+    });
     // Each input once as f32, contiguous (B, T, n_head, d_head): a head's row r is at
     // ((b·T + r)·n_head + h)·d, rows n_head·d apart, which the tile GEMMs read in place. One copy
     // per input (widening bf16/f16 on the way: the GEMMs are f32), small beside the five GEMMs.
