@@ -559,8 +559,36 @@ fn train_rows_are_checked_steps_and_render_back() {
         assert_eq!(r.mode, shared::report::Mode::Train, "{}", r.stage);
         let t = r.train.as_ref().expect("a training row has its training facts");
         assert!(t.grad_check.as_ref().is_some_and(|c| c.passed) && t.optimizer_check.as_ref().is_some_and(|c| c.passed), "{t:?}");
-        let parts: Vec<&str> = r.breakdown.as_ref().unwrap().parts.iter().map(|p| p.name.as_str()).collect();
+        let b = r.breakdown.as_ref().unwrap();
+        let parts: Vec<&str> = b.parts.iter().map(|p| p.name.as_str()).collect();
         assert_eq!(parts, ["forward", "backward"]);
+        // The backward by part: the forward's parts in reverse, then the update; each sample's
+        // parts add up to no more than that step's whole backward (they tile it).
+        let names: Vec<&str> = b.backward.iter().map(|p| p.name.as_str()).collect();
+        let want: &[&str] = match r.stage.as_str() {
+            "stage0_baseline" => &["fc2+residual", "fc1+gelu", "ln2", "proj+residual", "attention", "qkv", "ln1", "optimizer"],
+            _ => &["fc2+residual", "fc1+gelu", "proj+residual+ln2", "attention", "qkv", "ln1", "optimizer"],
+        };
+        assert_eq!(names, want, "{}", r.stage);
+        for (i, whole) in b.parts[1].samples_ms.iter().enumerate() {
+            let sum: f64 = b.backward.iter().filter(|p| p.name != "optimizer").map(|p| p.samples_ms[i]).sum();
+            assert!(sum <= whole + 0.5 && sum > 0.0, "{}: backward parts {sum} ms vs the backward {whole} ms", r.stage);
+        }
+        assert!(b.backward.iter().all(|p| p.regime.is_some()), "{}: every backward part has its regime", r.stage);
+        // Each part's backward names the kernels it ran: stage 3's linears their backward GEMMs,
+        // its attention FlashAttention-2's backward, its LayerNorms their one pass.
+        if r.stage == "stage3_fused" {
+            let ran = |name: &str| b.backward.iter().find(|p| p.name == name).unwrap().kernels.join("; ");
+            for (part, kernel) in [
+                ("fc2+residual", "linear backward"),
+                ("fc1+gelu", "bias+gelu backward: one pass"),
+                ("attention", "attention backward: FlashAttention-2 tiles"),
+                ("ln1", "layer_norm backward: one pass"),
+                ("optimizer", "fused AdamW"),
+            ] {
+                assert!(ran(part).contains(kernel), "stage 3's {part} backward ran {:?}, not {kernel}", ran(part));
+            }
+        }
     }
     // A stage with no training step is a row saying so, never a forward under a training label.
     for s in &report.skipped {

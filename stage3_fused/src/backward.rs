@@ -232,6 +232,7 @@ pub fn linear_bwd(x: &Tensor, w: &Tensor, dz: &Tensor, bf16_master: bool) -> can
         let cast = |v: Tensor, dt: DType| cpu_kernels::elementwise::to_dtype(&v, dt, cpu_kernels::elementwise::Elementwise::Parallel);
         return Ok((cast(dx, x.dtype())?, cast(dw, w.dtype())?));
     }
+    cpu_kernels::trace::ran("linear backward: candle matmul f32 ×2");
     let dz = dz.to_dtype(DType::F32)?.reshape((m, n))?; // (B·T, N)
     let dx = dz.matmul(&w.to_dtype(DType::F32)?)?.reshape((bsz, t, k))?.to_dtype(x.dtype())?;
     let dw = dz.t()?.matmul(&x.to_dtype(DType::F32)?.reshape((m, k))?)?.to_dtype(w.dtype())?;
