@@ -339,6 +339,8 @@ mod tests {
         Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
     }
 
+    type Lin = fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>;
+
     /// max |a − b| / max(max |b|, 1e-3): the worst element against the gradient's scale.
     fn rel_max(a: &Tensor, b: &Tensor) -> f32 {
         assert_eq!(a.dims(), b.dims());
@@ -443,7 +445,6 @@ mod tests {
         let (x, w, b) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap(), b.to_dtype(dtype).unwrap());
         let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
         let f32_inputs = |v: &[Tensor]| -> Vec<Tensor> { v.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect() };
-        type Lin = fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>;
         let pairs: [(&str, Lin, Lin); 2] =
             [("bias", ops::linear_bias, ops::linear_bias_slow), ("bias+gelu", ops::linear_bias_gelu, ops::linear_bias_gelu_slow)];
         let mut worst = 0f32;
@@ -464,6 +465,67 @@ mod tests {
         )
         .unwrap();
         worst.max(agree(&format!("bias+residual {dtype:?} ({bsz}, {t}, {k} → {n})"), &a, &z, tol))
+    }
+
+    /// A training step's linears on the CPU: f32 tensors, the weight an f32 master with bf16
+    /// products (`PackedWeight::bf16_master`), against the f32 twin on the bf16-rounded x and W:
+    /// dx, dW, db within 2e-2 of each gradient's largest value (dz is rounded to bf16 as the
+    /// backward GEMMs pack it), every gradient f32. Ragged shapes: odd K (a half-empty last
+    /// pair), M, N, K off the tiles, and a strided x (a column slice of a wider tensor).
+    #[test]
+    fn bf16_master_linears_match_the_twin_on_ragged_shapes() {
+        use cpu_kernels::bf16_gemm::PackedWeight;
+        let shapes = [(2, 13, 48, 40), (1, 37, 77, 130), (3, 5, 131, 200), (1, 1, 3, 8), (2, 67, 257, 45)];
+        let round = |t: &Tensor| t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+        let mut worst = 0f32;
+        for (i, &(bsz, t, k, n)) in shapes.iter().enumerate() {
+            let s = 300 + 10 * i as u64;
+            let wide = randn(&[bsz, t, k + 5], s, 1.0);
+            let x = wide.narrow(2, 2, k).unwrap(); // strided: rows k + 5 apart
+            let (w, b) = (randn(&[n, k], s + 1, 0.2), randn(&[n], s + 2, 0.5));
+            let (dy, r) = (randn(&[bsz, t, n], s + 3, 1.0), randn(&[bsz, t, n], s + 4, 1.0));
+            type Fused = fn(&Tensor, &PackedWeight, &Tensor, Option<&Tensor>) -> candle_core::Result<Tensor>;
+            let cases: [(&str, Fused, Lin); 3] = [
+                ("bias", |x, w, b, _| ops::linear_prepacked(x, w, b, ops::Epilogue::Bias), ops::linear_bias_slow),
+                ("bias+gelu", |x, w, b, _| ops::linear_prepacked(x, w, b, ops::Epilogue::BiasGelu), ops::linear_bias_gelu_slow),
+                (
+                    "bias+residual",
+                    |x, w, b, r| ops::linear_prepacked(x, w, b, ops::Epilogue::BiasResidual(r.unwrap())),
+                    |x, w, b| ops::linear_bias_slow(x, w, b),
+                ),
+            ];
+            for (name, fused, slow) in cases {
+                let residual = name == "bias+residual";
+                let inputs: Vec<&Tensor> = if residual { vec![&x, &w, &b, &r] } else { vec![&x, &w, &b] };
+                cpu_kernels::trace::start();
+                let got = grads_of(
+                    &inputs,
+                    |v| {
+                        let pw = PackedWeight::bf16_master(&v[1])?;
+                        Ok(vec![fused(&v[0], &pw, &v[2], v.get(3))?])
+                    },
+                    &[&dy],
+                )
+                .unwrap();
+                let ran = cpu_kernels::trace::stop().join("; ");
+                if cpu_kernels::bf16_gemm::Kernel::detect().is_native() {
+                    // What ran: the bf16 GEMM forward on f32 operands, and the backward's two.
+                    assert!(ran.contains("f32 operands rounded as packed") && ran.contains("linear backward: gemm bf16"), "{name}: {ran}");
+                }
+                let want = grads_of(
+                    &inputs,
+                    |v| {
+                        let y = slow(&round(&v[0]), &round(&v[1]), &v[2])?;
+                        Ok(vec![if residual { (y + &v[3])? } else { y }])
+                    },
+                    &[&dy],
+                )
+                .unwrap();
+                assert!(got.iter().all(|g| g.dtype() == DType::F32), "{name}: f32 gradients");
+                worst = worst.max(agree(&format!("{name} bf16 master ({bsz}, {t}, {k} → {n})"), &got, &want, 2e-2));
+            }
+        }
+        eprintln!("bf16-master linears vs the f32 twin on rounded operands: {worst:.2e}");
     }
 
     /// `ops::mlp`'s paired ops (fc2's backward hands dz₁ to fc1's as h's gradient, and db₁ through
