@@ -154,6 +154,9 @@ thread_local! {
     static BACKWARD: RefCell<Option<BackwardLog>> = const { RefCell::new(None) };
 }
 
+/// One part's backward: its name, ms, and the kernels it ran.
+pub type BackwardPart = (&'static str, f64, Vec<String>);
+
 /// One instrumented training step's backward by part: `forward` runs with every `enter` marking
 /// its inputs, then `backward` (on the forward's output); returns its result and (part, ms, the
 /// kernels it ran) in the order the backward ran them — the forward's parts reversed. A part's
@@ -162,7 +165,7 @@ thread_local! {
 pub fn record_backward<T, R>(
     forward: impl FnOnce() -> Result<T>,
     backward: impl FnOnce(&T) -> Result<R>,
-) -> Result<(T, R, Vec<(&'static str, f64, Vec<String>)>)> {
+) -> Result<(T, R, Vec<BackwardPart>)> {
     BACKWARD.with(|b| *b.borrow_mut() = Some(BackwardLog { marking: true, start: None, stamps: Vec::new() }));
     let y = forward();
     let y = match y {
@@ -188,7 +191,7 @@ pub fn record_backward<T, R>(
     let start = log.start.expect("set above");
     // The first stamp of each part closes it; later stamps of a closed part (its other inputs)
     // hand their kernels to the part still open.
-    let mut parts: Vec<(&'static str, f64, Vec<String>)> = Vec::new();
+    let mut parts: Vec<BackwardPart> = Vec::new();
     let (mut from, mut pending) = (start, Vec::new());
     for (name, at, ran) in log.stamps {
         pending.extend(ran);

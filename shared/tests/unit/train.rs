@@ -64,6 +64,7 @@ fn training_steps_report_progress() {
     struct Scale(Var);
     impl Forward for Scale {
         fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+            let [x] = crate::breakdown::enter("ln1", [x])?; // one part, so the instrumented steps time its backward
             x.broadcast_mul(self.0.as_tensor())
         }
     }
@@ -84,7 +85,10 @@ fn training_steps_report_progress() {
         let total = total_steps(1, 3, parts);
         let mut progress = Progress::every("stage_t", "training steps", total, std::time::Duration::ZERO);
         let (fb, _, split, _) = time_steps(&Scale(w.clone()), &mut Nothing, &x, &r, (1, 3, parts), &mut progress).unwrap();
-        assert_eq!((fb.samples_ms.len(), split.map_or(0, |s| s.len())), (3, if parts { 3 } else { 0 }));
+        let split =
+            split.map(|s| (s.split.len(), s.backward.iter().map(|b| b.iter().map(|p| p.0).collect::<Vec<_>>()).collect::<Vec<_>>()));
+        let want = parts.then(|| (3, vec![vec!["ln1", "optimizer"]; 3]));
+        assert_eq!((fb.samples_ms.len(), split), (3, want));
         assert_eq!(progress.printed, total);
         let last = progress.last.unwrap();
         assert!(last.starts_with(&format!("[stage_t] {total} of {total} warm-up + timed training steps")), "{last}");
