@@ -269,14 +269,6 @@ struct FlashAttn {
     lse: Option<Mutex<Option<Kept>>>,
 }
 
-impl FlashAttn {
-    /// The backward's tile products in the precision the forward's CPU kernel multiplied in
-    /// (`backward::TileGemm::for_forward`).
-    fn tiles(&self, q: &Tensor) -> candle_core::Result<backward::TileGemm> {
-        Ok(backward::TileGemm::for_forward(self.cpu, q.dtype(), q.dim(3)?))
-    }
-}
-
 /// The forward's L, where it was written: the CPU kernels' buffer, or the CUDA kernel's (a
 /// (B·n_head·T) f32 tensor on the device).
 pub(crate) enum Kept {
@@ -334,8 +326,8 @@ impl CustomOp3 for FlashAttn {
         let [dq, dk, dv] = match kept {
             #[cfg(feature = "cuda")]
             Some(Kept::Device(lse)) => attention_cuda::cuda_bwd(q, k, v, o, d_o, &lse, self.scale, self.causal)?,
-            Some(Kept::Host(lse)) => backward::attention_bwd_with(q, k, v, o, d_o, Some(&lse), self.scale, self.causal, self.tiles(q)?)?,
-            _ => backward::attention_bwd_with(q, k, v, o, d_o, None, self.scale, self.causal, self.tiles(q)?)?,
+            Some(Kept::Host(lse)) => backward::attention_bwd(q, k, v, o, d_o, Some(&lse), self.scale, self.causal)?,
+            _ => backward::attention_bwd(q, k, v, o, d_o, None, self.scale, self.causal)?,
         };
         Ok((Some(dq), Some(dk), Some(dv)))
     }

@@ -61,56 +61,6 @@ pub fn attention_bwd(
     scale: f32,
     causal: bool,
 ) -> candle_core::Result<[Tensor; 3]> {
-    attention_bwd_with(q, k, v, o, d_o, lse, scale, causal, TileGemm::F32)
-}
-
-/// Which GEMM runs the backward's five tile products.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TileGemm {
-    /// f32 products through the `gemm` crate.
-    F32,
-    /// The engine's bf16 GEMM (`bf16_gemm::gemm` on this kernel: AMX or AVX512-BF16): every tile
-    /// operand — Q, K, V, dO, and P and dS — rounded to bf16 as it is packed, f32 accumulation,
-    /// as FlashAttention-2 runs its backward on a GPU's tensor cores.
-    Bf16(crate::bf16_gemm::Kernel),
-}
-
-impl TileGemm {
-    /// The backward's products in the forward's precision: bf16 where the forward ran bf16
-    /// pairs (`CpuKernel::Registers` on bf16 inputs, `RegistersBf16`) and the engine's bf16 GEMM
-    /// runs on this CPU; f32 otherwise.
-    pub fn for_forward(cpu: super::CpuKernel, dtype: DType, d_head: usize) -> TileGemm {
-        use super::CpuKernel::{Registers, RegistersBf16};
-        let kernel = crate::bf16_gemm::Kernel::detect();
-        let pairs = super::registers::bf16::runs(d_head)
-            && (cpu == RegistersBf16 && matches!(dtype, DType::F32 | DType::BF16) || cpu == Registers && dtype == DType::BF16);
-        match pairs && kernel.is_native() && kernel != crate::bf16_gemm::Kernel::Mkl {
-            true => TileGemm::Bf16(kernel),
-            false => TileGemm::F32,
-        }
-    }
-
-    fn name(self) -> String {
-        match self {
-            TileGemm::F32 => "f32 tile GEMMs (gemm crate)".into(),
-            TileGemm::Bf16(k) => format!("bf16 tile GEMMs ({})", k.name()),
-        }
-    }
-}
-
-/// `attention_bwd` with its tile products on `tiles`.
-#[allow(clippy::too_many_arguments)] // attention_bwd's, and the tile GEMM
-pub fn attention_bwd_with(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    d_o: &Tensor,
-    lse: Option<&[f32]>,
-    scale: f32,
-    causal: bool,
-    tiles: TileGemm,
-) -> candle_core::Result<[Tensor; 3]> {
     if q.device().is_cuda() {
         // Our CUDA kernel runs from the L its forward wrote (`FlashAttn::bwd`); without one (f32,
         // stage 3 at TF32, which our forward kernels do not take) the backward is candle's ops.
@@ -118,7 +68,10 @@ pub fn attention_bwd_with(
     }
     let (b, t, h, d) = q.dims4()?;
     crate::trace::ran_with(|| {
-        format!("attention backward: FlashAttention-2 tiles, {}{}", tiles.name(), if lse.is_none() { ", L recomputed" } else { "" })
+        format!(
+            "attention backward: FlashAttention-2 tiles, f32 tile GEMMs (gemm crate){}",
+            if lse.is_none() { ", L recomputed" } else { "" }
+        )
     });
     // Each input once as f32, contiguous (B, T, n_head, d_head): a head's row r is at
     // ((b·T + r)·n_head + h)·d, rows n_head·d apart, which the tile GEMMs read in place. One copy
@@ -138,7 +91,7 @@ pub fn attention_bwd_with(
                 d_o: Rows { data: &dov[base..], rs },
                 lse: lse.map(|l| &l[bh * t..][..t]),
             };
-            head_bwd(&io, t, d, scale, causal, tiles)
+            head_bwd(&io, t, d, scale, causal)
         })
         .collect();
     // Scatter each head's (T, d) gradients into (B, T, n_head, d_head).
@@ -183,34 +136,34 @@ struct HeadIo<'a> {
 /// dQ, dK, dV of one head as (T, d) rows. The element-wise loops (exp, dS) are compiled three
 /// times (baseline, AVX2+FMA, AVX-512) and picked at run time, as the forward's are; the tile
 /// GEMMs dispatch on their own.
-fn head_bwd(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool, tiles: TileGemm) -> [Vec<f32>; 3] {
+fn head_bwd(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: this CPU supports AVX-512F and FMA, checked on the line above.
-        return unsafe { head_bwd_avx512(io, t, d, scale, causal, tiles) };
+        return unsafe { head_bwd_avx512(io, t, d, scale, causal) };
     }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: this CPU supports AVX2 and FMA, checked on the line above.
-        return unsafe { head_bwd_avx2_fma(io, t, d, scale, causal, tiles) };
+        return unsafe { head_bwd_avx2_fma(io, t, d, scale, causal) };
     }
-    head_bwd_impl(io, t, d, scale, causal, tiles)
+    head_bwd_impl(io, t, d, scale, causal)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn head_bwd_avx2_fma(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool, tiles: TileGemm) -> [Vec<f32>; 3] {
-    head_bwd_impl(io, t, d, scale, causal, tiles)
+unsafe fn head_bwd_avx2_fma(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
+    head_bwd_impl(io, t, d, scale, causal)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn head_bwd_avx512(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool, tiles: TileGemm) -> [Vec<f32>; 3] {
-    head_bwd_impl(io, t, d, scale, causal, tiles)
+unsafe fn head_bwd_avx512(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
+    head_bwd_impl(io, t, d, scale, causal)
 }
 
 #[inline(always)]
-fn head_bwd_impl(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool, tiles: TileGemm) -> [Vec<f32>; 3] {
+fn head_bwd_impl(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
     let HeadIo { q, k, v, o, d_o, lse } = *io;
     let lse = match lse {
         Some(l) => std::borrow::Cow::Borrowed(l),                                // kept by the forward
@@ -232,27 +185,25 @@ fn head_bwd_impl(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool, tile
             let br = BR.min(t - i0);
             let q_i = Mat { data: &q.data[i0 * q.rs..], rows: br, cols: d, rs: q.rs, cs: 1 };
             let do_i = Mat { data: &d_o.data[i0 * d_o.rs..], rows: br, cols: d, rs: d_o.rs, cs: 1 };
-            // S, P, dP and dS are br × bc, rows bc apart (contiguous, as the bf16 GEMM writes C).
-            tiles.gemm(&mut p, bc, false, q_i, k_j.t()); // S = Q_i K_jᵀ (scaled below)
+            gemm_into(&mut p, BC, false, q_i, k_j.t(), scale); // S = Q_i K_jᵀ · scale
             for r in 0..br {
                 // Keys this row sees: all, or (causal) up to its own position.
                 let n = if causal { bc.min((i0 + r + 1).saturating_sub(j0)) } else { bc };
-                let (row, l) = (&mut p[r * bc..][..bc], lse[i0 + r]);
-                row[..n].iter_mut().for_each(|s| *s = exp_f32(*s * scale - l)); // P = exp(S·scale − L)
+                let (row, l) = (&mut p[r * BC..][..bc], lse[i0 + r]);
+                row[..n].iter_mut().for_each(|s| *s = exp_f32(*s - l)); // P = exp(S − L)
                 row[n..].fill(0.0); // masked: P = 0, so dS = 0 there too
             }
-            let p_ij = Mat { data: &p, rows: br, cols: bc, rs: bc, cs: 1 };
-            tiles.gemm(dv_j, d, true, p_ij.t(), do_i); // dV_j += Pᵀ dO_i
-            tiles.gemm(&mut dp, bc, false, do_i, v_j.t()); // dP = dO_i V_jᵀ
+            let p_ij = Mat { data: &p, rows: br, cols: bc, rs: BC, cs: 1 };
+            gemm_into(dv_j, d, true, p_ij.t(), do_i, 1.0); // dV_j += Pᵀ dO_i
+            gemm_into(&mut dp, BC, false, do_i, v_j.t(), 1.0); // dP = dO_i V_jᵀ
             for r in 0..br {
                 let di = delta[i0 + r];
-                let (ds, dp) = (&mut p[r * bc..][..bc], &dp[r * bc..][..bc]);
-                ds.iter_mut().zip(dp).for_each(|(x, &g)| *x *= (g - di) * scale);
-                // dS·scale = P ∘ (dP − D_i)·scale, in place of P
+                let (ds, dp) = (&mut p[r * BC..][..bc], &dp[r * BC..][..bc]);
+                ds.iter_mut().zip(dp).for_each(|(x, &g)| *x *= g - di); // dS = P ∘ (dP − D_i), in place of P
             }
-            let ds = Mat { data: &p, rows: br, cols: bc, rs: bc, cs: 1 };
-            tiles.gemm(&mut dq[i0 * d..(i0 + br) * d], d, true, ds, k_j); // dQ_i += (dS·scale) K_j
-            tiles.gemm(dk_j, d, true, ds.t(), q_i); // dK_j += (dS·scale)ᵀ Q_i
+            let ds = Mat { data: &p, rows: br, cols: bc, rs: BC, cs: 1 };
+            gemm_into(&mut dq[i0 * d..(i0 + br) * d], d, true, ds, k_j, scale); // dQ_i += dS K_j · scale
+            gemm_into(dk_j, d, true, ds.t(), q_i, scale); // dK_j += dSᵀ Q_i · scale
         }
     }
     [dq, dk, dv]
@@ -304,32 +255,9 @@ struct Mat<'a> {
     cs: usize,
 }
 
-impl<'a> Mat<'a> {
+impl Mat<'_> {
     fn t(self) -> Self {
         Mat { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
-    }
-
-    /// The same elements as the bf16 GEMM's operand (f32, rounded to bf16 as it is packed).
-    fn view(self) -> crate::bf16_gemm::MatRef<'a, f32> {
-        crate::bf16_gemm::MatRef { data: self.data, offset: 0, rows: self.rows, cols: self.cols, rs: self.rs, cs: self.cs }
-    }
-}
-
-impl TileGemm {
-    /// dst (a.rows × b.cols, row stride `ld`) = [dst +] a · b on one thread (rayon is busy with
-    /// the other heads). The bf16 GEMM writes C rows contiguous: `ld` is b.cols there.
-    #[inline(always)]
-    fn gemm(self, dst: &mut [f32], ld: usize, accumulate: bool, a: Mat, b: Mat) {
-        match self {
-            TileGemm::F32 => gemm_into(dst, ld, accumulate, a, b, 1.0),
-            TileGemm::Bf16(kernel) => {
-                let (m, n) = (a.rows, b.cols);
-                assert_eq!(ld, n, "the bf16 tile GEMM writes contiguous rows");
-                // The kernel was detected on this CPU and the tiles sized by the caller: an error
-                // here is a bug, not an input the caller can fix.
-                crate::bf16_gemm::gemm(kernel, &mut dst[..m * n], a.view(), b.view(), accumulate, false).expect("bf16 tile GEMM");
-            }
-        }
     }
 }
 
