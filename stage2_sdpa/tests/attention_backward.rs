@@ -190,3 +190,55 @@ fn candle_ops_version_and_small_version_match_the_twin() {
         }
     }
 }
+
+/// A training step on the CPU at bf16: f32 q, k, v (tracked) through the op with bf16 products
+/// (`CpuKernel::RegistersBf16`: the bf16 pair kernel, f32 rows out, L kept), then
+/// FlashAttention-2's backward from that L. Against the autograd twin in f32 on the same inputs,
+/// d_head 32/64/128, T ragged (below, across and past the 128-row tiles), causal and not,
+/// contiguous and stage 3's strided views: each gradient within 2e-2 of its largest value (the
+/// forward's L comes from bf16 products; the training step's gradient tolerance at bf16). Where
+/// this CPU has no bf16 unit the f32 kernel runs, and the check is f32's 1e-5.
+#[test]
+fn bf16_forward_backward_matches_the_twin() {
+    use cpu_kernels::attention::CpuKernel;
+    use stage2_sdpa::attention::{attention_opts, Implementation};
+    let mut worst = 0f32;
+    for (i, &((b, t, h, d), causal, strided)) in [
+        ((1, 37, 2, 32), true, false),
+        ((2, 129, 1, 64), true, true),
+        ((1, 200, 2, 128), false, false),
+        ((1, 300, 1, 64), false, true),
+        ((1, 1, 2, 32), true, false),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let bf16 = cpu_kernels::attention::registers::bf16::runs(d);
+        let seed = 500 + 10 * i as u64;
+        let ([q, k, v], vars) = inputs((b, t, h, d), seed, strided);
+        let d_o = Tensor::from_vec(SplitMix64::new(seed + 99).normals(b * t * h * d), (b, t, h, d), &Device::Cpu).unwrap();
+        cpu_kernels::trace::start();
+        let y = attention_opts(Implementation::Cpu, CpuKernel::RegistersBf16, &q, &k, &v, causal).unwrap();
+        let grads = (y * &d_o).unwrap().sum_all().unwrap().backward().unwrap();
+        let ran = cpu_kernels::trace::stop().join("; ");
+        let forward = if bf16 { "register-blocked, bf16 pairs" } else { "register-blocked, f32" };
+        assert!(
+            ran.contains(forward) && ran.contains("attention backward: FlashAttention-2 tiles") && !ran.contains("L recomputed"),
+            "{ran}"
+        );
+        let want = grads_slow(&q, &k, &v, &d_o, causal).unwrap();
+        let got: Vec<Tensor> = if strided {
+            let g = grads.get(vars[0].as_tensor()).expect("a gradient for the QKV tensor");
+            (0..3).map(|p| g.i((.., .., p)).unwrap()).collect()
+        } else {
+            vars.iter().map(|x| grads.get(x.as_tensor()).expect("a gradient for each input").clone()).collect()
+        };
+        for (name, g, w) in [("dq", &got[0], &want[0]), ("dk", &got[1], &want[1]), ("dv", &got[2], &want[2])] {
+            assert_eq!((g.dims(), g.dtype()), (w.dims(), DType::F32));
+            let e = rel_max(g, w);
+            assert!(e <= if bf16 { 2e-2 } else { 1e-5 }, "({b}, {t}, {h}, {d}) causal={causal} strided={strided} {name}: {e}");
+            worst = worst.max(e);
+        }
+    }
+    eprintln!("attention backward after a bf16-pair forward, vs the f32 autograd twin: max |Δ| / max |g| = {worst:.2e}");
+}
