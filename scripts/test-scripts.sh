@@ -381,9 +381,15 @@ if kind == "run":  # argv[3]: the recorded run to copy, with a tiny shape
     json.dump(run, open(path, "w"))
 elif kind == "weights":  # argv[3], argv[4]: C and FF
     write(path, gpt2(int(sys.argv[3]), int(sys.argv[4])))
-elif kind == "io":  # argv[3..5]: B, T, C; argv[6]: "no-y" leaves y out
+elif kind == "io":  # argv[3..5]: B, T, C; argv[6]: "no-y" leaves y out, "r-only" adds r but no gradients
     dims = [int(v) for v in sys.argv[3:6]]
-    write(path, {"x": dims} if sys.argv[6:] == ["no-y"] else {"x": dims, "y_stage0_baseline": dims})
+    extra = {"r": dims} if sys.argv[6:] == ["r-only"] else {}
+    write(path, {"x": dims} if sys.argv[6:] == ["no-y"] else {"x": dims, "y_stage0_baseline": dims, **extra})
+elif kind == "train":  # argv[3]: a run to copy with every record a training step (what --train writes)
+    run = json.load(open(sys.argv[3]))
+    for r in run["records"]:
+        r["mode"] = "train"
+    json.dump(run, open(path, "w"))
 EOF
 ladder_bin=${LADDER:-${CARGO_TARGET_DIR:-$repo/target}/release/ladder}
 tr_in="$tmp/tr"
@@ -393,6 +399,7 @@ if [ -x "$ladder_bin" ] && (cd "$tr_in" && "$ladder_bin" --device cpu --preset t
     ok "torch-reference: a fresh tiny ladder run ($ladder_bin) wrote the files to check"
     python3 "$tmp/st.py" weights "$tr_in/w-wide.safetensors" 256 512  # C 256 where the run has 128
     python3 "$tmp/st.py" io "$tr_in/io-no-y.safetensors" 2 64 128 no-y
+    python3 "$tmp/st.py" io "$tr_in/io-r-only.safetensors" 2 64 128 r-only
 else
     skip "torch-reference: a fresh tiny ladder run" "no ladder binary at $ladder_bin; a tiny copy of the recorded run instead"
     python3 "$tmp/st.py" run "$tr_in/run.json" "${run_ok[0]}"
@@ -400,12 +407,19 @@ else
     python3 "$tmp/st.py" io "$tr_in/io.safetensors" 2 4 8
     python3 "$tmp/st.py" weights "$tr_in/w-wide.safetensors" 16 32
     python3 "$tmp/st.py" io "$tr_in/io-no-y.safetensors" 2 4 8 no-y
+    python3 "$tmp/st.py" io "$tr_in/io-r-only.safetensors" 2 4 8 r-only
 fi
+python3 "$tmp/st.py" train "$tr_in/run-train.json" "$tr_in/run.json"
 tri=(--ladder-json "$tr_in/run.json" --out "$tmp/o.json")
 expect "torch-reference: weights of another width refused, naming the file and the tensor" 2 \
     "--weights $tr_in/w-wide.safetensors: tensor h.0.ln_1.weight" "${tr[@]}" "${tri[@]}" --weights "$tr_in/w-wide.safetensors" --io "$tr_in/io.safetensors"
 expect "torch-reference: --io without y_stage0_baseline refused" 2 "has no tensor y_stage0_baseline" \
     "${tr[@]}" "${tri[@]}" --weights "$tr_in/w.safetensors" --io "$tr_in/io-no-y.safetensors"
+# A training run's PyTorch rows need the ladder's r and stage 0's gradients from --io.
+expect "torch-reference: a training run's --io without r refused, naming the fix" 2 "Fix: re-record the run with this version" \
+    "${tr[@]}" --ladder-json "$tr_in/run-train.json" --out "$tmp/o.json" --weights "$tr_in/w.safetensors" --io "$tr_in/io.safetensors"
+expect "torch-reference: a training run's --io with r but no gradients refused" 2 "lacks grad_ln1_g" \
+    "${tr[@]}" --ladder-json "$tr_in/run-train.json" --out "$tmp/o.json" --weights "$tr_in/w.safetensors" --io "$tr_in/io-r-only.safetensors"
 head -c 200 "$tr_in/w.safetensors" > "$tr_in/w-cut.safetensors"
 expect "torch-reference: truncated weights refused" 2 "w-cut.safetensors is not a safetensors file" \
     "${tr[@]}" "${tri[@]}" --weights "$tr_in/w-cut.safetensors" --io "$tr_in/io.safetensors"

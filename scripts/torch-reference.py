@@ -5,25 +5,40 @@ CPU, or the run's CUDA GPU: run it on the machine that recorded the run). The ro
 JSON as reference rows (the ladder's schema, `references`), so `ladder render` shows them beside the
 candle-nn row, and every row's "vs best reference" is recomputed over all of them.
 
-A `--train` run gets training rows, timed as the ladder times them: forward, the loss <y, r> and
-backward to every weight and x together, the optimizer's update (torch.optim.AdamW, fused on CUDA)
-apart. Their check is the forward output's; their gradients are not checked (no stage-0 gradients
-are saved), and each row's notes say so.
+A `--train` run gets training rows: the ladder's training step in PyTorch, timed as the ladder
+times it (forward, the loss <y, r> and backward to every weight and x together; the update apart).
+The run's --save-output file holds r, the seeded upstream gradient dL/dy the ladder used, and
+stage 0's fp32 autograd gradients that every stage was checked against, as grad_<name> for ln1_g
+ln1_b w_qkv b_qkv w_proj b_proj ln2_g ln2_b w_fc1 b_fc1 w_fc2 b_fc2 x, in the ladder's layout:
+matrices (out, in), so w_qkv is (3C, C), w_fc1 (FF, C), w_fc2 (C, FF), and grad_x is (B, T, C). This script
+transposes GPT-2's Conv1D (in, out) weights from --weights to (out, in) before the step, so each
+parameter's .grad is in that layout already; each of the 13 shapes is checked, and a transpose
+that kept a shape (w_proj is C x C) fails the values. Each gradient is checked as the ladder checks
+a stage's, max|g - g_ref| / max|g_ref| per gradient, the worst against the tolerance (fp32 1e-5,
+bf16 2e-2, shared::train::grad_tolerance), recorded in the row's train.grad_check and worst_grad;
+a failed gradient check fails the row as a failed output check does. The update is
+torch.optim.AdamW (lr 1e-4, its defaults otherwise, as candle-nn's), fused (one kernel over every
+tensor, on the CPU too); where this PyTorch refuses fused, foreach runs, and the row's optimizer
+name and notes say so. The update itself is not checked. A training run's io file without r and
+the gradients is refused (exit 2): record the run again with this ladder, without --no-check.
 
     ladder --preset small --reference --json run.json --save-weights w.safetensors --save-output io.safetensors
+    (or, for training rows: ladder --preset small --train --reference --json run.json ...)
     scripts/torch-reference.py --ladder-json run.json --weights w.safetensors --io io.safetensors --out run-torch.json
     ladder render --from run-torch.json --markdown
 
-Rows: PyTorch eager fp32 (F.scaled_dot_product_attention), eager with bf16 autocast, and
-torch.compile with bf16 autocast (needs a C++ compiler; a variant that cannot run here is a
-reference row "not run" with the reason). Timed after the ladder's run, not in its interleaved
-rounds, with the ladder's warm-up and iteration counts and its thread count; on CUDA each iteration
-ends with torch.cuda.synchronize() (wall time, as the ladder), fp32 has TF32 off (as stage 0), and
-peak memory is torch.cuda.max_memory_allocated.
+Rows: PyTorch eager fp32 (F.scaled_dot_product_attention, as a PyTorch user writes the block; its
+output and gradients are held to stage 0's naive attention at fp32's tolerances, as stage 2's
+are), eager with bf16 autocast, and torch.compile with bf16 autocast (needs a C++ compiler; a
+variant that cannot run here is a reference row "not run" with the reason). Timed after the
+ladder's run, not in its interleaved rounds, with the ladder's warm-up and iteration counts and its
+thread count; on CUDA each iteration ends with torch.cuda.synchronize() (wall time, as the ladder),
+fp32 has TF32 off (as stage 0), and peak memory is torch.cuda.max_memory_allocated.
 
-Exit code: 0 when every row that ran passed its check, 1 when one failed it or no row ran, 2 for a
-usage error (arguments, unreadable or mismatched files, torch not installed), before any work. --out is written whole or not at all
-(a temporary file beside it, then renamed) and is never one of the inputs.
+Exit code: 0 when every row that ran passed its checks, 1 when one failed one (its output, or in a
+training run its gradients) or no row ran, 2 for a usage error (arguments, unreadable or
+mismatched files, torch not installed), before any work. --out is written whole or not at all (a
+temporary file beside it, then renamed) and is never one of the inputs.
 """
 import argparse
 import json
@@ -35,6 +50,9 @@ import time
 
 SCHEMAS = ("candle-speedkit/ladder/v1", "candle-speedkit/ladder/v2")
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}  # shared::check::tolerance
+GRAD_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}  # shared::train::grad_tolerance
+# shared::train::NAMES: the 12 weights in BlockWeights' order (GPT2's, one for one), then x.
+NAMES = ["ln1_g", "ln1_b", "w_qkv", "b_qkv", "w_proj", "b_proj", "ln2_g", "ln2_b", "w_fc1", "b_fc1", "w_fc2", "b_fc2", "x"]
 GPT2 = ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
         "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]
 
@@ -48,7 +66,8 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ladder-json", required=True, help="the JSON a `ladder --reference --json PATH` run wrote")
     p.add_argument("--weights", required=True, help="the same run's --save-weights file (GPT-2 names, one layer)")
-    p.add_argument("--io", required=True, help="the same run's --save-output file (x and y_stage0_baseline)")
+    p.add_argument("--io", required=True, help="the same run's --save-output file (x and y_stage0_baseline; "
+                                              "with --train also r and grad_<name>)")
     p.add_argument("--out", required=True, help="where to write the run's JSON with the PyTorch rows added")
     p.add_argument("--variants", default="eager-fp32,eager-bf16,compile-bf16",
                    help="comma-separated, from eager-fp32, eager-bf16, compile-bf16 (default: all three)")
@@ -147,7 +166,15 @@ def safetensors_header(flag, path):
     return out
 
 
-def check_inputs(a, shape):
+def grad_shapes(shape):
+    """{grad_<name>: dims} of the reference gradients a training run's --save-output holds: the
+    ladder's layout, matrices (out, in)."""
+    b, t, c, ff = shape["batch"], shape["seq"], shape["d_model"], shape["ff"]
+    dims = [[c], [c], [3 * c, c], [3 * c], [c, c], [c], [c], [c], [ff, c], [ff], [c, ff], [c], [b, t, c]]
+    return {f"grad_{n}": d for n, d in zip(NAMES, dims)}
+
+
+def check_inputs(a, shape, train):
     """Refuse weights or io tensors whose names, dtypes or shapes are not the run's, naming the
     file and the tensor, before PyTorch is imported."""
     b, t, c, ff = shape["batch"], shape["seq"], shape["d_model"], shape["ff"]
@@ -161,8 +188,18 @@ def check_inputs(a, shape):
             "mlp.c_fc.weight": [c, ff], "mlp.c_fc.bias": [ff], "mlp.c_proj.weight": [ff, c], "mlp.c_proj.bias": [c]}
     expected = {f"h.{layers[0]}.{n}": s for n, s in want.items()}
     expected_io = {"x": [b, t, c], "y_stage0_baseline": [b, t, c]}
-    for flag, path, tensors, need in [("--weights", a.weights, head, expected),
-                                      ("--io", a.io, safetensors_header("--io", a.io), expected_io)]:
+    io = safetensors_header("--io", a.io)
+    if train:
+        expected_io.update({"r": [b, t, c], **grad_shapes(shape)})
+        missing = [n for n in expected_io if n not in io and (n == "r" or n.startswith("grad_"))]
+        if missing:
+            usage(f"--io {a.io} lacks {', '.join(missing[:3])}{' and more' if len(missing) > 3 else ''}: --ladder-json is a "
+                  f"--train run, and its PyTorch rows run the ladder's step on the ladder's upstream gradient r and check "
+                  f"their gradients against stage 0's (grad_<name>), which a training run's --save-output holds only when "
+                  f"written by this version's ladder without --no-check. Fix: re-record the run with this version (ladder "
+                  f"--train ... --json run.json --save-weights w.safetensors --save-output io.safetensors, without "
+                  f"--no-check) and pass its three files.")
+    for flag, path, tensors, need in [("--weights", a.weights, head, expected), ("--io", a.io, io, expected_io)]:
         for name, dims in need.items():
             if name not in tensors:
                 usage(f"{flag} {path} has no tensor {name}. Fix: pass the {'--save-weights' if flag == '--weights' else '--save-output'} "
@@ -204,6 +241,44 @@ def block(torch, F, w, n_head):
     return forward
 
 
+class GradShapeError(Exception):
+    """A gradient this script's step did not produce in the reference's shape: its layout is wrong."""
+
+
+def compare_grads(torch, got, reference, tolerance):
+    """shared::train::compare_grads: per gradient max|g - g_ref| / max|g_ref| (max|g - g_ref| where
+    g_ref is all zeros), in f64 over g's finite values; the worst against `tolerance`, and its name
+    (the first with a NaN or infinity, if any). max_abs_err is the largest |g - g_ref| of all."""
+    worst, at, bad, raw = 0.0, 0, 0, 0.0
+    for i, (g, ref) in enumerate(zip(got, reference)):
+        g, ref = g.detach().double().cpu(), ref.double()
+        finite = torch.isfinite(g)
+        nan = int((~finite).sum())
+        d = (g - ref).abs()[finite]
+        diff = float(d.max()) if d.numel() else 0.0
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        e = diff / scale if scale > 0 else diff
+        if bad == 0 and (e > worst or nan > 0):
+            at = i
+        worst, bad, raw = max(worst, e), bad + nan, max(raw, diff)
+    check = {"rel_err": worst, "max_abs_err": raw, "tolerance": tolerance, "non_finite": bad,
+             "passed": bad == 0 and worst <= tolerance}
+    return check, NAMES[at]
+
+
+def adamw(torch, params):
+    """The update: torch.optim.AdamW at the ladder's lr (1e-4; betas, eps and weight decay are
+    PyTorch's defaults, as candle-nn's), fused (on the CPU since torch 2.4), else foreach. Returns
+    the optimizer, its name as recorded, and a note when fused was refused."""
+    try:
+        return torch.optim.AdamW(params, lr=1e-4, fused=True), "torch.optim.AdamW(fused=True)", []
+    except (RuntimeError, ValueError, TypeError) as e:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        note = f"torch.optim.AdamW(fused=True) raised on this PyTorch ({why}); foreach ran instead"
+        print(f"torch-reference: {note}", file=sys.stderr)
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True), "torch.optim.AdamW(foreach=True; fused refused)", [note]
+
+
 VARIANTS = {
     # name: (row name, precision, autocast bf16, torch.compile)
     "eager-fp32": ("pytorch eager", "fp32", False, False),
@@ -215,7 +290,8 @@ VARIANTS = {
 def main():
     a = parse_args()
     run, stage0 = load_run(a.ladder_json)
-    layer = check_inputs(a, run["shape"])
+    train = stage0.get("mode") == "train"  # a --train run (schema v2); v1 runs are forward runs
+    layer = check_inputs(a, run["shape"], train)
     try:
         import torch
         import torch.nn.functional as F
@@ -233,12 +309,14 @@ def main():
             w[n] = w[n].t().contiguous()  # GPT-2's Conv1D (in, out) to F.linear's (out, in)
     shape = run["shape"]
     cuda = run["device"]["kind"] == "cuda"
-    train = stage0.get("mode") == "train"  # a --train run (schema v2); v1 runs are forward runs
     if cuda and not torch.cuda.is_available():
         usage("--ladder-json records a CUDA run, but this PyTorch sees no CUDA GPU. Fix: run this script on the machine "
               "that recorded the run, with a CUDA build of PyTorch.")
     dev = torch.device(f"cuda:{run['device'].get('ordinal', 0)}" if cuda else "cpu")
     x, want = tensors["x"].float().to(dev), tensors["y_stage0_baseline"].float()  # shapes checked by check_inputs
+    if train:
+        r = tensors["r"].float().to(dev)  # the ladder's upstream gradient dL/dy
+        want_grads = [tensors[f"grad_{n}"].float() for n in NAMES]
     w = {n: t.to(dev) for n, t in w.items()}
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as stage 0: TF32 off
@@ -257,9 +335,8 @@ def main():
             f = torch.compile(forward) if compiled else forward
             autocast = lambda: torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16)
             if train:
-                r = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dev)  # the upstream gradient dL/dy
                 xg = x.clone().requires_grad_(True)
-                opt = torch.optim.AdamW(list(params.values()), lr=1e-4, **({"fused": True} if cuda else {"foreach": True}))
+                opt, optimizer, fallback = adamw(torch, list(params.values()))
 
                 def once():
                     for p_ in [xg, *params.values()]:
@@ -269,8 +346,19 @@ def main():
                     (y.float() * r).sum().backward()  # L = <y, r>: dL/dy = r
                     return y
 
+                # The checks come before any timing, on the weights the reference's gradients were taken at.
                 with torch.no_grad(), autocast():
-                    y = f(x).float().cpu()  # the check comes before any timing
+                    y = f(x).float().cpu()
+                once()
+                # GPT2 order is NAMES' order; each .grad is (out, in) as the parameter (transposed on load).
+                got = [params[n].grad for n in GPT2] + [xg.grad]
+                if any(g is None for g in got):
+                    raise GradShapeError(f"the backward reached no gradient for {NAMES[[g is None for g in got].index(True)]}")
+                for n, g, ref in zip(NAMES, got, want_grads):
+                    if list(g.shape) != list(ref.shape):
+                        raise GradShapeError(f"the gradient of {n} has shape {list(g.shape)}, the reference's {list(ref.shape)}")
+                grad_check, worst_grad = compare_grads(torch, got, want_grads, GRAD_TOLERANCE[precision])
+                del got
             else:
                 def once():
                     with torch.inference_mode(), autocast():
@@ -296,6 +384,11 @@ def main():
                     sync()
                     opt_samples.append((time.perf_counter() - start) * 1e3)
             peak = torch.cuda.max_memory_allocated(dev) if cuda else None
+        except GradShapeError as e:  # the script's own layout is wrong: a failed row, not one that cannot run here
+            out.append({"stage": row, "technique": "reference: PyTorch", "reason": f"gradient check: {e}", "failed": True})
+            print(f"torch-reference: {row} FAILED: {out[-1]['reason']}", file=sys.stderr)
+            failed = True
+            continue
         except Exception as e:  # a variant this machine cannot run (no compiler for torch.compile) is a row saying so
             out.append({"stage": row, "technique": "reference: PyTorch", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                         "failed": False})
@@ -309,16 +402,18 @@ def main():
         rel = math.sqrt(float((d[finite] ** 2).sum()) / max(float((want.double() ** 2).sum()), 1e-300))
         check = {"rel_err": rel, "max_abs_err": float(d[finite].abs().max()), "tolerance": TOLERANCE[precision],
                  "non_finite": int((~finite).sum()), "passed": bool(finite.all()) and rel <= TOLERANCE[precision]}
-        failed |= not check["passed"]
+        failed |= not check["passed"] or (train and not grad_check["passed"])
         t = stats(samples)
         secs = t["median_ms"] / 1e3
         rec = dict(stage0)  # device, shape, seed, weights, ceiling, mode and the rest as the run recorded them
         notes = ["timed by scripts/torch-reference.py after the ladder's run, not in its interleaved rounds"]
         if train:
-            notes.append("training step as the ladder times it (forward + <y, r> + backward), the update apart; "
-                         "the check is the forward output's, the gradients are not checked")
-            rec["train"] = {"optimizer": f"torch.optim.AdamW({'fused' if cuda else 'foreach'})", "optimizer_timing": stats(opt_samples),
-                            "grad_check": None, "worst_grad": "", "optimizer_check": None, "skipped_steps": 0}
+            notes.append(f"training step as the ladder times it (forward + <y, r> + backward, r the ladder's own), then "
+                         f"{optimizer} (timed apart); the 13 gradients checked against stage 0's fp32 autograd "
+                         f"(worst: d{worst_grad}); the update is not checked")
+            notes.extend(fallback)
+            rec["train"] = {"optimizer": optimizer, "optimizer_timing": stats(opt_samples),
+                            "grad_check": grad_check, "worst_grad": worst_grad, "optimizer_check": None, "skipped_steps": 0}
         rec.update({
             "stage": row, "technique": f"reference: PyTorch {torch.__version__}, F.scaled_dot_product_attention" +
             (", torch.compile" if compiled else ""),
@@ -337,8 +432,10 @@ def main():
         if precision != "fp32":
             rec["peak_tflops"] = rec["peak_source"] = None
         rows.append(rec)
+        grads = f", worst grad error {grad_check['rel_err']:.2e} (d{worst_grad}, tolerance {grad_check['tolerance']:.0e})" if train else ""
+        passed = check["passed"] and (not train or grad_check["passed"])
         print(f"torch-reference: {row}: {t['median_ms']:.3f} ms, {t0 / t['median_ms']:.2f}x over stage 0, rel err {rel:.2e}"
-              f"{'' if check['passed'] else ' FAILED'}")
+              f"{grads}{'' if passed else ' FAILED'}")
     run["references"] = [r for r in run.get("references", []) if not r["stage"].startswith("pytorch")] + rows
     run["references_out"] = [r for r in run.get("references_out", []) if not r["stage"].startswith("pytorch")] + out
     best = min((r["timing"]["median_ms"] for r in run["references"]), default=None)

@@ -310,7 +310,9 @@ pub fn run(args: RunArgs, all: &[Box<dyn Stage>], which: &[usize], m: Measure) -
     if let (Some(path), true) = (&session.args.save_output, sticky) {
         println!("not saved {}: the sticky CUDA fault leaves no tensor on the device readable", path.display());
     } else if let Some(path) = &session.args.save_output {
-        // x, then each stage's output as y_<stage>, for comparison outside the program.
+        // x, then each stage's output as y_<stage>, for comparison outside the program; with
+        // --train also r and stage 0's gradients (`Session::train_outputs`).
+        outputs.extend(session.train_outputs());
         let named: Vec<_> = std::iter::once(("x", &session.x)).chain(outputs.iter().map(|(n, t)| (n.as_str(), t))).collect();
         save_tensors(path, &named)?;
     }

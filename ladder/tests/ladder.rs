@@ -597,6 +597,21 @@ fn train_rows_are_checked_steps_and_render_back() {
     assert_eq!(report.records.len() + report.skipped.len(), 2, "{}{}", out.stdout, out.stderr);
     let md = ladder(&["render", "--from", s(&json), "--markdown"]);
     assert!(md.ok().stdout.contains("forward + backward ms") && md.stdout.contains("worst grad error"), "{}", md.stdout);
+    // Training reference rows (scripts/torch-reference.py's) bring "vs best reference", as in a forward table.
+    let mut with_ref: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let mut pytorch = with_ref["records"][0].clone();
+    (pytorch["stage"], pytorch["vs_reference"]) = ("pytorch eager".into(), 1.0.into());
+    with_ref["references"] = serde_json::json!([pytorch]);
+    with_ref["records"].as_array_mut().unwrap().iter_mut().for_each(|r| r["vs_reference"] = 1.0.into());
+    let ref_path = dir.join("train-ref.json");
+    std::fs::write(&ref_path, serde_json::to_vec(&with_ref).unwrap()).unwrap();
+    let md = ladder(&["render", "--from", s(&ref_path), "--markdown"]);
+    let tables = markdown_tables(&md.ok().stdout);
+    let header = &tables[0][0];
+    let (vs_ref, grad) = (header.iter().position(|h| h == "vs best reference"), header.iter().position(|h| h == "worst grad error"));
+    assert!(vs_ref.is_some() && grad.is_some(), "{header:?}");
+    let row = tables[0].iter().find(|r| r[0] == "reference: pytorch eager").expect("the reference row");
+    assert_eq!(row[vs_ref.unwrap()], "1.00x", "{row:?}");
     let mut old: serde_json::Value = serde_json::from_slice(&std::fs::read("../results/ladder-cpu.json").unwrap()).unwrap();
     old["schema"] = "candle-speedkit/ladder/v1".into();
     old["records"].as_array_mut().unwrap().iter_mut().for_each(|r| _ = r.as_object_mut().unwrap().remove("mode"));
@@ -604,4 +619,40 @@ fn train_rows_are_checked_steps_and_render_back() {
     std::fs::write(&v1_path, serde_json::to_vec(&old).unwrap()).unwrap();
     let v1 = ladder(&["render", "--from", s(&v1_path), "--markdown"]);
     assert!(v1.ok().stdout.contains("median ms (p10–p90)") && !v1.stdout.contains("optimizer ms"), "{}", v1.stdout);
+}
+
+/// `--train --save-output`: beside x and y_<stage>, the upstream gradient `r` the loss used and
+/// stage 0's 13 reference gradients as `grad_<name>` in `BlockWeights`' layout (what
+/// scripts/torch-reference.py checks PyTorch's gradients against); a forward run's file holds x
+/// and the outputs only.
+#[test]
+fn train_save_output_holds_r_and_the_reference_gradients() {
+    let dir = temp_dir("train-io");
+    let (train_io, forward_io) = (dir.join("train-io.safetensors"), dir.join("forward-io.safetensors"));
+    run_tiny(&["--stages", "0", "--train", "--seed", "7", "--save-output", s(&train_io)]).ok();
+    let saved = candle_core::safetensors::load(&train_io, &candle_core::Device::Cpu).unwrap();
+    let shared::Shape { batch: b, seq: t, d_model: c, ff, .. } = shared::Preset::Tiny.shape();
+    let want: [&[usize]; 13] = [&[c], &[c], &[3 * c, c], &[3 * c], &[c, c], &[c], &[c], &[c], &[ff, c], &[ff], &[c, ff], &[c], &[b, t, c]];
+    let mut names: Vec<String> = ["x", "y_stage0_baseline", "r"].map(String::from).to_vec();
+    for (name, dims) in shared::train::NAMES.iter().zip(want) {
+        let g = &saved[&format!("grad_{name}")];
+        assert_eq!(g.dims(), dims, "grad_{name}");
+        assert!(g.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() > 0.0, "grad_{name} is all zeros");
+        names.push(format!("grad_{name}"));
+    }
+    let mut keys: Vec<String> = saved.keys().cloned().collect();
+    keys.sort();
+    names.sort();
+    assert_eq!(keys, names);
+    // r is the ladder's own: `train::upstream` of the saved x at the run's seed, bit for bit.
+    let r = shared::train::upstream(&saved["x"], 7).unwrap();
+    assert_eq!(saved["r"].dims(), [b, t, c]);
+    let diff = (&saved["r"] - &r).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    assert_eq!(diff, 0.0);
+
+    run_tiny(&["--stages", "0", "--save-output", s(&forward_io)]).ok();
+    let forward = candle_core::safetensors::load(&forward_io, &candle_core::Device::Cpu).unwrap();
+    let mut keys: Vec<&str> = forward.keys().map(String::as_str).collect();
+    keys.sort();
+    assert_eq!(keys, ["x", "y_stage0_baseline"]);
 }

@@ -238,6 +238,16 @@ impl Session {
         Ok((chunk, crate::train::reference_gradients(forward.as_ref(), &vars, &self.x, r, chunk)?))
     }
 
+    /// What `--save-output` writes beside x and the outputs in a `--train` run: the upstream
+    /// gradient `r` (B, T, C) the loss ⟨y, r⟩ used, and stage 0's fp32 gradients that every stage
+    /// was checked against as `grad_<name>` (`train::NAMES`, `BlockWeights`' layout: matrices
+    /// (out, in), `grad_x` (B, T, C)). Empty for a forward run; `r` alone with --no-check.
+    pub fn train_outputs(&self) -> Vec<(String, Tensor)> {
+        let r = self.upstream.iter().map(|r| ("r".to_string(), r.clone()));
+        let grads = self.reference_grads.iter().flat_map(|g| crate::train::NAMES.iter().zip(g));
+        r.chain(grads.map(|(n, g)| (format!("grad_{n}"), g.clone()))).collect()
+    }
+
     /// `y` against the reference (`None` with --no-check); a failed check is the error.
     fn check(&self, y: &Tensor, spec: &dyn Stage, plan: &Plan) -> anyhow::Result<Option<CheckResult>> {
         let c = self.reference.as_ref().map(|r| compare(y, r, plan.precision)).transpose()?;
@@ -480,8 +490,11 @@ pub fn main(stages: &[StageEntry]) -> ExitCode {
         let rows = [Row::Ran(&record)];
         print!("{}{}", gemm_backends(&rows), table(grid(&rows, &[], record.device.is_cuda()), false));
         if let Some(path) = &session.args.save_output {
-            save_tensors(path, &[("x", &session.x), ("y", &y)])?;
-            println!("saved     x and y to {}", path.display());
+            let train = session.train_outputs();
+            let named: Vec<_> = [("x", &session.x), ("y", &y)].into_iter().chain(train.iter().map(|(n, t)| (n.as_str(), t))).collect();
+            save_tensors(path, &named)?;
+            let and = if train.is_empty() { "" } else { ", the upstream gradient r and the reference gradients" };
+            println!("saved     x and y{and} to {}", path.display());
         }
         if let Some(path) = &session.args.json {
             write_json(path, &record)?;

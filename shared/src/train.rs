@@ -161,9 +161,10 @@ pub fn gradients(grads: &GradStore, vars: &[Var], x: &Var, scale: f64) -> candle
 }
 
 /// The worst max |a − b| / max |b| over pairs of `got` and `reference` (on the host) against
-/// `tolerance`, and which pair it was (the first with a NaN or infinity in `got`, if any).
+/// `tolerance`, and which pair it was (the first with a NaN or infinity in `got`, if any);
+/// `max_abs_err` is the largest |a − b| over all pairs.
 fn worst(got: &[Tensor], reference: &[Tensor], tolerance: f64) -> candle_core::Result<(CheckResult, usize)> {
-    let (mut worst, mut at, mut bad) = (0f64, 0, 0);
+    let (mut worst, mut at, mut bad, mut raw) = (0f64, 0, 0, 0f64);
     for (i, (a, b)) in got.iter().zip(reference).enumerate() {
         let (a, b) = (crate::check::host_f32(a)?, crate::check::host_f32(b)?);
         let nan = a.iter().filter(|v| !v.is_finite()).count();
@@ -173,9 +174,9 @@ fn worst(got: &[Tensor], reference: &[Tensor], tolerance: f64) -> candle_core::R
         if bad == 0 && (e > worst || nan > 0) {
             at = i;
         }
-        (worst, bad) = (worst.max(e), bad + nan);
+        (worst, bad, raw) = (worst.max(e), bad + nan, raw.max(diff));
     }
-    Ok((CheckResult { rel_err: worst, max_abs_err: 0.0, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance }, at))
+    Ok((CheckResult { rel_err: worst, max_abs_err: raw, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance }, at))
 }
 
 /// Each gradient against the reference's: the worst one's error and its name.
