@@ -87,11 +87,31 @@ pub fn part(name: &'static str) -> Result<()> {
 /// and, while a training step's backward is being recorded (`record_backward`), each input
 /// passed through an identity op whose backward stamps the moment the part's backward is done.
 /// candle's backward visits an op only after every op that used its output, so that op's
-/// backward runs once all of the part's ops have run theirs. Otherwise the inputs come back as
-/// they are.
+/// backward runs once all of the part's ops have run theirs. Several inputs share one identity op
+/// (joined and split again: a copy in the instrumented forward, and one pass more in the part's
+/// backward). Otherwise the inputs come back as they are.
 pub fn enter<const N: usize>(name: &'static str, xs: [&Tensor; N]) -> Result<[Tensor; N]> {
     part(name)?;
     let marking = BACKWARD.with(|b| b.borrow().as_ref().is_some_and(|log| log.marking));
+    if marking && N > 1 && xs.iter().all(|x| x.track_op()) {
+        // Several inputs (stages 0–2's q, k, v) go through ONE identity op, joined along their
+        // last dimension and split again: separate ones would stamp as soon as their own branch
+        // of the part's backward is done (v's, say, while q's is still running), and the
+        // backward would run the part before's ops (v's projection) in between.
+        let last = xs[0].rank().saturating_sub(1);
+        let owned: Vec<Tensor> = xs.iter().map(|x| (*x).clone()).collect();
+        if let Ok(joined) = Tensor::cat(&owned, last) {
+            let joined = joined.apply_op1(Enter(name))?;
+            let mut at = 0;
+            let mut out = Vec::with_capacity(N);
+            for x in xs {
+                let n = x.dim(last)?;
+                out.push(joined.narrow(last, at, n)?);
+                at += n;
+            }
+            return Ok(out.try_into().unwrap_or_else(|_| unreachable!("N inputs, N outputs")));
+        }
+    }
     let mark = |x: &Tensor| match marking && x.track_op() {
         true => x.apply_op1(Enter(name)),
         false => Ok(x.clone()),
