@@ -778,6 +778,7 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
 }
 
 pub fn main() -> ExitCode {
+    shared::device::keep_freed_memory(); // no mmap, page faults and munmap per large tensor
     shared::output::clean_up_on_signals(); // a signal mid-write leaves no temp file
                                            // `about` after `augment_args`: the flag structs' doc comments would otherwise replace it.
     let cmd = with_stage_args(LadderArgs::augment_args(RunArgs::augment_args(clap::Command::new("ladder"))))

@@ -469,6 +469,7 @@ pub fn print_details(r: &Record) {
 /// The whole of a stage binary. `stages` lists every stage up to this one: the first is the fp32
 /// reference, the last runs, and each adds its flags (stage 4 honours stage 3's fusions).
 pub fn main(stages: &[StageEntry]) -> ExitCode {
+    crate::device::keep_freed_memory(); // no mmap, page faults and munmap per large tensor
     crate::output::clean_up_on_signals(); // a signal mid-write leaves no temp file
     let cmd = stages.iter().fold(RunArgs::augment_args(clap::Command::new("stage")), |c, e| (e.args)(c));
     if let Err(e) = crate::cli::check_env(&cmd) {
