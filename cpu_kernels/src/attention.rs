@@ -119,12 +119,12 @@ impl CpuAttention {
                     out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, s)| crate::bf16_gemm::narrow_bf16(s, o));
                     out
                 };
-                let (qb, kb, vb) = (narrow(q), narrow(k), narrow(v));
-                let qkv = [
-                    (qb.as_slice(), View::of(l1, q.len())?),
-                    (kb.as_slice(), View::of(l2, k.len())?),
-                    (vb.as_slice(), View::of(l3, v.len())?),
-                ];
+                // Views of one storage (stage 3's slices of its QKV output) are converted once.
+                let qb = narrow(q);
+                let same = |x: &[f32]| std::ptr::eq(x.as_ptr(), q.as_ptr()) && x.len() == q.len();
+                let (kb, vb) = (if same(k) { None } else { Some(narrow(k)) }, if same(v) { None } else { Some(narrow(v)) });
+                let (kb, vb) = (kb.as_deref().unwrap_or(&qb), vb.as_deref().unwrap_or(&qb));
+                let qkv = [(qb.as_slice(), View::of(l1, q.len())?), (kb, View::of(l2, k.len())?), (vb, View::of(l3, v.len())?)];
                 CpuStorage::F32(self.run_bf16::<f32>(qkv, dims)?)
             }
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {

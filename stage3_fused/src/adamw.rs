@@ -213,11 +213,12 @@ impl InplaceOp2 for Update<'_> {
         let k = self.coefs;
         theta.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK))).for_each(
             |((theta, g), (m, v))| {
-                for i in 0..theta.len() {
-                    m[i] = k.beta1 * m[i] + (1.0 - k.beta1) * g[i]; // m = β1·m + (1 − β1)·g
-                    v[i] = k.beta2 * v[i] + (1.0 - k.beta2) * (g[i] * g[i]); // v = β2·v + (1 − β2)·g²
-                    let (m_hat, v_hat) = (m[i] * k.scale_m, v[i] * k.scale_v);
-                    theta[i] = theta[i] * k.decay - (m_hat / (v_hat.sqrt() + k.eps)) * k.lr;
+                // Zipped slices: no index checks in the loop, so it vectorises.
+                for (((theta, &g), m), v) in theta.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                    *m = k.beta1 * *m + (1.0 - k.beta1) * g; // m = β1·m + (1 − β1)·g
+                    *v = k.beta2 * *v + (1.0 - k.beta2) * (g * g); // v = β2·v + (1 − β2)·g²
+                    let (m_hat, v_hat) = (*m * k.scale_m, *v * k.scale_v);
+                    *theta = *theta * k.decay - (m_hat / (v_hat.sqrt() + k.eps)) * k.lr;
                     // θ·(1 − lr·λ) − lr·m̂/(√v̂ + ε)
                 }
             },

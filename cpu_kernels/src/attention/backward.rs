@@ -75,9 +75,19 @@ pub fn attention_bwd(
     });
     // Each input once as f32, contiguous (B, T, n_head, d_head): a head's row r is at
     // ((b·T + r)·n_head + h)·d, rows n_head·d apart, which the tile GEMMs read in place. One copy
-    // per input (widening bf16/f16 on the way: the GEMMs are f32), small beside the five GEMMs.
-    let f32_rows = |x: &Tensor| -> candle_core::Result<Vec<f32>> { x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>() };
-    let (qv, kv, vv, ov, dov) = (f32_rows(q)?, f32_rows(k)?, f32_rows(v)?, f32_rows(o)?, f32_rows(d_o)?);
+    // per input at most (widening bf16/f16 on the way: the GEMMs are f32; none for an f32 input
+    // already contiguous), small beside the five GEMMs.
+    let f32_rows = |x: &Tensor| -> candle_core::Result<Tensor> { x.to_dtype(DType::F32)?.contiguous() };
+    let inputs = [f32_rows(q)?, f32_rows(k)?, f32_rows(v)?, f32_rows(o)?, f32_rows(d_o)?];
+    let guards: Vec<_> = inputs.iter().map(|t| t.storage_and_layout()).collect();
+    let mut slices = Vec::with_capacity(5);
+    for (storage, layout) in &guards {
+        match (&**storage, layout.contiguous_offsets()) {
+            (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, z))) => slices.push(&v[a..z]),
+            _ => candle_core::bail!("attention backward: an input is not a contiguous f32 CPU tensor"),
+        }
+    }
+    let (qv, kv, vv, ov, dov) = (slices[0], slices[1], slices[2], slices[3], slices[4]);
     let grads: Vec<[Vec<f32>; 3]> = (0..b * h)
         .into_par_iter()
         .map(|bh| {
