@@ -157,8 +157,10 @@ pub fn gemm_dtype(p: Precision) -> DType {
 /// into a zero tensor of the recorded tensor's dtype, and its CPU add of two bf16 tensors runs
 /// many times slower than its f32 add (`results/train-engine/candle-add.txt`), so every
 /// recorded bf16 activation and weight cast would cost the training step a slow pass per use.
+/// Only where the CPU's bf16 unit runs the engine's kernels: elsewhere an f32 operand would not be
+/// rounded to bf16 by every GEMM, and the row's bf16 would not say what ran.
 pub fn trains_f32_on_cpu(plan: &shared::Plan) -> bool {
-    plan.train && plan.device.is_cpu() && gemm_dtype(plan.precision) == DType::BF16
+    plan.train && plan.device.is_cpu() && gemm_dtype(plan.precision) == DType::BF16 && Kernel::detect().is_native()
 }
 
 #[cfg(feature = "harness")]
