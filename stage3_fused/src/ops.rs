@@ -552,7 +552,7 @@ impl CustomOp3 for Linear<'_> {
     }
 
     /// dx, dW, db in the arguments' dtypes: the bias gradient (and GELU's derivative) in one pass
-    /// over dy (`backward`), then dx = dz·W and dW = dzᵀ·x as candle matmuls. On CUDA the bias
+    /// over dy (`backward`), then dx = dz·W and dW = dzᵀ·x (`linear_grads`: the engine's bf16 GEMM or candle's f32 matmul). On CUDA the bias
     /// linear's db comes out of the weight-gradient GEMM (cuBLASLt's BGRADB, `cuda_lt`); bias +
     /// GELU outside `mlp` takes GELU's derivative by candle ops, then cuBLASLt's two GEMMs.
     fn bwd(
