@@ -86,7 +86,7 @@ impl Block {
             (false, false) => CpuKernel::Registers,
         };
         match self.copies {
-            true => attention_with_copies(self.attn, &q, &k, &v)?,
+            true => attention_with_copies(self.attn, cpu, &q, &k, &v)?,
             false => attention_opts(self.attn, cpu, &q, &k, &v, true)?,
         }
         .reshape((b, t, c)) // (B, T, C)

@@ -70,9 +70,17 @@ use candle_core::Tensor;
 /// (B, T, n_head, d_head) rows and copies it back (so on the CPU each input pays two copies,
 /// an upper bound on stage 1's one; the CUDA kernel reads the head-major view in place). The
 /// output is copied out to (B, n_head, T, d_head), as stage 1's attention returns it, and back
-/// into (B, T, C) rows, as `merge_heads` does.
-pub fn attention_with_copies(imp: attention::Implementation, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+/// into (B, T, C) rows, as `merge_heads` does. `cpu`: the CPU kernel the stage itself runs
+/// (`Registers`; `RegistersBf16` in a training step on a CPU with a bf16 unit), so the copies are
+/// the one change.
+pub fn attention_with_copies(
+    imp: attention::Implementation,
+    cpu: attention::CpuKernel,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> candle_core::Result<Tensor> {
     let split = |t: &Tensor| t.transpose(1, 2)?.contiguous()?.transpose(1, 2); // copy to (B, n_head, T, d_head), viewed back
-    let a = attention_opts(imp, attention::CpuKernel::Registers, &split(q)?, &split(k)?, &split(v)?, true)?; // (B, T, n_head, d_head)
+    let a = attention_opts(imp, cpu, &split(q)?, &split(k)?, &split(v)?, true)?; // (B, T, n_head, d_head)
     a.transpose(1, 2)?.contiguous()?.transpose(1, 2)?.contiguous() // the merge: (B, n_head, T, d_head) copy, then (B, T, n_head, d_head) rows
 }
