@@ -41,6 +41,15 @@ pub(crate) fn part_names(records: &[&Record]) -> Vec<String> {
     records.iter().flat_map(|r| r.breakdown.iter().flat_map(|b| &b.parts)).map(|p| p.name.clone()).unique().collect()
 }
 
+/// A part's cell: "ms · regime tag", its regime as `ladder::run` or `ladder::load` computed it
+/// (never a file's own).
+fn part_cell(p: &shared::breakdown::PartTime) -> String {
+    match &p.regime {
+        Some(g) => format!("{} · {}", fmt_ms(p.median_ms), shared::regime::tag(g)),
+        None => fmt_ms(p.median_ms),
+    }
+}
+
 /// `--breakdown`'s table: a row per stage, a column per part (forward order), total and median.
 pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
     let with: Vec<&Record> = report.records.iter().filter(|r| r.breakdown.is_some()).collect();
@@ -53,14 +62,9 @@ pub fn breakdown_table(report: &LadderReport, markdown: bool) -> String {
     let rows = with
         .iter()
         .map(|&r| {
-            // Each part's regime as `ladder::run` or `ladder::load` computed it (never a file's own).
             let b = r.breakdown.as_ref().expect("filtered");
-            let cell = |p: &shared::breakdown::PartTime| match &p.regime {
-                Some(g) => format!("{} · {}", fmt_ms(p.median_ms), shared::regime::tag(g)),
-                None => fmt_ms(p.median_ms),
-            };
             let mut row = vec![r.stage.clone()];
-            row.extend(parts.iter().map(|name| b.parts.iter().find(|p| &p.name == name).map_or("–".into(), cell)));
+            row.extend(parts.iter().map(|name| b.parts.iter().find(|p| &p.name == name).map_or("–".into(), part_cell)));
             row.extend([b.total_ms, r.timing.median_ms].map(|ms| format!("{} ms", fmt_ms(ms))));
             row
         })
@@ -86,12 +90,8 @@ pub fn backward_table(report: &LadderReport, markdown: bool) -> String {
         .iter()
         .map(|&r| {
             let b = r.breakdown.as_ref().expect("filtered");
-            let cell = |p: &shared::breakdown::PartTime| match &p.regime {
-                Some(g) => format!("{} · {}", fmt_ms(p.median_ms), shared::regime::tag(g)),
-                None => fmt_ms(p.median_ms),
-            };
             let mut row = vec![r.stage.clone()];
-            row.extend(parts.iter().map(|name| b.backward.iter().find(|p| &p.name == name).map_or("–".into(), cell)));
+            row.extend(parts.iter().map(|name| b.backward.iter().find(|p| &p.name == name).map_or("–".into(), part_cell)));
             let sum: f64 = b.backward.iter().filter(|p| p.name != "optimizer").map(|p| p.median_ms).sum();
             row.push(format!("{} ms", fmt_ms(sum)));
             row
