@@ -84,14 +84,19 @@ fn inputs(dims: (usize, usize, usize, usize), seed: u64, strided: bool) -> ([Ten
 
 #[test]
 fn backward_matches_the_autograd_twin() {
-    // Ragged T (not a multiple of B_r = B_c = 128, and below one tile), B·n_head > 1, d_head
-    // 16/64/80, causal and not, contiguous inputs and stage 3's strided views.
+    // Ragged T (not a multiple of B_r = B_c = 128, nor of the 12-row register tiles, and below
+    // one tile), B·n_head > 1, d_head 16 (the tile GEMMs) and every register head size (32–128;
+    // 80 ends in a narrower panel), causal and not, contiguous inputs and stage 3's strided views.
     let cases = [
         ((2, 37, 3, 16), true, false),
         ((1, 300, 2, 64), true, true),
         ((2, 129, 2, 80), false, true),
         ((1, 260, 1, 64), false, false),
         ((1, 1, 2, 16), true, false),
+        ((2, 45, 1, 32), true, true),
+        ((1, 131, 2, 96), true, false),
+        ((1, 200, 1, 128), false, true),
+        ((1, 5, 1, 128), true, false),
     ];
     let worst = cases
         .iter()
@@ -109,7 +114,17 @@ fn check_against_twin(dims: (usize, usize, usize, usize), causal: bool, strided:
     let ([q, k, v], vars) = inputs(dims, seed, strided);
     let d_o = Tensor::from_vec(SplitMix64::new(seed + 99).normals(dims.0 * dims.1 * dims.2 * dims.3), dims, &Device::Cpu).unwrap();
     let y = stage2_sdpa::attention::attention(&q, &k, &v, causal).unwrap();
+    cpu_kernels::trace::start();
     let grads = (y * &d_o).unwrap().sum_all().unwrap().backward().unwrap();
+    let ran = cpu_kernels::trace::stop().join("; ");
+    // The register-blocked products at the forward's register head sizes on x86-64 with AVX2,
+    // the tile GEMMs elsewhere; the trace names the one that ran.
+    let registers = cfg!(target_arch = "x86_64")
+        && cpu_kernels::attention::registers::supports(dims.3)
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma");
+    let kernel = if registers { "register-blocked f32 micro-kernels" } else { "f32 tile GEMMs (gemm crate)" };
+    assert!(ran.contains(&format!("attention backward: FlashAttention-2 tiles, {kernel}")), "d_head {}: {ran}", dims.3);
     let want = grads_slow(&q, &k, &v, &d_o, causal).unwrap();
     let got: Vec<Tensor> = if strided {
         let g = grads.get(vars[0].as_tensor()).expect("a gradient for the QKV tensor");
@@ -135,7 +150,7 @@ proptest::proptest! {
         b in 1usize..3,
         t in 1usize..300,
         h in 1usize..4,
-        d in proptest::sample::select(vec![8usize, 16, 24, 40, 64]),
+        d in proptest::sample::select(vec![8usize, 16, 24, 32, 40, 64, 80, 128]),
         causal: bool,
         strided: bool,
         seed in 0u64..1 << 20,

@@ -23,6 +23,12 @@
 //! the query tiles stream past; dQ accumulates across key tiles in a (T, d) buffer of the head.
 //! One rayon task per (batch, head) owns all three, so nothing is shared between threads.
 //!
+//! The five products run on the forward's register-blocked micro-kernels (`tiles`: 12-row
+//! register tiles, AVX-512 or AVX2, at the forward's register head sizes), each operand laid out
+//! once per head in the order the micro-kernel reads it; elsewhere through the `gemm` crate
+//! (`head_bwd_impl`), which packs both operands on every call (at `small`'s heads, one thread of
+//! an AVX-512 Xeon: 48 ms per backward against the `gemm` crate's 64).
+//!
 //! L comes from the forward: while training (q, k or v tracked) the CPU kernels hand each row's
 //! L_i = m_i + ln l_i to their row writer with the row (they hold m and l there anyway), and the
 //! op keeps them, one f32 per row, for this pass; inference keeps nothing. Where no L was kept
@@ -37,6 +43,8 @@
 //! softmax, matmul), and `small_head_bwd`, the same algorithm as scalar loops over one head.
 
 use super::max_f32;
+#[cfg(target_arch = "x86_64")]
+mod tiles;
 use crate::elementwise::{exp_f32, sum_f32};
 use candle_core::{DType, Device, Tensor, Var, D};
 use rayon::prelude::*;
@@ -69,7 +77,8 @@ pub fn attention_bwd(
     let (b, t, h, d) = q.dims4()?;
     crate::trace::ran_with(|| {
         format!(
-            "attention backward: FlashAttention-2 tiles, f32 tile GEMMs (gemm crate){}",
+            "attention backward: FlashAttention-2 tiles, {}{}",
+            if registered(d) { "register-blocked f32 micro-kernels" } else { "f32 tile GEMMs (gemm crate)" },
             if lse.is_none() { ", L recomputed" } else { "" }
         )
     });
@@ -104,19 +113,36 @@ pub fn attention_bwd(
             head_bwd(&io, t, d, scale, causal)
         })
         .collect();
-    // Scatter each head's (T, d) gradients into (B, T, n_head, d_head).
-    let mut out = [vec![0f32; b * t * h * d], vec![0f32; b * t * h * d], vec![0f32; b * t * h * d]];
-    for (bh, g) in grads.iter().enumerate() {
-        let base = (bh / h) * t * h * d + (bh % h) * d;
-        for (dst, src) in out.iter_mut().zip(g) {
-            for (r, row) in src.chunks_exact(d).enumerate() {
-                dst[base + r * h * d..][..d].copy_from_slice(row);
+    // Each head's (T, d) gradients into (B, T, n_head, d_head), written in that order (no
+    // zeroed buffer to overwrite).
+    let gather = |which: usize| {
+        let mut out = Vec::with_capacity(b * t * h * d);
+        for bi in 0..b {
+            for r in 0..t {
+                for hi in 0..h {
+                    out.extend_from_slice(&grads[bi * h + hi][which][r * d..][..d]);
+                }
             }
         }
-    }
-    let [dq, dk, dv] = out;
+        out
+    };
+    let (dq, dk, dv) = (gather(0), gather(1), gather(2));
     let back = |g: Vec<f32>| Tensor::from_vec(g, (b, t, h, d), &Device::Cpu)?.to_dtype(q.dtype());
     Ok([back(dq)?, back(dk)?, back(dv)?])
+}
+
+/// Whether the backward runs the register-blocked micro-kernels (`tiles`) at head size `d`: on
+/// x86-64 with AVX2 or AVX-512, at the head sizes the forward's register kernel compiles.
+fn registered(d: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::registers::supports(d) && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = d;
+        false
+    }
 }
 
 /// One head's rows inside a (B, T, n_head, d_head) buffer: row r starts at `r·rs`.
@@ -147,6 +173,16 @@ struct HeadIo<'a> {
 /// times (baseline, AVX2+FMA, AVX-512) and picked at run time, as the forward's are; the tile
 /// GEMMs dispatch on their own.
 fn head_bwd(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
+    #[cfg(target_arch = "x86_64")]
+    if registered(d) && std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: this CPU supports AVX-512F and FMA, checked on the line above.
+        return unsafe { tiles::head_bwd_avx512(io, t, d, scale, causal) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if registered(d) && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: this CPU supports AVX2 and FMA, checked on the line above.
+        return unsafe { tiles::head_bwd_avx2_fma(io, t, d, scale, causal) };
+    }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: this CPU supports AVX-512F and FMA, checked on the line above.

@@ -53,7 +53,7 @@ pub fn supports(d: usize) -> bool {
 /// widest set this CPU has. Written with the `std::arch` intrinsics because the compiler does
 /// not find this register blocking on its own from plain loops over arrays (it vectorised
 /// them across the rows, with gathers).
-trait Simd {
+pub(super) trait Simd {
     type V: Copy;
     const LANES: usize;
     /// # Safety
@@ -75,7 +75,7 @@ trait Simd {
 }
 
 /// One f32 at a time: any CPU (the compiler may still vectorise it).
-struct Scalar;
+pub(super) struct Scalar;
 impl Simd for Scalar {
     type V = f32;
     const LANES: usize = 1;
@@ -110,7 +110,7 @@ use std::arch::x86_64::*;
 
 /// 16 lanes (AVX-512F).
 #[cfg(target_arch = "x86_64")]
-struct Avx512;
+pub(super) struct Avx512;
 #[cfg(target_arch = "x86_64")]
 impl Simd for Avx512 {
     type V = __m512;
@@ -174,7 +174,7 @@ impl Simd for Avx512 {
 
 /// 8 lanes (AVX2 with FMA).
 #[cfg(target_arch = "x86_64")]
-struct Avx2;
+pub(super) struct Avx2;
 #[cfg(target_arch = "x86_64")]
 impl Simd for Avx2 {
     type V = __m256;
