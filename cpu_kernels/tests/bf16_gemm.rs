@@ -153,6 +153,8 @@ fn backward_orientations_match_the_scalar_twin_on_ragged_shapes() {
             // And f32 operands in the same orientations, rounded as packed.
             let stored32: Vec<f32> = stored.iter().map(|v| v.to_f32() * 1.001).collect();
             let a32 = MatRef::row_major(&stored32, k, m).t();
+            let w32: Vec<f32> = w.iter().map(|v| v.to_f32() * 0.999).collect();
+            let b32 = MatRef::row_major(&w32, k, n);
             for (what, parallel) in [("sequential", false), ("parallel", true)] {
                 let mut want = vec![0f32; m * n];
                 gemm_scalar(&mut want, a, b, false);
@@ -164,6 +166,11 @@ fn backward_orientations_match_the_scalar_twin_on_ragged_shapes() {
                 let mut got = vec![f32::NAN; m * n];
                 gemm(kernel, &mut got, a32, b, false, parallel).unwrap();
                 assert_close(&got, &want, k, 1.0, &format!("{} f32 column-major A, {what}, {m}×{n}×{k}", kernel.name()));
+                let mut want = vec![0f32; m * n];
+                gemm_scalar(&mut want, a32, b32, false);
+                let mut got = vec![f32::NAN; m * n];
+                gemm(kernel, &mut got, a32, b32, false, parallel).unwrap();
+                assert_close(&got, &want, k, 1.0, &format!("{} f32 column-major A · f32 row-major B, {what}, {m}×{n}×{k}", kernel.name()));
             }
         }
     }
