@@ -195,6 +195,16 @@ pub trait Operand: Copy + Send + Sync + std::fmt::Debug + 'static {
             *o = lo.bf16_bits() as u32 | (hi.bf16_bits() as u32) << 16;
         }
     }
+    /// A 16 × 16 tile of pairs from 32 columns of a column-major matrix: `out[16·r + p]` = the
+    /// pair (`data[2p·cs + r]`, `data[(2p + 1)·cs + r]`) for r, p < 16 (AMX's A tile of dZᵀ).
+    #[inline(always)]
+    fn pair_tile_of_columns(data: &[Self], cs: usize, out: &mut [u32]) {
+        let mut columns = [0u32; 256];
+        for p in 0..16 {
+            Self::pairs_across(&data[2 * p * cs..][..16], &data[(2 * p + 1) * cs..][..16], &mut columns[16 * p..][..16]);
+        }
+        transpose_16x16(&columns, out);
+    }
 }
 
 impl Operand for bf16 {
@@ -240,6 +250,36 @@ impl Operand for f32 {
             *o = lo.bf16_bits() as u32 | (hi.bf16_bits() as u32) << 16;
         }
     }
+    #[inline(always)]
+    fn pair_tile_of_columns(data: &[f32], cs: usize, out: &mut [u32]) {
+        assert!(data.len() >= 31 * cs + 16 && out.len() >= 256, "a tile of 32 columns × 16 rows");
+        #[cfg(target_arch = "x86_64")]
+        if Kernel::Avx512Bf16.available() {
+            // SAFETY: the CPU has AVX512-F and AVX512-BF16 (checked on the line above); the
+            // columns and the tile lie inside the slices (asserted above).
+            return unsafe { pair_tile_of_columns_avx512(data, cs, out) };
+        }
+        let mut columns = [0u32; 256];
+        for p in 0..16 {
+            Self::pairs_across(&data[2 * p * cs..][..16], &data[(2 * p + 1) * cs..][..16], &mut columns[16 * p..][..16]);
+        }
+        transpose_16x16(&columns, out);
+    }
+}
+
+/// `pair_tile_of_columns` for f32 in one call: each column pair rounded and merged into a
+/// register, then the 16 registers transposed (`transpose_16x16_avx512`'s rounds).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pair_tile_of_columns_avx512(data: &[f32], cs: usize, out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let round = |x: *const f32| -> __m512i {
+        _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x))))
+    };
+    let p = data.as_ptr();
+    let r: [__m512i; 16] =
+        std::array::from_fn(|c| _mm512_or_si512(round(p.add(2 * c * cs)), _mm512_slli_epi32::<16>(round(p.add((2 * c + 1) * cs)))));
+    transpose_16x16_registers(r, out);
 }
 
 /// `pairs_along` for f32: 32 values (16 pairs) per `vcvtne2ps2bf16`, whose 32 bf16 come out in
@@ -666,13 +706,9 @@ fn pack_pairs<T: Operand>(
         // AMX's A tiles (16 rows × 16 pairs, rows 16 pairs apart) from a column-major A (the
         // weight gradient's dZᵀ): each pair of A's columns gives one tile column, 16 rows at a
         // time, and a 16 × 16 transpose in registers makes them the tile's rows.
-        let mut columns = [0u32; 256];
         for h in 0..rows / 16 {
-            for p in 0..16 {
-                let col = a.offset + i0 + 16 * h + 2 * (p0 + p) * a.cs;
-                T::pairs_across(&a.data[col..][..16], &a.data[col + a.cs..][..16], &mut columns[16 * p..][..16]);
-            }
-            transpose_16x16(&columns, &mut out[256 * h..][..256]);
+            let first = a.offset + i0 + 16 * h + 2 * p0 * a.cs; // row i0 + 16h, column 2·p0
+            T::pair_tile_of_columns(&a.data[first..], a.cs, &mut out[256 * h..][..256]);
         }
     } else if a.rs == 1 && whole > 0 && rows > 0 {
         for p in 0..whole {
@@ -722,7 +758,18 @@ fn transpose_16x16(m: &[u32; 256], out: &mut [u32]) {
 #[target_feature(enable = "avx512f")]
 unsafe fn transpose_16x16_avx512(m: &[u32; 256], out: &mut [u32]) {
     use std::arch::x86_64::*;
-    let mut r: [__m512i; 16] = std::array::from_fn(|i| _mm512_loadu_si512(m.as_ptr().add(16 * i) as *const __m512i));
+    transpose_16x16_registers(std::array::from_fn(|i| _mm512_loadu_si512(m.as_ptr().add(16 * i) as *const __m512i)), out)
+}
+
+/// Stores the transpose of the 16 × 16 u32 held in `r` (row i in r[i]) at `out`.
+///
+/// # Safety
+/// The CPU has AVX-512F; out holds 256 u32.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_16x16_registers(mut r: [std::arch::x86_64::__m512i; 16], out: &mut [u32]) {
+    use std::arch::x86_64::*;
     let mut t = [_mm512_setzero_si512(); 16];
     for i in (0..16).step_by(2) {
         // 32-bit interleave of row pairs
