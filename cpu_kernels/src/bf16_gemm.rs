@@ -449,12 +449,13 @@ impl<T: Copy + Default> Lines<T> {
         self.len = len;
     }
 
-    /// At least `len` words, reusing the allocation; their values are left as they were.
-    pub fn grow(&mut self, len: usize) {
+    /// Now `len` words, reusing the allocation without clearing it: words it held keep their
+    /// values (for a buffer the caller overwrites whole), words beyond it start at zero.
+    pub fn resize_keeping(&mut self, len: usize) {
         if self.lines.len() < len.div_ceil(16) {
             self.lines.resize(len.div_ceil(16), Line::default());
         }
-        self.len = self.len.max(len);
+        self.len = len;
     }
 }
 
@@ -596,9 +597,9 @@ pub fn gemm_packed_bf16_with<A: Operand>(
     let out = OutPtr(c.as_mut_ptr());
     tasks(m, n, parallel, |(i0, mc), (j0, nc)| {
         SCRATCH.with_borrow_mut(|scratch| {
-            scratch.grow(mc * nc); // never read before written: the block overwrites it
-                                   // The task's rows of A and its columns' B panels (j0 is a multiple of NC, so of NR)
-                                   // as an m = mc, n = nc product at (0, 0), written into the scratch (row length nc).
+            scratch.resize_keeping(mc * nc); // never read before written: the block overwrites it
+                                             // The task's rows of A and its columns' B panels (j0 is a multiple of NC, so of NR)
+                                             // as an m = mc, n = nc product at (0, 0), written into the scratch (row length nc).
             let rows = MatRef { offset: a.offset + i0 * a.rs, rows: mc, ..a };
             let panels = &b.panels[(j0 / NR) * kp * NR..];
             // SAFETY: the scratch holds mc × nc f32 and is this thread's alone.
@@ -675,8 +676,9 @@ fn pack_a<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, 
 }
 
 /// Rows i0..i0+mr of A, pairs p0..p0+kc (pair p: columns 2p and 2p + 1, the lower in the low
-/// half), each pair's u32 at `out[r·r_step + p·p_step]`; `out` arrives zeroed, and rows past A's
-/// edge stay zero. Read in memory order for the two layouts the GEMMs meet: row-major A (a pair
+/// half), each pair's u32 at `out[r·r_step + p·p_step]`: every pair of every row inside A (zero
+/// pairs past K included); rows past A's edge are not written, so their words must arrive
+/// zeroed. Read in memory order for the two layouts the GEMMs meet: row-major A (a pair
 /// is two neighbours: activations, a weight read as Wᵀ) and column-major A (a row's elements are
 /// a column apart, and row after row is contiguous: the backward's dZᵀ, and a row-major B read
 /// as B's panels). Any other stride, element by element.

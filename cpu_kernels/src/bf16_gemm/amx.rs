@@ -103,12 +103,15 @@ pub unsafe fn block<T: Operand>(
         let kc = KCA.min(kp - p0);
         // Rows i0..i0+mc, pairs p0..p0+kc, in panels of TM rows (zero rows past m); a panel is
         // kc / TK steps of two A tiles, each tile 16 rows × 16 pairs in one contiguous KiB.
+        // Every word is written (no clearing pass: it was a memset of the whole block per slice
+        // per task): pack_pairs writes all kc pairs of the block's rows, zeros past K included.
         let steps = kc / TK;
-        packed_a.reset(mc.div_ceil(TM) * TM * kc);
+        packed_a.resize_keeping(mc.div_ceil(TM) * TM * kc);
         for (panel, out) in packed_a.chunks_mut(TM * kc).enumerate() {
-            let rows = (i0 + panel * TM, TM.min(mc - panel * TM));
+            let rows = TM.min(mc - panel * TM);
             for (s, tiles) in out.chunks_mut(TM * TK).enumerate().take(steps) {
-                super::pack_pairs(&a, rows, (p0 + s * TK, TK), tiles, (TK, 1));
+                super::pack_pairs(&a, (i0 + panel * TM, rows), (p0 + s * TK, TK), tiles, (TK, 1));
+                tiles[rows * TK..].fill(0); // rows past the block: zero products, never stored
             }
         }
         let load = accumulate || p0 > 0;
