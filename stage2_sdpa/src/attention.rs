@@ -30,7 +30,7 @@
 //! agree on random shapes.
 
 use crate::attention_cuda;
-use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use cpu_kernels::attention::CpuAttention;
 pub use cpu_kernels::attention::{backward, registers, CpuKernel, BC, BR, ROW_BC, ROW_BR};
 use std::sync::Mutex;
@@ -323,11 +323,18 @@ impl CustomOp3 for FlashAttn {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // The forward's L, when it kept one (taken: one backward per forward).
         let kept = self.lse.as_ref().and_then(|slot| slot.lock().ok()?.take());
+        // The backward multiplies in the forward's precision: bf16 pairs where the forward's
+        // register kernel ran them (bf16 inputs, or f32 ones rounded by `RegistersBf16`).
+        let bf16 = match self.cpu {
+            CpuKernel::RegistersBf16 => true,
+            CpuKernel::Registers => q.dtype() == DType::BF16,
+            CpuKernel::GemmTiles | CpuKernel::RowAxpy => false,
+        };
         let [dq, dk, dv] = match kept {
             #[cfg(feature = "cuda")]
             Some(Kept::Device(lse)) => attention_cuda::cuda_bwd(q, k, v, o, d_o, &lse, self.scale, self.causal)?,
-            Some(Kept::Host(lse)) => backward::attention_bwd(q, k, v, o, d_o, Some(&lse), self.scale, self.causal)?,
-            _ => backward::attention_bwd(q, k, v, o, d_o, None, self.scale, self.causal)?,
+            Some(Kept::Host(lse)) => backward::attention_bwd_with(q, k, v, o, d_o, Some(&lse), self.scale, self.causal, bf16)?,
+            _ => backward::attention_bwd_with(q, k, v, o, d_o, None, self.scale, self.causal, bf16)?,
         };
         Ok((Some(dq), Some(dk), Some(dv)))
     }

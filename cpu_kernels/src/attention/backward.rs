@@ -69,16 +69,45 @@ pub fn attention_bwd(
     scale: f32,
     causal: bool,
 ) -> candle_core::Result<[Tensor; 3]> {
+    attention_bwd_with(q, k, v, o, d_o, lse, scale, causal, false)
+}
+
+/// `attention_bwd` with bf16 products when `bf16_products`, this CPU runs the bf16 register
+/// kernel at this head size (`registers::bf16::runs`) and its bf16 unit is AVX512-BF16: what a
+/// forward with bf16 products (bf16 inputs, or `CpuKernel::RegistersBf16`) takes, so the
+/// backward multiplies in the forward's precision. Where AMX is the bf16 unit (Intel Xeons)
+/// `vdpbf16ps` retires no more multiply-adds per cycle than an f32 FMA, and the pairs' extra
+/// layout passes made the bf16 backward slower than the f32 one (69 against 50 ms at `small`'s
+/// heads, one thread, AMX Xeon), so there, and everywhere else, the products are f32, as in
+/// `attention_bwd`.
+#[allow(clippy::too_many_arguments)] // attention_bwd's arguments and the products' precision
+pub fn attention_bwd_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    d_o: &Tensor,
+    lse: Option<&[f32]>,
+    scale: f32,
+    causal: bool,
+    bf16_products: bool,
+) -> candle_core::Result<[Tensor; 3]> {
     if q.device().is_cuda() {
         // Our CUDA kernel runs from the L its forward wrote (`FlashAttn::bwd`); without one (f32,
         // stage 3 at TF32, which our forward kernels do not take) the backward is candle's ops.
         return bwd_candle_ops(q, k, v, o, d_o, scale, causal);
     }
     let (b, t, h, d) = q.dims4()?;
+    let bf16 =
+        bf16_products && super::registers::bf16::runs(d) && crate::bf16_gemm::Kernel::detect() == crate::bf16_gemm::Kernel::Avx512Bf16;
     crate::trace::ran_with(|| {
         format!(
             "attention backward: FlashAttention-2 tiles, {}{}",
-            if registered(d) { "register-blocked f32 micro-kernels" } else { "f32 tile GEMMs (gemm crate)" },
+            match (bf16, registered(d)) {
+                (true, _) => "register-blocked, bf16 pairs (avx512-bf16)",
+                (false, true) => "register-blocked f32 micro-kernels",
+                (false, false) => "f32 tile GEMMs (gemm crate)",
+            },
             if lse.is_none() { ", L recomputed" } else { "" }
         )
     });
@@ -110,6 +139,12 @@ pub fn attention_bwd(
                 d_o: Rows { data: &dov[base..], rs },
                 lse: lse.map(|l| &l[bh * t..][..t]),
             };
+            #[cfg(target_arch = "x86_64")]
+            if bf16 {
+                // SAFETY: `registers::bf16::runs(d)`: AVX512-F, AVX512-BF16 (and so FMA) and a
+                // register head size.
+                return unsafe { tiles::head_bwd_bf16(&io, t, d, scale, causal) };
+            }
             head_bwd(&io, t, d, scale, causal)
         })
         .collect();

@@ -243,3 +243,300 @@ unsafe fn tile<S: Simd, const NV: usize>(
         }
     }
 }
+
+/// bf16 pairs (AVX512-BF16): the same tiles, loop order and equations, every product on
+/// `vdpbf16ps` (two bf16 products per f32 lane per instruction) with f32 accumulation, as a GPU's
+/// FlashAttention-2 backward runs them on bf16 tensor cores. Each product's pairs lie along its
+/// contraction, so each operand is laid out once per head (or, for P and dS, once per tile):
+///
+/// ```text
+/// product                contraction   A (pairs broadcast)            B (pair panels)
+/// S  = Q_i K_jᵀ · scale   channels      Q_i's channel pairs            Kᵀ: key panels of channel pairs
+/// dP = dO_i V_jᵀ          channels      dO_i's channel pairs           Vᵀ: key panels of channel pairs
+/// dV_j += Pᵀ dO_i         query rows    P's row pairs, per tile         dO: channel panels of row pairs
+/// dQ_i += dS K_j · scale  keys          dS's key pairs, per tile        K: channel panels of key pairs
+/// dK_j += dSᵀ Q_i · scale query rows    dS's row pairs, per tile        Q: channel panels of row pairs
+/// ```
+///
+/// What it costs: q, k, v, dO, P and dS rounded to bf16 (8 significant bits) as they are laid
+/// out; L, D, the softmax and every sum stay f32. An odd count along a contraction leaves the
+/// last pair half zero.
+///
+/// # Safety
+/// The CPU supports AVX512-F, AVX512-BF16 and FMA; `d` is one of the forward's register head
+/// sizes (even).
+#[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+pub(super) unsafe fn head_bwd_bf16(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
+    use std::arch::x86_64::*;
+    assert!(d.is_multiple_of(16), "register head sizes are multiples of 16");
+    let HeadIo { q, k, v, o, d_o, lse } = *io;
+    let lse = match lse {
+        Some(l) => std::borrow::Cow::Borrowed(l),
+        None => std::borrow::Cow::Owned(log_sum_exp(q, k, t, d, scale, causal)),
+    };
+    let mut delta = vec![0f32; t];
+    for (r, di) in delta.iter_mut().enumerate() {
+        *di = dot(d_o.row(r, d), o.row(r, d));
+    }
+    let (dp2, tp) = (d / 2, t.div_ceil(2)); // channel pairs, row pairs
+    let (qp, dop) = (channel_pairs(q, t, d), channel_pairs(d_o, t, d));
+    let (ktp, vtp) = (key_pair_panels(k, t, d), key_pair_panels(v, t, d));
+    let (krp, qrp, dorp) = (row_pair_panels(k, t, d), row_pair_panels(q, t, d), row_pair_panels(d_o, t, d));
+    let keys = |panels: &[u32], j0: usize| {
+        let base = panels.as_ptr();
+        move |c0: usize| (base.add((j0 + c0) / PAIR_NR * dp2 * PAIR_NR), PAIR_NR)
+    };
+    let rows = |panels: &[u32], r0: usize| {
+        let base = panels.as_ptr();
+        move |c0: usize| {
+            let w = PAIR_NR.min(d - c0);
+            (base.add(tp * c0 + r0 * w), w)
+        }
+    };
+    let (mut dq, mut dk, mut dv) = (vec![0f32; t * d], vec![0f32; t * d], vec![0f32; t * d]);
+    let (mut p, mut dp) = (vec![0f32; BR * BC], vec![0f32; BR * BC]); // P, then dS, in p; dP
+    let mut row_pairs = vec![0u32; BR.div_ceil(2) * BC]; // Pᵀ or dSᵀ: row pair r' of key j at r'·B_c + j
+    let mut key_pairs = vec![0u32; BR * BC / 2]; // dS: key pair j' of row r at r·B_c/2 + j'
+    for j0 in (0..t).step_by(BC) {
+        let bc = BC.min(t - j0);
+        let bc_tiles = bc.next_multiple_of(PAIR_NR);
+        let i_first = if causal { j0 / BR * BR } else { 0 };
+        for i0 in (i_first..t).step_by(BR) {
+            let br = BR.min(t - i0);
+            let (br2, bc2) = (br.div_ceil(2), bc.div_ceil(2));
+            // S = Q_i K_jᵀ · scale
+            let q_i = PairBcast { p: qp.as_ptr().add(i0 * dp2), rs: dp2, cs: 1 };
+            product_bf16((br, bc_tiles, dp2), q_i, keys(&ktp, j0), (p.as_mut_ptr(), BC), false, scale);
+            for r in 0..br {
+                let n = if causal { bc.min((i0 + r + 1).saturating_sub(j0)) } else { bc };
+                let row = &mut p[r * BC..][..bc];
+                <Avx512 as Simd>::exp_sum(&mut row[..n], lse[i0 + r]); // P = exp(S − L)
+                row[n..].fill(0.0);
+            }
+            // dV_j += Pᵀ dO_i
+            pairs_of_rows(&p, br, bc, &mut row_pairs);
+            let p_t = PairBcast { p: row_pairs.as_ptr(), rs: 1, cs: BC };
+            product_bf16((bc, d, br2), p_t, rows(&dorp, i0 / 2), (dv.as_mut_ptr().add(j0 * d), d), true, 1.0);
+            // dP = dO_i V_jᵀ
+            let do_i = PairBcast { p: dop.as_ptr().add(i0 * dp2), rs: dp2, cs: 1 };
+            product_bf16((br, bc_tiles, dp2), do_i, keys(&vtp, j0), (dp.as_mut_ptr(), BC), false, 1.0);
+            for r in 0..br {
+                let di = _mm512_set1_ps(delta[i0 + r]);
+                let (ds, dp) = (&mut p[r * BC..][..bc], &dp[r * BC..][..bc]);
+                let whole = bc / 16 * 16;
+                for c in (0..whole).step_by(16) {
+                    // dS = P ∘ (dP − D_i), in place of P
+                    let x = _mm512_mul_ps(_mm512_loadu_ps(ds.as_ptr().add(c)), _mm512_sub_ps(_mm512_loadu_ps(dp.as_ptr().add(c)), di));
+                    _mm512_storeu_ps(ds.as_mut_ptr().add(c), x);
+                }
+                for c in whole..bc {
+                    ds[c] *= dp[c] - delta[i0 + r];
+                }
+                f32_pairs(ds, &mut key_pairs[r * BC / 2..][..bc2]); // dS's key pairs, for dQ
+            }
+            // dQ_i += dS K_j · scale
+            let ds = PairBcast { p: key_pairs.as_ptr(), rs: BC / 2, cs: 1 };
+            product_bf16((br, d, bc2), ds, rows(&krp, j0 / 2), (dq.as_mut_ptr().add(i0 * d), d), true, scale);
+            // dK_j += dSᵀ Q_i · scale
+            pairs_of_rows(&p, br, bc, &mut row_pairs);
+            let ds_t = PairBcast { p: row_pairs.as_ptr(), rs: 1, cs: BC };
+            product_bf16((bc, d, br2), ds_t, rows(&qrp, i0 / 2), (dk.as_mut_ptr().add(j0 * d), d), true, scale);
+        }
+    }
+    [dq, dk, dv]
+}
+
+/// Columns per bf16 register tile: two vectors of 16 f32.
+const PAIR_NR: usize = 32;
+
+/// An operand of pairs read one u32 at a time and broadcast: pair (i, k) at `p + i·rs + k·cs`.
+#[derive(Clone, Copy)]
+struct PairBcast {
+    p: *const u32,
+    rs: usize,
+    cs: usize,
+}
+
+/// `src` rounded to bf16 in pairs of neighbours, the last half zero when its length is odd.
+#[inline(always)]
+fn f32_pairs(src: &[f32], out: &mut [u32]) {
+    use crate::bf16_gemm::Operand;
+    let whole = src.len() / 2;
+    f32::pairs_along(&src[..2 * whole], &mut out[..whole]);
+    if src.len() % 2 == 1 {
+        out[whole] = src[2 * whole].bf16_bits() as u32;
+    }
+}
+
+/// Rows of a B_r × B_c tile (row stride B_c) in pairs down its columns: `out[r'·B_c + j]` = the
+/// pair (tile[2r'][j], tile[2r' + 1][j]) for j < bc, the second zero past row br.
+#[inline(always)]
+fn pairs_of_rows(tile: &[f32], br: usize, bc: usize, out: &mut [u32]) {
+    use crate::bf16_gemm::Operand;
+    const ZEROS: [f32; BC] = [0.0; BC];
+    for r2 in 0..br.div_ceil(2) {
+        let lo = &tile[2 * r2 * BC..][..bc];
+        let hi = if 2 * r2 + 1 < br { &tile[(2 * r2 + 1) * BC..][..bc] } else { &ZEROS[..bc] };
+        f32::pairs_across(lo, hi, &mut out[r2 * BC..][..bc]);
+    }
+}
+
+/// Each of X's T rows as d/2 channel pairs: (T, d/2) u32.
+#[inline(always)]
+fn channel_pairs(x: Rows, t: usize, d: usize) -> Vec<u32> {
+    let mut out = vec![0u32; t * d / 2];
+    for (r, row) in out.chunks_exact_mut(d / 2).enumerate() {
+        f32_pairs(x.row(r, d), row);
+    }
+    out
+}
+
+/// Xᵀ in panels of PAIR_NR keys with channel pairs: panel p is (d/2, PAIR_NR), pair c' of key
+/// p·PAIR_NR + x at [c'][x]; keys past T are zero.
+#[inline(always)]
+fn key_pair_panels(x: Rows, t: usize, d: usize) -> Vec<u32> {
+    let mut out = vec![0u32; t.div_ceil(PAIR_NR) * d / 2 * PAIR_NR];
+    let mut pairs = vec![0u32; d / 2];
+    for (panel_index, panel) in out.chunks_exact_mut(d / 2 * PAIR_NR).enumerate() {
+        for jj in 0..PAIR_NR.min(t - panel_index * PAIR_NR) {
+            f32_pairs(x.row(panel_index * PAIR_NR + jj, d), &mut pairs);
+            for (c2, &pair) in pairs.iter().enumerate() {
+                panel[c2 * PAIR_NR + jj] = pair;
+            }
+        }
+    }
+    out
+}
+
+/// X in panels of PAIR_NR channels with row pairs: the panel of channels c0..c0 + w (w =
+/// PAIR_NR, the last narrower) is (⌈T/2⌉, w) at c0·⌈T/2⌉, pair r' of channel c0 + x at [r'][x]
+/// (rows 2r' and 2r' + 1; zero past T).
+#[inline(always)]
+fn row_pair_panels(x: Rows, t: usize, d: usize) -> Vec<u32> {
+    use crate::bf16_gemm::Operand;
+    let tp = t.div_ceil(2);
+    let mut out = vec![0u32; tp * d];
+    let zeros = vec![0f32; d];
+    for c0 in (0..d).step_by(PAIR_NR) {
+        let w = PAIR_NR.min(d - c0);
+        for r2 in 0..tp {
+            let lo = &x.row(2 * r2, d)[c0..c0 + w];
+            let hi = if 2 * r2 + 1 < t { &x.row(2 * r2 + 1, d)[c0..c0 + w] } else { &zeros[..w] };
+            f32::pairs_across(lo, hi, &mut out[tp * c0 + r2 * w..][..w]);
+        }
+    }
+    out
+}
+
+/// `product` on pairs: C (m × n, rows `c_rs` apart) = [C +] alpha · Σ_k' A'(i, k')·B'(k', ·)
+/// over kn pairs, one PAIR_NR-column block of B at a time. n is a multiple of 16.
+///
+/// # Safety
+/// The CPU supports AVX512-F and AVX512-BF16; A, B and C address (m × kn), (kn × n) pairs and
+/// (m × n) f32.
+#[inline(always)]
+unsafe fn product_bf16(
+    (m, n, kn): (usize, usize, usize),
+    a: PairBcast,
+    b: impl Fn(usize) -> (*const u32, usize),
+    (c, c_rs): (*mut f32, usize),
+    accumulate: bool,
+    alpha: f32,
+) {
+    for c0 in (0..n).step_by(PAIR_NR) {
+        let (b_c, b_rs) = b(c0);
+        let w = PAIR_NR.min(n - c0);
+        for i0 in (0..m).step_by(MR) {
+            let (a_i, mr, c_i) = (PairBcast { p: a.p.add(i0 * a.rs), ..a }, MR.min(m - i0), c.add(i0 * c_rs + c0));
+            if w == PAIR_NR {
+                tile_bf16::<2>(kn, a_i, mr, (b_c, b_rs), (c_i, c_rs), accumulate, alpha);
+            } else {
+                tile_bf16::<1>(kn, a_i, mr, (b_c, b_rs), (c_i, c_rs), accumulate, alpha);
+                // w = 16
+            }
+        }
+    }
+}
+
+/// One register tile on pairs: C[r][0..16·NV] = [C +] alpha · Σ_k' A'[r][k']·B'[k'][..], the
+/// MR × NV accumulators in registers; each step is NV loads, MR broadcasts of a pair and MR·NV
+/// `vdpbf16ps`. Rows r ≥ mr repeat row mr − 1 and are not stored.
+///
+/// # Safety
+/// The CPU supports AVX512-F and AVX512-BF16; A's mr rows of kn pairs, B's kn rows of 16·NV
+/// pairs and C's mr rows of 16·NV f32 are valid.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // indices, as in the equation: the register tile is acc[r][x]
+unsafe fn tile_bf16<const NV: usize>(
+    kn: usize,
+    a: PairBcast,
+    mr: usize,
+    (b, b_rs): (*const u32, usize),
+    (c, c_rs): (*mut f32, usize),
+    accumulate: bool,
+    alpha: f32,
+) {
+    use std::arch::x86_64::*;
+    let rows: [*const u32; MR] = std::array::from_fn(|r| a.p.add(r.min(mr - 1) * a.rs));
+    let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+    for k in 0..kn {
+        let b_k: [__m512bh; NV] = std::array::from_fn(|x| std::mem::transmute(_mm512_loadu_si512(b.add(k * b_rs + 16 * x) as *const _)));
+        for r in 0..MR {
+            let a_rk: __m512bh = std::mem::transmute(_mm512_set1_epi32(*rows[r].add(k * a.cs) as i32)); // broadcast
+            for x in 0..NV {
+                acc[r][x] = _mm512_dpbf16_ps(acc[r][x], a_rk, b_k[x]);
+            }
+        }
+    }
+    let alpha = _mm512_set1_ps(alpha);
+    for r in 0..mr {
+        for x in 0..NV {
+            let out = c.add(r * c_rs + 16 * x);
+            let v = if accumulate { _mm512_fmadd_ps(acc[r][x], alpha, _mm512_loadu_ps(out)) } else { _mm512_mul_ps(acc[r][x], alpha) };
+            _mm512_storeu_ps(out, v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bf16-pair backward against the f32 register one on the same head (both recompute L),
+    /// every register head size, ragged T (odd: half-empty pairs; not a multiple of the tiles),
+    /// rows strided as in stage 3's QKV views, causal and not: every gradient within 2e-2 of its
+    /// largest value (the inputs, P and dS rounded to bf16). Where the CPU has no AVX512-BF16 it
+    /// checks nothing and says so.
+    #[test]
+    fn bf16_pairs_agree_with_f32_products() {
+        if !(crate::attention::registers::bf16::runs(64) && std::arch::is_x86_feature_detected!("fma")) {
+            eprintln!("no AVX512-BF16 here: the bf16-pair backward is not compiled into a run");
+            return;
+        }
+        for d in crate::attention::registers::D_HEADS {
+            for (t, causal) in [(BC + 45, true), (77, false), (1, true)] {
+                let rs = 3 * d; // rows of a (T, 3, d) buffer, one head
+                let data = shared::weights::SplitMix64::new(d as u64 + t as u64).normals(t * rs + 2 * d);
+                let o = shared::weights::SplitMix64::new(7).normals(t * d);
+                let d_o = shared::weights::SplitMix64::new(8).normals(t * d);
+                let io = HeadIo {
+                    q: Rows { data: &data[..], rs },
+                    k: Rows { data: &data[d..], rs },
+                    v: Rows { data: &data[2 * d..], rs },
+                    o: Rows { data: &o, rs: d },
+                    d_o: Rows { data: &d_o, rs: d },
+                    lse: None,
+                };
+                let scale = 1.0 / (d as f32).sqrt();
+                // SAFETY: AVX-512F, AVX512-BF16 and FMA are available (checked above); d is a
+                // register head size.
+                let (want, got) = unsafe { (head_bwd_avx512(&io, t, d, scale, causal), head_bwd_bf16(&io, t, d, scale, causal)) };
+                for (name, w, g) in [("dq", &want[0], &got[0]), ("dk", &want[1], &got[1]), ("dv", &want[2], &got[2])] {
+                    let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+                    assert!(worst / scale <= 2e-2, "d {d} T {t} causal {causal} {name}: {}", worst / scale);
+                }
+            }
+        }
+    }
+}
