@@ -49,17 +49,25 @@
 //! C (not read at β = 0) is typed bf16 or f16 with an E4M3 D, as cuBLAS's table of FP8 type
 //! combinations asks. The cast is modelled saturating (±448), as TransformerEngine relies on.
 //!
+//! FP8 inputs (E4M3 or E5M2 A or B) follow cuBLASLt's FP8 rules, which the model enforces:
+//! the "TN" form only (A transposed, B not: both operands K-major, as the FP8 tensor cores load
+//! them), and not both E5M2 (E4M3 × E4M3, E4M3 × E5M2 and E5M2 × E4M3 are the combinations
+//! cuBLAS lists). A training GEMM whose gradient is E5M2 therefore needs its other operand in
+//! E4M3 and, where the natural form is not TN, transposed copies of its operands.
+//!
 //! Not modelled: algorithm choice, workspace, split-K order of summation, FP8 fast accumulation
 //! (Hopper's reduced-precision partial sums), alignment rules. Those need a GPU.
 
 /// The element types the project's GEMMs use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DataType {
     F32,
     Bf16,
     F16,
-    /// FP8 E4M3 (inputs only).
+    /// FP8 E4M3 (inputs; or D, with a D scale: `matmul_fp8_out`).
     E4m3,
+    /// FP8 E5M2 (inputs only): 2 mantissa bits, f16's exponent range; training's gradients.
+    E5m2,
 }
 
 impl DataType {
@@ -68,7 +76,7 @@ impl DataType {
         match self {
             DataType::F32 => 4,
             DataType::Bf16 | DataType::F16 => 2,
-            DataType::E4m3 => 1,
+            DataType::E4m3 | DataType::E5m2 => 1,
         }
     }
 
@@ -79,7 +87,13 @@ impl DataType {
             DataType::Bf16 => half::bf16::from_f64(v).to_f64(),
             DataType::F16 => half::f16::from_f64(v).to_f64(),
             DataType::E4m3 => e4m3(v),
+            DataType::E5m2 => e5m2(v),
         }
+    }
+
+    /// Whether this is one of the 8-bit float formats (cuBLASLt's FP8 rules apply).
+    pub fn is_fp8(self) -> bool {
+        matches!(self, DataType::E4m3 | DataType::E5m2)
     }
 }
 
@@ -95,6 +109,38 @@ pub fn e4m3(v: f64) -> f64 {
     }
     let quantum = 2f64.powf(a.log2().floor().max(-6.0) - 3.0); // one unit in the last place
     ((a / quantum).round_ties_even() * quantum).min(448.0).copysign(v)
+}
+
+/// v rounded to E5M2: 2 mantissa bits, round to nearest even, subnormals below 2⁻¹⁴ in steps
+/// of 2⁻¹⁶, saturating at ±57344 (the "satfinite" cast), NaN kept.
+pub fn e5m2(v: f64) -> f64 {
+    if v.is_nan() {
+        return v;
+    }
+    let a = v.abs();
+    if a.is_infinite() {
+        return 57344f64.copysign(v);
+    }
+    let quantum = 2f64.powf(a.log2().floor().max(-14.0) - 2.0); // one unit in the last place
+    ((a / quantum).round_ties_even() * quantum).min(57344.0).copysign(v)
+}
+
+/// cuBLASLt's FP8 rules for the inputs (see the module notes): TN only, not E5M2 × E5M2.
+fn check_fp8_rules(args: &MatmulArgs) -> Result<(), String> {
+    let (a, b) = (args.a.dtype, args.b.dtype);
+    if !a.is_fp8() && !b.is_fp8() {
+        return Ok(());
+    }
+    if !args.transa || args.transb {
+        return Err(format!(
+            "FP8 inputs ({a:?} × {b:?}) take the \"TN\" form only (A transposed, B not); this call has transa {}, transb {}",
+            args.transa, args.transb
+        ));
+    }
+    if a == DataType::E5m2 && b == DataType::E5m2 {
+        return Err("E5M2 × E5M2 is not a supported FP8 combination (one operand must be E4M3)".into());
+    }
+    Ok(())
 }
 
 /// `cublasLtMatrixLayout_t`: type, rows × cols of the stored (column-major) matrix, ld.
@@ -241,6 +287,7 @@ pub fn matmul_ex(
     aux_in: Option<&[f32]>,
     (scale_a, scale_b): (f32, f32),
 ) -> Result<Outputs, String> {
+    check_fp8_rules(args)?;
     let (m, n, k) = (args.m, args.n, args.k);
     let (ar, ac) = if args.transa { (k, m) } else { (m, k) };
     let (br, bc) = if args.transb { (n, k) } else { (k, n) };
@@ -477,6 +524,52 @@ mod tests {
         let odd = MatmulArgs { epilogue: Epilogue::DGeluBgrad { aux: AuxLayout { ld: 4, ..aux } }, ..bwd };
         assert!(matmul_ex(&odd, &a, &b_nn, None, None, Some(&z), (1., 1.)).unwrap_err().contains("multiple of 8"));
         assert!(matmul_ex(&MatmulArgs { transa: true, ..bwd }, &a, &b_nn, None, None, Some(&z), (1., 1.)).is_err(), "NN only");
+    }
+
+    /// The FP8 rules: an FP8 call that is not TN, or E5M2 × E5M2, is refused; E4M3 × E5M2 in TN
+    /// runs (A = [[1, 2]] transposed, B = [[3], [4]]: D = 11, times the scales 0.5·2).
+    #[test]
+    fn fp8_rules() {
+        let fp8 = |dtype, rows, cols| MatrixLayout { dtype, rows, cols, ld: rows as i64 };
+        let args = MatmulArgs {
+            m: 1,
+            n: 1,
+            k: 2,
+            transa: true,
+            transb: false,
+            a: fp8(DataType::E4m3, 2, 1),
+            b: fp8(DataType::E5m2, 2, 1),
+            c: layout(1, 1),
+            d: layout(1, 1),
+            alpha: 1.0,
+            beta: 0.0,
+            epilogue: Epilogue::Default,
+            bias_len: 0,
+            scaled: true,
+        };
+        assert_eq!(matmul(&args, &[1., 2.], &[3., 4.], None, None, (0.5, 2.0)).unwrap(), [11.0]);
+        let nn = MatmulArgs { transa: false, a: fp8(DataType::E4m3, 1, 2), ..args };
+        assert!(matmul(&nn, &[1., 2.], &[3., 4.], None, None, (1., 1.)).unwrap_err().contains("TN"));
+        let both = MatmulArgs { a: fp8(DataType::E5m2, 2, 1), ..args };
+        assert!(matmul(&both, &[1., 2.], &[3., 4.], None, None, (1., 1.)).unwrap_err().contains("E5M2 × E5M2"));
+    }
+
+    /// The model's E5M2 rounding on hand-picked values: ties to even, subnormals, saturation.
+    #[test]
+    fn e5m2_rounding() {
+        for (v, want) in [
+            (1.125, 1.0),
+            (1.375, 1.5),
+            (7.5, 8.0),
+            (61440.0, 57344.0),
+            (1e9, 57344.0),
+            (2f64.powi(-17), 0.0),
+            (3.0 * 2f64.powi(-17), 2f64.powi(-15)),
+        ] {
+            assert_eq!(e5m2(v), want, "{v}");
+            assert_eq!(e5m2(-v), -want, "{v}");
+        }
+        assert!(e5m2(f64::NAN).is_nan());
     }
 
     /// The model's E4M3 rounding on hand-picked values: ties to even, subnormals, saturation.

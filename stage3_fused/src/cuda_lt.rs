@@ -73,7 +73,7 @@ fn cuda_type(t: DataType) -> candle_core::Result<sys::cudaDataType> {
         DataType::F32 => sys::cudaDataType_t::CUDA_R_32F,
         DataType::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
         DataType::F16 => sys::cudaDataType_t::CUDA_R_16F,
-        DataType::E4m3 => return Err(err("data type", "stage 3's training GEMMs take f32, bf16 or f16")),
+        DataType::E4m3 | DataType::E5m2 => return Err(err("data type", "stage 3's training GEMMs take f32, bf16 or f16")),
     })
 }
 

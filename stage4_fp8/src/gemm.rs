@@ -45,6 +45,8 @@ use rayon::prelude::*;
 pub enum ScaleOf {
     Weight,
     Input,
+    /// The upstream gradient dY's (training: E5M2).
+    Grad,
 }
 
 /// Which epilogue cuBLASLt applies to the f32 accumulator before the bf16 store.
@@ -175,6 +177,167 @@ impl Fp8GemmArgs {
             bias_len: self.bias_len,
             scaled: true,
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The HYBRID backward's GEMMs (training)
+// ---------------------------------------------------------------------------------------------
+
+/// Which backward GEMM of y = x·Wᵀ + b (`hybrid.rs`), with M = B·T tokens, K in, N out features.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Grad {
+    /// dX (M, K) = dY (M, N) · W (N, K): E5M2 gradient against the E4M3 weight.
+    Data,
+    /// dW (N, K) = dYᵀ (N, M) · X (M, K): E5M2 gradient against the forward's E4M3 input.
+    Weight,
+}
+
+/// What a backward GEMM operand's buffer holds: a row-major tensor the training step makes,
+/// with the per-tensor scale that goes with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Operand {
+    /// Wᵀ (K, N) in E4M3, the weight's scale: the transposed copy of the forward's W_q.
+    WeightT,
+    /// Xᵀ (K, M) in E4M3, the input's scale: the transposed copy of the forward's q_x.
+    InputT,
+    /// dY (M, N) in E5M2, the gradient's scale.
+    Grad,
+    /// dYᵀ (N, M) in E5M2, the gradient's scale: the transposed copy of the above.
+    GradT,
+}
+
+impl Fp8Operand {
+    /// Whose scale the operand's scale pointer carries.
+    pub fn scale(self) -> ScaleOf {
+        match self {
+            Fp8Operand::WeightT => ScaleOf::Weight,
+            Fp8Operand::InputT => ScaleOf::Input,
+            Fp8Operand::Grad | Fp8Operand::GradT => ScaleOf::Grad,
+        }
+    }
+
+    /// Its FP8 format: E4M3 for the forward's operands, E5M2 for the gradient.
+    pub fn dtype(self) -> DataType {
+        match self {
+            Fp8Operand::WeightT | Fp8Operand::InputT => DataType::E4m3,
+            Fp8Operand::Grad | Fp8Operand::GradT => DataType::E5m2,
+        }
+    }
+}
+
+/// One backward GEMM in cuBLASLt's terms (column-major; see `fp8_grad_args`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fp8GradArgs {
+    pub grad: Fp8Grad,
+    /// cuBLASLt's m, n, k.
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    /// TN, as every FP8 GEMM.
+    pub transa: bool,
+    pub transb: bool,
+    /// A as stored (rows × cols column-major, ld) and what it holds.
+    pub a_rows: u64,
+    pub a_cols: u64,
+    pub lda: i64,
+    pub a: Fp8Operand,
+    /// B as stored and what it holds.
+    pub b_rows: u64,
+    pub b_cols: u64,
+    pub ldb: i64,
+    pub b: Fp8Operand,
+    /// D (= C, not read: β = 0) as stored, and its type: bf16 dX (the activations' dtype),
+    /// f32 dW (the master weights').
+    pub d_rows: u64,
+    pub d_cols: u64,
+    pub ldd: i64,
+    pub d: DataType,
+}
+
+/// The layouts of a HYBRID backward GEMM for any M, K, N (`fp8_grad_args` adds cuBLASLt's
+/// multiple-of-16 rule). Both are TN, which FP8 requires, so each reads one transposed copy
+/// that the training step makes (as TransformerEngine keeps a "columnwise" copy of each FP8
+/// tensor for exactly this):
+///
+/// - **dX (M, K) = dY · W.** Row-major dX is K × M column-major (ld K): m = K, n = M, k = N.
+///   op(A) must be K × N with A transposed, so A is stored N × K column-major (ld N) — Wᵀ
+///   (K, N) row-major: the transposed copy of W_q. B is N × M column-major (ld N): dY (M, N)
+///   row-major as it is. E4M3 × E5M2.
+/// - **dW (N, K) = dYᵀ · X.** Row-major dW is K × N column-major (ld K): m = K, n = N, k = M.
+///   A is stored M × K column-major (ld M) — Xᵀ (K, M) row-major, the transposed copy of q_x;
+///   B is M × N column-major (ld M) — dYᵀ (N, M) row-major, the transposed copy of dY's E5M2.
+///   E4M3 × E5M2 again: with the gradient as B both GEMMs are the same combination.
+///
+/// Neither product can avoid the copies: W (N, K) row-major is N-major along the reduction of
+/// dX, and X and dY are M-major along dW's, where TN needs both operands contiguous along k.
+pub fn fp8_grad_layout(grad: Fp8Grad, tokens: usize, in_features: usize, out_features: usize) -> Fp8GradArgs {
+    let (mt, k, n) = (tokens as u64, in_features as u64, out_features as u64);
+    let (m_, n_, k_, a, b, d) = match grad {
+        Fp8Grad::Data => (k, mt, n, Fp8Operand::WeightT, Fp8Operand::Grad, DataType::Bf16),
+        Fp8Grad::Weight => (k, n, mt, Fp8Operand::InputT, Fp8Operand::GradT, DataType::F32),
+    };
+    Fp8GradArgs {
+        grad,
+        m: m_,
+        n: n_,
+        k: k_,
+        transa: true,
+        transb: false,
+        a_rows: k_, // A transposed: stored k × m, K-major
+        a_cols: m_,
+        lda: k_ as i64,
+        a,
+        b_rows: k_, // B as is: k × n, K-major
+        b_cols: n_,
+        ldb: k_ as i64,
+        b,
+        d_rows: m_,
+        d_cols: n_,
+        ldd: m_ as i64,
+        d,
+    }
+}
+
+/// `fp8_grad_layout`, with M, K and N checked to be multiples of 16 (cuBLASLt's FP8 rule, as
+/// for the forward: here M is a leading dimension too, of the dW GEMM's operands).
+pub fn fp8_grad_args(grad: Fp8Grad, tokens: usize, in_features: usize, out_features: usize) -> Result<Fp8GradArgs, String> {
+    check_dims(16, in_features, out_features)?;
+    if tokens == 0 || !tokens.is_multiple_of(16) {
+        return Err(misaligned("token count B·T", tokens, 16, "pick --batch and --seq so that B·T is a multiple of 16"));
+    }
+    Ok(fp8_grad_layout(grad, tokens, in_features, out_features))
+}
+
+impl Fp8GradArgs {
+    /// The same call in `cublaslt_model`'s terms: FP8 A and B in their formats, C = D (β = 0)
+    /// in D's type, α = 1, both scale pointers set, no epilogue (the bias gradient is Σ dY in
+    /// high precision, outside the GEMM, as TransformerEngine computes it).
+    pub fn contract(&self) -> MatmulArgs {
+        let d = MatrixLayout { dtype: self.d, rows: self.d_rows, cols: self.d_cols, ld: self.ldd };
+        MatmulArgs {
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            transa: self.transa,
+            transb: self.transb,
+            a: MatrixLayout { dtype: self.a.dtype(), rows: self.a_rows, cols: self.a_cols, ld: self.lda },
+            b: MatrixLayout { dtype: self.b.dtype(), rows: self.b_rows, cols: self.b_cols, ld: self.ldb },
+            c: d,
+            d,
+            alpha: 1.0,
+            beta: 0.0,
+            epilogue: Epilogue::Default,
+            bias_len: 0,
+            scaled: true,
+        }
+    }
+
+    /// The minimum-alignment preferences (bytes) of A, B, C and D at these pointers (C is D).
+    pub fn alignments(&self, ptrs: [u64; 3]) -> [u32; 4] {
+        let c = self.contract();
+        let [a, b, d] = ptrs;
+        stage3_fused::gemm_args::alignments([a, b, d, d], [&c.a, &c.b, &c.c, &c.d])
     }
 }
 
