@@ -64,6 +64,29 @@ double decode_reference(unsigned char q) {
     return s ? -v : v;
 }
 
+// E5M2 with __NV_SATFINITE, from f64 arithmetic (independent of the kernel's bit tricks): an
+// f32 widened to f64 is exact, so this is the one rounding the cast must make.
+unsigned char reference_e5m2(double x) {
+    const unsigned char sign = std::signbit(x) ? 0x80 : 0;
+    if (std::isnan(x)) return sign | 0x7f;
+    const double a = std::fabs(x);
+    if (a >= 61440.0) return sign | 0x7b;  // 57344 + half its ulp (a tie, to even = 65536): saturates
+    if (a < std::ldexp(1.0, -14)) return sign | (unsigned char)std::nearbyint(a * 65536.0);  // subnormal; 4 = 2⁻¹⁴
+    int e;
+    std::frexp(a, &e);  // a = f·2^e, f in [0.5, 1)
+    int E = e - 1;
+    long q = std::lrint((a / std::ldexp(1.0, E) - 1.0) * 4.0);  // ties to even (default rounding)
+    if (q == 4) q = 0, ++E;
+    return sign | (unsigned char)(((E + 15) << 2) | q);
+}
+
+double decode_e5m2_reference(unsigned char q) {
+    const int s = q >> 7, e = (q >> 2) & 31, m = q & 3;
+    if (e == 31) return m ? NAN : (s ? -INFINITY : INFINITY);
+    const double v = e == 0 ? m * std::ldexp(1.0, -16) : std::ldexp(1.0 + m / 4.0, e - 15);
+    return s ? -v : v;
+}
+
 bool same(double a, double b) { return (std::isnan(a) && std::isnan(b)) || a == b; }
 
 int main() {
@@ -186,6 +209,80 @@ int main() {
         const bool ok = std::isnan(scale);
         printf("a NaN input gives a NaN scale %s\n", ok ? "ok" : "FAILED");
         failed += !ok;
+    }
+    // 4. Training: the E5M2 cast on all 2³² f32 bit patterns, the cast back, the transposes.
+    {
+        const unsigned workers = std::max(1u, std::thread::hardware_concurrency());
+        std::vector<unsigned long long> bad(workers, 0), first(workers, ~0ull);
+        std::vector<std::thread> ts;
+        for (unsigned w = 0; w < workers; ++w)
+            ts.emplace_back([&, w] {
+                const uint64_t lo = (1ull << 32) * w / workers, hi = (1ull << 32) * (w + 1) / workers;
+                for (uint64_t b = lo; b < hi; ++b) {
+                    const float x = __uint_as_float((unsigned)b);
+                    if (f32_to_e5m2(x) != reference_e5m2((double)x)) {
+                        if (!bad[w]) first[w] = b;
+                        ++bad[w];
+                    }
+                }
+            });
+        for (auto& t : ts) t.join();
+        unsigned long long total = 0, f = ~0ull;
+        for (unsigned w = 0; w < workers; ++w) total += bad[w], f = std::min(f, first[w]);
+        if (total) {
+            const float x = __uint_as_float((unsigned)f);
+            printf("cast f32 -> e5m2: %llu of 2^32 bit patterns differ from the f64 rounding; first %#010llx (%g): got %#04x want %#04x FAILED\n",
+                   total, f, x, f32_to_e5m2(x), reference_e5m2(x));
+            ++failed;
+        } else {
+            printf("cast f32 -> e5m2: all 2^32 bit patterns agree with the f64 rounding ok\n");
+        }
+        int bad_codes = 0;
+        for (int q = 0; q < 256; ++q) {
+            const float v = e5m2_to_f32((unsigned char)q);
+            bad_codes += !same(v, decode_e5m2_reference((unsigned char)q));
+            const bool finite = (q & 0x7c) != 0x7c;  // inf and NaN codes are never written (the cast saturates)
+            if (finite && q != 0x80) bad_codes += f32_to_e5m2(v) != (unsigned char)q;
+        }
+        printf("cast e5m2 -> f32: %d of 256 codes wrong (value or round trip) %s\n", bad_codes, bad_codes ? "FAILED" : "ok");
+        failed += bad_codes != 0;
+    }
+    for (auto [rows, cols] : {std::pair{1L, 1L}, {32L, 32L}, {40L, 70L}, {96L, 33L}}) {
+        for (int bf16 : {0, 1}) {
+            const long n = rows * cols;
+            std::vector<float> x(n);
+            std::vector<unsigned short> xb(n);
+            for (long i = 0; i < n; ++i) {
+                x[i] = 1e-3f * normal(rng) * (i % 7 == 0 ? 1e3f : 1.0f);  // a gradient: small, a few large
+                xb[i] = (unsigned short)(__float_as_uint(x[i]) >> 16);
+                if (bf16) x[i] = __uint_as_float((unsigned)xb[i] << 16);
+            }
+            double amax = 0;
+            for (float v : x) amax = std::max(amax, (double)std::fabs(v));
+            const float scale = (float)amax / 57344.0f * 0.5f;  // half the amax's scale: the top saturates
+            std::vector<unsigned char> q(n, 0xAA), qt(n, 0xAA), back(n, 0xAA);
+            unsigned amax_bits = 0;
+            const long tiles = ((rows + TILE - 1) / TILE) * ((cols + TILE - 1) / TILE);
+            launch(tiles, THREADS, [&] {
+                bf16 ? fp8_quantize_e5m2_transpose_bf16(xb.data(), rows, cols, &scale, q.data(), qt.data(), &amax_bits)
+                     : fp8_quantize_e5m2_transpose_f32(x.data(), rows, cols, &scale, q.data(), qt.data(), &amax_bits);
+            });
+            launch(((cols + TILE - 1) / TILE) * ((rows + TILE - 1) / TILE), THREADS, [&] { fp8_transpose(qt.data(), cols, rows, back.data()); });
+            long bad_q = 0, bad_t = 0, bad_back = 0, saturated = 0;
+            for (long r = 0; r < rows; ++r)
+                for (long c = 0; c < cols; ++c) {
+                    const long i = r * cols + c;
+                    bad_q += q[i] != reference_e5m2((double)(x[i] / scale));
+                    bad_t += qt[c * rows + r] != q[i];
+                    bad_back += back[i] != q[i];
+                    saturated += (q[i] & 0x7f) == 0x7b;
+                }
+            const bool amax_ok = __uint_as_float(amax_bits) == (float)amax;
+            const bool ok = bad_q == 0 && bad_t == 0 && bad_back == 0 && amax_ok && (n < 100 || saturated > 0);
+            printf("e5m2 cast+transpose %ldx%ld %-4s: %ld codes wrong, %ld transposed wrong, %ld back wrong, %ld saturated, amax %s %s\n",
+                   rows, cols, bf16 ? "bf16" : "f32", bad_q, bad_t, bad_back, saturated, amax_ok ? "exact" : "WRONG", ok ? "ok" : "FAILED");
+            failed += !ok;
+        }
     }
     printf("%s\n", failed ? "FP8 kernels: FAILED" : "FP8 kernels: all checks passed");
     return failed != 0;

@@ -35,6 +35,8 @@
 #define ITEMS 16
 #define CHUNK (THREADS * ITEMS)
 #define E4M3_MAX 448.0f
+#define E5M2_MAX 57344.0f
+#define TILE 32  // the transposes' tile: 32 × 32 values, THREADS / TILE = 8 rows per pass
 #define FLT_MIN_NORMAL 1.17549435e-38f
 
 // ---- the number format ------------------------------------------------------------------
@@ -70,6 +72,41 @@ __device__ __forceinline__ float e4m3_to_f32(unsigned char q) {
         v = (float)m * (1.0f / 512.0f);  // subnormal: m · 2⁻⁹
     } else {
         v = __uint_as_float(((e + 120u) << 23) | (m << 20));  // (1 + m/8) · 2^(e − 7)
+    }
+    return (q & 0x80u) ? -v : v;
+}
+
+// f32 → E5M2 bits (training's gradients: 2 mantissa bits, f16's exponent range), round to
+// nearest even, saturate finite (±57344), NaN → NaN: __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
+// __NV_E5M2) written out on the bits, as f32_to_e4m3 above.
+__device__ __forceinline__ unsigned char f32_to_e5m2(float x) {
+    const unsigned int u = __float_as_uint(x);
+    const unsigned char sign = (unsigned char)((u >> 24) & 0x80u);
+    const unsigned int a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7f;  // NaN
+    const float ax = __uint_as_float(a);
+    if (ax >= 1.0f / 16384.0f) {
+        // Normal range (≥ 2⁻¹⁴): keep 2 mantissa bits, round to nearest even on the 21 dropped.
+        const unsigned int r = (a + 0xfffffu + ((a >> 21) & 1u)) & 0xffe00000u;
+        if (__uint_as_float(r) > E5M2_MAX) return sign | 0x7b;  // 57344 (0x7B); 0x7C is inf
+        // f32 exponent e (bias 127) → E5M2 exponent e − 127 + 15; mantissa's top 2 bits.
+        const unsigned int e = (r >> 23) - 112u;
+        return sign | (unsigned char)((e << 2) | ((r >> 21) & 3u));
+    }
+    // Subnormal range: multiples of 2⁻¹⁶; 4 (rounding up to 2⁻¹⁴) is code 0x04, the smallest normal.
+    return sign | (unsigned char)rintf(ax * 65536.0f);
+}
+
+// E5M2 bits → f32 (exact); the host emulation checks the cast against it.
+__device__ __forceinline__ float e5m2_to_f32(unsigned char q) {
+    const unsigned int e = (q >> 2) & 0x1fu, m = q & 3u;
+    float v;
+    if (e == 0x1fu) {
+        v = __uint_as_float(m ? 0x7fc00000u : 0x7f800000u);  // NaN, or inf (never written: we saturate)
+    } else if (e == 0) {
+        v = (float)m * (1.0f / 65536.0f);  // subnormal: m · 2⁻¹⁶
+    } else {
+        v = __uint_as_float(((e + 112u) << 23) | (m << 21));  // (1 + m/4) · 2^(e − 15)
     }
     return (q & 0x80u) ? -v : v;
 }
@@ -194,5 +231,73 @@ extern "C" __global__ void fp8_dequantize_f32(const unsigned char* q, long n, co
     for (int i = 0; i < ITEMS; ++i) {
         const long j = base + threadIdx.x + (long)i * THREADS;
         if (j < n) y[j] = e4m3_to_f32(q[j]) * s;
+    }
+}
+
+// ---- training: the gradient in E5M2, and the transposed copies ------------------------------
+//
+// cuBLASLt's FP8 GEMMs take both operands K-major ("TN"), so the HYBRID backward reads
+// transposed copies (gemm.rs, `fp8_grad_layout`): dY (M, N) and dYᵀ (N, M) in E5M2 for the data-
+// and weight-gradient GEMMs, and Wᵀ, Xᵀ of the forward's E4M3 codes. One block per 32 × 32 tile
+// (grid = ceil(rows/32)·ceil(cols/32), tiles row-major): the tile is read along rows into shared
+// memory and written along the transposed rows, so both the loads and the stores are coalesced.
+// The tile's rows are padded by one, so the threads reading one of its columns spread over the
+// shared-memory banks.
+
+// q = E5M2(x / s) (rows, cols) and qᵀ (cols, rows); with amax_bits also amax ← max(amax, max|x|).
+template <typename T>
+__device__ __forceinline__ void quantize_e5m2_transpose_tile(const T* x, long rows, long cols, const float* scale, unsigned char* q,
+                                                             unsigned char* qt, unsigned int* amax_bits) {
+    __shared__ unsigned char tile[TILE][TILE + 1];
+    __shared__ float shared[WARPS];
+    const float s = scale[0];
+    const long tiles_c = (cols + TILE - 1) / TILE;
+    const long r0 = ((long)blockIdx.x / tiles_c) * TILE, c0 = ((long)blockIdx.x % tiles_c) * TILE;
+    const int tx = threadIdx.x % TILE, ty = threadIdx.x / TILE;  // 32 columns × 8 rows
+    float m = 0.0f;
+    for (int i = ty; i < TILE; i += THREADS / TILE) {
+        const long r = r0 + i, c = c0 + tx;
+        if (r < rows && c < cols) {
+            const float v = load(x, r * cols + c);
+            const unsigned char code = f32_to_e5m2(v / s);
+            q[r * cols + c] = code;
+            tile[i][tx] = code;
+            m = max_keep_nan(m, abs_keep_nan(v));
+        }
+    }
+    __syncthreads();  // the whole tile is in shared memory before any thread reads a column of it
+    for (int i = ty; i < TILE; i += THREADS / TILE) {
+        const long c = c0 + i, r = r0 + tx;  // qᵀ's row c, column r
+        if (r < rows && c < cols) qt[c * rows + r] = tile[tx][i];
+    }
+    if (amax_bits != nullptr) {  // uniform across the grid
+        m = block_max(m != m ? __uint_as_float(0x7fc00000u) : m, shared);
+        if (threadIdx.x == 0) atomicMax(amax_bits, __float_as_uint(m));
+    }
+}
+
+extern "C" __global__ void fp8_quantize_e5m2_transpose_f32(const float* x, long rows, long cols, const float* scale, unsigned char* q,
+                                                           unsigned char* qt, unsigned int* amax_bits) {
+    quantize_e5m2_transpose_tile(x, rows, cols, scale, q, qt, amax_bits);
+}
+extern "C" __global__ void fp8_quantize_e5m2_transpose_bf16(const unsigned short* x, long rows, long cols, const float* scale,
+                                                            unsigned char* q, unsigned char* qt, unsigned int* amax_bits) {
+    quantize_e5m2_transpose_tile(x, rows, cols, scale, q, qt, amax_bits);
+}
+
+// qt (cols, rows) = q (rows, cols)ᵀ, bytes (E4M3 or E5M2 codes): Wᵀ and Xᵀ of the forward's codes.
+extern "C" __global__ void fp8_transpose(const unsigned char* q, long rows, long cols, unsigned char* qt) {
+    __shared__ unsigned char tile[TILE][TILE + 1];
+    const long tiles_c = (cols + TILE - 1) / TILE;
+    const long r0 = ((long)blockIdx.x / tiles_c) * TILE, c0 = ((long)blockIdx.x % tiles_c) * TILE;
+    const int tx = threadIdx.x % TILE, ty = threadIdx.x / TILE;
+    for (int i = ty; i < TILE; i += THREADS / TILE) {
+        const long r = r0 + i, c = c0 + tx;
+        if (r < rows && c < cols) tile[i][tx] = q[r * cols + c];
+    }
+    __syncthreads();
+    for (int i = ty; i < TILE; i += THREADS / TILE) {
+        const long c = c0 + i, r = r0 + tx;
+        if (r < rows && c < cols) qt[c * rows + r] = tile[tx][i];
     }
 }

@@ -6,11 +6,15 @@
 //! shape, options and the alignment of its operands, so they are made once per (device, shape,
 //! options, alignments) and kept (`PLANS`); a call only sets the pointers of the moment.
 
-use crate::gemm::{check_pointers, fp8_alignments, fp8_gemm_args, fp8_gemm_args_e4m3_out, Fp8Epilogue, Fp8GemmArgs};
+use crate::gemm::{
+    check_pointers, fp8_alignments, fp8_gemm_args, fp8_gemm_args_e4m3_out, fp8_grad_args, Fp8Epilogue, Fp8GemmArgs, Fp8Grad, Fp8GradArgs,
+};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::cublaslt::{result, sys, MatmulShared};
-use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use candle_core::cuda::{CudaDevice, CudaStorage, DeviceId};
+use candle_core::{DType, Storage, Tensor};
+use cublaslt_model::DataType;
 use stage3_fused::cuda::{device_key, lt, view};
 use stage3_fused::cuda_lt::{set_alignments, Desc, MatLayout as Layout, Pref};
 use stage3_fused::device_cache::{Cache, DeviceKey};
@@ -365,4 +369,206 @@ fn launch(
         )
     }
     .map_err(|e| err("cublasLtMatmul", e))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training: the HYBRID backward's GEMMs (E4M3 × E5M2)
+// ---------------------------------------------------------------------------------------------
+
+/// What a backward GEMM's plan is made for: the device, its arguments and the alignments in
+/// bytes of A, B, C and D.
+type GradPlanKey = (DeviceKey<DeviceId>, Fp8GradArgs, [u32; 4]);
+
+thread_local! {
+    /// The backward GEMMs' plans, made on first use as the forward's are (`PLANS`).
+    static GRAD_PLANS: Cache<GradPlanKey, Rc<Plan>> = Cache::new();
+}
+
+/// Whether cuBLASLt has an algorithm on `dev` for the HYBRID backward GEMM `grad` of a layer
+/// with `k` in and `n` out features over `tokens` rows (E4M3 × E5M2, TN, bf16 dX or f32 dW),
+/// asked with 16-byte placeholders as `has_algorithm` is. Ok(false) only when there is none.
+pub fn has_grad_algorithm(dev: &CudaDevice, grad: Fp8Grad, tokens: usize, k: usize, n: usize) -> candle_core::Result<bool> {
+    let args = fp8_grad_args(grad, tokens, k, n).map_err(candle_core::Error::Msg)?;
+    let handle = lt(dev)?;
+    const PLACEHOLDER: u64 = 16;
+    let align = args.alignments([PLACEHOLDER; 3]);
+    let made = GRAD_PLANS.with(|c| {
+        c.get_or_try_insert((device_key(dev)?, args, align), || grad_plan(&args, *handle.handle(), [PLACEHOLDER; 6], align).map(Rc::new))
+    });
+    match made {
+        Ok(_) => Ok(true),
+        Err(PlanError::NoAlgorithm(_)) => Ok(false),
+        Err(PlanError::Cuda(e)) => Err(e),
+    }
+}
+
+/// cuBLASLt's type for a layout of the backward GEMMs.
+fn grad_type(t: DataType) -> sys::cudaDataType {
+    use sys::cudaDataType_t as T;
+    match t {
+        DataType::E4m3 => T::CUDA_R_8F_E4M3,
+        DataType::E5m2 => T::CUDA_R_8F_E5M2,
+        DataType::Bf16 => T::CUDA_R_16BF,
+        DataType::F16 => T::CUDA_R_16F,
+        DataType::F32 => T::CUDA_R_32F,
+    }
+}
+
+/// A contiguous tensor's device pointer (at its offset) with the guard that orders the access on
+/// `stream`, checked to be of `dtype` (E5M2 codes travel in u8 tensors).
+fn tensor_ptr<'a>(
+    cs: &'a CudaStorage,
+    l: &candle_core::Layout,
+    dtype: DataType,
+    stream: &'a CudaStream,
+    what: &str,
+) -> candle_core::Result<(u64, SyncOnDrop<'a>)> {
+    let (start, _) = l.contiguous_offsets().ok_or_else(|| err(what, "expected a contiguous tensor"))?;
+    let ((p, g), size) = match (dtype, cs.dtype()) {
+        (DataType::E4m3, DType::F8E4M3) => (cs.as_cuda_slice::<float8::F8E4M3>()?.device_ptr(stream), 1),
+        (DataType::E5m2, DType::U8) => (cs.as_cuda_slice::<u8>()?.device_ptr(stream), 1),
+        (DataType::F32, DType::F32) => (cs.as_cuda_slice::<f32>()?.device_ptr(stream), 4),
+        (want, got) => return Err(err(what, format!("{got:?} tensor where the GEMM's layout says {want:?}"))),
+    };
+    Ok((p + (start * size) as u64, g))
+}
+
+/// One HYBRID backward GEMM, D = s_A·s_B·op(A)·B (`gemm::fp8_grad_layout`): `a` and `b` hold
+/// what `args.a` and `args.b` say (Wᵀ or Xᵀ as E4M3, dY or dYᵀ as E5M2 codes in u8), row-major
+/// as the layouts read them; `scale_a`, `scale_b` one f32 each (the scales of those operands).
+/// Returns D row-major: dX (M, K) bf16 or dW (N, K) f32. On candle's stream.
+pub fn fp8_grad_gemm(args: &Fp8GradArgs, a: &Tensor, b: &Tensor, scale_a: &Tensor, scale_b: &Tensor) -> candle_core::Result<Tensor> {
+    let contract = args.contract();
+    // A stored a_rows × a_cols column-major = (a_cols, a_rows) row-major; likewise B.
+    for (t, rows, cols, what) in [(a, args.a_rows, args.a_cols, "A"), (b, args.b_rows, args.b_cols, "B")] {
+        if t.dims() != [cols as usize, rows as usize] {
+            return Err(err(what, format!("{:?} where the layout reads ({cols}, {rows})", t.dims())));
+        }
+    }
+    let (a, b, sa, sb) =
+        (a.contiguous()?, b.contiguous()?, scale_a.to_dtype(DType::F32)?.contiguous()?, scale_b.to_dtype(DType::F32)?.contiguous()?);
+    let dev = a.device().as_cuda_device()?.clone();
+    let ((a_s, a_l), (b_s, b_l)) = (a.storage_and_layout(), b.storage_and_layout());
+    let ((sa_s, sa_l), (sb_s, sb_l)) = (sa.storage_and_layout(), sb.storage_and_layout());
+    let (Storage::Cuda(a_s), Storage::Cuda(b_s), Storage::Cuda(sa_s), Storage::Cuda(sb_s)) = (&*a_s, &*b_s, &*sa_s, &*sb_s) else {
+        return Err(err("operands", "A, B and both scales must be on the GPU"));
+    };
+    let len = (args.d_rows * args.d_cols) as usize;
+    // SAFETY: β = 0, so C (D's buffer) is not read; the GEMM writes every element of D.
+    let mut out_bf16: Option<CudaSlice<half::bf16>> = None;
+    let mut out_f32: Option<CudaSlice<f32>> = None;
+    match args.d {
+        DataType::Bf16 => out_bf16 = Some(unsafe { dev.alloc::<half::bf16>(len)? }),
+        DataType::F32 => out_f32 = Some(unsafe { dev.alloc::<f32>(len)? }),
+        t => return Err(err("D", format!("{t:?}: the backward GEMMs write bf16 dX or f32 dW"))),
+    }
+    let ws_buf = workspace(&dev)?;
+    let handle = lt(&dev)?;
+    let stream = dev.cuda_stream();
+    {
+        let (pa, _ga) = tensor_ptr(a_s, a_l, contract.a.dtype, &stream, "A")?;
+        let (pb, _gb) = tensor_ptr(b_s, b_l, contract.b.dtype, &stream, "B")?;
+        let (psa, _gsa) = tensor_ptr(sa_s, sa_l, DataType::F32, &stream, "scale_A")?;
+        let (psb, _gsb) = tensor_ptr(sb_s, sb_l, DataType::F32, &stream, "scale_B")?;
+        let (pd, _gd) = match (&mut out_bf16, &mut out_f32) {
+            (Some(o), _) => o.device_ptr_mut(&stream),
+            (_, Some(o)) => o.device_ptr_mut(&stream),
+            _ => unreachable!("one output is allocated above"),
+        };
+        let (w, _gw) = ws_buf.device_ptr(&stream);
+        check_pointers(&[("A", pa), ("B", pb), ("D", pd)]).map_err(|e| err("alignment", e))?;
+        let ptrs = [pa, pb, pd, psa, psb, w];
+        let align = args.alignments([pa, pb, pd]);
+        let plan = GRAD_PLANS
+            .with(|c| {
+                c.get_or_try_insert((device_key(&dev)?, *args, align), || grad_plan(args, *handle.handle(), ptrs, align).map(Rc::new))
+            })
+            .map_err(PlanError::into_candle)?;
+        set_grad_pointers(&plan.desc, ptrs)?;
+        let (alpha, beta) = (contract.alpha, contract.beta);
+        // SAFETY: A and B hold k·m and k·n FP8 codes, D m·n values of D's type (also C, never read
+        // at β = 0), the scales one f32 each, the workspace WORKSPACE_BYTES — as the layouts say,
+        // all on `stream`'s device, each guarded for the call.
+        unsafe {
+            result::matmul(
+                *handle.handle(),
+                plan.desc.0,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                pa as *const c_void,
+                plan.a_layout.0,
+                pb as *const c_void,
+                plan.b_layout.0,
+                pd as *const c_void,
+                plan.c_layout.0,
+                pd as *mut c_void,
+                plan.d_layout.0,
+                &plan.algo,
+                w as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| err("cublasLtMatmul (backward)", e))?;
+    }
+    let shape = (args.d_cols as usize, args.d_rows as usize); // D column-major = (d_cols, d_rows) row-major
+    Ok(match (out_bf16, out_f32) {
+        (Some(o), _) => stage3_fused::cuda::wrap(o, &dev, shape),
+        (_, Some(o)) => stage3_fused::cuda::wrap(o, &dev, shape),
+        _ => unreachable!("one output is allocated above"),
+    })
+}
+
+/// The backward GEMM's pointer attributes: scale_A and scale_B (ptrs: A, B, D, scale_A,
+/// scale_B, workspace). No bias, no D scale, no amax_D: D is bf16 or f32, not FP8.
+fn set_grad_pointers(desc: &Desc, ptrs: [u64; 6]) -> candle_core::Result<()> {
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    let [_, _, _, scale_a, scale_b, _] = ptrs;
+    set(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a)?; // const float*
+    set(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b)
+}
+
+/// Descriptors and layouts of a backward GEMM from `args`, and the algorithm cuBLASLt's heuristic
+/// picks at `align`: TN, E4M3 A × E5M2 B, f32 accumulation, no epilogue.
+fn grad_plan(args: &Fp8GradArgs, handle: sys::cublasLtHandle_t, ptrs: [u64; 6], align: [u32; 4]) -> Result<Plan, PlanError> {
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    let c = args.contract();
+    let l = |m: &cublaslt_model::MatrixLayout| layout(grad_type(m.dtype), m.rows, m.cols, m.ld);
+    let (a_layout, b_layout, c_layout, d_layout) = (l(&c.a)?, l(&c.b)?, l(&c.c)?, l(&c.d)?);
+    let desc = result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)
+        .map(Desc)
+        .map_err(|e| err("matmul desc", e))?;
+    set(&desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &(c.transa as i32))?; // cublasOperation_t: N = 0, T = 1
+    set(&desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &(c.transb as i32))?;
+    // Partial sums promoted to f32 (fast accumulation off), as TransformerEngine runs its
+    // backward GEMMs: a gradient's sum over B·T tokens is the long reduction of the step.
+    set(&desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &0i8)?; // int8_t
+    set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT)?;
+    set_grad_pointers(&desc, ptrs)?;
+    let pref = result::create_matmul_pref().map(Pref).map_err(|e| err("preference", e))?;
+    // SAFETY: size_t attribute, copied by cuBLASLt.
+    unsafe {
+        result::set_matmul_pref_attribute(
+            pref.0,
+            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &WORKSPACE_BYTES as *const usize as *const c_void,
+            std::mem::size_of::<usize>(),
+        )
+    }
+    .map_err(|e| err("workspace preference", e))?;
+    set_alignments(&pref, align)?;
+    HEURISTIC_QUERIES.fetch_add(1, Ordering::Relaxed);
+    // SAFETY: every descriptor and layout is alive.
+    let heuristic = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, a_layout.0, b_layout.0, c_layout.0, d_layout.0, pref.0) };
+    let heuristic = match heuristic {
+        Ok(h) => h,
+        Err(e) if e.0 == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => {
+            return Err(PlanError::NoAlgorithm(format!(
+                "cuBLASLt has no E4M3 × E5M2 algorithm for the {:?}-gradient GEMM m={} n={} k={} ({:?} D) on this GPU (it needs SM 8.9+ and CUDA 12+)",
+                args.grad, args.m, args.n, args.k, args.d
+            )))
+        }
+        Err(e) => return Err(err("cublasLtMatmulAlgoGetHeuristic", e).into()),
+    };
+    Ok(Plan { a_layout, b_layout, c_layout, d_layout, desc, algo: heuristic.algo })
 }

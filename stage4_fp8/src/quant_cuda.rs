@@ -13,7 +13,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop};
 use candle_core::cuda::{CudaDevice, CudaStorage};
-use candle_core::{DType, Layout, Shape};
+use candle_core::op::BackpropOp;
+use candle_core::{DType, Layout, Shape, Storage, Tensor};
 use kernel_cache::{function, Cubins};
 use Arg::{Null, Ptr, F32, I32, I64};
 
@@ -59,6 +60,7 @@ fn launch(dev: &CudaDevice, name: &str, blocks: u32, threads: u32, args: &[Arg])
                     DType::U32 => (cs.as_cuda_slice::<u32>()?.device_ptr(&stream), 4),
                     DType::BF16 => (cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream), 2),
                     DType::F8E4M3 => (cs.as_cuda_slice::<float8::F8E4M3>()?.device_ptr(&stream), 1),
+                    DType::U8 => (cs.as_cuda_slice::<u8>()?.device_ptr(&stream), 1), // E5M2 codes
                     dt => candle_core::bail!("{name}: unsupported dtype {dt:?}"),
                 };
                 syncs.push(g);
@@ -237,4 +239,64 @@ pub fn add_layer_norm_e4m3_fwd(
     let args = [ptr(x), ptr(branch), ptr(g), ptr(b), Ptr(&x_out, &xol), ptr(scale), Ptr(&q, &ql), ptr(amax_bits), I32(c), F32(eps), I32(1)]; // bf16 = 1
     launch(&dev, "add_layer_norm_16_e4m3", blocks, THREADS, &args)?;
     Ok((x_out, q))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training: the gradient in E5M2, and the transposed copies the backward GEMMs read
+// ---------------------------------------------------------------------------------------------
+
+/// A storage our kernel wrote, as a candle tensor (no backward).
+fn tensor(cs: CudaStorage, shape: impl Into<Shape>) -> Tensor {
+    Tensor::from_storage(Storage::Cuda(cs), shape, BackpropOp::none(), false)
+}
+
+/// The transposes' grid: one block per 32 × 32 tile.
+fn tiles(rows: usize, cols: usize) -> candle_core::Result<u32> {
+    u32::try_from(rows.div_ceil(32) * cols.div_ceil(32)).map_err(|_| err("grid", "more than 2^32 tiles"))
+}
+
+/// (q, qᵀ): E5M2(x / s) (rows, cols) and its transpose (cols, rows), E5M2 codes in u8 tensors
+/// (candle has no E5M2 dtype; cuBLASLt is told the type by the layout), in one launch of
+/// `fp8_quantize_e5m2_transpose_*`; with `amax_bits` ((1) u32) also amax ← max(amax, max|x|).
+/// x: (rows, cols) f32 or bf16 on CUDA; s: one f32. The HYBRID backward's dY and dYᵀ.
+pub fn quantize_e5m2_transpose(x: &Tensor, scale: &Tensor, amax_bits: Option<&Tensor>) -> candle_core::Result<(Tensor, Tensor)> {
+    let (rows, cols) = x.dims2()?;
+    let (x, scale) = (x.contiguous()?, scale.contiguous()?);
+    let ((xs, xl), (ss, sl)) = (x.storage_and_layout(), scale.storage_and_layout());
+    let (Storage::Cuda(xs), Storage::Cuda(ss)) = (&*xs, &*ss) else {
+        candle_core::bail!("quantize_e5m2_transpose: x and s must be on the GPU")
+    };
+    let amax = amax_bits.map(|a| a.storage_and_layout());
+    let amax_arg = match &amax {
+        None => Null,
+        Some((s, l)) => match &**s {
+            Storage::Cuda(s) => Ptr(s, l),
+            _ => candle_core::bail!("quantize_e5m2_transpose: the amax buffer must be on the GPU"),
+        },
+    };
+    let dev = xs.device().clone();
+    let name = format!("fp8_quantize_e5m2_transpose_{}", suffix(xs, "quantize_e5m2_transpose")?);
+    let (q, ql) = output::<u8>(&dev, &Shape::from((rows, cols)))?;
+    let (qt, qtl) = output::<u8>(&dev, &Shape::from((cols, rows)))?;
+    let args = [Ptr(xs, xl), I64(rows as i64), I64(cols as i64), Ptr(ss, sl), Ptr(&q, &ql), Ptr(&qt, &qtl), amax_arg];
+    launch(&dev, &name, tiles(rows, cols)?, THREADS, &args)?;
+    Ok((tensor(q, (rows, cols)), tensor(qt, (cols, rows))))
+}
+
+/// qᵀ (cols, rows) of FP8 codes q (rows, cols) (E4M3, or E5M2 in u8), in q's dtype: one launch of
+/// `fp8_transpose`. The HYBRID backward's Wᵀ and Xᵀ of the forward's E4M3 codes.
+pub fn transpose_fp8(q: &Tensor) -> candle_core::Result<Tensor> {
+    let (rows, cols) = q.dims2()?;
+    let q = q.contiguous()?;
+    let (qs, ql) = q.storage_and_layout();
+    let Storage::Cuda(qs) = &*qs else { candle_core::bail!("transpose_fp8: q must be on the GPU") };
+    let dev = qs.device().clone();
+    let shape = Shape::from((cols, rows));
+    let (qt, qtl) = match q.dtype() {
+        DType::F8E4M3 => output::<float8::F8E4M3>(&dev, &shape)?,
+        DType::U8 => output::<u8>(&dev, &shape)?,
+        dt => candle_core::bail!("transpose_fp8: FP8 codes (E4M3, or E5M2 in u8) expected, got {dt:?}"),
+    };
+    launch(&dev, "fp8_transpose", tiles(rows, cols)?, THREADS, &[Ptr(qs, ql), I64(rows as i64), I64(cols as i64), Ptr(&qt, &qtl)])?;
+    Ok(tensor(qt, shape))
 }
