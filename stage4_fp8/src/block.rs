@@ -2,7 +2,7 @@
 
 use crate::fp8::Fp8Recipe;
 use crate::fp8::{Fp8Linear, Fp8Mode, Fp8Target, Input, ScalingConfig};
-use crate::hybrid::{DelayedScale, GradScaling, HybridLinear};
+use crate::hybrid::{grad_scale_state, DelayedScale, GradScaling, HybridLinear, Operands};
 use crate::{producers, twin};
 use crate::{Fp8, Fp8Fusions};
 use candle_core::{DType, IndexOp, Tensor};
@@ -239,33 +239,39 @@ impl Block {
     }
 }
 
-/// Stage 4's training forward (`Stage::build_train`), emulated on the CPU: the block's dataflow
-/// with the producer fusions off. The four FP8 layers live across steps: each call quantises the
-/// current master weights into them (`Fp8Linear::set_weights`) while their inputs' amax
-/// histories carry on, where a fresh `build` per step would restart every history. Each GEMM is
-/// recorded with the HYBRID backward (`hybrid::HybridLinear`): E5M2 dY, its scale delayed with
-/// a history per layer as the inputs' are (current with `--fp8-recipe current`).
+/// Stage 4's training forward (`Stage::build_train`): the block's dataflow with the producer
+/// fusions off, emulated on the CPU, through cuBLASLt's FP8 GEMMs on CUDA. The four FP8 layers
+/// live across steps: each call quantises the current master weights into them
+/// (`Fp8Linear::set_weights`) while their inputs' amax histories carry on, where a fresh `build`
+/// per step would restart every history. Each GEMM is recorded with the HYBRID backward
+/// (`hybrid::HybridLinear`): E5M2 dY, its scale delayed with a history per layer as the inputs'
+/// are (current with `--fp8-recipe current`), kept on the device on CUDA.
 pub struct TrainBlock {
     w: BlockWeights,               // the f32 master weights, tracked: the gradients' destination
     layers: Mutex<[Fp8Linear; 4]>, // qkv, proj, fc1, fc2: E4M3 weights of this step, the input scale states
     grads: [GradScaling; 4],       // dY's E5M2 scale per layer
     n_head: usize,
     dtype: DType,                    // stage 3's activation dtype (`activation_dtype`)
-    attn: attention::Implementation, // stage 2's attention (the CPU kernel, with its backward)
+    attn: attention::Implementation, // stage 2's attention (with its backward)
 }
 
 impl TrainBlock {
     pub fn build(w: &BlockWeights, plan: &Plan, stage: &Fp8) -> anyhow::Result<TrainBlock> {
         let block = Block::build(w, plan, stage)?; // the layers, checked as the forward's
         let Block { qkv, proj, fc1, fc2, n_head, dtype, attn, .. } = block;
-        let grad = || match stage.args.fp8_recipe {
-            Fp8Recipe::Delayed => GradScaling::Delayed(Arc::new(DelayedScale::new(ScalingConfig::default().history_len, 0))),
-            Fp8Recipe::Current => GradScaling::Current(0),
+        let (recipe, len) = (stage.args.fp8_recipe, ScalingConfig::default().history_len);
+        let on_device = stage.mode(plan) == Fp8Mode::Cublaslt;
+        let grad = || -> anyhow::Result<GradScaling> {
+            Ok(match (on_device, recipe) {
+                (true, _) => GradScaling::OnDevice(Arc::new(Mutex::new(grad_scale_state(recipe, len, 0).map_err(anyhow::Error::msg)?))),
+                (false, Fp8Recipe::Delayed) => GradScaling::Delayed(Arc::new(DelayedScale::new(len, 0))),
+                (false, Fp8Recipe::Current) => GradScaling::Current(0),
+            })
         };
         Ok(TrainBlock {
             w: w.clone(),
             layers: Mutex::new([qkv, proj, fc1, fc2]),
-            grads: [grad(), grad(), grad(), grad()],
+            grads: [grad()?, grad()?, grad()?, grad()?],
             n_head,
             dtype,
             attn,
@@ -279,8 +285,15 @@ impl TrainBlock {
     }
 
     /// The amax histories of the four layers' dY (empty under current scaling).
-    pub fn grad_amax_histories(&self) -> Vec<Vec<f32>> {
-        self.grads.iter().map(|g| if let GradScaling::Delayed(d) = g { d.history() } else { Vec::new() }).collect()
+    pub fn grad_amax_histories(&self) -> candle_core::Result<Vec<Vec<f32>>> {
+        self.grads
+            .iter()
+            .map(|g| match g {
+                GradScaling::Delayed(d) => Ok(d.history()),
+                GradScaling::OnDevice(s) => s.lock().map_err(|_| candle_core::Error::Msg("dY's scale state poisoned".into()))?.history(),
+                GradScaling::Current(_) => Ok(Vec::new()),
+            })
+            .collect()
     }
 }
 
@@ -297,9 +310,19 @@ impl Forward for TrainBlock {
         // HYBRID backward towards x and the master W_i, b_i.
         let linear = |i: usize, x: &Tensor| {
             let layer = &layers[i];
-            let (y, xq) = layer.forward_keeping_input(&x.detach())?;
-            let wq = layer.weight().dequantize(DType::F32)?; // (N, K) s_w·q_w
-            HybridLinear { y, xq, wq, gelu: layer.gelu(), scaling: self.grads[i].clone() }.apply(x, masters[i].0, masters[i].1)
+            let (y, operands) = match layer.mode() {
+                Fp8Mode::Emulated => {
+                    let (y, xq) = layer.forward_keeping_input(&x.detach())?;
+                    (y, Operands::Emulated { xq, wq: layer.weight().dequantize(DType::F32)? })
+                    // (N, K) s_w·q_w
+                }
+                Fp8Mode::Cublaslt => {
+                    let (y, xq, x_scale) = layer.forward_keeping_fp8_input(&x.detach())?;
+                    let (wq, w_scale) = (layer.weight().data.clone(), layer.weight().scale.clone()); // (N, K) E4M3, s_w
+                    (y, Operands::Fp8 { xq, x_scale, wq, w_scale })
+                }
+            };
+            HybridLinear { y, operands, gelu: layer.gelu(), scaling: self.grads[i].clone() }.apply(x, masters[i].0, masters[i].1)
         };
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy

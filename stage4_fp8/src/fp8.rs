@@ -821,6 +821,21 @@ impl Fp8Linear {
         Ok((self.gemm(xq.as_ref(), Some(&xd), &scale, None)?, xd))
     }
 
+    /// `forward` for training through cuBLASLt (`hybrid::HybridLinear` on CUDA): also returns
+    /// the input as the GEMM read it, q_x in E4M3, and its scale s_x (a copy: the scale buffer
+    /// changes with the next call), which the backward's dW GEMM reads. cuBLASLt layers only.
+    pub fn forward_keeping_fp8_input(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let (xq, _, scale) = self.operands(&Input::Plain(x.clone()))?;
+        let xq = xq.filter(|_| self.emulated.is_none()).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "{}: the HYBRID backward on CUDA reads cuBLASLt's E4M3 operands; this layer is emulated",
+                self.name
+            ))
+        })?;
+        let scale = scale.copy()?;
+        Ok((self.gemm(Some(&xq), None, &scale, None)?, xq, scale))
+    }
+
     /// A training step's updated W and b, quantised into this layer as `new` does (W with
     /// current scaling), while its input's scale state, the amax history, carries on. W and b
     /// are read as values: nothing here is recorded for the backward.

@@ -1,4 +1,5 @@
-//! Training in FP8: TransformerEngine's HYBRID recipe, emulated on the CPU.
+//! Training in FP8: TransformerEngine's HYBRID recipe, emulated on the CPU and through
+//! cuBLASLt's FP8 GEMMs on CUDA.
 //!
 //! **Two formats for two jobs.** The forward's operands (weights, activations) are E4M3: 3
 //! mantissa bits, range ±448 — values that must be *precise*. The gradients flowing back are
@@ -24,8 +25,15 @@
 //!
 //! Emulated: every FP8 value is held as s·q in f32 (`round_e5m2`, like `fp8::round_e4m3`),
 //! so the numbers are those of an FP8 GEMM with f32 accumulation; the speed is not.
+//!
+//! **On CUDA** (`linear_bwd_hybrid_cuda`): dY is cast to E5M2 by our kernel, which writes dYᵀ
+//! too, and both GEMMs are cuBLASLt's E4M3 × E5M2 (`gemm::fp8_grad_layout` works out why each
+//! reads a transposed copy: FP8 takes the "TN" form only). dY's scale state lives in `scale.rs`'s
+//! device buffers (`grad_scale_state`), so delayed scaling never reads an amax back to the host.
+//! Compiled, not run on a GPU; the GEMMs' arguments run through the cuBLASLt model in
+//! `tests/cublaslt_train.rs`, the kernels under the host emulation.
 
-use crate::fp8::{round_e4m3, E4M3_MAX};
+use crate::fp8::{round_e4m3, Fp8Recipe, ScaleState, ScalingConfig, E4M3_MAX};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use stage3_fused::backward::gelu_tanh_grad_ops;
 use std::sync::{Arc, Mutex};
@@ -136,6 +144,17 @@ pub enum GradScaling {
     Current(i32),
     /// From the history (`DelayedScale`).
     Delayed(Arc<DelayedScale>),
+    /// On the GPU: dY's scale state in `scale.rs`'s device buffers, updated by our kernels
+    /// (`grad_scale_state`), current or delayed as its config says.
+    OnDevice(Arc<Mutex<ScaleState>>),
+}
+
+/// dY's scale state on a device for the HYBRID backward on CUDA: `fp8::ScaleState` (the
+/// forward's amax, scale and history buffers, and their kernels) with E5M2's rule. E5M2's scale
+/// amax·2^margin / 57344 is E4M3's amax·2^(margin − 7) / 448, since 57344 = 448·2⁷: the state
+/// runs E4M3's rule with 7 bits less margin.
+pub fn grad_scale_state(recipe: Fp8Recipe, history_len: usize, margin: i32) -> Result<ScaleState, String> {
+    ScaleState::new(ScalingConfig { recipe, history_len, margin: margin - 7 })
 }
 
 /// The backward of y = x·Wᵀ + b in the HYBRID recipe (see the module notes), from the forward's
@@ -145,7 +164,7 @@ pub fn linear_bwd_hybrid(xq: &Tensor, wq: &Tensor, dy: &Tensor, margin: i32) -> 
     linear_bwd_hybrid_scaled(xq, wq, dy, &GradScaling::Current(margin))
 }
 
-/// `linear_bwd_hybrid` with dY's scale per `scaling`.
+/// `linear_bwd_hybrid` with dY's scale per `scaling` (current or `Delayed`: emulated on the CPU).
 pub fn linear_bwd_hybrid_scaled(
     xq: &Tensor,
     wq: &Tensor,
@@ -158,20 +177,78 @@ pub fn linear_bwd_hybrid_scaled(
     let (dy8, _) = match scaling {
         GradScaling::Current(margin) => fake_quantize(&dy, Format::E5M2, *margin)?,
         GradScaling::Delayed(history) => fake_quantize_with(&dy, Format::E5M2, |amax| history.next(amax))?,
+        GradScaling::OnDevice(_) => candle_core::bail!("linear_bwd_hybrid: the device's scale state is for the CUDA backward"),
     };
     let dx = dy8.matmul(wq)?.reshape((bsz, t, k))?; // (B·T, N)·(N, K)
     let dw = dy8.t()?.matmul(&xq.reshape((bsz * t, k))?)?; // (N, B·T)·(B·T, K)
     Ok((dx, dw, dy.sum(0)?))
 }
 
+/// The HYBRID backward on the GPU, through cuBLASLt's FP8 GEMMs: q_x (B, T, K) and W_q (N, K)
+/// the forward's E4M3 codes with their scales s_x and s_w (one f32 each), dY (B, T, N) f32 or
+/// bf16, its E5M2 scale from `state` (`grad_scale_state`). dY is cast to E5M2 with its transpose
+/// in one kernel, W_q and q_x transposed (`kernels/fp8.cu`), and the two GEMMs read what
+/// `gemm::fp8_grad_args` says: dX = dY·W (Wᵀ × dY) and dW = dYᵀ·X (Xᵀ × dYᵀ), E4M3 × E5M2, TN.
+/// db = Σ_rows dY in f32 from the unquantised dY. Returns (dX (B, T, K) bf16, dW (N, K) f32,
+/// db (N) f32). Compiled, not run on a GPU; its arguments are executed by the cuBLASLt model in
+/// `tests/cublaslt_train.rs`.
+#[cfg(feature = "cuda")]
+pub fn linear_bwd_hybrid_cuda(
+    (xq, x_scale): (&Tensor, &Tensor),
+    (wq, w_scale): (&Tensor, &Tensor),
+    dy: &Tensor,
+    state: &Mutex<ScaleState>,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    use crate::gemm::{fp8_grad_args, Fp8Grad, Fp8Operand, ScaleOf};
+    use crate::quant_cuda::{quantize_e5m2_transpose, transpose_fp8};
+    let (bsz, t, k) = xq.dims3()?;
+    let n = wq.dim(0)?;
+    let m = bsz * t;
+    let dy = match dy.dtype() {
+        DType::F32 | DType::BF16 => dy.reshape((m, n))?, // (B·T, N): what the cast kernel reads
+        _ => dy.to_dtype(DType::F32)?.reshape((m, n))?,
+    };
+    let s_dy = state.lock().map_err(|_| candle_core::Error::Msg("dY's scale state poisoned".into()))?.scale_for(&dy)?;
+    let (g, gt) = quantize_e5m2_transpose(&dy, &s_dy, None)?; // dY (M, N), dYᵀ (N, M): E5M2 codes
+    let (wt, xt) = (transpose_fp8(wq)?, transpose_fp8(&xq.reshape((m, k))?)?); // Wᵀ (K, N), Xᵀ (K, M): E4M3
+    let operand = |op: Fp8Operand| match op {
+        Fp8Operand::WeightT => &wt,
+        Fp8Operand::InputT => &xt,
+        Fp8Operand::Grad => &g,
+        Fp8Operand::GradT => &gt,
+    };
+    let scale = |s: ScaleOf| match s {
+        ScaleOf::Weight => w_scale,
+        ScaleOf::Input => x_scale,
+        ScaleOf::Grad => &s_dy,
+    };
+    let gemm = |grad: Fp8Grad| -> candle_core::Result<Tensor> {
+        let args = fp8_grad_args(grad, m, k, n).map_err(candle_core::Error::Msg)?;
+        crate::cuda::fp8_grad_gemm(&args, operand(args.a), operand(args.b), scale(args.a.scale()), scale(args.b.scale()))
+    };
+    let dx = gemm(Fp8Grad::Data)?.reshape((bsz, t, k))?; // (M, K) bf16
+    let dw = gemm(Fp8Grad::Weight)?; // (N, K) f32
+    Ok((dx, dw, dy.to_dtype(DType::F32)?.sum(0)?))
+}
+
+/// The forward's operands, as the HYBRID backward reads them.
+#[derive(Clone, Debug)]
+pub enum Operands {
+    /// Emulated: s_x·q_x (B, T, K) and s_w·q_w (N, K) in f32.
+    Emulated { xq: Tensor, wq: Tensor },
+    /// Through cuBLASLt (CUDA): q_x (B, T, K) and W_q (N, K) as the forward's E4M3 codes, with
+    /// their scales s_x and s_w (one f32 each, on the GPU).
+    Fp8 { xq: Tensor, x_scale: Tensor, wq: Tensor, w_scale: Tensor },
+}
+
 /// y = act(x·Wᵀ + b) as a differentiable op: `y` is the FP8 layer's forward output, computed by
-/// `Fp8Linear` from `xq` = s_x·q_x and `wq` = s_w·q_w (f32), which `apply` hands to candle as the
-/// op's result so that candle records (x, W, b) → y; the backward is `linear_bwd_hybrid_scaled`,
-/// through GELU's derivative when `gelu`. CPU only, as the emulation.
+/// `Fp8Linear` from its operands (`Operands`), which `apply` hands to candle as the op's result
+/// so that candle records (x, W, b) → y; the backward is the HYBRID recipe's, through GELU's
+/// derivative when `gelu`: emulated on the CPU (`linear_bwd_hybrid_scaled`), or cuBLASLt's FP8
+/// GEMMs on CUDA (`linear_bwd_hybrid_cuda`).
 pub struct HybridLinear {
-    pub y: Tensor,  // (B, T, N): the FP8 forward's output
-    pub xq: Tensor, // (B, T, K) s_x·q_x f32
-    pub wq: Tensor, // (N, K) s_w·q_w f32
+    pub y: Tensor, // (B, T, N): the FP8 forward's output
+    pub operands: Operands,
     pub gelu: bool,
     pub scaling: GradScaling, // dY's E5M2 scale
 }
@@ -182,7 +259,10 @@ impl HybridLinear {
     pub fn apply(self, x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
         let (bsz, t, k) = x.dims3()?;
         let n = w.dim(0)?;
-        let (y, xq, wq) = (&self.y, &self.xq, &self.wq);
+        let (xq, wq) = match &self.operands {
+            Operands::Emulated { xq, wq } | Operands::Fp8 { xq, wq, .. } => (xq, wq),
+        };
+        let y = &self.y;
         if y.dims() != [bsz, t, n] || xq.dims() != x.dims() || wq.dims() != w.dims() || w.dim(1)? != k || b.dims() != [n] {
             candle_core::bail!(
                 "HybridLinear: x {:?}, W {:?}, b {:?}, y {:?}, xq {:?}, wq {:?} do not fit y = act(x Wᵀ + b)",
@@ -194,7 +274,9 @@ impl HybridLinear {
                 wq.dims()
             );
         }
-        let op = HybridLinear { y: y.contiguous()?, ..self };
+        // The op's forward hands candle a copy of y's storage, which must start at its offset 0.
+        let y = if y.layout().start_offset() == 0 { y.contiguous()? } else { y.copy()? };
+        let op = HybridLinear { y, ..self };
         x.apply_op3(w, b, op)
     }
 }
@@ -225,8 +307,26 @@ impl CustomOp3 for HybridLinear {
         Ok((storage, self.y.shape().clone()))
     }
 
-    /// dZ = dY ∘ GELU'(z) (z = xq·wqᵀ + b recomputed in f32) when the layer has GELU, then the
-    /// HYBRID GEMMs on dZ; each gradient in its argument's dtype.
+    /// The same on CUDA: a copy of y's storage (contiguous from offset 0: `apply`).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (s, l) = self.y.storage_and_layout();
+        let candle_core::Storage::Cuda(s) = &*s else { candle_core::bail!("HybridLinear: y is not on the GPU") };
+        Ok((s.try_clone(l)?, self.y.shape().clone()))
+    }
+
+    /// dZ = dY ∘ GELU'(z) (z = x·Wᵀ + b recomputed from the stored operands: in f32 when
+    /// emulated, by the forward's FP8 GEMM without GELU on CUDA) when the layer has GELU, then
+    /// the HYBRID GEMMs on dZ; each gradient in its argument's dtype.
     fn bwd(
         &self,
         x: &Tensor,
@@ -235,19 +335,61 @@ impl CustomOp3 for HybridLinear {
         _y: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        if !dy.device().is_cpu() {
-            candle_core::bail!("HybridLinear: the HYBRID backward is emulated on the CPU only");
-        }
+        let (dx, dw, db) = match &self.operands {
+            Operands::Emulated { xq, wq } => {
+                if !dy.device().is_cpu() {
+                    candle_core::bail!("HybridLinear: the emulated HYBRID backward runs on the CPU only");
+                }
+                let dz = match self.gelu {
+                    false => dy.to_dtype(DType::F32)?,
+                    true => {
+                        let (bsz, t, k) = xq.dims3()?;
+                        let z = xq.reshape((bsz * t, k))?.matmul(&wq.t()?)?.broadcast_add(&b.to_dtype(DType::F32)?)?; // (B·T, N)
+                        (dy.to_dtype(DType::F32)? * gelu_tanh_grad_ops(&z)?.reshape(dy.shape())?)?
+                    }
+                };
+                linear_bwd_hybrid_scaled(xq, wq, &dz, &self.scaling)?
+            }
+            Operands::Fp8 { xq, x_scale, wq, w_scale } => self.bwd_fp8((xq, x_scale), (wq, w_scale), b, dy)?,
+        };
+        Ok((Some(dx.to_dtype(x.dtype())?), Some(dw.to_dtype(w.dtype())?), Some(db.to_dtype(b.dtype())?)))
+    }
+}
+
+impl HybridLinear {
+    /// The backward through cuBLASLt (`Operands::Fp8`): dZ (GELU's derivative at z, recomputed
+    /// by the FP8 GEMM with the bias epilogue alone, as the forward computed it before GELU),
+    /// then `linear_bwd_hybrid_cuda` with dY's scale state on the device.
+    #[cfg(feature = "cuda")]
+    fn bwd_fp8(
+        &self,
+        x: (&Tensor, &Tensor),
+        w: (&Tensor, &Tensor),
+        b: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let GradScaling::OnDevice(state) = &self.scaling else {
+            candle_core::bail!("HybridLinear: the CUDA backward keeps dY's scale on the device (GradScaling::OnDevice)")
+        };
         let dz = match self.gelu {
-            false => dy.to_dtype(DType::F32)?,
+            false => dy.clone(),
             true => {
-                let (bsz, t, k) = self.xq.dims3()?;
-                let z = self.xq.reshape((bsz * t, k))?.matmul(&self.wq.t()?)?.broadcast_add(&b.to_dtype(DType::F32)?)?; // (B·T, N)
-                (dy.to_dtype(DType::F32)? * gelu_tanh_grad_ops(&z)?.reshape(dy.shape())?)?
+                let z = crate::gemm::Fp8Gemm::new(x.1, w.1, b, false)?.with_fast_accum(false).forward(x.0, w.0)?; // (B, T, N) bf16
+                (dy.to_dtype(DType::F32)? * gelu_tanh_grad_ops(&z.to_dtype(DType::F32)?)?)?
             }
         };
-        let (dx, dw, db) = linear_bwd_hybrid_scaled(&self.xq, &self.wq, &dz, &self.scaling)?;
-        Ok((Some(dx.to_dtype(x.dtype())?), Some(dw.to_dtype(w.dtype())?), Some(db.to_dtype(b.dtype())?)))
+        linear_bwd_hybrid_cuda(x, w, &dz, state)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn bwd_fp8(
+        &self,
+        _: (&Tensor, &Tensor),
+        _: (&Tensor, &Tensor),
+        _: &Tensor,
+        _: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        candle_core::bail!("HybridLinear: E4M3 operands on the GPU need a build with --features cuda")
     }
 }
 
@@ -293,7 +435,12 @@ mod tests {
             };
             let want = grads(&xq, &wq, &|x, w, b| plain(x, w, b));
             let y = plain(&xq, &wq, &b).unwrap();
-            let saved = || HybridLinear { y: y.clone(), xq: xq.clone(), wq: wq.clone(), gelu, scaling: GradScaling::Current(0) };
+            let saved = || HybridLinear {
+                y: y.clone(),
+                operands: Operands::Emulated { xq: xq.clone(), wq: wq.clone() },
+                gelu,
+                scaling: GradScaling::Current(0),
+            };
             let ours = grads(&x, &w, &|x, w, b| saved().apply(x, w, b));
             let [ex, ew, eb] = [0, 1, 2].map(|i| rel(&ours[i], &want[i]));
             eprintln!("HybridLinear (gelu {gelu}) vs autograd: dX {ex:.2e}, dW {ew:.2e}, db {eb:.2e}");

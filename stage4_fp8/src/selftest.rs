@@ -198,6 +198,106 @@ pub fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
     });
 }
 
+/// Stage 4's training GEMMs alone (the HYBRID backward of one linear: dX = dY·W and dW = dYᵀ·X,
+/// E4M3 × E5M2), against the CPU emulation of the recipe on the same operands and scales (all
+/// current). On CUDA: our E5M2 cast and transposes, then cuBLASLt's FP8 GEMMs
+/// (`hybrid::linear_bwd_hybrid_cuda`); where cuBLASLt offers no algorithm for one, its row says
+/// so (and `--train` refuses on that GPU). On the CPU: the arguments `gemm::fp8_grad_args` builds,
+/// executed by `cublaslt_model` on the codes and transposed copies the CUDA path hands over.
+pub fn fp8_train(r: &mut Rows, device: &Device, info: &DeviceInfo) {
+    use crate::fp8::{amax, quantize_dequantize_cpu, round_e4m3, scale_from_amax};
+    use crate::gemm::{fp8_grad_args, Fp8Grad, Fp8Operand, ScaleOf};
+    use crate::hybrid::{linear_bwd_hybrid, round_e5m2, E5M2_MAX};
+    if !device.is_cuda() {
+        r.ran = "cublaslt_model(fp8_grad_args)".into();
+    }
+    let (m, k, n) = (48, 64, 96); // multiples of 16, as FP8 GEMMs need
+    for grad in [Fp8Grad::Data, Fp8Grad::Weight] {
+        let case = match grad {
+            Fp8Grad::Data => format!("dX = dY·W, E4M3 W × E5M2 dY, bf16 out, M={m} K={k} N={n}"),
+            Fp8Grad::Weight => format!("dW = dYᵀ·X, E4M3 X × E5M2 dY, f32 out, M={m} K={k} N={n}"),
+        };
+        if device.is_cuda() && !info.has_fp8_tensor_cores() {
+            r.skip("FP8 training GEMM", case, "FP8 tensor cores need SM 8.9+; this GPU has none".into());
+            continue;
+        }
+        #[cfg(feature = "cuda")]
+        if let Ok(dev) = device.as_cuda_device() {
+            match crate::cuda::has_grad_algorithm(dev, grad, m, k, n) {
+                Ok(true) => {}
+                Ok(false) => {
+                    let why = "cuBLASLt offers no E4M3 × E5M2 algorithm for this GEMM on this GPU; stage 4 refuses --train \
+                               here (its check says why) rather than run another recipe under this one's name";
+                    r.unsupported("FP8 training GEMM", case, why.into());
+                    continue;
+                }
+                Err(e) => {
+                    r.outcome("FP8 training GEMM", case, Err(e.into()));
+                    continue;
+                }
+            }
+        }
+        r.compare("FP8 training GEMM", case, || {
+            let (x, w) = (randn(&[1, m, k], 20, 1.0, 0.0)?, randn(&[n, k], 21, 0.05, 0.0)?);
+            let dy = randn(&[1, m, n], 22, 1e-3, 0.0)?; // a gradient's size
+            let (sx, sw) = (scale_from_amax(&amax(&x)?, 0)?, scale_from_amax(&amax(&w)?, 0)?);
+            let (xq, wq) = (quantize_dequantize_cpu(&x, &sx)?, quantize_dequantize_cpu(&w, &sw)?); // s·q, f32
+            let (dx, dw, _) = linear_bwd_hybrid(&xq, &wq, &dy, 0)?; // the emulation, dY's scale current
+            let want = match grad {
+                Fp8Grad::Data => dx,
+                Fp8Grad::Weight => dw,
+            };
+            #[cfg(feature = "cuda")]
+            if device.is_cuda() {
+                let on = |t: &Tensor| t.to_device(device);
+                let (sxd, swd) = (on(&sx)?, on(&sw)?);
+                let (xq, wq) = (crate::fp8::quantize(&on(&x)?, &sxd)?, crate::fp8::quantize(&on(&w)?, &swd)?); // E4M3 codes on the GPU
+                let state = std::sync::Mutex::new(
+                    crate::hybrid::grad_scale_state(crate::fp8::Fp8Recipe::Current, 1, 0).map_err(anyhow::Error::msg)?,
+                );
+                let (dx, dw, _) = crate::hybrid::linear_bwd_hybrid_cuda((&xq, &sxd), (&wq, &swd), &on(&dy)?, &state)?;
+                let got = match grad {
+                    Fp8Grad::Data => dx.to_dtype(DType::F32)?,
+                    Fp8Grad::Weight => dw,
+                };
+                // dX is stored bf16 (2⁻⁹ per value); the GPU's dY scale may sit an ulp from the
+                // emulation's (E4M3's rule with 7 bits less margin), moving a few E5M2 codes.
+                return Ok((got.to_device(&Device::Cpu)?, want, 2e-2));
+            }
+            // The CUDA path's buffers: the codes, row-major, and their transposed copies.
+            let host = |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+            let (sx, sw) = (sx.to_scalar::<f32>()?, sw.to_scalar::<f32>()?);
+            let dyv = host(&dy)?;
+            let sdy = dyv.iter().fold(0f32, |a, v| a.max(v.abs())).max(f32::MIN_POSITIVE) / E5M2_MAX;
+            let codes = |v: Vec<f32>, s: f32, round: fn(f32) -> f32| v.into_iter().map(|x| round(x / s)).collect::<Vec<f32>>();
+            let (qx, qw, qdy) = (codes(host(&x)?, sx, round_e4m3), codes(host(&w)?, sw, round_e4m3), codes(dyv, sdy, round_e5m2));
+            let t = |v: &[f32], rows: usize, cols: usize| (0..rows * cols).map(|i| v[(i % rows) * cols + i / rows]).collect::<Vec<f32>>();
+            let args = fp8_grad_args(grad, m, k, n).map_err(anyhow::Error::msg)?;
+            let buffer = |op: Fp8Operand| match op {
+                Fp8Operand::WeightT => t(&qw, n, k),
+                Fp8Operand::InputT => t(&qx, m, k),
+                Fp8Operand::Grad => qdy.clone(),
+                Fp8Operand::GradT => t(&qdy, m, n),
+            };
+            let scale = |s: ScaleOf| match s {
+                ScaleOf::Weight => sw,
+                ScaleOf::Input => sx,
+                ScaleOf::Grad => sdy,
+            };
+            let d = cublaslt_model::matmul(
+                &args.contract(),
+                &buffer(args.a),
+                &buffer(args.b),
+                None,
+                None,
+                (scale(args.a.scale()), scale(args.b.scale())),
+            )
+            .map_err(anyhow::Error::msg)?;
+            Ok((Tensor::from_vec(d, want.shape(), &Device::Cpu)?, want, 1e-2))
+        });
+    }
+}
+
 /// Stage 4 with delayed scaling under a CUDA graph: the scale update runs inside the graph, so
 /// replays must advance the amax history. The input grows ×4 after the capture; a history
 /// frozen at the captured call would saturate the top of every activation (a large error).

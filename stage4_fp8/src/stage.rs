@@ -146,6 +146,44 @@ impl Fp8 {
         Fp8Fusions::effective(self.args.fp8_fusions, self.args.fp8_recipe)
     }
 
+    /// On a CUDA device whose GEMMs run on FP8 tensor cores: whether cuBLASLt offers an algorithm
+    /// for each of the HYBRID backward's GEMMs (E4M3 × E5M2, data and weight gradient) of the
+    /// four layers at the plan's shapes. None is the one configuration the recipe has (E5M2 ×
+    /// E5M2 is not offered, and anything else would not be this recipe), so there is nothing to
+    /// fall back to: refused, with the reason.
+    #[cfg(feature = "cuda")]
+    fn check_train_gemms(&self, plan: &Plan) -> Result<(), SpeedkitError> {
+        use crate::gemm::Fp8Grad;
+        let Ok(dev) = plan.device.as_cuda_device() else { return Ok(()) };
+        if self.mode(plan) != Fp8Mode::Cublaslt {
+            return Ok(());
+        }
+        let s = plan.shape;
+        let (c, ff, tokens) = (s.d_model, s.ff, s.batch * s.seq);
+        for (layer, k, n) in [("qkv", c, 3 * c), ("proj", c, c), ("fc1", c, ff), ("fc2", ff, c)] {
+            for grad in [Fp8Grad::Data, Fp8Grad::Weight] {
+                let ok = crate::cuda::has_grad_algorithm(dev, grad, tokens, k, n)
+                    .map_err(|e| SpeedkitError::usage(format!("stage 4's FP8 backward GEMMs could not be planned: {e}")))?;
+                if !ok {
+                    return Err(SpeedkitError::usage(format!(
+                        "cuBLASLt on {} offers no algorithm for {layer}'s {grad:?}-gradient GEMM in FP8 (E4M3 × E5M2, \
+                         B·T = {tokens}, K = {k}, N = {n}), which stage 4's HYBRID backward needs; E5M2 × E5M2 is not \
+                         offered at all, and any other configuration would not be the recipe the label names. Fix: \
+                         train stage 4 with --device cpu (FP8's numerics, emulated), train stage 3 on this GPU, or run \
+                         a CUDA 12+ cuBLAS on an SM 8.9+ GPU (`ladder selftest` reports which FP8 GEMMs it offers).",
+                        plan.info.name
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn check_train_gemms(&self, _plan: &Plan) -> Result<(), SpeedkitError> {
+        Ok(()) // a CPU build trains on the CPU only (the runner refuses CUDA there)
+    }
+
     /// The activation dtype stage 4 runs with, and a note when it must differ from stage 3's at
     /// the same `--precision` (`Plan::requested`). Stage 3 is asked as the ladder asks it:
     /// fp8 (this stage's own precision) means stage 3's auto choice.
@@ -243,7 +281,12 @@ impl Stage for Fp8 {
         let recipe = self.args.fp8_recipe.name();
         let fused = match plan.train {
             false => format!("fp8 fusions {}", self.fusions().describe()),
-            true => format!("fp8 fusions none (training), HYBRID backward: E5M2 dY, {recipe} scaling"),
+            true => match self.mode(plan) {
+                Fp8Mode::Cublaslt => {
+                    format!("fp8 fusions none (training), HYBRID backward: cuBLASLt E4M3 × E5M2 (E5M2 dY), {recipe} scaling")
+                }
+                Fp8Mode::Emulated => format!("fp8 fusions none (training), HYBRID backward: E5M2 dY, {recipe} scaling"),
+            },
         };
         let mut label = match self.mode(plan) {
             Fp8Mode::Cublaslt => format!("cuBLASLt E4M3, {recipe} scaling, {fused}"),
@@ -294,26 +337,29 @@ impl Stage for Fp8 {
         Ok(Box::new(Block::build(w, plan, self)?))
     }
 
-    /// Training is emulated on the CPU (`TrainBlock`), with the producer fusions off.
+    /// Training (`TrainBlock`), with the producer fusions off: emulated on the CPU; on CUDA
+    /// through cuBLASLt's FP8 GEMMs, forward and backward, where the GPU has FP8 tensor cores
+    /// and cuBLASLt offers an algorithm for each backward GEMM.
     fn check_train(&self, plan: &Plan) -> Result<(), SpeedkitError> {
-        if plan.info.is_cuda() {
-            return Err(SpeedkitError::usage(
-                "stage 4 cannot train on CUDA yet: its backward is TransformerEngine's HYBRID recipe (E5M2 gradients \
-                 against the forward's E4M3 operands), and only its CPU emulation is built (hybrid.rs); no cuBLASLt FP8 \
-                 backward GEMMs exist here, and the forward's E4M3 operands live on the GPU. Fix: train stage 4 with \
-                 --device cpu (FP8's numerics, emulated), or train stage 3 on this GPU."
-                    .to_string(),
-            ));
+        if plan.info.is_cuda() && self.mode(plan) == Fp8Mode::Emulated {
+            return Err(SpeedkitError::usage(format!(
+                "stage 4 trains on CUDA through cuBLASLt's FP8 GEMMs (E4M3 forward, E5M2 gradients: TransformerEngine's \
+                 HYBRID recipe), which need FP8 tensor cores, and {} has none (SM 8.9+); the recipe's emulation \
+                 (hybrid.rs) runs its backward on the CPU only, so --fp8-emulate cannot train here. Fix: train stage 4 \
+                 on an SM 8.9+ GPU (L4, L40, RTX 4090, H100, H200), or with --device cpu (FP8's numerics, emulated), or \
+                 train stage 3 on this GPU.",
+                plan.info.name
+            )));
         }
-        match self.args.fp8_fusions {
-            Some(f) if !f.on().is_empty() => Err(SpeedkitError::usage(format!(
+        if let Some(f) = self.args.fp8_fusions.filter(|f| !f.on().is_empty()) {
+            return Err(SpeedkitError::usage(format!(
                 "--fp8-fusions {} cannot train: the fused producers (LayerNorm, fc1) write the next GEMM's input in E4M3 \
                  directly, and those ops have no backward, so no gradient would reach the LayerNorms or fc1 through them. \
                  Fix: drop --fp8-fusions (training runs them all off, and the label says so) or pass none.",
                 f.describe()
-            ))),
-            _ => Ok(()),
+            )));
         }
+        self.check_train_gemms(plan)
     }
 
     fn build_train(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
@@ -346,6 +392,7 @@ impl Stage for Fp8 {
         crate::selftest::fp8(rows, device, info);
         crate::selftest::fp8_kernels(rows, device);
         crate::selftest::fp8_fusions(rows, device, info);
+        crate::selftest::fp8_train(rows, device, info);
         // (Its CUDA graph row, `selftest::graph_delayed_scaling`, runs with the ladder's graph
         // rows, last.)
     }

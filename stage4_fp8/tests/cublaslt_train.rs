@@ -131,16 +131,9 @@ fn run(p: &Problem, args: &Fp8GradArgs, mutation: Option<Mutation>) -> Result<Ve
     match mutation {
         None => {}
         Some(Mutation::NotTn) => contract.transb = true,
-        Some(Mutation::WeightNotTransposed) => {
-            if args.a == Fp8Operand::WeightT {
-                a = p.qw.clone()
-            }
-        }
-        Some(Mutation::GradNotTransposed) => {
-            if args.b == Fp8Operand::GradT {
-                b = p.qdy.clone()
-            }
-        }
+        Some(Mutation::WeightNotTransposed) if args.a == Fp8Operand::WeightT => a = p.qw.clone(),
+        Some(Mutation::GradNotTransposed) if args.b == Fp8Operand::GradT => b = p.qdy.clone(),
+        Some(Mutation::WeightNotTransposed | Mutation::GradNotTransposed) => {} // the other GEMM reads no such copy
         Some(Mutation::NoScales) => contract.scaled = false,
         Some(Mutation::GradScaleOne) => sb = 1.0,
         Some(Mutation::WrongWeightScale) => sa = p.scale(if args.a.scale() == ScaleOf::Weight { ScaleOf::Input } else { ScaleOf::Weight }),
