@@ -433,10 +433,8 @@ fn tensor_ptr<'a>(
     Ok((p + (start * size) as u64, g))
 }
 
-/// One HYBRID backward GEMM, D = s_A·s_B·op(A)·B (`gemm::fp8_grad_layout`): `a` and `b` hold
-/// what `args.a` and `args.b` say (Wᵀ or Xᵀ as E4M3, dY or dYᵀ as E5M2 codes in u8), row-major
-/// as the layouts read them; `scale_a`, `scale_b` one f32 each (the scales of those operands).
-/// Returns D row-major: dX (M, K) bf16 or dW (N, K) f32. On candle's stream.
+/// The CUDA forward of `gemm::fp8_grad_gemm`: one HYBRID backward GEMM, D = s_A·s_B·op(A)·B
+/// (`gemm::fp8_grad_layout`), on candle's stream.
 pub fn fp8_grad_gemm(args: &Fp8GradArgs, a: &Tensor, b: &Tensor, scale_a: &Tensor, scale_b: &Tensor) -> candle_core::Result<Tensor> {
     let contract = args.contract();
     // A stored a_rows × a_cols column-major = (a_cols, a_rows) row-major; likewise B.

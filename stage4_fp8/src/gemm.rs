@@ -341,6 +341,43 @@ impl Fp8GradArgs {
     }
 }
 
+/// One HYBRID backward GEMM, D = s_A·s_B·op(A)·B, on the operands' device: `a` and `b` hold what
+/// `args.a` and `args.b` say (Wᵀ or Xᵀ as E4M3 codes, dY or dYᵀ as E5M2 codes in u8 tensors:
+/// candle has no E5M2 dtype), row-major as the layouts read them; `scale_a`, `scale_b` one f32
+/// each. Returns D row-major: dX (M, K) bf16 or dW (N, K) f32.
+/// - CUDA: cuBLASLt's E4M3 × E5M2 GEMM (`cuda::fp8_grad_gemm`).
+/// - CPU: the same arguments executed by `cublaslt_model` (f64 sums, D rounded to its type) on
+///   the decoded codes: the CUDA path's contract, run where there is no GPU (tests, `ladder
+///   selftest`); the CPU trains with the emulation (`hybrid::linear_bwd_hybrid`) instead.
+pub fn fp8_grad_gemm(args: &Fp8GradArgs, a: &Tensor, b: &Tensor, scale_a: &Tensor, scale_b: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if a.device().is_cuda() {
+        return crate::cuda::fp8_grad_gemm(args, a, b, scale_a, scale_b);
+    }
+    let c = args.contract();
+    // A stored a_rows × a_cols column-major = (a_cols, a_rows) row-major; likewise B.
+    let values = |t: &Tensor, l: &MatrixLayout, what: &str| -> candle_core::Result<Vec<f32>> {
+        if t.dims() != [l.cols as usize, l.rows as usize] {
+            candle_core::bail!("fp8_grad_gemm: {what} is {:?} where the layout reads ({}, {})", t.dims(), l.cols, l.rows);
+        }
+        match (l.dtype, t.dtype()) {
+            (DataType::E4m3, DType::F8E4M3) => t.to_dtype(DType::F32)?.flatten_all()?.to_vec1(),
+            (DataType::E5m2, DType::U8) => {
+                Ok(t.flatten_all()?.to_vec1::<u8>()?.into_iter().map(|q| float8::F8E5M2::from_bits(q).to_f32()).collect())
+            }
+            (want, got) => candle_core::bail!("fp8_grad_gemm: {what} is a {got:?} tensor where the layout says {want:?}"),
+        }
+    };
+    let scale = |s: &Tensor| -> candle_core::Result<f32> { s.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>().map(|v| v[0]) };
+    let d = cublaslt_model::matmul(&c, &values(a, &c.a, "A")?, &values(b, &c.b, "B")?, None, None, (scale(scale_a)?, scale(scale_b)?))
+        .map_err(candle_core::Error::Msg)?;
+    let d = Tensor::from_vec(d, (args.d_cols as usize, args.d_rows as usize), a.device())?; // D column-major = (d_cols, d_rows) row-major
+    match args.d {
+        DataType::Bf16 => d.to_dtype(DType::BF16), // exact: the model rounded D to bf16
+        _ => Ok(d),
+    }
+}
+
 /// The minimum-alignment preferences (bytes) of a call's A, B, C and D (pointers in that order;
 /// C's is 0 for an E4M3 D, which gets no C), each layout's leading dimension counted in its own
 /// element size: E4M3 A and B, bf16 C, bf16 or E4M3 D (`stage3_fused::gemm_args::alignment`).

@@ -26,12 +26,13 @@
 //! Emulated: every FP8 value is held as s·q in f32 (`round_e5m2`, like `fp8::round_e4m3`),
 //! so the numbers are those of an FP8 GEMM with f32 accumulation; the speed is not.
 //!
-//! **On CUDA** (`linear_bwd_hybrid_cuda`): dY is cast to E5M2 by our kernel, which writes dYᵀ
+//! **On CUDA** (`linear_bwd_hybrid_fp8`): dY is cast to E5M2 by our kernel, which writes dYᵀ
 //! too, and both GEMMs are cuBLASLt's E4M3 × E5M2 (`gemm::fp8_grad_layout` works out why each
 //! reads a transposed copy: FP8 takes the "TN" form only). dY's scale state lives in `scale.rs`'s
 //! device buffers (`grad_scale_state`), so delayed scaling never reads an amax back to the host.
-//! Compiled, not run on a GPU; the GEMMs' arguments run through the cuBLASLt model in
-//! `tests/cublaslt_train.rs`, the kernels under the host emulation.
+//! Compiled, not run on a GPU. The same steps run on the CPU, the GEMMs executed by the cuBLASLt
+//! model (`gemm::fp8_grad_gemm`), and are tested against the emulation; the GEMMs' arguments,
+//! with mutations, in `tests/cublaslt_train.rs`; the kernels under the host emulation.
 
 use crate::fp8::{round_e4m3, Fp8Recipe, ScaleState, ScalingConfig, E4M3_MAX};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
@@ -144,8 +145,8 @@ pub enum GradScaling {
     Current(i32),
     /// From the history (`DelayedScale`).
     Delayed(Arc<DelayedScale>),
-    /// On the GPU: dY's scale state in `scale.rs`'s device buffers, updated by our kernels
-    /// (`grad_scale_state`), current or delayed as its config says.
+    /// With the FP8 GEMMs: dY's scale state in `scale.rs`'s buffers on dY's device, updated by our
+    /// kernels on CUDA (`grad_scale_state`), current or delayed as its config says.
     OnDevice(Arc<Mutex<ScaleState>>),
 }
 
@@ -184,23 +185,50 @@ pub fn linear_bwd_hybrid_scaled(
     Ok((dx, dw, dy.sum(0)?))
 }
 
-/// The HYBRID backward on the GPU, through cuBLASLt's FP8 GEMMs: q_x (B, T, K) and W_q (N, K)
+/// (q, qᵀ): E5M2(x / s) (rows, cols) and its transpose (cols, rows) as E5M2 codes in u8 tensors
+/// (candle has no E5M2 dtype), on x's device. x: (rows, cols) f32 or bf16; s: one f32. On CUDA
+/// one kernel (`kernels/fp8.cu`, `quant_cuda::quantize_e5m2_transpose`); on the CPU the same in
+/// host code (x / s, then the float8 crate's saturating cast, which `round_e5m2` matches bit for
+/// bit, as the kernel's cast does under the host emulation).
+pub fn quantize_e5m2_transpose(x: &Tensor, scale: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::quant_cuda::quantize_e5m2_transpose(x, scale, None);
+    }
+    let (rows, cols) = x.dims2()?;
+    let s = scale.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0];
+    let v = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let q: Vec<u8> = v.iter().map(|x| float8::F8E5M2::from_f32(x / s).to_bits()).collect();
+    let q = Tensor::from_vec(q, (rows, cols), x.device())?;
+    let qt = q.t()?.contiguous()?;
+    Ok((q, qt))
+}
+
+/// qᵀ (cols, rows) of FP8 codes q (rows, cols), E4M3 or E5M2 in u8, on q's device: on CUDA our
+/// tiled kernel (`quant_cuda::transpose_fp8`), on the CPU candle's copy.
+pub fn transpose_fp8(q: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return crate::quant_cuda::transpose_fp8(q);
+    }
+    q.t()?.contiguous()
+}
+
+/// The HYBRID backward through the FP8 GEMMs (cuBLASLt's on CUDA): q_x (B, T, K) and W_q (N, K)
 /// the forward's E4M3 codes with their scales s_x and s_w (one f32 each), dY (B, T, N) f32 or
 /// bf16, its E5M2 scale from `state` (`grad_scale_state`). dY is cast to E5M2 with its transpose
-/// in one kernel, W_q and q_x transposed (`kernels/fp8.cu`), and the two GEMMs read what
-/// `gemm::fp8_grad_args` says: dX = dY·W (Wᵀ × dY) and dW = dYᵀ·X (Xᵀ × dYᵀ), E4M3 × E5M2, TN.
-/// db = Σ_rows dY in f32 from the unquantised dY. Returns (dX (B, T, K) bf16, dW (N, K) f32,
-/// db (N) f32). Compiled, not run on a GPU; its arguments are executed by the cuBLASLt model in
-/// `tests/cublaslt_train.rs`.
-#[cfg(feature = "cuda")]
-pub fn linear_bwd_hybrid_cuda(
+/// in one pass, W_q and q_x transposed (`kernels/fp8.cu` on CUDA), and the two GEMMs read what
+/// `gemm::fp8_grad_args` says: dX = dY·W (Wᵀ × dY) and dW = dYᵀ·X (Xᵀ × dYᵀ), E4M3 × E5M2, TN
+/// (`gemm::fp8_grad_gemm`). db = Σ_rows dY in f32 from the unquantised dY. Returns (dX (B, T, K)
+/// bf16, dW (N, K) f32, db (N) f32). On CUDA compiled, not run on a GPU; on the CPU the same
+/// steps run, the GEMMs executed by the cuBLASLt model, and are tested against the emulation.
+pub fn linear_bwd_hybrid_fp8(
     (xq, x_scale): (&Tensor, &Tensor),
     (wq, w_scale): (&Tensor, &Tensor),
     dy: &Tensor,
     state: &Mutex<ScaleState>,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-    use crate::gemm::{fp8_grad_args, Fp8Grad, Fp8Operand, ScaleOf};
-    use crate::quant_cuda::{quantize_e5m2_transpose, transpose_fp8};
+    use crate::gemm::{fp8_grad_args, fp8_grad_gemm, Fp8Grad, Fp8Operand, ScaleOf};
     let (bsz, t, k) = xq.dims3()?;
     let n = wq.dim(0)?;
     let m = bsz * t;
@@ -209,7 +237,7 @@ pub fn linear_bwd_hybrid_cuda(
         _ => dy.to_dtype(DType::F32)?.reshape((m, n))?,
     };
     let s_dy = state.lock().map_err(|_| candle_core::Error::Msg("dY's scale state poisoned".into()))?.scale_for(&dy)?;
-    let (g, gt) = quantize_e5m2_transpose(&dy, &s_dy, None)?; // dY (M, N), dYᵀ (N, M): E5M2 codes
+    let (g, gt) = quantize_e5m2_transpose(&dy, &s_dy)?; // dY (M, N), dYᵀ (N, M): E5M2 codes
     let (wt, xt) = (transpose_fp8(wq)?, transpose_fp8(&xq.reshape((m, k))?)?); // Wᵀ (K, N), Xᵀ (K, M): E4M3
     let operand = |op: Fp8Operand| match op {
         Fp8Operand::WeightT => &wt,
@@ -224,7 +252,7 @@ pub fn linear_bwd_hybrid_cuda(
     };
     let gemm = |grad: Fp8Grad| -> candle_core::Result<Tensor> {
         let args = fp8_grad_args(grad, m, k, n).map_err(candle_core::Error::Msg)?;
-        crate::cuda::fp8_grad_gemm(&args, operand(args.a), operand(args.b), scale(args.a.scale()), scale(args.b.scale()))
+        fp8_grad_gemm(&args, operand(args.a), operand(args.b), scale(args.a.scale()), scale(args.b.scale()))
     };
     let dx = gemm(Fp8Grad::Data)?.reshape((bsz, t, k))?; // (M, K) bf16
     let dw = gemm(Fp8Grad::Weight)?; // (N, K) f32
@@ -236,16 +264,16 @@ pub fn linear_bwd_hybrid_cuda(
 pub enum Operands {
     /// Emulated: s_x·q_x (B, T, K) and s_w·q_w (N, K) in f32.
     Emulated { xq: Tensor, wq: Tensor },
-    /// Through cuBLASLt (CUDA): q_x (B, T, K) and W_q (N, K) as the forward's E4M3 codes, with
-    /// their scales s_x and s_w (one f32 each, on the GPU).
+    /// Through the FP8 GEMMs (cuBLASLt's on CUDA): q_x (B, T, K) and W_q (N, K) as the forward's
+    /// E4M3 codes, with their scales s_x and s_w (one f32 each, on the operands' device).
     Fp8 { xq: Tensor, x_scale: Tensor, wq: Tensor, w_scale: Tensor },
 }
 
 /// y = act(x·Wᵀ + b) as a differentiable op: `y` is the FP8 layer's forward output, computed by
 /// `Fp8Linear` from its operands (`Operands`), which `apply` hands to candle as the op's result
 /// so that candle records (x, W, b) → y; the backward is the HYBRID recipe's, through GELU's
-/// derivative when `gelu`: emulated on the CPU (`linear_bwd_hybrid_scaled`), or cuBLASLt's FP8
-/// GEMMs on CUDA (`linear_bwd_hybrid_cuda`).
+/// derivative when `gelu`: emulated (`linear_bwd_hybrid_scaled`, CPU), or through the FP8 GEMMs
+/// (`linear_bwd_hybrid_fp8`: cuBLASLt's on CUDA).
 pub struct HybridLinear {
     pub y: Tensor, // (B, T, N): the FP8 forward's output
     pub operands: Operands,
@@ -357,10 +385,9 @@ impl CustomOp3 for HybridLinear {
 }
 
 impl HybridLinear {
-    /// The backward through cuBLASLt (`Operands::Fp8`): dZ (GELU's derivative at z, recomputed
-    /// by the FP8 GEMM with the bias epilogue alone, as the forward computed it before GELU),
-    /// then `linear_bwd_hybrid_cuda` with dY's scale state on the device.
-    #[cfg(feature = "cuda")]
+    /// The backward through the FP8 GEMMs (`Operands::Fp8`): dZ (GELU's derivative at z,
+    /// recomputed by the FP8 GEMM with the bias epilogue alone, as the forward computed it before
+    /// GELU), then `linear_bwd_hybrid_fp8` with dY's scale state (`GradScaling::OnDevice`).
     fn bwd_fp8(
         &self,
         x: (&Tensor, &Tensor),
@@ -369,7 +396,7 @@ impl HybridLinear {
         dy: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let GradScaling::OnDevice(state) = &self.scaling else {
-            candle_core::bail!("HybridLinear: the CUDA backward keeps dY's scale on the device (GradScaling::OnDevice)")
+            candle_core::bail!("HybridLinear: the FP8 backward keeps dY's scale state with the operands (GradScaling::OnDevice)")
         };
         let dz = match self.gelu {
             false => dy.clone(),
@@ -378,18 +405,7 @@ impl HybridLinear {
                 (dy.to_dtype(DType::F32)? * gelu_tanh_grad_ops(&z.to_dtype(DType::F32)?)?)?
             }
         };
-        linear_bwd_hybrid_cuda(x, w, &dz, state)
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn bwd_fp8(
-        &self,
-        _: (&Tensor, &Tensor),
-        _: (&Tensor, &Tensor),
-        _: &Tensor,
-        _: &Tensor,
-    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        candle_core::bail!("HybridLinear: E4M3 operands on the GPU need a build with --features cuda")
+        linear_bwd_hybrid_fp8(x, w, &dz, state)
     }
 }
 
@@ -546,5 +562,116 @@ mod tests {
         let (e4, _) = fake_quantize(&dy, Format::E4M3, 0).unwrap();
         let (small5, small4) = (e5.to_vec2::<f32>().unwrap()[0][1], e4.to_vec2::<f32>().unwrap()[0][1]);
         assert!((small5 - 1e-7).abs() < 1.3e-8 && small4 == 0.0, "E5M2 {small5:e}, E4M3 {small4:e}");
+    }
+
+    /// dY's scale state for the FP8 path (`grad_scale_state`: E4M3's rule with 7 bits less
+    /// margin, in `scale.rs`'s ops) gives the emulation's E5M2 scales (`DelayedScale`, and the
+    /// current rule amax / 57344) over a run of calls whose amax jumps up and down, within an
+    /// f32 ulp (the two multiply and divide in another order), margins 0 and 2.
+    #[test]
+    fn the_device_scale_state_is_the_e5m2_rule() {
+        for margin in [0, 2] {
+            let delayed = DelayedScale::new(3, margin);
+            let mut state = grad_scale_state(Fp8Recipe::Delayed, 3, margin).unwrap();
+            let mut current = grad_scale_state(Fp8Recipe::Current, 1, margin).unwrap();
+            for (call, a) in [1e-3f32, 4e-3, 5e-4, 2e-2, 1e-4, 1e-4].into_iter().enumerate() {
+                let dy = Tensor::new(&[a, -a / 3.0, 0.0], &Device::Cpu).unwrap();
+                let got = state.scale_for(&dy).unwrap().to_scalar::<f32>().unwrap();
+                let want = delayed.next(a);
+                assert!((got - want).abs() <= want * 2.5e-7, "delayed, margin {margin}, call {call}: {got:e} vs {want:e}");
+                let got = current.scale_for(&dy).unwrap().to_scalar::<f32>().unwrap();
+                let want = scale_of(a, Format::E5M2, margin);
+                assert!((got - want).abs() <= want * 2.5e-7, "current, margin {margin}, call {call}: {got:e} vs {want:e}");
+            }
+            assert_eq!(state.history().unwrap(), [2e-2, 1e-4, 1e-4], "the last three dY amaxes");
+        }
+    }
+
+    /// The FP8 path's backward (`Operands::Fp8`: the E4M3 codes and scales, dY cast to E5M2 with
+    /// its transpose, the transposed copies, the two GEMMs through `gemm::fp8_grad_gemm`, GELU's
+    /// z recomputed by the FP8 GEMM; on the CPU the GEMMs are the cuBLASLt model) through
+    /// candle's autograd, against the emulated backward on the same operands, current and delayed
+    /// dY scales (two steps, the second's scale from the first's history). Max |Δ| / max |g|:
+    /// - without GELU, against `Operands::Emulated`: dX 1e-2 (stored bf16 on the FP8 path, 2⁻⁹;
+    ///   measured 2.6e-3), dW 1e-5 and db 1e-6 (f32 sums in another order; measured 2.5e-7, 0);
+    /// - with GELU the FP8 path's z is the FP8 GEMM's output (bf16 bias, bf16 store), the
+    ///   emulation's f32, so against `Operands::Emulated` only 5e-2 (measured 3.2e-2: gelu′ moves
+    ///   by ~1e-3 and a dZ near a
+    ///   rounding boundary lands on the neighbouring E5M2 code, 2⁻³ away), and tightly against the
+    ///   emulated GEMMs on dZ = dY ∘ gelu′(z) with z as the FP8 GEMM computes it (bf16 bias, bf16
+    ///   store): the tolerances without GELU, db 1e-5 (Σ dZ of f32 products).
+    ///
+    /// A wrong operand, transpose or scale is O(1).
+    #[test]
+    fn the_fp8_backward_matches_the_emulated_one() {
+        use crate::fp8::{dequantize, quantize, scale_from_amax};
+        use candle_core::Var;
+        for (bsz, t, k, n, seed) in [(2, 16, 48, 64, 1u64), (1, 32, 16, 16, 2)] {
+            let (x, w, b) = (randn(&[bsz, t, k], seed, 1.0), randn(&[n, k], seed + 1, 0.2), randn(&[n], seed + 2, 0.1));
+            let (sx, sw) =
+                (scale_from_amax(&crate::fp8::amax(&x).unwrap(), 0).unwrap(), scale_from_amax(&crate::fp8::amax(&w).unwrap(), 0).unwrap());
+            let (xq8, wq8) = (quantize(&x, &sx).unwrap(), quantize(&w, &sw).unwrap()); // E4M3 codes
+            let (xq, wq) = (dequantize(&xq8, &sx, DType::F32).unwrap(), dequantize(&wq8, &sw, DType::F32).unwrap()); // s·q
+            for (gelu, recipe) in
+                [(false, Fp8Recipe::Current), (true, Fp8Recipe::Current), (false, Fp8Recipe::Delayed), (true, Fp8Recipe::Delayed)]
+            {
+                let y = {
+                    let z = xq.reshape((bsz * t, k)).unwrap().matmul(&wq.t().unwrap()).unwrap().broadcast_add(&b).unwrap();
+                    let z = if gelu { stage0_baseline::gelu_tanh(&z).unwrap() } else { z };
+                    z.reshape((bsz, t, n)).unwrap()
+                };
+                let emulated = match recipe {
+                    Fp8Recipe::Current => GradScaling::Current(0),
+                    Fp8Recipe::Delayed => GradScaling::Delayed(Arc::new(DelayedScale::new(4, 0))),
+                };
+                let fp8 = GradScaling::OnDevice(Arc::new(Mutex::new(grad_scale_state(recipe, 4, 0).unwrap())));
+                let grads = |operands: &Operands, scaling: &GradScaling, r: &Tensor| {
+                    let (xv, wv, bv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap(), Var::from_tensor(&b).unwrap());
+                    let op = HybridLinear { y: y.clone(), operands: operands.clone(), gelu, scaling: scaling.clone() };
+                    let out = op.apply(xv.as_tensor(), wv.as_tensor(), bv.as_tensor()).unwrap();
+                    let g = (out * r).unwrap().sum_all().unwrap().backward().unwrap();
+                    [&xv, &wv, &bv].map(|v| g.get(v.as_tensor()).unwrap().to_dtype(DType::F32).unwrap())
+                };
+                let ops_fp8 = Operands::Fp8 { xq: xq8.clone(), x_scale: sx.clone(), wq: wq8.clone(), w_scale: sw.clone() };
+                let ops_emu = Operands::Emulated { xq: xq.clone(), wq: wq.clone() };
+                // The emulated GEMMs on dZ from the bf16 z, with a scale state of their own.
+                let tight = match recipe {
+                    Fp8Recipe::Current => GradScaling::Current(0),
+                    Fp8Recipe::Delayed => GradScaling::Delayed(Arc::new(DelayedScale::new(4, 0))),
+                };
+                let z16 = xq
+                    .reshape((bsz * t, k))
+                    .unwrap()
+                    .matmul(&wq.t().unwrap())
+                    .unwrap()
+                    .broadcast_add(&b.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap()) // the bias as the epilogue reads it
+                    .unwrap()
+                    .to_dtype(DType::BF16)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .reshape((bsz, t, n))
+                    .unwrap();
+                // two steps: the second's delayed scale is the first's (larger) dY amax
+                for (step, r_scale) in [(0, 4e-3f32), (1, 1e-3)] {
+                    let r = randn(&[bsz, t, n], seed + 10 + step, r_scale);
+                    let (got, want) = (grads(&ops_fp8, &fp8, &r), grads(&ops_emu, &emulated, &r));
+                    let [ex, ew, eb] = [0, 1, 2].map(|i| rel(&got[i], &want[i]));
+                    let what = format!("({bsz}, {t}, {k} → {n}) gelu {gelu} {recipe:?} step {step}: dX {ex:.2e}, dW {ew:.2e}, db {eb:.2e}");
+                    eprintln!("FP8 path vs emulated backward, {what}");
+                    let (tx, tw, tb) = if gelu { (5e-2, 5e-2, 5e-2) } else { (1e-2, 1e-5, 1e-6) };
+                    assert!(ex < tx && ew < tw && eb < tb, "{what}");
+                    assert_eq!(got[0].dims(), x.dims(), "{what}");
+                    if gelu {
+                        let dz = (&r * gelu_tanh_grad_ops(&z16).unwrap()).unwrap();
+                        let (dx, dw, db) = linear_bwd_hybrid_scaled(&xq, &wq, &dz, &tight).unwrap();
+                        let [ex, ew, eb] = [(0, dx), (1, dw), (2, db)].map(|(i, w)| rel(&got[i], &w));
+                        let what = format!("{what}; against the emulated GEMMs on the bf16 z: dX {ex:.2e}, dW {ew:.2e}, db {eb:.2e}");
+                        eprintln!("FP8 path vs emulated backward, {what}");
+                        assert!(ex < 1e-2 && ew < 1e-5 && eb < 1e-5, "{what}");
+                    }
+                }
+            }
+        }
     }
 }

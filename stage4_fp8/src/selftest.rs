@@ -199,15 +199,15 @@ pub fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
 }
 
 /// Stage 4's training GEMMs alone (the HYBRID backward of one linear: dX = dY·W and dW = dYᵀ·X,
-/// E4M3 × E5M2), against the CPU emulation of the recipe on the same operands and scales (all
-/// current). On CUDA: our E5M2 cast and transposes, then cuBLASLt's FP8 GEMMs
-/// (`hybrid::linear_bwd_hybrid_cuda`); where cuBLASLt offers no algorithm for one, its row says
-/// so (and `--train` refuses on that GPU). On the CPU: the arguments `gemm::fp8_grad_args` builds,
-/// executed by `cublaslt_model` on the codes and transposed copies the CUDA path hands over.
+/// E4M3 × E5M2, `hybrid::linear_bwd_hybrid_fp8`), against the CPU emulation of the recipe on the
+/// same operands and scales (all current). On CUDA: our E5M2 cast and transposes, then
+/// cuBLASLt's FP8 GEMMs; where cuBLASLt offers no algorithm for one, its row says so (and
+/// `--train` refuses on that GPU). On the CPU the same steps, the GEMMs' arguments
+/// (`gemm::fp8_grad_args`) executed by `cublaslt_model`.
 pub fn fp8_train(r: &mut Rows, device: &Device, info: &DeviceInfo) {
-    use crate::fp8::{amax, quantize_dequantize_cpu, round_e4m3, scale_from_amax};
-    use crate::gemm::{fp8_grad_args, Fp8Grad, Fp8Operand, ScaleOf};
-    use crate::hybrid::{linear_bwd_hybrid, round_e5m2, E5M2_MAX};
+    use crate::fp8::{amax, quantize, quantize_dequantize_cpu, scale_from_amax, Fp8Recipe};
+    use crate::gemm::Fp8Grad;
+    use crate::hybrid::{grad_scale_state, linear_bwd_hybrid, linear_bwd_hybrid_fp8};
     if !device.is_cuda() {
         r.ran = "cublaslt_model(fp8_grad_args)".into();
     }
@@ -243,57 +243,18 @@ pub fn fp8_train(r: &mut Rows, device: &Device, info: &DeviceInfo) {
             let (sx, sw) = (scale_from_amax(&amax(&x)?, 0)?, scale_from_amax(&amax(&w)?, 0)?);
             let (xq, wq) = (quantize_dequantize_cpu(&x, &sx)?, quantize_dequantize_cpu(&w, &sw)?); // s·q, f32
             let (dx, dw, _) = linear_bwd_hybrid(&xq, &wq, &dy, 0)?; // the emulation, dY's scale current
-            let want = match grad {
-                Fp8Grad::Data => dx,
-                Fp8Grad::Weight => dw,
+            let on = |t: &Tensor| t.to_device(device);
+            let (sx, sw) = (on(&sx)?, on(&sw)?);
+            let (xq, wq) = (quantize(&on(&x)?, &sx)?, quantize(&on(&w)?, &sw)?); // E4M3 codes
+            let state = std::sync::Mutex::new(grad_scale_state(Fp8Recipe::Current, 1, 0).map_err(anyhow::Error::msg)?);
+            let (got_dx, got_dw, _) = linear_bwd_hybrid_fp8((&xq, &sx), (&wq, &sw), &on(&dy)?, &state)?;
+            let (got, want) = match grad {
+                Fp8Grad::Data => (got_dx.to_dtype(DType::F32)?, dx),
+                Fp8Grad::Weight => (got_dw, dw),
             };
-            #[cfg(feature = "cuda")]
-            if device.is_cuda() {
-                let on = |t: &Tensor| t.to_device(device);
-                let (sxd, swd) = (on(&sx)?, on(&sw)?);
-                let (xq, wq) = (crate::fp8::quantize(&on(&x)?, &sxd)?, crate::fp8::quantize(&on(&w)?, &swd)?); // E4M3 codes on the GPU
-                let state = std::sync::Mutex::new(
-                    crate::hybrid::grad_scale_state(crate::fp8::Fp8Recipe::Current, 1, 0).map_err(anyhow::Error::msg)?,
-                );
-                let (dx, dw, _) = crate::hybrid::linear_bwd_hybrid_cuda((&xq, &sxd), (&wq, &swd), &on(&dy)?, &state)?;
-                let got = match grad {
-                    Fp8Grad::Data => dx.to_dtype(DType::F32)?,
-                    Fp8Grad::Weight => dw,
-                };
-                // dX is stored bf16 (2⁻⁹ per value); the GPU's dY scale may sit an ulp from the
-                // emulation's (E4M3's rule with 7 bits less margin), moving a few E5M2 codes.
-                return Ok((got.to_device(&Device::Cpu)?, want, 2e-2));
-            }
-            // The CUDA path's buffers: the codes, row-major, and their transposed copies.
-            let host = |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
-            let (sx, sw) = (sx.to_scalar::<f32>()?, sw.to_scalar::<f32>()?);
-            let dyv = host(&dy)?;
-            let sdy = dyv.iter().fold(0f32, |a, v| a.max(v.abs())).max(f32::MIN_POSITIVE) / E5M2_MAX;
-            let codes = |v: Vec<f32>, s: f32, round: fn(f32) -> f32| v.into_iter().map(|x| round(x / s)).collect::<Vec<f32>>();
-            let (qx, qw, qdy) = (codes(host(&x)?, sx, round_e4m3), codes(host(&w)?, sw, round_e4m3), codes(dyv, sdy, round_e5m2));
-            let t = |v: &[f32], rows: usize, cols: usize| (0..rows * cols).map(|i| v[(i % rows) * cols + i / rows]).collect::<Vec<f32>>();
-            let args = fp8_grad_args(grad, m, k, n).map_err(anyhow::Error::msg)?;
-            let buffer = |op: Fp8Operand| match op {
-                Fp8Operand::WeightT => t(&qw, n, k),
-                Fp8Operand::InputT => t(&qx, m, k),
-                Fp8Operand::Grad => qdy.clone(),
-                Fp8Operand::GradT => t(&qdy, m, n),
-            };
-            let scale = |s: ScaleOf| match s {
-                ScaleOf::Weight => sw,
-                ScaleOf::Input => sx,
-                ScaleOf::Grad => sdy,
-            };
-            let d = cublaslt_model::matmul(
-                &args.contract(),
-                &buffer(args.a),
-                &buffer(args.b),
-                None,
-                None,
-                (scale(args.a.scale()), scale(args.b.scale())),
-            )
-            .map_err(anyhow::Error::msg)?;
-            Ok((Tensor::from_vec(d, want.shape(), &Device::Cpu)?, want, 1e-2))
+            // dX is stored bf16 (2⁻⁹ per value); dY's scale (E4M3's rule with 7 bits less
+            // margin) may sit an ulp from the emulation's, moving a few E5M2 codes.
+            Ok((got.to_device(&Device::Cpu)?, want, 1e-2))
         });
     }
 }
