@@ -313,8 +313,8 @@ impl Forward for TrainBlock {
             let (y, operands) = match layer.mode() {
                 Fp8Mode::Emulated => {
                     let (y, xq) = layer.forward_keeping_input(&x.detach())?;
-                    (y, Operands::Emulated { xq, wq: layer.weight().dequantize(DType::F32)? })
-                    // (N, K) s_w·q_w
+                    let wq = layer.weight().dequantize(DType::F32)?; // (N, K) s_w·q_w
+                    (y, Operands::Emulated { xq, wq })
                 }
                 Fp8Mode::Cublaslt => {
                     let (y, xq, x_scale) = layer.forward_keeping_fp8_input(&x.detach())?;
