@@ -284,6 +284,19 @@ int main() {
             failed += !ok;
         }
     }
+    // The decode to f32 (the backward GEMMs' fallback): every code of both formats, over more
+    // than one block.
+    for (int e5m2 : {0, 1}) {
+        const long n = 2 * CHUNK + 300;
+        std::vector<unsigned char> q(n);
+        for (long i = 0; i < n; ++i) q[i] = (unsigned char)(i * 7 % 256);
+        std::vector<float> y(n, -1.0f);
+        launch(grid(n), THREADS, [&] { fp8_decode_f32(q.data(), n, e5m2, y.data()); });
+        long bad = 0;
+        for (long i = 0; i < n; ++i) bad += !same(y[i], e5m2 ? decode_e5m2_reference(q[i]) : decode_reference(q[i]));
+        printf("decode %s -> f32, n=%ld: %ld wrong %s\n", e5m2 ? "e5m2" : "e4m3", n, bad, bad ? "FAILED" : "ok");
+        failed += bad != 0;
+    }
     printf("%s\n", failed ? "FP8 kernels: FAILED" : "FP8 kernels: all checks passed");
     return failed != 0;
 }

@@ -301,3 +301,14 @@ extern "C" __global__ void fp8_transpose(const unsigned char* q, long rows, long
         if (r < rows && c < cols) qt[c * rows + r] = tile[tx][i];
     }
 }
+
+// y = the value of each FP8 code (E4M3, or E5M2 with `e5m2`) in f32, exact: the backward GEMMs'
+// fallback, where cuBLASLt offers no E4M3 × E5M2 algorithm, multiplies the very values the FP8
+// GEMM would (gemm.rs, `fp8_grad_gemm_fallback`).
+extern "C" __global__ void fp8_decode_f32(const unsigned char* q, long n, int e5m2, float* y) {
+    const long base = (long)blockIdx.x * CHUNK;
+    for (int i = 0; i < ITEMS; ++i) {
+        const long j = base + threadIdx.x + (long)i * THREADS;
+        if (j < n) y[j] = e5m2 ? e5m2_to_f32(q[j]) : e4m3_to_f32(q[j]);
+    }
+}

@@ -2,7 +2,7 @@
 
 use crate::fp8::Fp8Recipe;
 use crate::fp8::{Fp8Linear, Fp8Mode, Fp8Target, Input, ScalingConfig};
-use crate::hybrid::{grad_scale_state, DelayedScale, GradScaling, HybridLinear, Operands};
+use crate::hybrid::{grad_scale_state, DelayedScale, GradFallbacks, GradScaling, HybridLinear, Operands};
 use crate::{producers, twin};
 use crate::{Fp8, Fp8Fusions};
 use candle_core::{DType, IndexOp, Tensor};
@@ -33,6 +33,10 @@ pub struct Block {
 /// The row's note when fc1's E4M3 output fell back (`Block::fc1_writes_e4m3`).
 pub const FC1_FALLBACK: &str = "fp8 fusion fc1 not run: cuBLASLt has no algorithm for fc1's GELU + bias epilogue with an \
      E4M3 output on this GPU, so fc1 wrote bf16 and fc2 quantised it with its own kernel (as --fp8-fusions ln runs)";
+
+/// The row's note when a HYBRID backward GEMM fell back (`hybrid::linear_bwd_hybrid_fp8`).
+pub const GRAD_FALLBACK: &str = "cuBLASLt has no E4M3 × E5M2 algorithm for them on this GPU, so they multiplied the same \
+     E4M3 and E5M2 values, decoded to f32, in an f32 GEMM (an FP8 GEMM's numbers, not its speed)";
 
 /// Tolerance of the pre-rounded twin check (`twin`): measured ~1e-4 on a CPU without AVX512-BF16
 /// (emulated). On a GPU, and on a CPU with AVX512-BF16, the fused attention rounds its
@@ -250,6 +254,7 @@ pub struct TrainBlock {
     w: BlockWeights,               // the f32 master weights, tracked: the gradients' destination
     layers: Mutex<[Fp8Linear; 4]>, // qkv, proj, fc1, fc2: E4M3 weights of this step, the input scale states
     grads: [GradScaling; 4],       // dY's E5M2 scale per layer
+    fallbacks: GradFallbacks,      // backward GEMMs cuBLASLt had no algorithm for (CUDA)
     n_head: usize,
     dtype: DType,                    // stage 3's activation dtype (`activation_dtype`)
     attn: attention::Implementation, // stage 2's attention (with its backward)
@@ -272,6 +277,7 @@ impl TrainBlock {
             w: w.clone(),
             layers: Mutex::new([qkv, proj, fc1, fc2]),
             grads: [grad()?, grad()?, grad()?, grad()?],
+            fallbacks: GradFallbacks::default(),
             n_head,
             dtype,
             attn,
@@ -298,6 +304,11 @@ impl TrainBlock {
 }
 
 impl Forward for TrainBlock {
+    /// The backward GEMMs that ran on their fallback (`GRAD_FALLBACK`), if any.
+    fn ran(&self) -> Vec<String> {
+        self.fallbacks.ran().into_iter().map(|g| format!("{g:?}-gradient GEMMs: {GRAD_FALLBACK}")).collect()
+    }
+
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let w = &self.w;
         let masters = [(&w.w_qkv, &w.b_qkv), (&w.w_proj, &w.b_proj), (&w.w_fc1, &w.b_fc1), (&w.w_fc2, &w.b_fc2)];
@@ -322,7 +333,8 @@ impl Forward for TrainBlock {
                     (y, Operands::Fp8 { xq, x_scale, wq, w_scale })
                 }
             };
-            HybridLinear { y, operands, gelu: layer.gelu(), scaling: self.grads[i].clone() }.apply(x, masters[i].0, masters[i].1)
+            let (gelu, scaling, fallbacks) = (layer.gelu(), self.grads[i].clone(), self.fallbacks.clone());
+            HybridLinear { y, operands, gelu, scaling, fallbacks }.apply(x, masters[i].0, masters[i].1)
         };
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy

@@ -185,7 +185,7 @@ impl Fp8GemmArgs {
 // ---------------------------------------------------------------------------------------------
 
 /// Which backward GEMM of y = x·Wᵀ + b (`hybrid.rs`), with M = B·T tokens, K in, N out features.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Fp8Grad {
     /// dX (M, K) = dY (M, N) · W (N, K): E5M2 gradient against the E4M3 weight.
     Data,
@@ -355,25 +355,60 @@ pub fn fp8_grad_gemm(args: &Fp8GradArgs, a: &Tensor, b: &Tensor, scale_a: &Tenso
         return crate::cuda::fp8_grad_gemm(args, a, b, scale_a, scale_b);
     }
     let c = args.contract();
-    // A stored a_rows × a_cols column-major = (a_cols, a_rows) row-major; likewise B.
-    let values = |t: &Tensor, l: &MatrixLayout, what: &str| -> candle_core::Result<Vec<f32>> {
-        if t.dims() != [l.cols as usize, l.rows as usize] {
-            candle_core::bail!("fp8_grad_gemm: {what} is {:?} where the layout reads ({}, {})", t.dims(), l.cols, l.rows);
-        }
-        match (l.dtype, t.dtype()) {
-            (DataType::E4m3, DType::F8E4M3) => t.to_dtype(DType::F32)?.flatten_all()?.to_vec1(),
-            (DataType::E5m2, DType::U8) => {
-                Ok(t.flatten_all()?.to_vec1::<u8>()?.into_iter().map(|q| float8::F8E5M2::from_bits(q).to_f32()).collect())
-            }
-            (want, got) => candle_core::bail!("fp8_grad_gemm: {what} is a {got:?} tensor where the layout says {want:?}"),
-        }
-    };
+    let (a, b) = (decode_operand(a, &c.a, "A")?.flatten_all()?.to_vec1()?, decode_operand(b, &c.b, "B")?.flatten_all()?.to_vec1()?);
     let scale = |s: &Tensor| -> candle_core::Result<f32> { s.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>().map(|v| v[0]) };
-    let d = cublaslt_model::matmul(&c, &values(a, &c.a, "A")?, &values(b, &c.b, "B")?, None, None, (scale(scale_a)?, scale(scale_b)?))
-        .map_err(candle_core::Error::Msg)?;
-    let d = Tensor::from_vec(d, (args.d_cols as usize, args.d_rows as usize), a.device())?; // D column-major = (d_cols, d_rows) row-major
+    let d = cublaslt_model::matmul(&c, &a, &b, None, None, (scale(scale_a)?, scale(scale_b)?)).map_err(candle_core::Error::Msg)?;
+    let d = Tensor::from_vec(d, (args.d_cols as usize, args.d_rows as usize), &candle_core::Device::Cpu)?; // D column-major = (d_cols, d_rows) row-major
     match args.d {
         DataType::Bf16 => d.to_dtype(DType::BF16), // exact: the model rounded D to bf16
+        _ => Ok(d),
+    }
+}
+
+/// An operand's FP8 codes (E4M3, or E5M2 in u8) decoded to f32, exactly, as (rows, cols) of its
+/// row-major tensor, after checking it against its layout `l` (stored l.rows × l.cols
+/// column-major = (l.cols, l.rows) row-major, of l's type). On CUDA our kernel
+/// (`quant_cuda::decode_fp8`), on the CPU the float8 crate's conversions.
+fn decode_operand(t: &Tensor, l: &MatrixLayout, what: &str) -> candle_core::Result<Tensor> {
+    if t.dims() != [l.cols as usize, l.rows as usize] {
+        candle_core::bail!("fp8_grad_gemm: {what} is {:?} where the layout reads ({}, {})", t.dims(), l.cols, l.rows);
+    }
+    match (l.dtype, t.dtype()) {
+        (DataType::E4m3, DType::F8E4M3) | (DataType::E5m2, DType::U8) => {}
+        (want, got) => candle_core::bail!("fp8_grad_gemm: {what} is a {got:?} tensor where the layout says {want:?}"),
+    }
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        return crate::quant_cuda::decode_fp8(t);
+    }
+    match t.dtype() {
+        DType::U8 => {
+            let v: Vec<f32> = t.flatten_all()?.to_vec1::<u8>()?.into_iter().map(|q| float8::F8E5M2::from_bits(q).to_f32()).collect();
+            Tensor::from_vec(v, t.shape(), t.device())
+        }
+        _ => t.to_dtype(DType::F32),
+    }
+}
+
+/// `fp8_grad_gemm`'s fallback, where cuBLASLt offers no E4M3 × E5M2 algorithm: the same operands
+/// and scales, the codes decoded to f32 (exact: every E4M3 and E5M2 value is an f32), and an f32
+/// GEMM in candle's matmul (TF32 off: `Stage::switches`), D = s_A·s_B·op(A)·B stored in D's
+/// type. So the numbers are the FP8 GEMM's but for the order of the f32 sums; the speed is
+/// an f32 GEMM's, and the training row's notes say it ran (`block::GRAD_FALLBACK`). In row-major
+/// terms D (n, m) = B (n, k) · A (m, k)ᵀ: A stored k × m column-major is (m, k) row-major.
+pub fn fp8_grad_gemm_fallback(
+    args: &Fp8GradArgs,
+    a: &Tensor,
+    b: &Tensor,
+    scale_a: &Tensor,
+    scale_b: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let c = args.contract();
+    let (a, b) = (decode_operand(a, &c.a, "A")?, decode_operand(b, &c.b, "B")?); // (m, k), (n, k) f32
+    let s = (scale_a.to_dtype(DType::F32)?.reshape(())? * scale_b.to_dtype(DType::F32)?.reshape(())?)?; // s_A·s_B, on the device
+    let d = b.matmul(&a.t()?)?.broadcast_mul(&s)?; // (n, m) = D column-major m × n
+    match args.d {
+        DataType::Bf16 => d.to_dtype(DType::BF16),
         _ => Ok(d),
     }
 }

@@ -219,7 +219,8 @@ pub fn transpose_fp8(q: &Tensor) -> candle_core::Result<Tensor> {
 /// bf16, its E5M2 scale from `state` (`grad_scale_state`). dY is cast to E5M2 with its transpose
 /// in one pass, W_q and q_x transposed (`kernels/fp8.cu` on CUDA), and the two GEMMs read what
 /// `gemm::fp8_grad_args` says: dX = dY·W (Wᵀ × dY) and dW = dYᵀ·X (Xᵀ × dYᵀ), E4M3 × E5M2, TN
-/// (`gemm::fp8_grad_gemm`). db = Σ_rows dY in f32 from the unquantised dY. Returns (dX (B, T, K)
+/// (`gemm::fp8_grad_gemm`; where cuBLASLt offers no algorithm for one, its fallback on the same
+/// values, recorded in `fallbacks`). db = Σ_rows dY in f32 from the unquantised dY. Returns (dX (B, T, K)
 /// bf16, dW (N, K) f32, db (N) f32). On CUDA compiled, not run on a GPU; on the CPU the same
 /// steps run, the GEMMs executed by the cuBLASLt model, and are tested against the emulation.
 pub fn linear_bwd_hybrid_fp8(
@@ -227,8 +228,9 @@ pub fn linear_bwd_hybrid_fp8(
     (wq, w_scale): (&Tensor, &Tensor),
     dy: &Tensor,
     state: &Mutex<ScaleState>,
+    fallbacks: &GradFallbacks,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-    use crate::gemm::{fp8_grad_args, fp8_grad_gemm, Fp8Grad, Fp8Operand, ScaleOf};
+    use crate::gemm::{fp8_grad_args, fp8_grad_gemm, fp8_grad_gemm_fallback, Fp8Grad, Fp8Operand, ScaleOf};
     let (bsz, t, k) = xq.dims3()?;
     let n = wq.dim(0)?;
     let m = bsz * t;
@@ -252,11 +254,61 @@ pub fn linear_bwd_hybrid_fp8(
     };
     let gemm = |grad: Fp8Grad| -> candle_core::Result<Tensor> {
         let args = fp8_grad_args(grad, m, k, n).map_err(candle_core::Error::Msg)?;
-        fp8_grad_gemm(&args, operand(args.a), operand(args.b), scale(args.a.scale()), scale(args.b.scale()))
+        let (a, b, sa, sb) = (operand(args.a), operand(args.b), scale(args.a.scale()), scale(args.b.scale()));
+        match !fallbacks.always && grad_gemm_supported(xq.device(), grad, m, k, n)? {
+            true => fp8_grad_gemm(&args, a, b, sa, sb),
+            false => {
+                fallbacks.record(grad);
+                fp8_grad_gemm_fallback(&args, a, b, sa, sb)
+            }
+        }
     };
     let dx = gemm(Fp8Grad::Data)?.reshape((bsz, t, k))?; // (M, K) bf16
     let dw = gemm(Fp8Grad::Weight)?; // (N, K) f32
     Ok((dx, dw, dy.to_dtype(DType::F32)?.sum(0)?))
+}
+
+/// Whether `fp8_grad_gemm` can run the backward GEMM `grad` on `device`: on CUDA whether cuBLASLt
+/// offers an algorithm (`cuda::has_grad_algorithm`, asked once per shape: its plans are kept);
+/// on the CPU always (the cuBLASLt model executes it).
+fn grad_gemm_supported(
+    device: &candle_core::Device,
+    grad: crate::gemm::Fp8Grad,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> candle_core::Result<bool> {
+    #[cfg(feature = "cuda")]
+    if let Ok(dev) = device.as_cuda_device() {
+        return crate::cuda::has_grad_algorithm(dev, grad, m, k, n);
+    }
+    let _ = (device, grad, m, k, n);
+    Ok(true)
+}
+
+/// The backward GEMMs that ran on their fallback (`gemm::fp8_grad_gemm_fallback`: cuBLASLt had
+/// no E4M3 × E5M2 algorithm for them), shared by a block's layers so its row's notes say so.
+#[derive(Clone, Debug, Default)]
+pub struct GradFallbacks {
+    ran: Arc<Mutex<std::collections::BTreeSet<crate::gemm::Fp8Grad>>>,
+    always: bool,
+}
+
+impl GradFallbacks {
+    /// Every backward GEMM on its fallback, as where cuBLASLt offers none: the fallback's own
+    /// tests and selftest rows, on any device.
+    pub fn always() -> GradFallbacks {
+        GradFallbacks { always: true, ..GradFallbacks::default() }
+    }
+
+    fn record(&self, grad: crate::gemm::Fp8Grad) {
+        self.ran.lock().unwrap_or_else(|e| e.into_inner()).insert(grad);
+    }
+
+    /// The GEMMs that fell back so far, data gradient first.
+    pub fn ran(&self) -> Vec<crate::gemm::Fp8Grad> {
+        self.ran.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect()
+    }
 }
 
 /// The forward's operands, as the HYBRID backward reads them.
@@ -279,6 +331,8 @@ pub struct HybridLinear {
     pub operands: Operands,
     pub gelu: bool,
     pub scaling: GradScaling, // dY's E5M2 scale
+    /// Where the FP8 path records a backward GEMM that ran on its fallback.
+    pub fallbacks: GradFallbacks,
 }
 
 impl HybridLinear {
@@ -405,7 +459,7 @@ impl HybridLinear {
                 (dy.to_dtype(DType::F32)? * gelu_tanh_grad_ops(&z.to_dtype(DType::F32)?)?)?
             }
         };
-        linear_bwd_hybrid_fp8(x, w, &dz, state)
+        linear_bwd_hybrid_fp8(x, w, &dz, state, &self.fallbacks)
     }
 }
 
@@ -456,6 +510,7 @@ mod tests {
                 operands: Operands::Emulated { xq: xq.clone(), wq: wq.clone() },
                 gelu,
                 scaling: GradScaling::Current(0),
+                fallbacks: GradFallbacks::default(),
             };
             let ours = grads(&x, &w, &|x, w, b| saved().apply(x, w, b));
             let [ex, ew, eb] = [0, 1, 2].map(|i| rel(&ours[i], &want[i]));
@@ -601,7 +656,9 @@ mod tests {
     ///   emulated GEMMs on dZ = dY ∘ gelu′(z) with z as the FP8 GEMM computes it (bf16 bias, bf16
     ///   store): the tolerances without GELU, db 1e-5 (Σ dZ of f32 products).
     ///
-    /// A wrong operand, transpose or scale is O(1).
+    /// The same for the fallback (every GEMM through `gemm::fp8_grad_gemm_fallback`, as where
+    /// cuBLASLt offers no algorithm), which must record both GEMMs. A wrong operand, transpose
+    /// or scale is O(1).
     #[test]
     fn the_fp8_backward_matches_the_emulated_one() {
         use crate::fp8::{dequantize, quantize, scale_from_amax};
@@ -625,9 +682,17 @@ mod tests {
                     Fp8Recipe::Delayed => GradScaling::Delayed(Arc::new(DelayedScale::new(4, 0))),
                 };
                 let fp8 = GradScaling::OnDevice(Arc::new(Mutex::new(grad_scale_state(recipe, 4, 0).unwrap())));
-                let grads = |operands: &Operands, scaling: &GradScaling, r: &Tensor| {
+                // The fallback (`GradFallbacks::always`) with its own scale state: the same steps.
+                let fp8_fallback = GradScaling::OnDevice(Arc::new(Mutex::new(grad_scale_state(recipe, 4, 0).unwrap())));
+                let grads = |operands: &Operands, scaling: &GradScaling, fallbacks: &GradFallbacks, r: &Tensor| {
                     let (xv, wv, bv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap(), Var::from_tensor(&b).unwrap());
-                    let op = HybridLinear { y: y.clone(), operands: operands.clone(), gelu, scaling: scaling.clone() };
+                    let op = HybridLinear {
+                        y: y.clone(),
+                        operands: operands.clone(),
+                        gelu,
+                        scaling: scaling.clone(),
+                        fallbacks: fallbacks.clone(),
+                    };
                     let out = op.apply(xv.as_tensor(), wv.as_tensor(), bv.as_tensor()).unwrap();
                     let g = (out * r).unwrap().sum_all().unwrap().backward().unwrap();
                     [&xv, &wv, &bv].map(|v| g.get(v.as_tensor()).unwrap().to_dtype(DType::F32).unwrap())
@@ -655,20 +720,32 @@ mod tests {
                 // two steps: the second's delayed scale is the first's (larger) dY amax
                 for (step, r_scale) in [(0, 4e-3f32), (1, 1e-3)] {
                     let r = randn(&[bsz, t, n], seed + 10 + step, r_scale);
-                    let (got, want) = (grads(&ops_fp8, &fp8, &r), grads(&ops_emu, &emulated, &r));
+                    let (none, all) = (GradFallbacks::default(), GradFallbacks::always());
+                    let want = grads(&ops_emu, &emulated, &none, &r);
+                    let got = grads(&ops_fp8, &fp8, &none, &r);
+                    assert!(none.ran().is_empty(), "the CPU runs every FP8 GEMM (the model): no fallback");
+                    let fell_back = grads(&ops_fp8, &fp8_fallback, &all, &r);
+                    assert_eq!(all.ran(), [crate::gemm::Fp8Grad::Data, crate::gemm::Fp8Grad::Weight], "recorded");
                     let [ex, ew, eb] = [0, 1, 2].map(|i| rel(&got[i], &want[i]));
-                    let what = format!("({bsz}, {t}, {k} → {n}) gelu {gelu} {recipe:?} step {step}: dX {ex:.2e}, dW {ew:.2e}, db {eb:.2e}");
+                    let [fx, fw, fb] = [0, 1, 2].map(|i| rel(&fell_back[i], &want[i]));
+                    let what = format!(
+                        "({bsz}, {t}, {k} → {n}) gelu {gelu} {recipe:?} step {step}: dX {ex:.2e}, dW {ew:.2e}, db {eb:.2e}; \
+                         fallback dX {fx:.2e}, dW {fw:.2e}, db {fb:.2e}"
+                    );
                     eprintln!("FP8 path vs emulated backward, {what}");
                     let (tx, tw, tb) = if gelu { (5e-2, 5e-2, 5e-2) } else { (1e-2, 1e-5, 1e-6) };
-                    assert!(ex < tx && ew < tw && eb < tb, "{what}");
+                    assert!(ex < tx && ew < tw && eb < tb && fx < tx && fw < tw && fb < tb, "{what}");
                     assert_eq!(got[0].dims(), x.dims(), "{what}");
                     if gelu {
                         let dz = (&r * gelu_tanh_grad_ops(&z16).unwrap()).unwrap();
                         let (dx, dw, db) = linear_bwd_hybrid_scaled(&xq, &wq, &dz, &tight).unwrap();
-                        let [ex, ew, eb] = [(0, dx), (1, dw), (2, db)].map(|(i, w)| rel(&got[i], &w));
-                        let what = format!("{what}; against the emulated GEMMs on the bf16 z: dX {ex:.2e}, dW {ew:.2e}, db {eb:.2e}");
-                        eprintln!("FP8 path vs emulated backward, {what}");
-                        assert!(ex < 1e-2 && ew < 1e-5 && eb < 1e-5, "{what}");
+                        for (path, got) in [("FP8 path", &got), ("fallback", &fell_back)] {
+                            let [ex, ew, eb] = [(0, &dx), (1, &dw), (2, &db)].map(|(i, w)| rel(&got[i], w));
+                            let what =
+                                format!("{what}; {path} against the emulated GEMMs on the bf16 z: dX {ex:.2e}, dW {ew:.2e}, db {eb:.2e}");
+                            eprintln!("FP8 path vs emulated backward, {what}");
+                            assert!(ex < 1e-2 && ew < 1e-5 && eb < 1e-5, "{what}");
+                        }
                     }
                 }
             }

@@ -300,3 +300,21 @@ pub fn transpose_fp8(q: &Tensor) -> candle_core::Result<Tensor> {
     launch(&dev, "fp8_transpose", tiles(rows, cols)?, THREADS, &[Ptr(qs, ql), I64(rows as i64), I64(cols as i64), Ptr(&qt, &qtl)])?;
     Ok(tensor(qt, shape))
 }
+
+/// The f32 value of each FP8 code (E4M3, or E5M2 in u8), q's shape: one launch of
+/// `fp8_decode_f32`. The backward GEMMs' fallback (`gemm::fp8_grad_gemm_fallback`).
+pub fn decode_fp8(q: &Tensor) -> candle_core::Result<Tensor> {
+    let q = q.contiguous()?;
+    let e5m2 = match q.dtype() {
+        DType::F8E4M3 => 0,
+        DType::U8 => 1,
+        dt => candle_core::bail!("decode_fp8: FP8 codes (E4M3, or E5M2 in u8) expected, got {dt:?}"),
+    };
+    let (qs, ql) = q.storage_and_layout();
+    let Storage::Cuda(qs) = &*qs else { candle_core::bail!("decode_fp8: q must be on the GPU") };
+    let dev = qs.device().clone();
+    let n = ql.shape().elem_count();
+    let (y, yl) = output::<f32>(&dev, ql.shape())?;
+    launch(&dev, "fp8_decode_f32", blocks(n)?, THREADS, &[Ptr(qs, ql), I64(n as i64), I32(e5m2), Ptr(&y, &yl)])?;
+    Ok(tensor(y, q.shape().clone()))
+}

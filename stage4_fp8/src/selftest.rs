@@ -201,13 +201,11 @@ pub fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
 /// Stage 4's training GEMMs alone (the HYBRID backward of one linear: dX = dY·W and dW = dYᵀ·X,
 /// E4M3 × E5M2, `hybrid::linear_bwd_hybrid_fp8`), against the CPU emulation of the recipe on the
 /// same operands and scales (all current). On CUDA: our E5M2 cast and transposes, then
-/// cuBLASLt's FP8 GEMMs; where cuBLASLt offers no algorithm for one, its row says so (and
-/// `--train` refuses on that GPU). On the CPU the same steps, the GEMMs' arguments
-/// (`gemm::fp8_grad_args`) executed by `cublaslt_model`.
+/// cuBLASLt's FP8 GEMMs; where cuBLASLt offers no algorithm for one, its row says so. On the CPU
+/// the same steps, the GEMMs' arguments (`gemm::fp8_grad_args`) executed by `cublaslt_model`.
+/// A row per GEMM for its fallback too (`gemm::fp8_grad_gemm_fallback`), on either device.
 pub fn fp8_train(r: &mut Rows, device: &Device, info: &DeviceInfo) {
-    use crate::fp8::{amax, quantize, quantize_dequantize_cpu, scale_from_amax, Fp8Recipe};
     use crate::gemm::Fp8Grad;
-    use crate::hybrid::{grad_scale_state, linear_bwd_hybrid, linear_bwd_hybrid_fp8};
     if !device.is_cuda() {
         r.ran = "cublaslt_model(fp8_grad_args)".into();
     }
@@ -221,42 +219,55 @@ pub fn fp8_train(r: &mut Rows, device: &Device, info: &DeviceInfo) {
             r.skip("FP8 training GEMM", case, "FP8 tensor cores need SM 8.9+; this GPU has none".into());
             continue;
         }
-        #[cfg(feature = "cuda")]
-        if let Ok(dev) = device.as_cuda_device() {
-            match crate::cuda::has_grad_algorithm(dev, grad, m, k, n) {
-                Ok(true) => {}
-                Ok(false) => {
-                    let why = "cuBLASLt offers no E4M3 × E5M2 algorithm for this GEMM on this GPU; stage 4 refuses --train \
-                               here (its check says why) rather than run another recipe under this one's name";
-                    r.unsupported("FP8 training GEMM", case, why.into());
-                    continue;
-                }
-                Err(e) => {
-                    r.outcome("FP8 training GEMM", case, Err(e.into()));
-                    continue;
-                }
+        // The fallback where cuBLASLt offers no algorithm: the same values in an f32 GEMM.
+        let fallback = format!("{case}, fallback (f32 GEMM on the decoded codes)");
+        let supported: candle_core::Result<bool> = match device.as_cuda_device() {
+            #[cfg(feature = "cuda")]
+            Ok(dev) => crate::cuda::has_grad_algorithm(dev, grad, m, k, n),
+            _ => Ok(true), // the CPU: the cuBLASLt model runs every configuration
+        };
+        match supported {
+            Ok(true) => r.compare("FP8 training GEMM", case, || train_gemm_row(device, grad, (m, k, n), &Default::default())),
+            Ok(false) => {
+                let why = "cuBLASLt offers no E4M3 × E5M2 algorithm for this GEMM on this GPU; stage 4's --train \
+                           multiplies the same E4M3 and E5M2 values in an f32 GEMM instead (the fallback row), and its \
+                           row's notes say so";
+                r.unsupported("FP8 training GEMM", case, why.into());
             }
+            Err(e) => r.outcome("FP8 training GEMM", case, Err(e.into())),
         }
-        r.compare("FP8 training GEMM", case, || {
-            let (x, w) = (randn(&[1, m, k], 20, 1.0, 0.0)?, randn(&[n, k], 21, 0.05, 0.0)?);
-            let dy = randn(&[1, m, n], 22, 1e-3, 0.0)?; // a gradient's size
-            let (sx, sw) = (scale_from_amax(&amax(&x)?, 0)?, scale_from_amax(&amax(&w)?, 0)?);
-            let (xq, wq) = (quantize_dequantize_cpu(&x, &sx)?, quantize_dequantize_cpu(&w, &sw)?); // s·q, f32
-            let (dx, dw, _) = linear_bwd_hybrid(&xq, &wq, &dy, 0)?; // the emulation, dY's scale current
-            let on = |t: &Tensor| t.to_device(device);
-            let (sx, sw) = (on(&sx)?, on(&sw)?);
-            let (xq, wq) = (quantize(&on(&x)?, &sx)?, quantize(&on(&w)?, &sw)?); // E4M3 codes
-            let state = std::sync::Mutex::new(grad_scale_state(Fp8Recipe::Current, 1, 0).map_err(anyhow::Error::msg)?);
-            let (got_dx, got_dw, _) = linear_bwd_hybrid_fp8((&xq, &sx), (&wq, &sw), &on(&dy)?, &state)?;
-            let (got, want) = match grad {
-                Fp8Grad::Data => (got_dx.to_dtype(DType::F32)?, dx),
-                Fp8Grad::Weight => (got_dw, dw),
-            };
-            // dX is stored bf16 (2⁻⁹ per value); dY's scale (E4M3's rule with 7 bits less
-            // margin) may sit an ulp from the emulation's, moving a few E5M2 codes.
-            Ok((got.to_device(&Device::Cpu)?, want, 1e-2))
-        });
+        r.compare("FP8 training GEMM", fallback, || train_gemm_row(device, grad, (m, k, n), &crate::hybrid::GradFallbacks::always()));
     }
+}
+
+/// One of `fp8_train`'s rows: `grad`'s output of `hybrid::linear_bwd_hybrid_fp8` on `device`
+/// (with `fallbacks` as given) against the CPU emulation on the same operands and scales.
+fn train_gemm_row(
+    device: &Device,
+    grad: crate::gemm::Fp8Grad,
+    (m, k, n): (usize, usize, usize),
+    fallbacks: &crate::hybrid::GradFallbacks,
+) -> anyhow::Result<(Tensor, Tensor, f64)> {
+    use crate::fp8::{amax, quantize, quantize_dequantize_cpu, scale_from_amax, Fp8Recipe};
+    use crate::gemm::Fp8Grad;
+    use crate::hybrid::{grad_scale_state, linear_bwd_hybrid, linear_bwd_hybrid_fp8};
+    let (x, w) = (randn(&[1, m, k], 20, 1.0, 0.0)?, randn(&[n, k], 21, 0.05, 0.0)?);
+    let dy = randn(&[1, m, n], 22, 1e-3, 0.0)?; // a gradient's size
+    let (sx, sw) = (scale_from_amax(&amax(&x)?, 0)?, scale_from_amax(&amax(&w)?, 0)?);
+    let (xq, wq) = (quantize_dequantize_cpu(&x, &sx)?, quantize_dequantize_cpu(&w, &sw)?); // s·q, f32
+    let (dx, dw, _) = linear_bwd_hybrid(&xq, &wq, &dy, 0)?; // the emulation, dY's scale current
+    let on = |t: &Tensor| t.to_device(device);
+    let (sx, sw) = (on(&sx)?, on(&sw)?);
+    let (xq, wq) = (quantize(&on(&x)?, &sx)?, quantize(&on(&w)?, &sw)?); // E4M3 codes
+    let state = std::sync::Mutex::new(grad_scale_state(Fp8Recipe::Current, 1, 0).map_err(anyhow::Error::msg)?);
+    let (got_dx, got_dw, _) = linear_bwd_hybrid_fp8((&xq, &sx), (&wq, &sw), &on(&dy)?, &state, fallbacks)?;
+    let (got, want) = match grad {
+        Fp8Grad::Data => (got_dx.to_dtype(DType::F32)?, dx),
+        Fp8Grad::Weight => (got_dw, dw),
+    };
+    // dX is stored bf16 (2⁻⁹ per value); dY's scale (E4M3's rule with 7 bits less margin) may
+    // sit an ulp from the emulation's, moving a few E5M2 codes.
+    Ok((got.to_device(&Device::Cpu)?, want, 1e-2))
 }
 
 /// Stage 4 with delayed scaling under a CUDA graph: the scale update runs inside the graph, so

@@ -70,8 +70,7 @@ fn what_cannot_train_is_refused_with_the_fix() {
     let mut plan = train::train_plan(&stage, Precision::Fp8);
     assert!(stage.implementation(&plan).unwrap().contains("fp8 fusions none (training)"), "the label says what trains");
     // On CUDA: refused without FP8 tensor cores (the emulation's backward is CPU-only); on
-    // Hopper the HYBRID recipe trains through cuBLASLt (whether it offers each backward GEMM is
-    // asked of the GPU itself, which this plan on the CPU does not have), and the label says so.
+    // Hopper the HYBRID recipe trains through cuBLASLt, and the label says so.
     plan.info.kind = DeviceKind::Cuda;
     plan.info.sm = Some((8, 0));
     let e = stage.check_train(&plan).unwrap_err().to_string();
