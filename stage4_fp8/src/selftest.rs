@@ -206,9 +206,9 @@ pub fn fp8_fusions(r: &mut Rows, device: &Device, info: &DeviceInfo) {
 /// A row per GEMM for its fallback too (`gemm::fp8_grad_gemm_fallback`), on either device.
 pub fn fp8_train(r: &mut Rows, device: &Device, info: &DeviceInfo) {
     use crate::gemm::Fp8Grad;
-    if !device.is_cuda() {
-        r.ran = "cublaslt_model(fp8_grad_args)".into();
-    }
+    // What the CPU rows run in place of the GPU: the GEMMs' arguments by the cuBLASLt model, and
+    // the fallback's f32 GEMM by candle.
+    let cpu_ran = |what: &str| if device.is_cuda() { "cuda".to_string() } else { what.to_string() };
     let (m, k, n) = (48, 64, 96); // multiples of 16, as FP8 GEMMs need
     for grad in [Fp8Grad::Data, Fp8Grad::Weight] {
         let case = match grad {
@@ -226,6 +226,7 @@ pub fn fp8_train(r: &mut Rows, device: &Device, info: &DeviceInfo) {
             Ok(dev) => crate::cuda::has_grad_algorithm(dev, grad, m, k, n),
             _ => Ok(true), // the CPU: the cuBLASLt model runs every configuration
         };
+        r.ran = cpu_ran("cublaslt_model(fp8_grad_args)");
         match supported {
             Ok(true) => r.compare("FP8 training GEMM", case, || train_gemm_row(device, grad, (m, k, n), &Default::default())),
             Ok(false) => {
@@ -236,6 +237,7 @@ pub fn fp8_train(r: &mut Rows, device: &Device, info: &DeviceInfo) {
             }
             Err(e) => r.outcome("FP8 training GEMM", case, Err(e.into())),
         }
+        r.ran = cpu_ran("candle f32 matmul (the fallback)");
         r.compare("FP8 training GEMM", fallback, || train_gemm_row(device, grad, (m, k, n), &crate::hybrid::GradFallbacks::always()));
     }
 }
