@@ -40,6 +40,12 @@
 //! with `--fp8-recipe delayed`, none with `current` (asking for one there is refused); the first
 //! call, with no history yet, runs unfused. Compiled, not run on a GPU; emulated on the CPU.
 //!
+//! **Training** (`--train`: TransformerEngine's HYBRID recipe, `hybrid`): the backward's GEMMs
+//! take the gradient dY in E5M2 (f16's range, 2 mantissa bits) against the forward's E4M3
+//! operands. On CUDA both, dX = dY·W and dW = dYᵀ·X, are cuBLASLt E4M3 × E5M2 GEMMs that read
+//! transposed copies, since FP8 takes the "TN" form only (`gemm::fp8_grad_layout`): compiled, not
+//! run on a GPU. On the CPU, emulated.
+//!
 //! **Run it.** `cargo run --release -p stage4_fp8` (CPU, emulated) ·
 //! `cargo run --release --features cuda -p stage4_fp8 -- --device cuda --preset te` (Hopper/Ada).
 
