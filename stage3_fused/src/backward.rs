@@ -396,10 +396,12 @@ mod tests {
 
         #[test]
         fn backwards_match_their_twins_on_random_shapes(bsz in 1usize..3, t in 1usize..40, k in 1usize..100, n in 1usize..100, seed in 0u64..1 << 20) {
-            // C ≥ 3: a LayerNorm over one or two values has dx = 0 identically (x̂ is 0, or ±1
-            // whatever x is), so the comparison would be of rounding noise alone.
-            check_layer_norm((bsz, t, k.max(3)), seed);
-            check_add_layer_norm((bsz, t, k.max(3)), seed);
+            // C ≥ 16: a LayerNorm over one or two values has dx = 0 identically (x̂ is 0, or ±1
+            // whatever x is), so the comparison would be of rounding noise alone; over three,
+            // a row's variance can come out tiny and its x̂ amplify rounding past 1e-5 (at
+            // C = 3, T = 6: 3 seeds of 300 over, up to 2.2e-5; at C = 16, none).
+            check_layer_norm((bsz, t, k.max(16)), seed);
+            check_add_layer_norm((bsz, t, k.max(16)), seed);
             check_linears((bsz, t, k, n), seed, DType::F32);
         }
     }
