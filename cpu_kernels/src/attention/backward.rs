@@ -111,32 +111,36 @@ pub fn attention_bwd_with(
             if lse.is_none() { ", L recomputed" } else { "" }
         )
     });
-    // Each input once as f32, contiguous (B, T, n_head, d_head): a head's row r is at
-    // ((b·T + r)·n_head + h)·d, rows n_head·d apart, which the tile GEMMs read in place. One copy
-    // per input at most (widening bf16/f16 on the way: the GEMMs are f32; none for an f32 input
-    // already contiguous), small beside the five GEMMs.
-    let f32_rows = |x: &Tensor| -> candle_core::Result<Tensor> { x.to_dtype(DType::F32)?.contiguous() };
-    let inputs = [f32_rows(q)?, f32_rows(k)?, f32_rows(v)?, f32_rows(o)?, f32_rows(d_o)?];
-    let guards: Vec<_> = inputs.iter().map(|t| t.storage_and_layout()).collect();
-    let mut slices = Vec::with_capacity(5);
-    for (storage, layout) in &guards {
-        match (&**storage, layout.contiguous_offsets()) {
-            (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, z))) => slices.push(&v[a..z]),
-            _ => candle_core::bail!("attention backward: an input is not a contiguous f32 CPU tensor"),
+    // Each input as f32 rows read where they lie: a (B, T, n_head, d_head) f32 view whose
+    // channels are adjacent (stage 3's q, k and v are views of one QKV output, rows 3·C apart)
+    // is read in place; anything else (bf16/f16, channels apart) is copied once as contiguous
+    // f32 (widening on the way: the products run from f32 rows).
+    let tensors = [q, k, v, o, d_o];
+    let mut owned = Vec::with_capacity(5);
+    for x in tensors {
+        let in_place = x.dtype() == DType::F32 && x.stride().get(3) == Some(&1);
+        owned.push(if in_place { None } else { Some(x.to_dtype(DType::F32)?.contiguous()?) });
+    }
+    let guards: Vec<_> = tensors.iter().zip(&owned).map(|(x, c)| c.as_ref().unwrap_or(x).storage_and_layout()).collect();
+    let mut views = Vec::with_capacity(5);
+    for ((storage, layout), x) in guards.iter().zip(tensors) {
+        match (&**storage, layout.stride()) {
+            (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), &[sb, st, sh, 1]) if layout.dims() == x.dims() => {
+                views.push(HeadView { data: v, start: layout.start_offset(), sb, st, sh })
+            }
+            _ => candle_core::bail!("attention backward: an input is not a (B, T, n_head, d_head) f32 CPU tensor with adjacent channels"),
         }
     }
-    let (qv, kv, vv, ov, dov) = (slices[0], slices[1], slices[2], slices[3], slices[4]);
+    let (qv, kv, vv, ov, dov) = (views[0], views[1], views[2], views[3], views[4]);
     let grads: Vec<[Vec<f32>; 3]> = (0..b * h)
         .into_par_iter()
         .map(|bh| {
-            let base = (bh / h) * t * h * d + (bh % h) * d;
-            let rs = h * d;
             let io = HeadIo {
-                q: Rows { data: &qv[base..], rs },
-                k: Rows { data: &kv[base..], rs },
-                v: Rows { data: &vv[base..], rs },
-                o: Rows { data: &ov[base..], rs },
-                d_o: Rows { data: &dov[base..], rs },
+                q: qv.head(bh / h, bh % h),
+                k: kv.head(bh / h, bh % h),
+                v: vv.head(bh / h, bh % h),
+                o: ov.head(bh / h, bh % h),
+                d_o: dov.head(bh / h, bh % h),
                 lse: lse.map(|l| &l[bh * t..][..t]),
             };
             #[cfg(target_arch = "x86_64")]
@@ -177,6 +181,23 @@ fn registered(d: usize) -> bool {
     {
         let _ = d;
         false
+    }
+}
+
+/// A (B, T, n_head, d_head) f32 tensor's storage and strides (channels adjacent).
+#[derive(Clone, Copy)]
+struct HeadView<'a> {
+    data: &'a [f32],
+    start: usize,
+    sb: usize,
+    st: usize,
+    sh: usize,
+}
+
+impl<'a> HeadView<'a> {
+    /// Head `hi` of batch entry `bi`: its T rows, `st` apart.
+    fn head(&self, bi: usize, hi: usize) -> Rows<'a> {
+        Rows { data: &self.data[self.start + bi * self.sb + hi * self.sh..], rs: self.st }
     }
 }
 
