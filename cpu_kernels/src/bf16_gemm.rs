@@ -571,7 +571,7 @@ pub fn gemm_packed_bf16_with<A: Operand>(
     parallel: bool,
     epilogue: Option<Epilogue>,
 ) -> Result<(), String> {
-    let (m, k, n, kp, kernel) = (a.rows, a.cols, b.n, b.kp, b.kernel);
+    let (m, k, n, kernel) = (a.rows, a.cols, b.n, b.kernel);
     if b.k != k || c.len() != m * n {
         return Err(format!("bf16 gemm: a {m} × {k}, packed b {} × {n} and c ({} elements) do not fit c = a·b", b.k, c.len()));
     }
@@ -591,10 +591,72 @@ pub fn gemm_packed_bf16_with<A: Operand>(
         }
         return Ok(());
     }
+    let out = OutPtr(c.as_mut_ptr());
+    through_scratch(a, b, parallel, |i, j0, acc| {
+        if let Some(epilogue) = epilogue {
+            epilogue(j0, acc);
+        }
+        // SAFETY: row i, columns j0..j0 + acc.len() of c (m × n, length checked above) are
+        // this task's alone (tasks tile C without overlap).
+        narrow_bf16(acc, unsafe { std::slice::from_raw_parts_mut(out.at(i * n + j0), acc.len()) });
+    });
+    Ok(())
+}
+
+/// `gemm_packed` into an f32 c with an output pass, as `gemm_packed_bf16_with` does for bf16:
+/// each block of a·b, while in L2, is copied to `keep` as it is when given (a training step's
+/// pre-activation, for the backward), then through `epilogue`, then stored in c. No m × n pass
+/// of its own, and C is written once, never read.
+pub fn gemm_packed_with<A: Operand>(
+    c: &mut [f32],
+    keep: Option<&mut [f32]>,
+    a: MatRef<A>,
+    b: &PackedB,
+    parallel: bool,
+    epilogue: Option<Epilogue>,
+) -> Result<(), String> {
+    let (m, k, n, kernel) = (a.rows, a.cols, b.n, b.kernel);
+    if b.k != k || c.len() != m * n || keep.as_ref().is_some_and(|kept| kept.len() != m * n) {
+        return Err(format!("bf16 gemm: a {m} × {k}, packed b {} × {n}, c and keep ({} elements) do not fit c = a·b", b.k, c.len()));
+    }
+    a.check("a")?;
+    check_kernel(kernel)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        c.fill(0.0);
+        if let Some(kept) = keep {
+            kept.fill(0.0);
+        }
+        if let Some(epilogue) = epilogue {
+            c.chunks_exact_mut(n).for_each(|row| epilogue(0, row));
+        }
+        return Ok(());
+    }
+    let (out, kept) = (OutPtr(c.as_mut_ptr()), keep.map(|kept| OutPtr(kept.as_mut_ptr())));
+    through_scratch(a, b, parallel, |i, j0, acc| {
+        // SAFETY (both): row i, columns j0..j0 + acc.len() of c and of keep (m × n, lengths
+        // checked above) are this task's alone (tasks tile C without overlap).
+        if let Some(kept) = kept {
+            unsafe { std::slice::from_raw_parts_mut(kept.at(i * n + j0), acc.len()) }.copy_from_slice(acc);
+        }
+        if let Some(epilogue) = epilogue {
+            epilogue(j0, acc);
+        }
+        unsafe { std::slice::from_raw_parts_mut(out.at(i * n + j0), acc.len()) }.copy_from_slice(acc);
+    });
+    Ok(())
+}
+
+/// The products through a per-thread f32 scratch: each task's MC × NC block of a·b (b's
+/// kernel) goes into the scratch (295 KiB: it stays in L2), then `store(i, j0, acc)` gets each
+/// of its row segments (row i of C, columns j0..j0 + acc.len()). Shapes checked by the caller.
+fn through_scratch<A: Operand>(a: MatRef<A>, b: &PackedB, parallel: bool, store: impl Fn(usize, usize, &mut [f32]) + Sync) {
     thread_local! {
         static SCRATCH: std::cell::RefCell<Lines<f32>> = std::cell::RefCell::new(Lines::default());
     }
-    let out = OutPtr(c.as_mut_ptr());
+    let (m, n, kp, kernel) = (a.rows, b.n, b.kp, b.kernel);
     tasks(m, n, parallel, |(i0, mc), (j0, nc)| {
         SCRATCH.with_borrow_mut(|scratch| {
             scratch.resize_keeping(mc * nc); // never read before written: the block overwrites it
@@ -605,17 +667,10 @@ pub fn gemm_packed_bf16_with<A: Operand>(
             // SAFETY: the scratch holds mc × nc f32 and is this thread's alone.
             unsafe { block(kernel, OutPtr(scratch.as_mut_ptr()), nc, rows, panels, kp, (0, mc), (0, nc), false) };
             for (r, acc) in scratch[..mc * nc].chunks_exact_mut(nc).enumerate() {
-                if let Some(epilogue) = epilogue {
-                    epilogue(j0, acc);
-                }
-                // SAFETY: row i0 + r, columns j0..j0+nc of c (m × n, length checked above) are
-                // this task's alone (tasks tile C without overlap).
-                let row = unsafe { std::slice::from_raw_parts_mut(out.at((i0 + r) * n + j0), nc) };
-                narrow_bf16(acc, row);
+                store(i0 + r, j0, acc);
             }
         })
     });
-    Ok(())
 }
 
 /// Runs `task((i0, mc), (j0, nc))` over C (m × n) in blocks of MC rows × NC columns, on all

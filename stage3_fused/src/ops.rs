@@ -464,9 +464,27 @@ impl CustomOp3 for Linear<'_> {
         });
         let b = f32_values(bs, bl, "b")?;
         let b = &b[..];
+        let gelu = matches!(self.epilogue, Epilogue::BiasGelu);
+        if let (Operands::F32AsBf16 { x, w, kernel }, false) = (&operands, matches!(self.epilogue, Epilogue::BiasResidual(_))) {
+            // f32 activations, bf16 products (a training step on a CPU's bf16 unit): W packed once
+            // per forward, the bias (and GELU) applied to each block of the GEMM's accumulator in
+            // L2, and GELU's input kept from the same block for the backward: no bias fill before
+            // the GEMM, no copy and no GELU pass after it.
+            let packed = PackedB::new(*kernel, MatRef::row_major(w, n, k).t(), true).map_err(candle_core::Error::Msg)?;
+            let epilogue = |j0: usize, row: &mut [f32]| match gelu {
+                true => map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j0 + j])),
+                false => map_slice_in_place(row, &|j, v| v + b[j0 + j]),
+            };
+            let (mut out, mut keep) = (vec![0f32; m * n], self.pre_gelu.as_ref().map(|_| vec![0f32; m * n]));
+            bf16_gemm::gemm_packed_with(&mut out, keep.as_deref_mut(), MatRef::row_major(x, m, k), &packed, true, Some(&epilogue))
+                .map_err(candle_core::Error::Msg)?;
+            if let (Some(slot), Some(keep)) = (&self.pre_gelu, keep) {
+                *slot.lock().map_err(|_| candle_core::Error::Msg("linear: poisoned lock".into()))? = Some(keep);
+            }
+            return Ok((CpuStorage::F32(out), Shape::from((bsz, t, n))));
+        }
         let mut out = vec![0f32; m * n];
         let mut out_dtype = xs.dtype();
-        let gelu = matches!(self.epilogue, Epilogue::BiasGelu);
         // bf16 out (bias or bias + GELU): the GEMM overwrites f32 rows, then one pass adds the bias
         // (and GELU) and narrows each row while it is in L1, instead of a bias fill before the GEMM
         // and a narrowing pass after it (two passes over the f32 output fewer).
