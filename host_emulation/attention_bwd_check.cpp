@@ -1,9 +1,30 @@
 // Runs stage2_sdpa/kernels/flash_attn_bwd.cu — the real source, unchanged — on the CPU through the
-// emulation in mma.h, as training runs it: the forward kernel (flash_attn.cu, which it includes)
-// writes O and L, the host's D_i = rowsum(dO ∘ O) is summed in f32 from that O, then the backward
-// kernel; against an f64 reference of L, dQ, dK and dV on the same 16-bit q, k, v and dO. T = 1, T not a multiple of the tile, several tiles, heads and
-// batches, causal and not, stage 3's strided layout and stage 2's contiguous one. Shared memory
-// and dK, dV start as NaN; dQ starts at 0, as the host zeroes it. Exit 0 when all are within tolerance.
+// emulation of its PTX in ptx_warp.h (mma.sync m16n8k16, ldmatrix .x4 and .x4.trans, cp.async
+// groups of 16- and 4-byte copies; threads, shuffles and atomics from mma.h), as training runs
+// it: the forward v2 kernel (flash_attn_v2.cu, which it includes) writes O and L, the host's
+// D_i = rowsum(dO ∘ O) is summed in f32 from that O, then the backward kernel; against an f64
+// reference of L, dQ, dK and dV on the same 16-bit q, k, v and dO. Every entry point (bf16, f16;
+// d_head 32, 64, 128), T = 1, T not a multiple of the tile, several tiles, heads and batches,
+// causal and not, stage 3's strided layout and stage 2's contiguous one. Shared memory and dK,
+// dV start as NaN; dQ starts at 0, as the host zeroes it. Also requires no ldmatrix bank
+// conflict and no misaligned ldmatrix row.
+//
+// Every call runs twice: with cp.async copies landing at their wait_group (the latest the PTX
+// memory model allows) and at issue (the earliest); the kernel must be right under both.
+//
+// Then the mutation tests, as attention_v2_check.cpp's: the backward (the forward before it runs
+// exact) under an emulation with one fragment layout, the .trans or the cp.async wait
+// deliberately wrong, or one of the query loop's two barriers deleted, must fail the check; a
+// mutation that passes means the check could not tell the ISA's layout from another, or could not
+// see the race the barrier prevents. The barrier mutations try each warp in turn, held back at
+// every barrier and wait, under the copy timing that exposes their race: without the barrier
+// after the wait, the other warps read tile i before the held warp's late copies land; without
+// the barrier after dSᵀ is stored, the other warps read dSᵀ rows the held warp has not written,
+// and refill Q_i, dO_i with early copies while it still reads them.
+// Exit 0 when every kernel call is within tolerance and every mutation is caught.
+//
+//   bash host_emulation/run.sh attention_bwd_check
+#include <string>
 #include "../stage2_sdpa/kernels/flash_attn_bwd.cu"
 
 #include <cstdio>
@@ -17,7 +38,16 @@ dim3 blockIdx, gridDim;
 std::barrier<>* block_barrier;
 std::barrier<>* warp_barrier[4];
 float shfl_buf[4][32];
-__attribute__((aligned(128))) unsigned char smem[bwd_smem_bytes<128>()];
+WarpScratch warp_scratch[4][2];
+thread_local unsigned scratch_turn = 0;
+EmuMutation emu_mutation = EMU_EXACT;
+bool cp_async_at_issue = false;
+thread_local bool cp_async_just_waited = false;
+std::atomic<long> ldmatrix_conflicts{0}, ldmatrix_misaligned{0};
+thread_local std::vector<PendingCopy> cp_open;
+thread_local std::vector<std::vector<PendingCopy>> cp_groups;
+constexpr int SMEM_BYTES = bwd_smem_bytes<128>() > smem_bytes_v2<128>() ? bwd_smem_bytes<128>() : smem_bytes_v2<128>();
+__attribute__((aligned(128))) unsigned char smem[SMEM_BYTES];
 
 template <typename F>
 void run_grid(dim3 grid, F kernel) {
@@ -35,6 +65,9 @@ void run_grid(dim3 grid, F kernel) {
                 for (int t = 0; t < THREADS; ++t)
                     threads.emplace_back([&, t] {
                         threadIdx = {(unsigned)t, 0, 0};
+                        scratch_turn = 0;
+                        cp_open.clear();
+                        cp_groups.clear();
                         kernel();
                     });
                 for (auto& th : threads) th.join();
@@ -65,8 +98,9 @@ struct Errors {
     double lse, dq, dk, dv;
 };
 
+// One forward + backward call; `mutation` applies to the backward kernel only.
 template <typename T, int D>
-Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed) {
+Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed, EmuMutation mutation) {
     // q, k, v, dO: four slices of one (B, T, 4, H, D) buffer as the host passes them, or four
     // contiguous ones (the same strides, which is all the kernel asks).
     const int parts = strided ? 4 : 1;
@@ -84,14 +118,17 @@ Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed) {
     auto at = [&](int p, int b, int h, int t, int c) { return (double)to_f(qkv[p][b * sb + t * st + h * sh + c]); };
     auto out_at = [&](int b, int h, int t) { return ((size_t)b * Tn + t) * H * D + (size_t)h * D; };
 
-    // The forward as training launches it (src/attention_cuda.rs): O (contiguous (B, T, H, D)) and L.
+    // The forward as training launches it (src/attention_cuda.rs, v2): O (contiguous (B, T, H, D)) and L.
     std::vector<float> lse((size_t)B * H * Tn, NAN), dq(n_out, 0.0f), dk(n_out, NAN), dv(n_out, NAN);
     std::vector<T> o(n_out);
     std::memset(o.data(), 0xff, o.size() * sizeof(T));
-    const dim3 grid{(unsigned)((Tn + BR - 1) / BR), (unsigned)H, (unsigned)B};
-    run_grid(grid, [&] {
-        flash_attn_fwd<T, D>(qkv[0], qkv[1], qkv[2], o.data(), Tn, sb, st, sh, (long long)Tn * H * D, (long long)H * D, D, scale,
-                             causal, lse.data());
+    const int held = slow_warp;  // the race tests hold a warp back in the backward only
+    slow_warp = -1;
+    emu_mutation = EMU_EXACT;
+    skip_barrier = nullptr;
+    run_grid(dim3{(unsigned)H, (unsigned)B, (unsigned)((Tn + BR - 1) / BR)}, [&] {
+        flash_attn_v2_fwd<T, D>(qkv[0], qkv[1], qkv[2], o.data(), Tn, sb, st, sh, (long long)Tn * H * D, (long long)H * D, D,
+                                scale, causal, lse.data());
     });
     // D_i = Σ_c dO_ic O_ic in f32, from the forward's 16-bit O, as the host's candle ops sum it.
     std::vector<float> delta((size_t)B * H * Tn);
@@ -139,41 +176,104 @@ Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed) {
         }
 
     // The backward, as src/attention_cuda.rs launches it: one block per (key tile, head, batch).
-    run_grid(grid, [&] {
+    emu_mutation = mutation;
+    skip_barrier = emu_skip_barrier;
+    slow_warp = held;
+    run_grid(dim3{(unsigned)((Tn + BC_BWD - 1) / BC_BWD), (unsigned)H, (unsigned)B}, [&] {
         flash_attn_bwd<T, D>(qkv[0], qkv[1], qkv[2], qkv[3], lse.data(), delta.data(), dq.data(), dk.data(), dv.data(), Tn,
                              sb, st, sh, scale, causal);
     });
+    emu_mutation = EMU_EXACT;
+    skip_barrier = nullptr;
+    slow_warp = held;
     return {rel(lse, lse_ref), rel(dq, dq_ref), rel(dk, dk_ref), rel(dv, dv_ref)};
 }
 
+struct Shape {
+    int B, T, H;
+};
+// T = 150: three key tiles and three query tiles, the last ragged; causal: a diagonal tile and
+// unmasked ones in every block but the last.
+const Shape shapes[] = {{1, 1, 1}, {1, 17, 2}, {2, 64, 1}, {1, 65, 2}, {2, 33, 3}, {1, 150, 1}};
+
+// One call, printed unless quiet; true when within tolerance.
+bool run(bool bf16, int d, const Shape& s, bool causal, bool strided, unsigned seed, EmuMutation mutation, bool quiet) {
+    auto call = [&]<typename T>() -> Errors {
+        if (d == 32) return check<T, 32>(s.B, s.T, s.H, causal, strided, seed, mutation);
+        if (d == 64) return check<T, 64>(s.B, s.T, s.H, causal, strided, seed, mutation);
+        return check<T, 128>(s.B, s.T, s.H, causal, strided, seed, mutation);
+    };
+    const Errors e = bf16 ? call.template operator()<__nv_bfloat16>() : call.template operator()<__half>();
+    // P and dS are rounded to 16 bits as operands, as the forward rounds P̃: bf16 keeps 8
+    // significant bits (rel. error ~2e-3 here), f16 11 (~2e-4). L is f32 throughout.
+    const double tol = bf16 ? 1e-2 : 2e-3;
+    const bool ok = e.lse < 1e-5 && e.dq < tol && e.dk < tol && e.dv < tol;
+    if (!quiet)
+        printf("bwd %-4s d%-3d B=%d T=%-3d n_head=%d causal=%d %-10s copies %s rel err L %.1e dQ %.2e dK %.2e dV %.2e %s\n",
+               bf16 ? "bf16" : "f16", d, s.B, s.T, s.H, causal, strided ? "strided" : "contiguous",
+               cp_async_at_issue ? "early" : "late ", e.lse, e.dq, e.dk, e.dv, ok ? "ok" : "FAILED");
+    return ok;
+}
+
 int main() {
-    struct Shape {
-        int B, T, H;
-    } shapes[] = {{1, 1, 1}, {1, 17, 2}, {2, 64, 1}, {1, 65, 2}, {2, 33, 3}, {1, 150, 1}};
     int failed = 0, n = 0;
-    for (int dt = 0; dt < 2; ++dt)
-        for (int d : {32, 64, 128})
-            for (int si = 0; si < 6; ++si)
-                for (int causal = 0; causal < 2; ++causal) {
-                    const Shape& s = shapes[si];
-                    const bool strided = (d / 32 + si) % 2 == 0;
-                    ++n;
-                    const bool bf16 = dt == 0;
-                    auto run = [&]<typename T>() -> Errors {
-                        if (d == 32) return check<T, 32>(s.B, s.T, s.H, causal, strided, n);
-                        if (d == 64) return check<T, 64>(s.B, s.T, s.H, causal, strided, n);
-                        return check<T, 128>(s.B, s.T, s.H, causal, strided, n);
-                    };
-                    const Errors e = bf16 ? run.template operator()<__nv_bfloat16>() : run.template operator()<__half>();
-                    // P and dS are rounded to 16 bits as operands, as the forward rounds P̃: bf16
-                    // keeps 8 significant bits, f16 11. L is f32 throughout.
-                    const double tol = bf16 ? 3e-2 : 5e-3;
-                    const bool ok = e.lse < 1e-5 && e.dq < tol && e.dk < tol && e.dv < tol;
-                    failed += !ok;
-                    printf("bwd %-4s d%-3d B=%d T=%-3d n_head=%d causal=%d %-10s rel err L %.1e dQ %.2e dK %.2e dV %.2e %s\n",
-                           bf16 ? "bf16" : "f16", d, s.B, s.T, s.H, causal, strided ? "strided" : "contiguous", e.lse, e.dq,
-                           e.dk, e.dv, ok ? "ok" : "FAILED");
+    for (int at_issue = 0; at_issue < 2; ++at_issue) {
+        cp_async_at_issue = at_issue;
+        for (int dt = 0; dt < 2; ++dt)
+            for (int d : {32, 64, 128})
+                for (int si = 0; si < 6; ++si)
+                    for (int causal = 0; causal < 2; ++causal) {
+                        const bool strided = (d / 32 + si) % 2 == 0;  // each shape in both layouts, over the sizes
+                        ++n;
+                        failed += !run(dt == 0, d, shapes[si], causal, strided, n, EMU_EXACT, false);
+                    }
+    }
+    printf("bwd: %d of %d kernel calls within tolerance\n", n - failed, n);
+    printf("bwd: ldmatrix bank conflicts %ld, misaligned rows %ld (both must be 0)\n", ldmatrix_conflicts.load(),
+           ldmatrix_misaligned.load());
+    bool ok = failed == 0 && ldmatrix_conflicts == 0 && ldmatrix_misaligned == 0;
+
+    // Mutation tests: each mutation must make at least one of these calls fail.
+    const struct {
+        EmuMutation m;
+        bool at_issue;  // copy timing the mutation runs under
+        const char* what;
+    } mutations[] = {
+        {EMU_A_ROWS_COLS_SWAPPED, false, "A fragment: a1 and a2 swapped"},
+        {EMU_B_REGS_SWAPPED, false, "B fragment: b0 and b1 swapped"},
+        {EMU_D_ROWS_SWAPPED, false, "C/D fragment: rows g and g+8 swapped"},
+        {EMU_LDMATRIX_NO_TRANS, false, "ldmatrix .trans ignored"},
+        {EMU_WAIT_ONE_GROUP_LESS, false, "cp.async.wait_group waits for one group less"},
+        {EMU_NO_BARRIER_AFTER_WAIT, false, "query loop: barrier after the wait deleted, late copies"},
+        {EMU_NO_OTHER_BARRIER, true, "query loop: barrier after dS is stored deleted, early copies"},
+    };
+    const struct {
+        bool bf16;
+        int d, si;
+        bool causal, strided;
+    } probes[] = {{true, 64, 3, true, true}, {false, 128, 2, false, false}, {true, 32, 1, true, false}};
+    for (const auto& mu : mutations) {
+        cp_async_at_issue = mu.at_issue;
+        const bool race = mu.m == EMU_NO_BARRIER_AFTER_WAIT || mu.m == EMU_NO_OTHER_BARRIER;
+        // Probe calls until one fails (the mutation is caught) or all have passed (it is not).
+        int calls = 0;
+        bool good = false;
+        for (int w = race ? 0 : -1; w < (race ? WARPS : 0) && !good; ++w) {
+            slow_warp = w;
+            for (const auto& p : probes) {
+                ++calls;
+                if (!run(p.bf16, p.d, shapes[p.si], p.causal, p.strided, 7, mu.m, true)) {
+                    good = true;
+                    break;
                 }
-    printf("%d of %d backward calls within tolerance\n", n - failed, n);
-    return failed != 0;
+            }
+        }
+        printf("mutation (%s): %s\n", mu.what,
+               good ? ("caught by probe call " + std::to_string(calls) + ", as it must be").c_str()
+                    : "NOT CAUGHT: no probe call fails, so the check cannot see this mistake");
+        ok &= good;
+    }
+    cp_async_at_issue = false;
+    slow_warp = -1;
+    return ok ? 0 : 1;
 }

@@ -36,6 +36,10 @@ struct uint4 {
     unsigned x, y, z, w;
 };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+struct float2 {
+    float x, y;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
 
 struct __nv_bfloat16 {
     uint16_t bits;

@@ -1,5 +1,6 @@
 // CPU twin of stage2_sdpa/kernels/ptx_warp.h: the same functions, implemented from the PTX ISA's
-// definitions, so flash_attn_v2.cu runs unchanged on the CPU (attention_v2_check.cpp). Threads,
+// definitions, so flash_attn_v2.cu and flash_attn_bwd.cu run unchanged on the CPU
+// (attention_v2_check.cpp, attention_bwd_check.cpp). Threads,
 // barriers, shuffles and the 16-bit types come from mma.h beside this file (one std::thread per
 // CUDA thread). What each instruction models, and what a kernel bug would look like here:
 //
@@ -13,8 +14,8 @@
 //    2w+1). It also counts bank conflicts: a phase (one matrix, 8 rows of 16 bytes) is
 //    conflict-free when its 8 rows fall in 8 different 16-byte slots of a 128-byte line (all 32
 //    banks once); any repeat is counted in ldmatrix_conflicts. Rows must be 16-byte aligned.
-//  cp_async_16 / commit / wait<N>: two timings, both allowed by the PTX memory model, and the
-//    check runs every call under each. Late (the default): a copy is recorded when issued and
+//  cp_async_16, cp_async_4 / commit / wait<N>: two timings, both allowed by the PTX memory
+//    model, and the check runs every call under each. Late (the default): a copy is recorded when issued and
 //    lands in shared memory when a wait_group leaves its group behind — the latest moment; a
 //    kernel that reads a tile before waiting for it, or waits for too few groups, or reads
 //    another thread's copy before a barrier, reads NaN (shared memory starts as NaN) or a stale
@@ -22,7 +23,8 @@
 //    a kernel that refills a buffer while another warp still reads it (no barrier between the
 //    reads and the next copy) overwrites that warp's operands. src-size 0 zero-fills.
 //
-// emu_mutation breaks one of these on purpose (attention_v2_check.cpp's wrong-mapping tests):
+// emu_mutation breaks one of these on purpose (the wrong-mapping tests of attention_v2_check.cpp
+// and attention_bwd_check.cpp):
 // the check must then fail, which shows it depends on the layouts being exactly the ISA's.
 #pragma once
 #include <atomic>
@@ -38,7 +40,8 @@ enum EmuMutation {
     EMU_LDMATRIX_NO_TRANS,    // ldmatrix .trans behaves as the plain load
     EMU_WAIT_ONE_GROUP_LESS,  // cp.async.wait_group N leaves N+1 groups in flight
     EMU_NO_BARRIER_AFTER_WAIT,  // the __syncthreads right after a cp.async.wait_group is deleted
-    EMU_NO_OTHER_BARRIER,       // every other __syncthreads is deleted (v2: the end of a KV tile)
+    EMU_NO_OTHER_BARRIER,       // every other __syncthreads is deleted (v2: the end of a KV tile;
+                                // the backward: the one after dSᵀ is stored)
 };
 extern EmuMutation emu_mutation;
 extern bool cp_async_at_issue;  // copies land when issued (early), not at their wait_group (late)
@@ -143,6 +146,7 @@ struct PendingCopy {
     void* dst;
     const void* src;
     bool valid;
+    int bytes;  // 16 (cp_async_16) or 4 (cp_async_4)
 };
 // Per thread, as cp.async groups are: copies issued since the last commit, and committed groups
 // not yet waited for, oldest first. Each emulated block starts fresh threads, so both start empty.
@@ -156,11 +160,13 @@ inline float exp2_ftz(float x) {
     return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
 }
 
-inline void cp_async_16(void* dst, const void* src, bool valid) {
-    if (!cp_async_at_issue) cp_open.push_back({dst, src, valid});
-    else if (valid) std::memcpy(dst, src, 16);
-    else std::memset(dst, 0, 16);
+inline void emu_cp_async(void* dst, const void* src, bool valid, int bytes) {
+    if (!cp_async_at_issue) cp_open.push_back({dst, src, valid, bytes});
+    else if (valid) std::memcpy(dst, src, bytes);
+    else std::memset(dst, 0, bytes);
 }
+inline void cp_async_16(void* dst, const void* src, bool valid) { emu_cp_async(dst, src, valid, 16); }
+inline void cp_async_4(void* dst, const void* src, bool valid) { emu_cp_async(dst, src, valid, 4); }
 inline void cp_async_commit() {
     cp_groups.push_back(std::move(cp_open));
     cp_open.clear();
@@ -173,8 +179,8 @@ inline void cp_async_wait() {
     const size_t keep = N + (emu_mutation == EMU_WAIT_ONE_GROUP_LESS);
     while (cp_groups.size() > keep) {
         for (const PendingCopy& c : cp_groups.front()) {
-            if (c.valid) std::memcpy(c.dst, c.src, 16);
-            else std::memset(c.dst, 0, 16);
+            if (c.valid) std::memcpy(c.dst, c.src, c.bytes);
+            else std::memset(c.dst, 0, c.bytes);
         }
         cp_groups.erase(cp_groups.begin());
     }

@@ -1,6 +1,7 @@
 // FlashAttention-2 backward pass on tensor cores: the CUDA twin of the CPU backward in
-// src/attention/backward.rs (same algorithm, same notation), built on the forward kernel's tiles
-// and helpers (flash_attn.cu, included below).
+// src/attention/backward.rs (same algorithm, same notation), built from the forward v2's
+// fragment machinery (flash_attn_v2.cu, included below, and ptx_warp.h: mma.sync m16n8k16,
+// ldmatrix(.trans), cp.async, the swizzle and the tile loader).
 //
 // Given O = softmax(S) V with S = Q Kᵀ · scale (+ causal mask) and the upstream gradient dO:
 //   L_i = m_i + log l_i           one log-sum-exp per query row, written by the forward kernels
@@ -14,60 +15,65 @@
 //   dQ_i = scale · Σ_j dS_ij K_j
 // Dao 2023, "FlashAttention-2", Algorithm 2: one thread block per key tile (K_j, V_j) of one
 // (batch, head), grid (⌈T/B_c⌉, n_head, B); the block walks the query tiles Q_i (causal: only
-// i ≥ j, the tiles that see key tile j), keeps dK_j and dV_j in shared memory in f32 for the whole
-// walk, and adds its share of dQ_i into an f32 buffer with atomicAdd (other key tiles add theirs).
-// Nothing of size T × T exists: per block, one (B_r, B_c) tile of S/dP, P and dS at a time.
+// i ≥ j, the tiles that see key tile j), and adds its share of dQ_i into an f32 buffer with
+// atomicAdd (other key tiles add theirs). Nothing of size T × T exists.
 //
-// Warp w owns query rows 16w .. 16w+15 of each Q_i for S, P, dP, dS and dQ (as in the forward), and
-// key rows 16w .. 16w+15 of K_j for dK_j and dV_j: those products read every query row of the tile,
-// so a __syncthreads separates the two halves of each step.
+// How it maps onto the hardware, and why (the forward v2's header gives the fragment layouts):
+//  1. Warp w owns key rows 16w .. 16w+15 of K_j for the whole walk, and computes the transposed
+//     products: S_ijᵀ = K_j Q_iᵀ and dP_ijᵀ = V_j dO_iᵀ, 16 keys × B_r queries a warp. Then
+//     P_ijᵀ and dS_ijᵀ sit in mma accumulators whose rows are this warp's keys, and two
+//     neighbouring 16 × 8 tiles, rounded and packed, are the A fragment of dV_j += P_ijᵀ dO_i
+//     and dK_j += dS_ijᵀ Q_i (as P̃ is of P̃ V in the forward): S, P, dP and dS never touch
+//     shared memory on their way to dK and dV.
+//  2. dK_j and dV_j (16 × d a warp, f32) stay in registers for the whole walk, 2·d/8·4
+//     accumulators a thread (128 at d = 128), written to global memory once at the end.
+//  3. Operands come from shared memory by ldmatrix.x4 (.trans where the stored tile is the
+//     operand's transpose: Q_i and dO_i as the B of dK and dV, K_j as the B of dQ, dSᵀ as the A
+//     of dQ), every tile XOR-swizzled (swz) so that no ldmatrix phase has a bank conflict.
+//  4. Q_i, dO_i, L_i and D_i are double-buffered with cp.async: tile i+1 loads while tile i is
+//     computed on, without passing through registers. K_j and V_j load once.
+//  5. dQ_i = scale · dS_ij K_j needs every key column of dS, which four warps hold: each warp
+//     stores its (16, B_r) slice of scale · dS_ijᵀ to shared memory (16-bit), and after a barrier
+//     warp w computes query rows 16w .. 16w+15 of dQ_i against all of K_j, 16 columns of d at a
+//     time, and adds them into the f32 buffer with atomicAdd (RED in SASS).
+//  6. Padding needs no mask: the ragged last key or query tile is zero-filled by cp.async (K, V,
+//     Q, dO, and L, D too), so a padded key's P_ij multiplies a zero row of dO into dV and its dS
+//     a zero row of K into dQ; a padded query row has dO = 0 and D = 0, so dP = dS = 0; and rows
+//     past T are never written. Only the causal diagonal tile (B_r = B_c: the block's first) masks.
+// Shared memory per block: K_j, V_j, two stages of Q_i, dO_i, L_i, D_i, and dSᵀ: 33, 57, 105
+// KiB at d = 32, 64, 128, so two blocks (8 warps) share an H100's SM at d = 128.
 //
 // Outputs dQ (accumulated), dK and dV are f32, (B, T, n_head, d_head) contiguous; the host casts
 // them to the inputs' dtype. q, k, v and dO share one set of strides, as q, k and v do in the
-// forward (the host passes four slices of one (B, T, 4, n_head, d_head) tensor); L and D are
-// (B, n_head, T) f32.
+// forward (the host passes four slices of one (B, T, 4, n_head, d_head) tensor), each row 16-byte
+// aligned; L and D are (B, n_head, T) f32.
 //
-// Compiled like flash_attn.cu (build.rs: one cubin per arch) and run on the CPU by
-// host_emulation/attention_bwd_check.cpp against an f64 reference of all three gradients.
+// Compiled like flash_attn_v2.cu (build.rs: one cubin per arch, -I kernels) and run on the CPU by
+// host_emulation/attention_bwd_check.cpp (-I host_emulation, so <ptx_warp.h> is the emulation)
+// against an f64 reference of L and all three gradients.
 
-#include "flash_attn.cu"
+#include "flash_attn_v2.cu"
+
+// Tile sizes: keep in step with src/attention_cuda.rs (its tests read these lines back).
+constexpr int BR_BWD = 64;  // query rows per tile (B_r): 16 a warp for dQ
+constexpr int BC_BWD = 64;  // key rows per block (B_c): 16 a warp for S, P, dP, dS, dK, dV
+static_assert(BC_BWD == 16 * WARPS && BR_BWD == 16 * WARPS, "one 16-row mma tile of keys (and of dQ's queries) a warp");
+static_assert(BR_BWD == BC_BWD, "causal: a block's first query tile is its diagonal one, the only one masked");
+static_assert(THREADS == 2 * BR_BWD, "one thread per L_i and per D_i of a query tile");
 
 // Dynamic shared memory per block, in bytes, for 16-bit inputs (the carve-up in flash_attn_bwd).
 template <int D>
 constexpr int bwd_smem_bytes() {
-    return 4 * BC * D * 2     // K_j, V_j, Q_i, dO_i: 16-bit
-           + BR * BC * 4      // S_ij, then dP_ij (and dQ's 16 × 16 staging): f32
-           + 2 * BR * BC * 2  // P_ij and dS_ij: 16-bit operands of the next products
-           + 2 * BC * D * 4   // dK_j and dV_j: f32, the whole walk
-           + 2 * BR * 4;      // L_i and D_i
+    return 2 * BC_BWD * D * 2         // K_j, V_j: 16-bit, the whole walk
+           + 2 * 2 * BR_BWD * D * 2   // Q_i, dO_i: 16-bit, two stages
+           + BC_BWD * BR_BWD * 2      // scale · dS_ijᵀ: 16-bit, dQ's operand
+           + 2 * 2 * BR_BWD * 4;      // L_i, D_i: f32, two stages
 }
-static_assert(bwd_smem_bytes<32>() == 66048, "keep in step with bwd_shared_mem_bytes() in src/attention_cuda.rs");
-static_assert(bwd_smem_bytes<64>() == 98816, "keep in step with bwd_shared_mem_bytes() in src/attention_cuda.rs");
-static_assert(bwd_smem_bytes<128>() == 164352, "keep in step with bwd_shared_mem_bytes() in src/attention_cuda.rs");
-static_assert(bwd_smem_bytes<128>() <= 166912, "fits SM 8.0's 163 KiB of opt-in shared memory per block");
+static_assert(bwd_smem_bytes<32>() == 33792, "keep in step with bwd_shared_mem_bytes() in src/attention_cuda.rs");
+static_assert(bwd_smem_bytes<64>() == 58368, "keep in step with bwd_shared_mem_bytes() in src/attention_cuda.rs");
+static_assert(bwd_smem_bytes<128>() == 107520, "keep in step with bwd_shared_mem_bytes() in src/attention_cuda.rs");
 
-// S = A Bᵀ for this warp's 16 rows of A (a (16, d) tile, row stride D) against the B_c rows of
-// B (a (B_c, d) tile, stored row-major, which read column-major is Bᵀ), into out (16, B_c) f32.
-// The backward's S_ij = Q_i K_jᵀ and dP_ij = dO_i V_jᵀ, as the forward's S_ij.
-template <typename T, int D>
-__device__ __forceinline__ void warp_rows_times_tile_t(float* out, const T* a_rows, const T* b_tile) {
-#pragma unroll
-    for (int n = 0; n < BC / WM; ++n) {
-        wmma::fragment<wmma::accumulator, WM, WM, WM, float> acc;
-        wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-        for (int kk = 0; kk < D / WM; ++kk) {
-            wmma::fragment<wmma::matrix_a, WM, WM, WM, T, wmma::row_major> a;
-            wmma::fragment<wmma::matrix_b, WM, WM, WM, T, wmma::col_major> bt;
-            wmma::load_matrix_sync(a, a_rows + kk * WM, D);
-            wmma::load_matrix_sync(bt, b_tile + n * WM * D + kk * WM, D);
-            wmma::mma_sync(acc, a, bt, acc);
-        }
-        wmma::store_matrix_sync(out + n * WM, acc, BC, wmma::mem_row_major);
-    }
-}
-
-// One thread block: key tile K_j of head (b, h).
+// One thread block: key tile K_j of head (b, h). T is __nv_bfloat16 or __half; D = d_head.
 template <typename T, int D>
 __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                                const T* __restrict__ d_o, const float* __restrict__ lse,
@@ -75,146 +81,260 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
                                                float* __restrict__ dk, float* __restrict__ dv, int T_len,
                                                long long stride_b, long long stride_t, long long stride_h, float scale,
                                                int causal) {
+    static_assert(D % 16 == 0 && D >= 32, "d_head: whole k-steps of 16, at least 4 chunks a row");
+    constexpr int CHUNKS = D / 8;
     extern __shared__ __align__(128) unsigned char smem[];
-    T* k_tile = reinterpret_cast<T*>(smem);                      // (B_c, d) K_j
-    T* v_tile = k_tile + BC * D;                                 // (B_c, d) V_j
-    T* q_tile = v_tile + BC * D;                                 // (B_r, d) Q_i
-    T* do_tile = q_tile + BR * D;                                // (B_r, d) dO_i
-    float* s_tile = reinterpret_cast<float*>(do_tile + BR * D);  // (B_r, B_c) S_ij, then dP_ij
-    T* p_tile = reinterpret_cast<T*>(s_tile + BR * BC);          // (B_r, B_c) P_ij
-    T* ds_tile = p_tile + BR * BC;                               // (B_r, B_c) scale · dS_ij
-    float* dk_tile = reinterpret_cast<float*>(ds_tile + BR * BC);  // (B_c, d) dK_j
-    float* dv_tile = dk_tile + BC * D;                           // (B_c, d) dV_j
-    float* l_tile = dv_tile + BC * D;                            // (B_r) L_i
-    float* d_tile = l_tile + BR;                                 // (B_r) D_i
+    T* k_tile = reinterpret_cast<T*>(smem);     // [B_c × d] K_j, swizzled
+    T* v_tile = k_tile + BC_BWD * D;            // [B_c × d] V_j, swizzled
+    T* q_tiles = v_tile + BC_BWD * D;           // [2][B_r × d] Q_i, swizzled
+    T* do_tiles = q_tiles + 2 * BR_BWD * D;     // [2][B_r × d] dO_i, swizzled
+    T* ds_tile = do_tiles + 2 * BR_BWD * D;     // [B_c × B_r] scale · dS_ijᵀ, swizzled
+    float* stat_tiles = reinterpret_cast<float*>(ds_tile + BC_BWD * BR_BWD);  // [2][L_i (B_r), D_i (B_r)]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int j_tile = blockIdx.x, j0 = j_tile * BC, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
-    const long long head = b * stride_b + h * stride_h;
+    const int g = lane / 4, t = lane % 4;  // fragment coordinates (ptx_warp.h)
+    const int j_tile = blockIdx.x, j0 = j_tile * BC_BWD, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const long long head = b * stride_b + h * stride_h;  // row t of this head: head + t·stride_t
     const long long out_head = (long long)b * T_len * H * D + (long long)h * D, out_t = (long long)H * D;  // (B, T, H, D)
     const long long stats = ((long long)b * H + h) * T_len;  // row 0 of this head's L and D
     q += head;
     k += head;
     v += head;
     d_o += head;
+    lse += stats;
+    delta += stats;
+    const float scale_log2 = scale * LOG2E;  // exp(x·scale − L) = exp2(x·scale·log2 e − L·log2 e)
 
-    load_tile<T, D, BC>(k_tile, k, j0, T_len, stride_t);
-    load_tile<T, D, BC>(v_tile, v, j0, T_len, stride_t);
-    for (int c = threadIdx.x; c < BC * D; c += THREADS) dk_tile[c] = dv_tile[c] = 0.0f;  // dK_j = dV_j = 0
-
-    float* s_w = s_tile + warp * ROWS_PER_WARP * BC;  // this warp's 16 query rows of S, dP
-    T* p_w = p_tile + warp * ROWS_PER_WARP * BC;
-    T* ds_w = ds_tile + warp * ROWS_PER_WARP * BC;
+    // This thread's share of every tile copy (load_tile_async, as in the forward).
+    const int trow = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    const long long thread_off = (long long)trow * stride_t + chunk * 8;
+    const long long row_step = (long long)(THREADS / CHUNKS) * stride_t;
+    // Query tile i into stage `stage`: Q_i and dO_i, and thread x copies L of row x (x < B_r) or
+    // D of row x − B_r. Rows at or past T are zero-filled (header, 6).
+    auto load_query_tile = [&](int i_tile, int stage) {
+        const int i0 = i_tile * BR_BWD;
+        const long long first = (long long)i0 * stride_t + thread_off;
+        load_tile_async<T, D, BR_BWD, true>(q_tiles + stage * BR_BWD * D, q + first, row_step, T_len - i0 - trow, q + chunk * 8);
+        load_tile_async<T, D, BR_BWD, true>(do_tiles + stage * BR_BWD * D, d_o + first, row_step, T_len - i0 - trow,
+                                            d_o + chunk * 8);
+        const int r = threadIdx.x % BR_BWD;
+        const float* stat = threadIdx.x < BR_BWD ? lse : delta;
+        const bool valid = i0 + r < T_len;
+        cp_async_4(stat_tiles + stage * 2 * BR_BWD + threadIdx.x, valid ? stat + i0 + r : stat, valid);
+    };
 
     // Causal: query tiles before the diagonal (i < j) see none of these keys.
-    const int T_r = T_len / BR + (T_len % BR != 0);
-    for (int i_tile = causal ? j_tile : 0; i_tile < T_r; ++i_tile) {
-        const int i0 = i_tile * BR;
-        __syncthreads();  // K_j, V_j and the zeroed dK_j, dV_j are complete (first pass); every warp
-                          // is done with Q_i−1, dO_i−1, P and dS (after)
-        load_tile<T, D, BR>(q_tile, q, i0, T_len, stride_t);
-        load_tile<T, D, BR>(do_tile, d_o, i0, T_len, stride_t);
-        for (int r = threadIdx.x; r < BR; r += THREADS) {
-            // A padded row: L = +∞ makes its P zero, D = 0 its dS.
-            l_tile[r] = i0 + r < T_len ? lse[stats + i0 + r] : INFINITY;
-            d_tile[r] = i0 + r < T_len ? delta[stats + i0 + r] : 0.0f;
-        }
-        __syncthreads();
+    const int T_r = T_len / BR_BWD + (T_len % BR_BWD != 0);
+    const int i_first = causal ? j_tile : 0;
 
-        // S_ij = Q_i K_jᵀ (this warp's rows), as in the forward.
-        warp_rows_times_tile_t<T, D>(s_w, q_tile + warp * ROWS_PER_WARP * D, k_tile);
-        __syncwarp();
+    // Prologue: K_j, V_j and the first query tile into stage 0, as one cp.async group.
+    load_tile_async<T, D, BC_BWD, true>(k_tile, k + (long long)j0 * stride_t + thread_off, row_step, T_len - j0 - trow,
+                                        k + chunk * 8);
+    load_tile_async<T, D, BC_BWD, true>(v_tile, v + (long long)j0 * stride_t + thread_off, row_step, T_len - j0 - trow,
+                                        v + chunk * 8);
+    load_query_tile(i_first, 0);
+    cp_async_commit();
 
-        // P_ij = exp(S_ij · scale − L_i), 0 where masked; kept in f32 registers for dS, and
-        // rounded to 16 bits as the operand of dV += Pᵀ dO.
-        float p[ROWS_PER_WARP][BC / 32];
+    float dk_acc[D / 8][4], dv_acc[D / 8][4];  // dK_j, dV_j: this warp's 16 keys × d, d/8 tiles of 16 × 8
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_WARP; ++r) {
-            const int i = i0 + warp * ROWS_PER_WARP + r;
+    for (int n = 0; n < D / 8; ++n)
 #pragma unroll
-            for (int x = 0; x < BC / 32; ++x) {
-                const int j = j0 + lane + 32 * x;
-                const bool masked = j >= T_len || (causal && j > i);
-                p[r][x] = masked ? 0.0f : expf(s_w[r * BC + lane + 32 * x] * scale - l_tile[warp * ROWS_PER_WARP + r]);
-                store_rounded(&p_w[r * BC + lane + 32 * x], p[r][x]);
+        for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.0f;  // dK_j = dV_j = 0
+
+    // Per-lane ldmatrix row addresses, as in the forward (its comment at k_lane and v_lane):
+    // `b_lane` reads a (rows = n, k) tile as B (the forward's K: here Q_i and dO_i for Sᵀ and
+    // dPᵀ); `a_lane` reads a (rows = m, k) tile as A (the forward's Q: here K_j and V_j), and
+    // with .trans a (k, n) tile as B (the forward's V: here Q_i, dO_i for dK, dV and K_j for dQ).
+    // dSᵀ, stored (keys, queries), is dQ's A transposed: matrices (keys 0-7, queries 0-7),
+    // (keys 0-7, queries 8-15), (keys 8-15, queries 0-7), (keys 8-15, queries 8-15) read with
+    // .trans are a0..a3 — the rows and chunks b_lane walks, in a tile B_r wide.
+    const int b_lane = swz<D>(lane % 8 + 8 * (lane / 16), lane / 8 % 2) * 8;
+    const int a_lane = swz<D>(lane % 8 + 8 * (lane / 8 % 2), lane / 16) * 8;
+    const int ds_lane = swz<BR_BWD>(lane % 8 + 8 * (lane / 16), lane / 8 % 2) * 8;
+    auto frag = [](int lane_off, int c) { return (lane_off ^ (16 * (c % 4))) + 64 * (c / 4); };
+    const T* k_warp = k_tile + 16 * warp * D;  // this warp's 16 keys
+    const T* v_warp = v_tile + 16 * warp * D;
+
+    // One query tile, visited `p`-th (stage p mod 2). MASK: the causal diagonal tile.
+    auto query_tile = [&](int i_tile, int p, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        const int i0 = i_tile * BR_BWD, stage = p % 2;
+        // Fetch the next query tile into the other stage while this one is computed on. One
+        // group per tile, empty on the last, so "wait for all but the newest group" always means
+        // "tile i has landed".
+        if (i_tile + 1 < T_r) load_query_tile(i_tile + 1, 1 - stage);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();  // barrier 1: every thread's part of tile i (and, first time, of K_j, V_j) has landed
+        const T* q_tile = q_tiles + stage * BR_BWD * D;
+        const T* do_tile = do_tiles + stage * BR_BWD * D;
+        const float* l_tile = stat_tiles + stage * 2 * BR_BWD;  // L_i
+        const float* d_tile = l_tile + BR_BWD;                   // D_i
+
+        // Element e of accumulator tile n below is key 16w + g + 8(e/2) of the block, query
+        // 8n + 2t + e%2 of the tile.
+        //
+        // S_ijᵀ = K_j Q_iᵀ, this warp's 16 keys × B_r queries: K_j's rows are A (row-major),
+        // Q_i stored (B_r, d) is Q_iᵀ column-major, mma's B without a transpose.
+        float s[BR_BWD / 8][4];
+#pragma unroll
+        for (int n = 0; n < BR_BWD / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t kf[4];
+            ldmatrix_x4(kf, k_warp + frag(a_lane, kk));
+#pragma unroll
+            for (int n = 0; n < BR_BWD / 16; ++n) {
+                uint32_t qf[4];
+                ldmatrix_x4(qf, q_tile + frag(b_lane, kk) + 16 * n * D);
+                mma_m16n8k16<T>(s[2 * n], kf, qf);
+                mma_m16n8k16<T>(s[2 * n + 1], kf, qf + 2);
             }
         }
-        __syncwarp();  // every lane has read its S before dP overwrites the rows
 
-        // dP_ij = dO_i V_jᵀ (this warp's rows), into S's place.
-        warp_rows_times_tile_t<T, D>(s_w, do_tile + warp * ROWS_PER_WARP * D, v_tile);
-        __syncwarp();
-
-        // scale · dS_ij = scale · P_ij ∘ (dP_ij − D_i), rounded to 16 bits for dK and dQ.
+        // P_ijᵀ = exp(S_ijᵀ · scale − L_i), column by column (L_i is per query), in place; 0
+        // above the causal diagonal (key > query: on this tile, key row > query row, as i0 = j0).
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_WARP; ++r) {
-            const float d_i = d_tile[warp * ROWS_PER_WARP + r];
+        for (int n = 0; n < BR_BWD / 8; ++n) {
+            const float2 l2 = *reinterpret_cast<const float2*>(l_tile + 8 * n + 2 * t);
 #pragma unroll
-            for (int x = 0; x < BC / 32; ++x)
-                store_rounded(&ds_w[r * BC + lane + 32 * x], scale * p[r][x] * (s_w[r * BC + lane + 32 * x] - d_i));
-        }
-        __syncthreads();  // P and dS of every query row are complete: dV and dK read them all
-
-        // dV_j += P_ijᵀ dO_i and dK_j += (scale · dS_ij)ᵀ Q_i, this warp's 16 key rows. P is stored
-        // (B_r, B_c) row-major, which read column-major is Pᵀ: no transpose is written.
-        const int kr = warp * ROWS_PER_WARP;  // this warp's first key row in the tile
-#pragma unroll
-        for (int n = 0; n < D / WM; ++n) {
-            wmma::fragment<wmma::accumulator, WM, WM, WM, float> acc_v, acc_k;
-            wmma::load_matrix_sync(acc_v, dv_tile + kr * D + n * WM, D, wmma::mem_row_major);
-            wmma::load_matrix_sync(acc_k, dk_tile + kr * D + n * WM, D, wmma::mem_row_major);
-#pragma unroll
-            for (int kk = 0; kk < BR / WM; ++kk) {
-                wmma::fragment<wmma::matrix_a, WM, WM, WM, T, wmma::col_major> pt, dst;
-                wmma::fragment<wmma::matrix_b, WM, WM, WM, T, wmma::row_major> dob, qb;
-                wmma::load_matrix_sync(pt, p_tile + kk * WM * BC + kr, BC);
-                wmma::load_matrix_sync(dst, ds_tile + kk * WM * BC + kr, BC);
-                wmma::load_matrix_sync(dob, do_tile + kk * WM * D + n * WM, D);
-                wmma::load_matrix_sync(qb, q_tile + kk * WM * D + n * WM, D);
-                wmma::mma_sync(acc_v, pt, dob, acc_v);
-                wmma::mma_sync(acc_k, dst, qb, acc_k);
-            }
-            wmma::store_matrix_sync(dv_tile + kr * D + n * WM, acc_v, D, wmma::mem_row_major);
-            wmma::store_matrix_sync(dk_tile + kr * D + n * WM, acc_k, D, wmma::mem_row_major);
-        }
-
-        // dQ_i += (scale · dS_ij) K_j, this warp's 16 query rows, 16 columns at a time through a
-        // 16 × 16 staging tile in S's place, added into the f32 buffer other key tiles add to.
-#pragma unroll
-        for (int n = 0; n < D / WM; ++n) {
-            wmma::fragment<wmma::accumulator, WM, WM, WM, float> acc;
-            wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-            for (int kk = 0; kk < BC / WM; ++kk) {
-                wmma::fragment<wmma::matrix_a, WM, WM, WM, T, wmma::row_major> dsa;
-                wmma::fragment<wmma::matrix_b, WM, WM, WM, T, wmma::row_major> kb;
-                wmma::load_matrix_sync(dsa, ds_w + kk * WM, BC);
-                wmma::load_matrix_sync(kb, k_tile + kk * WM * D + n * WM, D);
-                wmma::mma_sync(acc, dsa, kb, acc);
-            }
-            __syncwarp();  // the lanes are done reading the previous staging tile (and the dP rows)
-            wmma::store_matrix_sync(s_w, acc, WM, wmma::mem_row_major);
-            __syncwarp();
-            for (int e = lane; e < WM * WM; e += 32) {
-                const int i = i0 + warp * ROWS_PER_WARP + e / WM;
-                if (i < T_len) atomicAdd(&dq[out_head + (long long)i * out_t + n * WM + e % WM], s_w[e]);
+            for (int e = 0; e < 4; ++e) {
+                s[n][e] = exp2_ftz(fmaf(s[n][e], scale_log2, -(e % 2 ? l2.y : l2.x) * LOG2E));
+                if constexpr (MASK)
+                    if (16 * warp + g + 8 * (e / 2) > 8 * n + 2 * t + e % 2) s[n][e] = 0.0f;
             }
         }
-    }
-    __syncthreads();  // the last dK_j, dV_j stores are complete (each warp wrote only its rows, but
-                      // the write-out below is spread over all threads)
-    for (int c = threadIdx.x; c < BC * D; c += THREADS) {
-        const int j = j0 + c / D;
-        if (j < T_len) {
-            dk[out_head + (long long)j * out_t + c % D] = dk_tile[c];
-            dv[out_head + (long long)j * out_t + c % D] = dv_tile[c];
+
+        // dV_j += P_ijᵀ dO_i: P's accumulator tiles 2kk and 2kk+1 (queries 16kk .. 16kk+15),
+        // rounded and packed, are the A fragment of k-step kk; dO_i stored (B_r, d) is B (k =
+        // query, n = d) row-major, so ldmatrix.trans hands out its fragments.
+#pragma unroll
+        for (int kk = 0; kk < BR_BWD / 16; ++kk) {
+            const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                    pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < D / 16; ++n) {
+                uint32_t of[4];
+                ldmatrix_x4_trans(of, do_tile + frag(a_lane, n) + 16 * kk * D);
+                mma_m16n8k16<T>(dv_acc[2 * n], pa, of);
+                mma_m16n8k16<T>(dv_acc[2 * n + 1], pa, of + 2);
+            }
+        }
+
+        // dP_ijᵀ = V_j dO_iᵀ as S_ijᵀ, then dS and dK, for half of the queries at a time (HALF
+        // columns): P_ijᵀ and all of dP_ijᵀ at once would need more than the 255 registers a
+        // thread has at d = 128 beside dK_j and dV_j (ptxas spills); the price is V_j's A
+        // fragments read twice.
+        constexpr int HALF = BR_BWD / 2;
+        T* ds_warp = ds_tile + 16 * warp * BR_BWD;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float dp[HALF / 8][4];
+#pragma unroll
+            for (int n = 0; n < HALF / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[n][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t vf[4];
+                ldmatrix_x4(vf, v_warp + frag(a_lane, kk));
+#pragma unroll
+                for (int n = 0; n < HALF / 16; ++n) {
+                    uint32_t of[4];
+                    ldmatrix_x4(of, do_tile + frag(b_lane, kk) + 16 * (n + half * HALF / 16) * D);
+                    mma_m16n8k16<T>(dp[2 * n], vf, of);
+                    mma_m16n8k16<T>(dp[2 * n + 1], vf, of + 2);
+                }
+            }
+
+            // scale · dS_ijᵀ = scale · P_ijᵀ ∘ (dP_ijᵀ − D_i) (D_i per query: per column), in dP's place.
+#pragma unroll
+            for (int n = 0; n < HALF / 8; ++n) {
+                const int col = 8 * (n + half * HALF / 8) + 2 * t;
+                const float2 d2 = *reinterpret_cast<const float2*>(d_tile + col);
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    dp[n][e] = scale * s[n + half * HALF / 8][e] * (dp[n][e] - (e % 2 ? d2.y : d2.x));
+            }
+
+            // dK_j += (scale · dS_ijᵀ) Q_i, as dV; each packed A fragment also goes to shared
+            // memory for dQ: its four registers are rows g and g+8, chunks 2kk and 2kk+1 of this
+            // warp's slice of dSᵀ (one 4-byte store each; 8 rows × 4 lanes hit the 8 swizzled
+            // chunk slots of a line once: no conflict).
+#pragma unroll
+            for (int k2 = 0; k2 < HALF / 16; ++k2) {
+                const int kk = k2 + half * HALF / 16;  // k-step: queries 16kk .. 16kk+15
+                const uint32_t dsa[4] = {pack2<T>(dp[2 * k2][0], dp[2 * k2][1]), pack2<T>(dp[2 * k2][2], dp[2 * k2][3]),
+                                         pack2<T>(dp[2 * k2 + 1][0], dp[2 * k2 + 1][1]),
+                                         pack2<T>(dp[2 * k2 + 1][2], dp[2 * k2 + 1][3])};
+#pragma unroll
+                for (int x = 0; x < 4; ++x)
+                    *reinterpret_cast<uint32_t*>(ds_warp + swz<BR_BWD>(g + 8 * (x % 2), 2 * kk + x / 2) * 8 + 2 * t) = dsa[x];
+#pragma unroll
+                for (int n = 0; n < D / 16; ++n) {
+                    uint32_t qf[4];
+                    ldmatrix_x4_trans(qf, q_tile + frag(a_lane, n) + 16 * kk * D);
+                    mma_m16n8k16<T>(dk_acc[2 * n], dsa, qf);
+                    mma_m16n8k16<T>(dk_acc[2 * n + 1], dsa, qf + 2);
+                }
+            }
+        }
+        __syncthreads();  // barrier 2: dSᵀ is complete (every warp's keys); every warp is done
+                          // reading Q_i and dO_i, so the next tile's copies may refill this stage
+
+        // dQ_i += (scale · dS_ij) K_j for this warp's 16 query rows, 16 columns of d at a time,
+        // added into the f32 buffer other key tiles add to. dS's A fragments (all B_c keys) are
+        // read once; K_j stored (B_c, d) is B (k = key, n = d) row-major: ldmatrix.trans.
+        uint32_t dsf[BC_BWD / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BC_BWD / 16; ++kk) ldmatrix_x4_trans(dsf[kk], ds_tile + frag(ds_lane, warp) + 16 * kk * BR_BWD);
+        const int row = i0 + 16 * warp + g;  // query of this lane's accumulator row hh: row + 8hh
+        float* dq_row = dq + out_head + (long long)row * out_t + 2 * t;
+#pragma unroll
+        for (int n = 0; n < D / 16; ++n) {
+            float acc[2][4] = {};
+#pragma unroll
+            for (int kk = 0; kk < BC_BWD / 16; ++kk) {
+                uint32_t kf[4];
+                ldmatrix_x4_trans(kf, k_tile + frag(a_lane, n) + 16 * kk * D);
+                mma_m16n8k16<T>(acc[0], dsf[kk], kf);
+                mma_m16n8k16<T>(acc[1], dsf[kk], kf + 2);
+            }
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                if (row + 8 * hh < T_len)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        atomicAdd(dq_row + 8 * hh * out_t + 16 * n + 8 * x, acc[x][2 * hh]);
+                        atomicAdd(dq_row + 8 * hh * out_t + 16 * n + 8 * x + 1, acc[x][2 * hh + 1]);
+                    }
+        }
+    };
+    int p = 0, i_tile = i_first;
+    if (causal) query_tile(i_tile++, p++, Masked<true>{});
+    for (; i_tile < T_r; ++i_tile, ++p) query_tile(i_tile, p, Masked<false>{});
+
+    // dK_j and dV_j, from the registers: each lane writes its two neighbouring columns of every
+    // d tile as one 8-byte store; keys past T are padding.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int j = j0 + 16 * warp + g + 8 * hh;
+        if (j >= T_len) continue;
+        float* dk_row = dk + out_head + (long long)j * out_t + 2 * t;
+        float* dv_row = dv + out_head + (long long)j * out_t + 2 * t;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<float2*>(dk_row + 8 * n) = make_float2(dk_acc[n][2 * hh], dk_acc[n][2 * hh + 1]);
+            *reinterpret_cast<float2*>(dv_row + 8 * n) = make_float2(dv_acc[n][2 * hh], dv_acc[n][2 * hh + 1]);
         }
     }
 }
 
 // Entry points, one per (dtype, d_head): flash_attn_bwd_bf16_d64, flash_attn_bwd_f16_d128, ...
 #define FLASH_ATTN_BWD_ENTRY(T, TNAME, D)                                                                           \
-    extern "C" __global__ void __launch_bounds__(THREADS) flash_attn_bwd_##TNAME##_d##D(                            \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2) flash_attn_bwd_##TNAME##_d##D(                         \
         const T* q, const T* k, const T* v, const T* d_o, const float* lse, const float* delta, float* dq, float* dk, \
         float* dv, int T_len, long long stride_b, long long stride_t, long long stride_h, float scale, int causal) {   \
         flash_attn_bwd<T, D>(q, k, v, d_o, lse, delta, dq, dk, dv, T_len, stride_b, stride_t, stride_h, scale,       \

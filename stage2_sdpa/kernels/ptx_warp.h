@@ -1,4 +1,4 @@
-// The warp-level PTX that flash_attn_v2.cu uses, one small device function per instruction, so
+// The warp-level PTX that flash_attn_v2.cu and flash_attn_bwd.cu use, one small device function per instruction, so
 // the kernel reads as algorithm and this file as hardware. Each function is one inline-asm
 // statement, written as the PTX ISA spells it (section "Warp Level Matrix Multiply-Accumulate
 // Instructions": mma.sync m16n8k16, ldmatrix; "Data Movement": cp.async; "Floating Point": ex2).
@@ -63,6 +63,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* row
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
     const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
+}
+// 4 bytes global → shared, asynchronously (.ca: the copy size below 16 bytes takes only .ca,
+// cached in L1 too); the backward's L_i and D_i, one f32 per query row, whose rows need not start
+// on a 16-byte boundary. `valid` false: the 4 bytes are zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 4 : 0));
 }
 // Close the group of this thread's cp.async issued since the last commit.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
