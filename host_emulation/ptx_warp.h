@@ -15,8 +15,9 @@
 //    conflict-free when its 8 rows fall in 8 different 16-byte slots of a 128-byte line (all 32
 //    banks once); any repeat is counted in ldmatrix_conflicts. Rows must be 16-byte aligned.
 //  cp_async_16, cp_async_4 / commit / wait<N>: two timings, both allowed by the PTX memory
-//    model, and the check runs every call under each. Late (the default): a copy is recorded when issued and
-//    lands in shared memory when a wait_group leaves its group behind — the latest moment; a
+//    model, and the check runs every call under each. Late (the default): a copy is recorded
+//    when issued and lands in shared memory when a wait_group leaves its group behind — the
+//    latest moment; a
 //    kernel that reads a tile before waiting for it, or waits for too few groups, or reads
 //    another thread's copy before a barrier, reads NaN (shared memory starts as NaN) or a stale
 //    tile. Early (`cp_async_at_issue`): the copy lands the moment it is issued — the earliest;
@@ -152,6 +153,12 @@ struct PendingCopy {
 // not yet waited for, oldest first. Each emulated block starts fresh threads, so both start empty.
 extern thread_local std::vector<PendingCopy> cp_open;
 extern thread_local std::vector<std::vector<PendingCopy>> cp_groups;
+
+// red.global.add.v2.f32 (and the two atomicAdd below sm_90): two f32 atomic adds.
+inline void red_add_f32x2(float* p, float a, float b) {
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+}
 
 // ex2.approx.ftz.f32: 2^x, with subnormal inputs and results flushed to zero (+0 for −∞).
 inline float exp2_ftz(float x) {

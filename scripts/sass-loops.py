@@ -10,18 +10,24 @@ count is what one trip issues when every such `if` runs, the count without them 
 
     cuobjdump -sass -fun flash_attn_v2_fwd_bf16_d128 k.cubin | python3 scripts/sass-loops.py
     python3 scripts/sass-loops.py kernel.sass
+    python3 scripts/sass-loops.py --json kernel.sass
+
+--json prints one JSON object instead: every loop's range and counts, and for the loop with the most
+HMMA its opcodes by full mnemonic (`LDS.64`, `REDG.E.ADD.F32.FTZ.RN.STRONG.GPU`) twice, without and
+with the skippable instructions (`opcodes`, `opcodes_with_skippable`).
 
 Exit code: 0 with a loop found, 1 for an input with no SASS or no loop, 2 for a usage error (an
 unknown argument, a file that is missing, a folder, unreadable or not text).
 """
 import collections
+import json
 import re
 import sys
 
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-USAGE = "usage: sass-loops.py [FILE]  (FILE: `cuobjdump -sass` output of one function; stdin without it or with -)"
+USAGE = "usage: sass-loops.py [--json] [FILE]  (FILE: `cuobjdump -sass` output of one function; stdin without it or with -)"
 
 
 def refuse(msg: str) -> None:
@@ -60,8 +66,11 @@ def read_input(args: list) -> str:
 
 
 def main() -> int:
+    args = sys.argv[1:]
+    as_json = "--json" in args
+    args = [a for a in args if a != "--json"]
     instrs = []  # (address, opcode, operands)
-    for line in read_input(sys.argv[1:]).splitlines():
+    for line in read_input(args).splitlines():
         m = LINE.search(line)
         if m:
             instrs.append((int(m.group(1), 16), m.group(3), m.group(4)))
@@ -78,6 +87,7 @@ def main() -> int:
         print("no loop (backward branch) found", file=sys.stderr)
         return 1
     best = None
+    records = []
     for lo, hi in loops:
         body = instrs[lo : hi + 1]
         hmma = sum(op.startswith("HMMA") for _, op, _ in body)
@@ -89,10 +99,19 @@ def main() -> int:
                 skipped.update(j for j in range(lo + k + 1, hi + 1) if instrs[j][0] < end)
         n, s = len(body), len(skipped)
         per = f", {128 * (n - s) / hmma:.0f} per 128 HMMA without the skippable, {128 * n / hmma:.0f} with" if hmma else ""
-        print(f"loop 0x{instrs[lo][0]:04x}..0x{instrs[hi][0]:04x}: {n} instructions ({s} skippable), {hmma} HMMA{per}")
+        records.append({"start": f"0x{instrs[lo][0]:04x}", "end": f"0x{instrs[hi][0]:04x}", "instructions": n,
+                        "skippable": s, "hmma": hmma})
+        if not as_json:
+            print(f"loop 0x{instrs[lo][0]:04x}..0x{instrs[hi][0]:04x}: {n} instructions ({s} skippable), {hmma} HMMA{per}")
         if best is None or hmma >= best[0]:  # the last of equals: the unmasked loop comes after the masked one
-            best = (hmma, lo, hi, skipped)
-    _, lo, hi, skipped = best
+            best = (hmma, lo, hi, skipped, records[-1])
+    _, lo, hi, skipped, record = best
+    if as_json:
+        full = lambda keep: dict(collections.Counter(instrs[j][1] for j in range(lo, hi + 1) if keep(j)).most_common())
+        out = {"loops": records, "most_hmma": record,
+               "opcodes": full(lambda j: j not in skipped), "opcodes_with_skippable": full(lambda j: True)}
+        print(json.dumps(out, indent=1))
+        return 0
     hist = collections.Counter(instrs[j][1].split(".")[0] for j in range(lo, hi + 1) if j not in skipped)
     print("opcodes of the loop with the most HMMA (skippable left out):")
     for op, c in hist.most_common():

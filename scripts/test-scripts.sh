@@ -461,6 +461,12 @@ sl="$repo/scripts/sass-loops.py"
 expect "sass-loops: a loop's instructions, its skippable ones and its HMMA" 0 \
     "loop 0x0010..0x0050: 5 instructions (1 skippable), 2 HMMA, 256 per 128 HMMA without the skippable, 320 with" \
     python3 "$sl" "$tmp/loop.sass"
+expect "sass-loops --json: opcodes by full mnemonic, without the skippable" 0 '"opcodes": {"HMMA.16816.F32.BF16": 2, "BRA": 2}' \
+    python3 -c 'import json, subprocess, sys; print(json.dumps(json.loads(subprocess.run(sys.argv[1:], capture_output=True, text=True, check=True).stdout)))' \
+    python3 "$sl" --json "$tmp/loop.sass"
+expect "sass-loops --json: and with them" 0 '"opcodes_with_skippable": {"HMMA.16816.F32.BF16": 2, "BRA": 2, "FMUL": 1}' \
+    python3 -c 'import json, subprocess, sys; print(json.dumps(json.loads(subprocess.run(sys.argv[1:], capture_output=True, text=True, check=True).stdout)))' \
+    python3 "$sl" --json "$tmp/loop.sass"
 expect "sass-loops: no SASS in the input -> exit 1" 1 "no SASS instructions" python3 "$sl" /dev/null
 expect "sass-loops --help: usage, exit 0" 0 "usage: sass-loops.py" python3 "$sl" --help
 expect "sass-loops: a missing file refused" 2 "$tmp/none.sass does not exist" python3 "$sl" "$tmp/none.sass"

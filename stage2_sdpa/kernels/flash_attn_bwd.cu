@@ -306,10 +306,7 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
             for (int hh = 0; hh < 2; ++hh)
                 if (row + 8 * hh < T_len)
 #pragma unroll
-                    for (int x = 0; x < 2; ++x) {
-                        atomicAdd(dq_row + 8 * hh * out_t + 16 * n + 8 * x, acc[x][2 * hh]);
-                        atomicAdd(dq_row + 8 * hh * out_t + 16 * n + 8 * x + 1, acc[x][2 * hh + 1]);
-                    }
+                    for (int x = 0; x < 2; ++x) red_add_f32x2(dq_row + 8 * hh * out_t + 16 * n + 8 * x, acc[x][2 * hh], acc[x][2 * hh + 1]);
         }
     };
     int p = 0, i_tile = i_first;

@@ -85,12 +85,22 @@ pub fn shared_mem_bytes_of(kernel: AttentionKernel, d_head: usize) -> usize {
     }
 }
 
-/// The backward's dynamic shared memory per block (`bwd_smem_bytes` in flash_attn_bwd.cu): K_j,
-/// V_j, Q_i and dO_i (16-bit), S_ij then dP_ij (f32), P_ij and dS_ij (16-bit), dK_j and dV_j
-/// (f32) and one L and D per query row. 160.5 KiB at d_head 128: SM 8.0 and 9.0 (163 and 227
-/// KiB per block) take it, sm_86/89 (99 KiB) only up to d_head 64.
+/// The backward's query rows per tile (`BR_BWD` in flash_attn_bwd.cu): 16 a warp for dQ.
+pub const BR_BWD: usize = 64;
+/// The backward's key rows per block (`BC_BWD` there): 16 a warp, whose dK_j and dV_j (16 × d_head
+/// f32 each) stay in registers for the whole walk over the query tiles.
+pub const BC_BWD: usize = 64;
+/// Registers per thread of the backward at d_head 128: `nvcc -cubin -arch=sm_90 -Xptxas -v`
+/// (CUDA 13.0) reports 255, no spills (`__launch_bounds__(128, 2)`), so two blocks share an SM's
+/// 64 K registers.
+pub const REGISTERS_PER_THREAD_BWD: usize = 255;
+
+/// The backward's dynamic shared memory per block (`bwd_smem_bytes` in flash_attn_bwd.cu): K_j and
+/// V_j (16-bit), two cp.async stages of Q_i and dO_i (16-bit) and of one L and D per query row
+/// (f32), and scale · dS_ijᵀ (16-bit, the operand of dQ). 33, 57 and 105 KiB at d_head 32, 64 and
+/// 128: SM 8.0 and 9.0 (163 and 227 KiB per block) take all three, sm_86/89 (99 KiB) up to 64.
 pub fn bwd_shared_mem_bytes(d_head: usize) -> usize {
-    4 * BC * d_head * 2 + BR * BC * 4 + 2 * BR * BC * 2 + 2 * BC * d_head * 4 + 2 * BR * 4
+    2 * BC_BWD * d_head * 2 + 2 * 2 * BR_BWD * d_head * 2 + BC_BWD * BR_BWD * 2 + 2 * 2 * BR_BWD * 4
 }
 
 /// The kernels have one compiled instance per head size in `HEAD_SIZES`.
@@ -260,7 +270,7 @@ mod launch {
     /// cubin per architecture in CUDA_COMPUTE_CAP.
     pub static FLASH_ATTN: Cubins = Cubins { file: "stage2_sdpa/kernels/flash_attn.cu", archs: cubins::FLASH_ATTN };
     pub static FLASH_ATTN_V2: Cubins = Cubins { file: "stage2_sdpa/kernels/flash_attn_v2.cu", archs: cubins::FLASH_ATTN_V2 };
-    /// `kernels/flash_attn_bwd.cu`: the log-sum-exp and backward kernels.
+    /// `kernels/flash_attn_bwd.cu`: the backward kernels.
     pub static FLASH_ATTN_BWD: Cubins = Cubins { file: "stage2_sdpa/kernels/flash_attn_bwd.cu", archs: cubins::FLASH_ATTN_BWD };
     /// The kernel file of `kernel`, as built.
     pub fn cubins_of(kernel: AttentionKernel) -> &'static Cubins {
@@ -498,7 +508,7 @@ mod launch {
             let (mut dq, mut rest) = grads.split_at_mut(n);
             let (mut dk, mut dv) = rest.split_at_mut(n);
             let (t_i32, causal) = (t as i32, self.causal as i32);
-            let grid = (t.div_ceil(super::BC) as u32, h as u32, b as u32);
+            let grid = (t.div_ceil(super::BC_BWD) as u32, h as u32, b as u32);
             let cfg = LaunchConfig { grid_dim: grid, block_dim: (super::THREADS as u32, 1, 1), shared_mem_bytes: bytes as u32 };
             let stream = dev.cuda_stream();
             let mut args = stream.launch_builder(&func);
@@ -572,7 +582,10 @@ mod tests {
     #[test]
     fn constants_match_the_backward_kernel_source() {
         const BWD: &str = include_str!("../kernels/flash_attn_bwd.cu");
-        assert!(BWD.contains("#include \"flash_attn.cu\""), "the backward reuses the forward's BR, BC, WARPS and tiles");
+        assert!(BWD.contains("#include \"flash_attn_v2.cu\""), "the backward reuses v2's WARPS, swizzle and tile loader");
+        for (name, value) in [("BR_BWD", BR_BWD), ("BC_BWD", BC_BWD)] {
+            assert!(BWD.contains(&format!("constexpr int {name} = {value};")), "{name} = {value} not in flash_attn_bwd.cu");
+        }
         for d in HEAD_SIZES {
             let line = format!("static_assert(bwd_smem_bytes<{d}>() == {}", bwd_shared_mem_bytes(d));
             assert!(BWD.contains(&line), "flash_attn_bwd.cu lacks `{line}`");
@@ -582,9 +595,15 @@ mod tests {
             }
         }
         assert!(BWD.contains("flash_attn_bwd_##TNAME##_d##D("));
+        assert_eq!([32, 64, 128].map(bwd_shared_mem_bytes), [33 * 1024, 57 * 1024, 105 * 1024]);
         // d_head 128 needs SM 8.0/9.0's opt-in limit (163 / 227 KiB); sm_86/89 (99 KiB) stop at 64.
         assert!(bwd_shared_mem_bytes(128) <= 166_912 && bwd_shared_mem_bytes(64) <= SM86_OPT_IN);
         assert!(bwd_shared_mem_bytes(128) > SM86_OPT_IN);
+        // Two blocks an SM on an H100 at d_head 128: shared memory (2 × (105 + 1) KiB of 228) and
+        // registers (2 × 255 × 128 of 64 K), as the kernel's __launch_bounds__ asks.
+        assert!(BWD.contains("__launch_bounds__(THREADS, 2) flash_attn_bwd_"));
+        assert!(2 * (bwd_shared_mem_bytes(128) + 1024) <= 228 * 1024);
+        const { assert!(REGISTERS_PER_THREAD_BWD * THREADS * 2 <= 65_536 && REGISTERS_PER_THREAD_BWD <= 255) };
     }
 
     #[test]
