@@ -5,7 +5,8 @@
 // D_i = rowsum(dO ∘ O) is summed in f32 from that O, then the backward kernel; against an f64
 // reference of L, dQ, dK and dV on the same 16-bit q, k, v and dO. Every entry point (bf16, f16;
 // d_head 32, 64, 128), T = 1, T not a multiple of the tile, several tiles, heads and batches,
-// causal and not, stage 3's strided layout and stage 2's contiguous one. Shared memory and dK,
+// causal and not, stage 3's strided layout and stage 2's contiguous one, and rows whose every score
+// is far below zero (a padded key must be masked there). Shared memory and dK,
 // dV start as NaN; dQ starts at 0, as the host zeroes it. Also requires no ldmatrix bank
 // conflict and no misaligned ldmatrix row.
 //
@@ -100,7 +101,8 @@ struct Errors {
 
 // One forward + backward call; `mutation` applies to the backward kernel only.
 template <typename T, int D>
-Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed, EmuMutation mutation) {
+// `shift`: q drawn around +shift and k around −shift, so that every score is far below zero.
+Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed, EmuMutation mutation, float shift = 0) {
     // q, k, v, dO: four slices of one (B, T, 4, H, D) buffer as the host passes them, or four
     // contiguous ones (the same strides, which is all the kernel asks).
     const int parts = strided ? 4 : 1;
@@ -112,6 +114,12 @@ Errors check(int B, int Tn, int H, bool causal, bool strided, unsigned seed, Emu
         for (auto& x : b) x = round16<T>(normal(rng));
     const T* qkv[4];
     for (int p = 0; p < 4; ++p) qkv[p] = strided ? buf[0].data() + p * H * D : buf[p].data();
+    for (int p = 0; p < 2; ++p)  // q += shift, k −= shift
+        for (size_t i = 0; i < (size_t)B * Tn; ++i)
+            for (int c = 0; c < H * D; ++c) {
+                T* x = const_cast<T*>(qkv[p]) + i * st + c;
+                *x = round16<T>(to_f(*x) + (p == 0 ? shift : -shift));
+            }
     const size_t n_out = (size_t)B * Tn * H * D;
     auto dO = [&](int b, int h, int t, int c) { return (double)to_f(qkv[3][b * sb + t * st + h * sh + c]); };
     const float scale = 1.0f / std::sqrt((float)D);
@@ -228,6 +236,24 @@ int main() {
                         failed += !run(dt == 0, d, shapes[si], causal, strided, n, EMU_EXACT, false);
                     }
     }
+    cp_async_at_issue = false;
+    // Every score near −128 (q ≈ 4, k ≈ −4 at d_head 64): L_i ≈ −124, so a padded key's zero
+    // score would give P = exp(0 − L_i) = +inf were padded keys not masked, and dS · K_pad = inf · 0
+    // would put NaN into dQ. T = 65 and 150: the last key tile is ragged, causal and not.
+    for (int dt = 0; dt < 2; ++dt)
+        for (int si : {3, 5})
+            for (int causal = 0; causal < 2; ++causal) {
+                ++n;
+                const Shape& s = shapes[si];
+                const bool bf16 = dt == 0;
+                const Errors e = bf16 ? check<__nv_bfloat16, 64>(s.B, s.T, s.H, causal, si == 3, n, EMU_EXACT, 4.0f)
+                                      : check<__half, 64>(s.B, s.T, s.H, causal, si == 3, n, EMU_EXACT, 4.0f);
+                const double tol = bf16 ? 1e-2 : 2e-3;
+                const bool ok = e.lse < 1e-5 && e.dq < tol && e.dk < tol && e.dv < tol;
+                failed += !ok;
+                printf("bwd %-4s d64  B=%d T=%-3d n_head=%d causal=%d scores near -128 rel err L %.1e dQ %.2e dK %.2e dV %.2e %s\n",
+                       bf16 ? "bf16" : "f16", s.B, s.T, s.H, causal, e.lse, e.dq, e.dk, e.dv, ok ? "ok" : "FAILED");
+            }
     printf("bwd: %d of %d kernel calls within tolerance\n", n - failed, n);
     printf("bwd: ldmatrix bank conflicts %ld, misaligned rows %ld (both must be 0)\n", ldmatrix_conflicts.load(),
            ldmatrix_misaligned.load());

@@ -36,10 +36,12 @@
 //     stores its (16, B_r) slice of scale · dS_ijᵀ to shared memory (16-bit), and after a barrier
 //     warp w computes query rows 16w .. 16w+15 of dQ_i against all of K_j, 16 columns of d at a
 //     time, and adds them into the f32 buffer with atomicAdd (RED in SASS).
-//  6. Padding needs no mask: the ragged last key or query tile is zero-filled by cp.async (K, V,
-//     Q, dO, and L, D too), so a padded key's P_ij multiplies a zero row of dO into dV and its dS
-//     a zero row of K into dQ; a padded query row has dO = 0 and D = 0, so dP = dS = 0; and rows
-//     past T are never written. Only the causal diagonal tile (B_r = B_c: the block's first) masks.
+//  6. Padding: the ragged last tiles are zero-filled by cp.async (K, V, Q, dO, and L, D too). A
+//     padded query row then has dO = 0 and D = 0, so dP = dS = 0 and it adds nothing; rows past
+//     T are never written. A padded key scores 0, and its P = exp(0 − L_i) would overflow to +inf
+//     for a row whose scores are all below about −88 (then dS · K = inf · 0 = NaN in dQ): padded
+//     keys are masked. So the tiles with a mask are the causal diagonal one (B_r = B_c: a causal
+//     block's first) and every tile of the block that holds the ragged last key tile.
 // Shared memory per block: K_j, V_j, two stages of Q_i, dO_i, L_i, D_i, and dSᵀ: 33, 57, 105
 // KiB at d = 32, 64, 128, so two blocks (8 warps) share an H100's SM at d = 128.
 //
@@ -110,17 +112,22 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
     const long long thread_off = (long long)trow * stride_t + chunk * 8;
     const long long row_step = (long long)(THREADS / CHUNKS) * stride_t;
     // Query tile i into stage `stage`: Q_i and dO_i, and thread x copies L of row x (x < B_r) or
-    // D of row x − B_r. Rows at or past T are zero-filled (header, 6).
+    // D of row x − B_r. Rows at or past T are zero-filled (header, 6), their copies reading
+    // nothing from `any_row`, a valid address. Per-thread pointers, so that a tile's copies are
+    // these plus i0 rows.
+    const T* q_thread = q + thread_off;
+    const T* do_thread = d_o + thread_off;
+    const T* any_row = q + chunk * 8;
+    const int stat_row = threadIdx.x % BR_BWD;
+    const float* stat_thread = (threadIdx.x < BR_BWD ? lse : delta) + stat_row;
     auto load_query_tile = [&](int i_tile, int stage) {
         const int i0 = i_tile * BR_BWD;
-        const long long first = (long long)i0 * stride_t + thread_off;
-        load_tile_async<T, D, BR_BWD, true>(q_tiles + stage * BR_BWD * D, q + first, row_step, T_len - i0 - trow, q + chunk * 8);
-        load_tile_async<T, D, BR_BWD, true>(do_tiles + stage * BR_BWD * D, d_o + first, row_step, T_len - i0 - trow,
-                                            d_o + chunk * 8);
-        const int r = threadIdx.x % BR_BWD;
-        const float* stat = threadIdx.x < BR_BWD ? lse : delta;
-        const bool valid = i0 + r < T_len;
-        cp_async_4(stat_tiles + stage * 2 * BR_BWD + threadIdx.x, valid ? stat + i0 + r : stat, valid);
+        const long long first = (long long)i0 * stride_t;
+        load_tile_async<T, D, BR_BWD, true>(q_tiles + stage * BR_BWD * D, q_thread + first, row_step, T_len - i0 - trow, any_row);
+        load_tile_async<T, D, BR_BWD, true>(do_tiles + stage * BR_BWD * D, do_thread + first, row_step, T_len - i0 - trow, any_row);
+        const bool valid = i0 + stat_row < T_len;
+        cp_async_4(stat_tiles + stage * 2 * BR_BWD + threadIdx.x, valid ? stat_thread + i0 : reinterpret_cast<const float*>(any_row),
+                   valid);
     };
 
     // Causal: query tiles before the diagonal (i < j) see none of these keys.
@@ -155,7 +162,8 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
     const T* k_warp = k_tile + 16 * warp * D;  // this warp's 16 keys
     const T* v_warp = v_tile + 16 * warp * D;
 
-    // One query tile, visited `p`-th (stage p mod 2). MASK: the causal diagonal tile.
+    // One query tile, visited `p`-th (stage p mod 2). MASK: P = 0 above the causal diagonal and
+    // for padded keys (header, 6).
     auto query_tile = [&](int i_tile, int p, auto masked) {
         constexpr bool MASK = decltype(masked)::value;
         const int i0 = i_tile * BR_BWD, stage = p % 2;
@@ -194,16 +202,27 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
             }
         }
 
-        // P_ijᵀ = exp(S_ijᵀ · scale − L_i), column by column (L_i is per query), in place; 0
-        // above the causal diagonal (key > query: on this tile, key row > query row, as i0 = j0).
+        // P_ijᵀ = exp(S_ijᵀ · scale − L_i), column by column (L_i is per query), in place. MASK:
+        // 0 where key > query (causal) or key ≥ T; per row (hh) one bound on the column, relative
+        // to this lane's first column, so each element is one compare against a constant 8n + e%2.
 #pragma unroll
         for (int n = 0; n < BR_BWD / 8; ++n) {
             const float2 l2 = *reinterpret_cast<const float2*>(l_tile + 8 * n + 2 * t);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[n][e] = exp2_ftz(fmaf(s[n][e], scale_log2, -(e % 2 ? l2.y : l2.x) * LOG2E));
-                if constexpr (MASK)
-                    if (16 * warp + g + 8 * (e / 2) > 8 * n + 2 * t + e % 2) s[n][e] = 0.0f;
+            for (int e = 0; e < 4; ++e) s[n][e] = exp2_ftz(fmaf(s[n][e], scale_log2, -(e % 2 ? l2.y : l2.x) * LOG2E));
+        }
+        if constexpr (MASK) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int key = j0 + 16 * warp + g + 8 * hh;
+                // Columns below `bound` are masked: all of them for a padded key, else those
+                // before the key's own query.
+                const int bound = key >= T_len ? BR_BWD : (causal ? key - i0 - 2 * t : 0);
+#pragma unroll
+                for (int n = 0; n < BR_BWD / 8; ++n)
+#pragma unroll
+                    for (int e = 2 * hh; e < 2 * hh + 2; ++e)
+                        if (8 * n + e % 2 < bound) s[n][e] = 0.0f;
             }
         }
 
@@ -309,9 +328,12 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
                     for (int x = 0; x < 2; ++x) red_add_f32x2(dq_row + 8 * hh * out_t + 16 * n + 8 * x, acc[x][2 * hh], acc[x][2 * hh + 1]);
         }
     };
-    int p = 0, i_tile = i_first;
-    if (causal) query_tile(i_tile++, p++, Masked<true>{});
-    for (; i_tile < T_r; ++i_tile, ++p) query_tile(i_tile, p, Masked<false>{});
+    // The tiles that need a mask come first, in a loop of their own (header, 6); the rest, nearly
+    // all, carry no masking code.
+    const int masked_tiles = j0 + BC_BWD > T_len ? T_r - i_first : causal;
+    int i_tile = i_first;
+    for (; i_tile < i_first + masked_tiles; ++i_tile) query_tile(i_tile, i_tile - i_first, Masked<true>{});
+    for (; i_tile < T_r; ++i_tile) query_tile(i_tile, i_tile - i_first, Masked<false>{});
 
     // dK_j and dV_j, from the registers: each lane writes its two neighbouring columns of every
     // d tile as one 8-byte store; keys past T are padding.
