@@ -91,8 +91,9 @@ pub const BR_BWD: usize = 64;
 /// f32 each) stay in registers for the whole walk over the query tiles.
 pub const BC_BWD: usize = 64;
 /// Registers per thread of the backward at d_head 128: `nvcc -cubin -arch=sm_90 -Xptxas -v`
-/// (CUDA 13.0) reports 255, no spills (`__launch_bounds__(128, 2)`), so two blocks share an SM's
-/// 64 K registers.
+/// (CUDA 13.0) reports 255 (234 at d_head 64, 186 at 32), no spills (`__launch_bounds__(128, 2)`),
+/// so two blocks share an SM's 64 K registers. sm_80: 255 with 8 bytes spilled at d_head 128 (two
+/// loop invariants, reloaded once a query tile), 231 and 171.
 pub const REGISTERS_PER_THREAD_BWD: usize = 255;
 
 /// The backward's dynamic shared memory per block (`bwd_smem_bytes` in flash_attn_bwd.cu): K_j and
