@@ -35,7 +35,8 @@
 //  5. dQ_i = scale · dS_ij K_j needs every key column of dS, which four warps hold: each warp
 //     stores its (16, B_r) slice of scale · dS_ijᵀ to shared memory (16-bit), and after a barrier
 //     warp w computes query rows 16w .. 16w+15 of dQ_i against all of K_j, 16 columns of d at a
-//     time, and adds them into the f32 buffer with atomicAdd (RED in SASS).
+//     time, and adds them into the f32 buffer (ptx_warp.h's red_add_f32x2: two neighbouring
+//     columns in one red.global.add.v2.f32 on sm_90, two atomicAdd before).
 //  6. Padding: the ragged last tiles are zero-filled by cp.async (K, V, Q, dO, and L, D too). A
 //     padded query row then has dO = 0 and D = 0, so dP = dS = 0 and it adds nothing; rows past
 //     T are never written. A padded key scores 0, and its P = exp(0 − L_i) would overflow to +inf
@@ -60,7 +61,7 @@
 constexpr int BR_BWD = 64;  // query rows per tile (B_r): 16 a warp for dQ
 constexpr int BC_BWD = 64;  // key rows per block (B_c): 16 a warp for S, P, dP, dS, dK, dV
 static_assert(BC_BWD == 16 * WARPS && BR_BWD == 16 * WARPS, "one 16-row mma tile of keys (and of dQ's queries) a warp");
-static_assert(BR_BWD == BC_BWD, "causal: a block's first query tile is its diagonal one, the only one masked");
+static_assert(BR_BWD == BC_BWD, "causal: a block's first query tile is its diagonal one, and the only one it masks");
 static_assert(THREADS == 2 * BR_BWD, "one thread per L_i and per D_i of a query tile");
 
 // Dynamic shared memory per block, in bytes, for 16-bit inputs (the carve-up in flash_attn_bwd).
