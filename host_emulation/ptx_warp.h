@@ -83,6 +83,12 @@ inline uint32_t pack2(float lo, float hi) {
     return uint32_t(la) | (uint32_t(lb) << 16);
 }
 
+// pack2's inverse: the low half in .x.
+template <typename T>
+inline float2 unpack2(uint32_t r) {
+    return {half_of<T>(r, 0), half_of<T>(r, 1)};
+}
+
 template <typename T>
 inline void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;

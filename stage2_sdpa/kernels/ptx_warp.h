@@ -117,3 +117,15 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
 }
+
+// The two 16-bit values of a packed register as f32, the low half in .x: pack2's inverse.
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t r);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t r) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t r) {
+    return __half22float2(*reinterpret_cast<__half2*>(&r));
+}

@@ -85,23 +85,25 @@ pub fn shared_mem_bytes_of(kernel: AttentionKernel, d_head: usize) -> usize {
     }
 }
 
-/// The backward's query rows per tile (`BR_BWD` in flash_attn_bwd.cu): 16 a warp for dQ.
+/// The backward's query rows per tile (`BR_BWD` in flash_attn_bwd.cu): 32 a warp for S, P, dP and
+/// dS, 16 a warp for dQ.
 pub const BR_BWD: usize = 64;
-/// The backward's key rows per block (`BC_BWD` there): 16 a warp, whose dK_j and dV_j (16 × d_head
-/// f32 each) stay in registers for the whole walk over the query tiles.
+/// The backward's key rows per block (`BC_BWD` there): 32 for each pair of warps, whose dK_j and
+/// dV_j (32 × d_head / 2 f32 each, a warp) stay in registers for the whole walk over the query tiles.
 pub const BC_BWD: usize = 64;
 /// Registers per thread of the backward at d_head 128: `nvcc -cubin -arch=sm_90 -Xptxas -v`
-/// (CUDA 13.0) reports 255 (234 at d_head 64, 186 at 32), no spills (`__launch_bounds__(128, 2)`),
-/// so two blocks share an SM's 64 K registers. sm_80: 255 with 8 bytes spilled at d_head 128 (two
-/// loop invariants, reloaded once a query tile), 231 and 171.
+/// (CUDA 13.0) reports 255 (bf16; f16 251; 228 and 213 at d_head 64, 168 and 156 at 32), no spills
+/// (`__launch_bounds__(128, 2)`), so two blocks share an SM's 64 K registers. sm_80: 255, 210,
+/// 148, no spills.
 pub const REGISTERS_PER_THREAD_BWD: usize = 255;
 
 /// The backward's dynamic shared memory per block (`bwd_smem_bytes` in flash_attn_bwd.cu): K_j and
 /// V_j (16-bit), two cp.async stages of Q_i and dO_i (16-bit) and of one L and D per query row
-/// (f32), and scale · dS_ijᵀ (16-bit, the operand of dQ). 33, 57 and 105 KiB at d_head 32, 64 and
-/// 128: SM 8.0 and 9.0 (163 and 227 KiB per block) take all three, sm_86/89 (99 KiB) up to 64.
+/// (f32), and P_ijᵀ and scale · dS_ijᵀ (16-bit, the operands of dV, dK and dQ). 41, 65 and 113 KiB
+/// at d_head 32, 64 and 128: SM 8.0 and 9.0 (163 and 227 KiB per block) take all three, sm_86/89
+/// (99 KiB) up to 64.
 pub fn bwd_shared_mem_bytes(d_head: usize) -> usize {
-    2 * BC_BWD * d_head * 2 + 2 * 2 * BR_BWD * d_head * 2 + BC_BWD * BR_BWD * 2 + 2 * 2 * BR_BWD * 4
+    2 * BC_BWD * d_head * 2 + 2 * 2 * BR_BWD * d_head * 2 + 2 * BC_BWD * BR_BWD * 2 + 2 * 2 * BR_BWD * 4
 }
 
 /// The kernels have one compiled instance per head size in `HEAD_SIZES`.
@@ -596,11 +598,11 @@ mod tests {
             }
         }
         assert!(BWD.contains("flash_attn_bwd_##TNAME##_d##D("));
-        assert_eq!([32, 64, 128].map(bwd_shared_mem_bytes), [33 * 1024, 57 * 1024, 105 * 1024]);
+        assert_eq!([32, 64, 128].map(bwd_shared_mem_bytes), [41 * 1024, 65 * 1024, 113 * 1024]);
         // d_head 128 needs SM 8.0/9.0's opt-in limit (163 / 227 KiB); sm_86/89 (99 KiB) stop at 64.
         assert!(bwd_shared_mem_bytes(128) <= 166_912 && bwd_shared_mem_bytes(64) <= SM86_OPT_IN);
         assert!(bwd_shared_mem_bytes(128) > SM86_OPT_IN);
-        // Two blocks an SM on an H100 at d_head 128: shared memory (2 × (105 + 1) KiB of 228) and
+        // Two blocks an SM on an H100 at d_head 128: shared memory (2 × (113 + 1) KiB of 228) and
         // registers (2 × 255 × 128 of 64 K), as the kernel's __launch_bounds__ asks.
         assert!(BWD.contains("__launch_bounds__(THREADS, 2) flash_attn_bwd_"));
         assert!(2 * (bwd_shared_mem_bytes(128) + 1024) <= 228 * 1024);
