@@ -283,45 +283,44 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
                     *reinterpret_cast<uint32_t*>(p_tile + pst(mt, hh, n)) = pp[mt][n][hh];
                 }
 
-        // dP_ijᵀ = V_j dO_iᵀ as S_ijᵀ, then scale · dS_ijᵀ = scale · P_ijᵀ ∘ (dP_ijᵀ − D_i) (D_i per
-        // query: per column), rounded and stored to shared memory as P was: the operand of dK and
-        // dQ. 16 of the warp's 32 queries at a time (nh): all of dP beside P, dK and dV would
-        // need more than the 255 registers a thread has (ptxas spills); the price is V_j's A
-        // fragments read twice.
+        // dP_ijᵀ = V_j dO_iᵀ, as S_ijᵀ.
+        float dp[2][4][4];
 #pragma unroll
-        for (int nh = 0; nh < 2; ++nh) {
-            float dp[2][2][4];
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[mt][n][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t vf[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(vf[mt], v_warp + frag(a_lane, kk) + 16 * mt * D);
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                uint32_t of[4];
+                ldmatrix_x4(of, do_tile + frag(b_lane, kk) + (32 * qh + 16 * n) * D);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    mma_m16n8k16<T>(dp[mt][2 * n], vf[mt], of);
+                    mma_m16n8k16<T>(dp[mt][2 * n + 1], vf[mt], of + 2);
+                }
+            }
+        }
+
+        // scale · dS_ijᵀ = scale · P_ijᵀ ∘ (dP_ijᵀ − D_i) (D_i per query: per column), rounded and
+        // stored to shared memory as P was: the operand of dK and dQ.
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const float2 d2 = *reinterpret_cast<const float2*>(d_tile + 32 * qh + 8 * n + 2 * t);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                for (int n = 0; n < 2; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) dp[mt][n][e] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t vf[2][4], of[4];
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(vf[mt], v_warp + frag(a_lane, kk) + 16 * mt * D);
-                ldmatrix_x4(of, do_tile + frag(b_lane, kk) + (32 * qh + 16 * nh) * D);
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    mma_m16n8k16<T>(dp[mt][0], vf[mt], of);
-                    mma_m16n8k16<T>(dp[mt][1], vf[mt], of + 2);
+                for (int hh = 0; hh < 2; ++hh) {
+                    const float2 pf = unpack2<T>(pp[mt][n][hh]);
+                    *reinterpret_cast<uint32_t*>(ds_tile + pst(mt, hh, n)) = pack2<T>(
+                        scale * pf.x * (dp[mt][n][2 * hh] - d2.x), scale * pf.y * (dp[mt][n][2 * hh + 1] - d2.y));
                 }
-            }
-#pragma unroll
-            for (int n2 = 0; n2 < 2; ++n2) {
-                const int n = 2 * nh + n2;
-                const float2 d2 = *reinterpret_cast<const float2*>(d_tile + 32 * qh + 8 * n + 2 * t);
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const float2 pf = unpack2<T>(pp[mt][n][hh]);
-                        *reinterpret_cast<uint32_t*>(ds_tile + pst(mt, hh, n)) = pack2<T>(
-                            scale * pf.x * (dp[mt][n2][2 * hh] - d2.x), scale * pf.y * (dp[mt][n2][2 * hh + 1] - d2.y));
-                    }
-            }
         }
         __syncthreads();  // barrier 2: Pᵀ and dSᵀ are complete (every warp's keys and queries)
 

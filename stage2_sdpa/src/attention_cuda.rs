@@ -92,9 +92,9 @@ pub const BR_BWD: usize = 64;
 /// dV_j (32 × d_head / 2 f32 each, a warp) stay in registers for the whole walk over the query tiles.
 pub const BC_BWD: usize = 64;
 /// Registers per thread of the backward at d_head 128: `nvcc -cubin -arch=sm_90 -Xptxas -v`
-/// (CUDA 13.0) reports 255 (bf16; f16 251; 228 and 213 at d_head 64, 168 and 156 at 32), no spills
-/// (`__launch_bounds__(128, 2)`), so two blocks share an SM's 64 K registers. sm_80: 255, 210,
-/// 148, no spills.
+/// (CUDA 13.0) reports 255 (bf16 and f16; 248 and 215 at d_head 64, 168 and 155 at 32), no spills
+/// (`__launch_bounds__(128, 2)`), so two blocks share an SM's 64 K registers. sm_80: 255, 213,
+/// 149, no spills.
 pub const REGISTERS_PER_THREAD_BWD: usize = 255;
 
 /// The backward's dynamic shared memory per block (`bwd_smem_bytes` in flash_attn_bwd.cu): K_j and
