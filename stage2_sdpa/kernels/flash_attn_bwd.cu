@@ -269,9 +269,9 @@ __device__ __forceinline__ void flash_attn_bwd(const T* __restrict__ q, const T*
         // P_ijᵀ rounded to 16 bits and packed in pairs (row (mt, hh), columns 8n + 2t, +1): the
         // operand of dV, kept for dS (as rounded: P and dP in f32 together would need more than
         // the 255 registers a thread has beside dK and dV), and stored to shared memory, where
-        // the warp beside this one (the other half of the queries, the other half of d) reads
-        // it. One 4-byte store per register: 8 rows × 4 lanes hit the 8 swizzled chunk slots of
-        // a line once, no bank conflict.
+        // both warps of this key half read all B_r queries of it (each wrote half). One 4-byte
+        // store per register: 8 rows × 4 lanes hit the 8 swizzled chunk slots of a line once,
+        // no bank conflict.
         uint32_t pp[2][4][2];
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
