@@ -2,11 +2,12 @@
 # Host emulation of every hand-written CUDA kernel in the workspace: each check compiles a
 # kernel's real source for the CPU with the stand-ins in this folder (threads, barriers, warp
 # shuffles, tensor-core fragments, 16-bit types) and compares every entry point with an f64
-# reference. attention_check.cpp runs stage2_sdpa/kernels/flash_attn.cu; attention_bwd_check.cpp runs
-# its backward, flash_attn_bwd.cu (L, dQ, dK, dV against f64); attention_v2_check.cpp
+# reference. attention_check.cpp runs stage2_sdpa/kernels/flash_attn.cu; attention_v2_check.cpp
 # runs flash_attn_v2.cu through this folder's ptx_warp.h (mma.sync, ldmatrix, cp.async: the
 # kernel's `#include <ptx_warp.h>` finds it, as only this folder is on the include path) and
-# requires its wrong-layout mutations to fail; ln_check.cpp runs
+# requires its wrong-layout mutations to fail; attention_bwd_check.cpp runs the backward,
+# flash_attn_bwd.cu, the same way after the v2 forward (L, dQ, dK, dV against f64, and its own
+# mutations); ln_check.cpp runs
 # stage3_fused/kernels/add_layer_norm.cu; ln_fp8_check.cpp runs stage4_fp8/kernels/ln_fp8.cu (the
 # LayerNorm writing E4M3 + amax, on add_layer_norm.cu's row and fp8.cu's cast); fp8_check.cpp runs stage4_fp8/kernels/fp8.cu (and its E4M3
 # cast on every f32 bit pattern). -fno-strict-aliasing: the kernels pun 16-bit pairs and
