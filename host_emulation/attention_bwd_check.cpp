@@ -19,9 +19,9 @@
 // mutation that passes means the check could not tell the ISA's layout from another, or could not
 // see the race the barrier prevents. The barrier mutations try each warp in turn, held back at
 // every barrier and wait, under the copy timing that exposes their race: without the barrier
-// after the wait, the other warps read tile i before the held warp's late copies land; without
-// the barrier after dSᵀ is stored, the other warps read dSᵀ rows the held warp has not written,
-// and refill Q_i, dO_i with early copies while it still reads them.
+// after the wait, the other warps read tile i before the held warp's late copies land, and
+// refill the stage it still reads with early ones; without the barrier after Pᵀ and dSᵀ are
+// stored, the other warps read rows of them the held warp has not written.
 // Exit 0 when every kernel call is within tolerance and every mutation is caught.
 //
 //   bash host_emulation/run.sh attention_bwd_check
@@ -271,7 +271,7 @@ int main() {
         {EMU_LDMATRIX_NO_TRANS, false, "ldmatrix .trans ignored"},
         {EMU_WAIT_ONE_GROUP_LESS, false, "cp.async.wait_group waits for one group less"},
         {EMU_NO_BARRIER_AFTER_WAIT, false, "query loop: barrier after the wait deleted, late copies"},
-        {EMU_NO_OTHER_BARRIER, true, "query loop: barrier after dS is stored deleted, early copies"},
+        {EMU_NO_OTHER_BARRIER, true, "query loop: barrier after P and dS are stored deleted, early copies"},
     };
     const struct {
         bool bf16;

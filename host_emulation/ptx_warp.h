@@ -42,7 +42,7 @@ enum EmuMutation {
     EMU_WAIT_ONE_GROUP_LESS,  // cp.async.wait_group N leaves N+1 groups in flight
     EMU_NO_BARRIER_AFTER_WAIT,  // the __syncthreads right after a cp.async.wait_group is deleted
     EMU_NO_OTHER_BARRIER,       // every other __syncthreads is deleted (v2: the end of a KV tile;
-                                // the backward: the one after dSᵀ is stored)
+                                // the backward: the one after Pᵀ and dSᵀ are stored)
 };
 extern EmuMutation emu_mutation;
 extern bool cp_async_at_issue;  // copies land when issued (early), not at their wait_group (late)
