@@ -4,13 +4,13 @@ a change: per entry point, ptxas's registers and spills, and the instructions of
 loop with the most HMMA, found by scripts/sass-loops.py --json) by kind.
 
     source scripts/cuda-toolchain.sh
-    python3 results/attention-bwd-sass/record.py BEFORE_COMMIT [ARCH]    # ARCH default 90
+    python3 scripts/attention-bwd-sass.py BEFORE_COMMIT [ARCH]    # ARCH default 90
 
 It also prices one trip of the bf16 d_head 128 main loop on an H100 SM (`model`; docs/gpu.md
 explains it). "before" is the kernel folder at BEFORE_COMMIT (git archive), "after" the working tree's. Both are
 compiled as build.rs compiles them (nvcc -cubin -std=c++17 -O3 -lineinfo -I kernels) with
 -Xptxas -v, disassembled with cuobjdump -sass (CUOBJDUMP, default cuobjdump on PATH) and written to
-sass.json beside this script.
+results/attention-bwd-sass/sass.json.
 """
 import json
 import os
@@ -20,7 +20,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
+REPO = os.path.dirname(HERE)
+OUT = os.path.join(REPO, "results", "attention-bwd-sass")
 ENTRIES = [f"flash_attn_bwd_{t}_d{d}" for t in ("bf16", "f16") for d in (32, 64, 128)]
 
 
@@ -133,7 +134,7 @@ def main():
     }
     for side in ("before", "after"):
         out[side]["model_bf16_d128"] = model(out[side]["entries"]["flash_attn_bwd_bf16_d128"], 128)
-    with open(os.path.join(HERE, "sass.json"), "w", encoding="utf-8") as fh:
+    with open(os.path.join(OUT, "sass.json"), "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=1)
         fh.write("\n")
     for side in ("before", "after"):
