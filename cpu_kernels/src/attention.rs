@@ -115,7 +115,7 @@ impl CpuAttention {
             {
                 // Each input rounded to bf16 once (all threads), then the bf16 kernel, writing f32 rows.
                 let narrow = |x: &[f32]| {
-                    let mut out = vec![half::bf16::ZERO; x.len()];
+                    let mut out = crate::elementwise::zeros_bf16(x.len());
                     out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, s)| crate::bf16_gemm::narrow_bf16(s, o));
                     out
                 };
@@ -269,7 +269,7 @@ impl CpuAttention {
         [b, t, h, d]: [usize; 4],
         to_f32: impl Fn(&'s [T], usize, usize, usize) -> (Cow<'s, [f32]>, usize) + Sync,
     ) -> Vec<T> {
-        let mut out = vec![T::zero(); b * t * h * d];
+        let mut out = crate::elementwise::zeros_of::<T>(b * t * h * d);
         let ptr = OutPtr(out.as_mut_ptr());
         let mut lse = self.lse_buffer(b * h * t); // (B, n_head, T) while training, else empty
         let lse_ptr = OutPtr(lse.as_mut_ptr());
@@ -325,7 +325,7 @@ impl CpuAttention {
         [(q, qv), (k, kv), (v, vv)]: [(&'s [half::bf16], View); 3],
         [b, t, h, d]: [usize; 4],
     ) -> candle_core::Result<Vec<T>> {
-        let mut out = vec![T::zero(); b * t * h * d];
+        let mut out = crate::elementwise::zeros_of::<T>(b * t * h * d);
         let ptr = OutPtr(out.as_mut_ptr());
         let mut lse = self.lse_buffer(b * h * t);
         let lse_ptr = OutPtr(lse.as_mut_ptr());
@@ -361,7 +361,7 @@ impl CpuAttention {
                 rowwise_head(q, k, v, [rows(qv), rows(kv), rows(vv)], t, self.scale, self.causal)
             })
             .collect();
-        let mut out = vec![T::zero(); b * t * h * d];
+        let mut out = crate::elementwise::zeros_of::<T>(b * t * h * d);
         for (bh, o) in heads.iter().enumerate() {
             let base = (bh / h) * t * h * d + (bh % h) * d;
             for (r, row) in o.chunks_exact(d).enumerate() {
@@ -686,7 +686,7 @@ fn rowwise_head_impl<T: WithDType, const FMA: bool>(
     causal: bool,
 ) -> Vec<T> {
     let d = qr.d;
-    let mut out = vec![T::zero(); t * d];
+    let mut out = crate::elementwise::zeros_of::<T>(t * d);
     let (mut q_tile, mut o_tile) = (vec![0f32; ROW_BR * d], vec![0f32; ROW_BR * d]);
     let (mut k_tile_t, mut v_tile) = (vec![0f32; d * ROW_BC], vec![0f32; ROW_BC * d]); // K_jᵀ (d × B_c), V_j (B_c × d)
     let (mut m, mut l, mut s) = ([0f32; ROW_BR], [0f32; ROW_BR], [0f32; ROW_BC]);

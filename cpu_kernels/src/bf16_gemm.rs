@@ -1298,7 +1298,7 @@ impl Bf16Matmul {
         if !bf16_out {
             return Ok((CpuStorage::F32(out), shape));
         }
-        let mut narrow = vec![bf16::ZERO; out.len()];
+        let mut narrow = crate::elementwise::zeros_bf16(out.len());
         narrow.par_chunks_mut(16 * 1024).zip(out.par_chunks(16 * 1024)).for_each(|(n, o)| narrow_bf16(o, n));
         Ok((CpuStorage::BF16(narrow), shape))
     }

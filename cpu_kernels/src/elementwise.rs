@@ -47,6 +47,26 @@ impl Elementwise {
 /// The run's choice (`--elementwise`), read by every stage's block when it is built.
 static MODE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false); // false: Parallel
 
+/// n zeros of a candle dtype, set by one memset, for an output buffer the kernels then
+/// overwrite: `vec![bf16::ZERO; n]` (or `vec![T::zero(); n]` for a generic T) writes them one
+/// element at a time, as the standard library cannot know that zero is all-zero bits for bf16
+/// (4.5 % of stage 3's forward in perf: its bf16 outputs' allocations).
+pub fn zeros_of<T: candle_core::WithDType>(n: usize) -> Vec<T> {
+    let mut v = Vec::<T>::with_capacity(n);
+    // SAFETY: every candle dtype (integers, bf16, f16, f32, f64, the fp8 ones) is plain bits whose
+    // all-zero pattern is its zero; the n elements are written before the length is set.
+    unsafe {
+        std::ptr::write_bytes(v.as_mut_ptr(), 0, n);
+        v.set_len(n);
+    }
+    v
+}
+
+/// `zeros_of::<bf16>`.
+pub fn zeros_bf16(n: usize) -> Vec<bf16> {
+    zeros_of(n)
+}
+
 /// Set the run's element-wise ops (the runner does, from `--elementwise`).
 pub fn set_mode(mode: Elementwise) {
     MODE.store(mode == Elementwise::Candle, std::sync::atomic::Ordering::Relaxed);
@@ -259,7 +279,7 @@ fn produce(
     let chunk = (CHUNK / row.max(1)).max(1) * row.max(1);
     match dtype {
         DType::BF16 => {
-            let mut out = vec![bf16::ZERO; n];
+            let mut out = zeros_bf16(n);
             out.par_chunks_mut(chunk).enumerate().for_each(|(i, o)| {
                 let mut tmp = vec![0f32; o.len()];
                 f(i * chunk, &mut tmp);
@@ -363,7 +383,7 @@ pub fn to_dtype(x: &Tensor, dtype: DType, mode: Elementwise) -> candle_core::Res
     let shape = x.shape().clone();
     let out = match (&*storage, dtype) {
         (Storage::Cpu(CpuStorage::F32(v)), DType::BF16) => {
-            let mut out = vec![bf16::ZERO; b - a];
+            let mut out = zeros_bf16(b - a);
             out.par_chunks_mut(CHUNK).zip(v[a..b].par_chunks(CHUNK)).for_each(|(o, s)| narrow_bf16(s, o));
             Tensor::from_vec(out, shape, &Device::Cpu)
         }

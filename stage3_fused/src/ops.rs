@@ -35,7 +35,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 use cpu_kernels::bf16_gemm::{self, narrow_bf16, Kernel, MatRef, PackedB, PackedWeight};
-use cpu_kernels::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, Elementwise, RowStats};
+use cpu_kernels::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, zeros_bf16, Elementwise, RowStats};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
@@ -489,7 +489,7 @@ impl CustomOp3 for Linear<'_> {
         // (and GELU) and narrows each row while it is in L1, instead of a bias fill before the GEMM
         // and a narrowing pass after it (two passes over the f32 output fewer).
         let narrow = out_dtype == DType::BF16 && !matches!(self.epilogue, Epilogue::BiasResidual(_));
-        let mut narrowed = if narrow { vec![half::bf16::ZERO; m * n] } else { Vec::new() };
+        let mut narrowed = if narrow { zeros_bf16(m * n) } else { Vec::new() };
         match self.epilogue {
             Epilogue::BiasResidual(r) => {
                 let (rs, rl) = r.storage_and_layout();
@@ -505,7 +505,7 @@ impl CustomOp3 for Linear<'_> {
             // bf16 out with W packed: bias (and GELU) applied to each block of the GEMM's f32
             // accumulator while it is in L2, then rounded as it is stored — the output pass of
             // the GEMM itself, no m × n f32 buffer and no pass of its own.
-            let mut y = vec![half::bf16::ZERO; m * n];
+            let mut y = zeros_bf16(m * n);
             let epilogue = |j0: usize, row: &mut [f32]| match gelu {
                 true => map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j0 + j])),
                 false => map_slice_in_place(row, &|j, v| v + b[j0 + j]),
@@ -919,7 +919,7 @@ fn to_storage(v: Vec<f32>, dtype: DType) -> candle_core::Result<CpuStorage> {
     Ok(match dtype {
         DType::F32 => CpuStorage::F32(v),
         DType::BF16 => {
-            let mut out = vec![half::bf16::ZERO; v.len()];
+            let mut out = zeros_bf16(v.len());
             out.par_chunks_mut(16 * 1024).zip(v.par_chunks(16 * 1024)).for_each(|(o, s)| narrow_bf16(s, o));
             CpuStorage::BF16(out)
         }
