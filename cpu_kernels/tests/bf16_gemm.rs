@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use cpu_kernels::bf16_gemm::{
-    self, gemm, gemm_packed, gemm_packed_bf16, gemm_scalar, Kernel, MatRef, PackedB, PackedWeight, KC, MC, MR, NC, NR,
+    self, gemm, gemm_packed, gemm_packed_bf16, gemm_scalar, Kernel, MatRef, PackedB, PackedWeight, KC, MC, MC_AMX, MR, NC, NR,
 };
 use half::bf16;
 
@@ -49,6 +49,7 @@ fn assert_close(got: &[f32], want: &[f32], k: usize, scale: f32, what: &str) {
 fn ragged_shapes(rng: &mut Rng) -> Vec<(usize, usize, usize)> {
     let mut shapes = vec![(1, 1, 1), (MR, NR, 2), (MR + 1, NR - 1, 3), (MC + 5, NC + 3, 257), (2 * MC - 1, 33, 511), (13, 2 * NC + 17, 64)];
     shapes.push((MR + 1, NR + 7, 4 * KC + 3));
+    shapes.push((MC_AMX + 7, NR + 5, 129)); // across AMX's task rows
     for _ in 0..6 {
         shapes.push((1 + rng.below(150), 1 + rng.below(300), 1 + 2 * rng.below(200)));
         // K odd
