@@ -449,6 +449,7 @@ impl<T: Copy + Default> Lines<T> {
 
     /// Now `len` zeros, reusing the allocation.
     pub fn reset(&mut self, len: usize) {
+        const { assert!(std::mem::size_of::<T>() == 4, "Lines holds 32-bit words: 16 fill a 64-byte line") };
         self.lines.clear();
         self.lines.resize(len.div_ceil(16), Line::default());
         self.len = len;
@@ -457,6 +458,7 @@ impl<T: Copy + Default> Lines<T> {
     /// Now `len` words, reusing the allocation without clearing it: words it held keep their
     /// values (for a buffer the caller overwrites whole), words beyond it start at zero.
     pub fn resize_keeping(&mut self, len: usize) {
+        const { assert!(std::mem::size_of::<T>() == 4, "Lines holds 32-bit words: 16 fill a 64-byte line") };
         if self.lines.len() < len.div_ceil(16) {
             self.lines.resize(len.div_ceil(16), Line::default());
         }
