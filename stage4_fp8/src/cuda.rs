@@ -286,22 +286,7 @@ fn plan(
     set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?; // cublasLtEpilogue_t
     set(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &T::CUDA_R_16BF)?; // cudaDataType: bf16, as C
     set_pointers(&desc, args, ptrs, fp8_out)?;
-    let pref = result::create_matmul_pref().map(Pref).map_err(|e| err("preference", e))?;
-    // SAFETY: size_t attribute, copied by cuBLASLt.
-    unsafe {
-        result::set_matmul_pref_attribute(
-            pref.0,
-            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            &WORKSPACE_BYTES as *const usize as *const c_void,
-            std::mem::size_of::<usize>(),
-        )
-    }
-    .map_err(|e| err("workspace preference", e))?;
-    set_alignments(&pref, align)?;
-    HEURISTIC_QUERIES.fetch_add(1, Ordering::Relaxed);
-    // SAFETY: every descriptor and layout is alive.
-    let heuristic = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, a_layout.0, b_layout.0, c_layout.0, d_layout.0, pref.0) };
-    let heuristic = match heuristic {
+    let heuristic = match heuristic(handle, &desc, [&a_layout, &b_layout, &c_layout, &d_layout], align)? {
         Ok(h) => h,
         // No algorithm: cudarc reports an empty answer as NOT_SUPPORTED, as cuBLASLt does.
         Err(e) if e.0 == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => {
@@ -526,7 +511,33 @@ fn set_grad_pointers(desc: &Desc, ptrs: [u64; 6]) -> candle_core::Result<()> {
     set(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b)
 }
 
-/// Descriptors and layouts of a backward GEMM from `args`, and the algorithm cuBLASLt's heuristic
+/// cuBLASLt's heuristic answer for `desc` over the A, B, C, D layouts, with the preferences
+/// every plan sets (the workspace, `align`'s alignments); one counted query. An empty answer
+/// comes back as cuBLASLt's NOT_SUPPORTED, for the caller to name.
+fn heuristic(
+    handle: sys::cublasLtHandle_t,
+    desc: &Desc,
+    [a, b, c, d]: [&Layout; 4],
+    align: [u32; 4],
+) -> candle_core::Result<Result<sys::cublasLtMatmulHeuristicResult_t, result::CublasError>> {
+    let pref = result::create_matmul_pref().map(Pref).map_err(|e| err("preference", e))?;
+    // SAFETY: size_t attribute, copied by cuBLASLt.
+    unsafe {
+        result::set_matmul_pref_attribute(
+            pref.0,
+            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &WORKSPACE_BYTES as *const usize as *const c_void,
+            std::mem::size_of::<usize>(),
+        )
+    }
+    .map_err(|e| err("workspace preference", e))?;
+    set_alignments(&pref, align)?;
+    HEURISTIC_QUERIES.fetch_add(1, Ordering::Relaxed);
+    // SAFETY: every descriptor and layout is alive.
+    Ok(unsafe { result::get_matmul_algo_heuristic(handle, desc.0, a.0, b.0, c.0, d.0, pref.0) })
+}
+
+/// Descriptors and layouts of a backward GEMM from `args`/// Descriptors and layouts of a backward GEMM from `args`, and the algorithm cuBLASLt's heuristic
 /// picks at `align`: TN, E4M3 A × E5M2 B, f32 accumulation, no epilogue.
 fn grad_plan(args: &Fp8GradArgs, handle: sys::cublasLtHandle_t, ptrs: [u64; 6], align: [u32; 4]) -> Result<Plan, PlanError> {
     use sys::cublasLtMatmulDescAttributes_t as A;
@@ -543,22 +554,7 @@ fn grad_plan(args: &Fp8GradArgs, handle: sys::cublasLtHandle_t, ptrs: [u64; 6], 
     set(&desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &0i8)?; // int8_t
     set(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT)?;
     set_grad_pointers(&desc, ptrs)?;
-    let pref = result::create_matmul_pref().map(Pref).map_err(|e| err("preference", e))?;
-    // SAFETY: size_t attribute, copied by cuBLASLt.
-    unsafe {
-        result::set_matmul_pref_attribute(
-            pref.0,
-            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            &WORKSPACE_BYTES as *const usize as *const c_void,
-            std::mem::size_of::<usize>(),
-        )
-    }
-    .map_err(|e| err("workspace preference", e))?;
-    set_alignments(&pref, align)?;
-    HEURISTIC_QUERIES.fetch_add(1, Ordering::Relaxed);
-    // SAFETY: every descriptor and layout is alive.
-    let heuristic = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, a_layout.0, b_layout.0, c_layout.0, d_layout.0, pref.0) };
-    let heuristic = match heuristic {
+    let heuristic = match heuristic(handle, &desc, [&a_layout, &b_layout, &c_layout, &d_layout], align)? {
         Ok(h) => h,
         Err(e) if e.0 == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => {
             return Err(PlanError::NoAlgorithm(format!(
