@@ -266,14 +266,8 @@ unsafe fn head_bwd_avx512(io: &HeadIo, t: usize, d: usize, scale: f32, causal: b
 
 #[inline(always)]
 fn head_bwd_impl(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
-    let HeadIo { q, k, v, o, d_o, lse } = *io;
-    let lse = match lse {
-        Some(l) => std::borrow::Cow::Borrowed(l),                                // kept by the forward
-        None => std::borrow::Cow::Owned(log_sum_exp(q, k, t, d, scale, causal)), // L_i = m_i + ln l_i, (T)
-    };
-    // D_i = rowsum(dO_i ∘ O_i): the Σ_j P_ij dP_ij that softmax's Jacobian subtracts, from
-    // (T, d) values instead of a (T, T) row.
-    let delta: Vec<f32> = (0..t).map(|r| d_o.row(r, d).iter().zip(o.row(r, d)).map(|(a, b)| a * b).sum()).collect();
+    let HeadIo { q, k, v, d_o, .. } = *io;
+    let (lse, delta) = row_statistics(io, t, d, scale, causal);
     let (mut dq, mut dk, mut dv) = (vec![0f32; t * d], vec![0f32; t * d], vec![0f32; t * d]);
     let (mut p, mut dp) = (vec![0f32; BR * BC], vec![0f32; BR * BC]); // P and dS in p; dP: B_r × B_c, row stride B_c
     for j0 in (0..t).step_by(BC) {
@@ -309,6 +303,37 @@ fn head_bwd_impl(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [
         }
     }
     [dq, dk, dv]
+}
+
+/// Each query row's L_i (kept by the forward, else recomputed: `log_sum_exp`) and D_i =
+/// rowsum(dO_i ∘ O_i), the Σ_j P_ij dP_ij that softmax's Jacobian subtracts, from (T, d) values
+/// instead of a (T, T) row. Inlined into each head's backward, so its loops are compiled for the
+/// same vector width.
+#[inline(always)]
+fn row_statistics<'a>(io: &HeadIo<'a>, t: usize, d: usize, scale: f32, causal: bool) -> (std::borrow::Cow<'a, [f32]>, Vec<f32>) {
+    let lse = match io.lse {
+        Some(l) => std::borrow::Cow::Borrowed(l),
+        None => std::borrow::Cow::Owned(log_sum_exp(io.q, io.k, t, d, scale, causal)),
+    };
+    let mut delta = vec![0f32; t];
+    for (r, di) in delta.iter_mut().enumerate() {
+        *di = dot(io.d_o.row(r, d), io.o.row(r, d));
+    }
+    (lse, delta)
+}
+
+/// Σ a_c·b_c, in 16 partial sums so the loop vectorises.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (whole_a, whole_b) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = whole_a.remainder().iter().zip(whole_b.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in whole_a.zip(whole_b) {
+        for i in 0..16 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// L_i = m_i + ln l_i per query row: the forward's online max and sum over the scaled scores,

@@ -19,7 +19,7 @@
 //! A operand needs no packing: each step broadcasts one element of each of the 12 rows.
 //! The tiles, the loop order and the equations are `head_bwd_impl`'s; its slow twins check this.
 
-use super::{log_sum_exp, HeadIo, Rows, BC, BR};
+use super::{row_statistics, HeadIo, Rows, BC, BR};
 use crate::attention::registers::{Avx2, Avx512, Simd, MR};
 
 /// AVX-512: 12 × 32 register tiles.
@@ -57,16 +57,8 @@ struct Bcast {
 unsafe fn head_bwd<S: Simd, const NV: usize>(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
     let nr = NV * S::LANES;
     assert!(BC.is_multiple_of(nr) && d.is_multiple_of(S::LANES), "register tiles divide B_c and d_head");
-    let HeadIo { q, k, v, o, d_o, lse } = *io;
-    let lse = match lse {
-        Some(l) => std::borrow::Cow::Borrowed(l),
-        None => std::borrow::Cow::Owned(log_sum_exp(q, k, t, d, scale, causal)),
-    };
-    // D_i = rowsum(dO_i ∘ O_i), 16 partial sums per row so the loop vectorises.
-    let mut delta = vec![0f32; t];
-    for (r, di) in delta.iter_mut().enumerate() {
-        *di = dot(d_o.row(r, d), o.row(r, d));
-    }
+    let HeadIo { q, k, v, d_o, .. } = *io;
+    let (lse, delta) = row_statistics(io, t, d, scale, causal);
     let (kt, vt) = (key_panels(k, t, d, nr), key_panels(v, t, d, nr));
     let (kc, qc, doc) = (channel_panels(k, t, d, nr), channel_panels(q, t, d, nr), channel_panels(d_o, t, d, nr));
     // B operands: keys j0 + c0.. of a key panel (rows: channels, NR apart); rows r0.. of a
@@ -119,18 +111,6 @@ unsafe fn head_bwd<S: Simd, const NV: usize>(io: &HeadIo, t: usize, d: usize, sc
         }
     }
     [dq, dk, dv]
-}
-
-/// Σ a_c·b_c over a row of d (a multiple of 16) f32, in 16 partial sums.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
-        for i in 0..16 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    acc.iter().sum()
 }
 
 /// Xᵀ in panels of `nr` keys: panel p is (d, nr), channel c of keys p·nr.. one row of it; keys
@@ -269,15 +249,8 @@ unsafe fn tile<S: Simd, const NV: usize>(
 pub(super) unsafe fn head_bwd_bf16(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
     use std::arch::x86_64::*;
     assert!(d.is_multiple_of(16), "register head sizes are multiples of 16");
-    let HeadIo { q, k, v, o, d_o, lse } = *io;
-    let lse = match lse {
-        Some(l) => std::borrow::Cow::Borrowed(l),
-        None => std::borrow::Cow::Owned(log_sum_exp(q, k, t, d, scale, causal)),
-    };
-    let mut delta = vec![0f32; t];
-    for (r, di) in delta.iter_mut().enumerate() {
-        *di = dot(d_o.row(r, d), o.row(r, d));
-    }
+    let HeadIo { q, k, v, d_o, .. } = *io;
+    let (lse, delta) = row_statistics(io, t, d, scale, causal);
     let (dp2, tp) = (d / 2, t.div_ceil(2)); // channel pairs, row pairs
     let (qp, dop) = (channel_pairs(q, t, d), channel_pairs(d_o, t, d));
     let (ktp, vtp) = (key_pair_panels(k, t, d), key_pair_panels(v, t, d));
