@@ -465,16 +465,18 @@ impl CustomOp3 for Linear<'_> {
         let b = f32_values(bs, bl, "b")?;
         let b = &b[..];
         let gelu = matches!(self.epilogue, Epilogue::BiasGelu);
+        // y = gelu(acc + b) or acc + b for a row segment from column j0 (SIMD: gelu_tanh has no
+        // libm call): the output pass of every path below that adds the bias after the GEMM.
+        let epilogue = |j0: usize, row: &mut [f32]| match gelu {
+            true => map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j0 + j])),
+            false => map_slice_in_place(row, &|j, v| v + b[j0 + j]),
+        };
         if let (Operands::F32AsBf16 { x, w, kernel }, false) = (&operands, matches!(self.epilogue, Epilogue::BiasResidual(_))) {
             // f32 activations, bf16 products (a training step on a CPU's bf16 unit): W packed once
             // per forward, the bias (and GELU) applied to each block of the GEMM's accumulator in
             // L2, and GELU's input kept from the same block for the backward: no bias fill before
             // the GEMM, no copy and no GELU pass after it.
             let packed = PackedB::new(*kernel, MatRef::row_major(w, n, k).t(), true).map_err(candle_core::Error::Msg)?;
-            let epilogue = |j0: usize, row: &mut [f32]| match gelu {
-                true => map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j0 + j])),
-                false => map_slice_in_place(row, &|j, v| v + b[j0 + j]),
-            };
             let (mut out, mut keep) = (vec![0f32; m * n], self.pre_gelu.as_ref().map(|_| vec![0f32; m * n]));
             bf16_gemm::gemm_packed_with(&mut out, keep.as_deref_mut(), MatRef::row_major(x, m, k), &packed, true, Some(&epilogue))
                 .map_err(candle_core::Error::Msg)?;
@@ -506,10 +508,6 @@ impl CustomOp3 for Linear<'_> {
             // accumulator while it is in L2, then rounded as it is stored — the output pass of
             // the GEMM itself, no m × n f32 buffer and no pass of its own.
             let mut y = zeros_bf16(m * n);
-            let epilogue = |j0: usize, row: &mut [f32]| match gelu {
-                true => map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j0 + j])),
-                false => map_slice_in_place(row, &|j, v| v + b[j0 + j]),
-            };
             bf16_gemm::gemm_packed_bf16_with(&mut y, MatRef::row_major(x, m, k), wt, true, Some(&epilogue))
                 .map_err(candle_core::Error::Msg)?;
             return Ok((CpuStorage::BF16(y), Shape::from((bsz, t, n))));
@@ -528,21 +526,17 @@ impl CustomOp3 for Linear<'_> {
                 keep[r0 * n..(r0 + mb) * n].copy_from_slice(dst);
             }
             if bias_after {
-                // y = gelu(acc + b) or acc + b, on all threads, SIMD (gelu_tanh has no libm call)
-                let epilogue = |row: &mut [f32]| match gelu {
-                    true => map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j])),
-                    false => map_slice_in_place(row, &|j, v| v + b[j]),
-                };
+                // on all threads
                 if narrow {
                     let y = &mut narrowed[r0 * n..(r0 + mb) * n];
                     dst.par_chunks_mut(ROWS_PER_TASK * n).zip(y.par_chunks_mut(ROWS_PER_TASK * n)).for_each(|(block, y)| {
                         for (row, y) in block.chunks_exact_mut(n).zip(y.chunks_exact_mut(n)) {
-                            epilogue(row);
+                            epilogue(0, row);
                             narrow_bf16(row, y);
                         }
                     });
                 } else {
-                    dst.par_chunks_mut(ROWS_PER_TASK * n).for_each(|block| block.chunks_exact_mut(n).for_each(epilogue));
+                    dst.par_chunks_mut(ROWS_PER_TASK * n).for_each(|block| block.chunks_exact_mut(n).for_each(|row| epilogue(0, row)));
                 }
             }
         }
