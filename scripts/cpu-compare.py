@@ -83,7 +83,7 @@ def main(argv):
         return 0
     if len(argv) != 4:
         fail(f"expected 3 arguments, got {len(argv) - 1}. {USAGE}. Fix: pass the folder and the two run names, "
-             f"e.g. scripts/cpu-compare.py results/cpu-issue22 old new.", 2)
+             f"e.g. scripts/cpu-compare.py results/cpu-epyc-attention-tile-gemm old new.", 2)
     d, old, new = argv[1], argv[2], argv[3]
     if not os.path.isdir(d):
         fail(f"{d} is not a folder. {USAGE}. Fix: pass the folder holding the runs' JSON files.", 2)

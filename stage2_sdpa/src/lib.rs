@@ -7,7 +7,7 @@
 //! CPU: (1) SIMD dot products and one axpy per key into O's row, rayon over batch × heads — the
 //! row-wise kernel, `attention::CpuKernel::RowAxpy`; (2) register blocking — 12 query rows × 32
 //! keys of S and of O held in AVX-512 registers, `cpu_kernels::attention::registers`, the default. Measured
-//! apart (criterion, `results/cpu-issue22-intel/attention-bench.txt`), the algorithm buys 3.2x
+//! apart (criterion, `results/cpu-xeon-attention-registers/attention-bench.txt`), the algorithm buys 3.2x
 //! over the materialised attention (145.6 → 45.6 ms at `small`) and the register blocking 5.6x
 //! more (→ 8.2 ms): on a CPU the engineering is the larger gain. On CUDA: tensor
 //! cores for S = Q Kᵀ and P̃ V, K and V tiles in shared memory, S, P̃ and O in registers (v2).

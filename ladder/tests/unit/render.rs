@@ -60,12 +60,12 @@ fn milliseconds_keep_three_digits() {
 #[test]
 fn recorded_cpu_run_renders() {
     // A run recorded before the report gained its provenance fields still renders.
-    let json = include_str!("../../../results/cpu-dev-small.json");
+    let json = include_str!("../../../results/cpu-epyc-8c37a49/small.json");
     let report: LadderReport = serde_json::from_str(json).unwrap();
     let md = report.table(true);
     assert!(md.starts_with("| stage | precision | median ms (p10–p90) |"), "{md}");
     assert!(md.contains("| stage0_baseline | fp32 | 452 (429–465) | 1.00x | – |"), "{md}");
-    let region = readme_region(&report, "results/cpu-dev-small.json", "results/x.svg");
+    let region = readme_region(&report, "results/cpu-epyc-8c37a49/small.json", "results/x.svg");
     assert!(region.contains("**CPU: AMD EPYC, 2 threads** · preset `small` (B=4 T=512"), "{region}");
     assert!(region.contains("commit `8c37a4920778` · 2026-11-21"), "{region}");
     assert!(region.contains("2 warm-up + 20 timed iterations"), "{region}");
