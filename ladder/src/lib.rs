@@ -380,7 +380,7 @@ pub struct OutputArgs {
     /// The README that --update-readme rewrites
     #[arg(long, env = "SPEEDKIT_README", default_value = "README.md")]
     pub readme: PathBuf,
-    /// Which region of the README --update-readme rewrites: the lines between `<!-- NAME:begin -->` and `<!-- NAME:end -->`; a region with a `train` word in its name (results-train) takes training runs only, any other forward runs only
+    /// Which region of the README --update-readme rewrites: the lines between `<!-- NAME:begin -->` and `<!-- NAME:end -->`; a region with a `train` word in its name (results-train) takes training runs only, any other forward runs only. README.md's results and results-gpu show a run's table and chart, and write the run in full into docs/measuring.md's results-cpu and docs/gpu.md's results-gpu-te; the other regions of the H100 runs live on docs/gpu.md and results-train on docs/training.md
     #[arg(long, env = "SPEEDKIT_README_REGION", default_value = "results", value_parser = render::region_name)]
     pub readme_region: String,
 }
@@ -643,17 +643,34 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>, svg_path: 
         let (Results::Ladder(report), Some(json), Some(svg)) = (results, json, svg_path) else {
             anyhow::bail!("--update-readme needs one ladder run's JSON and chart paths");
         };
+        let (json_link, svg_link) = (link_from_readme(&out.readme, "--json", json)?, link_from_readme(&out.readme, "--svg", svg)?);
         let (page, up) = render::region_page(&out.readme, &out.readme_region);
         let text = read_readme(&page, &out.readme_region)?;
-        let json_link = format!("{up}{}", link_from_readme(&out.readme, "--json", json)?);
-        let region = render::readme_region(report, &json_link, &format!("{up}{}", link_from_readme(&out.readme, "--svg", svg)?));
-        let updated = render::splice_readme(&text, &out.readme_region, &region)?;
-        if updated == text {
-            println!("unchanged {}: its {} region already shows this run", page.display(), out.readme_region);
-        } else {
-            shared::output::write("--readme", &page, updated.as_bytes())?;
-            println!("updated   {}: {} region rewritten from {}", page.display(), out.readme_region, json.display());
+        let region = render::region_text(&out.readme_region, report, &format!("{up}{json_link}"), &format!("{up}{svg_link}"));
+        write_region(&page, &text, &out.readme_region, &region, json)?;
+        // A summary region's run in full goes on its docs page, where that page holds the region.
+        if let Some(full) = render::full_region(&out.readme_region) {
+            let (page, up) = render::region_page(&out.readme, full);
+            match read_capped(&page).ok().and_then(|b| String::from_utf8(b).ok()) {
+                Some(text) if render::splice_readme(&text, full, "").is_ok() => {
+                    let region = render::readme_region(report, &format!("{up}{json_link}"), &format!("{up}{svg_link}"));
+                    write_region(&page, &text, full, &region, json)?;
+                }
+                _ => println!("not written {}: it holds no {full} region, where this run would show in full", page.display()),
+            }
         }
+    }
+    Ok(())
+}
+
+/// Splice `region` into region `name` of `page` (whose bytes are `text`), and say what changed.
+fn write_region(page: &Path, text: &str, name: &str, region: &str, json: &Path) -> anyhow::Result<()> {
+    let updated = render::splice_readme(text, name, region)?;
+    if updated == text {
+        println!("unchanged {}: its {name} region already shows this run", page.display());
+    } else {
+        shared::output::write("--readme", page, updated.as_bytes())?;
+        println!("updated   {}: {name} region rewritten from {}", page.display(), json.display());
     }
     Ok(())
 }
@@ -692,6 +709,9 @@ fn check_outputs(
     list.extend(beside.iter().map(|p| ("--svg (the chart beside it)", p.as_path())));
     let page = render::region_page(&out.readme, &out.readme_region).0;
     list.extend(out.update_readme.then_some(("--readme", page.as_path())));
+    // A summary region's docs page, written beside it when it exists (`emit`).
+    let full = render::full_region(&out.readme_region).map(|full| render::region_page(&out.readme, full).0);
+    list.extend(full.as_deref().filter(|p| out.update_readme && p.exists()).map(|p| ("--readme (the run in full)", p)));
     let checked = shared::output::check_all(&list)?;
     shared::output::check_not_inputs(&checked, inputs)?;
     for (flag, p) in [(json_flag, json), ("--svg", svg)].into_iter().filter(|_| out.update_readme) {

@@ -120,8 +120,26 @@ pub fn describe_shape(shape: &Shape) -> String {
     preset.map_or(format!("{shape}"), |p| format!("preset `{}` ({shape})", p.name()))
 }
 
-/// The regions on docs/gpu.md (the README shows `results` and `results-gpu`).
-pub const GPU_PAGE_REGIONS: [&str; 4] = ["results-gpu-ablate-te", "results-gpu-graph", "results-gpu-gpt2", "results-gpu-ablate-gpt2"];
+/// The regions that live on a docs page beside the README, and the page: the CPU run in full
+/// (`results-cpu`), the H100 runs' (`results-gpu-*`) and the training run's (`results-train`).
+pub const DOCS_REGIONS: [(&str, &str); 7] = [
+    ("results-cpu", "docs/measuring.md"),
+    ("results-gpu-te", "docs/gpu.md"),
+    ("results-gpu-ablate-te", "docs/gpu.md"),
+    ("results-gpu-graph", "docs/gpu.md"),
+    ("results-gpu-gpt2", "docs/gpu.md"),
+    ("results-gpu-ablate-gpt2", "docs/gpu.md"),
+    ("results-train", "docs/training.md"),
+];
+
+/// The README's regions that show a run's table and bar chart only, each with the docs region
+/// that shows the same run in full (ablations, breakdown, roofline): `--update-readme` writes both.
+pub const SUMMARY_REGIONS: [(&str, &str); 2] = [("results", "results-cpu"), ("results-gpu", "results-gpu-te")];
+
+/// The docs region that shows summary region `name`'s run in full, if `name` is a summary region.
+pub fn full_region(name: &str) -> Option<&'static str> {
+    SUMMARY_REGIONS.iter().find(|(s, _)| *s == name).map(|(_, full)| *full)
+}
 
 /// What README region `name` shows: training steps when a word of its name (split at '-' and '_')
 /// is `train` (`results-train`), forwards otherwise (`results`, `results-gpu`, docs/gpu.md's).
@@ -155,17 +173,32 @@ pub fn check_region_mode(region: &str, mode: Mode, what: &str) -> Result<(), Spe
     )))
 }
 
-/// The page `--update-readme` rewrites for `region` (`readme`, or docs/gpu.md beside it), and the
-/// prefix that turns a link from the README's folder into one from that page.
+/// The page `--update-readme` rewrites for `region` (`readme`, or the docs page of `DOCS_REGIONS`
+/// beside it), and the prefix that turns a link from the README's folder into one from that page.
 pub fn region_page(readme: &std::path::Path, region: &str) -> (std::path::PathBuf, String) {
-    match GPU_PAGE_REGIONS.contains(&region) {
-        true => (crate::readme_dir(readme).join("docs/gpu.md"), "../".into()),
-        false => (readme.to_path_buf(), String::new()),
+    match DOCS_REGIONS.iter().find(|(r, _)| *r == region) {
+        Some((_, page)) => (crate::readme_dir(readme).join(page), "../".into()),
+        None => (readme.to_path_buf(), String::new()),
     }
 }
 
-/// What goes between the README's markers; a pure function, so the same JSON gives the same bytes.
-pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> String {
+/// What goes between region `name`'s markers: the run in full (`readme_region`), or for a summary
+/// region (`SUMMARY_REGIONS`) its table and bar chart, and a link to the page that has the rest.
+pub fn region_text(name: &str, report: &LadderReport, json_link: &str, svg_link: &str) -> String {
+    let Some(full) = full_region(name) else { return readme_region(report, json_link, svg_link) };
+    let page = DOCS_REGIONS.iter().find(|(r, _)| *r == full).map_or("", |(_, p)| *p);
+    let of = if report.mode() == Some(Mode::Train) { "a training step" } else { "the block" };
+    let rest = match (report.records.iter().any(|r| r.breakdown.is_some()), report.ablation.is_empty()) {
+        (true, true) => format!("Where the time goes in {of}, part by part, and the roofline"),
+        (true, false) => format!("One change at a time, where the time goes in {of}, and the roofline"),
+        (false, false) => format!("One change at a time, and the roofline of {of}"),
+        (false, true) => format!("The roofline of {of}"),
+    };
+    summary_region(report, json_link, svg_link) + &format!("\n{rest}: [{page}]({page}).\n")
+}
+
+/// The head of a region: the run's facts, its table and its bar chart.
+fn summary_region(report: &LadderReport, json_link: &str, svg_link: &str) -> String {
     let mut facts = vec![
         format!("**{}**", describe_device(report)),
         describe_shape(&report.shape),
@@ -182,9 +215,14 @@ pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> 
     if !report.records.iter().any(|r| r.speedup_vs_stage0.is_some()) {
         out += "\nStage 0 did not run, so there are no speedups over it.\n";
     }
+    let per = if report.mode() == Some(Mode::Train) { " per training step" } else { "" };
+    out + &format!("\n![median ms{per} per stage, with the speedup over stage 0 on each bar]({svg_link})\n")
+}
+
+/// What goes between the README's markers; a pure function, so the same JSON gives the same bytes.
+pub fn readme_region(report: &LadderReport, json_link: &str, svg_link: &str) -> String {
+    let mut out = summary_region(report, json_link, svg_link);
     let train = report.mode() == Some(Mode::Train);
-    let per = if train { " per training step" } else { "" };
-    out += &format!("\n![median ms{per} per stage, with the speedup over stage 0 on each bar]({svg_link})\n");
     if !report.ablation.is_empty() || !report.ablation_out.is_empty() {
         out += "\n**One change at a time** (`--ablate`): each technique undone alone; \"what it buys\" is the variant's median over the stage's.\n\n";
         out += &ablation_table(report, true);

@@ -350,7 +350,7 @@ fn update_readme_rewrites_only_its_region_and_is_idempotent() {
     assert!(both.starts_with(&text) && !both.contains("No GPU run"), "{both}");
     assert_eq!(markdown_tables(&both).len(), 2);
 
-    // A region that lives on docs/gpu.md (`render::GPU_PAGE_REGIONS`) is written there, with links
+    // A region that lives on docs/gpu.md (`render::DOCS_REGIONS`) is written there, with links
     // from that page, and the README is left alone.
     std::fs::create_dir_all(dir.join("docs")).unwrap();
     let page = "# GPU\n\n<!-- results-gpu-gpt2:begin -->\nold\n<!-- results-gpu-gpt2:end -->\n";

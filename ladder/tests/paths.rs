@@ -416,3 +416,64 @@ fn no_development_history_in_docs_or_comments() {
     assert_eq!(history_refs("Regression (issue 13, finding 8): x"), ["issue 13,", "finding 8):"]);
     assert!(history_refs("candle issue #3886 and 2 issues remain").is_empty());
 }
+
+/// A path component that names a development issue: `issue20`, `cpu-issue22-intel`, `issue_7`,
+/// `Issue-3.json`. Folders are named by what they hold (device, topic, commit), never by history.
+fn names_an_issue(component: &str) -> bool {
+    let lower = component.to_ascii_lowercase();
+    lower.match_indices("issue").any(|(i, _)| {
+        let rest = lower[i + "issue".len()..].trim_start_matches(['-', '_']);
+        rest.starts_with(|c: char| c.is_ascii_digit())
+    })
+}
+
+/// Every file and folder under `dir`, as paths relative to `root`.
+fn tree(root: &Path, dir: &Path, out: &mut Vec<String>) {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    entries.sort();
+    for p in entries {
+        out.push(rel(root, &p));
+        if p.is_dir() {
+            tree(root, &p, out);
+        }
+    }
+}
+
+/// results/ and docs/ are what a reader opens: no path there is named after an issue, results/
+/// holds records and no sources or patches (a build never compiles them), each folder of
+/// results/ has a README.md saying how its files were made, and those READMEs carry no issue
+/// numbers either.
+#[test]
+fn results_and_docs_paths_name_what_they_hold() {
+    let root = root();
+    let mut paths = Vec::new();
+    for dir in ["results", "docs"] {
+        tree(&root, &root.join(dir), &mut paths);
+    }
+    assert!(paths.iter().any(|p| p == "results/ladder-cpu.json"), "the recorded CPU run is found: {paths:?}");
+    let bad: Vec<&String> = paths.iter().filter(|p| p.split('/').any(names_an_issue)).collect();
+    assert!(bad.is_empty(), "paths under results/ or docs/ named after an issue (name them by device, topic or commit):\n{bad:?}");
+    let sources: Vec<&String> = paths
+        .iter()
+        .filter(|p| p.starts_with("results/"))
+        .filter(|p| [".rs", ".cu", ".patch", ".diff", ".py", ".cpp"].iter().any(|x| p.ends_with(x)))
+        .collect();
+    assert!(sources.is_empty(), "sources or patches under results/ (results hold what ran, not code):\n{sources:?}");
+    let mut readmes = vec![root.join("results/README.md")];
+    for e in std::fs::read_dir(root.join("results")).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            assert!(p.join("README.md").is_file(), "{} has no README.md saying how its files were made", rel(&root, &p));
+            readmes.push(p.join("README.md"));
+        }
+    }
+    let mut history = Vec::new();
+    for readme in &readmes {
+        for (n, line) in std::fs::read_to_string(readme).unwrap().lines().enumerate() {
+            history.extend(history_refs(line).into_iter().map(|r| format!("{}:{} → {r}", rel(&root, readme), n + 1)));
+        }
+    }
+    assert!(history.is_empty(), "issue numbers in results' READMEs (history goes to CHANGELOG.md):\n{}", history.join("\n"));
+    assert!(names_an_issue("cpu-issue22-intel") && names_an_issue("Issue_7.json") && names_an_issue("issue-20"));
+    assert!(!names_an_issue("issues") && !names_an_issue("h100-98cd396") && !names_an_issue("reissued"));
+}

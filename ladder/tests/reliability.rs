@@ -609,10 +609,23 @@ fn cpu_bf16_unknown_values_are_refused_before_work() {
     assert_eq!(o.code, Some(0), "{}", o.text);
 }
 
+/// A README in `d` with `regions`, each on its own page (`render::region_page`: results-train on
+/// docs/training.md); the README's text.
 fn readme_with(d: &Path, regions: &[&str]) -> String {
-    let text: String = regions.iter().map(|r| format!("## {r}\n<!-- {r}:begin -->\nold {r}\n<!-- {r}:end -->\n")).collect();
-    std::fs::write(d.join("README.md"), &text).unwrap();
-    text
+    let mut pages: Vec<(std::path::PathBuf, String)> = Vec::new();
+    for r in regions {
+        let page = ladder::render::region_page(&d.join("README.md"), r).0;
+        let text = format!("## {r}\n<!-- {r}:begin -->\nold {r}\n<!-- {r}:end -->\n");
+        match pages.iter_mut().find(|(p, _)| *p == page) {
+            Some((_, t)) => t.push_str(&text),
+            None => pages.push((page, text)),
+        }
+    }
+    for (page, text) in &pages {
+        std::fs::create_dir_all(page.parent().unwrap()).unwrap();
+        std::fs::write(page, text).unwrap();
+    }
+    pages.into_iter().find(|(p, _)| p.ends_with("README.md")).map(|(_, t)| t).unwrap_or_default()
 }
 
 fn files_under(d: &Path) -> Vec<String> {
@@ -633,8 +646,10 @@ fn training_run_writes_its_own_default_files() {
     let want = ["ladder-cpu-train-roofline.svg", "ladder-cpu-train.json", "ladder-cpu-train.svg"];
     assert_eq!(files_under(&d.join("results")), want, "{}", o.text);
     let readme = std::fs::read_to_string(d.join("README.md")).unwrap();
-    assert!(readme.contains("old results\n") && !readme.contains("old results-train"), "{readme}");
-    assert!(readme.contains("(results/ladder-cpu-train.json)") && readme.contains("forward + backward ms"), "{readme}");
+    assert!(readme.contains("old results\n") && !readme.contains("results-train"), "{readme}");
+    let page = std::fs::read_to_string(d.join("docs/training.md")).unwrap();
+    assert!(!page.contains("old results-train"), "{page}");
+    assert!(page.contains("(../results/ladder-cpu-train.json)") && page.contains("forward + backward ms"), "{page}");
 }
 
 // A training run or JSON into a forward region, or a forward one into the training region, is
@@ -643,6 +658,7 @@ fn training_run_writes_its_own_default_files() {
 fn regions_refuse_the_other_mode() {
     let d = scratch("regionmode");
     let readme = readme_with(&d, &["results", "results-gpu", "results-train"]);
+    let training = std::fs::read_to_string(d.join("docs/training.md")).unwrap();
     std::fs::create_dir_all(d.join("results")).unwrap();
     let recorded = Path::new(env!("CARGO_MANIFEST_DIR")).join("../results");
     for f in ["ladder-cpu.json", "ladder-cpu-train.json"] {
@@ -673,6 +689,7 @@ fn regions_refuse_the_other_mode() {
         assert!(o.text.contains(from) && o.text.contains(says) && o.text.contains(region), "{}", o.text);
     }
     assert_eq!(std::fs::read_to_string(d.join("README.md")).unwrap(), readme);
+    assert_eq!(std::fs::read_to_string(d.join("docs/training.md")).unwrap(), training);
     assert_eq!(files_under(&d.join("results")), before);
     // Each into its own region: accepted, and the training one keeps to its own chart files.
     let o = ladder_in(&d, &["render", "--from", "results/ladder-cpu-train.json", "--update-readme", "--readme-region", "results-train"]);

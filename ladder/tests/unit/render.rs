@@ -82,6 +82,15 @@ fn each_region_is_rewritten_on_its_own_page_with_links_from_there() {
     assert_eq!((page.as_path(), up.as_str()), (Path::new("repo/docs/gpu.md"), "../"));
     let (page, _) = region_page(Path::new("README.md"), "results-gpu-ablate-te");
     assert_eq!(page, Path::new("./docs/gpu.md"));
+    let (page, up) = region_page(Path::new("repo/README.md"), "results-train");
+    assert_eq!((page.as_path(), up.as_str()), (Path::new("repo/docs/training.md"), "../"));
+    // Each summary region's full region lives on a docs page.
+    for (summary, full) in SUMMARY_REGIONS {
+        assert_eq!(region_page(Path::new("README.md"), summary).0, Path::new("README.md"), "{summary}");
+        assert_eq!(full_region(summary), Some(full));
+        assert!(DOCS_REGIONS.iter().any(|(r, _)| *r == full), "{full}");
+    }
+    assert_eq!(full_region("results-gpu-gpt2"), None);
 }
 
 #[test]
@@ -91,7 +100,8 @@ fn regions_take_their_own_mode_only() {
     for forward in ["results", "results-gpu", "results-trained", "trainers", "results-gpu-ablate-te"] {
         assert_eq!(region_mode(forward), Mode::Forward, "{forward}");
     }
-    for region in std::iter::once("results").chain(GPU_PAGE_REGIONS).chain(["results-gpu"]) {
+    let forward_docs = DOCS_REGIONS.iter().map(|(r, _)| *r).filter(|r| *r != "results-train");
+    for region in std::iter::once("results").chain(forward_docs).chain(["results-gpu"]) {
         let e = check_region_mode(region, Mode::Train, "t.json").unwrap_err().to_string();
         assert!(e.contains("t.json times training steps") && e.contains(region) && e.contains("results-train"), "{e}");
         assert!(check_region_mode(region, Mode::Forward, "t.json").is_ok());
@@ -99,4 +109,18 @@ fn regions_take_their_own_mode_only() {
     let e = check_region_mode("results-train", Mode::Forward, "f.json").unwrap_err().to_string();
     assert!(e.contains("f.json times forwards") && e.contains("shows training steps") && e.contains("Fix:"), "{e}");
     assert!(check_region_mode("results-train", Mode::Train, "t.json").is_ok());
+}
+
+#[test]
+fn a_summary_region_shows_the_table_and_links_the_rest() {
+    let report: LadderReport = serde_json::from_str(include_str!("../../../results/ladder-cpu.json")).unwrap();
+    let (json, svg) = ("results/ladder-cpu.json", "results/ladder-cpu.svg");
+    let full = readme_region(&report, json, svg);
+    let summary = region_text("results", &report, json, svg);
+    assert_eq!(region_text("results-cpu", &report, json, svg), full, "a docs region shows the run in full");
+    let head = summary.split("\nOne change at a time, where").next().unwrap();
+    assert!(full.starts_with(head), "the summary is the full region's head:\n{summary}");
+    assert!(summary.ends_with("and the roofline: [docs/measuring.md](docs/measuring.md).\n"), "{summary}");
+    assert!(!summary.contains("**Where the time goes**") && full.contains("**Where the time goes**"), "{summary}");
+    assert!(!summary.contains("roofline.svg") && full.contains("(results/ladder-cpu-roofline.svg)"), "{summary}");
 }
