@@ -219,3 +219,28 @@ fn no_measured_number_in_prose_goes_without_its_source() {
     }
     assert!(bad.is_empty(), "measured numbers without a citation or a source link (see ladder/tests/support/cite.rs):\n{}", bad.join("\n"));
 }
+
+/// Most lines README.md may hold: what the project is, the two commands, the results tables and a
+/// note per stage. Detail goes to a docs page, and a rendered region with it (`render::DOCS_REGIONS`).
+const README_MAX_LINES: usize = 200;
+
+#[test]
+fn the_readme_stays_short_and_keeps_its_sections() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let lines = readme.lines().count();
+    assert!(
+        lines <= README_MAX_LINES,
+        "README.md has {lines} lines, more than {README_MAX_LINES}: move detail to a docs page (a rendered region with it, see ladder::render::DOCS_REGIONS)"
+    );
+    for heading in ["## Quick start", "## The five steps", "## Results", "## Training", "## Use a technique in your own model"] {
+        assert!(readme.lines().any(|l| l == heading), "README.md has no \"{heading}\" section");
+    }
+    // Each region the README holds shows a run's table, its detail on the docs page it links.
+    for (summary, full) in ladder::render::SUMMARY_REGIONS {
+        let (begin, _) = ladder::render::markers(summary);
+        assert!(readme.contains(&begin), "README.md has no {summary} region");
+        let page = ladder::render::region_page(&root().join("README.md"), full).0;
+        let text = std::fs::read_to_string(&page).unwrap();
+        assert!(text.contains(&ladder::render::markers(full).0), "{} has no {full} region", page.display());
+    }
+}
