@@ -656,7 +656,7 @@ pub fn emit(results: &Results, out: &OutputArgs, json: Option<&Path>, svg_path: 
                     let region = render::readme_region(report, &format!("{up}{json_link}"), &format!("{up}{svg_link}"));
                     write_region(&page, &text, full, &region, json)?;
                 }
-                _ => println!("not written {}: it holds no {full} region, where this run would show in full", page.display()),
+                _ => println!("not written {}: no such page, or no {full} region on it (the run in full)", page.display()),
             }
         }
     }
