@@ -65,7 +65,7 @@ impl Ops {
     pub fn layer_norm(self, x: &Tensor, ln: &LayerNorm) -> candle_core::Result<Tensor> {
         match self {
             Ops::Candle => ln.forward(x),
-            Ops::Lifted => stage3_fused::ops::layer_norm(x, ln.weight(), ln_bias(ln)?, DType::F32), // one pass per row
+            Ops::Lifted => stage3_fused::ops::layer_norm(x, ln.weight(), ln_bias(ln)?, ln.eps() as f32, DType::F32), // one pass per row
         }
     }
 
@@ -101,7 +101,7 @@ impl Ops {
                 let h = ln.forward(&x)?;
                 Ok((x, h))
             }
-            Ops::Lifted => stage3_fused::ops::add_layer_norm(x, branch, ln.weight(), ln_bias(ln)?), // one pass per row
+            Ops::Lifted => stage3_fused::ops::add_layer_norm(x, branch, ln.weight(), ln_bias(ln)?, ln.eps() as f32), // one pass per row
         }
     }
 
@@ -140,16 +140,8 @@ fn bias(l: &Linear) -> candle_core::Result<&Tensor> {
     })
 }
 
-/// Stage 3's LayerNorm has ε fixed at GPT-2's 1e-5 (`stage3_fused::ops::LN_EPS`): refuse another
-/// ε rather than silently normalise with the wrong one.
+/// Stage 3's LayerNorm takes a bias (its ε comes from the `LayerNorm` itself: `ln.eps()`).
 fn ln_bias(ln: &LayerNorm) -> candle_core::Result<&Tensor> {
-    let eps = stage3_fused::ops::LN_EPS as f64;
-    if (ln.eps() - eps).abs() > 1e-12 {
-        candle_core::bail!(
-            "lifted LayerNorm: this model's ε is {}, and stage 3's fused LayerNorm uses ε = {eps:e}. Fix: keep this LayerNorm on candle-nn's `forward`.",
-            ln.eps()
-        );
-    }
     ln.bias()
         .ok_or_else(|| candle_core::Error::Msg("lifted LayerNorm: this LayerNorm has no bias (RMSNorm-style); stage 3's takes one.".into()))
 }

@@ -35,7 +35,7 @@ fn main() -> candle_core::Result<()> {
             "lift: the lifted model's logits differ from candle-nn's by {err:.1e} relative, above the fp32 tolerance \
              {TOLERANCE:.0e}. Both run the same weights on the same tokens and differ only in summation order, which \
              moves the logits by ~1e-6, so this is a real difference in what one op computes: a dropped bias, a \
-             LayerNorm ε other than stage 3's 1e-5, a mask or scale that differs, or a changed op layout. Nothing \
+             LayerNorm ε other than the model's, a mask or scale that differs, or a changed op layout. Nothing \
              was timed. Fix: run `cargo test --release -p lift` and compare the op that changed with its candle-nn \
              line in examples/lift/src/lib.rs (`impl Ops`)."
         );
