@@ -27,6 +27,12 @@
 //! **Run it.** `cargo run --release -p stage0_baseline` (CPU, `small` preset) ·
 //! `cargo run --release --features cuda -p stage0_baseline -- --device cuda` (GPU).
 
+/// This stage's exercise (docs/stages.md, "Exercises"): with `--features exercise` your version in
+/// `src/exercise.rs`, otherwise its solution, `src/exercise_solution.rs`; `tests/exercise.rs` checks it.
+#[cfg_attr(feature = "exercise", path = "exercise.rs")]
+#[cfg_attr(not(feature = "exercise"), path = "exercise_solution.rs")]
+pub mod exercise;
+
 #[cfg(feature = "harness")]
 mod block;
 #[cfg(feature = "harness")]

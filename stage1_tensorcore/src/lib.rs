@@ -37,6 +37,11 @@
 //! bf16` (CPU as one without bf16 units: bf16 numerics, converted) ·
 //! `cargo run --release --features cuda -p stage1_tensorcore -- --device cuda` (GPU, auto).
 
+/// This stage's exercise (docs/stages.md, "Exercises"): with `--features exercise` your version in
+/// `src/exercise.rs`, otherwise its solution, `src/exercise_solution.rs`; `tests/exercise.rs` checks it.
+#[cfg_attr(feature = "exercise", path = "exercise.rs")]
+#[cfg_attr(not(feature = "exercise"), path = "exercise_solution.rs")]
+pub mod exercise;
 pub mod loss_scale;
 pub mod precision;
 

@@ -44,6 +44,11 @@
 
 pub mod attention;
 pub mod attention_cuda;
+/// This stage's exercise (docs/stages.md, "Exercises"): with `--features exercise` your version in
+/// `src/exercise.rs`, otherwise its solution, `src/exercise_solution.rs`; `tests/exercise.rs` checks it.
+#[cfg_attr(feature = "exercise", path = "exercise.rs")]
+#[cfg_attr(not(feature = "exercise"), path = "exercise_solution.rs")]
+pub mod exercise;
 #[cfg(feature = "harness")]
 pub mod harness;
 pub mod small;

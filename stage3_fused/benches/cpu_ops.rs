@@ -68,8 +68,8 @@ fn fused(c: &mut Criterion) {
     let x = randn(&[4, 512, C], 8, 1.0);
     let (g, b) = (randn(&[C], 9, 0.02), randn(&[C], 10, 0.02));
     let (w1, b1) = (randn(&[FF, C], 11, 0.02), randn(&[FF], 12, 0.02));
-    group.bench_function("layer_norm/fused", |bn| bn.iter(|| ops::layer_norm(&x, &g, &b, DType::F32).unwrap()));
-    group.bench_function("layer_norm/slow_twin", |bn| bn.iter(|| ops::layer_norm_slow(&x, &g, &b, DType::F32).unwrap()));
+    group.bench_function("layer_norm/fused", |bn| bn.iter(|| ops::layer_norm(&x, &g, &b, ops::LN_EPS, DType::F32).unwrap()));
+    group.bench_function("layer_norm/slow_twin", |bn| bn.iter(|| ops::layer_norm_slow(&x, &g, &b, ops::LN_EPS, DType::F32).unwrap()));
     group.bench_function("linear_bias_gelu/fused", |bn| bn.iter(|| ops::linear_bias_gelu(&x, &w1, &b1).unwrap()));
     group.bench_function("linear_bias_gelu/slow_twin", |bn| bn.iter(|| ops::linear_bias_gelu_slow(&x, &w1, &b1).unwrap()));
     group.finish();

@@ -413,8 +413,9 @@ mod tests {
         let x = (randn(&[bsz, t, c], s, 2.0) + 3.0).unwrap(); // a mean far from 0
         let (g, b) = ((randn(&[c], s + 1, 0.1) + 1.0).unwrap(), randn(&[c], s + 2, 0.1));
         let dy = randn(&[bsz, t, c], s + 3, 1.0);
-        let fused = grads_of(&[&x, &g, &b], |v| Ok(vec![ops::layer_norm(&v[0], &v[1], &v[2], DType::F32)?]), &[&dy]).unwrap();
-        let slow = grads_of(&[&x, &g, &b], |v| Ok(vec![ops::layer_norm_slow(&v[0], &v[1], &v[2], DType::F32)?]), &[&dy]).unwrap();
+        let fused = grads_of(&[&x, &g, &b], |v| Ok(vec![ops::layer_norm(&v[0], &v[1], &v[2], ops::LN_EPS, DType::F32)?]), &[&dy]).unwrap();
+        let slow =
+            grads_of(&[&x, &g, &b], |v| Ok(vec![ops::layer_norm_slow(&v[0], &v[1], &v[2], ops::LN_EPS, DType::F32)?]), &[&dy]).unwrap();
         let ops_version = layer_norm_bwd_ops(&x, &g, &dy, ops::LN_EPS).unwrap();
         agree("layer_norm", &fused, &slow, 1e-5).max(agree("layer_norm_bwd_ops", &ops_version, &slow, 1e-5))
     }
@@ -428,11 +429,13 @@ mod tests {
         let (dx_new, dh) = (randn(&[bsz, t, c], s + 4, 1.0), randn(&[bsz, t, c], s + 5, 1.0));
         let two = |(x, h): (Tensor, Tensor)| vec![x, h];
         let inputs = [&x, &branch, &g, &b];
-        let fused = grads_of(&inputs, |v| Ok(two(ops::add_layer_norm(&v[0], &v[1], &v[2], &v[3])?)), &[&dx_new, &dh]).unwrap();
-        let slow = grads_of(&inputs, |v| Ok(two(ops::add_layer_norm_slow(&v[0], &v[1], &v[2], &v[3])?)), &[&dx_new, &dh]).unwrap();
-        let untracked = ops::add_layer_norm(&x, &branch, &g, &b).unwrap();
+        let fused = grads_of(&inputs, |v| Ok(two(ops::add_layer_norm(&v[0], &v[1], &v[2], &v[3], ops::LN_EPS)?)), &[&dx_new, &dh]).unwrap();
+        let slow =
+            grads_of(&inputs, |v| Ok(two(ops::add_layer_norm_slow(&v[0], &v[1], &v[2], &v[3], ops::LN_EPS)?)), &[&dx_new, &dh]).unwrap();
+        let untracked = ops::add_layer_norm(&x, &branch, &g, &b, ops::LN_EPS).unwrap();
         let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
-        let tracked = ops::add_layer_norm(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), vars[3].as_tensor()).unwrap();
+        let tracked =
+            ops::add_layer_norm(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), vars[3].as_tensor(), ops::LN_EPS).unwrap();
         assert_eq!(rel_max(&tracked.0, &untracked.0), 0.0);
         assert_eq!(rel_max(&tracked.1, &untracked.1), 0.0);
         agree("add_layer_norm", &fused, &slow, 1e-5)

@@ -1,7 +1,7 @@
 //! Stage 3's block: stage 2's forward with the element-wise work fused, each fusion switchable
 //! (`--fusions`); a fusion that is off runs its slow twin, stage 2's passes for that part.
 
-use crate::ops::{add_layer_norm, layer_norm, linear_prepacked, mlp, Epilogue};
+use crate::ops::{self, add_layer_norm, layer_norm, linear_prepacked, mlp, Epilogue};
 use crate::{Fused, Fusions};
 use candle_core::{DType, IndexOp, Tensor};
 use cpu_kernels::bf16_gemm::PackedWeight;
@@ -120,7 +120,7 @@ impl Forward for Block {
 impl Block {
     fn layer_norm(&self, x: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
         match self.fusions.ln {
-            true => layer_norm(x, g, b, self.dtype),
+            true => layer_norm(x, g, b, ops::LN_EPS, self.dtype),
             false => ew::to_dtype(&ew::layer_norm(x, g, b, LN_EPS, self.ew)?, self.dtype, self.ew), // stage 2's passes, then its cast
         }
     }
@@ -164,7 +164,7 @@ impl Block {
     /// (x + branch in f32, LayerNorm of it in the GEMM dtype).
     fn add_layer_norm(&self, x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         if self.fusions.add_ln {
-            return add_layer_norm(x, branch, g, b); // h in the branch's dtype: the GEMM dtype
+            return add_layer_norm(x, branch, g, b, ops::LN_EPS); // h in the branch's dtype: the GEMM dtype
         }
         let x = ew::add(x, &ew::to_dtype(branch, DType::F32, self.ew)?, self.ew)?; // the add, a pass of its own
         let [x] = enter("ln2", [&x])?;

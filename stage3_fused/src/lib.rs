@@ -61,6 +61,11 @@ pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod cuda_lt;
 pub mod device_cache;
+/// This stage's exercise (docs/stages.md, "Exercises"): with `--features exercise` your version in
+/// `src/exercise.rs`, otherwise its solution, `src/exercise_solution.rs`; `tests/exercise.rs` checks it.
+#[cfg_attr(feature = "exercise", path = "exercise.rs")]
+#[cfg_attr(not(feature = "exercise"), path = "exercise_solution.rs")]
+pub mod exercise;
 #[cfg(feature = "cublaslt-args")]
 pub mod gemm_args;
 pub mod ops;

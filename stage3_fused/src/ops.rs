@@ -5,11 +5,11 @@
 //!
 //! | fused op                        | slow twin                   | replaces                                   |
 //! |---------------------------------|-----------------------------|--------------------------------------------|
-//! | `layer_norm(x, g, b, dtype)`    | `layer_norm_slow`           | mean, sub, sqr, mean, add, sqrt, div, mul, add, cast |
+//! | `layer_norm(x, g, b, eps, dtype)` | `layer_norm_slow`         | mean, sub, sqr, mean, add, sqrt, div, mul, add, cast |
 //! | `linear_bias(x, w, b)`          | `linear_bias_slow`          | GEMM, then a bias add                      |
 //! | `linear_bias_gelu(x, w, b)`     | `linear_bias_gelu_slow`     | GEMM, bias add, then GELU's 7 element-wise ops |
 //! | `linear_bias_residual(x,w,b,r)` | `linear_bias_residual_slow` | GEMM, bias add, cast to f32, residual add  |
-//! | `add_layer_norm(x, br, g, b)`   | `add_layer_norm_slow`       | cast, residual add, then LayerNorm's nine ops, cast |
+//! | `add_layer_norm(x, br, g, b, eps)` | `add_layer_norm_slow`    | cast, residual add, then LayerNorm's nine ops, cast |
 //! | `mlp(x, w1, b1, w2, b2)`        | `mlp_slow`                  | training: fc1 and fc2 paired, GELU's derivative in fc2's backward GEMM |
 //!
 //! CPU: single passes over rows (LayerNorm) and a GEMM whose destination starts out holding the
@@ -40,7 +40,8 @@ use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
-/// LayerNorm's ε, as in GPT-2.
+/// LayerNorm's ε in GPT-2 (and this repo's block). The ops take ε as an argument, as candle-nn's
+/// `layer_norm` does, so a model with another ε lifts them unchanged.
 pub const LN_EPS: f32 = 1e-5;
 
 /// Output rows per GEMM call when GELU follows: GELU reads each block after the GEMM wrote it.
@@ -63,7 +64,8 @@ pub(crate) const ROWS_PER_TASK: usize = 16;
 // LayerNorm
 // ---------------------------------------------------------------------------------------------
 
-/// LayerNorm over the last dimension, output cast to `dtype` in the same pass.
+/// LayerNorm over the last dimension, output cast to `dtype` in the same pass:
+/// (x − mean) / √(var + eps) · g + b, as `candle_nn::ops::layer_norm(x, g, b, eps)` computes it.
 /// x: (…, C) f32; g, b: (C) f32. Per row: the statistics from one read, then normalise and
 /// write while the row is in L1 (C = 768 floats is 3 KiB), instead of the seven full passes
 /// over (B, T, C) that the primitive ops make (nine ops, two of them on the (B, T, 1)
@@ -71,18 +73,19 @@ pub(crate) const ROWS_PER_TASK: usize = 16;
 /// CUDA: our two-pass kernel (kernels/add_layer_norm.cu, `layer_norm_*`), cast fused into the
 /// store; candle's LayerNorm kernel takes var = E[x²] − mean² in f32, which cancels for rows
 /// with a large mean.
-pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f32, dtype: DType) -> candle_core::Result<Tensor> {
     let (x, g, b) = (f32_contiguous(x)?, f32_contiguous(g)?, f32_contiguous(b)?);
     check_norm_params(&x, &g, &b, "layer_norm")?;
-    x.apply_op3(&g, &b, LayerNorm { eps: LN_EPS, dtype })
+    check_eps(eps, "layer_norm")?;
+    x.apply_op3(&g, &b, LayerNorm { eps, dtype })
 }
 
 /// Slow twin of `layer_norm`: the nine primitive ops (as stage 0 spells them out), then a cast.
-pub fn layer_norm_slow(x: &Tensor, g: &Tensor, b: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+pub fn layer_norm_slow(x: &Tensor, g: &Tensor, b: &Tensor, eps: f32, dtype: DType) -> candle_core::Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?; // (B, T, 1)
     let xc = x.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?; // biased variance, as in PyTorch
-    let xhat = xc.broadcast_div(&(var + LN_EPS as f64)?.sqrt()?)?;
+    let xhat = xc.broadcast_div(&(var + eps as f64)?.sqrt()?)?;
     xhat.broadcast_mul(g)?.broadcast_add(b)?.to_dtype(dtype)
 }
 
@@ -145,7 +148,7 @@ impl CustomOp3 for LayerNorm {
 /// The worked example: residual add and LayerNorm in one pass, returning the new residual
 /// stream x + branch (f32) and its normalised copy h (in branch's dtype, ready for the next GEMM).
 /// CUDA: our kernel `kernels/add_layer_norm.cu` (one launch). CPU: one pass per row.
-pub fn add_layer_norm(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+pub fn add_layer_norm(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor, eps: f32) -> candle_core::Result<(Tensor, Tensor)> {
     if x.dims() != branch.dims() || x.dtype() != DType::F32 {
         candle_core::bail!("add_layer_norm: x {:?} ({:?}) and branch {:?} must match, x in f32", x.dims(), x.dtype(), branch.dims());
     }
@@ -155,12 +158,13 @@ pub fn add_layer_norm(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> ca
         // reaches x and branch as it is) and `layer_norm` with its fused backward. The numbers
         // are the fused kernel's, bit for bit: the same f32 add, the same row pass.
         let x_new = (x + branch.to_dtype(DType::F32)?)?;
-        let h = layer_norm(&x_new, g, b, branch.dtype())?;
+        let h = layer_norm(&x_new, g, b, eps, branch.dtype())?;
         return Ok((x_new, h));
     }
     let (x, branch, g, b) = (x.contiguous()?, branch.contiguous()?, f32_contiguous(g)?, f32_contiguous(b)?);
     check_norm_params(&x, &g, &b, "add_layer_norm")?;
-    let op = AddLayerNorm { b, eps: LN_EPS, x_out: Mutex::new(None) };
+    check_eps(eps, "add_layer_norm")?;
+    let op = AddLayerNorm { b, eps, x_out: Mutex::new(None) };
     let h = x.apply_op3_no_bwd(&branch, &g, &op)?;
     let x_out = op.x_out.lock().map_err(|_| candle_core::Error::Msg("add_layer_norm: poisoned lock".into()))?.take();
     let x_out = x_out.ok_or_else(|| candle_core::Error::Msg("add_layer_norm: the forward wrote no residual".into()))?;
@@ -168,9 +172,9 @@ pub fn add_layer_norm(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> ca
 }
 
 /// Slow twin of `add_layer_norm`: a cast, an add, then `layer_norm_slow`.
-pub fn add_layer_norm_slow(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+pub fn add_layer_norm_slow(x: &Tensor, branch: &Tensor, g: &Tensor, b: &Tensor, eps: f32) -> candle_core::Result<(Tensor, Tensor)> {
     let x = (x + branch.to_dtype(DType::F32)?)?;
-    let h = layer_norm_slow(&x, g, b, branch.dtype())?;
+    let h = layer_norm_slow(&x, g, b, eps, branch.dtype())?;
     Ok((x, h))
 }
 
@@ -273,6 +277,14 @@ pub fn add_layer_norm_rows(x: &[f32], branch: &[f32], g: &[f32], b: &[f32], eps:
 pub fn normalise_row(row: &[f32], g: &[f32], b: &[f32], eps: f32, h: &mut [f32]) {
     let RowStats { shift, shift_minus_mean, inv_std } = row_stats(row, eps as f64);
     map_slice(h, row, &|i, v| ((v - shift) + shift_minus_mean) * inv_std * g[i] + b[i]);
+}
+
+/// ε must be a finite number ≥ 0 (0 is allowed: a constant row then divides by zero, as in candle-nn).
+fn check_eps(eps: f32, op: &str) -> candle_core::Result<()> {
+    if !(eps >= 0.0 && eps.is_finite()) {
+        candle_core::bail!("{op}: eps = {eps} is not a finite number ≥ 0 (GPT-2 uses 1e-5, `LN_EPS`)");
+    }
+    Ok(())
 }
 
 /// g and b must be (C), C being x's last dimension.

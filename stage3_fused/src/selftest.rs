@@ -157,9 +157,9 @@ pub fn layer_norms(r: &mut Rows, device: &Device) {
                     let on = |t: &Tensor| t.to_device(device);
                     let (xd, gd, bd) = (on(&x)?, on(&g)?, on(&b)?);
                     let got = if add {
-                        crate::ops::add_layer_norm(&xd, &on(&br)?, &gd, &bd)?.1
+                        crate::ops::add_layer_norm(&xd, &on(&br)?, &gd, &bd, crate::ops::LN_EPS)?.1
                     } else {
-                        crate::ops::layer_norm(&xd, &gd, &bd, dtype)?
+                        crate::ops::layer_norm(&xd, &gd, &bd, crate::ops::LN_EPS, dtype)?
                     };
                     Ok((got, want, tol))
                 });

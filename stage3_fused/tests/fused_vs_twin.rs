@@ -33,24 +33,24 @@ fn check_all(bsz: usize, t: usize, k: usize, n: usize, seed: u64) {
     let stage0 = stage0_baseline::gelu_tanh(&stage0_baseline::linear(&x, &w, &b).unwrap()).unwrap();
     assert_eq!(rel_err(&ops::linear_bias_gelu_slow(&x, &w, &b).unwrap(), &stage0), 0.0);
 
-    let slow_ln = ops::layer_norm_slow(&x, &g, &beta, DType::F32).unwrap();
-    let e = rel_err(&ops::layer_norm(&x, &g, &beta, DType::F32).unwrap(), &slow_ln);
+    let slow_ln = ops::layer_norm_slow(&x, &g, &beta, ops::LN_EPS, DType::F32).unwrap();
+    let e = rel_err(&ops::layer_norm(&x, &g, &beta, ops::LN_EPS, DType::F32).unwrap(), &slow_ln);
     assert!(e < 1e-5, "layer_norm C={k}: {e}");
-    let ln_bf16 = ops::layer_norm(&x, &g, &beta, DType::BF16).unwrap();
+    let ln_bf16 = ops::layer_norm(&x, &g, &beta, ops::LN_EPS, DType::BF16).unwrap();
     assert_eq!(ln_bf16.dtype(), DType::BF16);
     assert!(rel_err(&ln_bf16, &slow_ln) < 4e-3, "layer_norm cast to bf16");
 
     let branch = randn(&[bsz, t, k], seed + 6, 0.5);
-    let (x_new, h) = ops::add_layer_norm(&x, &branch, &g, &beta).unwrap();
-    let (slow_x, slow_h) = ops::add_layer_norm_slow(&x, &branch, &g, &beta).unwrap();
+    let (x_new, h) = ops::add_layer_norm(&x, &branch, &g, &beta, ops::LN_EPS).unwrap();
+    let (slow_x, slow_h) = ops::add_layer_norm_slow(&x, &branch, &g, &beta, ops::LN_EPS).unwrap();
     assert_eq!(rel_err(&x_new, &slow_x), 0.0, "the residual add is exact");
     let e = rel_err(&h, &slow_h);
     assert!(e < 1e-5, "add_layer_norm C={k}: {e}");
     // A bf16 branch: h comes out in bf16, x_new stays f32.
     let branch16 = branch.to_dtype(DType::BF16).unwrap();
-    let (x16, h16) = ops::add_layer_norm(&x, &branch16, &g, &beta).unwrap();
+    let (x16, h16) = ops::add_layer_norm(&x, &branch16, &g, &beta, ops::LN_EPS).unwrap();
     assert_eq!((x16.dtype(), h16.dtype()), (DType::F32, DType::BF16));
-    let (slow_x16, slow_h16) = ops::add_layer_norm_slow(&x, &branch16, &g, &beta).unwrap();
+    let (slow_x16, slow_h16) = ops::add_layer_norm_slow(&x, &branch16, &g, &beta, ops::LN_EPS).unwrap();
     assert_eq!(rel_err(&x16, &slow_x16), 0.0);
     assert!(rel_err(&h16, &slow_h16) < 8e-3, "add_layer_norm, bf16 h");
     // bf16 operands: widened to f32 on the CPU, the output back in bf16.

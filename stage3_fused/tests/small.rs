@@ -26,8 +26,8 @@ fn small_layer_norm_matches_the_slow_twin_and_the_fast_op() {
             Tensor::from_slice(&g, c, &dev).unwrap(),
             Tensor::from_slice(&b, c, &dev).unwrap(),
         );
-        let slow: Vec<f32> = layer_norm_slow(&xt, &gt, &bt, DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        let fast: Vec<f32> = layer_norm(&xt, &gt, &bt, DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let slow: Vec<f32> = layer_norm_slow(&xt, &gt, &bt, LN_EPS, DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let fast: Vec<f32> = layer_norm(&xt, &gt, &bt, LN_EPS, DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         // The slow twin's f32 mean of values near 1e3 loses digits the shifted f64 sums keep.
         let tol = if mean == 0.0 { 1e-5 } else { 1e-3 };
         assert!(rel_err(&small, &slow) < tol, "rows={rows} C={c} mean={mean}: {:.1e} vs slow twin", rel_err(&small, &slow));

@@ -10,7 +10,7 @@ use shared::breakdown::{enter, part};
 use shared::check::{compare_within, NamedCheck};
 use shared::{BlockWeights, Forward, Plan, Stage};
 use stage2_sdpa::attention;
-use stage3_fused::ops::{add_layer_norm, layer_norm};
+use stage3_fused::ops::{add_layer_norm, layer_norm, LN_EPS};
 use std::sync::{Arc, Mutex};
 
 pub struct Block {
@@ -151,7 +151,7 @@ impl Block {
         part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
         let h = match self.target(&self.qkv, self.fusions.ln)? {
             Some(s) => Input::Fp8(producers::layer_norm_e4m3(x, &self.ln1_g, &self.ln1_b, &s)?), // (B, T, C) E4M3 for qkv, its amax recorded
-            None => Input::Plain(layer_norm(x, &self.ln1_g, &self.ln1_b, self.dtype)?), // (B, T, C): one kernel, activation dtype out
+            None => Input::Plain(layer_norm(x, &self.ln1_g, &self.ln1_b, LN_EPS, self.dtype)?), // (B, T, C): one kernel, activation dtype out
         };
         part("qkv")?;
         keep(&h)?;
@@ -168,7 +168,7 @@ impl Block {
                 (x, Input::Fp8(h))
             }
             None => {
-                let (x, h) = add_layer_norm(x, &p, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
+                let (x, h) = add_layer_norm(x, &p, &self.ln2_g, &self.ln2_b, LN_EPS)?; // x += proj; h = LN(x)
                 (x, Input::Plain(h))
             }
         };
@@ -339,14 +339,14 @@ impl Forward for TrainBlock {
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy
         let [x] = enter("ln1", [x])?;
-        let h = layer_norm(&x, &w.ln1_g, &w.ln1_b, self.dtype)?; // (B, T, C), activation dtype
+        let h = layer_norm(&x, &w.ln1_g, &w.ln1_b, LN_EPS, self.dtype)?; // (B, T, C), activation dtype
         let [h] = enter("qkv", [&h])?;
         let qkv = linear(0, &h)?.reshape(heads)?;
         let [qkv] = enter("attention", [&qkv])?;
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
         let a = attention::attention_with(self.attn, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
         let [a] = enter("proj+residual+ln2", [&a])?;
-        let (x, h) = add_layer_norm(&x, &linear(1, &a)?, &w.ln2_g, &w.ln2_b)?; // x += proj; h = LN(x)
+        let (x, h) = add_layer_norm(&x, &linear(1, &a)?, &w.ln2_g, &w.ln2_b, LN_EPS)?; // x += proj; h = LN(x)
         let [h] = enter("fc1+gelu", [&h])?;
         let m = linear(2, &h)?; // (B, T, FF), GELU in the layer
         let [m] = enter("fc2+residual", [&m])?;

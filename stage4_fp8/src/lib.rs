@@ -51,6 +51,11 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+/// This stage's exercise (docs/stages.md, "Exercises"): with `--features exercise` your version in
+/// `src/exercise.rs`, otherwise its solution, `src/exercise_solution.rs`; `tests/exercise.rs` checks it.
+#[cfg_attr(feature = "exercise", path = "exercise.rs")]
+#[cfg_attr(not(feature = "exercise"), path = "exercise_solution.rs")]
+pub mod exercise;
 pub mod fp8;
 pub mod gemm;
 #[cfg(feature = "harness")]

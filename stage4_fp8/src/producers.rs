@@ -35,7 +35,7 @@ pub fn layer_norm_e4m3(x: &Tensor, g: &Tensor, b: &Tensor, target: &Fp8Target) -
 /// Slow twin of `layer_norm_e4m3`: stage 3's plain-ops LayerNorm in f32, candle's casts to E4M3
 /// and back with s, candle's amax. (s·q in f32, amax rank 0); no buffer is touched.
 pub fn layer_norm_e4m3_slow(x: &Tensor, g: &Tensor, b: &Tensor, scale: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-    let h = layer_norm_slow(&x.to_dtype(DType::F32)?, g, b, DType::F32)?;
+    let h = layer_norm_slow(&x.to_dtype(DType::F32)?, g, b, LN_EPS, DType::F32)?;
     Ok((dequantize_slow(&quantize_slow(&h, scale)?, scale, DType::F32)?, amax_slow(&h)?))
 }
 
@@ -122,7 +122,7 @@ pub fn add_layer_norm_e4m3_slow(
     b: &Tensor,
     scale: &Tensor,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-    let (x_new, h) = add_layer_norm_slow(x, &branch.to_dtype(DType::F32)?, g, b)?; // h in the branch's dtype: f32
+    let (x_new, h) = add_layer_norm_slow(x, &branch.to_dtype(DType::F32)?, g, b, LN_EPS)?; // h in the branch's dtype: f32
     Ok((x_new, dequantize_slow(&quantize_slow(&h, scale)?, scale, DType::F32)?, amax_slow(&h)?))
 }
 

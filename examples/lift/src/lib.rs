@@ -10,17 +10,26 @@
 //! **What is lifted.** Stage 2's fused attention (`stage2_sdpa::attention::attention`: no
 //! (B, n_head, T, T) score matrix, q/k/v read in the projection's layout, no transposes) and
 //! stage 3's fused ops (`stage3_fused::ops`: one-pass LayerNorm, bias / GELU / residual in the
-//! GEMM's epilogue, residual add + LayerNorm in one pass). Stage 4's `Fp8Linear` is not lifted
-//! here: its constructor takes the harness's types (`shared::Fp8Mode`, `SpeedkitError`), and FP8
-//! would not meet this example's fp32 tolerance anyway.
+//! GEMM's epilogue, residual add + LayerNorm in one pass). And stage 4's `Fp8Linear`
+//! (`stage4_fp8::fp8`): the MLP's two linears with E4M3 weights and inputs (`Ops::LiftedFp8`,
+//! after `Gpt::quantize_mlp`), emulated on the CPU, cuBLASLt's FP8 GEMMs on a GPU (SM 8.9+).
 //!
 //! **What it costs.** Nothing in accuracy at fp32: the same arithmetic summed in another order
-//! (`TOLERANCE` below says how much that moves the logits).
+//! (`TOLERANCE` below says how much that moves the logits). FP8 costs precision:
+//! `FP8_TOLERANCE`.
 //!
-//! **Run it.** `cargo run --release -p lift` (CPU; `--iters N` to time longer).
+//! **Training.** The lifted ops carry their backward: `Trainable` loads the same weights as
+//! `Var`s, and one step's gradients through the lifted ops are checked against candle-nn's
+//! (`GRAD_TOLERANCE`) before an optimizer step is taken with them.
+//!
+//! **Run it.** `cargo run --release -p lift` (CPU; `--iters N` to time longer). On a GPU the ops
+//! run on CUDA tensors in a build with the `cuda` feature (nvcc on PATH, `CUDA_COMPUTE_CAP` set);
+//! this binary itself checks and times on the CPU.
 
-use candle_core::{DType, Device, IndexOp, Module, Tensor};
-use candle_nn::{Embedding, LayerNorm, Linear, VarBuilder};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, IndexOp, Module, Tensor, Var};
+use candle_nn::{Embedding, LayerNorm, Linear, VarBuilder, VarMap};
+use stage4_fp8::fp8::{Fp8Linear, Fp8Mode, ScalingConfig};
 use std::collections::HashMap;
 
 /// The largest relative error ||y_lifted − y_candle|| / ||y_candle|| of the logits we accept at
@@ -33,6 +42,21 @@ use std::collections::HashMap;
 /// future token, a LayerNorm with another ε — moves the logits by 1e-3 or more (tests/agree.rs
 /// checks that a 10 % change in one bias is caught).
 pub const TOLERANCE: f64 = 1e-4;
+
+/// The largest relative error of the logits with the MLP's linears in FP8 (`Ops::LiftedFp8`)
+/// against candle-nn's fp32 ones: stage 4's tolerance for the block at fp8 (`shared::check`).
+/// E4M3 keeps 3 mantissa bits, so each quantised value is off by up to 1/16 relative; summed
+/// over a GEMM's K products the errors partly cancel, and at `Config::small` the logits moved by
+/// about 1e-2 (CPU, emulated).
+pub const FP8_TOLERANCE: f64 = 8e-2;
+
+/// The largest relative error ||g_lifted − g_candle|| / ||g_candle|| of any parameter's gradient
+/// in one training step (`Trainable::grads`). The backward passes sum in other orders too, and
+/// the gradient of the first layer's weights has passed through every op above them, so the
+/// bound is the forward's, with the same headroom: ≤ 7e-7 measured at `Config::small` on the CPU,
+/// while a 10 % change in one bias moves some gradient by far more (tests/agree.rs checks it is
+/// caught), as would a backward that drops a term.
+pub const GRAD_TOLERANCE: f64 = 1e-4;
 
 /// The model's shape. GPT-2's names: vocab, block size (the longest T), n_layer, n_head, C.
 #[derive(Clone, Copy, Debug)]
@@ -52,11 +76,13 @@ impl Config {
     }
 }
 
-/// Which ops the forward pass runs: candle-nn's own (the "before"), or the lifted techniques.
+/// Which ops the forward pass runs: candle-nn's own (the "before"), the lifted techniques, or
+/// those with the MLP's linears in FP8 (stage 4's `Fp8Linear`; needs `Gpt::quantize_mlp`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ops {
     Candle,
     Lifted,
+    LiftedFp8,
 }
 
 /// The six places a technique applies. Each arm pair is what a user changes in their model.
@@ -64,8 +90,8 @@ pub enum Ops {
 impl Ops {
     pub fn layer_norm(self, x: &Tensor, ln: &LayerNorm) -> candle_core::Result<Tensor> {
         match self {
-            Ops::Candle => ln.forward(x),
-            Ops::Lifted => stage3_fused::ops::layer_norm(x, ln.weight(), ln_bias(ln)?, DType::F32), // one pass per row
+            Ops::Candle => candle_layer_norm(x, ln),
+            Ops::Lifted | Ops::LiftedFp8 => stage3_fused::ops::layer_norm(x, ln.weight(), ln_bias(ln)?, ln.eps() as f32, DType::F32), // one pass per row
         }
     }
 
@@ -73,7 +99,7 @@ impl Ops {
     pub fn linear(self, x: &Tensor, l: &Linear) -> candle_core::Result<Tensor> {
         match self {
             Ops::Candle => l.forward(x),
-            Ops::Lifted => stage3_fused::ops::linear_bias(x, l.weight(), bias(l)?), // bias in the GEMM
+            Ops::Lifted | Ops::LiftedFp8 => stage3_fused::ops::linear_bias(x, l.weight(), bias(l)?), // bias in the GEMM
         }
     }
 
@@ -81,7 +107,7 @@ impl Ops {
     pub fn linear_gelu(self, x: &Tensor, l: &Linear) -> candle_core::Result<Tensor> {
         match self {
             Ops::Candle => l.forward(x)?.gelu(),
-            Ops::Lifted => stage3_fused::ops::linear_bias_gelu(x, l.weight(), bias(l)?), // bias + GELU after each block of rows
+            Ops::Lifted | Ops::LiftedFp8 => stage3_fused::ops::linear_bias_gelu(x, l.weight(), bias(l)?), // bias + GELU after each block of rows
         }
     }
 
@@ -89,7 +115,7 @@ impl Ops {
     pub fn linear_residual(self, x: &Tensor, l: &Linear, r: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Ops::Candle => r + l.forward(x)?,
-            Ops::Lifted => stage3_fused::ops::linear_bias_residual(x, l.weight(), bias(l)?, r), // GEMM accumulates onto r + b
+            Ops::Lifted | Ops::LiftedFp8 => stage3_fused::ops::linear_bias_residual(x, l.weight(), bias(l)?, r), // GEMM accumulates onto r + b
         }
     }
 
@@ -98,10 +124,10 @@ impl Ops {
         match self {
             Ops::Candle => {
                 let x = (x + branch)?;
-                let h = ln.forward(&x)?;
+                let h = candle_layer_norm(&x, ln)?;
                 Ok((x, h))
             }
-            Ops::Lifted => stage3_fused::ops::add_layer_norm(x, branch, ln.weight(), ln_bias(ln)?), // one pass per row
+            Ops::Lifted | Ops::LiftedFp8 => stage3_fused::ops::add_layer_norm(x, branch, ln.weight(), ln_bias(ln)?, ln.eps() as f32), // one pass per row
         }
     }
 
@@ -109,7 +135,7 @@ impl Ops {
     pub fn causal_attention(self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Ops::Candle => candle_attention(q, k, v),
-            Ops::Lifted => stage2_sdpa::attention::attention(q, k, v, true), // no (B, n_head, T, T) tensor
+            Ops::Lifted | Ops::LiftedFp8 => stage2_sdpa::attention::attention(q, k, v, true), // no (B, n_head, T, T) tensor
         }
     }
 }
@@ -121,7 +147,11 @@ pub fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Resu
     let heads = |x: &Tensor| x.transpose(1, 2)?.contiguous(); // (B, n_head, T, d_head)
     let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
     let scores = (q.matmul(&k.t()?)? / (d_head as f64).sqrt())?; // (B, n_head, T, T)
-    let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&causal_mask(t, q.device())?)?)?;
+    let scores = scores.broadcast_add(&causal_mask(t, q.device())?)?;
+    let p = match scores.track_op() {
+        false => candle_nn::ops::softmax_last_dim(&scores)?,               // one fused op
+        true => candle_nn::ops::softmax(&scores, candle_core::D::Minus1)?, // training: the fused op has no backward in candle-nn 0.11
+    };
     p.matmul(&v)?.transpose(1, 2)?.contiguous() // (B, T, n_head, d_head)
 }
 
@@ -129,6 +159,16 @@ pub fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Resu
 fn causal_mask(t: usize, device: &Device) -> candle_core::Result<Tensor> {
     let mask: Vec<f32> = (0..t * t).map(|ij| if ij % t > ij / t { f32::NEG_INFINITY } else { 0.0 }).collect();
     Tensor::from_vec(mask, (t, t), device)
+}
+
+/// candle-nn's LayerNorm: its module's `forward` (one fused op) for inference. In training, its
+/// primitive-op version: candle-nn 0.11's fused LayerNorm op has no backward (`apply_op3_no_bwd`),
+/// so no gradient would reach anything below it.
+fn candle_layer_norm(x: &Tensor, ln: &LayerNorm) -> candle_core::Result<Tensor> {
+    match x.track_op() || ln.weight().track_op() {
+        false => ln.forward(x),
+        true => candle_nn::ops::layer_norm_slow(x, ln.weight(), ln_bias(ln)?, ln.eps() as f32),
+    }
 }
 
 /// The fused ops take the bias explicitly; a `Linear` built without one has none to give.
@@ -140,16 +180,8 @@ fn bias(l: &Linear) -> candle_core::Result<&Tensor> {
     })
 }
 
-/// Stage 3's LayerNorm has ε fixed at GPT-2's 1e-5 (`stage3_fused::ops::LN_EPS`): refuse another
-/// ε rather than silently normalise with the wrong one.
+/// Stage 3's LayerNorm takes a bias (its ε comes from the `LayerNorm` itself: `ln.eps()`).
 fn ln_bias(ln: &LayerNorm) -> candle_core::Result<&Tensor> {
-    let eps = stage3_fused::ops::LN_EPS as f64;
-    if (ln.eps() - eps).abs() > 1e-12 {
-        candle_core::bail!(
-            "lifted LayerNorm: this model's ε is {}, and stage 3's fused LayerNorm uses ε = {eps:e}. Fix: keep this LayerNorm on candle-nn's `forward`.",
-            ln.eps()
-        );
-    }
     ln.bias()
         .ok_or_else(|| candle_core::Error::Msg("lifted LayerNorm: this LayerNorm has no bias (RMSNorm-style); stage 3's takes one.".into()))
 }
@@ -162,6 +194,7 @@ pub struct Layer {
     ln_2: LayerNorm,
     c_fc: Linear, // (4C, C)
     mlp_proj: Linear,
+    fp8_mlp: Option<(Fp8Linear, Fp8Linear)>, // c_fc (GELU in its epilogue) and mlp_proj in E4M3, once quantised
 }
 
 impl Layer {
@@ -174,6 +207,7 @@ impl Layer {
             ln_2: candle_nn::layer_norm(c, eps, vb.pp("ln_2"))?,
             c_fc: candle_nn::linear(c, 4 * c, vb.pp("mlp.c_fc"))?,
             mlp_proj: candle_nn::linear(4 * c, c, vb.pp("mlp.c_proj"))?,
+            fp8_mlp: None,
         })
     }
 
@@ -185,6 +219,12 @@ impl Layer {
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
         let a = ops.causal_attention(&q, &k, &v)?.reshape((b, t, c))?; // (B, T, C)
         let (x, h) = ops.add_layer_norm(x, &ops.linear(&a, &self.attn_proj)?, &self.ln_2)?; // x += proj; h = ln_2(x)
+        if ops == Ops::LiftedFp8 {
+            let (c_fc, mlp_proj) = self.fp8_mlp.as_ref().ok_or_else(|| {
+                candle_core::Error::Msg("Ops::LiftedFp8: the MLP has no FP8 linears yet. Fix: call Gpt::quantize_mlp first.".into())
+            })?;
+            return mlp_proj.forward_residual(&c_fc.forward(&h)?, &x); // x + mlp, both GEMMs on E4M3 operands
+        }
         let m = ops.linear_gelu(&h, &self.c_fc)?; // (B, T, 4C)
         ops.linear_residual(&m, &self.mlp_proj, &x) // x + mlp
     }
@@ -214,6 +254,17 @@ impl Gpt {
         })
     }
 
+    /// Quantise every layer's MLP linears to E4M3 (stage 4's `Fp8Linear`, W once, with current
+    /// scaling), for `Ops::LiftedFp8`. The `Linear`s stay, so the other `Ops` still run.
+    pub fn quantize_mlp(&mut self) -> Result<(), stage4_fp8::fp8::Fp8Error> {
+        for (i, layer) in self.h.iter_mut().enumerate() {
+            let c_fc = fp8_linear(&layer.c_fc, true, &format!("h.{i}.mlp.c_fc"))?;
+            let mlp_proj = fp8_linear(&layer.mlp_proj, false, &format!("h.{i}.mlp.c_proj"))?;
+            layer.fp8_mlp = Some((c_fc, mlp_proj));
+        }
+        Ok(())
+    }
+
     /// idx: (B, T) u32 token ids → logits (B, T, vocab) f32.
     pub fn forward(&self, idx: &Tensor, ops: Ops) -> candle_core::Result<Tensor> {
         let (_, t) = idx.dims2()?;
@@ -225,6 +276,73 @@ impl Gpt {
         let h = ops.layer_norm(&x, &self.ln_f)?;
         self.lm_head.forward(&h) // (B, T, vocab): no bias to fuse, candle's matmul in both versions
     }
+}
+
+/// A candle-nn `Linear` as stage 4's `Fp8Linear`: y = act(x Wᵀ + b) with W quantised to E4M3
+/// once and x on every call, with delayed scaling (the scale from the amax of the last 16 calls).
+/// On the CPU emulated (quantise, dequantise, an f32 GEMM: FP8's numerics, not its speed), the
+/// output kept in f32; on CUDA cuBLASLt's E4M3 GEMM (SM 8.9+, bf16 out; compiled, not yet run on a
+/// GPU in this example).
+pub fn fp8_linear(l: &Linear, gelu: bool, name: &str) -> Result<Fp8Linear, stage4_fp8::fp8::Fp8Error> {
+    let (w, b, scaling) = (l.weight(), bias(l)?, ScalingConfig::default());
+    match w.device().is_cuda() {
+        false => Fp8Linear::with_output(w, b, gelu, Fp8Mode::Emulated, scaling, name, DType::F32),
+        true => Fp8Linear::new(w, b, gelu, Fp8Mode::Cublaslt, scaling, name),
+    }
+}
+
+/// The model with its weights as `Var`s (a `VarMap`), for a training step through either `Ops`.
+pub struct Trainable {
+    pub varmap: VarMap,
+    pub model: Gpt,
+}
+
+impl Trainable {
+    /// `weights` (`random_weights`, or a checkpoint's tensors) become the `VarMap`'s variables.
+    pub fn new(cfg: &Config, weights: HashMap<String, Tensor>, device: &Device) -> candle_core::Result<Trainable> {
+        let varmap = VarMap::new();
+        {
+            let mut vars = varmap.data().lock().map_err(|_| candle_core::Error::Msg("VarMap lock poisoned".into()))?;
+            for (name, t) in weights {
+                vars.insert(name, Var::from_tensor(&t)?);
+            }
+        }
+        let model = Gpt::load(cfg, VarBuilder::from_varmap(&varmap, DType::F32, device))?;
+        Ok(Trainable { varmap, model })
+    }
+
+    /// Next-token cross-entropy of the logits for `idx` (B, T) against `targets` (B, T) u32.
+    pub fn loss(&self, idx: &Tensor, targets: &Tensor, ops: Ops) -> candle_core::Result<Tensor> {
+        let logits = self.model.forward(idx, ops)?; // (B, T, vocab)
+        let (b, t, v) = logits.dims3()?;
+        candle_nn::loss::cross_entropy(&logits.reshape((b * t, v))?, &targets.reshape(b * t)?)
+    }
+
+    /// The loss through `ops` and its gradients (candle's `backward`), for an optimizer's `step`.
+    pub fn backward(&self, idx: &Tensor, targets: &Tensor, ops: Ops) -> candle_core::Result<(f32, GradStore)> {
+        let loss = self.loss(idx, targets, ops)?;
+        Ok((loss.to_scalar::<f32>()?, loss.backward()?))
+    }
+
+    /// Every parameter's gradient in `store`, by name, sorted.
+    pub fn grads(&self, store: &GradStore) -> candle_core::Result<Vec<(String, Tensor)>> {
+        let vars = self.varmap.data().lock().map_err(|_| candle_core::Error::Msg("VarMap lock poisoned".into()))?;
+        let mut grads = Vec::with_capacity(vars.len());
+        for (name, var) in vars.iter() {
+            let g = store.get(var).ok_or_else(|| candle_core::Error::Msg(format!("no gradient reached {name}")))?;
+            grads.push((name.clone(), g.clone()));
+        }
+        grads.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(grads)
+    }
+}
+
+/// Per parameter, ||g − g_ref|| / ||g_ref||; both lists by name, as `Trainable::grads` returns them.
+pub fn grad_errors(g: &[(String, Tensor)], g_ref: &[(String, Tensor)]) -> candle_core::Result<Vec<(String, f64)>> {
+    if g.len() != g_ref.len() || g.iter().zip(g_ref).any(|(a, b)| a.0 != b.0) {
+        candle_core::bail!("grad_errors: the two gradient lists name different parameters");
+    }
+    g.iter().zip(g_ref).map(|((name, a), (_, b))| Ok((name.clone(), relative_error(a, b)?))).collect()
 }
 
 /// A deterministic generator (splitmix64): candle's CPU `Tensor::randn` cannot be seeded.

@@ -1,10 +1,14 @@
 //! `cargo run --release -p lift [-- --iters N]`: the same model, the same weights and the same
-//! tokens through candle-nn's ops and through the lifted ones; checks the logits agree, then
-//! times both. Plain `std::env` arguments: the lift needs no harness.
+//! tokens through candle-nn's ops, through the lifted ones, and through those with the MLP in
+//! FP8 (stage 4's `Fp8Linear`, emulated on the CPU); checks the logits agree, runs one training
+//! step through the lifted ops with its gradients checked against candle-nn's, then times the
+//! forwards. Plain `std::env` arguments: the lift needs no harness.
 
 use candle_core::{Device, Tensor};
 use candle_nn::VarBuilder;
-use lift::{random_tokens, random_weights, relative_error, Config, Gpt, Ops, TOLERANCE};
+use lift::{
+    grad_errors, random_tokens, random_weights, relative_error, Config, Gpt, Ops, Trainable, FP8_TOLERANCE, GRAD_TOLERANCE, TOLERANCE,
+};
 use std::time::Instant;
 
 const B: usize = 2;
@@ -15,8 +19,9 @@ fn main() -> candle_core::Result<()> {
     let iters = iters_from_args();
     let (cfg, device) = (Config::small(), Device::Cpu);
     let t = cfg.block_size;
-    let vb = VarBuilder::from_tensors(random_weights(&cfg, 0x5EED, &device)?, candle_core::DType::F32, &device);
-    let model = Gpt::load(&cfg, vb)?;
+    let weights = random_weights(&cfg, 0x5EED, &device)?;
+    let vb = VarBuilder::from_tensors(weights.clone(), candle_core::DType::F32, &device);
+    let mut model = Gpt::load(&cfg, vb)?;
     let idx = random_tokens(&cfg, (B, t), 0x70CE5, &device)?; // (B, T)
     println!(
         "lift: GPT-2-style model, {} layers, B={B} T={t} C={} n_head={} vocab={}, fp32, CPU ({} threads)",
@@ -28,24 +33,41 @@ fn main() -> candle_core::Result<()> {
     );
 
     // Check before timing: the lifted model must give candle-nn's logits.
-    let err = relative_error(&model.forward(&idx, Ops::Lifted)?, &model.forward(&idx, Ops::Candle)?)?;
+    let y_candle = model.forward(&idx, Ops::Candle)?;
+    let err = relative_error(&model.forward(&idx, Ops::Lifted)?, &y_candle)?;
     println!("check: ||y_lifted - y_candle|| / ||y_candle|| = {err:.1e} (tolerance {TOLERANCE:.0e})");
     if err.is_nan() || err > TOLERANCE {
         eprintln!(
             "lift: the lifted model's logits differ from candle-nn's by {err:.1e} relative, above the fp32 tolerance \
              {TOLERANCE:.0e}. Both run the same weights on the same tokens and differ only in summation order, which \
              moves the logits by ~1e-6, so this is a real difference in what one op computes: a dropped bias, a \
-             LayerNorm ε other than stage 3's 1e-5, a mask or scale that differs, or a changed op layout. Nothing \
+             LayerNorm ε other than the model's, a mask or scale that differs, or a changed op layout. Nothing \
              was timed. Fix: run `cargo test --release -p lift` and compare the op that changed with its candle-nn \
              line in examples/lift/src/lib.rs (`impl Ops`)."
         );
         std::process::exit(1);
     }
+    // Stage 4's FP8 linears in the MLP: W quantised once here; E4M3's 3 mantissa bits cost accuracy.
+    model.quantize_mlp().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let err = relative_error(&model.forward(&idx, Ops::LiftedFp8)?, &y_candle)?;
+    println!(
+        "check: ||y_fp8 - y_candle|| / ||y_candle|| = {err:.1e} (tolerance {FP8_TOLERANCE:.0e}; MLP linears in E4M3, emulated on the CPU)"
+    );
+    if err.is_nan() || err > FP8_TOLERANCE {
+        eprintln!(
+            "lift: with the MLP's linears in FP8 the logits differ from candle-nn's by {err:.1e} relative, above \
+             {FP8_TOLERANCE:.0e}, stage 4's tolerance for E4M3. Nothing was timed. Fix: run `cargo test --release -p \
+             lift` and `cargo test --release -p stage4_fp8`, and compare `fp8_linear` in examples/lift/src/lib.rs with \
+             stage 4's Fp8Linear."
+        );
+        std::process::exit(1);
+    }
+    train_step(&cfg, weights, &idx)?;
 
-    // Warm-up, then the two versions interleaved so drift (clock, other load) hits both alike.
-    let mut times = [Vec::new(), Vec::new()];
+    // Warm-up, then the versions interleaved so drift (clock, other load) hits all alike.
+    let mut times = [Vec::new(), Vec::new(), Vec::new()];
     for i in 0..WARMUP + iters {
-        for (k, ops) in [Ops::Candle, Ops::Lifted].into_iter().enumerate() {
+        for (k, ops) in [Ops::Candle, Ops::Lifted, Ops::LiftedFp8].into_iter().enumerate() {
             let start = Instant::now();
             let y: Tensor = model.forward(&idx, ops)?; // the CPU ops run eagerly: done when it returns
             let ms = start.elapsed().as_secs_f64() * 1e3;
@@ -59,11 +81,46 @@ fn main() -> candle_core::Result<()> {
         v.sort_by(f64::total_cmp);
         (v[v.len() / 2], v[0], v[v.len() - 1])
     };
-    let (candle, lifted) = (stats(&mut times[0]), stats(&mut times[1]));
-    for (name, (median, min, max)) in [("candle-nn ops", candle), ("lifted ops", lifted)] {
+    let (candle, lifted, fp8) = (stats(&mut times[0]), stats(&mut times[1]), stats(&mut times[2]));
+    for (name, (median, min, max)) in [("candle-nn ops", candle), ("lifted ops", lifted), ("lifted + FP8", fp8)] {
         println!("{name:<14} median {median:7.2} ms  (min {min:.2}, max {max:.2}; {iters} iters after {WARMUP} warm-up)");
     }
     println!("speedup {:.2}x (median candle-nn / median lifted)", candle.0 / lifted.0);
+    println!("FP8 is emulated on the CPU (quantise, dequantise, f32 GEMM): its row shows FP8's numerics, not an FP8 speed");
+    Ok(())
+}
+
+/// One training step: next-token cross-entropy, the gradients of every parameter through the
+/// lifted ops checked against candle-nn's, then an AdamW step with them and the loss after it.
+fn train_step(cfg: &Config, weights: std::collections::HashMap<String, Tensor>, idx: &Tensor) -> candle_core::Result<()> {
+    use candle_nn::Optimizer;
+    let device = idx.device();
+    let train = Trainable::new(cfg, weights, device)?;
+    let targets = random_tokens(cfg, idx.dims2()?, 0x7A76E7, device)?; // (B, T): any fixed tokens will do
+    let (loss, store_candle) = train.backward(idx, &targets, Ops::Candle)?;
+    let (loss_lifted, store) = train.backward(idx, &targets, Ops::Lifted)?;
+    let errs = grad_errors(&train.grads(&store)?, &train.grads(&store_candle)?)?;
+    let (worst, worst_err) = errs.iter().fold(("", 0f64), |w, (n, e)| if e.is_nan() || *e > w.1 { (n.as_str(), *e) } else { w });
+    println!(
+        "train: loss {loss:.4} (candle-nn) {loss_lifted:.4} (lifted); {} gradients, worst ||g_lifted - g_candle|| / ||g_candle|| = {worst_err:.1e} ({worst}; tolerance {GRAD_TOLERANCE:.0e})",
+        errs.len()
+    );
+    if worst_err.is_nan() || worst_err > GRAD_TOLERANCE {
+        for (name, e) in errs.iter().filter(|(_, e)| e.is_nan() || *e > GRAD_TOLERANCE) {
+            eprintln!("  {name}: {e:.1e}");
+        }
+        eprintln!(
+            "lift: one training step's gradient of {worst} through the lifted ops differs from candle-nn's by \
+             {worst_err:.1e} relative, above {GRAD_TOLERANCE:.0e}. The forwards agreed, so one op's backward computes \
+             something else. Fix: run `cargo test --release -p lift` and `cargo test --release -p stage3_fused` (the \
+             backward tests), and compare that parameter's op with its candle-nn line in examples/lift/src/lib.rs."
+        );
+        std::process::exit(1);
+    }
+    let mut opt = candle_nn::AdamW::new_lr(train.varmap.all_vars(), 1e-3)?;
+    opt.step(&store)?; // the lifted ops' gradients
+    let after = train.loss(idx, &targets, Ops::Lifted)?.to_scalar::<f32>()?;
+    println!("train: one AdamW step (lr 1e-3) with the lifted gradients: loss {loss_lifted:.4} -> {after:.4}");
     Ok(())
 }
 
