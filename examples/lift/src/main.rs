@@ -1,8 +1,9 @@
-//! `cargo run --release -p lift [-- --iters N]`: the same model, the same weights and the same
+//! `cargo run --release -p lift [-- --iters N] [--json PATH]`: the same model, the same weights and the same
 //! tokens through candle-nn's ops, through the lifted ones, and through those with the MLP in
 //! FP8 (stage 4's `Fp8Linear`, emulated on the CPU); checks the logits agree, runs one training
 //! step through the lifted ops with its gradients checked against candle-nn's, then times the
-//! forwards. Plain `std::env` arguments: the lift needs no harness.
+//! forwards; `--json` also writes the checks and the timings, with the CPU they ran on, to PATH.
+//! Plain `std::env` arguments: the lift needs no harness.
 
 use candle_core::{Device, Tensor};
 use candle_nn::VarBuilder;
@@ -16,7 +17,7 @@ const WARMUP: usize = 2;
 
 fn main() -> candle_core::Result<()> {
     check_rayon_threads();
-    let iters = iters_from_args();
+    let Args { iters, json } = args();
     let (cfg, device) = (Config::small(), Device::Cpu);
     let t = cfg.block_size;
     let weights = random_weights(&cfg, 0x5EED, &device)?;
@@ -36,6 +37,7 @@ fn main() -> candle_core::Result<()> {
     let y_candle = model.forward(&idx, Ops::Candle)?;
     let err = relative_error(&model.forward(&idx, Ops::Lifted)?, &y_candle)?;
     println!("check: ||y_lifted - y_candle|| / ||y_candle|| = {err:.1e} (tolerance {TOLERANCE:.0e})");
+    let fp32_err = err;
     if err.is_nan() || err > TOLERANCE {
         eprintln!(
             "lift: the lifted model's logits differ from candle-nn's by {err:.1e} relative, above the fp32 tolerance \
@@ -62,7 +64,8 @@ fn main() -> candle_core::Result<()> {
         );
         std::process::exit(1);
     }
-    train_step(&cfg, weights, &idx)?;
+    let fp8_err = err;
+    let grad_err = train_step(&cfg, weights, &idx)?;
 
     // Warm-up, then the versions interleaved so drift (clock, other load) hits all alike.
     let mut times = [Vec::new(), Vec::new(), Vec::new()];
@@ -87,12 +90,54 @@ fn main() -> candle_core::Result<()> {
     }
     println!("speedup {:.2}x (median candle-nn / median lifted)", candle.0 / lifted.0);
     println!("FP8 is emulated on the CPU (quantise, dequantise, f32 GEMM): its row shows FP8's numerics, not an FP8 speed");
+    if let Some(path) = json {
+        let timing = |(median, min, max): (f64, f64, f64)| format!("{{\"median_ms\": {median}, \"min_ms\": {min}, \"max_ms\": {max}}}");
+        let (cpu, flags) = cpu();
+        let text = format!(
+            "{{\n  \"schema\": \"lift-1\",\n  \"model\": {{\"n_layer\": {}, \"n_embd\": {}, \"n_head\": {}, \"vocab\": {}, \"batch\": {B}, \"seq\": {t}, \"dtype\": \"f32\"}},\n  \
+             \"cpu\": {cpu:?},\n  \"cpu_flags\": {flags:?},\n  \"threads\": {},\n  \"iters\": {iters},\n  \"warmup\": {WARMUP},\n  \
+             \"check\": {{\"fp32_rel_err\": {fp32_err}, \"fp8_rel_err\": {fp8_err}, \"train_worst_grad_rel_err\": {grad_err}}},\n  \
+             \"forward\": {{\"candle_nn\": {}, \"lifted\": {}, \"lifted_fp8_emulated\": {}}},\n  \"speedup\": {}\n}}\n",
+            cfg.n_layer,
+            cfg.n_embd,
+            cfg.n_head,
+            cfg.vocab,
+            candle_core::utils::get_num_threads(),
+            timing(candle),
+            timing(lifted),
+            timing(fp8),
+            candle.0 / lifted.0
+        );
+        if let Err(e) = std::fs::write(&path, text) {
+            eprintln!(
+                "lift: could not write the JSON to {}: {e}. Fix: give --json a path in a folder that exists and that you can write.",
+                path.display()
+            );
+            std::process::exit(1);
+        }
+        println!("saved     JSON to {}", path.display());
+    }
     Ok(())
+}
+
+/// The CPU's model name and the flags that decide its kernels (from /proc/cpuinfo; empty where
+/// there is none).
+fn cpu() -> (String, Vec<String>) {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |key: &str| info.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_string());
+    let have = field("flags").unwrap_or_default();
+    let flags = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"]
+        .iter()
+        .filter(|f| have.split_whitespace().any(|h| h == **f))
+        .map(|f| f.to_string())
+        .collect();
+    (field("model name").unwrap_or_else(|| std::env::consts::ARCH.to_string()), flags)
 }
 
 /// One training step: next-token cross-entropy, the gradients of every parameter through the
 /// lifted ops checked against candle-nn's, then an AdamW step with them and the loss after it.
-fn train_step(cfg: &Config, weights: std::collections::HashMap<String, Tensor>, idx: &Tensor) -> candle_core::Result<()> {
+/// Returns the worst gradient's relative error.
+fn train_step(cfg: &Config, weights: std::collections::HashMap<String, Tensor>, idx: &Tensor) -> candle_core::Result<f64> {
     use candle_nn::Optimizer;
     let device = idx.device();
     let train = Trainable::new(cfg, weights, device)?;
@@ -121,20 +166,39 @@ fn train_step(cfg: &Config, weights: std::collections::HashMap<String, Tensor>, 
     opt.step(&store)?; // the lifted ops' gradients
     let after = train.loss(idx, &targets, Ops::Lifted)?.to_scalar::<f32>()?;
     println!("train: one AdamW step (lr 1e-3) with the lifted gradients: loss {loss_lifted:.4} -> {after:.4}");
-    Ok(())
+    Ok(worst_err)
 }
 
-/// `--iters N` (default 10); anything else is refused with a sentence.
-fn iters_from_args() -> usize {
+struct Args {
+    iters: usize,
+    json: Option<std::path::PathBuf>,
+}
+
+/// `--iters N` (default 10) and `--json PATH`; anything else is refused with a sentence, and a
+/// JSON path whose folder does not exist (or that is a folder) before any work.
+fn args() -> Args {
+    let mut out = Args { iters: 10, json: None };
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.as_slice() {
-        [] => 10,
-        [flag, n] if flag == "--iters" => match n.parse::<usize>() {
-            Ok(n) if n > 0 => n,
-            _ => usage(&format!("--iters takes a positive whole number, got {n:?}")),
-        },
-        _ => usage(&format!("unknown arguments {args:?}")),
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let Some(value) = it.next() else { usage(&format!("{flag} needs a value")) };
+        match flag.as_str() {
+            "--iters" => match value.parse::<usize>() {
+                Ok(n) if n > 0 => out.iters = n,
+                _ => usage(&format!("--iters takes a positive whole number, got {value:?}")),
+            },
+            "--json" => {
+                let path = std::path::PathBuf::from(value);
+                let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+                if path.is_dir() || !dir.is_dir() {
+                    usage(&format!("--json {value:?} is a folder, or its folder does not exist; give a file path in an existing folder"))
+                }
+                out.json = Some(path);
+            }
+            _ => usage(&format!("unknown argument {flag:?}")),
+        }
     }
+    out
 }
 
 /// Refuse a `RAYON_NUM_THREADS` the pool cannot start (or would ignore) before candle starts it.
@@ -157,6 +221,6 @@ fn check_rayon_threads() {
 }
 
 fn usage(why: &str) -> ! {
-    eprintln!("lift: {why}. Usage: cargo run --release -p lift [-- --iters N] (the shapes are Config::small in examples/lift/src/lib.rs).");
+    eprintln!("lift: {why}. Usage: cargo run --release -p lift [-- --iters N] [--json PATH] (the shapes are Config::small in examples/lift/src/lib.rs).");
     std::process::exit(2);
 }
