@@ -264,8 +264,9 @@ impl Session {
             anyhow::bail!("{name}'s build left candle's GEMM switches at {switches:?}, not the {declared:?} it declares");
         }
 
-        // Check before timing: nothing is timed until it matched the reference.
-        let y = stage.forward(&self.x)?;
+        // Check before timing: nothing is timed until it matched the reference. The forward is
+        // observed, and the row's notes say what it ran (`ran::notes`).
+        let (y, mut observed) = crate::ran::observe(|| stage.forward(&self.x))?;
         self.device.synchronize()?;
         let (check, mut extra_checks) = (self.check(&y, spec, plan)?, Vec::new());
         if check.is_some() {
@@ -283,12 +284,18 @@ impl Session {
             }
         }
 
+        if !stage.steady() {
+            // The first forward took a path later ones do not (stage 4's, before a delayed scale
+            // exists): the notes describe the next one, the path that is timed.
+            observed = crate::ran::observe(|| stage.forward(&self.x))?.1;
+        }
+        let ran = crate::ran::notes(&observed).into_iter().chain(stage.ran()).collect();
         let device = &self.device;
         let stats = time_forward(name, device, self.warmup, iters, || stage.forward(&self.x))?;
         // After the uninstrumented timing, never mixed into it: the same forward with a clock
         // read at each part boundary.
         let breakdown = self.args.breakdown.then(|| crate::breakdown::record(device, self.warmup.min(1), iters, || stage.forward(&self.x)));
-        Ok((y, stage.ran(), Record { timing: stats, breakdown: breakdown.transpose()?, check, extra_checks, ..Default::default() }))
+        Ok((y, ran, Record { timing: stats, breakdown: breakdown.transpose()?, check, extra_checks, ..Default::default() }))
     }
 
     /// `measure` for `--train`: the gradient and update checks, then the timed steps.
