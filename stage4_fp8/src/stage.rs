@@ -168,9 +168,7 @@ impl Fp8 {
         }
         match stage3 {
             Some(dt) => (dt, None),
-            None => {
-                (DType::F32, Some("activations in f32: stage 3 cannot run this --precision, so stage 4 keeps them f32".into()))
-            }
+            None => (DType::F32, Some("activations in f32: stage 3 cannot run this --precision, so stage 4 keeps them f32".into())),
         }
     }
 }

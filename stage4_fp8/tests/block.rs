@@ -174,7 +174,8 @@ fn on_the_cpu_stage_4_differs_from_stage_3_only_in_the_gemms() {
         // What the forward ran says so: attention's input in that dtype, the GEMMs FP8's.
         let notes = shared::ran::notes(&ran);
         let want = format!("{} into", shared::ran::dtype_name(dtype));
-        let into_attention = notes.iter().filter_map(|n| n.strip_prefix("ran: activations ")).flat_map(|n| n.split("; ")).find(|g| g.contains("attention"));
+        let into_attention =
+            notes.iter().filter_map(|n| n.strip_prefix("ran: activations ")).flat_map(|n| n.split("; ")).find(|g| g.contains("attention"));
         assert!(into_attention.is_some_and(|g| g.starts_with(&want)), "{requested:?}: {notes:?}");
         assert!(notes.iter().any(|n| n.starts_with("ran: GEMMs by kernel: fp8 gemm: emulated")), "{notes:?}");
         let twin = block.self_check(&x, &y).unwrap().unwrap();
