@@ -100,3 +100,45 @@ fn every_rows_notes_name_the_dtype_gemms_and_attention_it_ran() {
         }
     }
 }
+
+/// A training row's notes say what its forward ran too: at bf16 on a CPU with a bf16 unit the
+/// autograd's tensors stay f32 (`precision::trains_f32_on_cpu`) while the GEMMs multiply bf16,
+/// and the note says exactly that rather than the precision's name.
+#[test]
+fn a_training_rows_notes_name_what_its_forward_ran() {
+    let json = std::env::temp_dir().join(format!("speedkit-notes-train-{}.json", std::process::id()));
+    let o = Command::new(env!("CARGO_BIN_EXE_ladder"))
+        .args([
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+            "--train",
+            "--stages",
+            "0,1,3",
+            "--precision",
+            "bf16",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let r: LadderReport = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).ok();
+    let native = cpu_kernels::bf16_gemm::Kernel::detect().is_native();
+    for rec in &r.records {
+        let (want, gemm) = match rec.stage.as_str() {
+            "stage0_baseline" => ("f32", "f32"),
+            _ if native => ("f32", "bf16"),
+            _ => ("bf16", "bf16"),
+        };
+        assert_eq!(attention_dtype(rec), want, "{} (bf16 unit: {native}): {:?}", rec.stage, rec.notes);
+        let (gemms, _) = noted(rec);
+        assert!(gemms.iter().all(|g| g.contains(gemm)), "{}: {gemms:?} (want {gemm})", rec.stage);
+    }
+}

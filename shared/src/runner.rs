@@ -306,7 +306,11 @@ impl Session {
         let mut opt = spec.optimizer(vars.clone(), plan)?;
         let x = candle_core::Var::from_tensor(&self.x)?;
         let r = self.upstream.as_ref().expect("set with --train");
-        let (y, got) = accepted_step(forward.as_ref(), opt.as_mut(), &vars, &x, r)?;
+        // The checked step's forward is observed (its backward is not): the row's notes say what
+        // the training forward ran, its activations' dtypes included (`ran::notes`).
+        let observed = FirstObserved { inner: forward.as_ref(), parts: std::cell::RefCell::new(None) };
+        let (y, got) = accepted_step(&observed, opt.as_mut(), &vars, &x, r)?;
+        let observed = crate::ran::notes(&observed.parts.take().unwrap_or_default());
         self.device.synchronize()?;
         let check = self.check(&y, spec, plan)?;
         let (mut grad_check, mut worst_grad, mut optimizer_check) = (None, String::new(), None);
@@ -330,7 +334,8 @@ impl Session {
             time_steps(forward.as_ref(), opt.as_mut(), &x, r, (self.warmup, iters, self.args.breakdown), &mut progress)?;
         let breakdown = parts.map(|p| p.summarise(iters)).transpose()?;
         let train = TrainRecord { optimizer: opt.name(), optimizer_timing, grad_check, worst_grad, optimizer_check, skipped_steps };
-        Ok((y, forward.ran(), Record { timing: stats, breakdown, check, mode: Mode::Train, train: Some(train), ..Default::default() }))
+        let ran = observed.into_iter().chain(forward.ran()).collect();
+        Ok((y, ran, Record { timing: stats, breakdown, check, mode: Mode::Train, train: Some(train), ..Default::default() }))
     }
 
     /// Plan, build, check and time one stage over `iters` (a ladder round's share of `--iters`).
@@ -408,6 +413,23 @@ impl Session {
             ..measured // timing, checks, breakdown, mode and train; the speedups are the ladder's
         };
         Ok((record, y))
+    }
+}
+
+/// A forward whose first call is observed (`ran::observe`), later ones run as they are.
+struct FirstObserved<'a> {
+    inner: &'a dyn crate::stage::Forward,
+    parts: std::cell::RefCell<Option<Vec<crate::ran::RanPart>>>,
+}
+
+impl crate::stage::Forward for FirstObserved<'_> {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if self.parts.borrow().is_some() {
+            return self.inner.forward(x);
+        }
+        let (y, parts) = crate::ran::observe(|| self.inner.forward(x))?;
+        *self.parts.borrow_mut() = Some(parts);
+        Ok(y)
     }
 }
 
