@@ -14,9 +14,9 @@ FROM nvidia/cuda:13.0.2-devel-ubuntu24.04
 # nvidia-smi does not exist while `docker build` runs, so the GPU architecture the CUDA kernels
 # are compiled for is an argument: 90 = Hopper (H100, H200), 89 = Ada (L40S, RTX 4090), 80 = A100.
 # From 90 up, cudaforge builds candle's own kernels as arch-specific PTX (sm_90a), which loads on
-# SM 9.0 only, not on Blackwell or later. For one image that runs on any GPU of SM 8.0 or newer
-# (the driver compiles the PTX at first load), build with --build-arg CUDA_COMPUTE_CAP=80
-# (docs/gpu.md, "sm_90a, and a portable build").
+# SM 9.0 only, not on Blackwell or later. --build-arg CUDA_COMPUTE_CAP=80 makes candle's PTX load
+# on any GPU of SM 8.0 or newer (the driver compiles it at first load), but our cubins built for
+# sm_80 run on SM 8.x only and refuse a 9.0 GPU (docs/gpu.md, "sm_90a, and a portable build").
 ARG CUDA_COMPUTE_CAP=90
 # The toolchain the workspace is developed and tested with (Cargo.toml's rust-version is the floor).
 ARG RUST_VERSION=1.95.0

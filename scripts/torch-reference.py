@@ -247,9 +247,10 @@ class GradShapeError(Exception):
 
 def compare_grads(torch, got, reference, tolerance):
     """shared::train::compare_grads: per gradient max|g - g_ref| / max|g_ref| (max|g - g_ref| where
-    g_ref is all zeros), in f64 over g's finite values; the worst against `tolerance`, and its name
-    (the first with a NaN or infinity, if any). max_abs_err is the largest |g - g_ref| of all."""
-    worst, at, bad, raw = 0.0, 0, 0, 0.0
+    g_ref is all zeros), in f64 over g's finite values; the worst (max_norm_ratio) against
+    `tolerance`, and its name (the first with a NaN or infinity, if any). max_abs_err is the largest
+    |g - g_ref| of all; tensors each gradient's own max |g - g_ref| and ratio."""
+    worst, at, bad, raw, tensors = 0.0, 0, 0, 0.0, []
     for i, (g, ref) in enumerate(zip(got, reference)):
         g, ref = g.detach().double().cpu(), ref.double()
         finite = torch.isfinite(g)
@@ -261,8 +262,9 @@ def compare_grads(torch, got, reference, tolerance):
         if bad == 0 and (e > worst or nan > 0):
             at = i
         worst, bad, raw = max(worst, e), bad + nan, max(raw, diff)
-    check = {"rel_err": worst, "max_abs_err": raw, "tolerance": tolerance, "non_finite": bad,
-             "passed": bad == 0 and worst <= tolerance}
+        tensors.append({"name": NAMES[i], "max_abs_err": diff, "max_norm_ratio": e})
+    check = {"max_norm_ratio": worst, "max_abs_err": raw, "tolerance": tolerance, "non_finite": bad,
+             "passed": bad == 0 and worst <= tolerance, "tensors": tensors}
     return check, NAMES[at]
 
 
@@ -432,7 +434,7 @@ def main():
         if precision != "fp32":
             rec["peak_tflops"] = rec["peak_source"] = None
         rows.append(rec)
-        grads = f", worst grad error {grad_check['rel_err']:.2e} (d{worst_grad}, tolerance {grad_check['tolerance']:.0e})" if train else ""
+        grads = f", worst grad error {grad_check['max_norm_ratio']:.2e} (d{worst_grad}, tolerance {grad_check['tolerance']:.0e})" if train else ""
         passed = check["passed"] and (not train or grad_check["passed"])
         print(f"torch-reference: {row}: {t['median_ms']:.3f} ms, {t0 / t['median_ms']:.2f}x over stage 0, rel err {rel:.2e}"
               f"{grads}{'' if passed else ' FAILED'}")

@@ -413,6 +413,9 @@ pub struct RenderArgs {
     /// A JSON file written by `ladder --json` (one run or a sweep)
     #[arg(long, env = "SPEEDKIT_FROM")]
     pub from: PathBuf,
+    /// Also draw every --breakdown part of the run on the roofline, each under its own precision's roof, with its regime (C, M, U), to this SVG
+    #[arg(long, env = "SPEEDKIT_PARTS_ROOFLINE")]
+    pub parts_roofline: Option<PathBuf>,
     #[command(flatten)]
     pub output: OutputArgs,
 }
@@ -696,9 +699,11 @@ fn check_outputs(
     out: &OutputArgs,
     json: Option<&Path>,
     svg: Option<&Path>,
+    more: &[(&str, &Path)],
     inputs: &[(&str, &Path)],
 ) -> Result<(), SpeedkitError> {
     let mut list = args.map(shared::cli::output_flags).unwrap_or_default();
+    list.extend(more.iter().copied());
     // With --update-readme and no --json, the JSON goes to the default path beside the README.
     let json_flag = if args.is_some_and(|a| a.json.is_some()) || !out.update_readme { "--json" } else { "--update-readme (its JSON)" };
     list.retain(|(flag, _)| *flag != "--json");
@@ -772,7 +777,7 @@ fn run_command(args: RunArgs, ladder: LadderArgs, stages: Vec<Box<dyn Stage>>) -
     if ladder.ablate {
         check_ablate(&args, &stages, &which)?;
     }
-    check_outputs(Some(&args), out, planned_json.as_deref(), planned_svg.as_deref(), &shared::cli::input_flags(&args))?;
+    check_outputs(Some(&args), out, planned_json.as_deref(), planned_svg.as_deref(), &[], &shared::cli::input_flags(&args))?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let measure = Measure { rounds: ladder.rounds as usize, ablate: ladder.ablate, reference: ladder.reference };
     let (results, failure) = match &ladder.sweep {
@@ -851,11 +856,25 @@ pub fn main() -> ExitCode {
                 _ => None,
             });
             // Every output, the charts beside --svg and the README included, against the file read.
-            check_outputs(None, &args.output, None, svg.as_deref(), &[("--from", args.from.as_path())])?;
+            let parts: Vec<(&str, &Path)> = args.parts_roofline.iter().map(|p| ("--parts-roofline", p.as_path())).collect();
+            check_outputs(None, &args.output, None, svg.as_deref(), &parts, &[("--from", args.from.as_path())])?;
             if args.output.update_readme {
                 link_from_readme(&args.output.readme, "--from", &args.from)?;
             }
-            emit(&results, &args.output, Some(&args.from), svg.as_deref())
+            // Drawn before anything is written: a run without parts is refused with nothing changed.
+            let parts_svg = match (&args.parts_roofline, &results) {
+                (None, _) => None,
+                (Some(_), Results::Ladder(r)) => Some(roofline::parts_roofline_svg(r)?),
+                (Some(_), Results::Sweep(_)) => anyhow::bail!(SpeedkitError::usage(
+                    "--parts-roofline draws one run's --breakdown parts, and this file is a sweep. Fix: render a ladder run's JSON."
+                        .to_string()
+                )),
+            };
+            emit(&results, &args.output, Some(&args.from), svg.as_deref())?;
+            if let (Some(path), Some(svg)) = (&args.parts_roofline, parts_svg) {
+                shared::output::write("--parts-roofline", path, svg.as_bytes())?;
+            }
+            Ok(())
         }
         _ => run_command(RunArgs::from_arg_matches(&matches)?, LadderArgs::from_arg_matches(&matches)?, stages_from(&matches)?),
     })

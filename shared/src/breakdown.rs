@@ -78,8 +78,10 @@ thread_local! {
     static RECORDER: RefCell<Option<Recorder>> = const { RefCell::new(None) };
 }
 
-/// A part of the block begins here (a no-op unless this thread is recording).
+/// A part of the block begins here (a no-op unless this thread is recording, or observing what
+/// ran: `ran::observe`).
 pub fn part(name: &'static str) -> Result<()> {
+    crate::ran::boundary(name);
     RECORDER.with(|r| r.borrow_mut().as_mut().map_or(Ok(()), |rec| rec.boundary(Some(name))))
 }
 
@@ -92,6 +94,7 @@ pub fn part(name: &'static str) -> Result<()> {
 /// backward). Otherwise the inputs come back as they are.
 pub fn enter<const N: usize>(name: &'static str, xs: [&Tensor; N]) -> Result<[Tensor; N]> {
     part(name)?;
+    crate::ran::inputs(xs.iter().map(|x| x.dtype()));
     let marking = BACKWARD.with(|b| b.borrow().as_ref().is_some_and(|log| log.marking));
     if marking && N > 1 && xs.iter().all(|x| x.track_op()) {
         // Several inputs (stages 0–2's q, k, v) go through ONE identity op, joined along their
@@ -236,7 +239,7 @@ pub fn record_backward<T, R>(
 
 /// Kernel names as `trace::take` gives them ("name ×n", first-run order) pooled across several
 /// takes the same way: one entry per name, in first-run order, with the total count.
-fn group(ran: Vec<String>) -> Vec<String> {
+pub(crate) fn group(ran: Vec<String>) -> Vec<String> {
     let split = |s: &str| -> (String, usize) {
         match s.rsplit_once(" ×") {
             Some((n, k)) if k.parse::<usize>().is_ok() => (n.to_string(), k.parse().unwrap_or(1)),

@@ -12,6 +12,7 @@ pub mod graph;
 pub mod output;
 pub mod perf;
 pub mod preset;
+pub mod ran;
 pub mod regime;
 pub mod report;
 pub mod runner;

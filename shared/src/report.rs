@@ -322,7 +322,7 @@ pub fn grid(rows: &[Row], references: &[Record], cuda: bool) -> Grid {
                 (_, false) => vec![],
                 (None, true) => vec!["–".into(), "–".into()],
                 (Some(t), true) => {
-                    let grad = t.grad_check.as_ref().map_or("-".into(), |c| format!("{:.1e}", c.rel_err));
+                    let grad = t.grad_check.as_ref().map_or("-".into(), |c| format!("{:.1e}", c.max_norm_ratio));
                     vec![format!("{:.3}", t.optimizer_timing.median_ms), grad]
                 }
             })

@@ -3,7 +3,6 @@
 //! times it (forward + backward), with the update timed beside it; checked first, gradient by
 //! gradient, against stage 0's fp32 autograd, and the update against `candle_nn::AdamW`'s.
 
-use crate::check::CheckResult;
 use crate::error::SpeedkitError;
 use crate::stage::{train_params, Forward, Optimize, Plan, Precision};
 use crate::timing::{Progress, Stats};
@@ -68,16 +67,44 @@ pub fn piece_batch(shape: &crate::Shape, limit: usize, avail: Option<u64>, need:
     (1..=limit.max(1)).rev().find(|&b| fits(b)).unwrap_or(1)
 }
 
+/// One tensor of a max-norm check: the largest |a − b| over its elements, and that over the
+/// largest |b| (the reference's max norm).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TensorError {
+    pub name: String,
+    pub max_abs_err: f64,
+    pub max_norm_ratio: f64,
+}
+
+/// A check of several tensors against a reference by max norms, as the gradient and the update
+/// checks make it: per tensor max |a − b| / max |b| (max |a − b| where b is all zeros), the worst
+/// against `tolerance`. The forward's check (`CheckResult::rel_err`) is an L2 ratio instead.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MaxNormCheck {
+    /// The worst tensor's max |a − b| / max |b|. Records before this name called it `rel_err`.
+    #[serde(alias = "rel_err")]
+    pub max_norm_ratio: f64,
+    /// The largest |a − b| over every tensor (older records wrote 0 here).
+    pub max_abs_err: f64,
+    pub tolerance: f64,
+    pub non_finite: usize,
+    pub passed: bool,
+    /// Each tensor's own max |a − b| and ratio, in `NAMES` order (absent from older records).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tensors: Vec<TensorError>,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainRecord {
     pub optimizer: String,
     /// The update alone, per step (the row's `timing` is forward + backward).
     pub optimizer_timing: Stats,
-    /// The worst gradient against stage 0's autograd, and which it was (`None` with --no-check).
-    pub grad_check: Option<CheckResult>,
+    /// Every gradient against stage 0's autograd by max norms, and which was worst (`None` with --no-check).
+    pub grad_check: Option<MaxNormCheck>,
     pub worst_grad: String,
-    /// One update against `candle_nn::AdamW`'s on the same gradients: max |Δθ − Δθ_ref| / max |Δθ_ref|.
-    pub optimizer_check: Option<CheckResult>,
+    /// One update against `candle_nn::AdamW`'s on the same gradients, per weight: max |θ − θ_ref|
+    /// beyond two f32 ulps of θ_ref, over max |θ_ref − θ₀| (`update_error`).
+    pub optimizer_check: Option<MaxNormCheck>,
     /// Steps skipped for a non-finite gradient under loss scaling.
     pub skipped_steps: usize,
 }
@@ -160,11 +187,12 @@ pub fn gradients(grads: &GradStore, vars: &[Var], x: &Var, scale: f64) -> candle
     vars.iter().chain([x]).zip(NAMES).map(grad).collect()
 }
 
-/// The worst max |a − b| / max |b| over pairs of `got` and `reference` (on the host) against
-/// `tolerance`, and which pair it was (the first with a NaN or infinity in `got`, if any);
-/// `max_abs_err` is the largest |a − b| over all pairs.
-fn worst(got: &[Tensor], reference: &[Tensor], tolerance: f64) -> candle_core::Result<(CheckResult, usize)> {
+/// Each pair of `got` and `reference` (on the host) by max norms (`MaxNormCheck`), the worst
+/// ratio against `tolerance`, and which pair it was (the first with a NaN or infinity in `got`,
+/// if any).
+fn worst(got: &[Tensor], reference: &[Tensor], tolerance: f64) -> candle_core::Result<(MaxNormCheck, usize)> {
     let (mut worst, mut at, mut bad, mut raw) = (0f64, 0, 0, 0f64);
+    let mut tensors = Vec::with_capacity(got.len());
     for (i, (a, b)) in got.iter().zip(reference).enumerate() {
         let (a, b) = (crate::check::host_f32(a)?, crate::check::host_f32(b)?);
         let nan = a.iter().filter(|v| !v.is_finite()).count();
@@ -175,12 +203,14 @@ fn worst(got: &[Tensor], reference: &[Tensor], tolerance: f64) -> candle_core::R
             at = i;
         }
         (worst, bad, raw) = (worst.max(e), bad + nan, raw.max(diff));
+        tensors.push(TensorError { name: NAMES.get(i).unwrap_or(&"?").to_string(), max_abs_err: diff, max_norm_ratio: e });
     }
-    Ok((CheckResult { rel_err: worst, max_abs_err: raw, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance }, at))
+    let passed = bad == 0 && worst <= tolerance;
+    Ok((MaxNormCheck { max_norm_ratio: worst, max_abs_err: raw, tolerance, non_finite: bad, passed, tensors }, at))
 }
 
 /// Each gradient against the reference's: the worst one's error and its name.
-pub fn compare_grads(got: &[Tensor], reference: &[Tensor], p: Precision) -> candle_core::Result<(CheckResult, String)> {
+pub fn compare_grads(got: &[Tensor], reference: &[Tensor], p: Precision) -> candle_core::Result<(MaxNormCheck, String)> {
     if let Some(((g, r), n)) = got.iter().zip(reference).zip(NAMES).find(|((g, r), _)| g.dims() != r.dims()) {
         candle_core::bail!("the gradient of {n} has shape {:?}, the reference's {:?}", g.dims(), r.dims());
     }
@@ -216,7 +246,7 @@ pub fn check_optimizer(
     make: &dyn Fn(Vec<Var>) -> anyhow::Result<Box<dyn Optimize>>,
     w: &BlockWeights,
     grads: &[Tensor],
-) -> anyhow::Result<CheckResult> {
+) -> anyhow::Result<MaxNormCheck> {
     let (ours, theirs) = (vars(w)?, vars(w)?);
     let mut opt = make(ours.clone())?;
     let store = |v: &[Var], s: f64| -> candle_core::Result<GradStore> {
@@ -241,19 +271,22 @@ pub fn check_optimizer(
 /// θ·(1 − lr·λ) − lr·u into one FMA, candle rounds each op) differ by an ulp of θ, which is 1.2e-3
 /// of such an update (measured on an H100: 1.179e-3, one ulp exactly). Those ulps are forgiven; a
 /// wrong update is not (dropping the weight decay moves θ ≈ 1 by lr·λ = 1e-6, eight ulps).
-pub fn update_error(got: &[Vec<f32>], reference: &[Vec<f32>], before: &[Vec<f32>]) -> CheckResult {
+pub fn update_error(got: &[Vec<f32>], reference: &[Vec<f32>], before: &[Vec<f32>]) -> MaxNormCheck {
     let ulp = |x: f32| f32::from_bits(x.abs().to_bits() + 1) - x.abs();
     let (mut worst, mut raw, mut bad) = (0f64, 0f64, 0);
-    for ((a, b), t0) in got.iter().zip(reference).zip(before) {
+    let mut tensors = Vec::with_capacity(got.len());
+    for (i, ((a, b), t0)) in got.iter().zip(reference).zip(before).enumerate() {
         bad += a.iter().filter(|v| !v.is_finite()).count();
         let size = b.iter().zip(t0).map(|(y, y0)| (y - y0).abs() as f64).fold(0.0, f64::max);
         let diff = |(x, y): (&f32, &f32)| (x - y).abs() as f64;
         let beyond = a.iter().zip(b).map(|(x, y)| (diff((x, y)) - 2.0 * ulp(*y) as f64).max(0.0)).fold(0.0, f64::max);
-        raw = a.iter().zip(b).map(diff).fold(raw, f64::max);
-        worst = worst.max(if size > 0.0 { beyond / size } else { beyond });
+        let max_abs_err = a.iter().zip(b).map(diff).fold(0.0, f64::max);
+        let e = if size > 0.0 { beyond / size } else { beyond };
+        (raw, worst) = (raw.max(max_abs_err), worst.max(e));
+        tensors.push(TensorError { name: NAMES.get(i).unwrap_or(&"?").to_string(), max_abs_err, max_norm_ratio: e });
     }
     let tolerance = 1e-4;
-    CheckResult { rel_err: worst, max_abs_err: raw, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance }
+    MaxNormCheck { max_norm_ratio: worst, max_abs_err: raw, tolerance, non_finite: bad, passed: bad == 0 && worst <= tolerance, tensors }
 }
 
 /// `--train --breakdown`'s instrumented steps: per step, the forward and the backward (a
@@ -347,12 +380,12 @@ pub fn total_steps(warmup: usize, iters: usize, parts: bool) -> usize {
     warmup + iters + if parts { iters } else { 0 }
 }
 
-pub fn check_failed(stage: &str, what: &str, c: &CheckResult, plan: &Plan) -> SpeedkitError {
+pub fn check_failed(stage: &str, what: &str, c: &MaxNormCheck, plan: &Plan) -> SpeedkitError {
     SpeedkitError::CheckFailed(format!(
         "{stage}'s {what} at {}: max |Δ| / max |ref| {:.3e} above the tolerance {:.1e} ({} values NaN or infinite), \
          against stage 0's fp32 autograd and candle-nn's AdamW on the same weights, input and r. Nothing was timed. \
          Fix: report it with this command line.",
-        plan.precision, c.rel_err, c.tolerance, c.non_finite
+        plan.precision, c.max_norm_ratio, c.tolerance, c.non_finite
     ))
 }
 

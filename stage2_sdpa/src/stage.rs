@@ -111,16 +111,8 @@ impl Stage for Sdpa {
     }
 
     fn notes(&self, plan: &Plan) -> Vec<String> {
-        let mut notes = stage1_tensorcore::TensorCore.notes(plan); // alignment advice
-        let imp = attention_of(plan, self.args.attention_kernel);
-        notes.push(match imp {
-            attention::Implementation::Cpu => format!(
-                "attention: speedkit online-softmax attention on the CPU, the {} at d_head {} (rayon over batch × heads)",
-                Self::cpu_kernel(plan.shape.d_head()),
-                plan.shape.d_head()
-            ),
-            imp => format!("attention: {}", imp.description()),
-        });
+        // Alignment advice; which attention kernel ran, the runner's notes say (`shared::ran`).
+        let mut notes = stage1_tensorcore::TensorCore.notes(plan);
         if plan.train && plan.info.is_cuda() {
             notes.push(match plan.precision {
                 Precision::Bf16 | Precision::F16 => {

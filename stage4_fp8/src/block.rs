@@ -148,27 +148,27 @@ impl Block {
         };
         let (b, t, c) = x.dims3()?;
         let heads = (b, t, 3, self.n_head, c / self.n_head); // (B, T, 3, n_head, d_head): a view of (B, T, 3C), no copy
-        part("ln1")?; // a no-op unless --breakdown is recording (shared::breakdown)
+        let [x] = enter("ln1", [x])?; // a no-op unless --breakdown is recording (shared::breakdown)
         let h = match self.target(&self.qkv, self.fusions.ln)? {
-            Some(s) => Input::Fp8(producers::layer_norm_e4m3(x, &self.ln1_g, &self.ln1_b, &s)?), // (B, T, C) E4M3 for qkv, its amax recorded
-            None => Input::Plain(layer_norm(x, &self.ln1_g, &self.ln1_b, LN_EPS, self.dtype)?), // (B, T, C): one kernel, activation dtype out
+            Some(s) => Input::Fp8(producers::layer_norm_e4m3(&x, &self.ln1_g, &self.ln1_b, &s)?), // (B, T, C) E4M3 for qkv, its amax recorded
+            None => Input::Plain(layer_norm(&x, &self.ln1_g, &self.ln1_b, LN_EPS, self.dtype)?), // (B, T, C): one kernel, activation dtype out
         };
         part("qkv")?;
         keep(&h)?;
         let qkv = self.qkv.forward_input(&h, None)?.reshape(heads)?; // one FP8 GEMM, bias in its epilogue
+        let [qkv] = enter("attention", [&qkv])?;
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
-        part("attention")?;
         let a = attention::attention_with(self.attn, &q, &k, &v, true)?.reshape((b, t, c))?; // (B, T, C)
-        part("proj+residual+ln2")?;
+        let [a] = enter("proj+residual+ln2", [&a])?;
         keep(&Input::Plain(a.clone()))?;
         let p = self.proj.forward(&a)?;
         let (x, h) = match self.target(&self.fc1, self.fusions.ln)? {
             Some(s) => {
-                let (x, h) = producers::add_layer_norm_e4m3(x, &p, &self.ln2_g, &self.ln2_b, &s)?; // x += proj; h = E4M3(LN(x))
+                let (x, h) = producers::add_layer_norm_e4m3(&x, &p, &self.ln2_g, &self.ln2_b, &s)?; // x += proj; h = E4M3(LN(x))
                 (x, Input::Fp8(h))
             }
             None => {
-                let (x, h) = add_layer_norm(x, &p, &self.ln2_g, &self.ln2_b, LN_EPS)?; // x += proj; h = LN(x)
+                let (x, h) = add_layer_norm(&x, &p, &self.ln2_g, &self.ln2_b, LN_EPS)?; // x += proj; h = LN(x)
                 (x, Input::Plain(h))
             }
         };

@@ -7,8 +7,10 @@
 //! `gemm::Fp8Gemm`). Everything else is stage 3: its fused LayerNorm and residual kernels,
 //! stage 2's attention, LayerNorm statistics and the residual stream in f32. The activations
 //! stay in the dtype stage 3 uses at the same `--precision` (`activation_dtype`): on the CPU,
-//! stage 3's GEMM dtype, so the GEMMs' number format is the one change; on CUDA, bf16 (what
-//! cuBLASLt's FP8 GEMMs store), and a note says so when stage 3 would run something else.
+//! stage 3's GEMM dtype — at the default `auto`, bf16 on a CPU with a bf16 unit (AVX512-BF16,
+//! AMX-BF16) and f32 on one without, f32 at `--precision fp32` — so the GEMMs' number format is
+//! the one change; on CUDA, bf16 (what cuBLASLt's FP8 GEMMs store), and a note says so when
+//! stage 3 would run something else.
 //!
 //! **Why it is faster on the hardware.** Hopper's tensor cores do twice as many E4M3 FLOPs per
 //! clock as bf16 (1979 vs 989 dense TFLOP/s on H100 SXM), and E4M3 operands are half the bytes.

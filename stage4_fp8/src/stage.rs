@@ -168,9 +168,7 @@ impl Fp8 {
         }
         match stage3 {
             Some(dt) => (dt, None),
-            None => {
-                (DType::F32, Some("activations in f32: stage 3 cannot run this --precision, so stage 4 keeps the CPU's default".into()))
-            }
+            None => (DType::F32, Some("activations in f32: stage 3 cannot run this --precision, so stage 4 keeps them f32".into())),
         }
     }
 }
@@ -285,13 +283,9 @@ impl Stage for Fp8 {
                 self.fused.fusions.describe()
             ));
         }
-        if self.mode(plan) == Fp8Mode::Emulated {
-            notes.push("FP8 emulated: activations and weights rounded to E4M3 with per-tensor scales, then f32 GEMMs".into());
-        }
-        let (dt, forced) = self.activation_dtype(plan);
-        notes.push(forced.unwrap_or_else(|| {
-            format!("activations in {}, as stage 3 at this --precision: only the GEMMs' format differs", dtype_name(dt))
-        }));
+        // Which GEMMs and dtypes ran, the runner's notes say (`shared::ran`); here only why the
+        // activations' dtype differs from stage 3's where it does.
+        notes.extend(self.activation_dtype(plan).1);
         notes
     }
 

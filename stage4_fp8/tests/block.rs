@@ -165,13 +165,19 @@ fn on_the_cpu_stage_4_differs_from_stage_3_only_in_the_gemms() {
         let spec = Fp8::default();
         let plan = plan(&spec, &device, &info, shape, PrecisionRequest::Auto, requested, false, false).unwrap();
         assert_eq!(spec.activation_dtype(&plan), (dtype, None), "{requested:?}");
-        let notes = spec.notes(&plan);
-        assert!(notes.iter().any(|n| n.contains("only the GEMMs' format differs")), "{notes:?}");
+        assert!(spec.notes(&plan).iter().all(|n| !n.contains("activations")), "{:?}", spec.notes(&plan));
         // It runs, within the fp8 tolerance, and its twin (same dtype, same fused residual) agrees.
         let w = BlockWeights::from_seed(&shape, 6).unwrap();
         let x = random_input(&shape, 6).unwrap();
         let block = Block::build(&w, &plan, &spec).unwrap();
-        let y = block.forward(&x).unwrap();
+        let (y, ran) = shared::ran::observe(|| block.forward(&x)).unwrap();
+        // What the forward ran says so: attention's input in that dtype, the GEMMs FP8's.
+        let notes = shared::ran::notes(&ran);
+        let want = format!("{} into", shared::ran::dtype_name(dtype));
+        let into_attention =
+            notes.iter().filter_map(|n| n.strip_prefix("ran: activations ")).flat_map(|n| n.split("; ")).find(|g| g.contains("attention"));
+        assert!(into_attention.is_some_and(|g| g.starts_with(&want)), "{requested:?}: {notes:?}");
+        assert!(notes.iter().any(|n| n.starts_with("ran: GEMMs by kernel: fp8 gemm: emulated")), "{notes:?}");
         let twin = block.self_check(&x, &y).unwrap().unwrap();
         assert!(twin.result.passed, "{requested:?}: {twin:?}");
     }

@@ -26,3 +26,43 @@ fn points_on_one_pixel_are_fanned_out() {
     assert_eq!(before, vec![0, 1, 0, 2]);
     assert_eq!(after, vec![2, 1, 0, 0]);
 }
+
+/// The recorded CPU run: each part sits under its own precision's roof — fp32 rows' parts under
+/// the f32 GEMM rate, bf16 rows' under the bf16 one — and its point is its regime cell's.
+#[test]
+fn each_part_is_placed_under_its_own_precisions_roof() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../results/ladder-cpu.json");
+    let report: LadderReport = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let pts = part_points(&report);
+    let parts: usize = report.records.iter().map(|r| r.breakdown.as_ref().map_or(0, |b| b.parts.len())).sum();
+    assert_eq!(pts.len(), parts, "every part of every row");
+    let ceiling = report.records[0].ceiling.as_ref().unwrap();
+    let bf16 = ceiling.bf16.as_ref().unwrap().gemm_gflops;
+    for (p, r) in
+        pts.iter().zip(report.records.iter().flat_map(|r| r.breakdown.iter().flat_map(move |b| b.parts.iter().map(move |p| (r, p)))))
+    {
+        let (rec, part) = r;
+        let g = part.regime.as_ref().unwrap();
+        let want = match rec.precision {
+            Precision::Bf16 => bf16,
+            _ => ceiling.gemm_gflops,
+        };
+        assert!((p.compute_roof - want).abs() < 1e-6 * want, "{} {}: roof {} want {want}", p.stage, p.part, p.compute_roof);
+        assert!((p.memory_roof - ceiling.bandwidth_gbs).abs() < 1e-6 * ceiling.bandwidth_gbs);
+        assert_eq!((p.intensity, p.gflops), (g.flops / g.min_bytes, g.gflops));
+        assert_eq!(p.tag, shared::regime::tag(g));
+    }
+    // Two roofs, named by the precisions under them; stage 0's ln1 is the cell the README cites.
+    let roofs = part_roofs(&pts);
+    assert_eq!(roofs.iter().map(|r| r.0.as_str()).collect::<Vec<_>>(), ["fp32/fp8 (emulated)", "bf16"]);
+    let ln1 = pts.iter().find(|p| p.stage == "stage0_baseline" && p.part == "ln1").unwrap();
+    assert!((ln1.gflops - 6.74).abs() < 0.01 && ln1.tag.starts_with('U'), "{ln1:?}");
+    let svg = parts_roofline_svg(&report).unwrap();
+    assert!(svg.contains("fp32/fp8 (emulated) roof 196 GFLOP/s") && svg.contains("bf16 roof 346 GFLOP/s"), "roof labels");
+    // docs/roofline.svg is this chart of this JSON, exactly (CI draws it again and diffs it too).
+    let committed = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/roofline.svg")).unwrap();
+    assert!(
+        committed == svg,
+        "docs/roofline.svg is not what results/ladder-cpu.json draws. Fix: cargo run --release -p ladder -- render --from results/ladder-cpu.json --parts-roofline docs/roofline.svg"
+    );
+}

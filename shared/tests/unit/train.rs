@@ -47,10 +47,10 @@ fn an_update_rounded_in_another_order_passes_and_a_wrong_one_fails() {
     let raw = update_error(&fused, &reference, &before).max_abs_err;
     assert!(raw > 0.0 && raw <= 2.5e-7, "the FMA order should differ from the separate one by an ulp of θ: {raw}");
     let r = update_error(&fused, &reference, &before);
-    assert!(r.passed && r.rel_err == 0.0, "{r:?}");
+    assert!(r.passed && r.max_norm_ratio == 0.0, "{r:?}");
     // Without the weight decay: eight ulps of θ ≈ 1, caught.
     let r = update_error(&step(1.0, true), &reference, &before);
-    assert!(!r.passed && r.rel_err > 1e-3, "{r:?}");
+    assert!(!r.passed && r.max_norm_ratio > 1e-3, "{r:?}");
     // A NaN is never forgiven.
     let mut nan = fused.clone();
     nan[0][4] = f32::NAN;
@@ -97,4 +97,40 @@ fn training_steps_report_progress() {
     let mut quiet = Progress::new("stage_t", "training steps", 4);
     time_steps(&Scale(w), &mut Nothing, &x, &r, (1, 3, false), &mut quiet).unwrap();
     assert_eq!(quiet.printed, 0);
+}
+
+#[test]
+fn the_gradient_check_records_each_tensors_max_abs_difference_and_names_its_ratio() {
+    let dev = candle_core::Device::Cpu;
+    let t = |v: &[f32]| Tensor::new(v, &dev).unwrap();
+    let reference = [t(&[1.0, -4.0]), t(&[0.5, 0.25]), t(&[0.0, 0.0])];
+    let got = [t(&[1.0, -4.002]), t(&[0.5, 0.25]), t(&[0.0, 3e-6])];
+    let (c, worst) = compare_grads(&got, &reference, Precision::Bf16).unwrap();
+    // Per tensor: max |Δ|, and that over max |ref| (max |Δ| itself where ref is all zeros).
+    let got: Vec<(&str, f64, f64)> = c.tensors.iter().map(|e| (e.name.as_str(), e.max_abs_err, e.max_norm_ratio)).collect();
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), ["ln1_g", "ln1_b", "w_qkv"]);
+    assert!((got[0].1 - 2e-3).abs() < 1e-6 && (got[0].2 - 5e-4).abs() < 1e-6, "{got:?}");
+    assert_eq!((got[1].1, got[1].2), (0.0, 0.0));
+    assert!((got[2].1 - 3e-6).abs() < 1e-9 && got[2].1 == got[2].2, "{got:?}");
+    assert_eq!(worst, "ln1_g");
+    assert!((c.max_norm_ratio - 5e-4).abs() < 1e-6 && (c.max_abs_err - 2e-3).abs() < 1e-6 && c.passed, "{c:?}");
+    // Written under the name that says what it is.
+    let json = serde_json::to_value(&c).unwrap();
+    assert!(json.get("max_norm_ratio").is_some() && json.get("rel_err").is_none(), "{json}");
+}
+
+#[test]
+fn a_recorded_gradient_check_under_its_old_name_still_reads() {
+    let old = r#"{"rel_err": 0.0057, "max_abs_err": 0.0, "tolerance": 0.02, "non_finite": 0, "passed": true}"#;
+    let c: MaxNormCheck = serde_json::from_str(old).unwrap();
+    assert_eq!((c.max_norm_ratio, c.max_abs_err, c.tensors.len()), (0.0057, 0.0, 0));
+    // The committed training run, recorded before the rename, reads with its ratios intact.
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../results/ladder-cpu-train.json");
+    let raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let report: crate::report::LadderReport = serde_json::from_value(raw.clone()).unwrap();
+    for (r, j) in report.records.iter().zip(raw["records"].as_array().unwrap()) {
+        let (g, j) = (r.train.as_ref().and_then(|t| t.grad_check.as_ref()).unwrap(), &j["train"]["grad_check"]);
+        let recorded = j.get("max_norm_ratio").or(j.get("rel_err")).and_then(|v| v.as_f64()).unwrap();
+        assert_eq!(g.max_norm_ratio, recorded, "{}", r.stage);
+    }
 }
