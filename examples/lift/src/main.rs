@@ -95,13 +95,15 @@ fn main() -> candle_core::Result<()> {
         let (cpu, flags) = cpu();
         let text = format!(
             "{{\n  \"schema\": \"lift-1\",\n  \"model\": {{\"n_layer\": {}, \"n_embd\": {}, \"n_head\": {}, \"vocab\": {}, \"batch\": {B}, \"seq\": {t}, \"dtype\": \"f32\"}},\n  \
-             \"cpu\": {cpu:?},\n  \"cpu_flags\": {flags:?},\n  \"threads\": {},\n  \"iters\": {iters},\n  \"warmup\": {WARMUP},\n  \
+             \"cpu\": {},\n  \"cpu_flags\": [{}],\n  \"threads\": {},\n  \"iters\": {iters},\n  \"warmup\": {WARMUP},\n  \
              \"check\": {{\"fp32_rel_err\": {fp32_err}, \"fp8_rel_err\": {fp8_err}, \"train_worst_grad_rel_err\": {grad_err}}},\n  \
              \"forward\": {{\"candle_nn\": {}, \"lifted\": {}, \"lifted_fp8_emulated\": {}}},\n  \"speedup\": {}\n}}\n",
             cfg.n_layer,
             cfg.n_embd,
             cfg.n_head,
             cfg.vocab,
+            json_string(&cpu),
+            flags.iter().map(|f| json_string(f)).collect::<Vec<_>>().join(", "),
             candle_core::utils::get_num_threads(),
             timing(candle),
             timing(lifted),
@@ -118,6 +120,22 @@ fn main() -> candle_core::Result<()> {
         println!("saved     JSON to {}", path.display());
     }
     Ok(())
+}
+
+/// `s` as a JSON string: quotes, backslashes and control characters escaped (Rust's `{:?}` is
+/// not JSON for every string).
+fn json_string(s: &str) -> String {
+    let mut out = String::from('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 /// The CPU's model name and the flags that decide its kernels (from /proc/cpuinfo; empty where
@@ -223,4 +241,12 @@ fn check_rayon_threads() {
 fn usage(why: &str) -> ! {
     eprintln!("lift: {why}. Usage: cargo run --release -p lift [-- --iters N] [--json PATH] (the shapes are Config::small in examples/lift/src/lib.rs).");
     std::process::exit(2);
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn json_strings_escape_what_json_requires() {
+        assert_eq!(super::json_string("Xeon(R) \"Gold\" \\ é\n"), "\"Xeon(R) \\\"Gold\\\" \\\\ é\\u000a\"");
+    }
 }
