@@ -416,6 +416,17 @@ pub fn gemm<A: Operand, B: Operand>(
 }
 
 /// An error unless `kernel` is ours to run and this CPU has it.
+/// Whether a (m × k) and a packed b (k × n) fit c = a·b with outputs of `outputs` elements (c,
+/// and a kept copy where there is one), a's view is in bounds, and b's kernel runs on this CPU.
+fn fits_packed<A: Operand>(a: &MatRef<A>, b: &PackedB, outputs: &[usize]) -> Result<(), String> {
+    let (m, k, n) = (a.rows, a.cols, b.n);
+    if b.k != k || outputs.iter().any(|&len| len != m * n) {
+        return Err(format!("bf16 gemm: a {m} × {k}, packed b {} × {n} and outputs of {outputs:?} elements do not fit c = a·b", b.k));
+    }
+    a.check("a")?;
+    check_kernel(b.kernel)
+}
+
 fn check_kernel(kernel: Kernel) -> Result<(), String> {
     if !kernel.is_native() || !kernel.available() {
         return Err(format!("bf16 gemm: the {} kernel cannot run on this CPU (detected: {})", kernel.name(), Kernel::detect().name()));
@@ -533,11 +544,7 @@ impl PackedB {
 /// kernel b was packed for.
 pub fn gemm_packed<A: Operand>(c: &mut [f32], a: MatRef<A>, b: &PackedB, accumulate: bool, parallel: bool) -> Result<(), String> {
     let (m, k, n, kp, kernel) = (a.rows, a.cols, b.n, b.kp, b.kernel);
-    if b.k != k || c.len() != m * n {
-        return Err(format!("bf16 gemm: a {m} × {k}, packed b {} × {n} and c ({} elements) do not fit c = a·b", b.k, c.len()));
-    }
-    a.check("a")?;
-    check_kernel(kernel)?;
+    fits_packed(&a, b, &[c.len()])?;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -578,12 +585,8 @@ pub fn gemm_packed_bf16_with<A: Operand>(
     parallel: bool,
     epilogue: Option<Epilogue>,
 ) -> Result<(), String> {
-    let (m, k, n, kernel) = (a.rows, a.cols, b.n, b.kernel);
-    if b.k != k || c.len() != m * n {
-        return Err(format!("bf16 gemm: a {m} × {k}, packed b {} × {n} and c ({} elements) do not fit c = a·b", b.k, c.len()));
-    }
-    a.check("a")?;
-    check_kernel(kernel)?;
+    let (m, k, n) = (a.rows, a.cols, b.n);
+    fits_packed(&a, b, &[c.len()])?;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -622,12 +625,8 @@ pub fn gemm_packed_with<A: Operand>(
     parallel: bool,
     epilogue: Option<Epilogue>,
 ) -> Result<(), String> {
-    let (m, k, n, kernel) = (a.rows, a.cols, b.n, b.kernel);
-    if b.k != k || c.len() != m * n || keep.as_ref().is_some_and(|kept| kept.len() != m * n) {
-        return Err(format!("bf16 gemm: a {m} × {k}, packed b {} × {n}, c and keep ({} elements) do not fit c = a·b", b.k, c.len()));
-    }
-    a.check("a")?;
-    check_kernel(kernel)?;
+    let (m, k, n) = (a.rows, a.cols, b.n);
+    fits_packed(&a, b, &[c.len(), keep.as_ref().map_or(c.len(), |kept| kept.len())])?;
     if m == 0 || n == 0 {
         return Ok(());
     }
