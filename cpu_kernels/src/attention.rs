@@ -115,7 +115,8 @@ impl CpuAttention {
             {
                 // Each input rounded to bf16 once (all threads), then the bf16 kernel, writing f32 rows.
                 let narrow = |x: &[f32]| {
-                    let mut out = crate::elementwise::zeros_bf16(x.len());
+                    // SAFETY: the chunks cover out, each written whole by narrow_bf16.
+                    let mut out = unsafe { crate::elementwise::uninit_of::<half::bf16>(x.len()) };
                     out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, s)| crate::bf16_gemm::narrow_bf16(s, o));
                     out
                 };
@@ -269,7 +270,9 @@ impl CpuAttention {
         [b, t, h, d]: [usize; 4],
         to_f32: impl Fn(&'s [T], usize, usize, usize) -> (Cow<'s, [f32]>, usize) + Sync,
     ) -> Vec<T> {
-        let mut out = crate::elementwise::zeros_of::<T>(b * t * h * d);
+        // SAFETY: every row of every (batch, head) is written whole by `write` (each head's
+        // kernel writes rows 0..T), and the (batch, head) pairs tile the output.
+        let mut out = unsafe { crate::elementwise::uninit_of::<T>(b * t * h * d) };
         let ptr = OutPtr(out.as_mut_ptr());
         let mut lse = self.lse_buffer(b * h * t); // (B, n_head, T) while training, else empty
         let lse_ptr = OutPtr(lse.as_mut_ptr());
@@ -289,9 +292,7 @@ impl CpuAttention {
                 // and no other task writes it: tasks own distinct (b, h) pairs, and the rows of
                 // different pairs do not overlap. The same for its L at bh·T + r in `lse`.
                 let dst = unsafe { std::slice::from_raw_parts_mut(ptr.at(base + r * h * d), d) };
-                for (x, &y) in dst.iter_mut().zip(o) {
-                    *x = T::from_f64(y as f64);
-                }
+                crate::elementwise::store_f32(o, dst);
                 if !lse.is_empty() {
                     unsafe { *lse_ptr.at(bh * t + r) = l };
                 }
@@ -325,7 +326,9 @@ impl CpuAttention {
         [(q, qv), (k, kv), (v, vv)]: [(&'s [half::bf16], View); 3],
         [b, t, h, d]: [usize; 4],
     ) -> candle_core::Result<Vec<T>> {
-        let mut out = crate::elementwise::zeros_of::<T>(b * t * h * d);
+        // SAFETY: every row of every (batch, head) is written whole by `write` (each head's
+        // kernel writes rows 0..T), and the (batch, head) pairs tile the output.
+        let mut out = unsafe { crate::elementwise::uninit_of::<T>(b * t * h * d) };
         let ptr = OutPtr(out.as_mut_ptr());
         let mut lse = self.lse_buffer(b * h * t);
         let lse_ptr = OutPtr(lse.as_mut_ptr());
@@ -337,9 +340,7 @@ impl CpuAttention {
             let mut write = |r: usize, o: &[f32], l: f32| {
                 // SAFETY: as in `run_tiles`: row r of head (bi, hi) is inside `out` and this task's own, its L too.
                 let dst = unsafe { std::slice::from_raw_parts_mut(ptr.at(base + r * h * d), d) };
-                for (x, &y) in dst.iter_mut().zip(o) {
-                    *x = T::from_f64(y as f64);
-                }
+                crate::elementwise::store_f32(o, dst);
                 if !lse.is_empty() {
                     unsafe { *lse_ptr.at(bh * t + r) = l };
                 }
@@ -361,7 +362,8 @@ impl CpuAttention {
                 rowwise_head(q, k, v, [rows(qv), rows(kv), rows(vv)], t, self.scale, self.causal)
             })
             .collect();
-        let mut out = crate::elementwise::zeros_of::<T>(b * t * h * d);
+        // SAFETY: the heads' rows tile the output, each copied in whole below.
+        let mut out = unsafe { crate::elementwise::uninit_of::<T>(b * t * h * d) };
         for (bh, o) in heads.iter().enumerate() {
             let base = (bh / h) * t * h * d + (bh % h) * d;
             for (r, row) in o.chunks_exact(d).enumerate() {

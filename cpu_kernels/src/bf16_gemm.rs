@@ -1305,7 +1305,8 @@ impl Bf16Matmul {
         if !bf16_out {
             return Ok((CpuStorage::F32(out), shape));
         }
-        let mut narrow = crate::elementwise::zeros_bf16(out.len());
+        // SAFETY: the chunks cover narrow, each written whole by narrow_bf16.
+        let mut narrow = unsafe { crate::elementwise::uninit_of::<bf16>(out.len()) };
         narrow.par_chunks_mut(16 * 1024).zip(out.par_chunks(16 * 1024)).for_each(|(n, o)| narrow_bf16(o, n));
         Ok((CpuStorage::BF16(narrow), shape))
     }

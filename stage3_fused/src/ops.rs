@@ -35,7 +35,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 use cpu_kernels::bf16_gemm::{self, narrow_bf16, Kernel, MatRef, PackedB, PackedWeight};
-use cpu_kernels::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, zeros_bf16, Elementwise, RowStats};
+use cpu_kernels::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, uninit_of, Elementwise, RowStats};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
@@ -245,7 +245,8 @@ impl CustomOp3 for AddLayerNorm {
 /// LayerNorm over every row of C values of x (f32, row-major), on all threads: `ROWS_PER_TASK`
 /// rows per rayon task. The CPU body of `layer_norm` (and of stage 4's E4M3 LayerNorm).
 pub fn layer_norm_rows(x: &[f32], g: &[f32], b: &[f32], eps: f32, c: usize) -> Vec<f32> {
-    let mut h = vec![0f32; x.len()];
+    // SAFETY: the chunks cover h, and normalise_row writes each row whole.
+    let mut h = unsafe { uninit_of::<f32>(x.len()) };
     let rows = ROWS_PER_TASK * c.max(1);
     h.par_chunks_mut(rows).zip(x.par_chunks(rows)).for_each(|(h, x)| {
         h.chunks_mut(c.max(1)).zip(x.chunks(c.max(1))).for_each(|(h, row)| normalise_row(row, g, b, eps, h));
@@ -257,7 +258,8 @@ pub fn layer_norm_rows(x: &[f32], g: &[f32], b: &[f32], eps: f32, c: usize) -> V
 /// in L1, on all threads. The CPU body of `add_layer_norm` (and of stage 4's E4M3 version).
 pub fn add_layer_norm_rows(x: &[f32], branch: &[f32], g: &[f32], b: &[f32], eps: f32, c: usize) -> (Vec<f32>, Vec<f32>) {
     let c = c.max(1);
-    let (mut x_out, mut h) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+    // SAFETY: the chunks cover both; map_slice writes each x_out row whole, normalise_row each h row.
+    let (mut x_out, mut h) = unsafe { (uninit_of::<f32>(x.len()), uninit_of::<f32>(x.len())) };
     let rows = ROWS_PER_TASK * c;
     x_out.par_chunks_mut(rows).zip(h.par_chunks_mut(rows)).zip(x.par_chunks(rows).zip(branch.par_chunks(rows))).for_each(
         |((xo, ho), (xr, br))| {
@@ -489,7 +491,8 @@ impl CustomOp3 for Linear<'_> {
             // L2, and GELU's input kept from the same block for the backward: no bias fill before
             // the GEMM, no copy and no GELU pass after it.
             let packed = PackedB::new(*kernel, MatRef::row_major(w, n, k).t(), true).map_err(candle_core::Error::Msg)?;
-            let (mut out, mut keep) = (vec![0f32; m * n], self.pre_gelu.as_ref().map(|_| vec![0f32; m * n]));
+            // SAFETY: the GEMM's output pass stores every element of both (`gemm_packed_with`).
+            let (mut out, mut keep) = unsafe { (uninit_of::<f32>(m * n), self.pre_gelu.as_ref().map(|_| uninit_of::<f32>(m * n))) };
             bf16_gemm::gemm_packed_with(&mut out, keep.as_deref_mut(), MatRef::row_major(x, m, k), &packed, true, Some(&epilogue))
                 .map_err(candle_core::Error::Msg)?;
             if let (Some(slot), Some(keep)) = (&self.pre_gelu, keep) {
@@ -497,13 +500,26 @@ impl CustomOp3 for Linear<'_> {
             }
             return Ok((CpuStorage::F32(out), Shape::from((bsz, t, n))));
         }
-        let mut out = vec![0f32; m * n];
         let mut out_dtype = xs.dtype();
         // bf16 out (bias or bias + GELU): the GEMM overwrites f32 rows, then one pass adds the bias
         // (and GELU) and narrows each row while it is in L1, instead of a bias fill before the GEMM
         // and a narrowing pass after it (two passes over the f32 output fewer).
         let narrow = out_dtype == DType::BF16 && !matches!(self.epilogue, Epilogue::BiasResidual(_));
-        let mut narrowed = if narrow { zeros_bf16(m * n) } else { Vec::new() };
+        if let (true, None, Operands::Bf16 { x, packed: Some(wt), .. }) = (narrow, &self.pre_gelu, &operands) {
+            // bf16 out with W packed: bias (and GELU) applied to each block of the GEMM's f32
+            // accumulator while it is in L2, then rounded as it is stored — the output pass of
+            // the GEMM itself, no m × n f32 buffer and no pass of its own.
+            // SAFETY: the GEMM's output pass stores every element (`gemm_packed_bf16_with`).
+            let mut y = unsafe { uninit_of::<half::bf16>(m * n) };
+            bf16_gemm::gemm_packed_bf16_with(&mut y, MatRef::row_major(x, m, k), wt, true, Some(&epilogue))
+                .map_err(candle_core::Error::Msg)?;
+            return Ok((CpuStorage::BF16(y), Shape::from((bsz, t, n))));
+        }
+        // SAFETY: written whole before it is read — by the bias (and residual) fill below, or, for
+        // a bias after the GEMM, by the GEMM itself (β = 0: it never reads dst).
+        let mut out = unsafe { uninit_of::<f32>(m * n) };
+        // SAFETY: when narrowing, the pass after each GEMM block writes its rows whole.
+        let mut narrowed = if narrow { unsafe { uninit_of::<half::bf16>(m * n) } } else { Vec::new() };
         match self.epilogue {
             Epilogue::BiasResidual(r) => {
                 let (rs, rl) = r.storage_and_layout();
@@ -515,17 +531,9 @@ impl CustomOp3 for Linear<'_> {
             Epilogue::Bias if !narrow => out.par_chunks_mut(n).for_each(|o| o.copy_from_slice(b)),
             Epilogue::Bias | Epilogue::BiasGelu => {} // the bias goes in after the GEMM
         }
-        if let (true, None, Operands::Bf16 { x, packed: Some(wt), .. }) = (narrow, &self.pre_gelu, &operands) {
-            // bf16 out with W packed: bias (and GELU) applied to each block of the GEMM's f32
-            // accumulator while it is in L2, then rounded as it is stored — the output pass of
-            // the GEMM itself, no m × n f32 buffer and no pass of its own.
-            let mut y = zeros_bf16(m * n);
-            bf16_gemm::gemm_packed_bf16_with(&mut y, MatRef::row_major(x, m, k), wt, true, Some(&epilogue))
-                .map_err(candle_core::Error::Msg)?;
-            return Ok((CpuStorage::BF16(y), Shape::from((bsz, t, n))));
-        }
         let bias_after = gelu || narrow;
-        let mut pre_gelu = self.pre_gelu.as_ref().map(|_| vec![0f32; m * n]); // training: x·Wᵀ, for bwd
+        // training: x·Wᵀ, for bwd. SAFETY: each block's rows are copied in whole after its GEMM.
+        let mut pre_gelu = self.pre_gelu.as_ref().map(|_| unsafe { uninit_of::<f32>(m * n) });
         let rows = if gelu { GELU_ROWS } else { m.max(1) };
         for r0 in (0..m).step_by(rows) {
             let mb = rows.min(m - r0);
@@ -713,7 +721,8 @@ impl CustomOp3 for MlpHalf {
         let (bsz, t, k) = xl.shape().dims3()?;
         let n = wl.shape().dims()[0];
         let (x, w, b) = (f32_values(xs, xl, "x")?, f32_values(ws, wl, "W")?, f32_values(bs, bl, "b")?);
-        let mut out = vec![0f32; bsz * t * n];
+        // SAFETY: the GEMM overwrites every element (β = 0: it never reads dst).
+        let mut out = unsafe { uninit_of::<f32>(bsz * t * n) };
         cpu_kernels::f32_gemm::gemm_into(&mut out, &x, &w, (bsz * t, n, k), false);
         out.par_chunks_mut(n).for_each(|row| map_slice_in_place(row, &|j, v| v + b[j])); // z = x·Wᵀ + b
         if !self.fc2 {
@@ -925,7 +934,8 @@ fn to_storage(v: Vec<f32>, dtype: DType) -> candle_core::Result<CpuStorage> {
     Ok(match dtype {
         DType::F32 => CpuStorage::F32(v),
         DType::BF16 => {
-            let mut out = zeros_bf16(v.len());
+            // SAFETY: the chunks cover out, each written whole by narrow_bf16.
+            let mut out = unsafe { uninit_of::<half::bf16>(v.len()) };
             out.par_chunks_mut(16 * 1024).zip(v.par_chunks(16 * 1024)).for_each(|(o, s)| narrow_bf16(s, o));
             CpuStorage::BF16(out)
         }
