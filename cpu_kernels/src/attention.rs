@@ -89,6 +89,9 @@ impl CpuAttention {
             registers::bf16::runs(d) && (dtype == DType::BF16 || (self.cpu == CpuKernel::RegistersBf16 && dtype == DType::F32));
         match self.cpu {
             CpuKernel::RowAxpy => "attention: row-wise online softmax (CPU)",
+            CpuKernel::Registers | CpuKernel::RegistersBf16 if bf16_pairs && registers::bf16::amx_runs(d) => {
+                "attention: register-blocked, bf16 pairs on AMX tiles (amx)"
+            }
             CpuKernel::Registers | CpuKernel::RegistersBf16 if bf16_pairs => "attention: register-blocked, bf16 pairs (avx512-bf16)",
             CpuKernel::Registers | CpuKernel::RegistersBf16 if registers::supports(d) && dtype == DType::F32 => {
                 "attention: register-blocked, f32"

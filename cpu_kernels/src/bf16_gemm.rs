@@ -50,7 +50,7 @@
 //! code paths on AMD CPUs, so ours stays the default).
 
 #[cfg(target_arch = "x86_64")]
-mod amx;
+pub(crate) mod amx;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};

@@ -104,8 +104,10 @@ fn every_row_runs_what_its_label_says() {
         let attn2 = &p2["attention"];
         assert!(attn2.len() == 1 && attn2[0].starts_with("attention: register-blocked"), "{precision}: {attn2:?}");
         assert!(label(s2).contains("register-blocked CPU kernel"), "{}", label(s2));
-        if label(s2).contains("bf16 attention avx512-bf16") {
+        if label(s2).contains("bf16 attention avx512-bf16") || label(s2).contains("bf16 attention amx") {
             assert!(attn2[0].contains("bf16 pairs"), "{precision}: label {} but ran {attn2:?}", label(s2));
+            let amx = label(s2).contains("bf16 attention amx");
+            assert_eq!(attn2[0].contains("(amx)"), amx, "{precision}: label {} but ran {attn2:?}", label(s2));
         } else {
             assert!(!attn2[0].contains("bf16 pairs"), "{precision}: label {} but ran {attn2:?}", label(s2));
         }

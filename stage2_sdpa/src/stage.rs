@@ -70,10 +70,16 @@ impl Sdpa {
         }
         if let Some(kernel) = precision::cpu_bf16_kernel(plan) {
             label.push_str(&format!(", bf16 linears {kernel}"));
-            // The fused attention's products: on AVX512-BF16 where its kernel runs, else bf16
+            // The fused attention's products: on AMX tiles or AVX512-BF16 where its kernel runs
+            // (AMX where the bf16 GEMMs run on it and d_head is a multiple of 32), else bf16
             // widened to f32 per head.
-            let on_bf16 = imp == attention::Implementation::Cpu && !self.row_wise && attention::registers::bf16::runs(plan.shape.d_head());
-            label.push_str(if on_bf16 { ", bf16 attention avx512-bf16" } else { ", attention widened to f32" });
+            let d = plan.shape.d_head();
+            let on_bf16 = imp == attention::Implementation::Cpu && !self.row_wise && attention::registers::bf16::runs(d);
+            label.push_str(match (on_bf16, attention::registers::bf16::amx_runs(d)) {
+                (true, true) => ", bf16 attention amx",
+                (true, false) => ", bf16 attention avx512-bf16",
+                (false, _) => ", attention widened to f32",
+            });
         }
         label
     }

@@ -324,7 +324,7 @@ unsafe fn attend<S: Simd, const D: usize, const NV: usize>(
                 // a multiple of nr below T), and writes S columns jj..jj + nr ≤ B_c.
                 scores_tile::<S, D, NV>(&q_i, kt.as_ptr().add((j0 + jj) * D), nr, scale, &mut s, jj);
             }
-            softmax_step::<S, D>(&mut s, (i0, mr), (j0, bc), causal, &mut m, &mut l, &mut o);
+            softmax_step::<S, D, MR>(&mut s, (i0, mr), (j0, bc), causal, &mut m, &mut l, &mut o);
             // O += P V_j, one column panel of V at a time.
             for &(c0, w) in &panels {
                 // SAFETY (the pv_tile calls): rows j0..j0 + bc ≤ T of the panel, w f32 each, lie inside
@@ -350,8 +350,9 @@ unsafe fn attend<S: Simd, const D: usize, const NV: usize>(
     PACKED.set((kt, vp));
 }
 
-/// The online softmax for one step of B_c keys, on the block's MR rows of S (in place: S becomes
-/// P), with the running max m, sum l and output O of each row:
+/// The online softmax for one step of B_c keys, on the block's R rows of S (in place: S becomes
+/// P; R = MR in the register kernels, 32 in the AMX one), with the running max m, sum l and
+/// output O of each row:
 /// m' = max(m, rowmax(S)); P = exp(S − m'); l = e^(m − m')·l + rowsum(P); O = e^(m − m')·O.
 /// Rows past `mr` (a last block's repeats) and keys a row may not see (causal) get P = 0. The
 /// f32 and bf16 kernels share it.
@@ -360,16 +361,16 @@ unsafe fn attend<S: Simd, const D: usize, const NV: usize>(
 /// The CPU supports `S`'s instruction set.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn softmax_step<S: Simd, const D: usize>(
-    s: &mut [[f32; BC]; MR],
+pub(super) unsafe fn softmax_step<S: Simd, const D: usize, const R: usize>(
+    s: &mut [[f32; BC]; R],
     (i0, mr): (usize, usize),
     (j0, bc): (usize, usize),
     causal: bool,
-    m: &mut [f32; MR],
-    l: &mut [f32; MR],
-    o: &mut [[f32; D]; MR],
+    m: &mut [f32; R],
+    l: &mut [f32; R],
+    o: &mut [[f32; D]; R],
 ) {
-    for r in 0..MR {
+    for r in 0..R {
         // Keys row r may see in this step: all, or up to its own position (causal).
         let n = if r >= mr {
             0 // a repeated row: P = 0, O stays 0

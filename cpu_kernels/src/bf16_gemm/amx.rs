@@ -78,6 +78,24 @@ impl TileConfig {
     }
 }
 
+/// Configures the tiles as every AMX kernel here uses them: tmm0–7, each 16 rows of 64 bytes
+/// (16 × 16 f32, or 16 rows × 16 bf16 pairs). Pair with `release` on the same thread.
+///
+/// # Safety
+/// `request()` returned true in this process.
+pub(crate) unsafe fn configure() {
+    let cfg = TileConfig::all_16_by_64();
+    core::arch::asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+}
+
+/// Hands the tile state back (`tilerelease`), after `configure`.
+///
+/// # Safety
+/// `configure` ran on this thread.
+pub(crate) unsafe fn release() {
+    core::arch::asm!("tilerelease", options(nostack, nomem));
+}
+
 /// One task's block of C, as `super::block`, on AMX tiles. `kp` is a multiple of `TK` here.
 ///
 /// # Safety
@@ -95,8 +113,7 @@ pub unsafe fn block<T: Operand>(
     accumulate: bool,
 ) {
     debug_assert!(kp.is_multiple_of(TK) && NR == 32);
-    let cfg = TileConfig::all_16_by_64();
-    core::arch::asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+    configure();
     let mut packed_a = Lines::default();
     let mut tile = Lines::<f32>::zeroed(TM * NR); // four C tiles, rows 128 bytes apart
     for p0 in (0..kp).step_by(KCA) {
@@ -143,7 +160,7 @@ pub unsafe fn block<T: Operand>(
             }
         }
     }
-    core::arch::asm!("tilerelease", options(nostack, nomem));
+    release();
 }
 
 /// C (32 × 32 f32, rows `ldc_bytes` apart) = A (32 rows × kc pairs, two contiguous tiles per

@@ -68,11 +68,30 @@ pub(in crate::attention) fn attend_head(
         return Err(format!("bf16 attention: no AVX512-BF16 body for d_head {d} on this CPU (kernel {})", Kernel::detect().name()));
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `runs` checked that this CPU has AVX512-F and AVX512-BF16.
+    // SAFETY: `runs` checked that this CPU has AVX512-F and AVX512-BF16; `amx_runs` that it has
+    // AMX-BF16 tiles granted and d is a multiple of 32.
     unsafe {
-        attend_avx512_bf16(head, t, d, scale, causal, write)
+        match amx_runs(d) {
+            true => attend_on_tiles(head, t, d, scale, causal, write),
+            false => attend_avx512_bf16(head, t, d, scale, causal, write),
+        }
     };
     Ok(())
+}
+
+/// The AMX body for the head sizes that are multiples of 32.
+///
+/// # Safety
+/// `amx_runs(d)`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn attend_on_tiles(head: &HeadRows<bf16>, t: usize, d: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
+    match d {
+        32 => attend_amx::<32>(head, t, scale, causal, write),
+        64 => attend_amx::<64>(head, t, scale, causal, write),
+        96 => attend_amx::<96>(head, t, scale, causal, write),
+        128 => attend_amx::<128>(head, t, scale, causal, write),
+        _ => unreachable!("d_head {d} has no AMX body; `amx_runs` checks"),
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -102,52 +121,11 @@ unsafe fn attend_avx512_bf16(
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn attend<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
-    let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
-    assert!(
-        q.len() >= (t - 1) * q_rs + D && k.len() >= (t - 1) * k_rs + D && v.len() >= (t - 1) * v_rs + D,
-        "head rows sized by the caller"
-    );
+    let HeadRows { q, q_rs, .. } = *head;
     let dp = D / 2; // channel pairs (every compiled D is even)
     let (mut kt, mut vp) = PACKED.take();
-    // Kᵀ in panels of NR keys: panel p is (D/2, NR) pairs, channel pair c2 of key p·NR + jj at
-    // (p·D/2 + c2)·NR + jj; keys past T are zero.
-    kt.clear();
-    kt.resize(t.div_ceil(NR) * dp * NR, 0);
-    for (p, panel) in kt.chunks_exact_mut(dp * NR).enumerate() {
-        for jj in 0..NR.min(t - p * NR) {
-            let row = &k[(p * NR + jj) * k_rs..][..D];
-            for c2 in 0..dp {
-                panel[c2 * NR + jj] = pair(row[2 * c2], row[2 * c2 + 1]);
-            }
-        }
-    }
-    // V in column panels (first column c0, width w ≤ NR), rows paired: key pair j2 of column
-    // c0 + cc at t2·c0 + j2·w + cc, t2 = ⌈T/2⌉ pairs.
-    let t2 = t.div_ceil(2);
-    vp.clear();
-    vp.resize(t2 * D, 0);
-    let mut panels = [(0usize, 0usize); 2 * MAX_PAIRS / NR]; // (first column, width)
-    let panels = &mut panels[..D.div_ceil(NR)];
-    for (i, p) in panels.iter_mut().enumerate() {
-        *p = (i * NR, NR.min(D - i * NR));
-    }
-    for &(c0, w) in panels.iter() {
-        let panel = &mut vp[t2 * c0..][..t2 * w];
-        for j2 in 0..t2 {
-            let r0 = &v[2 * j2 * v_rs + c0..][..w];
-            let dst = &mut panel[j2 * w..][..w];
-            if 2 * j2 + 1 < t {
-                let r1 = &v[(2 * j2 + 1) * v_rs + c0..][..w];
-                for cc in 0..w {
-                    dst[cc] = pair(r0[cc], r1[cc]);
-                }
-            } else {
-                for cc in 0..w {
-                    dst[cc] = pair(r0[cc], bf16::ZERO); // an odd T: the pair's second key is zero
-                }
-            }
-        }
-    }
+    let t2 = pack_panels::<D>(head, t, 1, &mut kt, &mut vp);
+    let panels = &panels::<D>()[..D.div_ceil(NR)];
     let mut s = [[0f32; BC]; MR]; // S, then P (f32), for one step
     let mut p16 = [[0u32; BC / 2]; MR]; // P rounded to bf16, key pairs
     let mut q_i = [[0u32; MAX_PAIRS]; MR]; // Q_i's channel pairs
@@ -170,7 +148,7 @@ unsafe fn attend<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32, ca
                 // jj..jj + NR ≤ B_c.
                 scores_tile::<D>(&q_i, kt.as_ptr().add((j0 + jj) * dp), scale, &mut s, jj);
             }
-            softmax_step::<Avx512, D>(&mut s, (i0, mr), (j0, bc), causal, &mut m, &mut l, &mut o);
+            softmax_step::<Avx512, D, MR>(&mut s, (i0, mr), (j0, bc), causal, &mut m, &mut l, &mut o);
             // P to bf16, whole vectors of 16: the keys past bc are P = 0.
             let bc16 = bc.next_multiple_of(16);
             for (sr, pr) in s.iter_mut().zip(p16.iter_mut()) {
@@ -201,6 +179,247 @@ unsafe fn attend<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32, ca
         }
     }
     PACKED.set((kt, vp));
+}
+
+/// V's column panels for head size D: (first column, width), NR wide, the last narrower when
+/// NR does not divide D (d_head 80). Only the first ⌈D/NR⌉ are used.
+fn panels<const D: usize>() -> [(usize, usize); 2 * MAX_PAIRS / NR] {
+    std::array::from_fn(|i| (i * NR, NR.min(D.saturating_sub(i * NR))))
+}
+
+/// Packs one head's K and V into the pair panels both bf16 kernels read; returns the pairs per V
+/// panel column, ⌈T/2⌉ rounded up to a multiple of `pad_pairs`.
+///
+/// Kᵀ in panels of NR keys: panel p is (D/2, NR) pairs, channel pair c2 of key p·NR + jj at
+/// (p·D/2 + c2)·NR + jj; keys past T are zero. V in column panels (first column c0, width
+/// w ≤ NR), rows paired: key pair j2 of column c0 + cc at t2·c0 + j2·w + cc; pairs past T are
+/// zero (an odd T's last pair has a zero second key).
+fn pack_panels<const D: usize>(head: &HeadRows<bf16>, t: usize, pad_pairs: usize, kt: &mut Vec<u32>, vp: &mut Vec<u32>) -> usize {
+    let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
+    assert!(
+        t > 0 && q.len() >= (t - 1) * q_rs + D && k.len() >= (t - 1) * k_rs + D && v.len() >= (t - 1) * v_rs + D,
+        "head rows sized by the caller"
+    );
+    let dp = D / 2;
+    kt.clear();
+    kt.resize(t.div_ceil(NR) * dp * NR, 0);
+    for (p, panel) in kt.chunks_exact_mut(dp * NR).enumerate() {
+        for jj in 0..NR.min(t - p * NR) {
+            let row = &k[(p * NR + jj) * k_rs..][..D];
+            for c2 in 0..dp {
+                panel[c2 * NR + jj] = pair(row[2 * c2], row[2 * c2 + 1]);
+            }
+        }
+    }
+    let pairs = t.div_ceil(2);
+    let t2 = pairs.next_multiple_of(pad_pairs);
+    vp.clear();
+    vp.resize(t2 * D, 0);
+    for &(c0, w) in &panels::<D>()[..D.div_ceil(NR)] {
+        let panel = &mut vp[t2 * c0..][..t2 * w];
+        for j2 in 0..pairs {
+            let r0 = &v[2 * j2 * v_rs + c0..][..w];
+            let dst = &mut panel[j2 * w..][..w];
+            if 2 * j2 + 1 < t {
+                let r1 = &v[(2 * j2 + 1) * v_rs + c0..][..w];
+                for cc in 0..w {
+                    dst[cc] = pair(r0[cc], r1[cc]);
+                }
+            } else {
+                for cc in 0..w {
+                    dst[cc] = pair(r0[cc], bf16::ZERO); // an odd T: the pair's second key is zero
+                }
+            }
+        }
+    }
+    t2
+}
+
+/// Whether the AMX body runs bf16 attention here: the bf16 GEMMs run on AMX (`Kernel::detect`:
+/// the CPU has the tiles, Linux granted them, `SPEEDKIT_CPU_BF16` did not ask for
+/// `avx512-bf16`), and d_head is a compiled size that is a multiple of 32 (whole tiles of 16
+/// channel pairs, V panels of 32 columns).
+pub fn amx_runs(d: usize) -> bool {
+    runs(d) && d.is_multiple_of(32) && Kernel::detect() == Kernel::Amx
+}
+
+/// Query rows per AMX block: two 16-row tiles.
+#[cfg(target_arch = "x86_64")]
+const TR: usize = 32;
+
+/// The AMX body: the AVX512-BF16 kernel's steps with both products on tiles (`tdpbf16ps`, a
+/// 16 × 16 f32 tile += 16 rows × 16 pairs · 16 pairs × 16 columns) for blocks of TR = 32 query
+/// rows. S for 32 keys at a time is four C tiles (two row halves × two key halves), from Q's
+/// two A tiles and Kᵀ's two B tiles per 16 channel pairs, stored into S; the online softmax is
+/// `softmax_step`, on AVX-512; P, rounded to bf16 pairs, is the A operand of P·V, which
+/// accumulates onto O (loaded into C tiles, 32 columns at a time, and stored back after the
+/// step's keys). The pair panels are the AVX512-BF16 kernel's, V's padded to whole tiles.
+///
+/// # Safety
+/// `amx_runs(D)`: the CPU has AVX512-F, AVX512-BF16 and AMX-BF16, Linux granted the tile state;
+/// D is a multiple of 32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+unsafe fn attend_amx<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32, causal: bool, write: &mut dyn FnMut(usize, &[f32], f32)) {
+    use crate::bf16_gemm::amx;
+    let HeadRows { q, q_rs, .. } = *head;
+    let dp = D / 2;
+    let (mut kt, mut vp) = PACKED.take();
+    let t2 = pack_panels::<D>(head, t, 16, &mut kt, &mut vp);
+    // S (then P) and P's bf16 pairs for one step of B_c keys, Q_i's pairs and O_i: 32 rows each.
+    let mut s = vec![[0f32; BC]; TR];
+    let mut p16 = vec![[0u32; BC / 2]; TR];
+    let mut q_i = vec![[0u32; MAX_PAIRS]; TR];
+    let mut o = vec![[0f32; D]; TR];
+    let s: &mut [[f32; BC]; TR] = (&mut s[..]).try_into().expect("TR rows");
+    let p16: &mut [[u32; BC / 2]; TR] = (&mut p16[..]).try_into().expect("TR rows");
+    let q_i: &mut [[u32; MAX_PAIRS]; TR] = (&mut q_i[..]).try_into().expect("TR rows");
+    let o: &mut [[f32; D]; TR] = (&mut o[..]).try_into().expect("TR rows");
+    amx::configure();
+    for i0 in (0..t).step_by(TR) {
+        let mr = TR.min(t - i0);
+        for (r, qr) in q_i.iter_mut().enumerate() {
+            // A last block of fewer than TR rows repeats its last row (computed, never written).
+            let row = &q[(i0 + r.min(mr - 1)) * q_rs..][..D];
+            for c2 in 0..dp {
+                qr[c2] = pair(row[2 * c2], row[2 * c2 + 1]);
+            }
+        }
+        o.iter_mut().for_each(|row| row.fill(0.0)); // O_i = 0
+        let (mut m, mut l) = ([f32::NEG_INFINITY; TR], [0f32; TR]); // m_i = −∞, l_i = 0
+        let kv_end = if causal { i0 + mr } else { t };
+        for j0 in (0..kv_end).step_by(BC) {
+            let bc = BC.min(kv_end - j0);
+            let bc32 = bc.next_multiple_of(32); // whole Kᵀ panels (keys past T are zero there)
+            for jj in (0..bc32).step_by(NR) {
+                // SAFETY: panel (j0 + jj)/NR of Kᵀ exists (j0 + jj < T, rounded down to a panel),
+                // D/2 rows of NR pairs; S columns jj..jj + 32 ≤ B_c (B_c is a multiple of 32).
+                scores_amx::<D>(q_i, kt.as_ptr().add((j0 + jj) * dp), s, jj);
+            }
+            for row in s.iter_mut().take(mr) {
+                scale_row(&mut row[..bc], scale); // S / √d
+            }
+            softmax_step::<Avx512, D, TR>(s, (i0, mr), (j0, bc), causal, &mut m, &mut l, o);
+            // P to bf16 pairs over whole tiles of 32 keys: the keys past bc are P = 0.
+            for (sr, pr) in s.iter_mut().zip(p16.iter_mut()) {
+                sr[bc..bc32].fill(0.0);
+                round_to_bf16(&sr[..bc32], &mut pr[..bc32 / 2]);
+            }
+            // O += P V_j over bc32 / 2 key pairs, 32 columns of O at a time.
+            for c0 in (0..D).step_by(NR) {
+                // SAFETY: pairs j0/2..j0/2 + bc32/2 ≤ t2 (t2 is ⌈T/2⌉ rounded up to 16, and
+                // j0 + bc32 ≤ T rounded up to 32) of the panel at column c0 (NR wide) lie inside vp.
+                pv_amx::<D>(p16, bc32 / 2, vp.as_ptr().add(t2 * c0 + (j0 / 2) * NR), o, c0);
+            }
+        }
+        // O_i = diag(l)⁻¹ · O_i
+        for (r, row) in o.iter_mut().enumerate().take(mr) {
+            let inv_l = 1.0 / l[r];
+            row.iter_mut().for_each(|x| *x *= inv_l);
+            write(i0 + r, row, m[r] + l[r].ln()); // with L_i = m_i + ln l_i
+        }
+    }
+    amx::release();
+    PACKED.set((kt, vp));
+}
+
+/// row *= scale, 16 at a time.
+///
+/// # Safety
+/// The CPU supports AVX512-F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn scale_row(row: &mut [f32], scale: f32) {
+    let sv = _mm512_set1_ps(scale);
+    let mut chunks = row.chunks_exact_mut(16);
+    for c in &mut chunks {
+        _mm512_storeu_ps(c.as_mut_ptr(), _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), sv));
+    }
+    chunks.into_remainder().iter_mut().for_each(|x| *x *= scale);
+}
+
+/// S[r][jj..jj + 32] = q_r · (32 keys)ᵀ for the TR = 32 rows, unscaled: C tiles tmm0–3 (rows
+/// 0–15 and 16–31 × keys 0–15 and 16–31) from Q's pairs (A: tmm4, tmm5, rows `MAX_PAIRS` pairs
+/// apart) and the keys' Kᵀ panel (B: tmm6, tmm7, rows NR pairs apart), 16 channel pairs a step.
+///
+/// # Safety
+/// Tiles configured (`amx::configure`); kt is valid for D/2 rows of NR pairs; jj + 32 ≤ B_c.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn scores_amx<const D: usize>(q_i: &[[u32; MAX_PAIRS]; TR], kt: *const u32, s: &mut [[f32; BC]; TR], jj: usize) {
+    let (lda, ldb, ldc) = (MAX_PAIRS * 4, NR * 4, BC * 4); // bytes between rows
+    core::arch::asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+    for step in 0..D / 32 {
+        let a0 = q_i[0].as_ptr().add(16 * step) as *const u8;
+        let b0 = kt.add(16 * step * NR) as *const u8;
+        core::arch::asm!(
+            "tileloadd tmm4, [{a0} + {lda}*1]",
+            "tileloadd tmm6, [{b0} + {ldb}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm7, [{b0} + {ldb}*1 + 64]",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tileloadd tmm5, [{a1} + {lda}*1]",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) a0, a1 = in(reg) a0.add(16 * lda), lda = in(reg) lda, b0 = in(reg) b0, ldb = in(reg) ldb,
+            options(nostack, readonly),
+        );
+    }
+    let c0 = s[0][jj..].as_mut_ptr() as *mut u8;
+    core::arch::asm!(
+        "tilestored [{c0} + {ldc}*1], tmm0",
+        "tilestored [{c0} + {ldc}*1 + 64], tmm1",
+        "tilestored [{c1} + {ldc}*1], tmm2",
+        "tilestored [{c1} + {ldc}*1 + 64], tmm3",
+        c0 = in(reg) c0, c1 = in(reg) c0.add(16 * ldc), ldc = in(reg) ldc,
+        options(nostack),
+    );
+}
+
+/// O[r][c0..c0 + 32] += Σ_j2 P[r][j2] · V[j0 + 2·j2..][c0..] for the TR = 32 rows over `pairs`
+/// key pairs (a multiple of 16): O's four 16 × 16 blocks loaded into tmm0–3, P's pairs as A
+/// (tmm4, tmm5, rows B_c/2 pairs apart), the V panel's pair rows as B (tmm6, tmm7, rows NR
+/// pairs apart; `v_j` at the step's first pair), 16 pairs a step, then stored back.
+///
+/// # Safety
+/// Tiles configured; v_j is valid for `pairs` rows of NR pairs; c0 + 32 ≤ D.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pv_amx<const D: usize>(p: &[[u32; BC / 2]; TR], pairs: usize, v_j: *const u32, o: &mut [[f32; D]; TR], c0: usize) {
+    let (lda, ldb, ldc) = (BC / 2 * 4, NR * 4, D * 4);
+    let oc = o[0][c0..].as_mut_ptr() as *mut u8;
+    core::arch::asm!(
+        "tileloadd tmm0, [{c0} + {ldc}*1]",
+        "tileloadd tmm1, [{c0} + {ldc}*1 + 64]",
+        "tileloadd tmm2, [{c1} + {ldc}*1]",
+        "tileloadd tmm3, [{c1} + {ldc}*1 + 64]",
+        c0 = in(reg) oc, c1 = in(reg) oc.add(16 * ldc), ldc = in(reg) ldc,
+        options(nostack, readonly),
+    );
+    for step in 0..pairs / 16 {
+        let a0 = p[0].as_ptr().add(16 * step) as *const u8;
+        let b0 = v_j.add(16 * step * NR) as *const u8;
+        core::arch::asm!(
+            "tileloadd tmm4, [{a0} + {lda}*1]",
+            "tileloadd tmm6, [{b0} + {ldb}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm7, [{b0} + {ldb}*1 + 64]",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tileloadd tmm5, [{a1} + {lda}*1]",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) a0, a1 = in(reg) a0.add(16 * lda), lda = in(reg) lda, b0 = in(reg) b0, ldb = in(reg) ldb,
+            options(nostack, readonly),
+        );
+    }
+    core::arch::asm!(
+        "tilestored [{c0} + {ldc}*1], tmm0",
+        "tilestored [{c0} + {ldc}*1 + 64], tmm1",
+        "tilestored [{c1} + {ldc}*1], tmm2",
+        "tilestored [{c1} + {ldc}*1 + 64], tmm3",
+        c0 = in(reg) oc, c1 = in(reg) oc.add(16 * ldc), ldc = in(reg) ldc,
+        options(nostack),
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -342,7 +561,7 @@ mod tests {
             return;
         }
         for d in D_HEADS {
-            for t in [1, 13, BC + 3 * MR + 5] {
+            for t in [1, 13, 47, BC + 3 * MR + 5] {
                 let h = 2;
                 let rs = 3 * h * d;
                 let data: Vec<bf16> =
@@ -351,16 +570,25 @@ mod tests {
                 for causal in [true, false] {
                     let mut want = vec![f32::NAN; t * d];
                     attend_head_scalar(&head, t, d, 0.17, causal, &mut |r, o, _| want[r * d..][..d].copy_from_slice(o));
-                    let mut got = vec![f32::NAN; t * d];
-                    attend_head(&head, t, d, 0.17, causal, &mut |r, o, _| got[r * d..][..d].copy_from_slice(o)).unwrap();
-                    assert!(got.iter().all(|x| x.is_finite()), "d={d} t={t}: every row written, finite");
-                    let worst = want.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-                    // Summation order, and the odd P on a bf16 rounding boundary that the two
-                    // exponentials (vector and scalar, an ulp apart) round to neighbours: one
-                    // bf16 ulp (2⁻⁸) of one weight ≤ 1, times |v|. A wrong pair layout or step
-                    // is off by O(|v|).
-                    let v_max = data.iter().map(|x| x.to_f32().abs()).fold(0f32, f32::max);
-                    assert!(worst < v_max / 256.0, "d={d} t={t} causal={causal}: {worst}");
+                    // Each body this CPU has: AVX512-BF16 always here, AMX where amx_runs(d).
+                    type Body = unsafe fn(&HeadRows<bf16>, usize, usize, f32, bool, &mut dyn FnMut(usize, &[f32], f32));
+                    let mut bodies: Vec<(&str, Body)> = vec![("avx512-bf16", attend_avx512_bf16)];
+                    if amx_runs(d) {
+                        bodies.push(("amx", attend_on_tiles));
+                    }
+                    for (name, body) in bodies {
+                        let mut got = vec![f32::NAN; t * d];
+                        // SAFETY: runs(64) (checked above), and amx_runs(d) for the AMX body.
+                        unsafe { body(&head, t, d, 0.17, causal, &mut |r, o, _| got[r * d..][..d].copy_from_slice(o)) };
+                        assert!(got.iter().all(|x| x.is_finite()), "{name} d={d} t={t}: every row written, finite");
+                        let worst = want.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                        // Summation order, and the odd P on a bf16 rounding boundary that the two
+                        // exponentials (vector and scalar, an ulp apart) round to neighbours: one
+                        // bf16 ulp (2⁻⁸) of one weight ≤ 1, times |v|. A wrong pair layout or step
+                        // is off by O(|v|).
+                        let v_max = data.iter().map(|x| x.to_f32().abs()).fold(0f32, f32::max);
+                        assert!(worst < v_max / 256.0, "{name} d={d} t={t} causal={causal}: {worst}");
+                    }
                 }
             }
         }
