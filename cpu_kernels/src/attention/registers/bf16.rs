@@ -267,14 +267,12 @@ unsafe fn attend_amx<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32
     let (mut kt, mut vp) = PACKED.take();
     let t2 = pack_panels::<D>(head, t, 16, &mut kt, &mut vp);
     // S (then P) and P's bf16 pairs for one step of B_c keys, Q_i's pairs and O_i: 32 rows each.
+    // S and P (96 KiB together) on the heap, Q_i and O_i (8 and ≤ 16 KiB) on the stack.
     let mut s = vec![[0f32; BC]; TR];
     let mut p16 = vec![[0u32; BC / 2]; TR];
-    let mut q_i = vec![[0u32; MAX_PAIRS]; TR];
-    let mut o = vec![[0f32; D]; TR];
     let s: &mut [[f32; BC]; TR] = (&mut s[..]).try_into().expect("TR rows");
     let p16: &mut [[u32; BC / 2]; TR] = (&mut p16[..]).try_into().expect("TR rows");
-    let q_i: &mut [[u32; MAX_PAIRS]; TR] = (&mut q_i[..]).try_into().expect("TR rows");
-    let o: &mut [[f32; D]; TR] = (&mut o[..]).try_into().expect("TR rows");
+    let (q_i, o) = (&mut [[0u32; MAX_PAIRS]; TR], &mut [[0f32; D]; TR]);
     amx::configure();
     for i0 in (0..t).step_by(TR) {
         let mr = TR.min(t - i0);
