@@ -35,7 +35,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 use cpu_kernels::bf16_gemm::{self, narrow_bf16, Kernel, MatRef, PackedB, PackedWeight};
-use cpu_kernels::elementwise::{exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, uninit_of, Elementwise, RowStats};
+use cpu_kernels::elementwise::{bias_gelu_tanh, exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, uninit_of, Elementwise, RowStats};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
@@ -482,7 +482,7 @@ impl CustomOp3 for Linear<'_> {
         // y = gelu(acc + b) or acc + b for a row segment from column j0 (SIMD: gelu_tanh has no
         // libm call): the output pass of every path below that adds the bias after the GEMM.
         let epilogue = |j0: usize, row: &mut [f32]| match gelu {
-            true => map_slice_in_place(row, &|j, v| gelu_tanh(v + b[j0 + j])),
+            true => bias_gelu_tanh(row, &b[j0..j0 + row.len()]), // gelu_tanh's formula, on the engine's SIMD
             false => map_slice_in_place(row, &|j, v| v + b[j0 + j]),
         };
         if let (Operands::F32AsBf16 { x, w, kernel }, false) = (&operands, matches!(self.epilogue, Epilogue::BiasResidual(_))) {
