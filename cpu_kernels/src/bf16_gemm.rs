@@ -571,10 +571,10 @@ pub fn gemm_packed_bf16<A: Operand>(c: &mut [bf16], a: MatRef<A>, b: &PackedB, p
     gemm_packed_bf16_with(c, a, b, parallel, None)
 }
 
-/// A GEMM's output pass: `epilogue(j0, row)` gets each f32 accumulator row segment, columns
-/// j0..j0 + row.len() of one output row, while the task's block is still in L2, before it is
-/// rounded and stored (a bias add, bias + GELU).
-pub type Epilogue<'a> = &'a (dyn Fn(usize, &mut [f32]) + Sync);
+/// A GEMM's output pass: `epilogue(i, j0, row)` gets each f32 accumulator row segment, columns
+/// j0..j0 + row.len() of output row i, while the task's block is still in L2, before it is
+/// rounded and stored (a bias add, bias + GELU, bias + a residual row).
+pub type Epilogue<'a> = &'a (dyn Fn(usize, usize, &mut [f32]) + Sync);
 
 /// `gemm_packed_bf16` with an output pass (`Epilogue`) applied to each block before it is
 /// rounded to bf16: c = epilogue(a · b), no m × n pass of its own.
@@ -592,10 +592,10 @@ pub fn gemm_packed_bf16_with<A: Operand>(
     }
     if k == 0 {
         let mut zeros = vec![0f32; n];
-        for row in c.chunks_exact_mut(n) {
+        for (i, row) in c.chunks_exact_mut(n).enumerate() {
             zeros.fill(0.0);
             if let Some(epilogue) = epilogue {
-                epilogue(0, &mut zeros);
+                epilogue(i, 0, &mut zeros);
             }
             narrow_bf16(&zeros, row);
         }
@@ -604,7 +604,7 @@ pub fn gemm_packed_bf16_with<A: Operand>(
     let out = OutPtr(c.as_mut_ptr());
     through_scratch(a, b, parallel, |i, j0, acc| {
         if let Some(epilogue) = epilogue {
-            epilogue(j0, acc);
+            epilogue(i, j0, acc);
         }
         // SAFETY: row i, columns j0..j0 + acc.len() of c (m × n, length checked above) are
         // this task's alone (tasks tile C without overlap).
@@ -636,7 +636,7 @@ pub fn gemm_packed_with<A: Operand>(
             kept.fill(0.0);
         }
         if let Some(epilogue) = epilogue {
-            c.chunks_exact_mut(n).for_each(|row| epilogue(0, row));
+            c.chunks_exact_mut(n).enumerate().for_each(|(i, row)| epilogue(i, 0, row));
         }
         return Ok(());
     }
@@ -648,7 +648,7 @@ pub fn gemm_packed_with<A: Operand>(
             unsafe { std::slice::from_raw_parts_mut(kept.at(i * n + j0), acc.len()) }.copy_from_slice(acc);
         }
         if let Some(epilogue) = epilogue {
-            epilogue(j0, acc);
+            epilogue(i, j0, acc);
         }
         unsafe { std::slice::from_raw_parts_mut(out.at(i * n + j0), acc.len()) }.copy_from_slice(acc);
     });

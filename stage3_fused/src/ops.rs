@@ -35,7 +35,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 use cpu_kernels::bf16_gemm::{self, narrow_bf16, Kernel, MatRef, PackedB, PackedWeight};
-use cpu_kernels::elementwise::{bias_gelu_tanh, exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, uninit_of, Elementwise, RowStats};
+use cpu_kernels::elementwise::{bias_gelu_tanh, exp_f32, map_slice, store_f32, map_slice_in_place, par_convert, row_stats, uninit_of, Elementwise, RowStats};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
@@ -112,6 +112,14 @@ impl CustomOp3 for LayerNorm {
         cpu_kernels::trace::ran("fused layer_norm: one pass per row (CPU)");
         let c = xl.shape().dims().last().copied().unwrap_or(1);
         let (x, g, b) = (f32_values(xs, xl, "x")?, f32_values(gs, gl, "g")?, f32_values(bs, bl, "b")?);
+        if self.dtype == DType::BF16 {
+            // bf16 out: each row normalised in L1 and rounded as it is stored, no f32 (B, T, C)
+            // buffer and no narrowing pass after it.
+            // SAFETY: the chunks cover h, and each row is stored whole.
+            let mut h = unsafe { uninit_of::<half::bf16>(x.len()) };
+            normalise_rows_bf16(&x, None, &g, &b, self.eps, c, None, &mut h);
+            return Ok((CpuStorage::BF16(h), xl.shape().clone()));
+        }
         Ok((to_storage(layer_norm_rows(&x, &g, &b, self.eps, c), self.dtype)?, xl.shape().clone()))
     }
 
@@ -217,6 +225,20 @@ impl CustomOp3 for AddLayerNorm {
         let c = xl.shape().dims().last().copied().unwrap_or(1);
         let (bs, bl) = self.b.storage_and_layout();
         let Storage::Cpu(bs) = &*bs else { candle_core::bail!("add_layer_norm: b is not on the CPU") };
+        if let (CpuStorage::BF16(br), Some((start, end))) = (brs, brl.contiguous_offsets()) {
+            // A bf16 branch (the proj GEMM's output): each row widened in L1 as it is added, h
+            // rounded to bf16 as it is stored; no f32 copy of the branch, no f32 h, no narrowing pass.
+            let (x, g, b) = (f32_values(xs, xl, "x")?, f32_values(gs, gl, "g")?, f32_values(bs, bl, "b")?);
+            let br = &br[start..end];
+            if br.len() != x.len() {
+                candle_core::bail!("add_layer_norm: branch {:?} is not x's shape {:?}", brl.shape(), xl.shape());
+            }
+            // SAFETY (both): the chunks cover them, and each row of each is stored whole.
+            let (mut x_out, mut h) = unsafe { (uninit_of::<f32>(x.len()), uninit_of::<half::bf16>(x.len())) };
+            normalise_rows_bf16(&x, Some(br), &g, &b, self.eps, c, Some(&mut x_out), &mut h);
+            self.put_x_out(Storage::Cpu(CpuStorage::F32(x_out)))?;
+            return Ok((CpuStorage::BF16(h), xl.shape().clone()));
+        }
         let (x, br, g, b) = (f32_values(xs, xl, "x")?, f32_values(brs, brl, "branch")?, f32_values(gs, gl, "g")?, f32_values(bs, bl, "b")?);
         let (x_out, h_out) = add_layer_norm_rows(&x, &br, &g, &b, self.eps, c);
         self.put_x_out(Storage::Cpu(CpuStorage::F32(x_out)))?;
@@ -270,6 +292,51 @@ pub fn add_layer_norm_rows(x: &[f32], branch: &[f32], g: &[f32], b: &[f32], eps:
         },
     );
     (x_out, h)
+}
+
+/// The bf16-out LayerNorm rows of `layer_norm` (branch None) and `add_layer_norm` (x_out: the
+/// new residual stream x + branch, f32): per row, the f32 row (x, or x + the widened bf16 branch
+/// row, stored to x_out) and its normalisation in an L1 row buffer, h rounded to bf16 as it is
+/// stored. On all threads, `ROWS_PER_TASK` rows a task; every row of h (and x_out) written.
+#[allow(clippy::too_many_arguments)]
+fn normalise_rows_bf16(
+    x: &[f32],
+    branch: Option<&[half::bf16]>,
+    g: &[f32],
+    b: &[f32],
+    eps: f32,
+    c: usize,
+    x_out: Option<&mut [f32]>,
+    h: &mut [half::bf16],
+) {
+    let c = c.max(1);
+    let rows = ROWS_PER_TASK * c;
+    let task = |t: usize, h: &mut [half::bf16], xo: Option<&mut [f32]>| {
+        let (mut sum, mut normed) = (vec![0f32; c], vec![0f32; c]);
+        let mut xo = xo;
+        for (r, hr) in h.chunks_mut(c).enumerate() {
+            let at = t * rows + r * c;
+            let xr = &x[at..at + c];
+            let row: &[f32] = match branch {
+                Some(br) => {
+                    let br = &br[at..at + c];
+                    // bf16 → f32 is exact: the bits shifted up (vectorises).
+                    map_slice(&mut sum, xr, &|i, a| a + f32::from_bits((br[i].to_bits() as u32) << 16));
+                    if let Some(xo) = xo.as_deref_mut() {
+                        xo[r * c..][..c].copy_from_slice(&sum);
+                    }
+                    &sum
+                }
+                None => xr,
+            };
+            normalise_row(row, g, b, eps, &mut normed);
+            store_f32(&normed, hr);
+        }
+    };
+    match x_out {
+        Some(xo) => h.par_chunks_mut(rows).zip(xo.par_chunks_mut(rows)).enumerate().for_each(|(t, (h, xo))| task(t, h, Some(xo))),
+        None => h.par_chunks_mut(rows).enumerate().for_each(|(t, h)| task(t, h, None)),
+    }
 }
 
 /// h = (row − mean) / √(var + ε) · g + b, the statistics from one read of the row
@@ -481,7 +548,7 @@ impl CustomOp3 for Linear<'_> {
         let gelu = matches!(self.epilogue, Epilogue::BiasGelu);
         // y = gelu(acc + b) or acc + b for a row segment from column j0 (SIMD: gelu_tanh has no
         // libm call): the output pass of every path below that adds the bias after the GEMM.
-        let epilogue = |j0: usize, row: &mut [f32]| match gelu {
+        let epilogue = |_: usize, j0: usize, row: &mut [f32]| match gelu {
             true => bias_gelu_tanh(row, &b[j0..j0 + row.len()]), // gelu_tanh's formula, on the engine's SIMD
             false => map_slice_in_place(row, &|j, v| v + b[j0 + j]),
         };
@@ -514,6 +581,45 @@ impl CustomOp3 for Linear<'_> {
             bf16_gemm::gemm_packed_bf16_with(&mut y, MatRef::row_major(x, m, k), wt, true, Some(&epilogue))
                 .map_err(candle_core::Error::Msg)?;
             return Ok((CpuStorage::BF16(y), Shape::from((bsz, t, n))));
+        }
+        if let Epilogue::BiasResidual(r) = &self.epilogue {
+            // f32 out = residual + bias + x·Wᵀ, the residual and bias added to each block of the
+            // GEMM's accumulator while it is in L2: C written once, never read (no fill pass,
+            // and no load and store of C per K slice). W packed here when `build` did not. MKL's
+            // GEMM (asked for by name) and the f32 GEMM take the fill-then-accumulate path below.
+            let owned;
+            let packed_w = match &operands {
+                Operands::Bf16 { packed: Some(wt), .. } | Operands::F32Packed { packed: wt, .. } => Some(*wt),
+                Operands::Bf16 { w, kernel, packed: None, .. } if *kernel != Kernel::Mkl => {
+                    owned = PackedB::new(*kernel, MatRef::row_major(w, n, k).t(), true).map_err(candle_core::Error::Msg)?;
+                    Some(&owned)
+                }
+                Operands::F32AsBf16 { w, kernel, .. } if *kernel != Kernel::Mkl => {
+                    owned = PackedB::new(*kernel, MatRef::row_major(w, n, k).t(), true).map_err(candle_core::Error::Msg)?;
+                    Some(&owned)
+                }
+                _ => None,
+            };
+            if let Some(wt) = packed_w {
+                let (rs, rl) = r.storage_and_layout();
+                let Storage::Cpu(rs) = &*rs else { candle_core::bail!("linear: the residual is not on the CPU") };
+                let res = f32_values(rs, rl, "residual")?;
+                if res.len() != m * n {
+                    candle_core::bail!("linear: the residual {:?} is not the output's shape ({bsz}, {t}, {n})", rl.shape());
+                }
+                let add = |i: usize, j0: usize, row: &mut [f32]| map_slice_in_place(row, &|j, v| v + (res[i * n + j0 + j] + b[j0 + j]));
+                // SAFETY: the GEMM's output pass stores every element (`gemm_packed_with`).
+                let mut out = unsafe { uninit_of::<f32>(m * n) };
+                match &operands {
+                    Operands::Bf16 { x, .. } => bf16_gemm::gemm_packed_with(&mut out, None, MatRef::row_major(x, m, k), wt, true, Some(&add)),
+                    Operands::F32Packed { x, .. } | Operands::F32AsBf16 { x, .. } => {
+                        bf16_gemm::gemm_packed_with(&mut out, None, MatRef::row_major(x, m, k), wt, true, Some(&add))
+                    }
+                    Operands::F32 { .. } => unreachable!("no packed W for the f32 GEMM"),
+                }
+                .map_err(candle_core::Error::Msg)?;
+                return to_storage(out, rs.dtype()).map(|s| (s, Shape::from((bsz, t, n))));
+            }
         }
         // SAFETY: written whole before it is read — by the bias (and residual) fill below, or, for
         // a bias after the GEMM, by the GEMM itself (β = 0: it never reads dst).
@@ -551,12 +657,12 @@ impl CustomOp3 for Linear<'_> {
                     let y = &mut narrowed[r0 * n..(r0 + mb) * n];
                     dst.par_chunks_mut(ROWS_PER_TASK * n).zip(y.par_chunks_mut(ROWS_PER_TASK * n)).for_each(|(block, y)| {
                         for (row, y) in block.chunks_exact_mut(n).zip(y.chunks_exact_mut(n)) {
-                            epilogue(0, row);
+                            epilogue(0, 0, row);
                             narrow_bf16(row, y);
                         }
                     });
                 } else {
-                    dst.par_chunks_mut(ROWS_PER_TASK * n).for_each(|block| block.chunks_exact_mut(n).for_each(|row| epilogue(0, row)));
+                    dst.par_chunks_mut(ROWS_PER_TASK * n).for_each(|block| block.chunks_exact_mut(n).for_each(|row| epilogue(0, 0, row)));
                 }
             }
         }
