@@ -145,11 +145,13 @@ impl Simd for Avx512 {
     /// exponentials are the softmax's cost, one per score against 2·d FMAs.
     #[inline(always)]
     unsafe fn exp_sum(row: &mut [f32], m: f32) -> f32 {
-        let (m, low) = (_mm512_set1_ps(m), _mm512_set1_ps(-86.6));
-        let mut sum = _mm512_setzero_ps();
-        let mut chunks = row.chunks_exact_mut(16);
-        for c in &mut chunks {
-            let x = _mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), m); // ≤ 0, or −∞ (masked)
+        let (mv, low) = (_mm512_set1_ps(m), _mm512_set1_ps(-86.6));
+        // P = exp(S − m) for 16 values at p, stored in place; the value is P, for the sum (a
+        // macro, not a closure: a closure is compiled without this function's AVX-512).
+        macro_rules! exp16 {
+            ($p:expr) => {{
+                let p: *mut f32 = $p;
+            let x = _mm512_sub_ps(_mm512_loadu_ps(p), mv); // ≤ 0, or −∞ (masked)
             let xc = _mm512_max_ps(x, low);
             let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
                 xc,
@@ -157,18 +159,31 @@ impl Simd for Avx512 {
             ));
             let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), xc); // r = x − n·ln2, in two parts
             let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-            let mut p = _mm512_set1_ps(1.987_569_1e-4);
+            let mut q = _mm512_set1_ps(1.987_569_1e-4);
             for k in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
-                p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(k));
+                q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(k));
             }
-            let er = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0)); // p·r² + r + 1
+            let er = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(q, r), r, r), _mm512_set1_ps(1.0)); // q·r² + r + 1
             let y = _mm512_scalef_ps(er, n); // e^r · 2^n
-                                             // Below −86.6 (−∞ included): 0, as exp_f32 gives; NaN stays NaN (an unordered compare).
+            // Below −86.6 (−∞ included): 0, as exp_f32 gives; NaN stays NaN (an unordered compare).
             let y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, low), _mm512_setzero_ps());
-            _mm512_storeu_ps(c.as_mut_ptr(), y);
-            sum = _mm512_add_ps(sum, y);
+            _mm512_storeu_ps(p, y);
+            y
+            }};
         }
-        _mm512_reduce_add_ps(sum) + exp_sum(chunks.into_remainder(), _mm512_cvtss_f32(m))
+        // Two sums, 32 values a step: one sum made every add wait for the previous one (and
+        // the compiler kept it on the stack, a store and a load per add).
+        let (mut sum0, mut sum1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut pairs = row.chunks_exact_mut(32);
+        for c in &mut pairs {
+            sum0 = _mm512_add_ps(sum0, exp16!(c.as_mut_ptr()));
+            sum1 = _mm512_add_ps(sum1, exp16!(c.as_mut_ptr().add(16)));
+        }
+        let mut chunks = pairs.into_remainder().chunks_exact_mut(16);
+        for c in &mut chunks {
+            sum0 = _mm512_add_ps(sum0, exp16!(c.as_mut_ptr()));
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1)) + exp_sum(chunks.into_remainder(), m)
     }
 }
 
