@@ -762,8 +762,16 @@ fn pack_pairs<T: Operand>(
                 T::pairs_along(src, &mut out[r * r_step..][..whole]);
                 continue;
             }
-            for (p, two) in src.chunks_exact(2).enumerate() {
-                out[r * r_step + p * p_step] = bits(two[0]) | bits(two[1]) << 16;
+            // Pairs p_step apart (B's panels from a row-major Bᵀ: a weight W packed as Wᵀ):
+            // rounded 64 pairs at a time by the vectorised `pairs_along`, then placed (rounding
+            // one f32 at a time was most of the time a training step's forward spent packing).
+            let mut pairs = [0u32; 64];
+            for (c, chunk) in src.chunks(128).enumerate() {
+                let np = chunk.len() / 2;
+                T::pairs_along(chunk, &mut pairs[..np]);
+                for (q, &v) in pairs[..np].iter().enumerate() {
+                    out[r * r_step + (64 * c + q) * p_step] = v;
+                }
             }
         }
     } else if a.rs == 1 && whole == 16 && kc == 16 && (r_step, p_step) == (16, 1) && rows.is_multiple_of(16) {
