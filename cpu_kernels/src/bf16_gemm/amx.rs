@@ -19,13 +19,14 @@ use super::{Lines, MatRef, Operand, NR};
 
 /// Rows of C per block of four C tiles.
 const TM: usize = 32;
-/// k-pairs per slice: a B panel slice is KCA × NR × 4 bytes = 16 KiB, so it stays in L1 (48 KiB)
-/// while the block's A panels (32 rows × KCA pairs, 16 KiB each; the packed A block 128 KiB, L2)
-/// stream past it; each slice loads and stores every C tile once. At `small`'s linears and the
-/// backward's K = 2048 shapes, two threads on the AMX Xeon, interleaved runs: 128 pairs against
-/// 512 (a B slice of 64 KiB, which L1 could not keep beside A), qkv/proj/fc1 +5–15 %, fc2 and
-/// K = 2048 level to +5 %; 64 and 96 pairs, and walking B panels inside A panels, were slower.
-const KCA: usize = 128;
+/// k-pairs per slice: a B panel slice is KCA × NR × 4 bytes = 24 KiB, half of L1 (48 KiB), so it
+/// stays there while the block's A panels (32 rows × KCA pairs; the packed A block 192 KiB, L2)
+/// stream past it; each slice loads and stores every C tile once (K = 768: two slices). At
+/// `small`'s linears and the backward's K = 2048 shapes, two threads on the AMX Xeon, interleaved
+/// runs: 512 pairs (a B slice L1 could not keep beside A) lost 5–15 % to 128; 192 gained 3–8 %
+/// over 128 (fewer C loads and stores); 64, 96 and 256, and walking B panels inside A panels,
+/// were slower.
+const KCA: usize = 192;
 /// k-pairs per tile (64 bytes of bf16 pairs per tile row).
 pub const TK: usize = 16;
 
