@@ -812,7 +812,7 @@ fn pack_pairs<T: Operand>(
 
 /// `out[16·r + c] = m[16·c + r]`: a 16 × 16 block of u32 transposed (AVX-512 where the CPU has
 /// it: four rounds of interleaves, 64 instructions for 256 values).
-fn transpose_16x16(m: &[u32; 256], out: &mut [u32]) {
+pub(crate) fn transpose_16x16(m: &[u32; 256], out: &mut [u32]) {
     assert!(out.len() >= 256);
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {

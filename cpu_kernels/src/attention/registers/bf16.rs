@@ -220,7 +220,25 @@ fn pack_panels<const D: usize>(head: &HeadRows<bf16>, t: usize, pad_pairs: usize
     kt.clear();
     kt.resize(t.div_ceil(NR) * dp * NR, 0);
     for (p, panel) in kt.chunks_exact_mut(dp * NR).enumerate() {
-        for jj in 0..NR.min(t - p * NR) {
+        let keys = NR.min(t - p * NR);
+        if dp.is_multiple_of(16) {
+            // 16 keys × 16 channel pairs at a time, transposed in registers (keys past T: zero rows).
+            for k0 in (0..keys).step_by(16) {
+                for cb in 0..dp / 16 {
+                    let mut m = [0u32; 256]; // row jj: key k0 + jj's pairs 16·cb..16·cb + 16
+                    for jj in 0..16.min(keys - k0) {
+                        pairs_of_row(&k[(p * NR + k0 + jj) * k_rs + 32 * cb..][..32], &mut m[16 * jj..][..16]);
+                    }
+                    let mut tr = [0u32; 256]; // row c: channel pair 16·cb + c of the 16 keys
+                    crate::bf16_gemm::transpose_16x16(&m, &mut tr);
+                    for c in 0..16 {
+                        panel[(16 * cb + c) * NR + k0..][..16].copy_from_slice(&tr[16 * c..][..16]);
+                    }
+                }
+            }
+            continue;
+        }
+        for jj in 0..keys {
             let row = &k[(p * NR + jj) * k_rs..][..D];
             let mut pairs = [0u32; MAX_PAIRS];
             pairs_of_row(row, &mut pairs[..dp]);
