@@ -254,7 +254,10 @@ unsafe fn bias_gelu_tanh_avx512(row: &mut [f32], bias: &[f32]) {
         let inner = _mm512_fmadd_ps(v2, _mm512_set1_ps(0.044715), _mm512_set1_ps(1.0));
         let x = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(-2.0 * 0.797_884_6)), inner);
         let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-86.6)), _mm512_set1_ps(88.7));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            x,
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+        ));
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x); // r = x − n·ln2, in two parts
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
         let mut p = _mm512_set1_ps(1.987_569_1e-4);

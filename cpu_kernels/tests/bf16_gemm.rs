@@ -98,8 +98,9 @@ fn kernel_matches_scalar_twin_and_f32_gemm_on_ragged_shapes() {
                 let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 1.0).collect();
                 // and a residual row by its index i, as stage 3's fc2 adds x
                 let resid = |i: usize, j: usize| ((i * 7 + j * 3) % 5) as f32 - 2.0;
-                let pass =
-                    |i: usize, j0: usize, row: &mut [f32]| row.iter_mut().enumerate().for_each(|(j, v)| *v = (*v + bias[j0 + j]).max(0.0) + resid(i, j0 + j));
+                let pass = |i: usize, j0: usize, row: &mut [f32]| {
+                    row.iter_mut().enumerate().for_each(|(j, v)| *v = (*v + bias[j0 + j]).max(0.0) + resid(i, j0 + j))
+                };
                 let (mut out, mut kept) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
                 bf16_gemm::gemm_packed_with(&mut out, Some(&mut kept), av, &packed, parallel, Some(&pass)).unwrap();
                 assert!(kept.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()), "{} kept at {m}×{n}×{k}", kernel.name());

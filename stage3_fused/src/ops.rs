@@ -35,7 +35,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 use cpu_kernels::bf16_gemm::{self, narrow_bf16, Kernel, MatRef, PackedB, PackedWeight};
-use cpu_kernels::elementwise::{bias_gelu_tanh, exp_f32, map_slice, store_f32, map_slice_in_place, par_convert, row_stats, uninit_of, Elementwise, RowStats};
+use cpu_kernels::elementwise::{
+    bias_gelu_tanh, exp_f32, map_slice, map_slice_in_place, par_convert, row_stats, store_f32, uninit_of, Elementwise, RowStats,
+};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
@@ -611,7 +613,9 @@ impl CustomOp3 for Linear<'_> {
                 // SAFETY: the GEMM's output pass stores every element (`gemm_packed_with`).
                 let mut out = unsafe { uninit_of::<f32>(m * n) };
                 match &operands {
-                    Operands::Bf16 { x, .. } => bf16_gemm::gemm_packed_with(&mut out, None, MatRef::row_major(x, m, k), wt, true, Some(&add)),
+                    Operands::Bf16 { x, .. } => {
+                        bf16_gemm::gemm_packed_with(&mut out, None, MatRef::row_major(x, m, k), wt, true, Some(&add))
+                    }
                     Operands::F32Packed { x, .. } | Operands::F32AsBf16 { x, .. } => {
                         bf16_gemm::gemm_packed_with(&mut out, None, MatRef::row_major(x, m, k), wt, true, Some(&add))
                     }
