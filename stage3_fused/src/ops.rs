@@ -548,8 +548,9 @@ impl CustomOp3 for Linear<'_> {
         let b = f32_values(bs, bl, "b")?;
         let b = &b[..];
         let gelu = matches!(self.epilogue, Epilogue::BiasGelu);
-        // y = gelu(acc + b) or acc + b for a row segment from column j0 (SIMD: gelu_tanh has no
-        // libm call): the output pass of every path below that adds the bias after the GEMM.
+        // y = gelu(acc + b) or acc + b for a row segment from column j0 (SIMD: `gelu_tanh`'s
+        // formula in the engine's `bias_gelu_tanh`): the output pass of every path below that adds
+        // the bias after the GEMM.
         let epilogue = |_: usize, j0: usize, row: &mut [f32]| match gelu {
             true => bias_gelu_tanh(row, &b[j0..j0 + row.len()]), // gelu_tanh's formula, on the engine's SIMD
             false => map_slice_in_place(row, &|j, v| v + b[j0 + j]),
