@@ -182,6 +182,7 @@ unsafe fn attend<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32, ca
 /// `out[c2]` = pair(row[2·c2], row[2·c2 + 1]) for a whole row: the pair two neighbouring bf16
 /// make is their bytes read as one little-endian u32, so this is a copy (`pair` one at a time was
 /// ~6 % of the AMX kernel's time).
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn pairs_of_row(row: &[bf16], out: &mut [u32]) {
     assert_eq!(row.len(), 2 * out.len(), "two bf16 per pair");
@@ -199,6 +200,7 @@ fn pairs_of_row(row: &[bf16], out: &mut [u32]) {
 
 /// V's column panels for head size D: (first column, width), NR wide, the last narrower when
 /// NR does not divide D (d_head 80). Only the first ⌈D/NR⌉ are used.
+#[cfg(target_arch = "x86_64")]
 fn panels<const D: usize>() -> [(usize, usize); 2 * MAX_PAIRS / NR] {
     std::array::from_fn(|i| (i * NR, NR.min(D.saturating_sub(i * NR))))
 }
@@ -210,6 +212,7 @@ fn panels<const D: usize>() -> [(usize, usize); 2 * MAX_PAIRS / NR] {
 /// (p·D/2 + c2)·NR + jj; keys past T are zero. V in column panels (first column c0, width
 /// w ≤ NR), rows paired: key pair j2 of column c0 + cc at t2·c0 + j2·w + cc; pairs past T are
 /// zero (an odd T's last pair has a zero second key).
+#[cfg(target_arch = "x86_64")]
 fn pack_panels<const D: usize>(head: &HeadRows<bf16>, t: usize, pad_pairs: usize, kt: &mut Vec<u32>, vp: &mut Vec<u32>) -> usize {
     let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
     assert!(
@@ -584,6 +587,7 @@ mod tests {
     use crate::attention::registers::D_HEADS;
 
     #[test]
+    #[cfg(target_arch = "x86_64")] // the bodies are x86's; elsewhere `runs` is false
     fn avx512_bf16_agrees_with_its_scalar_twin() {
         // A head read through strides (the second of 2 heads, rows 3·h·d apart as in stage 3's
         // QKV output), T ragged (odd, not a multiple of MR or NR, one more B_c step), every
