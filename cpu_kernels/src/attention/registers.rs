@@ -139,10 +139,9 @@ impl Simd for Avx512 {
     unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
         _mm512_fmadd_ps(a, b, c)
     }
-    /// `exp_f32`'s algorithm (x = n·ln2 + r, the same degree-5 polynomial for e^r) with two
-    /// AVX-512 instructions in place of its scalar-friendly tricks: `vrndscaleps` rounds x/ln2,
-    /// `vscalefps` multiplies by 2^n. About 10 instructions per 16 values instead of ~28: the
-    /// exponentials are the softmax's cost, one per score against 2·d FMAs.
+    /// `exp_f32`'s algorithm on AVX-512 (`elementwise::exp_clamped_avx512`: `vrndscaleps` and
+    /// `vscalefps` in place of its scalar-friendly tricks), about 10 instructions per 16 values
+    /// instead of ~28: the exponentials are the softmax's cost, one per score against 2·d FMAs.
     #[inline(always)]
     unsafe fn exp_sum(row: &mut [f32], m: f32) -> f32 {
         let (mv, low) = (_mm512_set1_ps(m), _mm512_set1_ps(-86.6));
@@ -151,24 +150,12 @@ impl Simd for Avx512 {
         macro_rules! exp16 {
             ($p:expr) => {{
                 let p: *mut f32 = $p;
-            let x = _mm512_sub_ps(_mm512_loadu_ps(p), mv); // ≤ 0, or −∞ (masked)
-            let xc = _mm512_max_ps(x, low);
-            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
-                xc,
-                _mm512_set1_ps(std::f32::consts::LOG2_E),
-            ));
-            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), xc); // r = x − n·ln2, in two parts
-            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-            let mut q = _mm512_set1_ps(1.987_569_1e-4);
-            for k in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
-                q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(k));
-            }
-            let er = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(q, r), r, r), _mm512_set1_ps(1.0)); // q·r² + r + 1
-            let y = _mm512_scalef_ps(er, n); // e^r · 2^n
-            // Below −86.6 (−∞ included): 0, as exp_f32 gives; NaN stays NaN (an unordered compare).
-            let y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, low), _mm512_setzero_ps());
-            _mm512_storeu_ps(p, y);
-            y
+                let x = _mm512_sub_ps(_mm512_loadu_ps(p), mv); // ≤ 0, or −∞ (masked)
+                let y = crate::elementwise::exp_clamped_avx512(_mm512_max_ps(x, low)); // e^x above −86.6
+                // Below −86.6 (−∞ included): 0, as exp_f32 gives; NaN stays NaN (an unordered compare).
+                let y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, low), _mm512_setzero_ps());
+                _mm512_storeu_ps(p, y);
+                y
             }};
         }
         // Two sums, 32 values a step: one sum made every add wait for the previous one (and

@@ -136,6 +136,16 @@ pub unsafe fn block<T: Operand>(
             }
         }
         let load = accumulate || p0 > 0;
+        // A: the panel's two contiguous 1 KiB tiles per step; B: the panel's pair rows, NR wide.
+        let a_base = packed_a.as_ptr();
+        let operands = |ir: usize, b_panel: *const u32| TileOperands {
+            a: a_base.wrapping_add(ir * kc) as *const u8,
+            lda: TK * 4,
+            a_step: TM * TK * 4,
+            b: b_panel as *const u8,
+            ldb: NR * 4,
+            b_step: TK * NR * 4,
+        };
         for jr in (0..nc).step_by(NR) {
             let (j, nr) = (j0 + jr, NR.min(nc - jr));
             let b_panel = packed_b[((j / NR) * kp + p0) * NR..][..kc * NR].as_ptr();
@@ -143,7 +153,7 @@ pub unsafe fn block<T: Operand>(
                 let (i, mr) = (i0 + ir, TM.min(mc - ir));
                 if mr == TM && nr == NR {
                     // A whole 32 × 32 block: the C tiles load from and store to C itself.
-                    tile_product(kc, packed_a[ir * kc..].as_ptr(), b_panel, c.add(i * ldc + j), ldc * 4, load);
+                    tile_product(kc / TK, &operands(ir, b_panel), c.add(i * ldc + j) as *mut u8, ldc * 4, load);
                     continue;
                 }
                 // An edge block: staged in a 32 × 32 buffer (zeros past the edge), then copied back.
@@ -155,7 +165,7 @@ pub unsafe fn block<T: Operand>(
                         }
                     }
                 }
-                tile_product(kc, packed_a[ir * kc..].as_ptr(), b_panel, tile.as_mut_ptr(), NR * 4, load);
+                tile_product(kc / TK, &operands(ir, b_panel), tile.as_mut_ptr() as *mut u8, NR * 4, load);
                 for r in 0..mr {
                     for q in 0..nr {
                         *c.add((i + r) * ldc + j + q) = tile[r * NR + q];
@@ -167,33 +177,43 @@ pub unsafe fn block<T: Operand>(
     release();
 }
 
-/// C (32 × 32 f32, rows `ldc_bytes` apart) = A (32 rows × kc pairs, two contiguous tiles per
-/// step) · B (kc pairs × 32 columns, rows 128 bytes apart) (+ C when `load`; else C's tiles
-/// start at zero), 16 pairs per step: C00 += A0·B0, C01 += A0·B1, C10 += A1·B0, C11 += A1·B1,
-/// each tile loaded just before its first product. C is read and written where it lies: C
-/// itself for a whole block, the staging buffer for an edge one.
+/// Where a 2 × 2 tile product reads its operands, in bytes: A's two 16-row tiles (rows `lda`
+/// apart, the second 16 rows below the first) and B's two 16-column tiles (rows `ldb` apart, the
+/// second 64 bytes right of the first), both moving on by `a_step` / `b_step` per 16 pairs.
+pub(crate) struct TileOperands {
+    pub a: *const u8,
+    pub lda: usize,
+    pub a_step: usize,
+    pub b: *const u8,
+    pub ldb: usize,
+    pub b_step: usize,
+}
+
+/// C (32 × 32 f32, rows `ldc` bytes apart) = A (32 rows × 16·steps pairs) · B (16·steps pairs ×
+/// 32 columns) (+ C when `load`; else C's tiles start at zero), 16 pairs per step: C00 += A0·B0,
+/// C01 += A0·B1, C10 += A1·B0, C11 += A1·B1 in tmm0–3, A in tmm4–5 and B in tmm6–7, each tile
+/// loaded just before its first product. C is read and written where it lies. The GEMM's block
+/// (A packed as contiguous tiles) and the attention's two products (Q·Kᵀ, P·V) all run on it.
 ///
 /// # Safety
-/// Tiles are configured (`ldtilecfg` with `TileConfig::all_16_by_64`); kc is a multiple of 16;
-/// the pointers address what the comment above says, and the block at `c` is this task's own.
-unsafe fn tile_product(kc: usize, a: *const u32, b: *const u32, c: *mut f32, ldc_bytes: usize, load: bool) {
-    let (lda, ldb) = (TK * 4, NR * 4); // bytes between rows
-    let cb = c as *mut u8;
+/// Tiles are configured (`configure`); the operands address `steps` steps as described, and
+/// the 32 × 32 block at `c` is this thread's own.
+pub(crate) unsafe fn tile_product(steps: usize, ops: &TileOperands, c: *mut u8, ldc: usize, load: bool) {
     if load {
         core::arch::asm!(
             "tileloadd tmm0, [{c0} + {ldc}*1]",
             "tileloadd tmm1, [{c0} + {ldc}*1 + 64]",
             "tileloadd tmm2, [{c1} + {ldc}*1]",
             "tileloadd tmm3, [{c1} + {ldc}*1 + 64]",
-            c0 = in(reg) cb, c1 = in(reg) cb.add(16 * ldc_bytes), ldc = in(reg) ldc_bytes,
+            c0 = in(reg) c, c1 = in(reg) c.add(16 * ldc), ldc = in(reg) ldc,
             options(nostack, readonly),
         );
     } else {
         core::arch::asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
     }
-    for step in 0..kc / TK {
-        let a0 = (a as *const u8).add(step * TM * TK * 4);
-        let b0 = (b as *const u8).add(step * TK * ldb);
+    let TileOperands { a, lda, a_step, b, ldb, b_step } = *ops;
+    for step in 0..steps {
+        let (a0, b0) = (a.add(step * a_step), b.add(step * b_step));
         core::arch::asm!(
             "tileloadd tmm4, [{a0} + {lda}*1]",
             "tileloadd tmm6, [{b0} + {ldb}*1]",
@@ -212,7 +232,7 @@ unsafe fn tile_product(kc: usize, a: *const u32, b: *const u32, c: *mut f32, ldc
         "tilestored [{c0} + {ldc}*1 + 64], tmm1",
         "tilestored [{c1} + {ldc}*1], tmm2",
         "tilestored [{c1} + {ldc}*1 + 64], tmm3",
-        c0 = in(reg) cb, c1 = in(reg) cb.add(16 * ldc_bytes), ldc = in(reg) ldc_bytes,
+        c0 = in(reg) c, c1 = in(reg) c.add(16 * ldc), ldc = in(reg) ldc,
         options(nostack),
     );
 }

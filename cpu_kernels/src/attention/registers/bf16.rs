@@ -39,6 +39,10 @@ const MAX_PAIRS: usize = 64;
 thread_local! {
     /// Each worker's packed Kᵀ and V pair panels, reused from head to head.
     static PACKED: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// Each worker's S (then P) and P's bf16 pairs for the AMX body (TR rows each, 96 KiB),
+    /// reused from head to head: every entry a step reads, the step wrote first.
+    #[cfg(target_arch = "x86_64")]
+    static SCORES: std::cell::RefCell<(Vec<[f32; BC]>, Vec<[u32; BC / 2]>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Whether bf16 attention runs on this kernel here: a compiled head size, a CPU with
@@ -306,11 +310,12 @@ unsafe fn attend_amx<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32
     let (mut kt, mut vp) = PACKED.take();
     let t2 = pack_panels::<D>(head, t, 16, &mut kt, &mut vp);
     // S (then P) and P's bf16 pairs for one step of B_c keys, Q_i's pairs and O_i: 32 rows each.
-    // S and P (96 KiB together) on the heap, Q_i and O_i (8 and ≤ 16 KiB) on the stack.
-    let mut s = vec![[0f32; BC]; TR];
-    let mut p16 = vec![[0u32; BC / 2]; TR];
-    let s: &mut [[f32; BC]; TR] = (&mut s[..]).try_into().expect("TR rows");
-    let p16: &mut [[u32; BC / 2]; TR] = (&mut p16[..]).try_into().expect("TR rows");
+    // S and P (96 KiB together) in the worker's reused buffers, Q_i and O_i (8 and ≤ 16 KiB) on the stack.
+    let (mut s_rows, mut p_rows) = SCORES.take();
+    s_rows.resize(TR, [0f32; BC]);
+    p_rows.resize(TR, [0u32; BC / 2]);
+    let s: &mut [[f32; BC]; TR] = (&mut s_rows[..]).try_into().expect("TR rows");
+    let p16: &mut [[u32; BC / 2]; TR] = (&mut p_rows[..]).try_into().expect("TR rows");
     let (q_i, o) = (&mut [[0u32; MAX_PAIRS]; TR], &mut [[0f32; D]; TR]);
     amx::configure();
     for i0 in (0..t).step_by(TR) {
@@ -356,6 +361,7 @@ unsafe fn attend_amx<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32
     }
     amx::release();
     PACKED.set((kt, vp));
+    SCORES.set((s_rows, p_rows));
 }
 
 /// row *= scale, 16 at a time.
@@ -373,88 +379,41 @@ unsafe fn scale_row(row: &mut [f32], scale: f32) {
     chunks.into_remainder().iter_mut().for_each(|x| *x *= scale);
 }
 
-/// S[r][jj..jj + 32] = q_r · (32 keys)ᵀ for the TR = 32 rows, unscaled: C tiles tmm0–3 (rows
-/// 0–15 and 16–31 × keys 0–15 and 16–31) from Q's pairs (A: tmm4, tmm5, rows `MAX_PAIRS` pairs
-/// apart) and the keys' Kᵀ panel (B: tmm6, tmm7, rows NR pairs apart), 16 channel pairs a step.
+/// S[r][jj..jj + 32] = q_r · (32 keys)ᵀ for the TR = 32 rows, unscaled: the GEMM's 2 × 2 tile
+/// product (`amx::tile_product`), A = Q_i's pairs (rows `MAX_PAIRS` pairs apart), B = the keys'
+/// Kᵀ panel (rows NR pairs apart), 16 channel pairs a step, C stored into S (tiles start at zero).
 ///
 /// # Safety
 /// Tiles configured (`amx::configure`); kt is valid for D/2 rows of NR pairs; jj + 32 ≤ B_c.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn scores_amx<const D: usize>(q_i: &[[u32; MAX_PAIRS]; TR], kt: *const u32, s: &mut [[f32; BC]; TR], jj: usize) {
-    let (lda, ldb, ldc) = (MAX_PAIRS * 4, NR * 4, BC * 4); // bytes between rows
-    core::arch::asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
-    for step in 0..D / 32 {
-        let a0 = q_i[0].as_ptr().add(16 * step) as *const u8;
-        let b0 = kt.add(16 * step * NR) as *const u8;
-        core::arch::asm!(
-            "tileloadd tmm4, [{a0} + {lda}*1]",
-            "tileloadd tmm6, [{b0} + {ldb}*1]",
-            "tdpbf16ps tmm0, tmm4, tmm6",
-            "tileloadd tmm7, [{b0} + {ldb}*1 + 64]",
-            "tdpbf16ps tmm1, tmm4, tmm7",
-            "tileloadd tmm5, [{a1} + {lda}*1]",
-            "tdpbf16ps tmm2, tmm5, tmm6",
-            "tdpbf16ps tmm3, tmm5, tmm7",
-            a0 = in(reg) a0, a1 = in(reg) a0.add(16 * lda), lda = in(reg) lda, b0 = in(reg) b0, ldb = in(reg) ldb,
-            options(nostack, readonly),
-        );
-    }
-    let c0 = s[0][jj..].as_mut_ptr() as *mut u8;
-    core::arch::asm!(
-        "tilestored [{c0} + {ldc}*1], tmm0",
-        "tilestored [{c0} + {ldc}*1 + 64], tmm1",
-        "tilestored [{c1} + {ldc}*1], tmm2",
-        "tilestored [{c1} + {ldc}*1 + 64], tmm3",
-        c0 = in(reg) c0, c1 = in(reg) c0.add(16 * ldc), ldc = in(reg) ldc,
-        options(nostack),
-    );
+    use crate::bf16_gemm::amx::{tile_product, TileOperands};
+    let ops = TileOperands {
+        a: q_i[0].as_ptr() as *const u8,
+        lda: MAX_PAIRS * 4,
+        a_step: 64,
+        b: kt as *const u8,
+        ldb: NR * 4,
+        b_step: 16 * NR * 4,
+    };
+    tile_product(D / 32, &ops, s[0][jj..].as_mut_ptr() as *mut u8, BC * 4, false);
 }
 
 /// O[r][c0..c0 + 32] += Σ_j2 P[r][j2] · V[j0 + 2·j2..][c0..] for the TR = 32 rows over `pairs`
-/// key pairs (a multiple of 16): O's four 16 × 16 blocks loaded into tmm0–3, P's pairs as A
-/// (tmm4, tmm5, rows B_c/2 pairs apart), the V panel's pair rows as B (tmm6, tmm7, rows NR
-/// pairs apart; `v_j` at the step's first pair), 16 pairs a step, then stored back.
+/// key pairs (a multiple of 16): the same tile product, A = P's pairs (rows B_c/2 pairs apart),
+/// B = the V panel's pair rows (NR pairs apart; `v_j` at the step's first pair), C loaded from
+/// O and stored back.
 ///
 /// # Safety
 /// Tiles configured; v_j is valid for `pairs` rows of NR pairs; c0 + 32 ≤ D.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn pv_amx<const D: usize>(p: &[[u32; BC / 2]; TR], pairs: usize, v_j: *const u32, o: &mut [[f32; D]; TR], c0: usize) {
-    let (lda, ldb, ldc) = (BC / 2 * 4, NR * 4, D * 4);
-    let oc = o[0][c0..].as_mut_ptr() as *mut u8;
-    core::arch::asm!(
-        "tileloadd tmm0, [{c0} + {ldc}*1]",
-        "tileloadd tmm1, [{c0} + {ldc}*1 + 64]",
-        "tileloadd tmm2, [{c1} + {ldc}*1]",
-        "tileloadd tmm3, [{c1} + {ldc}*1 + 64]",
-        c0 = in(reg) oc, c1 = in(reg) oc.add(16 * ldc), ldc = in(reg) ldc,
-        options(nostack, readonly),
-    );
-    for step in 0..pairs / 16 {
-        let a0 = p[0].as_ptr().add(16 * step) as *const u8;
-        let b0 = v_j.add(16 * step * NR) as *const u8;
-        core::arch::asm!(
-            "tileloadd tmm4, [{a0} + {lda}*1]",
-            "tileloadd tmm6, [{b0} + {ldb}*1]",
-            "tdpbf16ps tmm0, tmm4, tmm6",
-            "tileloadd tmm7, [{b0} + {ldb}*1 + 64]",
-            "tdpbf16ps tmm1, tmm4, tmm7",
-            "tileloadd tmm5, [{a1} + {lda}*1]",
-            "tdpbf16ps tmm2, tmm5, tmm6",
-            "tdpbf16ps tmm3, tmm5, tmm7",
-            a0 = in(reg) a0, a1 = in(reg) a0.add(16 * lda), lda = in(reg) lda, b0 = in(reg) b0, ldb = in(reg) ldb,
-            options(nostack, readonly),
-        );
-    }
-    core::arch::asm!(
-        "tilestored [{c0} + {ldc}*1], tmm0",
-        "tilestored [{c0} + {ldc}*1 + 64], tmm1",
-        "tilestored [{c1} + {ldc}*1], tmm2",
-        "tilestored [{c1} + {ldc}*1 + 64], tmm3",
-        c0 = in(reg) oc, c1 = in(reg) oc.add(16 * ldc), ldc = in(reg) ldc,
-        options(nostack),
-    );
+    use crate::bf16_gemm::amx::{tile_product, TileOperands};
+    let ops =
+        TileOperands { a: p[0].as_ptr() as *const u8, lda: BC / 2 * 4, a_step: 64, b: v_j as *const u8, ldb: NR * 4, b_step: 16 * NR * 4 };
+    tile_product(pairs / 16, &ops, o[0][c0..].as_mut_ptr() as *mut u8, D * 4, true);
 }
 
 #[cfg(target_arch = "x86_64")]
