@@ -42,8 +42,12 @@ thread_local! {
     /// Each worker's S (then P) and P's bf16 pairs for the AMX body (TR rows each, 96 KiB),
     /// reused from head to head: every entry a step reads, the step wrote first.
     #[cfg(target_arch = "x86_64")]
-    static SCORES: std::cell::RefCell<(Vec<[f32; BC]>, Vec<[u32; BC / 2]>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    static SCORES: std::cell::RefCell<ScoreRows> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
+
+/// S (then P, f32) and P's bf16 pairs, one array per query row of a block.
+#[cfg(target_arch = "x86_64")]
+type ScoreRows = (Vec<[f32; BC]>, Vec<[u32; BC / 2]>);
 
 /// Whether bf16 attention runs on this kernel here: a compiled head size, a CPU with
 /// AVX512-BF16, and `SPEEDKIT_CPU_BF16` not set to `off` (which makes the CPU one without bf16
