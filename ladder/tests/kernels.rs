@@ -9,23 +9,12 @@
 use shared::breakdown::Breakdown;
 use shared::report::{LadderReport, Record};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::Command;
+
+#[path = "support/tiny_run.rs"]
+mod tiny_run;
 
 fn run(name: &str, extra: &[&str]) -> LadderReport {
-    let json = std::env::temp_dir().join(format!("speedkit-kernels-{name}-{}.json", std::process::id()));
-    let o = Command::new(env!("CARGO_BIN_EXE_ladder"))
-        .args(["--device", "cpu", "--preset", "tiny", "--warmup", "0", "--iters", "1", "--breakdown", "--json"])
-        .arg(&json)
-        .args(extra)
-        .env_remove("SPEEDKIT_ELEMENTWISE")
-        .env_remove("SPEEDKIT_FUSIONS")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    let report = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    std::fs::remove_file(PathBuf::from(&json)).ok();
-    report
+    tiny_run::run_tiny(&format!("kernels-{name}"), extra)
 }
 
 /// part name → the kernels it ran.

@@ -8,20 +8,11 @@ use shared::ran::{is_elementwise, is_gemm};
 use shared::report::{LadderReport, Record};
 use std::process::Command;
 
+#[path = "support/tiny_run.rs"]
+mod tiny_run;
+
 fn run(precision: &str) -> LadderReport {
-    let json = std::env::temp_dir().join(format!("speedkit-notes-{precision}-{}.json", std::process::id()));
-    let o = Command::new(env!("CARGO_BIN_EXE_ladder"))
-        .args(["--device", "cpu", "--preset", "tiny", "--warmup", "0", "--iters", "1", "--breakdown", "--ablate", "--precision", precision])
-        .arg("--json")
-        .arg(&json)
-        .env_remove("SPEEDKIT_ELEMENTWISE")
-        .env_remove("SPEEDKIT_FUSIONS")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    let report = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    std::fs::remove_file(&json).ok();
-    report
+    tiny_run::run_tiny(&format!("notes-{precision}"), &["--ablate", "--precision", precision])
 }
 
 /// The note that starts with `prefix`, without it.
