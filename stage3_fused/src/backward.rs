@@ -29,7 +29,7 @@
 use crate::ops::{f32_values, ROWS_PER_TASK};
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var, D};
 use cpu_kernels::bf16_gemm::{self, Kernel, MatRef, Operand};
-use cpu_kernels::elementwise::{exp_f32, row_stats, RowStats};
+use cpu_kernels::elementwise::{exp_f32, row_stats, uninit_of, RowStats};
 use rayon::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -55,7 +55,8 @@ pub fn layer_norm_bwd(x: &Tensor, g: &Tensor, dy: &Tensor, eps: f32) -> candle_c
     let (dx, dg, db) = with_f32(x, |x| {
         with_f32(g, |g| {
             with_f32(dy, |dy| {
-                let mut dx = vec![0f32; x.len()];
+                // SAFETY: every row of dx is written whole by `layer_norm_row_bwd` before any read.
+                let mut dx = unsafe { uninit_of::<f32>(x.len()) };
                 let rows = ROWS_PER_TASK * c;
                 let zeros = || (vec![0f32; c], vec![0f32; c]);
                 let (dg, db) = dx
@@ -144,7 +145,8 @@ pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, x: &Tensor, w: &Tens
             if acc.len() != dy.len() || b.len() != n {
                 candle_core::bail!("linear_bias_gelu: kept x·Wᵀ has {} values, dy {}, b {} (N = {n})", acc.len(), dy.len(), b.len());
             }
-            let mut dz = vec![0f32; dy.len()];
+            // SAFETY: every element of dz is written by the pass below before any read.
+            let mut dz = unsafe { uninit_of::<f32>(dy.len()) };
             let rows = ROWS_PER_TASK * n;
             let db = dz
                 .par_chunks_mut(rows)
@@ -220,8 +222,9 @@ pub fn linear_bwd(x: &Tensor, w: &Tensor, dz: &Tensor, bf16_master: bool) -> can
     if x.device().is_cpu() && bf16 && kernel.is_native() && [x, w, dz].into_iter().all(ours) {
         cpu_kernels::trace::ran_with(|| format!("linear backward: gemm bf16 ×2 ({})", kernel.name()));
         let (xc, wc, dzc) = (x.contiguous()?, w.contiguous()?, dz.contiguous()?);
-        let mut dx = vec![0f32; m * k];
-        let mut dw = vec![0f32; n * k];
+        // SAFETY: both GEMMs overwrite their output whole (not accumulating; a zero-length K
+        // writes zeros), so neither buffer is read before it is written.
+        let (mut dx, mut dw) = unsafe { (uninit_of::<f32>(m * k), uninit_of::<f32>(n * k)) };
         with_vals(&dzc, |dzv| {
             with_vals(&wc, |wv| gemm_vals(kernel, &mut dx, (dzv, m, n, false), (wv, n, k)))?; // dx = dz·W
             with_vals(&xc, |xv| gemm_vals(kernel, &mut dw, (dzv, m, n, true), (xv, m, k)))

@@ -89,19 +89,18 @@ impl Forward for Block {
         let [x] = enter("ln1", [x])?; // a no-op unless --breakdown is recording (shared::breakdown)
         let h = self.layer_norm(&x, &self.ln1_g, &self.ln1_b)?; // (B, T, C): one kernel, GEMM dtype out
         let [h] = enter("qkv", [&h])?;
-        let (q, k, v) = match &self.split_qkv {
+        let a = match &self.split_qkv {
             None => {
-                let qkv = self.linear(&h, &self.w_qkv, &self.b_qkv)?.reshape(heads)?; // one GEMM, bias in its epilogue
+                let qkv = self.linear(&h, &self.w_qkv, &self.b_qkv)?; // (B, T, 3C): one GEMM, bias in its epilogue
                 let [qkv] = enter("attention", [&qkv])?;
-                (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?) // (B, T, n_head, d_head) views
+                self.attention_of_qkv(&qkv, heads)?
             }
             Some([q, k, v]) => {
                 let (q, k, v) = self.three_projections(&h, [q, k, v])?; // ablation: stage 2's three GEMMs
                 let [q, k, v] = enter("attention", [&q, &k, &v])?;
-                (q, k, v)
+                self.attention(&q, &k, &v)?.reshape((b, t, c))?
             }
-        };
-        let a = self.attention(&q, &k, &v)?.reshape((b, t, c))?; // (B, T, C)
+        }; // (B, T, C)
         let [a] = enter(if self.fusions.add_ln { "proj+residual+ln2" } else { "proj+residual" }, [&a])?;
         let (x, h) = self.add_layer_norm(&x, &self.linear(&a, &self.w_proj, &self.b_proj)?, &self.ln2_g, &self.ln2_b)?; // x += proj; h = LN(x)
         let [h] = enter("fc1+gelu", [&h])?;
@@ -170,6 +169,20 @@ impl Block {
         let [x] = enter("ln2", [&x])?;
         let h = self.layer_norm(&x, g, b)?;
         Ok((x, h))
+    }
+
+    /// Attention on the one QKV output (B, T, 3C) → (B, T, C): stage 2's op on (B, T, n_head,
+    /// d_head) views of it; while training on the CPU, the same kernels as one op on qkv itself
+    /// (`ops::qkv_attention`), whose gradient is one tensor instead of three padded slices.
+    fn attention_of_qkv(&self, qkv: &Tensor, heads: (usize, usize, usize, usize, usize)) -> candle_core::Result<Tensor> {
+        let (b, t, _, n_head, d) = heads;
+        if qkv.track_op() && qkv.device().is_cpu() && qkv.dtype() == DType::F32 {
+            let cpu = if self.bf16_attention { CpuKernel::RegistersBf16 } else { CpuKernel::Registers };
+            return ops::qkv_attention(qkv, n_head, cpu, true);
+        }
+        let qkv = qkv.reshape(heads)?;
+        let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views
+        self.attention(&q, &k, &v)?.reshape((b, t, n_head * d))
     }
 
     /// The qkv fusion off: three (C, C) GEMMs, as in stage 2. h: (B, T, C) → three (B, T, n_head, d_head).

@@ -11,6 +11,7 @@
 //! | `linear_bias_residual(x,w,b,r)` | `linear_bias_residual_slow` | GEMM, bias add, cast to f32, residual add  |
 //! | `add_layer_norm(x, br, g, b, eps)` | `add_layer_norm_slow`    | cast, residual add, then LayerNorm's nine ops, cast |
 //! | `mlp(x, w1, b1, w2, b2)`        | `mlp_slow`                  | training: fc1 and fc2 paired, GELU's derivative in fc2's backward GEMM |
+//! | `qkv_attention(qkv, n_head, ..)` | stage 2's op on three views | training on the CPU: q, k, v read from the one QKV output, its gradient one tensor |
 //!
 //! CPU: single passes over rows (LayerNorm) and a GEMM whose destination starts out holding the
 //! bias (and the residual), so `dst = 1·dst + 1·x·Wᵀ` adds them for free; for fc1 the GEMM writes
@@ -728,6 +729,84 @@ impl CustomOp3 for Linear<'_> {
         };
         let (dx, dw) = linear_grads(x, w, &dz, self.bf16_master)?;
         Ok((Some(dx), Some(dw), Some(db.to_dtype(b.dtype())?)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention on the one QKV output, while training on the CPU
+// ---------------------------------------------------------------------------------------------
+
+/// Stage 2's attention on the QKV concatenation's one output: qkv (B, T, 3C) f32 holds q, k and
+/// v side by side in each row (C = n_head · d_head each); returns (B, T, C). The forward is stage
+/// 2's CPU kernel (`kernel`) reading the three where they lie, as it reads stage 3's views of the
+/// same tensor; the difference is in training. Through views, candle differentiates each of the
+/// three slices on its own: every slice's gradient is padded back to (B, T, 3C) with zeros (a
+/// 19 MiB copy at `small`) and added into qkv's (three reads and writes of it), and the
+/// (B, T, 3, n_head, d_head) reshape and the (B, T, C) one after attention each add a gradient
+/// pass more. Here the op's input is qkv itself: its backward writes dq, dk and dv into one
+/// (B, T, 3C) tensor, row by row, and candle adds it once. Untracked, or off the CPU, use stage
+/// 2's op on views (no backward to save). Test: `tests/fused_vs_twin.rs` (same output bits, same
+/// gradients).
+pub fn qkv_attention(qkv: &Tensor, n_head: usize, kernel: stage2_sdpa::attention::CpuKernel, causal: bool) -> candle_core::Result<Tensor> {
+    let (_, _, c3) = qkv.dims3()?;
+    if !qkv.device().is_cpu() || qkv.dtype() != DType::F32 {
+        candle_core::bail!("qkv_attention: a CPU f32 QKV output, got {:?} on {:?}", qkv.dtype(), qkv.device().location());
+    }
+    if n_head == 0 || c3 % (3 * n_head) != 0 {
+        candle_core::bail!("qkv_attention: the last dimension {c3} is not 3 · n_head ({n_head}) · d_head");
+    }
+    let scale = 1.0 / ((c3 / (3 * n_head)) as f32).sqrt();
+    qkv.contiguous()?.apply_op1(QkvAttention { n_head, scale, causal, kernel, lse: Mutex::new(None) })
+}
+
+struct QkvAttention {
+    n_head: usize,
+    scale: f32,
+    causal: bool,
+    kernel: stage2_sdpa::attention::CpuKernel,
+    /// The forward's log-sum-exp, (B, n_head, T) f32, for the backward (taken: one per forward).
+    lse: Mutex<Option<Vec<f32>>>,
+}
+
+impl QkvAttention {
+    /// q, k or v (`which` 0, 1, 2) of a contiguous (B, T, 3C) layout, as a (B, T, n_head, d_head)
+    /// layout over the same storage: rows 3C apart, starting `which · C` in.
+    fn part(&self, l: &Layout, which: usize) -> candle_core::Result<Layout> {
+        let (b, t, c3) = l.shape().dims3()?;
+        let (c, h) = (c3 / 3, self.n_head);
+        Ok(Layout::new((b, t, h, c / h).into(), vec![t * c3, c3, c / h, 1], l.start_offset() + which * c))
+    }
+}
+
+impl candle_core::CustomOp1 for QkvAttention {
+    fn name(&self) -> &'static str {
+        "speedkit-qkv-attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (b, t, c3) = l.shape().dims3()?;
+        let op = cpu_kernels::attention::CpuAttention::new(self.kernel, self.scale, self.causal, true);
+        let (out, _) = op.forward((s, &self.part(l, 0)?), (s, &self.part(l, 1)?), (s, &self.part(l, 2)?))?;
+        *self.lse.lock().map_err(|_| candle_core::Error::Msg("qkv_attention: poisoned lock".into()))? = op.take_lse();
+        Ok((out, Shape::from((b, t, c3 / 3))))
+    }
+
+    /// FlashAttention-2's backward from the kept log-sum-exp (stage 2's, `attention_bwd_with`),
+    /// then dq, dk, dv interleaved into one (B, T, 3C) gradient, each row [dq | dk | dv].
+    fn bwd(&self, qkv: &Tensor, o: &Tensor, d_o: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let (b, t, c3) = qkv.dims3()?;
+        let (c, h) = (c3 / 3, self.n_head);
+        let heads = qkv.detach().reshape((b, t, 3, h, c / h))?;
+        let part = |i: usize| heads.narrow(2, i, 1)?.squeeze(2); // (B, T, n_head, d_head) views, no copy
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let (o, d_o) = (o.detach().reshape((b, t, h, c / h))?, d_o.detach().reshape((b, t, h, c / h))?);
+        let lse = self.lse.lock().map_err(|_| candle_core::Error::Msg("qkv_attention: poisoned lock".into()))?.take();
+        // bf16 pairs where the forward ran them (as stage 2's op decides).
+        let bf16 = matches!(self.kernel, stage2_sdpa::attention::CpuKernel::RegistersBf16);
+        let [dq, dk, dv] =
+            stage2_sdpa::attention::backward::attention_bwd_with(&q, &k, &v, &o, &d_o, lse.as_deref(), self.scale, self.causal, bf16)?;
+        let rows = |g: Tensor| g.reshape((b * t, c)); // contiguous (B, T, n_head, d_head): row r = token r
+        Ok(Some(Tensor::cat(&[rows(dq)?, rows(dk)?, rows(dv)?], 1)?.reshape((b, t, c3))?))
     }
 }
 
