@@ -237,9 +237,12 @@ fn bf16_forward_backward_matches_the_twin() {
         let grads = (y * &d_o).unwrap().sum_all().unwrap().backward().unwrap();
         let ran = cpu_kernels::trace::stop().join("; ");
         let forward = if bf16 { "register-blocked, bf16 pairs" } else { "register-blocked, f32" };
-        // The backward in the forward's precision where AVX512-BF16 is the bf16 unit; where AMX
-        // is (its vdpbf16ps no faster than an FMA), f32 products.
-        let backward = if bf16 && cpu_kernels::bf16_gemm::Kernel::detect() == cpu_kernels::bf16_gemm::Kernel::Avx512Bf16 {
+        // The backward in the forward's precision: on AMX tiles where the forward's ran there, on
+        // vdpbf16ps where AVX512-BF16 is the bf16 unit; at a head size AMX does not take on an
+        // AMX CPU (its vdpbf16ps no faster than an FMA), f32 products.
+        let backward = if cpu_kernels::attention::registers::bf16::amx_runs(d) {
+            "attention backward: FlashAttention-2 tiles, bf16 pairs on AMX tiles (amx)"
+        } else if bf16 && cpu_kernels::bf16_gemm::Kernel::detect() == cpu_kernels::bf16_gemm::Kernel::Avx512Bf16 {
             "attention backward: FlashAttention-2 tiles, register-blocked, bf16 pairs (avx512-bf16)"
         } else {
             "attention backward: FlashAttention-2 tiles, register-blocked f32 micro-kernels"

@@ -791,8 +791,8 @@ impl candle_core::CustomOp1 for QkvAttention {
         Ok((out, Shape::from((b, t, c3 / 3))))
     }
 
-    /// FlashAttention-2's backward from the kept log-sum-exp (stage 2's, `attention_bwd_with`),
-    /// then dq, dk, dv interleaved into one (B, T, 3C) gradient, each row [dq | dk | dv].
+    /// FlashAttention-2's backward from the kept log-sum-exp (stage 2's kernels), dq, dk and dv
+    /// written into one (B, T, 3C) gradient, each row [dq | dk | dv] (`attention_bwd_packed`).
     fn bwd(&self, qkv: &Tensor, o: &Tensor, d_o: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let (b, t, c3) = qkv.dims3()?;
         let (c, h) = (c3 / 3, self.n_head);
@@ -803,10 +803,9 @@ impl candle_core::CustomOp1 for QkvAttention {
         let lse = self.lse.lock().map_err(|_| candle_core::Error::Msg("qkv_attention: poisoned lock".into()))?.take();
         // bf16 pairs where the forward ran them (as stage 2's op decides).
         let bf16 = matches!(self.kernel, stage2_sdpa::attention::CpuKernel::RegistersBf16);
-        let [dq, dk, dv] =
-            stage2_sdpa::attention::backward::attention_bwd_with(&q, &k, &v, &o, &d_o, lse.as_deref(), self.scale, self.causal, bf16)?;
-        let rows = |g: Tensor| g.reshape((b * t, c)); // contiguous (B, T, n_head, d_head): row r = token r
-        Ok(Some(Tensor::cat(&[rows(dq)?, rows(dk)?, rows(dv)?], 1)?.reshape((b, t, c3))?))
+        let dqkv =
+            stage2_sdpa::attention::backward::attention_bwd_packed(&q, &k, &v, &o, &d_o, lse.as_deref(), self.scale, self.causal, bf16)?;
+        Ok(Some(dqkv.reshape((b, t, c3))?)) // (B, T, 3, n_head, d_head): each row [dq | dk | dv]
     }
 }
 

@@ -72,14 +72,14 @@ pub fn attention_bwd(
     attention_bwd_with(q, k, v, o, d_o, lse, scale, causal, false)
 }
 
-/// `attention_bwd` with bf16 products when `bf16_products`, this CPU runs the bf16 register
-/// kernel at this head size (`registers::bf16::runs`) and its bf16 unit is AVX512-BF16: what a
-/// forward with bf16 products (bf16 inputs, or `CpuKernel::RegistersBf16`) takes, so the
-/// backward multiplies in the forward's precision. Where AMX is the bf16 unit (Intel Xeons)
+/// `attention_bwd` with bf16 products when `bf16_products`, as the forward with bf16 products
+/// (bf16 inputs, or `CpuKernel::RegistersBf16`) ran them, so the backward multiplies in the
+/// forward's precision: on AMX tiles where the forward's ran there (`registers::bf16::amx_runs`:
+/// `tiles::head_bwd_amx`), on `vdpbf16ps` where AVX512-BF16 is the bf16 unit. An AMX CPU's
 /// `vdpbf16ps` retires no more multiply-adds per cycle than an f32 FMA, and the pairs' extra
-/// layout passes made the bf16 backward slower than the f32 one (69 against 50 ms at `small`'s
-/// heads, one thread, AMX Xeon), so there, and everywhere else, the products are f32, as in
-/// `attention_bwd`.
+/// layout passes made that body slower than the f32 one there (69 against 50 ms at `small`'s
+/// heads, one thread, AMX Xeon), so at head sizes AMX does not take, the products are f32, as
+/// in `attention_bwd`.
 #[allow(clippy::too_many_arguments)] // attention_bwd's arguments and the products' precision
 pub fn attention_bwd_with(
     q: &Tensor,
@@ -97,16 +97,57 @@ pub fn attention_bwd_with(
         // stage 3 at TF32, which our forward kernels do not take) the backward is candle's ops.
         return bwd_candle_ops(q, k, v, o, d_o, scale, causal);
     }
+    let (b, t, h, d, grads) = head_grads(q, k, v, o, d_o, lse, scale, causal, bf16_products)?;
+    // Each head's (T, d) gradients into (B, T, n_head, d_head), written in that order (no
+    // zeroed buffer to overwrite).
+    let gather = |which: usize| {
+        let mut out = Vec::with_capacity(b * t * h * d);
+        for bi in 0..b {
+            for r in 0..t {
+                for hi in 0..h {
+                    out.extend_from_slice(&grads[bi * h + hi][which][r * d..][..d]);
+                }
+            }
+        }
+        out
+    };
+    let back = |g: Vec<f32>| Tensor::from_vec(g, (b, t, h, d), &Device::Cpu)?.to_dtype(q.dtype());
+    Ok([back(gather(0))?, back(gather(1))?, back(gather(2))?])
+}
+
+/// The heads' gradients on the CPU: (B, T, n_head, d_head) and each head's (dq, dk, dv) as (T, d)
+/// rows, head bh = bi·n_head + hi.
+#[allow(clippy::too_many_arguments)] // attention_bwd_with's arguments
+fn head_grads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    d_o: &Tensor,
+    lse: Option<&[f32]>,
+    scale: f32,
+    causal: bool,
+    bf16_products: bool,
+) -> candle_core::Result<HeadGrads> {
+    if !q.device().is_cpu() {
+        candle_core::bail!("attention backward: the CPU kernels got tensors on {:?}", q.device().location());
+    }
     let (b, t, h, d) = q.dims4()?;
-    let bf16 =
-        bf16_products && super::registers::bf16::runs(d) && crate::bf16_gemm::Kernel::detect() == crate::bf16_gemm::Kernel::Avx512Bf16;
+    // bf16 products on AMX tiles where the forward's ran there; on AVX512-BF16 where that is the
+    // bf16 unit; f32 otherwise (see above).
+    let amx = bf16_products && super::registers::bf16::amx_runs(d);
+    let bf16 = !amx
+        && bf16_products
+        && super::registers::bf16::runs(d)
+        && crate::bf16_gemm::Kernel::detect() == crate::bf16_gemm::Kernel::Avx512Bf16;
     crate::trace::ran_with(|| {
         format!(
             "attention backward: FlashAttention-2 tiles, {}{}",
-            match (bf16, registered(d)) {
-                (true, _) => "register-blocked, bf16 pairs (avx512-bf16)",
-                (false, true) => "register-blocked f32 micro-kernels",
-                (false, false) => "f32 tile GEMMs (gemm crate)",
+            match (amx, bf16, registered(d)) {
+                (true, _, _) => "bf16 pairs on AMX tiles (amx)",
+                (false, true, _) => "register-blocked, bf16 pairs (avx512-bf16)",
+                (false, false, true) => "register-blocked f32 micro-kernels",
+                (false, false, false) => "f32 tile GEMMs (gemm crate)",
             },
             if lse.is_none() { ", L recomputed" } else { "" }
         )
@@ -144,6 +185,12 @@ pub fn attention_bwd_with(
                 lse: lse.map(|l| &l[bh * t..][..t]),
             };
             #[cfg(target_arch = "x86_64")]
+            if amx {
+                // SAFETY: `registers::bf16::amx_runs(d)`: AVX512-F, AVX512-BF16, AMX-BF16 with the
+                // tile state granted, and d a multiple of 32.
+                return unsafe { tiles::head_bwd_amx(&io, t, d, scale, causal) };
+            }
+            #[cfg(target_arch = "x86_64")]
             if bf16 {
                 // SAFETY: `registers::bf16::runs(d)`: AVX512-F, AVX512-BF16 (and so FMA) and a
                 // register head size.
@@ -152,22 +199,41 @@ pub fn attention_bwd_with(
             head_bwd(&io, t, d, scale, causal)
         })
         .collect();
-    // Each head's (T, d) gradients into (B, T, n_head, d_head), written in that order (no
-    // zeroed buffer to overwrite).
-    let gather = |which: usize| {
-        let mut out = Vec::with_capacity(b * t * h * d);
-        for bi in 0..b {
-            for r in 0..t {
-                for hi in 0..h {
-                    out.extend_from_slice(&grads[bi * h + hi][which][r * d..][..d]);
+    Ok((b, t, h, d, grads))
+}
+
+/// Each head's (T, d) gradients, from `head_grads`, gathered: which = 0, 1, 2 for dq, dk, dv.
+type HeadGrads = (usize, usize, usize, usize, Vec<[Vec<f32>; 3]>);
+
+/// `attention_bwd_with`'s gradients as one (B, T, 3, n_head, d_head) tensor, in q's dtype, each
+/// row [dq | dk | dv]: the gradient of a packed QKV tensor whose three slices were q, k and v
+/// (stage 3's QKV output), written once from the heads' results, with no per-slice tensors to
+/// pad and add.
+#[allow(clippy::too_many_arguments)] // attention_bwd_with's arguments
+pub fn attention_bwd_packed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    d_o: &Tensor,
+    lse: Option<&[f32]>,
+    scale: f32,
+    causal: bool,
+    bf16_products: bool,
+) -> candle_core::Result<Tensor> {
+    let (b, t, h, d, grads) = head_grads(q, k, v, o, d_o, lse, scale, causal, bf16_products)?;
+    // Row (bi, r) is [dq | dk | dv], each n_head · d wide: written in that order.
+    let mut out = Vec::with_capacity(b * t * 3 * h * d);
+    for heads in grads.chunks_exact(h) {
+        for r in 0..t {
+            for which in 0..3 {
+                for head in heads {
+                    out.extend_from_slice(&head[which][r * d..][..d]);
                 }
             }
         }
-        out
-    };
-    let (dq, dk, dv) = (gather(0), gather(1), gather(2));
-    let back = |g: Vec<f32>| Tensor::from_vec(g, (b, t, h, d), &Device::Cpu)?.to_dtype(q.dtype());
-    Ok([back(dq)?, back(dk)?, back(dv)?])
+    }
+    Tensor::from_vec(out, (b, t, 3, h, d), &Device::Cpu)?.to_dtype(q.dtype())
 }
 
 /// Whether the backward runs the register-blocked micro-kernels (`tiles`) at head size `d`: on

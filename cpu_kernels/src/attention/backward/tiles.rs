@@ -319,6 +319,177 @@ pub(super) unsafe fn head_bwd_bf16(io: &HeadIo, t: usize, d: usize, scale: f32, 
     [dq, dk, dv]
 }
 
+/// The same backward with every product on AMX tiles (`tdpbf16ps`, the GEMM's 2 × 2 tile
+/// product `amx::tile_product`), in blocks of 32 keys × 32 query rows: S and dP are one 32 × 32
+/// product each over the channel pairs (A: Q_i's or dO_i's channel pairs, B: Kᵀ's or Vᵀ's key
+/// panels, as the forward's scores); P and dS, rounded to bf16, are then laid out for the three
+/// accumulating products:
+///
+/// ```text
+/// product                 contraction   A (16 rows × 16 pairs a tile)     B (16 pairs × 16 columns)
+/// dV_jᵀ += dO_iᵀ P        query rows    dOᵀ: channel rows of row pairs    P's row pairs (keys across)
+/// dK_jᵀ += Q_iᵀ dS        query rows    Qᵀ: channel rows of row pairs     dS's row pairs
+/// dQ_i  += dS K_j         keys          dS's key pairs (rows: queries)    K: channel panels of key pairs
+/// ```
+///
+/// dV and dK are accumulated transposed ((d, T): keys across, so the tile's columns are the
+/// block's 32 keys) and transposed back once at the end, with dK's and dQ's scale. Rows past T
+/// are zero in every laid-out operand, and P is zero there, so the padded products add nothing.
+/// Rounding as `head_bwd_bf16` (q, k, v, dO, P and dS to bf16; sums and softmax in f32).
+///
+/// # Safety
+/// `registers::bf16::amx_runs(d)`: AVX512-F, AVX512-BF16 and AMX-BF16, the tile state granted;
+/// d a multiple of 32.
+#[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+pub(super) unsafe fn head_bwd_amx(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
+    use crate::bf16_gemm::amx::{self, tile_product, TileOperands};
+    use std::arch::x86_64::*;
+    const B: usize = 32; // keys and query rows per block
+    assert!(d.is_multiple_of(32) && t > 0, "AMX head sizes are multiples of 32");
+    let HeadIo { q, k, v, d_o, .. } = *io;
+    let (lse, delta) = row_statistics(io, t, d, scale, causal);
+    let (dp2, tb) = (d / 2, t.next_multiple_of(B)); // channel pairs; T padded to whole blocks
+    let tp = tb / 2; // row pairs, padded
+                     // Operands, zero past T: channel pairs (tb, d/2); key panels (tb/32 panels of (d/2, 32));
+                     // K's channel panels of key pairs (d/32 panels of (tp, 32)); Qᵀ and dOᵀ as (d, tp) row pairs.
+    let padded = |mut v: Vec<u32>, len: usize| {
+        v.resize(len, 0);
+        v
+    };
+    let (qp, dop) = (padded(channel_pairs(q, t, d), tb * dp2), padded(channel_pairs(d_o, t, d), tb * dp2));
+    let (ktp, vtp) = (key_pair_panels(k, t, d), key_pair_panels(v, t, d));
+    let krp = {
+        let unpadded = row_pair_panels(k, t, d); // panel c0 at t.div_ceil(2)·c0
+        let (tp0, mut out) = (t.div_ceil(2), vec![0u32; tp * d]);
+        for c0 in (0..d).step_by(PAIR_NR) {
+            out[tp * c0..][..tp0 * PAIR_NR].copy_from_slice(&unpadded[tp0 * c0..][..tp0 * PAIR_NR]);
+        }
+        out
+    };
+    // Qᵀ and dOᵀ: X's row pairs (the channel panels of `row_pair_panels`), transposed 16 × 16
+    // pairs at a time in registers; tp is a multiple of 16.
+    let transposed_row_pairs = |x: Rows| {
+        let (rp, tp0) = (row_pair_panels(x, t, d), t.div_ceil(2));
+        let mut out = vec![0u32; d * tp];
+        for c0 in (0..d).step_by(PAIR_NR) {
+            let panel = &rp[tp0 * c0..][..tp0 * PAIR_NR]; // (tp0, 32): pair r' of channel c0 + x at [r'][x]
+            for r0 in (0..tp0).step_by(16) {
+                for x0 in (0..PAIR_NR).step_by(16) {
+                    let mut m = [0u32; 256]; // row i: pairs r0 + i, channels c0 + x0..+16 (zero past tp0)
+                    for i in 0..16.min(tp0 - r0) {
+                        m[16 * i..][..16].copy_from_slice(&panel[(r0 + i) * PAIR_NR + x0..][..16]);
+                    }
+                    let mut tr = [0u32; 256]; // row c: channel c0 + x0 + c, pairs r0..r0 + 16
+                    crate::bf16_gemm::transpose_16x16(&m, &mut tr);
+                    for c in 0..16 {
+                        out[(c0 + x0 + c) * tp + r0..][..16].copy_from_slice(&tr[16 * c..][..16]);
+                    }
+                }
+            }
+        }
+        out
+    };
+    let (qt, dot) = (transposed_row_pairs(q), transposed_row_pairs(d_o));
+    let mut dq = vec![0f32; tb * d];
+    let (mut dkt, mut dvt) = (vec![0f32; d * tb], vec![0f32; d * tb]); // dKᵀ, dVᵀ: (d, tb)
+    let (mut s, mut dp) = ([[0f32; B]; B], [[0f32; B]; B]); // S then P; dP then dS
+    let (mut p_rows, mut ds_rows, mut ds_keys) = ([[0u32; B]; B / 2], [[0u32; B]; B / 2], [[0u32; B / 2]; B]);
+    let sv = _mm512_set1_ps(scale);
+    amx::configure();
+    for j0 in (0..t).step_by(B) {
+        let bc = B.min(t - j0);
+        let i_first = if causal { j0 } else { 0 };
+        for i0 in (i_first..t).step_by(B) {
+            let br = B.min(t - i0);
+            // S = Q_i K_jᵀ, dP = dO_i V_jᵀ: 32 × 32 each, over d/2 channel pairs (C from zero).
+            let scores = |a: &[u32], b: &[u32]| TileOperands {
+                a: a.as_ptr().add(i0 * dp2) as *const u8,
+                lda: dp2 * 4,
+                a_step: 64,
+                b: b.as_ptr().add(j0 * dp2) as *const u8, // key panel j0/32: (d/2, 32)
+                ldb: B * 4,
+                b_step: 16 * B * 4,
+            };
+            tile_product(d / 32, &scores(&qp, &ktp), s.as_mut_ptr() as *mut u8, B * 4, false);
+            tile_product(d / 32, &scores(&dop, &vtp), dp.as_mut_ptr() as *mut u8, B * 4, false);
+            for r in 0..B {
+                // Keys row r sees (all, or up to its own position); none for rows past T.
+                let n = if r >= br {
+                    0
+                } else if causal {
+                    bc.min((i0 + r + 1).saturating_sub(j0))
+                } else {
+                    bc
+                };
+                let row = &mut s[r];
+                for c in (0..B).step_by(16) {
+                    _mm512_storeu_ps(row.as_mut_ptr().add(c), _mm512_mul_ps(_mm512_loadu_ps(row.as_ptr().add(c)), sv));
+                }
+                if n > 0 {
+                    <Avx512 as Simd>::exp_sum(&mut row[..n], lse[i0 + r]); // P = exp(S·scale − L)
+                }
+                row[n..].fill(0.0); // masked, or past T: P = 0, so dS = 0
+                let di = if r < br { delta[i0 + r] } else { 0.0 };
+                for (g, &p) in dp[r].iter_mut().zip(row.iter()) {
+                    *g = p * (*g - di); // dS = P ∘ (dP − D_i), in place of dP
+                }
+                f32_pairs(&dp[r], &mut ds_keys[r]); // dS's key pairs: A of dQ
+            }
+            for r2 in 0..B / 2 {
+                use crate::bf16_gemm::Operand;
+                f32::pairs_across(&s[2 * r2], &s[2 * r2 + 1], &mut p_rows[r2]); // P's row pairs
+                f32::pairs_across(&dp[2 * r2], &dp[2 * r2 + 1], &mut ds_rows[r2]);
+                // dS's row pairs
+            }
+            for c0 in (0..d).step_by(32) {
+                // dV_jᵀ += dO_iᵀ P and dK_jᵀ += Q_iᵀ dS: 32 channels × 32 keys, 16 row pairs.
+                let transposed = |a: &[u32], b: &[[u32; B]; B / 2]| TileOperands {
+                    a: a.as_ptr().add(c0 * tp + i0 / 2) as *const u8,
+                    lda: tp * 4,
+                    a_step: 64,
+                    b: b.as_ptr() as *const u8,
+                    ldb: B * 4,
+                    b_step: 16 * B * 4,
+                };
+                tile_product(1, &transposed(&dot, &p_rows), dvt.as_mut_ptr().add(c0 * tb + j0) as *mut u8, tb * 4, true);
+                tile_product(1, &transposed(&qt, &ds_rows), dkt.as_mut_ptr().add(c0 * tb + j0) as *mut u8, tb * 4, true);
+                // dQ_i += dS K_j: 32 rows × 32 channels, 16 key pairs.
+                let ops = TileOperands {
+                    a: ds_keys.as_ptr() as *const u8,
+                    lda: B / 2 * 4,
+                    a_step: 64,
+                    b: krp.as_ptr().add(tp * c0 + (j0 / 2) * PAIR_NR) as *const u8,
+                    ldb: PAIR_NR * 4,
+                    b_step: 16 * PAIR_NR * 4,
+                };
+                tile_product(1, &ops, dq.as_mut_ptr().add(i0 * d + c0) as *mut u8, d * 4, true);
+            }
+        }
+    }
+    amx::release();
+    // dQ · scale; dK = (dKᵀ)ᵀ · scale, dV = (dVᵀ)ᵀ: (T, d) rows.
+    dq.truncate(t * d);
+    dq.iter_mut().for_each(|x| *x *= scale);
+    let back = |xt: &[f32], alpha: f32| {
+        // 16 × 16 blocks transposed in registers (as bits); tb is a multiple of 32, d of 16.
+        let mut out = vec![0f32; t * d];
+        for c0 in (0..d).step_by(16) {
+            for r0 in (0..t).step_by(16) {
+                let m: [u32; 256] = std::array::from_fn(|i| xt[(c0 + i / 16) * tb + r0 + i % 16].to_bits());
+                let mut tr = [0u32; 256]; // row j: position r0 + j, channels c0..c0 + 16
+                crate::bf16_gemm::transpose_16x16(&m, &mut tr);
+                for j in 0..16.min(t - r0) {
+                    for (y, &bits) in out[(r0 + j) * d + c0..][..16].iter_mut().zip(&tr[16 * j..][..16]) {
+                        *y = f32::from_bits(bits) * alpha;
+                    }
+                }
+            }
+        }
+        out
+    };
+    [dq, back(&dkt, scale), back(&dvt, 1.0)]
+}
+
 /// Columns per bf16 register tile: two vectors of 16 f32.
 const PAIR_NR: usize = 32;
 
@@ -475,19 +646,31 @@ unsafe fn tile_bf16<const NV: usize>(
 mod tests {
     use super::*;
 
-    /// The bf16-pair backward against the f32 register one on the same head (both recompute L),
-    /// every register head size, ragged T (odd: half-empty pairs; not a multiple of the tiles),
-    /// rows strided as in stage 3's QKV views, causal and not: every gradient within 2e-2 of its
-    /// largest value (the inputs, P and dS rounded to bf16). Where the CPU has no AVX512-BF16 it
-    /// checks nothing and says so.
+    /// Each of dQ, dK, dV within 2e-2 of the f32 gradient's largest value.
+    fn agree(want: &[Vec<f32>; 3], got: &[Vec<f32>; 3], what: &str) {
+        for (name, w, g) in [("dq", &want[0], &got[0]), ("dk", &want[1], &got[1]), ("dv", &want[2], &got[2])] {
+            assert_eq!(w.len(), g.len(), "{what} {name}: length");
+            let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+            assert!(worst / scale <= 2e-2, "{what} {name}: {}", worst / scale);
+        }
+    }
+
+    /// The bf16-pair backwards (AVX512-BF16, and AMX tiles where the CPU has them and d is a
+    /// multiple of 32) against the f32 register one on the same head (all recompute L), every
+    /// register head size, ragged T (odd: half-empty pairs; not a multiple of the tiles or of
+    /// AMX's 32-row blocks), rows strided as in stage 3's QKV views, causal and not: every
+    /// gradient within 2e-2 of its largest value (the inputs, P and dS rounded to bf16). Where
+    /// the CPU has no AVX512-BF16 it checks nothing and says so.
     #[test]
     fn bf16_pairs_agree_with_f32_products() {
+        let mut amx_checked = 0;
         if !(crate::attention::registers::bf16::runs(64) && std::arch::is_x86_feature_detected!("fma")) {
             eprintln!("no AVX512-BF16 here: the bf16-pair backward is not compiled into a run");
             return;
         }
         for d in crate::attention::registers::D_HEADS {
-            for (t, causal) in [(BC + 45, true), (77, false), (1, true)] {
+            for (t, causal) in [(BC + 45, true), (77, false), (1, true), (64, true), (33, false)] {
                 let rs = 3 * d; // rows of a (T, 3, d) buffer, one head
                 let data = shared::weights::SplitMix64::new(d as u64 + t as u64).normals(t * rs + 2 * d);
                 let o = shared::weights::SplitMix64::new(7).normals(t * d);
@@ -504,12 +687,15 @@ mod tests {
                 // SAFETY: AVX-512F, AVX512-BF16 and FMA are available (checked above); d is a
                 // register head size.
                 let (want, got) = unsafe { (head_bwd_avx512(&io, t, d, scale, causal), head_bwd_bf16(&io, t, d, scale, causal)) };
-                for (name, w, g) in [("dq", &want[0], &got[0]), ("dk", &want[1], &got[1]), ("dv", &want[2], &got[2])] {
-                    let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-                    let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
-                    assert!(worst / scale <= 2e-2, "d {d} T {t} causal {causal} {name}: {}", worst / scale);
+                agree(&want, &got, &format!("avx512-bf16, d {d} T {t} causal {causal}"));
+                if crate::attention::registers::bf16::amx_runs(d) {
+                    // SAFETY: amx_runs(d): AMX-BF16 with the tile state granted, d a multiple of 32.
+                    let amx = unsafe { head_bwd_amx(&io, t, d, scale, causal) };
+                    agree(&want, &amx, &format!("amx, d {d} T {t} causal {causal}"));
+                    amx_checked += 1;
                 }
             }
         }
+        eprintln!("AMX backward checked on {amx_checked} heads (0: no AMX here, or AVX512-BF16 asked for)");
     }
 }
