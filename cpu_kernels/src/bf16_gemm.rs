@@ -771,10 +771,34 @@ fn pack_pairs<T: Operand>(
     let whole = kc.min((a.cols / 2).saturating_sub(p0)); // pairs wholly inside a row
     let bits = |v: T| v.bf16_bits() as u32;
     if a.cs == 1 && whole > 0 {
+        // B's panels from a row-major Bᵀ (pairs p_step = NR apart, rows r_step = 1 apart): 16
+        // rows × 16 pairs at a time, rounded by `pairs_along` and transposed in registers, so
+        // every store is 16 neighbouring words (scattering single words NR apart, one cache line
+        // each, was most of a training forward's time packing its f32 weights).
+        let (full_rows, full_pairs) = if (r_step, p_step) == (1, NR) { (rows / 16 * 16, whole / 16 * 16) } else { (0, 0) };
+        for r0 in (0..full_rows).step_by(16) {
+            for q0 in (0..full_pairs).step_by(16) {
+                let mut m = [0u32; 256]; // row i: row r0 + i's pairs q0..q0 + 16
+                for (i, dst) in m.chunks_exact_mut(16).enumerate() {
+                    T::pairs_along(&a.data[a.offset + (i0 + r0 + i) * a.rs + 2 * (p0 + q0)..][..32], dst);
+                }
+                let mut tr = [0u32; 256]; // row c: pair q0 + c of rows r0..r0 + 16
+                transpose_16x16(&m, &mut tr);
+                for c in 0..16 {
+                    out[r0 + (q0 + c) * p_step..][..16].copy_from_slice(&tr[16 * c..][..16]);
+                }
+            }
+        }
         for r in 0..rows {
-            let src = &a.data[a.offset + (i0 + r) * a.rs + 2 * p0..][..2 * whole];
+            // What the blocks above did not cover: rows past the last 16-row block, and pairs
+            // past the last 16-pair block of the others.
+            let first = if r < full_rows { full_pairs } else { 0 };
+            if first == whole {
+                continue;
+            }
+            let src = &a.data[a.offset + (i0 + r) * a.rs + 2 * (p0 + first)..][..2 * (whole - first)];
             if p_step == 1 {
-                T::pairs_along(src, &mut out[r * r_step..][..whole]);
+                T::pairs_along(src, &mut out[r * r_step + first..][..whole - first]);
                 continue;
             }
             // Pairs p_step apart (B's panels from a row-major Bᵀ: a weight W packed as Wᵀ):
@@ -785,7 +809,7 @@ fn pack_pairs<T: Operand>(
                 let np = chunk.len() / 2;
                 T::pairs_along(chunk, &mut pairs[..np]);
                 for (q, &v) in pairs[..np].iter().enumerate() {
-                    out[r * r_step + (64 * c + q) * p_step] = v;
+                    out[r * r_step + (first + 64 * c + q) * p_step] = v;
                 }
             }
         }
