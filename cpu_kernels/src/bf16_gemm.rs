@@ -200,6 +200,14 @@ pub trait Operand: Copy + Send + Sync + std::fmt::Debug + 'static {
             *o = lo.bf16_bits() as u32 | (hi.bf16_bits() as u32) << 16;
         }
     }
+    /// A 16 × 16 tile of pairs from 16 rows of a row-major matrix: `out[16·r + p]` = the pair
+    /// (`data[r·rs + 2p]`, `data[r·rs + 2p + 1]`) for r, p < 16 (AMX's A tile of activations).
+    #[inline(always)]
+    fn pair_tile_of_rows(data: &[Self], rs: usize, out: &mut [u32]) {
+        for r in 0..16 {
+            Self::pairs_along(&data[r * rs..][..32], &mut out[16 * r..][..16]);
+        }
+    }
     /// A 16 × 16 tile of pairs from 32 columns of a column-major matrix: `out[16·r + p]` = the
     /// pair (`data[2p·cs + r]`, `data[(2p + 1)·cs + r]`) for r, p < 16 (AMX's A tile of dZᵀ).
     #[inline(always)]
@@ -256,6 +264,19 @@ impl Operand for f32 {
         }
     }
     #[inline(always)]
+    fn pair_tile_of_rows(data: &[f32], rs: usize, out: &mut [u32]) {
+        assert!(data.len() >= 15 * rs + 32 && out.len() >= 256, "a tile of 16 rows × 32 columns");
+        #[cfg(target_arch = "x86_64")]
+        if Kernel::Avx512Bf16.available() {
+            // SAFETY: the CPU has AVX512-F and AVX512-BF16 (checked on the line above); the rows
+            // and the tile lie inside the slices (asserted above).
+            return unsafe { pair_tile_of_rows_avx512(data, rs, out) };
+        }
+        for r in 0..16 {
+            Self::pairs_along(&data[r * rs..][..32], &mut out[16 * r..][..16]);
+        }
+    }
+    #[inline(always)]
     fn pair_tile_of_columns(data: &[f32], cs: usize, out: &mut [u32]) {
         assert!(data.len() >= 31 * cs + 16 && out.len() >= 256, "a tile of 32 columns × 16 rows");
         #[cfg(target_arch = "x86_64")]
@@ -269,6 +290,20 @@ impl Operand for f32 {
             Self::pairs_across(&data[2 * p * cs..][..16], &data[(2 * p + 1) * cs..][..16], &mut columns[16 * p..][..16]);
         }
         transpose_16x16(&columns, out);
+    }
+}
+
+/// `pair_tile_of_rows` for f32 in one call: per row, 32 values rounded by one
+/// `vcvtne2ps2bf16` (pairs in order) and stored as the tile's row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pair_tile_of_rows_avx512(data: &[f32], rs: usize, out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let (p, o) = (data.as_ptr(), out.as_mut_ptr());
+    for r in 0..16 {
+        let (lo, hi) = (_mm512_loadu_ps(p.add(r * rs)), _mm512_loadu_ps(p.add(r * rs + 16)));
+        let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo)); // bf16 of lo, then of hi
+        _mm512_storeu_si512(o.add(16 * r) as *mut __m512i, pairs);
     }
 }
 
@@ -770,7 +805,14 @@ fn pack_pairs<T: Operand>(
     let rows = mr.min(a.rows.saturating_sub(i0));
     let whole = kc.min((a.cols / 2).saturating_sub(p0)); // pairs wholly inside a row
     let bits = |v: T| v.bf16_bits() as u32;
-    if a.cs == 1 && whole > 0 {
+    if a.cs == 1 && whole == 16 && kc == 16 && (r_step, p_step) == (16, 1) && rows.is_multiple_of(16) {
+        // AMX's A tiles (16 rows × 16 pairs, rows 16 pairs apart) from a row-major A (the
+        // activations; dZ of the data gradient): one call per tile, not one per row.
+        for h in 0..rows / 16 {
+            let first = a.offset + (i0 + 16 * h) * a.rs + 2 * p0; // row i0 + 16h, column 2·p0
+            T::pair_tile_of_rows(&a.data[first..], a.rs, &mut out[256 * h..][..256]);
+        }
+    } else if a.cs == 1 && whole > 0 {
         // B's panels from a row-major Bᵀ (pairs p_step = NR apart, rows r_step = 1 apart): 16
         // rows × 16 pairs at a time, rounded by `pairs_along` and transposed in registers, so
         // every store is 16 neighbouring words (scattering single words NR apart, one cache line
