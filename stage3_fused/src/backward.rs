@@ -80,17 +80,30 @@ pub fn layer_norm_bwd(x: &Tensor, g: &Tensor, dy: &Tensor, eps: f32) -> candle_c
 #[inline]
 fn layer_norm_row_bwd(x: &[f32], g: &[f32], dy: &[f32], eps: f32, dx: &mut [f32], dg: &mut [f32], db: &mut [f32]) {
     let RowStats { shift, shift_minus_mean, inv_std } = row_stats(x, eps as f64);
-    let xhat = |v: f32| ((v - shift) + shift_minus_mean) * inv_std; // as the forward's normalise_row
-    let (mut sum_gdy, mut sum_gdy_xhat) = (0f32, 0f32);
-    for i in 0..x.len() {
+    // x̂ as the forward's normalise_row computes it; the two row sums in 16 independent lanes
+    // each, so the loop vectorises (one running sum makes every add wait for the last).
+    let xhat = |v: f32| ((v - shift) + shift_minus_mean) * inv_std;
+    let (mut sum_gdy, mut sum_gdy_xhat) = ([0f32; 16], [0f32; 16]);
+    let whole = x.len() / 16 * 16;
+    for i0 in (0..whole).step_by(16) {
+        for l in 0..16 {
+            let i = i0 + l;
+            let (xh, gdy) = (xhat(x[i]), g[i] * dy[i]);
+            sum_gdy[l] += gdy;
+            sum_gdy_xhat[l] += gdy * xh;
+            dg[i] += dy[i] * xh; // dg = Σ_rows dy∘x̂
+            db[i] += dy[i]; // db = Σ_rows dy
+        }
+    }
+    for i in whole..x.len() {
         let (xh, gdy) = (xhat(x[i]), g[i] * dy[i]);
-        sum_gdy += gdy;
-        sum_gdy_xhat += gdy * xh;
-        dg[i] += dy[i] * xh; // dg = Σ_rows dy∘x̂
-        db[i] += dy[i]; // db = Σ_rows dy
+        sum_gdy[0] += gdy;
+        sum_gdy_xhat[0] += gdy * xh;
+        dg[i] += dy[i] * xh;
+        db[i] += dy[i];
     }
     let n = x.len() as f32;
-    let (mean_gdy, mean_gdy_xhat) = (sum_gdy / n, sum_gdy_xhat / n);
+    let (mean_gdy, mean_gdy_xhat) = (sum_gdy.iter().sum::<f32>() / n, sum_gdy_xhat.iter().sum::<f32>() / n);
     for i in 0..x.len() {
         dx[i] = inv_std * (g[i] * dy[i] - mean_gdy - xhat(x[i]) * mean_gdy_xhat);
         // dx = (g∘dy − mean(g∘dy) − x̂·mean(g∘dy∘x̂)) / σ
