@@ -29,7 +29,7 @@
 use crate::ops::{f32_values, ROWS_PER_TASK};
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var, D};
 use cpu_kernels::bf16_gemm::{self, Kernel, MatRef, Operand};
-use cpu_kernels::elementwise::{exp_f32, row_stats, uninit_of, RowStats};
+use cpu_kernels::elementwise::{bias_gelu_tanh_grad, row_stats, uninit_of, RowStats};
 use rayon::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -168,10 +168,8 @@ pub fn bias_gelu_bwd(dy: &Tensor, pre_gelu: Option<&[f32]>, x: &Tensor, w: &Tens
                     || vec![0f32; n],
                     |mut db, (dz, (dy, acc))| {
                         for ((dz, dy), acc) in dz.chunks_mut(n).zip(dy.chunks(n)).zip(acc.chunks(n)) {
-                            for j in 0..n {
-                                dz[j] = dy[j] * gelu_tanh_grad(acc[j] + b[j]); // dz = dy ∘ gelu′(x·Wᵀ + b)
-                                db[j] += dz[j]; // db = Σ_rows dz
-                            }
+                            // dz = dy ∘ gelu′(x·Wᵀ + b), db = Σ_rows dz: the engine's SIMD row
+                            bias_gelu_tanh_grad(dy, acc, b, dz, &mut db);
                         }
                         db
                     },
@@ -204,16 +202,9 @@ pub fn gelu_tanh_grad_ops(z: &Tensor) -> candle_core::Result<Tensor> {
     &s + ((z * &s)? * (1.0 - &s)?)? * ds // gelu′(z)
 }
 
-/// d/dv of `ops::gelu_tanh`, v·σ(2u) with u = √(2/π)·(v + 0.044715·v³):
-/// σ(2u) + v·σ(2u)·(1 − σ(2u))·2·√(2/π)·(1 + 3·0.044715·v²). One exp, no libm (vectorises);
-/// 0 and 1 in the far tails, as the exact derivative.
-#[inline(always)]
-pub fn gelu_tanh_grad(v: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    let u = SQRT_2_OVER_PI * (v + 0.044715 * v * v * v);
-    let s = 1.0 / (1.0 + exp_f32(-2.0 * u)); // σ(2u) = (1 + tanh u) / 2
-    s + v * s * (1.0 - s) * 2.0 * SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * v * v)
-}
+/// d/dv of `ops::gelu_tanh` (the engine's scalar form, which its SIMD row follows): tested
+/// against a central difference below.
+pub use cpu_kernels::elementwise::gelu_tanh_grad;
 
 /// The two GEMMs of a linear's backward: dx = dz·W ((B·T, N)·(N, K)) and dW = dzᵀ·x
 /// ((N, B·T)·(B·T, K)). x: (B, T, K); W: (N, K); dz: (B, T, N). Returns dx and dW in x's and W's
