@@ -741,7 +741,7 @@ impl CustomOp3 for Linear<'_> {
 /// 2's CPU kernel (`kernel`) reading the three where they lie, as it reads stage 3's views of the
 /// same tensor; the difference is in training. Through views, candle differentiates each of the
 /// three slices on its own: every slice's gradient is padded back to (B, T, 3C) with zeros (a
-/// 19 MiB copy at `small`) and added into qkv's (three reads and writes of it), and the
+/// 18 MiB copy at `small`) and added into qkv's (three reads and writes of it), and the
 /// (B, T, 3, n_head, d_head) reshape and the (B, T, C) one after attention each add a gradient
 /// pass more. Here the op's input is qkv itself: its backward writes dq, dk and dv into one
 /// (B, T, 3C) tensor, row by row, and candle adds it once. Untracked, or off the CPU, use stage
