@@ -5,14 +5,14 @@
 //! - `CpuKernel::Registers` (the default): our register-blocked micro-kernels (`registers`),
 //!   12 query rows at a time, S and O tiles in vector registers, d_head a const generic; bf16
 //!   products on `vdpbf16ps` where the CPU has AVX512-BF16 (`registers::bf16`, P rounded to bf16
-//!   as on a GPU);
+//!   as on a GPU), and on AMX tiles, 32 query rows a block, where the bf16 GEMMs run on AMX;
 //! - `CpuKernel::GemmTiles`: Q·Kᵀ and P·V as tile GEMMs on the `gemm` crate's micro-kernels, for
 //!   head sizes the register kernels have no body for;
 //! - `CpuKernel::RowAxpy`: the first kernel, one query row at a time, kept as the slow twin.
 //!
 //! All read q, k and v through their strides ((B, T, n_head, d_head) views: a reshaped linear
 //! output, or slices of one QKV output), no copy. `backward` is FlashAttention-2's backward on
-//! the same engine. Stage 2 wraps `CpuAttention::forward` as the `cpu_fwd` of its candle op.
+//! the same engine (its products on AMX tiles where the forward's ran there). Stage 2 wraps `CpuAttention::forward` as the `cpu_fwd` of its candle op.
 
 pub mod backward;
 pub mod registers;

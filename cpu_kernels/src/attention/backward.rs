@@ -25,7 +25,9 @@
 //!
 //! The five products run on the forward's register-blocked micro-kernels (`tiles`: 12-row
 //! register tiles, AVX-512 or AVX2, at the forward's register head sizes), each operand laid out
-//! once per head in the order the micro-kernel reads it; elsewhere through the `gemm` crate
+//! once per head in the order the micro-kernel reads it — after a forward with bf16 products, on
+//! bf16 pairs (`vdpbf16ps`, or AMX tiles in 32 × 32 blocks where the forward's ran on AMX:
+//! `tiles::head_bwd_amx`); elsewhere through the `gemm` crate
 //! (`head_bwd_impl`), which packs both operands on every call (at `small`'s heads, one thread of
 //! an AVX-512 Xeon: 48 ms per backward against the `gemm` crate's 64).
 //!
