@@ -815,8 +815,8 @@ fn pack_pairs<T: Operand>(
     } else if a.cs == 1 && whole > 0 {
         // B's panels from a row-major Bᵀ (pairs p_step = NR apart, rows r_step = 1 apart): 16
         // rows × 16 pairs at a time, rounded by `pairs_along` and transposed in registers, so
-        // every store is 16 neighbouring words (scattering single words NR apart, one cache line
-        // each, was most of a training forward's time packing its f32 weights).
+        // every store is 16 neighbouring words (scattering single words NR apart, a cache line
+        // each, took twice as long for an f32 768 × 3072 weight at two threads).
         let (full_rows, full_pairs) = if (r_step, p_step) == (1, NR) { (rows / 16 * 16, whole / 16 * 16) } else { (0, 0) };
         for r0 in (0..full_rows).step_by(16) {
             for q0 in (0..full_pairs).step_by(16) {
