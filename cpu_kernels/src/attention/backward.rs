@@ -100,21 +100,26 @@ pub fn attention_bwd_with(
         return bwd_candle_ops(q, k, v, o, d_o, scale, causal);
     }
     let (b, t, h, d, grads) = head_grads(q, k, v, o, d_o, lse, scale, causal, bf16_products)?;
-    // Each head's (T, d) gradients into (B, T, n_head, d_head), written in that order (no
-    // zeroed buffer to overwrite).
-    let gather = |which: usize| {
-        let mut out = Vec::with_capacity(b * t * h * d);
-        for bi in 0..b {
-            for r in 0..t {
-                for hi in 0..h {
-                    out.extend_from_slice(&grads[bi * h + hi][which][r * d..][..d]);
+    let back = |which: usize| Tensor::from_vec(gather(&grads, (t, h, d), &[which]), (b, t, h, d), &Device::Cpu)?.to_dtype(q.dtype());
+    Ok([back(0)?, back(1)?, back(2)?])
+}
+
+/// The heads' (T, d) gradients (`head_grads`) written row by row: for each batch entry and
+/// position, the gradients `which` names (0, 1, 2: dq, dk, dv) in that order, each across the
+/// heads — (B, T, n_head, d_head) for one, (B, T, 3, n_head, d_head) for all three. Written in
+/// order, so there is no zeroed buffer to overwrite.
+fn gather(grads: &[[Vec<f32>; 3]], (t, h, d): (usize, usize, usize), which: &[usize]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(grads.len() * t * d * which.len());
+    for heads in grads.chunks_exact(h) {
+        for r in 0..t {
+            for &w in which {
+                for head in heads {
+                    out.extend_from_slice(&head[w][r * d..][..d]);
                 }
             }
         }
-        out
-    };
-    let back = |g: Vec<f32>| Tensor::from_vec(g, (b, t, h, d), &Device::Cpu)?.to_dtype(q.dtype());
-    Ok([back(gather(0))?, back(gather(1))?, back(gather(2))?])
+    }
+    out
 }
 
 /// The heads' gradients on the CPU: (B, T, n_head, d_head) and each head's (dq, dk, dv) as (T, d)
@@ -204,7 +209,7 @@ fn head_grads(
     Ok((b, t, h, d, grads))
 }
 
-/// Each head's (T, d) gradients, from `head_grads`, gathered: which = 0, 1, 2 for dq, dk, dv.
+/// (B, T, n_head, d_head) and each head's (dq, dk, dv) as (T, d) rows (`head_grads`).
 type HeadGrads = (usize, usize, usize, usize, Vec<[Vec<f32>; 3]>);
 
 /// `attention_bwd_with`'s gradients as one (B, T, 3, n_head, d_head) tensor, in q's dtype, each
@@ -224,18 +229,7 @@ pub fn attention_bwd_packed(
     bf16_products: bool,
 ) -> candle_core::Result<Tensor> {
     let (b, t, h, d, grads) = head_grads(q, k, v, o, d_o, lse, scale, causal, bf16_products)?;
-    // Row (bi, r) is [dq | dk | dv], each n_head · d wide: written in that order.
-    let mut out = Vec::with_capacity(b * t * 3 * h * d);
-    for heads in grads.chunks_exact(h) {
-        for r in 0..t {
-            for which in 0..3 {
-                for head in heads {
-                    out.extend_from_slice(&head[which][r * d..][..d]);
-                }
-            }
-        }
-    }
-    Tensor::from_vec(out, (b, t, 3, h, d), &Device::Cpu)?.to_dtype(q.dtype())
+    Tensor::from_vec(gather(&grads, (t, h, d), &[0, 1, 2]), (b, t, 3, h, d), &Device::Cpu)?.to_dtype(q.dtype())
 }
 
 /// Whether the backward runs the register-blocked micro-kernels (`tiles`) at head size `d`: on

@@ -252,9 +252,9 @@ pub(super) unsafe fn head_bwd_bf16(io: &HeadIo, t: usize, d: usize, scale: f32, 
     let HeadIo { q, k, v, d_o, .. } = *io;
     let (lse, delta) = row_statistics(io, t, d, scale, causal);
     let (dp2, tp) = (d / 2, t.div_ceil(2)); // channel pairs, row pairs
-    let (qp, dop) = (channel_pairs(q, t, d), channel_pairs(d_o, t, d));
+    let (qp, dop) = (channel_pairs(q, t, d, t), channel_pairs(d_o, t, d, t));
     let (ktp, vtp) = (key_pair_panels(k, t, d), key_pair_panels(v, t, d));
-    let (krp, qrp, dorp) = (row_pair_panels(k, t, d), row_pair_panels(q, t, d), row_pair_panels(d_o, t, d));
+    let (krp, qrp, dorp) = (row_pair_panels(k, t, d, tp), row_pair_panels(q, t, d, tp), row_pair_panels(d_o, t, d, tp));
     let keys = |panels: &[u32], j0: usize| {
         let base = panels.as_ptr();
         move |c0: usize| (base.add((j0 + c0) / PAIR_NR * dp2 * PAIR_NR), PAIR_NR)
@@ -352,32 +352,21 @@ pub(super) unsafe fn head_bwd_amx(io: &HeadIo, t: usize, d: usize, scale: f32, c
     let tp = tb / 2; // row pairs, padded
                      // Operands, zero past T: channel pairs (tb, d/2); key panels (tb/32 panels of (d/2, 32));
                      // K's channel panels of key pairs (d/32 panels of (tp, 32)); Qᵀ and dOᵀ as (d, tp) row pairs.
-    let padded = |mut v: Vec<u32>, len: usize| {
-        v.resize(len, 0);
-        v
-    };
-    let (qp, dop) = (padded(channel_pairs(q, t, d), tb * dp2), padded(channel_pairs(d_o, t, d), tb * dp2));
+    let (qp, dop) = (channel_pairs(q, t, d, tb), channel_pairs(d_o, t, d, tb));
     let (ktp, vtp) = (key_pair_panels(k, t, d), key_pair_panels(v, t, d));
-    let krp = {
-        let unpadded = row_pair_panels(k, t, d); // panel c0 at t.div_ceil(2)·c0
-        let (tp0, mut out) = (t.div_ceil(2), vec![0u32; tp * d]);
-        for c0 in (0..d).step_by(PAIR_NR) {
-            out[tp * c0..][..tp0 * PAIR_NR].copy_from_slice(&unpadded[tp0 * c0..][..tp0 * PAIR_NR]);
-        }
-        out
-    };
+    let krp = row_pair_panels(k, t, d, tp);
     // Qᵀ and dOᵀ: X's row pairs (the channel panels of `row_pair_panels`), transposed 16 × 16
     // pairs at a time in registers; tp is a multiple of 16.
     let transposed_row_pairs = |x: Rows| {
-        let (rp, tp0) = (row_pair_panels(x, t, d), t.div_ceil(2));
+        let rp = row_pair_panels(x, t, d, tp);
         let mut out = vec![0u32; d * tp];
         for c0 in (0..d).step_by(PAIR_NR) {
-            let panel = &rp[tp0 * c0..][..tp0 * PAIR_NR]; // (tp0, 32): pair r' of channel c0 + x at [r'][x]
-            for r0 in (0..tp0).step_by(16) {
+            let panel = &rp[tp * c0..][..tp * PAIR_NR]; // (tp, 32): pair r' of channel c0 + x at [r'][x]
+            for r0 in (0..tp).step_by(16) {
                 for x0 in (0..PAIR_NR).step_by(16) {
-                    let mut m = [0u32; 256]; // row i: pairs r0 + i, channels c0 + x0..+16 (zero past tp0)
-                    for i in 0..16.min(tp0 - r0) {
-                        m[16 * i..][..16].copy_from_slice(&panel[(r0 + i) * PAIR_NR + x0..][..16]);
+                    let mut m = [0u32; 256]; // row i: pairs r0 + i, channels c0 + x0..+16
+                    for (i, row) in m.chunks_exact_mut(16).enumerate() {
+                        row.copy_from_slice(&panel[(r0 + i) * PAIR_NR + x0..][..16]);
                     }
                     let mut tr = [0u32; 256]; // row c: channel c0 + x0 + c, pairs r0..r0 + 16
                     crate::bf16_gemm::transpose_16x16(&m, &mut tr);
@@ -525,11 +514,11 @@ fn pairs_of_rows(tile: &[f32], br: usize, bc: usize, out: &mut [u32]) {
     }
 }
 
-/// Each of X's T rows as d/2 channel pairs: (T, d/2) u32.
+/// Each of X's T rows as d/2 channel pairs: (rows, d/2) u32, rows ≥ T, zero past T.
 #[inline(always)]
-fn channel_pairs(x: Rows, t: usize, d: usize) -> Vec<u32> {
-    let mut out = vec![0u32; t * d / 2];
-    for (r, row) in out.chunks_exact_mut(d / 2).enumerate() {
+fn channel_pairs(x: Rows, t: usize, d: usize, rows: usize) -> Vec<u32> {
+    let mut out = vec![0u32; rows * d / 2];
+    for (r, row) in out.chunks_exact_mut(d / 2).enumerate().take(t) {
         f32_pairs(x.row(r, d), row);
     }
     out
@@ -553,17 +542,16 @@ fn key_pair_panels(x: Rows, t: usize, d: usize) -> Vec<u32> {
 }
 
 /// X in panels of PAIR_NR channels with row pairs: the panel of channels c0..c0 + w (w =
-/// PAIR_NR, the last narrower) is (⌈T/2⌉, w) at c0·⌈T/2⌉, pair r' of channel c0 + x at [r'][x]
-/// (rows 2r' and 2r' + 1; zero past T).
+/// PAIR_NR, the last narrower) is (tp, w) at c0·tp, pair r' of channel c0 + x at [r'][x] (rows
+/// 2r' and 2r' + 1; zero past T). tp ≥ ⌈T/2⌉: pairs past ⌈T/2⌉ (AMX's padded blocks) are zero.
 #[inline(always)]
-fn row_pair_panels(x: Rows, t: usize, d: usize) -> Vec<u32> {
+fn row_pair_panels(x: Rows, t: usize, d: usize, tp: usize) -> Vec<u32> {
     use crate::bf16_gemm::Operand;
-    let tp = t.div_ceil(2);
     let mut out = vec![0u32; tp * d];
     let zeros = vec![0f32; d];
     for c0 in (0..d).step_by(PAIR_NR) {
         let w = PAIR_NR.min(d - c0);
-        for r2 in 0..tp {
+        for r2 in 0..t.div_ceil(2) {
             let lo = &x.row(2 * r2, d)[c0..c0 + w];
             let hi = if 2 * r2 + 1 < t { &x.row(2 * r2 + 1, d)[c0..c0 + w] } else { &zeros[..w] };
             f32::pairs_across(lo, hi, &mut out[tp * c0 + r2 * w..][..w]);
