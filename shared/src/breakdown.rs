@@ -153,15 +153,23 @@ impl candle_core::CustomOp1 for Enter {
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        grad.device().synchronize()?; // the part's backward work, queued on a GPU, is done
-        let now = Instant::now();
-        BACKWARD.with(|b| {
-            if let Some(log) = b.borrow_mut().as_mut() {
-                log.stamps.push((self.0, now, cpu_kernels::trace::take()));
-            }
-        });
+        backward_part_done(self.0, grad.device())?;
         Ok(Some(grad.clone()))
     }
+}
+
+/// Part `name`'s backward is done: what `enter`'s identity op stamps when candle's backward
+/// reaches it, called by a backward the stage schedules itself (`Forward::train_forward`) once
+/// the gradients of the part's inputs are complete. A no-op unless a step is being recorded.
+pub fn backward_part_done(name: &'static str, device: &Device) -> Result<()> {
+    device.synchronize()?; // the part's backward work, queued on a GPU, is done
+    let now = Instant::now();
+    BACKWARD.with(|b| {
+        if let Some(log) = b.borrow_mut().as_mut() {
+            log.stamps.push((name, now, cpu_kernels::trace::take()));
+        }
+    });
+    Ok(())
 }
 
 /// What one recorded backward saw: when it began, and each part input's gradient completion

@@ -29,5 +29,5 @@ pub(crate) static BIG_ALLOCATION_TESTS: std::sync::Mutex<()> = std::sync::Mutex:
 
 pub use error::SpeedkitError;
 pub use preset::{Preset, Shape};
-pub use stage::{Forward, Plan, Precision, PrecisionRequest, Stage, StageEntry};
+pub use stage::{Forward, Plan, Precision, PrecisionRequest, Stage, StageEntry, TrainPass};
 pub use weights::BlockWeights;

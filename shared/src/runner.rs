@@ -431,6 +431,21 @@ impl crate::stage::Forward for FirstObserved<'_> {
         *self.parts.borrow_mut() = Some(parts);
         Ok(y)
     }
+
+    fn train_forward(&self, x: &Tensor) -> Option<candle_core::Result<Box<dyn crate::stage::TrainPass>>> {
+        if self.parts.borrow().is_some() {
+            return self.inner.train_forward(x);
+        }
+        let observed = crate::ran::observe(|| self.inner.train_forward(x).transpose());
+        match observed {
+            Err(e) => Some(Err(e)),
+            Ok((None, _)) => None, // the tape's forward comes next, and is observed by `forward`
+            Ok((Some(pass), parts)) => {
+                *self.parts.borrow_mut() = Some(parts);
+                Some(Ok(pass))
+            }
+        }
+    }
 }
 
 /// y, what the forwards `ran`, and the record's measured fields (timing, checks, breakdown, train).

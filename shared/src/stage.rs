@@ -207,6 +207,24 @@ pub trait Forward {
     fn ran(&self) -> Vec<String> {
         Vec::new()
     }
+
+    /// A training step's forward whose backward the stage schedules itself, without candle's
+    /// tape: the output y and what its backward needs (`TrainPass`). `None`, the default: the
+    /// step differentiates `forward` with candle's autograd.
+    fn train_forward(&self, _x: &Tensor) -> Option<candle_core::Result<Box<dyn TrainPass>>> {
+        None
+    }
+}
+
+/// A training forward kept for its hand-scheduled backward (`Forward::train_forward`).
+pub trait TrainPass {
+    /// The forward's output y.
+    fn output(&self) -> &Tensor;
+
+    /// Every gradient of a loss whose gradient at y is `dy`: one per weight and one for x, keyed
+    /// by the tensors the stage was built from and the forward given (the `Var`s' tensors), as
+    /// candle's backward keys them. Runs once; a second call is an error.
+    fn backward(&self, dy: &Tensor) -> candle_core::Result<GradStore>;
 }
 
 /// `--train`: an optimizer over the stage's weights.
@@ -250,8 +268,20 @@ pub struct Rebuild<S> {
 
 impl<S: Stage> Forward for Rebuild<S> {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let built = self.stage.build(&self.weights, &self.plan).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
-        built.forward(x)
+        self.built()?.forward(x)
+    }
+
+    fn train_forward(&self, x: &Tensor) -> Option<candle_core::Result<Box<dyn TrainPass>>> {
+        match self.built() {
+            Ok(built) => built.train_forward(x),
+            Err(e) => Some(Err(e)),
+        }
+    }
+}
+
+impl<S: Stage> Rebuild<S> {
+    fn built(&self) -> candle_core::Result<Box<dyn Forward>> {
+        self.stage.build(&self.weights, &self.plan).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
     }
 }
 

@@ -4,7 +4,7 @@
 //! gradient, against stage 0's fp32 autograd, and the update against `candle_nn::AdamW`'s.
 
 use crate::error::SpeedkitError;
-use crate::stage::{train_params, Forward, Optimize, Plan, Precision};
+use crate::stage::{train_params, Forward, Optimize, Plan, Precision, TrainPass};
 use crate::timing::{Progress, Stats};
 use crate::weights::{BlockWeights, SplitMix64};
 use candle_core::backprop::GradStore;
@@ -128,14 +128,43 @@ pub fn weights_of(v: &[Var]) -> BlockWeights {
 
 /// Forward on x, the loss ⟨y, r⟩·`scale`, backward: y and every gradient.
 pub fn step(forward: &dyn Forward, x: &Var, r: &Tensor, scale: f64) -> candle_core::Result<(Tensor, GradStore)> {
-    let y = forward.forward(x.as_tensor())?;
-    Ok((y.clone(), backward(&y, r, scale)?))
+    let pass = Pass::forward(forward, x.as_tensor())?;
+    let grads = pass.backward(r, scale)?;
+    Ok((pass.output().clone(), grads))
 }
 
-/// The gradients of the loss ⟨y, r⟩·`scale`.
-fn backward(y: &Tensor, r: &Tensor, scale: f64) -> candle_core::Result<GradStore> {
-    let loss = (y.to_dtype(DType::F32)? * r)?.sum_all()?;
-    if scale == 1.0 { loss } else { loss.affine(scale, 0.0)? }.backward()
+/// A training forward, and how its backward runs: candle's autograd of the output (the tape), or
+/// the stage's own schedule (`Forward::train_forward`).
+pub enum Pass {
+    Tape(Tensor),
+    Scheduled(Box<dyn TrainPass>),
+}
+
+impl Pass {
+    pub fn forward(forward: &dyn Forward, x: &Tensor) -> candle_core::Result<Pass> {
+        match forward.train_forward(x) {
+            Some(pass) => Ok(Pass::Scheduled(pass?)),
+            None => Ok(Pass::Tape(forward.forward(x)?)),
+        }
+    }
+
+    pub fn output(&self) -> &Tensor {
+        match self {
+            Pass::Tape(y) => y,
+            Pass::Scheduled(p) => p.output(),
+        }
+    }
+
+    /// The gradients of the loss ⟨y, r⟩·`scale`: dL/dy = `scale`·r.
+    pub fn backward(&self, r: &Tensor, scale: f64) -> candle_core::Result<GradStore> {
+        match self {
+            Pass::Tape(y) => {
+                let loss = (y.to_dtype(DType::F32)? * r)?.sum_all()?;
+                if scale == 1.0 { loss } else { loss.affine(scale, 0.0)? }.backward()
+            }
+            Pass::Scheduled(p) => p.backward(&if scale == 1.0 { r.clone() } else { r.affine(scale, 0.0)? }),
+        }
+    }
 }
 
 /// Most overflowed steps `accepted_step` lets the loss scale skip: 2^16 halved 24 times is 2^-8,
@@ -337,20 +366,19 @@ pub fn time_steps(
         let instrumented = i >= warmup + iters;
         let (t_fb, loss_grads) = match instrumented {
             false => {
-                let y = forward.forward(x.as_tensor())?;
-                let grads = backward(&y, r, opt.loss_scale())?;
+                let grads = Pass::forward(forward, x.as_tensor())?.backward(r, opt.loss_scale())?;
                 device.synchronize()?;
                 (ms(t0), grads)
             }
             true => {
                 let mut t_f = 0.0;
                 let fwd = || {
-                    let y = forward.forward(x.as_tensor())?;
+                    let pass = Pass::forward(forward, x.as_tensor())?;
                     device.synchronize()?; // the forward alone, then the backward from its loss
                     t_f = ms(t0);
-                    Ok(y)
+                    Ok(pass)
                 };
-                let (_, grads, by_part) = crate::breakdown::record_backward(fwd, |y| backward(y, r, opt.loss_scale()))?;
+                let (_, grads, by_part) = crate::breakdown::record_backward(fwd, |pass| pass.backward(r, opt.loss_scale()))?;
                 device.synchronize()?;
                 let t_fb = ms(t0);
                 split.split.push(vec![("forward", t_f), ("backward", t_fb - t_f)]);

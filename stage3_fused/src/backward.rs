@@ -47,38 +47,62 @@ use rayon::prelude::*;
 /// One read of the row for the two means (and its share of dg, db), one write of dx while the
 /// row is in L1; dg and db as per-thread partial sums, added at the end. Returns (dx, dg, db), f32.
 pub fn layer_norm_bwd(x: &Tensor, g: &Tensor, dy: &Tensor, eps: f32) -> candle_core::Result<[Tensor; 3]> {
+    layer_norm_bwd_plus(x, g, dy, eps, None)
+}
+
+/// `layer_norm_bwd` with `plus` (x's shape, f32) added to dx in the same pass: the gradient the
+/// residual stream carries past the LayerNorm, so a hand-scheduled backward adds the two branches
+/// without a pass of its own.
+pub fn layer_norm_bwd_plus(x: &Tensor, g: &Tensor, dy: &Tensor, eps: f32, plus: Option<&Tensor>) -> candle_core::Result<[Tensor; 3]> {
+    if let Some(p) = plus {
+        if p.dims() != x.dims() {
+            candle_core::bail!("layer_norm backward: the added gradient {:?} is not x's shape {:?}", p.dims(), x.dims());
+        }
+    }
     if !x.device().is_cpu() {
-        return layer_norm_bwd_ops(x, g, dy, eps);
+        let [dx, dg, db] = layer_norm_bwd_ops(x, g, dy, eps)?;
+        return Ok([plus.map_or(Ok(dx.clone()), |p| dx + p.to_dtype(DType::F32)?)?, dg, db]);
     }
     let c = x.dim(D::Minus1)?;
-    cpu_kernels::trace::ran("layer_norm backward: one pass");
+    cpu_kernels::trace::ran(if plus.is_some() {
+        "layer_norm backward: one pass, + the residual's gradient"
+    } else {
+        "layer_norm backward: one pass"
+    });
     let (dx, dg, db) = with_f32(x, |x| {
         with_f32(g, |g| {
             with_f32(dy, |dy| {
-                // SAFETY: every row of dx is written whole by `layer_norm_row_bwd` before any read.
-                let mut dx = unsafe { uninit_of::<f32>(x.len()) };
-                let rows = ROWS_PER_TASK * c;
-                let zeros = || (vec![0f32; c], vec![0f32; c]);
-                let (dg, db) = dx
-                    .par_chunks_mut(rows)
-                    .zip(x.par_chunks(rows).zip(dy.par_chunks(rows)))
-                    .fold(zeros, |(mut dg, mut db), (dx, (x, dy))| {
-                        for ((dx, x), dy) in dx.chunks_mut(c).zip(x.chunks(c)).zip(dy.chunks(c)) {
-                            layer_norm_row_bwd(x, g, dy, eps, dx, &mut dg, &mut db);
+                with_f32_opt(plus, |plus| {
+                    // SAFETY: every row of dx is written whole by `layer_norm_row_bwd` before any read.
+                    let mut dx = unsafe { uninit_of::<f32>(x.len()) };
+                    let rows = ROWS_PER_TASK * c;
+                    let zeros = || (vec![0f32; c], vec![0f32; c]);
+                    let fold = |(mut dg, mut db): (Vec<f32>, Vec<f32>), (i, (dx, (x, dy))): (usize, (&mut [f32], (&[f32], &[f32])))| {
+                        let plus = plus.map(|p| &p[i * rows..i * rows + x.len()]);
+                        for (r, ((dx, x), dy)) in dx.chunks_mut(c).zip(x.chunks(c)).zip(dy.chunks(c)).enumerate() {
+                            layer_norm_row_bwd(x, g, dy, eps, plus.map(|p| &p[r * c..(r + 1) * c]), dx, &mut dg, &mut db);
                         }
                         (dg, db)
-                    })
-                    .reduce(zeros, |(a_g, a_b), (b_g, b_b)| (add(a_g, &b_g), add(a_b, &b_b)));
-                Ok((dx, dg, db))
+                    };
+                    let (dg, db) = dx
+                        .par_chunks_mut(rows)
+                        .zip(x.par_chunks(rows).zip(dy.par_chunks(rows)))
+                        .enumerate()
+                        .fold(zeros, fold)
+                        .reduce(zeros, |(a_g, a_b), (b_g, b_b)| (add(a_g, &b_g), add(a_b, &b_b)));
+                    Ok((dx, dg, db))
+                })
             })
         })
     })?;
     Ok([Tensor::from_vec(dx, x.shape(), &Device::Cpu)?, Tensor::from_vec(dg, c, &Device::Cpu)?, Tensor::from_vec(db, c, &Device::Cpu)?])
 }
 
-/// One row of `layer_norm_bwd`: dx written, the row's dy∘x̂ and dy added into dg and db.
+/// One row of `layer_norm_bwd`: dx written (plus `plus`'s row, if any), the row's dy∘x̂ and dy
+/// added into dg and db.
 #[inline]
-fn layer_norm_row_bwd(x: &[f32], g: &[f32], dy: &[f32], eps: f32, dx: &mut [f32], dg: &mut [f32], db: &mut [f32]) {
+#[allow(clippy::too_many_arguments)] // the row's inputs, its output, and the two running sums
+fn layer_norm_row_bwd(x: &[f32], g: &[f32], dy: &[f32], eps: f32, plus: Option<&[f32]>, dx: &mut [f32], dg: &mut [f32], db: &mut [f32]) {
     let RowStats { shift, shift_minus_mean, inv_std } = row_stats(x, eps as f64);
     // x̂ as the forward's normalise_row computes it; the two row sums in 16 independent lanes
     // each, so the loop vectorises (one running sum makes every add wait for the last).
@@ -104,9 +128,10 @@ fn layer_norm_row_bwd(x: &[f32], g: &[f32], dy: &[f32], eps: f32, dx: &mut [f32]
     }
     let n = x.len() as f32;
     let (mean_gdy, mean_gdy_xhat) = (sum_gdy.iter().sum::<f32>() / n, sum_gdy_xhat.iter().sum::<f32>() / n);
-    for i in 0..x.len() {
-        dx[i] = inv_std * (g[i] * dy[i] - mean_gdy - xhat(x[i]) * mean_gdy_xhat);
-        // dx = (g∘dy − mean(g∘dy) − x̂·mean(g∘dy∘x̂)) / σ
+    // dx = (g∘dy − mean(g∘dy) − x̂·mean(g∘dy∘x̂)) / σ
+    match plus {
+        None => (0..x.len()).for_each(|i| dx[i] = inv_std * (g[i] * dy[i] - mean_gdy - xhat(x[i]) * mean_gdy_xhat)),
+        Some(p) => (0..x.len()).for_each(|i| dx[i] = inv_std * (g[i] * dy[i] - mean_gdy - xhat(x[i]) * mean_gdy_xhat) + p[i]),
     }
 }
 
@@ -315,6 +340,14 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> candle_core::Result<R>) -> 
     let (s, l) = t.storage_and_layout();
     let Storage::Cpu(s) = &*s else { candle_core::bail!("backward: {:?} is not on the CPU", t.device().location()) };
     f(&f32_values(s, l, "backward input")?)
+}
+
+/// `with_f32` on an optional tensor.
+fn with_f32_opt<R>(t: Option<&Tensor>, f: impl FnOnce(Option<&[f32]>) -> candle_core::Result<R>) -> candle_core::Result<R> {
+    match t {
+        Some(t) => with_f32(t, |v| f(Some(v))),
+        None => f(None),
+    }
 }
 
 /// Σ over the rows of a (rows, n) matrix: per-thread partial sums over blocks of rows, then added.

@@ -2,12 +2,12 @@
 //! (`--fusions`); a fusion that is off runs its slow twin, stage 2's passes for that part.
 
 use crate::ops::{self, add_layer_norm, layer_norm, linear_prepacked, mlp, Epilogue};
-use crate::{Fused, Fusions};
+use crate::{scheduled, Fused, Fusions};
 use candle_core::{DType, IndexOp, Tensor};
 use cpu_kernels::bf16_gemm::PackedWeight;
 use cpu_kernels::elementwise::{self as ew, Elementwise, LN_EPS};
 use shared::breakdown::enter;
-use shared::{BlockWeights, Forward, Plan, Stage};
+use shared::{BlockWeights, Forward, Plan, Stage, TrainPass};
 use stage1_tensorcore::precision;
 use stage2_sdpa::attention::{self, CpuKernel};
 
@@ -110,6 +110,31 @@ impl Forward for Block {
         let m = self.linear_gelu(&h, &self.w_fc1, &self.b_fc1)?; // (B, T, FF): GELU in the GEMM's epilogue
         let [m] = enter("fc2+residual", [&m])?;
         self.linear_residual(&m, &self.w_fc2, &self.b_fc2, &x) // x + m W_fc2ᵀ + b_fc2, f32
+    }
+
+    /// A training step on the CPU with every fusion on: the same forward, with the backward
+    /// scheduled by hand instead of candle's tape (`scheduled`). Elsewhere (CUDA, an ablation)
+    /// the tape.
+    fn train_forward(&self, x: &Tensor) -> Option<candle_core::Result<Box<dyn TrainPass>>> {
+        let linears = [&self.w_qkv, &self.w_proj, &self.w_fc1, &self.w_fc2];
+        let bf16_products = self.w_qkv.bf16_products();
+        let f32_weights = linears.iter().all(|w| w.weight().dtype() == DType::F32 && w.bf16_products() == bf16_products);
+        let cpu_f32 = x.device().is_cpu() && x.dtype() == DType::F32 && self.dtype == DType::F32;
+        if !(cpu_f32 && f32_weights && self.fusions == Fusions::ALL && self.split_qkv.is_none()) {
+            return None;
+        }
+        let pair = |w: &PackedWeight, b: &Tensor| [w.weight().clone(), b.clone()];
+        let weights = scheduled::Weights {
+            ln1: [self.ln1_g.clone(), self.ln1_b.clone()],
+            qkv: pair(&self.w_qkv, &self.b_qkv),
+            proj: pair(&self.w_proj, &self.b_proj),
+            ln2: [self.ln2_g.clone(), self.ln2_b.clone()],
+            fc1: pair(&self.w_fc1, &self.b_fc1),
+            fc2: pair(&self.w_fc2, &self.b_fc2),
+        };
+        let kernel = if self.bf16_attention { CpuKernel::RegistersBf16 } else { CpuKernel::Registers };
+        let config = scheduled::Config { n_head: self.n_head, kernel, bf16_products };
+        Some(scheduled::forward(x, weights, config).map(|p| Box::new(p) as Box<dyn TrainPass>))
     }
 }
 

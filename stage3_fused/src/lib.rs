@@ -74,6 +74,8 @@ pub mod small;
 #[cfg(feature = "harness")]
 mod block;
 #[cfg(feature = "harness")]
+mod scheduled;
+#[cfg(feature = "harness")]
 pub mod selftest;
 #[cfg(feature = "harness")]
 mod stage;

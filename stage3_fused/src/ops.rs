@@ -511,6 +511,30 @@ fn linear(
     x.apply_op3_no_bwd(&w, &b, &Linear { epilogue, pre_gelu: None, packed, bf16_master })
 }
 
+/// `linear_prepacked`'s function with W as a plain tensor and `bf16_master` chosen by the caller:
+/// what a training step scheduled by hand runs untracked (`scheduled`).
+pub(crate) fn linear_master(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, bf16_master: bool) -> candle_core::Result<Tensor> {
+    match epilogue {
+        Epilogue::BiasResidual(r) => linear_residual(x, w, b, r, bf16_master),
+        epilogue => linear(x, w, b, epilogue, None, bf16_master),
+    }
+}
+
+/// `linear_bias_gelu` untracked, keeping GELU's input x·Wᵀ ((B·T, N) f32, before the bias) for a
+/// backward the caller schedules itself (`bwd`'s `pre_gelu`); `bf16_master` as in `Linear`.
+/// x, W, b in one float dtype, contiguous. Returns (y, x·Wᵀ).
+pub(crate) fn linear_bias_gelu_keeping(x: &Tensor, w: &Tensor, b: &Tensor, bf16_master: bool) -> candle_core::Result<(Tensor, Vec<f32>)> {
+    let (_, _, k) = x.dims3()?;
+    let (n, k_w) = w.dims2()?;
+    if k != k_w || b.dims() != [n] {
+        candle_core::bail!("linear: x {:?}, W {:?}, b {:?} do not fit y = x Wᵀ + b", x.dims(), w.dims(), b.dims());
+    }
+    let op = Linear { epilogue: Epilogue::BiasGelu, pre_gelu: Some(Mutex::new(None)), packed: None, bf16_master };
+    let y = x.contiguous()?.apply_op3_no_bwd(&w.contiguous()?, &b.contiguous()?, &op)?;
+    let kept = op.pre_gelu.and_then(|m| m.into_inner().ok().flatten());
+    Ok((y, kept.ok_or_else(|| candle_core::Error::Msg("linear: the forward kept no x·Wᵀ (not on the CPU?)".into()))?))
+}
+
 impl CustomOp3 for Linear<'_> {
     fn name(&self) -> &'static str {
         match self.epilogue {
@@ -759,6 +783,52 @@ pub fn qkv_attention(qkv: &Tensor, n_head: usize, kernel: stage2_sdpa::attention
     qkv.contiguous()?.apply_op1(QkvAttention { n_head, scale, causal, kernel, lse: Mutex::new(None) })
 }
 
+/// `qkv_attention` untracked, keeping the log-sum-exp ((B, n_head, T) f32) for a backward the
+/// caller schedules itself (`qkv_attention_bwd`). Returns (o, lse).
+pub(crate) fn qkv_attention_keeping(
+    qkv: &Tensor,
+    n_head: usize,
+    kernel: stage2_sdpa::attention::CpuKernel,
+    causal: bool,
+) -> candle_core::Result<(Tensor, Option<Vec<f32>>)> {
+    let qkv = qkv.detach();
+    let (_, _, c3) = qkv.dims3()?;
+    if !qkv.device().is_cpu() || qkv.dtype() != DType::F32 || n_head == 0 || c3 % (3 * n_head) != 0 {
+        candle_core::bail!(
+            "qkv_attention: a CPU f32 QKV output with a last dimension of 3 · n_head ({n_head}) · d_head, got {:?}",
+            qkv.dims()
+        );
+    }
+    let scale = 1.0 / ((c3 / (3 * n_head)) as f32).sqrt();
+    let op = QkvAttention { n_head, scale, causal, kernel, lse: Mutex::new(None) };
+    let o = qkv.contiguous()?.apply_op1_no_bwd(&op)?;
+    Ok((o, op.lse.into_inner().map_err(|_| candle_core::Error::Msg("qkv_attention: poisoned lock".into()))?))
+}
+
+/// `qkv_attention`'s backward: dqkv (B, T, 3C), each row [dq | dk | dv], from the forward's
+/// qkv, output o, the log-sum-exp it kept, and d_o.
+pub(crate) fn qkv_attention_bwd(
+    qkv: &Tensor,
+    o: &Tensor,
+    d_o: &Tensor,
+    lse: Option<&[f32]>,
+    n_head: usize,
+    kernel: stage2_sdpa::attention::CpuKernel,
+    causal: bool,
+) -> candle_core::Result<Tensor> {
+    let (b, t, c3) = qkv.dims3()?;
+    let (c, h) = (c3 / 3, n_head);
+    let scale = 1.0 / ((c / h) as f32).sqrt();
+    let heads = qkv.detach().reshape((b, t, 3, h, c / h))?;
+    let part = |i: usize| heads.narrow(2, i, 1)?.squeeze(2); // (B, T, n_head, d_head) views, no copy
+    let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+    let (o, d_o) = (o.detach().reshape((b, t, h, c / h))?, d_o.detach().reshape((b, t, h, c / h))?);
+    // bf16 pairs where the forward ran them (as stage 2's op decides).
+    let bf16 = matches!(kernel, stage2_sdpa::attention::CpuKernel::RegistersBf16);
+    let dqkv = stage2_sdpa::attention::backward::attention_bwd_packed(&q, &k, &v, &o, &d_o, lse, scale, causal, bf16)?;
+    dqkv.reshape((b, t, c3)) // (B, T, 3, n_head, d_head): each row [dq | dk | dv]
+}
+
 struct QkvAttention {
     n_head: usize,
     scale: f32,
@@ -794,18 +864,8 @@ impl candle_core::CustomOp1 for QkvAttention {
     /// FlashAttention-2's backward from the kept log-sum-exp (stage 2's kernels), dq, dk and dv
     /// written into one (B, T, 3C) gradient, each row [dq | dk | dv] (`attention_bwd_packed`).
     fn bwd(&self, qkv: &Tensor, o: &Tensor, d_o: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let (b, t, c3) = qkv.dims3()?;
-        let (c, h) = (c3 / 3, self.n_head);
-        let heads = qkv.detach().reshape((b, t, 3, h, c / h))?;
-        let part = |i: usize| heads.narrow(2, i, 1)?.squeeze(2); // (B, T, n_head, d_head) views, no copy
-        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-        let (o, d_o) = (o.detach().reshape((b, t, h, c / h))?, d_o.detach().reshape((b, t, h, c / h))?);
         let lse = self.lse.lock().map_err(|_| candle_core::Error::Msg("qkv_attention: poisoned lock".into()))?.take();
-        // bf16 pairs where the forward ran them (as stage 2's op decides).
-        let bf16 = matches!(self.kernel, stage2_sdpa::attention::CpuKernel::RegistersBf16);
-        let dqkv =
-            stage2_sdpa::attention::backward::attention_bwd_packed(&q, &k, &v, &o, &d_o, lse.as_deref(), self.scale, self.causal, bf16)?;
-        Ok(Some(dqkv.reshape((b, t, c3))?)) // (B, T, 3, n_head, d_head): each row [dq | dk | dv]
+        Ok(Some(qkv_attention_bwd(qkv, o, d_o, lse.as_deref(), self.n_head, self.kernel, self.causal)?))
     }
 }
 

@@ -58,14 +58,25 @@ impl Problem {
         Problem { wv: vars(&w), w, xv: Var::from_tensor(&x).unwrap(), r }
     }
 
-    /// One step's forward and backward as the runner makes it: `build_train` over the `Var`s,
-    /// loss = Σ y·r·`scale`, backward. Also returns y.
+    /// One step's forward and backward as the runner makes it (`shared::train::step`):
+    /// `build_train` over the `Var`s, loss = Σ y·r·`scale`, backward — candle's tape, or the
+    /// stage's own schedule where it has one (`Forward::train_forward`). Also returns y.
     pub fn backward(&self, stage: &dyn Stage, plan: &Plan, scale: f64) -> (Tensor, GradStore) {
         let f = stage.build_train(&weights(&self.wv), plan).unwrap();
-        let y = f.forward(self.xv.as_tensor()).unwrap();
-        let loss = ((y.to_dtype(DType::F32).unwrap() * &self.r).unwrap().sum_all().unwrap() * scale).unwrap();
-        let g = loss.backward().unwrap();
-        (y, g)
+        shared::train::step(f.as_ref(), &self.xv, &self.r, scale).unwrap()
+    }
+
+    /// `backward` through candle's tape whatever the stage schedules: `forward` differentiated
+    /// by candle's autograd.
+    pub fn backward_on_tape(&self, stage: &dyn Stage, plan: &Plan, scale: f64) -> (Tensor, GradStore) {
+        struct Tape(Box<dyn shared::Forward>);
+        impl shared::Forward for Tape {
+            fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+                self.0.forward(x)
+            }
+        }
+        let f = Tape(stage.build_train(&weights(&self.wv), plan).unwrap());
+        shared::train::step(&f, &self.xv, &self.r, scale).unwrap()
     }
 
     /// Every weight's gradient and x's, in `NAMES` order.
