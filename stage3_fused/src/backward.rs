@@ -77,18 +77,17 @@ pub fn layer_norm_bwd_plus(x: &Tensor, g: &Tensor, dy: &Tensor, eps: f32, plus: 
                     let mut dx = unsafe { uninit_of::<f32>(x.len()) };
                     let rows = ROWS_PER_TASK * c;
                     let zeros = || (vec![0f32; c], vec![0f32; c]);
-                    let fold = |(mut dg, mut db): (Vec<f32>, Vec<f32>), (i, (dx, (x, dy))): (usize, (&mut [f32], (&[f32], &[f32])))| {
-                        let plus = plus.map(|p| &p[i * rows..i * rows + x.len()]);
-                        for (r, ((dx, x), dy)) in dx.chunks_mut(c).zip(x.chunks(c)).zip(dy.chunks(c)).enumerate() {
-                            layer_norm_row_bwd(x, g, dy, eps, plus.map(|p| &p[r * c..(r + 1) * c]), dx, &mut dg, &mut db);
-                        }
-                        (dg, db)
-                    };
                     let (dg, db) = dx
                         .par_chunks_mut(rows)
                         .zip(x.par_chunks(rows).zip(dy.par_chunks(rows)))
                         .enumerate()
-                        .fold(zeros, fold)
+                        .fold(zeros, |(mut dg, mut db), (i, (dx, (x, dy)))| {
+                            let plus = plus.map(|p| &p[i * rows..i * rows + x.len()]);
+                            for (r, ((dx, x), dy)) in dx.chunks_mut(c).zip(x.chunks(c)).zip(dy.chunks(c)).enumerate() {
+                                layer_norm_row_bwd(x, g, dy, eps, plus.map(|p| &p[r * c..(r + 1) * c]), dx, &mut dg, &mut db);
+                            }
+                            (dg, db)
+                        })
                         .reduce(zeros, |(a_g, a_b), (b_g, b_b)| (add(a_g, &b_g), add(a_b, &b_b)));
                     Ok((dx, dg, db))
                 })
