@@ -493,6 +493,26 @@ impl<T: Copy + Default> Lines<T> {
         buf
     }
 
+    /// `len` words the caller writes before any read, without filling them first (a packed B of
+    /// the training step's dW GEMMs is up to 12 MiB: zeroing it was a serial pass as long as the
+    /// parallel packing). In test and debug builds they start as all-ones bits (bf16 NaN pairs), so
+    /// a word the packing misses shows up in the GEMM tests (`cargo test` without `--release`).
+    ///
+    /// # Safety
+    /// Every word must be written before it is read.
+    pub unsafe fn uninit(len: usize) -> Self {
+        const { assert!(std::mem::size_of::<T>() == 4, "Lines holds 32-bit words: 16 fill a 64-byte line") };
+        let mut lines = Vec::<Line<T>>::with_capacity(len.div_ceil(16));
+        // SAFETY: capacity reserved above; the caller writes every word before reading it.
+        unsafe { lines.set_len(len.div_ceil(16)) };
+        #[cfg(any(test, debug_assertions))]
+        // SAFETY: Line<T> is 16 words of 4 bytes, any bit pattern of which is a valid T here (u32, f32).
+        unsafe {
+            std::ptr::write_bytes(lines.as_mut_ptr(), 0xFF, lines.len())
+        };
+        Lines { lines, len }
+    }
+
     /// Now `len` zeros, reusing the allocation.
     pub fn reset(&mut self, len: usize) {
         const { assert!(std::mem::size_of::<T>() == 4, "Lines holds 32-bit words: 16 fill a 64-byte line") };
@@ -766,9 +786,18 @@ pub fn gemm_scalar<A: Operand, B: Operand>(c: &mut [f32], a: MatRef<A>, b: MatRe
 /// `(q·kp + p)·NR + j`. Zero past the edges. A panel is NR rows of Bᵀ, paired along Bᵀ's rows.
 fn pack_b<T: Operand>(b: MatRef<T>, kp: usize, parallel: bool) -> Lines<u32> {
     let panels = b.cols.div_ceil(NR);
-    let mut packed = Lines::zeroed(panels * kp * NR);
+    // SAFETY: `fill` writes every word of every panel: `pack_pairs` every pair of the columns
+    // inside B (zero pairs past k included), and the last panel's columns past B's edge are
+    // zeroed first (their products land in C's columns past n, which are never stored; zeros
+    // keep them finite).
+    let mut packed = unsafe { Lines::uninit(panels * kp * NR) };
     let bt = b.t();
-    let fill = |(q, panel): (usize, &mut [u32])| pack_pairs(&bt, (q * NR, NR), (0, kp), panel, (1, NR));
+    let fill = |(q, panel): (usize, &mut [u32])| {
+        if q * NR + NR > b.cols {
+            panel.fill(0); // columns past n: pack_pairs leaves them as they arrive
+        }
+        pack_pairs(&bt, (q * NR, NR), (0, kp), panel, (1, NR))
+    };
     if parallel {
         packed.par_chunks_mut(kp * NR).enumerate().for_each(fill);
     } else {
