@@ -638,7 +638,7 @@ pub fn gemm_packed<A: Operand>(c: &mut [f32], a: MatRef<A>, b: &PackedB, accumul
 /// it stays in L2) and narrows it as it stores it, so no m × n f32 intermediate is written,
 /// faulted in and read back by a narrowing pass (fc1's would be 24 MiB).
 pub fn gemm_packed_bf16<A: Operand>(c: &mut [bf16], a: MatRef<A>, b: &PackedB, parallel: bool) -> Result<(), String> {
-    gemm_packed_bf16_with(c, a, b, parallel, None)
+    gemm_packed_bf16_with(c, None, a, b, parallel, None)
 }
 
 /// A GEMM's output pass: `epilogue(i, j0, row)` gets each f32 accumulator row segment, columns
@@ -647,21 +647,27 @@ pub fn gemm_packed_bf16<A: Operand>(c: &mut [bf16], a: MatRef<A>, b: &PackedB, p
 pub type Epilogue<'a> = &'a (dyn Fn(usize, usize, &mut [f32]) + Sync);
 
 /// `gemm_packed_bf16` with an output pass (`Epilogue`) applied to each block before it is
-/// rounded to bf16: c = epilogue(a · b), no m × n pass of its own.
+/// rounded to bf16: c = epilogue(a · b), no m × n pass of its own. With `keep`, each block of
+/// a·b is also copied there in f32 as it is, before the epilogue (a training step's
+/// pre-activation, for the backward), as `gemm_packed_with` keeps it.
 pub fn gemm_packed_bf16_with<A: Operand>(
     c: &mut [bf16],
+    keep: Option<&mut [f32]>,
     a: MatRef<A>,
     b: &PackedB,
     parallel: bool,
     epilogue: Option<Epilogue>,
 ) -> Result<(), String> {
     let (m, k, n) = (a.rows, a.cols, b.n);
-    fits_packed(&a, b, &[c.len()])?;
+    fits_packed(&a, b, &[c.len(), keep.as_ref().map_or(c.len(), |kept| kept.len())])?;
     if m == 0 || n == 0 {
         return Ok(());
     }
     if k == 0 {
         let mut zeros = vec![0f32; n];
+        if let Some(kept) = keep {
+            kept.fill(0.0);
+        }
         for (i, row) in c.chunks_exact_mut(n).enumerate() {
             zeros.fill(0.0);
             if let Some(epilogue) = epilogue {
@@ -671,8 +677,13 @@ pub fn gemm_packed_bf16_with<A: Operand>(
         }
         return Ok(());
     }
-    let out = OutPtr(c.as_mut_ptr());
+    let (out, kept) = (OutPtr(c.as_mut_ptr()), keep.map(|kept| OutPtr(kept.as_mut_ptr())));
     through_scratch(a, b, parallel, |i, j0, acc| {
+        if let Some(kept) = kept {
+            // SAFETY: row i, columns j0..j0 + acc.len() of keep (m × n, length checked above)
+            // are this task's alone (tasks tile C without overlap).
+            unsafe { std::slice::from_raw_parts_mut(kept.at(i * n + j0), acc.len()) }.copy_from_slice(acc);
+        }
         if let Some(epilogue) = epilogue {
             epilogue(i, j0, acc);
         }

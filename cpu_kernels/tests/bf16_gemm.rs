@@ -106,6 +106,13 @@ fn kernel_matches_scalar_twin_and_f32_gemm_on_ragged_shapes() {
                 assert!(kept.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()), "{} kept at {m}×{n}×{k}", kernel.name());
                 let want: Vec<f32> = c.iter().enumerate().map(|(ij, v)| (v + bias[ij % n]).max(0.0) + resid(ij / n, ij % n)).collect();
                 assert!(out.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "{} f32 out pass at {m}×{n}×{k}", kernel.name());
+                // The same pass with a bf16 out (a training step's fc1 on the CPU): keep exactly
+                // the product again, c the pass's result rounded as stored.
+                let (mut out16, mut kept16) = (vec![bf16::NAN; m * n], vec![f32::NAN; m * n]);
+                bf16_gemm::gemm_packed_bf16_with(&mut out16, Some(&mut kept16), av, &packed, parallel, Some(&pass)).unwrap();
+                assert!(kept16.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()), "{} kept, bf16 out at {m}×{n}×{k}", kernel.name());
+                bf16_gemm::narrow_bf16(&want, &mut narrowed);
+                assert!(out16.iter().zip(&narrowed).all(|(x, y)| x.to_bits() == y.to_bits()), "{} bf16 out pass at {m}×{n}×{k}", kernel.name());
             }
         }
     }

@@ -241,6 +241,14 @@ pub use cpu_kernels::elementwise::gelu_tanh_grad;
 /// (B·T, ·) tensor is widened or copied first. Otherwise (fp32, f16, a CPU without a bf16
 /// unit) candle's matmuls in f32.
 pub fn linear_bwd(x: &Tensor, w: &Tensor, dz: &Tensor, bf16_master: bool) -> candle_core::Result<(Tensor, Tensor)> {
+    let (dx, dw) = linear_bwd_f32(x, w, dz, bf16_master)?;
+    let cast = |v: Tensor, dt: DType| cpu_kernels::elementwise::to_dtype(&v, dt, cpu_kernels::elementwise::Elementwise::Parallel);
+    Ok((cast(dx, x.dtype())?, cast(dw, w.dtype())?))
+}
+
+/// `linear_bwd` with dx and dW in f32 whatever x's and W's dtypes: a hand-scheduled backward
+/// (`scheduled`) keeps x in bf16 where the GEMMs round it anyway, and its gradient in f32.
+pub fn linear_bwd_f32(x: &Tensor, w: &Tensor, dz: &Tensor, bf16_master: bool) -> candle_core::Result<(Tensor, Tensor)> {
     let (bsz, t, k) = x.dims3()?;
     let n = w.dim(0)?;
     let m = bsz * t;
@@ -258,15 +266,12 @@ pub fn linear_bwd(x: &Tensor, w: &Tensor, dz: &Tensor, bf16_master: bool) -> can
             with_vals(&xc, |xv| gemm_vals(kernel, &mut dw, (dzv, m, n, true), (xv, m, k)))
             // dW = dzᵀ·x
         })?;
-        let dx = Tensor::from_vec(dx, (bsz, t, k), &Device::Cpu)?;
-        let dw = Tensor::from_vec(dw, (n, k), &Device::Cpu)?;
-        let cast = |v: Tensor, dt: DType| cpu_kernels::elementwise::to_dtype(&v, dt, cpu_kernels::elementwise::Elementwise::Parallel);
-        return Ok((cast(dx, x.dtype())?, cast(dw, w.dtype())?));
+        return Ok((Tensor::from_vec(dx, (bsz, t, k), &Device::Cpu)?, Tensor::from_vec(dw, (n, k), &Device::Cpu)?));
     }
     cpu_kernels::trace::ran("linear backward: candle matmul f32 ×2");
     let dz = dz.to_dtype(DType::F32)?.reshape((m, n))?; // (B·T, N)
-    let dx = dz.matmul(&w.to_dtype(DType::F32)?)?.reshape((bsz, t, k))?.to_dtype(x.dtype())?;
-    let dw = dz.t()?.matmul(&x.to_dtype(DType::F32)?.reshape((m, k))?)?.to_dtype(w.dtype())?;
+    let dx = dz.matmul(&w.to_dtype(DType::F32)?)?.reshape((bsz, t, k))?;
+    let dw = dz.t()?.matmul(&x.to_dtype(DType::F32)?.reshape((m, k))?)?;
     Ok((dx, dw))
 }
 

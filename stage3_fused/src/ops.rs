@@ -522,17 +522,110 @@ pub(crate) fn linear_master(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilog
 
 /// `linear_bias_gelu` untracked, keeping GELU's input x·Wᵀ ((B·T, N) f32, before the bias) for a
 /// backward the caller schedules itself (`bwd`'s `pre_gelu`); `bf16_master` as in `Linear`.
-/// x, W, b in one float dtype, contiguous. Returns (y, x·Wᵀ).
+/// x, W, b contiguous. Returns (y, x·Wᵀ).
+///
+/// On the CPU's bf16 unit with an f32 master W, y comes out in bf16 (`master_linear`): what fc2's
+/// GEMM and its weight gradient round it to anyway, so the numbers are the f32 y's, in half the
+/// bytes. Otherwise `Linear`'s path, y in x's dtype.
 pub(crate) fn linear_bias_gelu_keeping(x: &Tensor, w: &Tensor, b: &Tensor, bf16_master: bool) -> candle_core::Result<(Tensor, Vec<f32>)> {
     let (_, _, k) = x.dims3()?;
     let (n, k_w) = w.dims2()?;
     if k != k_w || b.dims() != [n] {
         candle_core::bail!("linear: x {:?}, W {:?}, b {:?} do not fit y = x Wᵀ + b", x.dims(), w.dims(), b.dims());
     }
+    if let (true, Some(out)) = (bf16_master, master_linear(x, w, b, MasterOut::GeluBf16)?) {
+        return Ok(out);
+    }
     let op = Linear { epilogue: Epilogue::BiasGelu, pre_gelu: Some(Mutex::new(None)), packed: None, bf16_master };
     let y = x.contiguous()?.apply_op3_no_bwd(&w.contiguous()?, &b.contiguous()?, &op)?;
     let kept = op.pre_gelu.and_then(|m| m.into_inner().ok().flatten());
     Ok((y, kept.ok_or_else(|| candle_core::Error::Msg("linear: the forward kept no x·Wᵀ (not on the CPU?)".into()))?))
+}
+
+/// y = r + x Wᵀ + b in f32 for an untracked x of either dtype and an f32 master W: with
+/// `bf16_master` on the CPU's bf16 unit `master_linear` (x bf16 or f32, W rounded as packed, the
+/// residual and bias added in the output pass); otherwise `linear_residual` (x cast to W's dtype).
+pub(crate) fn linear_bias_residual_master(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor, bf16_master: bool) -> candle_core::Result<Tensor> {
+    let (bsz, t, _) = x.dims3()?;
+    if r.dims() != [bsz, t, w.dim(0)?] || r.dtype() != DType::F32 {
+        candle_core::bail!("linear: residual {:?} ({:?}) is not the f32 output shape ({bsz}, {t}, {})", r.dims(), r.dtype(), w.dim(0)?);
+    }
+    match bf16_master.then(|| master_linear(x, w, b, MasterOut::Residual(r))).transpose()?.flatten() {
+        Some((y, _)) => Ok(y),
+        None => linear_residual(&x.to_dtype(w.dtype())?, w, b, r, bf16_master),
+    }
+}
+
+/// What `master_linear`'s output pass makes.
+enum MasterOut<'a> {
+    /// gelu(acc + b) rounded to bf16, acc kept in f32.
+    GeluBf16,
+    /// r + acc + b in f32.
+    Residual(&'a Tensor),
+}
+
+/// x (B, T, K) bf16 or f32 · Wᵀ for an f32 master W (N, K) on this CPU's bf16 unit, Wᵀ packed
+/// here (rounded to bf16 as packed), the output pass per `out`. `None` when the operands are not
+/// that (off the CPU, another dtype, no bf16 unit): the caller's other path.
+fn master_linear(x: &Tensor, w: &Tensor, b: &Tensor, out: MasterOut) -> candle_core::Result<Option<(Tensor, Vec<f32>)>> {
+    let kernel = Kernel::detect();
+    let ok = x.device().is_cpu() && kernel.is_native() && kernel != Kernel::Mkl && [w, b].iter().all(|t| t.dtype() == DType::F32);
+    if !ok || !matches!(x.dtype(), DType::F32 | DType::BF16) {
+        return Ok(None);
+    }
+    let (bsz, t, k) = x.dims3()?;
+    let n = w.dim(0)?;
+    let m = bsz * t;
+    let (x, w, b) = (x.contiguous()?, w.contiguous()?, b.contiguous()?);
+    let (ws, wl) = w.storage_and_layout();
+    let (bs, bl) = b.storage_and_layout();
+    let (Storage::Cpu(ws), Storage::Cpu(bs)) = (&*ws, &*bs) else { return Ok(None) };
+    let (wv, bv) = (f32_values(ws, wl, "W")?, f32_values(bs, bl, "b")?);
+    let packed = PackedB::new(kernel, MatRef::row_major(&wv, n, k).t(), true).map_err(candle_core::Error::Msg)?;
+    let (xs, xl) = x.storage_and_layout();
+    let Storage::Cpu(xs) = &*xs else { return Ok(None) };
+    let Some((x0, x1)) = xl.contiguous_offsets() else { return Ok(None) };
+    let what = if xs.dtype() == DType::BF16 { "bf16 x, f32 W rounded as packed" } else { "f32 operands rounded as packed" };
+    let shape = Shape::from((bsz, t, n));
+    let err = candle_core::Error::Msg;
+    match out {
+        MasterOut::GeluBf16 => {
+            cpu_kernels::trace::ran_with(|| format!("fused linear: gemm bf16: {}, {what}, bias+gelu in its output pass, bf16 out", kernel.name()));
+            let pass = |_: usize, j0: usize, row: &mut [f32]| bias_gelu_tanh(row, &bv[j0..j0 + row.len()]);
+            // SAFETY: the GEMM's output pass stores every element of both (`gemm_packed_bf16_with`).
+            let (mut y, mut keep) = unsafe { (uninit_of::<half::bf16>(m * n), uninit_of::<f32>(m * n)) };
+            match xs {
+                CpuStorage::BF16(xv) => {
+                    bf16_gemm::gemm_packed_bf16_with(&mut y, Some(&mut keep), MatRef::row_major(&xv[x0..x1], m, k), &packed, true, Some(&pass))
+                }
+                CpuStorage::F32(xv) => {
+                    bf16_gemm::gemm_packed_bf16_with(&mut y, Some(&mut keep), MatRef::row_major(&xv[x0..x1], m, k), &packed, true, Some(&pass))
+                }
+                _ => return Ok(None),
+            }
+            .map_err(err)?;
+            let y = Tensor::from_storage(Storage::Cpu(CpuStorage::BF16(y)), shape, BackpropOp::none(), false);
+            Ok(Some((y, keep)))
+        }
+        MasterOut::Residual(r) => {
+            cpu_kernels::trace::ran_with(|| format!("fused linear: gemm bf16: {}, {what}, bias+residual in its output pass", kernel.name()));
+            let r = r.contiguous()?;
+            let (rs, rl) = r.storage_and_layout();
+            let Storage::Cpu(rs) = &*rs else { return Ok(None) };
+            let res = f32_values(rs, rl, "residual")?;
+            let pass = |i: usize, j0: usize, row: &mut [f32]| map_slice_in_place(row, &|j, v| v + (res[i * n + j0 + j] + bv[j0 + j]));
+            // SAFETY: the GEMM's output pass stores every element (`gemm_packed_with`).
+            let mut y = unsafe { uninit_of::<f32>(m * n) };
+            match xs {
+                CpuStorage::BF16(xv) => bf16_gemm::gemm_packed_with(&mut y, None, MatRef::row_major(&xv[x0..x1], m, k), &packed, true, Some(&pass)),
+                CpuStorage::F32(xv) => bf16_gemm::gemm_packed_with(&mut y, None, MatRef::row_major(&xv[x0..x1], m, k), &packed, true, Some(&pass)),
+                _ => return Ok(None),
+            }
+            .map_err(err)?;
+            let y = Tensor::from_storage(Storage::Cpu(CpuStorage::F32(y)), shape, BackpropOp::none(), false);
+            Ok(Some((y, Vec::new())))
+        }
+    }
 }
 
 impl CustomOp3 for Linear<'_> {
@@ -606,7 +699,7 @@ impl CustomOp3 for Linear<'_> {
             // the GEMM itself, no m × n f32 buffer and no pass of its own.
             // SAFETY: the GEMM's output pass stores every element (`gemm_packed_bf16_with`).
             let mut y = unsafe { uninit_of::<half::bf16>(m * n) };
-            bf16_gemm::gemm_packed_bf16_with(&mut y, MatRef::row_major(x, m, k), wt, true, Some(&epilogue))
+            bf16_gemm::gemm_packed_bf16_with(&mut y, None, MatRef::row_major(x, m, k), wt, true, Some(&epilogue))
                 .map_err(candle_core::Error::Msg)?;
             return Ok((CpuStorage::BF16(y), Shape::from((bsz, t, n))));
         }

@@ -16,7 +16,7 @@
 //! block). `shared::breakdown::backward_part_done` stamps each part's end, so `--breakdown`
 //! times the same parts as on the tape.
 
-use crate::backward::{bias_bwd, bias_gelu_bwd, layer_norm_bwd_plus, linear_bwd};
+use crate::backward::{bias_bwd, bias_gelu_bwd, layer_norm_bwd_plus, linear_bwd_f32 as linear_bwd};
 use crate::ops::{self, Epilogue, LN_EPS};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
@@ -88,7 +88,7 @@ pub(crate) fn forward(x: &Tensor, weights: Weights, config: Config) -> candle_co
     let [h2] = enter("fc1+gelu", [&h2])?;
     let (m, pre_gelu) = ops::linear_bias_gelu_keeping(&h2, &plain(&w.fc1[0]), &plain(&w.fc1[1]), bf16)?;
     let [m] = enter("fc2+residual", [&m])?;
-    let y = linear(&m, &w.fc2, Epilogue::BiasResidual(&x2))?; // x2 + m W₂ᵀ + b₂
+    let y = ops::linear_bias_residual_master(&m, &plain(&w.fc2[0]), &plain(&w.fc2[1]), &x2, bf16)?; // x2 + m W₂ᵀ + b₂
     let saved = Saved { x: x.clone(), h1, qkv, lse, a, x2, h2, pre_gelu, m };
     Ok(ScheduledPass { y, weights, config, saved: Mutex::new(Some(saved)) })
 }
