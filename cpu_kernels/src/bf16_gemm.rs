@@ -628,7 +628,7 @@ pub fn gemm_packed<A: Operand>(c: &mut [f32], a: MatRef<A>, b: &PackedB, accumul
     tasks(kernel, m, n, parallel, |(i0, mc), (j0, nc)| {
         // SAFETY: the task's rows i0..i0+mc and columns j0..j0+nc are its own (tasks tile C
         // without overlap), and lie inside c (m × n, length checked above).
-        unsafe { block(kernel, out, n, a, &b.panels, kp, (i0, mc), (j0, nc), accumulate) }
+        unsafe { block(kernel, out, n, a, &b.panels, kp, (i0, mc), (j0, nc), accumulate, 0) }
     });
     Ok(())
 }
@@ -744,6 +744,7 @@ fn through_scratch<A: Operand>(a: MatRef<A>, b: &PackedB, parallel: bool, store:
         static SCRATCH: std::cell::RefCell<Lines<f32>> = std::cell::RefCell::new(Lines::default());
     }
     let (m, n, kp, kernel) = (a.rows, b.n, b.kp, b.kernel);
+    let a_id = next_call_id(); // this call's A: each row block packed once per thread (`amx::block`)
     tasks(kernel, m, n, parallel, |(i0, mc), (j0, nc)| {
         SCRATCH.with_borrow_mut(|scratch| {
             scratch.resize_keeping(mc * nc); // never read before written: the block overwrites it
@@ -752,7 +753,7 @@ fn through_scratch<A: Operand>(a: MatRef<A>, b: &PackedB, parallel: bool, store:
             let rows = MatRef { offset: a.offset + i0 * a.rs, rows: mc, ..a };
             let panels = &b.panels[(j0 / NR) * kp * NR..];
             // SAFETY: the scratch holds mc × nc f32 and is this thread's alone.
-            unsafe { block(kernel, OutPtr(scratch.as_mut_ptr()), nc, rows, panels, kp, (0, mc), (0, nc), false) };
+            unsafe { block(kernel, OutPtr(scratch.as_mut_ptr()), nc, rows, panels, kp, (0, mc), (0, nc), false, a_id) };
             for (r, acc) in scratch[..mc * nc].chunks_exact_mut(nc).enumerate() {
                 store(i0 + r, j0, acc);
             }
@@ -1011,10 +1012,19 @@ impl<T> OutPtr<T> {
     }
 }
 
-/// One task: C[i0..i0+mc, j0..j0+nc] over all of k, KC pairs at a time.
+/// A number no other GEMM call in this process has had: the key under which `amx::block` keeps a
+/// call's packed A rows for its next task (never 0, which means "do not keep").
+fn next_call_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// One task: C[i0..i0+mc, j0..j0+nc] over all of k, KC pairs at a time. `a_id`: the call's
+/// (`next_call_id`), for AMX's reuse of packed A rows; 0 packs them afresh.
 ///
 /// # Safety
-/// The block lies inside C (m × n with row length `ldc`), and no other thread writes it.
+/// The block lies inside C (m × n with row length `ldc`), and no other thread writes it; `a_id`,
+/// when not 0, names this call's A alone.
 #[allow(clippy::too_many_arguments)]
 unsafe fn block<T: Operand>(
     kernel: Kernel,
@@ -1026,11 +1036,13 @@ unsafe fn block<T: Operand>(
     (i0, mc): (usize, usize),
     (j0, nc): (usize, usize),
     accumulate: bool,
+    a_id: u64,
 ) {
     #[cfg(target_arch = "x86_64")]
     if kernel == Kernel::Amx {
-        return amx::block(c.0, ldc, a, packed_b, kp, (i0, mc), (j0, nc), accumulate);
+        return amx::block(c.0, ldc, a, packed_b, kp, (i0, mc), (j0, nc), accumulate, a_id);
     }
+    let _ = a_id; // the other kernels pack A per task
     let mut packed_a = Lines::default();
     let mut tile = [0f32; MR * NR]; // edge tiles run here, then their valid part is copied
     for p0 in (0..kp).step_by(KC) {

@@ -50,6 +50,9 @@ fn ragged_shapes(rng: &mut Rng) -> Vec<(usize, usize, usize)> {
     let mut shapes = vec![(1, 1, 1), (MR, NR, 2), (MR + 1, NR - 1, 3), (MC + 5, NC + 3, 257), (2 * MC - 1, 33, 511), (13, 2 * NC + 17, 64)];
     shapes.push((MR + 1, NR + 7, 4 * KC + 3));
     shapes.push((MC_AMX + 7, NR + 5, 129)); // across AMX's task rows
+                                            // Several row blocks × several column blocks × several K slices: AMX packs each row block's A
+                                            // once per call and reuses it for the next column block on the same thread.
+    shapes.push((2 * MC_AMX + 8, NC + 8, 401));
     for _ in 0..6 {
         shapes.push((1 + rng.below(150), 1 + rng.below(300), 1 + 2 * rng.below(200)));
         // K odd
@@ -112,7 +115,11 @@ fn kernel_matches_scalar_twin_and_f32_gemm_on_ragged_shapes() {
                 bf16_gemm::gemm_packed_bf16_with(&mut out16, Some(&mut kept16), av, &packed, parallel, Some(&pass)).unwrap();
                 assert!(kept16.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()), "{} kept, bf16 out at {m}×{n}×{k}", kernel.name());
                 bf16_gemm::narrow_bf16(&want, &mut narrowed);
-                assert!(out16.iter().zip(&narrowed).all(|(x, y)| x.to_bits() == y.to_bits()), "{} bf16 out pass at {m}×{n}×{k}", kernel.name());
+                assert!(
+                    out16.iter().zip(&narrowed).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{} bf16 out pass at {m}×{n}×{k}",
+                    kernel.name()
+                );
             }
         }
     }

@@ -545,7 +545,13 @@ pub(crate) fn linear_bias_gelu_keeping(x: &Tensor, w: &Tensor, b: &Tensor, bf16_
 /// y = r + x Wᵀ + b in f32 for an untracked x of either dtype and an f32 master W: with
 /// `bf16_master` on the CPU's bf16 unit `master_linear` (x bf16 or f32, W rounded as packed, the
 /// residual and bias added in the output pass); otherwise `linear_residual` (x cast to W's dtype).
-pub(crate) fn linear_bias_residual_master(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor, bf16_master: bool) -> candle_core::Result<Tensor> {
+pub(crate) fn linear_bias_residual_master(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    r: &Tensor,
+    bf16_master: bool,
+) -> candle_core::Result<Tensor> {
     let (bsz, t, _) = x.dims3()?;
     if r.dims() != [bsz, t, w.dim(0)?] || r.dtype() != DType::F32 {
         candle_core::bail!("linear: residual {:?} ({:?}) is not the f32 output shape ({bsz}, {t}, {})", r.dims(), r.dtype(), w.dim(0)?);
@@ -590,17 +596,29 @@ fn master_linear(x: &Tensor, w: &Tensor, b: &Tensor, out: MasterOut) -> candle_c
     let err = candle_core::Error::Msg;
     match out {
         MasterOut::GeluBf16 => {
-            cpu_kernels::trace::ran_with(|| format!("fused linear: gemm bf16: {}, {what}, bias+gelu in its output pass, bf16 out", kernel.name()));
+            cpu_kernels::trace::ran_with(|| {
+                format!("fused linear: gemm bf16: {}, {what}, bias+gelu in its output pass, bf16 out", kernel.name())
+            });
             let pass = |_: usize, j0: usize, row: &mut [f32]| bias_gelu_tanh(row, &bv[j0..j0 + row.len()]);
             // SAFETY: the GEMM's output pass stores every element of both (`gemm_packed_bf16_with`).
             let (mut y, mut keep) = unsafe { (uninit_of::<half::bf16>(m * n), uninit_of::<f32>(m * n)) };
             match xs {
-                CpuStorage::BF16(xv) => {
-                    bf16_gemm::gemm_packed_bf16_with(&mut y, Some(&mut keep), MatRef::row_major(&xv[x0..x1], m, k), &packed, true, Some(&pass))
-                }
-                CpuStorage::F32(xv) => {
-                    bf16_gemm::gemm_packed_bf16_with(&mut y, Some(&mut keep), MatRef::row_major(&xv[x0..x1], m, k), &packed, true, Some(&pass))
-                }
+                CpuStorage::BF16(xv) => bf16_gemm::gemm_packed_bf16_with(
+                    &mut y,
+                    Some(&mut keep),
+                    MatRef::row_major(&xv[x0..x1], m, k),
+                    &packed,
+                    true,
+                    Some(&pass),
+                ),
+                CpuStorage::F32(xv) => bf16_gemm::gemm_packed_bf16_with(
+                    &mut y,
+                    Some(&mut keep),
+                    MatRef::row_major(&xv[x0..x1], m, k),
+                    &packed,
+                    true,
+                    Some(&pass),
+                ),
                 _ => return Ok(None),
             }
             .map_err(err)?;
@@ -608,7 +626,9 @@ fn master_linear(x: &Tensor, w: &Tensor, b: &Tensor, out: MasterOut) -> candle_c
             Ok(Some((y, keep)))
         }
         MasterOut::Residual(r) => {
-            cpu_kernels::trace::ran_with(|| format!("fused linear: gemm bf16: {}, {what}, bias+residual in its output pass", kernel.name()));
+            cpu_kernels::trace::ran_with(|| {
+                format!("fused linear: gemm bf16: {}, {what}, bias+residual in its output pass", kernel.name())
+            });
             let r = r.contiguous()?;
             let (rs, rl) = r.storage_and_layout();
             let Storage::Cpu(rs) = &*rs else { return Ok(None) };
@@ -617,8 +637,12 @@ fn master_linear(x: &Tensor, w: &Tensor, b: &Tensor, out: MasterOut) -> candle_c
             // SAFETY: the GEMM's output pass stores every element (`gemm_packed_with`).
             let mut y = unsafe { uninit_of::<f32>(m * n) };
             match xs {
-                CpuStorage::BF16(xv) => bf16_gemm::gemm_packed_with(&mut y, None, MatRef::row_major(&xv[x0..x1], m, k), &packed, true, Some(&pass)),
-                CpuStorage::F32(xv) => bf16_gemm::gemm_packed_with(&mut y, None, MatRef::row_major(&xv[x0..x1], m, k), &packed, true, Some(&pass)),
+                CpuStorage::BF16(xv) => {
+                    bf16_gemm::gemm_packed_with(&mut y, None, MatRef::row_major(&xv[x0..x1], m, k), &packed, true, Some(&pass))
+                }
+                CpuStorage::F32(xv) => {
+                    bf16_gemm::gemm_packed_with(&mut y, None, MatRef::row_major(&xv[x0..x1], m, k), &packed, true, Some(&pass))
+                }
                 _ => return Ok(None),
             }
             .map_err(err)?;

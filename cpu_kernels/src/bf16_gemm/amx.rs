@@ -102,9 +102,17 @@ pub(crate) unsafe fn release() {
 
 /// One task's block of C, as `super::block`, on AMX tiles. `kp` is a multiple of `TK` here.
 ///
+/// A's rows are packed once per GEMM call and row block, not once per task: the packed block
+/// (every K slice, `mc` × `kp` pairs: 1.5 MiB at fc2's K = 3072) stays in a per-thread buffer
+/// keyed by `a_id` (the call's, from `super::next_call_id`; 0: never reused) and the block's
+/// first element, so the next task on this thread with the same rows — the next NC columns —
+/// reads it instead of converting and interleaving A again (four times per row block at
+/// n = 3072, three at 2304).
+///
 /// # Safety
 /// `request()` returned true in this process; the block lies inside C (row length `ldc`) and no
-/// other thread writes it; `packed_b` holds ⌈n / NR⌉ panels of kp × NR pairs.
+/// other thread writes it; `packed_b` holds ⌈n / NR⌉ panels of kp × NR pairs; `a_id`, when not
+/// 0, names this GEMM call's A alone.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn block<T: Operand>(
     c: *mut f32,
@@ -115,26 +123,62 @@ pub unsafe fn block<T: Operand>(
     (i0, mc): (usize, usize),
     (j0, nc): (usize, usize),
     accumulate: bool,
+    a_id: u64,
 ) {
     debug_assert!(kp.is_multiple_of(TK) && NR == 32);
-    configure();
-    let mut packed_a = Lines::default();
-    let mut tile = Lines::<f32>::zeroed(TM * NR); // four C tiles, rows 128 bytes apart
-    for p0 in (0..kp).step_by(KCA) {
-        let kc = KCA.min(kp - p0);
-        // Rows i0..i0+mc, pairs p0..p0+kc, in panels of TM rows (zero rows past m); a panel is
-        // kc / TK steps of two A tiles, each tile 16 rows × 16 pairs in one contiguous KiB.
-        // Every word is written (no clearing pass: it was a memset of the whole block per slice
-        // per task): pack_pairs writes all kc pairs of the block's rows, zeros past K included.
-        let steps = kc / TK;
-        packed_a.resize_keeping(mc.div_ceil(TM) * TM * kc);
-        for (panel, out) in packed_a.chunks_mut(TM * kc).enumerate() {
-            let rows = TM.min(mc - panel * TM);
-            for (s, tiles) in out.chunks_mut(TM * TK).enumerate().take(steps) {
-                super::pack_pairs(&a, (i0 + panel * TM, rows), (p0 + s * TK, TK), tiles, (TK, 1));
-                tiles[rows * TK..].fill(0); // rows past the block: zero products, never stored
+    thread_local! {
+        /// (call id, offset of the block's first row in A's data, rows, pairs) and A's packed block.
+        static PACKED_A: std::cell::RefCell<((u64, usize, usize, usize), Lines<u32>)> =
+            std::cell::RefCell::new(((0, 0, 0, 0), Lines::default()));
+    }
+    PACKED_A.with_borrow_mut(|(key, packed_all)| {
+        let slice_len = mc.div_ceil(TM) * TM * KCA; // one full K slice of the block
+        let want = (a_id, a.offset + i0 * a.rs, mc, kp);
+        let cached = a_id != 0 && *key == want;
+        if !cached {
+            // Rows i0..i0+mc, all pairs, slice after slice (slice p0 / KCA at its multiple of
+            // `slice_len`), each in panels of TM rows (zero rows past m); a panel is kc / TK steps
+            // of two A tiles, each tile 16 rows × 16 pairs in one contiguous KiB. Every word is
+            // written (no clearing pass): pack_pairs writes all kc pairs of the block's rows,
+            // zeros past K included.
+            *key = (0, 0, 0, 0); // invalid until packed whole
+            packed_all.resize_keeping(kp.div_ceil(KCA) * slice_len);
+            for (slice, p0) in (0..kp).step_by(KCA).enumerate() {
+                let kc = KCA.min(kp - p0);
+                let steps = kc / TK;
+                let packed_a = &mut packed_all[slice * slice_len..][..mc.div_ceil(TM) * TM * kc];
+                for (panel, out) in packed_a.chunks_mut(TM * kc).enumerate() {
+                    let rows = TM.min(mc - panel * TM);
+                    for (s, tiles) in out.chunks_mut(TM * TK).enumerate().take(steps) {
+                        super::pack_pairs(&a, (i0 + panel * TM, rows), (p0 + s * TK, TK), tiles, (TK, 1));
+                        tiles[rows * TK..].fill(0); // rows past the block: zero products, never stored
+                    }
+                }
             }
+            *key = want;
         }
+        block_packed(c, ldc, packed_all, slice_len, packed_b, kp, (i0, mc), (j0, nc), accumulate);
+    });
+}
+
+/// `block` from A's packed block (`slice_len` words per K slice).
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_packed(
+    c: *mut f32,
+    ldc: usize,
+    packed_all: &[u32],
+    slice_len: usize,
+    packed_b: &[u32],
+    kp: usize,
+    (i0, mc): (usize, usize),
+    (j0, nc): (usize, usize),
+    accumulate: bool,
+) {
+    configure();
+    let mut tile = Lines::<f32>::zeroed(TM * NR); // four C tiles, rows 128 bytes apart
+    for (slice, p0) in (0..kp).step_by(KCA).enumerate() {
+        let kc = KCA.min(kp - p0);
+        let packed_a = &packed_all[slice * slice_len..];
         let load = accumulate || p0 > 0;
         // A: the panel's two contiguous 1 KiB tiles per step; B: the panel's pair rows, NR wide.
         let a_base = packed_a.as_ptr();
