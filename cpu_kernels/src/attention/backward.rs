@@ -112,7 +112,7 @@ pub fn attention_bwd_with(
 fn gather(grads: &[[Vec<f32>; 3]], (t, h, d): (usize, usize, usize), which: &[usize]) -> Vec<f32> {
     const ROWS: usize = 16; // 16 rows of [dq | dk | dv] at C = 768: 144 KiB a task
     let row = which.len() * h * d;
-    let rows = if h == 0 { 0 } else { grads.len() / h * t };
+    let rows = grads.len().checked_div(h).unwrap_or(0) * t;
     // SAFETY: every row is written whole below before the buffer is returned.
     let mut out = unsafe { crate::elementwise::uninit_of::<f32>(rows * row) };
     if row == 0 {

@@ -126,10 +126,11 @@ pub unsafe fn block<T: Operand>(
     a_id: u64,
 ) {
     debug_assert!(kp.is_multiple_of(TK) && NR == 32);
+    /// (call id, offset of the block's first row in A's data, rows, pairs).
+    type Key = (u64, usize, usize, usize);
     thread_local! {
-        /// (call id, offset of the block's first row in A's data, rows, pairs) and A's packed block.
-        static PACKED_A: std::cell::RefCell<((u64, usize, usize, usize), Lines<u32>)> =
-            std::cell::RefCell::new(((0, 0, 0, 0), Lines::default()));
+        /// The last packed A block on this thread, and its key.
+        static PACKED_A: std::cell::RefCell<(Key, Lines<u32>)> = std::cell::RefCell::new(((0, 0, 0, 0), Lines::default()));
     }
     PACKED_A.with_borrow_mut(|(key, packed_all)| {
         let slice_len = mc.div_ceil(TM) * TM * KCA; // one full K slice of the block
