@@ -500,6 +500,7 @@ impl<T: Copy + Default> Lines<T> {
     ///
     /// # Safety
     /// Every word must be written before it is read.
+    #[allow(clippy::uninit_vec)] // the contract above: written whole before read; plain 32-bit words
     pub unsafe fn uninit(len: usize) -> Self {
         const { assert!(std::mem::size_of::<T>() == 4, "Lines holds 32-bit words: 16 fill a 64-byte line") };
         let mut lines = Vec::<Line<T>>::with_capacity(len.div_ceil(16));
