@@ -46,6 +46,11 @@
 //! statistics in f64 on CPU, f32 on CUDA). On CUDA, stage 3 needs bf16, f16 or TF32: cudarc's
 //! cuBLASLt f32 GEMM always computes in TF32, so plain fp32 is refused rather than mislabelled.
 //!
+//! **Training.** Each fused op has its backward (`backward`). On the CPU with every fusion on,
+//! the training step schedules those backwards itself instead of differentiating through
+//! candle's tape (`scheduled`: each gradient written once and handed straight on); docs/training.md
+//! says what that removes.
+//!
 //! **One change at a time.** Each of the four fusions can be switched off on its own
 //! (`--fusions ln,qkv,epilogue,add-ln`); one that is off runs its slow
 //! twin, the way stage 2 computes that part, and `ladder --ablate` times stage 3 with each
