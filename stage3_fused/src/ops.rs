@@ -513,6 +513,7 @@ fn linear(
 
 /// `linear_prepacked`'s function with W as a plain tensor and `bf16_master` chosen by the caller:
 /// what a training step scheduled by hand runs untracked (`scheduled`).
+#[cfg(feature = "harness")] // only the scheduled training step (`scheduled`) uses it
 pub(crate) fn linear_master(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue, bf16_master: bool) -> candle_core::Result<Tensor> {
     match epilogue {
         Epilogue::BiasResidual(r) => linear_residual(x, w, b, r, bf16_master),
@@ -527,6 +528,7 @@ pub(crate) fn linear_master(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilog
 /// On the CPU's bf16 unit with an f32 master W, y comes out in bf16 (`master_linear`): what fc2's
 /// GEMM and its weight gradient round it to anyway, so the numbers are the f32 y's, in half the
 /// bytes. Otherwise `Linear`'s path, y in x's dtype.
+#[cfg(feature = "harness")] // only the scheduled training step (`scheduled`) uses it
 pub(crate) fn linear_bias_gelu_keeping(x: &Tensor, w: &Tensor, b: &Tensor, bf16_master: bool) -> candle_core::Result<(Tensor, Vec<f32>)> {
     let (_, _, k) = x.dims3()?;
     let (n, k_w) = w.dims2()?;
@@ -545,6 +547,7 @@ pub(crate) fn linear_bias_gelu_keeping(x: &Tensor, w: &Tensor, b: &Tensor, bf16_
 /// y = r + x Wᵀ + b in f32 for an untracked x of either dtype and an f32 master W: with
 /// `bf16_master` on the CPU's bf16 unit `master_linear` (x bf16 or f32, W rounded as packed, the
 /// residual and bias added in the output pass); otherwise `linear_residual` (x cast to W's dtype).
+#[cfg(feature = "harness")] // only the scheduled training step (`scheduled`) uses it
 pub(crate) fn linear_bias_residual_master(
     x: &Tensor,
     w: &Tensor,
@@ -563,6 +566,7 @@ pub(crate) fn linear_bias_residual_master(
 }
 
 /// What `master_linear`'s output pass makes.
+#[cfg(feature = "harness")] // only the scheduled training step (`scheduled`) uses it
 enum MasterOut<'a> {
     /// gelu(acc + b) rounded to bf16, acc kept in f32.
     GeluBf16,
@@ -573,6 +577,7 @@ enum MasterOut<'a> {
 /// x (B, T, K) bf16 or f32 · Wᵀ for an f32 master W (N, K) on this CPU's bf16 unit, Wᵀ packed
 /// here (rounded to bf16 as packed), the output pass per `out`. `None` when the operands are not
 /// that (off the CPU, another dtype, no bf16 unit): the caller's other path.
+#[cfg(feature = "harness")] // only the scheduled training step (`scheduled`) uses it
 fn master_linear(x: &Tensor, w: &Tensor, b: &Tensor, out: MasterOut) -> candle_core::Result<Option<(Tensor, Vec<f32>)>> {
     let kernel = Kernel::detect();
     let ok = x.device().is_cpu() && kernel.is_native() && kernel != Kernel::Mkl && [w, b].iter().all(|t| t.dtype() == DType::F32);
@@ -581,6 +586,9 @@ fn master_linear(x: &Tensor, w: &Tensor, b: &Tensor, out: MasterOut) -> candle_c
     }
     let (bsz, t, k) = x.dims3()?;
     let n = w.dim(0)?;
+    if w.dims() != [n, k] || b.dims() != [n] {
+        candle_core::bail!("linear: x {:?}, W {:?}, b {:?} do not fit y = x Wᵀ + b", x.dims(), w.dims(), b.dims());
+    }
     let m = bsz * t;
     let (x, w, b) = (x.contiguous()?, w.contiguous()?, b.contiguous()?);
     let (ws, wl) = w.storage_and_layout();
@@ -902,6 +910,7 @@ pub fn qkv_attention(qkv: &Tensor, n_head: usize, kernel: stage2_sdpa::attention
 
 /// `qkv_attention` untracked, keeping the log-sum-exp ((B, n_head, T) f32) for a backward the
 /// caller schedules itself (`qkv_attention_bwd`). Returns (o, lse).
+#[cfg(feature = "harness")] // only the scheduled training step (`scheduled`) uses it
 pub(crate) fn qkv_attention_keeping(
     qkv: &Tensor,
     n_head: usize,

@@ -56,8 +56,8 @@ struct Saved {
     a: Tensor,
     x2: Tensor,
     h2: Tensor,
-    pre_gelu: Vec<f32>,
-    m: Tensor,
+    pre_gelu: Vec<f32>, // fc1's x·Wᵀ, before the bias
+    m: Tensor,          // fc1's output, fc2's input
 }
 
 /// One training forward, ready for its backward (taken once).
@@ -69,8 +69,9 @@ pub struct ScheduledPass {
 }
 
 /// The block's forward on x (B, T, C) f32, untracked, as `Block::forward` computes it on the CPU
-/// with f32 activations; each part entered as the tape's forward enters it (`--breakdown`, and
-/// the row's notes).
+/// with f32 activations, except fc1's output: bf16 with bf16 products (`ops::master_linear`), the
+/// values fc2's GEMMs would round it to. Each part is entered as the tape's forward enters it
+/// (`--breakdown`, and the row's notes).
 pub(crate) fn forward(x: &Tensor, weights: Weights, config: Config) -> candle_core::Result<ScheduledPass> {
     let plain = |t: &Tensor| t.detach(); // untracked: the ops take their no-backward paths
     let w = &weights;
