@@ -210,6 +210,23 @@ int main() {
         printf("a NaN input gives a NaN scale %s\n", ok ? "ok" : "FAILED");
         failed += !ok;
     }
+    // check_finite on the GPU reads only the amax: NaN, +inf or -inf anywhere (here in the last
+    // block of three, among values larger than 1) must give an amax that is not finite, in f32
+    // and bf16.
+    for (float bad : {NAN, INFINITY, -INFINITY}) {
+        for (int bf16 : {0, 1}) {
+            const long n = 2L * CHUNK + 777;
+            std::vector<float> x(n, -5.0f);
+            x[n - 3] = bad;
+            std::vector<unsigned short> xb(n);
+            for (long i = 0; i < n; ++i) xb[i] = (unsigned short)(__float_as_uint(x[i]) >> 16);
+            unsigned amax_bits = 0;
+            launch(grid(n), THREADS, [&] { bf16 ? fp8_amax_bf16(xb.data(), n, &amax_bits) : fp8_amax_f32(x.data(), n, &amax_bits); });
+            const bool ok = !std::isfinite(__uint_as_float(amax_bits));
+            printf("amax of %-4s with %-4s among finite values is not finite %s\n", bf16 ? "bf16" : "f32", std::isnan(bad) ? "NaN" : bad > 0 ? "+inf" : "-inf", ok ? "ok" : "FAILED");
+            failed += !ok;
+        }
+    }
     // 4. Training: the E5M2 cast on all 2³² f32 bit patterns, the cast back, the transposes.
     {
         const unsigned workers = std::max(1u, std::thread::hardware_concurrency());

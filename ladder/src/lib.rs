@@ -380,7 +380,7 @@ pub struct OutputArgs {
     /// The README that --update-readme rewrites
     #[arg(long, env = "SPEEDKIT_README", default_value = "README.md")]
     pub readme: PathBuf,
-    /// Which region of the README --update-readme rewrites: the lines between `<!-- NAME:begin -->` and `<!-- NAME:end -->`; a region with a `train` word in its name (results-train) takes training runs only, any other forward runs only. README.md's results and results-gpu show a run's table and chart, and write the run in full into docs/measuring.md's results-cpu and docs/gpu.md's results-gpu-te; the other regions of the H100 runs live on docs/gpu.md and results-train on docs/training.md
+    /// Which region of the README --update-readme rewrites: the lines between `<!-- NAME:begin -->` and `<!-- NAME:end -->`; a region with a `train` word in its name (results-train) takes training runs only, any other forward runs only. README.md's results and results-gpu show a run's table and chart, and write the run in full into docs/measuring.md's results-cpu and docs/gpu.md's results-gpu-te; the other regions of the H100 runs live on docs/gpu.md, and results-train and results-gpu-train (the CPU's and the H100's training runs) on docs/training.md
     #[arg(long, env = "SPEEDKIT_README_REGION", default_value = "results", value_parser = render::region_name)]
     pub readme_region: String,
 }

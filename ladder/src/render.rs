@@ -121,8 +121,8 @@ pub fn describe_shape(shape: &Shape) -> String {
 }
 
 /// The regions that live on a docs page beside the README, and the page: the CPU run in full
-/// (`results-cpu`), the H100 runs' (`results-gpu-*`) and the training run's (`results-train`).
-pub const DOCS_REGIONS: [(&str, &str); 7] = [
+/// (`results-cpu`), the H100 runs' (`results-gpu-*`) and the training runs' (`results-train`, `results-gpu-train`).
+pub const DOCS_REGIONS: [(&str, &str); 8] = [
     ("results-cpu", "docs/measuring.md"),
     ("results-gpu-te", "docs/gpu.md"),
     ("results-gpu-ablate-te", "docs/gpu.md"),
@@ -130,6 +130,7 @@ pub const DOCS_REGIONS: [(&str, &str); 7] = [
     ("results-gpu-gpt2", "docs/gpu.md"),
     ("results-gpu-ablate-gpt2", "docs/gpu.md"),
     ("results-train", "docs/training.md"),
+    ("results-gpu-train", "docs/training.md"),
 ];
 
 /// The README's regions that show a run's table and bar chart only, each with the docs region

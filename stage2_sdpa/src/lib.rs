@@ -64,7 +64,7 @@ mod stage;
 #[cfg(feature = "harness")]
 pub use block::Block;
 #[cfg(feature = "harness")]
-pub use stage::{attention_of, Args, Sdpa, STAGE};
+pub use stage::{attention_of, cuda_attention_backward_note, Args, Sdpa, STAGE};
 
 use candle_core::Tensor;
 

@@ -85,6 +85,23 @@ impl Sdpa {
     }
 }
 
+/// `--train` on CUDA: which backward attention runs, by the dtype attention computes in (stage
+/// 4 passes its activations' bf16, not its fp8): our kernel for bf16 and f16, candle's ops that
+/// materialise the scores otherwise. None for a forward or on the CPU.
+pub fn cuda_attention_backward_note(plan: &Plan, attention_dtype: candle_core::DType) -> Option<String> {
+    use candle_core::DType;
+    (plan.train && plan.info.is_cuda()).then(|| match attention_dtype {
+        DType::BF16 | DType::F16 => {
+            "training on CUDA: attention's backward is our kernel (kernels/flash_attn_bwd.cu), from the L the forward kept".into()
+        }
+        dt => format!(
+            "training on CUDA with attention in {}: attention's backward runs as candle ops that materialise the (B, n_head, T, T) \
+             scores (the backward kernel takes bf16 or f16)",
+            format!("{dt:?}").to_lowercase()
+        ),
+    })
+}
+
 impl Stage for Sdpa {
     fn name(&self) -> &'static str {
         "stage2_sdpa"
@@ -119,17 +136,7 @@ impl Stage for Sdpa {
     fn notes(&self, plan: &Plan) -> Vec<String> {
         // Alignment advice; which attention kernel ran, the runner's notes say (`shared::ran`).
         let mut notes = stage1_tensorcore::TensorCore.notes(plan);
-        if plan.train && plan.info.is_cuda() {
-            notes.push(match plan.precision {
-                Precision::Bf16 | Precision::F16 => {
-                    "training on CUDA: attention's backward is our kernel (kernels/flash_attn_bwd.cu), from the L the forward kept".into()
-                }
-                p => format!(
-                    "training on CUDA at {p}: attention's backward runs as candle ops that materialise the (B, n_head, T, T) \
-                     scores (the backward kernel takes bf16 or f16)"
-                ),
-            });
-        }
+        notes.extend(cuda_attention_backward_note(plan, precision::gemm_dtype(plan.precision)));
         notes
     }
 

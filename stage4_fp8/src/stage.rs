@@ -276,7 +276,10 @@ impl Stage for Fp8 {
     }
 
     fn notes(&self, plan: &Plan) -> Vec<String> {
-        let mut notes = self.fused.sdpa.notes(plan); // alignment advice, which attention runs
+        // Alignment advice; the attention backward's note by the dtype attention runs in (the
+        // activations', bf16 at fp8).
+        let mut notes = stage1_tensorcore::TensorCore.notes(plan);
+        notes.extend(stage2_sdpa::cuda_attention_backward_note(plan, self.activation_dtype(plan).0));
         if self.fused.fusions != Fusions::ALL {
             notes.push(format!(
                 "--fusions {} applies to stage 3 only: stage 4 runs stage 3's fusions as written, so its \"vs previous\" also prices them",
@@ -321,6 +324,11 @@ impl Stage for Fp8 {
     fn build_train(&self, w: &BlockWeights, plan: &Plan) -> anyhow::Result<Box<dyn Forward>> {
         self.check_train(plan)?;
         Ok(Box::new(TrainBlock::build(w, plan, self)?))
+    }
+
+    /// Stage 3's fused AdamW: FP8 changes the GEMMs, not the update of the f32 master weights.
+    fn optimizer(&self, vars: Vec<candle_core::Var>, plan: &Plan) -> anyhow::Result<Box<dyn shared::stage::Optimize>> {
+        self.fused.optimizer(vars, plan)
     }
 
     fn ablations(&self, plan: &Plan) -> Vec<(String, Box<dyn Stage>)> {

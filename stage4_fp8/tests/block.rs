@@ -196,6 +196,15 @@ fn on_the_cpu_stage_4_differs_from_stage_3_only_in_the_gemms() {
     let (dt, note) = Fp8::default().activation_dtype(&plan);
     assert_eq!(dt, DType::BF16);
     assert!(note.as_deref().is_some_and(|n| n.contains("not stage 3's f16")), "{note:?}");
+    // Training on CUDA: attention runs in the activations' bf16, so its backward is the kernel
+    // (the plan's fp8 is the GEMMs'), and the notes say so; stage 2 at fp32 says candle's ops.
+    let train = shared::Plan { train: true, requested: PrecisionRequest::Auto, ..plan };
+    let notes = shared::Stage::notes(&Fp8::default(), &train);
+    assert!(notes.iter().any(|n| n.contains("attention's backward is our kernel")), "{notes:?}");
+    assert!(!notes.iter().any(|n| n.contains("materialise")), "{notes:?}");
+    let fp32 = shared::Plan { precision: Precision::Fp32, ..train };
+    let notes = shared::Stage::notes(&stage2_sdpa::Sdpa::default(), &fp32);
+    assert!(notes.iter().any(|n| n.contains("with attention in f32: attention's backward runs as candle ops")), "{notes:?}");
 }
 
 /// The GEMM twin check at small (one GPT-2 small layer, 2048 tokens) on the CPU emulation:

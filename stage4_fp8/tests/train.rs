@@ -60,8 +60,9 @@ fn the_scale_state_carries_across_steps() {
 
 #[test]
 fn one_step_matches_candle_adamw() {
-    let (name, skipped) = train::step_matches_candle_adamw(&Fp8::default(), Precision::Fp8, 0.0);
-    assert_eq!((name.as_str(), skipped), ("candle-nn AdamW", 0));
+    // Stage 3's fused AdamW, at stage 3's tolerance: FP8 leaves the update of the f32 masters as it was.
+    let (name, skipped) = train::step_matches_candle_adamw(&Fp8::default(), Precision::Fp8, 1e-6);
+    assert_eq!((name.as_str(), skipped), ("fused AdamW", 0));
 }
 
 #[test]

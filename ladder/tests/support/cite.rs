@@ -13,7 +13,8 @@
 //! Path: dot-separated keys; `name[key=value]` picks the element of an array whose `key` is
 //! `value`; `name[3]` by index. The unit is the text's suffix: `x` (ratio, 2 decimals), `ms`
 //! (`shared::report::fmt_ms`), `MiB` (bytes shown in MiB, 1 decimal), `GiB` (2 decimals), `%`
-//! (1 decimal), `e` notation (e.g. `1.8e-2`, 1 decimal), or none (as the JSON's integer).
+//! (1 decimal), `TFLOP/s` (no decimals), `e` notation (e.g. `1.8e-2`, 1 decimal), or none (as the
+//! JSON's integer).
 
 use regex::Regex;
 use serde_json::Value;
@@ -93,6 +94,7 @@ pub fn format_like(like: &str, value: &Value) -> Result<String, String> {
         _ if t.ends_with(" MiB") => format!("{:.1} MiB", v / (1u64 << 20) as f64),
         _ if t.ends_with(" GiB") => format!("{:.2} GiB", v / (1u64 << 30) as f64),
         _ if t.ends_with('%') => format!("{v:.1}%"),
+        _ if t.ends_with(" TFLOP/s") => format!("{v:.0} TFLOP/s"),
         _ if t.contains('e') => format!("{v:.1e}"),
         _ => format!("{v}"),
     })
