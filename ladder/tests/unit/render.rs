@@ -100,7 +100,8 @@ fn regions_take_their_own_mode_only() {
     for forward in ["results", "results-gpu", "results-trained", "trainers", "results-gpu-ablate-te"] {
         assert_eq!(region_mode(forward), Mode::Forward, "{forward}");
     }
-    let forward_docs = DOCS_REGIONS.iter().map(|(r, _)| *r).filter(|r| *r != "results-train");
+    assert_eq!(region_mode("results-gpu-train"), Mode::Train);
+    let forward_docs = DOCS_REGIONS.iter().map(|(r, _)| *r).filter(|r| region_mode(r) == Mode::Forward);
     for region in std::iter::once("results").chain(forward_docs).chain(["results-gpu"]) {
         let e = check_region_mode(region, Mode::Train, "t.json").unwrap_err().to_string();
         assert!(e.contains("t.json times training steps") && e.contains(region) && e.contains("results-train"), "{e}");
@@ -109,6 +110,8 @@ fn regions_take_their_own_mode_only() {
     let e = check_region_mode("results-train", Mode::Forward, "f.json").unwrap_err().to_string();
     assert!(e.contains("f.json times forwards") && e.contains("shows training steps") && e.contains("Fix:"), "{e}");
     assert!(check_region_mode("results-train", Mode::Train, "t.json").is_ok());
+    assert!(check_region_mode("results-gpu-train", Mode::Train, "t.json").is_ok());
+    assert!(check_region_mode("results-gpu-train", Mode::Forward, "f.json").is_err());
 }
 
 #[test]
