@@ -319,20 +319,21 @@ impl MemProbe {
     }
 }
 
-/// glibc's malloc set to keep freed memory for reuse: every allocation up to 32 MiB (glibc's
-/// largest mmap threshold; a (B·T, FF) f32 tensor at `small` is 24 MiB) comes from the heap, and
-/// freed memory is not handed back until 2 GiB of it sits free. With glibc's defaults each large
-/// tensor was a fresh mmap — its pages faulted in on first touch, and on free unmapped with a
-/// TLB shootdown to every thread's core — at every op of every iteration: about a quarter of a
-/// CPU training step (`results/train-engine/allocator.txt`). PyTorch's CPU tensors pay the same
-/// unless a caching allocator is preloaded; ours is the allocator's own switch. The memory probe
-/// still hands freed memory back before each stage (`malloc_trim`), so a stage's peak is its own.
-/// Called first by every binary; elsewhere (another libc) a no-op.
+/// glibc's malloc set to keep freed memory for reuse: every allocation comes from the heap (mmap
+/// off; glibc still maps where the heap cannot grow), and freed memory is not handed back until
+/// 2 GiB of it sits free. With glibc's defaults each large tensor was a fresh mmap — its pages
+/// faulted in on first touch, and on free unmapped with a TLB shootdown to every thread's core —
+/// at every op of every iteration: about a quarter of a CPU training step
+/// (`results/train-engine/allocator.txt`). Raising the mmap threshold instead (32 MiB at most)
+/// left the largest tensors mapped: stage 0's (B, n_head, T, T) scores are 48 MiB at `small`. PyTorch's CPU tensors
+/// pay the same unless a caching allocator is preloaded; ours is the allocator's own switch. The
+/// memory probe still hands freed memory back before each stage (`malloc_trim`), so a stage's
+/// peak is its own. Called first by every binary; elsewhere (another libc) a no-op.
 pub fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt takes two integers and only changes glibc's thresholds.
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_MMAP_MAX, 0);
         libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
     }
 }
