@@ -325,10 +325,11 @@ impl MemProbe {
 /// faulted in on first touch, and on free unmapped with a TLB shootdown to every thread's core —
 /// at every op of every iteration: about a quarter of a CPU training step
 /// (`results/train-engine/allocator.txt`). Raising the mmap threshold instead (32 MiB at most)
-/// left the largest tensors mapped: stage 0's (B, n_head, T, T) scores are 48 MiB at `small`. PyTorch's CPU tensors
-/// pay the same unless a caching allocator is preloaded; ours is the allocator's own switch. The
-/// memory probe still hands freed memory back before each stage (`malloc_trim`), so a stage's
-/// peak is its own. Called first by every binary; elsewhere (another libc) a no-op.
+/// left the largest tensors mapped: stage 0's (B, n_head, T, T) scores are 48 MiB at `small`.
+/// PyTorch's training step, run under the same settings, did not move
+/// (`results/cpu-xeon-amx-a7b64cf/README.md`). The memory probe still hands freed memory back
+/// before each stage (`malloc_trim`), so a stage's peak is its own. Called first by every
+/// binary; elsewhere (another libc) a no-op.
 pub fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt takes two integers and only changes glibc's thresholds.
