@@ -46,23 +46,24 @@ die() {  # a usage or setup error: one paragraph on stderr, before anything runs
 }
 
 # ---- the steps, in run order (most valuable first, profilers last) ---------------------------
-# part, name, timeout in seconds, and the expected seconds on an H100: measured where an H100 run
-# finished the step (results/h100-82d46a0, results/h100-db5a7c9), else an estimate from what the
-# step runs (train-small-d128, memcheck and ncu stopped early there). Commands: step_cmd below.
+# part, name, timeout in seconds, and the expected seconds on an H100: the latest H100 run that
+# finished the step (results/h100-a4d06df; ablate-te, the gpt2 graphs and fp8-no-fast-accum from
+# results/h100-db5a7c9), else an estimate: train-te timed out at a4d06df (stage 4's step was
+# host-bound, fixed since), torch-te-train then had no input. Commands: step_cmd below.
 step_table=(
     "1 probe                       30    7"
-    "1 selftest                   120   20"
+    "1 selftest                   120   17"
     "1 report                      30    1"
-    "1 train-small-d128           120   15"
-    "1 ladder-te                  150   55"
-    "1 torch-te                   120   35"
+    "1 train-small-d128           120    3"
+    "1 ladder-te                  150   50"
+    "1 torch-te                   120   32"
     "1 train-te                   200   95"
     "1 torch-te-train             120   25"
-    "1 attention-sdpa              90   15"
-    "1 attention-kernels          120   50"
-    "2 racecheck-attention-d128   150   70"
-    "2 memcheck-train-d128        150   60"
-    "2 ncu-attention-t4096        200   90"
+    "1 attention-sdpa              90   13"
+    "1 attention-kernels          120   64"
+    "2 racecheck-attention-d128   150   65"
+    "2 memcheck-train-d128        150    2"
+    "2 ncu-attention-t4096        200   30"
     "2 ablate-te                  120   65"
     "2 ladder-gpt2-cuda-graph     120    5"
     "2 fp8-no-fast-accum-te       120   21"
