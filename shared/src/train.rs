@@ -209,8 +209,10 @@ fn all_finite(ts: &[Tensor]) -> candle_core::Result<bool> {
 
 /// The 13 gradients (weights, then x) in f32, each divided by `scale`.
 pub fn gradients(grads: &GradStore, vars: &[Var], x: &Var, scale: f64) -> candle_core::Result<Vec<Tensor>> {
+    // Detached: candle computes a weight's gradient from forward activations as a tracked tensor,
+    // whose op would keep that forward alive as long as the gradient (the reference's: all run).
     let grad = |(v, name): (&Var, &str)| match grads.get(v.as_tensor()) {
-        Some(g) => g.to_dtype(DType::F32)?.affine(1.0 / scale, 0.0),
+        Some(g) => g.detach().to_dtype(DType::F32)?.affine(1.0 / scale, 0.0),
         None => candle_core::bail!("the backward reached no gradient for {name}"),
     };
     vars.iter().chain([x]).zip(NAMES).map(grad).collect()

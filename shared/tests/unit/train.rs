@@ -134,3 +134,30 @@ fn a_recorded_gradient_check_under_its_old_name_still_reads() {
         assert_eq!(g.max_norm_ratio, recorded, "{}", r.stage);
     }
 }
+
+/// The gradients `gradients` hands out (and the reference's, kept for a whole run) hold no graph:
+/// a weight's gradient candle computes from a forward activation is itself a tracked tensor whose
+/// op keeps that activation, and through it the whole forward, alive (stage 0's (B, n_head, T, T)
+/// scores: tens of GiB at `te`).
+#[test]
+fn gradients_keep_no_forward_alive() {
+    use candle_core::{Device, Var};
+    let dev = Device::Cpu;
+    let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 4), &dev).unwrap()).unwrap();
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 4), &dev).unwrap()).unwrap();
+    let h = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap().exp().unwrap(); // an activation
+    let loss = h.sqr().unwrap().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    // What candle hands back may be tracked (the reason for this test); ours must not be.
+    let got = gradients(&grads, std::slice::from_ref(&w), &x, 2.0).unwrap();
+    assert_eq!(got.len(), 2);
+    for g in &got {
+        assert!(!g.track_op(), "a gradient still records its op, and so the forward it came from");
+    }
+    let want = (grads.get(w.as_tensor()).unwrap() / 2.0).unwrap();
+    assert_eq!(rel_max_for_test(&got[0], &want), 0.0);
+}
+
+fn rel_max_for_test(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+}
