@@ -36,6 +36,18 @@ fn reference_gradients_in_pieces_equal_one_piece() {
 }
 
 #[test]
+fn a_training_rows_output_holds_no_graph() {
+    // The ladder keeps each stage's y for --save-output while the later stages run: a y that still
+    // recorded its forward would keep that stage's activations (stage 0's T × T scores) alive.
+    let stages = ladder::default_stages();
+    let session = Session::open(args(&["--train"]), stages[0].as_ref(), &[]).unwrap();
+    for stage in [stages[0].as_ref(), stages[3].as_ref()] {
+        let (record, y) = session.run_with(stage, session.args.precision, 1).unwrap();
+        assert!(record.train.is_some() && !y.track_op(), "{}: y still records its forward", stage.name());
+    }
+}
+
+#[test]
 fn a_training_step_that_cannot_fit_is_refused_before_any_work() {
     // ~3.8 GiB of address space: the forward's reference at B=4 T=2048 would fit (~3 GiB), but one
     // sequence of stage 0's training step keeps several (n_head, T, T) tensors (over 4 GiB).

@@ -335,7 +335,10 @@ impl Session {
         let breakdown = parts.map(|p| p.summarise(iters)).transpose()?;
         let train = TrainRecord { optimizer: opt.name(), optimizer_timing, grad_check, worst_grad, optimizer_check, skipped_steps };
         let ran = observed.into_iter().chain(forward.ran()).collect();
-        Ok((y, ran, Record { timing: stats, breakdown, check, mode: Mode::Train, train: Some(train), ..Default::default() }))
+        // Detached: the checked step's y records its forward, and the ladder keeps each stage's
+        // y for --save-output while the next stages run (on a GPU at `te`, stage 0's forward held
+        // that way left too little memory for stage 1's step).
+        Ok((y.detach(), ran, Record { timing: stats, breakdown, check, mode: Mode::Train, train: Some(train), ..Default::default() }))
     }
 
     /// Plan, build, check and time one stage over `iters` (a ladder round's share of `--iters`).
