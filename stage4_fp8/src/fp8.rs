@@ -340,10 +340,16 @@ impl CustomOp2 for Dequantize {
 /// copy of them would cost more than the step's GEMMs. Only a tensor that fails is read on the
 /// host, to describe what it holds.
 pub fn check_finite(x: &Tensor, what: &str) -> Result<(), String> {
+    check_finite_with(x, None, what)
+}
+
+/// `check_finite` given x's amax where the caller has it already (on the GPU it is the check).
+fn check_finite_with(x: &Tensor, amax_of_x: Option<&Tensor>, what: &str) -> Result<(), String> {
     let all_finite = if x.device().is_cpu() {
+        // The CPU's amax drops NaN (f32::max), so the CPU scans.
         cpu_f32(x).and_then(|x32| with_host(&x32, |v| v.par_chunks(CHUNK).all(|c| c.iter().all(|v| v.is_finite()))))
     } else {
-        amax(x).and_then(|a| a.to_scalar::<f32>()).map(f32::is_finite)
+        amax_of_x.map_or_else(|| amax(x), |a| Ok(a.clone())).and_then(|a| a.to_scalar::<f32>()).map(f32::is_finite)
     }
     .map_err(|e| format!("cannot read {what} to check it for FP8: {e}"))?;
     if all_finite {
@@ -383,8 +389,9 @@ pub struct Fp8Tensor {
 impl Fp8Tensor {
     /// Current scaling, checked: what a weight gets, once, when a model is built.
     pub fn quantize(x: &Tensor, margin: i32, what: &str) -> Result<Fp8Tensor, Fp8Error> {
-        check_finite(x, what).map_err(Fp8Error::Refused)?;
-        let scale = scale_from_amax(&amax(x)?, margin)?;
+        let amax_x = amax(x)?;
+        check_finite_with(x, Some(&amax_x), what).map_err(Fp8Error::Refused)?;
+        let scale = scale_from_amax(&amax_x, margin)?;
         Ok(Fp8Tensor { data: quantize(x, &scale)?, scale })
     }
 
