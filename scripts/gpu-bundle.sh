@@ -9,6 +9,7 @@
 #     candle-speedkit-gpu-<commit>/bin/ladder   (CUDA_COMPUTE_CAP, default 90: H100/H200 only)
 #     candle-speedkit-gpu-<commit>/gpu-check.sh
 #     candle-speedkit-gpu-<commit>/torch-reference.py, sdpa-bench.py   (PyTorch's rows, on the GPU)
+#     candle-speedkit-gpu-<commit>/ncu-sum.py   (a profiled process's kernels summed by name)
 #     candle-speedkit-gpu-<commit>/BUILD.txt    (commit, toolchain, arch, libraries it needs)
 #
 # On the GPU machine: tar xzf the archive, cd into it, ./gpu-check.sh --part 1, then --part 2
@@ -59,7 +60,7 @@ stage="$root/target/gpu-bundle/$name"
 rm -rf "$root/target/gpu-bundle" && mkdir -p "$stage/bin"   # one archive, this commit's
 cp "$CARGO_TARGET_DIR/release/ladder" "$stage/bin/ladder"
 strip "$stage/bin/ladder"
-cp scripts/gpu-check.sh scripts/torch-reference.py scripts/sdpa-bench.py "$stage/"
+cp scripts/gpu-check.sh scripts/torch-reference.py scripts/sdpa-bench.py scripts/ncu-sum.py "$stage/"
 {
     echo "candle-speedkit GPU bundle"
     echo "commit            $commit"

@@ -64,6 +64,7 @@ step_table=(
     "2 racecheck-attention-d128   150   65"
     "2 memcheck-train-d128        150    2"
     "2 ncu-attention-t4096        200   30"
+    "2 ncu-train-kernels-te-b4    200   60"
     "2 ablate-te                  120   65"
     "2 ladder-gpt2-cuda-graph     120    5"
     "2 fp8-no-fast-accum-te       120   21"
@@ -331,6 +332,14 @@ step_cmd() {
         attention-kernels) cmd='n=(ncu --clock-control none --kernel-name regex:flash_attn --metrics gpu__time_duration.sum --csv)
             "${n[@]}" "$L" $D --preset te --stages 2 --train --no-check --warmup 1 --iters 2 --rounds 1 $SWEEP > ncu-times-v2-bwd.csv; a=$?
             "${n[@]}" "$L" $D --preset te --stages 2 --attention-kernel v1 --no-check --warmup 1 --iters 2 --rounds 1 $SWEEP > ncu-times-v1.csv && exit $a' ;;
+        # Every kernel of one process that builds stage 3's (then stage 4's) training block at
+        # batch 4 and runs one step, summed by name: set beside train-te's step times, it tells
+        # GPU-bound from host-bound and which kernels (ours, cuBLASLt's, candle's) take the time.
+        ncu-train-kernels-te-b4) cmd='for s in 3 4; do c="--preset te --batch 4 --stages $s --train --no-check --warmup 0 --iters 1 --rounds 1"
+                ncu --clock-control none --metrics gpu__time_duration.sum --csv "$L" $D $c > kernels-stage$s.csv || exit $?
+                python3 "$S/ncu-sum.py" kernels-stage$s.csv --json kernel-sum-stage$s.json --what "every GPU kernel of one process that builds the training block of stage $s at te, batch 4, and runs one training step (no warm-up, no check), summed by kernel name" \
+                    --command "ncu --clock-control none --metrics gpu__time_duration.sum --csv ladder $D $c" || exit $?
+            done' ;;
         ablate-te) cmd='"$L" $D $TE --stages 2,3,4 --ablate --breakdown --json ablate-te.json --svg ablate-te.svg' ;;
         ladder-gpt2-cuda-graph) cmd='"$L" $D $GPT2 --cuda-graph --json ladder-gpt2-cuda-graph.json' ;;
         fp8-no-fast-accum-te) cmd='SPEEDKIT_FP8_FAST_ACCUM=off "$L" $D $TE --stages 4 --json fp8-no-fast-accum-te.json' ;;
