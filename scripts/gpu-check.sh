@@ -47,27 +47,26 @@ die() {  # a usage or setup error: one paragraph on stderr, before anything runs
 
 # ---- the steps, in run order (most valuable first, profilers last) ---------------------------
 # part, name, timeout in seconds, and the expected seconds on an H100: the latest H100 run that
-# finished the step (results/h100-a4d06df; ablate-te, the gpt2 graphs and fp8-no-fast-accum from
-# results/h100-db5a7c9), else an estimate: train-te timed out at a4d06df (stage 4's step was
-# host-bound, fixed since), torch-te-train then had no input. Commands: step_cmd below.
+# ran the step (results/h100-c64aaff; the attention steps, racecheck and the attention profile
+# from results/h100-a4d06df, whose kernels are today's). Commands: step_cmd below.
 step_table=(
     "1 probe                       30    7"
-    "1 selftest                   120   17"
+    "1 selftest                    120   22"
     "1 report                      30    1"
     "1 train-small-d128           120    3"
-    "1 ladder-te                  150   50"
-    "1 torch-te                   120   32"
-    "1 train-te                   200   95"
-    "1 torch-te-train             120   25"
+    "1 ladder-te                   150   45"
+    "1 torch-te                    120   38"
+    "1 train-te                    200   97"
+    "1 torch-te-train              120   30"
     "1 attention-sdpa              90   13"
     "1 attention-kernels          120   64"
     "2 racecheck-attention-d128   150   65"
-    "2 memcheck-train-d128        150    2"
+    "2 memcheck-train-d128         150    3"
     "2 ncu-attention-t4096        200   30"
-    "2 ncu-train-kernels-te-b4    200   60"
-    "2 ablate-te                  120   65"
-    "2 ladder-gpt2-cuda-graph     120    5"
-    "2 fp8-no-fast-accum-te       120   21"
+    "2 ncu-train-kernels-te-b4     200   34"
+    "2 ablate-te                   120   44"
+    "2 ladder-gpt2-cuda-graph      120    2"
+    "2 fp8-no-fast-accum-te        120   18"
 )
 step_names=()
 for row in "${step_table[@]}"; do read -r _ n _ <<< "$row"; step_names+=("$n"); done
