@@ -3,6 +3,9 @@
 // and layer_norm, f32 and 16-bit outputs) against an f64 reference on the same inputs: rows of C
 // not a multiple of the block's 256 threads, C below one warp, and rows whose mean is 10⁴ times
 // their spread (a real residual stream), where candle's one-pass E[x²] − mean² in f32 breaks.
+// The backward (`layer_norm_bwd_*`: dx, with and without the residual's gradient added, and the
+// per-block partial sums of dg and db, summed here) against the f64 backward of the same rows,
+// dy in f32, bf16 and f16, over row counts that leave the last block of ROWS_BWD rows ragged.
 // Exit 0 when all are within tolerance.
 //
 //   bash host_emulation/run.sh      (also runs attention_check.cpp)
@@ -85,6 +88,74 @@ double check(bool add, int mode, int rows, int C, double mean_scale, unsigned se
     return worst;
 }
 
+// The backward over `rows` rows: dx (plus `plus` when `with_plus`), and dg, db summed over the
+// blocks' partial rows, against f64. mode: dy's type (0 f32, 1 bf16, 2 f16). Returns the worst of
+// the three relative errors (dx per row, dg and db whole); infinity if anything is not finite or
+// a partial-sum element was left unwritten.
+double check_bwd(int mode, bool with_plus, int rows, int C, double mean_scale, unsigned seed) {
+    const int bf16 = mode == 1;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    std::vector<float> x((size_t)rows * C), dy((size_t)rows * C), plus((size_t)rows * C), g(C);
+    for (int r = 0; r < rows; ++r) {
+        const float mean = mean_scale * normal(rng);
+        for (int c = 0; c < C; ++c) x[(size_t)r * C + c] = mean + normal(rng);
+    }
+    for (auto& v : dy) v = normal(rng);
+    for (auto& v : plus) v = normal(rng);
+    for (int c = 0; c < C; ++c) g[c] = 1.0f + 0.1f * normal(rng);
+    std::vector<unsigned short> dy16(dy.size());
+    for (size_t i = 0; i < dy.size(); ++i) dy16[i] = to16(dy[i], bf16), dy[i] = mode ? from16(dy16[i], bf16) : dy[i];
+    const int blocks = (rows + ROWS_BWD - 1) / ROWS_BWD;
+    std::vector<float> dx(x.size(), NAN), dgp((size_t)blocks * C, NAN), dbp((size_t)blocks * C, NAN);
+    const float eps = 1e-5f;
+    const float* pl = with_plus ? plus.data() : nullptr;
+    launch(long(blocks), THREADS, [&] {
+        if (mode == 0) layer_norm_bwd_f32(x.data(), dy.data(), g.data(), pl, dx.data(), dgp.data(), dbp.data(), rows, C, eps);
+        else layer_norm_bwd_16(x.data(), dy16.data(), g.data(), pl, dx.data(), dgp.data(), dbp.data(), rows, C, eps, bf16);
+    });
+    std::vector<double> dg(C, 0.0), db(C, 0.0), dg_ref(C, 0.0), db_ref(C, 0.0);
+    for (int blk = 0; blk < blocks; ++blk)
+        for (int c = 0; c < C; ++c) {
+            const float a = dgp[(size_t)blk * C + c], b = dbp[(size_t)blk * C + c];
+            if (!std::isfinite(a) || !std::isfinite(b)) return INFINITY;
+            dg[c] += a, db[c] += b;
+        }
+    double worst = 0;
+    for (int r = 0; r < rows; ++r) {
+        const float* xr = &x[(size_t)r * C];
+        const float* dyr = &dy[(size_t)r * C];
+        double s = 0;
+        for (int c = 0; c < C; ++c) s += xr[c];
+        const double mean = s / C;
+        double s2 = 0;
+        for (int c = 0; c < C; ++c) s2 += (xr[c] - mean) * (xr[c] - mean);
+        const double inv = 1.0 / std::sqrt(s2 / C + eps);
+        double a = 0, b = 0;
+        for (int c = 0; c < C; ++c) {
+            const double xhat = (xr[c] - mean) * inv;
+            a += g[c] * (double)dyr[c], b += g[c] * (double)dyr[c] * xhat;
+            dg_ref[c] += dyr[c] * xhat, db_ref[c] += dyr[c];
+        }
+        a /= C, b /= C;
+        double num = 0, den = 0;
+        for (int c = 0; c < C; ++c) {
+            const size_t i = (size_t)r * C + c;
+            const double xhat = (xr[c] - mean) * inv;
+            const double ref = inv * (g[c] * (double)dyr[c] - a - xhat * b) + (with_plus ? plus[i] : 0.0);
+            if (!std::isfinite(dx[i])) return INFINITY;
+            num += (dx[i] - ref) * (dx[i] - ref), den += ref * ref;
+        }
+        worst = std::max(worst, std::sqrt(num / std::max(den, 1e-30)));
+    }
+    auto rel = [](const std::vector<double>& got, const std::vector<double>& ref) {
+        double num = 0, den = 0;
+        for (size_t i = 0; i < got.size(); ++i) num += (got[i] - ref[i]) * (got[i] - ref[i]), den += ref[i] * ref[i];
+        return std::sqrt(num / std::max(den, 1e-30));
+    };
+    return std::max({worst, rel(dg, dg_ref), rel(db, db_ref)});
+}
+
 int main() {
     const char* names[] = {"f32", "bf16", "f16"};
     const int widths[] = {1, 33, 257, 768};  // below a warp, not a multiple of 256, GPT-2's C
@@ -107,6 +178,23 @@ int main() {
                     printf("%-14s %-4s C=%-4d row mean ~%-5g rel err %.2e (candle's one-pass f32 variance: %.2e) %s\n",
                            add ? "add_layer_norm" : "layer_norm", names[mode], C, mean_scale, e, one_pass, ok ? "ok" : "FAILED");
                 }
+    // The backward: dy in each type (rounded to it on both sides, so the tolerance is the f32
+    // arithmetic's), with and without the residual's gradient, 1 to 2 blocks of rows.
+    for (int mode = 0; mode < 3; ++mode)
+        for (int with_plus = 0; with_plus < 2; ++with_plus)
+            for (int C : widths)
+                for (int rows : {3, ROWS_BWD + 5})
+                    for (double mean_scale : {0.0, 1e4}) {
+                        ++n;
+                        const double e = check_bwd(mode, with_plus, rows, C, mean_scale, n);
+                        // f32 sums over C (and over the rows for dg, db); for mean 1e4, x's own
+                        // f32 rounding against a spread of 1 bounds x̂ at ~1e-3, as in the forward.
+                        const double tol = mean_scale > 0 ? 5e-3 : 1e-5;
+                        const bool ok = e < tol;
+                        failed += !ok;
+                        printf("layer_norm_bwd %-4s C=%-4d rows=%-3d %s row mean ~%-5g rel err %.2e %s\n", names[mode], C, rows,
+                               with_plus ? "+ plus" : "      ", mean_scale, e, ok ? "ok" : "FAILED");
+                    }
     printf("%d of %d LayerNorm kernel calls within tolerance\n", n - failed, n);
     return failed != 0;
 }

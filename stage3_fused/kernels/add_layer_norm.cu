@@ -145,3 +145,73 @@ extern "C" __global__ void layer_norm_f32(const float* x, const float* g, const 
                                           float eps) {
     layer_norm_row<false, float>(x, nullptr, g, b, nullptr, StoreF32{h_out}, C, eps, 0);
 }
+
+// ---- the backward ------------------------------------------------------------------------
+//
+// With x̂ = (x − μ)·inv (inv = 1/√(var + eps)) and h = x̂∘g + b, for dy = ∂L/∂h:
+//
+//   dx = inv · (g∘dy − mean(g∘dy) − x̂ · mean(g∘dy∘x̂))  (+ plus: the residual stream's gradient)
+//   dg = Σ_rows dy∘x̂,   db = Σ_rows dy
+//
+// As candle ops this is ~15 passes over (B·T, C) f32 tensors, each a launch. Here one block
+// takes ROWS_BWD consecutive rows; per row it reads x and dy from global memory once (the later
+// passes find them in L1/L2), recomputes μ and inv two-pass, as the forward does, and writes dx
+// once. Each thread owns the same channels in every row of its block, so it adds its rows' dy∘x̂
+// and dy into its block's row of the partial sums (dg_part, db_part: (blocks, C)) without
+// atomics; one column sum over those few rows (candle's) finishes dg and db.
+#define ROWS_BWD 32
+
+template <typename D>
+__device__ __forceinline__ void layer_norm_bwd_rows(const float* x, const D* dy, const float* g, const float* plus,
+                                                    float* dx, float* dg_part, float* db_part, int rows, int C,
+                                                    float eps, int bf16) {
+    __shared__ float shared[WARPS];
+    const int first = blockIdx.x * ROWS_BWD;
+    const int last = rows < first + ROWS_BWD ? rows : first + ROWS_BWD;
+    float* dgp = dg_part + (long)blockIdx.x * C;
+    float* dbp = db_part + (long)blockIdx.x * C;
+    for (int r = first; r < last; ++r) {
+        const long row = (long)r * C;
+        float s = 0.0f;
+        for (int c = threadIdx.x; c < C; c += THREADS) s += x[row + c];
+        const float mean = block_sum(s, shared) / C;
+        float s2 = 0.0f;
+        for (int c = threadIdx.x; c < C; c += THREADS) {
+            const float d = x[row + c] - mean;
+            s2 += d * d;
+        }
+        const float inv = rsqrtf(block_sum(s2, shared) / C + eps);
+        // mean(g∘dy) and mean(g∘dy∘x̂) over the row
+        float a = 0.0f, b = 0.0f;
+        for (int c = threadIdx.x; c < C; c += THREADS) {
+            const float gdy = g[c] * load_f(dy, row + c, bf16);
+            a += gdy;
+            b += gdy * (x[row + c] - mean) * inv;
+        }
+        a = block_sum(a, shared) / C;
+        b = block_sum(b, shared) / C;
+        for (int c = threadIdx.x; c < C; c += THREADS) {
+            const float d = load_f(dy, row + c, bf16);
+            const float xhat = (x[row + c] - mean) * inv;
+            float v = inv * (g[c] * d - a - xhat * b);
+            if (plus) v += plus[row + c];
+            dx[row + c] = v;
+            // this block's first row starts its partial sums; later rows add (same thread, same c)
+            dgp[c] = (r == first ? 0.0f : dgp[c]) + d * xhat;
+            dbp[c] = (r == first ? 0.0f : dbp[c]) + d;
+        }
+    }
+}
+
+// dy in f32; `plus` may be null (nothing added to dx).
+extern "C" __global__ void layer_norm_bwd_f32(const float* x, const float* dy, const float* g, const float* plus,
+                                              float* dx, float* dg_part, float* db_part, int rows, int C, float eps) {
+    layer_norm_bwd_rows(x, dy, g, plus, dx, dg_part, db_part, rows, C, eps, 0);
+}
+
+// dy in bf16 (bf16 = 1) or f16 (bf16 = 0), as the 16-bit GEMMs after a LayerNorm hand it back.
+extern "C" __global__ void layer_norm_bwd_16(const float* x, const unsigned short* dy, const float* g,
+                                             const float* plus, float* dx, float* dg_part, float* db_part, int rows,
+                                             int C, float eps, int bf16) {
+    layer_norm_bwd_rows(x, dy, g, plus, dx, dg_part, db_part, rows, C, eps, bf16);
+}

@@ -21,10 +21,12 @@
 //! On CUDA the element-wise work of the linears' backward rides on cuBLASLt's GEMMs (`cuda_lt`):
 //! every weight-gradient GEMM writes db with the BGRADB epilogue, and inside `ops::mlp` fc2's
 //! data-gradient GEMM writes dz₁ and db₁ with DGELU_BGRAD, at the z fc1's forward kept
-//! (GELU_AUX_BIAS). LayerNorm's backward runs as candle ops (`layer_norm_bwd_ops`), as does
-//! bias + GELU's outside `mlp` (`bias_gelu_bwd_ops`, which recomputes z = x·Wᵀ + b: a lone
-//! `linear_bias_gelu` keeps none on CUDA); both correct on any device and tested against the
-//! CPU's passes. Compiled, not run on a GPU.
+//! (GELU_AUX_BIAS). LayerNorm's backward is one kernel (`cuda::layer_norm_bwd`,
+//! `kernels/add_layer_norm.cu`: dx and per-block partial sums of dg and db, which a column sum
+//! finishes); its candle-ops twin (`layer_norm_bwd_ops`) runs on devices without it. Bias +
+//! GELU's backward outside `mlp` runs as candle ops (`bias_gelu_bwd_ops`, which recomputes
+//! z = x·Wᵀ + b: a lone `linear_bias_gelu` keeps none on CUDA), correct on any device and tested
+//! against the CPU's passes.
 
 use crate::ops::{f32_values, ROWS_PER_TASK};
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var, D};
@@ -58,6 +60,11 @@ pub fn layer_norm_bwd_plus(x: &Tensor, g: &Tensor, dy: &Tensor, eps: f32, plus: 
         if p.dims() != x.dims() {
             candle_core::bail!("layer_norm backward: the added gradient {:?} is not x's shape {:?}", p.dims(), x.dims());
         }
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        cpu_kernels::trace::ran("layer_norm backward: kernels/add_layer_norm.cu (layer_norm_bwd)");
+        return crate::cuda::layer_norm_bwd(x, g, dy, eps, plus);
     }
     if !x.device().is_cpu() {
         let [dx, dg, db] = layer_norm_bwd_ops(x, g, dy, eps)?;

@@ -285,6 +285,83 @@ fn add_layer_norm_16<H: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(h_out, dev.clone()))
 }
 
+/// Rows of x one block of `layer_norm_bwd_*` takes (the kernel's `ROWS_BWD`).
+pub const ROWS_BWD: usize = 32;
+
+/// LayerNorm's backward in one launch of `layer_norm_bwd_*` (kernels/add_layer_norm.cu): dx
+/// (plus `plus`, the residual stream's gradient, when given) and per-block partial sums of dg and
+/// db, which one column sum each finishes. x: (…, C) f32; g: (C) f32; dy: x's shape in f32, bf16
+/// or f16; plus: x's shape, f32. Returns [dx (x's shape), dg (C), db (C)], f32.
+pub fn layer_norm_bwd(x: &Tensor, g: &Tensor, dy: &Tensor, eps: f32, plus: Option<&Tensor>) -> candle_core::Result<[Tensor; 3]> {
+    let dev = x.device().as_cuda_device()?.clone();
+    let c = x.dim(candle_core::D::Minus1)?;
+    let n = x.elem_count();
+    let rows = n / c.max(1);
+    let blocks = rows.div_ceil(ROWS_BWD);
+    let (x, g, dy) = (x.to_dtype(DType::F32)?.contiguous()?, g.to_dtype(DType::F32)?.contiguous()?, dy.contiguous()?);
+    let plus = plus.map(|p| p.to_dtype(DType::F32)?.contiguous()).transpose()?;
+    let (xs, xl) = x.storage_and_layout();
+    let (gs, gl) = g.storage_and_layout();
+    let (ds, dl) = dy.storage_and_layout();
+    let (xv, gv) = (cuda_view::<f32>(&xs, xl)?, cuda_view::<f32>(&gs, gl)?);
+    let stream = dev.cuda_stream();
+    let plus_storage = plus.as_ref().map(|p| p.storage_and_layout());
+    let plus_view = match &plus_storage {
+        Some((ps, pl)) => Some(cuda_view::<f32>(ps, pl)?),
+        None => None,
+    };
+    // A null pointer when there is nothing to add: the kernel skips the add.
+    let (plus_ptr, _plus_sync) = match &plus_view {
+        Some(v) => {
+            let (p, s) = v.device_ptr(&stream);
+            (p, Some(s))
+        }
+        None => (0, None),
+    };
+    // SAFETY (allocations): the kernel writes every element of dx, and every element of each
+    // block's row of the partial sums (its first row stores, the rest add).
+    let (mut dx, mut dg_part, mut db_part) =
+        unsafe { (dev.alloc::<f32>(n)?, dev.alloc::<f32>(blocks * c)?, dev.alloc::<f32>(blocks * c)?) };
+    let (rows_i32, c_i32) = (rows as i32, c as i32);
+    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let Storage::Cuda(dcs) = &*ds else { candle_core::bail!("layer_norm backward: dy is not on the GPU") };
+    match dy.dtype() {
+        DType::F32 => {
+            let dv = view::<f32>(dcs, dl)?;
+            let func = function(&dev, &ADD_LAYER_NORM, "layer_norm_bwd_f32")?;
+            let mut launch = stream.launch_builder(&func);
+            launch.arg(&xv).arg(&dv).arg(&gv).arg(&plus_ptr).arg(&mut dx).arg(&mut dg_part).arg(&mut db_part);
+            launch.arg(&rows_i32).arg(&c_i32).arg(&eps);
+            // SAFETY: argument order and types match layer_norm_bwd_f32; one block per ROWS_BWD rows.
+            unsafe { launch.launch(cfg) }.map_err(|e| err("layer_norm_bwd_f32", e))?;
+        }
+        dt @ (DType::BF16 | DType::F16) => {
+            // dy's device pointer, read by the kernel as 16-bit patterns (the views live to the launch)
+            let (dy_bf16, dy_f16) = match dt {
+                DType::BF16 => (Some(view::<half::bf16>(dcs, dl)?), None),
+                _ => (None, Some(view::<half::f16>(dcs, dl)?)),
+            };
+            let (ptr, _sync) = match (&dy_bf16, &dy_f16) {
+                (Some(v), _) => v.device_ptr(&stream),
+                (_, Some(v)) => v.device_ptr(&stream),
+                _ => candle_core::bail!("layer_norm backward: dy is neither bf16 nor f16"),
+            };
+            let bf16 = i32::from(dt == DType::BF16);
+            let func = function(&dev, &ADD_LAYER_NORM, "layer_norm_bwd_16")?;
+            let mut launch = stream.launch_builder(&func);
+            launch.arg(&xv).arg(&ptr).arg(&gv).arg(&plus_ptr).arg(&mut dx).arg(&mut dg_part).arg(&mut db_part);
+            launch.arg(&rows_i32).arg(&c_i32).arg(&eps).arg(&bf16);
+            // SAFETY: argument order and types match layer_norm_bwd_16 (dy as its 16-bit patterns,
+            // the view's device pointer); one block per ROWS_BWD rows.
+            unsafe { launch.launch(cfg) }.map_err(|e| err("layer_norm_bwd_16", e))?;
+        }
+        dt => candle_core::bail!("layer_norm backward: unsupported dy dtype {dt:?}"),
+    }
+    let dx = wrap(dx, &dev, x.shape().clone());
+    let partial_sum = |p: CudaSlice<f32>| wrap(p, &dev, (blocks, c)).sum(0); // (blocks, C) → (C)
+    Ok([dx, partial_sum(dg_part)?, partial_sum(db_part)?])
+}
+
 /// `kernels/adamw.cu`: AdamW over every parameter in one launch.
 pub static ADAMW: Cubins = Cubins { file: "stage3_fused/kernels/adamw.cu", archs: cubins::ADAMW };
 

@@ -12,7 +12,7 @@
 //!
 //! The arguments come from `gemm_args` (pure functions, executed by the CPU model of cuBLASLt in
 //! `tests/cublaslt_backward.rs`); this file turns them into descriptors and launches on candle's
-//! stream with the handle `cuda::lt` keeps. Compiled, not run on a GPU.
+//! stream with the handle `cuda::lt` keeps. `ladder selftest` has a row per gradient.
 
 use crate::cuda::{cuda_view, device_key, lt, view, wrap};
 use crate::device_cache::{Cache, DeviceKey};

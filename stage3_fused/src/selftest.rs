@@ -168,6 +168,41 @@ pub fn layer_norms(r: &mut Rows, device: &Device) {
     }
 }
 
+/// LayerNorm's backward (on CUDA one launch of `layer_norm_bwd_*`, on the CPU the one-pass
+/// rows) against its candle-ops twin on the CPU, one row per gradient: 37 rows (on CUDA two
+/// blocks of rows, the last ragged), C = 257, dy in f32, bf16 and f16, with and without the
+/// residual's gradient added to dx, and rows of mean 1e4 in f32.
+pub fn layer_norm_backward(r: &mut Rows, device: &Device) {
+    if !device.is_cuda() {
+        r.ran = "cpu one-pass rows (the .cu: host emulation, run.sh)".into();
+    }
+    let cases = [(DType::F32, 0.0f32), (DType::BF16, 0.0), (DType::F16, 0.0), (DType::F32, 1e4)];
+    for (dtype, mean) in cases {
+        for plus in [false, true] {
+            for (i, name) in ["dx", "dg", "db"].into_iter().enumerate() {
+                let with = if plus { " + residual grad" } else { "" };
+                let case = format!("{name} dy {dtype:?}{with} rows=37 C=257 row mean {mean}");
+                r.compare("LayerNorm backward kernel", case, || {
+                    let g = randn(&[257], 16, 0.1, 1.0)?;
+                    let x = randn(&[37, 257], 17, 1.0, mean)?;
+                    let dy = randn(&[37, 257], 18, 1.0, 0.0)?.to_dtype(dtype)?;
+                    let res = randn(&[37, 257], 19, 1.0, 0.0)?;
+                    let [dx, dg, db] = crate::backward::layer_norm_bwd_ops(&x, &g, &dy.to_dtype(DType::F32)?, crate::ops::LN_EPS)?;
+                    let want = [if plus { (dx + &res)? } else { dx }, dg, db];
+                    let on = |t: &Tensor| t.to_device(device);
+                    let res_d = on(&res)?;
+                    let got =
+                        crate::backward::layer_norm_bwd_plus(&on(&x)?, &on(&g)?, &on(&dy)?, crate::ops::LN_EPS, plus.then_some(&res_d))?;
+                    // f32 arithmetic on the same (rounded) dy; at mean 1e4, x's own f32 rounding
+                    // against a spread of 1 bounds x̂, as in the forward's rows.
+                    let tol = if mean > 0.0 { 5e-3 } else { 1e-5 };
+                    Ok((got[i].to_device(&Device::Cpu)?, want[i].clone(), tol))
+                });
+            }
+        }
+    }
+}
+
 /// The fused AdamW alone: four parameters of odd sizes (one element; 37 × 19; one chunk and five
 /// elements, so a chunk is partial; 3 × 5 × 7), three steps with the same gradients, on CUDA
 /// every parameter in one launch of `kernels/adamw.cu`, on the CPU the fused pass; θ, m and v

@@ -188,6 +188,7 @@ impl Stage for Fused {
         crate::selftest::epilogues(rows, device);
         crate::selftest::training_epilogues(rows, device);
         crate::selftest::layer_norms(rows, device);
+        crate::selftest::layer_norm_backward(rows, device);
         crate::selftest::adamw(rows, device);
     }
 
