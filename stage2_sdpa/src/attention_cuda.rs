@@ -243,7 +243,7 @@ pub fn kernel_strides(q: &candle_core::Layout, k: &candle_core::Layout, v: &cand
 }
 
 #[cfg(feature = "cuda")]
-pub use launch::{cubins_of, cuda_bwd, cuda_fwd};
+pub use launch::{cubins_of, cuda_bwd, cuda_bwd_stacked, cuda_fwd};
 
 /// The architectures build.rs compiled the kernels for (10·major + minor, from CUDA_COMPUTE_CAP);
 /// empty in a build without the `cuda` feature.
@@ -394,7 +394,6 @@ mod launch {
         scale: f32,
         causal: bool,
     ) -> Result<[Tensor; 3]> {
-        let (b, t, h, d) = q.dims4()?;
         let dt = q.dtype();
         if !matches!(dt, DType::BF16 | DType::F16) {
             candle_core::bail!("stage 2's CUDA attention backward takes bf16 or f16, got {dt:?}");
@@ -402,14 +401,30 @@ mod launch {
         // candle's stack of strided views (stage 3 splits q, k, v out of one fused QKV output)
         // comes back as a transposed view, not contiguous: the kernel needs one contiguous block.
         let qkvo = Tensor::stack(&[q, k, v, &d_o.to_dtype(dt)?], 2)?.contiguous()?; // (B, T, 4, n_head, d_head)
+        let grads = cuda_bwd_stacked(&qkvo, o, d_o, lse, scale, causal)?;
+        let g = |i: usize| grads.get(i)?.to_dtype(dt);
+        Ok([g(0)?, g(1)?, g(2)?])
+    }
+
+    /// `cuda_bwd` on q, k, v and dO already stacked as the kernel reads them, (B, T, 4, n_head,
+    /// d_head) contiguous in bf16 or f16 (stage 3 builds it from its one QKV output with a
+    /// single copy): dQ, dK, dV as one (3, B, T, n_head, d_head) f32 tensor.
+    pub fn cuda_bwd_stacked(qkvo: &Tensor, o: &Tensor, d_o: &Tensor, lse: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
+        let (b, t, four, h, d) = qkvo.dims5()?;
+        if four != 4 || !matches!(qkvo.dtype(), DType::BF16 | DType::F16) {
+            candle_core::bail!(
+                "attention backward: q, k, v and dO stacked as (B, T, 4, n_head, d_head) bf16 or f16, got {:?} {:?}",
+                qkvo.dims(),
+                qkvo.dtype()
+            );
+        }
         let lse = lse.reshape((b, h, t))?; // (B, n_head, T), as the forward kernel wrote it
                                            // D_i = Σ_c dO_ic O_ic, in f32: (B, T, n_head) → (B, n_head, T).
         let delta = (d_o.to_dtype(DType::F32)? * o.to_dtype(DType::F32)?)?.sum(3)?.transpose(1, 2)?;
         let stats = Tensor::stack(&[&lse, &delta], 0)?.contiguous()?; // (2, B, n_head, T): L, D
-        let grads = Tensor::zeros((3, b, t, h, d), DType::F32, q.device())?; // dQ, dK, dV
-        grads.inplace_op3(&qkvo, &stats, &Bwd { scale, causal })?;
-        let g = |i: usize| grads.get(i)?.to_dtype(dt);
-        Ok([g(0)?, g(1)?, g(2)?])
+        let grads = Tensor::zeros((3, b, t, h, d), DType::F32, qkvo.device())?; // dQ, dK, dV
+        grads.inplace_op3(&qkvo.contiguous()?, &stats, &Bwd { scale, causal })?;
+        Ok(grads)
     }
 
     /// The stacked (B, T, 4, n_head, d_head) input as the kernel reads it: q, k, v and dO each a

@@ -198,12 +198,26 @@ impl Block {
 
     /// Attention on the one QKV output (B, T, 3C) → (B, T, C): stage 2's op on (B, T, n_head,
     /// d_head) views of it; while training on the CPU, the same kernels as one op on qkv itself
-    /// (`ops::qkv_attention`), whose gradient is one tensor instead of three padded slices.
+    /// (`ops::qkv_attention`), and on CUDA stage 2's kernels as one op on qkv
+    /// (`ops::qkv_attention_cuda`): either way the gradient is one tensor instead of three padded slices.
     fn attention_of_qkv(&self, qkv: &Tensor, heads: (usize, usize, usize, usize, usize)) -> candle_core::Result<Tensor> {
         let (b, t, _, n_head, d) = heads;
         if qkv.track_op() && qkv.device().is_cpu() && qkv.dtype() == DType::F32 {
             let cpu = if self.bf16_attention { CpuKernel::RegistersBf16 } else { CpuKernel::Registers };
             return ops::qkv_attention(qkv, n_head, cpu, true);
+        }
+        #[cfg(feature = "cuda")]
+        if qkv.track_op() && qkv.device().is_cuda() && matches!(qkv.dtype(), DType::BF16 | DType::F16) {
+            use stage2_sdpa::attention::{AttentionKernel, Implementation};
+            let kernel = match self.attn {
+                Implementation::SpeedkitCuda => Some(AttentionKernel::V2),
+                Implementation::SpeedkitCudaV1 => Some(AttentionKernel::V1),
+                Implementation::Cpu | Implementation::FlashAttn => None,
+            };
+            if let Some(kernel) = kernel {
+                cpu_kernels::trace::ran(self.attn.name());
+                return ops::qkv_attention_cuda(qkv, n_head, kernel, true);
+            }
         }
         let qkv = qkv.reshape(heads)?;
         let (q, k, v) = (qkv.i((.., .., 0))?, qkv.i((.., .., 1))?, qkv.i((.., .., 2))?); // (B, T, n_head, d_head) views

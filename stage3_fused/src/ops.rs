@@ -995,6 +995,87 @@ impl candle_core::CustomOp1 for QkvAttention {
     }
 }
 
+/// `qkv_attention` on CUDA while training: stage 2's kernel (`kernel`: v2, or v1) forward on the
+/// three slices of qkv (B, T, 3C) in bf16 or f16, read where they lie, and its backward written
+/// as one (B, T, 3C) gradient. Through stage 2's op on three views, candle pads each slice's
+/// gradient back to (B, T, 3C) with zeros and adds the three into qkv's; here q, k, v and dO are
+/// stacked for the kernel in one copy (qkv is already (B, T, 3, n_head, d_head); dO joins it) and
+/// dQ, dK, dV come back as (B, T, 3, n_head, d_head) in one strided cast.
+#[cfg(feature = "cuda")]
+pub fn qkv_attention_cuda(
+    qkv: &Tensor,
+    n_head: usize,
+    kernel: stage2_sdpa::attention::AttentionKernel,
+    causal: bool,
+) -> candle_core::Result<Tensor> {
+    let (_, _, c3) = qkv.dims3()?;
+    if !qkv.device().is_cuda() || !matches!(qkv.dtype(), DType::BF16 | DType::F16) {
+        candle_core::bail!("qkv_attention_cuda: a CUDA bf16 or f16 QKV output, got {:?} on {:?}", qkv.dtype(), qkv.device().location());
+    }
+    if n_head == 0 || c3 % (3 * n_head) != 0 {
+        candle_core::bail!("qkv_attention_cuda: the last dimension {c3} is not 3 · n_head ({n_head}) · d_head");
+    }
+    let scale = 1.0 / ((c3 / (3 * n_head)) as f32).sqrt();
+    qkv.contiguous()?.apply_op1(QkvAttentionCuda { n_head, scale, causal, kernel, lse: Mutex::new(None) })
+}
+
+#[cfg(feature = "cuda")]
+struct QkvAttentionCuda {
+    n_head: usize,
+    scale: f32,
+    causal: bool,
+    kernel: stage2_sdpa::attention::AttentionKernel,
+    /// The forward kernel's log-sum-exp, (B · n_head · T) f32 on the device (taken: one backward per forward).
+    lse: Mutex<Option<Tensor>>,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp1 for QkvAttentionCuda {
+    fn name(&self) -> &'static str {
+        "speedkit-qkv-attention-cuda"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("qkv_attention_cuda runs on CUDA; the CPU's is qkv_attention")
+    }
+
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (b, t, c3) = l.shape().dims3()?;
+        let (c, h) = (c3 / 3, self.n_head);
+        // q, k or v: a (B, T, n_head, d_head) layout over qkv's storage, rows 3C apart.
+        let part = |which: usize| Layout::new((b, t, h, c / h).into(), vec![t * c3, c3, c / h, 1], l.start_offset() + which * c);
+        let (q_l, k_l, v_l) = (part(0), part(1), part(2));
+        let (out, _, lse) =
+            stage2_sdpa::attention_cuda::cuda_fwd(self.kernel, self.scale, self.causal, (s, &q_l), (s, &k_l), (s, &v_l), true)?;
+        let lse = lse.ok_or_else(|| candle_core::Error::Msg("qkv_attention_cuda: the forward kernel kept no log-sum-exp".into()))?;
+        let n = lse.len();
+        let lse = Tensor::from_storage(
+            Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(lse, s.device.clone())),
+            n,
+            BackpropOp::none(),
+            false,
+        );
+        *self.lse.lock().map_err(|_| candle_core::Error::Msg("qkv_attention_cuda: poisoned lock".into()))? = Some(lse);
+        Ok((out, Shape::from((b, t, c))))
+    }
+
+    /// dqkv (B, T, 3C), each row [dq | dk | dv], from stage 2's backward kernel.
+    fn bwd(&self, qkv: &Tensor, o: &Tensor, d_o: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let lse = self.lse.lock().map_err(|_| candle_core::Error::Msg("qkv_attention_cuda: poisoned lock".into()))?.take();
+        let lse = lse.ok_or_else(|| candle_core::Error::Msg("qkv_attention_cuda: this forward's backward already ran".into()))?;
+        let (b, t, c3) = qkv.dims3()?;
+        let (h, d) = (self.n_head, c3 / 3 / self.n_head);
+        let dt = qkv.dtype();
+        let heads = |x: &Tensor, n: usize| x.detach().reshape((b, t, n, h, d)); // (B, T, n, n_head, d_head)
+        let qkvo = Tensor::cat(&[&heads(qkv, 3)?, &heads(&d_o.to_dtype(dt)?, 1)?], 2)?; // (B, T, 4, n_head, d_head), one copy
+        let o4 = o.detach().reshape((b, t, h, d))?;
+        let d_o4 = d_o.detach().reshape((b, t, h, d))?;
+        let grads = stage2_sdpa::attention_cuda::cuda_bwd_stacked(&qkvo, &o4, &d_o4, &lse, self.scale, self.causal)?; // (3, B, T, n_head, d_head) f32
+        Ok(Some(grads.permute((1, 2, 0, 3, 4))?.to_dtype(dt)?.reshape((b, t, c3))?))
+        // one strided cast into [dq | dk | dv] rows
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The MLP while training: fc1 and fc2 paired
 // ---------------------------------------------------------------------------------------------

@@ -203,6 +203,51 @@ pub fn layer_norm_backward(r: &mut Rows, device: &Device) {
     }
 }
 
+/// Attention on the one QKV output while training: on CUDA `ops::qkv_attention_cuda` (stage 2's
+/// v2 forward on qkv's three slices, its backward kernel, dq, dk, dv written as one gradient), on
+/// the CPU `ops::qkv_attention`; d(qkv) against candle's autograd through stage 2's slow twin on
+/// the three slices (`grads_slow`), causal, d_head 64 and 128 at T not a multiple of the tiles.
+pub fn qkv_attention_backward(r: &mut Rows, device: &Device) {
+    use candle_core::{IndexOp, Var};
+    use stage2_sdpa::attention::backward::grads_slow;
+    r.ran = if device.is_cuda() { "cuda".into() } else { "cpu ops::qkv_attention".into() };
+    let dtypes: &[DType] = if device.is_cuda() { &[DType::BF16, DType::F16] } else { &[DType::F32] };
+    for &dtype in dtypes {
+        for (b, t, h, d) in [(2, 100, 2, 64), (1, 200, 2, 128)] {
+            let case = format!("d(qkv) {dtype:?} d_head={d} causal B={b} T={t} n_head={h}");
+            r.compare("qkv attention backward", case, || {
+                let c = h * d;
+                let qkv = randn(&[b, t, 3 * c], 35, 1.0, 0.0)?.to_dtype(dtype)?;
+                let d_o = randn(&[b, t, c], 36, 1.0, 0.0)?; // f32: the loss's ⟨o, dO⟩ takes it as it is
+                let var = Var::from_tensor(&qkv.to_device(device)?)?;
+                let o = qkv_attention_on(var.as_tensor(), h)?;
+                let grads = (o.to_dtype(DType::F32)? * d_o.to_device(device)?)?.sum_all()?.backward()?;
+                let got = grads.get(var.as_tensor()).cloned().ok_or_else(|| anyhow::anyhow!("no gradient reached qkv"))?;
+                let heads = qkv.reshape((b, t, 3, h, d))?;
+                let part = |i: usize| heads.i((.., .., i));
+                let [dq, dk, dv] = grads_slow(&part(0)?, &part(1)?, &part(2)?, &d_o.reshape((b, t, h, d))?, true)?;
+                let want = Tensor::stack(&[dq, dk, dv], 2)?.reshape((b, t, 3 * c))?;
+                // as stage 2's attention backward rows: 16-bit O, P and dS on CUDA
+                let tol = match dtype {
+                    DType::BF16 => 2e-2,
+                    DType::F16 => 5e-3,
+                    _ => 1e-4,
+                };
+                Ok((got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?, want, tol))
+            });
+        }
+    }
+}
+
+/// The op `qkv_attention_backward` checks on qkv's device.
+fn qkv_attention_on(qkv: &Tensor, n_head: usize) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if qkv.device().is_cuda() {
+        return crate::ops::qkv_attention_cuda(qkv, n_head, stage2_sdpa::attention::AttentionKernel::V2, true);
+    }
+    crate::ops::qkv_attention(qkv, n_head, stage2_sdpa::attention::CpuKernel::Registers, true)
+}
+
 /// The fused AdamW alone: four parameters of odd sizes (one element; 37 × 19; one chunk and five
 /// elements, so a chunk is partial; 3 × 5 × 7), three steps with the same gradients, on CUDA
 /// every parameter in one launch of `kernels/adamw.cu`, on the CPU the fused pass; θ, m and v

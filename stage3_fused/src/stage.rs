@@ -189,6 +189,7 @@ impl Stage for Fused {
         crate::selftest::training_epilogues(rows, device);
         crate::selftest::layer_norms(rows, device);
         crate::selftest::layer_norm_backward(rows, device);
+        crate::selftest::qkv_attention_backward(rows, device);
         crate::selftest::adamw(rows, device);
     }
 
