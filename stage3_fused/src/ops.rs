@@ -12,6 +12,7 @@
 //! | `add_layer_norm(x, br, g, b, eps)` | `add_layer_norm_slow`    | cast, residual add, then LayerNorm's nine ops, cast |
 //! | `mlp(x, w1, b1, w2, b2)`        | `mlp_slow`                  | training: fc1 and fc2 paired, GELU's derivative in fc2's backward GEMM |
 //! | `qkv_attention(qkv, n_head, ..)` | stage 2's op on three views | training on the CPU: q, k, v read from the one QKV output, its gradient one tensor |
+//! | `qkv_attention_cuda(qkv, n_head, ..)` | stage 2's op on three views | training on CUDA: stage 2's kernels on the one QKV output, its gradient one tensor |
 //!
 //! CPU: single passes over rows (LayerNorm) and a GEMM whose destination starts out holding the
 //! bias (and the residual), so `dst = 1·dst + 1·x·Wᵀ` adds them for free; for fc1 the GEMM writes
