@@ -285,9 +285,6 @@ fn add_layer_norm_16<H: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(h_out, dev.clone()))
 }
 
-/// Rows of x one block of `layer_norm_bwd_*` takes (the kernel's `ROWS_BWD`).
-pub const ROWS_BWD: usize = 32;
-
 /// LayerNorm's backward in one launch of `layer_norm_bwd_*` (kernels/add_layer_norm.cu): dx
 /// (plus `plus`, the residual stream's gradient, when given) and per-block partial sums of dg and
 /// db, which one column sum each finishes. x: (…, C) f32; g: (C) f32; dy: x's shape in f32, bf16
@@ -297,7 +294,14 @@ pub fn layer_norm_bwd(x: &Tensor, g: &Tensor, dy: &Tensor, eps: f32, plus: Optio
     let c = x.dim(candle_core::D::Minus1)?;
     let n = x.elem_count();
     let rows = n / c.max(1);
-    let blocks = rows.div_ceil(ROWS_BWD);
+    if rows == 0 {
+        return Ok([
+            x.zeros_like()?.to_dtype(DType::F32)?,
+            Tensor::zeros(c, DType::F32, x.device())?,
+            Tensor::zeros(c, DType::F32, x.device())?,
+        ]);
+    }
+    let blocks = rows.div_ceil(crate::ops::LN_BWD_ROWS);
     let (x, g, dy) = (x.to_dtype(DType::F32)?.contiguous()?, g.to_dtype(DType::F32)?.contiguous()?, dy.contiguous()?);
     let plus = plus.map(|p| p.to_dtype(DType::F32)?.contiguous()).transpose()?;
     let (xs, xl) = x.storage_and_layout();

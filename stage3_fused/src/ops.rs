@@ -47,6 +47,9 @@ use std::sync::{Arc, Mutex};
 /// LayerNorm's ε in GPT-2 (and this repo's block). The ops take ε as an argument, as candle-nn's
 /// `layer_norm` does, so a model with another ε lifts them unchanged.
 pub const LN_EPS: f32 = 1e-5;
+/// Rows of x one thread block of LayerNorm's CUDA backward takes (`ROWS_BWD` in
+/// kernels/add_layer_norm.cu; a test keeps the two equal): the rows of partial dg and db it writes.
+pub const LN_BWD_ROWS: usize = 32;
 
 /// Output rows per GEMM call when GELU follows: GELU reads each block after the GEMM wrote it.
 /// Big blocks, because the gemm crate packs W again in every call (W is FF × C = 9 MiB at GPT-2

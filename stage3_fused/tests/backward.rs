@@ -95,3 +95,12 @@ fn fused_adamw_steps_through_the_block_lower_the_loss() {
     }
     assert!(losses.windows(2).all(|p| p[1] < p[0]), "losses {losses:?}");
 }
+
+/// LayerNorm's CUDA backward writes one row of partial dg and db per block of `LN_BWD_ROWS` rows:
+/// the Rust side sizes those buffers from the same number the kernel steps by.
+#[test]
+fn layer_norm_backward_rows_per_block_match_the_kernel() {
+    let kernel = include_str!("../kernels/add_layer_norm.cu");
+    let line = format!("#define ROWS_BWD {}", stage3_fused::ops::LN_BWD_ROWS);
+    assert!(kernel.contains(&line), "kernels/add_layer_norm.cu lacks `{line}`");
+}
