@@ -271,11 +271,33 @@ impl<S: Stage> Forward for Rebuild<S> {
         self.built()?.forward(x)
     }
 
+    /// The built stage's own scheduled pass, or else the tape through the same build: one build
+    /// (one set of casts) per step either way.
     fn train_forward(&self, x: &Tensor) -> Option<candle_core::Result<Box<dyn TrainPass>>> {
-        match self.built() {
-            Ok(built) => built.train_forward(x),
-            Err(e) => Some(Err(e)),
-        }
+        let built = match self.built() {
+            Ok(built) => built,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(match built.train_forward(x) {
+            Some(pass) => pass,
+            None => built.forward(x).map(|y| Box::new(TapePass { y }) as Box<dyn TrainPass>),
+        })
+    }
+}
+
+/// A training forward left to candle's autograd: y as the tape recorded it; the backward
+/// differentiates ⟨y, dy⟩, whose gradient at y is dy.
+pub struct TapePass {
+    y: Tensor,
+}
+
+impl TrainPass for TapePass {
+    fn output(&self) -> &Tensor {
+        &self.y
+    }
+
+    fn backward(&self, dy: &Tensor) -> candle_core::Result<GradStore> {
+        (self.y.to_dtype(candle_core::DType::F32)? * dy)?.sum_all()?.backward()
     }
 }
 
