@@ -1074,9 +1074,11 @@ impl candle_core::CustomOp1 for QkvAttentionCuda {
         let qkvo = Tensor::cat(&[&heads(qkv, 3)?, &heads(&d_o.to_dtype(dt)?, 1)?], 2)?; // (B, T, 4, n_head, d_head), one copy
         let o4 = o.detach().reshape((b, t, h, d))?;
         let d_o4 = d_o.detach().reshape((b, t, h, d))?;
-        let grads = stage2_sdpa::attention_cuda::cuda_bwd_stacked(&qkvo, &o4, &d_o4, &lse, self.scale, self.causal)?; // (3, B, T, n_head, d_head) f32
+        // dQ, dK, dV: (3, B, T, n_head, d_head) f32
+        let grads = stage2_sdpa::attention_cuda::cuda_bwd_stacked(&qkvo, &o4, &d_o4, &lse, self.scale, self.causal)?;
+
+        // (B, T, 3, n_head, d_head) in one strided cast: rows [dq | dk | dv]
         Ok(Some(grads.permute((1, 2, 0, 3, 4))?.to_dtype(dt)?.reshape((b, t, c3))?))
-        // one strided cast into [dq | dk | dv] rows
     }
 }
 
