@@ -280,7 +280,7 @@ impl<S: Stage> Forward for Rebuild<S> {
         };
         Some(match built.train_forward(x) {
             Some(pass) => pass,
-            None => built.forward(x).map(|y| Box::new(TapePass { y }) as Box<dyn TrainPass>),
+            None => built.forward(x).map(TapePass::boxed),
         })
     }
 }
@@ -289,6 +289,12 @@ impl<S: Stage> Forward for Rebuild<S> {
 /// differentiates ⟨y, dy⟩, whose gradient at y is dy.
 pub struct TapePass {
     y: Tensor,
+}
+
+impl TapePass {
+    pub fn boxed(y: Tensor) -> Box<dyn TrainPass> {
+        Box::new(TapePass { y })
+    }
 }
 
 impl TrainPass for TapePass {

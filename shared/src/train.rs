@@ -4,7 +4,7 @@
 //! gradient, against stage 0's fp32 autograd, and the update against `candle_nn::AdamW`'s.
 
 use crate::error::SpeedkitError;
-use crate::stage::{train_params, Forward, Optimize, Plan, Precision, TrainPass};
+use crate::stage::{train_params, Forward, Optimize, Plan, Precision, TapePass, TrainPass};
 use crate::timing::{Progress, Stats};
 use crate::weights::{BlockWeights, SplitMix64};
 use candle_core::backprop::GradStore;
@@ -133,37 +133,27 @@ pub fn step(forward: &dyn Forward, x: &Var, r: &Tensor, scale: f64) -> candle_co
     Ok((pass.output().clone(), grads))
 }
 
-/// A training forward, and how its backward runs: candle's autograd of the output (the tape), or
-/// the stage's own schedule (`Forward::train_forward`).
-pub enum Pass {
-    Tape(Tensor),
-    Scheduled(Box<dyn TrainPass>),
-}
+/// A training forward and its backward: the stage's own schedule (`Forward::train_forward`), or
+/// candle's autograd of the output (`TapePass`).
+pub struct Pass(Box<dyn TrainPass>);
 
 impl Pass {
     pub fn forward(forward: &dyn Forward, x: &Tensor) -> candle_core::Result<Pass> {
-        match forward.train_forward(x) {
-            Some(pass) => Ok(Pass::Scheduled(pass?)),
-            None => Ok(Pass::Tape(forward.forward(x)?)),
-        }
+        let pass = match forward.train_forward(x) {
+            Some(pass) => pass?,
+            None => TapePass::boxed(forward.forward(x)?),
+        };
+        Ok(Pass(pass))
     }
 
     pub fn output(&self) -> &Tensor {
-        match self {
-            Pass::Tape(y) => y,
-            Pass::Scheduled(p) => p.output(),
-        }
+        self.0.output()
     }
 
-    /// The gradients of the loss ⟨y, r⟩·`scale`: dL/dy = `scale`·r.
+    /// The gradients of the loss ⟨y, r⟩·`scale`: dL/dy = `scale`·r (the loss scale is a power of
+    /// two, so scaling r is exact).
     pub fn backward(&self, r: &Tensor, scale: f64) -> candle_core::Result<GradStore> {
-        match self {
-            Pass::Tape(y) => {
-                let loss = (y.to_dtype(DType::F32)? * r)?.sum_all()?;
-                if scale == 1.0 { loss } else { loss.affine(scale, 0.0)? }.backward()
-            }
-            Pass::Scheduled(p) => p.backward(&if scale == 1.0 { r.clone() } else { r.affine(scale, 0.0)? }),
-        }
+        self.0.backward(&if scale == 1.0 { r.clone() } else { r.affine(scale, 0.0)? })
     }
 }
 

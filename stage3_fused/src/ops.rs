@@ -968,14 +968,12 @@ struct QkvAttention {
     lse: Mutex<Option<Vec<f32>>>,
 }
 
-impl QkvAttention {
-    /// q, k or v (`which` 0, 1, 2) of a contiguous (B, T, 3C) layout, as a (B, T, n_head, d_head)
-    /// layout over the same storage: rows 3C apart, starting `which · C` in.
-    fn part(&self, l: &Layout, which: usize) -> candle_core::Result<Layout> {
-        let (b, t, c3) = l.shape().dims3()?;
-        let (c, h) = (c3 / 3, self.n_head);
-        Ok(Layout::new((b, t, h, c / h).into(), vec![t * c3, c3, c / h, 1], l.start_offset() + which * c))
-    }
+/// q, k or v (`which` 0, 1, 2) of a contiguous (B, T, 3C) layout, as a (B, T, n_head, d_head)
+/// layout over the same storage: rows 3C apart, starting `which · C` in.
+fn qkv_part(l: &Layout, n_head: usize, which: usize) -> candle_core::Result<Layout> {
+    let (b, t, c3) = l.shape().dims3()?;
+    let c = c3 / 3;
+    Ok(Layout::new((b, t, n_head, c / n_head).into(), vec![t * c3, c3, c / n_head, 1], l.start_offset() + which * c))
 }
 
 impl candle_core::CustomOp1 for QkvAttention {
@@ -986,7 +984,8 @@ impl candle_core::CustomOp1 for QkvAttention {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (b, t, c3) = l.shape().dims3()?;
         let op = cpu_kernels::attention::CpuAttention::new(self.kernel, self.scale, self.causal, true);
-        let (out, _) = op.forward((s, &self.part(l, 0)?), (s, &self.part(l, 1)?), (s, &self.part(l, 2)?))?;
+        let part = |which: usize| qkv_part(l, self.n_head, which);
+        let (out, _) = op.forward((s, &part(0)?), (s, &part(1)?), (s, &part(2)?))?;
         *self.lse.lock().map_err(|_| candle_core::Error::Msg("qkv_attention: poisoned lock".into()))? = op.take_lse();
         Ok((out, Shape::from((b, t, c3 / 3))))
     }
@@ -1045,10 +1044,9 @@ impl candle_core::CustomOp1 for QkvAttentionCuda {
 
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (b, t, c3) = l.shape().dims3()?;
-        let (c, h) = (c3 / 3, self.n_head);
-        // q, k or v: a (B, T, n_head, d_head) layout over qkv's storage, rows 3C apart.
-        let part = |which: usize| Layout::new((b, t, h, c / h).into(), vec![t * c3, c3, c / h, 1], l.start_offset() + which * c);
-        let (q_l, k_l, v_l) = (part(0), part(1), part(2));
+        let c = c3 / 3;
+        let part = |which: usize| qkv_part(l, self.n_head, which);
+        let (q_l, k_l, v_l) = (part(0)?, part(1)?, part(2)?);
         let (out, _, lse) =
             stage2_sdpa::attention_cuda::cuda_fwd(self.kernel, self.scale, self.causal, (s, &q_l), (s, &k_l), (s, &v_l), true)?;
         let lse = lse.ok_or_else(|| candle_core::Error::Msg("qkv_attention_cuda: the forward kernel kept no log-sum-exp".into()))?;
