@@ -7,6 +7,8 @@
 //! - `bf16-prepacked`: `bf16_gemm::matmul_prepacked`, W packed once (`PackedWeight`), as the
 //!   blocks of stages 1 and 3 hold it;
 //! - `bf16-mkl` (builds with `--features mkl`): MKL's `cblas_gemm_bf16bf16f32` through the same op;
+//! - `bf16-dx`, `bf16-dw`: the linear's backward GEMMs, dx = dz·W and dW = dzᵀ·x (f32 dz, bf16 x
+//!   and W, read where they lie and packed in the call), as a training step runs them;
 //! - `bf16-candle` (with `BENCH_CANDLE_BF16=1`): candle's own matmul on bf16 tensors, what stage 1
 //!   ran on a CPU before.
 //!
@@ -15,7 +17,7 @@
 //! and bf16 timed interleaved (one machine shared with other work), `--bench bf16_gemm_pairs`.
 
 use candle_core::{DType, Device, Tensor};
-use cpu_kernels::bf16_gemm::{self, Kernel};
+use cpu_kernels::bf16_gemm::{self, Kernel, MatRef};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use shared::weights::SplitMix64;
 use std::time::Duration;
@@ -24,6 +26,11 @@ fn randn(dims: &[usize], seed: u64, std: f32) -> Tensor {
     let n = dims.iter().product();
     let v: Vec<f32> = SplitMix64::new(seed).normals(n).into_iter().map(|x| x * std).collect();
     Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+}
+
+/// A tensor's values as contiguous bf16.
+fn bf16s(t: &Tensor) -> Vec<half::bf16> {
+    t.to_dtype(DType::BF16).unwrap().contiguous().unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
 fn linears(c: &mut Criterion) {
@@ -40,6 +47,37 @@ fn linears(c: &mut Criterion) {
         group.bench_function(id("bf16"), |b| b.iter(|| bf16_gemm::matmul(&xb, &wb).unwrap()));
         let packed = bf16_gemm::PackedWeight::new(&wb.t().unwrap()).unwrap(); // W (n, k), packed once
         group.bench_function(id("bf16-prepacked"), |b| b.iter(|| bf16_gemm::matmul_prepacked(&xb, &packed).unwrap()));
+        // The training step's two backward GEMMs of this linear, as stage 3's backward runs them
+        // (f32 dz, bf16 activations and weight), each packing its operands in the call.
+        let dz = randn(&[m, n], 3, 0.02);
+        let mut grad = vec![0f32; m.max(n) * k];
+        let (dzv, xv, wv) = (dz.flatten_all().unwrap().to_vec1::<f32>().unwrap(), bf16s(&xb), bf16s(&wb.t().unwrap()));
+        group.bench_function(id("bf16-dx"), |b| {
+            b.iter(|| {
+                bf16_gemm::gemm(
+                    Kernel::detect(),
+                    &mut grad[..m * k],
+                    MatRef::row_major(&dzv, m, n),
+                    MatRef::row_major(&wv, n, k),
+                    false,
+                    true,
+                )
+                .unwrap()
+            })
+        });
+        group.bench_function(id("bf16-dw"), |b| {
+            b.iter(|| {
+                bf16_gemm::gemm(
+                    Kernel::detect(),
+                    &mut grad[..n * k],
+                    MatRef::row_major(&dzv, m, n).t(),
+                    MatRef::row_major(&xv, m, k),
+                    false,
+                    true,
+                )
+                .unwrap()
+            })
+        });
         if Kernel::Mkl.available() {
             group.bench_function(id("bf16-mkl"), |b| b.iter(|| bf16_gemm::matmul_with(&xb, &wb, Kernel::Mkl).unwrap()));
         }

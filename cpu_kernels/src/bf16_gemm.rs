@@ -327,7 +327,9 @@ unsafe fn pair_tile_of_columns_avx512(data: &[f32], cs: usize, out: &mut [u32]) 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn pairs_along_avx512(src: &[f32], out: &mut [u32]) {
-    use std::arch::x86_64::{__m512i, _mm512_cvtne2ps_pbh, _mm512_loadu_ps, _mm512_storeu_si512};
+    use std::arch::x86_64::{
+        __m512i, _mm512_cvtne2ps_pbh, _mm512_loadu_ps, _mm512_mask_storeu_epi32, _mm512_maskz_loadu_ps, _mm512_storeu_si512,
+    };
     let n = out.len().min(src.len() / 2);
     let whole = n / 16 * 16;
     for p in (0..whole).step_by(16) {
@@ -335,9 +337,22 @@ unsafe fn pairs_along_avx512(src: &[f32], out: &mut [u32]) {
         let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo)); // bf16 of lo, then of hi
         _mm512_storeu_si512(out.as_mut_ptr().add(p) as *mut __m512i, pairs);
     }
-    for p in whole..n {
-        out[p] = src[2 * p].bf16_bits() as u32 | (src[2 * p + 1].bf16_bits() as u32) << 16;
+    if whole < n {
+        // The last n − whole < 16 pairs under masks, not one value at a time.
+        let rest = 2 * (n - whole); // f32 left, < 32
+        let (lo_mask, hi_mask) = (low_bits(rest.min(16)), low_bits(rest.saturating_sub(16)));
+        let at = src.as_ptr().add(2 * whole);
+        let (lo, hi) = (_mm512_maskz_loadu_ps(lo_mask, at), _mm512_maskz_loadu_ps(hi_mask, at.add(16)));
+        let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_mask_storeu_epi32(out.as_mut_ptr().add(whole) as *mut i32, low_bits(n - whole), pairs);
     }
+}
+
+/// A mask of the lowest `n` of 16 lanes (n ≤ 16).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn low_bits(n: usize) -> u16 {
+    ((1u32 << n) - 1) as u16
 }
 
 /// `pairs_across` for f32: 16 values of each row rounded, widened to 32 bits and merged.
@@ -346,16 +361,23 @@ unsafe fn pairs_along_avx512(src: &[f32], out: &mut [u32]) {
 unsafe fn pairs_across_avx512(lo: &[f32], hi: &[f32], out: &mut [u32]) {
     use std::arch::x86_64::*;
     let n = out.len().min(lo.len()).min(hi.len());
+    let round = |x: __m512| -> __m512i { _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x))) };
     let whole = n / 16 * 16;
     for r in (0..whole).step_by(16) {
-        let round = |x: *const f32| -> __m512i {
-            _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x))))
-        };
-        let pairs = _mm512_or_si512(round(lo.as_ptr().add(r)), _mm512_slli_epi32::<16>(round(hi.as_ptr().add(r))));
+        let pairs = _mm512_or_si512(
+            round(_mm512_loadu_ps(lo.as_ptr().add(r))),
+            _mm512_slli_epi32::<16>(round(_mm512_loadu_ps(hi.as_ptr().add(r)))),
+        );
         _mm512_storeu_si512(out.as_mut_ptr().add(r) as *mut __m512i, pairs);
     }
-    for r in whole..n {
-        out[r] = lo[r].bf16_bits() as u32 | (hi[r].bf16_bits() as u32) << 16;
+    if whole < n {
+        // The last n − whole < 16 under a mask: the A panels of a transposed operand (dZᵀ of a
+        // weight gradient) arrive MR = 12 rows at a time, so this is every call's whole work
+        // there (one value at a time, it was a fifth of such a GEMM's time).
+        let mask = low_bits(n - whole);
+        let load = |x: &[f32]| _mm512_maskz_loadu_ps(mask, x.as_ptr().add(whole));
+        let pairs = _mm512_or_si512(round(load(lo)), _mm512_slli_epi32::<16>(round(load(hi))));
+        _mm512_mask_storeu_epi32(out.as_mut_ptr().add(whole) as *mut i32, mask, pairs);
     }
 }
 
@@ -824,8 +846,43 @@ fn pack_b<T: Operand>(b: MatRef<T>, kp: usize, parallel: bool) -> Lines<u32> {
 fn pack_a<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, usize), into: &mut Lines<u32>) {
     let panels = mc.div_ceil(MR);
     into.reset(panels * kc * MR);
+    if a.rs == 1 && a.cs != 1 && mc <= MC {
+        return pack_a_columns(a, (i0, mc), (p0, kc), into);
+    }
     for (r, panel) in into.chunks_mut(kc * MR).enumerate() {
         pack_pairs(&a, (i0 + r * MR, MR.min(mc - r * MR)), (p0, kc), panel, (1, MR));
+    }
+}
+
+/// `pack_a` of a column-major A (the weight gradient's dZᵀ: row after row of A is contiguous,
+/// a row's elements a column apart): pair by pair across the whole block, each pair's two
+/// columns read as mc contiguous values, rounded together, then cut into the micro-panels' MR
+/// rows. Panel by panel instead (`pack_pairs` per panel), every call rounds MR = 12 values,
+/// under the vector width, and the block's columns are walked once per panel: a fifth of the
+/// weight gradient's time at the training step's shapes. `into` arrives zeroed (`pack_a`).
+fn pack_a_columns<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, usize), into: &mut [u32]) {
+    let rows = mc.min(a.rows.saturating_sub(i0));
+    let whole = kc.min((a.cols / 2).saturating_sub(p0)); // pairs wholly inside A
+    let mut pairs = [0u32; MC];
+    for p in 0..whole {
+        let col = 2 * (p0 + p);
+        let lo = &a.data[a.offset + i0 + col * a.cs..][..rows];
+        let hi = &a.data[a.offset + i0 + (col + 1) * a.cs..][..rows];
+        T::pairs_across(lo, hi, &mut pairs[..rows]);
+        for (r, chunk) in pairs[..rows].chunks(MR).enumerate() {
+            let dst = &mut into[(r * kc + p) * MR..][..MR];
+            if chunk.len() == MR {
+                dst.copy_from_slice(chunk); // 48 bytes: a few vector moves, not a call
+            } else {
+                dst[..chunk.len()].copy_from_slice(chunk); // the last panel's rows past A stay zero
+            }
+        }
+    }
+    // An odd K's last pair (half zero) and the zero pairs past K, one by one.
+    for r in 0..rows {
+        for p in whole..kc {
+            into[((r / MR) * kc + p) * MR + r % MR] = a.pair_along_cols(i0 + r, p0 + p);
+        }
     }
 }
 
@@ -1537,6 +1594,36 @@ mod tests {
             for c in 0..16 {
                 assert_eq!(out[16 * r + c], m[16 * c + r], "({r}, {c})");
             }
+        }
+    }
+
+    /// f32's vectorised pairings (whole vectors, then the masked rest) against the scalar
+    /// rounding, one value at a time, at every length from 0 to 40 (under, at, and past one and
+    /// two vectors), with values whose low bits sit on and around bf16's rounding ties. Nothing
+    /// past the length is written. Normal values only: the instruction flushes subnormals.
+    #[test]
+    fn f32_pairings_match_the_scalar_rounding_at_every_length() {
+        use super::Operand;
+        let value = |i: usize| {
+            let base = [1.0f32, -3.5, 0.1, 65504.0, -1e-3][i % 5];
+            f32::from_bits(base.to_bits() ^ [0, 0x7fff, 0x8000, 0x8001, 0x18000][i / 5 % 5])
+        };
+        let scalar = |lo: f32, hi: f32| lo.bf16_bits() as u32 | (hi.bf16_bits() as u32) << 16;
+        for n in 0..=40 {
+            let src: Vec<f32> = (0..2 * n).map(value).collect();
+            let mut out = vec![7u32; n + 3];
+            f32::pairs_along(&src, &mut out[..n]);
+            for p in 0..n {
+                assert_eq!(out[p], scalar(src[2 * p], src[2 * p + 1]), "pairs_along, length {n}, pair {p}");
+            }
+            assert_eq!(out[n..], [7, 7, 7], "pairs_along wrote past length {n}");
+            let (lo, hi) = (&src[..n], &src[n..]);
+            let mut out = vec![7u32; n + 3];
+            f32::pairs_across(lo, hi, &mut out[..n]);
+            for r in 0..n {
+                assert_eq!(out[r], scalar(lo[r], hi[r]), "pairs_across, length {n}, row {r}");
+            }
+            assert_eq!(out[n..], [7, 7, 7], "pairs_across wrote past length {n}");
         }
     }
 }
