@@ -6,7 +6,9 @@
 //!   `gemm` crate), each on contiguous inputs (stage 2) and on `strided` views of one
 //!   (B, T, 3, n_head, d_head) tensor (stage 3);
 //! - `row_axpy`: the first CPU kernel, kept as the row-wise twin;
-//! - `slow_twin`: stage 1's attention, which materialises the scores.
+//! - `slow_twin`: stage 1's attention, which materialises the scores;
+//! - `attention/small-backward`: the FlashAttention-2 backward from the forward's O and L, f32
+//!   and on bf16 pairs.
 //!
 //! `cargo bench -p stage2_sdpa` (CPU); `-- 512` for T = 512 only.
 //!
@@ -46,6 +48,38 @@ fn attention(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("slow_twin", t), |bench| {
             bench.iter(|| stage1_tensorcore::attention(&qf, &kf, &vf, h, &mask).unwrap())
         });
+    }
+    group.finish();
+}
+
+/// The CPU backward (`attention/small-backward`): dQ, dK, dV from the forward's O and L, as a
+/// training step runs it, in f32 (`f32`) and, where this CPU's bf16 unit runs it, on bf16 pairs
+/// (`bf16-pairs`; AMX tiles on a CPU with AMX). Throughput: the backward's useful FLOPs, 2.5
+/// forwards' (five tile products to the forward's two).
+fn attention_backward(c: &mut Criterion) {
+    use cpu_kernels::attention::backward::attention_bwd_with;
+    use cpu_kernels::attention::{CpuAttention, CpuKernel};
+    let dev = Device::Cpu;
+    let (b, h, d) = (4, 12, 64);
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut group = c.benchmark_group("attention/small-backward");
+    group.sample_size(10).measurement_time(Duration::from_secs(5));
+    for t in [512usize, 2048] {
+        let mk = |seed: u64| Tensor::from_vec(shared::weights::SplitMix64::new(seed).normals(b * t * h * d), (b, t, h, d), &dev).unwrap();
+        let (q, k, v, d_o) = (mk(1), mk(2), mk(3), mk(4));
+        group.throughput(Throughput::Elements((5 * b * t * t * h * d) as u64));
+        let mut variants = vec![(CpuKernel::Registers, false, "f32")];
+        if cpu_kernels::attention::registers::bf16::runs(d) {
+            variants.push((CpuKernel::RegistersBf16, true, "bf16-pairs"));
+        }
+        for (kernel, bf16, name) in variants {
+            let op = CpuAttention::new(kernel, scale, true, true);
+            let o = q.apply_op3_no_bwd(&k, &v, &op).unwrap();
+            let lse = op.take_lse().expect("the forward kept L");
+            group.bench_function(BenchmarkId::new(name, t), |bench| {
+                bench.iter(|| attention_bwd_with(&q, &k, &v, &o, &d_o, Some(&lse), scale, true, bf16).unwrap())
+            });
+        }
     }
     group.finish();
 }
@@ -96,5 +130,5 @@ fn attention_cuda(c: &mut Criterion) {
 #[cfg(not(feature = "cuda"))]
 fn attention_cuda(_: &mut Criterion) {}
 
-criterion_group!(benches, attention, attention_cuda);
+criterion_group!(benches, attention, attention_backward, attention_cuda);
 criterion_main!(benches);

@@ -18,6 +18,9 @@
 //! where a tile's loads would fall into a few L1 sets (as the forward's comment explains). The
 //! A operand needs no packing: each step broadcasts one element of each of the 12 rows.
 //! The tiles, the loop order and the equations are `head_bwd_impl`'s; its slow twins check this.
+//! Under the causal mask the tile pairs on the diagonal skip the register tiles wholly above it
+//! and cut each contraction where P and dS are zero (`Causal`): at T = 512 four of the ten tile
+//! pairs a head runs are diagonal, half of each of them masked.
 
 use super::{row_statistics, HeadIo, Rows, BC, BR};
 use crate::attention::registers::{Avx2, Avx512, Simd, MR};
@@ -82,32 +85,33 @@ unsafe fn head_bwd<S: Simd, const NV: usize>(io: &HeadIo, t: usize, d: usize, sc
         let i_first = if causal { j0 / BR * BR } else { 0 };
         for i0 in (i_first..t).step_by(BR) {
             let br = BR.min(t - i0);
+            let mask = Causal::of(causal, i0, j0);
             let q_i = Bcast { p: q.data.as_ptr().add(i0 * q.rs), rs: q.rs, cs: 1 };
             let do_i = Bcast { p: d_o.data.as_ptr().add(i0 * d_o.rs), rs: d_o.rs, cs: 1 };
             // S = Q_i K_jᵀ · scale
-            product::<S, NV>((br, bc_tiles, d), q_i, keys(&kt, j0), (p.as_mut_ptr(), BC), false, scale);
+            product::<S, NV>((br, bc_tiles, d), q_i, keys(&kt, j0), (p.as_mut_ptr(), BC), false, scale, mask.scores());
             for r in 0..br {
-                let n = if causal { bc.min((i0 + r + 1).saturating_sub(j0)) } else { bc };
+                let n = mask.visible(r, bc);
                 let row = &mut p[r * BC..][..bc];
                 S::exp_sum(&mut row[..n], lse[i0 + r]); // P = exp(S − L)
                 row[n..].fill(0.0); // masked: P = 0, so dS = 0 there too
             }
             // dV_j += Pᵀ dO_i
             let p_t = Bcast { p: p.as_ptr(), rs: 1, cs: BC };
-            product::<S, NV>((bc, d, br), p_t, rows(&doc, i0), (dv.as_mut_ptr().add(j0 * d), d), true, 1.0);
+            product::<S, NV>((bc, d, br), p_t, rows(&doc, i0), (dv.as_mut_ptr().add(j0 * d), d), true, 1.0, mask.over_rows(1));
             // dP = dO_i V_jᵀ
-            product::<S, NV>((br, bc_tiles, d), do_i, keys(&vt, j0), (dp.as_mut_ptr(), BC), false, 1.0);
+            product::<S, NV>((br, bc_tiles, d), do_i, keys(&vt, j0), (dp.as_mut_ptr(), BC), false, 1.0, mask.scores());
             for r in 0..br {
-                let di = delta[i0 + r];
-                let (ds, dp) = (&mut p[r * BC..][..bc], &dp[r * BC..][..bc]);
-                ds.iter_mut().zip(dp).for_each(|(x, &g)| *x *= g - di); // dS = P ∘ (dP − D_i), in place of P
+                let (di, n) = (delta[i0 + r], mask.visible(r, bc));
+                let (ds, dp) = (&mut p[r * BC..][..n], &dp[r * BC..][..n]);
+                ds.iter_mut().zip(dp).for_each(|(x, &g)| *x *= g - di); // dS = P ∘ (dP − D_i), in place of P (0 past n)
             }
             // dQ_i += dS K_j · scale
             let ds = Bcast { p: p.as_ptr(), rs: BC, cs: 1 };
-            product::<S, NV>((br, d, bc), ds, rows(&kc, j0), (dq.as_mut_ptr().add(i0 * d), d), true, scale);
+            product::<S, NV>((br, d, bc), ds, rows(&kc, j0), (dq.as_mut_ptr().add(i0 * d), d), true, scale, mask.over_keys(1));
             // dK_j += dSᵀ Q_i · scale
             let ds_t = Bcast { p: p.as_ptr(), rs: 1, cs: BC };
-            product::<S, NV>((bc, d, br), ds_t, rows(&qc, i0), (dk.as_mut_ptr().add(j0 * d), d), true, scale);
+            product::<S, NV>((bc, d, br), ds_t, rows(&qc, i0), (dk.as_mut_ptr().add(j0 * d), d), true, scale, mask.over_rows(1));
         }
     }
     [dq, dk, dv]
@@ -160,6 +164,7 @@ fn channel_panels(x: Rows, t: usize, d: usize, nr: usize) -> Vec<f32> {
 /// # Safety
 /// The CPU supports `S`; A, B and C address (m × kn), (kn × n) and (m × n) valid f32.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)] // the product's shape, three operands, how it adds, and its causal span
 unsafe fn product<S: Simd, const NV: usize>(
     (m, n, kn): (usize, usize, usize),
     a: Bcast,
@@ -167,21 +172,103 @@ unsafe fn product<S: Simd, const NV: usize>(
     (c, c_rs): (*mut f32, usize),
     accumulate: bool,
     alpha: f32,
+    span: Span,
 ) {
     let nr = NV * S::LANES;
     for c0 in (0..n).step_by(nr) {
         let (b_c, b_rs) = b(c0);
         let w = nr.min(n - c0);
         for i0 in (0..m).step_by(MR) {
-            let (a_i, mr, c_i) = (a.p.add(i0 * a.rs), MR.min(m - i0), c.add(i0 * c_rs + c0));
+            let mr = MR.min(m - i0);
+            let (k0, k1) = span.of((i0, mr), c0, kn);
+            if k0 >= k1 {
+                continue; // every product of this tile is masked (or adds zeros)
+            }
+            let (a_i, c_i) = (a.p.add(i0 * a.rs + k0 * a.cs), c.add(i0 * c_rs + c0));
+            let b_k = b_c.add(k0 * b_rs);
             if w == nr {
-                tile::<S, NV>(kn, Bcast { p: a_i, ..a }, mr, (b_c, b_rs), (c_i, c_rs), accumulate, alpha);
+                tile::<S, NV>(k1 - k0, Bcast { p: a_i, ..a }, mr, (b_k, b_rs), (c_i, c_rs), accumulate, alpha);
             } else {
                 for x in (0..w).step_by(S::LANES) {
                     // The narrower last block, one vector at a time (w is a multiple of LANES).
-                    tile::<S, 1>(kn, Bcast { p: a_i, ..a }, mr, (b_c.add(x), b_rs), (c_i.add(x), c_rs), accumulate, alpha);
+                    tile::<S, 1>(k1 - k0, Bcast { p: a_i, ..a }, mr, (b_k.add(x), b_rs), (c_i.add(x), c_rs), accumulate, alpha);
                 }
             }
+        }
+    }
+}
+
+/// Which query rows see which keys in a tile pair (query tile at i0, key tile at j0): row r
+/// (of the query tile) sees key c (of the key tile) when c ≤ r + i0 − j0 under the causal mask.
+/// Only the tile pairs on the diagonal mask anything (B_r = B_c: the others lie wholly below
+/// it); there a product's tiles wholly above the diagonal are skipped and its contractions cut
+/// where P and dS are zero, about half of the diagonal pair's work.
+#[derive(Clone, Copy)]
+struct Causal {
+    /// i0 − j0 when causal (≥ 0: the key tiles a query tile meets start at or before it).
+    offset: Option<usize>,
+}
+
+impl Causal {
+    fn of(causal: bool, i0: usize, j0: usize) -> Causal {
+        assert!(!causal || i0 >= j0, "a causal query tile starts at or after its key tile (B_r = B_c)");
+        Causal { offset: causal.then(|| i0 - j0) }
+    }
+
+    /// Keys (of bc) query row r sees.
+    fn visible(self, r: usize, bc: usize) -> usize {
+        self.offset.map_or(bc, |o| bc.min(r + o + 1))
+    }
+
+    /// S or dP (rows: queries, columns: keys): a tile of rows is skipped in a column block that
+    /// starts past its last row's last visible key.
+    fn scores(self) -> Span {
+        Span { rows: Along::Scores, offset: self.offset, per: 1 }
+    }
+
+    /// dV or dK (rows: keys, contraction over query rows, `per` rows per step): key c's products
+    /// start at query row c − offset.
+    fn over_rows(self, per: usize) -> Span {
+        Span { rows: Along::Keys, offset: self.offset, per }
+    }
+
+    /// dQ (rows: queries, contraction over keys, `per` keys per step): row r's products end at
+    /// key r + offset.
+    fn over_keys(self, per: usize) -> Span {
+        Span { rows: Along::Queries, offset: self.offset, per }
+    }
+}
+
+/// What a product's rows are, for `Span::of`.
+#[derive(Clone, Copy)]
+enum Along {
+    Scores,
+    Keys,
+    Queries,
+}
+
+/// The contraction range of each register tile of a product under the causal mask (`Causal`).
+#[derive(Clone, Copy)]
+struct Span {
+    rows: Along,
+    offset: Option<usize>,
+    /// Contraction elements per step (2 for bf16 pairs).
+    per: usize,
+}
+
+impl Span {
+    /// Steps (k0, k1) of kn the tile of rows i0..i0 + mr runs, in the column block at c0; k0 ≥
+    /// k1 when it has nothing to add.
+    fn of(self, (i0, mr): (usize, usize), c0: usize, kn: usize) -> (usize, usize) {
+        let Some(o) = self.offset else { return (0, kn) };
+        match self.rows {
+            // Every key of the block lies past the rows' last visible key: all masked.
+            Along::Scores if c0 > i0 + mr - 1 + o => (0, 0),
+            Along::Scores => (0, kn),
+            // Keys i0..: query rows before i0 − o see none of them.
+            Along::Keys => ((i0.saturating_sub(o) / self.per).min(kn), kn),
+            // Queries i0..i0 + mr: keys past i0 + mr − 1 + o are masked for all of them.
+            Along::Queries => (0, kn.min((i0 + mr + o).div_ceil(self.per))),
         }
     }
 }
@@ -277,11 +364,12 @@ pub(super) unsafe fn head_bwd_bf16(io: &HeadIo, t: usize, d: usize, scale: f32, 
         for i0 in (i_first..t).step_by(BR) {
             let br = BR.min(t - i0);
             let (br2, bc2) = (br.div_ceil(2), bc.div_ceil(2));
+            let mask = Causal::of(causal, i0, j0);
             // S = Q_i K_jᵀ · scale
             let q_i = PairBcast { p: qp.as_ptr().add(i0 * dp2), rs: dp2, cs: 1 };
-            product_bf16((br, bc_tiles, dp2), q_i, keys(&ktp, j0), (p.as_mut_ptr(), BC), false, scale);
+            product_bf16((br, bc_tiles, dp2), q_i, keys(&ktp, j0), (p.as_mut_ptr(), BC), false, scale, mask.scores());
             for r in 0..br {
-                let n = if causal { bc.min((i0 + r + 1).saturating_sub(j0)) } else { bc };
+                let n = mask.visible(r, bc);
                 let row = &mut p[r * BC..][..bc];
                 <Avx512 as Simd>::exp_sum(&mut row[..n], lse[i0 + r]); // P = exp(S − L)
                 row[n..].fill(0.0);
@@ -289,31 +377,32 @@ pub(super) unsafe fn head_bwd_bf16(io: &HeadIo, t: usize, d: usize, scale: f32, 
             // dV_j += Pᵀ dO_i
             pairs_of_rows(&p, br, bc, &mut row_pairs);
             let p_t = PairBcast { p: row_pairs.as_ptr(), rs: 1, cs: BC };
-            product_bf16((bc, d, br2), p_t, rows(&dorp, i0 / 2), (dv.as_mut_ptr().add(j0 * d), d), true, 1.0);
+            product_bf16((bc, d, br2), p_t, rows(&dorp, i0 / 2), (dv.as_mut_ptr().add(j0 * d), d), true, 1.0, mask.over_rows(2));
             // dP = dO_i V_jᵀ
             let do_i = PairBcast { p: dop.as_ptr().add(i0 * dp2), rs: dp2, cs: 1 };
-            product_bf16((br, bc_tiles, dp2), do_i, keys(&vtp, j0), (dp.as_mut_ptr(), BC), false, 1.0);
+            product_bf16((br, bc_tiles, dp2), do_i, keys(&vtp, j0), (dp.as_mut_ptr(), BC), false, 1.0, mask.scores());
             for r in 0..br {
-                let di = _mm512_set1_ps(delta[i0 + r]);
-                let (ds, dp) = (&mut p[r * BC..][..bc], &dp[r * BC..][..bc]);
-                let whole = bc / 16 * 16;
+                let (di, n) = (delta[i0 + r], mask.visible(r, bc));
+                let (ds, dp) = (&mut p[r * BC..][..n], &dp[r * BC..][..n]); // P = 0 past n: so is dS
+                let (whole, dv) = (n / 16 * 16, _mm512_set1_ps(di));
                 for c in (0..whole).step_by(16) {
                     // dS = P ∘ (dP − D_i), in place of P
-                    let x = _mm512_mul_ps(_mm512_loadu_ps(ds.as_ptr().add(c)), _mm512_sub_ps(_mm512_loadu_ps(dp.as_ptr().add(c)), di));
+                    let x = _mm512_mul_ps(_mm512_loadu_ps(ds.as_ptr().add(c)), _mm512_sub_ps(_mm512_loadu_ps(dp.as_ptr().add(c)), dv));
                     _mm512_storeu_ps(ds.as_mut_ptr().add(c), x);
                 }
-                for c in whole..bc {
-                    ds[c] *= dp[c] - delta[i0 + r];
+                for c in whole..n {
+                    ds[c] *= dp[c] - di;
                 }
-                f32_pairs(ds, &mut key_pairs[r * BC / 2..][..bc2]); // dS's key pairs, for dQ
+                f32_pairs(&p[r * BC..][..bc], &mut key_pairs[r * BC / 2..][..bc2]);
+                // dS's key pairs, for dQ
             }
             // dQ_i += dS K_j · scale
             let ds = PairBcast { p: key_pairs.as_ptr(), rs: BC / 2, cs: 1 };
-            product_bf16((br, d, bc2), ds, rows(&krp, j0 / 2), (dq.as_mut_ptr().add(i0 * d), d), true, scale);
+            product_bf16((br, d, bc2), ds, rows(&krp, j0 / 2), (dq.as_mut_ptr().add(i0 * d), d), true, scale, mask.over_keys(2));
             // dK_j += dSᵀ Q_i · scale
             pairs_of_rows(&p, br, bc, &mut row_pairs);
             let ds_t = PairBcast { p: row_pairs.as_ptr(), rs: 1, cs: BC };
-            product_bf16((bc, d, br2), ds_t, rows(&qrp, i0 / 2), (dk.as_mut_ptr().add(j0 * d), d), true, scale);
+            product_bf16((bc, d, br2), ds_t, rows(&qrp, i0 / 2), (dk.as_mut_ptr().add(j0 * d), d), true, scale, mask.over_rows(2));
         }
     }
     [dq, dk, dv]
@@ -567,6 +656,7 @@ fn row_pair_panels(x: Rows, t: usize, d: usize, tp: usize) -> Vec<u32> {
 /// The CPU supports AVX512-F and AVX512-BF16; A, B and C address (m × kn), (kn × n) pairs and
 /// (m × n) f32.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)] // `product`'s arguments
 unsafe fn product_bf16(
     (m, n, kn): (usize, usize, usize),
     a: PairBcast,
@@ -574,16 +664,23 @@ unsafe fn product_bf16(
     (c, c_rs): (*mut f32, usize),
     accumulate: bool,
     alpha: f32,
+    span: Span,
 ) {
     for c0 in (0..n).step_by(PAIR_NR) {
         let (b_c, b_rs) = b(c0);
         let w = PAIR_NR.min(n - c0);
         for i0 in (0..m).step_by(MR) {
-            let (a_i, mr, c_i) = (PairBcast { p: a.p.add(i0 * a.rs), ..a }, MR.min(m - i0), c.add(i0 * c_rs + c0));
+            let mr = MR.min(m - i0);
+            let (k0, k1) = span.of((i0, mr), c0, kn);
+            if k0 >= k1 {
+                continue; // every product of this tile is masked (or adds zeros)
+            }
+            let (a_i, c_i) = (PairBcast { p: a.p.add(i0 * a.rs + k0 * a.cs), ..a }, c.add(i0 * c_rs + c0));
+            let b_k = b_c.add(k0 * b_rs);
             if w == PAIR_NR {
-                tile_bf16::<2>(kn, a_i, mr, (b_c, b_rs), (c_i, c_rs), accumulate, alpha);
+                tile_bf16::<2>(k1 - k0, a_i, mr, (b_k, b_rs), (c_i, c_rs), accumulate, alpha);
             } else {
-                tile_bf16::<1>(kn, a_i, mr, (b_c, b_rs), (c_i, c_rs), accumulate, alpha);
+                tile_bf16::<1>(k1 - k0, a_i, mr, (b_k, b_rs), (c_i, c_rs), accumulate, alpha);
                 // w = 16
             }
         }
