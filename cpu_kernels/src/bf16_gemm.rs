@@ -358,7 +358,8 @@ unsafe fn pairs_along_avx512(src: &[f32], out: &mut [u32]) {
         let rest = 2 * (n - whole); // f32 left, < 32
         let (lo_mask, hi_mask) = (low_bits(rest.min(16)), low_bits(rest.saturating_sub(16)));
         let at = src.as_ptr().add(2 * whole);
-        let (lo, hi) = (_mm512_maskz_loadu_ps(lo_mask, at), _mm512_maskz_loadu_ps(hi_mask, at.add(16)));
+        // `wrapping_add`: past the slice when rest ≤ 16, where hi_mask is 0 and nothing is read.
+        let (lo, hi) = (_mm512_maskz_loadu_ps(lo_mask, at), _mm512_maskz_loadu_ps(hi_mask, at.wrapping_add(16)));
         let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
         _mm512_mask_storeu_epi32(out.as_mut_ptr().add(whole) as *mut i32, low_bits(n - whole), pairs);
     }
