@@ -7,8 +7,9 @@
 //! - `bf16-prepacked`: `bf16_gemm::matmul_prepacked`, W packed once (`PackedWeight`), as the
 //!   blocks of stages 1 and 3 hold it;
 //! - `bf16-mkl` (builds with `--features mkl`): MKL's `cblas_gemm_bf16bf16f32` through the same op;
-//! - `bf16-dx`, `bf16-dw`: the linear's backward GEMMs, dx = dz·W and dW = dzᵀ·x (f32 dz, bf16 x
-//!   and W, read where they lie and packed in the call), as a training step runs them;
+//! - `bf16-dx`, `bf16-dw` (on a CPU whose bf16 unit runs our kernel): the linear's backward GEMMs,
+//!   dx = dz·W and dW = dzᵀ·x (f32 dz and W, bf16 x, read where they lie and packed in the
+//!   call), as a training step runs them;
 //! - `bf16-candle` (with `BENCH_CANDLE_BF16=1`): candle's own matmul on bf16 tensors, what stage 1
 //!   ran on a CPU before.
 //!
@@ -28,11 +29,6 @@ fn randn(dims: &[usize], seed: u64, std: f32) -> Tensor {
     Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
 }
 
-/// A tensor's values as contiguous bf16.
-fn bf16s(t: &Tensor) -> Vec<half::bf16> {
-    t.to_dtype(DType::BF16).unwrap().contiguous().unwrap().flatten_all().unwrap().to_vec1().unwrap()
-}
-
 fn linears(c: &mut Criterion) {
     let mut group = c.benchmark_group(format!("linears/bf16 kernel {}", Kernel::detect().name()));
     group.sample_size(10).measurement_time(Duration::from_secs(3));
@@ -48,36 +44,21 @@ fn linears(c: &mut Criterion) {
         let packed = bf16_gemm::PackedWeight::new(&wb.t().unwrap()).unwrap(); // W (n, k), packed once
         group.bench_function(id("bf16-prepacked"), |b| b.iter(|| bf16_gemm::matmul_prepacked(&xb, &packed).unwrap()));
         // The training step's two backward GEMMs of this linear, as stage 3's backward runs them
-        // (f32 dz, bf16 activations and weight), each packing its operands in the call.
-        let dz = randn(&[m, n], 3, 0.02);
-        let mut grad = vec![0f32; m.max(n) * k];
-        let (dzv, xv, wv) = (dz.flatten_all().unwrap().to_vec1::<f32>().unwrap(), bf16s(&xb), bf16s(&wb.t().unwrap()));
-        group.bench_function(id("bf16-dx"), |b| {
-            b.iter(|| {
-                bf16_gemm::gemm(
-                    Kernel::detect(),
-                    &mut grad[..m * k],
-                    MatRef::row_major(&dzv, m, n),
-                    MatRef::row_major(&wv, n, k),
-                    false,
-                    true,
-                )
-                .unwrap()
-            })
-        });
-        group.bench_function(id("bf16-dw"), |b| {
-            b.iter(|| {
-                bf16_gemm::gemm(
-                    Kernel::detect(),
-                    &mut grad[..n * k],
-                    MatRef::row_major(&dzv, m, n).t(),
-                    MatRef::row_major(&xv, m, k),
-                    false,
-                    true,
-                )
-                .unwrap()
-            })
-        });
+        // (f32 dz and W, the weight's f32 master; bf16 x), each packing its operands in the call.
+        // Only on a CPU whose bf16 unit runs our kernel: `gemm` refuses the others.
+        let kernel = Kernel::detect();
+        if kernel.is_native() {
+            let dz = randn(&[m, n], 3, 0.02);
+            let mut grad = vec![0f32; m.max(n) * k];
+            let f32s = |t: &Tensor| t.contiguous().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (dzv, wv) = (f32s(&dz), f32s(&w.t().unwrap())); // W (n, k)
+            let xv: Vec<half::bf16> = xb.flatten_all().unwrap().to_vec1().unwrap();
+            let dx = |g: &mut [f32]| bf16_gemm::gemm(kernel, g, MatRef::row_major(&dzv, m, n), MatRef::row_major(&wv, n, k), false, true);
+            let dw =
+                |g: &mut [f32]| bf16_gemm::gemm(kernel, g, MatRef::row_major(&dzv, m, n).t(), MatRef::row_major(&xv, m, k), false, true);
+            group.bench_function(id("bf16-dx"), |b| b.iter(|| dx(&mut grad[..m * k]).unwrap()));
+            group.bench_function(id("bf16-dw"), |b| b.iter(|| dw(&mut grad[..n * k]).unwrap()));
+        }
         if Kernel::Mkl.available() {
             group.bench_function(id("bf16-mkl"), |b| b.iter(|| bf16_gemm::matmul_with(&xb, &wb, Kernel::Mkl).unwrap()));
         }
