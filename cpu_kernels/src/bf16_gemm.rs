@@ -33,7 +33,11 @@
 //! columns of C and, per `KC`-pair slice of k, packs its A block (`MC × KC` pairs, 144 KiB: L2)
 //! and runs the micro-kernel over every `MR × NR` tile with one B micro-panel (`KC × NR` pairs,
 //! 48 KiB, streamed from L2) at a time. Each slice loads and stores the C tile once, so the
-//! slice is long: at K = 768 (the block's C) all of k is one slice.
+//! slice is long: at K = 768 (the block's C) all of k is one slice. Where a task would pack rows
+//! another task packs too (C wider than one column block: fc1, and dX of fc2) or would read them
+//! a page apart (a column-major A: the weight gradient's dZᵀ), A is packed whole before the
+//! tasks instead (`pack_a_whole`, two bytes per element, once per call); a row-major B (the
+//! weight gradient's x) is read row pair by row pair in memory order (`pack_across`).
 //! A bf16 C (`gemm_packed_bf16`, what `matmul_prepacked` gives bf16 activations) is summed per
 //! task in an f32 scratch that stays in L2 and rounded to bf16 as the task stores it.
 //! The `MR × NR` = 12 × 32 accumulator tile is 24 zmm registers, leaving room for two B rows and
@@ -241,8 +245,42 @@ impl Operand for bf16 {
             *o = two[0].bf16_bits() as u32 | (two[1].bf16_bits() as u32) << 16;
         }
     }
+    /// Two rows interleaved 16 values at a time: each row's bf16 widened to 32-bit lanes, the
+    /// second shifted into the high halves (one word built at a time, packing a weight
+    /// gradient's bf16 x was a scalar loop over every element).
+    #[inline(always)]
+    fn pairs_across(lo: &[bf16], hi: &[bf16], out: &mut [u32]) {
+        #[cfg(target_arch = "x86_64")]
+        if Kernel::Avx512Bf16.available() {
+            // SAFETY: the CPU has AVX512-F (checked on the line above, with AVX512-BF16).
+            return unsafe { pairs_across_bf16_avx512(lo, hi, out) };
+        }
+        for ((o, &lo), &hi) in out.iter_mut().zip(lo).zip(hi) {
+            *o = lo.to_bits() as u32 | (hi.to_bits() as u32) << 16;
+        }
+    }
     fn as_bf16(data: &[bf16]) -> Option<&[bf16]> {
         Some(data)
+    }
+}
+
+/// `pairs_across` for bf16: 16 values of each row zero-extended to 32 bits and merged, the last
+/// n mod 16 one at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pairs_across_bf16_avx512(lo: &[bf16], hi: &[bf16], out: &mut [u32]) {
+    use std::arch::x86_64::{
+        __m256i, __m512i, _mm256_loadu_si256, _mm512_cvtepu16_epi32, _mm512_or_si512, _mm512_slli_epi32, _mm512_storeu_si512,
+    };
+    let n = out.len().min(lo.len()).min(hi.len());
+    let widen = |x: &[bf16], r: usize| _mm512_cvtepu16_epi32(_mm256_loadu_si256(x.as_ptr().add(r) as *const __m256i));
+    let whole = n / 16 * 16;
+    for r in (0..whole).step_by(16) {
+        let pairs = _mm512_or_si512(widen(lo, r), _mm512_slli_epi32::<16>(widen(hi, r)));
+        _mm512_storeu_si512(out.as_mut_ptr().add(r) as *mut __m512i, pairs);
+    }
+    for r in whole..n {
+        out[r] = lo[r].to_bits() as u32 | (hi[r].to_bits() as u32) << 16;
     }
 }
 
@@ -665,10 +703,12 @@ pub fn gemm_packed<A: Operand>(c: &mut [f32], a: MatRef<A>, b: &PackedB, accumul
         });
         return Ok(());
     }
+    let whole = packs_a_whole(kernel, &a, n).then(|| pack_a_whole(a, kp, parallel));
     tasks(kernel, m, n, parallel, |(i0, mc), (j0, nc)| {
+        let rows = whole.as_ref().map_or(ARows::Pack(0), |w| ARows::Packed(&w[i0 * kp..][..a_block_words(mc, kp)]));
         // SAFETY: the task's rows i0..i0+mc and columns j0..j0+nc are its own (tasks tile C
-        // without overlap), and lie inside c (m × n, length checked above).
-        unsafe { block(kernel, out, n, a, &b.panels, kp, (i0, mc), (j0, nc), accumulate, 0) }
+        // without overlap), and lie inside c (m × n, length checked above); `whole` is this A's.
+        unsafe { block(kernel, out, n, a, &b.panels, kp, (i0, mc), (j0, nc), accumulate, rows) }
     });
     Ok(())
 }
@@ -785,7 +825,9 @@ fn through_scratch<A: Operand>(a: MatRef<A>, b: &PackedB, parallel: bool, store:
     }
     let (m, n, kp, kernel) = (a.rows, b.n, b.kp, b.kernel);
     let a_id = next_call_id(); // this call's A: each row block packed once per thread (`amx::block`)
+    let whole = packs_a_whole(kernel, &a, n).then(|| pack_a_whole(a, kp, parallel));
     tasks(kernel, m, n, parallel, |(i0, mc), (j0, nc)| {
+        let packed = whole.as_ref().map_or(ARows::Pack(a_id), |w| ARows::Packed(&w[i0 * kp..][..a_block_words(mc, kp)]));
         SCRATCH.with_borrow_mut(|scratch| {
             scratch.resize_keeping(mc * nc); // never read before written: the block overwrites it
                                              // The task's rows of A and its columns' B panels (j0 is a multiple of NC, so of NR)
@@ -793,7 +835,7 @@ fn through_scratch<A: Operand>(a: MatRef<A>, b: &PackedB, parallel: bool, store:
             let rows = MatRef { offset: a.offset + i0 * a.rs, rows: mc, ..a };
             let panels = &b.panels[(j0 / NR) * kp * NR..];
             // SAFETY: the scratch holds mc × nc f32 and is this thread's alone.
-            unsafe { block(kernel, OutPtr(scratch.as_mut_ptr()), nc, rows, panels, kp, (0, mc), (0, nc), false, a_id) };
+            unsafe { block(kernel, OutPtr(scratch.as_mut_ptr()), nc, rows, panels, kp, (0, mc), (0, nc), false, packed) };
             for (r, acc) in scratch[..mc * nc].chunks_exact_mut(nc).enumerate() {
                 store(i0 + r, j0, acc);
             }
@@ -841,8 +883,20 @@ fn pack_b<T: Operand>(b: MatRef<T>, kp: usize, parallel: bool) -> Lines<u32> {
     // SAFETY: `fill` writes every word of every panel: `pack_pairs` every pair of the columns
     // inside B (zero pairs past k included), and the last panel's columns past B's edge are
     // zeroed first (their products land in C's columns past n, which are never stored; zeros
-    // keep them finite).
+    // keep them finite). `pack_across` writes every panel's NR words of every pair, zeros past
+    // n included.
     let mut packed = unsafe { Lines::uninit(panels * kp * NR) };
+    if b.cs == 1 && b.rs != 1 {
+        // A row-major B (a training step's x in the weight gradient dW = dZᵀ·x, a weight read as
+        // W in dX = dZ·W): a pair is two of B's rows, so read them in memory order, row pair
+        // after row pair, and cut each into the panels. Panel by panel instead, each panel walks
+        // down all k rows, NR values from each: a page per row at the training step's widths.
+        let rows = Runs { data: b.data, offset: b.offset, stride: b.rs, count: b.rows, len: b.cols };
+        // SAFETY: (q, p) ↦ (q·kp + p)·NR is one panel row of NR words per (panel q, pair p),
+        // disjoint, inside the ⌈n / NR⌉·kp·NR words above.
+        unsafe { pack_across::<T, NR>(rows, kp, OutPtr(packed.as_mut_ptr()), |q, p| (q * kp + p) * NR, parallel) };
+        return packed;
+    }
     let bt = b.t();
     let fill = |(q, panel): (usize, &mut [u32])| {
         if q * NR + NR > b.cols {
@@ -858,13 +912,117 @@ fn pack_b<T: Operand>(b: MatRef<T>, kp: usize, parallel: bool) -> Lines<u32> {
     packed
 }
 
+/// A matrix read as lines of contiguous values: line l is `data[offset + l·stride..][..len]`,
+/// `count` lines (A's columns when A is column-major, B's rows when B is row-major).
+#[derive(Clone, Copy)]
+struct Runs<'a, T> {
+    data: &'a [T],
+    offset: usize,
+    stride: usize,
+    count: usize,
+    len: usize,
+}
+
+/// Pairs across lines, read once in memory order: pair p is lines 2p and 2p + 1 interleaved
+/// (`pairs_across`; a line past `count` reads as zeros), for p < `pairs`, each pair's `len`
+/// words cut into chunks of `WIDTH` and chunk c written at `out[dest(c, p)..][..WIDTH]`, zeros
+/// past `len`. Rayon over groups of 16 pairs when `parallel`: a group's chunks for one c are
+/// 16 neighbours in every layout here (whole cache lines, so the threads do not share them).
+///
+/// # Safety
+/// `out` holds `dest(c, p) + WIDTH` words for every c < ⌈len / WIDTH⌉ and p < `pairs`, and
+/// distinct (c, p) give disjoint ranges.
+unsafe fn pack_across<T: Operand, const WIDTH: usize>(
+    lines: Runs<T>,
+    pairs: usize,
+    out: OutPtr<u32>,
+    dest: impl Fn(usize, usize) -> usize + Sync,
+    parallel: bool,
+) {
+    let Runs { data, offset, stride, count, len } = lines;
+    let group = |g: usize| {
+        let mut row = vec![0u32; len.next_multiple_of(WIDTH)]; // words past len stay zero
+        for p in 16 * g..pairs.min(16 * g + 16) {
+            let line = |l: usize| (l < count).then(|| &data[offset + l * stride..][..len]);
+            match (line(2 * p), line(2 * p + 1)) {
+                (Some(lo), Some(hi)) => T::pairs_across(lo, hi, &mut row[..len]),
+                // odd K's last pair (its high half zero), and the zero pairs past K
+                (Some(lo), None) => row[..len].iter_mut().zip(lo).for_each(|(o, v)| *o = v.bf16_bits() as u32),
+                _ => row.fill(0),
+            }
+            for (c, chunk) in row.chunks_exact(WIDTH).enumerate() {
+                // SAFETY: the caller's contract: dest(c, p)..+WIDTH is inside out, and this
+                // (c, p)'s alone. A fixed-size copy: a few vector moves, not a call per chunk.
+                unsafe { (out.at(dest(c, p)) as *mut [u32; WIDTH]).write_unaligned(chunk.try_into().unwrap()) };
+            }
+        }
+    };
+    if parallel {
+        (0..pairs.div_ceil(16)).into_par_iter().for_each(group);
+    } else {
+        (0..pairs.div_ceil(16)).for_each(group);
+    }
+}
+
+/// Words of a row block of `mc` rows packed whole: every slice's ⌈mc / MR⌉ micro-panels.
+fn a_block_words(mc: usize, kp: usize) -> usize {
+    mc.div_ceil(MR) * MR * kp
+}
+
+/// Whether A is packed whole before the tasks (`pack_a_whole`) rather than by each task: on the
+/// AVX-512 kernel (AMX packs its own tiles and keeps them per thread), when A is column-major
+/// (the weight gradient's dZᵀ, whose rows a task would read a page apart) or C has more than one
+/// column block (every column block's task would pack the same rows again: four times at
+/// n = 3072).
+fn packs_a_whole<T: Operand>(kernel: Kernel, a: &MatRef<T>, n: usize) -> bool {
+    kernel == Kernel::Avx512Bf16 && ((a.rs == 1 && a.cs != 1) || n > NC)
+}
+
+/// A (m × k) packed for the AVX-512 kernel before the tasks run: ⌈m / MC⌉ row blocks, block i0
+/// at word i0·kp, each laid out as `block` reads it: slice after slice of KC pairs, slice p0's
+/// ⌈mc / MR⌉ micro-panels (`pack_a_slice`'s layout) at `a_block_words(mc, p0)`. A column-major A
+/// is read column pair by column pair, each pair's m values in one run (`pack_across`); any
+/// other, row block by row block (`pack_a_slice`). Rayon over pairs or row blocks when `parallel`.
+fn pack_a_whole<T: Operand>(a: MatRef<T>, kp: usize, parallel: bool) -> Lines<u32> {
+    let m = a.rows;
+    let block_len = |i0: usize| a_block_words(MC.min(m - i0), kp);
+    // SAFETY: every word is written below: `pack_across` every chunk of every pair (zeros past m
+    // and K included), `pack_a_slice` every word of its slice.
+    let mut words = unsafe { Lines::uninit((0..m).step_by(MC).map(block_len).sum()) };
+    if a.rs == 1 && a.cs != 1 {
+        let columns = Runs { data: a.data, offset: a.offset, stride: a.cs, count: a.cols, len: m };
+        let dest = |c: usize, p: usize| {
+            let (i0, r) = (c * MR / MC * MC, c * MR % MC / MR); // the row block, its panel
+            let (p0, kc) = (p / KC * KC, KC.min(kp - p / KC * KC)); // the slice
+            i0 * kp + a_block_words(MC.min(m - i0), p0) + (r * kc + p - p0) * MR
+        };
+        // SAFETY: (c, p) ↦ dest is panel c of its row block, pair p of its slice: MR words of
+        // their own, inside the row block's words (`a_block_words`).
+        unsafe { pack_across::<T, MR>(columns, kp, OutPtr(words.as_mut_ptr()), dest, parallel) };
+        return words;
+    }
+    let fill = |(b, words): (usize, &mut [u32])| {
+        let (i0, mc) = (b * MC, MC.min(m - b * MC));
+        for p0 in (0..kp).step_by(KC) {
+            let kc = KC.min(kp - p0);
+            pack_a_slice(a, (i0, mc), (p0, kc), &mut words[a_block_words(mc, p0)..][..a_block_words(mc, kc)]);
+        }
+    };
+    // Row blocks are MC · kp words apart (MC is a multiple of MR); the last may be shorter.
+    if parallel {
+        words.par_chunks_mut(MC * kp).enumerate().for_each(fill);
+    } else {
+        words.chunks_mut(MC * kp).enumerate().for_each(fill);
+    }
+    words
+}
+
 /// Rows i0..i0+mc of A, pairs p0..p0+kc, as ⌈mc / MR⌉ micro-panels of kc × MR pairs (row i of
-/// panel r, pair p at `(r·kc + p)·MR + i`), zero past the edges. Written into `into`.
-fn pack_a<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, usize), into: &mut Lines<u32>) {
-    let panels = mc.div_ceil(MR);
-    into.reset(panels * kc * MR);
-    if a.rs == 1 && a.cs != 1 && mc <= MC {
-        return pack_a_columns(a, (i0, mc), (p0, kc), into);
+/// panel r, pair p at `(r·kc + p)·MR + i`), zero past the edges: every word of `into` written.
+fn pack_a_slice<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, usize), into: &mut [u32]) {
+    debug_assert_eq!(into.len(), a_block_words(mc, kc));
+    if !mc.is_multiple_of(MR) {
+        into.fill(0); // the last panel's rows past the block: the packings below leave them
     }
     if a.cs == 1 && a.rs != 1 {
         return pack_a_rows(a, (i0, mc), (p0, kc), into);
@@ -874,12 +1032,13 @@ fn pack_a<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, 
     }
 }
 
-/// `pack_a` of a row-major A (the activations of every forward GEMM and of dX = dZ·W): each
+/// `pack_a_slice` of a row-major A (the activations of every forward GEMM and of dX = dZ·W): each
 /// micro-panel's MR rows, 16 pairs at a time, rounded into a 16 × 16 block (rows past MR or past
 /// A zero) and transposed in registers, so that each pair's MR words are written as one run.
 /// Placing the pairs one word at a time, MR words apart, was most of the packing's time (the
 /// forward GEMM's `block` held 6 % of its perf samples, bf16 rows copied by `memmove` 3 % more).
-/// The pairs past the last whole block of 16 go through `pack_pairs`. `into` arrives zeroed.
+/// The pairs past the last whole block of 16 go through `pack_pairs`. Rows past A are left as
+/// they arrive (`pack_a_slice` zeroes them).
 fn pack_a_rows<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, usize), into: &mut [u32]) {
     let whole = kc.min((a.cols / 2).saturating_sub(p0)) / 16 * 16; // pairs in whole blocks of 16
     for (r, panel) in into.chunks_mut(kc * MR).enumerate() {
@@ -900,38 +1059,6 @@ fn pack_a_rows<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (us
             // The rest, with odd K's half pair and the zero pairs past K.
             let rest = MatRef { offset: a.offset + 2 * whole * a.cs, cols: a.cols.saturating_sub(2 * whole), ..a };
             pack_pairs(&rest, (first, rows), (p0, kc - whole), &mut panel[whole * MR..], (1, MR));
-        }
-    }
-}
-
-/// `pack_a` of a column-major A (the weight gradient's dZᵀ: row after row of A is contiguous,
-/// a row's elements a column apart): pair by pair across the whole block, each pair's two
-/// columns read as mc contiguous values, rounded together, then cut into the micro-panels' MR
-/// rows. Panel by panel instead (`pack_pairs` per panel), every call rounds MR = 12 values,
-/// under the vector width, and the block's columns are walked once per panel: a fifth of the
-/// weight gradient's time at the training step's shapes. `into` arrives zeroed (`pack_a`).
-fn pack_a_columns<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (usize, usize), into: &mut [u32]) {
-    let rows = mc.min(a.rows.saturating_sub(i0));
-    let whole = kc.min((a.cols / 2).saturating_sub(p0)); // pairs wholly inside A
-    let mut pairs = [0u32; MC];
-    for p in 0..whole {
-        let col = 2 * (p0 + p);
-        let lo = &a.data[a.offset + i0 + col * a.cs..][..rows];
-        let hi = &a.data[a.offset + i0 + (col + 1) * a.cs..][..rows];
-        T::pairs_across(lo, hi, &mut pairs[..rows]);
-        for (r, chunk) in pairs[..rows].chunks(MR).enumerate() {
-            let dst = &mut into[(r * kc + p) * MR..][..MR];
-            if chunk.len() == MR {
-                dst.copy_from_slice(chunk); // 48 bytes: a few vector moves, not a call
-            } else {
-                dst[..chunk.len()].copy_from_slice(chunk); // the last panel's rows past A stay zero
-            }
-        }
-    }
-    // An odd K's last pair (half zero) and the zero pairs past K, one by one.
-    for r in 0..rows {
-        for p in whole..kc {
-            into[((r / MR) * kc + p) * MR + r % MR] = a.pair_along_cols(i0 + r, p0 + p);
         }
     }
 }
@@ -1127,12 +1254,22 @@ fn next_call_id() -> u64 {
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
-/// One task: C[i0..i0+mc, j0..j0+nc] over all of k, KC pairs at a time. `a_id`: the call's
-/// (`next_call_id`), for AMX's reuse of packed A rows; 0 packs them afresh.
+/// Where a task's rows of A come from.
+#[derive(Clone, Copy)]
+enum ARows<'x> {
+    /// Packed by the task, slice by slice; AMX keeps them per thread for the call's next task
+    /// with the same rows under this id (`next_call_id`; 0 packs them afresh).
+    Pack(u64),
+    /// Packed whole before the tasks (`pack_a_whole`): the task's row block, every slice.
+    Packed(&'x [u32]),
+}
+
+/// One task: C[i0..i0+mc, j0..j0+nc] over all of k, KC pairs at a time, A's rows from `rows`.
 ///
 /// # Safety
-/// The block lies inside C (m × n with row length `ldc`), and no other thread writes it; `a_id`,
-/// when not 0, names this call's A alone.
+/// The block lies inside C (m × n with row length `ldc`), and no other thread writes it; an id
+/// in `ARows::Pack`, when not 0, names this call's A alone; `ARows::Packed` holds these rows of
+/// this A as `pack_a_whole` packed them.
 #[allow(clippy::too_many_arguments)]
 unsafe fn block<T: Operand>(
     kernel: Kernel,
@@ -1144,18 +1281,25 @@ unsafe fn block<T: Operand>(
     (i0, mc): (usize, usize),
     (j0, nc): (usize, usize),
     accumulate: bool,
-    a_id: u64,
+    rows: ARows,
 ) {
     #[cfg(target_arch = "x86_64")]
     if kernel == Kernel::Amx {
+        let a_id = if let ARows::Pack(id) = rows { id } else { 0 }; // (AMX is never given A packed whole)
         return amx::block(c.0, ldc, a, packed_b, kp, (i0, mc), (j0, nc), accumulate, a_id);
     }
-    let _ = a_id; // the other kernels pack A per task
-    let mut packed_a = Lines::default();
+    let mut own = Lines::default(); // the task's own packing of a slice, when A is not packed whole
     let mut tile = [0f32; MR * NR]; // edge tiles run here, then their valid part is copied
     for p0 in (0..kp).step_by(KC) {
         let kc = KC.min(kp - p0);
-        pack_a(a, (i0, mc), (p0, kc), &mut packed_a);
+        let packed_a: &[u32] = match rows {
+            ARows::Packed(words) => &words[a_block_words(mc, p0)..][..a_block_words(mc, kc)],
+            ARows::Pack(_) => {
+                own.resize_keeping(a_block_words(mc, kc));
+                pack_a_slice(a, (i0, mc), (p0, kc), &mut own);
+                &own
+            }
+        };
         let load = accumulate || p0 > 0; // the first slice overwrites C unless accumulating
         for jr in (0..nc).step_by(NR) {
             let (j, nr) = (j0 + jr, NR.min(nc - jr));
@@ -1672,6 +1816,24 @@ mod tests {
             f32::pairs_across(lo, hi, &mut out[..n]);
             for r in 0..n {
                 assert_eq!(out[r], scalar(lo[r], hi[r]), "pairs_across, length {n}, row {r}");
+            }
+            assert_eq!(out[n..], [7, 7, 7], "pairs_across wrote past length {n}");
+        }
+    }
+
+    /// bf16's `pairs_across` (16 at a time where the CPU has AVX-512, the rest one by one)
+    /// interleaves the two rows' bits exactly, at every length through three vectors, and writes
+    /// nothing past the length.
+    #[test]
+    fn bf16_pairs_across_interleaves_at_every_length() {
+        use super::{bf16, Operand};
+        for n in 0..=50 {
+            let lo: Vec<bf16> = (0..n).map(|i| bf16::from_bits((i as u16).wrapping_mul(0x9e37) ^ 0x8001)).collect();
+            let hi: Vec<bf16> = (0..n).map(|i| bf16::from_bits((i as u16).wrapping_mul(0x7f4b) ^ 0x00ff)).collect();
+            let mut out = vec![7u32; n + 3];
+            bf16::pairs_across(&lo, &hi, &mut out[..n]);
+            for r in 0..n {
+                assert_eq!(out[r], lo[r].to_bits() as u32 | (hi[r].to_bits() as u32) << 16, "length {n}, row {r}");
             }
             assert_eq!(out[n..], [7, 7, 7], "pairs_across wrote past length {n}");
         }

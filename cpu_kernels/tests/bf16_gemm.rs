@@ -49,6 +49,9 @@ fn assert_close(got: &[f32], want: &[f32], k: usize, scale: f32, what: &str) {
 fn ragged_shapes(rng: &mut Rng) -> Vec<(usize, usize, usize)> {
     let mut shapes = vec![(1, 1, 1), (MR, NR, 2), (MR + 1, NR - 1, 3), (MC + 5, NC + 3, 257), (2 * MC - 1, 33, 511), (13, 2 * NC + 17, 64)];
     shapes.push((MR + 1, NR + 7, 4 * KC + 3));
+    // A row-major A over more than one column block is packed whole before the tasks (on the
+    // AVX-512 kernel): several row blocks, column blocks and K slices, all ragged.
+    shapes.push((MC + 5, NC + 3, 2 * KC + 3));
     shapes.push((MC_AMX + 7, NR + 5, 129)); // across AMX's task rows
                                             // Several row blocks × several column blocks × several K slices: AMX packs each row block's A
                                             // once per call and reuses it for the next column block on the same thread.
@@ -167,6 +170,9 @@ fn strided_and_transposed_views_and_accumulation() {
 fn backward_orientations_match_the_scalar_twin_on_ragged_shapes() {
     let mut rng = Rng(0xbac_4a2d);
     let mut shapes = vec![(1, 1, 1), (MR + 1, NR - 1, 3), (MC + 5, NR + 3, 257), (33, 2 * NR + 1, 2 * KC + 5), (2 * MC + 7, 45, 130)];
+    // A packed whole before the tasks (every column-major A on the AVX-512 kernel): several row
+    // blocks (the last ragged), column blocks and K slices (the last ragged), K odd.
+    shapes.push((2 * MC + 7, NC + 5, 2 * KC + 5));
     for _ in 0..4 {
         shapes.push((1 + rng.below(200), 1 + rng.below(200), 1 + 2 * rng.below(150)));
     }
