@@ -940,8 +940,8 @@ unsafe fn pack_across<T: Operand, const WIDTH: usize>(
     parallel: bool,
 ) {
     let Runs { data, offset, stride, count, len } = lines;
-    let group = |g: usize| {
-        let mut row = vec![0u32; len.next_multiple_of(WIDTH)]; // words past len stay zero
+    let buffer = || vec![0u32; len.next_multiple_of(WIDTH)]; // words past len stay zero
+    let group = |row: &mut Vec<u32>, g: usize| {
         for p in 16 * g..pairs.min(16 * g + 16) {
             let line = |l: usize| (l < count).then(|| &data[offset + l * stride..][..len]);
             match (line(2 * p), line(2 * p + 1)) {
@@ -958,9 +958,10 @@ unsafe fn pack_across<T: Operand, const WIDTH: usize>(
         }
     };
     if parallel {
-        (0..pairs.div_ceil(16)).into_par_iter().for_each(group);
+        (0..pairs.div_ceil(16)).into_par_iter().for_each_init(buffer, group);
     } else {
-        (0..pairs.div_ceil(16)).for_each(group);
+        let mut row = buffer();
+        (0..pairs.div_ceil(16)).for_each(|g| group(&mut row, g));
     }
 }
 
@@ -1068,8 +1069,9 @@ fn pack_a_rows<T: Operand>(a: MatRef<T>, (i0, mc): (usize, usize), (p0, kc): (us
 /// pairs past K included); rows past A's edge are not written, so their words must arrive
 /// zeroed. Read in memory order for the two layouts the GEMMs meet: row-major A (a pair
 /// is two neighbours: activations, a weight read as Wᵀ) and column-major A (a row's elements are
-/// a column apart, and row after row is contiguous: the backward's dZᵀ, and a row-major B read
-/// as B's panels). Any other stride, element by element.
+/// a column apart, and row after row is contiguous: the backward's dZᵀ in AMX's tiles; the
+/// AVX-512 kernel's column-major A and any row-major B go through `pack_across` instead). Any
+/// other stride, element by element.
 #[inline]
 fn pack_pairs<T: Operand>(
     a: &MatRef<T>,
@@ -1144,10 +1146,6 @@ fn pack_pairs<T: Operand>(
             let col = 2 * (p0 + p);
             let lo = &a.data[a.offset + i0 + col * a.cs..][..rows];
             let hi = &a.data[a.offset + i0 + (col + 1) * a.cs..][..rows];
-            if r_step == 1 {
-                T::pairs_across(lo, hi, &mut out[p * p_step..][..rows]);
-                continue;
-            }
             for (r, (&lo, &hi)) in lo.iter().zip(hi).enumerate() {
                 out[r * r_step + p * p_step] = bits(lo) | bits(hi) << 16;
             }
