@@ -12,7 +12,9 @@
 //!
 //! Where a pass does not apply it runs candle's op, and says so in the kernel trace: on a GPU
 //! (every candle kernel is parallel there already), for other dtypes, and for tracked tensors —
-//! while training, candle's ops are the ones its autograd can differentiate.
+//! while training, candle's ops are the ones its autograd can differentiate — except LayerNorm,
+//! GELU and the softmax on f32, whose last pass is then a custom op with the engine's backward
+//! (`grad`).
 //! `--elementwise candle` runs candle's own ops everywhere, to measure what the engine buys.
 //!
 //! Each op has its slow twin (the candle expression named in its doc) and a property test.
@@ -23,6 +25,8 @@ use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 use std::sync::OnceLock;
+
+mod grad;
 
 /// Which element-wise ops run on the CPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -578,7 +582,8 @@ pub fn par_convert<S: Copy + Sync, D: Copy + Send + Default>(src: &[S], f: impl 
 /// In x's dtype (f32 or bf16). Slow twin: `stage0_baseline::layer_norm`, i.e. the nine primitives
 /// (mean, sub, sqr, mean, +ε, sqrt, div, ·g, +b) — the candle branch below.
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64, mode: Elementwise) -> candle_core::Result<Tensor> {
-    let engine = mode == Elementwise::Parallel && fast(&[x]) && fast(&[g, b]) && g.dtype() == DType::F32;
+    let train = mode == Elementwise::Parallel && grad::tracked_f32(&[x, g, b]);
+    let engine = train || mode == Elementwise::Parallel && fast(&[x]) && fast(&[g, b]) && g.dtype() == DType::F32;
     ran_passes("layer_norm", 4, engine);
     if !engine {
         let mean = x.mean_keepdim(candle_core::D::Minus1)?; // (B, T, 1)
@@ -621,6 +626,10 @@ pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64, mode: Elementwis
             })
             .collect())
     })?;
+    if train {
+        // Pass 4 as a custom op, so that autograd records it (`grad::LayerNorm`, its backward).
+        return x.apply_op3(g, b, grad::LayerNorm { centred, inv_std });
+    }
     // Pass 4: normalise, scale and shift, in x's dtype.
     with_src(&centred, |cs| {
         with_src(g, |gs| {
@@ -698,11 +707,25 @@ pub fn sum_f32(row: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
 }
 
+/// max of a row with 16 partial maxima, so the loop vectorises; −∞ for an empty row.
+#[inline]
+pub fn max_f32(row: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    acc.iter().chain(chunks.remainder()).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
 /// GELU, tanh approximation, from the same nine primitives as `stage0_baseline::gelu_tanh`
 /// (x², ·x, ·0.044715, +x, ·√(2/π), tanh, +1, ·x, ·0.5), each one parallel pass; `tanh` is
 /// `tanh_f32` (vectorised) instead of libm's. Slow twin: `stage0_baseline::gelu_tanh`.
 pub fn gelu_tanh(x: &Tensor, mode: Elementwise) -> candle_core::Result<Tensor> {
-    let engine = mode == Elementwise::Parallel && fast(&[x]);
+    let train = mode == Elementwise::Parallel && grad::tracked_f32(&[x]);
+    let engine = train || mode == Elementwise::Parallel && fast(&[x]);
     ran_passes("gelu", 9, engine);
     if !engine {
         let x3 = (x.sqr()? * x)?;
@@ -718,7 +741,55 @@ pub fn gelu_tanh(x: &Tensor, mode: Elementwise) -> candle_core::Result<Tensor> {
     let th = unary(&inner, tanh_f32)?;
     let th = unary(&th, |v| v + 1.0)?;
     let y = binary(&th, x, |a, b| a * b)?;
+    if train {
+        return x.apply_op1(grad::Gelu { t: y }); // the ninth pass, recorded with its backward
+    }
     unary(&y, |v| v * 0.5)
+}
+
+/// Softmax over the last dimension as stage 0 writes it, each step a pass on all threads: the
+/// row maxima (a read), s − max (a read and a write), exp (a read and a write; `exp_f32`), the
+/// row sums (a read), then e / Σe (a read and a write) — five passes. f32 only (scores are f32
+/// in every stage). Slow twin: `stage0_baseline::softmax`, i.e. candle's five ops — the candle
+/// branch below.
+pub fn softmax_last_dim(s: &Tensor, mode: Elementwise) -> candle_core::Result<Tensor> {
+    let train = mode == Elementwise::Parallel && grad::tracked_f32(&[s]);
+    let engine = train || mode == Elementwise::Parallel && fast(&[s]) && s.dtype() == DType::F32;
+    ran_passes("softmax", 5, engine);
+    if !engine {
+        let m = s.max_keepdim(candle_core::D::Minus1)?;
+        let e = s.broadcast_sub(&m)?.exp()?;
+        return e.broadcast_div(&e.sum_keepdim(candle_core::D::Minus1)?);
+    }
+    let n = s.dim(candle_core::D::Minus1)?;
+    let rows = s.elem_count() / n.max(1);
+    // Pass 1: row maxima.
+    let maxima: Vec<f32> =
+        with_src(s, |ss| Ok((0..rows).into_par_iter().map_init(Vec::new, |buf, r| max_f32(ss.f32s(r * n, n, buf))).collect()))?;
+    // Passes 2 and 3: s − max, then exp of that.
+    let shifted = with_src(s, |ss| {
+        produce(ss.len(), n, DType::F32, s.shape(), |at, o| {
+            let mut buf = Vec::new();
+            let src = ss.f32s(at, o.len(), &mut buf);
+            for (r, (o, src)) in o.chunks_mut(n).zip(src.chunks(n)).enumerate() {
+                let m = maxima[at / n + r];
+                map_slice(o, src, &|_, v| v - m);
+            }
+        })
+    })?;
+    let e = unary(&shifted, exp_f32)?;
+    drop(shifted);
+    // Pass 4: row sums.
+    let sums: Vec<f32> =
+        with_src(&e, |es| Ok((0..rows).into_par_iter().map_init(Vec::new, |buf, r| sum_f32(es.f32s(r * n, n, buf))).collect()))?;
+    if train {
+        return s.apply_op1(grad::Softmax { e, sums }); // pass 5, recorded with its backward
+    }
+    // Pass 5: e / Σe.
+    with_src(&e, |es| {
+        let Src::F32(es) = es else { candle_core::bail!("softmax: expected f32") };
+        Tensor::from_vec(grad::div_rows(es, &sums, n), s.shape(), &Device::Cpu)
+    })
 }
 
 /// e^x in f32 without libm, so loops over it vectorise (Cephes' expf: x = n·ln2 + r, |r| ≤ ln2/2,
@@ -814,9 +885,9 @@ mod tests {
         assert!((exp_f32(88.7) - 88.7f32.exp()).abs() / 88.7f32.exp() < 3e-7);
     }
 
-    /// The passes build new tensors outside candle's graph, so a tracked input (training) runs
-    /// candle's op instead — differentiable, and named so in the kernel trace — and an untracked
-    /// one the engine's pass, for f32 and bf16 alike.
+    /// An untracked input runs the engine's pass, for f32 and bf16 alike; a tracked one
+    /// (training) the engine's custom op where there is one for f32 (`grad`), candle's op
+    /// otherwise — differentiable either way, and named so in the kernel trace.
     #[test]
     fn tracked_tensors_take_candles_ops_and_the_trace_says_which_ran() {
         for dt in [DType::F32, DType::BF16] {
@@ -831,12 +902,22 @@ mod tests {
             let ran = crate::trace::stop();
             assert!(ran.iter().all(|k| k.contains(": engine pass")), "{dt:?}: {ran:?}");
             assert_eq!(y.dtype(), dt);
-            let v = candle_core::Var::from_tensor(&x.to_dtype(DType::F32).unwrap()).unwrap();
+            let v = candle_core::Var::from_tensor(&x).unwrap();
             crate::trace::start();
             let y = gelu_tanh(&add(v.as_tensor(), v.as_tensor(), Elementwise::Parallel).unwrap(), Elementwise::Parallel).unwrap();
-            let ran = crate::trace::stop();
-            assert_eq!(ran, ["add: candle", "gelu: candle"]);
             let grads = y.sum_all().unwrap().backward().unwrap();
+            let ran = crate::trace::stop();
+            match dt {
+                DType::F32 => assert_eq!(
+                    ran,
+                    [
+                        "add: candle".to_string(),
+                        format!("gelu: engine passes ×9 ({})", simd()),
+                        format!("gelu backward: engine pass ({})", simd())
+                    ]
+                ),
+                _ => assert_eq!(ran, ["add: candle", "gelu: candle"]),
+            }
             assert!(grads.get(v.as_tensor()).is_some(), "a gradient reaches the tracked input");
         }
     }

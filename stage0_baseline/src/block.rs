@@ -3,7 +3,7 @@
 //! (`cpu_kernels::elementwise`, multi-threaded and vectorised, one pass per op), its GEMMs
 //! candle's f32 matmul.
 
-use crate::{attention, causal_mask, Baseline};
+use crate::{attention_with, causal_mask, Baseline};
 use candle_core::Tensor;
 use cpu_kernels::bf16_gemm::PackedWeight;
 use cpu_kernels::elementwise::{self as ew, gelu_tanh, layer_norm, linear, Elementwise, LN_EPS};
@@ -63,10 +63,12 @@ impl Block {
         })
     }
 
-    /// Causal self-attention over the full (B, n_head, T, T) score matrix (`crate::attention`).
+    /// Causal self-attention over the full (B, n_head, T, T) score matrix (`crate::attention`),
+    /// its softmax the engine's passes.
     fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
-        cpu_kernels::trace::ran("attention: materialised scores (candle ops)");
-        attention(q, k, v, self.n_head, &self.mask) // (B, T, C)
+        cpu_kernels::trace::ran("attention: materialised scores (its GEMMs, scale and mask candle ops)");
+        attention_with(q, k, v, self.n_head, &self.mask, &|s| ew::softmax_last_dim(s, self.ew))
+        // (B, T, C)
     }
 }
 

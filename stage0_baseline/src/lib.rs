@@ -99,6 +99,19 @@ pub fn merge_heads(x: &Tensor) -> candle_core::Result<Tensor> {
 /// Causal self-attention over the full score matrix: softmax(q kᵀ / √d_head + mask) v.
 /// q, k, v: (B, T, C); `mask` at least (T, T). Returns (B, T, C).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, mask: &Tensor) -> candle_core::Result<Tensor> {
+    attention_with(q, k, v, n_head, mask, &softmax)
+}
+
+/// `attention` with the softmax given: the block passes the engine's (the same five steps, on
+/// all threads; `cpu_kernels::elementwise::softmax_last_dim`).
+pub fn attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    n_head: usize,
+    mask: &Tensor,
+    softmax: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
     let t = q.dim(1)?;
     let (q, k, v) = (split_heads(q, n_head)?, split_heads(k, n_head)?, split_heads(v, n_head)?); // (B, n_head, T, d_head)
     let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();

@@ -73,13 +73,21 @@ pub fn linear(x: &Tensor, w: &PackedWeight, b: &Tensor) -> candle_core::Result<T
 /// tensor cores (on a CPU, its bf16 unit through `bf16_gemm::matmul`) in the GEMM dtype; the scores are widened to f32 for the mask and softmax.
 /// q, k, v: (B, T, C) in the GEMM dtype; `mask` (T, T) f32. Returns (B, T, C), GEMM dtype.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, mask: &Tensor) -> candle_core::Result<Tensor> {
-    attention_in(q, k, v, n_head, mask, q.dtype())
+    attention_in(q, k, v, n_head, mask, q.dtype(), &softmax)
 }
 
 /// `attention` with its two products in `gemm` whatever q, k and v are stored in (bf16 GEMMs on
 /// a CPU's bf16 unit through `bf16_gemm::matmul_bf16`: operands rounded to bf16 as they are
-/// packed). Returns (B, T, C) in q's dtype.
-pub fn attention_in(q: &Tensor, k: &Tensor, v: &Tensor, n_head: usize, mask: &Tensor, gemm: DType) -> candle_core::Result<Tensor> {
+/// packed) and the softmax given (stage 0's `attention_with`). Returns (B, T, C) in q's dtype.
+pub fn attention_in(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    n_head: usize,
+    mask: &Tensor,
+    gemm: DType,
+    softmax: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
     let matmul = |a: &Tensor, b: &Tensor| if gemm == DType::BF16 { bf16_gemm::matmul_bf16(a, b) } else { a.matmul(b) };
     let t = q.dim(1)?;
     let (q, k, v) = (split_heads(q, n_head)?, split_heads(k, n_head)?, split_heads(v, n_head)?); // (B, n_head, T, d_head)
