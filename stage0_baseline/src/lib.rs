@@ -17,9 +17,9 @@
 //! one included, runs its element-wise ops as the engine's passes (`cpu_kernels::elementwise`:
 //! each primitive op still one pass over memory, but on all threads and vectorised; LayerNorm in
 //! four passes, the softmax in five; in a training step LayerNorm's, GELU's and the softmax's
-//! backward run on the engine too), and
-//! its GEMMs on the engine's (`cpu_kernels::bf16_gemm`; candle's f32 matmul at
-//! fp32). The engine is the same under every stage, so each stage's gain is its technique's.
+//! backward run on the engine too), and its GEMMs on the engine's (`cpu_kernels::bf16_gemm`;
+//! candle's f32 matmul at fp32). The engine is the same under every stage, so each stage's gain
+//! is its technique's.
 //! `--elementwise candle` runs candle's own ops instead, and `ladder --ablate` prices the engine
 //! against them in stage 0's row.
 //!

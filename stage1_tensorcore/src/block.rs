@@ -70,9 +70,9 @@ impl Block {
     /// Causal self-attention over the full (B, n_head, T, T) score matrix, its two products in
     /// the GEMM dtype (`crate::attention_in`), its softmax the engine's passes.
     fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
-        cpu_kernels::trace::ran("attention: materialised scores (its GEMMs, scale and mask candle ops)");
-        attention_in(q, k, v, self.n_head, &self.mask, self.dtype, &|s| ew::softmax_last_dim(s, self.ew))
-        // (B, T, C)
+        cpu_kernels::trace::ran("attention: materialised scores (scale and mask: candle ops)");
+        let softmax = |s: &Tensor| ew::softmax_last_dim(s, self.ew);
+        attention_in(q, k, v, self.n_head, &self.mask, self.dtype, &softmax) // (B, T, C)
     }
 }
 
