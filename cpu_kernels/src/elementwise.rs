@@ -628,7 +628,7 @@ pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64, mode: Elementwis
     })?;
     if train {
         // Pass 4 as a custom op, so that autograd records it (`grad::LayerNorm`, its backward).
-        return x.apply_op3(g, b, grad::LayerNorm { centred, inv_std });
+        return x.apply_op3(&g.contiguous()?, &b.contiguous()?, grad::LayerNorm { centred, inv_std });
     }
     // Pass 4: normalise, scale and shift, in x's dtype.
     with_src(&centred, |cs| {

@@ -54,7 +54,7 @@ impl CustomOp1 for Gelu {
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
         ran("gelu backward", true);
-        let (x, dy) = (x.detach().contiguous()?, dy.detach().contiguous()?);
+        let (x, dy) = (x.detach().contiguous()?, dy.detach().to_dtype(DType::F32)?.contiguous()?);
         let dx = f32s(&x, |xs| {
             f32s(&dy, |gs| {
                 Ok(par_fill(xs.len(), 1, |at, o| {
@@ -122,7 +122,7 @@ impl CustomOp3 for LayerNorm {
         ran("layer_norm backward", true);
         let c = g.elem_count();
         let rows = self.inv_std.len();
-        let (g, dy) = (g.detach().contiguous()?, dy.detach().contiguous()?);
+        let (g, dy) = (g.detach().contiguous()?, dy.detach().to_dtype(DType::F32)?.contiguous()?);
         // Pass 1: per row Σd and Σd·x̂; per task, partial column sums of dy·x̂ and dy.
         let (row_sums, dg, db) = f32s(&self.centred, |cs| {
             f32s(&g, |gs| {
@@ -204,7 +204,7 @@ impl CustomOp1 for Softmax {
     fn bwd(&self, _s: &Tensor, p: &Tensor, dp: &Tensor) -> candle_core::Result<Option<Tensor>> {
         ran("softmax backward", true);
         let n = p.dim(candle_core::D::Minus1)?;
-        let (p, dp) = (p.detach().contiguous()?, dp.detach().contiguous()?);
+        let (p, dp) = (p.detach().contiguous()?, dp.detach().to_dtype(DType::F32)?.contiguous()?);
         let ds = f32s(&p, |ps| {
             f32s(&dp, |gs| {
                 Ok(par_fill(ps.len(), n, |at, o| {
