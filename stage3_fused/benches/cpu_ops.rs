@@ -6,6 +6,10 @@
 //!   Throughput is in FLOPs, so criterion prints GFLOP/s as "Gelem/s".
 //! - `elementwise`: `cpu_kernels::elementwise` (parallel, vectorised, one pass per op) against its
 //!   slow twin, candle's own ops (`Elementwise::Candle`): LayerNorm, GELU, bias add, cast.
+//! - `elementwise-train`: a training step's forward and backward of LayerNorm, GELU and the
+//!   materialised attention's softmax (48 × 512 rows of 512 scores, causal mask) on tracked
+//!   tensors: the engine's ops with their backward (`cpu_kernels/src/elementwise/grad.rs`) against
+//!   candle's autograd of its own ops.
 //! - `fused`: stage 3's fused ops against their slow twins beside them in `ops.rs` (plain candle ops).
 //!
 //! `cargo bench -p stage3_fused --bench cpu_ops` (add `-- gemm` for one group).
@@ -61,6 +65,31 @@ fn elementwise(c: &mut Criterion) {
     group.finish();
 }
 
+fn elementwise_train(c: &mut Criterion) {
+    use candle_core::Var;
+    shared::device::keep_freed_memory(); // as every binary: the scores' 48 MiB tensors reused, not mapped afresh
+    let mut group = c.benchmark_group("elementwise-train");
+    group.sample_size(10).measurement_time(Duration::from_secs(3));
+    let (x, h) = (Var::from_tensor(&randn(&[4, 512, C], 13, 1.0)).unwrap(), Var::from_tensor(&randn(&[4, 512, FF], 14, 1.0)).unwrap());
+    let (g, b) = (Var::from_tensor(&(randn(&[C], 15, 0.02) + 1.0).unwrap()).unwrap(), Var::from_tensor(&randn(&[C], 16, 0.02)).unwrap());
+    let s = Var::from_tensor(&randn(&[4, 12, 512, 512], 17, 1.0)).unwrap(); // (B, n_head, T, T)
+    let mask: Vec<f32> = (0..512 * 512).map(|i| if i % 512 > i / 512 { f32::NEG_INFINITY } else { 0.0 }).collect(); // causal
+    let mask = Tensor::from_vec(mask, (512, 512), &Device::Cpu).unwrap();
+    let (rx, rh, rs) = (randn(&[4, 512, C], 18, 1.0), randn(&[4, 512, FF], 19, 1.0), randn(&[4, 12, 512, 512], 20, 1.0));
+    // ⟨y, r⟩'s backward: the op's forward, its backward, and candle's loss around it.
+    let step = |y: Tensor, r: &Tensor| (y * r).unwrap().sum_all().unwrap().backward().unwrap();
+    for (label, mode) in [("parallel", Elementwise::Parallel), ("candle", Elementwise::Candle)] {
+        group.bench_function(BenchmarkId::new("layer_norm", label), |bn| {
+            bn.iter(|| step(ew::layer_norm(x.as_tensor(), g.as_tensor(), b.as_tensor(), ew::LN_EPS, mode).unwrap(), &rx))
+        });
+        group.bench_function(BenchmarkId::new("gelu_tanh", label), |bn| bn.iter(|| step(ew::gelu_tanh(h.as_tensor(), mode).unwrap(), &rh)));
+        group.bench_function(BenchmarkId::new("masked_softmax", label), |bn| {
+            bn.iter(|| step(ew::softmax_last_dim(&s.as_tensor().broadcast_add(&mask).unwrap(), mode).unwrap(), &rs))
+        });
+    }
+    group.finish();
+}
+
 fn fused(c: &mut Criterion) {
     use stage3_fused::ops;
     let mut group = c.benchmark_group("fused");
@@ -75,5 +104,5 @@ fn fused(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, gemm, elementwise, fused);
+criterion_group!(benches, gemm, elementwise, elementwise_train, fused);
 criterion_main!(benches);
