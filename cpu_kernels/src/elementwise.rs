@@ -454,13 +454,18 @@ fn produce(
             });
             Tensor::from_vec(out, shape, &Device::Cpu)
         }
-        _ => {
-            // SAFETY: the chunks cover out, and `f` writes each whole (its contract above).
-            let mut out = unsafe { uninit_of::<f32>(n) };
-            out.par_chunks_mut(chunk).enumerate().for_each(|(i, o)| f(i * chunk, o));
-            Tensor::from_vec(out, shape, &Device::Cpu)
-        }
+        _ => Tensor::from_vec(par_fill(n, row, f), shape, &Device::Cpu),
     }
+}
+
+/// n f32s written chunk by chunk on all threads: `f(at, out)` fills [at, at + out.len()), out a
+/// whole number of `row`s.
+fn par_fill(n: usize, row: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    let chunk = (CHUNK / row.max(1)).max(1) * row.max(1);
+    // SAFETY: the chunks cover the vector and `f` writes each whole (its contract).
+    let mut out = unsafe { uninit_of::<f32>(n) };
+    out.par_chunks_mut(chunk).enumerate().for_each(|(i, o)| f(i * chunk, o));
+    out
 }
 
 /// y = f(x) element-wise, one parallel pass, in x's dtype.

@@ -9,7 +9,7 @@
 //! f32 only (a training step's activations on the CPU); anything else takes candle's ops.
 //! Slow twins: candle's autograd of the same primitives (`--elementwise candle`), in the tests.
 
-use super::{gelu_tanh_grad, map_slice, ran, uninit_of, with_src, Src, CHUNK};
+use super::{gelu_tanh_grad, map_slice, par_fill, ran, with_src, Src, CHUNK};
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -24,16 +24,6 @@ fn f32s<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> candle_core::Result<R>) -> cand
         Src::F32(v) => f(v),
         Src::Bf16(_) => bail!("grad: expected an f32 tensor"),
     })
-}
-
-/// n f32s written chunk by chunk on all threads: `f(at, out)` fills [at, at + out.len()), out a
-/// whole number of `row`s.
-fn par_fill(n: usize, row: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
-    let chunk = (CHUNK / row.max(1)).max(1) * row.max(1);
-    // SAFETY: the chunks cover the vector and `f` writes each whole (its contract).
-    let mut out = unsafe { uninit_of::<f32>(n) };
-    out.par_chunks_mut(chunk).enumerate().for_each(|(i, o)| f(i * chunk, o));
-    out
 }
 
 /// GELU's last pass, y = 0.5·t with t = (1 + tanh(√(2/π)(x + 0.044715x³)))·x from the first
