@@ -464,7 +464,11 @@ fn report_lists_every_stage_with_its_reason() {
     for spec in ladder::default_stages() {
         assert!(o.stdout.contains(spec.name()), "{} missing:\n{}", spec.name(), o.stdout);
     }
-    let why = if cpu_kernels::bf16_gemm::Kernel::detect().is_native() { "auto on CPU: this CPU's" } else { "auto on CPU: no bf16 units" };
+    let why = if cpu_kernels::bf16_gemm::Kernel::detect().is_native() {
+        "auto on CPU: bf16 GEMMs on this CPU's"
+    } else {
+        "auto on CPU: no bf16 units"
+    };
     assert!(o.stdout.contains(why), "{}", o.stdout);
     // An override the device cannot do is reported per stage, not a crash.
     let o = ladder(&["report", "--preset", "tiny", "--precision", "tf32"]);

@@ -70,7 +70,7 @@ pub fn choose_with(info: &DeviceInfo, requested: PrecisionRequest, cpu: Kernel) 
     };
     match requested {
         PrecisionRequest::Auto => Ok(if !info.is_cuda() && cpu.is_native() {
-            (Precision::Bf16, format!("auto on CPU: {} runs bf16 GEMMs (two bf16 products per f32 lane per instruction), f32 accumulate; LayerNorm, softmax and the residual stay f32", unit(cpu)))
+            (Precision::Bf16, format!("auto on CPU: bf16 GEMMs on {}, f32 accumulate; LayerNorm, softmax and the residual stay f32", unit(cpu)))
         } else if !info.is_cuda() {
             (Precision::Fp32, "auto on CPU: no bf16 units (AVX512-BF16, AMX-BF16) and no tensor cores, so fp32 is fastest (bf16/f16 GEMMs convert their operands and run slower)".into())
         } else if info.has_bf16_tensor_cores() {
@@ -112,8 +112,8 @@ pub fn choose_with(info: &DeviceInfo, requested: PrecisionRequest, cpu: Kernel) 
 /// The CPU unit behind a kernel, for the reader.
 fn unit(k: Kernel) -> &'static str {
     match k {
-        Kernel::Amx => "this CPU's AMX-BF16 tiles",
-        Kernel::Avx512Bf16 => "this CPU's AVX512-BF16 (vdpbf16ps)",
+        Kernel::Amx => "this CPU's AMX-BF16 tiles (tdpbf16ps: a 16 × 16 × 32 tile product per instruction)",
+        Kernel::Avx512Bf16 => "this CPU's AVX512-BF16 (vdpbf16ps: two bf16 products per f32 lane per instruction)",
         Kernel::Mkl => "MKL's bf16 GEMM (cblas_gemm_bf16bf16f32)",
         Kernel::ConvertedF32 => "no bf16 unit",
     }

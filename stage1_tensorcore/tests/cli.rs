@@ -29,7 +29,7 @@ fn auto_on_cpu_follows_its_bf16_unit_and_says_why() {
     assert!(o.status.success(), "{}", text(&o));
     let kernel = Kernel::detect_with(None);
     if kernel.is_native() {
-        assert!(text(&o).contains("precision bf16 (stage1_tensorcore) — auto on CPU: this CPU's"), "{}", text(&o));
+        assert!(text(&o).contains("precision bf16 (stage1_tensorcore) — auto on CPU: bf16 GEMMs on this CPU's"), "{}", text(&o));
         assert!(text(&o).contains(&format!("bf16 GEMMs {}", kernel.name())), "{}", text(&o));
     } else {
         assert!(text(&o).contains("precision fp32 (stage1_tensorcore) — auto on CPU: no bf16 units"), "{}", text(&o));
