@@ -1195,7 +1195,7 @@ unsafe fn transpose_16x16_avx512(m: &[u32; 256], out: &mut [u32]) {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn transpose_16x16_registers(mut r: [std::arch::x86_64::__m512i; 16], out: &mut [u32]) {
+pub(crate) unsafe fn transpose_16x16_registers(mut r: [std::arch::x86_64::__m512i; 16], out: &mut [u32]) {
     use std::arch::x86_64::*;
     let mut t = [_mm512_setzero_si512(); 16];
     for i in (0..16).step_by(2) {

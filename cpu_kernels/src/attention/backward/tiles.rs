@@ -24,6 +24,8 @@
 
 use super::{row_statistics, HeadIo, Rows, BC, BR};
 use crate::attention::registers::{Avx2, Avx512, Simd, MR};
+use crate::bf16_gemm::Lines;
+use crate::elementwise::uninit_of;
 
 /// AVX-512: 12 × 32 register tiles.
 ///
@@ -336,12 +338,11 @@ unsafe fn tile<S: Simd, const NV: usize>(
 pub(super) unsafe fn head_bwd_bf16(io: &HeadIo, t: usize, d: usize, scale: f32, causal: bool) -> [Vec<f32>; 3] {
     use std::arch::x86_64::*;
     assert!(d.is_multiple_of(16), "register head sizes are multiples of 16");
-    let HeadIo { q, k, v, d_o, .. } = *io;
     let (lse, delta) = row_statistics(io, t, d, scale, causal);
     let (dp2, tp) = (d / 2, t.div_ceil(2)); // channel pairs, row pairs
-    let (qp, dop) = (channel_pairs(q, t, d, t), channel_pairs(d_o, t, d, t));
-    let (ktp, vtp) = (key_pair_panels(k, t, d), key_pair_panels(v, t, d));
-    let (krp, qrp, dorp) = (row_pair_panels(k, t, d, tp), row_pair_panels(q, t, d, tp), row_pair_panels(d_o, t, d, tp));
+    let mut layouts = PairLayouts::zeroed(t, d, t, tp);
+    layouts.fill(io, t, d, tp);
+    let PairLayouts { qp, dop, ktp, vtp, krp, qrp, dorp, .. } = layouts;
     let keys = |panels: &[u32], j0: usize| {
         let base = panels.as_ptr();
         move |c0: usize| (base.add((j0 + c0) / PAIR_NR * dp2 * PAIR_NR), PAIR_NR)
@@ -409,22 +410,26 @@ pub(super) unsafe fn head_bwd_bf16(io: &HeadIo, t: usize, d: usize, scale: f32, 
 }
 
 /// The same backward with every product on AMX tiles (`tdpbf16ps`, the GEMM's 2 × 2 tile
-/// product `amx::tile_product`), in blocks of 32 keys × 32 query rows: S and dP are one 32 × 32
-/// product each over the channel pairs (A: Q_i's or dO_i's channel pairs, B: Kᵀ's or Vᵀ's key
-/// panels, as the forward's scores); P and dS, rounded to bf16, are then laid out for the three
-/// accumulating products:
+/// product `amx::tile_product`) in blocks of 32 keys × 32 query rows, ordered so that each
+/// accumulating product runs its whole contraction in tile registers, its C tiles stored once:
 ///
 /// ```text
-/// product                 contraction   A (16 rows × 16 pairs a tile)     B (16 pairs × 16 columns)
-/// dV_jᵀ += dO_iᵀ P        query rows    dOᵀ: channel rows of row pairs    P's row pairs (keys across)
-/// dK_jᵀ += Q_iᵀ dS        query rows    Qᵀ: channel rows of row pairs     dS's row pairs
-/// dQ_i  += dS K_j         keys          dS's key pairs (rows: queries)    K: channel panels of key pairs
+/// product                 contraction         A (16 rows × 16 pairs a tile)      B (16 pairs × 16 columns)
+/// S  = Q_i K_jᵀ            channels            Q_i's channel pairs                Kᵀ: key panels of channel pairs
+/// dP = dO_i V_jᵀ           channels            dO_i's channel pairs               Vᵀ: key panels of channel pairs
+/// dV_j = Pᵀ dO             every query row     Pᵀ: key rows of query-row pairs    dO: channel panels of row pairs
+/// dK_j = dS'ᵀ Q            every query row     dS'ᵀ: key rows of query-row pairs  Q: channel panels of row pairs
+/// dQ_i += dS' K            a group's keys      dS': query rows of key pairs       K: channel panels of key pairs
 /// ```
 ///
-/// dV and dK are accumulated transposed ((d, T): keys across, so the tile's columns are the
-/// block's 32 keys) and transposed back once at the end, with dK's and dQ's scale. Rows past T
-/// are zero in every laid-out operand, and P is zero there, so the padded products add nothing.
-/// Rounding as `head_bwd_bf16` (q, k, v, dO, P and dS to bf16; sums and softmax in f32).
+/// dS' = dS · scale (so dQ and dK need no scaling pass). For each key block j, the loop over its
+/// query blocks computes S and dP, then P and dS' for the 32 × 32 block, and writes them
+/// transposed, as pairs of query rows, into one column of Pᵀ and dS'ᵀ ((32, T/2) each); dV_j and
+/// dK_j are then one product each over every query row the block sees. dS' is also kept as
+/// query rows of key pairs for a group of key blocks (up to `DQ_GROUP_BYTES`, every key at
+/// `small`), and dQ_i gets that group's keys in one product. Rows past T are zero in every
+/// laid-out operand, and P is zero there, so the padded products add nothing. Rounding as
+/// `head_bwd_bf16` (q, k, v, dO, P and dS' to bf16; sums and softmax in f32).
 ///
 /// # Safety
 /// `registers::bf16::amx_runs(d)`: AVX512-F, AVX512-BF16 and AMX-BF16, the tile state granted;
@@ -434,138 +439,280 @@ pub(super) unsafe fn head_bwd_amx(io: &HeadIo, t: usize, d: usize, scale: f32, c
     use crate::bf16_gemm::amx::{self, tile_product, TileOperands};
     use std::arch::x86_64::*;
     const B: usize = 32; // keys and query rows per block
-    assert!(d.is_multiple_of(32) && t > 0, "AMX head sizes are multiples of 32");
-    let HeadIo { q, k, v, d_o, .. } = *io;
+    assert!(d.is_multiple_of(32) && d <= 128 && t > 0, "AMX head sizes are multiples of 32 up to 128");
     let (lse, delta) = row_statistics(io, t, d, scale, causal);
     let (dp2, tb) = (d / 2, t.next_multiple_of(B)); // channel pairs; T padded to whole blocks
-    let tp = tb / 2; // row pairs, padded
-                     // Operands, zero past T: channel pairs (tb, d/2); key panels (tb/32 panels of (d/2, 32));
-                     // K's channel panels of key pairs (d/32 panels of (tp, 32)); Qᵀ and dOᵀ as (d, tp) row pairs.
-    let (qp, dop) = (channel_pairs(q, t, d, tb), channel_pairs(d_o, t, d, tb));
-    let (ktp, vtp) = (key_pair_panels(k, t, d), key_pair_panels(v, t, d));
-    let krp = row_pair_panels(k, t, d, tp);
-    // Qᵀ and dOᵀ: X's row pairs (the channel panels of `row_pair_panels`), transposed 16 × 16
-    // pairs at a time in registers; tp is a multiple of 16.
-    let transposed_row_pairs = |x: Rows| {
-        let rp = row_pair_panels(x, t, d, tp);
-        let mut out = vec![0u32; d * tp];
-        for c0 in (0..d).step_by(PAIR_NR) {
-            let panel = &rp[tp * c0..][..tp * PAIR_NR]; // (tp, 32): pair r' of channel c0 + x at [r'][x]
-            for r0 in (0..tp).step_by(16) {
-                for x0 in (0..PAIR_NR).step_by(16) {
-                    let mut m = [0u32; 256]; // row i: pairs r0 + i, channels c0 + x0..+16
-                    for (i, row) in m.chunks_exact_mut(16).enumerate() {
-                        row.copy_from_slice(&panel[(r0 + i) * PAIR_NR + x0..][..16]);
-                    }
-                    let mut tr = [0u32; 256]; // row c: channel c0 + x0 + c, pairs r0..r0 + 16
-                    crate::bf16_gemm::transpose_16x16(&m, &mut tr);
-                    for c in 0..16 {
-                        out[(c0 + x0 + c) * tp + r0..][..16].copy_from_slice(&tr[16 * c..][..16]);
-                    }
-                }
-            }
-        }
-        out
-    };
-    let (qt, dot) = (transposed_row_pairs(q), transposed_row_pairs(d_o));
-    let mut dq = vec![0f32; tb * d];
-    let (mut dkt, mut dvt) = (vec![0f32; d * tb], vec![0f32; d * tb]); // dKᵀ, dVᵀ: (d, tb)
-    let (mut s, mut dp) = ([[0f32; B]; B], [[0f32; B]; B]); // S then P; dP then dS
-    let (mut p_rows, mut ds_rows, mut ds_keys) = ([[0u32; B]; B / 2], [[0u32; B]; B / 2], [[0u32; B / 2]; B]);
+    let tp = tb / 2; // query-row (and key) pairs, padded
+                     // dS' as query rows of key pairs, `group` key blocks at a time: (tb, ldk).
+    let group = (DQ_GROUP_BYTES / (tb * B / 2 * 4)).clamp(1, tb / B);
+    // Row strides one cache line past a multiple of 64 bytes: a tile's 16 rows 1 or 4 KiB
+    // apart would share a few L1 sets (at T = 2048 all 16 one set, past its ways).
+    let ldk = group * B / 2 + 16;
+    let ldt = tp + 16; // Pᵀ's and dS'ᵀ's row stride
+                       // This worker's buffers from its previous head of the same shape (their padding zero, the
+                       // rest overwritten below), else new ones: a head's are 1 MiB at `small`, which zeroed
+                       // afresh per head took a tenth of the backward.
+    let mut scratch = AMX_SCRATCH.take().filter(|s| s.shape == (t, d)).unwrap_or_else(|| AmxScratch {
+        shape: (t, d),
+        layouts: PairLayouts::zeroed(t, d, tb, tp),
+        dsk: Lines::zeroed(tb * ldk),
+        pt: Lines::zeroed(B * ldt),
+        dst: Lines::zeroed(B * ldt),
+    });
+    scratch.layouts.fill(io, t, d, tp);
+    let AmxScratch { layouts: PairLayouts { qp, dop, ktp, vtp, krp, qrp, dorp, .. }, dsk, pt, dst, .. } = &mut scratch;
+    // dQ, dK, dV: every element written by a product below (C from zero where it starts).
+    // SAFETY: written whole before read, as said; f32 is valid in every bit pattern.
+    let (mut dq, mut dk, mut dv) = unsafe { (uninit_of::<f32>(tb * d), uninit_of::<f32>(tb * d), uninit_of::<f32>(tb * d)) };
+    // S then P; dP then dS': 32 × 32 f32 each, on 64-byte lines (a tile row across two lines
+    // loads and stores at a fraction of the speed).
+    #[repr(C, align(64))]
+    struct Block([[f32; B]; B]);
+    let (mut s, mut dp) = (Block([[0f32; B]; B]), Block([[0f32; B]; B]));
+    let (s, dp) = (&mut s.0, &mut dp.0);
+    let mut tr = [0u32; 256];
     let sv = _mm512_set1_ps(scale);
     amx::configure();
-    for j0 in (0..t).step_by(B) {
-        let bc = B.min(t - j0);
-        let i_first = if causal { j0 } else { 0 };
-        for i0 in (i_first..t).step_by(B) {
-            let br = B.min(t - i0);
-            // S = Q_i K_jᵀ, dP = dO_i V_jᵀ: 32 × 32 each, over d/2 channel pairs (C from zero).
-            let scores = |a: &[u32], b: &[u32]| TileOperands {
-                a: a.as_ptr().add(i0 * dp2) as *const u8,
-                lda: dp2 * 4,
-                a_step: 64,
-                b: b.as_ptr().add(j0 * dp2) as *const u8, // key panel j0/32: (d/2, 32)
-                ldb: B * 4,
-                b_step: 16 * B * 4,
-            };
-            tile_product(d / 32, &scores(&qp, &ktp), s.as_mut_ptr() as *mut u8, B * 4, false);
-            tile_product(d / 32, &scores(&dop, &vtp), dp.as_mut_ptr() as *mut u8, B * 4, false);
-            for r in 0..B {
-                // Keys row r sees (all, or up to its own position); none for rows past T.
-                let n = if r >= br {
-                    0
-                } else if causal {
-                    bc.min((i0 + r + 1).saturating_sub(j0))
-                } else {
-                    bc
-                };
-                let row = &mut s[r];
-                for c in (0..B).step_by(16) {
-                    _mm512_storeu_ps(row.as_mut_ptr().add(c), _mm512_mul_ps(_mm512_loadu_ps(row.as_ptr().add(c)), sv));
-                }
-                if n > 0 {
-                    <Avx512 as Simd>::exp_sum(&mut row[..n], lse[i0 + r]); // P = exp(S·scale − L)
-                }
-                row[n..].fill(0.0); // masked, or past T: P = 0, so dS = 0
-                let di = if r < br { delta[i0 + r] } else { 0.0 };
-                for (g, &p) in dp[r].iter_mut().zip(row.iter()) {
-                    *g = p * (*g - di); // dS = P ∘ (dP − D_i), in place of dP
-                }
-                f32_pairs(&dp[r], &mut ds_keys[r]); // dS's key pairs: A of dQ
-            }
-            for r2 in 0..B / 2 {
-                use crate::bf16_gemm::Operand;
-                f32::pairs_across(&s[2 * r2], &s[2 * r2 + 1], &mut p_rows[r2]); // P's row pairs
-                f32::pairs_across(&dp[2 * r2], &dp[2 * r2 + 1], &mut ds_rows[r2]);
-                // dS's row pairs
-            }
-            for c0 in (0..d).step_by(32) {
-                // dV_jᵀ += dO_iᵀ P and dK_jᵀ += Q_iᵀ dS: 32 channels × 32 keys, 16 row pairs.
-                let transposed = |a: &[u32], b: &[[u32; B]; B / 2]| TileOperands {
-                    a: a.as_ptr().add(c0 * tp + i0 / 2) as *const u8,
-                    lda: tp * 4,
+    for g0 in (0..tb).step_by(group * B) {
+        let g1 = (g0 + group * B).min(tb);
+        for j0 in (g0..g1).step_by(B) {
+            let bc = B.min(t - j0);
+            let i_first = if causal { j0 } else { 0 };
+            for i0 in (i_first..tb).step_by(B) {
+                let br = B.min(t - i0);
+                // S = Q_i K_jᵀ, dP = dO_i V_jᵀ: 32 × 32 each, over d/2 channel pairs (C from zero).
+                let scores = |a: &[u32], b: &[u32]| TileOperands {
+                    a: a.as_ptr().add(i0 * dp2) as *const u8,
+                    lda: dp2 * 4,
                     a_step: 64,
-                    b: b.as_ptr() as *const u8,
+                    b: b.as_ptr().add(j0 * dp2) as *const u8, // key panel j0/32: (d/2, 32)
                     ldb: B * 4,
                     b_step: 16 * B * 4,
                 };
-                tile_product(1, &transposed(&dot, &p_rows), dvt.as_mut_ptr().add(c0 * tb + j0) as *mut u8, tb * 4, true);
-                tile_product(1, &transposed(&qt, &ds_rows), dkt.as_mut_ptr().add(c0 * tb + j0) as *mut u8, tb * 4, true);
-                // dQ_i += dS K_j: 32 rows × 32 channels, 16 key pairs.
-                let ops = TileOperands {
-                    a: ds_keys.as_ptr() as *const u8,
-                    lda: B / 2 * 4,
+                tile_product(d / 32, &scores(qp, ktp), s.as_mut_ptr() as *mut u8, B * 4, false);
+                tile_product(d / 32, &scores(dop, vtp), dp.as_mut_ptr() as *mut u8, B * 4, false);
+                for r in 0..B {
+                    // Keys row r sees (all, or up to its own position); none for rows past T.
+                    let n = if r >= br {
+                        0
+                    } else if causal {
+                        bc.min((i0 + r + 1).saturating_sub(j0))
+                    } else {
+                        bc
+                    };
+                    let row = &mut s[r];
+                    for c in (0..B).step_by(16) {
+                        _mm512_storeu_ps(row.as_mut_ptr().add(c), _mm512_mul_ps(_mm512_loadu_ps(row.as_ptr().add(c)), sv));
+                    }
+                    if n > 0 {
+                        <Avx512 as Simd>::exp_sum(&mut row[..n], lse[i0 + r]); // P = exp(S·scale − L)
+                    }
+                    row[n..].fill(0.0); // masked, or past T: P = 0, so dS' = 0
+                    let di = if r < br { delta[i0 + r] } else { 0.0 };
+                    for (g, &p) in dp[r].iter_mut().zip(row.iter()) {
+                        *g = p * (*g - di) * scale; // dS' = P ∘ (dP − D_i) · scale, in place of dP
+                    }
+                    // dS''s key pairs in the group's columns: A of dQ
+                    let pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(dp[r].as_ptr().add(16)), _mm512_loadu_ps(dp[r].as_ptr()));
+                    let at = &mut dsk[(i0 + r) * ldk + (j0 - g0) / 2..][..B / 2];
+                    _mm512_storeu_si512(at.as_mut_ptr() as *mut __m512i, std::mem::transmute::<__m512bh, __m512i>(pairs));
+                }
+                // Pᵀ and dS'ᵀ: the block's 16 row pairs of 16 keys at a time, transposed in
+                // registers into column i0/2 of 16 key rows.
+                for (x, xt) in [(&s, &mut **pt), (&dp, &mut **dst)] {
+                    for k0 in (0..B).step_by(16) {
+                        let rows: [__m512i; 16] = std::array::from_fn(|r2| {
+                            let (lo, hi) = (_mm512_loadu_ps(x[2 * r2].as_ptr().add(k0)), _mm512_loadu_ps(x[2 * r2 + 1].as_ptr().add(k0)));
+                            _mm512_or_si512(round16(lo), _mm512_slli_epi32::<16>(round16(hi)))
+                        });
+                        crate::bf16_gemm::transpose_16x16_registers(rows, &mut tr);
+                        for j in 0..16 {
+                            xt[(k0 + j) * ldt + i0 / 2..][..16].copy_from_slice(&tr[16 * j..][..16]);
+                        }
+                    }
+                }
+            }
+            // dV_j = Pᵀ dO and dK_j = dS'ᵀ Q: 32 keys × 32 channels, over every query row
+            // from i_first (16 row pairs a step), C stored once.
+            let steps = (tb - i_first) / B;
+            for c0 in (0..d).step_by(B) {
+                let ops = |a: &[u32], b: &[u32]| TileOperands {
+                    a: a.as_ptr().add(i_first / 2) as *const u8,
+                    lda: ldt * 4,
                     a_step: 64,
-                    b: krp.as_ptr().add(tp * c0 + (j0 / 2) * PAIR_NR) as *const u8,
+                    b: b.as_ptr().add(tp * c0 + i_first / 2 * PAIR_NR) as *const u8,
                     ldb: PAIR_NR * 4,
                     b_step: 16 * PAIR_NR * 4,
                 };
-                tile_product(1, &ops, dq.as_mut_ptr().add(i0 * d + c0) as *mut u8, d * 4, true);
+                tile_product(steps, &ops(pt, dorp), dv.as_mut_ptr().add(j0 * d + c0) as *mut u8, d * 4, false);
+                tile_product(steps, &ops(dst, qrp), dk.as_mut_ptr().add(j0 * d + c0) as *mut u8, d * 4, false);
+            }
+        }
+        // dQ_i += dS' K over the group's key blocks (up to i's own under the mask), 16 key
+        // pairs a step; the first group starts C from zero.
+        for i0 in (if causal { g0 } else { 0 }..tb).step_by(B) {
+            let j1 = if causal { g1.min(i0 + B) } else { g1 };
+            for c0 in (0..d).step_by(B) {
+                let ops = TileOperands {
+                    a: dsk.as_ptr().add(i0 * ldk) as *const u8,
+                    lda: ldk * 4,
+                    a_step: 64,
+                    b: krp.as_ptr().add(tp * c0 + g0 / 2 * PAIR_NR) as *const u8,
+                    ldb: PAIR_NR * 4,
+                    b_step: 16 * PAIR_NR * 4,
+                };
+                tile_product((j1 - g0) / B, &ops, dq.as_mut_ptr().add(i0 * d + c0) as *mut u8, d * 4, g0 > 0);
             }
         }
     }
     amx::release();
-    // dQ · scale; dK = (dKᵀ)ᵀ · scale, dV = (dVᵀ)ᵀ: (T, d) rows.
-    dq.truncate(t * d);
-    dq.iter_mut().for_each(|x| *x *= scale);
-    let back = |xt: &[f32], alpha: f32| {
-        // 16 × 16 blocks transposed in registers (as bits); tb is a multiple of 32, d of 16.
-        let mut out = vec![0f32; t * d];
-        for c0 in (0..d).step_by(16) {
-            for r0 in (0..t).step_by(16) {
-                let m: [u32; 256] = std::array::from_fn(|i| xt[(c0 + i / 16) * tb + r0 + i % 16].to_bits());
-                let mut tr = [0u32; 256]; // row j: position r0 + j, channels c0..c0 + 16
-                crate::bf16_gemm::transpose_16x16(&m, &mut tr);
-                for j in 0..16.min(t - r0) {
-                    for (y, &bits) in out[(r0 + j) * d + c0..][..16].iter_mut().zip(&tr[16 * j..][..16]) {
-                        *y = f32::from_bits(bits) * alpha;
-                    }
+    AMX_SCRATCH.set(Some(scratch));
+    for x in [&mut dq, &mut dk, &mut dv] {
+        x.truncate(t * d);
+    }
+    [dq, dk, dv]
+}
+
+/// A worker's AMX backward buffers for heads of one (T, d).
+struct AmxScratch {
+    shape: (usize, usize),
+    layouts: PairLayouts,
+    /// dS' as query rows of key pairs: (tb, ldk), a group of key blocks.
+    dsk: Lines<u32>,
+    /// Pᵀ and dS'ᵀ of one key block: key j's pair r' (query rows 2r', 2r' + 1) at [j·ldt + r'].
+    pt: Lines<u32>,
+    dst: Lines<u32>,
+}
+
+thread_local! {
+    static AMX_SCRATCH: std::cell::Cell<Option<AmxScratch>> = const { std::cell::Cell::new(None) };
+}
+
+/// The most bytes of dS' (as query rows of key pairs) the AMX backward keeps for dQ: 512 KiB,
+/// every key block of a head up to T = 512 (a quarter of a 2 MiB L2), fewer at longer T.
+const DQ_GROUP_BYTES: usize = 512 << 10;
+
+/// 16 f32 rounded to bf16, each in the low half of a 32-bit lane.
+///
+/// # Safety
+/// The CPU supports AVX512-F and AVX512-BF16.
+#[inline(always)]
+unsafe fn round16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x)))
+}
+
+/// Every operand layout the bf16 backwards read, rounded to bf16 (see `head_bwd_bf16`'s
+/// table). Zero past T.
+struct PairLayouts {
+    /// Q's and dO's channel pairs: (rows, d/2).
+    qp: Lines<u32>,
+    dop: Lines<u32>,
+    /// Kᵀ and Vᵀ in panels of PAIR_NR keys: panel p is (d/2, PAIR_NR), pair c' of key
+    /// p·PAIR_NR + x at [c'][x].
+    ktp: Lines<u32>,
+    vtp: Lines<u32>,
+    /// K, Q and dO in panels of PAIR_NR channels with row pairs: the panel of channels c0..c0 +
+    /// w (w = PAIR_NR, the last narrower) is (tp, w) at c0·tp, pair r' of channel c0 + x at
+    /// [r'][x] (rows 2r' and 2r' + 1).
+    krp: Lines<u32>,
+    qrp: Lines<u32>,
+    dorp: Lines<u32>,
+    /// K's, then V's, channel pairs (T, d/2), on their way into the key panels.
+    along: Lines<u32>,
+}
+
+impl PairLayouts {
+    /// Zeros for heads of T rows: `rows` ≥ T rows of channel pairs, tp ≥ ⌈T/2⌉ row pairs.
+    fn zeroed(t: usize, d: usize, rows: usize, tp: usize) -> Self {
+        let dp2 = d / 2;
+        PairLayouts {
+            qp: Lines::zeroed(rows * dp2),
+            dop: Lines::zeroed(rows * dp2),
+            ktp: Lines::zeroed(t.div_ceil(PAIR_NR) * dp2 * PAIR_NR),
+            vtp: Lines::zeroed(t.div_ceil(PAIR_NR) * dp2 * PAIR_NR),
+            krp: Lines::zeroed(tp * d),
+            qrp: Lines::zeroed(tp * d),
+            dorp: Lines::zeroed(tp * d),
+            along: Lines::zeroed(t * dp2),
+        }
+    }
+
+    /// One head's layouts, in one pass over each input's rows: two neighbouring rows are loaded
+    /// once, and their pairs along the channels and across the two rows are made from the same
+    /// registers (the rows lie 3·C f32 apart in stage 3's QKV output, so each first read misses
+    /// the cache; a pass per layout, seven of them, was a quarter of the AMX backward's time).
+    /// Writes every pair of the first T rows (⌈T/2⌉ row pairs); the padding past them stays as
+    /// `zeroed` left it.
+    ///
+    /// # Safety
+    /// The CPU supports AVX512-F and AVX512-BF16; d is a multiple of 16, at most 128; self is
+    /// `zeroed(t, d, ·, tp)` (or filled since).
+    #[inline(always)]
+    unsafe fn fill(&mut self, io: &HeadIo, t: usize, d: usize, tp: usize) {
+        let HeadIo { q, k, v, d_o, .. } = *io;
+        lay_out_rows(q, t, d, tp, &mut self.qp, Some(&mut self.qrp));
+        lay_out_rows(d_o, t, d, tp, &mut self.dop, Some(&mut self.dorp));
+        lay_out_rows(k, t, d, tp, &mut self.along, Some(&mut self.krp));
+        pair_key_panels(&self.along, t, d / 2, &mut self.ktp);
+        lay_out_rows(v, t, d, tp, &mut self.along, None);
+        pair_key_panels(&self.along, t, d / 2, &mut self.vtp);
+    }
+}
+
+/// X's T rows as channel pairs into `along` ((T, d/2) and beyond), and, where asked, as row
+/// pairs into `across` (channel panels of (tp, w), as `PairLayouts::krp`).
+///
+/// # Safety
+/// As `pair_layouts`; along holds T·d/2 pairs, across tp·d.
+#[inline(always)]
+unsafe fn lay_out_rows(x: Rows, t: usize, d: usize, tp: usize, along: &mut [u32], mut across: Option<&mut [u32]>) {
+    use std::arch::x86_64::*;
+    let dp2 = d / 2;
+    assert!(d.is_multiple_of(16) && d <= 128 && along.len() >= t * dp2 && across.as_ref().is_none_or(|a| a.len() >= tp * d));
+    let zeros = [0f32; 128];
+    for r2 in 0..t.div_ceil(2) {
+        let lo = x.row(2 * r2, d);
+        let hi = if 2 * r2 + 1 < t { x.row(2 * r2 + 1, d) } else { &zeros[..d] };
+        for c in (0..d).step_by(32) {
+            let l0 = _mm512_loadu_ps(lo.as_ptr().add(c));
+            let h0 = _mm512_loadu_ps(hi.as_ptr().add(c));
+            let whole = c + 32 <= d;
+            let (l1, h1) = match whole {
+                true => (_mm512_loadu_ps(lo.as_ptr().add(c + 16)), _mm512_loadu_ps(hi.as_ptr().add(c + 16))),
+                false => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+            };
+            // Pairs along the channels: c/2.. of each row (8 of them in a last half panel).
+            let n = if whole { 0xffff } else { 0x00ff };
+            for (r, l, h) in [(2 * r2, l0, l1), (2 * r2 + 1, h0, h1)] {
+                if r < t {
+                    let pairs = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(h, l));
+                    _mm512_mask_storeu_epi32(along.as_mut_ptr().add(r * dp2 + c / 2) as *mut i32, n, pairs);
+                }
+            }
+            // Pairs across the two rows: row pair r2 of channels c.. in the panel at c·tp.
+            if let Some(rp) = across.as_deref_mut() {
+                let w = PAIR_NR.min(d - c);
+                let at = rp.as_mut_ptr().add(tp * c + r2 * w);
+                _mm512_storeu_si512(at as *mut __m512i, _mm512_or_si512(round16(l0), _mm512_slli_epi32::<16>(round16(h0))));
+                if whole {
+                    _mm512_storeu_si512(at.add(16) as *mut __m512i, _mm512_or_si512(round16(l1), _mm512_slli_epi32::<16>(round16(h1))));
                 }
             }
         }
-        out
-    };
-    [dq, back(&dkt, scale), back(&dvt, 1.0)]
+    }
+}
+
+/// Channel pairs (T, dp2) into key panels of PAIR_NR keys ((dp2, PAIR_NR) each, as
+/// `PairLayouts::ktp`).
+#[inline(always)]
+fn pair_key_panels(along: &[u32], t: usize, dp2: usize, out: &mut [u32]) {
+    for (r, row) in along.chunks_exact(dp2).take(t).enumerate() {
+        let panel = &mut out[r / PAIR_NR * dp2 * PAIR_NR..][..dp2 * PAIR_NR];
+        for (c2, &pair) in row.iter().enumerate() {
+            panel[c2 * PAIR_NR + r % PAIR_NR] = pair;
+        }
+    }
 }
 
 /// Columns per bf16 register tile: two vectors of 16 f32.
@@ -601,52 +748,6 @@ fn pairs_of_rows(tile: &[f32], br: usize, bc: usize, out: &mut [u32]) {
         let hi = if 2 * r2 + 1 < br { &tile[(2 * r2 + 1) * BC..][..bc] } else { &ZEROS[..bc] };
         f32::pairs_across(lo, hi, &mut out[r2 * BC..][..bc]);
     }
-}
-
-/// Each of X's T rows as d/2 channel pairs: (rows, d/2) u32, rows ≥ T, zero past T.
-#[inline(always)]
-fn channel_pairs(x: Rows, t: usize, d: usize, rows: usize) -> Vec<u32> {
-    let mut out = vec![0u32; rows * d / 2];
-    for (r, row) in out.chunks_exact_mut(d / 2).enumerate().take(t) {
-        f32_pairs(x.row(r, d), row);
-    }
-    out
-}
-
-/// Xᵀ in panels of PAIR_NR keys with channel pairs: panel p is (d/2, PAIR_NR), pair c' of key
-/// p·PAIR_NR + x at [c'][x]; keys past T are zero.
-#[inline(always)]
-fn key_pair_panels(x: Rows, t: usize, d: usize) -> Vec<u32> {
-    let mut out = vec![0u32; t.div_ceil(PAIR_NR) * d / 2 * PAIR_NR];
-    let mut pairs = vec![0u32; d / 2];
-    for (panel_index, panel) in out.chunks_exact_mut(d / 2 * PAIR_NR).enumerate() {
-        for jj in 0..PAIR_NR.min(t - panel_index * PAIR_NR) {
-            f32_pairs(x.row(panel_index * PAIR_NR + jj, d), &mut pairs);
-            for (c2, &pair) in pairs.iter().enumerate() {
-                panel[c2 * PAIR_NR + jj] = pair;
-            }
-        }
-    }
-    out
-}
-
-/// X in panels of PAIR_NR channels with row pairs: the panel of channels c0..c0 + w (w =
-/// PAIR_NR, the last narrower) is (tp, w) at c0·tp, pair r' of channel c0 + x at [r'][x] (rows
-/// 2r' and 2r' + 1; zero past T). tp ≥ ⌈T/2⌉: pairs past ⌈T/2⌉ (AMX's padded blocks) are zero.
-#[inline(always)]
-fn row_pair_panels(x: Rows, t: usize, d: usize, tp: usize) -> Vec<u32> {
-    use crate::bf16_gemm::Operand;
-    let mut out = vec![0u32; tp * d];
-    let zeros = vec![0f32; d];
-    for c0 in (0..d).step_by(PAIR_NR) {
-        let w = PAIR_NR.min(d - c0);
-        for r2 in 0..t.div_ceil(2) {
-            let lo = &x.row(2 * r2, d)[c0..c0 + w];
-            let hi = if 2 * r2 + 1 < t { &x.row(2 * r2 + 1, d)[c0..c0 + w] } else { &zeros[..w] };
-            f32::pairs_across(lo, hi, &mut out[tp * c0 + r2 * w..][..w]);
-        }
-    }
-    out
 }
 
 /// `product` on pairs: C (m × n, rows `c_rs` apart) = [C +] alpha · Σ_k' A'(i, k')·B'(k', ·)
@@ -744,7 +845,8 @@ mod tests {
     /// The bf16-pair backwards (AVX512-BF16, and AMX tiles where the CPU has them and d is a
     /// multiple of 32) against the f32 register one on the same head (all recompute L), every
     /// register head size, ragged T (odd: half-empty pairs; not a multiple of the tiles or of
-    /// AMX's 32-row blocks), rows strided as in stage 3's QKV views, causal and not: every
+    /// AMX's 32-row blocks; long enough for several of dQ's key groups), rows strided as in
+    /// stage 3's QKV views, causal and not: every
     /// gradient within 2e-2 of its largest value (the inputs, P and dS rounded to bf16). Where
     /// the CPU has no AVX512-BF16 it checks nothing and says so.
     #[test]
@@ -755,9 +857,11 @@ mod tests {
             return;
         }
         for d in crate::attention::registers::D_HEADS {
-            for (t, causal) in [(BC + 45, true), (77, false), (1, true), (64, true), (33, false)] {
+            // T = 1100: the AMX backward's dQ takes its keys in several groups (`DQ_GROUP_BYTES`);
+            // its second head reuses the first's buffers (`AmxScratch`), with other inputs.
+            for (t, causal) in [(BC + 45, true), (77, false), (1, true), (64, true), (33, false), (1100, true), (1100, false)] {
                 let rs = 3 * d; // rows of a (T, 3, d) buffer, one head
-                let data = shared::weights::SplitMix64::new(d as u64 + t as u64).normals(t * rs + 2 * d);
+                let data = shared::weights::SplitMix64::new(d as u64 + t as u64 + causal as u64).normals(t * rs + 2 * d);
                 let o = shared::weights::SplitMix64::new(7).normals(t * d);
                 let d_o = shared::weights::SplitMix64::new(8).normals(t * d);
                 let io = HeadIo {
