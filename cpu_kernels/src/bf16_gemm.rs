@@ -546,6 +546,11 @@ fn check_kernel(kernel: Kernel) -> Result<(), String> {
     Ok(())
 }
 
+/// A value on a 64-byte boundary: a fixed-size tile buffer on the stack whose rows AMX loads and
+/// stores (see `Lines` for what a row across two cache lines costs).
+#[repr(C, align(64))]
+pub(crate) struct OnLines<T>(pub T);
+
 /// A buffer of 32-bit words (packed pairs, f32 accumulators) starting on a 64-byte boundary, so
 /// that every 64-byte row of a packed panel is one cache line. A row that straddles two lines
 /// costs two accesses: an AMX tile load (16 such rows) ran 3.3x slower from a 16-byte aligned
@@ -563,6 +568,11 @@ pub struct Lines<T: Copy + Default> {
 struct Line<T: Copy + Default>([T; 16]);
 
 impl<T: Copy + Default> Lines<T> {
+    /// An empty buffer (no allocation), for a `const` initialiser.
+    pub const fn new() -> Self {
+        Lines { lines: Vec::new(), len: 0 }
+    }
+
     /// `len` zeros (`T::default()`).
     pub fn zeroed(len: usize) -> Self {
         let mut buf = Lines { lines: Vec::new(), len: 0 };

@@ -5,6 +5,8 @@
 //!   const generic), and `gemm_tiles`, the other design (Q·Kᵀ and P·V as tile GEMMs on the
 //!   `gemm` crate), each on contiguous inputs (stage 2) and on `strided` views of one
 //!   (B, T, 3, n_head, d_head) tensor (stage 3);
+//! - `bf16_pairs_strided`: stage 3's views in bf16, as it runs at bf16: the kernel's bf16 body
+//!   (AMX tiles where the CPU has them, else `vdpbf16ps`), where this CPU's bf16 unit runs it;
 //! - `row_axpy`: the first CPU kernel, kept as the row-wise twin;
 //! - `slow_twin`: stage 1's attention, which materialises the scores;
 //! - `attention/small-backward`: the FlashAttention-2 backward from the forward's O and L, f32
@@ -41,6 +43,15 @@ fn attention(c: &mut Criterion) {
         let [qs, ks, vs] = [0, 1, 2].map(|i| qkv.i((.., .., i)).unwrap());
         for (kernel, name) in [(CpuKernel::GemmTiles, "gemm_tiles_strided"), (CpuKernel::Registers, "registers_strided")] {
             group.bench_function(BenchmarkId::new(name, t), |bench| bench.iter(|| attention_cpu(kernel, &qs, &ks, &vs, true).unwrap()));
+        }
+        // The same views in bf16, as stage 3 runs them at bf16: bf16 pairs (AMX tiles where the
+        // CPU has them), where this CPU's bf16 unit runs the kernel.
+        if cpu_kernels::attention::registers::bf16::runs(d) {
+            let qkv16 = qkv.to_dtype(candle_core::DType::BF16).unwrap();
+            let [qs, ks, vs] = [0, 1, 2].map(|i| qkv16.i((.., .., i)).unwrap());
+            group.bench_function(BenchmarkId::new("bf16_pairs_strided", t), |bench| {
+                bench.iter(|| attention_cpu(CpuKernel::Registers, &qs, &ks, &vs, true).unwrap())
+            });
         }
         let flat = |x: &Tensor| x.reshape((b, t, h * d)).unwrap();
         let (qf, kf, vf) = (flat(&q), flat(&k), flat(&v));

@@ -24,7 +24,7 @@
 
 use super::{row_statistics, HeadIo, Rows, BC, BR};
 use crate::attention::registers::{Avx2, Avx512, Simd, MR};
-use crate::bf16_gemm::Lines;
+use crate::bf16_gemm::{Lines, OnLines};
 use crate::elementwise::uninit_of;
 
 /// AVX-512: 12 × 32 register tiles.
@@ -466,9 +466,7 @@ pub(super) unsafe fn head_bwd_amx(io: &HeadIo, t: usize, d: usize, scale: f32, c
     let (mut dq, mut dk, mut dv) = unsafe { (uninit_of::<f32>(tb * d), uninit_of::<f32>(tb * d), uninit_of::<f32>(tb * d)) };
     // S then P; dP then dS': 32 × 32 f32 each, on 64-byte lines (a tile row across two lines
     // loads and stores at a fraction of the speed).
-    #[repr(C, align(64))]
-    struct Block([[f32; B]; B]);
-    let (mut s, mut dp) = (Block([[0f32; B]; B]), Block([[0f32; B]; B]));
+    let (mut s, mut dp) = (OnLines([[0f32; B]; B]), OnLines([[0f32; B]; B]));
     let (s, dp) = (&mut s.0, &mut dp.0);
     let mut tr = [0u32; 256];
     let sv = _mm512_set1_ps(scale);

@@ -27,7 +27,7 @@
 use super::{softmax_step, Avx512};
 use super::{BC, MR};
 use crate::attention::HeadRows;
-use crate::bf16_gemm::Kernel;
+use crate::bf16_gemm::{Kernel, Lines, OnLines};
 use crate::elementwise::exp_f32;
 use half::bf16;
 
@@ -38,16 +38,18 @@ const MAX_PAIRS: usize = 64;
 
 thread_local! {
     /// Each worker's packed Kᵀ and V pair panels, reused from head to head.
-    static PACKED: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// On 64-byte lines: AMX loads their rows as tile rows.
+    static PACKED: std::cell::RefCell<(Lines<u32>, Lines<u32>)> = const { std::cell::RefCell::new((Lines::new(), Lines::new())) };
     /// Each worker's S (then P) and P's bf16 pairs for the AMX body (TR rows each, 96 KiB),
     /// reused from head to head: every entry a step reads, the step wrote first.
     #[cfg(target_arch = "x86_64")]
     static SCORES: std::cell::RefCell<ScoreRows> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// S (then P, f32) and P's bf16 pairs, one array per query row of a block.
+/// S (then P, f32) and P's bf16 pairs, one array per query row of a block, each on 64-byte
+/// lines (AMX stores S and loads P as tile rows).
 #[cfg(target_arch = "x86_64")]
-type ScoreRows = (Vec<[f32; BC]>, Vec<[u32; BC / 2]>);
+type ScoreRows = (Vec<OnLines<[f32; BC]>>, Vec<OnLines<[u32; BC / 2]>>);
 
 /// Whether bf16 attention runs on this kernel here: a compiled head size, a CPU with
 /// AVX512-BF16, and `SPEEDKIT_CPU_BF16` not set to `off` (which makes the CPU one without bf16
@@ -221,15 +223,14 @@ fn panels<const D: usize>() -> [(usize, usize); 2 * MAX_PAIRS / NR] {
 /// w ≤ NR), rows paired: key pair j2 of column c0 + cc at t2·c0 + j2·w + cc; pairs past T are
 /// zero (an odd T's last pair has a zero second key).
 #[cfg(target_arch = "x86_64")]
-fn pack_panels<const D: usize>(head: &HeadRows<bf16>, t: usize, pad_pairs: usize, kt: &mut Vec<u32>, vp: &mut Vec<u32>) -> usize {
+fn pack_panels<const D: usize>(head: &HeadRows<bf16>, t: usize, pad_pairs: usize, kt: &mut Lines<u32>, vp: &mut Lines<u32>) -> usize {
     let HeadRows { q, k, v, q_rs, k_rs, v_rs } = *head;
     assert!(
         t > 0 && q.len() >= (t - 1) * q_rs + D && k.len() >= (t - 1) * k_rs + D && v.len() >= (t - 1) * v_rs + D,
         "head rows sized by the caller"
     );
     let dp = D / 2;
-    kt.clear();
-    kt.resize(t.div_ceil(NR) * dp * NR, 0);
+    kt.reset(t.div_ceil(NR) * dp * NR);
     for (p, panel) in kt.chunks_exact_mut(dp * NR).enumerate() {
         let keys = NR.min(t - p * NR);
         if dp.is_multiple_of(16) {
@@ -260,8 +261,7 @@ fn pack_panels<const D: usize>(head: &HeadRows<bf16>, t: usize, pad_pairs: usize
     }
     let pairs = t.div_ceil(2);
     let t2 = pairs.next_multiple_of(pad_pairs);
-    vp.clear();
-    vp.resize(t2 * D, 0);
+    vp.reset(t2 * D);
     for &(c0, w) in &panels::<D>()[..D.div_ceil(NR)] {
         let panel = &mut vp[t2 * c0..][..t2 * w];
         for j2 in 0..pairs {
@@ -316,11 +316,15 @@ unsafe fn attend_amx<const D: usize>(head: &HeadRows<bf16>, t: usize, scale: f32
     // S (then P) and P's bf16 pairs for one step of B_c keys, Q_i's pairs and O_i: 32 rows each.
     // S and P (96 KiB together) in the worker's reused buffers, Q_i and O_i (8 and ≤ 16 KiB) on the stack.
     let (mut s_rows, mut p_rows) = SCORES.take();
-    s_rows.resize(TR, [0f32; BC]);
-    p_rows.resize(TR, [0u32; BC / 2]);
-    let s: &mut [[f32; BC]; TR] = (&mut s_rows[..]).try_into().expect("TR rows");
-    let p16: &mut [[u32; BC / 2]; TR] = (&mut p_rows[..]).try_into().expect("TR rows");
-    let (q_i, o) = (&mut [[0u32; MAX_PAIRS]; TR], &mut [[0f32; D]; TR]);
+    s_rows.resize_with(TR, || OnLines([0f32; BC]));
+    p_rows.resize_with(TR, || OnLines([0u32; BC / 2]));
+    // SAFETY: TR rows each (resized above); OnLines<[T; N]> is repr(C) around the array, whose
+    // size (512 and 256 bytes) is a multiple of its 64-byte alignment, so TR of them are laid out
+    // exactly as [[T; N]; TR].
+    let (s, p16) =
+        unsafe { (&mut *(s_rows.as_mut_ptr() as *mut [[f32; BC]; TR]), &mut *(p_rows.as_mut_ptr() as *mut [[u32; BC / 2]; TR])) };
+    let (mut q_i, mut o) = (OnLines([[0u32; MAX_PAIRS]; TR]), OnLines([[0f32; D]; TR])); // on 64-byte lines too
+    let (q_i, o) = (&mut q_i.0, &mut o.0);
     amx::configure();
     for i0 in (0..t).step_by(TR) {
         let mr = TR.min(t - i0);
