@@ -443,15 +443,17 @@ pub(super) unsafe fn head_bwd_amx(io: &HeadIo, t: usize, d: usize, scale: f32, c
     let (lse, delta) = row_statistics(io, t, d, scale, causal);
     let (dp2, tb) = (d / 2, t.next_multiple_of(B)); // channel pairs; T padded to whole blocks
     let tp = tb / 2; // query-row (and key) pairs, padded
-                     // dS' as query rows of key pairs, `group` key blocks at a time: (tb, ldk).
+
+    // dS' as query rows of key pairs, `group` key blocks at a time: (tb, ldk).
     let group = (DQ_GROUP_BYTES / (tb * B / 2 * 4)).clamp(1, tb / B);
     // Row strides one cache line past a multiple of 64 bytes: a tile's 16 rows 1 or 4 KiB
     // apart would share a few L1 sets (at T = 2048 all 16 one set, past its ways).
     let ldk = group * B / 2 + 16;
     let ldt = tp + 16; // Pᵀ's and dS'ᵀ's row stride
-                       // This worker's buffers from its previous head of the same shape (their padding zero, the
-                       // rest overwritten below), else new ones: a head's are 1 MiB at `small`, which zeroed
-                       // afresh per head took a tenth of the backward.
+
+    // This worker's buffers from its previous head of the same shape (their padding zero, the
+    // rest overwritten below), else new ones: a head's are 1 MiB at `small`, which zeroed
+    // afresh per head took a tenth of the backward.
     let mut scratch = AMX_SCRATCH.take().filter(|s| s.shape == (t, d)).unwrap_or_else(|| AmxScratch {
         shape: (t, d),
         layouts: PairLayouts::zeroed(t, d, tb, tp),
@@ -639,7 +641,7 @@ impl PairLayouts {
     /// One head's layouts, in one pass over each input's rows: two neighbouring rows are loaded
     /// once, and their pairs along the channels and across the two rows are made from the same
     /// registers (the rows lie 3·C f32 apart in stage 3's QKV output, so each first read misses
-    /// the cache; a pass per layout, seven of them, was a quarter of the AMX backward's time).
+    /// the cache; a pass per layout, seven of them, took over a quarter of the AMX backward's time).
     /// Writes every pair of the first T rows (⌈T/2⌉ row pairs); the padding past them stays as
     /// `zeroed` left it.
     ///
