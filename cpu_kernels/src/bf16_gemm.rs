@@ -410,13 +410,24 @@ fn low_bits(n: usize) -> u16 {
     ((1u32 << n) - 1) as u16
 }
 
+/// 16 f32 rounded to bf16, each in the low half of a 32-bit lane.
+///
+/// # Safety
+/// The CPU supports AVX512-F and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn round16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x)))
+}
+
 /// `pairs_across` for f32: 16 values of each row rounded, widened to 32 bits and merged.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn pairs_across_avx512(lo: &[f32], hi: &[f32], out: &mut [u32]) {
     use std::arch::x86_64::*;
     let n = out.len().min(lo.len()).min(hi.len());
-    let round = |x: __m512| -> __m512i { _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x))) };
+    let round = |x: __m512| round16(x);
     let whole = n / 16 * 16;
     for r in (0..whole).step_by(16) {
         let pairs = _mm512_or_si512(

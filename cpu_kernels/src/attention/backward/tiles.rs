@@ -24,7 +24,7 @@
 
 use super::{row_statistics, HeadIo, Rows, BC, BR};
 use crate::attention::registers::{Avx2, Avx512, Simd, MR};
-use crate::bf16_gemm::{Lines, OnLines};
+use crate::bf16_gemm::{round16, Lines, OnLines};
 use crate::elementwise::uninit_of;
 
 /// AVX-512: 12 × 32 register tiles.
@@ -591,16 +591,6 @@ thread_local! {
 /// The most bytes of dS' (as query rows of key pairs) the AMX backward keeps for dQ: 512 KiB,
 /// every key block of a head up to T = 512 (a quarter of a 2 MiB L2), fewer at longer T.
 const DQ_GROUP_BYTES: usize = 512 << 10;
-
-/// 16 f32 rounded to bf16, each in the low half of a 32-bit lane.
-///
-/// # Safety
-/// The CPU supports AVX512-F and AVX512-BF16.
-#[inline(always)]
-unsafe fn round16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
-    use std::arch::x86_64::*;
-    _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x)))
-}
 
 /// Every operand layout the bf16 backwards read, rounded to bf16 (see `head_bwd_bf16`'s
 /// table). Zero past T.
