@@ -234,6 +234,13 @@ pub(crate) struct TileOperands {
     pub b_step: usize,
 }
 
+/// `prefetcht0` of the line holding `p`; an address outside any buffer is ignored (no fault).
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    // SAFETY: a prefetch reads nothing architecturally and never faults.
+    unsafe { core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p as *const i8) }
+}
+
 /// C (32 × 32 f32, rows `ldc` bytes apart) = A (32 rows × 16·steps pairs) · B (16·steps pairs ×
 /// 32 columns) (+ C when `load`; else C's tiles start at zero), 16 pairs per step: C00 += A0·B0,
 /// C01 += A0·B1, C10 += A1·B0, C11 += A1·B1 in tmm0–3, A in tmm4–5 and B in tmm6–7, each tile
@@ -259,6 +266,16 @@ pub(crate) unsafe fn tile_product(steps: usize, ops: &TileOperands, c: *mut u8, 
     let TileOperands { a, lda, a_step, b, ldb, b_step } = *ops;
     for step in 0..steps {
         let (a0, b0) = (a.add(step * a_step), b.add(step * b_step));
+        // The next step's A and B rows into L1 while this step's products run: tile registers
+        // are not renamed, so a tile load that misses L1 holds up the products after it.
+        let (a_next, b_next) = (a0.wrapping_add(a_step), b0.wrapping_add(b_step));
+        for r in 0..32 {
+            prefetch(a_next.wrapping_add(r * lda));
+        }
+        for r in 0..16 {
+            prefetch(b_next.wrapping_add(r * ldb));
+            prefetch(b_next.wrapping_add(r * ldb + 64));
+        }
         core::arch::asm!(
             "tileloadd tmm4, [{a0} + {lda}*1]",
             "tileloadd tmm6, [{b0} + {ldb}*1]",
