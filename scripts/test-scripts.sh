@@ -316,6 +316,24 @@ nothing_ran "measure-cpu-bf16: cargo did not run for the refused requests"
 expect "measure-cpu-bf16: a failed build names the step" 1 "failed at line" bash "$repo/scripts/measure-cpu-bf16.sh" "$tmp/bf16-fail"
 rm -f "$tmp/ran"
 
+# ---- train-pairs.sh: refused before cargo builds anything --------------------------------------
+rm -f "$tmp/ran"
+tp=(bash "$repo/scripts/train-pairs.sh")
+expect "train-pairs: no argument refused" 2 "expected one argument" "${tp[@]}"
+expect "train-pairs: PAIRS=0 refused" 2 "PAIRS=0" env PAIRS=0 "${tp[@]}" "$tmp/tp-out"
+expect "train-pairs: ITERS=x refused" 2 "ITERS=x" env ITERS=x "${tp[@]}" "$tmp/tp-out"
+expect "train-pairs: an output folder it cannot create is refused" 2 "cannot create or write the output folder" "${tp[@]}" /proc/speedkit-no-such/out
+mkdir -p "$tmp/tp-full"
+echo '{}' > "$tmp/tp-full/pair-1.json"
+expect "train-pairs: a folder holding a sitting is refused, not overwritten" 2 "already holds a sitting" "${tp[@]}" "$tmp/tp-full"
+[ "$(cat "$tmp/tp-full/pair-1.json")" = '{}' ] || bad "train-pairs: the earlier pair-1.json is kept" "it changed"
+# A python3 without torch: the refusal names PyTorch before any build.
+mkdir -p "$tmp/no-torch"
+printf '#!/bin/sh\nexit 1\n' > "$tmp/no-torch/python3"
+chmod +x "$tmp/no-torch/python3"
+expect "train-pairs: no torch refused" 2 "cannot import torch" env PATH="$tmp/no-torch:$PATH" "${tp[@]}" "$tmp/tp-out"
+nothing_ran "train-pairs: cargo did not run for the refused requests"
+
 # ---- cpu-compare.py --------------------------------------------------------------------------
 # run_json DIR NAME ROUND MEDIAN_MS SEQ: a ladder --json record with the fields the script reads.
 run_json() {

@@ -173,6 +173,8 @@ fn backward_orientations_match_the_scalar_twin_on_ragged_shapes() {
     // A packed whole before the tasks (every column-major A on the AVX-512 kernel): several row
     // blocks (the last ragged), column blocks and K slices (the last ragged), K odd.
     shapes.push((2 * MC + 7, NC + 5, 2 * KC + 5));
+    // K over 1024 pairs: AMX's K slices (512 pairs) carry C from one to the next, the last ragged.
+    shapes.push((MC_AMX + 3, NR + 9, 2 * 1024 + 37));
     for _ in 0..4 {
         shapes.push((1 + rng.below(200), 1 + rng.below(200), 1 + 2 * rng.below(150)));
     }

@@ -19,14 +19,14 @@ use super::{Lines, MatRef, Operand, NR};
 
 /// Rows of C per block of four C tiles.
 const TM: usize = 32;
-/// k-pairs per slice: a B panel slice is KCA × NR × 4 bytes = 24 KiB, half of L1 (48 KiB), so it
-/// stays there while the block's A panels (32 rows × KCA pairs; the packed A block 192 KiB, L2)
-/// stream past it; each slice loads and stores every C tile once (K = 768: two slices). At
-/// `small`'s linears and the backward's K = 2048 shapes, two threads on the AMX Xeon, interleaved
-/// runs: 512 pairs (a B slice L1 could not keep beside A) lost 5–15 % to 128; 192 gained 3–8 %
-/// over 128 (fewer C loads and stores); 64, 96 and 256, and walking B panels inside A panels,
-/// were slower.
-const KCA: usize = 192;
+/// k-pairs per slice: each slice loads and stores every C tile once, so K ≤ 1024 is one slice
+/// (qkv, proj and fc1, and dX of proj and fc2), the weight gradients' K = 2048 two, and K = 3072
+/// (fc2, dX of fc1) three. A B panel slice (KCA × NR × 4 bytes = 64 KiB) does not stay in L1:
+/// the tile product prefetches each step's next B rows (and A's) instead. At `small`'s linears,
+/// their dX and their dW, two threads on the AMX Xeon, paired calls against 192 pairs (a 24 KiB
+/// B slice that stayed in L1): 512 ran 0.85–0.98 of its time on all twelve shapes, 384 and 768
+/// about the same. Before the prefetches, 512 had lost 5–15 % to 128 pairs.
+const KCA: usize = 512;
 /// k-pairs per tile (64 bytes of bf16 pairs per tile row).
 pub const TK: usize = 16;
 
