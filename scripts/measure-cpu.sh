@@ -48,16 +48,9 @@ cd "$(dirname "$0")/.."
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
-# run LABEL COMMAND...: a failed run stops the script with its log's last lines, not silently.
-run() {
-    local label="$1"
-    shift
-    if ! "$@" > "$tmp/run.log" 2>&1; then
-        echo "measure-cpu: $label failed: $*. Its last lines:" >&2
-        tail -n 15 "$tmp/run.log" >&2
-        exit 1
-    fi
-}
+prog=measure-cpu
+# shellcheck source=scripts/run-logged.sh
+source scripts/run-logged.sh  # run LABEL COMMAND...: a failed run stops here with its log's last lines
 
 lscpu | grep -E 'Model name|^CPU\(s\)' || true
 grep -o -w -E 'avx512f|avx2|fma' /proc/cpuinfo | sort -u | tr '\n' ' '; echo

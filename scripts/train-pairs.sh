@@ -44,16 +44,9 @@ cd "$(dirname "$0")/.."
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
-# run LABEL COMMAND...: a failed run stops the script with its log's last lines, not silently.
-run() {
-    local label="$1"
-    shift
-    if ! "$@" > "$tmp/run.log" 2>&1; then
-        echo "train-pairs: $label failed: $*. Its last lines:" >&2
-        tail -n 15 "$tmp/run.log" >&2
-        exit 1
-    fi
-}
+prog=train-pairs
+# shellcheck source=scripts/run-logged.sh
+source scripts/run-logged.sh  # run LABEL COMMAND...: a failed run stops here with its log's last lines
 # The "cpu" line of /proc/stat: total and steal jiffies, for the steal share of each half.
 jiffies() { awk '/^cpu / { t = 0; for (i = 2; i <= NF; i++) t += $i; print t, $9; exit }' /proc/stat; }
 steal_since() {  # steal_since "TOTAL STEAL": percent of the CPU time since then that was stolen
