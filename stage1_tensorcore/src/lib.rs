@@ -60,8 +60,8 @@ use stage0_baseline::{causal_mask, merge_heads, softmax, split_heads};
 
 /// y = x Wᵀ + b for x (B, T, in), W (out, in), b (out): stage 0's `linear` with the GEMM on
 /// `bf16_gemm::matmul_prepacked` (bf16 W on the CPU's bf16 unit, packed once when the block is
-/// built; an f32 x is rounded to bf16 as it is packed and y stays f32; candle's matmul
-/// otherwise). b in y's dtype.
+/// built; a bf16 x gives a bf16 y, as in the forward; an f32 x, as in a CPU training step, is
+/// rounded to bf16 as it is packed and y stays f32; candle's matmul otherwise). b in y's dtype.
 pub fn linear(x: &Tensor, w: &PackedWeight, b: &Tensor) -> candle_core::Result<Tensor> {
     let (bsz, t, c_in) = x.dims3()?;
     let c_out = w.weight().dim(0)?;

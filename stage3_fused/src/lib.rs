@@ -13,9 +13,10 @@
 //! - LayerNorm in one kernel (on CUDA our two-pass `layer_norm_*` in `kernels/add_layer_norm.cu`,
 //!   one pass per row on CPU), the cast included;
 //! - GEMM epilogues: bias (q/k/v, proj), bias + GELU (fc1), bias + residual (fc2) applied by the
-//!   GEMM before it stores (cuBLASLt on CUDA; on CPU the GEMM accumulates onto a destination
-//!   that already holds bias and residual; fc1's GEMM writes its product and one parallel pass
-//!   adds the bias and applies GELU — at `small` that pass covers every row, see `ops::GELU_ROWS`);
+//!   GEMM before it stores (cuBLASLt on CUDA; on CPU the bf16 GEMM's output pass applies them to
+//!   each block of its f32 accumulator while the block is in cache, and rounds to bf16 as it
+//!   stores; the f32 and MKL GEMMs accumulate onto a destination that already holds the bias and
+//!   residual, and for fc1 one parallel pass adds the bias and applies GELU, see `ops::GELU_ROWS`);
 //! - horizontal fusion: q, k and v come from ONE GEMM against the (3C, C) weight;
 //! - the worked example of a hand-written kernel: residual add + LayerNorm in one pass
 //!   (`kernels/add_layer_norm.cu`, compiled by nvcc at build time, wrapped as a candle op).

@@ -14,11 +14,13 @@
 //! | `qkv_attention(qkv, n_head, ..)` | stage 2's op on three views | training on the CPU: q, k, v read from the one QKV output, its gradient one tensor |
 //! | `qkv_attention_cuda(qkv, n_head, ..)` | stage 2's op on three views | training on CUDA: stage 2's kernels on the one QKV output, its gradient one tensor |
 //!
-//! CPU: single passes over rows (LayerNorm) and a GEMM whose destination starts out holding the
-//! bias (and the residual), so `dst = 1·dst + 1·x·Wᵀ` adds them for free; for fc1 the GEMM writes
-//! up to `GELU_ROWS` rows and one parallel pass adds the bias and applies GELU (at the `small`
-//! preset's 2048 rows that is one GEMM, then one pass: the gain is the pass being parallel and
-//! cheaper than candle's scalar `tanh`, not the data being in cache).
+//! CPU: single passes over rows (LayerNorm), and linears on the bf16 GEMM (`cpu_kernels::bf16_gemm`)
+//! whose output pass applies the epilogue to each block of the f32 accumulator while it is in
+//! cache: the bias, the bias and GELU (fc1), or the bias and residual (fc2), then the rounding to
+//! bf16 as it stores, with no pass of its own. Where W is not packed for that GEMM (the f32 GEMM,
+//! MKL's) the destination starts out holding the bias (and the residual), so
+//! `dst = 1·dst + 1·x·Wᵀ` adds them, and for fc1 the GEMM writes up to `GELU_ROWS` rows and one
+//! parallel pass adds the bias and applies GELU.
 //! CUDA (`cuda` module): our two-pass LayerNorm kernel (`kernels/add_layer_norm.cu`), and cuBLASLt
 //! GEMMs with epilogues: bias and bias+GELU applied by the GEMM kernel before it stores, the
 //! residual read through the C operand with β = 1.
