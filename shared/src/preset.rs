@@ -155,10 +155,11 @@ impl Shape {
     /// The counts are fitted to stage 0's measured CPU peaks (peak RSS growth, VmHWM), varying
     /// n_head, FF and T one at a time at B=1: within 2 % of each. At B=4 T=2048 C=768 n_head=12
     /// FF=3072 it gives 18.86 GiB against the 18.78 GiB recorded in results/train-memory/ (+0.4 %);
-    /// at T=512, 1.98 GiB against 2.04 GiB in results/ladder-cpu-train.json (-3 %, within the fit
-    /// check's 10 % headroom). At `te` it is 123 GiB, 80 of them the T × T tensors. On an H100
+    /// at T=512, 1.98 GiB against 1.60 GiB in results/ladder-cpu-train.json (+24 %: an
+    /// overestimate, the safe side for the fit check; that run's machine peaked lower than the one
+    /// the counts were fitted on). At `te` it is 123 GiB, 80 of them the T × T tensors. On an H100
     /// (results/h100-db5a7c9/train-te/train-te-b4.json) stage 0 at `te`, B=4 peaked at 67.91 GiB
-    /// against 63.0 estimated (−7 %, inside the same headroom), stage 1 at 61.85 GiB (−2 %).
+    /// against 63.0 estimated (−7 %, inside the fit check's 10 % headroom), stage 1 at 61.85 GiB (−2 %).
     pub fn estimate_naive_train_bytes(&self) -> crate::train::TrainBytes {
         let (b, t, c, h, ff) = (self.batch as u128, self.seq as u128, self.d_model as u128, self.n_head as u128, self.ff as u128);
         let weights = (4 * c * c).saturating_add(2 * c * ff).saturating_add(9 * c + ff);
