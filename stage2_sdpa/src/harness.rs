@@ -80,8 +80,9 @@ pub fn estimate_fused_bytes(s: &Shape) -> u128 {
 /// `Shape::estimate_naive_train_bytes`, rounded up: at B=4 T=2048 C=768 n_head=12 FF=3072 it gives
 /// 4.04 GiB against the 3.91 GiB recorded in results/train-memory/ (+3.5 %); at T=512, 1.09 GiB
 /// against stage 2's 0.87 and stage 4's 1.18 GiB in results/ladder-cpu-train.json (+25 %, −8 %,
-/// inside the fit check's 10 % headroom). Stage 3's fused backward holds less (0.33 GiB there). At `te` it is 45 GiB; on an H100 stage 2
-/// peaked at 42.75 GiB there (results/h100-db5a7c9/train-te/train-te.json, −5 %).
+/// inside the fit check's 10 % headroom). Stage 3's fused backward holds less (0.33 GiB there).
+/// At `te` it is 45 GiB; on an H100 stage 2 peaked at 42.75 GiB there
+/// (results/h100-db5a7c9/train-te/train-te.json, −5 %).
 pub fn estimate_fused_train_bytes(s: &Shape) -> TrainBytes {
     let (b, t, c, ff) = (s.batch as u128, s.seq as u128, s.d_model as u128, s.ff as u128);
     TrainBytes {
